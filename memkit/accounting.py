@@ -1,0 +1,312 @@
+"""The simulated device: count the bytes of live tensor storages on one device.
+
+:class:`MemoryAccountant` is a ``TorchDispatchMode``. Every ATen op that runs while it is active
+passes through it; it looks at the op's tensors, and each storage on its device that it has not
+seen yet is counted once (views share a storage and are not counted twice). A weak reference with a
+callback takes the bytes off again when the storage is freed. So ``current`` is the memory a GPU
+would have allocated for those tensors, ``peak`` its high-water mark, and with a ``budget`` the
+accountant raises the same :class:`torch.OutOfMemoryError` a GPU would, from inside the op that
+crossed the line.
+
+What is counted:
+
+* storages created by ops while the mode is active (activations, gradients, optimizer state);
+* storages of the objects passed to :meth:`MemoryAccountant.track` (parameters, buffers, existing
+  gradients and optimizer state of a model or optimizer), counted when tracking starts;
+* storages created earlier that an op reads for the first time (an input batch made before the
+  block): they are live on the device, so they are *adopted* and counted from then on.
+
+What is not: memory that no ATen op returns (kernel workspaces, the CUDA context, a caching
+allocator's unused reserve) and tensors made in *other threads*: dispatch modes are thread-local,
+so under ``nn.DataParallel`` replica threads are invisible to an accountant entered in the main
+thread (memkit's tracker reads real device counters there instead).
+
+Rounding: with ``rounding="cuda"`` each storage is counted the way the CUDA caching
+allocator counts it in ``torch.cuda.memory_allocated``: a request of ``n > 0`` bytes
+occupies ``max(512, ceil(n / 512) * 512)`` bytes (``kMinBlockSize`` in
+``c10/cuda/CUDACachingAllocator.cpp``), and an empty storage occupies nothing. The default
+``rounding="none"`` counts exact bytes.
+
+Works on ``cpu`` tensors (real compute) and ``meta`` tensors (no compute), and nests: an
+accountant inside another forwards each op to the outer one, and both count it.
+
+Examples:
+    >>> import torch, memkit
+    >>> model = torch.nn.Linear(1024, 1024)
+    >>> with memkit.simulate("64MiB", device="cpu", track=model) as acct:
+    ...     model(torch.randn(32, 1024)).sum().backward()
+    >>> acct.peak > 2 * 1024 * 1024 * 4
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memkit.units import format_size, parse_size
+
+__all__ = ["MemoryAccountant", "cuda_rounded", "simulate", "tensors_of"]
+
+CUDA_MIN_BLOCK = 512
+"""``kMinBlockSize`` of PyTorch's CUDA caching allocator: every block is a multiple of this."""
+
+
+def cuda_rounded(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``."""
+    if nbytes <= 0:
+        return 0
+    return max(CUDA_MIN_BLOCK, -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
+
+
+def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """Yield the tensors an object holds: a tensor, a module (parameters, their gradients,
+    buffers), an optimizer (its state), or a list/tuple/dict of those."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for param in obj.parameters():
+            yield param
+            if param.grad is not None:
+                yield param.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from tensors_of(state)
+        for group in obj.param_groups:
+            yield from tensors_of(group["params"])
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from tensors_of(value)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            yield from tensors_of(value)
+
+
+class MemoryAccountant(TorchDispatchMode):
+    """Counts live tensor-storage bytes on one device, optionally against a budget.
+
+    Args:
+        device: the device whose tensors are counted (``"cpu"``, ``"meta"``, ``"cuda:0"``...).
+        budget: bytes (or a size string such as ``"512MiB"``); crossing it raises
+            ``torch.OutOfMemoryError``. ``None`` counts without a limit.
+        rounding: ``"none"`` (exact bytes) or ``"cuda"`` (the caching allocator's 512-byte blocks).
+        name: how the device is named in OOM messages.
+
+    The counters are safe to read from any thread; the counting itself happens only in the
+    thread(s) where the mode is active.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        budget: int | str | None = None,
+        *,
+        rounding: str = "none",
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if rounding not in ("none", "cuda"):
+            raise ValueError(f"rounding must be 'none' or 'cuda', found {rounding!r}")
+        self.device = torch.device(device)
+        self.budget: int | None = None if budget is None else parse_size(budget)
+        self.rounding = rounding
+        self.name = name or f"simulated {self.device}"
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._current = 0
+        self._peak = 0
+        self.num_allocs = 0
+        self.num_ooms = 0
+
+    # -- counters ---------------------------------------------------------------------------
+    @property
+    def current(self) -> int:
+        """Bytes of live counted storages now."""
+        return self._current
+
+    @property
+    def peak(self) -> int:
+        """Highest ``current`` since creation or the last :meth:`reset_peak`."""
+        return self._peak
+
+    @property
+    def free(self) -> int | None:
+        """Budget left, or ``None`` without a budget."""
+        return None if self.budget is None else max(0, self.budget - self._current)
+
+    def reset_peak(self) -> None:
+        """Set the peak to the current bytes."""
+        with self._lock:
+            self._peak = self._current
+
+    def live_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
+        """The counted storages that are still alive, with the bytes counted for each."""
+        with self._lock:
+            entries = list(self._live.values())
+        out = []
+        for ref, nbytes in entries:
+            storage = ref()
+            if storage is not None:
+                out.append((storage, nbytes))
+        return out
+
+    # -- registration -------------------------------------------------------------------------
+    def _size(self, storage: torch.UntypedStorage) -> int:
+        nbytes = storage.nbytes()
+        return cuda_rounded(nbytes) if self.rounding == "cuda" else nbytes
+
+    def _on_free(self, key: int, _ref: object = None) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._current -= entry[1]
+
+    def _matches(self, tensor: torch.Tensor) -> bool:
+        dev = tensor.device
+        if dev.type != self.device.type:
+            return False
+        return self.device.index is None or dev.index in (None, self.device.index)
+
+    def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        if not self._matches(tensor) or tensor.layout != torch.strided:
+            return None
+        try:
+            return tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # storage-less subclasses
+            return None
+
+    def track(self, *objects: Any) -> MemoryAccountant:
+        """Count the storages of existing objects (modules, optimizers, tensors) from now on.
+
+        Tracking never raises an OOM: the objects already exist.
+        """
+        pending: dict[int, tuple[Any, int]] = {}
+        for tensor in tensors_of(objects):
+            storage = self._storage(tensor)
+            if storage is not None and id(storage) not in self._live:
+                pending[id(storage)] = (storage, self._size(storage))
+        with self._lock:
+            self._register(pending)
+        return self
+
+    def _register(self, pending: dict[int, tuple[Any, int]]) -> None:
+        # caller holds the lock
+        for key, (storage, nbytes) in pending.items():
+            if key in self._live:
+                continue
+            self._live[key] = (weakref.ref(storage, functools.partial(self._on_free, key)), nbytes)
+            self._current += nbytes
+            self.num_allocs += 1
+        if self._current > self._peak:
+            self._peak = self._current
+
+    # -- the dispatch hook ------------------------------------------------------------------
+    def _scan(self, out: Any, inputs: Any) -> tuple[dict[int, tuple[Any, int]], int]:
+        """Storages an op's outputs (or first-seen inputs) add, and bytes of in-place growth."""
+        new: dict[int, tuple[Any, int]] = {}
+        grown = 0
+        for tensor in tree_flatten(out)[0]:
+            storage = self._storage(tensor) if isinstance(tensor, torch.Tensor) else None
+            if storage is None:
+                continue
+            key = id(storage)
+            entry = self._live.get(key)
+            if entry is None:
+                new.setdefault(key, (storage, self._size(storage)))
+                continue
+            size = self._size(storage)
+            if size != entry[1]:  # resized in place (resize_, out= ops)
+                with self._lock:
+                    if key in self._live:
+                        self._live[key] = (entry[0], size)
+                        self._current += size - entry[1]
+                        grown += size - entry[1]
+        # Inputs first seen now (created before the mode, e.g. the batch) are live on the
+        # device: adopt them.
+        for tensor in tree_flatten(inputs)[0]:
+            storage = self._storage(tensor) if isinstance(tensor, torch.Tensor) else None
+            if storage is not None and id(storage) not in self._live:
+                new.setdefault(id(storage), (storage, self._size(storage)))
+        return new, grown
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        new, grown = self._scan(out, (args, kwargs))
+        added = sum(size for _, size in new.values())
+        if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
+            self.num_ooms += 1
+            message = self._oom_message(added)
+            # Drop this frame's references so the failed outputs are freed right away
+            # (the traceback keeps this frame alive until the caller recovers).
+            del out, new
+            raise torch.OutOfMemoryError(message)
+        if new:
+            with self._lock:
+                self._register(new)
+        elif grown > 0:
+            with self._lock:
+                self._peak = max(self._peak, self._current)
+        return out
+
+    def _oom_message(self, tried: int) -> str:
+        budget = self.budget or 0
+        free = max(0, budget - self._current)
+        return (
+            f"Simulated device {self.device} out of memory. "
+            f"Tried to allocate {format_size(tried)}. {format_size(budget)} budget, "
+            f"{format_size(self._current)} in use by tensors memkit counts, "
+            f"{format_size(free)} free. "
+            "[memkit.simulate: worded like 'CUDA out of memory.' so OOM handlers recognise it]"
+        )
+
+    def __repr__(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {format_size(self.budget)}"
+        return (
+            f"MemoryAccountant({self.device}, {budget}, current {format_size(self._current)}, "
+            f"peak {format_size(self._peak)})"
+        )
+
+
+def simulate(
+    budget: int | str | None,
+    device: str | torch.device = "cpu",
+    *,
+    track: Any = None,
+    rounding: str = "none",
+) -> MemoryAccountant:
+    """A device of ``budget`` bytes for the ``with`` block: ``with simulate("512MiB") as acct:``.
+
+    Tensors created on ``device`` inside the block are counted; crossing the budget raises
+    ``torch.OutOfMemoryError`` from the op that crossed it, so OOM handling can be tested on a
+    laptop. ``track`` names objects that already exist (a model, an optimizer, or a tuple of them)
+    whose memory counts from the start.
+
+    Args:
+        budget: bytes or a size string (``"512MiB"``); ``None`` counts without a limit.
+        device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, no compute).
+        track: a model, optimizer, tensor, or a tuple/list of them.
+        rounding: ``"none"`` or ``"cuda"`` (count like the CUDA caching allocator).
+
+    Examples:
+        >>> import torch, memkit
+        >>> with memkit.simulate("1MiB") as acct:
+        ...     try:
+        ...         torch.empty(1024, 1024)  # 4 MiB
+        ...     except torch.OutOfMemoryError:
+        ...         print("out of memory")
+        out of memory
+    """
+    accountant = MemoryAccountant(device, budget, rounding=rounding)
+    if track is not None:
+        accountant.track(track)
+    return accountant

@@ -1,0 +1,81 @@
+"""One exception hierarchy for memkit, rooted at :class:`MemkitError`.
+
+Every error says what was expected, what was found and what to do. The CLI turns a
+``MemkitError`` into one line on stderr and exits with the class's ``exit_code``:
+
+==========================  =========  ============================================
+class                       exit code  meaning
+==========================  =========  ============================================
+``DoesNotFitError``         1          even the minimum batch does not fit
+``ConfigError``             2          bad option, size, device or configuration
+``ModelFileError``          2          the model file is missing or unusable
+``UserCodeError``           3          the user's own code raised a non-OOM error
+``DistributedError``        4          a rank failed or timed out
+==========================  =========  ============================================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DistributedError",
+    "DoesNotFitError",
+    "MemkitError",
+    "ModelFileError",
+    "UserCodeError",
+]
+
+
+class MemkitError(RuntimeError):
+    """Base class of every error memkit raises on purpose."""
+
+    exit_code: int = 2
+
+
+class ConfigError(MemkitError, ValueError):
+    """Bad configuration: an option, a size, a device name, an argument combination."""
+
+    exit_code = 2
+
+
+class ModelFileError(MemkitError):
+    """A model file could not be loaded or does not follow the model-file protocol."""
+
+    exit_code = 2
+
+
+class DoesNotFitError(MemkitError):
+    """The work does not fit in the available memory even at the smallest size tried.
+
+    Attributes:
+        needed_bytes: the measured (or estimated) peak of the smallest attempt, if known.
+        capacity_bytes: the memory that was available, if known.
+    """
+
+    exit_code = 1
+
+    def __init__(
+        self, message: str, *, needed_bytes: int | None = None, capacity_bytes: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.capacity_bytes = capacity_bytes
+
+
+class UserCodeError(MemkitError):
+    """The user's code raised an error that is not an out-of-memory error.
+
+    The original exception is chained as ``__cause__`` and kept on ``original``.
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.original = original
+
+
+class DistributedError(MemkitError):
+    """A collective operation failed or timed out across ranks."""
+
+    exit_code = 4

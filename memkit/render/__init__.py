@@ -1,0 +1,1 @@
+"""Renderings of result objects: text tables, JSON, self-contained HTML. No torch at import."""

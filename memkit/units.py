@@ -1,0 +1,96 @@
+"""Byte sizes: parse ``"8GiB"``, ``"1.5GB"``, ``"512M"`` into bytes and format bytes for people.
+
+Units are explicit:
+
+* binary (powers of 1024): ``KiB MiB GiB TiB`` and the short forms ``K M G T`` (``k`` too);
+* decimal (powers of 1000): ``kB KB MB GB TB``;
+* ``B`` or no unit: bytes.
+
+So ``"8G" == "8GiB" == 8 * 1024**3`` while ``"8GB" == 8 * 1000**3``: the short form follows
+``nvidia-smi`` and PyTorch, which report memory in binary units. Case is ignored except that a
+trailing ``b`` alone is read as bytes. Whitespace between number and unit is allowed.
+
+Examples:
+    >>> parse_size("512MiB")
+    536870912
+    >>> parse_size("1.5GB")
+    1500000000
+    >>> format_size(3 * 1024**3)
+    '3.00 GiB'
+"""
+
+from __future__ import annotations
+
+import re
+
+from memkit.errors import ConfigError
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+_ACCEPTED = (
+    "a number of bytes, or a number with a unit: KiB MiB GiB TiB (also K M G T), kB MB GB TB"
+)
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int | float) -> int:
+    """Return the number of bytes that ``text`` names.
+
+    Args:
+        text: ``"8GiB"``, ``"8G"``, ``"512MiB"``, ``"1.5GB"``, ``"1024"`` or an int.
+
+    Raises:
+        ConfigError: the text is not a size (the message names it and the accepted forms).
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"expected a size, found {text!r}; accepted: {_ACCEPTED}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"expected a non-negative size, found {text}")
+        return text
+    if isinstance(text, float):
+        if text < 0 or text != text:
+            raise ConfigError(f"expected a non-negative size, found {text}")
+        return int(text)
+    match = _PATTERN.match(str(text))
+    if match is None:
+        raise ConfigError(f"expected a size, found {text!r}; accepted: {_ACCEPTED}")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ConfigError(f"unknown size unit {unit!r} in {text!r}; accepted: {_ACCEPTED}")
+    return round(float(number) * factor)
+
+
+def format_size(n: int | float | None, *, signed: bool = False) -> str:
+    """Format bytes with binary units: ``format_size(1536) == '1.50 KiB'``.
+
+    ``None`` becomes ``"n/a"``; ``signed=True`` puts ``+`` before positive values (for diffs).
+    """
+    if n is None:
+        return "n/a"
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    value = float(abs(n))
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.2f} {unit}"
+    raise AssertionError("unreachable")

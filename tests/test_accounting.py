@@ -1,0 +1,178 @@
+"""The simulated device: counting, peaks, budgets, rounding, meta tensors, nesting."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import memkit
+from memkit.accounting import MemoryAccountant, cuda_rounded, simulate, tensors_of
+from memkit.oom import is_oom
+
+
+def nbytes(*objs) -> int:
+    seen = {}
+    for t in tensors_of(objs):
+        st = t.untyped_storage()
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def test_counts_new_storages_once_and_views_share_them():
+    with simulate(None) as acct:
+        x = torch.zeros(1000)  # 4000 bytes
+        assert acct.current == 4000
+        view = x[10:20].view(2, 5)
+        assert acct.current == 4000  # a view shares its storage
+        y = x * 2
+        assert acct.current == 8000
+        del y
+        assert acct.current == 4000  # freed storages leave the count
+        del x
+        assert acct.current == 4000  # the view keeps the storage alive
+        del view
+        assert acct.current == 0
+    assert acct.peak == 8000
+
+
+def test_tracks_existing_model_and_optimizer(mlp):
+    opt = torch.optim.AdamW(mlp.parameters())
+    loss = mlp(torch.randn(4, 64)).sum()
+    loss.backward()
+    opt.step()
+    expected = nbytes(mlp, opt)
+    with simulate(None, track=(mlp, opt)) as acct:
+        assert acct.current == expected
+    # parameters + gradients + 2 Adam moments (+ step counters) at least
+    params = sum(p.numel() * 4 for p in mlp.parameters())
+    assert expected >= 4 * params
+
+
+def test_training_step_peak_and_steady_state(mlp):
+    opt = torch.optim.AdamW(mlp.parameters())
+    x = torch.randn(256, 64)
+    with simulate(None, track=(mlp, opt)) as acct:
+        currents = []
+        for _ in range(3):
+            loss = mlp(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+            currents.append(acct.current)
+    # optimizer state appears on step 1, then memory returns to the same level each step
+    assert currents[1] == currents[2] == currents[0]
+    params = sum(p.numel() * 4 for p in mlp.parameters())
+    assert acct.current == 3 * params + x.numel() * 4 + 2 * 4 + 2 * 4  # + step counters
+    assert acct.peak > acct.current
+
+
+def test_reset_peak():
+    with simulate(None) as acct:
+        a = torch.ones(100)
+        b = torch.ones(100)
+        del b
+        assert acct.peak == 800
+        acct.reset_peak()
+        assert acct.peak == 400
+        del a
+
+
+def test_budget_raises_torch_oom_from_the_op_that_crossed_it():
+    with simulate("1MiB") as acct:
+        small = torch.ones(1024)  # 4 KiB fits
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(1024, 1024)  # 4 MiB does not
+        message = str(info.value)
+        assert "Tried to allocate 4.00 MiB" in message
+        assert "1.00 MiB budget" in message
+        assert "CUDA out of memory." in message  # third-party OOM handlers key on this
+        assert is_oom(info.value)
+        assert acct.num_ooms == 1
+        assert acct.peak == 4096  # the failed allocation never counted
+        del info
+        gc.collect()
+        assert acct.current == small.numel() * 4
+
+
+def test_oom_in_backward_is_a_torch_oom(mlp):
+    x = torch.randn(512, 64)
+    params = nbytes(mlp)
+    with simulate(params + 300_000, track=mlp), pytest.raises(torch.OutOfMemoryError):
+        mlp(x).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rounding(dtype):
+    assert cuda_rounded(0) == 0
+    assert cuda_rounded(1) == 512
+    assert cuda_rounded(512) == 512
+    assert cuda_rounded(513) == 1024
+    with simulate(None, rounding="cuda") as acct:
+        t = torch.ones(3, dtype=dtype)
+        assert acct.current == 512
+        empty = torch.ones(0)
+        assert acct.current == 512
+        del t, empty
+
+
+def test_meta_tensors_count_without_compute():
+    with simulate(None, device="meta") as acct:
+        layer = torch.nn.Linear(8192, 8192, device="meta")  # 256 MiB of weights, no RAM used
+        acct.track(layer)
+        assert acct.current == nbytes(layer)
+        out = layer(torch.empty(16, 8192, device="meta"))
+        out.sum().backward()
+        assert layer.weight.grad is not None
+        weights = nbytes(layer) - layer.weight.grad.nbytes - layer.bias.grad.nbytes
+        cpu_tensor = torch.ones(10)  # other devices are not counted
+        # parameters + their gradients + the output kept alive by `out`
+        assert acct.current == 2 * weights + out.nbytes
+        del out, cpu_tensor
+
+
+def test_inputs_created_before_the_block_are_adopted_once():
+    x = torch.randn(100)
+    with simulate(None) as acct:
+        y = x + 1
+        assert acct.current == 800
+        z = x.view(10, 10)  # a view of an adopted storage adds nothing
+        assert acct.current == 800
+        del y, z
+
+
+def test_nested_accountants_both_count():
+    with simulate(None) as outer:
+        a = torch.ones(100)
+        with simulate(None) as inner:
+            b = torch.ones(50)
+        assert inner.current == 200
+        assert outer.current == 600
+        del a, b
+
+
+def test_dispatch_mode_is_thread_local():
+    acct = MemoryAccountant("cpu")
+    holder = {}
+
+    def other_thread():
+        holder["t"] = torch.ones(1000)
+
+    with acct:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        mine = torch.ones(10)
+    assert acct.current == 40  # the other thread's tensor was not seen
+    del mine
+
+
+def test_public_face():
+    with memkit.simulate("512MiB", device="cpu") as acct:
+        t = torch.ones(256)
+    assert acct.peak == 1024
+    assert "budget 512.00 MiB" in repr(acct)
+    del t

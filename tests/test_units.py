@@ -1,0 +1,59 @@
+import pytest
+
+from memkit.errors import ConfigError, MemkitError
+from memkit.units import format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * 1024**3),
+        ("8G", 8 * 1024**3),
+        ("8g", 8 * 1024**3),
+        ("8GB", 8 * 1000**3),
+        ("512MiB", 512 * 1024**2),
+        ("512M", 512 * 1024**2),
+        ("1.5GB", 1_500_000_000),
+        ("1.5 GiB", int(1.5 * 1024**3)),
+        ("1024", 1024),
+        ("1024B", 1024),
+        ("4k", 4096),
+        ("4kB", 4000),
+        ("2TiB", 2 * 1024**4),
+        (" 300MiB ", 300 * 1024**2),
+        (123, 123),
+    ],
+)
+def test_parse_size_accepts_documented_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "8 parsecs", "-1GiB", "1.2.3G", "eight"])
+def test_parse_size_rejects_bad_text_naming_it_and_the_forms(bad):
+    with pytest.raises(ConfigError) as info:
+        parse_size(bad)
+    message = str(info.value)
+    assert repr(bad) in message or bad.strip() in message
+    assert "GiB" in message  # lists the accepted forms
+    assert isinstance(info.value, MemkitError)
+
+
+def test_parse_size_rejects_negative_and_bool():
+    with pytest.raises(ConfigError):
+        parse_size(-5)
+    with pytest.raises(ConfigError):
+        parse_size(True)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.50 KiB"), (3 * 1024**3, "3.00 GiB"), (None, "n/a")],
+)
+def test_format_size(n, text):
+    assert format_size(n) == text
+
+
+def test_format_size_signed_and_roundtrip():
+    assert format_size(2048, signed=True) == "+2.00 KiB"
+    assert format_size(-2048, signed=True) == "-2.00 KiB"
+    assert parse_size(format_size(5 * 1024**2).replace(" ", "")) == 5 * 1024**2
