@@ -25,25 +25,37 @@ _LAZY: dict[str, str] = {
     "parse_size": "memkit.units",
     "format_size": "memkit.units",
     "MemkitError": "memkit.errors",
+    "snapshot": "memkit.snapshots",
+    "microbatch": "memkit.microbatching",
+    "MicroBatchStep": "memkit.microbatching",
+    "Snapshot": "memkit.snapshots",
+    "SnapshotDiff": "memkit.snapshots",
 }
 
 __all__ = [
     "MemkitError",
     "MemoryAccountant",
+    "MicroBatchStep",
+    "Snapshot",
+    "SnapshotDiff",
     "__version__",
     "format_size",
     "get_backend",
     "is_oom",
+    "microbatch",
     "parse_size",
     "recover",
     "simulate",
+    "snapshot",
 ]
 
 if TYPE_CHECKING:
     from memkit.accounting import MemoryAccountant, simulate
     from memkit.devices import get_backend
     from memkit.errors import MemkitError
+    from memkit.microbatching import MicroBatchStep, microbatch
     from memkit.oom import is_oom, recover
+    from memkit.snapshots import Snapshot, SnapshotDiff, snapshot
     from memkit.units import format_size, parse_size
 
 

@@ -43,10 +43,13 @@ __all__ = [
     "MemoryBackend",
     "SimulatedBackend",
     "accelerator_available",
+    "collective_device",
     "default_cpu_budget",
     "get_backend",
     "host_memory",
     "nvidia_smi_stats",
+    "restore_rng_state",
+    "rng_state",
     "visible_devices",
 ]
 
@@ -488,6 +491,7 @@ def collective_device(pg_backend: str) -> torch.device:
 
 
 # --- tracker support (memkit.track): cheap counter readers for hooks -------------------------
+
 
 class CounterReader(Protocol):
     """``() -> (allocated, reserved, peak_allocated, peak_reserved)`` of one device, in bytes."""

@@ -1,0 +1,247 @@
+"""Rank, world size, and the few collectives memkit needs; no-ops without a process group.
+
+Every function here works in a single process: without an initialised ``torch.distributed``
+process group (or with a world of one) the collectives return their local input unchanged and
+:func:`rank`, :func:`local_rank` and :func:`world_size` fall back to torchrun's environment
+variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), then to ``0``, ``0`` and ``1``.
+
+The collectives run outside autograd (``torch.no_grad()``) on a small integer tensor placed
+where the process group's backend wants it: a cpu tensor for gloo, the current device for
+NCCL and other accelerator backends (asked of :func:`memkit.devices.collective_device`).
+
+Timeouts: a collective given ``timeout`` seconds runs with ``async_op=True`` and
+``work.wait(timeout=...)``; a rank that never arrives (dead, hung, or still recovering) turns
+into a :class:`~memkit.errors.DistributedError` on the ranks that did, instead of a hang.
+Without ``timeout`` the process group's own timeout applies (``init_process_group(timeout=)``,
+30 minutes for gloo by default). After a timeout the process group has a collective that never
+completed; it cannot be used further, and the job should end.
+
+Examples:
+    >>> from memkit import distributed
+    >>> distributed.world_size(), distributed.any_true(False), distributed.all_agree_max(3)
+    (1, False, 3)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from memkit.errors import DistributedError
+
+__all__ = [
+    "all_agree_max",
+    "all_max",
+    "all_reduce_sum_",
+    "any_true",
+    "broadcast_",
+    "gather_to_rank0",
+    "is_distributed",
+    "local_rank",
+    "rank",
+    "world_size",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _dist() -> Any:
+    """``torch.distributed`` if it is available and initialised, else ``None``."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        logger.debug("ignoring %s=%r: not an integer", name, value)
+        return default
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised in this process."""
+    return _dist() is not None
+
+
+def rank() -> int:
+    """This process's global rank: the process group's, else ``$RANK``, else 0."""
+    dist = _dist()
+    if dist is not None:
+        return int(dist.get_rank())
+    return _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank on its node: ``$LOCAL_RANK`` (set by torchrun), else 0.
+
+    ``torch.distributed`` itself has no notion of a local rank; launchers set the variable.
+    """
+    return _env_int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    """The number of ranks: the process group's, else ``$WORLD_SIZE``, else 1."""
+    dist = _dist()
+    if dist is not None:
+        return int(dist.get_world_size())
+    return max(1, _env_int("WORLD_SIZE", 1))
+
+
+def _collective_device(dist: Any) -> torch.device:
+    from memkit.devices import collective_device
+
+    return collective_device(str(dist.get_backend()))
+
+
+def all_max(values: Sequence[int], *, timeout: float | None = None) -> list[int]:
+    """Element-wise maximum of ``values`` over all ranks (every rank gets the result).
+
+    One all-reduce of a small int64 tensor. Every rank must call it with the same number of
+    values. Without a process group (or with one rank) it returns ``list(values)``.
+
+    Args:
+        values: integers, the same count on every rank.
+        timeout: seconds to wait for the other ranks; ``None`` uses the process group's timeout.
+
+    Raises:
+        DistributedError: the collective failed or timed out (a rank died or never arrived).
+
+    Examples:
+        >>> all_max([1, -5])  # single process: unchanged
+        [1, -5]
+    """
+    local = [int(v) for v in values]
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return local
+    device = _collective_device(dist)
+    with torch.no_grad():
+        tensor = torch.tensor(local, dtype=torch.int64, device=device)
+        try:
+            if timeout is None:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            else:
+                work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+                work.wait(timeout=timedelta(seconds=timeout))
+        except (RuntimeError, ValueError) as exc:
+            wait = "the process group's timeout" if timeout is None else f"{timeout:g} s"
+            raise DistributedError(
+                f"rank {rank()} of {dist.get_world_size()}: an all-reduce of {len(local)} "
+                f"value(s) failed or did not complete within {wait} ({exc}); another rank "
+                "probably died, raised, or is stuck. The process group cannot be used further: "
+                "end the job and look at the other ranks' logs"
+            ) from exc
+        return [int(v) for v in tensor.tolist()]
+
+
+def any_true(flag: bool, *, timeout: float | None = None) -> bool:
+    """Whether ``flag`` is true on any rank ("did any rank hit an OOM?").
+
+    Without a process group it returns ``flag``.
+
+    Raises:
+        DistributedError: a rank did not take part within ``timeout`` seconds.
+
+    Examples:
+        >>> any_true(True), any_true(False)
+        (True, False)
+    """
+    return bool(all_max([1 if flag else 0], timeout=timeout)[0])
+
+
+def all_agree_max(value: int, *, timeout: float | None = None) -> int:
+    """The largest ``value`` over all ranks (e.g. the micro-batch count every rank will use).
+
+    Raises:
+        DistributedError: a rank did not take part within ``timeout`` seconds.
+
+    Examples:
+        >>> all_agree_max(4)
+        4
+    """
+    return all_max([value], timeout=timeout)[0]
+
+
+def _wait_all(works: list[Any], what: str, timeout: float | None) -> None:
+    dist = _dist()
+    try:
+        for work in works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as exc:
+        size = "?" if dist is None else dist.get_world_size()
+        raise DistributedError(
+            f"rank {rank()} of {size}: {what} failed or timed out ({exc}); another rank "
+            "probably died or is stuck. End the job and look at the other ranks' logs"
+        ) from exc
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor], *, timeout: float | None = None) -> None:
+    """Sum each tensor in place over all ranks (no-op without a process group).
+
+    Every rank must pass tensors of the same shapes in the same order. The all-reduces are
+    launched asynchronously, then waited for, so no extra memory is allocated by torch.
+
+    Raises:
+        DistributedError: an all-reduce failed or timed out.
+    """
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1 or not tensors:
+        return
+    with torch.no_grad():
+        works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
+    _wait_all(works, f"an all-reduce of {len(works)} tensor(s)", timeout)
+
+
+def broadcast_(
+    tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float | None = None
+) -> None:
+    """Overwrite each tensor in place with rank ``src``'s (no-op without a process group).
+
+    Raises:
+        DistributedError: a broadcast failed or timed out.
+    """
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1 or not tensors:
+        return
+    with torch.no_grad():
+        works = [dist.broadcast(t, src=src, async_op=True) for t in tensors]
+    _wait_all(works, f"a broadcast of {len(works)} tensor(s) from rank {src}", timeout)
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Collect a picklable ``obj`` from every rank: a list (by rank) on rank 0, ``None`` elsewhere.
+
+    Without a process group it returns ``[obj]``. With NCCL, the current cuda device must be set
+    (``torch.cuda.set_device(local_rank)``), as for every object collective.
+
+    Raises:
+        DistributedError: the gather failed.
+
+    Examples:
+        >>> gather_to_rank0({"peak": 1})
+        [{'peak': 1}]
+    """
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    me = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size() if me == 0 else None
+    try:
+        dist.gather_object(obj, out, dst=0)
+    except (RuntimeError, ValueError) as exc:
+        raise DistributedError(f"rank {me}: gathering to rank 0 failed ({exc})") from exc
+    return out

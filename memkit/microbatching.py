@@ -1,0 +1,811 @@
+"""An OOM-proof training step that keeps the effective batch: split, accumulate, step once.
+
+``memkit.microbatch(train_step, model=model, optimizer=opt)`` returns a step function. Give it a
+full batch: it runs ``train_step`` on the batch (or on micro-batches of it), does the backward
+passes, accumulates the gradients, calls ``optimizer.step()`` once and clears the gradients.
+When the device runs out of memory it recovers (:func:`memkit.oom.recover`), splits the *same*
+batch into more micro-batches and tries again: no data is skipped, the optimizer steps exactly
+once per batch, and it sees the gradient of the whole batch (up to floating-point summation
+order), not the gradient of a smaller batch.
+
+What gets split (see :func:`split_batch`): the batch size ``B`` is dim 0 of the first tensor
+with at least one dimension, in depth-first order (dicts in insertion order). Every tensor whose
+dim 0 is ``B`` is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one,
+larger first); dicts/mappings, tuples, named tuples and lists are walked and rebuilt. Anything
+else is given unchanged to every micro-batch: Python scalars and strings, 0-d tensors, tensors
+whose dim 0 is not ``B``, ``None``. A Python list is a container, not a batch axis: a list of
+``B`` strings is not split.
+
+Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
+back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.
+The accumulated gradient then equals the full-batch gradient whenever the full-batch loss is the
+mean over samples of per-sample losses. For a token-mean loss (language models) that holds only
+if every sample has the same number of counted tokens; otherwise pass ``weight=`` returning the
+number of tokens the micro-batch's loss averages over, and it is exact again.
+
+Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
+training mode, anything using in-batch negatives) see micro-batches, as with any gradient
+accumulation; their running statistics are updated once per micro-batch.
+
+Split policy (:class:`SplitPolicy`): the largest micro-batch size known to work is remembered
+and reused for later batches. On an OOM at micro-batch size ``s`` the next size is
+``ceil(s / 2)``, or less when the OOM message shows that even half cannot fit (see
+:meth:`SplitPolicy.on_oom`). After ``grow_after`` clean steps a larger size (half way, in chunk
+counts, to the chunks at which the smallest size failed; half the chunks if none failed) is
+tried once; if it runs out of memory the same batch is retried at the remembered size and the
+patience doubles. A failed attempt's forward passes may have updated BatchNorm running
+statistics: they are restored before the retry (``restore_buffers``).
+
+DDP: with a :class:`~torch.nn.parallel.DistributedDataParallel` model, every micro-batch runs
+under ``model.no_sync()``, ranks agree on the split count before running and on "did any rank
+fail" after, and only then memkit all-reduces the gradients itself, once per batch. So no rank
+is ever inside a collective while another recovers from an OOM; the price is that gradient
+communication no longer overlaps the backward pass. docs/microbatch.md says why.
+
+Examples:
+    >>> import torch
+    >>> from memkit.microbatching import microbatch  # also memkit.microbatch
+    >>> model = torch.nn.Linear(8, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> @microbatch(model=model, optimizer=opt)
+    ... def step(batch):
+    ...     x, y = batch
+    ...     return torch.nn.functional.mse_loss(model(x), y)
+    >>> loss = step((torch.randn(16, 8), torch.randn(16, 2)))
+    >>> step.steps, step.last.chunks
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+
+from memkit import distributed
+from memkit.errors import ConfigError, DistributedError, DoesNotFitError
+from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
+from memkit.units import format_size
+
+__all__ = [
+    "MicroBatchStep",
+    "SplitPolicy",
+    "StepInfo",
+    "batch_size_of",
+    "chunk_sizes",
+    "microbatch",
+    "split_batch",
+]
+
+logger = logging.getLogger(__name__)
+
+# Per-attempt status agreed across ranks with an all-reduce MAX: higher wins.
+_OK, _OOM, _FATAL_OOM, _ERROR = 0, 1, 2, 3
+
+Weight = Callable[[Any], "float | int | torch.Tensor"]
+
+
+# --------------------------------------------------------------------------------------------
+# splitting
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _leaves(value)
+    else:
+        yield obj
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Dim 0 of the first tensor with at least one dimension, depth first; ``None`` if none.
+
+    Examples:
+        >>> import torch
+        >>> batch_size_of({"ids": torch.zeros(4, 7), "n": 3})
+        4
+        >>> batch_size_of(3) is None
+        True
+    """
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def chunk_sizes(batch_size: int, chunks: int) -> list[int]:
+    """Sizes of ``chunks`` micro-batches of a batch: as equal as possible, larger first.
+
+    Examples:
+        >>> chunk_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    if chunks < 1 or chunks > max(1, batch_size):
+        raise ConfigError(f"expected 1 <= chunks <= {batch_size}, found {chunks}")
+    q, r = divmod(batch_size, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+def _rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
+    if type(template) is dict:
+        return data
+    try:
+        factory: Any = type(template)
+        return factory(data)  # e.g. transformers' BatchEncoding, OrderedDict
+    except Exception:  # a mapping type that cannot be built from a dict
+        return data
+
+
+def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[Any]:
+    """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
+
+    Tensors whose dim 0 equals the batch size are split; mappings, tuples (named tuples too)
+    and lists are rebuilt around their split items; everything else is passed unchanged to
+    every micro-batch.
+
+    Args:
+        batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
+        chunks: how many micro-batches, ``1 <= chunks <= batch_size``.
+        batch_size: the batch size; default :func:`batch_size_of`.
+
+    Examples:
+        >>> import torch
+        >>> parts = split_batch({"x": torch.arange(5), "k": 2}, 2)
+        >>> [p["x"].tolist() for p in parts], parts[1]["k"]
+        ([[0, 1, 2], [3, 4]], 2)
+    """
+    size = batch_size if batch_size is not None else batch_size_of(batch)
+    if size is None or chunks == 1:
+        return [batch]
+    sizes = chunk_sizes(size, chunks)
+
+    def split(obj: Any) -> list[Any]:
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() >= 1 and obj.shape[0] == size:
+                return list(obj.split(sizes))
+            return [obj] * chunks
+        if isinstance(obj, Mapping):
+            parts = {key: split(value) for key, value in obj.items()}
+            return [
+                _rebuild_mapping(obj, {key: part[i] for key, part in parts.items()})
+                for i in range(chunks)
+            ]
+        if isinstance(obj, tuple):
+            columns = [split(value) for value in obj]
+            rows = [[column[i] for column in columns] for i in range(chunks)]
+            if hasattr(obj, "_fields"):  # named tuple
+                return [type(obj)(*row) for row in rows]
+            return [tuple(row) for row in rows]
+        if isinstance(obj, list):
+            columns = [split(value) for value in obj]
+            return [[column[i] for column in columns] for i in range(chunks)]
+        return [obj] * chunks
+
+    return split(batch)
+
+
+# --------------------------------------------------------------------------------------------
+# the split policy
+
+
+@dataclass
+class SplitPolicy:
+    """Which micro-batch size to use, learned from OOMs and clean steps.
+
+    Attributes:
+        grow_after: clean steps before a larger micro-batch size is tried once; ``None`` never.
+        micro_size: the largest micro-batch size known to work (``None``: no OOM seen yet, run
+            whole batches).
+        oom_size: the smallest micro-batch size that ran out of memory (most recent evidence).
+        patience: clean steps needed before the next growth trial (doubles after a failed one).
+        clean_steps: clean steps since the last OOM or growth.
+    """
+
+    grow_after: int | None = 50
+    micro_size: int | None = None
+    oom_size: int | None = None
+    patience: int | None = None
+    clean_steps: int = 0
+    _grow_pending: bool = False
+
+    def __post_init__(self) -> None:
+        if self.grow_after is not None and self.grow_after < 1:
+            raise ConfigError(f"grow_after must be >= 1 or None, found {self.grow_after}")
+        if self.patience is None:
+            self.patience = self.grow_after
+
+    def trial_chunks(self, batch_size: int) -> int | None:
+        """The chunk count a growth trial would use for ``batch_size``, or ``None``.
+
+        Half way (in chunk counts) between the chunks the remembered size needs and the chunks
+        at which the smallest failing size ran; half the chunks if nothing failed. ``None``
+        when nothing is remembered or no smaller count exists.
+        """
+        if self.micro_size is None:
+            return None
+        chunks = math.ceil(batch_size / self.micro_size)
+        if self.oom_size is None or self.oom_size <= self.micro_size:
+            trial = math.ceil(batch_size / (2 * self.micro_size))
+        else:
+            failed = math.ceil(batch_size / self.oom_size)
+            trial = max(failed, (chunks + failed) // 2)
+        return trial if trial < chunks else None
+
+    def chunks_for(self, batch_size: int) -> int:
+        """How many micro-batches to cut a batch of ``batch_size`` into."""
+        if self.micro_size is None or batch_size <= 1:
+            return 1
+        chunks = math.ceil(batch_size / self.micro_size)
+        if self._grow_pending:
+            trial = self.trial_chunks(batch_size)
+            if trial is not None:
+                logger.info(
+                    "microbatch: trying %d micro-batch(es) of up to %d (known to work: %d) "
+                    "after %d clean steps",
+                    trial,
+                    math.ceil(batch_size / trial),
+                    self.micro_size,
+                    self.clean_steps,
+                )
+                return trial
+        return min(chunks, batch_size)
+
+    def on_oom(self, tried: int, bound: int | None = None) -> int | None:
+        """Record an OOM at micro-batch size ``tried``; return the size to retry with.
+
+        A failed growth trial (``tried`` above the remembered size) goes back to the remembered
+        size and doubles the patience. Otherwise the next size is ``ceil(tried / 2)``, or
+        ``bound`` when that is smaller: ``bound`` comes from the OOM message (see
+        :func:`oom_size_bound`) and is an upper bound on any size that can fit. Returns
+        ``None`` when ``tried`` is already 1: nothing smaller exists.
+        """
+        self.clean_steps = 0
+        self._grow_pending = False
+        if self.micro_size is not None and tried > self.micro_size:
+            self.oom_size = tried
+            if self.patience is not None:
+                self.patience *= 2
+            return self.micro_size
+        if tried <= 1:
+            self.oom_size = 1
+            return None
+        new = (tried + 1) // 2
+        if bound is not None and bound < new:
+            new = max(1, bound)
+        self.oom_size = tried
+        self.micro_size = new
+        return new
+
+    def on_success(self, ran: int) -> None:
+        """Record a batch that stepped, whose largest micro-batch had ``ran`` samples."""
+        if self.micro_size is None:
+            return
+        if ran > self.micro_size:  # a growth trial worked
+            self.micro_size = ran
+            if self.oom_size is not None and ran >= self.oom_size:
+                self.oom_size = None
+            self.clean_steps = 0
+            self._grow_pending = False
+            return
+        self.clean_steps += 1
+        if self.patience is not None and self.clean_steps >= self.patience:
+            self._grow_pending = True
+
+
+def oom_size_bound(
+    tried: int, details: OomDetails, baseline: int | None, capacity: int | None = None
+) -> int | None:
+    """An upper bound on the micro-batch size that can fit, from one OOM at size ``tried``.
+
+    When the attempt started with ``baseline`` bytes in use and failed needing at least
+    ``need = in_use + tried_to_allocate - baseline`` bytes of ``avail`` (what was free for it),
+    then under the model ``peak(m) = c + k*m`` with ``c >= 0`` every size that fits satisfies
+    ``m <= tried * avail / need``. Returns ``None`` when the message lacks the numbers, or
+    when they do not show a shortfall (fragmentation, other processes).
+    """
+    used, want = details.allocated_by_pytorch, details.tried_to_allocate
+    if baseline is None or used is None or want is None:
+        return None
+    if details.free is not None:
+        avail = used - baseline + details.free + (details.reserved_unallocated or 0)
+    else:
+        cap = details.capacity if details.capacity is not None else capacity
+        if cap is None:
+            return None
+        avail = cap - baseline
+    need = used + want - baseline
+    if avail <= 0 or need <= avail:
+        return None
+    return max(1, (tried * avail) // need)
+
+
+# --------------------------------------------------------------------------------------------
+# the step
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What happened to one batch.
+
+    Attributes:
+        batch_size: samples in the batch (1 when it has no batch dimension).
+        chunks: micro-batches in the attempt that stepped.
+        chunk_sizes: their sizes.
+        attempts: attempts made (1 + retries after OOMs).
+        ooms: OOMs on this rank during this batch.
+    """
+
+    batch_size: int
+    chunks: int
+    chunk_sizes: tuple[int, ...]
+    attempts: int
+    ooms: int
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The largest micro-batch that ran."""
+        return self.chunk_sizes[0]
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    """``(fn(*args), None)``, or ``(None, exc)``: the caller recovers outside any except."""
+    try:
+        return fn(*args), None
+    except Exception as exc:
+        return None, exc
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    return ddp is not None and isinstance(model, ddp)
+
+
+class MicroBatchStep:
+    """A training step that splits a batch into micro-batches when it does not fit.
+
+    Built by :func:`microbatch`; see the module documentation for the rules.
+
+    Attributes:
+        policy: the :class:`SplitPolicy` (``policy.micro_size`` is the remembered size).
+        steps: optimizer steps taken (one per batch).
+        ooms: OOMs recovered from on this rank, over all batches.
+        last: the :class:`StepInfo` of the last batch, or ``None``.
+    """
+
+    def __init__(
+        self,
+        train_step: Callable[[Any], torch.Tensor],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        backend: Any = None,
+        grow_after: int | None = 50,
+        weight: Weight | None = None,
+        before_step: Callable[[], Any] | None = None,
+        timeout: float | None = None,
+        restore_buffers: str = "norm",
+    ) -> None:
+        if restore_buffers not in ("norm", "all", "none"):
+            raise ConfigError(
+                f"restore_buffers must be 'norm', 'all' or 'none', found {restore_buffers!r}"
+            )
+        if not callable(train_step):
+            raise ConfigError(f"train_step must be callable, found {train_step!r}")
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, found {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer, found {type(optimizer).__name__}"
+            )
+        self.train_step = train_step
+        self.model = model
+        self.optimizer = optimizer
+        self.backend = backend if backend is not None else self._default_backend(model)
+        self.policy = SplitPolicy(grow_after=grow_after)
+        self.weight = weight
+        self.before_step = before_step
+        self.timeout = timeout
+        self.restore_buffers = restore_buffers
+        self.steps = 0
+        self.ooms = 0
+        self.last: StepInfo | None = None
+        functools.update_wrapper(self, train_step)
+
+    @staticmethod
+    def _default_backend(model: torch.nn.Module) -> Any:
+        param = next(model.parameters(), None)
+        if param is None or param.device.type in ("cpu", "meta"):
+            return None  # never wrap a cpu model in a new simulated device implicitly
+        from memkit.devices import get_backend
+
+        return get_backend(param.device)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The remembered micro-batch size (``None`` until the first OOM)."""
+        return self.policy.micro_size
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _ddp(self) -> bool:
+        return _is_ddp(self.model) and distributed.world_size() > 1
+
+    def _allocated(self) -> int | None:
+        if self.backend is None:
+            return None
+        try:
+            return int(self.backend.allocated())
+        except Exception:  # a counter that cannot be read only disables the jump heuristic
+            logger.debug("backend.allocated() failed", exc_info=True)
+            return None
+
+    def _capacity(self) -> int | None:
+        if self.backend is None:
+            return None
+        try:
+            total = self.backend.capacity().total
+        except Exception:
+            logger.debug("backend.capacity() failed", exc_info=True)
+            return None
+        return None if total is None else int(total)
+
+    def _buffers_to_restore(self) -> list[torch.Tensor]:
+        if self.restore_buffers == "none":
+            return []
+        if self.restore_buffers == "all":
+            return list(self.model.buffers())
+        norm_base = getattr(torch.nn.modules.batchnorm, "_NormBase", None)
+        if norm_base is None:  # pragma: no cover - every torch >= 1.x has it
+            return []
+        return [b for m in self.model.modules() if isinstance(m, norm_base) for b in m.buffers()]
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+
+    def _accumulate(self, batch: Any, chunks: int, batch_size: int, world: int) -> torch.Tensor:
+        """Forward and backward every micro-batch; return the full-batch loss (detached)."""
+        self._zero_grads()
+        parts = split_batch(batch, chunks, batch_size)
+        sizes = chunk_sizes(batch_size, chunks)
+        if self.weight is None:
+            weights: list[Any] = list(sizes)
+        else:
+            weights = [self.weight(part) for part in parts]
+        total: Any = sum(weights)
+        no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
+        if self._ddp():
+            # No DDP collective may run inside the attempt: not the bucket all-reduce (no_sync)
+            # and not the buffer broadcast DDP does before a forward that follows a synced one.
+            setattr(self.model, "require_forward_param_sync", False)  # noqa: B010
+        loss_sum: torch.Tensor | None = None
+        for part, w in zip(parts, weights, strict=True):
+            with no_sync():
+                loss = self.train_step(part)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ConfigError(
+                        "train_step must return the loss as a one-element tensor (the mean over "
+                        f"its micro-batch), found {type(loss).__name__}"
+                        + (
+                            f" of shape {tuple(loss.shape)}"
+                            if isinstance(loss, torch.Tensor)
+                            else ""
+                        )
+                    )
+                share = w / total
+                (loss.reshape(()) * (share / world)).backward()
+                contrib = loss.detach().reshape(()) * share
+                loss_sum = contrib if loss_sum is None else loss_sum + contrib
+            del loss, part
+        assert loss_sum is not None
+        return loss_sum
+
+    def _prepare_sync(self) -> list[int]:
+        """Give every local ``None`` gradient a zero tensor; return which ones were used here."""
+        used = []
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                continue
+            used.append(0 if param.grad is None else 1)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return used
+
+    def _sync(self, used: list[int]) -> None:
+        """After every rank finished: average gradients (pre-scaled by 1/world), sync buffers."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = []
+        for param, flag in zip(params, used, strict=True):
+            if flag:
+                assert param.grad is not None
+                grads.append(param.grad)
+            else:  # unused on every rank: leave it None, as DDP does
+                param.grad = None
+        distributed.all_reduce_sum_(grads, timeout=self.timeout)
+
+    def _sync_buffers(self) -> None:
+        if getattr(self.model, "broadcast_buffers", False):
+            buffers = list(self.model.buffers())
+            distributed.broadcast_(buffers, src=0, timeout=self.timeout)
+
+    def _step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
+        self.optimizer.step()
+
+    # -- the call ------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Train on one full batch; return its mean loss (a detached 0-d tensor).
+
+        Raises:
+            DoesNotFitError: the batch does not fit even at micro-batch size 1, or the optimizer
+                step itself ran out of memory (micro-batching cannot shrink it).
+            DistributedError: under DDP, another rank failed, or a collective timed out.
+            Exception: any error from ``train_step`` that is not an OOM, at once, unchanged.
+        """
+        activate = self.backend.activate() if self.backend is not None else None
+        with activate if activate is not None else contextlib.nullcontext():
+            return self._call(batch)
+
+    def _call(self, batch: Any) -> torch.Tensor:
+        found = batch_size_of(batch)
+        size = found if found is not None else 1
+        ddp = self._ddp()
+        world = distributed.world_size() if ddp else 1
+        attempts = ooms = 0
+        buffers = self._buffers_to_restore()
+        with torch.no_grad():
+            saved = [b.clone() for b in buffers]
+        while True:
+            attempts += 1
+            chunks = self.policy.chunks_for(size) if found is not None else 1
+            if ddp:
+                agreed, neg_min = distributed.all_max([chunks, -size], timeout=self.timeout)
+                if agreed > -neg_min:
+                    raise DistributedError(
+                        f"rank {distributed.rank()}: the ranks need {agreed} micro-batches, but "
+                        f"the smallest per-rank batch has {-neg_min} samples; give every rank "
+                        "the same batch size (DistributedSampler(drop_last=True))"
+                    )
+                chunks = agreed
+            tried = chunk_sizes(size, chunks)[0]
+            baseline = self._allocated()
+            loss, exc = _guarded(self._accumulate, batch, chunks, size, world)
+            used: list[int] = []
+            if ddp:
+                # every rank sends the same number of values, whatever happened to it
+                used = [0] * sum(1 for p in self.model.parameters() if p.requires_grad)
+                if exc is None:
+                    used_or_none, exc = _guarded(self._prepare_sync)
+                    used = used_or_none if used_or_none is not None else used
+            status = _OK
+            if exc is not None:
+                status = (_OOM if tried > 1 else _FATAL_OOM) if is_oom(exc) else _ERROR
+            if ddp:
+                agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
+                status_all, used = agreed_flags[0], agreed_flags[1:]
+            else:
+                status_all = status
+            if status == _ERROR:
+                loss = None
+                assert exc is not None
+                raise exc  # not an OOM: at once, unchanged, never retried
+            if status_all == _ERROR:
+                loss = None
+                if exc is not None:
+                    recover(self.backend, exc)
+                    del exc
+                raise DistributedError(
+                    f"rank {distributed.rank()}: another rank's train_step raised an error that "
+                    "is not an OOM; see that rank's traceback"
+                )
+            if status_all == _OK:
+                break
+            # Some rank (maybe only another one) ran out of memory: recover, then retry.
+            loss = None
+            with torch.no_grad():  # undo what the failed forwards did to running statistics
+                for buffer, copy in zip(buffers, saved, strict=True):
+                    buffer.copy_(copy)
+            details = parse_oom_message(exc) if exc is not None else None
+            message = str(exc) if exc is not None else ""
+            if exc is not None:
+                ooms += 1
+                self.ooms += 1
+                recover(self.backend, exc)
+                del exc
+            self._zero_grads()
+            if status == _FATAL_OOM:
+                raise self._does_not_fit(size, details, message, baseline)
+            if status_all == _FATAL_OOM:
+                raise DoesNotFitError(
+                    f"rank {distributed.rank()}: another rank's batch does not fit even at "
+                    "micro-batch size 1; see that rank's error for the numbers"
+                )
+            if details is not None:
+                bound = oom_size_bound(tried, details, baseline, self._capacity())
+                new = self.policy.on_oom(tried, bound)
+                logger.warning(
+                    "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
+                    "retrying the same batch at micro-batch size %s%s",
+                    tried,
+                    size,
+                    chunks,
+                    new,
+                    "" if bound is None or new != bound else " (size bound from the OOM message)",
+                )
+        assert loss is not None
+        del saved
+        if ddp:
+            self._sync(used)
+        failed: Exception | None
+        _, failed = _guarded(self._step)
+        if failed is not None:
+            if not is_oom(failed):
+                raise failed
+            message = str(failed)
+            recover(self.backend, failed)
+            del failed
+            self._zero_grads()
+            raise DoesNotFitError(
+                "the optimizer step (with before_step) ran out of memory after the gradients "
+                "were accumulated; micro-batching cannot shrink it (it holds parameters, "
+                "gradients and optimizer state, not activations), and parameters may be "
+                "partially updated. Reduce optimizer state (a lighter optimizer, 8-bit or "
+                f"foreach=False) or use a larger device. Last OOM: {message}",
+                capacity_bytes=self._capacity(),
+            )
+        self._zero_grads()
+        if ddp:
+            self._sync_buffers()
+        self.steps += 1
+        self.policy.on_success(tried)
+        self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
+        return loss
+
+    def _does_not_fit(
+        self, size: int, details: OomDetails | None, message: str, baseline: int | None
+    ) -> DoesNotFitError:
+        d = details or OomDetails()
+        needed = None
+        if d.allocated_by_pytorch is not None and d.tried_to_allocate is not None:
+            needed = d.allocated_by_pytorch + d.tried_to_allocate
+        capacity = self._capacity()  # exact when a backend is known; the message rounds
+        if capacity is None:
+            capacity = d.capacity
+        parts = [f"a batch of {size} does not fit even at micro-batch size 1"]
+        if needed is not None:
+            parts.append(
+                f"the attempt needed at least {format_size(needed)} "
+                f"({format_size(d.allocated_by_pytorch or 0)} in use + "
+                f"{format_size(d.tried_to_allocate or 0)} requested)"
+            )
+        if capacity is not None:
+            parts.append(f"the device has {format_size(capacity)}")
+        if baseline is not None:
+            parts.append(
+                f"{format_size(baseline)} were in use before the batch (parameters, optimizer "
+                "state, whatever else is alive)"
+            )
+        advice = (
+            "memkit cannot split further: reduce what one sample needs (activation "
+            "checkpointing, mixed precision, shorter sequences) or what the model holds "
+            "(a lighter optimizer), or use a larger device"
+        )
+        return DoesNotFitError(
+            "; ".join(parts) + f". {advice}. Last OOM: {message}",
+            needed_bytes=needed,
+            capacity_bytes=capacity,
+        )
+
+    def __repr__(self) -> str:
+        name = getattr(self.train_step, "__name__", repr(self.train_step))
+        return (
+            f"MicroBatchStep({name}, micro_batch_size={self.policy.micro_size}, "
+            f"steps={self.steps}, ooms={self.ooms})"
+        )
+
+
+@overload
+def microbatch(
+    train_step: Callable[[Any], torch.Tensor],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backend: Any = None,
+    grow_after: int | None = 50,
+    weight: Weight | None = None,
+    before_step: Callable[[], Any] | None = None,
+    timeout: float | None = None,
+    restore_buffers: str = "norm",
+) -> MicroBatchStep: ...
+
+
+@overload
+def microbatch(
+    train_step: None = None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backend: Any = None,
+    grow_after: int | None = 50,
+    weight: Weight | None = None,
+    before_step: Callable[[], Any] | None = None,
+    timeout: float | None = None,
+    restore_buffers: str = "norm",
+) -> Callable[[Callable[[Any], torch.Tensor]], MicroBatchStep]: ...
+
+
+def microbatch(
+    train_step: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backend: Any = None,
+    grow_after: int | None = 50,
+    weight: Weight | None = None,
+    before_step: Callable[[], Any] | None = None,
+    timeout: float | None = None,
+    restore_buffers: str = "norm",
+) -> MicroBatchStep | Callable[[Callable[[Any], torch.Tensor]], MicroBatchStep]:
+    """Wrap ``train_step`` into an OOM-proof step that keeps the effective batch.
+
+    Args:
+        train_step: ``train_step(batch) -> loss``: forward and loss of one (micro-)batch, the
+            loss a mean over it. memkit does ``backward``, accumulation, ``optimizer.step()``
+            and ``zero_grad(set_to_none=True)``. Omit it to use ``microbatch`` as a decorator.
+        model: the model (``DistributedDataParallel`` is recognised and coordinated).
+        optimizer: the optimizer; it steps once per batch.
+        backend: a :class:`~memkit.devices.MemoryBackend` to recover on and read counters from
+            (a simulated one is activated around each call). Default: the backend of the
+            model's device; for a cpu model none (OOMs then come from whatever is active, e.g.
+            an outer ``memkit.simulate`` block).
+        grow_after: clean steps before a larger micro-batch size is tried; ``None`` never.
+        weight: ``weight(micro_batch) -> number`` the micro-batch's loss averages over; default
+            its sample count. For token-mean losses with padding, count the tokens.
+        before_step: called after accumulation, before ``optimizer.step()`` (gradient
+            clipping, unscaling).
+        timeout: seconds to wait for other ranks in memkit's collectives; ``None`` uses the
+            process group's timeout.
+        restore_buffers: which buffers are put back as they were before the batch when an
+            attempt fails, since its forward passes already updated them: ``"norm"`` (running
+            statistics of BatchNorm/InstanceNorm layers, the default), ``"all"`` (every buffer;
+            costs a copy of them per batch) or ``"none"``.
+
+    Returns:
+        A :class:`MicroBatchStep`; call it with a full batch.
+
+    Examples:
+        >>> import torch, memkit
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> step = microbatch(lambda b: model(b).pow(2).mean(), model=model, optimizer=opt)
+        >>> with memkit.simulate(None):
+        ...     _ = step(torch.randn(8, 4))
+        >>> step.steps
+        1
+    """
+    options: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "backend": backend,
+        "grow_after": grow_after,
+        "weight": weight,
+        "before_step": before_step,
+        "timeout": timeout,
+        "restore_buffers": restore_buffers,
+    }
+    if train_step is None:
+
+        def decorate(fn: Callable[[Any], torch.Tensor]) -> MicroBatchStep:
+            return MicroBatchStep(fn, **options)
+
+        return decorate
+    return MicroBatchStep(train_step, **options)

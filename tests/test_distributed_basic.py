@@ -1,0 +1,217 @@
+"""memkit.distributed without a process group, and microbatch under a real 2-rank gloo DDP.
+
+The 2-rank tests start two Python processes (a worker script written to ``tmp_path``), each
+with its own ``memkit.simulate`` budget; every wait is bounded, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memkit
+from memkit import distributed
+from memkit.microbatching import split_batch
+
+pytestmark = pytest.mark.slow
+
+WORKER = textwrap.dedent(
+    """
+    import datetime, json, sys, time
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    import memkit
+    from memkit import distributed
+    from memkit.microbatching import microbatch
+
+    rank, world, init, out, budgets = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    budget = json.loads(budgets)[rank]
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    result = {"rank": rank, "world": distributed.world_size(), "is": distributed.is_distributed()}
+    result["any"] = [distributed.any_true(rank == 1), distributed.any_true(False)]
+    result["max"] = distributed.all_agree_max(10 * rank + 3)
+    result["gathered"] = distributed.gather_to_rank0({"r": rank})
+
+    torch.manual_seed(0)
+    L, R = torch.nn.Linear, torch.nn.ReLU
+    model = torch.nn.Sequential(L(64, 128), R(), L(128, 128), R(), L(128, 10))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    steps = [0]
+    opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    calls = [0]
+    broken = [False]
+
+    def train(batch):
+        calls[0] += 1
+        if broken[0] and rank == 1:
+            raise ValueError("rank 1 broke")
+        x, y = batch
+        return F.cross_entropy(ddp(x), y)
+
+    step = microbatch(train, model=ddp, optimizer=opt, timeout=15)
+    gen = torch.Generator().manual_seed(1)
+    infos = []
+    with memkit.simulate(budget, track=(model, opt)):
+        for _ in range(3):
+            x = torch.randn(2 * 256, 64, generator=gen)
+            y = torch.randint(0, 10, (2 * 256,), generator=gen)
+            mine = (x[rank * 256:(rank + 1) * 256], y[rank * 256:(rank + 1) * 256])
+            step(mine)
+            infos.append([step.last.chunks, step.last.attempts, step.last.ooms])
+    result.update(infos=infos, steps=steps[0], step_steps=step.steps)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".pt")
+
+    # a non-OOM error on rank 1: rank 1 re-raises it, rank 0 gets a DistributedError
+    broken[0] = True
+    try:
+        step(mine)
+    except Exception as exc:
+        result["error"] = type(exc).__name__
+    result["steps_after_error"] = steps[0]
+
+    # a dead rank: rank 1 leaves, rank 0 times out instead of hanging
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            distributed.any_true(False, timeout=2.0)
+        except Exception as exc:
+            result["dead"] = type(exc).__name__
+        result["waited"] = time.monotonic() - t0
+    json.dump(result, open(out, "w"))
+    """
+)
+
+
+def _launch(tmp_path: Path, budgets: list[int | None], limit: float = 40.0):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    init = tmp_path / "init"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    procs, outs = [], []
+    for rank in range(2):
+        out = tmp_path / f"rank{rank}.json"
+        outs.append(out)
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(script),
+                    str(rank),
+                    "2",
+                    str(init),
+                    str(out),
+                    json.dumps(budgets),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = time.monotonic() + limit
+    logs = []
+    try:
+        for proc in procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            logs.append(proc.communicate(timeout=remaining)[0].decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"the 2-rank run did not finish within {limit} s (hang)")
+    results: list[dict] = []
+    for rank, out in enumerate(outs):
+        assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
+        results.append(json.loads(out.read_text()))
+    return results, outs, logs
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _peak(model, batch, chunks: int) -> int:
+    clone = copy.deepcopy(model)
+    with memkit.simulate(None, track=clone) as acct:
+        for part in split_batch(batch, chunks):
+            _loss(clone, part).backward()
+        return acct.peak
+
+
+def test_without_a_process_group_everything_is_local(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.is_distributed()
+    assert (distributed.rank(), distributed.local_rank(), distributed.world_size()) == (0, 0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (distributed.rank(), distributed.local_rank(), distributed.world_size()) == (3, 1, 4)
+    assert distributed.any_true(True) and not distributed.any_true(False, timeout=1)
+    assert distributed.all_agree_max(7) == 7 and distributed.all_max([1, -2]) == [1, -2]
+    assert distributed.gather_to_rank0("x") == ["x"]
+    t = torch.ones(2)
+    distributed.all_reduce_sum_([t])
+    distributed.broadcast_([t])
+    assert t.tolist() == [1.0, 1.0]
+
+
+def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(tmp_path):
+    """One 2-rank gloo run: collectives, OOM recovery, a non-OOM error, a dead rank."""
+    model = _mlp()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        x = torch.randn(512, 64, generator=gen)
+        y = torch.randint(0, 10, (512,), generator=gen)
+        batches.append((x, y))
+    # rank 0's device: the per-rank batch of 256 does not fit, 128 does; rank 1: no budget
+    local = (batches[0][0][:256], batches[0][1][:256])
+    budget = (_peak(model, local, 1) + _peak(model, local, 2)) // 2
+    results, outs, _ = _launch(tmp_path, [budget, None])
+    r0, r1 = results
+    assert r0["world"] == 2 and r0["is"] is True
+    assert r0["any"] == r1["any"] == [True, False]
+    assert r0["max"] == r1["max"] == 13
+    assert r0["gathered"] == [{"r": 0}, {"r": 1}] and r1["gathered"] is None
+    # one optimizer step per batch on each rank; the split agreed and then reused
+    assert r0["steps"] == r1["steps"] == 3 == r0["step_steps"]
+    assert r0["infos"][0][2] >= 1 and r1["infos"][0][2] == 0  # only rank 0 ran out
+    assert r0["infos"][0][0] == r1["infos"][0][0] >= 2  # both ranks used the agreed split
+    assert [i[1:] for i in r0["infos"][1:]] == [[1, 0], [1, 0]]
+    # a non-OOM error on rank 1 ends both ranks (no hang, no step); a dead rank times out
+    assert r1["error"] == "ValueError" and r0["error"] == "DistributedError"
+    assert r0["steps_after_error"] == r1["steps_after_error"] == 3
+    assert r0["dead"] == "DistributedError" and r0["waited"] < 10
+    p0 = torch.load(str(outs[0]) + ".pt")
+    p1 = torch.load(str(outs[1]) + ".pt")
+    # reference: one process, full global batch of 512, same SGD
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for batch in batches:
+        opt.zero_grad()
+        _loss(ref, batch).backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(p0[name], p1[name]), name  # identical on both ranks
+        torch.testing.assert_close(p0[name], value, rtol=1e-5, atol=1e-6, msg=name)

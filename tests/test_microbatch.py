@@ -1,0 +1,506 @@
+"""memkit.microbatch on the simulated device: split on OOM, same gradient, one step per batch.
+
+Gradients are compared through the parameters after one ``SGD(lr=1)`` step (``p - grad``), with
+float32 tolerance ``rtol=1e-5, atol=1e-6``: micro-batching changes only the summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import UserDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memkit
+from memkit.devices import get_backend
+from memkit.errors import ConfigError, DoesNotFitError
+from memkit.microbatching import (
+    MicroBatchStep,
+    SplitPolicy,
+    batch_size_of,
+    chunk_sizes,
+    microbatch,
+    oom_size_bound,
+    split_batch,
+)
+from memkit.oom import OomDetails
+
+RTOL, ATOL = 1e-5, 1e-6
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def make_mlp() -> torch.nn.Module:
+    """Activations dominate (as in real training): micro-batching lowers the peak."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def mlp_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def mlp_batch(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 64), torch.randint(0, 10, (n,))
+
+
+def accumulation_peak(model: torch.nn.Module, loss_fn: LossFn, batch: Any, chunks: int) -> int:
+    """Peak bytes of forward+backward over ``chunks`` micro-batches (no budget), on a copy."""
+    clone = copy.deepcopy(model)
+    with memkit.simulate(None, track=clone) as acct:
+        for part in split_batch(batch, chunks):
+            loss_fn(clone, part).backward()
+        return acct.peak
+
+
+def budget_between(
+    model: torch.nn.Module, loss_fn: LossFn, batch: Any, fails: int, fits: int
+) -> int:
+    """A budget where ``fails`` chunks run out of memory and ``fits`` chunks do not."""
+    high = accumulation_peak(model, loss_fn, batch, fails)
+    low = accumulation_peak(model, loss_fn, batch, fits)
+    assert high - low > 16 * 1024, (high, low)  # a margin the step's scalars cannot cross
+    return (high + low) // 2
+
+
+def reference_step(model: torch.nn.Module, loss_fn: LossFn, batch: Any, lr: float = 1.0) -> dict:
+    """Parameters after one full-batch SGD step without any budget."""
+    clone = copy.deepcopy(model)
+    loss_fn(clone, batch).backward()
+    with torch.no_grad():
+        for p in clone.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return {k: v.detach().clone() for k, v in clone.state_dict().items()}
+
+
+def assert_params_close(model: torch.nn.Module, expected: dict) -> None:
+    for name, value in model.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def count_steps(opt: torch.optim.Optimizer) -> list[int]:
+    calls = [0]
+    opt.register_step_post_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def simulated(budget: int, *objects: Any):
+    backend = get_backend("cpu", budget)
+    backend.track(*objects)
+    return backend
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_full_batch_that_ooms_trains_with_the_full_batch_gradient():
+    model, batch = make_mlp(), mlp_batch(256)
+    budget = budget_between(model, mlp_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, mlp_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    backend = simulated(budget, model, opt)
+    with backend.activate(), pytest.raises(torch.OutOfMemoryError):
+        mlp_loss(model, batch).backward()  # the plain step does not fit
+    memkit.recover(backend)
+    model.zero_grad(set_to_none=True)
+    steps = count_steps(opt)
+
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt, backend=backend)
+    loss = step(batch)
+
+    assert steps[0] == 1 and step.steps == 1
+    assert step.last is not None and step.last.ooms >= 1 and step.last.chunks >= 2
+    assert step.micro_batch_size is not None and step.micro_batch_size <= 128
+    assert all(p.grad is None for p in model.parameters())
+    assert_params_close(model, expected)
+    full_loss = mlp_loss(copy.deepcopy(model), batch)  # sanity: a finite mean loss came back
+    assert loss.dim() == 0 and torch.isfinite(loss) and torch.isfinite(full_loss)
+
+
+def test_memory_returns_to_baseline_and_the_split_is_reused():
+    model = make_mlp()
+    budget = budget_between(model, mlp_loss, mlp_batch(), fails=2, fits=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    backend = simulated(budget, model, opt)
+    steps = count_steps(opt)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt, backend=backend)
+    infos = []
+    with backend.activate():
+        empty = backend.allocated()
+        for _ in range(3):
+            batch = mlp_batch()  # made inside the device: counted from now on
+            before = backend.allocated()
+            loss = step(batch)
+            del loss
+            assert backend.allocated() == before  # nothing of the step survives it
+            del batch
+            assert backend.allocated() == empty
+            infos.append(step.last)
+    assert steps[0] == 3
+    first, *rest = infos
+    assert first.ooms >= 1 and first.attempts == first.ooms + 1
+    for info in rest:  # the remembered split: no OOM, first attempt, same chunks
+        assert info.ooms == 0 and info.attempts == 1
+        assert info.chunk_sizes == first.chunk_sizes
+
+
+def test_adam_state_is_the_only_memory_a_step_leaves_behind():
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 64  # 4 micro-batches
+    levels = []
+    with memkit.simulate(None, track=(model, opt)) as acct:
+        empty = acct.current
+        for _ in range(3):
+            step(mlp_batch())
+            levels.append(acct.current)
+    # exp_avg and exp_avg_sq per parameter, plus a 4-byte float32 `step` tensor each
+    state = sum(2 * p.nbytes + 4 for p in params)
+    assert levels == [empty + state] * 3
+
+
+def test_outer_simulate_without_backend_on_a_cpu_model():
+    model, batch = make_mlp(), mlp_batch(256)
+    budget = budget_between(model, mlp_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, mlp_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    assert step.backend is None  # cpu model: no implicit simulated device
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.steps == 1 and step.last is not None and step.last.ooms >= 1
+    assert_params_close(model, expected)
+
+
+def test_decorator_form_and_repr():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @microbatch(model=model, optimizer=opt)
+    def train(batch):
+        """My step."""
+        return mlp_loss(model, batch)
+
+    assert isinstance(train, MicroBatchStep) and train.__doc__ == "My step."
+    train(mlp_batch(8))
+    assert train.steps == 1 and "train" in repr(train)
+
+
+# --- BatchNorm, transformers --------------------------------------------------------------
+
+
+def make_cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 5),
+    )  # fmt: skip
+
+
+def cnn_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch["image"]), batch["label"])
+
+
+def test_cnn_with_batchnorm_in_train_mode_sees_micro_batches():
+    model = make_cnn()
+    batch = {"image": torch.randn(32, 3, 16, 16), "label": torch.randint(0, 5, (32,))}
+    budget = budget_between(model, cnn_loss, batch, fails=1, fits=2)
+    # Reference with the same micro-batches, accumulated by hand without a budget: what
+    # BatchNorm in training mode computes under micro-batching (not the full-batch gradient).
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: cnn_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks >= 2
+    sizes = step.last.chunk_sizes
+    for part, size in zip(split_batch(batch, len(sizes)), sizes, strict=True):
+        (cnn_loss(ref, part) * (size / 32)).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= p.grad
+    assert_params_close(model, ref.state_dict())  # running_mean/var too: failed tries undone
+
+
+def test_cnn_with_batchnorm_in_eval_mode_matches_the_full_batch():
+    model = make_cnn().eval()  # BatchNorm uses running statistics: exact again
+    batch = {"image": torch.randn(32, 3, 16, 16), "label": torch.randint(0, 5, (32,))}
+    budget = budget_between(model, cnn_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, cnn_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: cnn_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks >= 2
+    assert_params_close(model, expected)
+
+
+def test_batchnorm_train_mode_differs_from_the_full_batch_gradient():
+    model = make_cnn()
+    batch = {"image": torch.randn(16, 3, 8, 8), "label": torch.randint(0, 5, (16,))}
+    expected = reference_step(model, cnn_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: cnn_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 4  # force 4 micro-batches
+    step(batch)
+    weight = "0.weight"
+    assert not torch.allclose(model.state_dict()[weight], expected[weight], rtol=RTOL, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt2_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def counted_tokens(batch: Any) -> torch.Tensor:
+    """Tokens GPT-2's shifted loss averages over: labels[:, 1:] that are not -100."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def test_gpt2_dict_batch_with_equal_lengths_is_exact(gpt2):
+    model = copy.deepcopy(gpt2)
+    ids = torch.randint(0, 256, (16, 32))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    budget = budget_between(model, gpt2_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, gpt2_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: gpt2_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks >= 2 and step.steps == 1
+    assert_params_close(model, expected)
+
+
+def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
+    ids = torch.randint(0, 256, (10, 24))
+    labels = ids.clone()
+    for row in range(10):  # ragged: row r has 4 + 2r counted positions
+        labels[row, 5 + 2 * row :] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    expected = reference_step(gpt2, gpt2_loss, batch)
+    results = {}
+    for name, weight in (("tokens", counted_tokens), ("samples", None)):
+        model = copy.deepcopy(gpt2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=model: gpt2_loss(m, b), model=model, optimizer=opt,
+                          weight=weight)  # fmt: skip
+        step.policy.micro_size = 3  # 4 ragged micro-batches: 3, 3, 2, 2
+        step(batch)
+        assert step.last is not None and step.last.chunk_sizes == (3, 3, 2, 2)
+        results[name] = model
+    assert_params_close(results["tokens"], expected)  # exact with the token weight
+    w = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_a_non_oom_error_propagates_at_once():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def broken(batch):
+        calls.append(1)
+        raise ValueError("bad label")
+
+    step = microbatch(broken, model=model, optimizer=opt)
+    with pytest.raises(ValueError, match="bad label"):
+        step(mlp_batch(8))
+    assert len(calls) == 1 and step.steps == 0 and step.ooms == 0
+
+
+def test_a_loss_that_is_not_a_scalar_tensor_is_a_config_error():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = microbatch(lambda b: model(b[0]), model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match="one-element tensor"):
+        step(mlp_batch(8))
+
+
+def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
+    model, batch = make_mlp(), mlp_batch(16)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    params = sum(p.nbytes for p in model.parameters())
+    backend = simulated(params + sum(t.nbytes for t in batch) + 4096, model, opt)
+    calls = []
+
+    def train(b):
+        calls.append(batch_size_of(b))
+        return mlp_loss(model, b)
+
+    step = microbatch(train, model=model, optimizer=opt, backend=backend)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with backend.activate():
+        baseline = backend.allocated()
+        with pytest.raises(DoesNotFitError, match="micro-batch size 1") as info:
+            step(batch)
+        assert backend.allocated() == baseline + sum(t.nbytes for t in batch)
+    err = info.value
+    assert err.capacity_bytes == backend.budget
+    assert err.needed_bytes is not None and err.needed_bytes > backend.budget
+    assert calls[0] == 16 and calls[-1] == 1 and step.steps == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_batch_size_one_that_ooms_does_not_fit():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    budget = sum(p.nbytes for p in model.parameters()) + 1024
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)), pytest.raises(DoesNotFitError) as info:
+        step(mlp_batch(1))
+    assert step.last is None and info.value.needed_bytes is not None
+
+
+def test_an_optimizer_step_that_ooms_is_not_retried():
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.Adam(model.parameters())
+    params = sum(p.nbytes for p in model.parameters())
+    step = microbatch(lambda b: model(b).square().mean(), model=model, optimizer=opt)
+    budget = int(params * 2.6)  # forward/backward fit, Adam's two states do not
+    with (
+        memkit.simulate(budget, track=(model, opt)),
+        pytest.raises(DoesNotFitError, match="optimizer step"),
+    ):
+        step(torch.randn(4, 512))
+    assert step.steps == 0
+
+
+# --- splitting ------------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    tag: str
+
+
+def test_non_splittable_items_are_given_to_every_micro_batch():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[dict] = []
+    class_weight = torch.ones(10)  # dim 0 (10) is not the batch size (12)
+    scale = torch.tensor(2.0)
+
+    def train(batch):
+        seen.append(batch)
+        loss = F.cross_entropy(model(batch["x"]), batch["y"], weight=batch["class_weight"])
+        return loss * batch["scale"] * batch["k"]
+
+    batch = {"x": torch.randn(12, 64), "y": torch.randint(0, 10, (12,)), "k": 3, "scale": scale,
+             "class_weight": class_weight, "name": "run-1", "none": None}  # fmt: skip
+    step = microbatch(train, model=model, optimizer=opt)
+    step.policy.micro_size = 5  # 3 micro-batches: 4, 4, 4
+    step(batch)
+    assert [len(b["x"]) for b in seen] == [4, 4, 4]
+    for b in seen:
+        assert b["k"] == 3 and b["scale"] is scale and b["class_weight"] is class_weight
+        assert b["name"] == "run-1" and b["none"] is None
+
+
+def test_split_batch_containers():
+    x = torch.arange(10)
+    parts = split_batch((x, [x * 2, 7], Pair(x, "t"), UserDict({"a": x})), 3)
+    assert [p[0].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert parts[1][1][0].tolist() == [8, 10, 12] and parts[1][1][1] == 7
+    assert isinstance(parts[2][2], Pair) and parts[2][2].tag == "t"
+    assert isinstance(parts[0][3], UserDict) and parts[0][3]["a"].tolist() == [0, 1, 2, 3]
+    assert parts[0][0].data_ptr() == x.data_ptr()  # views, not copies
+    assert split_batch(x, 1)[0] is x
+    assert batch_size_of((3, torch.tensor(1.0), {"a": torch.zeros(5, 2)})) == 5
+    assert chunk_sizes(7, 7) == [1] * 7
+    with pytest.raises(ConfigError):
+        chunk_sizes(4, 5)
+
+
+def test_a_batch_without_a_batch_dimension_runs_whole():
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = microbatch(lambda b: model(torch.ones(3) * b).sum(), model=model, optimizer=opt)
+    step(2.0)
+    assert step.last is not None and step.last.batch_size == 1 and step.last.chunks == 1
+
+
+# --- the policy -----------------------------------------------------------------------------
+
+
+def test_policy_halves_remembers_and_grows_back():
+    policy = SplitPolicy(grow_after=2)
+    assert policy.chunks_for(64) == 1
+    assert policy.on_oom(64) == 32 and policy.chunks_for(64) == 2
+    assert policy.on_oom(32) == 16 and policy.chunks_for(64) == 4
+    policy.on_success(16)
+    assert policy.chunks_for(64) == 4
+    policy.on_success(16)  # patience reached: try half way (in chunks) to the failing size
+    assert policy.trial_chunks(64) == 3 and policy.chunks_for(64) == 3  # up to 22 samples
+    assert policy.on_oom(22) == 16  # the trial failed: back to 16, patience doubles
+    assert policy.patience == 4 and policy.oom_size == 22 and policy.chunks_for(64) == 4
+    for _ in range(4):
+        policy.on_success(16)
+    assert policy.chunks_for(38) == 2  # a batch of 38: 3 chunks of 13, trial 2 of 19
+    policy.on_success(19)
+    assert policy.micro_size == 19 and policy.clean_steps == 0
+    assert policy.on_oom(1) is None
+    assert SplitPolicy(grow_after=None).patience is None
+    with pytest.raises(ConfigError):
+        SplitPolicy(grow_after=0)
+
+
+def test_policy_jumps_with_a_bound_from_the_oom_message():
+    # affine peak c + k*m: baseline 100, c = 20, k = 10 per sample, budget 300 -> m* = 18
+    baseline, c, k, budget = 100, 20, 10, 300
+    tried = 64
+    in_use = baseline + c + k * 40  # failed part-way, with 40 samples' worth allocated
+    details = OomDetails(tried_to_allocate=k * 10, allocated_by_pytorch=in_use,
+                         free=budget - in_use, capacity=budget)  # fmt: skip
+    bound = oom_size_bound(tried, details, baseline)
+    assert bound is not None and 18 <= bound < 32
+    policy = SplitPolicy()
+    assert policy.on_oom(tried, bound) == bound
+    # no shortfall shown (fragmentation): no bound, plain halving
+    assert (
+        oom_size_bound(8, OomDetails(tried_to_allocate=1, allocated_by_pytorch=1, free=10), 0)
+        is None
+    )
+    assert oom_size_bound(8, details, None) is None
+
+
+def test_growth_trial_that_ooms_retries_the_same_batch_at_the_remembered_size():
+    model, batch = make_mlp(), mlp_batch(256)
+    budget = budget_between(model, mlp_loss, batch, fails=1, fits=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = count_steps(opt)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt, grow_after=1)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)  # OOM at 256, works at 128: one clean step, patience 1 reached
+        assert step.micro_batch_size == 128
+        step(batch)  # the trial (size 256) fails, the same batch is retried at 128
+        trial = step.last
+        step(batch)  # patience doubled to 2: no trial yet
+        after = step.last
+    assert trial is not None and trial.ooms == 1 and trial.attempts == 2 and trial.chunks == 2
+    assert after is not None and after.ooms == 0 and after.attempts == 1 and after.chunks == 2
+    assert step.policy.patience == 2 and step.micro_batch_size == 128
+    assert steps[0] == 3 == step.steps

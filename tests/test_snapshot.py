@@ -1,0 +1,455 @@
+"""Snapshots on a machine without a GPU: rows, reasons, categories, diffs, renderings, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from html import escape as html_escape
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import memkit
+from memkit import devices
+from memkit.cli import cli
+from memkit.errors import ConfigError
+from memkit.render import plot
+from memkit.snapshots import (
+    DeviceSnapshot,
+    Snapshot,
+    SnapshotDiff,
+    snapshot,
+)
+
+snapshot_module = importlib.import_module("memkit.snapshots")
+
+needs_no_gpu = pytest.mark.skipif(
+    devices.accelerator_available(), reason="checks the no-accelerator rendering"
+)
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding tied to the output projection, plus a buffer and a shared-storage view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 16)
+        self.hidden = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 100, bias=False)
+        self.out.weight = self.embed.weight  # tied
+        # a buffer that views a parameter's storage: must not be counted twice
+        self.register_buffer("alias", self.hidden.weight.detach()[0])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.hidden(self.embed(ids))))
+
+
+@pytest.fixture
+def no_smi(monkeypatch):
+    """No subprocess in unit tests: nvidia-smi reports nothing."""
+    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([], "nvidia-smi is not installed"))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    ids = torch.randint(0, 100, (8,))
+    model(ids).sum().backward()
+    opt.step()
+
+
+# -- rows and reasons -------------------------------------------------------------------------
+@needs_no_gpu
+def test_no_gpu_snapshot_has_a_reasoned_row_and_host(no_smi):
+    snap = snapshot()
+    assert len(snap.devices) == 1
+    row = snap.devices[0]
+    assert row.kind == "none"
+    assert row.allocated is None and row.total is None
+    assert "torch sees no CUDA/XPU/MPS device" in (row.why("allocated") or "")
+    assert snap.host.process_rss and snap.host.available and snap.host.total
+    text = str(snap)
+    assert "no accelerator visible" in text and "torch sees no CUDA/XPU/MPS device" in text
+    html = snap._repr_html_()
+    assert "memkit-snapshot" in html and "no accelerator visible" in html
+    assert json.loads(snap.to_json())["devices"][0]["missing"]["allocated"]
+
+
+@needs_no_gpu
+def test_gputil_failure_is_a_reason_not_a_crash(monkeypatch):
+    calls = []
+
+    def broken():
+        calls.append(1)
+        return [], "GPUtil is not importable (ModuleNotFoundError: No module named 'distutils')"
+
+    monkeypatch.setattr(devices, "nvidia_smi_stats", broken)
+    snap = snapshot()
+    assert calls == [1]
+    assert snap.devices[0].kind == "none"
+
+
+def test_gputil_raising_inside_is_a_reason(monkeypatch):
+    """devices.nvidia_smi_stats turns GPUtil's own errors into a reason."""
+
+    class Broken:
+        @staticmethod
+        def getGPUs():
+            raise ValueError("could not convert string to float: '[N/A]'")
+
+    monkeypatch.setitem(sys.modules, "GPUtil", Broken)
+    stats, reason = devices.nvidia_smi_stats()
+    assert stats == [] and "N/A" in (reason or "")
+
+
+def test_gpus_only_nvidia_smi_sees_get_device_wide_rows(monkeypatch):
+    gpu = devices.GpuStats(None, "GPU-abc", "NVIDIA A100", 12.0, 40.0, 2 * 2**30, 40 * 2**30)
+    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([gpu], None))
+    monkeypatch.setattr(devices, "visible_devices", list)
+    snap = snapshot()
+    row = snap.devices[0]
+    assert row.kind == "nvidia-smi" and row.name == "NVIDIA A100"
+    assert row.used == 2 * 2**30 and row.total == 40 * 2**30 and row.utilization == 12.0
+    assert "cannot see this GPU" in (row.why("allocated") or "")
+    assert "nvidia-smi:0" in str(snap)
+
+
+def test_simulated_device_row_reports_its_counters(no_smi):
+    model = torch.nn.Linear(32, 32)
+    with memkit.simulate("1MiB", track=model) as acct:
+        y = model(torch.randn(4, 32))
+        snap = snapshot(model, device=acct)
+    row = snap.devices[0]
+    assert row.kind == "simulated" and row.device == "cpu"
+    assert row.total == 2**20
+    assert row.allocated == acct.current == row.reserved
+    assert row.peak_allocated == acct.peak
+    assert row.why("utilization")
+    cats = snap.categories[0]
+    # exact: everything the accountant counts is either the model's or "other"
+    assert cats.categorised + (cats.other or 0) == acct.current
+    assert cats.other == y.untyped_storage().nbytes() + 4 * 32 * 4  # output + input batch
+    assert "other tensors" in snap._repr_html_()
+
+
+def test_simulated_backend_and_cpu_string(no_smi):
+    model = torch.nn.Linear(10, 10)
+    backend = devices.get_backend("cpu", "1MiB")
+    backend.track(model)
+    snap = snapshot(model, device=backend)
+    assert snap.devices[0].allocated == 440
+    fresh = snapshot(model, device="cpu")
+    assert fresh.devices[0].allocated == 440
+    assert any("fresh simulated device" in n for n in fresh.notes)
+
+
+def test_untracked_model_on_a_simulated_device_is_noted(no_smi):
+    model = torch.nn.Linear(10, 10)
+    acct = memkit.simulate("1MiB")
+    snap = snapshot(model, device=acct)
+    assert any("not counted by the simulated device" in n for n in snap.notes)
+
+
+def test_bad_device_argument_is_a_config_error(no_smi):
+    with pytest.raises(ConfigError, match="device="):
+        snapshot(device=3.5)  # type: ignore[arg-type]
+
+
+# -- categorising -----------------------------------------------------------------------------
+def test_tied_and_shared_storages_are_counted_once(no_smi):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters())
+    _train_step(model, opt)
+    snap = snapshot(model, opt)
+    (cats,) = snap.categories
+    assert cats.device == "cpu"
+    unique = {id(p): p for p in model.parameters()}  # parameters() already dedups the tie
+    params = sum(p.untyped_storage().nbytes() for p in unique.values())
+    assert cats.parameters == params == (100 * 16 + 16 * 16 + 16 + 16 + 16) * 4
+    # BatchNorm's running stats (2 x 16 floats) and num_batches_tracked (int64); the alias
+    # buffer shares hidden.weight's storage and counts as a parameter only
+    assert cats.buffers == 2 * 16 * 4 + 8
+    assert cats.gradients == params
+    exp = sum(
+        v.untyped_storage().nbytes()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
+    assert cats.optimizer_state == exp
+    assert cats.other is None and "scan_gc" in cats.other_how
+
+
+def test_largest_tensors_are_named_by_parameter(no_smi):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters())
+    _train_step(model, opt)
+    snap = snapshot(model, opt, top=4)
+    assert len(snap.tensors) == 4
+    names = {t.name: t for t in snap.tensors}
+    emb = names["embed.weight"]
+    assert emb.kind == "parameter" and emb.shape == (100, 16) and emb.dtype == "float32"
+    assert emb.nbytes == 100 * 16 * 4
+    assert emb.aliases == ("out.weight",)
+    assert "embed.weight (= out.weight)" in str(snap)
+    assert {"embed.weight.grad", "embed.weight:exp_avg", "embed.weight:exp_avg_sq"} <= set(names)
+
+
+def test_dict_keys_name_tensors_and_gc_scan_finds_the_rest(no_smi):
+    batch = torch.zeros(1000)
+    hidden = torch.zeros(3000)  # noqa: F841 - found by the gc scan only
+    snap = snapshot({"batch": batch}, top=50)
+    assert any(t.name == "batch" and t.kind == "tensor" for t in snap.tensors)
+    assert all(t.nbytes != 12000 for t in snap.tensors)
+    scanned = snapshot({"batch": batch}, scan_gc=True, top=50)
+    assert any(t.name is None and t.nbytes == 12000 for t in scanned.tensors)
+    assert any(t.name == "batch" for t in scanned.tensors)
+    cats = scanned.categories[0]
+    assert cats.other is not None and cats.other >= 16000
+    assert "gc scan" in cats.other_how
+
+
+def test_optimizer_without_model_names_param_groups(no_smi):
+    w = torch.nn.Parameter(torch.randn(64))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.sum().backward()
+    opt.step()
+    snap = snapshot(opt)
+    names = {t.name for t in snap.tensors}
+    assert {"param_groups[0][0]", "param_groups[0][0].grad"} <= names
+    assert "param_groups[0][0]:momentum_buffer" in names
+
+
+def test_snapshot_is_frozen_and_json_round_trips(no_smi):
+    snap = snapshot(torch.nn.Linear(4, 4), label="x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.label = "y"  # type: ignore[misc]
+    data = json.loads(snap.to_json())
+    assert data["schema"] == "memkit.snapshot/1" and data["label"] == "x"
+    assert data["categories"][0]["parameters"] == 80
+    assert set(data["explain"]) == {"allocated", "reserved", "used"}
+
+
+# -- diffs ------------------------------------------------------------------------------------
+def _fake(**changes: object) -> DeviceSnapshot:
+    base = DeviceSnapshot(
+        "cuda:0", "NVIDIA H100", "cuda", "cuda caching allocator", total=80 * 2**30,
+        used=10 * 2**30, used_source="nvidia-smi", allocated=2**30, reserved=2 * 2**30,
+        peak_allocated=2**30, peak_reserved=2 * 2**30, utilization=50.0, temperature=40.0,
+        uuid="GPU-1",
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def _snap(dev: DeviceSnapshot, at: float = 0.0) -> Snapshot:
+    return Snapshot(at, (dev,), snapshot_module.HostSnapshot(100, 1000, 2000))
+
+
+def test_diff_shows_only_what_changed():
+    before = _snap(_fake())
+    after = _snap(_fake(allocated=2**30 + 512 * 2**20, peak_allocated=2**30 + 512 * 2**20), 2.5)
+    diff = after - before
+    assert isinstance(diff, SnapshotDiff)
+    assert [(c.where, c.what) for c in diff.changes] == [
+        ("cuda:0", "allocated"),
+        ("cuda:0", "peak allocated"),
+    ]
+    assert diff.changes[0].delta == 512 * 2**20
+    text = str(diff)
+    assert "+512.00 MiB" in text and "reserved" not in text and "+2.5 s" in text
+    html = diff._repr_html_()
+    assert "memkit-diff" in html and "+512.00 MiB" in html
+    assert json.loads(diff.to_json())["changes"][0]["delta"] == 512 * 2**20
+    same = before - before
+    assert not same and "no changes" in str(same) and "no changes" in same._repr_html_()
+
+
+def test_diff_matches_devices_by_uuid_and_reports_added_and_gone():
+    before = Snapshot(0, (_fake(),), snapshot_module.HostSnapshot(1, 1, 1))
+    renumbered = _fake(device="cuda:1")  # same GPU, another index (CUDA_VISIBLE_DEVICES)
+    other = _fake(device="cuda:0", uuid="GPU-2", name="NVIDIA A100")
+    after = Snapshot(1, (other, renumbered), snapshot_module.HostSnapshot(1, 1, 1))
+    changes = [(c.where, c.what, c.format_delta()) for c in (after - before).changes]
+    assert changes == [("cuda:0", "device", "new")]
+    gone = [(c.where, c.what, c.format_delta()) for c in (before - after).changes]
+    assert gone == [("cuda:0", "device", "gone")]
+
+
+def test_diff_of_real_snapshots_across_a_train_step(no_smi):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters())
+    s1 = snapshot(model, opt)
+    _train_step(model, opt)
+    s2 = snapshot(model, opt)
+    diff = s2 - s1
+    whats = {(c.where, c.what): c for c in diff.changes}
+    grads = whats[("cpu holds", "gradients")]
+    assert grads.before == 0 and grads.after == s2.categories[0].gradients > 0
+    assert ("cpu holds", "parameters") not in whats  # unchanged: not shown
+    assert whats[("tensor", "embed.weight:exp_avg")].format_delta() == "new"
+    assert s2.diff(s1) == diff
+
+
+def test_subtracting_something_else_is_a_type_error():
+    with pytest.raises(TypeError):
+        _ = _snap(_fake()) - 3  # type: ignore[operator]
+
+
+def test_html_has_a_stacked_bar_per_device_and_explains_the_gaps():
+    snap = _snap(_fake())
+    html = snap._repr_html_()
+    assert html.count('class="bar"') == 1
+    for label in snapshot_module.BAR_LABELS:
+        assert html_escape(label) in html
+    for name, _line in snapshot_module.EXPLAIN:
+        assert f"<b>{name}</b>" in html
+    dev = snap.devices[0]
+    assert dev.cached == 2**30 and dev.outside == 8 * 2**30 and dev.free == 70 * 2**30
+    text = str(snap)
+    assert "10.00 GiB / 80.00 GiB" in text and "50%" in text and "40 °C" in text
+
+
+def test_memkit_snapshot_stays_the_function_after_submodule_import(no_smi):
+    import memkit
+
+    assert isinstance(memkit.snapshot(), Snapshot)
+
+
+# -- plotting ---------------------------------------------------------------------------------
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ConfigError, match=r"pip install 'memkit\[plot\]'"):
+        _snap(_fake()).plot()
+
+
+def test_plot_draws_a_bar_per_device():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = _snap(_fake()).plot()
+    assert ax.get_xlabel() == "memory (GiB)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["cuda:0"]
+    ax2 = plot.timeline(
+        [("allocated", [(0.0, 0.0), (1.0, 3 * 2**20)])],
+        spans=[(0.0, 0.5, "forward"), (0.5, 1.0, "backward")],
+        limit=4 * 2**20,
+    )
+    assert ax2.get_ylabel() == "memory (MiB)"
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def test_cli_snapshot_prints_the_table(no_smi):
+    result = CliRunner().invoke(cli, ["snapshot"])
+    assert result.exit_code == 0, result.output
+    assert "memkit snapshot" in result.output and "host: process RSS" in result.output
+
+
+def test_cli_snapshot_json(no_smi):
+    result = CliRunner().invoke(cli, ["snapshot", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["schema"] == "memkit.snapshot/1" and data["host"]["total"] > 0
+
+
+def test_cli_watch_prints_one_line_per_device_per_tick_off_a_tty(no_smi):
+    result = CliRunner().invoke(cli, ["snapshot", "--watch", "0.1", "--count", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    rows = len(snapshot().devices) + 1  # devices + host
+    assert len(lines) == 2 * rows
+    assert "\x1b[" not in result.output
+    assert sum(" host " in line for line in lines) == 2
+
+
+def test_cli_watch_json_lines(no_smi):
+    result = CliRunner().invoke(cli, ["snapshot", "--json", "--watch", "0", "--count", "3"])
+    assert result.exit_code == 0, result.output
+    objs = [json.loads(line) for line in result.output.splitlines()]
+    assert len(objs) == 3 and all(o["schema"] == "memkit.snapshot/1" for o in objs)
+
+
+def test_cli_watch_refreshes_in_place_on_a_tty(no_smi, monkeypatch):
+    import memkit.cli
+
+    monkeypatch.setattr(memkit.cli, "_stdout_is_tty", lambda: True)
+    result = CliRunner().invoke(cli, ["snapshot", "--watch", "0", "--count", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("\x1b[H") == 2 and result.output.count("\x1b[2J") == 1
+    assert result.output.count("memkit snapshot") == 2
+
+
+def test_cli_bad_watch_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["snapshot", "--watch", "-1"])
+    assert result.exit_code == 2
+
+
+# -- CUDA rows, with the hardware faked (tests/gpu/ checks the real numbers) -------------------
+class FakeCuda(devices.CudaBackend):
+    """A CudaBackend whose counters are set by the test; device_wide() records its calls."""
+
+    def __init__(self, index: int, allocated: int, reserved: int) -> None:
+        super().__init__(torch.device("cuda", index))
+        self._a, self._r = allocated, reserved
+        self.wide_calls = 0
+
+    def name(self) -> str:
+        return "Fake GPU"
+
+    def allocated(self) -> int:
+        return self._a
+
+    def reserved(self) -> int:
+        return self._r
+
+    def peak_allocated(self) -> int:
+        return self._a
+
+    def peak_reserved(self) -> int:
+        return self._r
+
+    def device_wide(self) -> tuple[int, int] | None:
+        self.wide_calls += 1
+        return (30 * 2**30, 40 * 2**30)
+
+
+def test_cuda_rows_in_index_order_without_creating_contexts(monkeypatch):
+    backends = {0: FakeCuda(0, 2**30, 2 * 2**30), 1: FakeCuda(1, 0, 0)}
+    stats = [  # nvidia-smi lists them in PCI order; CUDA order comes from the UUID map
+        devices.GpuStats(1, "GPU-b", "NVIDIA B", 5.0, 35.0, 3 * 2**30, 40 * 2**30),
+        devices.GpuStats(0, "GPU-a", "NVIDIA A", 90.0, 70.0, 11 * 2**30, 40 * 2**30),
+    ]
+    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: (stats, None))
+    monkeypatch.setattr(
+        devices, "visible_devices", lambda: [torch.device("cuda", 0), torch.device("cuda", 1)]
+    )
+    monkeypatch.setattr(devices, "get_backend", lambda dev, *a, **k: backends[dev.index])
+    snap = snapshot()
+    d0, d1 = snap.devices
+    assert (d0.device, d0.name, d0.uuid, d0.utilization) == ("cuda:0", "NVIDIA A", "GPU-a", 90.0)
+    # cuda:0 holds memory, so cudaMemGetInfo is safe; cuda:1 does not: nvidia-smi's numbers
+    assert (d0.used, d0.used_source) == (10 * 2**30, "cudaMemGetInfo")
+    assert backends[0].wide_calls == 1 and backends[1].wide_calls == 0
+    assert (d1.used, d1.used_source, d1.temperature) == (3 * 2**30, "nvidia-smi", 35.0)
+    assert d0.cached == 2**30 and d0.outside == 8 * 2**30
+    assert 'class="bar"' in snap._repr_html_()
+
+
+def test_cuda_row_without_nvidia_smi_says_why_used_is_missing(monkeypatch):
+    idle = FakeCuda(0, 0, 0)
+    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([], "GPUtil is not importable"))
+    monkeypatch.setattr(devices, "visible_devices", lambda: [torch.device("cuda", 0)])
+    monkeypatch.setattr(devices, "get_backend", lambda dev, *a, **k: idle)
+    row = snapshot().devices[0]
+    assert row.used is None and idle.wide_calls == 0
+    assert "would create a CUDA context" in (row.why("used") or "")
+    assert "GPUtil is not importable" in (row.why("utilization") or "")
+    assert row.allocated == 0 and row.name == "Fake GPU"
+    explicit = snapshot(device=idle).devices[0]  # named explicitly: read it anyway
+    assert explicit.used == 10 * 2**30 and idle.wide_calls == 1
