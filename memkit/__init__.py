@@ -25,7 +25,17 @@ _LAZY: dict[str, str] = {
     "parse_size": "memkit.units",
     "format_size": "memkit.units",
     "MemkitError": "memkit.errors",
+    "probe": "memkit.probing.runner",
+    "probe_file": "memkit.probing.runner",
+    "ProbeResult": "memkit.probing.result",
+    "find_batch_size": "memkit.probing.decorator",
     "snapshot": "memkit.snapshots",
+    "track": "memkit.tracking",
+    "Tracker": "memkit.tracking",
+    "TrackReport": "memkit.tracking",
+    "OomPostMortem": "memkit.tracking",
+    "estimate": "memkit.estimation",
+    "Estimate": "memkit.estimation",
     "microbatch": "memkit.microbatching",
     "MicroBatchStep": "memkit.microbatching",
     "Snapshot": "memkit.snapshots",
@@ -33,29 +43,44 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "Estimate",
     "MemkitError",
     "MemoryAccountant",
     "MicroBatchStep",
+    "OomPostMortem",
+    "ProbeResult",
     "Snapshot",
     "SnapshotDiff",
+    "TrackReport",
+    "Tracker",
     "__version__",
+    "estimate",
+    "find_batch_size",
     "format_size",
     "get_backend",
     "is_oom",
     "microbatch",
     "parse_size",
+    "probe",
+    "probe_file",
     "recover",
     "simulate",
     "snapshot",
+    "track",
 ]
 
 if TYPE_CHECKING:
     from memkit.accounting import MemoryAccountant, simulate
     from memkit.devices import get_backend
     from memkit.errors import MemkitError
+    from memkit.estimation import Estimate, estimate
     from memkit.microbatching import MicroBatchStep, microbatch
     from memkit.oom import is_oom, recover
+    from memkit.probing.decorator import find_batch_size
+    from memkit.probing.result import ProbeResult
+    from memkit.probing.runner import probe, probe_file
     from memkit.snapshots import Snapshot, SnapshotDiff, snapshot
+    from memkit.tracking import OomPostMortem, Tracker, TrackReport, track
     from memkit.units import format_size, parse_size
 
 

@@ -53,6 +53,111 @@ def main(argv: list[str] | None = None) -> None:
     cli.main(args=argv, prog_name="memkit")
 
 
+def _parse_margin(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip().rstrip("%")
+    try:
+        pct = float(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"expected a percentage such as 5 or 5%, found {value!r}"
+        ) from None
+    if not 0 <= pct < 100:
+        raise click.BadParameter(f"expected a percentage in [0, 100), found {value!r}")
+    return pct / 100
+
+
+def _parse_seq_lens(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        lengths = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected L or L1,L2,... (integers), found {value!r}") from None
+    if not lengths or any(n < 1 for n in lengths):
+        raise click.BadParameter(f"expected positive sequence lengths, found {value!r}")
+    return lengths
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
+@click.option("--device", default=None, help="cuda, cuda:N, cpu (simulated)... [default: the "
+              "current accelerator, else cpu]")  # fmt: skip
+@click.option("--budget", default=None, help="Memory cap, e.g. 8GiB. On cpu: the simulated "
+              "device's size [default: half the available RAM].")  # fmt: skip
+@click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None)
+@click.option("--steps", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Full steps per trial (optimizer state appears on the first).")  # fmt: skip
+@click.option("--margin", callback=_parse_margin, default=None,
+              help="Capacity the recommended batch leaves free, in percent "
+              "[default: 5].")  # fmt: skip
+@click.option("--target-batch", type=click.IntRange(min=1), default=None,
+              help="Effective batch you want: advises gradient accumulation.")  # fmt: skip
+@click.option("--seq-len", callback=_parse_seq_lens, default=None,
+              help="Sequence length(s) for make_batch(batch_size, seq_len): "
+              "128,512,2048.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@handle_errors
+def probe(
+    file: str,
+    mode: str,
+    device: str | None,
+    budget: str | None,
+    min_batch: int,
+    max_batch: int | None,
+    steps: int,
+    margin: float | None,
+    target_batch: int | None,
+    seq_len: list[int] | None,
+    as_json: bool,
+) -> None:
+    """Find the largest batch size of a model file that fits, exactly.
+
+    FILE defines build_model() and make_batch(batch_size), and optionally build_optimizer,
+    loss_fn and train_step (see docs/probe.md). Exit codes: 0 found, 1 even --min-batch does
+    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM.
+    """
+    from memkit.probing.result import ProbeResult
+    from memkit.probing.runner import DEFAULT_MARGIN, probe_file
+    from memkit.units import format_size
+
+    def progress(trial: object) -> None:
+        t = trial  # ProbeTrial
+        status = "fits" if t.fits else "OOM"  # type: ignore[attr-defined]
+        click.echo(
+            f"memkit probe: batch {t.batch_size:>7}  {status:<4}  "  # type: ignore[attr-defined]
+            f"peak {format_size(t.peak_bytes):>11}  {t.seconds:6.2f}s",  # type: ignore[attr-defined]
+            err=True,
+        )
+
+    if max_batch is not None and max_batch < min_batch:
+        raise click.BadParameter(
+            f"--max-batch ({max_batch}) must be at least --min-batch ({min_batch})"
+        )
+    result = probe_file(
+        file,
+        seq_len=seq_len,
+        device=device,
+        mode=mode,
+        budget=budget,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        steps=steps,
+        margin=DEFAULT_MARGIN if margin is None else margin,
+        target_batch=target_batch,
+        on_trial=progress,
+    )
+    click.echo(result.to_json() if as_json else str(result))
+    results = [result] if isinstance(result, ProbeResult) else list(result.results)
+    if any(r.max_batch_size is None for r in results):
+        sys.exit(1)
+
+
 def _stdout_is_tty() -> bool:
     """Whether stdout is a terminal (watch mode then redraws in place)."""
     isatty = getattr(sys.stdout, "isatty", None)
@@ -141,7 +246,7 @@ def run_command(
     memkit run --device cpu --budget 300MiB train.py
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
-    from memkit.track.run import rank_path, rank_prefix, run_script
+    from memkit.tracking.run import rank_path, rank_prefix, run_script
 
     outcome = run_script(script, list(args), device=device, budget=budget, per_module=per_module)
     prefix = rank_prefix()
@@ -153,3 +258,92 @@ def run_command(
     if html_path:
         outcome.report.to_html(rank_path(html_path))
     sys.exit(outcome.exit_code)
+
+
+_ESTIMATE_ARCHS = ["volta", "turing", "ampere", "ada", "hopper", "blackwell"]
+"""The keys of memkit.estimation.DEVICE_FAMILIES (listed here so --help needs no torch)."""
+
+
+def _parse_size_option(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> int | None:
+    if value is None:
+        return None
+    from memkit.units import parse_size
+
+    try:
+        return parse_size(value)
+    except MemkitError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@cli.command("estimate")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--device-memory", required=True, callback=_parse_size_option,
+              help="The GPU's total memory: 24GiB, 40GiB, 80GB (GB is decimal).")  # fmt: skip
+@click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
+@click.option("--seq-len", callback=_parse_seq_lens, default=None,
+              help="Sequence length(s) for make_batch(batch_size, seq_len): 512,1024.")  # fmt: skip
+@click.option("--amp", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Model torch.autocast (fp32 master weights) [default: fp32].")  # fmt: skip
+@click.option("--attention", type=click.Choice(["auto", "math", "efficient", "flash"]),
+              default="auto", show_default=True,
+              help="SDPA kernel on the target (auto: what PyTorch would pick).")  # fmt: skip
+@click.option("--arch", type=click.Choice(_ESTIMATE_ARCHS), default="ampere", show_default=True,
+              help="GPU family: CUDA context, cuBLAS workspace, attention kernels.")  # fmt: skip
+@click.option("--context", callback=_parse_size_option, default=None,
+              help="CUDA context size [default: the family's, see docs/estimate.md].")  # fmt: skip
+@click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None)
+@click.option("--margin", callback=_parse_margin, default=None,
+              help="Memory the recommended batch leaves free, percent [default: 5].")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@handle_errors
+def estimate_command(
+    file: str,
+    device_memory: int,
+    mode: str,
+    seq_len: list[int] | None,
+    amp: str | None,
+    attention: str,
+    arch: str,
+    context: int | None,
+    min_batch: int,
+    max_batch: int | None,
+    margin: float | None,
+    as_json: bool,
+) -> None:
+    """Estimate the largest batch of a model file on a GPU you do not have (no GPU needed).
+
+    Every trial runs on meta tensors: nothing is computed, no memory is used. Reports the
+    estimated allocated and reserved peaks per batch, the largest batch that fits, a
+    breakdown and advice (see docs/estimate.md). Exit codes: 0 fits, 1 even --min-batch is
+    estimated not to fit, 2 usage or model-file error, 3 the step failed on meta tensors.
+
+    \b
+    memkit estimate examples/gpt2_small.py --device-memory 24GiB --seq-len 1024 --amp bf16
+    """
+    import json
+
+    from memkit.estimation import DEFAULT_MARGIN, estimate
+
+    if max_batch is not None and max_batch < min_batch:
+        raise click.BadParameter(
+            f"--max-batch ({max_batch}) must be at least --min-batch ({min_batch})"
+        )
+    options: dict[str, Any] = {
+        "device_memory": device_memory, "mode": mode, "amp": amp, "attention": attention,
+        "device": arch, "context": context, "min_batch": min_batch, "max_batch": max_batch,
+        "margin": DEFAULT_MARGIN if margin is None else margin,
+    }  # fmt: skip
+    lengths: list[int | None] = list(seq_len) if seq_len else [None]
+    results = [estimate(file, seq_len=length, **options) for length in lengths]
+    if as_json:
+        payload: Any = results[0].to_dict() if len(results) == 1 else {
+            "seq_lens": [r.to_dict() for r in results]
+        }  # fmt: skip
+        click.echo(json.dumps(payload, indent=2))
+    else:
+        click.echo("\n\n".join(str(r) for r in results))
+    if any(r.max_batch_size is None for r in results):
+        sys.exit(1)

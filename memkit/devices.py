@@ -44,6 +44,8 @@ __all__ = [
     "SimulatedBackend",
     "accelerator_available",
     "collective_device",
+    "counter_reader",
+    "current_device_index",
     "default_cpu_budget",
     "get_backend",
     "host_memory",
@@ -490,7 +492,7 @@ def collective_device(pg_backend: str) -> torch.device:
     return _current_accelerator() or torch.device("cpu")
 
 
-# --- tracker support (memkit.track): cheap counter readers for hooks -------------------------
+# --- tracker support (memkit.tracking): cheap counter readers for hooks ----------------------
 
 
 class CounterReader(Protocol):

@@ -1,0 +1,158 @@
+"""The model-file protocol shared by ``memkit probe`` and ``memkit estimate``.
+
+A model file is a Python file that defines::
+
+    def build_model() -> torch.nn.Module: ...                      # required
+    def make_batch(batch_size: int) -> Tensor | tuple | dict: ...  # required; may take seq_len
+    def build_optimizer(params) -> torch.optim.Optimizer: ...      # optional, default AdamW
+    def loss_fn(output, batch) -> Tensor: ...                      # optional
+    def train_step(model, batch, optimizer) -> None: ...           # optional: replaces the step
+
+Loading a file runs it once as a module (its directory is put on ``sys.path`` so it can import
+its neighbours). Every way a file can be unusable becomes a :class:`ModelFileError` that says
+what was expected, what was found and where.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from memkit.errors import ModelFileError
+
+__all__ = ["EXPECTED_SIGNATURES", "ModelSpec", "call_user", "load_model_file"]
+
+EXPECTED_SIGNATURES = """\
+    def build_model() -> torch.nn.Module                  (required)
+    def make_batch(batch_size[, seq_len]) -> Tensor | tuple | dict   (required)
+    def build_optimizer(params) -> torch.optim.Optimizer  (optional, default AdamW)
+    def loss_fn(output, batch) -> Tensor                  (optional)
+    def train_step(model, batch, optimizer) -> None       (optional)"""
+
+_REQUIRED = ("build_model", "make_batch")
+_OPTIONAL = ("build_optimizer", "loss_fn", "train_step")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The functions a model file provides (optional ones are ``None`` when absent)."""
+
+    path: str
+    build_model: Callable[[], Any]
+    make_batch: Callable[..., Any]
+    build_optimizer: Callable[[Any], Any] | None = None
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    train_step: Callable[[Any, Any, Any], Any] | None = None
+
+    @property
+    def takes_seq_len(self) -> bool:
+        """Whether ``make_batch`` accepts a ``seq_len`` argument."""
+        return accepts_seq_len(self.make_batch)
+
+
+def accepts_seq_len(make_batch: Callable[..., Any]) -> bool:
+    """True when ``make_batch`` has a ``seq_len`` parameter or a second positional one."""
+    try:
+        params = list(inspect.signature(make_batch).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "seq_len" or p.kind is p.VAR_KEYWORD for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _user_traceback(exc: BaseException, path: str) -> str:
+    """The traceback of an exception, from the first frame inside the user's file on."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    start = next((i for i, f in enumerate(frames) if f.filename == path), 0)
+    lines = traceback.format_list(frames[start:])
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines).rstrip()
+
+
+def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any:
+    """Call a model-file function; a failure becomes a ModelFileError with its traceback."""
+    try:
+        return func(*args)
+    except Exception as exc:
+        raise ModelFileError(
+            f"{what} in {path} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, path)}"
+        ) from exc
+
+
+def load_model_file(path: str | Path) -> ModelSpec:
+    """Run a model file and collect its functions.
+
+    Raises:
+        ModelFileError: the file is missing, is not Python, has a syntax error (with file:line),
+            raises while loading (with its traceback), or lacks a required function.
+    """
+    file = Path(path)
+    if not file.exists():
+        raise ModelFileError(
+            f"model file {str(path)!r} not found; expected a Python file defining:\n"
+            f"{EXPECTED_SIGNATURES}"
+        )
+    if not file.is_file():
+        raise ModelFileError(f"model file {str(path)!r} is a directory, not a Python file")
+    resolved = str(file.resolve())
+    module = _execute(file, resolved)
+    missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        found = sorted(
+            name
+            for name, value in vars(module).items()
+            if callable(value)
+            and not name.startswith("_")
+            and getattr(value, "__module__", None) == module.__name__
+        )
+        raise ModelFileError(
+            f"{path} does not define {' and '.join(missing)}; found functions: "
+            f"{', '.join(found) or 'none'}. A model file defines:\n{EXPECTED_SIGNATURES}"
+        )
+    optional: dict[str, Any] = {}
+    for name in _OPTIONAL:
+        value = getattr(module, name, None)
+        if value is not None and not callable(value):
+            raise ModelFileError(f"{path}: {name} is a {type(value).__name__}, expected a function")
+        optional[name] = value
+    return ModelSpec(
+        path=resolved,
+        build_model=module.build_model,
+        make_batch=module.make_batch,
+        **optional,
+    )
+
+
+def _execute(file: Path, resolved: str) -> ModuleType:
+    name = f"memkit_model_{abs(hash(resolved)):x}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{file} cannot be loaded as Python (expected a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:  # like running a script: its folder's modules are importable
+        sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(name, None)
+        raise ModelFileError(
+            f"syntax error in {exc.filename or file}:{exc.lineno}: {exc.msg}\n"
+            f"    {(exc.text or '').rstrip()}"
+        ) from None
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise ModelFileError(
+            f"loading {file} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, resolved)}"
+        ) from exc
+    return module

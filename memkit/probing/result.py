@@ -1,0 +1,224 @@
+"""What a probe found: frozen results that render as text, JSON and HTML."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from memkit.advice import Advice, advice_html, advice_text
+from memkit.render import html as h
+from memkit.render.text import table
+from memkit.units import format_size
+
+__all__ = ["ProbeResult", "ProbeSweep", "ProbeTrial"]
+
+
+@dataclass(frozen=True)
+class ProbeTrial:
+    """One batch size that was run.
+
+    Attributes:
+        batch_size: the size run.
+        fits: it ran ``steps`` full steps without running out of memory (and within capacity).
+        peak_bytes: the peak that decides the fit (reserved bytes on a GPU, counted bytes on the
+            simulated device); for a failure, bytes known to be needed at least, if known.
+        peak_allocated_bytes: peak allocated by tensors (equal to ``peak_bytes`` when simulated).
+        seconds: wall time of the trial.
+        error: the OOM message's first line, for a failure.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    peak_allocated_bytes: int | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "seconds": round(self.seconds, 6),
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The largest batch that fits, how it was found, and what to do with it."""
+
+    max_batch_size: int | None
+    recommended_batch_size: int | None
+    trials: tuple[ProbeTrial, ...]
+    device: str
+    device_name: str
+    accounting: str
+    capacity_bytes: int | None
+    mode: str
+    steps: int
+    margin: float
+    min_batch: int
+    max_batch: int | None
+    hit_max_batch: bool = False
+    seq_len: int | None = None
+    fixed_bytes: float | None = None
+    per_sample_bytes: float | None = None
+    defaults: tuple[str, ...] = ()
+    advice: tuple[Advice, ...] = ()
+    world_size: int = 1
+    per_rank_peaks: tuple[int | None, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        """Whether at least ``min_batch`` fits."""
+        return self.max_batch_size is not None
+
+    def trial(self, batch_size: int) -> ProbeTrial | None:
+        """The trial run at ``batch_size``, if any."""
+        return next((t for t in self.trials if t.batch_size == batch_size), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dictionary (the ``--json`` output)."""
+        return {
+            "max_batch_size": self.max_batch_size,
+            "recommended_batch_size": self.recommended_batch_size,
+            "device": self.device,
+            "device_name": self.device_name,
+            "accounting": self.accounting,
+            "capacity_bytes": self.capacity_bytes,
+            "mode": self.mode,
+            "steps": self.steps,
+            "margin": self.margin,
+            "min_batch": self.min_batch,
+            "max_batch": self.max_batch,
+            "hit_max_batch": self.hit_max_batch,
+            "seq_len": self.seq_len,
+            "memory_model": None
+            if self.per_sample_bytes is None
+            else {"fixed_bytes": self.fixed_bytes, "per_sample_bytes": self.per_sample_bytes},
+            "defaults": list(self.defaults),
+            "world_size": self.world_size,
+            "per_rank_peaks": list(self.per_rank_peaks),
+            "trials": [t.to_dict() for t in self.trials],
+            "advice": [a.to_dict() for a in self.advice],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _headline(self) -> str:
+        where = f"{self.device_name} [{self.device}]"
+        cap = format_size(self.capacity_bytes)
+        seq = f", seq_len {self.seq_len}" if self.seq_len is not None else ""
+        if self.max_batch_size is None:
+            return (
+                f"Does not fit: batch {self.min_batch} ({self.mode}{seq}) needs more than the "
+                f"{cap} of {where}."
+            )
+        bound = " (the --max-batch limit, not a memory limit)" if self.hit_max_batch else ""
+        return (
+            f"Largest batch that fits ({self.mode}{seq}) on {where}, capacity {cap}: "
+            f"{self.max_batch_size}{bound}; recommended {self.recommended_batch_size} "
+            f"(leaves {self.margin:.0%} free)."
+        )
+
+    def _trial_rows(self) -> list[list[object]]:
+        return [
+            [
+                t.batch_size,
+                "yes" if t.fits else "OOM",
+                format_size(t.peak_bytes),
+                f"{t.seconds:.2f}",
+            ]
+            for t in self.trials
+        ]
+
+    def __str__(self) -> str:
+        parts = [self._headline(), ""]
+        parts.append(table(["batch", "fits", "peak", "seconds"], self._trial_rows(), align="rlrr"))
+        if self.per_sample_bytes is not None:
+            parts.append(
+                f"\nmemory model: {format_size(self.fixed_bytes)} + "
+                f"{format_size(self.per_sample_bytes)} per sample"
+            )
+        parts.append(f"accounting: {self.accounting}")
+        parts.extend(self.defaults)
+        text = advice_text(self.advice)
+        if text:
+            parts += ["", "advice:", text]
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return (
+            f"ProbeResult(max_batch_size={self.max_batch_size}, "
+            f"recommended_batch_size={self.recommended_batch_size}, device={self.device!r}, "
+            f"mode={self.mode!r}, trials={len(self.trials)})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [
+            [
+                t.batch_size,
+                "yes" if t.fits else "OOM",
+                format_size(t.peak_bytes),
+                f"{t.seconds:.2f}",
+            ]
+            for t in self.trials
+        ]
+        body = (
+            f"<h3>memkit probe</h3><p>{h.escape(self._headline())}</p>"
+            + h.table(["batch", "fits", "peak", "seconds"], rows)
+            + f'<p class="note">accounting: {h.escape(self.accounting)}<br>'
+            + "<br>".join(h.escape(d) for d in self.defaults)
+            + "</p>"
+            + advice_html(self.advice)
+        )
+        return h.fragment(body)
+
+
+@dataclass(frozen=True)
+class ProbeSweep:
+    """One probe per sequence length (``--seq-len 128,512,2048``)."""
+
+    results: tuple[ProbeResult, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq_lens": [r.to_dict() for r in self.results]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _rows(self) -> list[list[object]]:
+        return [
+            [
+                r.seq_len,
+                r.max_batch_size,
+                r.recommended_batch_size,
+                len(r.trials),
+                format_size(max((t.peak_bytes or 0 for t in r.trials if t.fits), default=None)),
+            ]
+            for r in self.results
+        ]
+
+    def __str__(self) -> str:
+        first = self.results[0]
+        head = (
+            f"Largest batch per sequence length ({first.mode}) on {first.device_name} "
+            f"[{first.device}], capacity {format_size(first.capacity_bytes)}:"
+        )
+        body = table(["seq_len", "max batch", "recommended", "trials", "peak"], self._rows())
+        advice = advice_text(a for r in self.results for a in r.advice)
+        return "\n".join([head, "", body, *(["", "advice:", advice] if advice else [])])
+
+    def __repr__(self) -> str:
+        pairs = ", ".join(f"{r.seq_len}: {r.max_batch_size}" for r in self.results)
+        return f"ProbeSweep({{{pairs}}})"
+
+    def _repr_html_(self) -> str:
+        return h.fragment(
+            "<h3>memkit probe: max batch per sequence length</h3>"
+            + h.table(["seq_len", "max batch", "recommended", "trials", "peak"], self._rows())
+        )

@@ -1,0 +1,406 @@
+"""Run probe trials on a device: one batch size, ``steps`` full steps, peak measured, OOM
+recovered, the user's objects restored afterwards.
+
+:func:`probe` works on live objects; :func:`probe_file` loads a model file first.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memkit.advice import Advice
+from memkit.devices import CudaBackend, SimulatedBackend, get_backend
+from memkit.errors import ConfigError, MemkitError, ModelFileError, UserCodeError
+from memkit.modelfile import accepts_seq_len, call_user, load_model_file
+from memkit.oom import is_oom, parse_oom_message, recover
+from memkit.probing.accumulate import accumulation_advice, plan_accumulation
+from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
+from memkit.probing.search import SearchResult, Trial, search_max_batch
+from memkit.probing.state import SavedState
+from memkit.probing.step import StepPlan, check_batch, to_device
+from memkit.units import format_size
+
+__all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "probe", "probe_file"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MARGIN = 0.05
+"""Share of capacity the recommended batch leaves free (fragmentation, ragged batches)."""
+MAX_BATCH_CEILING = 1 << 20
+"""Largest batch ever tried when no --max-batch is given."""
+
+Backend = CudaBackend | SimulatedBackend
+TrialCallback = Callable[[ProbeTrial], None]
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+@dataclass
+class _TrialRunner:
+    """The oracle handed to the search: runs one batch size and reports (fits, peak)."""
+
+    model: torch.nn.Module
+    make_batch: Callable[..., Any]
+    optimizer: Any
+    step: StepPlan
+    backend: Backend
+    steps: int
+    capacity: int | None
+    saved: SavedState
+    seq_len: int | None = None
+    on_trial: TrialCallback | None = None
+
+    def __post_init__(self) -> None:
+        self.records: dict[int, ProbeTrial] = {}
+
+    def _batch(self, batch_size: int) -> Any:
+        if self.seq_len is None:
+            return self.make_batch(batch_size)
+        return self.make_batch(batch_size, self.seq_len)
+
+    def _clean(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.saved.reset_optimizer()
+        gc.collect()
+        self.backend.empty_cache()
+        self.backend.reset_peak()
+
+    def _run_steps(self, batch_size: int) -> None:
+        for _ in range(self.steps):
+            batch = to_device(self._batch(batch_size), self.backend.device)
+            self.step(self.model, batch, self.optimizer)
+            del batch
+
+    def __call__(self, batch_size: int) -> tuple[bool, int | None]:
+        self._clean()
+        failed: BaseException | None = None
+        started = time.perf_counter()
+        try:
+            with self.backend.activate():
+                self._run_steps(batch_size)
+        except MemkitError:
+            raise
+        except Exception as exc:
+            if not is_oom(exc):
+                raise UserCodeError(
+                    f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
+                    "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
+                    + "".join(traceback.format_exception(exc)).rstrip(),
+                    original=exc,
+                ) from exc
+            failed = exc
+        seconds = time.perf_counter() - started
+        if failed is not None:
+            # Bytes known to be needed: what was held when the allocation failed (from the
+            # message: the unwinding has freed some already) plus what it tried to get.
+            details = parse_oom_message(failed)
+            tried = details.tried_to_allocate
+            in_use = max(
+                details.reserved_total or 0,
+                details.allocated_by_pytorch or 0,
+                self.backend.allocated(),
+            )
+            error = _first_line(failed)
+            recover(self.backend, failed)
+            del failed
+            self.model.zero_grad(set_to_none=True)
+            need = None if tried is None else in_use + tried
+            record = ProbeTrial(batch_size, False, need, seconds, None, error)
+        else:
+            peak = self.backend.peak_reserved()
+            fits = self.capacity is None or peak <= self.capacity
+            over = None if fits else f"peak {format_size(peak)} exceeds the capacity"
+            record = ProbeTrial(
+                batch_size, fits, peak, seconds, self.backend.peak_allocated(), over
+            )
+        self.records[batch_size] = record
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return record.fits, record.peak_bytes
+
+
+def _resolve_backend(
+    model: torch.nn.Module, device: str | torch.device | None, budget: int | str | None
+) -> Backend:
+    params = [p for p in model.parameters()] + [b for b in model.buffers()]
+    model_device = params[0].device if params else None
+    if device is None and model_device is not None and model_device.type not in ("cpu", "meta"):
+        device = model_device
+    backend = get_backend(device, budget)
+    if model_device is not None and model_device.type != backend.device.type:
+        raise ConfigError(
+            f"the model is on {model_device} but the probe runs on {backend.device}; move it "
+            f"first (model.to('{backend.device}')) or pass device='{model_device}'"
+        )
+    return backend
+
+
+def _capacity(backend: Backend) -> int | None:
+    """Bytes this process may hold on the device during a trial."""
+    cap = backend.capacity()
+    if isinstance(backend, SimulatedBackend):
+        return cap.total
+    if cap.free is None:
+        return cap.total
+    # what is reserved now stays usable: capacity = reserved + still free
+    return min(cap.total or 1 << 62, backend.reserved() + cap.free)
+
+
+def _does_not_fit_advice(result: SearchResult, backend: Backend, mode: str) -> Advice:
+    trial = result.trials[0]
+    need = format_size(trial.peak_bytes) if trial.peak_bytes else "more"
+    return Advice(
+        code="does-not-fit",
+        title=f"Even batch {trial.batch_size} does not fit",
+        evidence=(
+            f"Batch {trial.batch_size} ({mode}) needed at least {need} on {backend.name()}, "
+            f"capacity {format_size(result.capacity_bytes)}."
+        ),
+        action=(
+            "Reduce what every step holds: mixed precision (torch.autocast), activation "
+            "checkpointing (torch.utils.checkpoint), a lighter optimizer (SGD keeps no moments; "
+            "Adam keeps two per parameter), or shard parameters and optimizer state across GPUs "
+            "(FSDP/ZeRO)."
+        ),
+        severity="critical",
+    )
+
+
+def probe(
+    model: torch.nn.Module,
+    make_batch: Callable[..., Any],
+    *,
+    optimizer: Any = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    train_step: Callable[[Any, Any, Any], Any] | None = None,
+    mode: str = "train",
+    device: str | torch.device | None = None,
+    budget: int | str | None = None,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    steps: int = 2,
+    margin: float = DEFAULT_MARGIN,
+    target_batch: int | None = None,
+    seq_len: int | None = None,
+    on_trial: TrialCallback | None = None,
+    defaults: Sequence[str] = (),
+) -> ProbeResult:
+    """Find the largest batch size that fits, exactly, and leave everything as it was.
+
+    Each trial runs ``steps`` full steps (forward, loss, backward, optimizer step) at one batch
+    size and measures the peak. The search (:mod:`memkit.probing.search`) fits
+    ``peak = fixed + per_sample * batch`` to the trials and jumps to the predicted limit, then
+    verifies: the reported size was run and fit, and the next size was run and did not.
+
+    Args:
+        model: the model, on the device to probe (or on cpu for the simulated device).
+        make_batch: ``make_batch(batch_size)`` (or ``(batch_size, seq_len)``) -> a tensor, a
+            tuple/list or a dict of tensors.
+        optimizer: stepped in ``train`` mode; ``None`` in train mode means a default AdamW.
+        loss_fn: ``loss_fn(output, batch)``; default: ``output.loss``, a scalar output, or the
+            sum of the output.
+        train_step: ``train_step(model, batch, optimizer)`` replacing the default step.
+        mode: ``"train"`` or ``"infer"`` (forward under ``torch.inference_mode()``).
+        device: default: the model's accelerator, else the current one, else simulated cpu.
+        budget: cap on the device's memory (on cpu: the simulated device's size).
+        min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).
+        steps: full steps per trial (2: optimizer state appears on the first).
+        margin: share of capacity, in bytes, the recommended size leaves free.
+        target_batch: effective batch wanted; adds ``accumulate`` advice.
+        seq_len: passed to ``make_batch`` as its second argument.
+        on_trial: called after each trial (progress lines).
+
+    Returns:
+        A :class:`ProbeResult`. Raises :class:`UserCodeError` when the step raises anything
+        that is not an OOM (it is never retried).
+
+    Examples:
+        >>> import torch, memkit
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(256, 10))
+        >>> result = memkit.probe(model, lambda n: torch.randn(n, 256), device="cpu",
+        ...                       budget="16MiB")
+        >>> result.trial(result.max_batch_size).fits, result.trial(result.max_batch_size + 1).fits
+        (True, False)
+    """
+    if mode not in ("train", "infer"):
+        raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
+    if steps < 1:
+        raise ConfigError(f"steps must be at least 1, found {steps}")
+    if seq_len is not None and not accepts_seq_len(make_batch):
+        raise ConfigError(
+            f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
+            "define make_batch(batch_size, seq_len)"
+        )
+    backend = _resolve_backend(model, device, budget)
+    defaults = list(defaults)
+    if mode == "infer":
+        optimizer = None
+    elif optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters())
+        defaults.append("optimizer: AdamW (default)")
+    elif not any(d.startswith("optimizer:") for d in defaults):
+        defaults.append(f"optimizer: {type(optimizer).__name__}")
+    if isinstance(backend, SimulatedBackend):
+        backend.track(model, optimizer)
+    capacity = _capacity(backend)
+    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step)
+    saved = SavedState(model, optimizer)
+    training_flag = model.training
+    # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
+    # gc.collect() after every trial only walks the trial's own objects (a full collection
+    # with transformers imported costs ~0.4 s on a slow CPU).
+    gc.freeze()
+    try:
+        if mode == "train":
+            model.train()
+        else:
+            model.eval()
+        runner = _TrialRunner(
+            model, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len, on_trial
+        )
+        search = search_max_batch(
+            runner,
+            capacity_bytes=capacity,
+            min_batch=min_batch,
+            max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
+            margin=margin,
+        )
+    finally:
+        gc.unfreeze()
+        model.train(training_flag)
+        saved.restore()
+        gc.collect()
+        backend.empty_cache()
+    return _build_result(
+        search, runner.records, backend, plan, mode, steps, margin, min_batch, max_batch,
+        seq_len, defaults, target_batch,
+    )  # fmt: skip
+
+
+def _build_result(
+    search: SearchResult,
+    records: dict[int, ProbeTrial],
+    backend: Backend,
+    plan: StepPlan,
+    mode: str,
+    steps: int,
+    margin: float,
+    min_batch: int,
+    max_batch: int | None,
+    seq_len: int | None,
+    defaults: list[str],
+    target_batch: int | None,
+) -> ProbeResult:
+    trials = tuple(_merge(t, records) for t in search.trials)
+    advice: list[Advice] = []
+    if search.max_batch_size is None:
+        advice.append(_does_not_fit_advice(search, backend, mode))
+    elif target_batch is not None and search.recommended_batch_size is not None:
+        micro = search.recommended_batch_size
+        advice.append(
+            accumulation_advice(plan_accumulation(target_batch, micro), micro, backend.name())
+        )
+    model = search.model
+    return ProbeResult(
+        max_batch_size=search.max_batch_size,
+        recommended_batch_size=search.recommended_batch_size,
+        trials=trials,
+        device=str(backend.device),
+        device_name=backend.name(),
+        accounting=backend.accounting,
+        capacity_bytes=search.capacity_bytes,
+        mode=mode,
+        steps=steps,
+        margin=margin,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        hit_max_batch=search.hit_max_batch and max_batch is not None,
+        seq_len=seq_len,
+        fixed_bytes=None if model is None else model.fixed_bytes,
+        per_sample_bytes=None if model is None else model.per_sample_bytes,
+        defaults=tuple(defaults + plan.describe()),
+        advice=tuple(advice),
+    )
+
+
+def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
+    record = records.get(trial.batch_size)
+    if record is None:  # pragma: no cover - every trial goes through the runner
+        return ProbeTrial(trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds)
+    return ProbeTrial(
+        trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds,
+        record.peak_allocated_bytes, record.error,
+    )  # fmt: skip
+
+
+def probe_file(
+    path: str,
+    *,
+    seq_len: int | Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+    mode: str = "train",
+    min_batch: int = 1,
+    **options: Any,
+) -> ProbeResult | ProbeSweep:
+    """Load a model file (see :mod:`memkit.modelfile`) and :func:`probe` it.
+
+    With several sequence lengths, returns a :class:`ProbeSweep` (one probe per length).
+    Errors in the file become :class:`ModelFileError` (exit code 2).
+    """
+    spec = load_model_file(path)
+    lengths = [seq_len] if isinstance(seq_len, int) or seq_len is None else list(seq_len)
+    if lengths != [None] and not spec.takes_seq_len:
+        raise ModelFileError(
+            f"--seq-len was given but make_batch in {spec.path} takes no seq_len; "
+            "define make_batch(batch_size, seq_len)"
+        )
+    model = call_user(spec.build_model, what="build_model()", path=spec.path)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(
+            f"build_model() in {spec.path} returned {type(model).__name__}; expected a "
+            "torch.nn.Module"
+        )
+    backend_device = get_backend(device, options.get("budget")).device
+    model = model.to(backend_device)
+    first_len = lengths[0]
+    sample = call_user(
+        spec.make_batch, *([min_batch] if first_len is None else [min_batch, first_len]),
+        what=f"make_batch({min_batch})", path=spec.path,
+    )  # fmt: skip
+    check_batch(sample, min_batch, f"make_batch({min_batch}) in {spec.path}")
+    del sample
+    optimizer = None
+    defaults: list[str] = []
+    if mode == "train" and spec.build_optimizer is not None:
+        optimizer = call_user(
+            spec.build_optimizer, model.parameters(), what="build_optimizer()", path=spec.path
+        )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ModelFileError(
+                f"build_optimizer() in {spec.path} returned {type(optimizer).__name__}; "
+                "expected a torch.optim.Optimizer"
+            )
+        defaults.append(f"optimizer: {type(optimizer).__name__} (build_optimizer)")
+    elif mode == "train":
+        optimizer = torch.optim.AdamW(model.parameters())
+        defaults.append("optimizer: AdamW (default)")
+    results = []
+    for length in lengths:
+        result = probe(
+            model, spec.make_batch, optimizer=optimizer, loss_fn=spec.loss_fn,
+            train_step=spec.train_step, mode=mode, device=device, min_batch=min_batch,
+            seq_len=length, defaults=defaults, **options,
+        )  # fmt: skip
+        results.append(result)
+    return results[0] if len(results) == 1 else ProbeSweep(tuple(results))

@@ -1,0 +1,85 @@
+"""Leave the user's objects exactly as they were: parameters, buffers, gradients, optimizer
+state, ``training`` flags and RNG states, also after an error or Ctrl-C.
+
+Copies are kept in host memory (never on the device being probed, where they would distort
+what is measured), and restored in place with ``copy_`` so parameter identity, and with it the
+optimizer's references, survive.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from memkit.devices import restore_rng_state, rng_state
+
+__all__ = ["SavedState"]
+
+
+def _to_host(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class SavedState:
+    """A host-memory copy of a model's and optimizer's state, restorable bit for bit.
+
+    Examples:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> saved = SavedState(model)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.add_(1)
+        >>> saved.restore()
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._tensors = {
+            name: t.detach().to("cpu", copy=True)
+            for name, t in [*model.named_parameters(), *model.named_buffers()]
+        }
+        self._grads = {
+            name: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+            for name, p in model.named_parameters()
+        }
+        self._training = {name: m.training for name, m in model.named_modules()}
+        self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
+        self._rng = rng_state()
+
+    def reset_optimizer(self) -> None:
+        """Put the optimizer's state back (cheap when it was empty, the usual case)."""
+        if self.optimizer is None or self._optimizer_state is None:
+            return
+        if not self._optimizer_state["state"]:
+            self.optimizer.state.clear()
+            self.optimizer.load_state_dict(self._optimizer_state)
+        else:
+            self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_state))
+
+    def restore(self) -> None:
+        """Copy everything back into the live objects."""
+        tensors = dict([*self.model.named_parameters(), *self.model.named_buffers()])
+        with torch.no_grad():
+            for name, saved in self._tensors.items():
+                live = tensors.get(name)
+                if live is not None:
+                    live.copy_(saved)
+        for name, param in self.model.named_parameters():
+            grad = self._grads.get(name)
+            param.grad = None if grad is None else grad.to(param.device)
+        for name, module in self.model.named_modules():
+            if name in self._training:
+                module.training = self._training[name]
+        self.reset_optimizer()
+        restore_rng_state(self._rng)

@@ -1,0 +1,167 @@
+"""The default training and inference steps, and what they do with a user's batch.
+
+Default step: call the model by the batch's type (tensor: ``model(b)``, tuple/list:
+``model(*b)``, dict: ``model(**b)``); loss = ``loss_fn(output, batch)`` if given, else
+``output.loss`` if present (transformers models), else the output if it is a scalar, else the
+sum of every floating-point tensor in the output; backward; optimizer step;
+``zero_grad(set_to_none=True)``. Inference runs the forward under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memkit.errors import ModelFileError
+
+__all__ = [
+    "StepFn",
+    "StepPlan",
+    "batch_leading_dims",
+    "call_model",
+    "check_batch",
+    "resolve_loss",
+    "to_device",
+]
+
+StepFn = Callable[[torch.nn.Module, Any, Any], None]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a tensor / tuple / list / dict batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """Call the model the way the batch's type suggests."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _float_tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() or output.is_complex() else []
+    if isinstance(output, Mapping):
+        values: Any = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        return []
+    return [t for v in values for t in _float_tensors(v)]
+
+
+def resolve_loss(
+    output: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None
+) -> tuple[torch.Tensor, str]:
+    """The loss to backpropagate, and which rule produced it (for the report)."""
+    if loss_fn is not None:
+        return loss_fn(output, batch), "loss_fn(output, batch)"
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss, "output.loss"
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output.reshape(()), "the scalar output"
+    tensors = [t for t in _float_tensors(output) if t.requires_grad]
+    if not tensors:
+        raise ModelFileError(
+            "cannot derive a loss: the model's output has no .loss, is not a scalar and holds "
+            f"no floating-point tensor that requires grad (found {type(output).__name__}); "
+            "define loss_fn(output, batch) in the model file"
+        )
+    total = tensors[0].sum()
+    for t in tensors[1:]:
+        total = total + t.sum()
+    return total, "sum of the output"
+
+
+@dataclass
+class StepPlan:
+    """The step a probe runs, and the description of each default it used."""
+
+    mode: str
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    train_step: Callable[[Any, Any, Any], Any] | None = None
+    loss_rule: str | None = field(default=None, init=False)
+
+    def __call__(self, model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
+        if self.mode == "infer":
+            with torch.inference_mode():
+                call_model(model, batch)
+            return
+        if self.train_step is not None:
+            self.train_step(model, batch, optimizer)
+            return
+        output = call_model(model, batch)
+        loss, self.loss_rule = resolve_loss(output, batch, self.loss_fn)
+        del output
+        loss.backward()
+        del loss
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+
+    def describe(self) -> list[str]:
+        """Lines such as ``"step: default (forward, loss, backward, optimizer.step)"``."""
+        if self.mode == "infer":
+            return ["step: forward under torch.inference_mode() (inference)"]
+        if self.train_step is not None:
+            return ["step: train_step(model, batch, optimizer) from the model file"]
+        loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
+        return [
+            "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
+            f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
+        ]
+
+
+def batch_leading_dims(batch: Any) -> list[int]:
+    """First-dimension sizes of the batch's tensors (0-d tensors are skipped)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch.shape[0]] if batch.dim() > 0 else []
+    if isinstance(batch, Mapping):
+        return [d for v in batch.values() for d in batch_leading_dims(v)]
+    if isinstance(batch, (tuple, list)):
+        return [d for v in batch for d in batch_leading_dims(v)]
+    return []
+
+
+def check_batch(batch: Any, batch_size: int, where: str) -> None:
+    """Fail clearly when ``make_batch`` returned something a probe cannot use.
+
+    A batch is a tensor, a tuple/list or a dict holding at least one tensor whose first
+    dimension is ``batch_size``.
+    """
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
+        raise ModelFileError(
+            f"{where} returned {type(batch).__name__}; expected a Tensor, a tuple/list or a "
+            "dict of tensors"
+        )
+    dims = batch_leading_dims(batch)
+    if not dims:
+        raise ModelFileError(
+            f"{where} returned a {type(batch).__name__} with no tensor of dimension >= 1; "
+            "expected tensors whose first dimension is the batch size"
+        )
+    if batch_size not in dims:
+        raise ModelFileError(
+            f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
+            f"{batch_size} (the batch size) as the first dimension of at least one tensor. "
+            "Does make_batch ignore its batch_size argument?"
+        )

@@ -1,0 +1,5 @@
+import torch
+
+
+def build_model(:
+    return torch.nn.Linear(2, 2)

@@ -1,0 +1,38 @@
+"""The package's public face: lazy exports that stay functions, whatever was imported first."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import memkit
+
+SUBMODULES = [
+    "memkit.probing.search",
+    "memkit.probing.runner",
+    "memkit.tracking.tracker",
+    "memkit.snapshots",
+    "memkit.microbatching",
+    "memkit.estimation",
+]
+FUNCTIONS = ["probe", "probe_file", "track", "snapshot", "microbatch", "estimate", "simulate"]
+
+
+def test_exported_functions_stay_functions_after_submodule_imports():
+    for name in SUBMODULES:
+        importlib.import_module(name)
+    for name in FUNCTIONS:
+        value = getattr(memkit, name)
+        assert callable(value) and getattr(value, "__name__", "") == name, name
+
+
+def test_every_name_in_all_resolves():
+    for name in memkit.__all__:
+        assert getattr(memkit, name) is not None
+
+
+def test_import_is_cheap_and_torch_free():
+    code = "import sys, memkit; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

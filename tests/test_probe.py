@@ -1,0 +1,207 @@
+"""memkit.probe on real models and the simulated device: exactness, safety, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import memkit
+from memkit.devices import get_backend
+from memkit.errors import ConfigError, UserCodeError
+from memkit.modelfile import load_model_file
+from memkit.probing.runner import probe, probe_file
+from memkit.probing.step import call_model
+
+
+def small_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)
+    )
+
+
+def assert_exact(result) -> None:
+    best = result.max_batch_size
+    assert best is not None
+    assert result.trial(best) is not None and result.trial(best).fits
+    if not result.hit_max_batch:
+        above = result.trial(best + 1)
+        assert above is not None and not above.fits
+    sizes = [t.batch_size for t in result.trials]
+    assert len(sizes) == len(set(sizes)), "a size was run twice"
+
+
+def test_probe_is_exact_and_verified_on_an_mlp():
+    model = small_mlp()
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    assert_exact(result)
+    # the recommendation leaves the margin free, counted in bytes
+    rec = result.recommended_batch_size
+    assert rec is not None and rec <= result.max_batch_size
+    ran = result.trial(rec)
+    if ran is not None:
+        assert ran.peak_bytes <= (1 - result.margin) * result.capacity_bytes
+    assert "optimizer: AdamW (default)" in result.defaults
+    assert result.device == "cpu"
+    assert "simulated" in result.accounting
+
+
+def test_probe_trial_count_is_logarithmic():
+    model = small_mlp()
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="12MiB")
+    best = result.max_batch_size
+    assert len(result.trials) <= math.ceil(math.log2(best)) + 3, [
+        t.batch_size for t in result.trials
+    ]
+
+
+def test_reported_peaks_match_a_direct_measurement():
+    model = small_mlp()
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    best = result.max_batch_size
+    opt = torch.optim.AdamW(model.parameters())
+    with memkit.simulate(None, track=(model, opt)) as acct:
+        for _ in range(2):
+            x = torch.randn(best, 256)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del x
+    assert result.trial(best).peak_bytes == acct.peak
+
+
+def test_state_is_bit_identical_after_probing_a_cnn_with_batchnorm():
+    spec = load_model_file("examples/cnn.py")
+    cnn_batch, cnn_step = spec.make_batch, spec.train_step
+    model = spec.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cnn_step(model, cnn_batch(4), opt)  # momentum buffers and BN statistics exist
+    model.eval()  # the user's flag must survive
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state.items()}
+    rng_before = torch.get_rng_state()
+    result = probe(model, cnn_batch, optimizer=opt, train_step=cnn_step, device="cpu",
+                   budget="32MiB", max_batch=64)  # fmt: skip
+    assert result.max_batch_size is not None
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "parameters/buffers changed"
+    assert int(after["features.1.num_batches_tracked"]) == 1  # one step before the probe
+    for param, state in opt.state.items():
+        assert torch.equal(state["momentum_buffer"], opt_before[param]["momentum_buffer"])
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_is_restored_after_ctrl_c():
+    model = small_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = {"n": 0}
+
+    def make_batch(n):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return torch.randn(n, 256)
+
+    with pytest.raises(KeyboardInterrupt):
+        probe(model, make_batch, device="cpu", budget="8MiB")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert model.training
+
+
+def test_non_oom_error_is_reported_not_retried():
+    calls = {"n": 0}
+    model = small_mlp()
+
+    def step(model, batch, optimizer):
+        calls["n"] += 1
+        raise ValueError("labels are missing")  # a genuine bug
+
+    with pytest.raises(UserCodeError) as info:
+        probe(model, lambda n: torch.randn(n, 256), train_step=step, device="cpu",
+              budget="8MiB")  # fmt: skip
+    assert calls["n"] == 1
+    assert "ValueError: labels are missing" in str(info.value)
+    assert "not an out-of-memory error" in str(info.value)
+    assert info.value.exit_code == 3
+
+
+def test_does_not_fit_even_at_min_batch():
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights; AdamW needs 16 MiB in all
+    result = probe(model, lambda n: torch.randn(n, 1024), device="cpu", budget="10MiB")
+    assert result.max_batch_size is None
+    assert result.recommended_batch_size is None
+    assert len(result.trials) == 1 and not result.trials[0].fits
+    assert [a.code for a in result.advice] == ["does-not-fit"]
+
+
+def test_memory_returns_to_baseline_after_many_ooms():
+    model = small_mlp()
+    backend = get_backend("cpu", "24MiB")
+    backend.track(model)
+    baseline = backend.allocated()
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    assert sum(not t.fits for t in result.trials) >= 1
+    assert backend.allocated() == baseline
+
+
+def test_target_batch_advises_exact_accumulation():
+    model = small_mlp()
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",
+                   target_batch=4096)  # fmt: skip
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    rec = result.recommended_batch_size
+    steps = math.ceil(4096 / rec)
+    assert f"over {steps} steps" in advice.title or f"over {steps + 1} steps" in advice.title
+    assert "4096" in advice.evidence
+
+
+def test_infer_mode_fits_more_than_train():
+    model = small_mlp()
+    make = lambda n: torch.randn(n, 256)  # noqa: E731
+    train = probe(model, make, device="cpu", budget="8MiB")
+    infer = probe(model, make, device="cpu", budget="8MiB", mode="infer")
+    assert infer.max_batch_size > train.max_batch_size
+    assert any("inference_mode" in d for d in infer.defaults)
+
+
+def test_max_batch_cap_is_reported_as_such():
+    result = probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="64MiB",
+                   max_batch=20)  # fmt: skip
+    assert result.max_batch_size == 20
+    assert result.hit_max_batch
+    assert result.trial(20).fits
+
+
+def test_model_on_another_device_is_a_clear_error():
+    model = small_mlp().to("meta")
+    with pytest.raises(ConfigError, match="model is on meta"):
+        probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+
+
+def test_call_model_by_batch_type():
+    class Echo(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args, kwargs
+
+    echo = Echo()
+    t = torch.ones(1)
+    assert call_model(echo, t) == ((t,), {})
+    assert call_model(echo, (t, t))[0] == (t, t)
+    assert call_model(echo, {"x": t})[1] == {"x": t}
+
+
+def test_probe_file_examples_cnn_and_gpt2_seq_len_sweep():
+    cnn = probe_file("examples/cnn.py", device="cpu", budget="48MiB", max_batch=512,
+                     target_batch=512)  # fmt: skip
+    assert_exact(cnn)
+    assert "optimizer: SGD (build_optimizer)" in cnn.defaults
+    assert any("train_step" in d for d in cnn.defaults)
+    sweep = probe_file("examples/gpt2.py", device="cpu", budget="48MiB", seq_len=[32, 128])
+    sizes = [r.max_batch_size for r in sweep.results]
+    assert sizes[0] > sizes[1] > 0  # longer sequences fit fewer
+    for r in sweep.results:
+        assert_exact(r)
+    assert any("output.loss" in d for d in sweep.results[0].defaults)

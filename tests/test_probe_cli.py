@@ -1,0 +1,102 @@
+"""`memkit probe FILE`: output, JSON, exit codes and the errors bad model files get."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memkit.cli import cli
+
+FILES = Path(__file__).parent / "modelfiles"
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, ["probe", *args])
+
+
+def test_json_output_has_the_documented_fields():
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("max_batch_size", "recommended_batch_size", "device", "capacity_bytes", "mode",
+                "trials", "advice"):  # fmt: skip
+        assert key in data
+    assert data["device"] == "cpu" and data["mode"] == "train"
+    assert data["capacity_bytes"] == 12 * 1024**2
+    best = data["max_batch_size"]
+    by_size = {t["batch_size"]: t for t in data["trials"]}
+    assert by_size[best]["fits"] and not by_size[best + 1]["fits"]
+    for trial in data["trials"]:
+        assert set(trial) >= {"batch_size", "fits", "peak_bytes", "seconds"}
+    assert "memkit probe: batch" in result.stderr  # progress lines go to stderr
+
+
+def test_human_output_table_and_defaults():
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB",
+                 "--target-batch", "1000")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Largest batch that fits (train)" in result.stdout
+    assert "optimizer: AdamW (default)" in result.stdout
+    assert "[accumulate]" in result.stdout
+
+
+def test_does_not_fit_exits_1_with_the_numbers():
+    result = run(str(FILES / "huge.py"), "--device", "cpu", "--budget", "20MiB")
+    assert result.exit_code == 1
+    assert "Does not fit" in result.stdout
+    assert "[does-not-fit]" in result.stdout
+
+
+def test_step_bug_exits_3_with_its_traceback():
+    result = run(str(FILES / "step_bug.py"), "--device", "cpu", "--budget", "64MiB")
+    assert result.exit_code == 3
+    assert "RuntimeError" in result.stderr
+    assert "not an out-of-memory error" in result.stderr
+    assert "step_bug.py" in result.stderr  # the traceback points into the user's file
+    assert result.stderr.count("memkit probe: batch") == 0  # no trial was reported as done
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("does_not_exist.py", ["not found", "def build_model()", "def make_batch"]),
+        ("syntax_error.py", ["syntax error in", "syntax_error.py:4"]),
+        ("missing_make_batch.py", ["does not define make_batch", "make_batches", "def make_batch"]),
+        ("build_raises.py", ["build_model() in", "IndexError", "build_raises.py", "line 6"]),
+        ("bad_batch.py", ["make_batch(1)", "returned str", "expected a Tensor"]),
+        ("ignores_batch_size.py", ["first dimensions [8]", "ignore its batch_size"]),
+    ],
+)
+def test_bad_model_files_exit_2_with_a_clear_error(name, expected):
+    result = run(str(FILES / name), "--device", "cpu", "--budget", "64MiB")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: ")
+    assert "Traceback (most recent call last)" not in result.stderr.splitlines()[0]
+    for fragment in expected:
+        assert fragment in result.stderr, (fragment, result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--budget", "lots"], "lots"),
+        (["--margin", "150"], "percentage"),
+        (["--seq-len", "a,b"], "--seq-len"),
+        (["--min-batch", "8", "--max-batch", "4"], "--max-batch"),
+        (["--device", "gpu0"], "expected a device"),
+    ],
+)
+def test_bad_options_exit_2(args, fragment):
+    result = run(str(FILES / "ok_mlp.py"), *args)
+    assert result.exit_code == 2
+    assert fragment in result.output
+
+
+def test_seq_len_needs_make_batch_with_seq_len():
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB",
+                 "--seq-len", "128")  # fmt: skip
+    assert result.exit_code == 2
+    assert "takes no seq_len" in result.stderr
