@@ -1,0 +1,317 @@
+"""Leaks: memory that grows from one step boundary to the next, and the variable behind it.
+
+At each step boundary a healthy training loop is back at the same level: activations are
+freed, gradients and optimizer state are reused. :class:`GrowthDetector` watches those levels
+and flags growth that persists for ``window`` consecutive steps (after ``warmup`` steps, while
+gradients and optimizer state are created).
+
+The classic cause is a tensor that still carries an autograd graph after the optimizer step,
+held by a live variable: ``running_loss += loss`` (with ``retain_graph=True`` or without a
+backward the graph keeps its saved activations), ``history.append(logits)``. :func:`scan_frames`
+walks the frames of the training thread (the thread that runs the step boundary) and finds
+locals that are such tensors, or shallow containers of them, or attributes of ``self``. Two scans
+a step apart tell a growing graph (a suspect) from the step's own ``loss`` (same size each time).
+
+It runs only when growth is detected, never on every step: frame inspection costs tens of
+microseconds and would not be free to leave on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import linecache
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from memkit.advice import Advice
+from memkit.tracking.report import LeakFinding, LeakSuspect
+from memkit.units import format_size
+
+__all__ = [
+    "GRAPH_NODE_LIMIT",
+    "Candidate",
+    "GrowthDetector",
+    "compare_scans",
+    "graph_retained_advice",
+    "graph_size",
+    "scan_frames",
+]
+
+log = logging.getLogger(__name__)
+
+GRAPH_NODE_LIMIT = 20_000
+"""Autograd nodes counted at most per tensor (bounds the cost on huge leaked graphs)."""
+
+_CONTAINER_PEEK = 3
+"""Elements looked at from each end of a list/tuple (and values of a dict)."""
+
+_MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_MEMKIT_DIR]
+    torch = sys.modules.get("torch")
+    torch_file = getattr(torch, "__file__", None)
+    if torch_file:
+        dirs.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
+    dirs.append(os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # the stdlib (runpy...)
+    return tuple(dirs)
+
+
+class GrowthDetector:
+    """Flags allocated memory that grows at every step boundary.
+
+    Args:
+        warmup: step boundaries ignored at the start (gradients and optimizer state appear).
+        window: consecutive growing boundaries needed to call it a leak.
+        min_growth: bytes per step below which growth is ignored (allocator rounding).
+    """
+
+    def __init__(self, warmup: int = 2, window: int = 3, min_growth: int = 1) -> None:
+        self.warmup = warmup
+        self.window = window
+        self.min_growth = min_growth
+        self._levels: list[tuple[int, int]] = []  # (step, allocated), growing run only
+        self._seen = 0
+        self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
+
+    def observe(self, step: int, allocated: int) -> bool:
+        """Record a boundary level; return True when the growth run reaches ``window`` steps
+        (and at every further growing step)."""
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return False
+        if self._levels and allocated - self._levels[-1][1] < self.min_growth:
+            self._levels = [(step, allocated)]
+            return False
+        self._levels.append((step, allocated))
+        steps = len(self._levels) - 1
+        if steps < self.window:
+            return False
+        first_step, first = self._levels[0]
+        growth = (allocated - first) // steps
+        self.finding = (growth, first_step, steps)
+        return True
+
+
+@dataclass
+class Candidate:
+    """One variable found holding an autograd graph in one scan."""
+
+    name: str
+    function: str
+    filename: str
+    frame_line: int
+    kind: str
+    size: int  # graph nodes (tensor) or length (container)
+    first_line: int
+
+
+def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
+    """Autograd nodes reachable from ``tensor.grad_fn``, counted up to ``limit``."""
+    root = getattr(tensor, "grad_fn", None)
+    if root is None:
+        return 0
+    seen = {id(root)}
+    stack = [root]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return len(seen)
+
+
+def _has_graph(value: Any, tensor_type: type) -> bool:
+    return isinstance(value, tensor_type) and getattr(value, "grad_fn", None) is not None
+
+
+def _container_graph(value: Any, tensor_type: type) -> bool:
+    """A list/tuple/dict with graph-carrying tensors among its first or last few items."""
+    if isinstance(value, (list, tuple)):
+        n = len(value)
+        items: list[Any] = [
+            *value[:_CONTAINER_PEEK],
+            *value[max(_CONTAINER_PEEK, n - _CONTAINER_PEEK) :],
+        ]
+    elif isinstance(value, dict):
+        items = []
+        for i, v in enumerate(value.values()):
+            if i >= 2 * _CONTAINER_PEEK:
+                break
+            items.append(v)
+    else:
+        return False
+    return any(_has_graph(v, tensor_type) for v in items)
+
+
+def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType]:
+    skip = _library_dirs()
+    frame = start
+    depth = 0
+    while frame is not None and depth < limit:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(skip) and not frame.f_code.co_filename.startswith("<frozen"):
+            yield frame
+        frame = frame.f_back
+        depth += 1
+
+
+_ASSIGN = r"(?<![\w.])(?:self\.)?{name}\s*(\+=|-=|\*=|=(?!=)|\.append\(|\.extend\(|\[[^\]]*\]\s*=)"
+
+
+def _first_line(frame: FrameType, name: str) -> int:
+    """The line that grows or assigns ``name`` in the frame's function (augmented assignment or
+    append preferred), else the frame's current line."""
+    code = frame.f_code
+    try:
+        lines, start = inspect.getsourcelines(code)
+    except (OSError, TypeError):
+        return frame.f_lineno
+    if code.co_name == "<module>":
+        start = 1
+    bare = name.split(".", 1)[1] if name.startswith("self.") else name
+    pattern = re.compile(_ASSIGN.format(name=re.escape(bare)))
+    best: tuple[int, int] | None = None
+    for i, text in enumerate(lines):
+        m = pattern.search(text)
+        if m is None:
+            continue
+        rank = 0 if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") else 1
+        if best is None or rank < best[0]:
+            best = (rank, start + i)
+    return frame.f_lineno if best is None else best[1]
+
+
+def scan_frames(start: FrameType | None = None) -> list[Candidate]:
+    """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
+
+    Looks at each frame's locals (a script's top level: its globals), one level into lists,
+    tuples and dicts, and at the attributes of a local named ``self``. Frames of torch, memkit
+    and the standard library are skipped.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    tensor_type = torch.Tensor
+    if start is None:
+        start = sys._getframe(1)
+    out: list[Candidate] = []
+    for frame in _user_frames(start):
+        try:
+            names = dict(frame.f_locals)
+        except Exception:  # exotic frames
+            continue
+        items: list[tuple[str, Any]] = [(k, v) for k, v in names.items() if not k.startswith("__")]
+        owner = names.get("self")
+        if (
+            owner is not None
+            and hasattr(owner, "__dict__")
+            and not isinstance(owner, torch.nn.Module)
+        ):
+            with contextlib.suppress(TypeError):
+                items.extend((f"self.{k}", v) for k, v in vars(owner).items())
+        for name, value in items:
+            if _has_graph(value, tensor_type):
+                kind, size = "tensor", graph_size(value)
+            elif _container_graph(value, tensor_type):
+                kind, size = "container", len(value)
+            else:
+                continue
+            out.append(
+                Candidate(
+                    name=name,
+                    function=frame.f_code.co_name,
+                    filename=frame.f_code.co_filename,
+                    frame_line=frame.f_lineno,
+                    kind=kind,
+                    size=size,
+                    first_line=_first_line(frame, name),
+                )
+            )
+    return out
+
+
+def _key(c: Candidate) -> tuple[str, str, str]:
+    return (c.filename, c.function, c.name)
+
+
+def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakSuspect]:
+    """Suspects from two scans a step (or more) apart: candidates in ``after`` whose graph or
+    length grew are confirmed (``growing=True``) and listed first; with no ``before`` every
+    candidate is listed, largest first, unconfirmed."""
+    previous = {_key(c): c.size for c in before}
+    suspects: list[LeakSuspect] = []
+    for c in after:
+        grew = _key(c) in previous and c.size > previous[_key(c)]
+        if before and not grew:
+            continue
+        code = linecache.getline(c.filename, c.first_line).strip()
+        suspects.append(
+            LeakSuspect(
+                name=c.name,
+                function=c.function,
+                filename=c.filename,
+                line=c.first_line,
+                code=code,
+                kind=c.kind,
+                graph_nodes=c.size,
+                growing=grew,
+            )
+        )
+    suspects.sort(key=lambda s: (not s.growing, s.kind != "container", -s.graph_nodes))
+    return suspects
+
+
+def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
+    """``graph-retained``: memory grows each step and a live variable holds an autograd graph."""
+    out: list[Advice] = []
+    for leak in leaks:
+        growth = (
+            f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} per "
+            f"step for {leak.steps} consecutive steps (from step {leak.first_step})."
+        )
+        if not leak.suspects:
+            out.append(
+                Advice(
+                    code="memory-growth",
+                    title=f"memory grows every step on {leak.device}",
+                    evidence=growth + " No variable of the training thread holds an autograd "
+                    "graph: look for tensors kept in lists, caches or globals.",
+                    action="Keep only Python numbers across steps (`.item()`), or `.detach()` "
+                    "tensors you store; check caches that grow with the step count.",
+                    saving_bytes=leak.growth_per_step,
+                    severity="warning",
+                )
+            )
+            continue
+        top = leak.suspects[0]
+        names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
+        fix = (
+            f"`{top.name}.append(x.detach())`"
+            if top.kind == "container"
+            else f"`{top.name} += loss.item()` (or `loss.detach()`)"
+        )
+        out.append(
+            Advice(
+                code="graph-retained",
+                title=f"`{top.name}` keeps an autograd graph alive across steps",
+                evidence=growth
+                + f" Still holding a graph after the optimizer step: {names}"
+                + (f"; line: `{top.code}`" if top.code else "")
+                + ". Each step's graph (and the activations it saved) stays on the device.",
+                action=f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
+                "only logs.",
+                saving_bytes=leak.growth_per_step,
+                severity="critical" if top.growing else "warning",
+            )
+        )
+    return out

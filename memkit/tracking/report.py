@@ -1,0 +1,651 @@
+"""Results of :func:`memkit.track`: frozen records that render as text, HTML and JSON.
+
+A :class:`TrackReport` holds one :class:`DeviceReport` per device the tracked code used, the
+advice, and, when an out-of-memory error ended the block, an :class:`OomPostMortem`. Everything
+here is a pure function of the recorded numbers: no torch at import, nothing measured.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memkit.advice import Advice, advice_html, advice_text
+from memkit.render import html as h
+from memkit.render.text import table
+from memkit.units import format_size
+
+__all__ = [
+    "PHASES",
+    "Breakdown",
+    "DeviceReport",
+    "LeakFinding",
+    "LeakSuspect",
+    "ModuleRecord",
+    "OomPostMortem",
+    "StepRecord",
+    "TimelinePoint",
+    "TrackReport",
+]
+
+PHASES = ("forward", "backward", "optimizer", "other")
+"""Phases of a training step, in the order memkit reports them."""
+
+MAX_PLOT_POINTS = 1200
+"""The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
+
+
+def _size(value: int | None) -> str:
+    return "-" if value is None else format_size(value)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """One reading of a device's counters, taken by a hook.
+
+    Attributes:
+        t: seconds since the tracked block started.
+        step: optimizer steps completed before this reading.
+        phase: one of :data:`PHASES`.
+        module: the module whose hook took it (``None`` at phase or step boundaries).
+        allocated: bytes held by tensors.
+        reserved: bytes held by the allocator (equal to ``allocated`` on the simulated device).
+    """
+
+    t: float
+    step: int
+    phase: str
+    module: str | None
+    allocated: int
+    reserved: int
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step on one device (from one step boundary to the next).
+
+    Attributes:
+        step: the step's number (0 is the first).
+        start_allocated: allocated bytes at the boundary that started it.
+        end_allocated: allocated bytes at the boundary that ended it. A leak shows as
+            ``end_allocated`` growing step after step.
+        peak_allocated: the highest allocated bytes during the step.
+        peak_reserved: the highest reserved bytes during the step.
+        phase_peaks: peak allocated bytes per phase (``None``: the phase did not occur).
+        duration_s: wall time of the step.
+    """
+
+    step: int
+    start_allocated: int
+    end_allocated: int
+    peak_allocated: int
+    peak_reserved: int
+    phase_peaks: dict[str, int | None]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """Memory of one module on one device, over every call.
+
+    Attributes:
+        path: the module's name in its model (``transformer.h.0.attn``); the model itself is
+            named by its class.
+        device: the device its calls ran on.
+        calls: how many forward calls were seen.
+        activation_bytes: the largest growth of allocated memory across one forward call
+            (allocated after its forward minus before): what the call left behind, mostly what
+            backward will need. Includes its children's.
+        self_activation_bytes: the same, minus what its child modules left behind.
+        activation_bytes_per_step: the largest sum over the calls of one step (a module called
+            several times per step keeps several sets); without step boundaries, the sum over
+            every call so far.
+        peak_allocated: the highest allocated bytes reached while its forward ran.
+        peak_over_entry: that peak minus allocated at entry: the transient the call needed.
+        leaf: the module has no child modules.
+    """
+
+    path: str
+    device: str
+    calls: int
+    activation_bytes: int
+    self_activation_bytes: int
+    activation_bytes_per_step: int | None
+    peak_allocated: int
+    peak_over_entry: int
+    leaf: bool
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """What allocated memory consisted of at one moment (a peak, or an OOM).
+
+    Parameters, gradients and optimizer state are byte sums of the tracked model's and
+    optimizer's tensors on the device (each storage once). Activations are what the step's
+    forward and backward added on top (growth since the step's forward began, minus gradients
+    and optimizer state created since then); other is what was there before the forward and is
+    none of the above (the batch, user tensors, leaked graphs). See docs/track.md for the
+    approximations.
+    """
+
+    total: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    other: int
+    step: int | None
+    phase: str | None
+    module: str | None
+    note: str | None = None
+
+    def parts(self) -> list[tuple[str, int]]:
+        """``(category, bytes)`` in display order."""
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("activations", self.activations),
+            ("other", self.other),
+        ]
+
+    def text(self) -> str:
+        """One line per category with its share of the total."""
+        rows = []
+        for name, value in self.parts():
+            share = f"{100.0 * value / self.total:.0f}%" if self.total else "-"
+            rows.append([name, format_size(value), share])
+        rows.append(["total", format_size(self.total), ""])
+        return table(["category", "bytes", "share"], rows, align="lrr")
+
+
+@dataclass(frozen=True)
+class LeakSuspect:
+    """A live variable of the training thread that holds an autograd graph.
+
+    Attributes:
+        name: the variable (``running_loss``, ``self.history``, ``losses[...]``).
+        function: the function whose frame holds it (``<module>`` for a script's top level).
+        filename: that function's file.
+        line: the line that assigns or grows it, if found in the source, else the frame's
+            current line.
+        code: that line's text.
+        kind: ``"tensor"`` or ``"container"`` (a list, tuple or dict of such tensors).
+        graph_nodes: autograd nodes reachable from it (counted up to a bound), or the
+            container's length.
+        growing: it grew between two inspections (confirmed), else a candidate.
+    """
+
+    name: str
+    function: str
+    filename: str
+    line: int
+    code: str
+    kind: str
+    graph_nodes: int
+    growing: bool
+
+    @property
+    def where(self) -> str:
+        """``train.py:train():42``."""
+        return f"{Path(self.filename).name}:{self.function}():{self.line}"
+
+
+@dataclass(frozen=True)
+class LeakFinding:
+    """Memory that grows from one step boundary to the next.
+
+    Attributes:
+        device: the device.
+        growth_per_step: average growth of allocated bytes per step over the window.
+        first_step: the step where the growth was first seen.
+        steps: the number of consecutive growing steps seen.
+        suspects: variables holding autograd graphs (the classic cause), most likely first.
+    """
+
+    device: str
+    growth_per_step: int
+    first_step: int
+    steps: int
+    suspects: tuple[LeakSuspect, ...] = ()
+
+
+@dataclass(frozen=True)
+class OomPostMortem:
+    """Where and why an out-of-memory error ended the tracked block.
+
+    Attributes:
+        device: the device that ran out.
+        step: the step it happened in.
+        phase: ``forward``, ``backward``, ``optimizer`` or ``other``.
+        module: the innermost module running (forward) or whose backward was running, or
+            ``None`` outside any module (the loss, the optimizer).
+        training: the root module's ``training`` flag at the last forward, if known.
+        grad_enabled: whether autograd was recording at the last forward, if known.
+        exception: the exception's type and first line.
+        source: which OOM rule matched (``torch.OutOfMemoryError``, ``cuBLAS``...).
+        tried_to_allocate: the failed request, from the message.
+        capacity: the device's size (message, else the backend).
+        free: free bytes (message, else the backend).
+        allocated: bytes held by tensors when it failed.
+        breakdown: those bytes by category.
+        top_modules: ``(path, bytes)``: the modules that kept the most activation memory.
+        leak: growth seen before the failure, if any.
+        advice: what to do.
+        rank: the distributed rank, if any.
+    """
+
+    device: str
+    step: int
+    phase: str
+    module: str | None
+    training: bool | None
+    grad_enabled: bool | None
+    exception: str
+    source: str | None
+    tried_to_allocate: int | None
+    capacity: int | None
+    free: int | None
+    allocated: int | None
+    breakdown: Breakdown | None
+    top_modules: tuple[tuple[str, int], ...]
+    leak: LeakFinding | None
+    advice: tuple[Advice, ...]
+    rank: int | None = None
+
+    @property
+    def where(self) -> str:
+        """``step 3, backward of transformer.h.1.mlp``."""
+        if self.module is not None:
+            place = f"{self.phase} of {self.module}"
+        elif self.phase == "forward":
+            place = "forward, outside any module (e.g. the loss)"
+        else:
+            place = f"{self.phase}, outside any module"
+        return f"step {self.step}, {place}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        out = asdict(self)
+        out["advice"] = [a.to_dict() for a in self.advice]
+        out["where"] = self.where
+        return out
+
+    def __str__(self) -> str:
+        rank = "" if self.rank is None else f" (rank {self.rank})"
+        lines = [
+            f"memkit: out of memory on {self.device}{rank} at {self.where}",
+            f"  {self.exception}",
+            f"  tried to allocate {_size(self.tried_to_allocate)}; "
+            f"capacity {_size(self.capacity)}, free {_size(self.free)}, "
+            f"held by tensors {_size(self.allocated)}",
+        ]
+        if self.training is False and self.grad_enabled:
+            lines.append("  the last forward ran in eval mode with autograd recording")
+        if self.breakdown is not None:
+            lines.append("  what was allocated:")
+            lines.extend("    " + line for line in self.breakdown.text().splitlines())
+        if self.top_modules:
+            lines.append("  largest activations (kept after forward, per step):")
+            rows = [[path, format_size(size)] for path, size in self.top_modules]
+            lines.extend("    " + line for line in table(["module", "bytes"], rows).splitlines())
+        if self.leak is not None:
+            lines.append(
+                f"  memory grew by {format_size(self.leak.growth_per_step)} per step for "
+                f"{self.leak.steps} steps before this"
+            )
+        if self.advice:
+            lines.append("  advice:")
+            lines.extend("    " + line for line in advice_text(self.advice).splitlines())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    def html(self) -> str:
+        """An HTML section (no page shell)."""
+        rows = [
+            ["where", self.where],
+            ["exception", self.exception],
+            ["tried to allocate", _size(self.tried_to_allocate)],
+            ["capacity", _size(self.capacity)],
+            ["free", _size(self.free)],
+            ["held by tensors", _size(self.allocated)],
+        ]
+        body = [f"<h2>Out of memory on {h.escape(self.device)}</h2>", h.table(["", ""], rows)]
+        if self.breakdown is not None:
+            body.append(_breakdown_html(self.breakdown, "When it failed"))
+        if self.top_modules:
+            body.append("<h3>Largest activations</h3>")
+            body.append(
+                h.table(["module", "bytes"], [[p, format_size(s)] for p, s in self.top_modules])
+            )
+        body.append("<h3>Advice</h3>")
+        body.append(advice_html(list(self.advice)))
+        return "".join(body)
+
+    def _repr_html_(self) -> str:
+        return h.fragment(self.html())
+
+
+def _breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
+    parts = [(f"{name}: {format_size(v)}", float(v)) for name, v in bd.parts()]
+    where = ", ".join(
+        x
+        for x in (
+            None if bd.step is None else f"step {bd.step}",
+            bd.phase,
+            None if bd.module is None else bd.module,
+        )
+        if x
+    )
+    rows = [[name, format_size(v)] for name, v in bd.parts()]
+    note = f'<p class="note">{h.escape(bd.note)}</p>' if bd.note else ""
+    return (
+        f"<h3>{h.escape(title)} ({h.escape(format_size(bd.total))}; {h.escape(where)})</h3>"
+        + h.stacked_bar(parts, float(bd.total), width_px=480)
+        + h.legend([name for name, _ in bd.parts()])
+        + h.table(["category", "bytes"], rows)
+        + note
+    )
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """Everything recorded for one device.
+
+    Attributes:
+        device: ``cuda:0``, ``cpu`` (simulated)...
+        name: the backend's description (GPU name, or ``simulated cpu (300.00 MiB)``).
+        accounting: what the numbers count.
+        capacity: the device's size for this process, if known.
+        baseline_allocated: allocated bytes when tracking started.
+        final_allocated: allocated bytes when it ended.
+        peak_allocated: the highest allocated bytes seen.
+        peak_reserved: the highest reserved bytes seen.
+        phase_peaks: peak allocated bytes per phase over the whole run.
+        steps: one record per completed step.
+        modules: per-module records, largest activations first.
+        breakdown: what the peak consisted of.
+        timeline: counter readings (the most recent ones, up to the tracker's limit).
+        timeline_dropped: older readings that did not fit the limit.
+        leak: growth from step to step, if detected.
+    """
+
+    device: str
+    name: str
+    accounting: str
+    capacity: int | None
+    baseline_allocated: int
+    final_allocated: int
+    peak_allocated: int
+    peak_reserved: int
+    phase_peaks: dict[str, int | None]
+    steps: tuple[StepRecord, ...] = ()
+    modules: tuple[ModuleRecord, ...] = ()
+    breakdown: Breakdown | None = None
+    timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False)
+    timeline_dropped: int = 0
+    leak: LeakFinding | None = None
+
+    def top_modules(self, n: int = 10) -> list[ModuleRecord]:
+        """The ``n`` modules that kept the most activation memory (own, excluding children)."""
+        return sorted(
+            self.modules,
+            key=lambda m: (m.self_activation_bytes, m.activation_bytes_per_step or 0),
+            reverse=True,
+        )[:n]
+
+    def summary_row(self) -> list[object]:
+        """A row for the device summary table."""
+        return [
+            self.device,
+            self.name,
+            _size(self.capacity),
+            _size(self.peak_allocated),
+            _size(self.peak_reserved),
+            *(_size(self.phase_peaks.get(p)) for p in PHASES),
+            len(self.steps),
+        ]
+
+
+SUMMARY_HEADERS = [
+    "device",
+    "name",
+    "capacity",
+    "peak alloc",
+    "peak reserved",
+    *(f"{p}" for p in PHASES),
+    "steps",
+]
+MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
+
+
+def _module_row(m: ModuleRecord) -> list[object]:
+    return [
+        m.path,
+        m.calls,
+        _size(m.activation_bytes_per_step),
+        _size(m.self_activation_bytes),
+        _size(m.peak_allocated),
+        _size(m.peak_over_entry),
+    ]
+
+
+def _downsample(points: Sequence[TimelinePoint], limit: int) -> list[TimelinePoint]:
+    """At most ``limit`` points, keeping each bucket's highest reading (peaks survive)."""
+    if len(points) <= limit:
+        return list(points)
+    bucket = -(-len(points) // limit)
+    out = []
+    for i in range(0, len(points), bucket):
+        out.append(max(points[i : i + bucket], key=lambda p: p.allocated))
+    return out
+
+
+@dataclass(frozen=True)
+class TrackReport:
+    """What :func:`memkit.track` (or ``memkit run``) recorded.
+
+    Attributes:
+        devices: one report per device, in device order.
+        steps: completed steps (optimizer steps, or ``Tracker.step()`` calls).
+        mode: ``"per-module"`` or ``"steps-only"``.
+        duration_s: wall time of the tracked block.
+        advice: recommendations from what was measured.
+        oom: the post-mortem, when an out-of-memory error ended the block.
+        eval_grad_forwards: forward passes run in eval mode with autograd recording.
+        rank: the distributed rank (``RANK``), if any.
+        world_size: the number of ranks, if any.
+        notes: caveats about how the numbers were obtained.
+    """
+
+    devices: tuple[DeviceReport, ...]
+    steps: int
+    mode: str
+    duration_s: float
+    advice: tuple[Advice, ...] = ()
+    oom: OomPostMortem | None = None
+    eval_grad_forwards: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    notes: tuple[str, ...] = ()
+
+    # -- access ---------------------------------------------------------------------------
+    def device(self, name: str) -> DeviceReport:
+        """The report of one device (``"cuda:1"``, ``"cpu"``); KeyError if it was not used."""
+        for dev in self.devices:
+            if dev.device == name:
+                return dev
+        raise KeyError(
+            f"no device {name!r} in this report; devices: {[d.device for d in self.devices]}"
+        )
+
+    @property
+    def peak_allocated(self) -> int:
+        """The highest allocated bytes over all devices."""
+        return max((d.peak_allocated for d in self.devices), default=0)
+
+    @property
+    def leaks(self) -> list[LeakFinding]:
+        """Devices whose memory grew step after step."""
+        return [d.leak for d in self.devices if d.leak is not None]
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_dict(self, *, timeline: bool = True) -> dict[str, Any]:
+        """JSON-ready dict (``timeline=False`` leaves the per-reading timeline out)."""
+        devices = []
+        for dev in self.devices:
+            d = asdict(dev)
+            if not timeline:
+                d.pop("timeline")
+            else:
+                d["timeline"] = [
+                    [p.t, p.step, p.phase, p.module, p.allocated, p.reserved] for p in dev.timeline
+                ]
+                d["timeline_fields"] = ["t", "step", "phase", "module", "allocated", "reserved"]
+            devices.append(d)
+        return {
+            "kind": "memkit.TrackReport",
+            "mode": self.mode,
+            "steps": self.steps,
+            "duration_s": self.duration_s,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "eval_grad_forwards": self.eval_grad_forwards,
+            "devices": devices,
+            "advice": [a.to_dict() for a in self.advice],
+            "oom": None if self.oom is None else self.oom.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, path: str | Path | None = None, *, timeline: bool = True) -> str:
+        """The report as JSON; also written to ``path`` if given."""
+        text = json.dumps(self.to_dict(timeline=timeline), indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    # -- text -----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        rank = "" if self.rank is None else f" rank {self.rank}/{self.world_size}"
+        lines = [
+            f"memkit track{rank}: {self.steps} step(s) in {self.duration_s:.2f} s, "
+            f"mode {self.mode}",
+            "",
+            table(SUMMARY_HEADERS, [d.summary_row() for d in self.devices], title="devices"),
+        ]
+        for dev in self.devices:
+            lines.append("")
+            lines.append(f"{dev.device}: {dev.accounting}")
+            if dev.breakdown is not None:
+                bd = dev.breakdown
+                where = ", ".join(
+                    x
+                    for x in (
+                        None if bd.step is None else f"step {bd.step}",
+                        bd.phase,
+                        bd.module,
+                    )
+                    if x
+                )
+                lines.append(f"at the peak ({where}):")
+                lines.extend("  " + line for line in bd.text().splitlines())
+            top = dev.top_modules(10)
+            if top:
+                lines.append(
+                    table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules")
+                )
+            if dev.leak is not None:
+                lines.append(
+                    f"memory grows by {format_size(dev.leak.growth_per_step)} per step "
+                    f"(since step {dev.leak.first_step}, {dev.leak.steps} steps)"
+                )
+        if self.advice:
+            lines.extend(["", "advice:", advice_text(self.advice)])
+        if self.oom is not None:
+            lines.extend(["", str(self.oom)])
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    # -- HTML -----------------------------------------------------------------------------
+    def html_body(self) -> str:
+        """The report's HTML without the page shell."""
+        rank = "" if self.rank is None else f" (rank {self.rank}/{self.world_size})"
+        body = [
+            f"<h2>memkit track{h.escape(rank)}</h2>",
+            f'<p class="note">{self.steps} step(s) in {self.duration_s:.2f} s, mode '
+            f"{h.escape(self.mode)}</p>",
+        ]
+        if self.oom is not None:
+            body.append(self.oom.html())
+        body.append("<h3>Devices</h3>")
+        body.append(h.table(SUMMARY_HEADERS, [d.summary_row() for d in self.devices]))
+        for dev in self.devices:
+            body.append(f"<h2>{h.escape(dev.device)}: {h.escape(dev.name)}</h2>")
+            body.append(f'<p class="note">{h.escape(dev.accounting)}</p>')
+            pts = _downsample(dev.timeline, MAX_PLOT_POINTS)
+            series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
+            if any(p.reserved != p.allocated for p in pts):
+                series.append(("reserved", [(p.t, float(p.reserved)) for p in pts]))
+            if dev.capacity:
+                series.append(
+                    (
+                        "capacity",
+                        [(pts[0].t, dev.capacity), (pts[-1].t, dev.capacity)] if pts else [],
+                    )
+                )
+            body.append("<h3>Memory over time</h3>")
+            body.append(
+                h.line_plot(
+                    series,
+                    width=900,
+                    height=240,
+                    x_label="seconds",
+                    y_label="bytes",
+                    y_format=format_size,
+                )
+            )
+            if dev.timeline_dropped:
+                body.append(f'<p class="note">{dev.timeline_dropped} older readings not kept.</p>')
+            if dev.steps:
+                body.append("<h3>Peak per step</h3>")
+                body.append(
+                    h.line_plot(
+                        [
+                            ("step peak", [(s.step, float(s.peak_allocated)) for s in dev.steps]),
+                            ("end of step", [(s.step, float(s.end_allocated)) for s in dev.steps]),
+                        ],
+                        width=900,
+                        height=180,
+                        x_label="step",
+                        y_label="bytes",
+                        y_format=format_size,
+                    )
+                )
+            if dev.breakdown is not None:
+                body.append(_breakdown_html(dev.breakdown))
+            top = dev.top_modules(25)
+            if top:
+                body.append("<h3>Modules (largest activations first)</h3>")
+                body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
+        body.append("<h3>Advice</h3>")
+        body.append(advice_html(list(self.advice)))
+        if self.notes:
+            body.append("".join(f'<p class="note">{h.escape(n)}</p>' for n in self.notes))
+        return "".join(body)
+
+    def _repr_html_(self) -> str:
+        return h.fragment(self.html_body())
+
+    def to_html(self, path: str | Path | None = None) -> str:
+        """A self-contained HTML page (inline SVG, no scripts); also written to ``path``."""
+        page = h.page("memkit track report", self.html_body())
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page

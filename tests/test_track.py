@@ -1,0 +1,304 @@
+"""memkit.track on real models, on the simulated device: phases, steps, modules, leaks, OOMs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from memkit.tracking import TrackReport, track
+from memkit.tracking import tracker as tracker_mod
+from memkit.tracking.leaks import GrowthDetector, compare_scans, graph_size, scan_frames
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 16, 3, padding=1, stride=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, batch: int = 8) -> None:
+    for _ in range(steps):
+        x, y = torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def no_hooks_left(model: nn.Module) -> bool:
+    from torch.nn.modules import module as m
+    from torch.optim import optimizer as o
+
+    local = all(
+        not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks)
+        for mod in model.modules()
+    )
+    glob = not (
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+        or o._global_optimizer_pre_hooks
+        or o._global_optimizer_post_hooks
+    )
+    return local and glob
+
+
+def test_phases_steps_modules_and_breakdown():
+    model = cnn()
+    opt = torch.optim.Adam(model.parameters())
+    with track(model, opt, device="cpu", budget="256MiB") as tracker:
+        train(model, opt, 3)
+    report = tracker.report()
+    assert report.steps == 3 and report.mode == "per-module"
+    dev = report.devices[0]
+    assert dev.device == "cpu" and dev.capacity == 256 * 1024**2
+    assert all(dev.phase_peaks[p] is not None for p in ("forward", "backward", "optimizer"))
+    assert len(dev.steps) == 3
+    assert dev.peak_allocated >= max(s.peak_allocated for s in dev.steps)
+    paths = {m.path for m in dev.modules}
+    assert {"Sequential", "0", "1", "8"} <= paths
+    conv = next(m for m in dev.modules if m.path == "0")
+    assert conv.calls == 3 and conv.leaf and conv.activation_bytes > 0
+    assert conv.peak_allocated >= conv.activation_bytes
+    bd = dev.breakdown
+    assert bd is not None
+    assert bd.total == dev.peak_allocated
+    assert sum(v for _, v in bd.parts()) == bd.total
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert bd.parameters >= params
+    phases = {p.phase for p in dev.timeline}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert any(p.phase == "backward" and p.module == "8" for p in dev.timeline)
+    assert model.training and no_hooks_left(model)
+
+
+def test_json_text_and_html_render():
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="128MiB") as tracker:
+        train(model, opt, 2)
+    report = tracker.report()
+    data = json.loads(report.to_json())
+    assert data["kind"] == "memkit.TrackReport" and data["steps"] == 2
+    assert data["devices"][0]["timeline_fields"][0] == "t"
+    assert "devices" in str(report) and "top modules" in str(report)
+    page = report.to_html()
+    assert "<svg" in page and "<script" not in page and "http" not in page.split("</svg>")[0][:0]
+    assert "Memory over time" in page and "<table>" in report._repr_html_()
+
+
+def test_hooks_removed_and_training_flag_kept_on_exception():
+    model = cnn().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="boom"), track(model, opt, device="cpu", budget="64MiB"):
+        model(torch.randn(2, 3, 16, 16))
+        raise ValueError("boom")
+    assert not model.training and no_hooks_left(model)
+    with pytest.raises(ValueError), track(None, device="cpu", budget="64MiB"):
+        model(torch.randn(2, 3, 16, 16))
+        raise ValueError("boom")
+    assert no_hooks_left(model)
+
+
+def test_frozen_backbone_and_parameterless_modules():
+    backbone = cnn()[:7]
+    backbone.requires_grad_(False)
+    head = nn.Sequential(nn.Flatten(), nn.Linear(16, 10))
+    model = nn.Sequential(backbone, head)
+    opt = torch.optim.AdamW(head.parameters())
+    with track(model, opt, device="cpu", budget="128MiB") as tracker:
+        train(model, opt, 3)
+    dev = tracker.report().devices[0]
+    assert dev.breakdown is not None
+    head_bytes = sum(p.numel() * 4 for p in head.parameters())
+    assert dev.breakdown.gradients <= head_bytes
+    assert dev.breakdown.optimizer_state <= 2 * head_bytes + 64
+    assert {"0.2", "0.6", "1.0"} <= {m.path for m in dev.modules}  # ReLU, pool, Flatten
+    assert dev.phase_peaks["backward"] is not None
+
+
+def test_global_hooks_on_tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    with track(device="cpu", budget="256MiB") as tracker:
+        for _ in range(2):
+            ids = torch.randint(0, 128, (2, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert report.steps == 2
+    paths = {m.path for m in report.devices[0].modules}
+    assert {"GPT2LMHeadModel", "transformer.h.0.attn", "transformer.h.1.mlp.c_fc"} <= paths
+    bw = {p.module for p in report.devices[0].timeline if p.phase == "backward"}
+    assert {"lm_head", "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn"} <= bw
+    assert no_hooks_left(model)
+
+
+def test_manual_steps_and_steps_only_mode():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    with track(model, device="cpu", budget="64MiB", per_module=False) as tracker:
+        for _ in range(4):
+            model(torch.randn(8, 32)).sum().backward()
+            tracker.step()
+    report = tracker.report()
+    assert report.steps == 4 and report.mode == "steps-only"
+    assert [m.path for m in report.devices[0].modules] == ["Sequential"]
+    assert report.devices[0].phase_peaks["backward"] is not None
+
+
+def test_oom_post_mortem_names_module_and_propagates():
+    model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="16MiB", postmortem=None) as tracker,
+    ):
+        for batch in (16, 4096):
+            model(torch.randn(batch, 256)).sum().backward()
+            opt.step()
+    pm = tracker.report().oom
+    assert pm is not None
+    assert (pm.step, pm.phase, pm.module) == (1, "forward", "0")
+    assert pm.tried_to_allocate == 4096 * 2048 * 4
+    assert pm.capacity == 16 * 1024**2 and pm.breakdown is not None
+    assert "step 1, forward of 0" in str(pm)
+    assert any(a.code.startswith("oom-") for a in pm.advice)
+    assert no_hooks_left(model)
+
+
+def test_oom_post_mortem_printed_to_stderr(capsys):
+    model = nn.Linear(64, 64)
+    with pytest.raises(torch.OutOfMemoryError), track(model, device="cpu", budget="1MiB"):
+        model(torch.randn(8192, 64))
+    assert "memkit: out of memory on cpu" in capsys.readouterr().err
+
+
+def accumulate_leak(steps: int, tracker_box: list) -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    running_loss = 0.0
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        tracker_box.append(tracker)
+        for _ in range(steps):
+            loss = model(torch.randn(32, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+            running_loss += loss
+    del running_loss
+
+
+def test_leak_named_by_variable():
+    box: list = []
+    accumulate_leak(8, box)
+    report: TrackReport = box[0].report()
+    leak = report.devices[0].leak
+    assert leak is not None and leak.growth_per_step > 0
+    top = leak.suspects[0]
+    assert top.name == "running_loss" and top.growing and top.function == "accumulate_leak"
+    assert "running_loss += loss" in top.code
+    advice = [a for a in report.advice if a.code == "graph-retained"]
+    assert advice and "loss.item()" in advice[0].action
+
+
+def test_no_leak_reported_for_healthy_loop():
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        train(model, opt, 7)
+    report = tracker.report()
+    assert report.leaks == [] and not [a for a in report.advice if a.code == "graph-retained"]
+
+
+def test_growth_detector_and_scan_helpers():
+    det = GrowthDetector(warmup=1, window=3)
+    flags = [det.observe(i, level) for i, level in enumerate([5, 10, 10, 20, 30, 40])]
+    assert flags == [False, False, False, False, False, True]
+    assert det.finding == (10, 2, 3)
+    x = torch.randn(3, requires_grad=True)
+    kept = [x * 2, x * 3]
+    held = (x * 2).sum()
+    assert graph_size(held) >= 2
+    found = {c.name: c for c in scan_frames()}
+    assert found["kept"].kind == "container" and found["held"].kind == "tensor"
+    held = held + (x * 4).sum()
+    later = scan_frames()
+    suspects = compare_scans(list(found.values()), later)
+    assert [s.name for s in suspects if s.growing] == ["held"]
+    del kept
+
+
+def test_eval_without_no_grad_advice():
+    model = cnn()
+    model.eval()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(torch.randn(4, 3, 16, 16))
+        with torch.no_grad():
+            model(torch.randn(4, 3, 16, 16))
+    report = tracker.report()
+    assert report.eval_grad_forwards == 2
+    assert [a.code for a in report.advice] == ["eval-grad-enabled"]
+
+
+def test_per_device_routing_with_replica_threads(monkeypatch):
+    """DataParallel-like: one replica per thread, each on its own (simulated meta) device."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    local = threading.local()
+    monkeypatch.setattr(tracker_mod, "current_device_index", lambda kind: local.index)
+    local.index = 0
+    with track(model.to("meta"), device="meta:0", budget="1GiB", postmortem=None) as tracker:
+        tracker._single = None  # pretend several devices are visible
+        tracker._add_device(torch.device("meta", 1))
+        replicas = [copy.deepcopy(model) for _ in range(2)]  # shares the hooks, like replicate()
+        errors: list[BaseException] = []
+
+        def run(i: int, batch: int) -> None:
+            local.index = i
+            try:
+                with tracker._devices[i].backend.activate():
+                    replicas[i](torch.randn(batch, 64, device="meta")).sum()
+            except BaseException as exc:  # pragma: no cover - surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i, b)) for i, b in ((0, 512), (1, 64))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+    report = tracker.report()
+    assert [d.device for d in report.devices] == ["meta:0", "meta:1"]
+    d0, d1 = report.devices
+    assert {m.path for m in d0.modules} == {m.path for m in d1.modules} >= {"0", "2"}
+    act0 = next(m for m in d0.modules if m.path == "0").activation_bytes
+    act1 = next(m for m in d1.modules if m.path == "0").activation_bytes
+    assert act0 >= 512 * 256 * 4 and 64 * 256 * 4 <= act1 < act0
+    assert d0.peak_allocated > d1.peak_allocated
+
+
+def test_deepcopy_of_a_tracked_model_inside_the_block():
+    """An EMA copy made during tracking must not try to copy the tracker."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with track(model, device="cpu", budget="8MiB") as tracker:
+        ema = copy.deepcopy(model)
+        ema(torch.randn(2, 8))
+    assert tracker.report().devices[0].modules
+    ema(torch.randn(2, 8))  # its copied hooks are inert after the block
