@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -127,6 +127,11 @@ class MemoryAccountant(TorchDispatchMode):
         self._peak = 0
         self.num_allocs = 0
         self.num_ooms = 0
+        # Optional observers of every counted storage (used by memkit.estimation to replay the
+        # allocations through a caching-allocator model). Called with (key, counted bytes), under
+        # the accountant's lock, so they must not call back into the accountant.
+        self.on_alloc: Callable[[int, int], None] | None = None
+        self.on_free: Callable[[int, int], None] | None = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -170,6 +175,8 @@ class MemoryAccountant(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._current -= entry[1]
+                if self.on_free is not None:
+                    self.on_free(key, entry[1])
 
     def _matches(self, tensor: torch.Tensor) -> bool:
         dev = tensor.device
@@ -207,6 +214,8 @@ class MemoryAccountant(TorchDispatchMode):
             self._live[key] = (weakref.ref(storage, functools.partial(self._on_free, key)), nbytes)
             self._current += nbytes
             self.num_allocs += 1
+            if self.on_alloc is not None:
+                self.on_alloc(key, nbytes)
         if self._current > self._peak:
             self._peak = self._current
 
@@ -231,6 +240,9 @@ class MemoryAccountant(TorchDispatchMode):
                         self._live[key] = (entry[0], size)
                         self._current += size - entry[1]
                         grown += size - entry[1]
+                        if self.on_free is not None and self.on_alloc is not None:
+                            self.on_free(key, entry[1])
+                            self.on_alloc(key, size)
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
         # device: adopt them.
         for tensor in tree_flatten(inputs)[0]:

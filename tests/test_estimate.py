@@ -1,0 +1,261 @@
+"""memkit estimate: meta-tensor estimates agree with the simulated device, and the GPU model."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from click.testing import CliRunner
+
+from memkit.allocator_model import K_SMALL_BUFFER, CachingAllocatorModel
+from memkit.autocast_model import AutocastPolicy
+from memkit.cli import _ESTIMATE_ARCHS, cli
+from memkit.errors import ConfigError
+from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+GPT2_FILE = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+CONFIG = GPT2Config(vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=2,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+def build_model():
+    return GPT2LMHeadModel(CONFIG)
+
+def make_batch(batch_size, seq_len=32):
+    ids = torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len))
+    return {"input_ids": ids, "labels": ids}
+"""
+
+CNN_FILE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 3, 32, 32)
+
+def loss_fn(output, batch):
+    return output.float().pow(2).mean()
+"""
+
+FROZEN_FILE = """
+import torch
+
+def build_model():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model[0].requires_grad_(False)
+    return model
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 256)
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("estimate_models")
+    out = {}
+    for name, text in (("gpt2", GPT2_FILE), ("cnn", CNN_FILE), ("frozen", FROZEN_FILE)):
+        path = folder / f"{name}_model.py"
+        path.write_text(textwrap.dedent(text))
+        out[name] = str(path)
+    out["mlp"] = str(EXAMPLES / "mlp.py")
+    return out
+
+
+def _counted(path: str, batch: int, mode: str, seq_len: int | None = None) -> int:
+    est = estimate(
+        path, device_memory="1TiB", mode=mode, seq_len=seq_len, min_batch=batch,
+        max_batch=batch, foreach=False, attention="cpu-flash", workspace=0,
+    )  # fmt: skip
+    trial = est.trial(batch)
+    assert trial is not None
+    return trial.counted_peak
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "batch", "seq_len"),
+    [
+        ("mlp", "train", 8, None),
+        ("mlp", "train", 48, None),
+        ("mlp", "infer", 32, None),
+        ("cnn", "train", 4, None),
+        ("cnn", "train", 16, None),
+        ("cnn", "infer", 16, None),
+        ("gpt2", "train", 2, 32),
+        ("gpt2", "train", 4, 64),
+        ("gpt2", "infer", 4, 64),
+    ],
+)
+def test_meta_estimate_matches_simulated_device(
+    files: dict[str, str], name: str, mode: str, batch: int, seq_len: int | None
+) -> None:
+    real = simulated_peak(files[name], batch, mode=mode, seq_len=seq_len)
+    est = _counted(files[name], batch, mode, seq_len)
+    assert abs(est - real) <= 0.02 * real, (est, real)
+
+
+def test_multi_billion_model_needs_no_host_ram(tmp_path: Path) -> None:
+    path = tmp_path / "big.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from transformers import GPT2Config, GPT2LMHeadModel
+            CONFIG = GPT2Config(n_layer=48, n_embd=2560, n_head=32, n_positions=1024)
+            def build_model():
+                return GPT2LMHeadModel(CONFIG)
+            def make_batch(batch_size, seq_len=128):
+                return {"input_ids": torch.randint(0, 50257, (batch_size, seq_len))}
+            """
+        )
+    )
+    before = psutil.Process().memory_info().rss
+    est = estimate(str(path), device_memory="80GiB", mode="infer", max_batch=1, device="hopper")
+    grown = psutil.Process().memory_info().rss - before
+    assert est.num_parameters > 3_000_000_000
+    assert est.breakdown is not None and est.breakdown.parameters > 12 * 10**9
+    assert grown < 300 * 2**20, grown  # the fp32 weights alone would be > 12 GB
+
+
+def test_rounding_reserved_and_context(files: dict[str, str]) -> None:
+    est = estimate(files["mlp"], device_memory="2GiB", context="300MiB", max_batch=64)
+    assert est.context_bytes == 300 * 2**20
+    assert est.usable_bytes == 2 * 2**30 - 300 * 2**20
+    for trial in est.trials:
+        assert trial.allocated_peak % 512 == 0 and trial.counted_peak % 512 == 0
+        assert trial.reserved_peak >= trial.allocated_peak >= trial.counted_peak
+        assert trial.reserved_peak % K_SMALL_BUFFER == 0
+    default = estimate(files["mlp"], device_memory="2GiB", max_batch=2)
+    assert default.context_bytes == DEVICE_FAMILIES["ampere"].context_bytes
+    data = json.loads(est.to_json())
+    assert data["usable_bytes"] == est.usable_bytes
+    assert isinstance(est, Estimate) and "Estimated largest batch" in str(est)
+    assert "<table" in est._repr_html_()
+
+
+def test_does_not_fit_when_context_leaves_too_little(files: dict[str, str]) -> None:
+    est = estimate(files["mlp"], device_memory="520MiB")  # ampere context: 500 MiB
+    assert est.max_batch_size is None
+    assert est.advice[0].code == "does-not-fit"
+
+
+def test_amp_cuts_activations_and_keeps_fp32_weights(files: dict[str, str]) -> None:
+    kwargs = {"device_memory": "1TiB", "seq_len": 64, "min_batch": 8, "max_batch": 8}
+    fp32 = estimate(files["gpt2"], **kwargs)
+    bf16 = estimate(files["gpt2"], amp="bf16", **kwargs)
+    assert fp32.breakdown is not None and bf16.breakdown is not None
+    assert bf16.breakdown.parameters == fp32.breakdown.parameters  # master weights stay fp32
+    assert bf16.breakdown.activations < 0.9 * fp32.breakdown.activations
+    assert bf16.trials[0].allocated_peak < fp32.trials[0].allocated_peak
+    assert any(a.code == "mixed-precision" for a in fp32.advice)
+
+
+def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:
+    est = estimate(files["frozen"], device_memory="1TiB", min_batch=4, max_batch=4)
+    assert est.breakdown is not None
+    assert est.trainable_parameters == 256 * 256 + 256
+    assert est.num_parameters == 2 * est.trainable_parameters
+    # AdamW: two fp32 moments per trainable parameter only (each tensor rounded to 512 bytes)
+    assert est.breakdown.optimizer_state == 2 * (256 * 256 * 4 + 256 * 4)
+
+
+def test_attention_kernel_assumption_changes_long_sequence_peak(files: dict[str, str]) -> None:
+    kwargs = {"device_memory": "1TiB", "seq_len": 256, "min_batch": 4, "max_batch": 4}
+    math = estimate(files["gpt2"], attention="math", **kwargs)
+    efficient = estimate(files["gpt2"], attention="efficient", **kwargs)
+    assert math.trials[0].allocated_peak > efficient.trials[0].allocated_peak
+    assert math.attention_kernels == ("math",) and efficient.attention_kernels == ("efficient",)
+    auto_bf16 = estimate(files["gpt2"], amp="bf16", **kwargs)
+    assert auto_bf16.attention_kernels == ("flash",)  # sm80, bf16, no mask
+    volta = estimate(files["gpt2"], amp="bf16", device="volta", **kwargs)
+    assert volta.attention_kernels == ("efficient",)
+    assert any("flash kernel" in a for a in auto_bf16.assumptions)
+
+
+def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        estimate(files["mlp"], device_memory="lots")
+    with pytest.raises(ConfigError):
+        estimate(files["mlp"], device_memory="8GiB", amp="fp8")
+    with pytest.raises(ConfigError):
+        estimate(files["mlp"], device_memory="8GiB", device="pascal")
+    with pytest.raises(ConfigError):
+        estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+
+
+def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(
+        cli, ["estimate", files["mlp"], "--device-memory", "2GiB", "--max-batch", "64", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    for key in ("max_batch_size", "recommended_batch_size", "trials", "breakdown",
+                "context_bytes", "usable_bytes", "assumptions", "advice", "attention"):  # fmt: skip
+        assert key in data
+    assert {"allocated_peak", "reserved_peak", "fits"} <= set(data["trials"][0])
+    nofit = runner.invoke(cli, ["estimate", files["mlp"], "--device-memory", "520MiB"])
+    assert nofit.exit_code == 1
+    assert "Estimated not to fit" in nofit.stdout
+    missing = runner.invoke(cli, ["estimate", files["mlp"]])
+    assert missing.exit_code == 2 and "--device-memory" in missing.output
+    bad = runner.invoke(cli, ["estimate", files["mlp"], "--device-memory", "lots"])
+    assert bad.exit_code == 2 and "lots" in bad.output
+    amp = runner.invoke(cli, ["estimate", files["mlp"], "--device-memory", "8GiB", "--amp", "x"])
+    assert amp.exit_code == 2
+    nofile = runner.invoke(cli, ["estimate", "nope.py", "--device-memory", "8GiB"])
+    assert nofile.exit_code == 2 and "not found" in nofile.output
+    assert sorted(_ESTIMATE_ARCHS) == sorted(DEVICE_FAMILIES)
+
+
+def test_allocator_model_split_merge_and_release() -> None:
+    alloc = CachingAllocatorModel(capacity=30 << 20)
+    alloc.malloc("a", 3 << 20)  # large pool, 20 MiB segment, split
+    alloc.malloc("b", 3 << 20)  # from the same segment
+    assert alloc.reserved == 20 << 20 and alloc.allocated == 6 << 20
+    alloc.free("a")
+    alloc.free("b")
+    assert alloc.allocated == 0 and alloc.reserved == 20 << 20  # cached, merged
+    alloc.malloc("c", 15 << 20)  # fits in the merged free segment
+    assert alloc.reserved == 20 << 20
+    alloc.free("c")
+    alloc.malloc("d", 25 << 20)  # needs a new segment: cache released to stay in capacity
+    assert alloc.reserved == 26 << 20 and alloc.num_ooms == 0
+    alloc.malloc("e", 10 << 20)
+    assert alloc.num_ooms == 1
+    small = CachingAllocatorModel()
+    small.malloc("x", 1)
+    assert small.allocated == 512 and small.reserved == 2 << 20
+
+
+def test_autocast_policy_lists_and_weight_cache() -> None:
+    policy = AutocastPolicy(torch.bfloat16)
+    weight = torch.nn.Parameter(torch.randn(4, 4, device="meta"))
+    x = torch.randn(2, 4, device="meta")
+    args, _ = policy.cast_args("linear", (x, weight), {})
+    assert all(a.dtype == torch.bfloat16 for a in args)
+    again, _ = policy.cast_args("matmul", (x, weight), {})
+    assert again[1] is args[1]  # the weight's cast is cached
+    low = torch.randn(2, 4, device="meta", dtype=torch.bfloat16)
+    (soft,), _ = policy.cast_args("softmax", (low,), {})
+    assert soft.dtype == torch.float32
+    (keep,), _kw = policy.cast_args("softmax", (low,), {"dtype": torch.bfloat16})
+    assert keep.dtype == torch.bfloat16
+    (a, b) = policy.cast_args("cat", ((low, x),), {})[0][0]
+    assert a.dtype == b.dtype == torch.float32
+    (same,), _ = policy.cast_args("relu", (low,), {})
+    assert same is low
