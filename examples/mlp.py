@@ -1,6 +1,6 @@
 """An MLP autoencoder: the smallest model file for ``memkit probe``.
 
-    memkit probe examples/mlp.py --device cpu --budget 256MiB
+    memkit probe examples/mlp.py --device cpu --budget 128MiB
 
 ``make_batch`` returns one tensor, so the default step calls ``model(batch)`` and
 ``loss_fn(output, batch)``; AdamW is the default optimizer.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -50,6 +51,8 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    # torch warns at import when NumPy is absent; memkit does not need NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     cli.main(args=argv, prog_name="memkit")
 
 
