@@ -105,6 +105,15 @@ def _parse_seq_lens(
               help="Sequence length(s) for make_batch(batch_size, seq_len): "
               "128,512,2048.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--ddp", is_flag=True, help="Under torchrun: wrap the model in "
+              "DistributedDataParallel for the trials (its buckets and all-reduce are "
+              "measured).")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="Under torchrun: how long a rank waits for the others "
+              "before failing (exit 4) [default: 1800].")  # fmt: skip
+@click.option("--dist-backend", default=None, metavar="NAME", help="Under torchrun: the "
+              "process group's backend [default: nccl on cuda, else gloo; gloo puts several "
+              "ranks on one GPU].")  # fmt: skip
 @handle_errors
 def probe(
     file: str,
@@ -118,12 +127,23 @@ def probe(
     target_batch: int | None,
     seq_len: list[int] | None,
     as_json: bool,
+    ddp: bool,
+    timeout: float | None,
+    dist_backend: str | None,
 ) -> None:
     """Find the largest batch size of a model file that fits, exactly.
 
     FILE defines build_model() and make_batch(batch_size), and optionally build_optimizer,
     loss_fn and train_step (see docs/probe.md). Exit codes: 0 found, 1 even --min-batch does
-    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM.
+    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM,
+    4 a rank failed or timed out.
+
+    \b
+    Under torchrun every rank probes its own device (cuda:LOCAL_RANK, or a simulated cpu
+    device) and the ranks agree on one size that fits on all; rank 0 prints the report:
+      torchrun --nproc-per-node 2 --no-python memkit probe model.py --ddp
+      torchrun --nproc-per-node 2 --no-python memkit probe model.py --device cpu \\
+          --budget 1GiB,512MiB
     """
     from memkit.probing.result import ProbeResult
     from memkit.probing.runner import DEFAULT_MARGIN, probe_file
@@ -138,27 +158,69 @@ def probe(
             err=True,
         )
 
+    from memkit import distributed
+    from memkit.devices import get_backend
+
     if max_batch is not None and max_batch < min_batch:
         raise click.BadParameter(
             f"--max-batch ({max_batch}) must be at least --min-batch ({min_batch})"
         )
-    result = probe_file(
-        file,
-        seq_len=seq_len,
-        device=device,
-        mode=mode,
-        budget=budget,
-        min_batch=min_batch,
-        max_batch=max_batch,
-        steps=steps,
-        margin=DEFAULT_MARGIN if margin is None else margin,
-        target_batch=target_batch,
-        on_trial=progress,
-    )
-    click.echo(result.to_json() if as_json else str(result))
+    world, me = distributed.world_size(), distributed.rank()
+    budget = _rank_budget(budget, world, me)
+    device = _rank_device(device, world, distributed.local_rank())
+    rank_device = get_backend(device, budget).device if world > 1 else "cpu"
+    wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
+    with distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait):
+        result = probe_file(
+            file,
+            seq_len=seq_len,
+            device=device,
+            mode=mode,
+            budget=budget,
+            min_batch=min_batch,
+            max_batch=max_batch,
+            steps=steps,
+            margin=DEFAULT_MARGIN if margin is None else margin,
+            target_batch=target_batch,
+            on_trial=progress if me == 0 else None,
+            ddp=ddp,
+            timeout=wait,
+        )
+    if me == 0:
+        click.echo(result.to_json() if as_json else str(result))
     results = [result] if isinstance(result, ProbeResult) else list(result.results)
     if any(r.max_batch_size is None for r in results):
         sys.exit(1)
+
+
+def _rank_budget(budget: str | None, world: int, rank: int) -> str | None:
+    """This rank's entry of ``--budget A,B,...`` (one per rank), or the single budget."""
+    if budget is None or "," not in budget:
+        return budget
+    from memkit.errors import ConfigError
+
+    parts = [part.strip() for part in budget.split(",")]
+    if len(parts) != world:
+        raise ConfigError(
+            f"--budget has {len(parts)} sizes ({budget}) but the world has {world} rank(s); "
+            "give one size for every rank, or a single size for all (launch with torchrun "
+            "--nproc-per-node N for N ranks)"
+        )
+    return parts[rank]
+
+
+def _rank_device(device: str | None, world: int, local_rank: int) -> str | None:
+    """Under torchrun: ``cuda`` (or no device with a GPU) means ``cuda:LOCAL_RANK``."""
+    if world <= 1:
+        return device
+    if device is None:
+        from memkit.devices import visible_devices
+
+        devices = visible_devices()
+        return None if not devices else f"{devices[0].type}:{local_rank}"
+    if ":" not in device and device not in ("cpu", "meta"):
+        return f"{device}:{local_rank}"
+    return device
 
 
 def _stdout_is_tty() -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "accelerator_available",
     "collective_device",
     "counter_reader",
+    "cuda_context_reading",
     "current_device_index",
     "default_cpu_budget",
     "get_backend",
@@ -52,6 +53,7 @@ __all__ = [
     "nvidia_smi_stats",
     "restore_rng_state",
     "rng_state",
+    "set_current_device",
     "visible_devices",
 ]
 
@@ -575,3 +577,16 @@ def current_device_index(device_type: str) -> int:
     except (RuntimeError, AssertionError) as exc:  # pragma: no cover - driver specific
         log.debug("no current %s device: %s", device_type, exc)
     return 0
+
+
+def set_current_device(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator device (before creating an NCCL
+    group, or every rank lands on GPU 0). A no-op for devices without a current index."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(device.index if device.index is not None else 0)
+
+
+def cuda_context_reading() -> tuple[bool, int | None]:
+    """``(CUDA initialised in this process, current CUDA device)``, without initialising CUDA."""
+    initialized = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+    return initialized, (torch.cuda.current_device() if initialized else None)

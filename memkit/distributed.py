@@ -24,18 +24,21 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.errors import DistributedError
 
 __all__ = [
     "all_agree_max",
+    "all_gather_ints",
     "all_max",
     "all_reduce_sum_",
     "any_true",
@@ -43,6 +46,7 @@ __all__ = [
     "gather_to_rank0",
     "is_distributed",
     "local_rank",
+    "process_group_from_env",
     "rank",
     "world_size",
 ]
@@ -126,7 +130,9 @@ def all_max(values: Sequence[int], *, timeout: float | None = None) -> list[int]
     if dist is None or dist.get_world_size() == 1:
         return local
     device = _collective_device(dist)
-    with torch.no_grad():
+    # Outside any dispatch mode: memkit's bookkeeping tensor is not the user's memory, and on a
+    # simulated device it must never be the allocation that crosses the budget.
+    with torch.no_grad(), _disable_current_modes():
         tensor = torch.tensor(local, dtype=torch.int64, device=device)
         try:
             if timeout is None:
@@ -171,6 +177,37 @@ def all_agree_max(value: int, *, timeout: float | None = None) -> int:
         4
     """
     return all_max([value], timeout=timeout)[0]
+
+
+def all_gather_ints(
+    values: Sequence[int | None], *, timeout: float | None = None
+) -> list[list[int | None]]:
+    """Every rank's ``values`` (non-negative integers or ``None``), by rank, on every rank.
+
+    One all-reduce (MAX) of ``world_size * len(values)`` slots, each rank filling its own:
+    cheaper than ``all_gather_object`` (no pickling) and bounded by ``timeout`` like
+    :func:`all_max`. Every rank must pass the same number of values.
+
+    Raises:
+        ConfigError: a value is negative.
+        DistributedError: a rank did not take part within ``timeout`` seconds.
+
+    Examples:
+        >>> all_gather_ints([3, None])  # single process
+        [[3, None]]
+    """
+    from memkit.errors import ConfigError
+
+    if any(v is not None and v < 0 for v in values):
+        raise ConfigError(f"all_gather_ints takes non-negative integers or None, found {values}")
+    n, me, size = len(values), rank(), world_size()
+    if _dist() is None or size == 1:
+        return [list(values)]
+    slots = [0] * (n * size)
+    for i, v in enumerate(values):
+        slots[me * n + i] = 0 if v is None else int(v) + 1
+    flat = all_max(slots, timeout=timeout)
+    return [[None if v == 0 else v - 1 for v in flat[r * n : (r + 1) * n]] for r in range(size)]
 
 
 def _wait_all(works: list[Any], what: str, timeout: float | None) -> None:
@@ -222,14 +259,17 @@ def broadcast_(
     _wait_all(works, f"a broadcast of {len(works)} tensor(s) from rank {src}", timeout)
 
 
-def gather_to_rank0(obj: Any) -> list[Any] | None:
+def gather_to_rank0(obj: Any, *, timeout: float | None = None) -> list[Any] | None:
     """Collect a picklable ``obj`` from every rank: a list (by rank) on rank 0, ``None`` elsewhere.
 
     Without a process group it returns ``[obj]``. With NCCL, the current cuda device must be set
-    (``torch.cuda.set_device(local_rank)``), as for every object collective.
+    (``torch.cuda.set_device(local_rank)``), as for every object collective. With ``timeout``
+    the objects travel as pickled bytes in two bounded all-reduces (a rank that never arrives
+    becomes a :class:`DistributedError` after ``timeout`` seconds, not a hang); meant for
+    small objects such as per-rank summaries.
 
     Raises:
-        DistributedError: the gather failed.
+        DistributedError: the gather failed or timed out.
 
     Examples:
         >>> gather_to_rank0({"peak": 1})
@@ -239,9 +279,91 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     if dist is None or dist.get_world_size() == 1:
         return [obj]
     me = dist.get_rank()
+    if timeout is not None:
+        return _gather_bounded(dist, obj, timeout)
     out: list[Any] | None = [None] * dist.get_world_size() if me == 0 else None
     try:
         dist.gather_object(obj, out, dst=0)
     except (RuntimeError, ValueError) as exc:
         raise DistributedError(f"rank {me}: gathering to rank 0 failed ({exc})") from exc
     return out
+
+
+def _gather_bounded(dist: Any, obj: Any, timeout: float) -> list[Any] | None:
+    import pickle
+
+    data = pickle.dumps(obj)
+    lengths = [row[0] or 0 for row in all_gather_ints([len(data)], timeout=timeout)]
+    size, me, longest = dist.get_world_size(), dist.get_rank(), max(lengths)
+    device = _collective_device(dist)
+    with torch.no_grad(), _disable_current_modes():
+        flat = torch.zeros(size * longest, dtype=torch.uint8, device=device)
+        flat[me * longest : me * longest + len(data)] = torch.frombuffer(
+            bytearray(data), dtype=torch.uint8
+        ).to(device)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.MAX, async_op=True)
+        _wait_all([work], "gathering objects to rank 0", timeout)
+        if me != 0:
+            return None
+        raw = bytes(flat.cpu().tolist())
+    return [pickle.loads(raw[r * longest : r * longest + lengths[r]]) for r in range(size)]
+
+
+def _default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def process_group_from_env(
+    device: str | torch.device = "cpu",
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> Iterator[bool]:
+    """Initialise a process group from torchrun's environment for the block, if needed.
+
+    Yields whether a multi-rank group is in use. Nothing is done when a group already exists
+    (it is used as it is) or when ``$WORLD_SIZE`` is unset or 1. Otherwise the group is
+    created with ``init_method="env://"`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE``: what torchrun sets), ``backend`` (default: ``nccl`` for cuda, ``gloo``
+    otherwise; name ``gloo`` to put several ranks on one GPU, which NCCL refuses) and
+    ``timeout`` seconds, and destroyed when the block exits. For cuda the rank's device
+    (``device``'s index, else ``LOCAL_RANK``) is made current first, as
+    ``torch.cuda.set_device(local_rank)`` would.
+
+    Raises:
+        DistributedError: the group could not be created (a rank missing, a bad address).
+    """
+    if _dist() is not None:
+        yield world_size() > 1
+        return
+    if _env_int("WORLD_SIZE", 1) <= 1:
+        yield False
+        return
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    name = backend or _default_backend(dev.type)
+    if dev.type == "cuda":
+        from memkit.devices import set_current_device
+
+        set_current_device(
+            torch.device("cuda", dev.index if dev.index is not None else local_rank())
+        )
+    kwargs: dict[str, Any] = {"backend": name, "init_method": "env://"}
+    if timeout is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout)
+    try:
+        dist.init_process_group(**kwargs)
+    except (RuntimeError, ValueError) as exc:
+        raise DistributedError(
+            f"rank {_env_int('RANK', 0)}: could not create a {name} process group from the "
+            f"environment (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}. Launch with torchrun"
+        ) from exc
+    logger.debug("rank %d of %d: %s process group created", rank(), world_size(), name)
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memkit import advice as advice_rules
 from memkit.accounting import MemoryAccountant, tensors_of
 from memkit.advice import Advice, advice_html, advice_text
 from memkit.allocator_model import CachingAllocatorModel
@@ -907,39 +908,29 @@ def _advice(
             saving = max(0, peaks.allocated - bf16.run(focus).allocated)
         except Exception as exc:  # advice must never break the estimate
             log.debug("bf16 comparison failed: %s", exc)
-        advice.append(
-            Advice(
-                code="mixed-precision",
-                title="Mixed precision would cut activation memory",
-                evidence=(
-                    f"fp32 activations and temporaries are {format_size(breakdown.activations)} "
-                    f"of the {format_size(breakdown.total)} peak at batch {focus}."
-                ),
-                action=(
-                    "Run the forward under torch.autocast('cuda', dtype=torch.bfloat16) "
-                    "(estimate it: --amp bf16); weights stay fp32."
-                ),
-                saving_bytes=saving,
-            )
+        # one implementation per code: the rules live in memkit.advice (issue #5)
+        mp = advice_rules.mixed_precision(
+            param_dtype="float32",  # no --amp: the estimate computes in the model's fp32
+            autocast=False,
+            activation_bytes=breakdown.activations,
+            peak_bytes=breakdown.total,
+            parameter_bytes=breakdown.parameters,
+            device=f"the estimated card, batch {focus}",
+            saving_bytes=saving,  # measured: a bf16 estimate of the same batch
+            min_share=0.2,
         )
-    if mode == "train" and breakdown.optimizer_state > 0.3 * breakdown.total:
-        advice.append(
-            Advice(
-                code="optimizer-state",
-                title="Optimizer state dominates the peak",
-                evidence=(
-                    f"Optimizer state is {format_size(breakdown.optimizer_state)} of the "
-                    f"{format_size(breakdown.total)} peak at batch {focus}."
-                ),
-                action=(
-                    "Adam keeps two fp32 moments per parameter: an 8-bit Adam (bitsandbytes) "
-                    "keeps about a quarter of that, SGD with momentum half, and ZeRO/FSDP "
-                    "shards it across GPUs."
-                ),
-                saving_bytes=breakdown.optimizer_state * 3 // 4,
-                severity="warning",
-            )
+        if mp is not None:
+            advice.append(mp)
+    if mode == "train":
+        opt = advice_rules.optimizer_state(
+            optimizer_state_bytes=breakdown.optimizer_state,
+            parameter_bytes=breakdown.parameters,
+            peak_bytes=breakdown.total,
+            capacity=None,  # an estimate asks "would it fit": always relevant
+            device=f"the estimated card, batch {focus}",
         )
+        if opt is not None:
+            advice.append(opt)
     return advice
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from memkit import advice as advice_rules
 from memkit import devices
 from memkit.accounting import MemoryAccountant, cuda_rounded, tensors_of
 from memkit.advice import Advice, advice_html, advice_text
@@ -372,8 +373,8 @@ class Snapshot:
             none were passed).
         tensors: the largest live tensors seen, largest first.
         notes: remarks about the reading (what was not counted, and why).
-        advice: recommendations (none yet; reserved for rules such as other-processes or
-            fragmentation).
+        advice: recommendations from the readings (``other-processes``, ``fragmentation``,
+            ``empty-cache``; see docs/advice.md).
         label: an optional name for the moment (``"after step 1"``).
         pid: the process that took it.
         top: how many tensors the largest-tensor list was asked to keep.
@@ -1418,6 +1419,19 @@ def snapshot(
     host = HostSnapshot(hm.process_rss, hm.available, hm.total, hm.reason)
     categories = _categorise(census, rows, accountants, scan_gc, notes) if census.entries else ()
     tensors = _largest(census, top)
+    # advice (issue #5): other-processes, fragmentation, empty-cache from each row's readings
+    advice = tuple(
+        a
+        for row in rows
+        for a in advice_rules.device_advice(
+            row.device,
+            total=row.total,
+            used=row.used,
+            allocated=row.allocated,
+            reserved=row.reserved,
+            peak_allocated=row.peak_allocated,
+        )
+    )
     return Snapshot(
         taken_at=taken_at,
         devices=tuple(rows),
@@ -1427,4 +1441,5 @@ def snapshot(
         notes=tuple(notes),
         label=label,
         top=top,
+        advice=advice,
     )

@@ -26,6 +26,10 @@ class ProbeTrial:
         peak_allocated_bytes: peak allocated by tensors (equal to ``peak_bytes`` when simulated).
         seconds: wall time of the trial.
         error: the OOM message's first line, for a failure.
+        rank_peaks: across ranks, each rank's own peak (for a rank that failed: the bytes it
+            knew it needed; ``None`` when unknown or when it stopped because another rank
+            failed). ``peak_bytes`` is then the tightest rank's, on the scale of the smallest
+            capacity (see :mod:`memkit.probing.ranks`). Empty in a single process.
     """
 
     batch_size: int
@@ -34,9 +38,10 @@ class ProbeTrial:
     seconds: float
     peak_allocated_bytes: int | None = None
     error: str | None = None
+    rank_peaks: tuple[int | None, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "batch_size": self.batch_size,
             "fits": self.fits,
             "peak_bytes": self.peak_bytes,
@@ -44,11 +49,21 @@ class ProbeTrial:
             "seconds": round(self.seconds, 6),
             "error": self.error,
         }
+        if self.rank_peaks:
+            out["rank_peaks"] = list(self.rank_peaks)
+        return out
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The largest batch that fits, how it was found, and what to do with it."""
+    """The largest batch that fits, how it was found, and what to do with it.
+
+    Across ranks (a process group): ``world_size`` ranks ran every trial together; a size fits
+    only if it fit on every rank. ``per_rank_peaks`` are each rank's peaks at
+    ``max_batch_size``, ``per_rank_capacities`` each rank's capacity, and ``capacity_bytes`` the
+    smallest of them (the search aims at the tightest rank). ``ddp``: the model ran wrapped in
+    ``DistributedDataParallel``.
+    """
 
     max_batch_size: int | None
     recommended_batch_size: int | None
@@ -70,11 +85,47 @@ class ProbeResult:
     advice: tuple[Advice, ...] = ()
     world_size: int = 1
     per_rank_peaks: tuple[int | None, ...] = field(default=())
+    per_rank_capacities: tuple[int | None, ...] = field(default=())
+    ddp: bool = False
 
     @property
     def fits(self) -> bool:
         """Whether at least ``min_batch`` fits."""
         return self.max_batch_size is not None
+
+    @property
+    def tightest_rank(self) -> int | None:
+        """The rank with the least room left at ``max_batch_size`` (the first to run out)."""
+        rooms = [
+            (cap - peak, r)
+            for r, (peak, cap) in enumerate(
+                zip(self.per_rank_peaks, self.per_rank_capacities, strict=False)
+            )
+            if peak is not None and cap is not None
+        ]
+        return min(rooms)[1] if rooms else None
+
+    def _rank_rows(self) -> list[list[object]]:
+        rows: list[list[object]] = []
+        tight = self.tightest_rank
+        for r in range(self.world_size):
+            peak = self.per_rank_peaks[r] if r < len(self.per_rank_peaks) else None
+            cap = self.per_rank_capacities[r] if r < len(self.per_rank_capacities) else None
+            room = None if peak is None or cap is None else cap - peak
+            share = "" if peak is None or not cap else f"{peak / cap:.0%}"
+            rows.append(
+                [
+                    r,
+                    format_size(cap),
+                    format_size(peak),
+                    share,
+                    format_size(room),
+                    "tightest" if r == tight else "",
+                ]
+            )
+        return rows
+
+    _RANK_HEAD = ("rank", "capacity", "peak", "used", "room left", "")
 
     def trial(self, batch_size: int) -> ProbeTrial | None:
         """The trial run at ``batch_size``, if any."""
@@ -102,6 +153,15 @@ class ProbeResult:
             "defaults": list(self.defaults),
             "world_size": self.world_size,
             "per_rank_peaks": list(self.per_rank_peaks),
+            **(
+                {
+                    "per_rank_capacities": list(self.per_rank_capacities),
+                    "tightest_rank": self.tightest_rank,
+                    "ddp": self.ddp,
+                }
+                if self.world_size > 1 or self.ddp
+                else {}
+            ),
             "trials": [t.to_dict() for t in self.trials],
             "advice": [a.to_dict() for a in self.advice],
         }
@@ -113,6 +173,9 @@ class ProbeResult:
         where = f"{self.device_name} [{self.device}]"
         cap = format_size(self.capacity_bytes)
         seq = f", seq_len {self.seq_len}" if self.seq_len is not None else ""
+        if self.world_size > 1:
+            where = f"{self.world_size} ranks{' (DDP)' if self.ddp else ''}, {where} on rank 0"
+            cap = f"{cap} (the smallest rank's)"
         if self.max_batch_size is None:
             return (
                 f"Does not fit: batch {self.min_batch} ({self.mode}{seq}) needs more than the "
@@ -139,6 +202,9 @@ class ProbeResult:
     def __str__(self) -> str:
         parts = [self._headline(), ""]
         parts.append(table(["batch", "fits", "peak", "seconds"], self._trial_rows(), align="rlrr"))
+        if self.world_size > 1 and self.per_rank_peaks:
+            parts.append(f"\nper rank at batch {self.max_batch_size} (every rank runs that batch):")
+            parts.append(table(list(self._RANK_HEAD), self._rank_rows(), align="rrrrrl"))
         if self.per_sample_bytes is not None:
             parts.append(
                 f"\nmemory model: {format_size(self.fixed_bytes)} + "
@@ -171,6 +237,11 @@ class ProbeResult:
         body = (
             f"<h3>memkit probe</h3><p>{h.escape(self._headline())}</p>"
             + h.table(["batch", "fits", "peak", "seconds"], rows)
+            + (
+                h.table(list(self._RANK_HEAD), self._rank_rows())
+                if self.world_size > 1 and self.per_rank_peaks
+                else ""
+            )
             + f'<p class="note">accounting: {h.escape(self.accounting)}<br>'
             + "<br>".join(h.escape(d) for d in self.defaults)
             + "</p>"

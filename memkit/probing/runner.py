@@ -1,11 +1,15 @@
 """Run probe trials on a device: one batch size, ``steps`` full steps, peak measured, OOM
 recovered, the user's objects restored afterwards.
 
-:func:`probe` works on live objects; :func:`probe_file` loads a model file first.
+:func:`probe` works on live objects; :func:`probe_file` loads a model file first. Inside an
+initialised process group every rank probes its own device and the ranks agree after each
+trial (see :mod:`memkit.probing.ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -16,12 +20,32 @@ from typing import Any
 
 import torch
 
+from memkit import distributed
 from memkit.advice import Advice
 from memkit.devices import CudaBackend, SimulatedBackend, get_backend
-from memkit.errors import ConfigError, MemkitError, ModelFileError, UserCodeError
+from memkit.errors import (
+    ConfigError,
+    DistributedError,
+    DoesNotFitError,
+    MemkitError,
+    ModelFileError,
+    UserCodeError,
+)
 from memkit.modelfile import accepts_seq_len, call_user, load_model_file
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.accumulate import accumulation_advice, plan_accumulation
+from memkit.probing.ranks import (
+    ABORTED,
+    ERROR,
+    OK,
+    OOM,
+    PeerFailed,
+    RankSync,
+    agree_settings,
+    agreed_outcome,
+    is_ddp,
+    wrap_ddp,
+)
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.state import SavedState
@@ -59,6 +83,9 @@ class _TrialRunner:
     saved: SavedState
     seq_len: int | None = None
     on_trial: TrialCallback | None = None
+    sync: RankSync | None = None
+    capacities: tuple[int | None, ...] | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         self.records: dict[int, ProbeTrial] = {}
@@ -80,8 +107,12 @@ class _TrialRunner:
             batch = to_device(self._batch(batch_size), self.backend.device)
             self.step(self.model, batch, self.optimizer)
             del batch
+            if self.sync is not None:
+                self.sync.end_step()
 
     def __call__(self, batch_size: int) -> tuple[bool, int | None]:
+        if self.capacities is not None:
+            return self._call_ranks(batch_size)
         self._clean()
         failed: BaseException | None = None
         started = time.perf_counter()
@@ -123,6 +154,82 @@ class _TrialRunner:
             record = ProbeTrial(
                 batch_size, fits, peak, seconds, self.backend.peak_allocated(), over
             )
+        self.records[batch_size] = record
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return record.fits, record.peak_bytes
+
+    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None]:
+        """One trial on every rank; the agreed outcome (same on every rank)."""
+        self._clean()
+        caught: BaseException | None = None
+        started = time.perf_counter()
+        try:
+            synced = self.sync.trial() if self.sync else contextlib.nullcontext()
+            with self.backend.activate(), synced:
+                self._run_steps(batch_size)
+        except DistributedError:
+            raise  # a collective failed: the group cannot be used for the exchange
+        except Exception as exc:
+            caught = exc
+        seconds = time.perf_counter() - started
+        status, error, local_error = OK, None, None
+        need: int | None = None
+        if caught is not None:
+            if isinstance(caught, PeerFailed):
+                status = ABORTED
+            elif isinstance(caught, MemkitError):
+                status, local_error = ERROR, caught
+            elif not is_oom(caught):
+                status = ERROR
+                local_error = UserCodeError(
+                    f"rank {distributed.rank()}: the training step raised "
+                    f"{type(caught).__name__} at batch size {batch_size}; this is not an "
+                    "out-of-memory error, so memkit stopped instead of retrying:\n"
+                    + "".join(traceback.format_exception(caught)).rstrip(),
+                    original=caught,
+                )
+                local_error.__cause__ = caught
+            else:
+                status = OOM
+                details = parse_oom_message(caught)
+                in_use = max(
+                    details.reserved_total or 0,
+                    details.allocated_by_pytorch or 0,
+                    self.backend.allocated(),
+                )
+                tried = details.tried_to_allocate
+                need = None if tried is None else in_use + tried
+                error = _first_line(caught)
+            if local_error is None:
+                recover(self.backend, caught)
+            del caught
+            self.model.zero_grad(set_to_none=True)
+        if self.sync is not None and status in (OOM, ERROR):
+            self.sync.fail(status)
+        peak = alloc = None
+        fits = 0
+        if status == OK:
+            peak, alloc = self.backend.peak_reserved(), self.backend.peak_allocated()
+            fits = int(self.capacity is None or peak <= self.capacity)
+        rows = distributed.all_gather_ints([status, fits, peak, alloc, need], timeout=self.timeout)
+        if local_error is not None:
+            raise local_error
+        assert self.capacities is not None
+        outcome = agreed_outcome(rows, self.capacities)
+        if outcome.status == ERROR:
+            bad = [r for r, row in enumerate(rows) if row[0] == ERROR]
+            raise DistributedError(
+                f"rank {distributed.rank()}: rank(s) {bad} raised an error that is not an OOM "
+                f"at batch size {batch_size}; see that rank's traceback"
+            )
+        if not outcome.fits:
+            ranks = ", ".join(str(r) for r in outcome.failed_ranks)
+            error = f"does not fit on rank(s) {ranks}" + (f": {error}" if error else "")
+        record = ProbeTrial(
+            batch_size, outcome.fits, outcome.peak_bytes, seconds,
+            outcome.peak_allocated_bytes, error, rank_peaks=outcome.rank_peaks,
+        )  # fmt: skip
         self.records[batch_size] = record
         if self.on_trial is not None:
             self.on_trial(record)
@@ -194,6 +301,8 @@ def probe(
     seq_len: int | None = None,
     on_trial: TrialCallback | None = None,
     defaults: Sequence[str] = (),
+    ddp: bool = False,
+    timeout: float | None = None,
 ) -> ProbeResult:
     """Find the largest batch size that fits, exactly, and leave everything as it was.
 
@@ -219,10 +328,21 @@ def probe(
         target_batch: effective batch wanted; adds ``accumulate`` advice.
         seq_len: passed to ``make_batch`` as its second argument.
         on_trial: called after each trial (progress lines).
+        ddp: wrap the model in ``DistributedDataParallel`` for the trials, so its gradient
+            buckets and gradient all-reduce are measured (needs a process group). A model that
+            already is a DDP model is probed as such.
+        timeout: seconds to wait for the other ranks at each agreement; ``None`` uses the
+            process group's timeout.
+
+    Inside an initialised process group every rank must call ``probe`` with the same options:
+    each probes its own device, the ranks agree after every trial (a size fits only if it fits
+    on every rank) and all return the same answer, with each rank's peak in
+    ``per_rank_peaks``. See docs/distributed.md.
 
     Returns:
         A :class:`ProbeResult`. Raises :class:`UserCodeError` when the step raises anything
-        that is not an OOM (it is never retried).
+        that is not an OOM (it is never retried); under a process group the other ranks raise
+        :class:`~memkit.errors.DistributedError`.
 
     Examples:
         >>> import torch, memkit
@@ -254,8 +374,27 @@ def probe(
     if isinstance(backend, SimulatedBackend):
         backend.track(model, optimizer)
     capacity = _capacity(backend)
+    ranked = distributed.is_distributed()
+    capacities: tuple[int | None, ...] | None = None
+    search_capacity = capacity
+    if ddp and not ranked:
+        wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
+    if ranked:
+        agree_settings(
+            min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
+            ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
+        )  # fmt: skip
+        capacities = tuple(
+            row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout)
+        )
+        known = [c for c in capacities if c is not None]
+        search_capacity = min(known) if len(known) == len(capacities) else None
     plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step)
     saved = SavedState(model, optimizer)
+    target = model
+    if ddp and not is_ddp(model):
+        target = _wrap_agreed(model, backend, timeout)
+    sync = RankSync(target, optimizer, timeout) if ranked and is_ddp(target) else None
     training_flag = model.training
     # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
     # gc.collect() after every trial only walks the trial's own objects (a full collection
@@ -267,11 +406,12 @@ def probe(
         else:
             model.eval()
         runner = _TrialRunner(
-            model, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len, on_trial
-        )
+            target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
+            on_trial, sync, capacities, timeout,
+        )  # fmt: skip
         search = search_max_batch(
             runner,
-            capacity_bytes=capacity,
+            capacity_bytes=search_capacity,
             min_batch=min_batch,
             max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
             margin=margin,
@@ -280,12 +420,55 @@ def probe(
         gc.unfreeze()
         model.train(training_flag)
         saved.restore()
+        del target, sync  # a wrapper made here frees DDP's buckets with it
         gc.collect()
         backend.empty_cache()
-    return _build_result(
+    result = _build_result(
         search, runner.records, backend, plan, mode, steps, margin, min_batch, max_batch,
-        seq_len, defaults, target_batch,
+        seq_len, defaults, target_batch, capacities,
     )  # fmt: skip
+    if ddp or is_ddp(model):
+        result = dataclasses.replace(result, ddp=True, defaults=(*result.defaults, _DDP_NOTE))
+    return result
+
+
+_DDP_NOTE = (
+    "ddp: DistributedDataParallel (buckets measured; gradients all-reduced by memkit after "
+    "every rank's backward, not overlapped with it)"
+)
+
+
+def _wrap_agreed(model: torch.nn.Module, backend: Backend, timeout: float | None) -> Any:
+    """Wrap in DDP on the probed device (its buckets are counted); every rank agrees it fit."""
+    wrapped: Any = None
+    failed: BaseException | None = None
+    try:
+        with backend.activate():
+            wrapped = wrap_ddp(model, backend.device)
+    except MemkitError:
+        raise
+    except Exception as exc:
+        failed = exc
+    anywhere = distributed.any_true(failed is not None, timeout=timeout)
+    if failed is not None:
+        if not is_oom(failed):
+            raise UserCodeError(
+                f"wrapping the model in DistributedDataParallel raised {_first_line(failed)}",
+                original=failed,
+            ) from failed
+        message = _first_line(failed)
+        recover(backend, failed)
+        del failed
+        raise DoesNotFitError(
+            f"rank {distributed.rank()}: DistributedDataParallel's gradient buckets do not fit "
+            f"next to the model on {backend.name()}: {message}"
+        )
+    if anywhere:
+        raise DoesNotFitError(
+            f"rank {distributed.rank()}: DistributedDataParallel's gradient buckets did not fit "
+            "on another rank; see its error"
+        )
+    return wrapped
 
 
 def _build_result(
@@ -301,15 +484,19 @@ def _build_result(
     seq_len: int | None,
     defaults: list[str],
     target_batch: int | None,
+    capacities: tuple[int | None, ...] | None = None,
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
+    world = 1 if capacities is None else len(capacities)
     advice: list[Advice] = []
     if search.max_batch_size is None:
         advice.append(_does_not_fit_advice(search, backend, mode))
     elif target_batch is not None and search.recommended_batch_size is not None:
         micro = search.recommended_batch_size
         advice.append(
-            accumulation_advice(plan_accumulation(target_batch, micro), micro, backend.name())
+            accumulation_advice(
+                plan_accumulation(target_batch, micro, world), micro, backend.name()
+            )
         )
     model = search.model
     return ProbeResult(
@@ -331,7 +518,15 @@ def _build_result(
         per_sample_bytes=None if model is None else model.per_sample_bytes,
         defaults=tuple(defaults + plan.describe()),
         advice=tuple(advice),
+        world_size=world,
+        per_rank_peaks=_rank_peaks(search.max_batch_size, records) if world > 1 else (),
+        per_rank_capacities=capacities if world > 1 and capacities is not None else (),
     )
+
+
+def _rank_peaks(batch_size: int | None, records: dict[int, ProbeTrial]) -> tuple[int | None, ...]:
+    record = None if batch_size is None else records.get(batch_size)
+    return () if record is None else record.rank_peaks
 
 
 def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
@@ -340,7 +535,7 @@ def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
         return ProbeTrial(trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds)
     return ProbeTrial(
         trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds,
-        record.peak_allocated_bytes, record.error,
+        record.peak_allocated_bytes, record.error, record.rank_peaks,
     )  # fmt: skip
 
 

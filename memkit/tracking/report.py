@@ -11,12 +11,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memkit.advice import Advice, advice_html, advice_text
 from memkit.render import html as h
 from memkit.render.text import table
 from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.tracking.ranks import RanksReport
 
 __all__ = [
     "PHASES",
@@ -461,6 +464,16 @@ class TrackReport:
         rank: the distributed rank (``RANK``), if any.
         world_size: the number of ranks, if any.
         notes: caveats about how the numbers were obtained.
+        param_dtype: the dtype holding most of the model's trainable floating parameters.
+        optimizer_name: the (first) optimizer's class name.
+        autocast_forwards: forward passes run under ``torch.autocast``.
+        steps_with_grads_at_forward: steps (after the first) whose first forward began with
+            gradients allocated (``zero-grad-keeps-grads``).
+        dp_device_ids: a DataParallel model's ``device_ids``.
+        dp_output_device: its output device (``"cuda:0"``).
+        dp_output_bytes: the largest output it gathered on the output device.
+        ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
+            advice (:class:`memkit.tracking.ranks.RanksReport`); ``None`` otherwise.
     """
 
     devices: tuple[DeviceReport, ...]
@@ -473,6 +486,15 @@ class TrackReport:
     rank: int | None = None
     world_size: int | None = None
     notes: tuple[str, ...] = ()
+    # evidence for the advice rules (memkit/advice.py)
+    param_dtype: str | None = None
+    optimizer_name: str | None = None
+    autocast_forwards: int = 0
+    steps_with_grads_at_forward: int = 0
+    dp_device_ids: tuple[int, ...] = ()
+    dp_output_device: str | None = None
+    dp_output_bytes: int = 0
+    ranks: RanksReport | None = None
 
     # -- access ---------------------------------------------------------------------------
     def device(self, name: str) -> DeviceReport:
@@ -520,6 +542,14 @@ class TrackReport:
             "advice": [a.to_dict() for a in self.advice],
             "oom": None if self.oom is None else self.oom.to_dict(),
             "notes": list(self.notes),
+            "param_dtype": self.param_dtype,
+            "optimizer_name": self.optimizer_name,
+            "autocast_forwards": self.autocast_forwards,
+            "steps_with_grads_at_forward": self.steps_with_grads_at_forward,
+            "dp_device_ids": list(self.dp_device_ids),
+            "dp_output_device": self.dp_output_device,
+            "dp_output_bytes": self.dp_output_bytes,
+            **({} if self.ranks is None else {"ranks": self.ranks.to_dict()}),
         }
 
     def to_json(self, path: str | Path | None = None, *, timeline: bool = True) -> str:
@@ -564,6 +594,8 @@ class TrackReport:
                     f"memory grows by {format_size(dev.leak.growth_per_step)} per step "
                     f"(since step {dev.leak.first_step}, {dev.leak.steps} steps)"
                 )
+        if self.ranks is not None:
+            lines.extend(["", str(self.ranks)])
         if self.advice:
             lines.extend(["", "advice:", advice_text(self.advice)])
         if self.oom is not None:
@@ -634,6 +666,8 @@ class TrackReport:
             if top:
                 body.append("<h3>Modules (largest activations first)</h3>")
                 body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
+        if self.ranks is not None:
+            body.append(self.ranks.html_body())
         body.append("<h3>Advice</h3>")
         body.append(advice_html(list(self.advice)))
         if self.notes:

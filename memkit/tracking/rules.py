@@ -5,19 +5,30 @@
 * ``eval-grad-enabled``: forward passes in eval mode with autograd recording keep activations
   that nothing will use.
 * OOM rules (:func:`oom_advice`), from a post-mortem's breakdown: ``oom-activations``,
-  ``oom-optimizer-state``, ``oom-parameters``, ``oom-fragmentation``, ``oom-leak``.
+  ``oom-optimizer-state``, ``oom-parameters``, ``oom-other``; and ``fragmentation`` and
+  ``other-processes`` from the CUDA message (rules of :mod:`memkit.advice`).
 
 Each rule returns a list (empty when it does not fire), so the advice issue can collect them.
+
+The rules that are functions of plain numbers live in :mod:`memkit.advice`;
+:func:`measured_advice` feeds them this report's numbers: ``mixed-precision``,
+``activation-checkpointing``, ``optimizer-state``, ``zero-grad-keeps-grads``, ``dp-to-ddp``,
+``dp-loss-on-replicas``, ``fragmentation``, ``empty-cache`` (and, at an OOM, ``fragmentation``
+and ``other-processes`` from the message).
 """
 
 from __future__ import annotations
 
+import itertools
+
+from memkit import advice as rules_of
 from memkit.advice import Advice
+from memkit.oom import OomDetails
 from memkit.tracking.leaks import graph_retained_advice
-from memkit.tracking.report import OomPostMortem, TrackReport
+from memkit.tracking.report import DeviceReport, OomPostMortem, TrackReport
 from memkit.units import format_size
 
-__all__ = ["eval_grad_enabled", "graph_retained", "oom_advice", "track_advice"]
+__all__ = ["eval_grad_enabled", "graph_retained", "measured_advice", "oom_advice", "track_advice"]
 
 
 def graph_retained(report: TrackReport) -> list[Advice]:
@@ -52,11 +63,138 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
 
 def track_advice(report: TrackReport, *, eval_grad_bytes: int = 0) -> list[Advice]:
     """Every tracker rule that fires on ``report``."""
-    return [*graph_retained(report), *eval_grad_enabled(report, eval_grad_bytes)]
+    return [
+        *graph_retained(report),
+        *eval_grad_enabled(report, eval_grad_bytes),
+        *measured_advice(report),
+    ]
 
 
-def oom_advice(pm: OomPostMortem, reserved_unallocated: int | None = None) -> list[Advice]:
-    """What to do about the OOM described by ``pm`` (most useful first)."""
+# -- rules of memkit.advice, fed with a track report (issue #5) ---------------------------------
+
+
+def _cache_releases(dev: DeviceReport) -> int:
+    """Readings where reserved memory dropped by 1 MiB or more: the cache given back to the
+    driver (``empty_cache``). Zero on devices without a caching allocator (reserved ==
+    allocated throughout, the simulated device)."""
+    points = dev.timeline
+    if not any(p.reserved > p.allocated for p in points):
+        return 0
+    return sum(1 for a, b in itertools.pairwise(points) if b.reserved <= a.reserved - (1 << 20))
+
+
+def measured_advice(report: TrackReport) -> list[Advice]:
+    """The :mod:`memkit.advice` rules that fire on ``report``'s measurements."""
+    out: list[Advice | None] = []
+    trained = any(d.phase_peaks.get("backward") is not None for d in report.devices)
+    for dev in report.devices:
+        bd = dev.breakdown
+        if bd is not None and bd.total > 0 and trained:
+            out.append(
+                rules_of.mixed_precision(
+                    param_dtype=report.param_dtype,
+                    autocast=report.autocast_forwards > 0,
+                    activation_bytes=bd.activations,
+                    peak_bytes=bd.total,
+                    parameter_bytes=bd.parameters,
+                    device=dev.device,
+                    min_share=0.3,
+                )
+            )
+            out.append(
+                rules_of.activation_checkpointing(
+                    activation_bytes=bd.activations,
+                    peak_bytes=bd.total,
+                    modules=[
+                        rules_of.ModuleActivation(m.path, m.activation_bytes, m.leaf)
+                        for m in dev.modules
+                    ],
+                    capacity=dev.capacity,
+                    device=dev.device,
+                )
+            )
+            transient = max(
+                (
+                    (s.phase_peaks.get("optimizer") or 0) - s.end_allocated
+                    for s in dev.steps
+                    if s.phase_peaks.get("optimizer") is not None
+                ),
+                default=0,
+            )
+            out.append(
+                rules_of.optimizer_state(
+                    optimizer_state_bytes=bd.optimizer_state,
+                    parameter_bytes=bd.parameters,
+                    peak_bytes=bd.total,
+                    capacity=dev.capacity,
+                    optimizer=report.optimizer_name,
+                    optimizer_transient_bytes=transient if transient > 0 else None,
+                    ranks=report.world_size,
+                    device=dev.device,
+                )
+            )
+            out.append(
+                rules_of.zero_grad_keeps_grads(
+                    steps_with_grads=report.steps_with_grads_at_forward,
+                    gradient_bytes=bd.gradients,
+                    peak_phase=bd.phase,
+                    device=dev.device,
+                )
+            )
+        out.append(
+            rules_of.fragmentation(
+                reserved=dev.peak_reserved,
+                allocated=dev.peak_allocated,
+                peak_allocated=dev.peak_allocated,
+                device=dev.device,
+            )
+        )
+        out.append(
+            rules_of.empty_cache(
+                reserved=dev.peak_reserved,
+                allocated=dev.peak_allocated,
+                device=dev.device,
+                cache_releases=_cache_releases(dev),
+                steps=len(dev.steps),
+            )
+        )
+    if report.dp_device_ids and len(report.devices) >= 2 and report.dp_output_device:
+        primary = next((d for d in report.devices if d.device == report.dp_output_device), None)
+        pbd = primary.breakdown if primary is not None else None
+        out.append(
+            rules_of.dp_to_ddp(
+                {d.device: d.peak_allocated for d in report.devices},
+                report.dp_output_device,
+                gradient_bytes=pbd.gradients if pbd is not None else 0,
+                optimizer_state_bytes=pbd.optimizer_state if pbd is not None else 0,
+            )
+        )
+        out.append(
+            rules_of.dp_loss_on_replicas(
+                report.dp_output_bytes,
+                report.dp_output_device,
+                len(report.dp_device_ids),
+                primary.peak_allocated if primary is not None else None,
+            )
+        )
+    # one advice per code: the first device that shows it (the primary under DataParallel)
+    seen: set[str] = set()
+    result: list[Advice] = []
+    for a in out:
+        if a is not None and a.code not in seen:
+            seen.add(a.code)
+            result.append(a)
+    return result
+
+
+def oom_advice(
+    pm: OomPostMortem,
+    reserved_unallocated: int | None = None,
+    *,
+    details: OomDetails | None = None,
+) -> list[Advice]:
+    """What to do about the OOM described by ``pm`` (most useful first); ``details`` (the
+    parsed message) adds ``fragmentation`` and ``other-processes``."""
     out: list[Advice] = []
     bd = pm.breakdown
     where = pm.where
@@ -144,20 +282,38 @@ def oom_advice(pm: OomPostMortem, reserved_unallocated: int | None = None) -> li
                     severity="warning",
                 )
             )
-    if (
-        reserved_unallocated is not None
-        and pm.tried_to_allocate is not None
-        and reserved_unallocated >= pm.tried_to_allocate
-    ):
-        out.append(
-            Advice(
-                code="oom-fragmentation",
-                title="enough memory was reserved but fragmented",
-                evidence=f"{format_size(reserved_unallocated)} was reserved by PyTorch but "
-                f"unallocated, more than the {format_size(pm.tried_to_allocate)} requested.",
-                action="Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting.",
-                saving_bytes=reserved_unallocated,
-                severity="warning",
-            )
+    # -- rules of memkit.advice, from the OOM message (issue #5) --
+    if reserved_unallocated is None and details is not None:
+        reserved_unallocated = details.reserved_unallocated
+    if reserved_unallocated is not None and pm.tried_to_allocate is not None:
+        allocated = (
+            details.allocated_by_pytorch
+            if details is not None and details.allocated_by_pytorch is not None
+            else pm.allocated or 0
         )
+        frag = rules_of.fragmentation(
+            reserved=allocated + reserved_unallocated,
+            allocated=allocated,
+            tried_to_allocate=pm.tried_to_allocate,
+            capacity=pm.capacity,
+            device=pm.device,
+        )
+        if frag is not None:
+            out.append(frag)
+    if (
+        details is not None
+        and details.process_in_use is not None
+        and details.capacity is not None
+        and details.free is not None
+    ):
+        others = rules_of.other_processes(
+            used=details.capacity - details.free,
+            this_process=details.process_in_use,
+            total=details.capacity,
+            device=pm.device,
+            includes_context=True,
+            processes=rules_of.processes_in_oom_message(pm.exception),
+        )
+        if others is not None:
+            out.append(others)
     return out

@@ -51,6 +51,7 @@ from memkit.devices import (
 )
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking import leaks
+from memkit.tracking.ranks import GATHER_TIMEOUT, RanksReport, RankWatch
 from memkit.tracking.report import (
     PHASES,
     Breakdown,
@@ -216,6 +217,7 @@ class Tracker:
         timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
         leak_warmup: int = 2,
         leak_window: int = 3,
+        gather_timeout: float = GATHER_TIMEOUT,
     ) -> None:
         if postmortem not in ("stderr", None):
             raise ValueError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
@@ -258,6 +260,11 @@ class Tracker:
         self._unwrap: tuple[Any, Any] | None = None
         self._eval_grad = 0
         self._eval_grad_bytes = 0
+        # -- evidence for the advice rules (memkit/advice.py; issue #5) --
+        self._autocast_forwards = 0
+        self._grads_steps = 0
+        self._grads_checked_step = 0
+        self._dp_output_bytes = 0
         self._last_root: tuple[bool, bool] | None = None
         self._fail: tuple[int, _Device, int, int, str | None] | None = None
         self._scan: list[leaks.Candidate] | None = None
@@ -268,6 +275,10 @@ class Tracker:
         self._oom: OomPostMortem | None = None
         self.backend: Any = None
         self.notes: list[str] = []
+        # -- across ranks (memkit/tracking/ranks.py) --
+        self.gather_timeout = gather_timeout
+        self._ranks_watch: RankWatch | None = None
+        self._ranks_report: RanksReport | None = None
 
     # ------------------------------------------------------------------------------------
     # entering and leaving
@@ -301,6 +312,9 @@ class Tracker:
             primary.base_grads_none = self._grads_none()
             primary.base_state_empty = self._state_empty()
             self._install()
+            if RankWatch.wanted():
+                self._ranks_watch = RankWatch(self, self.gather_timeout)
+                self._ranks_watch.install()
             self._active = True
         except BaseException:
             self._remove()
@@ -332,6 +346,9 @@ class Tracker:
                     if self.postmortem == "stderr":
                         sys.stderr.write(str(self._oom) + "\n")
                         sys.stderr.flush()
+            if self._ranks_watch is not None:
+                self._ranks_watch.remove()
+                self._ranks_watch.finish(exc is None)
         finally:
             self._fail = None
             self._probe = None  # keep no reference to the model's tensors
@@ -354,6 +371,8 @@ class Tracker:
                 leaf = not any(True for _ in mod.children())
                 h.append(mod.register_forward_pre_hook(self._make_pre(label, leaf)))
                 h.append(mod.register_forward_hook(self._make_post(label), always_call=True))
+            if isinstance(self.model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
+                h.append(self.model.register_forward_hook(self._make_dp_output()))
         elif self.per_module:
             h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
@@ -393,6 +412,8 @@ class Tracker:
         self._unwrap = (original, backward)
 
     def _remove(self) -> None:
+        if self._ranks_watch is not None:
+            self._ranks_watch.remove()
         unwrap = self._unwrap
         if unwrap is not None:
             original, wrapper = unwrap
@@ -665,10 +686,56 @@ class Tracker:
 
     def _root_pre(self, module: torch.nn.Module) -> None:
         self._last_root = (module.training, torch.is_grad_enabled())
+        if _autocast_on(self._kind):  # advice: mixed-precision
+            self._autocast_forwards += 1
         if self._phase != FORWARD:
             with self._lock:
                 if self._phase != FORWARD:
                     self._transition(FORWARD)
+                    # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on)
+                    if self._step > self._grads_checked_step and module.training:
+                        self._grads_checked_step = self._step
+                        if not self._grads_none():
+                            self._grads_steps += 1
+
+    def _make_dp_output(self) -> Callable[[Any, Any, Any], None]:
+        """A forward hook on a DataParallel model: the largest gathered output, in bytes."""
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if not self._active:
+                return
+            values = output.values() if isinstance(output, dict) else output
+            tensors = [output] if isinstance(output, torch.Tensor) else list(values or ())
+            size = sum(
+                int(t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)
+            )
+            if size > self._dp_output_bytes:
+                self._dp_output_bytes = size
+
+        return hook
+
+    def _advice_evidence(self) -> dict[str, Any]:
+        """What the advice rules need that the device records do not hold (cold path)."""
+        sizes: dict[str, int] = {}
+        for mod in self._root_modules():
+            for p in mod.parameters():
+                if p.requires_grad and p.is_floating_point():
+                    key = str(p.dtype).replace("torch.", "")
+                    sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+        opts = self._all_optimizers()
+        out: dict[str, Any] = {
+            "param_dtype": max(sizes, key=lambda k: sizes[k]) if sizes else None,
+            "optimizer_name": type(opts[0]).__name__ if opts else None,
+            "autocast_forwards": self._autocast_forwards,
+            "steps_with_grads_at_forward": self._grads_steps,
+            "dp_output_bytes": self._dp_output_bytes,
+        }
+        model = self.model
+        if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+            ids = tuple(int(getattr(d, "index", d)) for d in model.device_ids)
+            out["dp_device_ids"] = ids
+            out["dp_output_device"] = f"{self._kind}:{int(getattr(model, 'output_device', ids[0]))}"
+        return out
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
@@ -679,6 +746,8 @@ class Tracker:
                 self._step_owner = weakref.ref(optimizer)
             if self._probe is None:
                 self._probe = self._find_probe()
+        if self._ranks_watch is not None:
+            self._ranks_watch.on_step(optimizer)
         with self._lock:
             self._transition(OPTIMIZER)
 
@@ -1058,7 +1127,7 @@ class Tracker:
             advice=(),
             rank=_rank(),
         )
-        advice = rules.oom_advice(pm, details.reserved_unallocated)
+        advice = rules.oom_advice(pm, details.reserved_unallocated, details=details)
         return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
 
     # ------------------------------------------------------------------------------------
@@ -1135,6 +1204,8 @@ class Tracker:
             rank=rank,
             world_size=world,
             notes=tuple(self.notes),
+            ranks=self._ranks_report,
+            **self._advice_evidence(),
         )
         advice = rules.track_advice(report, eval_grad_bytes=self._eval_grad_bytes)
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
@@ -1148,6 +1219,13 @@ class Tracker:
     def phase(self) -> str:
         """The phase running now."""
         return PHASES[self._phase]
+
+
+def _autocast_on(kind: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(kind))
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+        return False
 
 
 def _rank() -> int | None:
@@ -1173,8 +1251,15 @@ def track(
     per_module: bool = True,
     postmortem: str | None = "stderr",
     timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+    gather_timeout: float = GATHER_TIMEOUT,
 ) -> Tracker:
     """Track memory per device, phase, step and module while the ``with`` block runs.
+
+    Under a ``torch.distributed`` process group every rank tracks its own device, and when
+    the block ends (or when the script calls ``destroy_process_group()``) each rank's summary
+    is gathered to rank 0, whose ``report().ranks`` holds the per-rank table, the imbalance,
+    the rank closest to its capacity and the DDP advice (docs/distributed.md). All ranks must
+    run the block; a rank missing for ``gather_timeout`` seconds leaves a note, not a hang.
 
     Args:
         model: the model to hook, or ``None`` for every module (global hooks).
@@ -1209,4 +1294,5 @@ def track(
         per_module=per_module,
         postmortem=postmortem,
         timeline_limit=timeline_limit,
+        gather_timeout=gather_timeout,
     )

@@ -1,0 +1,355 @@
+"""Tracking across ranks: each rank's summary gathered to rank 0, compared, and advised on.
+
+Under an initialised process group, :class:`memkit.tracking.tracker.Tracker` gathers one
+:class:`RankSummary` per rank to rank 0 when the block ends, or just before the script calls
+``torch.distributed.destroy_process_group()`` (the usual end of a torchrun script, after which
+nothing can be gathered). Rank 0's report then carries a :class:`RanksReport`: a per-rank table
+(peak, phase and step of the peak, capacity), the imbalance between ranks, the rank closest to
+its capacity (the first to run out when the batch grows: the "slowest to fit"), and the DDP
+advice (``ddp-unused-parameters``, ``ddp-gpu0-context``). The gather is bounded by a timeout;
+when it fails, the report says so in a note instead of raising.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from memkit import distributed
+from memkit.advice import Advice, advice_html, advice_text
+from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.render import html as h
+from memkit.render.text import table
+from memkit.units import format_size
+
+__all__ = [
+    "GATHER_TIMEOUT",
+    "RankSummary",
+    "RankWatch",
+    "RanksReport",
+    "cuda_context_reading",
+    "gather",
+    "rank_advice",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+GATHER_TIMEOUT = 300.0
+"""Seconds rank 0 waits for the other ranks' summaries before giving up (with a note)."""
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank's memory in a few numbers (small: it travels to rank 0).
+
+    Attributes:
+        rank, local_rank: global and node-local rank.
+        node: host name.
+        device: the device with the highest peak on this rank.
+        peak_allocated, peak_reserved, capacity: bytes on that device.
+        peak_phase, peak_step: where the peak happened (``None`` if unknown).
+        steps: steps completed.
+        oom: ``"step N, phase of module"`` when an OOM ended the block on this rank.
+        unused_parameters: trainable parameters with no gradient at an optimizer step.
+        unused_bytes: their size.
+        find_unused_parameters: the DDP model's setting, if a DDP model was tracked.
+        cuda_initialized, current_device: the CUDA context reading (``ddp-gpu0-context``).
+    """
+
+    rank: int
+    local_rank: int
+    node: str
+    device: str
+    peak_allocated: int
+    peak_reserved: int
+    capacity: int | None
+    peak_phase: str | None
+    peak_step: int | None
+    steps: int
+    oom: str | None = None
+    unused_parameters: tuple[str, ...] = ()
+    unused_bytes: int = 0
+    find_unused_parameters: bool | None = None
+    cuda_initialized: bool = False
+    current_device: int | None = None
+
+    @property
+    def used_share(self) -> float | None:
+        """Peak reserved over capacity."""
+        return None if not self.capacity else self.peak_reserved / self.capacity
+
+
+@dataclass(frozen=True)
+class RanksReport:
+    """Every rank's summary, on rank 0."""
+
+    ranks: tuple[RankSummary, ...]
+    advice: tuple[Advice, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def imbalance(self) -> float:
+        """``(max - min) / max`` of the ranks' peak reserved bytes (0: perfectly even)."""
+        peaks = [r.peak_reserved for r in self.ranks]
+        return 0.0 if not peaks or max(peaks) == 0 else (max(peaks) - min(peaks)) / max(peaks)
+
+    @property
+    def tightest_rank(self) -> int | None:
+        """The rank with the least room left (by share of capacity; by peak without one)."""
+        if not self.ranks:
+            return None
+        if all(r.capacity for r in self.ranks):
+            return max(self.ranks, key=lambda r: (r.used_share or 0.0, -r.rank)).rank
+        return max(self.ranks, key=lambda r: (r.peak_reserved, -r.rank)).rank
+
+    def rows(self) -> list[list[object]]:
+        tight = self.tightest_rank
+        return [
+            [
+                r.rank,
+                r.device,
+                format_size(r.peak_allocated),
+                format_size(r.peak_reserved),
+                format_size(r.capacity),
+                "" if r.used_share is None else f"{r.used_share:.0%}",
+                r.peak_phase or "",
+                "" if r.peak_step is None else r.peak_step,
+                ("OOM " + r.oom) if r.oom else ("tightest" if r.rank == tight else ""),
+            ]
+            for r in self.ranks
+        ]
+
+    HEADERS = ("rank", "device", "peak alloc", "peak reserved", "capacity", "used", "phase",
+               "step", "")  # fmt: skip
+
+    def headline(self) -> str:
+        tight = self.tightest_rank
+        return (
+            f"{self.world_size} ranks; imbalance between ranks {self.imbalance:.0%} of the "
+            f"largest peak; rank {tight} is the closest to its capacity (the first to run out "
+            "as the batch grows)"
+        )
+
+    def __str__(self) -> str:
+        parts = [self.headline(), "", table(list(self.HEADERS), self.rows(), title="ranks")]
+        text = advice_text(self.advice)
+        if text:
+            parts += ["", "advice across ranks:", text]
+        return "\n".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "imbalance": self.imbalance,
+            "tightest_rank": self.tightest_rank,
+            "ranks": [asdict(r) for r in self.ranks],
+            "advice": [a.to_dict() for a in self.advice],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def html_body(self) -> str:
+        return (
+            f"<h3>Ranks</h3><p>{h.escape(self.headline())}</p>"
+            + h.table(list(self.HEADERS), self.rows())
+            + (advice_html(list(self.advice)) if self.advice else "")
+        )
+
+    def _repr_html_(self) -> str:
+        return h.fragment(self.html_body())
+
+
+def rank_advice(ranks: tuple[RankSummary, ...]) -> list[Advice]:
+    """The DDP rules over the gathered summaries."""
+    out: list[Advice] = []
+    unused = ddp_unused_parameters(
+        {r.rank: r.unused_parameters for r in ranks},
+        unused_bytes=max((r.unused_bytes for r in ranks), default=0) or None,
+        find_unused_parameters=next(
+            (r.find_unused_parameters for r in ranks if r.find_unused_parameters is not None),
+            None,
+        ),
+    )
+    if unused is not None:
+        out.append(unused)
+    context = ddp_gpu0_context(
+        [
+            ContextReading(r.rank, r.local_rank, r.cuda_initialized, r.current_device, r.node)
+            for r in ranks
+        ]
+    )
+    if context is not None:
+        out.append(context)
+    return out
+
+
+def cuda_context_reading() -> tuple[bool, int | None]:
+    """``(cuda initialised, current device)`` of this process, without initialising CUDA."""
+    from memkit.devices import cuda_context_reading
+
+    return cuda_context_reading()
+
+
+def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
+    """This rank's :class:`RankSummary` from its :class:`~memkit.tracking.report.TrackReport`."""
+    devices = list(report.devices)
+    dev = max(devices, key=lambda d: d.peak_reserved) if devices else None
+    peak_phase = None
+    peak_step = None
+    if dev is not None:
+        phases = {p: v for p, v in dev.phase_peaks.items() if v is not None}
+        peak_phase = max(phases, key=lambda p: phases[p]) if phases else None
+        if dev.steps:
+            peak_step = max(dev.steps, key=lambda s: s.peak_allocated).step
+        if dev.breakdown is not None and dev.breakdown.phase:
+            peak_phase = dev.breakdown.phase
+            peak_step = dev.breakdown.step if dev.breakdown.step is not None else peak_step
+    oom = report.oom
+    initialized, current = cuda_context_reading()
+    return RankSummary(
+        rank=distributed.rank(),
+        local_rank=distributed.local_rank(),
+        node=socket.gethostname(),
+        device="" if dev is None else dev.device,
+        peak_allocated=0 if dev is None else dev.peak_allocated,
+        peak_reserved=0 if dev is None else dev.peak_reserved,
+        capacity=None if dev is None else dev.capacity,
+        peak_phase=peak_phase,
+        peak_step=peak_step,
+        steps=report.steps,
+        oom=None if oom is None else f"step {oom.step}, {oom.phase}",
+        cuda_initialized=initialized,
+        current_device=current,
+        **extra,
+    )
+
+
+def gather(summary: RankSummary, timeout: float = GATHER_TIMEOUT) -> RanksReport | None:
+    """Gather every rank's summary: a :class:`RanksReport` on rank 0, ``None`` elsewhere.
+
+    Raises:
+        DistributedError: a rank did not send its summary within ``timeout`` seconds.
+    """
+    gathered = distributed.gather_to_rank0(summary, timeout=timeout)
+    if gathered is None:
+        return None
+    ranks = tuple(sorted(gathered, key=lambda r: r.rank))
+    return RanksReport(ranks, tuple(rank_advice(ranks)))
+
+
+class RankWatch:
+    """What a :class:`~memkit.tracking.tracker.Tracker` does under a process group.
+
+    Records trainable parameters without a gradient at the first optimizer steps, wraps
+    ``torch.distributed.destroy_process_group`` for the block (so the summaries are gathered
+    while the group still exists) and gathers at the end of the block otherwise.
+    """
+
+    CHECKED_STEPS = 3
+    """Optimizer steps at which unused parameters are looked for (bounded overhead)."""
+
+    def __init__(self, tracker: Any, timeout: float = GATHER_TIMEOUT) -> None:
+        self.tracker = tracker
+        self.timeout = timeout
+        self.unused: dict[str, int] = {}
+        self.find_unused: bool | None = None
+        self.checked = 0
+        self.done = False
+        self._unwrap: tuple[Any, Any] | None = None
+
+    @staticmethod
+    def wanted() -> bool:
+        """Whether a multi-rank process group is (or will be) in use."""
+        return distributed.is_distributed() or distributed.world_size() > 1
+
+    def _roots(self) -> list[Any]:
+        model = self.tracker.model
+        if model is not None:
+            return [model]
+        return [m for m in (ref() for ref, _ in self.tracker._roots.values()) if m is not None]
+
+    def on_step(self, optimizer: Any) -> None:
+        """At an optimizer step (before it): note trainable parameters with no gradient."""
+        if self.checked >= self.CHECKED_STEPS:
+            return
+        self.checked += 1
+        names: dict[int, str] = {}
+        for root in self._roots():
+            if self.find_unused is None and hasattr(root, "find_unused_parameters"):
+                self.find_unused = bool(root.find_unused_parameters)
+            for name, param in root.named_parameters():
+                names.setdefault(id(param), name)
+        for group in optimizer.param_groups:
+            for i, param in enumerate(group["params"]):
+                if param.requires_grad and param.grad is None:
+                    name = names.get(id(param), f"param_groups[...][{i}]")
+                    self.unused[name] = param.numel() * param.element_size()
+
+    def install(self) -> None:
+        """Wrap ``torch.distributed.destroy_process_group`` for the block."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        original = dist.destroy_process_group
+
+        def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if group is None and not self.done:
+                self.gather_now()
+            return original(group, *args, **kwargs)
+
+        dist.destroy_process_group = destroy_process_group
+        self._unwrap = (original, destroy_process_group)
+
+    def remove(self) -> None:
+        if self._unwrap is None:
+            return
+        import torch.distributed as dist
+
+        original, wrapper = self._unwrap
+        if dist.destroy_process_group is wrapper:
+            dist.destroy_process_group = original
+        self._unwrap = None
+
+    def finish(self, clean: bool) -> None:
+        """At the end of the block: gather if not done yet (not after an exception: the other
+        ranks may be stuck in the user's collectives; the exception must propagate now)."""
+        if self.done:
+            return
+        if not clean:
+            self.tracker.notes.append(
+                "ranks not gathered: this rank's block ended with an exception"
+            )
+            self.done = True
+            return
+        self.gather_now()
+
+    def gather_now(self) -> None:
+        self.done = True
+        if not (distributed.is_distributed() and distributed.world_size() > 1):
+            return
+        extra = {
+            "unused_parameters": tuple(sorted(self.unused)),
+            "unused_bytes": sum(self.unused.values()),
+            "find_unused_parameters": self.find_unused,
+        }
+        from memkit.errors import DistributedError
+
+        try:
+            summary = summarize(self.tracker.report(), extra)
+            report = gather(summary, self.timeout)
+        except DistributedError as exc:
+            log.warning("memkit: could not gather the ranks' summaries: %s", exc)
+            self.tracker.notes.append(f"ranks not gathered: {exc}")
+            return
+        self.tracker._ranks_report = report
+        if report is None:
+            self.tracker.notes.append("this rank's summary was sent to rank 0's report")

@@ -1,0 +1,339 @@
+"""Advice rules (issue #5): each fires on a reproduced scenario and stays silent when healthy.
+
+Real models on the simulated device wherever the evidence can be produced on a CPU; the CUDA
+caching allocator's readings (fragmentation, other processes, empty_cache) and DataParallel's
+per-device peaks are constructed numbers (DataParallel needs several GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from memkit import advice as A
+from memkit.oom import parse_oom_message
+from memkit.probing.accumulate import accumulation_advice, plan_accumulation
+from memkit.tracking import track
+from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
+from memkit.tracking.rules import measured_advice
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def codes(advice) -> list[str]:
+    return [a.code for a in advice]
+
+
+def run_steps(model, opt, batch, steps=3, *, budget="256MiB", zero="before", autocast=False):
+    """A training loop on the simulated cpu device; returns the track report."""
+    with track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker:
+        for _ in range(steps):
+            if zero == "before":
+                opt.zero_grad()
+            elif zero == "keep":
+                opt.zero_grad(set_to_none=False)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(batch).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+    return tracker.report()
+
+
+def blocks(n: int, width: int) -> nn.Module:
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n)))
+
+
+def mlp_blocks(n: int, width: int) -> nn.Module:
+    """Transformer-style MLP blocks: each keeps 4x its output inside (what checkpointing saves)."""
+    return nn.Sequential(
+        *(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(n)
+        )
+    )
+
+
+# -- rules fed by the tracker (real models) ---------------------------------------------------
+
+
+def test_zero_grad_set_to_none_false_fires_and_default_is_silent():
+    model = blocks(2, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    report = run_steps(model, opt, torch.randn(8, 256), zero="keep")
+    (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
+    assert report.steps_with_grads_at_forward == 2  # steps 1 and 2
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    assert adv.saving_bytes == pytest.approx(grads, rel=0.01)
+    assert "set_to_none=True" in adv.action
+    fresh = blocks(2, 256)
+    healthy = run_steps(fresh, torch.optim.SGD(fresh.parameters(), lr=0.01), torch.randn(8, 256))
+    assert healthy.steps_with_grads_at_forward == 0
+    assert "zero-grad-keeps-grads" not in codes(healthy.advice)
+
+
+def test_optimizer_state_fires_for_adam_on_a_large_model_and_not_for_sgd():
+    model = blocks(4, 1024)  # 16 MiB of weights; Adam adds 32 MiB of moments
+    x = torch.randn(4, 1024)
+    report = run_steps(model, torch.optim.Adam(model.parameters()), x, budget="96MiB")
+    (adv,) = [a for a in report.advice if a.code == "optimizer-state"]
+    assert "Adam" in adv.evidence and "2.0x" in adv.evidence
+    assert "ZeroRedundancyOptimizer" in adv.action and "8-bit Adam" in adv.action
+    assert "foreach=False" in adv.action  # the step's temporaries were measured
+    assert adv.saving_bytes == pytest.approx(16 * MiB, rel=0.05)
+    sgd = run_steps(blocks(4, 1024), torch.optim.SGD(model.parameters(), lr=0.1), x, budget="96MiB")
+    assert "optimizer-state" not in codes(sgd.advice)
+
+
+def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pressure():
+    x = torch.randn(512, 128)  # each block keeps 2.25 MiB: 4x 1 MiB inside, 0.25 MiB out
+    model = mlp_blocks(8, 128)
+    report = run_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), x, 2, budget="40MiB")
+    (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
+    assert "8 blocks" in adv.title and "torch.utils.checkpoint" in adv.action
+    # 8 x 2.25 MiB kept - 8 x 1 MiB outputs (conservatively: the largest leaf) - one block
+    assert adv.saving_bytes == pytest.approx(7.75 * MiB, rel=0.05)
+    roomy = mlp_blocks(8, 128)
+    big = run_steps(roomy, torch.optim.SGD(roomy.parameters(), lr=0.01), x, 2, budget="1GiB")
+    assert "activation-checkpointing" not in codes(big.advice)
+    # Linear+ReLU blocks keep only their output: checkpointing them would save nothing
+    flat = blocks(8, 256)
+    rep = run_steps(
+        flat, torch.optim.SGD(flat.parameters(), lr=0.01), torch.randn(1024, 256), 2, budget="20MiB"
+    )
+    assert "activation-checkpointing" not in codes(rep.advice)
+
+
+def test_mixed_precision_fires_for_fp32_and_not_under_autocast():
+    model = blocks(3, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(512, 256)
+    report = run_steps(model, opt, x, steps=2)
+    assert report.param_dtype == "float32" and report.autocast_forwards == 0
+    (adv,) = [a for a in report.advice if a.code == "mixed-precision"]
+    assert "torch.autocast" in adv.action and adv.saving_bytes and adv.saving_bytes > 0
+    amp = run_steps(blocks(3, 256), opt, x, steps=2, autocast=True)
+    assert amp.autocast_forwards == 2 and "mixed-precision" not in codes(amp.advice)
+    bf16 = blocks(3, 256).to(torch.bfloat16)
+    low = run_steps(bf16, torch.optim.SGD(bf16.parameters(), lr=0.01), x.bfloat16(), steps=2)
+    assert low.param_dtype == "bfloat16" and "mixed-precision" not in codes(low.advice)
+
+
+def test_eval_grad_enabled_fires_without_no_grad_and_not_with_it():
+    model = blocks(2, 128).eval()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        model(torch.randn(64, 128))
+    assert codes(tracker.report().advice) == ["eval-grad-enabled"]
+    with track(model, device="cpu", budget="64MiB") as tracker, torch.no_grad():
+        model(torch.randn(64, 128))
+    assert tracker.report().advice == ()
+
+
+# -- DataParallel (constructed per-device peaks; a stand-in for device_ids) -------------------
+
+
+def test_dp_to_ddp_estimates_the_rank_peak():
+    peaks = {"cuda:0": 30 * GiB, "cuda:1": 12 * GiB, "cuda:2": 12 * GiB, "cuda:3": 12 * GiB}
+    adv = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB)
+    assert adv is not None and adv.code == "dp-to-ddp"
+    assert adv.saving_bytes == 30 * GiB - (12 + 2 + 2 + 4) * GiB
+    assert "torchrun --nproc_per_node 4" in adv.action
+    assert "LOCAL_RANK" in adv.action and "DistributedSampler" in adv.action
+    assert "2.5x" in adv.title
+    balanced = {"cuda:0": 13 * GiB, "cuda:1": 12 * GiB}
+    assert A.dp_to_ddp(balanced, "cuda:0") is None
+    assert A.dp_to_ddp({"cuda:0": 30 * GiB}, "cuda:0") is None
+
+
+def test_dp_loss_on_replicas():
+    adv = A.dp_loss_on_replicas(3 * GiB, "cuda:0", 4, primary_peak=20 * GiB)
+    assert adv is not None and adv.saving_bytes == 3 * GiB and "4 scalars" in adv.action
+    assert A.dp_loss_on_replicas(16 * 1024, "cuda:0", 4, primary_peak=20 * GiB) is None
+    assert A.dp_loss_on_replicas(3 * GiB, "cuda:0", 1) is None
+
+
+def test_track_report_of_a_data_parallel_run_feeds_the_dp_rules():
+    def dev(name: str, peak: int, bd: Breakdown | None = None) -> DeviceReport:
+        return DeviceReport(name, name, "cuda", 80 * GiB, 0, 0, peak, peak, {}, breakdown=bd)
+
+    bd = Breakdown(30 * GiB, 2 * GiB, 2 * GiB, 4 * GiB, 12 * GiB, 10 * GiB, 3, "forward", None)
+    report = TrackReport(
+        devices=(dev("cuda:0", 30 * GiB, bd), dev("cuda:1", 12 * GiB)),
+        steps=4,
+        mode="per-module",
+        duration_s=1.0,
+        dp_device_ids=(0, 1),
+        dp_output_device="cuda:0",
+        dp_output_bytes=6 * GiB,
+    )
+    got = codes(measured_advice(report))
+    assert "dp-to-ddp" in got and "dp-loss-on-replicas" in got
+    plain = TrackReport(devices=report.devices, steps=4, mode="per-module", duration_s=1.0)
+    assert not {"dp-to-ddp", "dp-loss-on-replicas"} & set(codes(measured_advice(plain)))
+
+
+def test_check_data_parallel_batch_and_device_mismatch():
+    stand_in = SimpleNamespace(device_ids=[0, 1, 2, 3], module=nn.Linear(4, 4))  # on cpu
+    got = A.check_data_parallel(stand_in, batch_size=2)
+    assert codes(got) == ["dp-device-mismatch", "dp-batch-too-small"]
+    assert "model.to('cuda:0')" in got[0].action and "cpu" in got[0].evidence
+    assert "drop_last=True" in got[1].action
+    assert A.dp_device_mismatch({"cuda:0"}, [0, 1]) is None
+    assert A.dp_batch_too_small(8, [0, 1, 2, 3]) is None
+    assert A.check_data_parallel(nn.Linear(4, 4), 1) == []
+    # without CUDA torch builds DataParallel with device_ids=[]: a pass-through, nothing fires
+    assert A.check_data_parallel(nn.DataParallel(nn.Linear(4, 4)), 1) == []
+
+
+# -- the caching allocator and the device (constructed CUDA readings) -------------------------
+
+OOM_FRAGMENTED = (
+    "CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 23.65 GiB "
+    "of which 301.56 MiB is free. Process 4242 has 6.00 GiB memory in use. Including non-PyTorch "
+    "memory, this process has 17.34 GiB memory in use. Of the allocated memory 13.10 GiB is "
+    "allocated by PyTorch, and 3.72 GiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+)
+
+
+def test_fragmentation_at_an_oom_and_in_a_snapshot():
+    d = parse_oom_message(OOM_FRAGMENTED)
+    assert d.allocated_by_pytorch is not None and d.reserved_unallocated is not None
+    adv = A.fragmentation(
+        reserved=d.allocated_by_pytorch + d.reserved_unallocated,
+        allocated=d.allocated_by_pytorch,
+        tried_to_allocate=d.tried_to_allocate,
+        capacity=d.capacity,
+        device="cuda:0",
+    )
+    assert adv is not None and adv.severity == "critical"
+    assert "expandable_segments:True" in adv.action and "3.72 GiB" in adv.evidence
+    assert (
+        A.fragmentation(
+            reserved=10 * GiB, allocated=10 * GiB - MiB, tried_to_allocate=GiB, capacity=24 * GiB
+        )
+        is None
+    )
+    rest = A.fragmentation(reserved=12 * GiB, allocated=4 * GiB, peak_allocated=8 * GiB)
+    assert rest is not None and rest.saving_bytes == 4 * GiB
+    assert A.fragmentation(reserved=9 * GiB, allocated=4 * GiB, peak_allocated=8 * GiB) is None
+
+
+def test_other_processes_from_readings_and_from_an_oom_message():
+    adv = A.other_processes(used=20 * GiB, this_process=4 * GiB, total=24 * GiB, device="cuda:0")
+    assert adv is not None and adv.saving_bytes == 16 * GiB - A.CUDA_CONTEXT_BYTES
+    assert "CUDA_VISIBLE_DEVICES" in adv.action
+    assert A.other_processes(used=4 * GiB + 400 * MiB, this_process=4 * GiB, total=24 * GiB) is None
+    d = parse_oom_message(OOM_FRAGMENTED)
+    assert d.capacity and d.free is not None and d.process_in_use
+    named = A.other_processes(
+        used=d.capacity - d.free,
+        this_process=d.process_in_use,
+        total=d.capacity,
+        includes_context=True,
+        processes=A.processes_in_oom_message(OOM_FRAGMENTED),
+    )
+    assert named is not None and "pid 4242 (6.00 GiB)" in named.evidence
+
+
+def test_empty_cache_helps_only_when_another_process_needs_the_memory():
+    helps = A.empty_cache(reserved=10 * GiB, allocated=4 * GiB, other_bytes=8 * GiB, free=GiB)
+    assert helps is not None and helps.saving_bytes == 6 * GiB
+    costs = A.empty_cache(reserved=4 * GiB, allocated=4 * GiB, cache_releases=10, steps=10)
+    assert costs is not None and costs.saving_bytes is None and "only costs time" in costs.title
+    assert A.empty_cache(reserved=10 * GiB, allocated=4 * GiB, other_bytes=0, free=10 * GiB) is None
+    assert (
+        A.empty_cache(
+            reserved=10 * GiB,
+            allocated=4 * GiB,
+            cache_releases=10,
+            steps=10,
+            other_bytes=8 * GiB,
+            free=20 * GiB,
+        )
+        is None
+    )
+
+
+def test_device_advice_of_a_busy_and_a_healthy_gpu():
+    busy = A.device_advice(
+        "cuda:0",
+        total=24 * GiB,
+        used=22 * GiB,
+        allocated=4 * GiB,
+        reserved=10 * GiB,
+        peak_allocated=6 * GiB,
+    )
+    assert set(codes(busy)) == {"other-processes", "fragmentation", "empty-cache"}
+    healthy = A.device_advice(
+        "cuda:0",
+        total=24 * GiB,
+        used=10 * GiB + 400 * MiB,
+        allocated=9 * GiB,
+        reserved=10 * GiB,
+        peak_allocated=9 * GiB,
+    )
+    assert healthy == []
+
+
+def test_a_snapshot_of_a_healthy_process_has_no_advice():
+    import memkit
+
+    snap = memkit.snapshot(nn.Linear(8, 8), device="cpu", nvidia_smi=False)
+    assert snap.advice == ()
+
+
+# -- accumulate, and the renderings -----------------------------------------------------------
+
+
+def test_accumulate_per_world_size():
+    plan = plan_accumulation(960, 48, world_size=4)
+    assert plan.exact and (plan.micro_batch, plan.steps) == (48, 5)
+    adv = accumulation_advice(plan, 48, "cuda:0")
+    assert f"{plan.steps} steps of {plan.micro_batch}" in adv.title
+    assert "x 4 ranks" in adv.evidence and "learning-rate" in adv.action
+    odd = accumulation_advice(plan_accumulation(1001, 48), 48, "cuda:0")
+    assert "scale the learning rate" in odd.evidence
+    fits = accumulation_advice(plan_accumulation(32, 48), 48, "cuda:0")
+    assert "without accumulation" in fits.title
+
+
+def test_renderings():
+    adv = [
+        A.other_processes(used=20 * GiB, this_process=4 * GiB, total=24 * GiB),
+        A.dp_device_mismatch({"cpu"}, [0, 1]),
+    ]
+    items = [a for a in adv if a is not None]
+    text = A.advice_text(items)
+    assert text.startswith("[dp-device-mismatch]") and "saving: ~" in text  # most severe first
+    data = json.loads(json.dumps([a.to_dict() for a in items]))
+    assert data[0]["code"] == "other-processes" and "detail" in data[0]
+    html = A.advice_html(items)
+    assert "<table" in html and "dp-device-mismatch" in html
+    with pytest.raises(ValueError):
+        A.Advice("x", "t", "e", "a", severity="loud")
+
+
+def test_oom_post_mortem_gets_fragmentation_and_other_processes_from_the_message():
+    from memkit.tracking.report import OomPostMortem
+    from memkit.tracking.rules import oom_advice
+
+    d = parse_oom_message(OOM_FRAGMENTED)
+    pm = OomPostMortem(
+        "cuda:0", 3, "backward", None, True, True, "OutOfMemoryError: " + OOM_FRAGMENTED,
+        "torch.OutOfMemoryError", d.tried_to_allocate, d.capacity, d.free,
+        d.allocated_by_pytorch, None, (), None, (),
+    )  # fmt: skip
+    got = codes(oom_advice(pm, details=d))
+    assert "fragmentation" in got and "other-processes" in got
+    calm = parse_oom_message(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 GiB "
+        "of which 1.00 GiB is free. Including non-PyTorch memory, this process has 22.60 GiB "
+        "memory in use. Of the allocated memory 22.00 GiB is allocated by PyTorch, and 100.00 MiB "
+        "is reserved by PyTorch but unallocated."
+    )
+    assert not {"fragmentation", "other-processes"} & set(codes(oom_advice(pm, details=calm)))

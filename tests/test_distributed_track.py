@@ -1,0 +1,158 @@
+"""memkit run / memkit.track across 2 real gloo ranks on CPU, and the DDP advice rules.
+
+One torchrun launch of ``memkit run`` on a DDP script (each rank its own simulated device) whose
+ranks hold different batch sizes and one unused module; rank 0's report must carry the
+per-rank table, the imbalance, the tightest rank and ``ddp-unused-parameters``. The launch is
+bounded: a hang fails the test and kills the process group it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.tracking.ranks import RanksReport, RankSummary, rank_advice
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TRAIN = textwrap.dedent(
+    """
+    import datetime, os
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU())
+            self.head = torch.nn.Linear(128, 8)
+            self.aux_head = torch.nn.Linear(128, 8)  # never used in forward
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = 64 if rank == 0 else 512  # rank 1 holds far more activations
+    for _ in range(3):
+        model(torch.randn(batch, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit",
+           "run", "--device", "cpu", "--budget", "256MiB", "--json", "report.json",
+           "train.py"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    limit = 90.0
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
+        proc.communicate()
+        pytest.fail(f"torchrun memkit run did not finish within {limit} s (a hang)")
+    assert proc.returncode == 0, err[-4000:]
+    r0 = json.loads((tmp_path / "report.rank0.json").read_text())
+    r1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    assert "ranks" not in r1  # only rank 0 holds the gathered table
+    ranks = r0["ranks"]
+    assert ranks["world_size"] == 2 and [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    peaks = [r["peak_reserved"] for r in ranks["ranks"]]
+    assert peaks[1] > peaks[0] and ranks["tightest_rank"] == 1
+    assert ranks["imbalance"] == pytest.approx((peaks[1] - peaks[0]) / peaks[1])
+    assert all(r["peak_phase"] in ("forward", "backward", "optimizer") for r in ranks["ranks"])
+    codes = {a["code"]: a for a in ranks["advice"]}
+    unused = codes["ddp-unused-parameters"]
+    assert (
+        "aux_head" in unused["evidence"]
+        and "find_unused_parameters=True is on" in unused["evidence"]
+    )
+    assert "ddp-gpu0-context" not in codes  # no CUDA here
+    assert "ranks; imbalance between ranks" in err and "tightest" in err  # rank 0's text
+
+
+def _summary(rank: int, peak: int, capacity: int | None = 1000, **kw) -> RankSummary:
+    return RankSummary(rank, rank, "n", "cpu", peak, peak, capacity, "backward", 1, 3, **kw)
+
+
+def test_ranks_report_imbalance_tightest_and_text() -> None:
+    report = RanksReport((_summary(0, 500), _summary(1, 800, capacity=900)))
+    assert report.imbalance == pytest.approx(300 / 800) and report.tightest_rank == 1
+    text = str(report)
+    assert "2 ranks" in text and "tightest" in text and "backward" in text
+    assert report.to_dict()["tightest_rank"] == 1 and "tightest" in report._repr_html_()
+    # without capacities: the largest peak
+    assert RanksReport((_summary(0, 900, None), _summary(1, 800, None))).tightest_rank == 0
+
+
+def test_ddp_unused_parameters_fires_and_names_modules() -> None:
+    advice = ddp_unused_parameters(
+        {0: ["module.aux.weight", "module.aux.bias"], 1: ["module.aux.weight"]},
+        unused_bytes=4096,
+        find_unused_parameters=False,
+    )
+    assert advice is not None and advice.code == "ddp-unused-parameters"
+    assert "aux" in advice.evidence and "Expected to have finished reduction" in advice.evidence
+    assert "find_unused_parameters=True" in advice.evidence and advice.saving_bytes == 4096
+
+
+def test_ddp_unused_parameters_silent_when_every_parameter_has_a_gradient() -> None:
+    assert ddp_unused_parameters({0: [], 1: []}, find_unused_parameters=True) is None
+    assert not [a for a in rank_advice((_summary(0, 1), _summary(1, 1))) if "unused" in a.code]
+
+
+def test_ddp_gpu0_context_fires_when_ranks_share_gpu0() -> None:
+    readings = [
+        ContextReading(0, 0, True, 0, "node-a"),
+        ContextReading(1, 1, True, 0, "node-a"),  # forgot set_device(1)
+        ContextReading(2, 2, True, 0, "node-a"),  # and so did rank 2
+    ]
+    advice = ddp_gpu0_context(readings)
+    assert advice is not None and advice.code == "ddp-gpu0-context"
+    assert "Rank(s) 1, 2" in advice.evidence and "set_device(local_rank)" in advice.action
+    via_summaries = rank_advice(
+        (
+            _summary(0, 1, cuda_initialized=True, current_device=0),
+            _summary(1, 1, cuda_initialized=True, current_device=0),
+        )
+    )
+    assert [a.code for a in via_summaries] == ["ddp-gpu0-context"]
+
+
+def test_ddp_gpu0_context_silent_when_each_rank_has_its_gpu() -> None:
+    good = [ContextReading(0, 0, True, 0), ContextReading(1, 1, True, 1)]
+    assert ddp_gpu0_context(good) is None
+    # local rank 0 on two different nodes both use their own GPU 0: fine
+    nodes = [ContextReading(0, 0, True, 0, "a"), ContextReading(1, 0, True, 0, "b")]
+    assert ddp_gpu0_context(nodes) is None
+    # CPU-only ranks never initialised CUDA
+    assert (
+        ddp_gpu0_context([ContextReading(0, 0, False, None), ContextReading(1, 1, False, None)])
+        is None
+    )
