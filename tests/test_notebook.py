@@ -107,5 +107,10 @@ def test_notebook_executes_and_renders_html(kernel_name: str) -> None:
 
     assert "OOM: Simulated device cpu out of memory" in _stdout(_by_tag(nb, "simulated-oom"))
 
-    for tag in ("probe", "track"):  # places for the probe and track walkthroughs
-        assert _by_tag(nb, tag).cell_type == "markdown"
+    probe = _html(_by_tag(nb, "probe-result"))
+    assert "memkit probe" in probe and "Largest batch that fits (train)" in probe
+    assert "[accumulate]" not in probe and "accumulate" in probe  # the advice table
+
+    track = _html(_by_tag(nb, "track-report"))
+    assert "<svg" in track  # the memory-over-time plot
+    assert "embed" in track and "block" in track  # the module table
