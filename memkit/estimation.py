@@ -58,7 +58,7 @@ from memkit.allocator_model import CachingAllocatorModel
 from memkit.attention_model import ATTENTION_KERNELS, choose_kernel, fused_attention
 from memkit.autocast_model import AutocastPolicy
 from memkit.errors import ConfigError, ModelFileError
-from memkit.modelfile import ModelSpec, call_user, load_model_file
+from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.probing.search import SearchResult, search_max_batch
 from memkit.probing.step import StepPlan, check_batch, to_device
 from memkit.render import html as h
@@ -647,19 +647,7 @@ def _build_meta_model(spec: ModelSpec) -> torch.nn.Module:
 def _build_optimizer(
     spec: ModelSpec, model: torch.nn.Module, foreach: bool | None, assumptions: list[str]
 ) -> torch.optim.Optimizer:
-    if spec.build_optimizer is not None:
-        optimizer = call_user(
-            spec.build_optimizer, model.parameters(), what="build_optimizer()", path=spec.path
-        )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ModelFileError(
-                f"build_optimizer() in {spec.path} returned {type(optimizer).__name__}; "
-                "expected a torch.optim.Optimizer"
-            )
-        name = f"{type(optimizer).__name__} (build_optimizer)"
-    else:
-        optimizer = torch.optim.AdamW(model.parameters())
-        name = "AdamW (default)"
+    optimizer, name = make_optimizer(spec, model)
     impl = "foreach (CUDA default)" if foreach is None else ("foreach" if foreach else "for-loop")
     use = True if foreach is None else foreach
     for group in optimizer.param_groups:

@@ -27,7 +27,7 @@ from typing import Any
 
 from memkit.errors import ModelFileError
 
-__all__ = ["EXPECTED_SIGNATURES", "ModelSpec", "call_user", "load_model_file"]
+__all__ = ["EXPECTED_SIGNATURES", "ModelSpec", "call_user", "load_model_file", "make_optimizer"]
 
 EXPECTED_SIGNATURES = """\
     def build_model() -> torch.nn.Module                  (required)
@@ -156,3 +156,21 @@ def _execute(file: Path, resolved: str) -> ModuleType:
             f"loading {file} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, resolved)}"
         ) from exc
     return module
+
+
+def make_optimizer(spec: ModelSpec, model: Any) -> tuple[Any, str]:
+    """The optimizer a model file asks for (``build_optimizer``) or AdamW, and how to name it
+    in a report (``"SGD (build_optimizer)"``, ``"AdamW (default)"``)."""
+    import torch
+
+    if spec.build_optimizer is None:
+        return torch.optim.AdamW(model.parameters()), "AdamW (default)"
+    optimizer = call_user(
+        spec.build_optimizer, model.parameters(), what="build_optimizer()", path=spec.path
+    )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ModelFileError(
+            f"build_optimizer() in {spec.path} returned {type(optimizer).__name__}; "
+            "expected a torch.optim.Optimizer"
+        )
+    return optimizer, f"{type(optimizer).__name__} (build_optimizer)"

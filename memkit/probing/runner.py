@@ -31,7 +31,7 @@ from memkit.errors import (
     ModelFileError,
     UserCodeError,
 )
-from memkit.modelfile import accepts_seq_len, call_user, load_model_file
+from memkit.modelfile import accepts_seq_len, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.accumulate import accumulation_advice, plan_accumulation
 from memkit.probing.ranks import (
@@ -577,19 +577,9 @@ def probe_file(
     del sample
     optimizer = None
     defaults: list[str] = []
-    if mode == "train" and spec.build_optimizer is not None:
-        optimizer = call_user(
-            spec.build_optimizer, model.parameters(), what="build_optimizer()", path=spec.path
-        )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ModelFileError(
-                f"build_optimizer() in {spec.path} returned {type(optimizer).__name__}; "
-                "expected a torch.optim.Optimizer"
-            )
-        defaults.append(f"optimizer: {type(optimizer).__name__} (build_optimizer)")
-    elif mode == "train":
-        optimizer = torch.optim.AdamW(model.parameters())
-        defaults.append("optimizer: AdamW (default)")
+    if mode == "train":
+        optimizer, name = make_optimizer(spec, model)
+        defaults.append(f"optimizer: {name}")
     results = []
     for length in lengths:
         result = probe(
