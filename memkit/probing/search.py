@@ -30,10 +30,11 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      once per new point: an aim that failed is followed by a bisection, not a second aim with
      the same line, and so is any trial that did not halve the bracket.
 
-  On a linear curve: 6 trials for limits up to 2**20 (1, 2, 4, a capped jump, the limit, one
-  more). The tests run every limit from 1 to 2048 and a sample up to 100 000 on linear,
-  piecewise, quadratic, allocator-rounded and noisy curves: never more trials than doubling +
-  bisection (mean 6.0, 6.4, 11.4, 20.0 and 21.8 trials against 21.9), and on linear and
+  On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
+  limit, one more), 7 up to 2**20. The tests run every limit from 1 to 2048 and a sample up
+  to 100 000 on linear, piecewise, quadratic, allocator-rounded and noisy curves: never more
+  trials than doubling + bisection (mean 6.0, 6.4, 11.4, 20.0 and 21.8 trials against 21.9),
+  and on linear and
   piecewise curves at most ``ceil(log2 B) + 3``.
 
 Never worse than doubling + bisection, by construction where it matters: :class:`_Reference`
