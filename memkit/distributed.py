@@ -45,6 +45,7 @@ __all__ = [
     "broadcast_",
     "gather_to_rank0",
     "is_distributed",
+    "launched_rank",
     "local_rank",
     "process_group_from_env",
     "rank",
@@ -84,6 +85,14 @@ def rank() -> int:
     if dist is not None:
         return int(dist.get_rank())
     return _env_int("RANK", 0)
+
+
+def launched_rank() -> int | None:
+    """This process's rank when it is part of a distributed run (a process group exists, or a
+    launcher such as torchrun set ``$RANK``), else ``None``."""
+    if _dist() is None and os.environ.get("RANK") is None:
+        return None
+    return rank()
 
 
 def local_rank() -> int:

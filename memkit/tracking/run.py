@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.tracking.report import TrackReport
@@ -54,21 +55,16 @@ class RunOutcome:
     oom: bool
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value is not None and value.strip().isdigit() else None
-
-
 def rank_prefix() -> str:
     """``"[rank N] "`` under torchrun (``RANK`` set), else ``""``."""
-    rank = _env_int("RANK")
+    rank = launched_rank()
     return "" if rank is None else f"[rank {rank}] "
 
 
 def rank_path(path: str | Path) -> Path:
     """``report.json`` -> ``report.rank0.json`` under torchrun, unchanged otherwise."""
     path = Path(path)
-    rank = _env_int("RANK")
+    rank = launched_rank()
     if rank is None:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
@@ -80,9 +76,9 @@ def default_device(device: str | None) -> str | None:
     default: the current accelerator, or the simulated cpu device)."""
     if device is not None:
         return device
-    local = _env_int("LOCAL_RANK")
-    if local is None:
+    if launched_rank() is None:
         return None
+    local = local_rank()
     from memkit.devices import visible_devices
 
     visible = visible_devices()

@@ -49,6 +49,7 @@ from memkit.devices import (
     get_backend,
     visible_devices,
 )
+from memkit.distributed import launched_rank, world_size
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking import leaks
 from memkit.tracking.ranks import GATHER_TIMEOUT, RanksReport, RankWatch
@@ -1125,7 +1126,7 @@ class Tracker:
             top_modules=top_modules,
             leak=leak,
             advice=(),
-            rank=_rank(),
+            rank=launched_rank(),
         )
         advice = rules.oom_advice(pm, details.reserved_unallocated, details=details)
         return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
@@ -1193,7 +1194,8 @@ class Tracker:
                     )
                 )
         end = self._t_end if self._t_end is not None else time.perf_counter()
-        rank, world = _rank(), _world_size()
+        rank = launched_rank()
+        world = None if rank is None else world_size()
         report = TrackReport(
             devices=tuple(devices),
             steps=self._step,
@@ -1226,20 +1228,6 @@ def _autocast_on(kind: str) -> bool:
         return bool(torch.is_autocast_enabled(kind))
     except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
         return False
-
-
-def _rank() -> int | None:
-    import os
-
-    value = os.environ.get("RANK")
-    return int(value) if value is not None and value.isdigit() else None
-
-
-def _world_size() -> int | None:
-    import os
-
-    value = os.environ.get("WORLD_SIZE")
-    return int(value) if value is not None and value.isdigit() else None
 
 
 def track(
