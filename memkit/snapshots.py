@@ -539,17 +539,7 @@ class Snapshot:
                 )
             )
         if self.tensors:
-            rows = [
-                [
-                    format_size(t.nbytes),
-                    "x".join(map(str, t.shape)) or "scalar",
-                    t.dtype,
-                    t.device,
-                    t.kind,
-                    t.label,
-                ]
-                for t in self.tensors
-            ]
+            rows = self._tensor_rows("x")
             parts.append(
                 text.table(
                     ["bytes", "shape", "dtype", "device", "kind", "name"],
@@ -570,6 +560,20 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return str(self)
+
+    def _tensor_rows(self, times: str) -> list[list[str]]:
+        """Rows of the largest-tensors table; ``times`` joins the shape (``x`` or ``×``)."""
+        return [
+            [
+                format_size(t.nbytes),
+                times.join(map(str, t.shape)) or "scalar",
+                t.dtype,
+                t.device,
+                t.kind,
+                t.label,
+            ]
+            for t in self.tensors
+        ]
 
     def html(self) -> str:
         """The snapshot as an HTML fragment (without the scoped style; see ``_repr_html_``)."""
@@ -662,17 +666,7 @@ class Snapshot:
                 )
             )
         if self.tensors:
-            trow = [
-                [
-                    format_size(t.nbytes),
-                    "×".join(map(str, t.shape)) or "scalar",
-                    t.dtype,
-                    t.device,
-                    t.kind,
-                    t.label,
-                ]
-                for t in self.tensors
-            ]
+            trow = self._tensor_rows("×")
             body.append("<h3>largest tensors</h3>")
             body.append(h.table(["bytes", "shape", "dtype", "device", "kind", "name"], trow))
         missing = self.missing_lines()

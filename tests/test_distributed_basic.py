@@ -12,12 +12,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rank_processes import wait_for_ranks
 
 import memkit
 from memkit import distributed
@@ -120,16 +120,7 @@ def _launch(tmp_path: Path, budgets: list[int | None], limit: float = 40.0):
                 stderr=subprocess.STDOUT,
             )
         )
-    deadline = time.monotonic() + limit
-    logs = []
-    try:
-        for proc in procs:
-            remaining = max(0.1, deadline - time.monotonic())
-            logs.append(proc.communicate(timeout=remaining)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"the 2-rank run did not finish within {limit} s (hang)")
+    logs = wait_for_ranks(procs, limit, "the 2-rank run")
     results: list[dict] = []
     for rank, out in enumerate(outs):
         assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"

@@ -14,10 +14,10 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from rank_processes import wait_for_ranks
 
 from memkit.probing.ranks import OK, OOM, agreed_outcome
 from memkit.probing.result import ProbeResult, ProbeTrial
@@ -145,17 +145,7 @@ def _launch(tmp_path: Path, worker: str, limit: float) -> tuple[list[dict], list
                 stderr=subprocess.STDOUT,
             )
         )
-    deadline = time.monotonic() + limit
-    logs = []
-    try:
-        for proc in procs:
-            remaining = max(0.1, deadline - time.monotonic())
-            logs.append(proc.communicate(timeout=remaining)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-        pytest.fail(f"the 2-rank probe did not finish within {limit} s (a hang)")
+    logs = wait_for_ranks(procs, limit, "the 2-rank probe")
     results = []
     for rank, out in enumerate(outs):
         assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-4000:]}"
