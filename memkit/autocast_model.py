@@ -7,80 +7,186 @@ where autocast sits, so the cast copies are what autograd saves for backward, as
 
 * ops on the **lower-precision list** (matmuls, linear, convolutions, attention) get their
   floating-point inputs (fp32/fp16/bf16, never fp64) cast to the low dtype;
-* ops on the **fp32 list** (norms, softmax, losses, exp/log, ...) get them cast to fp32; those
-  with an optional ``dtype`` argument (softmax, sum, cumsum...) run in fp32 unless it is given;
-* ops on the **promote list** (cat, stack, addcmul...) get them cast to the widest dtype present;
+* ops on the **fp32 list** (norms, losses, exp/log, upsampling, ...) get them cast to fp32;
+  those that take an optional ``dtype`` (softmax, sum, cumsum, norm...) run in fp32 unless given;
+* ops on the **promote list** (addcmul, dot, grid_sampler...) get them cast to the widest dtype
+  present;
+* ops on the **banned list** (``binary_cross_entropy``) raise, as autocast does;
 * everything else runs on its inputs as they are (type promotion does the rest, as on a GPU);
 * casts of leaf tensors that require grad (the parameters) to the low dtype are **cached** for
   the autocast region, as autocast's weight cache does: a weight used twice is cast once.
 
-The lists are CUDA autocast's (``aten/src/ATen/autocast_mode.cpp``, PyTorch 2.x), matched by the
-Python name of the function or ``Tensor`` method that was called.
+**Where the lists come from.** The installed PyTorch ships its CUDA autocast lists as the
+``AT_FORALL_*`` macros of ``torch/include/ATen/autocast_mode.h``; :func:`autocast_lists` reads
+them from there, so the policy follows the PyTorch that runs the estimate. When the header is
+missing (an install stripped of headers) or unreadable, a built-in copy of PyTorch 2.13's lists
+is used; :attr:`AutocastLists.source` says which. Ops are matched by the Python name of the
+function or ``Tensor`` method that was called (``__matmul__`` as ``matmul``, ``grid_sample`` as
+``grid_sampler``, ``interpolate`` as the upsampling op it runs).
 
 Limits: Python functions that are not on a list but call listed ops internally are seen as one
-call (the mode is not re-entered while it handles a call); the one that matters,
-``F.multi_head_attention_forward`` (``nn.MultiheadAttention``), is treated as lower-precision
-as a whole. Ops reached only from C++ (inside another op) are not seen, but those run inside one
-listed op anyway.
+call (the mode is not re-entered while it handles a call); ``F.cross_entropy`` is treated as its
+``log_softmax`` + ``nll_loss`` (fp32), and ``F.multi_head_attention_forward``
+(``nn.MultiheadAttention``) as lower-precision as a whole. Ops reached only from C++ (inside
+another op) are not seen, but those run inside one listed op anyway.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = [
-    "FP32_OPS",
-    "FP32_SET_OPT_DTYPE_OPS",
-    "LOWER_PRECISION_OPS",
-    "PROMOTE_OPS",
-    "AutocastPolicy",
-]
+from memkit.errors import UserCodeError
 
-LOWER_PRECISION_OPS = frozenset(
-    {
-        "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
-        "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv",
-        "addr", "matmul", "__matmul__", "__rmatmul__", "einsum", "mm", "mv", "linalg_vecdot",
-        "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
-        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
-        "multi_head_attention_forward",
-    }
+__all__ = ["BUILTIN_LISTS", "AutocastLists", "AutocastPolicy", "autocast_lists", "parse_header"]
+
+
+@dataclass(frozen=True)
+class AutocastLists:
+    """CUDA autocast's op lists (aten op names without their overloads)."""
+
+    lower_precision: frozenset[str]
+    fp32: frozenset[str]
+    fp32_set_opt_dtype: frozenset[str]
+    """Run in fp32 unless a ``dtype`` argument is given (``fp32_append_dtype`` ops included)."""
+    promote: frozenset[str]
+    banned: frozenset[str]
+    source: str
+
+
+_BANNED = frozenset({"binary_cross_entropy"})
+"""Registered in ``autocast_mode.cpp`` itself (not in the header): raise under autocast."""
+
+BUILTIN_LISTS = AutocastLists(
+    lower_precision=frozenset(
+        {
+            "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+            "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv",
+            "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm",
+            "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell",
+            "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+            "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+        }
+    ),
+    fp32=frozenset(
+        {
+            "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+            "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm",
+            "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm", "nuclear_norm",
+            "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+            "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+            "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+            "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+            "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+            "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+            "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+            "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+            "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+        }
+    ),
+    fp32_set_opt_dtype=frozenset(
+        {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+         "linalg_matrix_norm", "sum", "norm"}
+    ),
+    promote=frozenset(
+        {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+         "index_put", "tensordot", "scatter_add"}
+    ),
+    banned=_BANNED,
+    source="memkit's built-in copy of PyTorch 2.13's CUDA autocast lists",
 )  # fmt: skip
-"""Ops autocast runs in the low dtype (fp16/bf16)."""
+"""PyTorch 2.13's lists, for an install without ``ATen/autocast_mode.h``."""
 
-FP32_OPS = frozenset(
-    {
-        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-        "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "softplus", "layer_norm",
-        "native_layer_norm", "group_norm", "frobenius_norm", "nuclear_norm",
-        "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
-        "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
-        "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
-        "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-        "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-        "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d",
-        "upsample_bicubic2d", "interpolate", "grid_sample", "polar", "quantile",
-        "nanquantile", "stft", "trace", "cross_entropy", "rms_norm",
-    }
-)  # fmt: skip
-"""Ops autocast runs in fp32 (``cross_entropy`` stands for its log_softmax + nll_loss)."""
+_MACROS = {
+    "AT_FORALL_LOWER_PRECISION_FP": "lower_precision",
+    "AT_FORALL_FP32": "fp32",
+    "AT_FORALL_FP32_SET_OPT_DTYPE": "fp32_set_opt_dtype",
+    "AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE": "fp32_set_opt_dtype",
+    "AT_FORALL_PROMOTE": "promote",
+}
+_ENTRY = re.compile(r"^\s*_\(\s*(?:ADD_NS\(\s*)?(\w+)")
 
-FP32_SET_OPT_DTYPE_OPS = frozenset(
-    {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "norm", "linalg_vector_norm",
-     "linalg_matrix_norm"}
-)  # fmt: skip
-"""Ops that run in fp32 unless a ``dtype`` argument is given."""
 
-PROMOTE_OPS = frozenset(
-    {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add",
-     "tensordot", "cat", "concat", "concatenate", "stack"}
-)  # fmt: skip
-"""Ops whose floating inputs are cast to the widest floating dtype among them."""
+def parse_header(text: str, source: str) -> AutocastLists:
+    """The lists in the text of ``ATen/autocast_mode.h``.
+
+    Raises:
+        ValueError: a list is missing or empty (the header's layout changed).
+    """
+    found: dict[str, set[str]] = {field: set() for field in set(_MACROS.values())}
+    seen: set[str] = set()
+    lines = iter(text.splitlines())
+    for line in lines:
+        match = re.match(r"^#define (AT_FORALL_\w+)\(_\)", line)
+        if match is None or match.group(1) not in _MACROS:
+            continue
+        seen.add(match.group(1))
+        names = found[_MACROS[match.group(1)]]
+        while line.rstrip().endswith("\\"):
+            line = next(lines, "")
+            entry = _ENTRY.match(line)
+            if entry is not None:
+                names.add(entry.group(1))
+    missing = sorted(set(_MACROS) - seen)
+    empty = sorted(field for field, names in found.items() if not names)
+    if missing or empty:
+        raise ValueError(f"autocast header {source}: missing {missing}, empty {empty}")
+    return AutocastLists(
+        lower_precision=frozenset(found["lower_precision"]),
+        fp32=frozenset(found["fp32"]),
+        fp32_set_opt_dtype=frozenset(found["fp32_set_opt_dtype"]),
+        promote=frozenset(found["promote"]),
+        banned=_BANNED,
+        source=source,
+    )
+
+
+def header_path() -> Path:
+    """Where the installed PyTorch keeps ``ATen/autocast_mode.h``."""
+    return Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+
+
+@functools.cache
+def autocast_lists() -> AutocastLists:
+    """The installed PyTorch's CUDA autocast lists, else :data:`BUILTIN_LISTS`."""
+    path = header_path()
+    try:
+        return parse_header(
+            path.read_text(encoding="utf-8"),
+            f"torch {torch.__version__}'s ATen/autocast_mode.h",
+        )
+    except (OSError, ValueError):
+        return BUILTIN_LISTS
+
+
+_ALIASES = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__ipow__": "pow",
+    "grid_sample": "grid_sampler",
+    "cross_entropy": "nll_loss",
+    "multi_head_attention_forward": "scaled_dot_product_attention",
+}
+"""Python names of functions and methods that run (or stand for) a listed aten op."""
+
+_INTERPOLATE = {
+    "nearest": "upsample_nearest2d",
+    "nearest-exact": "_upsample_nearest_exact2d",
+    "linear": "upsample_linear1d",
+    "bilinear": "upsample_bilinear2d",
+    "bicubic": "upsample_bicubic2d",
+    "trilinear": "upsample_trilinear3d",
+}
+"""``F.interpolate``'s modes and the upsampling op each runs (``area`` runs adaptive pooling)."""
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -90,12 +196,14 @@ class AutocastPolicy:
 
     Args:
         dtype: the low dtype, ``torch.bfloat16`` or ``torch.float16``.
+        lists: the op lists; the installed PyTorch's by default.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, lists: AutocastLists | None = None) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"autocast dtype must be bfloat16 or float16, found {dtype}")
         self.dtype = dtype
+        self.lists = lists or autocast_lists()
         self.enabled = True
         self._cache: dict[int, torch.Tensor] = {}
         self.num_casts = 0
@@ -126,26 +234,46 @@ class AutocastPolicy:
         self.num_casts += 1
         return value.to(dtype)
 
+    @staticmethod
+    def op_name(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The aten op a Python function or method of this name runs."""
+        if name == "interpolate":
+            mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
+            return _INTERPOLATE.get(mode, name)
+        return _ALIASES.get(name, name)
+
     def cast_args(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments the op ``name`` runs on under the policy (unchanged when not listed)."""
+        """The arguments the op ``name`` runs on under the policy (unchanged when not listed).
+
+        Raises:
+            UserCodeError: the op is one autocast refuses (as ``torch.autocast`` would).
+        """
         if not self.enabled:
             return args, kwargs
+        op = self.op_name(name, args, kwargs)
+        lists = self.lists
         target: torch.dtype | None = None
-        if name in LOWER_PRECISION_OPS:
+        if op in lists.lower_precision:
             target = self.dtype
-        elif name in FP32_OPS:
+        elif op in lists.fp32:
             target = torch.float32
-        elif name in FP32_SET_OPT_DTYPE_OPS:
+        elif op in lists.fp32_set_opt_dtype:
             if kwargs.get("dtype") is not None:
                 return args, kwargs
             target = torch.float32
-        elif name in PROMOTE_OPS:
+        elif op in lists.promote:
             dtypes = {t.dtype for t in _tensors((args, kwargs)) if t.dtype in _CASTABLE}
             if len(dtypes) <= 1:
                 return args, kwargs
             target = max(dtypes, key=lambda d: torch.finfo(d).bits)
+        elif op in lists.banned:
+            raise UserCodeError(
+                f"the step calls {name}, which torch.autocast('cuda') refuses as unsafe: with "
+                "--amp it fails on a GPU. Use its *_with_logits form (nn.BCEWithLogitsLoss), "
+                "which autocast runs in fp32, or estimate without --amp."
+            )
         if target is None:
             return args, kwargs
         cast: Callable[[Any], Any] = lambda v: self._cast(v, target)  # noqa: E731
@@ -153,6 +281,4 @@ class AutocastPolicy:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]

@@ -56,7 +56,7 @@ from memkit.accounting import MemoryAccountant, tensors_of
 from memkit.advice import Advice, advice_html, advice_text
 from memkit.allocator_model import CachingAllocatorModel
 from memkit.attention_model import ATTENTION_KERNELS, choose_kernel, fused_attention
-from memkit.autocast_model import AutocastPolicy
+from memkit.autocast_model import AutocastPolicy, autocast_lists
 from memkit.errors import ConfigError, ModelFileError
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.probing.search import SearchResult, search_max_batch
@@ -746,7 +746,8 @@ def estimate(
         + (
             "none (fp32)"
             if amp is None
-            else f"torch.autocast('cuda', {amp}) policy on the forward; fp32 master weights"
+            else f"torch.autocast('cuda', {amp}) policy on the forward; fp32 master weights; "
+            f"op lists from {autocast_lists().source}"
         ),
         f"parameters: {num_params:,} ({trainable:,} trainable, {num_params - trainable:,} "
         "frozen: no gradients, no optimizer state)",

@@ -12,9 +12,15 @@ import torch
 from click.testing import CliRunner
 
 from memkit.allocator_model import K_SMALL_BUFFER, CachingAllocatorModel
-from memkit.autocast_model import AutocastPolicy
+from memkit.autocast_model import (
+    BUILTIN_LISTS,
+    AutocastPolicy,
+    autocast_lists,
+    header_path,
+    parse_header,
+)
 from memkit.cli import _ESTIMATE_ARCHS, cli
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, UserCodeError
 from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -255,7 +261,97 @@ def test_autocast_policy_lists_and_weight_cache() -> None:
     assert soft.dtype == torch.float32
     (keep,), _kw = policy.cast_args("softmax", (low,), {"dtype": torch.bfloat16})
     assert keep.dtype == torch.bfloat16
-    (a, b) = policy.cast_args("cat", ((low, x),), {})[0][0]
-    assert a.dtype == b.dtype == torch.float32
+    a, b = policy.cast_args("addcmul", (low, x, x), {})[0][:2]
+    assert a.dtype == b.dtype == torch.float32  # promote: the widest dtype present
     (same,), _ = policy.cast_args("relu", (low,), {})
     assert same is low
+    (matmul_in, _w), _ = policy.cast_args("__matmul__", (x, weight), {})
+    assert matmul_in.dtype == torch.bfloat16
+    image = torch.randn(1, 3, 8, 8, device="meta", dtype=torch.bfloat16)
+    (nearest,), _ = policy.cast_args("interpolate", (image,), {"scale_factor": 2})
+    assert nearest.dtype == torch.float32  # upsample_nearest2d is on the fp32 list
+    (area,), _ = policy.cast_args("interpolate", (image,), {"size": 4, "mode": "area"})
+    assert area is image  # adaptive pooling: not on a list
+
+
+def _aten_base(op: str) -> str:
+    return op.removeprefix("aten::").split(".")[0]
+
+
+def test_autocast_lists_come_from_the_installed_torch() -> None:
+    """The header parse agrees with the dispatcher's AutocastCUDA registrations, op for op."""
+    lists = autocast_lists()
+    if not header_path().exists():
+        pytest.skip("this torch install ships no ATen/autocast_mode.h")
+    assert lists.source.startswith(f"torch {torch.__version__}'s")
+    listed = lists.lower_precision | lists.fp32 | lists.fp32_set_opt_dtype | lists.promote
+    registered = {
+        _aten_base(op)
+        for op in torch._C._dispatch_get_all_op_names()
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op, "AutocastCUDA")
+    }
+    cuda_only = {"cudnn_convolution", "cudnn_convolution_transpose"}  # reached from C++ only
+    assert registered - cuda_only == listed | lists.banned
+    assert {"mm", "linear", "conv2d"} <= lists.lower_precision
+    assert {"layer_norm", "nll_loss", "exp"} <= lists.fp32
+    assert {"softmax", "sum", "norm"} <= lists.fp32_set_opt_dtype
+    if torch.__version__.startswith("2.13."):
+        for name in ("lower_precision", "fp32", "fp32_set_opt_dtype", "promote", "banned"):
+            assert getattr(lists, name) == getattr(BUILTIN_LISTS, name), name
+
+
+def test_autocast_lists_fall_back_to_the_builtin_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="AT_FORALL_FP32"):
+        parse_header("#define AT_FORALL_LOWER_PRECISION_FP(_) \\\n  _(mm)\n", "a test")
+    broken = tmp_path / "autocast_mode.h"
+    broken.write_text("// no lists here\n")
+    monkeypatch.setattr("memkit.autocast_model.header_path", lambda: broken)
+    autocast_lists.cache_clear()
+    try:
+        assert autocast_lists() is BUILTIN_LISTS
+    finally:
+        autocast_lists.cache_clear()
+
+
+def test_autocast_refuses_binary_cross_entropy_as_a_gpu_would() -> None:
+    policy = AutocastPolicy(torch.float16)
+    prob = torch.rand(4, device="meta")
+    with pytest.raises(UserCodeError, match="BCEWithLogitsLoss"):
+        policy.cast_args("binary_cross_entropy", (prob, prob), {})
+
+
+def test_estimate_reports_a_spread_memory_model(files: dict[str, str]) -> None:
+    est = estimate(files["mlp"], device_memory="8GiB", foreach=False)
+    assert est.per_sample_bytes is not None and est.fixed_bytes is not None
+    fitting = sorted((t.batch_size, t.reserved_peak) for t in est.trials if t.fits)
+    (b1, p1), (b2, p2) = fitting[0], fitting[-1]
+    slope = (p2 - p1) / (b2 - b1)
+    assert est.per_sample_bytes == pytest.approx(slope, rel=0.05)
+    assert est.fixed_bytes + est.per_sample_bytes * b2 == pytest.approx(p2, rel=0.01)
+
+
+def test_amp_estimate_of_a_bce_model_fails_like_the_gpu_run(tmp_path: Path) -> None:
+    path = tmp_path / "bce_model.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def build_model():
+                return torch.nn.Sequential(torch.nn.Linear(16, 1), torch.nn.Sigmoid())
+
+            def make_batch(batch_size):
+                return torch.randn(batch_size, 16)
+
+            def loss_fn(output, batch):
+                return torch.nn.functional.binary_cross_entropy(output, torch.ones_like(output))
+            """
+        )
+    )
+    assert estimate(str(path), device_memory="1GiB").max_batch_size is not None  # fp32 runs
+    result = CliRunner().invoke(cli, ["estimate", str(path), "--device-memory", "1GiB",
+                                      "--amp", "fp16"])  # fmt: skip
+    assert result.exit_code == 3
+    assert "binary_cross_entropy" in result.output and "BCEWithLogitsLoss" in result.output

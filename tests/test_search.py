@@ -14,7 +14,7 @@ import random
 import pytest
 
 from memkit.errors import ConfigError
-from memkit.probing.search import LinearFit, doubling_bisection, search_max_batch
+from memkit.probing.search import LinearFit, doubling_bisection, search_max_batch, summary_fit
 
 MIB = 1 << 20
 
@@ -195,3 +195,19 @@ def test_linear_fit():
     fit = LinearFit.from_points([(1, 30), (2, 50), (4, 90)])
     assert (fit.fixed_bytes, fit.per_sample_bytes) == (10.0, 20.0)
     assert fit.max_batch_within(100) == 4
+
+
+def test_reported_model_spans_the_search_not_its_last_cluster():
+    """Rounded peaks just under the limit must not flatten the reported per-sample cost."""
+    mib = 1 << 20
+
+    def rounded(batch):  # 100 MiB fixed, 1 MiB per sample, peaks rounded up to 64 MiB
+        peak = -(-(100 + batch) // 64) * 64 * mib
+        return peak <= 4000 * mib, peak
+
+    result = search_max_batch(rounded, capacity_bytes=4000 * mib)
+    assert result.max_batch_size == 3868
+    assert result.model is not None
+    assert result.model.per_sample_bytes == pytest.approx(mib, rel=0.05)
+    assert summary_fit([]) is None
+    assert summary_fit([(8, 100)]) is None

@@ -82,6 +82,7 @@ __all__ = [
     "Trial",
     "doubling_bisection",
     "search_max_batch",
+    "summary_fit",
 ]
 
 Oracle = Callable[[int], "tuple[bool, int | None]"]
@@ -290,6 +291,32 @@ class _Search:
         return sorted(
             (t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None
         )
+
+
+def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
+    """The line reported with a result, through well-spread ``(batch_size, peak)`` points.
+
+    The sizes a search runs last cluster just under the limit, where the allocator's 2 MiB
+    rounding swamps the per-sample cost; a line through them alone can show a slope of zero.
+    This one is the line from the largest point at most half the largest size (the smallest
+    point when there is none) to the largest point.
+
+    Examples:
+        >>> mib = 1 << 20
+        >>> summary_fit([(100, 110 * mib), (400, 410 * mib), (999, 1010 * mib), (1000, 1010 * mib)])
+        LinearFit(fixed_bytes=10485760.0, per_sample_bytes=1048576.0)
+    """
+    ordered = sorted(points)
+    if not ordered:
+        return None
+    half = ordered[-1][0] / 2
+    low = [i for i, (x, _) in enumerate(ordered) if x <= half]
+    start = low[-1] if low else 0
+    spread = ordered[start:]
+    fit = LinearFit.from_points([spread[0], spread[-1]])
+    if fit is None:
+        return LinearFit.from_points(ordered)
+    return fit
 
 
 def _plain_next(s: _Search) -> int:
@@ -738,7 +765,7 @@ def _result(s: _Search, *, capacity: int | None, margin: float, strategy: str) -
         trials=tuple(s.trials),
         capacity_bytes=capacity,
         margin=margin,
-        model=LinearFit.from_points(s.fitting_points()[-3:]),
+        model=summary_fit(s.fitting_points()),
         hit_max_batch=best is not None and best == s.max_batch,
         margin_met=met,
         recommended_measured=measured,
