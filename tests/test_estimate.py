@@ -355,3 +355,25 @@ def test_amp_estimate_of_a_bce_model_fails_like_the_gpu_run(tmp_path: Path) -> N
                                       "--amp", "fp16"])  # fmt: skip
     assert result.exit_code == 3
     assert "binary_cross_entropy" in result.output and "BCEWithLogitsLoss" in result.output
+
+
+def test_allocator_constants_match_the_installed_torch() -> None:
+    """kSmallSize and friends, as the installed PyTorch's c10/core/AllocatorConfig.h has them."""
+    import re
+
+    from memkit import allocator_model as am
+
+    header = Path(torch.__file__).parent / "include" / "c10" / "core" / "AllocatorConfig.h"
+    if not header.exists():
+        pytest.skip("this torch install ships no c10/core/AllocatorConfig.h")
+    found = dict(re.findall(r"constexpr size_t (k\w+) = (\d+);", header.read_text()))
+    ours = {
+        "kSmallBuffer": am.K_SMALL_BUFFER,
+        "kMinBlockSize": am.K_MIN_BLOCK,
+        "kSmallSize": am.K_SMALL_SIZE,
+        "kMinLargeAlloc": am.K_MIN_LARGE_ALLOC,
+        "kRoundLarge": am.K_ROUND_LARGE,
+    }
+    assert {name: int(found[name]) for name in ours} == ours
+    large = re.search(r"large_segment_size_\{(\d+)\}", header.read_text())
+    assert large is not None and int(large.group(1)) == am.K_LARGE_BUFFER
