@@ -2,6 +2,7 @@
 
     python benchmarks/estimate_accuracy.py            # GPU part if CUDA is there, CPU part always
     python benchmarks/estimate_accuracy.py --cpu-only
+    python benchmarks/estimate_accuracy.py --gpu-only --models mlp,gpt2 --json out.json
 
 * **CPU part** (any machine): the estimate's counted peak on ``meta`` against the simulated cpu
   device's real runs of the same model files (same accounting, so it checks the meta path; the
@@ -18,6 +19,7 @@ Prints a table with each error and the median and worst absolute errors.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
@@ -152,6 +154,8 @@ def cpu_part(paths: dict[str, str]) -> list[float]:
     """Estimate (meta) vs the simulated cpu device (real runs); prints a table."""
     rows, errors = [], []
     for name, mode, batch in CPU_CASES:
+        if name not in paths:
+            continue
         seq = SEQ_MODELS.get(name)
         started = time.perf_counter()
         real = simulated_peak(paths[name], batch, mode=mode, seq_len=seq)
@@ -181,7 +185,24 @@ def _family_for_gpu() -> str:
     return best.name
 
 
+def _fresh_gpu() -> None:
+    """Free what earlier cases left: cached blocks and the cuBLAS workspaces.
+
+    The workspaces live in PyTorch's handle map, not in a tensor: ``empty_cache`` does not free
+    them, so without this an inference case would carry the autograd thread's workspace of an
+    earlier training case (8-32 MiB counted that the estimate rightly does not count).
+    """
+    import gc
+
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
 def _real_gpu_peak(path: str, mode: str, batch: int, amp: bool, seq: int | None) -> tuple[int, int]:
+    _fresh_gpu()
     spec = load_model_file(path)
     device = torch.device("cuda")
     model = spec.build_model().to(device)
@@ -219,8 +240,11 @@ def _measured_context() -> int:
     return total - free - torch.cuda.memory_reserved()
 
 
-def gpu_part(paths: dict[str, str]) -> None:
-    """Estimate vs torch.cuda.max_memory_allocated / max_memory_reserved; prints a table."""
+def gpu_part(paths: dict[str, str]) -> dict[str, object]:
+    """Estimate vs torch.cuda.max_memory_allocated / max_memory_reserved; prints a table.
+
+    Returns the cases and the summary, JSON-ready (``--json``).
+    """
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     family = _family_for_gpu()
@@ -230,12 +254,21 @@ def gpu_part(paths: dict[str, str]) -> None:
           f"measured context {format_size(context)} (table: "
           f"{format_size(DEVICE_FAMILIES[family].context_bytes)})")  # fmt: skip
     rows, alloc_err, res_err = [], [], []
-    for name in MODELS:
+    cases: list[dict[str, object]] = []
+    for name in paths:
         seq = SEQ_MODELS.get(name)
         for mode in ("train", "infer"):
             for amp in (False, True):
                 for batch in GPU_BATCHES[name]:
-                    real_a, real_r = _real_gpu_peak(paths[name], mode, batch, amp, seq)
+                    try:
+                        real_a, real_r = _real_gpu_peak(paths[name], mode, batch, amp, seq)
+                    except Exception as exc:  # one case failing must not lose the others
+                        failure = f"{type(exc).__name__}: {exc}"
+                        rows.append([name, mode, "bf16" if amp else "fp32", batch,
+                                     f"failed: {failure[:70]}"] + [""] * 6)  # fmt: skip
+                        cases.append({"model": name, "mode": mode, "amp": amp,
+                                      "batch": batch, "failed": failure})  # fmt: skip
+                        continue
                     est = estimate(
                         paths[name], device_memory=total, mode=mode, seq_len=seq,
                         amp="bf16" if amp else None, device=family, context=context,
@@ -246,6 +279,10 @@ def gpu_part(paths: dict[str, str]) -> None:
                     ea, er = _err(trial.allocated_peak, real_a), _err(trial.reserved_peak, real_r)
                     alloc_err.append(abs(ea))
                     res_err.append(abs(er))
+                    cases.append({"model": name, "mode": mode, "amp": amp, "batch": batch,
+                                  "real_allocated": real_a, "est_allocated": trial.allocated_peak,
+                                  "real_reserved": real_r, "est_reserved": trial.reserved_peak,
+                                  "kernels": list(est.attention_kernels)})  # fmt: skip
                     rows.append([name, mode, "bf16" if amp else "fp32", batch,
                                  format_size(real_a), format_size(trial.allocated_peak),
                                  f"{ea:+.1%}", format_size(real_r),
@@ -254,9 +291,17 @@ def gpu_part(paths: dict[str, str]) -> None:
     print(table(["model", "mode", "amp", "batch", "real alloc", "est alloc", "err",
                  "real reserved", "est reserved", "err", "attention"], rows,
                 title="GPU: estimate vs torch.cuda max_memory_allocated / reserved"))  # fmt: skip
-    print(f"allocated: median |error| {statistics.median(alloc_err):.2%}, "
-          f"worst {max(alloc_err):.2%}; reserved: median {statistics.median(res_err):.2%}, "
-          f"worst {max(res_err):.2%}")  # fmt: skip
+    summary: dict[str, object] = {"device": torch.cuda.get_device_name(), "family": family,
+                                  "measured_context": context, "cases": cases}  # fmt: skip
+    if alloc_err:
+        print(f"allocated: median |error| {statistics.median(alloc_err):.2%}, "
+              f"worst {max(alloc_err):.2%}; reserved: median {statistics.median(res_err):.2%}, "
+              f"worst {max(res_err):.2%}")  # fmt: skip
+        summary |= {"allocated_median": statistics.median(alloc_err),
+                    "allocated_worst": max(alloc_err),
+                    "reserved_median": statistics.median(res_err),
+                    "reserved_worst": max(res_err)}  # fmt: skip
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,10 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-only", action="store_true")
     parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}"
+    )
+    parser.add_argument("--json", type=Path, help="write the GPU cases and summary here")
     args = parser.parse_args(argv)
+    chosen = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(chosen) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; expected some of {', '.join(MODELS)}")
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_models(Path(tmp))
+        paths = {k: v for k, v in write_models(Path(tmp)).items() if k in chosen}
         if not args.gpu_only:
             cpu_part(paths)
         if args.cpu_only:
@@ -275,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("GPU part skipped: CUDA is not available on this machine.")
             return 0
-        gpu_part(paths)
+        summary = gpu_part(paths)
+        if args.json is not None:
+            args.json.write_text(json.dumps(summary, indent=2))
     return 0
 
 
