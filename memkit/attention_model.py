@@ -9,26 +9,41 @@ what the chosen kernel allocates (on ``meta``: nothing is computed):
 =============  ======================================================  ========================
 kernel         forward (kept for backward)                             backward temporaries
 =============  ======================================================  ========================
-``flash``      output; logsumexp ``B x H x L`` fp32                     ``dq`` accumulator
-                                                                       ``B x L128 x H x D32``
+``flash``      output; logsumexp ``B x H x L`` fp32; q/k/v padded       ``dq`` accumulator
+               to a head dim multiple of 8 when it is not (copies)      ``B x L128 x H x D32``
                                                                        fp32, ``B x H x L128``
-                                                                       fp32 (``softmax_d``)
+                                                                       fp32 (``softmax_d``);
+                                                                       grouped-query: ``dk``,
+                                                                       ``dv`` expanded to
+                                                                       ``H`` heads
 ``efficient``  output; logsumexp ``B x H x ceil(L/32)*32`` fp32          delta ``B x H x L`` fp32;
-               (only when a gradient is needed)                        fp32 ``dq`` accumulator
-                                                                       for fp16/bf16
+               (only when a gradient is needed); fp16/bf16 with a      fp32 ``dq`` accumulator
+               head dim over 128: an fp32 output accumulator           (sm70+, or fp16/bf16)
 ``math``       the real decomposition (``L x S`` scores, softmax,       as autograd does
                dropout mask) is run unchanged
 =============  ======================================================  ========================
 
 ``L128``/``D32``: rounded up to 128 / 32 (64 above 128), as flash-attention's backward does.
 Gradients of ``q``, ``k``, ``v`` have their shapes and dtypes. The numbers follow PyTorch's
-``aten/src/ATen/native/transformers/cuda`` (flash-attention 2 and the xformers/CUTLASS
-memory-efficient kernel); workspaces below 1 MiB are ignored.
+``aten/src/ATen/native/transformers/cuda`` (``flash_attn/flash_api.cpp`` ``mha_fwd``/``mha_bwd``,
+``attention.cu``/``attention_backward.cu`` and the CUTLASS memory-efficient kernel's
+``kernel_forward.h``/``kernel_backward.h``). Not modelled: flash's split-KV accumulators
+(small inference batches only), the memory-efficient kernel's key/value gradient accumulators
+(bounded in recent releases), an attention mask's padded copy.
 
-Choice (``"auto"``), for a target of compute capability ``sm`` (PyTorch's ``sdp_utils``): flash
-when ``sm >= 80``, the inputs are fp16/bf16, 4-D, head dim <= 256 and a multiple of 8, and there
-is no ``attn_mask``; else memory-efficient when ``sm >= 50`` and the inputs are 4-D
-fp32/fp16/bf16; else math.
+Choice (``"auto"``), for a target of compute capability ``sm`` (PyTorch's ``sdp_utils.cpp``):
+
+* **flash** when ``sm >= 80``, the inputs are fp16/bf16 and 4-D, the head dims agree and are at
+  most 256, there is no ``attn_mask``, and key/value have as many heads as the query or divide
+  them (grouped-query attention);
+* else **memory-efficient** when ``sm >= 50``, the inputs are 4-D fp16/fp32 (bf16 from sm80),
+  and the head dim is a multiple of the kernel's alignment (8 for fp16/bf16 from sm75, 4 for
+  fp32 from sm80);
+* else **math**.
+
+On sm90/sm100, PyTorch builds with cuDNN newer than 9.15 try **cuDNN attention** first. Its
+forward keeps the same tensors as flash (output, fp32 logsumexp ``B x H x L``) and its backward
+workspace is cuDNN's to size, so flash's footprint stands in for it; the report says so.
 """
 
 from __future__ import annotations
@@ -43,9 +58,44 @@ ATTENTION_KERNELS = ("auto", "math", "efficient", "flash", "cpu-flash")
 """Accepted requests. ``"cpu-flash"`` is PyTorch's CPU flash kernel (output and logsumexp, no
 backward temporaries): what the simulated cpu device runs, for validating estimates on CPU."""
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _flash_ok(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, sm: int
+) -> bool:
+    if sm < 80 or query.dtype not in _HALF or attn_dims(query, key, value) is None:
+        return False
+    head, heads_q, heads_kv = query.shape[-1], query.shape[1], key.shape[1]
+    return (
+        mask is None
+        and key.shape[-1] == head == value.shape[-1]
+        and head <= 256
+        and heads_kv == value.shape[1]
+        and heads_q % heads_kv == 0
+    )
+
+
+def _efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm: int) -> bool:
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if sm >= 80 else ())
+    if sm < 50 or query.dtype not in dtypes or attn_dims(query, key, value) is None:
+        return False
+    half_align, fp32_align = (8 if sm >= 75 else 1), (4 if sm >= 80 else 1)
+    align = half_align if query.dtype in _HALF else fp32_align
+    return (
+        key.shape[-1] == query.shape[-1]
+        and query.shape[-1] % align == 0
+        and value.shape[-1] % align == 0
+    )
+
+
+def attn_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int | None:
+    """4 when all three inputs are 4-D (``B x H x L x D``), else ``None``."""
+    return 4 if query.dim() == key.dim() == value.dim() == 4 else None
 
 
 def choose_kernel(
@@ -57,30 +107,23 @@ def choose_kernel(
     sm: int,
 ) -> str:
     """The kernel that runs: ``requested`` unless it is ``"auto"`` or cannot take the inputs."""
-    four_d = query.dim() == 4 and key.dim() == 4 and value.dim() == 4
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    head = query.shape[-1] if query.dim() else 0
-    flash_ok = sm >= 80 and four_d and half and attn_mask is None and head <= 256 and head % 8 == 0
-    efficient_ok = sm >= 50 and four_d and query.dtype in (torch.float32, *_HALF)
+    flash_ok = _flash_ok(query, key, value, attn_mask, sm)
+    efficient_ok = _efficient_ok(query, key, value, sm)
     if requested == "cpu-flash":
-        return "cpu-flash" if four_d else "math"
-    if requested == "flash":
-        return "flash" if flash_ok else ("efficient" if efficient_ok else "math")
-    if requested == "efficient":
-        return "efficient" if efficient_ok else "math"
+        return "cpu-flash" if attn_dims(query, key, value) else "math"
     if requested == "math":
         return "math"
-    if flash_ok:
+    if requested == "efficient":
+        return "efficient" if efficient_ok else "math"
+    if flash_ok:  # "flash" or "auto"
         return "flash"
     return "efficient" if efficient_ok else "math"
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _blhd(like: torch.Tensor, dim: int) -> torch.Tensor:
+def _blhd(like: torch.Tensor, dim: int, heads: int | None = None) -> torch.Tensor:
     """A ``B x H x L x dim`` tensor laid out as ``B x L x H x dim``, as the kernels allocate."""
-    batch, heads, length = like.shape[0], like.shape[1], like.shape[2]
+    batch, length = like.shape[0], like.shape[2]
+    heads = like.shape[1] if heads is None else heads
     return like.new_empty((batch, length, heads, dim)).transpose(1, 2)
 
 
@@ -95,27 +138,39 @@ class _FusedAttention(torch.autograd.Function):
         value: torch.Tensor,
         kernel: str,
         needs_grad: bool,
+        sm: int,
     ) -> torch.Tensor:
-        batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
+        batch, heads, length, dim = query.shape
+        saved = (query, key, value)
+        if kernel == "flash" and dim % 8:  # padded copies; the kernel runs (and saves) those
+            saved = tuple(  # type: ignore[assignment]
+                t.new_empty((*t.shape[:-1], _round_up(t.shape[-1], 8))) for t in saved
+            )
         out = _blhd(query, value.shape[-1])
         lse: torch.Tensor | None = None
         if kernel in ("flash", "cpu-flash") or needs_grad:
             lse_len = length if kernel != "efficient" else _round_up(length, 32)
             lse = query.new_empty((batch, heads, lse_len), dtype=torch.float32)
+        if kernel == "efficient" and query.dtype in _HALF and value.shape[-1] > 128:
+            accum = out.new_empty(out.shape, dtype=torch.float32)
+            del accum
         ctx.kernel = kernel
+        ctx.sm = sm
+        ctx.dims = (dim, key.shape[-1], value.shape[-1])
         if needs_grad:
-            ctx.save_for_backward(query, key, value, out, lse)
+            ctx.save_for_backward(*saved, out, lse)
         else:
             del lse
+        del saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        query, key, value, _out, _lse = ctx.saved_tensors
+        query, key, value, _out, _lse = ctx.saved_tensors  # padded for flash when dim % 8
         batch, heads, length, dim = query.shape
-        grad_q = _blhd(query, query.shape[-1])
-        grad_k = _blhd(key, key.shape[-1])
-        grad_v = _blhd(value, value.shape[-1])
+        grad_q, grad_k, grad_v = (
+            _blhd(t, d) for t, d in zip((query, key, value), ctx.dims, strict=True)
+        )
         if ctx.kernel == "cpu-flash":
             pass
         elif ctx.kernel == "flash":
@@ -123,27 +178,31 @@ class _FusedAttention(torch.autograd.Function):
             dim_r = _round_up(dim, 32 if dim <= 128 else 64)
             accum = query.new_empty((batch, len_r, heads, dim_r), dtype=torch.float32)
             softmax_d = query.new_empty((batch, heads, len_r), dtype=torch.float32)
-            del accum, softmax_d
+            expanded = (
+                (_blhd(key, key.shape[-1], heads), _blhd(value, value.shape[-1], heads))
+                if key.shape[1] != heads
+                else ()
+            )
+            del accum, softmax_d, expanded
         else:
             delta = query.new_empty((batch, heads, length), dtype=torch.float32)
-            accum = (
-                query.new_empty(query.shape, dtype=torch.float32) if query.dtype in _HALF else None
-            )
+            needs_accum = ctx.sm >= 70 or query.dtype in _HALF
+            accum = query.new_empty(query.shape, dtype=torch.float32) if needs_accum else None
             del delta, accum
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def fused_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, sm: int = 80
 ) -> torch.Tensor:
     """The output of a fused attention kernel (``"flash"`` or ``"efficient"``), on meta.
 
-    Grouped-query attention (fewer key/value heads) is handled: the kernels broadcast heads,
-    so only ``query``'s heads shape the output and the temporaries.
+    Grouped-query attention (fewer key/value heads) is handled: the output and the forward
+    temporaries follow ``query``'s heads; flash's backward expands ``dk``/``dv`` to them.
     """
     if kernel not in ("flash", "efficient", "cpu-flash"):
         raise ValueError(f"kernel must be 'flash', 'efficient' or 'cpu-flash', found {kernel!r}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = _FusedAttention.apply(query, key, value, kernel, needs_grad)
+    out = _FusedAttention.apply(query, key, value, kernel, needs_grad, sm)
     assert isinstance(out, torch.Tensor)
     return out

@@ -444,7 +444,7 @@ class _TargetMode(TorchFunctionMode):
         self.kernels.add(kernel)
         if kernel == "math":
             return func(*args, **kw)
-        return fused_attention(query, key, value, kernel)
+        return fused_attention(query, key, value, kernel, self.sm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -855,7 +855,13 @@ def _attention_line(requested: str, kernels: tuple[str, ...], family: DeviceFami
     if not kernels:
         return "attention: no F.scaled_dot_product_attention call seen"
     how = "chosen as PyTorch would on" if requested == "auto" else "requested; on"
-    return f"attention: {', '.join(kernels)} kernel ({how} sm{family.sm}; --attention overrides)"
+    line = f"attention: {', '.join(kernels)} kernel ({how} sm{family.sm}; --attention overrides)"
+    if "flash" in kernels and requested == "auto" and family.sm in (90, 100):
+        line += (
+            "; PyTorch builds with cuDNN > 9.15 run cuDNN attention here first, whose forward"
+            " keeps the same tensors: flash's footprint stands in for it"
+        )
+    return line
 
 
 def _advice(

@@ -11,7 +11,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from memkit.accounting import MemoryAccountant
 from memkit.allocator_model import K_SMALL_BUFFER, CachingAllocatorModel
+from memkit.attention_model import choose_kernel, fused_attention
 from memkit.autocast_model import (
     BUILTIN_LISTS,
     AutocastPolicy,
@@ -187,9 +189,49 @@ def test_attention_kernel_assumption_changes_long_sequence_peak(files: dict[str,
     assert math.attention_kernels == ("math",) and efficient.attention_kernels == ("efficient",)
     auto_bf16 = estimate(files["gpt2"], amp="bf16", **kwargs)
     assert auto_bf16.attention_kernels == ("flash",)  # sm80, bf16, no mask
-    volta = estimate(files["gpt2"], amp="bf16", device="volta", **kwargs)
+    volta = estimate(files["gpt2"], amp="fp16", device="volta", **kwargs)
     assert volta.attention_kernels == ("efficient",)
+    volta_bf16 = estimate(files["gpt2"], amp="bf16", device="volta", **kwargs)
+    assert volta_bf16.attention_kernels == ("math",)  # no bf16 kernels before sm80
     assert any("flash kernel" in a for a in auto_bf16.assumptions)
+    hopper = estimate(files["gpt2"], amp="bf16", device="hopper", **kwargs)
+    assert any("cuDNN attention" in a for a in hopper.assumptions)
+
+
+def _qkv(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    shapes = ((2, heads, 64, dim), (2, kv_heads, 64, dim), (2, kv_heads, 64, dim))
+    return [torch.empty(s, device="meta", dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def test_attention_kernel_choice_follows_sdp_utils() -> None:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16), None, 80) == "flash"
+    assert choose_kernel("auto", *_qkv(8, 2, 64, bf16), None, 80) == "flash"  # grouped-query
+    assert choose_kernel("auto", *_qkv(8, 8, 60, bf16), None, 80) == "flash"  # padded to 64
+    assert choose_kernel("auto", *_qkv(8, 8, 320, bf16), None, 80) == "efficient"  # > 256
+    mask = torch.empty(64, 64, device="meta")
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16), mask, 80) == "efficient"
+    assert choose_kernel("auto", *_qkv(8, 8, 64, fp32), None, 80) == "efficient"
+    assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 80) == "math"  # not 4-aligned
+    assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 75) == "efficient"
+    assert choose_kernel("flash", *_qkv(8, 8, 64, fp32), None, 80) == "efficient"
+
+
+def test_flash_footprint_pads_odd_heads_and_expands_grouped_query_grads() -> None:
+    def counted(heads: int, kv_heads: int, dim: int) -> int:
+        q, k, v = _qkv(heads, kv_heads, dim, torch.bfloat16)
+        with MemoryAccountant(torch.device("meta"), None) as acc:
+            fused_attention(q, k, v, "flash").sum().backward()
+        return acc.peak
+
+    # head dim 60 is padded to 64 (copies kept for backward): more than head dim 64 itself
+    assert counted(8, 8, 60) > counted(8, 8, 64)
+    # grouped-query (8 query heads, 2 key/value heads), in bytes, bf16, B=2, L=64, D=64:
+    head = 2 * 64 * 64 * 2
+    inputs, out, lse = (8 + 2 + 2) * head, 8 * head, 2 * 8 * 64 * 4
+    grads, dq_accum, softmax_d = (8 + 2 + 2) * head, 2 * 128 * 8 * 64 * 4, 2 * 8 * 128 * 4
+    expanded = 2 * 8 * head  # dk and dv at the query's 8 heads
+    assert counted(8, 2, 64) >= inputs + out + lse + grads + dq_accum + softmax_d + expanded
 
 
 def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
