@@ -68,7 +68,7 @@ def _round_up(n: int, m: int) -> int:
 def _flash_ok(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, sm: int
 ) -> bool:
-    if sm < 80 or query.dtype not in _HALF or attn_dims(query, key, value) is None:
+    if sm < 80 or query.dtype not in _HALF or not _four_d(query, key, value):
         return False
     head, heads_q, heads_kv = query.shape[-1], query.shape[1], key.shape[1]
     return (
@@ -82,7 +82,7 @@ def _flash_ok(
 
 def _efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm: int) -> bool:
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if sm >= 80 else ())
-    if sm < 50 or query.dtype not in dtypes or attn_dims(query, key, value) is None:
+    if sm < 50 or query.dtype not in dtypes or not _four_d(query, key, value):
         return False
     half_align, fp32_align = (8 if sm >= 75 else 1), (4 if sm >= 80 else 1)
     align = half_align if query.dtype in _HALF else fp32_align
@@ -93,9 +93,9 @@ def _efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     )
 
 
-def attn_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int | None:
-    """4 when all three inputs are 4-D (``B x H x L x D``), else ``None``."""
-    return 4 if query.dim() == key.dim() == value.dim() == 4 else None
+def _four_d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """All three inputs are 4-D (``B x H x L x D``), as the fused kernels need."""
+    return query.dim() == key.dim() == value.dim() == 4
 
 
 def choose_kernel(
@@ -110,7 +110,7 @@ def choose_kernel(
     flash_ok = _flash_ok(query, key, value, attn_mask, sm)
     efficient_ok = _efficient_ok(query, key, value, sm)
     if requested == "cpu-flash":
-        return "cpu-flash" if attn_dims(query, key, value) else "math"
+        return "cpu-flash" if _four_d(query, key, value) else "math"
     if requested == "math":
         return "math"
     if requested == "efficient":
@@ -141,11 +141,9 @@ class _FusedAttention(torch.autograd.Function):
         sm: int,
     ) -> torch.Tensor:
         batch, heads, length, dim = query.shape
-        saved = (query, key, value)
+        saved: tuple[torch.Tensor, ...] = (query, key, value)
         if kernel == "flash" and dim % 8:  # padded copies; the kernel runs (and saves) those
-            saved = tuple(  # type: ignore[assignment]
-                t.new_empty((*t.shape[:-1], _round_up(t.shape[-1], 8))) for t in saved
-            )
+            saved = tuple(t.new_empty((*t.shape[:-1], _round_up(t.shape[-1], 8))) for t in saved)
         out = _blhd(query, value.shape[-1])
         lse: torch.Tensor | None = None
         if kernel in ("flash", "cpu-flash") or needs_grad:
