@@ -16,6 +16,11 @@ What is counted:
 * storages created earlier that an op reads for the first time (an input batch made before the
   block): they are live on the device, so they are *adopted* and counted from then on.
 
+Two switches narrow this to what a training step would put on an accelerator (memkit's tracker
+sets them; see docs/simulated-device.md): ``counting`` (count storages that ops create) and
+``adopting`` (adopt storages that ops read). Both are on for a plain ``simulate`` block. A forked
+child process (a DataLoader worker) never counts: its tensors live in another process.
+
 What is not: memory that no ATen op returns (kernel workspaces, the CUDA context, a caching
 allocator's unused reserve) and tensors made in *other threads*: dispatch modes are thread-local,
 so under ``nn.DataParallel`` replica threads are invisible to an accountant entered in the main
@@ -42,6 +47,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -127,6 +133,11 @@ class MemoryAccountant(TorchDispatchMode):
         self._peak = 0
         self.num_allocs = 0
         self.num_ooms = 0
+        self.counting = True
+        """Count storages that ops create (off: host-side work such as data loading)."""
+        self.adopting = True
+        """Adopt storages that existed before and that an op reads for the first time."""
+        _ACCOUNTANTS.add(self)
         # Optional observers of every counted storage (used by memkit.estimation to replay the
         # allocations through a caching-allocator model). Called with (key, counted bytes), under
         # the accountant's lock, so they must not call back into the accountant.
@@ -224,6 +235,7 @@ class MemoryAccountant(TorchDispatchMode):
         """Storages an op's outputs (or first-seen inputs) add, and bytes of in-place growth."""
         new: dict[int, tuple[Any, int]] = {}
         grown = 0
+        read: set[int] | None = None  # storages of the inputs, when not adopting
         for tensor in tree_flatten(out)[0]:
             storage = self._storage(tensor) if isinstance(tensor, torch.Tensor) else None
             if storage is None:
@@ -231,6 +243,16 @@ class MemoryAccountant(TorchDispatchMode):
             key = id(storage)
             entry = self._live.get(key)
             if entry is None:
+                if not self.adopting:
+                    # a view (or in-place result) of a storage this op read is not new memory
+                    if read is None:
+                        read = {
+                            id(s)
+                            for t in tree_flatten(inputs)[0]
+                            if isinstance(t, torch.Tensor) and (s := self._storage(t)) is not None
+                        }
+                    if key in read:
+                        continue
                 new.setdefault(key, (storage, self._size(storage)))
                 continue
             size = self._size(storage)
@@ -245,6 +267,8 @@ class MemoryAccountant(TorchDispatchMode):
                             self.on_alloc(key, size)
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
         # device: adopt them.
+        if not self.adopting:
+            return new, grown
         for tensor in tree_flatten(inputs)[0]:
             storage = self._storage(tensor) if isinstance(tensor, torch.Tensor) else None
             if storage is not None and id(storage) not in self._live:
@@ -253,6 +277,8 @@ class MemoryAccountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if not self.counting:
+            return out
         new, grown = self._scan(out, (args, kwargs))
         added = sum(size for _, size in new.values())
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
@@ -287,6 +313,21 @@ class MemoryAccountant(TorchDispatchMode):
             f"MemoryAccountant({self.device}, {budget}, current {format_size(self._current)}, "
             f"peak {format_size(self._peak)})"
         )
+
+
+_ACCOUNTANTS: weakref.WeakSet[MemoryAccountant] = weakref.WeakSet()
+
+
+def _stop_counting_in_child() -> None:
+    """A forked child (a DataLoader worker) holds copies of the parent's accountants: their
+    tensors live in the child's memory, never on the simulated device, so they count nothing."""
+    for accountant in list(_ACCOUNTANTS):
+        accountant.counting = False
+        accountant.adopting = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_counting_in_child)
 
 
 def simulate(

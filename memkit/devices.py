@@ -281,6 +281,14 @@ class SimulatedBackend:
         """Count ops run in this thread until the block exits (re-entrant)."""
         return self.accountant
 
+    def count_ops(self, counting: bool, adopting: bool) -> None:
+        """Whether ops now create device memory (``counting``) and whether storages made
+        earlier become device memory when an op reads them (``adopting``): a tracker turns
+        both off for host-side work (data loading, code between steps)."""
+        acct = self.accountant
+        acct.counting = counting
+        acct.adopting = adopting
+
     def __repr__(self) -> str:
         return f"SimulatedBackend({self.device}, budget={self.budget})"
 

@@ -231,7 +231,16 @@ def test_growth_detector_and_scan_helpers():
     det = GrowthDetector(warmup=1, window=3)
     flags = [det.observe(i, level) for i, level in enumerate([5, 10, 10, 20, 30, 40])]
     assert flags == [False, False, False, False, False, True]
-    assert det.finding == (10, 2, 3)
+    assert det.finding == (7, 1, 4)  # the climb began at step 1 (level 10): 30 bytes in 4 steps
+    # a staircase: a rise every third step (an evaluation every 3 steps keeping its graph)
+    det = GrowthDetector(warmup=1, window=3)
+    levels = [5, 10, 10, 10, 20, 20, 20, 30, 30, 30, 40]
+    flags = [det.observe(i, level) for i, level in enumerate(levels)]
+    assert flags.index(True) == 10 and det.finding == (3, 1, 9)
+    # healthy noise: levels that come back down never add up to a leak
+    det = GrowthDetector(warmup=1, window=3)
+    levels = [5, 10, 12, 10, 14, 11, 16, 10, 18, 12, 20]
+    assert not any(det.observe(i, level) for i, level in enumerate(levels))
     x = torch.randn(3, requires_grad=True)
     kept = [x * 2, x * 3]
     held = (x * 2).sum()

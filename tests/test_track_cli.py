@@ -118,11 +118,13 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_process_keeps_exit_code(tmp_path):
-    script = write(tmp_path, "import torch\nx = torch.empty(1024, 1024)\n")
+    script = write(
+        tmp_path, "import torch\nm = torch.nn.Linear(64, 1024)\nm(torch.randn(512, 64))\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "1MiB",
          str(script)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
-    assert "memkit: out of memory on cpu at step 0, other" in proc.stderr
+    assert "memkit: out of memory on cpu at step 0, forward of Linear" in proc.stderr

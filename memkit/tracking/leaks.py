@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import linecache
 import logging
 import os
@@ -66,38 +67,48 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 class GrowthDetector:
-    """Flags allocated memory that grows at every step boundary.
+    """Flags allocated memory that climbs from step boundary to step boundary.
+
+    A healthy loop comes back to the same level at every boundary. A leak climbs a staircase:
+    every step (``running_loss += loss`` with its graph), or every N steps (an evaluation every
+    N steps that keeps its loss with the graph). The detector follows the boundary levels since
+    they last came down and calls it a leak at the ``window``-th rise; any fall starts over.
 
     Args:
         warmup: step boundaries ignored at the start (gradients and optimizer state appear).
-        window: consecutive growing boundaries needed to call it a leak.
-        min_growth: bytes per step below which growth is ignored (allocator rounding).
+        window: rises (without a fall in between) needed to call it a leak.
+        min_growth: bytes below which a rise is ignored (allocator rounding).
     """
 
     def __init__(self, warmup: int = 2, window: int = 3, min_growth: int = 1) -> None:
         self.warmup = warmup
         self.window = window
         self.min_growth = min_growth
-        self._levels: list[tuple[int, int]] = []  # (step, allocated), growing run only
+        self._start: tuple[int, int] | None = None  # (step, allocated) where the climb began
+        self._last = 0
+        self._rises = 0
         self._seen = 0
         self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
 
     def observe(self, step: int, allocated: int) -> bool:
-        """Record a boundary level; return True when the growth run reaches ``window`` steps
-        (and at every further growing step)."""
+        """Record a boundary level; return True at the ``window``-th rise of a climb (and at
+        every further rise)."""
         self._seen += 1
         if self._seen <= self.warmup:
             return False
-        if self._levels and allocated - self._levels[-1][1] < self.min_growth:
-            self._levels = [(step, allocated)]
+        if self._start is None or allocated < self._last:
+            self._start, self._last, self._rises = (step, allocated), allocated, 0
             return False
-        self._levels.append((step, allocated))
-        steps = len(self._levels) - 1
-        if steps < self.window:
+        rose = allocated - self._last >= self.min_growth
+        self._last = allocated
+        if not rose:
             return False
-        first_step, first = self._levels[0]
-        growth = (allocated - first) // steps
-        self.finding = (growth, first_step, steps)
+        self._rises += 1
+        if self._rises < self.window:
+            return False
+        first_step, first = self._start
+        steps = step - first_step
+        self.finding = ((allocated - first) // steps, first_step, steps)
         return True
 
 
@@ -271,14 +282,42 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
     return suspects
 
 
+def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:
+    """Suspects from consecutive scans: variables whose graph (or length) grew at every scan.
+
+    A healthy loop's ``loss`` holds a graph of the same size each step; ``running_loss`` that
+    adds each step's loss with its graph holds a graph that grows every step.
+    """
+    sizes: dict[tuple[str, str, str], list[int]] = {}
+    for scan in scans:
+        for c in scan:
+            sizes.setdefault(_key(c), []).append(c.size)
+    grew = {
+        key
+        for key, seq in sizes.items()
+        if len(seq) == len(scans) and all(b > a for a, b in itertools.pairwise(seq))
+    }
+    return [s for s in compare_scans(scans[-2], scans[-1]) if (s.filename, s.function, s.name)
+            in grew]  # fmt: skip
+
+
 def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
     """``graph-retained``: memory grows each step and a live variable holds an autograd graph."""
     out: list[Advice] = []
     for leak in leaks:
-        growth = (
-            f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} per "
-            f"step for {leak.steps} consecutive steps (from step {leak.first_step})."
-        )
+        if leak.graph_growth and leak.growth_per_step <= 0:
+            growth = (
+                f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
+                f"{leak.first_step}); device memory on {leak.device} stayed flat because "
+                "backward freed the saved tensors, but every step's graph nodes stay alive in "
+                "host memory, and anything that still holds tensors keeps them on the device."
+            )
+        else:
+            growth = (
+                f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
+                f"per step over {leak.steps} steps (from step {leak.first_step}) without "
+                "coming back down."
+            )
         if not leak.suspects:
             out.append(
                 Advice(
@@ -307,7 +346,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
                 evidence=growth
                 + f" Still holding a graph after the optimizer step: {names}"
                 + (f"; line: `{top.code}`" if top.code else "")
-                + ". Each step's graph (and the activations it saved) stays on the device.",
+                + ". Each step's graph (and whatever tensors it saved) stays alive.",
                 action=f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
                 "only logs.",
                 saving_bytes=leak.growth_per_step,

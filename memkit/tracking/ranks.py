@@ -274,7 +274,7 @@ class RankWatch:
         model = self.tracker.model
         if model is not None:
             return [model]
-        return [m for m in (ref() for ref, _ in self.tracker._roots.values()) if m is not None]
+        return list(self.tracker._root_modules())
 
     def on_step(self, optimizer: Any) -> None:
         """At an optimizer step (before it): note trainable parameters with no gradient."""

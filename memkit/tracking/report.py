@@ -34,8 +34,11 @@ __all__ = [
     "TrackReport",
 ]
 
-PHASES = ("forward", "backward", "optimizer", "other")
-"""Phases of a training step, in the order memkit reports them."""
+PHASES = ("forward", "backward", "optimizer", "other", "eval")
+"""Phases, in the order memkit reports them: a training step's forward (until its backward),
+backward (with any checkpointed forward it recomputes), optimizer step, the time between them
+(data loading, logging), and evaluation passes (forwards under ``no_grad``/``inference_mode`` or
+in eval mode), which are reported on their own and never added to training's numbers."""
 
 MAX_PLOT_POINTS = 1200
 """The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
@@ -79,6 +82,8 @@ class StepRecord:
         peak_reserved: the highest reserved bytes during the step.
         phase_peaks: peak allocated bytes per phase (``None``: the phase did not occur).
         duration_s: wall time of the step.
+        backward_passes: training backward passes in the step (more than one: gradient
+            accumulation over micro-batches).
     """
 
     step: int
@@ -88,27 +93,35 @@ class StepRecord:
     peak_reserved: int
     phase_peaks: dict[str, int | None]
     duration_s: float
+    backward_passes: int = 1
 
 
 @dataclass(frozen=True)
 class ModuleRecord:
     """Memory of one module on one device, over every call.
 
+    Only training forwards count in the byte numbers: evaluation passes and the forwards that
+    gradient checkpointing recomputes inside backward are counted in ``eval_calls`` and
+    ``recompute_calls`` alone.
+
     Attributes:
         path: the module's name in its model (``transformer.h.0.attn``); the model itself is
-            named by its class.
+            named by its class. With several models (a GAN), paths start with the model's class.
         device: the device its calls ran on.
-        calls: how many forward calls were seen.
+        calls: how many training forward calls were seen.
         activation_bytes: the largest growth of allocated memory across one forward call
             (allocated after its forward minus before): what the call left behind, mostly what
             backward will need. Includes its children's.
         self_activation_bytes: the same, minus what its child modules left behind.
         activation_bytes_per_step: the largest sum over the calls of one step (a module called
-            several times per step keeps several sets); without step boundaries, the sum over
-            every call so far.
+            several times per step keeps several sets; with gradient accumulation, the sum over
+            the step's micro-batches); without step boundaries, the sum over every call.
         peak_allocated: the highest allocated bytes reached while its forward ran.
         peak_over_entry: that peak minus allocated at entry: the transient the call needed.
         leaf: the module has no child modules.
+        eval_calls: forward calls in evaluation passes.
+        recompute_calls: forwards recomputed inside backward (gradient checkpointing).
+        type_name: the module's class (``Linear``).
     """
 
     path: str
@@ -120,6 +133,9 @@ class ModuleRecord:
     peak_allocated: int
     peak_over_entry: int
     leaf: bool
+    eval_calls: int = 0
+    recompute_calls: int = 0
+    type_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,8 +221,11 @@ class LeakFinding:
         device: the device.
         growth_per_step: average growth of allocated bytes per step over the window.
         first_step: the step where the growth was first seen.
-        steps: the number of consecutive growing steps seen.
+        steps: the steps over which it grew (without ever coming back down).
         suspects: variables holding autograd graphs (the classic cause), most likely first.
+        graph_growth: autograd nodes added per step to a graph a variable holds; set when
+            the graph grows although device memory does not (backward freed its tensors, its
+            nodes pile up in host memory).
     """
 
     device: str
@@ -214,6 +233,7 @@ class LeakFinding:
     first_step: int
     steps: int
     suspects: tuple[LeakSuspect, ...] = ()
+    graph_growth: int = 0
 
 
 @dataclass(frozen=True)
@@ -239,6 +259,7 @@ class OomPostMortem:
         leak: growth seen before the failure, if any.
         advice: what to do.
         rank: the distributed rank, if any.
+        batch_size: the leading dimension of the last forward's first input, if known.
     """
 
     device: str
@@ -258,10 +279,14 @@ class OomPostMortem:
     leak: LeakFinding | None
     advice: tuple[Advice, ...]
     rank: int | None = None
+    batch_size: int | None = None
 
     @property
     def where(self) -> str:
         """``step 3, backward of transformer.h.1.mlp``."""
+        if self.phase == "eval":
+            inside = "" if self.module is None else f" in {self.module}"
+            return f"step {self.step}, an evaluation pass{inside}"
         if self.module is not None:
             place = f"{self.phase} of {self.module}"
         elif self.phase == "forward":
@@ -424,6 +449,12 @@ SUMMARY_HEADERS = [
     *(f"{p}" for p in PHASES),
     "steps",
 ]
+STEP_RULES = {
+    "optimizer": "steps counted at optimizer.step()",
+    "backward": "steps counted from backward passes (no optimizer stepped)",
+    "manual": "steps counted at Tracker.step()",
+}
+
 MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
 
 
@@ -461,6 +492,12 @@ class TrackReport:
         advice: recommendations from what was measured.
         oom: the post-mortem, when an out-of-memory error ended the block.
         eval_grad_forwards: forward passes run in eval mode with autograd recording.
+        eval_forwards: evaluation passes (model forwards under ``no_grad``/``inference_mode``,
+            in eval mode, or unable to build a graph); their peak is ``phase_peaks["eval"]``.
+        eval_batch_size: the largest leading dimension of an evaluation pass's first input.
+        step_rule: what counted steps: ``"optimizer"`` (``optimizer.step()``), ``"backward"``
+            (no optimizer stepped: a training forward after a backward starts a step) or
+            ``"manual"`` (``Tracker.step()``).
         rank: the distributed rank (``RANK``), if any.
         world_size: the number of ranks, if any.
         notes: caveats about how the numbers were obtained.
@@ -483,6 +520,9 @@ class TrackReport:
     advice: tuple[Advice, ...] = ()
     oom: OomPostMortem | None = None
     eval_grad_forwards: int = 0
+    eval_forwards: int = 0
+    eval_batch_size: int | None = None
+    step_rule: str = "optimizer"
     rank: int | None = None
     world_size: int | None = None
     notes: tuple[str, ...] = ()
@@ -512,6 +552,11 @@ class TrackReport:
         return max((d.peak_allocated for d in self.devices), default=0)
 
     @property
+    def micro_batches(self) -> int:
+        """The most training backward passes in one step (over 1: gradient accumulation)."""
+        return max((s.backward_passes for d in self.devices for s in d.steps), default=1)
+
+    @property
     def leaks(self) -> list[LeakFinding]:
         """Devices whose memory grew step after step."""
         return [d.leak for d in self.devices if d.leak is not None]
@@ -538,6 +583,10 @@ class TrackReport:
             "rank": self.rank,
             "world_size": self.world_size,
             "eval_grad_forwards": self.eval_grad_forwards,
+            "eval_forwards": self.eval_forwards,
+            "eval_batch_size": self.eval_batch_size,
+            "step_rule": self.step_rule,
+            "micro_batches": self.micro_batches,
             "devices": devices,
             "advice": [a.to_dict() for a in self.advice],
             "oom": None if self.oom is None else self.oom.to_dict(),
@@ -564,7 +613,20 @@ class TrackReport:
         rank = "" if self.rank is None else f" rank {self.rank}/{self.world_size}"
         lines = [
             f"memkit track{rank}: {self.steps} step(s) in {self.duration_s:.2f} s, "
-            f"mode {self.mode}",
+            f"mode {self.mode}; {STEP_RULES[self.step_rule]}",
+        ]
+        if self.micro_batches > 1:
+            lines.append(
+                f"gradient accumulation: up to {self.micro_batches} micro-batches per step; "
+                "kept/step sums a step's micro-batches, kept (1 call) is one forward"
+            )
+        if self.eval_forwards:
+            batch = "" if self.eval_batch_size is None else f", batch up to {self.eval_batch_size}"
+            lines.append(
+                f"evaluation: {self.eval_forwards} forward pass(es){batch}, reported apart "
+                "from training (the eval column); module bytes are training forwards only"
+            )
+        lines += [
             "",
             table(SUMMARY_HEADERS, [d.summary_row() for d in self.devices], title="devices"),
         ]

@@ -29,11 +29,13 @@ report's peaks instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -64,6 +66,7 @@ from memkit.tracking.report import (
     TimelinePoint,
     TrackReport,
 )
+from memkit.units import format_size
 
 __all__ = ["Tracker", "track"]
 
@@ -71,7 +74,17 @@ log = logging.getLogger(__name__)
 
 _clock = time.perf_counter
 
-FORWARD, BACKWARD, OPTIMIZER, OTHER = range(4)
+FORWARD, BACKWARD, OPTIMIZER, OTHER, EVAL = range(5)
+
+TRAIN_PASS, EVAL_PASS, RECOMPUTE = range(3)
+"""What a root forward is: a training forward (builds a graph for backward), an evaluation
+pass (``no_grad``/``inference_mode``, eval mode, or nothing that could build a graph), or the
+recomputation of a checkpointed forward inside backward."""
+
+SCAN_PERIOD = 25
+"""Steps between rounds of three graph scans (leaks that device memory does not show)."""
+
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 DEFAULT_TIMELINE_LIMIT = 100_000
 """Counter readings kept per device (the most recent ones)."""
@@ -83,9 +96,11 @@ DEFAULT_STEP_LIMIT = 100_000
 class _Frame:
     """One module call in progress (per thread)."""
 
-    __slots__ = ("alloc_in", "children", "dev", "eval_grad", "max", "mid", "ms", "name")
+    __slots__ = ("alloc_in", "children", "dev", "eval_grad", "kind", "max", "mid", "ms", "name")
 
-    def __init__(self, name: str, mid: int, dev: _Device, alloc_in: int, ms: _ModuleStat) -> None:
+    def __init__(
+        self, name: str, mid: int, dev: _Device, alloc_in: int, ms: _ModuleStat, kind: int
+    ) -> None:
         self.name = name
         self.ms = ms
         self.mid = mid
@@ -94,6 +109,31 @@ class _Frame:
         self.max = alloc_in
         self.children = 0
         self.eval_grad = False
+        self.kind = kind
+
+
+class _Ignored:
+    """A module call outside the trained model (a loss module, a data transform)."""
+
+    __slots__ = ("mid",)
+    kind = -1
+
+    def __init__(self, mid: int) -> None:
+        self.mid = mid
+
+
+class _Root:
+    """What the tracker knows about one top-level module it has seen (cold path)."""
+
+    __slots__ = ("compiled", "keys", "model", "ref", "trainable", "types")
+
+    def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
+        self.ref = weakref.ref(module)
+        self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
+        self.model = any(True for _ in module.parameters())
+        self.trainable = any(p.requires_grad for p in module.parameters())
+        self.compiled = hasattr(module, "_orig_mod")
+        self.types = {id(m): type(m).__name__ for m in module.modules()}
 
 
 class _ModuleStat:
@@ -101,18 +141,26 @@ class _ModuleStat:
         "act_max",
         "bw",
         "calls",
+        "eval_calls",
         "leaf",
         "over_max",
         "peak",
+        "recompute_calls",
         "self_max",
         "step_id",
         "step_max",
         "step_sum",
+        "type_name",
     )
 
-    def __init__(self, leaf: bool, bw: Callable[[torch.Tensor], None] | None) -> None:
+    def __init__(
+        self, leaf: bool, bw: Callable[[torch.Tensor], None] | None, type_name: str
+    ) -> None:
         self.bw = bw
+        self.type_name = type_name
         self.calls = 0
+        self.eval_calls = 0
+        self.recompute_calls = 0
         self.act_max = 0
         self.self_max = 0
         self.step_id = -1
@@ -137,8 +185,8 @@ class _Device:
             maxlen=timeline_limit
         )
         self.events = 0
-        self.step_phase: list[int | None] = [None, None, None, None]
-        self.phase_peak: list[int | None] = [None, None, None, None]
+        self.step_phase: list[int | None] = [None] * len(PHASES)
+        self.phase_peak: list[int | None] = [None] * len(PHASES)
         self.step_peak = a
         self.step_peak_res = r
         self.peak = a
@@ -153,10 +201,23 @@ class _Device:
         self.base_state_empty = True
         self.bw_module: str | None = None
         self.last = (a, r)
+        self.params_full = 0
         self.grads_full = 0
         self.state_full = 0
+        self.backwards = 0  # training backward passes in the current step
         self.growth = leaks.GrowthDetector()
         self.leak: LeakFinding | None = None
+
+
+class _Restore:
+    """A removable handle that puts an attribute back (if nobody replaced it since)."""
+
+    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+        self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
+
+    def remove(self) -> None:
+        if getattr(self.owner, self.name) is self.replacement:
+            setattr(self.owner, self.name, self.original)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -253,15 +314,27 @@ class Tracker:
         self._used = False
         self._manual_steps = False
         self._step_owner: weakref.ref[Any] | None = None
-        self._roots: dict[int, tuple[weakref.ref[Any], dict[int, str]]] = {}
-        self._global_root_count = 0
+        self._roots: dict[int, _Root] = {}
+        self._owners: dict[int, _Root] = {}  # id(submodule) -> the root it belongs to
+        self._sim: SimulatedBackend | None = None
+        self._eval_forwards = 0
+        self._eval_batch: int | None = None
+        self._eval_return = OTHER
+        self._last_batch: int | None = None
+        self._backward_steps = 0  # steps counted from backward passes, not yet confirmed
+        self._backwards_in_step = 0
+        self._warning_filter: Any = None
         self._seen_optimizers: dict[int, weakref.ref[Any]] = {}
         self._probe: torch.Tensor | None = None
         self._backward_depth = 0
         self._unwrap: tuple[Any, Any] | None = None
         self._eval_grad = 0
         self._eval_grad_bytes = 0
-        # -- evidence for the advice rules (memkit/advice.py; issue #5) --
+        # -- evidence for the advice rules, captured while the objects are alive --
+        self._param_dtype: str | None = None
+        self._optimizer_name: str | None = None
+        self._state_was_empty = True
+        self._graph_scans: list[list[leaks.Candidate]] = []
         self._autocast_forwards = 0
         self._grads_steps = 0
         self._grads_checked_step = 0
@@ -295,13 +368,18 @@ class Tracker:
         try:
             self._kind = backend.device.type
             if isinstance(backend, SimulatedBackend):
+                self._sim = backend
                 stack.enter_context(backend.activate())
                 tracked = [x for x in (self.model, *self.optimizers) if x is not None]
                 if tracked:
                     backend.track(*tracked)
+                # host-side work between steps (datasets, data loading) is not device memory
+                backend.count_ops(False, False)
+                stack.callback(backend.count_ops, True, True)
                 self.notes.append(
-                    "simulated device: counts live tensor storages in the thread that entered "
-                    "the block (other threads, e.g. DataParallel replicas, are not counted)"
+                    "simulated device: counts the model, its inputs and what training and "
+                    "evaluation steps create, in the thread that entered the block (not "
+                    "datasets or data loading; not other threads, e.g. DataParallel replicas)"
                 )
             self._t0 = time.perf_counter()
             self._step_t0 = self._t0
@@ -330,6 +408,9 @@ class Tracker:
         tb: TracebackType | None,
     ) -> Literal[False]:
         try:
+            if exc is None and self._backwards_in_step and self._step_rule() == "backward":
+                with self._lock:  # the last step of a loop without an optimizer
+                    self._boundary(None)
             self._active = False
             self._t_end = time.perf_counter()
             self._remove()
@@ -374,10 +455,15 @@ class Tracker:
                 h.append(mod.register_forward_hook(self._make_post(label), always_call=True))
             if isinstance(self.model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
                 h.append(self.model.register_forward_hook(self._make_dp_output()))
-        elif self.per_module:
+        else:  # every module: the trained model is found as its forward runs
             h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+            # torch warns once per call site that global hooks also fire for torch.compile's
+            # wrapper; memkit expects that and keeps the user's stderr quiet
+            warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+            self._warning_filter = warnings.filters[0]
         self._wrap_backward()
+        self._wrap_data_loading()
         if self.optimizers:
             for opt in self.optimizers:
                 h.append(opt.register_step_pre_hook(self._opt_pre))
@@ -412,7 +498,36 @@ class Tracker:
         autograd.backward = backward
         self._unwrap = (original, backward)
 
+    def _wrap_data_loading(self) -> None:
+        """Data loading is host work: while a DataLoader fetches a batch (datasets, transforms,
+        collation), the simulated device counts nothing."""
+        sim = self._sim
+        if sim is None:
+            return
+        from torch.utils.data import dataloader
+
+        cls = dataloader._BaseDataLoaderIter
+        original = cls.__next__
+
+        @functools.wraps(original)
+        def fetch(it: Any) -> Any:
+            acct = sim.accountant
+            saved = acct.counting, acct.adopting
+            sim.count_ops(False, False)
+            try:
+                return original(it)
+            finally:
+                sim.count_ops(*saved)
+
+        cls.__next__ = fetch  # type: ignore[method-assign,assignment]
+        self._handles.append(_Restore(cls, "__next__", original, fetch))
+
     def _remove(self) -> None:
+        if self._warning_filter is not None:
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+            self._warning_filter = None
         if self._ranks_watch is not None:
             self._ranks_watch.remove()
         unwrap = self._unwrap
@@ -504,9 +619,11 @@ class Tracker:
     # tracker (and its locks) through a bound method. Inert once the block has exited.
     def _make_pre(self, name: str, leaf: bool) -> Callable[[Any, Any], None]:
         impl = self._pre
+        root = type(self.model).__name__
+        key = f"{root}.{name}" if name else root
 
         def pre(module: torch.nn.Module, args: Any) -> None:
-            impl(name, leaf, module, args)
+            impl(key, leaf, module, args, None)
 
         return pre
 
@@ -526,16 +643,30 @@ class Tracker:
             stack = tls.stack
         except AttributeError:
             stack = tls.stack = []
-        if not stack:
-            names = tls.names = self._root_names(module)
+        root: _Root | None = None
+        if stack:
+            if stack[-1].kind < 0 or not self.per_module:
+                stack.append(_Ignored(id(module)))
+                return
+            keys = tls.keys
         else:
-            names = getattr(tls, "names", {})
-        name = names.get(id(module))
-        if name is None:
-            name = type(module).__name__
-        self._pre(name, not module._modules, module, args)
+            root = self._owners.get(id(module))
+            if root is None or root.ref() is None:  # not a part of a model seen before
+                root = self._root_info(module)
+                if not root.model:  # a loss module, a data transform: not the model
+                    stack.append(_Ignored(id(module)))
+                    return
+            keys = tls.keys = root.keys
+        key = keys.get(id(module), "")
+        if key is None:  # torch.compile's wrapped module: its wrapper stands for it
+            return
+        if not key:
+            key = f"{next(iter(keys.values()))}.{type(module).__name__}"
+        self._pre(key, not module._modules, module, args, root)
 
-    def _pre(self, name: str, leaf: bool, module: torch.nn.Module, args: Any) -> None:
+    def _pre(
+        self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: _Root | None
+    ) -> None:
         if not self._active:
             return
         tls = self._tls
@@ -544,8 +675,7 @@ class Tracker:
         except AttributeError:
             stack = tls.stack = []
         dev = self._single or self._dev_for_args(args)
-        if not stack:
-            self._root_pre(module)
+        kind = stack[-1].kind if stack else self._root_pre(module, args, root)
         a, r, p, pr = dev.read()
         if p > a:
             dev.reset()
@@ -562,8 +692,8 @@ class Tracker:
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or not stack
             bw = functools.partial(self._bw, name) if hook else None
-            ms = dev.modules[name] = _ModuleStat(leaf, bw)
-        frame = _Frame(name, id(module), dev, a, ms)
+            ms = dev.modules[name] = _ModuleStat(leaf, bw, type(module).__name__)
+        frame = _Frame(name, id(module), dev, a, ms, kind)
         if not stack and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
         stack.append(frame)
@@ -588,6 +718,9 @@ class Tracker:
             else:
                 return
             frame = stack.pop()
+        kind = frame.kind
+        if kind < 0:
+            return
         dev = frame.dev
         a, r, p, pr = dev.read()
         if p > a:
@@ -602,39 +735,38 @@ class Tracker:
         alloc_in = frame.alloc_in
         delta = a - alloc_in
         ms = frame.ms
-        ms.calls += 1
-        if delta > ms.act_max:
-            ms.act_max = delta
-        own = delta - frame.children
-        if own > ms.self_max:
-            ms.self_max = own
         step = self._step
-        if ms.step_id != step:
-            ms.step_id = step
-            ms.step_sum = delta
+        if kind == TRAIN_PASS:  # what a training forward keeps for backward
+            ms.calls += 1
+            if delta > ms.act_max:
+                ms.act_max = delta
+            own = delta - frame.children
+            if own > ms.self_max:
+                ms.self_max = own
+            if ms.step_id != step:
+                ms.step_id = step
+                ms.step_sum = delta
+            else:
+                ms.step_sum += delta
+            if ms.step_sum > ms.step_max:
+                ms.step_max = ms.step_sum
+            if fmax > ms.peak:
+                ms.peak = fmax
+            if fmax - alloc_in > ms.over_max:
+                ms.over_max = fmax - alloc_in
+        elif kind == EVAL_PASS:
+            ms.eval_calls += 1
         else:
-            ms.step_sum += delta
-        if ms.step_sum > ms.step_max:
-            ms.step_max = ms.step_sum
-        if fmax > ms.peak:
-            ms.peak = fmax
-        if fmax - alloc_in > ms.over_max:
-            ms.over_max = fmax - alloc_in
+            ms.recompute_calls += 1
         if stack:
             parent = stack[-1]
             parent.children += delta
             if fmax > parent.max:
                 parent.max = fmax
         else:
-            if frame.eval_grad:
-                self._eval_grad += 1
-                if delta > self._eval_grad_bytes:
-                    self._eval_grad_bytes = delta
-            if dev.pending is not None:  # a new peak in this forward: categorise it now
-                with self._lock:
-                    self._resolve_pending(dev)
+            self._root_post(frame, delta, dev)
         bw = ms.bw
-        if bw is not None:
+        if bw is not None and kind == TRAIN_PASS:
             t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
                 last = getattr(tls, "hooked", None)
@@ -677,27 +809,117 @@ class Tracker:
             if self._backward_depth > 0:
                 self._backward_depth -= 1
             if self._phase == BACKWARD and self._backward_depth == 0:
+                self._backwards_in_step += 1
                 self._transition(OTHER)
 
     def _end_queued(self) -> None:
         if self._active and self._backward_depth == 0:
             with self._lock:
                 if self._phase == BACKWARD:
+                    self._backwards_in_step += 1
                     self._transition(OTHER)
 
-    def _root_pre(self, module: torch.nn.Module) -> None:
-        self._last_root = (module.training, torch.is_grad_enabled())
-        if _autocast_on(self._kind):  # advice: mixed-precision
-            self._autocast_forwards += 1
-        if self._phase != FORWARD:
+    def _root_pre(self, module: torch.nn.Module, args: Any, root: _Root | None) -> int:
+        """A forward of the model begins: which pass it is, and the phase it starts."""
+        if self._phase == BACKWARD:  # a checkpointed forward recomputed inside backward
+            return RECOMPUTE
+        if root is None:
+            root = self._root_info(module)
+        grad = torch.is_grad_enabled()
+        self._last_root = (module.training, grad)
+        self._last_batch = _batch_size(args)
+        sim = self._sim
+        if not grad or not module.training or not (root.trainable or _needs_grad(args)):
+            kind = EVAL_PASS
+            self._eval_forwards += 1
+            batch = self._last_batch
+            if batch is not None and (self._eval_batch is None or batch > self._eval_batch):
+                self._eval_batch = batch
+            if self._phase != EVAL:
+                with self._lock:
+                    if self._phase != EVAL:
+                        self._eval_return = self._phase
+                        self._transition(EVAL)
+        else:
+            kind = TRAIN_PASS
+            if _autocast_on(self._kind):  # advice: mixed-precision
+                self._autocast_forwards += 1
+            if self._phase != FORWARD:
+                with self._lock:
+                    if self._phase != FORWARD:
+                        if self._backwards_in_step and self._step_rule() == "backward":
+                            # no optimizer steps: a new training forward after a backward
+                            # begins the next step
+                            self._boundary(sys._getframe(1))
+                            self._backward_steps += 1
+                        self._transition(FORWARD)
+                        # advice: zero-grad-keeps-grads (a step's first forward, from step 1
+                        # on; not while steps are counted from backward passes, where the next
+                        # micro-batch's forward rightly finds the accumulating gradients)
+                        if self._step > self._grads_checked_step and self._seen_optimizers:
+                            self._grads_checked_step = self._step
+                            if not self._grads_none():
+                                self._grads_steps += 1
+        if sim is not None:  # the batch reaches the model: it is on the device now
+            sim.count_ops(True, True)
+            sim.track(args)
+        return kind
+
+    def _root_post(self, frame: _Frame, delta: int, dev: _Device) -> None:
+        """The model's forward returned."""
+        if frame.eval_grad:
+            self._eval_grad += 1
+            if delta > self._eval_grad_bytes:
+                self._eval_grad_bytes = delta
+        if dev.pending is not None:  # a new peak in this forward: categorise it now
             with self._lock:
-                if self._phase != FORWARD:
-                    self._transition(FORWARD)
-                    # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on)
-                    if self._step > self._grads_checked_step and module.training:
-                        self._grads_checked_step = self._step
-                        if not self._grads_none():
-                            self._grads_steps += 1
+                self._resolve_pending(dev)
+        if frame.kind == EVAL_PASS:
+            if self._phase == EVAL:
+                with self._lock:
+                    if self._phase == EVAL:
+                        self._transition(self._eval_return)
+        elif frame.kind == TRAIN_PASS and self._sim is not None:
+            self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
+
+    def _root_info(self, module: torch.nn.Module) -> _Root:
+        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
+        entry = self._roots.get(id(module))
+        if entry is not None and entry.ref() is module:
+            return entry
+        target = getattr(module, "_orig_mod", None)
+        compiled = isinstance(target, torch.nn.Module)
+        inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
+        name = type(inner).__name__
+        keys: dict[int, str | None] = {id(module): name}
+        if compiled:
+            keys[id(inner)] = None
+        for path, sub in inner.named_modules():
+            if path:
+                keys[id(sub)] = f"{name}.{path}"
+        if len(self._roots) > 256:
+            self._roots = {k: v for k, v in self._roots.items() if v.ref() is not None}
+            self._owners = {k: v for k, v in self._owners.items() if v.ref() is not None}
+        root = _Root(module, keys)
+        self._roots[id(module)] = root
+        if not root.model:
+            return root
+        for sub_id in keys:
+            if sub_id != id(module):
+                self._owners[sub_id] = root
+        if self._probe is None:
+            self._probe = self._find_probe()
+        sim = self._sim
+        if sim is not None:
+            sim.track(module)  # the model lives on the device
+            if compiled and not any("torch.compile" in n for n in self.notes):
+                self.notes.append(
+                    "torch.compile: TorchDynamo does not compile while the simulated device "
+                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
+                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
+                    "less activation memory (measure the compiled program on a GPU)"
+                )
+        return root
 
     def _make_dp_output(self) -> Callable[[Any, Any, Any], None]:
         """A forward hook on a DataParallel model: the largest gathered output, in bytes."""
@@ -717,16 +939,10 @@ class Tracker:
 
     def _advice_evidence(self) -> dict[str, Any]:
         """What the advice rules need that the device records do not hold (cold path)."""
-        sizes: dict[str, int] = {}
-        for mod in self._root_modules():
-            for p in mod.parameters():
-                if p.requires_grad and p.is_floating_point():
-                    key = str(p.dtype).replace("torch.", "")
-                    sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
-        opts = self._all_optimizers()
+        self._capture_evidence()
         out: dict[str, Any] = {
-            "param_dtype": max(sizes, key=lambda k: sizes[k]) if sizes else None,
-            "optimizer_name": type(opts[0]).__name__ if opts else None,
+            "param_dtype": self._param_dtype,
+            "optimizer_name": self._optimizer_name,
             "autocast_forwards": self._autocast_forwards,
             "steps_with_grads_at_forward": self._grads_steps,
             "dp_output_bytes": self._dp_output_bytes,
@@ -745,6 +961,7 @@ class Tracker:
             self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
             if self._step_owner is None:
                 self._step_owner = weakref.ref(optimizer)
+                self._optimizer_name = type(optimizer).__name__
             if self._probe is None:
                 self._probe = self._find_probe()
         if self._ranks_watch is not None:
@@ -759,6 +976,8 @@ class Tracker:
             owner = self._step_owner() if self._step_owner is not None else None
             if not self._manual_steps and (owner is None or owner is optimizer):
                 self._boundary(sys._getframe(1))
+                if self._backward_steps:
+                    self._merge_backward_steps()
             else:
                 self._transition(OTHER)
 
@@ -786,11 +1005,15 @@ class Tracker:
             if phase != BACKWARD:
                 dev.bw_module = None
         self._phase = phase
+        if self._sim is not None:  # device memory is what the step's phases create
+            self._sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
 
     def _boundary(self, frame: Any) -> None:
         self._close_all(None)
         now = time.perf_counter()
         growing: list[_Device] = []
+        if self._step < 3 or self._param_dtype is None:
+            self._capture_evidence()
         for dev in self._devices.values():
             self._resolve_pending(dev)
             a, r = dev.last
@@ -803,13 +1026,14 @@ class Tracker:
                     peak_reserved=dev.step_peak_res,
                     phase_peaks=dict(zip(PHASES, dev.step_phase, strict=True)),
                     duration_s=now - self._step_t0,
+                    backward_passes=self._backwards_in_step,
                 )
             )
             for i, v in enumerate(dev.step_phase):
                 cur = dev.phase_peak[i]
                 if v is not None and (cur is None or v > cur):
                     dev.phase_peak[i] = v
-            dev.step_phase = [None, None, None, None]
+            dev.step_phase = [None] * len(PHASES)
             dev.step_peak, dev.step_peak_res = a, r
             dev.step_start = a
             dev.forward_base = a
@@ -817,17 +1041,67 @@ class Tracker:
             dev.base_state_empty = self._state_empty()
             dev.bw_module = None
             if self._step < 3 or (dev.grads_full == 0 and not self._grads_none()):
-                # remember the full gradient and state sizes while they exist (first steps only)
-                _, g, st = self._persistent(dev)
+                # remember the persistent sizes while they exist (first steps only): the
+                # objects may be gone when the report is made (a script's main() returned)
+                p, g, st = self._persistent(dev)
+                dev.params_full = max(dev.params_full, p)
                 dev.grads_full = max(dev.grads_full, g)
                 dev.state_full = max(dev.state_full, st)
             if dev.growth.observe(self._step, a):
                 growing.append(dev)
+        step = self._step
         self._step += 1
         self._step_t0 = now
+        self._backwards_in_step = 0
         self._phase = OTHER
+        if self._sim is not None:
+            self._sim.count_ops(False, False)
         if growing:
             self._on_growth(growing, frame)
+        elif frame is not None and not self._leaks_found():
+            self._scan_graphs(step, frame)
+
+    def _step_rule(self) -> str:
+        """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
+        optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
+        if self._manual_steps:
+            return "manual"
+        return "optimizer" if self._seen_optimizers else "backward"
+
+    def _merge_backward_steps(self) -> None:
+        """The first optimizer step came after steps counted from backward passes: they were
+        the micro-batches of one step (gradient accumulation). Merge their records."""
+        n, self._backward_steps = self._backward_steps, 0
+        first = self._step - 1 - n
+        for dev in self._devices.values():
+            parts = [s for s in dev.steps if s.step >= first]
+            kept = [s for s in dev.steps if s.step < first]
+            if parts:
+                phases = {
+                    ph: max((v for s in parts if (v := s.phase_peaks.get(ph)) is not None),
+                            default=None)
+                    for ph in PHASES
+                }  # fmt: skip
+                kept.append(
+                    StepRecord(
+                        step=first,
+                        start_allocated=parts[0].start_allocated,
+                        end_allocated=parts[-1].end_allocated,
+                        peak_allocated=max(s.peak_allocated for s in parts),
+                        peak_reserved=max(s.peak_reserved for s in parts),
+                        phase_peaks=phases,
+                        duration_s=sum(s.duration_s for s in parts),
+                        backward_passes=sum(s.backward_passes for s in parts),
+                    )
+                )
+            dev.steps.clear()
+            dev.steps.extend(kept)
+            dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
+            for ms in dev.modules.values():
+                ms.step_id = -1
+        self._step = first + 1
+        self._grads_checked_step = min(self._grads_checked_step, self._step)
+        self._graph_scans = []
 
     def step(self) -> None:
         """Mark a step boundary (for loops without an optimizer, or to count steps yourself).
@@ -842,6 +1116,41 @@ class Tracker:
 
     # ------------------------------------------------------------------------------------
     # leaks
+
+    def _leaks_found(self) -> bool:
+        return any(dev.leak is not None for dev in self._devices.values())
+
+    def _scan_graphs(self, step: int, frame: Any) -> None:
+        """Three scans in a row every SCAN_PERIOD steps: a variable whose autograd graph grows
+        at each (``running_loss += loss``) is a leak even when device memory stays flat
+        (backward freed the saved tensors; the graph's nodes pile up in host memory)."""
+        offset = step - self._leak_warmup
+        if offset < 0 or offset % SCAN_PERIOD >= 3:
+            return
+        try:
+            current = leaks.scan_frames(frame)
+        except Exception:  # inspection must never break training
+            log.debug("graph scan failed", exc_info=True)
+            return
+        scans = self._graph_scans if offset % SCAN_PERIOD else []
+        scans.append(current)
+        self._graph_scans = scans
+        if len(scans) < 3:
+            return
+        suspects = leaks.growing_in_all(scans)
+        if not suspects:
+            return
+        dev = self._primary or next(iter(self._devices.values()))
+        nodes = suspects[0].graph_nodes
+        start = next(c.size for c in scans[0] if c.name == suspects[0].name)
+        dev.leak = LeakFinding(
+            dev.key, 0, step - 2, 2, tuple(suspects), graph_growth=(nodes - start) // 2
+        )
+        log.warning(
+            "memkit: the autograd graph held by `%s` grows every step (%s)",
+            suspects[0].name,
+            suspects[0].where,
+        )
 
     def _on_growth(self, devices: list[_Device], frame: Any) -> None:
         scan_now = self._scan is None or (not self._confirmed and self._step > self._scan_step)
@@ -865,39 +1174,37 @@ class Tracker:
             dev.leak = LeakFinding(dev.key, growth, first, steps, self._suspects)
             if first_time:
                 log.warning(
-                    "memkit: memory on %s grows by %d bytes per step (%d steps)",
+                    "memkit: memory on %s grows by %s per step (%d steps)",
                     dev.key,
-                    growth,
+                    format_size(growth),
                     steps,
                 )
 
     # ------------------------------------------------------------------------------------
     # model, optimizer and the breakdown (cold path)
 
-    def _root_names(self, module: torch.nn.Module) -> dict[int, str]:
-        entry = self._roots.get(id(module))
-        if entry is not None and entry[0]() is module:
-            return entry[1]
-        first = not self._roots
-        prefix = "" if first else type(module).__name__ + "."
-        names = {id(module): type(module).__name__}
-        for path, sub in module.named_modules():
-            if path:
-                names[id(sub)] = prefix + path
-        if len(self._roots) > 256:
-            self._roots = {k: v for k, v in self._roots.items() if v[0]() is not None}
-        self._roots[id(module)] = (weakref.ref(module), names)
-        if self._probe is None:
-            self._probe = self._find_probe()
-        return names
+    def _capture_evidence(self) -> None:
+        """Read what the advice needs from the live model and optimizer (they may be gone by
+        the time the report is made: a script's ``main()`` returned)."""
+        sizes: dict[str, int] = {}
+        for mod in self._root_modules():
+            for p in mod.parameters():
+                if p.requires_grad and p.is_floating_point():
+                    key = str(p.dtype).replace("torch.", "")
+                    sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+        if sizes:
+            self._param_dtype = max(sizes, key=lambda k: sizes[k])
+        opts = self._all_optimizers()
+        if opts and self._optimizer_name is None:
+            self._optimizer_name = type(opts[0]).__name__
 
     def _root_modules(self) -> list[torch.nn.Module]:
         if self.model is not None:
             return [self.model]
         out = []
-        for ref, _ in self._roots.values():
-            mod = ref()
-            if mod is not None:
+        for root in self._roots.values():
+            mod = root.ref()
+            if mod is not None and root.model:
                 out.append(mod)
         return out
 
@@ -922,7 +1229,11 @@ class Tracker:
         return self._probe is None or self._probe.grad is None
 
     def _state_empty(self) -> bool:
-        return all(not opt.state for opt in self._all_optimizers())
+        opts = self._all_optimizers()
+        if not opts and self._seen_optimizers:  # gone: what was last seen
+            return self._state_was_empty
+        self._state_was_empty = all(not opt.state for opt in opts)
+        return self._state_was_empty
 
     def _persistent(self, dev: _Device) -> tuple[int, int, int]:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``."""
@@ -963,6 +1274,8 @@ class Tracker:
                 for v in st.values() if isinstance(st, dict) else ():
                     if isinstance(v, torch.Tensor):
                         state += size(v)
+        if params == 0 and not all_params:  # the model is gone: what was last seen
+            params = dev.params_full
         if (
             params == 0
             and isinstance(self.model, torch.nn.DataParallel)
@@ -1062,6 +1375,7 @@ class Tracker:
             dev = self._primary or next(iter(self._devices.values()))
             phase, step = self._phase, self._step
             module = dev.bw_module if phase == BACKWARD else None
+        module = self._namer()(module)
         if details.device_index is not None and self._single is None:
             dev = self._devices.get(details.device_index, dev)
         a, _ = dev.last
@@ -1127,6 +1441,7 @@ class Tracker:
             leak=leak,
             advice=(),
             rank=launched_rank(),
+            batch_size=self._last_batch,
         )
         advice = rules.oom_advice(pm, details.reserved_unallocated, details=details)
         return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
@@ -1134,14 +1449,28 @@ class Tracker:
     # ------------------------------------------------------------------------------------
     # the report
 
+    def _namer(self) -> Callable[[str | None], str | None]:
+        """Module keys (``Model.path``) as reports show them: the path alone while one model
+        (however often re-created or reloaded) is tracked, else with its model's class."""
+        roots = {k.split(".", 1)[0] for dev in self._devices.values() for k in dev.modules}
+
+        def display(key: str | None) -> str | None:
+            if key is None or len(roots) > 1:
+                return key
+            root, _, path = key.partition(".")
+            return path or root
+
+        return display
+
     def _module_records(self, dev: _Device) -> list[ModuleRecord]:
+        display = self._namer()
         out = []
         for name, ms in dev.modules.items():
-            if ms.calls == 0:
+            if ms.calls + ms.eval_calls + ms.recompute_calls == 0:
                 continue
             out.append(
                 ModuleRecord(
-                    path=name,
+                    path=display(name) or name,
                     device=dev.key,
                     calls=ms.calls,
                     activation_bytes=ms.act_max,
@@ -1150,6 +1479,9 @@ class Tracker:
                     peak_allocated=ms.peak,
                     peak_over_entry=ms.over_max,
                     leaf=ms.leaf,
+                    eval_calls=ms.eval_calls,
+                    recompute_calls=ms.recompute_calls,
+                    type_name=ms.type_name,
                 )
             )
         out.sort(key=lambda m: m.self_activation_bytes, reverse=True)
@@ -1163,6 +1495,7 @@ class Tracker:
             if self._active:
                 self._close_all(None)
             devices = []
+            display = self._namer()
             for key in sorted(self._devices, key=lambda k: (k is None, k)):
                 dev = self._devices[key]
                 self._resolve_pending(dev)
@@ -1171,7 +1504,8 @@ class Tracker:
                     vals = [v for v in (dev.phase_peak[i], dev.step_phase[i]) if v is not None]
                     phase_peaks[name] = max(vals) if vals else None
                 timeline = tuple(
-                    TimelinePoint(t, s, PHASES[ph], m, a, r) for t, s, ph, m, a, r in dev.timeline
+                    TimelinePoint(t, s, PHASES[ph], display(m), a, r)
+                    for t, s, ph, m, a, r in dev.timeline
                 )
                 cap = dev.backend.capacity()
                 devices.append(
@@ -1187,7 +1521,11 @@ class Tracker:
                         phase_peaks=phase_peaks,
                         steps=tuple(dev.steps),
                         modules=tuple(self._module_records(dev)),
-                        breakdown=dev.breakdown,
+                        breakdown=None
+                        if dev.breakdown is None
+                        else dataclasses.replace(
+                            dev.breakdown, module=display(dev.breakdown.module)
+                        ),
                         timeline=timeline,
                         timeline_dropped=max(0, dev.events - len(dev.timeline)),
                         leak=dev.leak,
@@ -1203,6 +1541,9 @@ class Tracker:
             duration_s=end - self._t0,
             oom=self._oom,
             eval_grad_forwards=self._eval_grad,
+            eval_forwards=self._eval_forwards,
+            eval_batch_size=self._eval_batch,
+            step_rule=self._step_rule(),
             rank=rank,
             world_size=world,
             notes=tuple(self.notes),
@@ -1221,6 +1562,18 @@ class Tracker:
     def phase(self) -> str:
         """The phase running now."""
         return PHASES[self._phase]
+
+
+def _batch_size(args: Any) -> int | None:
+    """The leading dimension of a forward's first tensor argument."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return int(a.shape[0]) if a.dim() else None
+    return None
+
+
+def _needs_grad(args: Any) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def _autocast_on(kind: str) -> bool:
