@@ -179,9 +179,14 @@ def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType
 _ASSIGN = r"(?<![\w.])(?:self\.)?{name}\s*(\+=|-=|\*=|=(?!=)|\.append\(|\.extend\(|\[[^\]]*\]\s*=)"
 
 
+_TO_NUMBER = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
+"""What makes a line store a number, not a graph (the healthy twin of a leaking line)."""
+
+
 def _first_line(frame: FrameType, name: str) -> int:
     """The line that grows or assigns ``name`` in the frame's function (augmented assignment or
-    append preferred), else the frame's current line."""
+    append preferred, and a line that keeps a tensor over one that stores a number), else the
+    frame's current line."""
     code = frame.f_code
     try:
         lines, start = inspect.getsourcelines(code)
@@ -196,7 +201,9 @@ def _first_line(frame: FrameType, name: str) -> int:
         m = pattern.search(text)
         if m is None:
             continue
-        rank = 0 if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") else 1
+        rank = 0 if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") else 2
+        if _TO_NUMBER.search(text[m.end() :]):
+            rank += 1
         if best is None or rank < best[0]:
             best = (rank, start + i)
     return frame.f_lineno if best is None else best[1]
@@ -218,9 +225,15 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
     out: list[Candidate] = []
     for frame in _user_frames(start):
         try:
-            names = dict(frame.f_locals)
+            snapshot = frame.f_locals
+            names = dict(snapshot)
         except Exception:  # exotic frames
             continue
+        if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
+            # A function's f_locals is a dict cached on the frame until Python 3.13: left
+            # filled, it would keep this step's tensors alive into the next (the loop's `x`
+            # after it is reassigned). Emptied, the frame's own variables are untouched.
+            snapshot.clear()
         items: list[tuple[str, Any]] = [(k, v) for k, v in names.items() if not k.startswith("__")]
         owner = names.get("self")
         if (
@@ -335,7 +348,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
         top = leak.suspects[0]
         names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
         fix = (
-            f"`{top.name}.append(x.detach())`"
+            f"`{top.name}.append(x.item())` (or `x.detach()`)"
             if top.kind == "container"
             else f"`{top.name} += loss.item()` (or `loss.detach()`)"
         )
@@ -349,7 +362,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
                 + ". Each step's graph (and whatever tensors it saved) stays alive.",
                 action=f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
                 "only logs.",
-                saving_bytes=leak.growth_per_step,
+                saving_bytes=leak.growth_per_step or None,
                 severity="critical" if top.growing else "warning",
             )
         )

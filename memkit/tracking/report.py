@@ -235,6 +235,19 @@ class LeakFinding:
     suspects: tuple[LeakSuspect, ...] = ()
     graph_growth: int = 0
 
+    def headline(self) -> str:
+        """One line: what grows, by how much."""
+        if self.graph_growth and self.growth_per_step <= 0:
+            held = f" held by `{self.suspects[0].name}`" if self.suspects else ""
+            return (
+                f"an autograd graph{held} grows by about {self.graph_growth} nodes per step "
+                f"(host memory; since step {self.first_step})"
+            )
+        return (
+            f"memory grows by {format_size(self.growth_per_step)} per step "
+            f"(since step {self.first_step}, over {self.steps} steps)"
+        )
+
 
 @dataclass(frozen=True)
 class OomPostMortem:
@@ -321,10 +334,7 @@ class OomPostMortem:
             rows = [[path, format_size(size)] for path, size in self.top_modules]
             lines.extend("    " + line for line in table(["module", "bytes"], rows).splitlines())
         if self.leak is not None:
-            lines.append(
-                f"  memory grew by {format_size(self.leak.growth_per_step)} per step for "
-                f"{self.leak.steps} steps before this"
-            )
+            lines.append(f"  before this, {self.leak.headline()}")
         if self.advice:
             lines.append("  advice:")
             lines.extend("    " + line for line in advice_text(self.advice).splitlines())
@@ -397,7 +407,8 @@ class DeviceReport:
         phase_peaks: peak allocated bytes per phase over the whole run.
         steps: one record per completed step.
         modules: per-module records, largest activations first.
-        breakdown: what the peak consisted of.
+        breakdown: what training's peak consisted of (an evaluation pass's peak when nothing
+            trained); ``phase_peaks["eval"]`` is evaluation's peak.
         timeline: counter readings (the most recent ones, up to the tracker's limit).
         timeline_dropped: older readings that did not fit the limit.
         leak: growth from step to step, if detected.
@@ -644,7 +655,8 @@ class TrackReport:
                     )
                     if x
                 )
-                lines.append(f"at the peak ({where}):")
+                what = "the peak" if bd.phase == "eval" else "the training peak"
+                lines.append(f"at {what} ({where}):")
                 lines.extend("  " + line for line in bd.text().splitlines())
             top = dev.top_modules(10)
             if top:
@@ -652,10 +664,7 @@ class TrackReport:
                     table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules")
                 )
             if dev.leak is not None:
-                lines.append(
-                    f"memory grows by {format_size(dev.leak.growth_per_step)} per step "
-                    f"(since step {dev.leak.first_step}, {dev.leak.steps} steps)"
-                )
+                lines.append(dev.leak.headline())
         if self.ranks is not None:
             lines.extend(["", str(self.ranks)])
         if self.advice:

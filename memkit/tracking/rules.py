@@ -61,13 +61,65 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
     ]
 
 
+def eval_peak(report: TrackReport) -> list[Advice]:
+    """``eval-peak``: an evaluation pass, not training, sets the device's peak."""
+    out = []
+    for dev in report.devices:
+        evaluation = dev.phase_peaks.get("eval")
+        training = max(
+            (v for p in ("forward", "backward", "optimizer") if (v := dev.phase_peaks.get(p))),
+            default=None,
+        )
+        if evaluation is None or training is None or evaluation <= training * 1.1:
+            continue
+        batch = "" if report.eval_batch_size is None else f" at batch {report.eval_batch_size}"
+        out.append(
+            Advice(
+                code="eval-peak",
+                title=f"evaluation needs more memory than training on {dev.device}",
+                evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training "
+                f"peaked at {format_size(training)}. A larger batch or model will run out in "
+                "evaluation first.",
+                action="Give evaluation its own, smaller batch size (it needs no gradients, so "
+                "it does not change training), and run it under `torch.inference_mode()`.",
+                saving_bytes=evaluation - training,
+                severity="info",
+            )
+        )
+    return out
+
+
 def track_advice(report: TrackReport, *, eval_grad_bytes: int = 0) -> list[Advice]:
     """Every tracker rule that fires on ``report``."""
     return [
         *graph_retained(report),
         *eval_grad_enabled(report, eval_grad_bytes),
+        *eval_peak(report),
         *measured_advice(report),
     ]
+
+
+def _oom_in_evaluation(pm: OomPostMortem) -> Advice:
+    """``oom-eval``: the OOM came in an evaluation pass, where accumulation does not apply."""
+    batch = "" if pm.batch_size is None else f" with a batch of {pm.batch_size}"
+    recording = (
+        "autograd was recording" if pm.grad_enabled else "autograd was off (no_grad)"
+    )
+    smaller = "" if pm.batch_size is None or pm.batch_size < 2 else (
+        f" (e.g. {pm.batch_size // 2} instead of {pm.batch_size})"
+    )  # fmt: skip
+    return Advice(
+        code="oom-eval",
+        title="out of memory in an evaluation pass",
+        evidence=f"It failed at {pm.where}{batch}; {recording}. Evaluation keeps no "
+        "activations for a backward, so its memory is the batch, the model and one layer's "
+        "temporaries: gradient accumulation does not apply.",
+        action=f"Lower the evaluation batch size{smaller}; it is independent of the training "
+        "batch. Run evaluation under `torch.inference_mode()` (or `torch.no_grad()`) and "
+        "`model.eval()`, and move what you keep of the outputs to the CPU.",
+        saving_bytes=None,
+        severity="critical",
+    )
 
 
 # -- rules of memkit.advice, fed with a track report (issue #5) ---------------------------------
@@ -223,9 +275,11 @@ def oom_advice(
                 severity="critical",
             )
         )
+    if pm.phase == "eval":
+        out.append(_oom_in_evaluation(pm))
     if bd is not None and bd.total > 0:
         share = {name: value / bd.total for name, value in bd.parts()}
-        if share["activations"] >= 0.4 and not (pm.training is False and pm.grad_enabled):
+        if share["activations"] >= 0.4 and pm.phase != "eval":
             top = ", ".join(path for path, _ in pm.top_modules[:3])
             out.append(
                 Advice(

@@ -190,6 +190,7 @@ class _Device:
         self.step_peak = a
         self.step_peak_res = r
         self.peak = a
+        self.train_peak = a
         self.peak_res = r
         self.pending: tuple[Any, ...] | None = None
         self.breakdown: Breakdown | None = None
@@ -318,6 +319,8 @@ class Tracker:
         self._owners: dict[int, _Root] = {}  # id(submodule) -> the root it belongs to
         self._sim: SimulatedBackend | None = None
         self._eval_forwards = 0
+        self._trained = False
+        self._failed = False  # an exception is leaving the block: what it holds is no peak
         self._eval_batch: int | None = None
         self._eval_return = OTHER
         self._last_batch: int | None = None
@@ -415,6 +418,7 @@ class Tracker:
             self._t_end = time.perf_counter()
             self._remove()
             with self._lock:
+                self._failed = exc is not None
                 self._close_all(None)
                 for dev in self._devices.values():
                     self._resolve_pending(dev)
@@ -602,6 +606,8 @@ class Tracker:
             dev.peak_res = pr
         if p > dev.peak:
             dev.peak = p
+        if p > dev.train_peak and (ph != EVAL or not self._trained) and not self._failed:
+            dev.train_peak = p
             dev.pending = (
                 p,
                 self._step,
@@ -853,6 +859,10 @@ class Tracker:
                             self._boundary(sys._getframe(1))
                             self._backward_steps += 1
                         self._transition(FORWARD)
+                        if not self._trained:  # from now on the breakdown is training's
+                            self._trained = True
+                            for dev in self._devices.values():
+                                dev.train_peak, dev.pending, dev.breakdown = 0, None, None
                         # advice: zero-grad-keeps-grads (a step's first forward, from step 1
                         # on; not while steps are counted from backward passes, where the next
                         # micro-batch's forward rightly finds the accumulating gradients)
@@ -1413,13 +1423,7 @@ class Tracker:
             with contextlib.suppress(Exception):
                 suspects = leaks.compare_scans(self._scan or [], leaks.scan_frames(inner.tb_frame))
                 if any(s.growing for s in suspects):
-                    leak = LeakFinding(
-                        leak.device,
-                        leak.growth_per_step,
-                        leak.first_step,
-                        leak.steps,
-                        tuple(suspects),
-                    )
+                    leak = dataclasses.replace(leak, suspects=tuple(suspects))
                     dev.leak = leak
         training, grad_enabled = self._last_root if self._last_root else (None, None)
         first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else ""
