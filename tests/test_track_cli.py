@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from memkit.cli import cli
@@ -114,6 +115,90 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
     assert "rank 1/2" in result.stderr and "mode steps-only" in result.stderr
     data = json.loads((tmp_path / "report.rank1.json").read_text())
     assert data["rank"] == 1 and data["steps"] == 3
+
+
+def marker_script(tmp_path: Path) -> tuple[Path, Path]:
+    """A script that leaves a marker file when it runs (so a test can tell it never started)."""
+    marker = tmp_path / "ran.marker"
+    script = write(tmp_path, f"open({str(marker)!r}, 'w').write('ran')\n")
+    return script, marker
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--device", "cpu", "--budget", "12XB"], ["--budget '12XB'", "unknown size unit"]),
+        (["--device", "cpu", "--budget", "0"], ["--budget '0'", "positive size", "300MiB"]),
+        (["--device", "cpu", "--budget", "-1GiB"], ["--budget '-1GiB'", "positive size"]),
+        (["--device", "tpu"], ["--device 'tpu'", "expected a device such as", "'cpu'"]),
+        (["--device", "nonsense"], ["--device 'nonsense'", "expected a device such as"]),
+        (["--device", "cpu", "--budget", "1GiB,2GiB"],
+         ["--budget '1GiB,2GiB'", "single process", "torchrun --nproc-per-node 2"]),
+    ],
+)  # fmt: skip
+def test_bad_options_exit_2_before_the_script_runs(tmp_path, args, fragments):
+    script, marker = marker_script(tmp_path)
+    result = run(*args, str(script))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memkit: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "step(s)" not in result.output and not marker.exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_missing_gpu_exits_2_before_the_script_runs(tmp_path):
+    script, marker = marker_script(tmp_path)
+    result = run("--device", "cuda:7", str(script))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith("memkit: error: --device 'cuda:7': ") and "\n" not in line
+    assert "--device cpu --budget" in line and not marker.exists()
+
+
+@pytest.mark.parametrize("option", ["--json", "--html"])
+def test_missing_output_folder_exits_2_before_the_script_runs(tmp_path, option):
+    script, marker = marker_script(tmp_path)
+    target = tmp_path / "no" / "such" / "report.out"
+    result = run("--device", "cpu", "--budget", "8MiB", option, str(target), str(script))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith(f"memkit: error: {option} ") and "\n" not in line
+    assert str(target.parent) in line and "does not exist" in line and "mkdir -p" in line
+    assert not marker.exists()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    result = run("--device", "cpu", "--budget", "8MiB", option, str(blocked / "r.out"),
+                 str(script))  # fmt: skip
+    assert result.exit_code == 2 and "is not a folder" in result.stderr
+    assert not marker.exists()
+
+
+def test_per_rank_budgets_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    script, marker = marker_script(tmp_path)
+    out = tmp_path / "r.json"
+    result = run("--device", "cpu", "--budget", "8MiB,16MiB", "--json", str(out), str(script))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.rank1.json").read_text())
+    assert data["devices"][0]["capacity"] == 16 * 1024**2  # rank 1 takes the second entry
+    marker.unlink()
+    result = run("--device", "cpu", "--budget", "8MiB,16MiB,4MiB", str(script))
+    assert result.exit_code == 2 and "3 sizes" in result.stderr and "2 rank(s)" in result.stderr
+    assert not marker.exists()
+
+
+def test_output_lost_during_the_run_keeps_the_script_exit_code(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    script = write(tmp_path, f"import shutil\nshutil.rmtree({str(folder)!r})\n")
+    result = run("--device", "cpu", "--budget", "8MiB", "--json", str(folder / "r.json"),
+                 str(script))  # fmt: skip
+    assert result.exit_code == 0, result.output  # the script's, not 1
+    assert "memkit: error: --json" in result.stderr and "could not write" in result.stderr
+    assert "Traceback" not in result.stderr and "0 step(s)" in result.stderr
 
 
 @pytest.mark.slow

@@ -30,7 +30,14 @@ from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.tracking.report import TrackReport
 
-__all__ = ["RunOutcome", "default_device", "rank_path", "rank_prefix", "run_script"]
+__all__ = [
+    "RunOutcome",
+    "check_writable",
+    "default_device",
+    "rank_path",
+    "rank_prefix",
+    "run_script",
+]
 
 EXIT_OOM = 1
 EXIT_USER_ERROR = 3
@@ -68,6 +75,36 @@ def rank_path(path: str | Path) -> Path:
     if rank is None:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """Check, before the script runs, that ``option``'s file (``--json``, ``--html``) can be
+    written: its folder exists and is writable, and it is not a folder itself.
+
+    Raises:
+        ConfigError: it cannot be written (exit 2); the message says what to do.
+    """
+    path = Path(path)
+    folder = path.parent
+    where = f"{option} {str(path)!r}"
+    if not folder.exists():
+        raise ConfigError(
+            f"{where}: expected a file in an existing folder, but the folder {str(folder)!r} "
+            f"does not exist; create it first (mkdir -p {folder}) or give another path"
+        )
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{where}: expected a file in a folder, but {str(folder)!r} is not a folder; "
+            "give another path"
+        )
+    if path.is_dir():
+        raise ConfigError(f"{where}: expected a file name, found a folder; add a file name")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(
+            f"{where}: expected a writable file, but {str(target)!r} is not writable by this "
+            "user; give a path in a folder you can write to"
+        )
 
 
 def default_device(device: str | None) -> str | None:
