@@ -370,6 +370,7 @@ def run_command(
         rank_path,
         rank_prefix,
         run_script,
+        summary_line,
     )
 
     # everything is checked before the script starts: a bad option must not cost a run
@@ -385,10 +386,7 @@ def run_command(
         check_writable(out, option)
     outcome = run_script(script, list(args), device=device, budget=budget, per_module=per_module)
     report = outcome.report
-    prefix = rank_prefix()
-    if outcome.traceback:
-        click.echo(outcome.traceback.rstrip("\n"), err=True)
-    click.echo("\n".join(prefix + line for line in str(report).splitlines()), err=True)
+    written = []
     for option, out in outputs:
         try:
             if option == "--json":
@@ -398,6 +396,18 @@ def run_command(
         except OSError as exc:  # checked before the run; a full disk can still fail here
             click.echo(f"memkit: error: {option} {str(out)!r}: could not write the report "
                        f"({exc.strerror or exc})", err=True)  # fmt: skip
+        else:
+            written.append(out)
+    prefix = rank_prefix()
+    if outcome.traceback:
+        click.echo(outcome.traceback.rstrip("\n"), err=True)
+    if distributed.launched_rank() in (None, 0):
+        text = str(report)
+    else:  # rank 0 prints the full report (with every rank's row when there was a group)
+        text = summary_line(report, written)
+        if report.oom is not None:  # only this rank knows where it ran out
+            text += "\n" + str(report.oom)
+    click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
     sys.exit(outcome.exit_code)
 
 

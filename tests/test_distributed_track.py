@@ -95,6 +95,12 @@ def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> Non
     )
     assert "ddp-gpu0-context" not in codes  # no CUDA here
     assert "ranks; imbalance between ranks" in err and "tightest" in err  # rank 0's text
+    # rank 0 prints the full report; rank 1 one line that says where the rest is
+    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in err
+    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] ")]
+    assert len(rank1) == 1, err[-4000:]
+    assert rank1[0].startswith("[rank 1] memkit: 3 step(s), peak ") and " on cpu of " in rank1[0]
+    assert rank1[0].endswith("full report on rank 0 (this rank's: report.rank1.json)")
 
 
 def _summary(rank: int, peak: int, capacity: int | None = 1000, **kw) -> RankSummary:

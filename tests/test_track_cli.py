@@ -110,11 +110,19 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
         str(tmp_path / "report.json"), str(script),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    # a rank other than 0 prints one line (rank 0 prints the full report), and writes its file
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("[rank 1] ") for line in lines)
-    assert "rank 1/2" in result.stderr and "mode steps-only" in result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("[rank 1] memkit: 3 step(s), peak ")
+    assert " on cpu of 8.00 MiB; full report on rank 0" in lines[0]
+    assert "report.rank1.json" in lines[0] and "memkit track" not in result.stderr
     data = json.loads((tmp_path / "report.rank1.json").read_text())
-    assert data["rank"] == 1 and data["steps"] == 3
+    assert data["rank"] == 1 and data["steps"] == 3 and data["mode"] == "steps-only"
+    monkeypatch.setenv("RANK", "0")
+    result = run("--device", "cpu", "--budget", "8MiB", "--steps-only", str(script))
+    assert result.exit_code == 0, result.output
+    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in result.stderr
+    assert "mode steps-only" in result.stderr and "at the peak" in result.stderr
 
 
 def marker_script(tmp_path: Path) -> tuple[Path, Path]:

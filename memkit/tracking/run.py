@@ -12,7 +12,8 @@ through torch's global hooks, so no line of the script changes. The exit code is
 
 Under ``torchrun`` (``RANK``/``LOCAL_RANK`` set), each rank tracks ``cuda:LOCAL_RANK`` unless
 ``--device`` says otherwise, its output lines start with ``[rank N]`` and its files are
-written as ``NAME.rankN.EXT``. Gathering the ranks' reports is the distributed module's job.
+written as ``NAME.rankN.EXT``; rank 0 prints the full report, the others one line
+(:func:`summary_line`). Gathering the ranks' reports is the distributed module's job.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +31,7 @@ from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.tracking.report import TrackReport
+from memkit.units import format_size
 
 __all__ = [
     "RunOutcome",
@@ -37,6 +40,7 @@ __all__ = [
     "rank_path",
     "rank_prefix",
     "run_script",
+    "summary_line",
 ]
 
 EXIT_OOM = 1
@@ -105,6 +109,23 @@ def check_writable(path: str | Path, option: str) -> None:
             f"{where}: expected a writable file, but {str(target)!r} is not writable by this "
             "user; give a path in a folder you can write to"
         )
+
+
+def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
+    """One line for the ranks other than 0 under torchrun (rank 0 prints the full report)."""
+    parts = [f"memkit: {report.steps} step(s)"]
+    devices = list(report.devices)
+    if devices:
+        top = max(devices, key=lambda d: d.peak_allocated)
+        parts[0] += f", peak {format_size(top.peak_allocated)} on {top.device}"
+        if top.capacity:
+            parts[0] += f" of {format_size(top.capacity)}"
+    if report.oom is not None:
+        parts.append(f"out of memory at {report.oom.where}")
+    rest = "full report on rank 0"
+    if files:
+        rest += " (this rank's: " + ", ".join(str(f) for f in files) + ")"
+    return "; ".join([*parts, rest])
 
 
 def default_device(device: str | None) -> str | None:
