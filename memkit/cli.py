@@ -355,8 +355,8 @@ def run_command(
     """Run a training SCRIPT under memory tracking; print the report (and OOM post-mortem).
 
     The script runs as __main__ with its own ARGS and keeps its exit code (an OOM exits 1,
-    another error 3). The report goes to stderr; stdout is the script's. The options are
-    checked before the script starts (exit 2).
+    another error 3, SIGTERM 143 with the report still written). The report goes to stderr;
+    stdout is the script's. The options are checked before the script starts (exit 2).
 
     \b
     memkit run train.py --epochs 1
@@ -365,6 +365,7 @@ def run_command(
     """
     from memkit import distributed
     from memkit.tracking.run import (
+        SigtermGuard,
         check_writable,
         default_device,
         rank_path,
@@ -384,30 +385,38 @@ def run_command(
     ]
     for option, out in outputs:
         check_writable(out, option)
-    outcome = run_script(script, list(args), device=device, budget=budget, per_module=per_module)
-    report = outcome.report
-    written = []
-    for option, out in outputs:
-        try:
-            if option == "--json":
-                report.to_json(out)
+    # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
+    # raises in the script, the report is built, written and printed; exit 143
+    with SigtermGuard() as guard:
+        outcome = run_script(
+            script, list(args), device=device, budget=budget, per_module=per_module, sigterm=guard
+        )
+        report = outcome.report
+        written = []
+        for option, out in outputs:
+            try:
+                if option == "--json":
+                    report.to_json(out)
+                else:
+                    report.to_html(out)
+            except OSError as exc:  # checked before the run; a full disk can still fail here
+                click.echo(f"memkit: error: {option} {str(out)!r}: could not write the report "
+                           f"({exc.strerror or exc})", err=True)  # fmt: skip
             else:
-                report.to_html(out)
-        except OSError as exc:  # checked before the run; a full disk can still fail here
-            click.echo(f"memkit: error: {option} {str(out)!r}: could not write the report "
-                       f"({exc.strerror or exc})", err=True)  # fmt: skip
-        else:
-            written.append(out)
-    prefix = rank_prefix()
-    if outcome.traceback:
-        click.echo(outcome.traceback.rstrip("\n"), err=True)
-    if distributed.launched_rank() in (None, 0):
-        text = str(report)
-    else:  # rank 0 prints the full report (with every rank's row when there was a group)
-        text = summary_line(report, written)
-        if report.oom is not None:  # only this rank knows where it ran out
-            text += "\n" + str(report.oom)
-    click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
+                written.append(out)
+        prefix = rank_prefix()
+        if outcome.traceback:
+            click.echo(outcome.traceback.rstrip("\n"), err=True)
+        if distributed.launched_rank() in (None, 0):
+            text = str(report)
+        else:  # rank 0 prints the full report (with every rank's row when there was a group)
+            text = summary_line(report, written)
+            if report.oom is not None:  # only this rank knows where it ran out
+                text += "\n" + str(report.oom)
+        if outcome.interrupted is not None and distributed.launched_rank() in (None, 0):
+            note = next(n for n in report.notes if n.startswith("interrupted by "))
+            text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
+        click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
     sys.exit(outcome.exit_code)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -219,3 +222,66 @@ def test_real_process_keeps_exit_code(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "memkit: out of memory on cpu at step 0, other" in proc.stderr
+
+
+def test_sigterm_handler_is_installed_for_the_run_then_restored(tmp_path):
+    def mine(signum, frame):  # pragma: no cover - never called
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        script = write(
+            tmp_path, "import signal\nprint(signal.getsignal(signal.SIGTERM).__qualname__)\n"
+        )
+        result = run("--device", "cpu", "--budget", "8MiB", str(script))
+        assert result.exit_code == 0, result.output
+        assert "SigtermGuard._handle" in result.stdout  # the script ran under memkit's handler
+        assert signal.getsignal(signal.SIGTERM) is mine  # and the previous one is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+LOOP_FOREVER = """
+import torch
+m = torch.nn.Linear(16, 16)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+step = 0
+while True:
+    m(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    step += 1
+    if step == 3:
+        print("step 3", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_still_writes_the_report_and_exits_143(tmp_path):
+    script = write(tmp_path, LOOP_FOREVER)
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
+         "--json", str(out), "--html", str(page), str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(120, proc.kill)  # a hang fails the test instead of blocking it
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "step 3", "the script never reached step 3"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 143, err[-3000:]
+    data = json.loads(out.read_text())
+    note = next(n for n in data["notes"] if n.startswith("interrupted by SIGTERM"))
+    match = re.match(r"interrupted by SIGTERM at step (\d+) \(train.py line \d+, in <module>\)",
+                     note)  # fmt: skip
+    assert match and int(match.group(1)) == data["steps"] >= 3, note
+    assert data["devices"][0]["peak_allocated"] > 0
+    assert "interrupted by SIGTERM at step" in page.read_text()
+    assert f"memkit track: {data['steps']} step(s)" in err  # the full report on stderr
+    assert "memkit: interrupted by SIGTERM at step" in err and "(exit 143)" in err
+    assert "Traceback" not in err
