@@ -40,6 +40,10 @@ PHASES = ("forward", "backward", "optimizer", "other")
 MAX_PLOT_POINTS = 1200
 """The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
 
+CAPACITY_IN_PLOT = 4
+"""The HTML memory plot draws the capacity line when it is at most this many times the peak
+(further up, it would squash the readings to the floor; a note gives it instead)."""
+
 
 def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
@@ -625,12 +629,20 @@ class TrackReport:
             series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
             if any(p.reserved != p.allocated for p in pts):
                 series.append(("reserved", [(p.t, float(p.reserved)) for p in pts]))
-            if dev.capacity:
+            highest = max(dev.peak_allocated, dev.peak_reserved)
+            capacity_note = ""
+            if dev.capacity and dev.capacity <= CAPACITY_IN_PLOT * highest:
                 series.append(
                     (
                         "capacity",
                         [(pts[0].t, dev.capacity), (pts[-1].t, dev.capacity)] if pts else [],
                     )
+                )
+            elif dev.capacity:  # a flat line far above would squash the readings to the floor
+                capacity_note = (
+                    f'<p class="note">capacity {h.escape(format_size(dev.capacity))} is above '
+                    f"this chart: the peak, {h.escape(format_size(highest))}, is "
+                    f"{100 * highest / dev.capacity:.0f}% of it.</p>"
                 )
             body.append("<h3>Memory over time</h3>")
             body.append(
@@ -638,11 +650,12 @@ class TrackReport:
                     series,
                     width=900,
                     height=240,
-                    x_label="seconds",
-                    y_label="bytes",
-                    y_format=format_size,
+                    x_label="seconds since the start",
+                    y_label="memory",
+                    y_bytes=True,
                 )
             )
+            body.append(capacity_note)
             if dev.timeline_dropped:
                 body.append(f'<p class="note">{dev.timeline_dropped} older readings not kept.</p>')
             if dev.steps:
@@ -656,8 +669,10 @@ class TrackReport:
                         width=900,
                         height=180,
                         x_label="step",
-                        y_label="bytes",
-                        y_format=format_size,
+                        y_label="memory per step",
+                        y_bytes=True,
+                        x_integer=True,
+                        markers=len(dev.steps) <= 60,
                     )
                 )
             if dev.breakdown is not None:
