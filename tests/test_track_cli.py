@@ -38,9 +38,9 @@ def test_accumulating_loss_leak_is_named_then_runs_out():
 
 
 def test_backward_oom_names_phase_and_layer(tmp_path):
-    out = tmp_path / "report.json"
+    out, page = tmp_path / "report.json", tmp_path / "report.html"
     result = run(
-        "--device", "cpu", "--budget", "28MiB", "--json", str(out),
+        "--device", "cpu", "--budget", "28MiB", "--json", str(out), "--html", str(page),
         str(SCENARIOS / "backward_oom.py"), "--steps", "1",
     )  # fmt: skip
     assert result.exit_code == 1, result.output
@@ -51,6 +51,10 @@ def test_backward_oom_names_phase_and_layer(tmp_path):
     assert oom["tried_to_allocate"] == 8 * 1024**2 and oom["capacity"] == 28 * 1024**2
     assert oom["breakdown"]["parameters"] > 0 and oom["breakdown"]["activations"] > 0
     assert any(a["code"] == "oom-activations" for a in oom["advice"])
+    # the post-mortem's advice is the page's advice: no "No advice" section after it
+    html = page.read_text()
+    assert "oom-activations" in html and "No advice" not in html
+    assert html.count("<h3>Advice</h3>") == 1
 
 
 def test_eval_without_no_grad_is_diagnosed():

@@ -683,8 +683,9 @@ class TrackReport:
                 body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
         if self.ranks is not None:
             body.append(self.ranks.html_body())
-        body.append("<h3>Advice</h3>")
-        body.append(advice_html(list(self.advice)))
+        if self.advice or self.oom is None:  # the post-mortem above has its own advice
+            body.append("<h3>Advice</h3>")
+            body.append(advice_html(list(self.advice)))
         if self.notes:
             body.append("".join(f'<p class="note">{h.escape(n)}</p>' for n in self.notes))
         return "".join(body)
