@@ -1,5 +1,5 @@
-"""The track report's HTML: charts with readable axes, sizes formatted; and the page loads in
-a real headless browser, offline.
+"""The track report's HTML: charts with readable axes, module types, sizes formatted; and the
+page loads in a real headless browser, offline.
 
 The browser test needs Debian's ``chromium`` package (``apt-get install -y chromium``); it is
 skipped without it.
@@ -18,7 +18,7 @@ from torch import nn
 
 from memkit.render.html import axis_ticks, line_plot
 from memkit.tracking import track
-from memkit.tracking.report import TrackReport
+from memkit.tracking.report import DeviceReport, ModuleRecord, TrackReport
 from memkit.units import format_size, parse_size
 
 BROWSER = next(
@@ -91,6 +91,29 @@ def test_capacity_far_above_the_peak_is_a_note_not_a_flat_line():
     page = report.to_html()
     assert "<title>capacity</title>" not in page
     assert "capacity 32.00 MiB is above this chart: the peak, " in page
+
+
+def _module(path: str, type_name: str | None, kept: int) -> ModuleRecord:
+    return ModuleRecord(path, "cpu", 1, kept, kept, kept, 2 * kept, kept, True,
+                        type_name=type_name)  # fmt: skip
+
+
+def test_module_rows_show_the_layer_type_beside_the_path():
+    modules = (
+        _module("0", "Linear", 4096),
+        _module("encoder.attn", "MultiheadAttention", 2048),
+        _module("2", None, 1024),  # no type recorded: the path alone
+        _module("Sequential", "Sequential", 0),  # the model itself: named by its class once
+    )
+    dev = DeviceReport("cpu", "simulated cpu", "counted", 1 << 20, 0, 0, 8192, 8192,
+                       {"forward": 8192}, modules=modules)  # fmt: skip
+    report = TrackReport(devices=(dev,), steps=1, mode="per-module", duration_s=0.1)
+    for text in (str(report), report.html_body()):
+        assert "0 (Linear)" in text and "encoder.attn (MultiheadAttention)" in text
+        assert "2 (None)" not in text and "2 ()" not in text
+        assert "Sequential (Sequential)" not in text and "Sequential" in text
+    assert "<td>2</td>" in report.html_body()
+    assert report.to_dict()["devices"][0]["modules"][0]["type_name"] == "Linear"
 
 
 def test_report_text_and_html_show_sizes_not_raw_byte_counts():

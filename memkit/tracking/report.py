@@ -113,6 +113,8 @@ class ModuleRecord:
         peak_allocated: the highest allocated bytes reached while its forward ran.
         peak_over_entry: that peak minus allocated at entry: the transient the call needed.
         leaf: the module has no child modules.
+        type_name: the module's class name (``Linear``), shown beside the path as
+            ``0 (Linear)``; ``None`` when not recorded (then the path alone is shown).
     """
 
     path: str
@@ -124,6 +126,7 @@ class ModuleRecord:
     peak_allocated: int
     peak_over_entry: int
     leaf: bool
+    type_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -431,9 +434,17 @@ SUMMARY_HEADERS = [
 MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
 
 
+def _module_label(m: ModuleRecord) -> str:
+    """``path (Type)``; the path alone without a type, or when the path is the type (the model
+    itself is named by its class)."""
+    if not m.type_name or m.type_name == m.path:
+        return m.path
+    return f"{m.path} ({m.type_name})"
+
+
 def _module_row(m: ModuleRecord) -> list[object]:
     return [
-        m.path,
+        _module_label(m),
         m.calls,
         _size(m.activation_bytes_per_step),
         _size(m.self_activation_bytes),
