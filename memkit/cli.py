@@ -333,7 +333,8 @@ def snapshot_command(as_json: bool, watch: float | None, count: int | None) -> N
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("--device", default=None, help="cuda:N, or cpu (simulated). Default: current GPU.")
-@click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB.")
+@click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB; "
+              "under torchrun one per rank: 1GiB,512MiB.")  # fmt: skip
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report as JSON (torchrun: NAME.rankN.json per rank).")  # fmt: skip
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
