@@ -159,7 +159,6 @@ def probe(
         )
 
     from memkit import distributed
-    from memkit.devices import get_backend
 
     if max_batch is not None and max_batch < min_batch:
         raise click.BadParameter(
@@ -168,7 +167,8 @@ def probe(
     world, me = distributed.world_size(), distributed.rank()
     budget = _rank_budget(budget, world, me)
     device = _rank_device(device, world, distributed.local_rank())
-    rank_device = get_backend(device, budget).device if world > 1 else "cpu"
+    backend = _check_target(device, budget)  # before the model file loads: exit 2 if bad
+    rank_device = backend.device if world > 1 else "cpu"
     wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
     with distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait):
         result = probe_file(
@@ -194,19 +194,70 @@ def probe(
 
 
 def _rank_budget(budget: str | None, world: int, rank: int) -> str | None:
-    """This rank's entry of ``--budget A,B,...`` (one per rank), or the single budget."""
-    if budget is None or "," not in budget:
-        return budget
-    from memkit.errors import ConfigError
+    """This rank's entry of ``--budget A,B,...`` (one per rank), or the single budget.
 
+    Every entry is checked first (a positive size), so a bad one fails every rank the same way.
+
+    Raises:
+        ConfigError: an entry is not a positive size, or the number of entries is neither one
+            nor the world size.
+    """
+    if budget is None:
+        return None
     parts = [part.strip() for part in budget.split(",")]
+    for part in parts:
+        _budget_bytes(part, budget)
+    if len(parts) == 1:
+        return parts[0]
     if len(parts) != world:
+        from memkit.errors import ConfigError
+
+        if world == 1:
+            raise ConfigError(
+                f"--budget {budget!r} gives {len(parts)} sizes, one per rank, but this is a "
+                "single process (not launched by torchrun: WORLD_SIZE is unset or 1); give one "
+                f"size (--budget {parts[0]}), or launch {len(parts)} ranks with torchrun "
+                f"--nproc-per-node {len(parts)} --no-python memkit ..."
+            )
         raise ConfigError(
             f"--budget has {len(parts)} sizes ({budget}) but the world has {world} rank(s); "
             "give one size for every rank, or a single size for all (launch with torchrun "
             "--nproc-per-node N for N ranks)"
         )
     return parts[rank]
+
+
+def _budget_bytes(part: str, budget: str) -> int:
+    """One ``--budget`` entry in bytes; a ConfigError naming the option unless positive."""
+    from memkit.errors import ConfigError
+    from memkit.units import parse_size
+
+    hint = (
+        "expected a positive size such as 300MiB or 8GiB (binary K M G T, or decimal kB MB GB "
+        "TB), or one per rank under torchrun (1GiB,512MiB)"
+    )
+    if part.startswith("-"):
+        raise ConfigError(f"--budget {budget!r}: {hint}; found the negative size {part!r}")
+    try:
+        size = parse_size(part)
+    except ConfigError as exc:
+        raise ConfigError(f"--budget {budget!r}: {exc}") from None
+    if size <= 0:
+        raise ConfigError(f"--budget {budget!r}: {hint}; found {part!r}, which is 0 bytes")
+    return size
+
+
+def _check_target(device: str | None, budget: str | None) -> Any:
+    """The backend of this rank's device and budget (already resolved per rank), checked
+    before anything runs: a device this machine does not have is a ConfigError naming
+    ``--device`` (exit 2). Shared by ``memkit probe`` and ``memkit run``."""
+    from memkit.devices import get_backend
+    from memkit.errors import ConfigError
+
+    try:
+        return get_backend(device, budget)
+    except ConfigError as exc:
+        raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None
 
 
 def _rank_device(device: str | None, world: int, local_rank: int) -> str | None:
@@ -282,7 +333,8 @@ def snapshot_command(as_json: bool, watch: float | None, count: int | None) -> N
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("--device", default=None, help="cuda:N, or cpu (simulated). Default: current GPU.")
-@click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB.")
+@click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB; "
+              "under torchrun one per rank: 1GiB,512MiB.")  # fmt: skip
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the report as JSON (torchrun: NAME.rankN.json per rank).")  # fmt: skip
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
@@ -304,24 +356,68 @@ def run_command(
     """Run a training SCRIPT under memory tracking; print the report (and OOM post-mortem).
 
     The script runs as __main__ with its own ARGS and keeps its exit code (an OOM exits 1,
-    another error 3). The report goes to stderr; stdout is the script's.
+    another error 3, SIGTERM 143 with the report still written). The report goes to stderr;
+    stdout is the script's. The options are checked before the script starts (exit 2).
 
     \b
     memkit run train.py --epochs 1
     memkit run --device cpu --budget 300MiB train.py
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
-    from memkit.tracking.run import rank_path, rank_prefix, run_script
+    from memkit import distributed
+    from memkit.tracking.run import (
+        SigtermGuard,
+        check_writable,
+        default_device,
+        rank_path,
+        rank_prefix,
+        run_script,
+        summary_line,
+    )
 
-    outcome = run_script(script, list(args), device=device, budget=budget, per_module=per_module)
-    prefix = rank_prefix()
-    if outcome.traceback:
-        click.echo(outcome.traceback.rstrip("\n"), err=True)
-    click.echo("\n".join(prefix + line for line in str(outcome.report).splitlines()), err=True)
-    if json_path:
-        outcome.report.to_json(rank_path(json_path))
-    if html_path:
-        outcome.report.to_html(rank_path(html_path))
+    # everything is checked before the script starts: a bad option must not cost a run
+    budget = _rank_budget(budget, distributed.world_size(), distributed.rank())
+    device = default_device(device)
+    _check_target(device, budget)
+    outputs = [
+        (option, rank_path(path))
+        for option, path in (("--json", json_path), ("--html", html_path))
+        if path
+    ]
+    for option, out in outputs:
+        check_writable(out, option)
+    # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
+    # raises in the script, the report is built, written and printed; exit 143
+    with SigtermGuard() as guard:
+        outcome = run_script(
+            script, list(args), device=device, budget=budget, per_module=per_module, sigterm=guard
+        )
+        report = outcome.report
+        written = []
+        for option, out in outputs:
+            try:
+                if option == "--json":
+                    report.to_json(out)
+                else:
+                    report.to_html(out)
+            except OSError as exc:  # checked before the run; a full disk can still fail here
+                click.echo(f"memkit: error: {option} {str(out)!r}: could not write the report "
+                           f"({exc.strerror or exc})", err=True)  # fmt: skip
+            else:
+                written.append(out)
+        prefix = rank_prefix()
+        if outcome.traceback:
+            click.echo(outcome.traceback.rstrip("\n"), err=True)
+        if distributed.launched_rank() in (None, 0):
+            text = str(report)
+        else:  # rank 0 prints the full report (with every rank's row when there was a group)
+            text = summary_line(report, written)
+            if report.oom is not None:  # only this rank knows where it ran out
+                text += "\n" + str(report.oom)
+        if outcome.interrupted is not None and distributed.launched_rank() in (None, 0):
+            note = next(n for n in report.notes if n.startswith("interrupted by "))
+            text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
+        click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
     sys.exit(outcome.exit_code)
 
 

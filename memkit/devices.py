@@ -331,9 +331,10 @@ def _parse_device(device: str | torch.device | None) -> torch.device | None:
         return device
     try:
         return torch.device(str(device).strip())
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError):
         raise ConfigError(
-            f"expected a device such as {_DEVICE_FORMS}, found {device!r} ({exc})"
+            f"expected a device such as {_DEVICE_FORMS}, found {device!r}, which torch does not "
+            "know as a device; give one of those (memkit snapshot lists this machine's)"
         ) from None
 
 
@@ -376,7 +377,8 @@ def get_backend(
         if (dev.index or 0) >= count:
             raise ConfigError(
                 f"device {dev} was asked for, but only {count} CUDA device(s) are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                f"give cuda:0 to cuda:{count - 1}, or --device cpu --budget SIZE to simulate one"
             )
         return CudaBackend(torch.device("cuda", dev.index or 0), size)
     acc = _current_accelerator()

@@ -1,15 +1,17 @@
 """memkit run / memkit.track across 2 real gloo ranks on CPU, and the DDP advice rules.
 
-One torchrun launch of ``memkit run`` on a DDP script (each rank its own simulated device) whose
-ranks hold different batch sizes and one unused module; rank 0's report must carry the
-per-rank table, the imbalance, the tightest rank and ``ddp-unused-parameters``. The launch is
-bounded: a hang fails the test and kills the process group it started.
-"""
+Two torchrun launches of ``memkit run``, each rank on its own simulated device. One runs a DDP
+script whose ranks hold different batch sizes and one unused module; rank 0's report must carry
+the per-rank table, the imbalance, the tightest rank and ``ddp-unused-parameters``, and only
+rank 0 prints a full report. In the other, rank 1 runs out of memory and torchrun stops rank 0
+with SIGTERM: rank 0 must still write and print its report, marked as interrupted. The launches
+are bounded: a hang fails the test and kills the process group it started."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,30 +56,59 @@ TRAIN = textwrap.dedent(
 )
 
 
-def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> None:
+RANK1_RUNS_OUT = textwrap.dedent(
+    """
+    import datetime, time
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist.barrier()
+    step = 0
+    while True:  # rank 0 never stops by itself: torchrun stops it when rank 1 fails
+        model(torch.randn(16, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if rank == 1 and step == 3:
+            torch.empty(64, 1024, 1024)  # 256 MiB on a 64 MiB device: out of memory
+        time.sleep(0.01)
+    """
+)
+
+
+def _torchrun(tmp_path: Path, script: str, *args: str, limit: float = 90.0) -> tuple[int, str]:
+    """``torchrun --standalone --nproc-per-node 2 --no-python memkit run ARGS train.py`` in
+    ``tmp_path``: its exit code and stderr. A hang kills the process group and fails."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
-    (tmp_path / "train.py").write_text(TRAIN)
+    (tmp_path / "train.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit",
-           "run", "--device", "cpu", "--budget", "256MiB", "--json", "report.json",
-           "train.py"]  # fmt: skip
+           "run", *args, "train.py"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    limit = 90.0
     try:
         _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
         proc.communicate()
         pytest.fail(f"torchrun memkit run did not finish within {limit} s (a hang)")
-    assert proc.returncode == 0, err[-4000:]
+    return proc.returncode, err
+
+
+def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> None:
+    code, err = _torchrun(tmp_path, TRAIN, "--device", "cpu", "--budget", "256MiB", "--json",
+                          "report.json")  # fmt: skip
+    assert code == 0, err[-4000:]
     r0 = json.loads((tmp_path / "report.rank0.json").read_text())
     r1 = json.loads((tmp_path / "report.rank1.json").read_text())
     assert "ranks" not in r1  # only rank 0 holds the gathered table
@@ -95,6 +126,31 @@ def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> Non
     )
     assert "ddp-gpu0-context" not in codes  # no CUDA here
     assert "ranks; imbalance between ranks" in err and "tightest" in err  # rank 0's text
+    # rank 0 prints the full report; rank 1 one line that says where the rest is
+    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in err
+    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] ")]
+    assert len(rank1) == 1, err[-4000:]
+    assert rank1[0].startswith("[rank 1] memkit: 3 step(s), peak ") and " on cpu of " in rank1[0]
+    assert rank1[0].endswith("full report on rank 0 (this rank's: report.rank1.json)")
+
+
+def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> None:
+    code, err = _torchrun(
+        tmp_path, RANK1_RUNS_OUT, "--device", "cpu", "--budget", "64MiB", "--json", "r.json"
+    )
+    assert code != 0 and "closing signal SIGTERM" in err, err[-4000:]
+    r1 = json.loads((tmp_path / "r.rank1.json").read_text())
+    assert r1["oom"]["step"] == 3 and r1["steps"] == 3
+    r0 = json.loads((tmp_path / "r.rank0.json").read_text())  # written although terminated
+    note = next(n for n in r0["notes"] if n.startswith("interrupted by SIGTERM"))
+    match = re.match(r"interrupted by SIGTERM at step (\d+) \(train.py line \d+", note)
+    assert match and int(match.group(1)) == r0["steps"], note
+    assert r0["oom"] is None
+    # rank 0 printed its full report, marked as interrupted, with the conventional exit code
+    assert f"[rank 0] memkit track rank 0/2: {r0['steps']} step(s)" in err
+    assert "[rank 0] memkit: interrupted by SIGTERM at step" in err and "(exit 143)" in err
+    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] memkit: ")]
+    assert rank1 and "out of memory at step 3" in rank1[0], err[-4000:]
 
 
 def _summary(rank: int, peak: int, capacity: int | None = 1000, **kw) -> RankSummary:

@@ -87,6 +87,8 @@ def test_bad_model_files_exit_2_with_a_clear_error(name, expected):
         (["--seq-len", "a,b"], "--seq-len"),
         (["--min-batch", "8", "--max-batch", "4"], "--max-batch"),
         (["--device", "gpu0"], "expected a device"),
+        (["--budget", "0"], "--budget '0': expected a positive size"),
+        (["--device", "cpu", "--budget", "1GiB,2GiB"], "single process"),
     ],
 )
 def test_bad_options_exit_2(args, fragment):

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from memkit.cli import cli
@@ -34,9 +38,9 @@ def test_accumulating_loss_leak_is_named_then_runs_out():
 
 
 def test_backward_oom_names_phase_and_layer(tmp_path):
-    out = tmp_path / "report.json"
+    out, page = tmp_path / "report.json", tmp_path / "report.html"
     result = run(
-        "--device", "cpu", "--budget", "28MiB", "--json", str(out),
+        "--device", "cpu", "--budget", "28MiB", "--json", str(out), "--html", str(page),
         str(SCENARIOS / "backward_oom.py"), "--steps", "1",
     )  # fmt: skip
     assert result.exit_code == 1, result.output
@@ -47,6 +51,10 @@ def test_backward_oom_names_phase_and_layer(tmp_path):
     assert oom["tried_to_allocate"] == 8 * 1024**2 and oom["capacity"] == 28 * 1024**2
     assert oom["breakdown"]["parameters"] > 0 and oom["breakdown"]["activations"] > 0
     assert any(a["code"] == "oom-activations" for a in oom["advice"])
+    # the post-mortem's advice is the page's advice: no "No advice" section after it
+    html = page.read_text()
+    assert "oom-activations" in html and "No advice" not in html
+    assert html.count("<h3>Advice</h3>") == 1
 
 
 def test_eval_without_no_grad_is_diagnosed():
@@ -109,11 +117,103 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
         str(tmp_path / "report.json"), str(script),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    # a rank other than 0 prints one line (rank 0 prints the full report), and writes its file
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("[rank 1] ") for line in lines)
-    assert "rank 1/2" in result.stderr and "mode steps-only" in result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("[rank 1] memkit: 3 step(s), peak ")
+    assert " on cpu of 8.00 MiB; full report on rank 0" in lines[0]
+    assert "report.rank1.json" in lines[0] and "memkit track" not in result.stderr
     data = json.loads((tmp_path / "report.rank1.json").read_text())
-    assert data["rank"] == 1 and data["steps"] == 3
+    assert data["rank"] == 1 and data["steps"] == 3 and data["mode"] == "steps-only"
+    monkeypatch.setenv("RANK", "0")
+    result = run("--device", "cpu", "--budget", "8MiB", "--steps-only", str(script))
+    assert result.exit_code == 0, result.output
+    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in result.stderr
+    assert "mode steps-only" in result.stderr and "at the peak" in result.stderr
+
+
+def marker_script(tmp_path: Path) -> tuple[Path, Path]:
+    """A script that leaves a marker file when it runs (so a test can tell it never started)."""
+    marker = tmp_path / "ran.marker"
+    script = write(tmp_path, f"open({str(marker)!r}, 'w').write('ran')\n")
+    return script, marker
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--device", "cpu", "--budget", "12XB"], ["--budget '12XB'", "unknown size unit"]),
+        (["--device", "cpu", "--budget", "0"], ["--budget '0'", "positive size", "300MiB"]),
+        (["--device", "cpu", "--budget", "-1GiB"], ["--budget '-1GiB'", "positive size"]),
+        (["--device", "tpu"], ["--device 'tpu'", "expected a device such as", "'cpu'"]),
+        (["--device", "nonsense"], ["--device 'nonsense'", "expected a device such as"]),
+        (["--device", "cpu", "--budget", "1GiB,2GiB"],
+         ["--budget '1GiB,2GiB'", "single process", "torchrun --nproc-per-node 2"]),
+    ],
+)  # fmt: skip
+def test_bad_options_exit_2_before_the_script_runs(tmp_path, args, fragments):
+    script, marker = marker_script(tmp_path)
+    result = run(*args, str(script))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memkit: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "step(s)" not in result.output and not marker.exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_missing_gpu_exits_2_before_the_script_runs(tmp_path):
+    script, marker = marker_script(tmp_path)
+    result = run("--device", "cuda:7", str(script))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith("memkit: error: --device 'cuda:7': ") and "\n" not in line
+    assert "--device cpu --budget" in line and not marker.exists()
+
+
+@pytest.mark.parametrize("option", ["--json", "--html"])
+def test_missing_output_folder_exits_2_before_the_script_runs(tmp_path, option):
+    script, marker = marker_script(tmp_path)
+    target = tmp_path / "no" / "such" / "report.out"
+    result = run("--device", "cpu", "--budget", "8MiB", option, str(target), str(script))
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith(f"memkit: error: {option} ") and "\n" not in line
+    assert str(target.parent) in line and "does not exist" in line and "mkdir -p" in line
+    assert not marker.exists()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    result = run("--device", "cpu", "--budget", "8MiB", option, str(blocked / "r.out"),
+                 str(script))  # fmt: skip
+    assert result.exit_code == 2 and "is not a folder" in result.stderr
+    assert not marker.exists()
+
+
+def test_per_rank_budgets_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    script, marker = marker_script(tmp_path)
+    out = tmp_path / "r.json"
+    result = run("--device", "cpu", "--budget", "8MiB,16MiB", "--json", str(out), str(script))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.rank1.json").read_text())
+    assert data["devices"][0]["capacity"] == 16 * 1024**2  # rank 1 takes the second entry
+    marker.unlink()
+    result = run("--device", "cpu", "--budget", "8MiB,16MiB,4MiB", str(script))
+    assert result.exit_code == 2 and "3 sizes" in result.stderr and "2 rank(s)" in result.stderr
+    assert not marker.exists()
+
+
+def test_output_lost_during_the_run_keeps_the_script_exit_code(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    script = write(tmp_path, f"import shutil\nshutil.rmtree({str(folder)!r})\n")
+    result = run("--device", "cpu", "--budget", "8MiB", "--json", str(folder / "r.json"),
+                 str(script))  # fmt: skip
+    assert result.exit_code == 0, result.output  # the script's, not 1
+    assert "memkit: error: --json" in result.stderr and "could not write" in result.stderr
+    assert "Traceback" not in result.stderr and "0 step(s)" in result.stderr
 
 
 @pytest.mark.slow
@@ -128,3 +228,66 @@ def test_real_process_keeps_exit_code(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "memkit: out of memory on cpu at step 0, forward of Linear" in proc.stderr
+
+
+def test_sigterm_handler_is_installed_for_the_run_then_restored(tmp_path):
+    def mine(signum, frame):  # pragma: no cover - never called
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        script = write(
+            tmp_path, "import signal\nprint(signal.getsignal(signal.SIGTERM).__qualname__)\n"
+        )
+        result = run("--device", "cpu", "--budget", "8MiB", str(script))
+        assert result.exit_code == 0, result.output
+        assert "SigtermGuard._handle" in result.stdout  # the script ran under memkit's handler
+        assert signal.getsignal(signal.SIGTERM) is mine  # and the previous one is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+LOOP_FOREVER = """
+import torch
+m = torch.nn.Linear(16, 16)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+step = 0
+while True:
+    m(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    step += 1
+    if step == 3:
+        print("step 3", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_still_writes_the_report_and_exits_143(tmp_path):
+    script = write(tmp_path, LOOP_FOREVER)
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
+         "--json", str(out), "--html", str(page), str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(120, proc.kill)  # a hang fails the test instead of blocking it
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "step 3", "the script never reached step 3"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 143, err[-3000:]
+    data = json.loads(out.read_text())
+    note = next(n for n in data["notes"] if n.startswith("interrupted by SIGTERM"))
+    match = re.match(r"interrupted by SIGTERM at step (\d+) \(train.py line \d+, in <module>\)",
+                     note)  # fmt: skip
+    assert match and int(match.group(1)) == data["steps"] >= 3, note
+    assert data["devices"][0]["peak_allocated"] > 0
+    assert "interrupted by SIGTERM at step" in page.read_text()
+    assert f"memkit track: {data['steps']} step(s)" in err  # the full report on stderr
+    assert "memkit: interrupted by SIGTERM at step" in err and "(exit 143)" in err
+    assert "Traceback" not in err

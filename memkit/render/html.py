@@ -7,11 +7,13 @@ No JavaScript and nothing from the network: each output works offline, in a note
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "PALETTE",
     "Raw",
+    "axis_ticks",
     "escape",
     "fragment",
     "legend",
@@ -88,6 +90,48 @@ def legend(labels: Sequence[str]) -> str:
     return f'<div class="legend">{items}</div>'
 
 
+def _nice_step(raw: float, integer: bool) -> float:
+    """The smallest of 1, 2, 5 times a power of ten that is at least ``raw``."""
+    if raw <= 0:
+        return 1.0
+    base = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * base for m in (1, 2, 5, 10) if m * base >= raw * (1 - 1e-9))
+    return max(1.0, round(step)) if integer else step
+
+
+def axis_ticks(
+    lo: float, hi: float, count: int = 5, *, binary: bool = False, integer: bool = False
+) -> list[float]:
+    """Round values for the ticks of an axis from ``lo`` to ``hi``, about ``count`` intervals.
+
+    Steps are 1, 2 or 5 times a power of ten; with ``binary`` (bytes), of the largest binary
+    unit below ``hi`` (KiB, MiB, GiB...), so sizes tick at 20 GiB, 40 GiB... and not at 21.5 GB;
+    with ``integer`` (steps), never below 1. Only values inside ``[lo, hi]`` are returned.
+
+    Examples:
+        >>> axis_ticks(0, 9.5)
+        [0.0, 2.0, 4.0, 6.0, 8.0]
+        >>> [int(t) // 2**20 for t in axis_ticks(0, 6 * 2**20, binary=True)]
+        [0, 2, 4, 6]
+    """
+    if not hi > lo:
+        return [lo]
+    unit = 1.0
+    if binary:
+        while hi / unit >= 1024 and unit < 1024.0**4:
+            unit *= 1024
+    step = _nice_step((hi - lo) / unit / max(1, count), integer and unit == 1) * unit
+    first = math.ceil(lo / step - 1e-9)
+    last = math.floor(hi / step + 1e-9)
+    return [k * step + 0.0 for k in range(first, last + 1)]
+
+
+def _number(value: float, step: float) -> str:
+    """``value`` with as many decimals as ``step`` needs (``0.5`` -> 1, ``20`` -> 0)."""
+    decimals = 0 if step >= 1 else min(6, -math.floor(math.log10(step)))
+    return f"{value:.{decimals}f}"
+
+
 def line_plot(
     series: Sequence[tuple[str, Sequence[tuple[float, float]]]],
     *,
@@ -95,20 +139,53 @@ def line_plot(
     height: int = 220,
     x_label: str = "",
     y_label: str = "",
-    y_format: object = None,
+    y_format: Callable[[float], str] | None = None,
+    y_bytes: bool = False,
+    x_format: Callable[[float], str] | None = None,
+    x_integer: bool = False,
+    markers: bool = False,
 ) -> str:
-    """An inline SVG line plot of named series of ``(x, y)`` points.
+    """An inline SVG line plot of named series of ``(x, y)`` points, with ticks on both axes.
 
-    ``y_format`` is a callable turning a y value into a tick label (e.g. ``format_size``).
+    The y axis starts at 0 and ends at the first tick above the data; the x axis spans the
+    data. Tick values are round (:func:`axis_ticks`) and drawn with light grid lines.
+
+    Args:
+        series: ``(name, [(x, y), ...])`` per line.
+        x_label, y_label: what the axes show (``"seconds"``, ``"step"``); the x label is drawn
+            under the axis, the y label is the plot's accessible name.
+        y_format: a y value to its tick label; default: :func:`memkit.units.format_size` with
+            ``y_bytes``, else the number.
+        y_bytes: y values are bytes: ticks at powers of 1024 times 1, 2 or 5.
+        x_format: an x value to its tick label (default: the number, with the decimals the
+            tick step needs).
+        x_integer: x values are counts (steps): integer ticks only.
+        markers: mark every point (with its values on hover), for series of few points.
     """
     points = [p for _, pts in series for p in pts]
     if not points:
         return '<p class="note">no data to plot</p>'
-    fmt = y_format if callable(y_format) else (lambda v: f"{v:g}")
     x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
-    y1 = max(p[1] for p in points) or 1.0
-    x1 = x1 if x1 > x0 else x0 + 1
-    left, right, top, bottom = 70, 10, 10, 30
+    if x1 <= x0:  # one x value: centre it
+        x0, x1 = (x0 - 0.5, x0 + 0.5) if x_integer else (x0, x0 + 1)
+    y_max = max(p[1] for p in points)
+    y_ticks = axis_ticks(0.0, y_max if y_max > 0 else 1.0, 4, binary=y_bytes)
+    y_step = y_ticks[1] - y_ticks[0] if len(y_ticks) > 1 else 1.0
+    if y_ticks[-1] < y_max * (1 - 1e-9):
+        y_ticks.append(y_ticks[-1] + y_step)
+    y1 = y_ticks[-1] or 1.0
+    x_ticks = axis_ticks(x0, x1, 6, integer=x_integer)
+    x_step = x_ticks[1] - x_ticks[0] if len(x_ticks) > 1 else 1.0
+    if y_format is None:
+        from memkit.units import format_size
+
+        y_fmt: Callable[[float], str] = (
+            format_size if y_bytes else (lambda v: _number(v, y_step))
+        )
+    else:
+        y_fmt = y_format
+    x_fmt = x_format or (lambda v: _number(v, x_step))
+    left, right, top, bottom = 76, 24, 10, 40
     pw, ph = width - left - right, height - top - bottom
 
     def sx(x: float) -> float:
@@ -122,11 +199,22 @@ def line_plot(
         f'role="img" aria-label="{escape(y_label)}">',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>',
     ]
-    for frac in (0.0, 0.5, 1.0):
-        y = sy(y1 * frac)
+    for value in y_ticks:
+        y = sy(value)
         parts.append(
-            f'<text x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">'
-            f"{escape(fmt(y1 * frac))}</text>"
+            f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#e4e4e4"/>'
+            f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}" stroke="#888"/>'
+            f'<text class="tick-y" x="{left - 6}" y="{y + 3.5:.1f}" font-size="10" '
+            f'text-anchor="end">{escape(y_fmt(value))}</text>'
+        )
+    base = top + ph
+    for value in x_ticks:
+        x = sx(value)
+        parts.append(
+            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{base}" stroke="#eeeeee"/>'
+            f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#888"/>'
+            f'<text class="tick-x" x="{x:.1f}" y="{base + 15}" font-size="10" '
+            f'text-anchor="middle">{escape(x_fmt(value))}</text>'
         )
     for i, (name, pts) in enumerate(series):
         if not pts:
@@ -137,8 +225,14 @@ def line_plot(
             f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}">'
             f"<title>{escape(name)}</title></polyline>"
         )
+        if markers:
+            parts.extend(
+                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}">'
+                f"<title>{escape(name)}: {escape(x_fmt(x))}, {escape(y_fmt(y))}</title></circle>"
+                for x, y in pts
+            )
     parts.append(
-        f'<text x="{left + pw / 2}" y="{height - 6}" font-size="11" text-anchor="middle">'
+        f'<text x="{left + pw / 2}" y="{height - 4}" font-size="11" text-anchor="middle">'
         f"{escape(x_label)}</text>"
     )
     parts.append("</svg>")

@@ -43,6 +43,10 @@ in eval mode), which are reported on their own and never added to training's num
 MAX_PLOT_POINTS = 1200
 """The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
 
+CAPACITY_IN_PLOT = 4
+"""The HTML memory plot draws the capacity line when it is at most this many times the peak
+(further up, it would squash the readings to the floor; a note gives it instead)."""
+
 
 def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
@@ -121,7 +125,8 @@ class ModuleRecord:
         leaf: the module has no child modules.
         eval_calls: forward calls in evaluation passes.
         recompute_calls: forwards recomputed inside backward (gradient checkpointing).
-        type_name: the module's class (``Linear``).
+        type_name: the module's class name (``Linear``), shown beside the path as
+            ``0 (Linear)``; ``None`` when not recorded (then the path alone is shown).
     """
 
     path: str
@@ -469,9 +474,17 @@ STEP_RULES = {
 MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
 
 
+def _module_label(m: ModuleRecord) -> str:
+    """``path (Type)``; the path alone without a type, or when the path is the type (the model
+    itself is named by its class)."""
+    if not m.type_name or m.type_name == m.path:
+        return m.path
+    return f"{m.path} ({m.type_name})"
+
+
 def _module_row(m: ModuleRecord) -> list[object]:
     return [
-        m.path,
+        _module_label(m),
         m.calls,
         _size(m.activation_bytes_per_step),
         _size(m.self_activation_bytes),
@@ -669,6 +682,8 @@ class TrackReport:
             lines.extend(["", str(self.ranks)])
         if self.advice:
             lines.extend(["", "advice:", advice_text(self.advice)])
+        if self.notes:
+            lines.extend(["", "notes:", *(f"- {note}" for note in self.notes)])
         if self.oom is not None:
             lines.extend(["", str(self.oom)])
         return "\n".join(lines)
@@ -696,12 +711,20 @@ class TrackReport:
             series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
             if any(p.reserved != p.allocated for p in pts):
                 series.append(("reserved", [(p.t, float(p.reserved)) for p in pts]))
-            if dev.capacity:
+            highest = max(dev.peak_allocated, dev.peak_reserved)
+            capacity_note = ""
+            if dev.capacity and dev.capacity <= CAPACITY_IN_PLOT * highest:
                 series.append(
                     (
                         "capacity",
                         [(pts[0].t, dev.capacity), (pts[-1].t, dev.capacity)] if pts else [],
                     )
+                )
+            elif dev.capacity:  # a flat line far above would squash the readings to the floor
+                capacity_note = (
+                    f'<p class="note">capacity {h.escape(format_size(dev.capacity))} is above '
+                    f"this chart: the peak, {h.escape(format_size(highest))}, is "
+                    f"{100 * highest / dev.capacity:.0f}% of it.</p>"
                 )
             body.append("<h3>Memory over time</h3>")
             body.append(
@@ -709,11 +732,12 @@ class TrackReport:
                     series,
                     width=900,
                     height=240,
-                    x_label="seconds",
-                    y_label="bytes",
-                    y_format=format_size,
+                    x_label="seconds since the start",
+                    y_label="memory",
+                    y_bytes=True,
                 )
             )
+            body.append(capacity_note)
             if dev.timeline_dropped:
                 body.append(f'<p class="note">{dev.timeline_dropped} older readings not kept.</p>')
             if dev.steps:
@@ -727,8 +751,10 @@ class TrackReport:
                         width=900,
                         height=180,
                         x_label="step",
-                        y_label="bytes",
-                        y_format=format_size,
+                        y_label="memory per step",
+                        y_bytes=True,
+                        x_integer=True,
+                        markers=len(dev.steps) <= 60,
                     )
                 )
             if dev.breakdown is not None:
@@ -739,8 +765,9 @@ class TrackReport:
                 body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
         if self.ranks is not None:
             body.append(self.ranks.html_body())
-        body.append("<h3>Advice</h3>")
-        body.append(advice_html(list(self.advice)))
+        if self.advice or self.oom is None:  # the post-mortem above has its own advice
+            body.append("<h3>Advice</h3>")
+            body.append(advice_html(list(self.advice)))
         if self.notes:
             body.append("".join(f'<p class="note">{h.escape(n)}</p>' for n in self.notes))
         return "".join(body)

@@ -8,33 +8,122 @@ through torch's global hooks, so no line of the script changes. The exit code is
 * ``1`` when an out-of-memory error escapes it (what Python itself exits with; also memkit's
   "does not fit");
 * ``3`` when any other exception escapes it (memkit's "your code raised");
-* ``130`` on ``KeyboardInterrupt``.
+* ``130`` on ``KeyboardInterrupt``;
+* ``143`` (128 + 15) when ``SIGTERM`` stopped it (under :class:`SigtermGuard`, which ``memkit
+  run`` installs): the report is still built, with the note ``interrupted by SIGTERM at step
+  N``, and its files are still written. torchrun sends SIGTERM to the other ranks when one
+  fails.
 
 Under ``torchrun`` (``RANK``/``LOCAL_RANK`` set), each rank tracks ``cuda:LOCAL_RANK`` unless
 ``--device`` says otherwise, its output lines start with ``[rank N]`` and its files are
-written as ``NAME.rankN.EXT``. Gathering the ranks' reports is the distributed module's job.
+written as ``NAME.rankN.EXT``; rank 0 prints the full report, the others one line
+(:func:`summary_line`). Gathering the ranks' reports is the distributed module's job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import runpy
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.tracking.report import TrackReport
+from memkit.units import format_size
 
-__all__ = ["RunOutcome", "default_device", "rank_path", "rank_prefix", "run_script"]
+__all__ = [
+    "RunOutcome",
+    "SigtermGuard",
+    "Terminated",
+    "check_writable",
+    "default_device",
+    "rank_path",
+    "rank_prefix",
+    "run_script",
+    "summary_line",
+]
 
 EXIT_OOM = 1
 EXIT_USER_ERROR = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + int(signal.SIGTERM)
+"""143: the conventional exit code of a process ended by SIGTERM (128 + 15)."""
+
+
+class Terminated(BaseException):
+    """Raised in the script's main thread by :class:`SigtermGuard` when SIGTERM arrives.
+
+    A ``BaseException`` (like ``KeyboardInterrupt`` and ``SystemExit``), so ``except
+    Exception`` in the script does not swallow it; ``finally`` blocks and the tracker's
+    ``__exit__`` run, and the report is built.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.signame = signal.Signals(signum).name
+        super().__init__(f"terminated by {self.signame}")
+
+
+class SigtermGuard:
+    """Turn SIGTERM into :class:`Terminated` while a script runs, so its report survives.
+
+    Entered, it installs a SIGTERM handler (main thread only: Python runs signal handlers
+    there; elsewhere it does nothing) and restores the previous handler on exit. Inside
+    :meth:`armed` (the script's run) the first SIGTERM raises :class:`Terminated`; a SIGTERM
+    before that is raised as soon as the script starts, and any later one is ignored until
+    the guard exits, so the report is printed and written in full.
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._installed = False
+        self._armed = False
+        self._raised = False
+        self.pending: int | None = None
+
+    def __enter__(self) -> SigtermGuard:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            previous = signal.SIG_DFL if self._previous is None else self._previous
+            signal.signal(signal.SIGTERM, previous)
+            self._installed = False
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self._raised:
+            return
+        if self._armed:
+            self._raised = True
+            self._armed = False
+            raise Terminated(signum)
+        self.pending = signum
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The block in which SIGTERM raises :class:`Terminated` (the script's run)."""
+        if self.pending is not None and not self._raised:
+            self._raised = True
+            raise Terminated(self.pending)
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
 
 
 @dataclass(frozen=True)
@@ -47,12 +136,14 @@ class RunOutcome:
         traceback: the formatted traceback of an exception that escaped the script, from the
             script's own frames on, else ``None``.
         oom: an out-of-memory error ended the script.
+        interrupted: the signal that stopped the script (``"SIGTERM"``), else ``None``.
     """
 
     exit_code: int
     report: TrackReport
     traceback: str | None
     oom: bool
+    interrupted: str | None = None
 
 
 def rank_prefix() -> str:
@@ -68,6 +159,54 @@ def rank_path(path: str | Path) -> Path:
     if rank is None:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """Check, before the script runs, that ``option``'s file (``--json``, ``--html``) can be
+    written: its folder exists and is writable, and it is not a folder itself.
+
+    Raises:
+        ConfigError: it cannot be written (exit 2); the message says what to do.
+    """
+    path = Path(path)
+    folder = path.parent
+    where = f"{option} {str(path)!r}"
+    if not folder.exists():
+        raise ConfigError(
+            f"{where}: expected a file in an existing folder, but the folder {str(folder)!r} "
+            f"does not exist; create it first (mkdir -p {folder}) or give another path"
+        )
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{where}: expected a file in a folder, but {str(folder)!r} is not a folder; "
+            "give another path"
+        )
+    if path.is_dir():
+        raise ConfigError(f"{where}: expected a file name, found a folder; add a file name")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(
+            f"{where}: expected a writable file, but {str(target)!r} is not writable by this "
+            "user; give a path in a folder you can write to"
+        )
+
+
+def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
+    """One line for the ranks other than 0 under torchrun (rank 0 prints the full report)."""
+    parts = [f"memkit: {report.steps} step(s)"]
+    devices = list(report.devices)
+    if devices:
+        top = max(devices, key=lambda d: d.peak_allocated)
+        parts[0] += f", peak {format_size(top.peak_allocated)} on {top.device}"
+        if top.capacity:
+            parts[0] += f" of {format_size(top.capacity)}"
+    if report.oom is not None:
+        parts.append(f"out of memory at {report.oom.where}")
+    parts.extend(n.split(";")[0] for n in report.notes if n.startswith("interrupted by "))
+    rest = "full report on rank 0"
+    if files:
+        rest += " (this rank's: " + ", ".join(str(f) for f in files) + ")"
+    return "; ".join([*parts, rest])
 
 
 def default_device(device: str | None) -> str | None:
@@ -99,6 +238,19 @@ def _script_traceback(exc: BaseException, script: Path) -> str:
     return "".join(traceback.format_exception(type(exc), exc, start or tb))
 
 
+def _script_line(exc: BaseException, script: Path) -> str | None:
+    """``train.py line 42, in train``: the script's innermost frame in the traceback."""
+    target = str(script.resolve())
+    found = None
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if os.path.abspath(code.co_filename) == target:
+            found = f"{script.name} line {tb.tb_lineno}, in {code.co_name}"
+        tb = tb.tb_next
+    return found
+
+
 def run_script(
     script: str | Path,
     args: list[str] | tuple[str, ...] = (),
@@ -106,8 +258,12 @@ def run_script(
     device: str | None = None,
     budget: str | int | None = None,
     per_module: bool = True,
+    sigterm: SigtermGuard | None = None,
 ) -> RunOutcome:
     """Run ``script`` as ``__main__`` with ``args`` under :func:`memkit.track` (global hooks).
+
+    With an entered ``sigterm`` guard, a SIGTERM stops the script with :class:`Terminated`:
+    exit code 143, and a report noting ``interrupted by SIGTERM at step N``.
 
     Raises:
         ConfigError: the script does not exist or is not a file.
@@ -139,8 +295,11 @@ def run_script(
     text: str | None = None
     failed: BaseException | None = None
     oom = False
+    interrupted: str | None = None
+    where: str | None = None
+    armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
     try:
-        with tracker:
+        with tracker, armed:
             runpy.run_path(str(path), run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -154,6 +313,10 @@ def run_script(
     except KeyboardInterrupt as exc:
         text = _script_traceback(exc, path)
         exit_code = EXIT_INTERRUPTED
+    except Terminated as exc:  # not an error of the script: where it was, not a traceback
+        exit_code = 128 + exc.signum
+        where = _script_line(exc, path)
+        interrupted = exc.signame
     except BaseException as exc:
         text = _script_traceback(exc, path)
         oom = find_oom(exc) is not None
@@ -167,4 +330,14 @@ def run_script(
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, failed)
         del failed
-    return RunOutcome(exit_code=exit_code, report=tracker.report(), traceback=text, oom=oom)
+    report = tracker.report()
+    if interrupted is not None:
+        at = f" ({where})" if where else ""
+        note = (
+            f"interrupted by {interrupted} at step {report.steps}{at}; the numbers cover what "
+            "ran until then"
+        )
+        report = dataclasses.replace(report, notes=(*report.notes, note))
+    return RunOutcome(
+        exit_code=exit_code, report=report, traceback=text, oom=oom, interrupted=interrupted
+    )
