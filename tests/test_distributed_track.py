@@ -73,7 +73,7 @@ RANK1_RUNS_OUT = textwrap.dedent(
         opt.zero_grad()
         step += 1
         if rank == 1 and step == 3:
-            torch.empty(64, 1024, 1024)  # 256 MiB on a 64 MiB device: out of memory
+            model(torch.randn(600_000, 32))  # 2 x 73 MiB on a 64 MiB device: out of memory
         time.sleep(0.01)
     """
 )

@@ -86,7 +86,7 @@ class GrowthDetector:
         self.min_growth = min_growth
         self._start: tuple[int, int] | None = None  # (step, allocated) where the climb began
         self._last = 0
-        self._rises = 0
+        self.rises = 0
         self._seen = 0
         self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
 
@@ -97,14 +97,14 @@ class GrowthDetector:
         if self._seen <= self.warmup:
             return False
         if self._start is None or allocated < self._last:
-            self._start, self._last, self._rises = (step, allocated), allocated, 0
+            self._start, self._last, self.rises = (step, allocated), allocated, 0
             return False
         rose = allocated - self._last >= self.min_growth
         self._last = allocated
         if not rose:
             return False
-        self._rises += 1
-        if self._rises < self.window:
+        self.rises += 1
+        if self.rises < self.window:
             return False
         first_step, first = self._start
         steps = step - first_step
@@ -318,7 +318,13 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
     """``graph-retained``: memory grows each step and a live variable holds an autograd graph."""
     out: list[Advice] = []
     for leak in leaks:
-        if leak.graph_growth and leak.growth_per_step <= 0:
+        if leak.period > 1:
+            growth = (
+                f"Allocated memory on {leak.device} grew by "
+                f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
+                f"over {leak.steps} steps (from step {leak.first_step}) without coming back down."
+            )
+        elif leak.graph_growth and leak.growth_per_step <= 0:
             growth = (
                 f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
                 f"{leak.first_step}); device memory on {leak.device} stayed flat because "

@@ -48,6 +48,11 @@ CAPACITY_IN_PLOT = 4
 (further up, it would squash the readings to the floor; a note gives it instead)."""
 
 
+def format_shape(shape: Sequence[int]) -> str:
+    """``(1000, 1, 28, 28)``."""
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
@@ -231,6 +236,8 @@ class LeakFinding:
         graph_growth: autograd nodes added per step to a graph a variable holds; set when
             the graph grows although device memory does not (backward freed its tensors, its
             nodes pile up in host memory).
+        period: steps between two rises (1: every step; 20: an evaluation every 20 steps that
+            keeps its graph).
     """
 
     device: str
@@ -239,6 +246,7 @@ class LeakFinding:
     steps: int
     suspects: tuple[LeakSuspect, ...] = ()
     graph_growth: int = 0
+    period: int = 1
 
     def headline(self) -> str:
         """One line: what grows, by how much."""
@@ -247,6 +255,11 @@ class LeakFinding:
             return (
                 f"an autograd graph{held} grows by about {self.graph_growth} nodes per step "
                 f"(host memory; since step {self.first_step})"
+            )
+        if self.period > 1:
+            return (
+                f"memory grows by {format_size(self.growth_per_step * self.period)} every "
+                f"{self.period} steps (since step {self.first_step}, over {self.steps} steps)"
             )
         return (
             f"memory grows by {format_size(self.growth_per_step)} per step "
@@ -277,7 +290,7 @@ class OomPostMortem:
         leak: growth seen before the failure, if any.
         advice: what to do.
         rank: the distributed rank, if any.
-        batch_size: the leading dimension of the last forward's first input, if known.
+        input_shape: the shape of the last model forward's first tensor input, if any.
     """
 
     device: str
@@ -297,7 +310,7 @@ class OomPostMortem:
     leak: LeakFinding | None
     advice: tuple[Advice, ...]
     rank: int | None = None
-    batch_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
 
     @property
     def where(self) -> str:
@@ -518,7 +531,7 @@ class TrackReport:
         eval_grad_forwards: forward passes run in eval mode with autograd recording.
         eval_forwards: evaluation passes (model forwards under ``no_grad``/``inference_mode``,
             in eval mode, or unable to build a graph); their peak is ``phase_peaks["eval"]``.
-        eval_batch_size: the largest leading dimension of an evaluation pass's first input.
+        eval_input_shape: the largest first tensor input of an evaluation pass (its shape).
         step_rule: what counted steps: ``"optimizer"`` (``optimizer.step()``), ``"backward"``
             (no optimizer stepped: a training forward after a backward starts a step) or
             ``"manual"`` (``Tracker.step()``).
@@ -545,7 +558,7 @@ class TrackReport:
     oom: OomPostMortem | None = None
     eval_grad_forwards: int = 0
     eval_forwards: int = 0
-    eval_batch_size: int | None = None
+    eval_input_shape: tuple[int, ...] | None = None
     step_rule: str = "optimizer"
     rank: int | None = None
     world_size: int | None = None
@@ -608,7 +621,7 @@ class TrackReport:
             "world_size": self.world_size,
             "eval_grad_forwards": self.eval_grad_forwards,
             "eval_forwards": self.eval_forwards,
-            "eval_batch_size": self.eval_batch_size,
+            "eval_input_shape": self.eval_input_shape,
             "step_rule": self.step_rule,
             "micro_batches": self.micro_batches,
             "devices": devices,
@@ -645,7 +658,11 @@ class TrackReport:
                 "kept/step sums a step's micro-batches, kept (1 call) is one forward"
             )
         if self.eval_forwards:
-            batch = "" if self.eval_batch_size is None else f", batch up to {self.eval_batch_size}"
+            batch = (
+                ""
+                if self.eval_input_shape is None
+                else f", largest input {format_shape(self.eval_input_shape)}"
+            )
             lines.append(
                 f"evaluation: {self.eval_forwards} forward pass(es){batch}, reported apart "
                 "from training (the eval column); module bytes are training forwards only"

@@ -25,7 +25,7 @@ from memkit import advice as rules_of
 from memkit.advice import Advice
 from memkit.oom import OomDetails
 from memkit.tracking.leaks import graph_retained_advice
-from memkit.tracking.report import DeviceReport, OomPostMortem, TrackReport
+from memkit.tracking.report import DeviceReport, OomPostMortem, TrackReport, format_shape
 from memkit.units import format_size
 
 __all__ = ["eval_grad_enabled", "graph_retained", "measured_advice", "oom_advice", "track_advice"]
@@ -72,7 +72,8 @@ def eval_peak(report: TrackReport) -> list[Advice]:
         )
         if evaluation is None or training is None or evaluation <= training * 1.1:
             continue
-        batch = "" if report.eval_batch_size is None else f" at batch {report.eval_batch_size}"
+        shape = report.eval_input_shape
+        batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
         out.append(
             Advice(
                 code="eval-peak",
@@ -101,22 +102,24 @@ def track_advice(report: TrackReport, *, eval_grad_bytes: int = 0) -> list[Advic
 
 def _oom_in_evaluation(pm: OomPostMortem) -> Advice:
     """``oom-eval``: the OOM came in an evaluation pass, where accumulation does not apply."""
-    batch = "" if pm.batch_size is None else f" with a batch of {pm.batch_size}"
-    recording = (
-        "autograd was recording" if pm.grad_enabled else "autograd was off (no_grad)"
+    shape = pm.input_shape
+    batch = "" if shape is None else f"; the model's first input was {format_shape(shape)}"
+    kept = (
+        "Autograd was recording, so every layer's activations were kept for a backward that "
+        "never comes (see eval-grad-enabled)."
+        if pm.grad_enabled
+        else "Autograd was off: evaluation keeps no activations for a backward, so its memory "
+        "is the model, the batch and a few layers' outputs."
     )
-    smaller = "" if pm.batch_size is None or pm.batch_size < 2 else (
-        f" (e.g. {pm.batch_size // 2} instead of {pm.batch_size})"
-    )  # fmt: skip
     return Advice(
         code="oom-eval",
         title="out of memory in an evaluation pass",
-        evidence=f"It failed at {pm.where}{batch}; {recording}. Evaluation keeps no "
-        "activations for a backward, so its memory is the batch, the model and one layer's "
-        "temporaries: gradient accumulation does not apply.",
-        action=f"Lower the evaluation batch size{smaller}; it is independent of the training "
-        "batch. Run evaluation under `torch.inference_mode()` (or `torch.no_grad()`) and "
-        "`model.eval()`, and move what you keep of the outputs to the CPU.",
+        evidence=f"It failed at {pm.where}{batch}. {kept} Gradient accumulation does not apply "
+        "to evaluation.",
+        action="Lower the evaluation batch size (a loader of its own, e.g. `--test-batch-size`): "
+        "it is independent of the training batch. Run evaluation under "
+        "`torch.inference_mode()` (or `torch.no_grad()`) with `model.eval()`, and move what you "
+        "keep of its outputs to the CPU.",
         saving_bytes=None,
         severity="critical",
     )

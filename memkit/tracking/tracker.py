@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import sys
 import threading
 import time
@@ -66,7 +67,6 @@ from memkit.tracking.report import (
     TimelinePoint,
     TrackReport,
 )
-from memkit.units import format_size
 
 __all__ = ["Tracker", "track"]
 
@@ -321,9 +321,9 @@ class Tracker:
         self._eval_forwards = 0
         self._trained = False
         self._failed = False  # an exception is leaving the block: what it holds is no peak
-        self._eval_batch: int | None = None
+        self._eval_input: tuple[int, ...] | None = None
         self._eval_return = OTHER
-        self._last_batch: int | None = None
+        self._last_input: tuple[int, ...] | None = None
         self._backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self._backwards_in_step = 0
         self._warning_filter: Any = None
@@ -698,7 +698,8 @@ class Tracker:
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or not stack
             bw = functools.partial(self._bw, name) if hook else None
-            ms = dev.modules[name] = _ModuleStat(leaf, bw, type(module).__name__)
+            inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model
+            ms = dev.modules[name] = _ModuleStat(leaf, bw, type(inner).__name__)
         frame = _Frame(name, id(module), dev, a, ms, kind)
         if not stack and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
@@ -833,14 +834,15 @@ class Tracker:
             root = self._root_info(module)
         grad = torch.is_grad_enabled()
         self._last_root = (module.training, grad)
-        self._last_batch = _batch_size(args)
+        self._last_input = shape = _input_shape(args)
         sim = self._sim
         if not grad or not module.training or not (root.trainable or _needs_grad(args)):
             kind = EVAL_PASS
             self._eval_forwards += 1
-            batch = self._last_batch
-            if batch is not None and (self._eval_batch is None or batch > self._eval_batch):
-                self._eval_batch = batch
+            if shape is not None and (
+                self._eval_input is None or math.prod(shape) > math.prod(self._eval_input)
+            ):
+                self._eval_input = shape
             if self._phase != EVAL:
                 with self._lock:
                     if self._phase != EVAL:
@@ -1106,6 +1108,12 @@ class Tracker:
                 )
             dev.steps.clear()
             dev.steps.extend(kept)
+            timeline = dev.timeline
+            i = len(timeline) - 1
+            while i >= 0 and timeline[i][1] >= first:  # readings of the merged micro-batches
+                t, _, *rest = timeline[i]
+                timeline[i] = (t, first, *rest)  # type: ignore[assignment]
+                i -= 1
             dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
             for ms in dev.modules.values():
                 ms.step_id = -1
@@ -1156,11 +1164,7 @@ class Tracker:
         dev.leak = LeakFinding(
             dev.key, 0, step - 2, 2, tuple(suspects), graph_growth=(nodes - start) // 2
         )
-        log.warning(
-            "memkit: the autograd graph held by `%s` grows every step (%s)",
-            suspects[0].name,
-            suspects[0].where,
-        )
+        log.info("memkit: %s at %s", dev.leak.headline(), suspects[0].where)
 
     def _on_growth(self, devices: list[_Device], frame: Any) -> None:
         scan_now = self._scan is None or (not self._confirmed and self._step > self._scan_step)
@@ -1181,14 +1185,10 @@ class Tracker:
         for dev in devices:
             growth, first, steps = dev.growth.finding or (0, self._step, 0)
             first_time = dev.leak is None
-            dev.leak = LeakFinding(dev.key, growth, first, steps, self._suspects)
-            if first_time:
-                log.warning(
-                    "memkit: memory on %s grows by %s per step (%d steps)",
-                    dev.key,
-                    format_size(growth),
-                    steps,
-                )
+            period = max(1, round(steps / max(1, dev.growth.rises)))
+            dev.leak = LeakFinding(dev.key, growth, first, steps, self._suspects, period=period)
+            if first_time:  # the report says it; the log is for those who listen
+                log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
 
     # ------------------------------------------------------------------------------------
     # model, optimizer and the breakdown (cold path)
@@ -1445,7 +1445,7 @@ class Tracker:
             leak=leak,
             advice=(),
             rank=launched_rank(),
-            batch_size=self._last_batch,
+            input_shape=self._last_input,
         )
         advice = rules.oom_advice(pm, details.reserved_unallocated, details=details)
         return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
@@ -1546,7 +1546,7 @@ class Tracker:
             oom=self._oom,
             eval_grad_forwards=self._eval_grad,
             eval_forwards=self._eval_forwards,
-            eval_batch_size=self._eval_batch,
+            eval_input_shape=self._eval_input,
             step_rule=self._step_rule(),
             rank=rank,
             world_size=world,
@@ -1568,11 +1568,12 @@ class Tracker:
         return PHASES[self._phase]
 
 
-def _batch_size(args: Any) -> int | None:
-    """The leading dimension of a forward's first tensor argument."""
+def _input_shape(args: Any) -> tuple[int, ...] | None:
+    """The shape of a forward's first tensor argument (its batch dimension is the model's
+    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return int(a.shape[0]) if a.dim() else None
+            return tuple(int(n) for n in a.shape)
     return None
 
 
