@@ -129,7 +129,7 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
     result = run("--device", "cpu", "--budget", "8MiB", "--steps-only", str(script))
     assert result.exit_code == 0, result.output
     assert "[rank 0] memkit track rank 0/2: 3 step(s)" in result.stderr
-    assert "mode steps-only" in result.stderr and "at the peak" in result.stderr
+    assert "mode steps-only" in result.stderr and "at the training peak" in result.stderr
 
 
 def marker_script(tmp_path: Path) -> tuple[Path, Path]:
