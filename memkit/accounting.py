@@ -97,6 +97,19 @@ def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(value)
 
 
+def _eval_frame_api() -> Any:
+    """torch's C-level Dynamo frame controls, where this torch has them (2.8+), else None."""
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:
+        return None
+    wanted = ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction")
+    return eval_frame if all(hasattr(eval_frame, name) for name in wanted) else None
+
+
+_EVAL_FRAME = _eval_frame_api()
+
+
 class MemoryAccountant(TorchDispatchMode):
     """Counts live tensor-storage bytes on one device, optionally against a budget.
 
@@ -274,6 +287,14 @@ class MemoryAccountant(TorchDispatchMode):
                 new.setdefault(id(storage), (storage, self._size(storage)))
         return new, grown
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Dynamo must never trace this handler (a compiled model calls it for every op). torch
+        # wraps it in torch._disable_dynamo, which imports torch._dynamo at the first op
+        # (1.3 s, sympy included) and adds a wrapper to every op; a code-level skip set below
+        # does the same without either, where this torch has it.
+        return _EVAL_FRAME is None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.counting:
@@ -331,6 +352,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
             stack.extend(item.values())
     return found
 
+
+if _EVAL_FRAME is not None:  # skip the handler and everything it calls, as _disable_dynamo does
+    _SKIP = _EVAL_FRAME._FrameAction.SKIP
+    _EVAL_FRAME.set_code_exec_strategy(
+        MemoryAccountant.__torch_dispatch__.__code__, _EVAL_FRAME._FrameExecStrategy(_SKIP, _SKIP)
+    )
 
 _ACCOUNTANTS: weakref.WeakSet[MemoryAccountant] = weakref.WeakSet()
 
