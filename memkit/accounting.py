@@ -299,7 +299,7 @@ class MemoryAccountant(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.counting:
             return out
-        new, grown = self._scan(out, (args, kwargs))
+        new, grown = self._scan(out, (*args, kwargs) if kwargs else args)
         added = sum(size for _, size in new.values())
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1
@@ -336,20 +336,22 @@ class MemoryAccountant(TorchDispatchMode):
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or result: a tensor, or tuples, lists and dicts of them
-    (what ATen ops take and return; a hand-written walk, several times faster than pytree's)."""
+    """The tensors in an op's arguments or result: ATen ops take and return tensors, and lists
+    or tuples of them one level deep (``cat``, ``_foreach_add``); a dict for keyword arguments.
+    A hand-written walk: the hot path of the simulated device, several times faster than
+    pytree's."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return []
     found: list[torch.Tensor] = []
-    stack = [value]
-    while stack:
-        item = stack.pop()
+    for item in value:
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif isinstance(item, (tuple, list)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
+        elif isinstance(item, (tuple, list, dict)):
+            found.extend(_tensors(item))
     return found
 
 

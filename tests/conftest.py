@@ -12,7 +12,10 @@ import torch
 def _seed_and_collect():
     torch.manual_seed(0)
     yield
+    # free what a test left in reference cycles (tensors the next test's device would count);
+    # then freeze the survivors, so the next collection looks only at what that test makes
     gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture
