@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.devices import (
     SimulatedBackend,
@@ -125,15 +126,14 @@ class _Ignored:
 class _Root:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("compiled", "keys", "model", "ref", "trainable", "types")
+    __slots__ = ("keys", "model", "ref", "trainable")
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
         self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
-        self.model = any(True for _ in module.parameters())
-        self.trainable = any(p.requires_grad for p in module.parameters())
-        self.compiled = hasattr(module, "_orig_mod")
-        self.types = {id(m): type(m).__name__ for m in module.modules()}
+        params = [p.requires_grad for p in module.parameters()]
+        self.model = bool(params)  # only a module with parameters can be the trained model
+        self.trainable = any(params)
 
 
 class _ModuleStat:
@@ -516,6 +516,9 @@ class Tracker:
         @functools.wraps(original)
         def fetch(it: Any) -> Any:
             acct = sim.accountant
+            if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
+                with _disable_current_modes():
+                    return original(it)
             saved = acct.counting, acct.adopting
             sim.count_ops(False, False)
             try:
@@ -1566,6 +1569,14 @@ class Tracker:
     def phase(self) -> str:
         """The phase running now."""
         return PHASES[self._phase]
+
+
+def _only_mode(mode: Any) -> bool:
+    """``mode`` is the only dispatch mode active in this thread."""
+    return (
+        torch._C._len_torch_dispatch_stack() == 1
+        and torch._C._get_dispatch_stack_at(0) is mode
+    )
 
 
 def _input_shape(args: Any) -> tuple[int, ...] | None:
