@@ -71,9 +71,12 @@ def cuda_rounded(nbytes: int) -> int:
     return max(CUDA_MIN_BLOCK, -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
 
 
-def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
     """Yield the tensors an object holds: a tensor, a module (parameters, their gradients,
-    buffers), an optimizer (its state), or a list/tuple/dict of those."""
+    buffers), an optimizer (its state), a list/tuple/dict of those, or (``depth`` levels down)
+    the attributes of another object (a model output's key-value cache)."""
+    if depth < 0:
+        return
     if isinstance(obj, torch.Tensor):
         yield obj
         if obj.grad is not None:
@@ -91,10 +94,13 @@ def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(group["params"])
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from tensors_of(value)
+            yield from tensors_of(value, depth - 1)
     elif isinstance(obj, (list, tuple, set)):
         for value in obj:
-            yield from tensors_of(value)
+            yield from tensors_of(value, depth - 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for value in vars(obj).values():
+            yield from tensors_of(value, depth - 1)
 
 
 def _eval_frame_api() -> Any:

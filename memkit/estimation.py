@@ -60,7 +60,7 @@ from memkit.autocast_model import AutocastPolicy, autocast_lists
 from memkit.errors import ConfigError, ModelFileError
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.probing.search import SearchResult, search_max_batch
-from memkit.probing.step import StepPlan, check_batch, to_device
+from memkit.probing.step import StepPlan, call_model, check_batch, to_device
 from memkit.render import html as h
 from memkit.render.text import table
 from memkit.units import format_size, parse_size
@@ -541,14 +541,28 @@ class _Session:
             )
         return to_device(made, META)
 
-    def step(self, batch_size: int) -> None:
+    def _mode(self) -> _TargetMode:
         policy = None if self.policy_dtype is None else AutocastPolicy(self.policy_dtype)
-        mode = _TargetMode(policy, self.attention, self.sm)
+        return _TargetMode(policy, self.attention, self.sm)
+
+    def step(self, batch_size: int) -> None:
+        mode = self._mode()
         batch = self.batch(batch_size)
         with mode:
             self.plan(self.model, batch, self.optimizer)
         del batch
         self.kernels |= mode.kernels
+
+    def prime(self, batch_size: int) -> None:
+        """The previous step's output, as the steady state holds it during the next forward
+        (the default step keeps it like a loop's `out = model(x)`): made by an unaccounted
+        forward without a graph, counted from the accounted step's start."""
+        self.plan.release()
+        if self.plan.train_step is not None:
+            return
+        batch = self.batch(batch_size)
+        with torch.no_grad(), self._mode():
+            self.plan.hold(call_model(self.model, batch))
 
     def run(self, batch_size: int) -> _Peaks:
         cached = self.cache.get(batch_size)
@@ -568,9 +582,12 @@ class _Session:
         recorder.phase = "optimizer_state"
         if self.optimizer is not None:
             accountant.track(self.optimizer)
+        self.prime(batch_size)
         recorder.phase = "activations"
+        accountant.track(self.plan.kept)
         with self._hooks(recorder), accountant:
             self.step(batch_size)
+        self.plan.release()
         accountant.on_alloc = accountant.on_free = None
         workspace = self.workspace * workspaces
         peaks = _Peaks(

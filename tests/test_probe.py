@@ -64,11 +64,53 @@ def test_reported_peaks_match_a_direct_measurement():
     with memkit.simulate(None, track=(model, opt)) as acct:
         for _ in range(2):
             x = torch.randn(best, 256)
-            model(x).sum().backward()
+            out = model(x)  # a loop's `out` lives until the next forward rebinds it
+            out.sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             del x
+        del out
     assert result.trial(best).peak_bytes == acct.peak
+    assert any("kept: the model's output" in line for line in result.defaults)
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["max", "max+1"])
+def test_an_ordinary_loop_trains_at_the_reported_max_and_not_above(extra):
+    """nanoGPT-style: `logits, loss = model(X, Y)` keeps the logits until the next forward
+    returns. The probe's step keeps its output the same way, so its answer holds for the loop."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU())
+            self.head = torch.nn.Linear(512, 2048)
+
+        def forward(self, x, y):
+            logits = self.head(self.body(x))
+            return logits, torch.nn.functional.cross_entropy(logits, y)
+
+    def make_batch(n):
+        return torch.randn(n, 256), torch.randint(0, 2048, (n,))
+
+    torch.manual_seed(0)
+    model = Net()
+    result = probe(
+        model, make_batch, device="cpu", budget="48MiB", loss_fn=lambda out, batch: out[1]
+    )
+    batch = result.max_batch_size + extra
+    opt = torch.optim.AdamW(model.parameters())
+    ran_out = False
+    with memkit.simulate("48MiB", track=(model, opt)):
+        try:
+            for _ in range(3):
+                x, y = make_batch(batch)
+                logits, loss = model(x, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        except torch.OutOfMemoryError:
+            ran_out = True
+    assert ran_out == bool(extra), (result.max_batch_size, batch)
 
 
 def test_state_is_bit_identical_after_probing_a_cnn_with_batchnorm():

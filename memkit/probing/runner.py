@@ -103,12 +103,15 @@ class _TrialRunner:
         self.backend.reset_peak()
 
     def _run_steps(self, batch_size: int) -> None:
-        for _ in range(self.steps):
-            batch = to_device(self._batch(batch_size), self.backend.device)
-            self.step(self.model, batch, self.optimizer)
-            del batch
-            if self.sync is not None:
-                self.sync.end_step()
+        try:
+            for _ in range(self.steps):
+                batch = to_device(self._batch(batch_size), self.backend.device)
+                self.step(self.model, batch, self.optimizer)
+                del batch
+                if self.sync is not None:
+                    self.sync.end_step()
+        finally:
+            self.step.release()  # the trial's loop is over: its last output goes too
 
     def __call__(self, batch_size: int) -> tuple[bool, int | None]:
         if self.capacities is not None:

@@ -5,6 +5,11 @@ Default step: call the model by the batch's type (tensor: ``model(b)``, tuple/li
 ``output.loss`` if present (transformers models), else the output if it is a scalar, else the
 sum of every floating-point tensor in the output; backward; optimizer step;
 ``zero_grad(set_to_none=True)``. Inference runs the forward under ``torch.inference_mode()``.
+
+Like a training loop's ``out = model(x)`` (or nanoGPT's ``logits, loss = model(X, Y)``), the
+step keeps the model's output alive through backward and the optimizer step, until the next
+step's forward has returned: a loop's variable is only rebound then. So the second step of a
+trial holds the first step's output during its forward, as every real loop does.
 """
 
 from __future__ import annotations
@@ -98,18 +103,20 @@ class StepPlan:
     loss_fn: Callable[[Any, Any], Any] | None = None
     train_step: Callable[[Any, Any, Any], Any] | None = None
     loss_rule: str | None = field(default=None, init=False)
+    _kept: Any = field(default=None, init=False, repr=False)
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
         if self.mode == "infer":
             with torch.inference_mode():
-                call_model(model, batch)
+                output = call_model(model, batch)
+            self._kept = output  # the previous output lived until this forward returned
             return
         if self.train_step is not None:
             self.train_step(model, batch, optimizer)
             return
         output = call_model(model, batch)
+        self._kept = None  # `out = model(x)` rebinds the loop's variable only now
         loss, self.loss_rule = resolve_loss(output, batch, self.loss_fn)
-        del output
         loss.backward()
         del loss
         if optimizer is not None:
@@ -117,17 +124,33 @@ class StepPlan:
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
+        self._kept = output
+
+    @property
+    def kept(self) -> Any:
+        """The output held from the last step (``None`` between trials)."""
+        return self._kept
+
+    def hold(self, output: Any) -> None:
+        """Hold ``output`` as if a previous step had returned it (estimates prime with it)."""
+        self._kept = output
+
+    def release(self) -> None:
+        """Drop the output kept from the last step (a trial is over: the loop has ended)."""
+        self._kept = None
 
     def describe(self) -> list[str]:
         """Lines such as ``"step: default (forward, loss, backward, optimizer.step)"``."""
+        kept = "kept: the model's output, until the next step's forward returns (`out = model(x)`)"
         if self.mode == "infer":
-            return ["step: forward under torch.inference_mode() (inference)"]
+            return ["step: forward under torch.inference_mode() (inference)", kept]
         if self.train_step is not None:
             return ["step: train_step(model, batch, optimizer) from the model file"]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
+            kept,
         ]
 
 
