@@ -282,3 +282,19 @@ def test_running_loss_graph_is_caught_while_device_memory_stays_flat():
     assert "graph-retained" in codes(report) and "nodes per step" in str(report)
     healthy = run("running_loss_graph.py", *args, "--healthy").report
     assert healthy.leaks == [] and "graph-retained" not in codes(healthy)
+
+
+# -- the example a new user tries first --------------------------------------------------------
+
+
+def test_example_training_script_reports_training_and_evaluation_apart():
+    example = Path(__file__).parents[2] / "examples" / "train.py"
+    outcome = run(example, budget="256MiB")  # 1024 training samples, 256 for evaluation
+    assert outcome.exit_code == 0, outcome.traceback
+    report = outcome.report
+    assert report.steps == 1024 // 64 and report.eval_forwards == 1  # one batch of 256
+    dev = report.devices[0]
+    # hand count: the first conv keeps its output (64, 32, 32, 32) fp32 for BatchNorm's backward
+    assert module(report, "0").self_activation_bytes == 64 * 32 * 32 * 32 * 4
+    assert dev.phase_peaks["eval"] > dev.phase_peaks["backward"]  # eval batch 256 vs 64
+    assert "eval-peak" in codes(report)
