@@ -1,15 +1,20 @@
 """The ``memkit`` command line: thin click commands that parse, call, render and exit.
 
 Exit codes: 0 success; 1 does not fit (even the minimum); 2 usage, configuration or model-file
-error; 3 the user's code raised an error that is not an OOM; 4 a distributed failure. A
-:class:`~memkit.errors.MemkitError` becomes one line on stderr (``memkit: error: ...``).
+error; 3 the user's code raised an error that is not an OOM, or memkit itself failed; 4 a
+distributed failure; 130 interrupted (Ctrl-C). A :class:`~memkit.errors.MemkitError` becomes one
+line on stderr (``memkit: error: ...``); any other exception escaping a command is memkit's own
+failure: one line naming it (``memkit: internal error: ...``), exit 3, never 1 ("does not fit").
 torch is imported inside command bodies only, so ``memkit --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -21,9 +26,17 @@ from memkit.errors import MemkitError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_INTERNAL = 3
+"""memkit itself failed (an exception that is neither a MemkitError nor the user's)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (128 + SIGINT), as a shell reports it."""
+
 
 def handle_errors(func: F) -> F:
-    """Turn a MemkitError into one line on stderr and its exit code."""
+    """Turn a MemkitError into one line on stderr and its exit code; Ctrl-C into exit 130
+    (``memkit: interrupted``); any other exception into one line naming it and exit 3 (set
+    ``MEMKIT_TRACEBACK=1`` for its traceback). Never exit 1 for these: 1 means "does not fit".
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -32,6 +45,23 @@ def handle_errors(func: F) -> F:
         except MemkitError as exc:
             click.echo(f"memkit: error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("memkit: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise
+        except Exception as exc:
+            if os.environ.get("MEMKIT_TRACEBACK"):
+                click.echo(traceback.format_exc().rstrip(), err=True)
+            cause = str(exc).strip().splitlines()
+            click.echo(
+                f"memkit: internal error: {type(exc).__name__}"
+                + (f": {cause[0][:300]}" if cause else "")
+                + " (a failure in memkit itself, not in your code; MEMKIT_TRACEBACK=1 shows "
+                "where; please report it)",
+                err=True,
+            )
+            sys.exit(EXIT_INTERNAL)
 
     return wrapper  # type: ignore[return-value]
 
@@ -91,7 +121,8 @@ def _parse_seq_lens(
 @click.option("--device", default=None, help="cuda, cuda:N, cpu (simulated)... [default: the "
               "current accelerator, else cpu]")  # fmt: skip
 @click.option("--budget", default=None, help="Memory cap, e.g. 8GiB. On cpu: the simulated "
-              "device's size [default: half the available RAM].")  # fmt: skip
+              "device's size, at most the available RAM [default: 1GiB, or half the available "
+              "RAM if less].")  # fmt: skip
 @click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
 @click.option("--steps", type=click.IntRange(min=1), default=2, show_default=True,
@@ -135,8 +166,9 @@ def probe(
 
     FILE defines build_model() and make_batch(batch_size), and optionally build_optimizer,
     loss_fn and train_step (see docs/probe.md). Exit codes: 0 found, 1 even --min-batch does
-    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM,
-    4 a rank failed or timed out.
+    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM (or
+    memkit failed), 4 a rank failed or timed out, 130 interrupted. With --json, stdout is one
+    JSON object: what the model file prints goes to stderr.
 
     \b
     Under torchrun every rank probes its own device (cuda:LOCAL_RANK, or a simulated cpu
@@ -168,9 +200,20 @@ def probe(
     budget = _rank_budget(budget, world, me)
     device = _rank_device(device, world, distributed.local_rank())
     backend = _check_target(device, budget)  # before the model file loads: exit 2 if bad
+    if backend.device.type == "meta":
+        from memkit.errors import ConfigError
+
+        raise ConfigError(
+            "--device meta: probe runs real steps and measures them; meta tensors hold no data. "
+            "Use memkit estimate FILE --device-memory SIZE for meta-device estimates, or "
+            "--device cpu --budget SIZE for a simulated device that runs the steps"
+        )
     rank_device = backend.device if world > 1 else "cpu"
     wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
-    with distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait):
+    with (
+        distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
+        contextlib.redirect_stdout(sys.stderr),  # the model file's prints: --json stays JSON
+    ):
         result = probe_file(
             file,
             seq_len=seq_len,
@@ -250,14 +293,38 @@ def _budget_bytes(part: str, budget: str) -> int:
 def _check_target(device: str | None, budget: str | None) -> Any:
     """The backend of this rank's device and budget (already resolved per rank), checked
     before anything runs: a device this machine does not have is a ConfigError naming
-    ``--device`` (exit 2). Shared by ``memkit probe`` and ``memkit run``."""
-    from memkit.devices import get_backend
+    ``--device`` (exit 2), and so is a simulated cpu device larger than the RAM this machine
+    has available (its tensors are real). Shared by ``memkit probe`` and ``memkit run``."""
+    from memkit.devices import SimulatedBackend, get_backend
     from memkit.errors import ConfigError
 
     try:
-        return get_backend(device, budget)
+        backend = get_backend(device, budget)
     except ConfigError as exc:
         raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None
+    if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
+        _check_host_backs(budget, backend.budget)
+    return backend
+
+
+def _check_host_backs(budget: str, size: int | None) -> None:
+    """A ConfigError (exit 2) when a simulated cpu device of ``size`` bytes is more than the
+    machine's available RAM: its tensors are real, so the machine would run out of RAM (or
+    swap) before the simulated device reached its limit."""
+    from memkit.devices import host_memory
+    from memkit.errors import ConfigError
+    from memkit.units import format_size
+
+    host = host_memory()
+    if size is None or host.available is None or size <= host.available:
+        return
+    total = "" if host.total is None else f" of {format_size(host.total)}"
+    raise ConfigError(
+        f"--budget {budget!r}: the simulated cpu device holds real tensors, so it can be at "
+        f"most the RAM this machine has available: {format_size(host.available)}{total}. Give "
+        f"a --budget of at most {format_size(host.available)} (or free some RAM), or probe a "
+        "real GPU with --device cuda"
+    )
 
 
 def _rank_device(device: str | None, world: int, local_rank: int) -> str | None:
@@ -325,7 +392,9 @@ def snapshot_command(as_json: bool, watch: float | None, count: int | None) -> N
                 for line in snap.watch_lines():
                     click.echo(line)
     except KeyboardInterrupt:
-        pass
+        if tty:
+            click.echo("")  # leave the prompt below the last frame
+        raise  # handle_errors: memkit: interrupted, exit 130
 
 
 @cli.command(
@@ -498,7 +567,8 @@ def estimate_command(
         "margin": DEFAULT_MARGIN if margin is None else margin,
     }  # fmt: skip
     lengths: list[int | None] = list(seq_len) if seq_len else [None]
-    results = [estimate(file, seq_len=length, **options) for length in lengths]
+    with contextlib.redirect_stdout(sys.stderr):  # the model file's prints: --json stays JSON
+        results = [estimate(file, seq_len=length, **options) for length in lengths]
     if as_json:
         payload: Any = results[0].to_dict() if len(results) == 1 else {
             "seq_lens": [r.to_dict() for r in results]

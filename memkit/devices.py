@@ -59,8 +59,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CPU_BUDGET = 1024**3
+"""The simulated cpu device's size when no budget is given: a modest device (1 GiB), so a
+probe without --budget ends in seconds, not minutes and gigabytes of RAM."""
 DEFAULT_CPU_BUDGET_SHARE = 0.5
-"""Share of available RAM the simulated cpu device gets when no budget is given."""
+"""Share of available RAM the default simulated cpu device is capped at, on a small machine."""
 
 
 @dataclass(frozen=True)
@@ -314,11 +317,11 @@ def host_memory() -> HostMemory:
 
 
 def default_cpu_budget() -> int:
-    """The simulated cpu device's default size: a safe share of available RAM."""
+    """The simulated cpu device's default size: 1 GiB, or half the available RAM if less."""
     available = host_memory().available
     if available is None:
-        return parse_size("4GiB")
-    return int(available * DEFAULT_CPU_BUDGET_SHARE)
+        return DEFAULT_CPU_BUDGET
+    return min(DEFAULT_CPU_BUDGET, int(available * DEFAULT_CPU_BUDGET_SHARE))
 
 
 _DEVICE_FORMS = (
@@ -350,8 +353,8 @@ def get_backend(
         device: ``"cuda:1"``, ``"cpu"``, a ``torch.device``, or ``None`` for the current
             accelerator if there is one, else the simulated cpu device.
         budget: bytes or a size string. On ``cpu``/``meta`` it is the simulated device's size
-            (default: half the available RAM on cpu, unlimited on meta); on a GPU it caps the
-            capacity below the real one.
+            (default on cpu: 1 GiB, or half the available RAM if less; unlimited on meta); on
+            a GPU it caps the capacity below the real one.
         rounding: simulated devices only: ``"none"`` or ``"cuda"``.
 
     Raises:
@@ -359,6 +362,10 @@ def get_backend(
     """
     dev = _parse_device(device)
     size = None if budget is None else parse_size(budget)
+    if size is not None and size <= 0:
+        raise ConfigError(
+            f"expected a positive budget such as 300MiB or 8GiB, found {budget!r}, which is 0 bytes"
+        )
     if dev is None:
         dev = _current_accelerator() or torch.device("cpu")
     if dev.type == "cpu":

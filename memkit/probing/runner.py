@@ -22,7 +22,7 @@ import torch
 
 from memkit import distributed
 from memkit.advice import Advice
-from memkit.devices import CudaBackend, SimulatedBackend, get_backend
+from memkit.devices import CudaBackend, SimulatedBackend, get_backend, host_memory
 from memkit.errors import (
     ConfigError,
     DistributedError,
@@ -67,6 +67,35 @@ TrialCallback = Callable[[ProbeTrial], None]
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+_HOST_ALLOCATOR_FRAGMENTS = ("DefaultCPUAllocator", "alloc_cpu.cpp")
+
+
+def _host_failure(exc: BaseException, backend: Backend, batch_size: int) -> ConfigError | None:
+    """On the simulated cpu device: the error that stops the probe when the *machine* ran out
+    of RAM (the host allocator failed, or Python's MemoryError) before the simulated device
+    reached its budget. That is not the simulated device's limit, so it must never be counted
+    as "does not fit"; ``None`` for anything else (the simulated device's own OOM included)."""
+    if not isinstance(backend, SimulatedBackend) or backend.device.type != "cpu":
+        return None
+    if isinstance(exc, torch.OutOfMemoryError) and not any(
+        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
+    ):
+        return None  # the simulated device's own OOM
+    if not isinstance(exc, MemoryError) and not any(
+        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
+    ):
+        return None
+    available = host_memory().available
+    have = "" if available is None else f" (available now: {format_size(available)})"
+    return ConfigError(
+        f"the machine ran out of RAM at batch size {batch_size} before the simulated device's "
+        f"budget ({format_size(backend.budget)}) was reached: {_first_line(exc)}. This is the "
+        "host's limit, not the simulated device's, so memkit stopped instead of counting it as "
+        f"'does not fit'. Give a smaller --budget that this machine can back{have}, or free "
+        "some RAM"
+    )
 
 
 @dataclass
@@ -125,6 +154,10 @@ class _TrialRunner:
         except MemkitError:
             raise
         except Exception as exc:
+            host = _host_failure(exc, self.backend, batch_size)
+            if host is not None:
+                recover(self.backend, exc)
+                raise host from None
             if not is_oom(exc):
                 raise UserCodeError(
                     f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
@@ -183,6 +216,8 @@ class _TrialRunner:
                 status = ABORTED
             elif isinstance(caught, MemkitError):
                 status, local_error = ERROR, caught
+            elif (host := _host_failure(caught, self.backend, batch_size)) is not None:
+                status, local_error = ERROR, host
             elif not is_oom(caught):
                 status = ERROR
                 local_error = UserCodeError(
@@ -374,6 +409,10 @@ def probe(
         defaults.append("optimizer: AdamW (default)")
     elif not any(d.startswith("optimizer:") for d in defaults):
         defaults.append(f"optimizer: {type(optimizer).__name__}")
+    if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
+        defaults.append(
+            f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
+        )
     if isinstance(backend, SimulatedBackend):
         backend.track(model, optimizer)
     capacity = _capacity(backend)

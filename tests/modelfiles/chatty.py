@@ -1,0 +1,16 @@
+"""A model file that prints, like nanoGPT's "number of parameters: ...": --json stays JSON."""
+
+import torch
+
+print("loading chatty.py")
+
+
+def build_model():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    print(f"number of parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+    return model
+
+
+def make_batch(batch_size):
+    print(f"make_batch({batch_size})")
+    return torch.randn(batch_size, 32)

@@ -1,0 +1,179 @@
+"""Exit codes a script can trust: Ctrl-C is 130, memkit's own failures 3 (never 1, "does not
+fit"), --json is one JSON object whatever the model file prints, budgets the machine cannot back
+are refused, and the default simulated cpu device is modest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import memkit
+from memkit import devices
+from memkit.cli import cli
+from memkit.errors import ConfigError
+
+FILES = Path(__file__).parent / "modelfiles"
+ROOT = Path(__file__).parent.parent
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def _small_host(monkeypatch, available: int) -> None:
+    monkeypatch.setattr(
+        devices, "host_memory", lambda: devices.HostMemory(1 << 20, available, 2 * available)
+    )
+
+
+# -- Ctrl-C: 130 -------------------------------------------------------------------------------
+def test_ctrl_c_in_probe_exits_130_with_one_line():
+    result = invoke("probe", str(FILES / "interrupt_step.py"), "--device", "cpu",
+                    "--budget", "64MiB")  # fmt: skip
+    assert result.exit_code == 130, result.output
+    assert result.stderr.rstrip().endswith("memkit: interrupted")
+    assert "Traceback" not in result.stderr and "Aborted" not in result.output
+
+
+def test_ctrl_c_in_probe_restores_the_model():
+    from memkit.modelfile import load_model_file
+
+    spec = load_model_file(FILES / "interrupt_step.py")
+    model = spec.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(KeyboardInterrupt):
+        memkit.probe(model, spec.make_batch, optimizer=optimizer, train_step=spec.train_step,
+                     device="cpu", budget="64MiB")  # fmt: skip
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # batch 1 stepped: put back
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+
+def test_ctrl_c_in_estimate_exits_130():
+    result = invoke("estimate", str(FILES / "interrupt_step.py"), "--device-memory", "1GiB")
+    assert result.exit_code == 130, result.output
+    assert result.stderr.rstrip().endswith("memkit: interrupted")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--watch", "0", "--count", "3"]])
+def test_ctrl_c_in_snapshot_exits_130(monkeypatch, args):
+    import memkit.snapshots
+
+    real, calls = memkit.snapshots.snapshot, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == (2 if args else 1):
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(memkit.snapshots, "snapshot", interrupted)
+    result = invoke("snapshot", *args)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.rstrip().endswith("memkit: interrupted")
+
+
+# -- memkit's own failures: 3, one line; --device meta refused -----------------------------------
+def test_device_meta_is_refused_by_probe_with_exit_2():
+    result = invoke("probe", str(FILES / "ok_mlp.py"), "--device", "meta")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: --device meta: probe runs real steps")
+    assert "memkit estimate" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unexpected_exception_in_memkit_exits_3_naming_it(monkeypatch):
+    import memkit.probing.runner
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'peak'")
+
+    monkeypatch.setattr(memkit.probing.runner, "probe_file", broken)
+    result = invoke("probe", str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "8MiB")
+    assert result.exit_code == 3, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memkit: internal error: AttributeError: ")
+    assert "no attribute 'peak'" in lines[0]
+
+
+# -- --json: one JSON object on stdout ---------------------------------------------------------
+def test_probe_json_stays_json_when_the_model_file_prints():
+    result = invoke("probe", str(FILES / "chatty.py"), "--device", "cpu", "--budget", "16MiB",
+                    "--max-batch", "64", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["max_batch_size"] == 64
+    assert "number of parameters:" in result.stderr and "loading chatty.py" in result.stderr
+
+
+def test_estimate_json_stays_json_when_the_model_file_prints():
+    result = invoke("estimate", str(FILES / "chatty.py"), "--device-memory", "2GiB",
+                    "--max-batch", "64", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["max_batch_size"] == 64
+    assert "number of parameters:" in result.stderr
+
+
+def test_probe_json_piped_to_json_tool():
+    command = (
+        f"{sys.executable} -m memkit probe {FILES / 'chatty.py'} --device cpu --budget 16MiB "
+        f"--max-batch 8 --json | {sys.executable} -m json.tool"
+    )
+    done = subprocess.run(  # a fixed pipeline, as a person would type it
+        ["bash", "-o", "pipefail", "-c", command], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_batch_size"] == 8
+    assert "number of parameters:" in done.stderr
+
+
+# -- budgets the machine cannot back -----------------------------------------------------------
+@pytest.mark.parametrize("command", ["probe", "run"])
+def test_a_budget_beyond_the_ram_is_refused_with_what_the_machine_has(command, monkeypatch):
+    target = str(FILES / "ok_mlp.py")
+    args = ["--device", "cpu", "--budget", "1e99GiB"]
+    result = invoke(command, *([*args, target] if command == "run" else [target, *args]))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: --budget '1e99GiB'")
+    assert "available" in result.stderr and "at most" in result.stderr
+    _small_host(monkeypatch, 256 * 1024**2)
+    result = invoke("probe", target, "--device", "cpu", "--budget", "512MiB")
+    assert result.exit_code == 2, result.output
+    assert "256.00 MiB" in result.stderr
+
+
+def test_a_zero_budget_in_the_python_api_is_a_config_error():
+    with pytest.raises(ConfigError, match="positive"):
+        devices.get_backend("cpu", 0)
+
+
+def test_host_allocator_failure_is_not_taken_for_the_simulated_limit():
+    result = invoke("probe", str(FILES / "host_oom_step.py"), "--device", "cpu",
+                    "--budget", "64MiB")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "ran out of RAM at batch size" in result.stderr
+    assert "not the simulated device's" in result.stderr
+    assert "Largest batch" not in result.stdout  # never reported as "batch 4 fits, 5 does not"
+
+
+# -- the default simulated cpu device ----------------------------------------------------------
+def test_default_cpu_budget_is_a_modest_device(monkeypatch):
+    assert devices.default_cpu_budget() <= 1024**3
+    _small_host(monkeypatch, 1024**3)
+    assert devices.default_cpu_budget() == 512 * 1024**2
+    _small_host(monkeypatch, 64 * 1024**3)
+    assert devices.default_cpu_budget() == 1024**3
+
+
+def test_probe_without_budget_says_the_default(monkeypatch):
+    _small_host(monkeypatch, 64 * 1024**3)
+    result = invoke("probe", str(FILES / "ok_mlp.py"), "--device", "cpu", "--max-batch", "4")
+    assert result.exit_code == 0, result.output
+    assert "simulated device: 1.00 GiB (default; --budget to change)" in result.stdout
