@@ -104,7 +104,7 @@ def test_an_ordinary_loop_trains_at_the_reported_max_and_not_above(extra):
         try:
             for _ in range(3):
                 x, y = make_batch(batch)
-                logits, loss = model(x, y)
+                _logits, loss = model(x, y)  # held until the next forward rebinds it
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
