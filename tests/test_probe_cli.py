@@ -102,3 +102,13 @@ def test_seq_len_needs_make_batch_with_seq_len():
                  "--seq-len", "128")  # fmt: skip
     assert result.exit_code == 2
     assert "takes no seq_len" in result.stderr
+
+
+def test_batchnorm_at_min_batch_1_says_to_start_at_2():
+    model = str(FILES / "batchnorm_mlp.py")
+    result = run(model, "--device", "cpu", "--budget", "16MiB")
+    assert result.exit_code == 3, result.output
+    assert "Expected more than 1 value per channel" in result.stderr
+    assert "probe from --min-batch 2" in result.stderr
+    result = run(model, "--device", "cpu", "--budget", "16MiB", "--min-batch", "2")
+    assert result.exit_code == 0, result.output

@@ -98,6 +98,16 @@ def _host_failure(exc: BaseException, backend: Backend, batch_size: int) -> Conf
     )
 
 
+def _hint(exc: BaseException, batch_size: int) -> str:
+    """What to do about a step error that a known model property explains."""
+    if batch_size == 1 and "Expected more than 1 value per channel" in str(exc):
+        return (
+            "\nBatchNorm needs at least 2 samples per channel in training: probe from "
+            "--min-batch 2 (min_batch=2 in the Python API)."
+        )
+    return ""
+
+
 @dataclass
 class _TrialRunner:
     """The oracle handed to the search: runs one batch size and reports (fits, peak)."""
@@ -162,7 +172,8 @@ class _TrialRunner:
                 raise UserCodeError(
                     f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
                     "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + "".join(traceback.format_exception(exc)).rstrip(),
+                    + "".join(traceback.format_exception(exc)).rstrip()
+                    + _hint(exc, batch_size),
                     original=exc,
                 ) from exc
             failed = exc
