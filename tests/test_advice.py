@@ -16,7 +16,7 @@ from torch import nn
 
 from memkit import advice as A
 from memkit.oom import parse_oom_message
-from memkit.probing.accumulate import accumulation_advice, plan_accumulation
+from memkit.probing.accumulate import accumulation_advice, exact_split, plan_accumulation
 from memkit.tracking import track
 from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
 from memkit.tracking.rules import measured_advice
@@ -297,9 +297,25 @@ def test_accumulate_per_world_size():
     assert f"{plan.steps} steps of {plan.micro_batch}" in adv.title
     assert "x 4 ranks" in adv.evidence and "learning-rate" in adv.action
     odd = accumulation_advice(plan_accumulation(1001, 48), 48, "cuda:0")
-    assert "scale the learning rate" in odd.evidence
+    assert "scale the learning rate" in odd.action
     fits = accumulation_advice(plan_accumulation(32, 48), 48, "cuda:0")
     assert "without accumulation" in fits.title
+
+
+def test_accumulation_words_match_the_numbers():
+    # 256 with at most 60 per micro batch: 5 steps of 52 overshoot to 260, but 8 of 32 is exact
+    plan = plan_accumulation(256, 60)
+    adv = accumulation_advice(plan, 60, "cpu")
+    assert plan.effective_batch == 260
+    assert "the recommended batch size on cpu is 60" in adv.evidence
+    assert "an exact split needs 8 steps of 32" in adv.evidence
+    assert "matches the target" not in adv.action and "260, 4 above the target" in adv.action
+    assert "no micro batch <= 60 divides" not in adv.evidence.lower()
+    exact = accumulation_advice(plan_accumulation(256, 64), 64, "cpu")
+    assert "matches the target" in exact.action and "Batch-norm" not in exact.action
+    with_bn = accumulation_advice(plan_accumulation(256, 64), 64, "cpu", batch_norm=True)
+    assert "Batch-norm statistics see micro batches of 64" in with_bn.action
+    assert (exact_split(1001, 48).micro_batch, exact_split(1001, 48).steps) == (13, 77)  # 7x11x13
 
 
 def test_renderings():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from memkit.advice import Advice
 from memkit.errors import ConfigError
 
-__all__ = ["AccumulationPlan", "accumulation_advice", "plan_accumulation"]
+__all__ = ["AccumulationPlan", "accumulation_advice", "exact_split", "plan_accumulation"]
 
 
 @dataclass(frozen=True)
@@ -64,26 +64,54 @@ def plan_accumulation(
     return AccumulationPlan(target_batch, micro, first, world_size)
 
 
-def accumulation_advice(plan: AccumulationPlan, max_micro_batch: int, device: str) -> Advice:
-    """The ``accumulate`` advice for a plan."""
+def exact_split(target_batch: int, max_micro_batch: int, world_size: int = 1) -> AccumulationPlan:
+    """The fewest accumulation steps whose micro batch (at most ``max_micro_batch``) reaches
+    ``target_batch`` exactly; a micro batch of 1 always does when the world size divides it.
+
+    Examples:
+        >>> exact_split(256, 60)
+        AccumulationPlan(target_batch=256, micro_batch=32, steps=8, world_size=1)
+    """
+    for micro in range(min(max_micro_batch, target_batch), 0, -1):
+        if target_batch % (micro * world_size) == 0:
+            steps = target_batch // (micro * world_size)
+            return AccumulationPlan(target_batch, micro, steps, world_size)
+    return AccumulationPlan(target_batch, 1, math.ceil(target_batch / world_size), world_size)
+
+
+def accumulation_advice(
+    plan: AccumulationPlan, recommended: int, device: str, *, batch_norm: bool = False
+) -> Advice:
+    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size."""
     world = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
     if plan.steps == 1:
         return Advice(
             code="accumulate",
             title=f"Target batch {plan.target_batch} fits without accumulation",
             evidence=(
-                f"The largest batch that fits on {device} is {max_micro_batch} per device; the "
+                f"The recommended batch size on {device} is {recommended} per device; the "
                 f"target needs {plan.micro_batch} per device{world}."
             ),
             action=f"Train with batch_size={plan.micro_batch} per device; no accumulation needed.",
         )
-    overshoot = (
-        ""
-        if plan.exact
-        else (
-            f" No micro batch <= {max_micro_batch} divides {plan.target_batch} exactly, so the "
-            f"effective batch becomes {plan.effective_batch}: scale the learning rate for it."
+    if plan.exact:
+        overshoot = ""
+        schedule = "The effective batch (and so the learning-rate schedule) matches the target."
+    else:
+        exact = exact_split(plan.target_batch, recommended, plan.world_size)
+        overshoot = (
+            f" With {plan.steps} steps no micro batch gives exactly {plan.target_batch}; an exact "
+            f"split needs {exact.steps} steps of {exact.micro_batch}."
         )
+        schedule = (
+            f"The effective batch is {plan.effective_batch}, "
+            f"{plan.effective_batch - plan.target_batch} above the target: scale the learning "
+            f"rate for it, or use {exact.steps} steps of {exact.micro_batch} to match exactly."
+        )
+    norm = (
+        f" Batch-norm statistics see micro batches of {plan.micro_batch}."
+        if batch_norm
+        else ""
     )
     return Advice(
         code="accumulate",
@@ -92,14 +120,12 @@ def accumulation_advice(plan: AccumulationPlan, max_micro_batch: int, device: st
             f"for an effective batch of {plan.effective_batch}"
         ),
         evidence=(
-            f"Target effective batch {plan.target_batch}; the largest batch that fits on {device} "
-            f"is {max_micro_batch}{world}.{overshoot}"
+            f"Target effective batch {plan.target_batch}; the recommended batch size on {device} "
+            f"is {recommended}{world}.{overshoot}"
         ),
         action=(
             f"batch_size={plan.micro_batch}; call optimizer.step() and zero_grad() every "
             f"{plan.steps} micro batches and divide each micro batch's loss by {plan.steps}. "
-            "The effective batch (and so the learning-rate schedule) matches the target; "
-            "batch-norm statistics see micro batches of "
-            f"{plan.micro_batch}."
+            f"{schedule}{norm}"
         ),
     )

@@ -479,6 +479,7 @@ def probe(
     result = _build_result(
         search, runner.records, backend, plan, mode, steps, margin, min_batch, max_batch,
         seq_len, defaults, target_batch, capacities,
+        any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
     )  # fmt: skip
     if ddp or is_ddp(model):
         result = dataclasses.replace(result, ddp=True, defaults=(*result.defaults, _DDP_NOTE))
@@ -538,6 +539,7 @@ def _build_result(
     defaults: list[str],
     target_batch: int | None,
     capacities: tuple[int | None, ...] | None = None,
+    batch_norm: bool = False,
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
@@ -548,9 +550,10 @@ def _build_result(
         micro = search.recommended_batch_size
         advice.append(
             accumulation_advice(
-                plan_accumulation(target_batch, micro, world), micro, backend.name()
+                plan_accumulation(target_batch, micro, world), micro, backend.name(),
+                batch_norm=batch_norm,
             )
-        )
+        )  # fmt: skip
     model = search.model
     return ProbeResult(
         max_batch_size=search.max_batch_size,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import runpy
 import signal
@@ -330,6 +331,11 @@ def run_script(
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, failed)
         del failed
+    # The script's globals live on in a reference cycle (its functions hold them): collect
+    # them now, while the interpreter is whole. Left to interpreter shutdown, a DDP model's
+    # gloo threads were torn down mid-finalization ("terminate called without an active
+    # exception", SIGABRT after the report was printed).
+    gc.collect()
     report = tracker.report()
     if interrupted is not None:
         at = f" ({where})" if where else ""
