@@ -112,3 +112,16 @@ def test_batchnorm_at_min_batch_1_says_to_start_at_2():
     assert "probe from --min-batch 2" in result.stderr
     result = run(model, "--device", "cpu", "--budget", "16MiB", "--min-batch", "2")
     assert result.exit_code == 0, result.output
+
+
+def test_words_match_the_numbers_in_the_trial_table_and_headline():
+    # batch 1 already takes ~96 MiB of a 100 MiB device: sizes fit, none leaves 5% free
+    result = run("examples/mlp.py", "--device", "cpu", "--budget", "100MiB", "--max-batch", "64")
+    assert result.exit_code == 0, result.output
+    headline = result.stdout.splitlines()[0]
+    assert "no size leaves 5% free" in headline and "recommended None" not in headline
+    assert "(batch 1 leaves 3." in headline  # what the recommended size really leaves
+    # an OOM trial's row is a lower bound ("needs >= X"), never a peak above the capacity
+    result = run("examples/mlp.py", "--device", "cpu", "--budget", "128MiB")
+    oom_rows = [line for line in result.stdout.splitlines() if " OOM " in line]
+    assert oom_rows and all("needs >= " in line for line in oom_rows)

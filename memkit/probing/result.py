@@ -54,6 +54,14 @@ class ProbeTrial:
         return out
 
 
+def _peak_cell(trial: ProbeTrial) -> str:
+    """A trial's peak; for a failed one, the lower bound its OOM gave (never a "peak" above
+    the capacity that no allocation reached)."""
+    if trial.fits or trial.peak_bytes is None:
+        return format_size(trial.peak_bytes)
+    return f"needs >= {format_size(trial.peak_bytes)}"
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """The largest batch that fits, how it was found, and what to do with it.
@@ -184,18 +192,25 @@ class ProbeResult:
         bound = " (the --max-batch limit, not a memory limit)" if self.hit_max_batch else ""
         return (
             f"Largest batch that fits ({self.mode}{seq}) on {where}, capacity {cap}: "
-            f"{self.max_batch_size}{bound}; recommended {self.recommended_batch_size} "
-            f"(leaves {self.margin:.0%} free)."
+            f"{self.max_batch_size}{bound}; {self._recommended_words()}."
         )
+
+    def _recommended_words(self) -> str:
+        """``recommended N (leaves 5% free)``, only where the numbers say so."""
+        margin, rec, cap = f"{self.margin:.0%}", self.recommended_batch_size, self.capacity_bytes
+        if rec is None:
+            return f"no size leaves {margin} free"
+        ran = self.trial(rec)
+        if ran is not None and ran.peak_bytes is not None and cap:
+            free = 1 - ran.peak_bytes / cap
+            if free < self.margin:
+                return f"no size leaves {margin} free (batch {rec} leaves {free:.1%})"
+        return f"recommended {rec} (leaves {margin} free)"
+
 
     def _trial_rows(self) -> list[list[object]]:
         return [
-            [
-                t.batch_size,
-                "yes" if t.fits else "OOM",
-                format_size(t.peak_bytes),
-                f"{t.seconds:.2f}",
-            ]
+            [t.batch_size, "yes" if t.fits else "OOM", _peak_cell(t), f"{t.seconds:.2f}"]
             for t in self.trials
         ]
 
@@ -225,15 +240,7 @@ class ProbeResult:
         )
 
     def _repr_html_(self) -> str:
-        rows = [
-            [
-                t.batch_size,
-                "yes" if t.fits else "OOM",
-                format_size(t.peak_bytes),
-                f"{t.seconds:.2f}",
-            ]
-            for t in self.trials
-        ]
+        rows = self._trial_rows()
         body = (
             f"<h3>memkit probe</h3><p>{h.escape(self._headline())}</p>"
             + h.table(["batch", "fits", "peak", "seconds"], rows)
