@@ -247,3 +247,10 @@ def test_probe_file_examples_cnn_and_gpt2_seq_len_sweep():
     for r in sweep.results:
         assert_exact(r)
     assert any("output.loss" in d for d in sweep.results[0].defaults)
+
+
+def test_probe_under_a_launcher_without_a_process_group_warns(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(RuntimeWarning, match="no process group is initialised"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")

@@ -14,6 +14,7 @@ import gc
 import logging
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -428,6 +429,16 @@ def probe(
         backend.track(model, optimizer)
     capacity = _capacity(backend)
     ranked = distributed.is_distributed()
+    if not ranked and distributed.world_size() > 1:
+        warnings.warn(
+            f"memkit.probe runs under a launcher ({distributed.world_size()} ranks: WORLD_SIZE "
+            "is set) but no process group is initialised: each rank probes its own device "
+            "alone and the ranks may answer differently. Call "
+            "torch.distributed.init_process_group() first so the ranks agree on one size, or "
+            "use `torchrun ... memkit probe`, which does.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     capacities: tuple[int | None, ...] | None = None
     search_capacity = capacity
     if ddp and not ranked:
