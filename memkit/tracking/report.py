@@ -655,7 +655,8 @@ class TrackReport:
         if self.micro_batches > 1:
             lines.append(
                 f"gradient accumulation: up to {self.micro_batches} micro-batches per step; "
-                "kept/step sums a step's micro-batches, kept (1 call) is one forward"
+                "kept/step sums a step's micro-batches (each backward frees its own, so the sum "
+                "can exceed the peak)"
             )
         if self.eval_forwards:
             batch = (
