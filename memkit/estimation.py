@@ -781,9 +781,12 @@ def estimate(
         usable=total - context_bytes, workspace=workspace_bytes,
         policy_dtype=None if amp is None else AMP_DTYPES[amp], attention=attention, sm=family.sm,
     )  # fmt: skip
-    sample = session.batch(min_batch)
-    check_batch(sample, min_batch, f"make_batch({min_batch}) in {spec.path}")
-    del sample
+    layout = check_batch(
+        session.batch(min_batch), min_batch, f"make_batch({min_batch}) in {spec.path}",
+        bigger=session.batch(min_batch + 1),
+    )  # fmt: skip
+    if layout is not None:
+        assumptions.append(layout)
     if optimizer is not None:  # warm-up: creates the optimizer state (not accounted)
         _guard(lambda: session.step(min_batch), min_batch)
         model.zero_grad(set_to_none=True)

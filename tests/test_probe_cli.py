@@ -125,3 +125,13 @@ def test_words_match_the_numbers_in_the_trial_table_and_headline():
     result = run("examples/mlp.py", "--device", "cpu", "--budget", "128MiB")
     oom_rows = [line for line in result.stdout.splitlines() if " OOM " in line]
     assert oom_rows and all("needs >= " in line for line in oom_rows)
+
+
+def test_seq_first_batches_are_probed_with_their_inferred_batch_dimension():
+    result = run(str(FILES / "seq_first_lstm.py"), "--device", "cpu", "--budget", "24MiB",
+                 "--max-batch", "64", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["max_batch_size"] is not None
+    assert any("batch dimension: 1 (inferred from make_batch(1) and make_batch(2))" in line
+               for line in data["defaults"])  # fmt: skip

@@ -636,14 +636,19 @@ def probe_file(
     backend_device = get_backend(device, options.get("budget")).device
     model = model.to(backend_device)
     first_len = lengths[0]
-    sample = call_user(
-        spec.make_batch, *([min_batch] if first_len is None else [min_batch, first_len]),
-        what=f"make_batch({min_batch})", path=spec.path,
-    )  # fmt: skip
-    check_batch(sample, min_batch, f"make_batch({min_batch}) in {spec.path}")
-    del sample
+    samples = [
+        call_user(
+            spec.make_batch, *([n] if first_len is None else [n, first_len]),
+            what=f"make_batch({n})", path=spec.path,
+        )
+        for n in (min_batch, min_batch + 1)
+    ]  # fmt: skip
+    layout = check_batch(
+        samples[0], min_batch, f"make_batch({min_batch}) in {spec.path}", bigger=samples[1]
+    )
+    del samples
     optimizer = None
-    defaults: list[str] = []
+    defaults: list[str] = [] if layout is None else [layout]
     if mode == "train":
         optimizer, name = make_optimizer(spec, model)
         defaults.append(f"optimizer: {name}")

@@ -165,11 +165,25 @@ def batch_leading_dims(batch: Any) -> list[int]:
     return []
 
 
-def check_batch(batch: Any, batch_size: int, where: str) -> None:
-    """Fail clearly when ``make_batch`` returned something a probe cannot use.
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    """Shapes of the batch's tensors, in a fixed order (tensor, sequence, dict values)."""
+    if isinstance(batch, torch.Tensor):
+        return [tuple(batch.shape)]
+    if isinstance(batch, Mapping):
+        return [s for v in batch.values() for s in _shapes(v)]
+    if isinstance(batch, (tuple, list)):
+        return [s for v in batch for s in _shapes(v)]
+    return []
 
-    A batch is a tensor, a tuple/list or a dict holding at least one tensor whose first
-    dimension is ``batch_size``.
+
+def check_batch(batch: Any, batch_size: int, where: str, bigger: Any = None) -> str | None:
+    """Fail clearly when ``make_batch`` returned something a probe cannot use; return a note
+    when the batch dimension is not the first.
+
+    A batch is a tensor, a tuple/list or a dict of tensors. With ``bigger``, the batch made
+    for ``batch_size + 1``, the batch dimension is inferred: the one dimension of a tensor that
+    grows from ``batch_size`` to ``batch_size + 1`` (dimension 1 for a seq-first ``(seq,
+    batch)`` LSTM batch). Without it, a tensor must have ``batch_size`` as its first dimension.
     """
     if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
         raise ModelFileError(
@@ -180,11 +194,33 @@ def check_batch(batch: Any, batch_size: int, where: str) -> None:
     if not dims:
         raise ModelFileError(
             f"{where} returned a {type(batch).__name__} with no tensor of dimension >= 1; "
-            "expected tensors whose first dimension is the batch size"
+            "expected tensors with a batch dimension"
         )
-    if batch_size not in dims:
-        raise ModelFileError(
-            f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
-            f"{batch_size} (the batch size) as the first dimension of at least one tensor. "
-            "Does make_batch ignore its batch_size argument?"
-        )
+    batch_dims = _batch_dims(batch, bigger, batch_size) if bigger is not None else set()
+    if batch_dims:
+        return None if batch_dims == {0} else (
+            f"batch dimension: {', '.join(str(d) for d in sorted(batch_dims))} (inferred from "
+            f"make_batch({batch_size}) and make_batch({batch_size + 1}))"
+        )  # fmt: skip
+    if bigger is None and batch_size in dims:
+        return None
+    raise ModelFileError(
+        f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
+        f"{batch_size} (the batch size) in one dimension of at least one tensor, growing with "
+        "it. Does make_batch ignore its batch_size argument?"
+    )
+
+
+def _batch_dims(small: Any, big: Any, batch_size: int) -> set[int]:
+    """The dimensions that grow from ``batch_size`` to ``batch_size + 1`` between two batches."""
+    found: set[int] = set()
+    before, after = _shapes(small), _shapes(big)
+    if len(before) != len(after):
+        return found
+    for a, b in zip(before, after, strict=True):
+        if len(a) != len(b):
+            continue
+        grew = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if len(grew) == 1 and (a[grew[0]], b[grew[0]]) == (batch_size, batch_size + 1):
+            found.add(grew[0])
+    return found
