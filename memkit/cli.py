@@ -101,6 +101,15 @@ def _parse_margin(_ctx: click.Context, _param: click.Parameter, value: str | Non
     return pct / 100
 
 
+def _parse_modes(_ctx: click.Context, _param: click.Parameter, value: str) -> list[str]:
+    modes = [part.strip() for part in value.split(",") if part.strip()]
+    if not modes or any(m not in ("train", "infer") for m in modes) or len(set(modes)) != len(
+        modes
+    ):
+        raise click.BadParameter(f"expected train, infer or train,infer, found {value!r}")
+    return modes
+
+
 def _parse_seq_lens(
     _ctx: click.Context, _param: click.Parameter, value: str | None
 ) -> list[int] | None:
@@ -117,7 +126,9 @@ def _parse_seq_lens(
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
+@click.option("--mode", callback=_parse_modes, default="train", show_default=True,
+              help="train, infer, or train,infer for both in one run (evaluation has no "
+              "gradients or optimizer state, so its batch can be larger).")  # fmt: skip
 @click.option("--device", default=None, help="cuda, cuda:N, cpu (simulated)... [default: the "
               "current accelerator, else cpu]")  # fmt: skip
 @click.option("--budget", default=None, help="Memory cap, e.g. 8GiB. On cpu: the simulated "
@@ -148,7 +159,7 @@ def _parse_seq_lens(
 @handle_errors
 def probe(
     file: str,
-    mode: str,
+    mode: list[str],
     device: str | None,
     budget: str | None,
     min_batch: int,
@@ -177,7 +188,7 @@ def probe(
       torchrun --nproc-per-node 2 --no-python memkit probe model.py --device cpu \\
           --budget 1GiB,512MiB
     """
-    from memkit.probing.result import ProbeResult
+    from memkit.probing.result import ProbeModes, ProbeResult
     from memkit.probing.runner import DEFAULT_MARGIN, probe_file
     from memkit.units import format_size
 
@@ -214,24 +225,30 @@ def probe(
         distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
         contextlib.redirect_stdout(sys.stderr),  # the model file's prints: --json stays JSON
     ):
-        result = probe_file(
-            file,
-            seq_len=seq_len,
-            device=device,
-            mode=mode,
-            budget=budget,
-            min_batch=min_batch,
-            max_batch=max_batch,
-            steps=steps,
-            margin=DEFAULT_MARGIN if margin is None else margin,
-            target_batch=target_batch,
-            on_trial=progress if me == 0 else None,
-            ddp=ddp,
-            timeout=wait,
-        )
+        per_mode = [
+            probe_file(
+                file,
+                seq_len=seq_len,
+                device=device,
+                mode=one,
+                budget=budget,
+                min_batch=min_batch,
+                max_batch=max_batch,
+                steps=steps,
+                margin=DEFAULT_MARGIN if margin is None else margin,
+                target_batch=target_batch if one == "train" else None,
+                on_trial=progress if me == 0 else None,
+                ddp=ddp,
+                timeout=wait,
+            )
+            for one in mode
+        ]
+    result = per_mode[0] if len(per_mode) == 1 else ProbeModes(tuple(per_mode))
     if me == 0:
         click.echo(result.to_json() if as_json else str(result))
-    results = [result] if isinstance(result, ProbeResult) else list(result.results)
+    results = [
+        r for one in per_mode for r in ([one] if isinstance(one, ProbeResult) else one.results)
+    ]
     if any(r.max_batch_size is None for r in results):
         sys.exit(1)
 

@@ -135,3 +135,19 @@ def test_seq_first_batches_are_probed_with_their_inferred_batch_dimension():
     assert data["max_batch_size"] is not None
     assert any("batch dimension: 1 (inferred from make_batch(1) and make_batch(2))" in line
                for line in data["defaults"])  # fmt: skip
+
+
+def test_train_and_infer_in_one_run():
+    args = [str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB"]
+    both = run(*args, "--mode", "train,infer", "--json")
+    assert both.exit_code == 0, both.output
+    data = json.loads(both.stdout)["modes"]
+    assert set(data) == {"train", "infer"}
+    # each answer is the one a single-mode run gives; evaluation fits more (no grads, no state)
+    for mode in ("train", "infer"):
+        alone = json.loads(run(*args, "--mode", mode, "--json").stdout)
+        assert data[mode]["max_batch_size"] == alone["max_batch_size"]
+    assert data["infer"]["max_batch_size"] > data["train"]["max_batch_size"]
+    text = run(*args, "--mode", "train,infer").stdout
+    assert text.startswith("Largest batch per mode: train ")
+    assert run(*args, "--mode", "train,eval").exit_code == 2

@@ -11,7 +11,7 @@ from memkit.render import html as h
 from memkit.render.text import table
 from memkit.units import format_size
 
-__all__ = ["ProbeResult", "ProbeSweep", "ProbeTrial"]
+__all__ = ["ProbeModes", "ProbeResult", "ProbeSweep", "ProbeTrial"]
 
 
 @dataclass(frozen=True)
@@ -300,3 +300,36 @@ class ProbeSweep:
             "<h3>memkit probe: max batch per sequence length</h3>"
             + h.table(["seq_len", "max batch", "recommended", "trials", "peak"], self._rows())
         )
+
+
+@dataclass(frozen=True)
+class ProbeModes:
+    """Training and evaluation probed in one run (``--mode train,infer``): evaluation keeps no
+    activations for backward and no optimizer state, so its largest batch is usually larger."""
+
+    results: tuple[ProbeResult | ProbeSweep, ...]
+
+    @staticmethod
+    def _mode(result: ProbeResult | ProbeSweep) -> str:
+        return result.mode if isinstance(result, ProbeResult) else result.results[0].mode
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"modes": {self._mode(r): r.to_dict() for r in self.results}}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        heads = [
+            f"{self._mode(r)} {r.max_batch_size}"
+            for r in self.results
+            if isinstance(r, ProbeResult)
+        ]
+        summary = f"Largest batch per mode: {', '.join(heads)}\n\n" if heads else ""
+        return summary + "\n\n".join(str(r) for r in self.results)
+
+    def __repr__(self) -> str:
+        return f"ProbeModes({', '.join(repr(r) for r in self.results)})"
+
+    def _repr_html_(self) -> str:
+        return "".join(r._repr_html_() for r in self.results)
