@@ -50,3 +50,21 @@ def test_gives_up_below_min_batch_with_a_memkit_error():
 
     with pytest.raises(DoesNotFitError, match="min_batch=4"):
         train()
+
+
+def test_the_answer_is_a_size_that_fits_bounded_by_the_last_failure():
+    """What the docs promise: the returned size fits, and the largest size that fits lies
+    between it and the last size that failed (``attempts``); not that it is the largest."""
+    largest = 1000  # 8 MiB of float32 rows of 2048: 1024 rows; 1000 with the margin of a frame
+
+    @memkit.find_batch_size(start=4096)
+    def train(batch_size):
+        with memkit.simulate(largest * 2048 * 4):
+            torch.ones(batch_size, 2048)
+        return batch_size
+
+    got = train()
+    attempts = train.attempts
+    failed = [a.batch_size for a in attempts if not a.ok]
+    assert attempts[-1].ok and attempts[-1].batch_size == got <= largest
+    assert failed and min(failed) > largest  # so largest is in [got, min(failed))
