@@ -55,7 +55,7 @@ def test_gives_up_below_min_batch_with_a_memkit_error():
 def test_the_answer_is_a_size_that_fits_bounded_by_the_last_failure():
     """What the docs promise: the returned size fits, and the largest size that fits lies
     between it and the last size that failed (``attempts``); not that it is the largest."""
-    largest = 1000  # 8 MiB of float32 rows of 2048: 1024 rows; 1000 with the margin of a frame
+    largest = 1000  # a device of exactly 1000 float32 rows of 2048
 
     @memkit.find_batch_size(start=4096)
     def train(batch_size):
