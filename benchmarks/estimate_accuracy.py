@@ -124,16 +124,34 @@ MODELS = {
             ids = torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len))
             return {"input_ids": ids, "labels": ids}
     """,
+    # a classifier as people build one: BertConfig's dropout (0.1, attention included) and an
+    # attention mask that transformers checks with mask.all() (data-dependent on meta tensors)
+    "bert-cls": """
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification
+        CONFIG = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                            intermediate_size=1024, vocab_size=8192)
+        def build_model():
+            return BertForSequenceClassification(CONFIG)
+        def make_batch(batch_size, seq_len=128):
+            return {"input_ids": torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len)),
+                    "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+                    "labels": torch.randint(0, 2, (batch_size,))}
+    """,
 }
-SEQ_MODELS = {"gpt2": 256, "bert": 256}
+SEQ_MODELS = {"gpt2": 256, "bert": 256, "bert-cls": 128}
 CPU_CASES = [  # (model, mode, batch): small enough for a 2-core CPU
     ("mlp", "train", 16), ("mlp", "train", 64), ("mlp", "infer", 64),
     ("cnn", "train", 4), ("cnn", "train", 8), ("cnn", "infer", 8),
     ("vit", "train", 2), ("vit", "infer", 4),
     ("gpt2", "train", 2), ("gpt2", "train", 4), ("gpt2", "infer", 4),
     ("bert", "train", 2), ("bert", "infer", 4),
+    ("bert-cls", "train", 4), ("bert-cls", "infer", 8),
 ]  # fmt: skip
-GPU_BATCHES = {"mlp": (64, 512), "cnn": (16, 64), "vit": (16, 64), "gpt2": (4, 16), "bert": (4, 16)}
+GPU_BATCHES = {
+    "mlp": (64, 512), "cnn": (16, 64), "vit": (16, 64), "gpt2": (4, 16), "bert": (4, 16),
+    "bert-cls": (16, 64),
+}  # fmt: skip
 
 
 def write_models(folder: Path) -> dict[str, str]:

@@ -105,12 +105,16 @@ def choose_kernel(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
     sm: int,
+    dropout_p: float = 0.0,
 ) -> str:
-    """The kernel that runs: ``requested`` unless it is ``"auto"`` or cannot take the inputs."""
+    """The kernel that runs: ``requested`` unless it is ``"auto"`` or cannot take the inputs.
+
+    PyTorch's CPU flash kernel takes no dropout (``torch._fused_sdp_choice`` on CPU answers
+    MATH for ``dropout_p > 0``); the CUDA flash and memory-efficient kernels do."""
     flash_ok = _flash_ok(query, key, value, attn_mask, sm)
     efficient_ok = _efficient_ok(query, key, value, sm)
     if requested == "cpu-flash":
-        return "cpu-flash" if _four_d(query, key, value) else "math"
+        return "cpu-flash" if _four_d(query, key, value) and dropout_p == 0.0 else "math"
     if requested == "math":
         return "math"
     if requested == "efficient":

@@ -403,6 +403,10 @@ class Estimate:
 # --------------------------------------------------------------------------------------------
 
 
+def _is_meta_bool(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta and value.numel() == 1
+
+
 class _TargetMode(TorchFunctionMode):
     """Applies autocast's policy and the attention-kernel footprint above autograd."""
 
@@ -412,6 +416,7 @@ class _TargetMode(TorchFunctionMode):
         self.attention = attention
         self.sm = sm
         self.kernels: set[str] = set()
+        self.data_checks = 0  # truth values read from meta tensors (approximated as true)
 
     def __torch_function__(
         self,
@@ -427,6 +432,11 @@ class _TargetMode(TorchFunctionMode):
                 self.policy.clear_cache()
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name == "__bool__" and args and _is_meta_bool(args[0]):
+            # A data-dependent check on a meta tensor has no value: take it as true, the case
+            # of the batches make_batch builds (an all-ones attention mask's `mask.all()`).
+            self.data_checks += 1
+            return True
         if self.policy is not None:
             args, kwargs = self.policy.cast_args(name, args, kwargs)
         if name == "scaled_dot_product_attention":
@@ -440,7 +450,8 @@ class _TargetMode(TorchFunctionMode):
         bound = dict(zip(names, args, strict=False)) | kw
         query, key, value = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
-        kernel = choose_kernel(self.attention, query, key, value, mask, self.sm)
+        dropout = float(bound.get("dropout_p") or 0.0)
+        kernel = choose_kernel(self.attention, query, key, value, mask, self.sm, dropout)
         self.kernels.add(kernel)
         if kernel == "math":
             return func(*args, **kw)
@@ -531,6 +542,7 @@ class _Session:
     attention: str
     sm: int
     kernels: set[str] = field(default_factory=set)
+    data_checks: int = 0
     cache: dict[int, _Peaks] = field(default_factory=dict)
 
     def batch(self, batch_size: int) -> Any:
@@ -552,6 +564,7 @@ class _Session:
             self.plan(self.model, batch, self.optimizer)
         del batch
         self.kernels |= mode.kernels
+        self.data_checks += mode.data_checks
 
     def prime(self, batch_size: int) -> None:
         """The previous step's output, as the steady state holds it during the next forward
@@ -816,6 +829,12 @@ def estimate(
     kernels = tuple(sorted(session.kernels))
     assumptions.append(_attention_line(attention, kernels, family))
     assumptions += plan.describe()
+    if session.data_checks:
+        assumptions.append(
+            "data-dependent checks (`if mask.all():` and the like) read from meta tensors were "
+            f"taken as true ({session.data_checks} times in the trials): right for batches "
+            "without padding, as make_batch usually builds them"
+        )
     assumptions.append("make_batch ran under torch.device('meta'): its tensors are shapes only")
     trials = tuple(_trial(t.batch_size, session.cache[t.batch_size], t.fits) for t in search.trials)
     advice = _advice(search, session, breakdown, amp, mode, total, context_bytes)
