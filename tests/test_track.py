@@ -311,3 +311,42 @@ def test_deepcopy_of_a_tracked_model_inside_the_block():
         ema(torch.randn(2, 8))
     assert tracker.report().devices[0].modules
     ema(torch.randn(2, 8))  # its copied hooks are inert after the block
+
+
+def test_a_loader_in_another_thread_leaves_the_counting_alone():
+    """A prefetch thread's DataLoader must not switch off the simulated device for the
+    training thread (the fetch wrapper is on the class, so it runs in every thread)."""
+    import threading
+
+    from torch.utils.data import DataLoader, Dataset
+
+    seen = []
+
+    class Data(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            seen.append((acct.counting, acct.adopting))
+            return torch.zeros(1)
+
+    with track(device="cpu", budget="64MiB") as tracker:
+        acct = tracker._sim.accountant
+        acct.counting = acct.adopting = True  # the training thread is mid-step
+        worker = threading.Thread(target=lambda: list(DataLoader(Data())))
+        worker.start()
+        worker.join()
+    assert seen and all(flags == (True, True) for flags in seen)
+
+
+def test_the_users_own_warning_filter_survives_the_block():
+    import warnings
+
+    from memkit.tracking.tracker import _COMPILE_WARNING
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+        mine = warnings.filters[0]
+        with track(device="cpu", budget="64MiB"):
+            pass
+        assert mine in warnings.filters

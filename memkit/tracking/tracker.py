@@ -464,8 +464,10 @@ class Tracker:
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
             # torch warns once per call site that global hooks also fire for torch.compile's
             # wrapper; memkit expects that and keeps the user's stderr quiet
+            before = list(warnings.filters)
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
-            self._warning_filter = warnings.filters[0]
+            added = warnings.filters[0]
+            self._warning_filter = None if added in before else added  # a user's stays
         self._wrap_backward()
         self._wrap_data_loading()
         if self.optimizers:
@@ -519,6 +521,8 @@ class Tracker:
             if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
                 with _disable_current_modes():
                     return original(it)
+            if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
+                return original(it)
             saved = acct.counting, acct.adopting
             sim.count_ops(False, False)
             try:
@@ -902,6 +906,10 @@ class Tracker:
         entry = self._roots.get(id(module))
         if entry is not None and entry.ref() is module:
             return entry
+        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
+            return self._new_root(module)
+
+    def _new_root(self, module: torch.nn.Module) -> _Root:
         target = getattr(module, "_orig_mod", None)
         compiled = isinstance(target, torch.nn.Module)
         inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
@@ -1569,6 +1577,12 @@ class Tracker:
     def phase(self) -> str:
         """The phase running now."""
         return PHASES[self._phase]
+
+
+def _mode_active(mode: Any) -> bool:
+    """``mode`` is on this thread's dispatch-mode stack."""
+    stack = torch._C._get_dispatch_stack_at
+    return any(stack(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
 
 
 def _only_mode(mode: Any) -> bool:
