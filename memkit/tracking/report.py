@@ -682,7 +682,10 @@ class TrackReport:
                     for x in (
                         None if bd.step is None else f"step {bd.step}",
                         bd.phase,
-                        bd.module,
+                        next(
+                            (_module_label(m) for m in dev.modules if m.path == bd.module),
+                            bd.module,
+                        ),
                     )
                     if x
                 )
