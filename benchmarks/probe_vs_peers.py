@@ -79,7 +79,8 @@ ACCELERATE_DEFAULT_START = 128
 
 
 # --------------------------------------------------------------------------------------------
-# The models: the three of examples/ plus a small MLP whose limit lies in (4096, 8192)
+# The models: the three of examples/, a small MLP whose limit lies in (4096, 8192), and a
+# transformers BERT classifier
 # --------------------------------------------------------------------------------------------
 
 
@@ -157,11 +158,37 @@ def _small_mlp_case() -> Case:
     )  # fmt: skip
 
 
+def _bert_case(seq_len: int = 128) -> Case:
+    """A transformers BERT classifier built from a tiny config (dropout on, as by default):
+    its 30522-word embedding makes the optimizer step and the embedding's dense gradient set
+    the peak at small batches, flat, while the activations' slope sets the limit."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+        num_labels=2,
+    )  # fmt: skip
+
+    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.randint(0, config.vocab_size, (batch_size, seq_len)),
+            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+            "labels": torch.randint(0, 2, (batch_size,)),
+        }
+
+    return Case(
+        f"bert classifier (transformers, seq {seq_len})",
+        lambda: BertForSequenceClassification(config), make_batch,
+        lambda model, batch: model(**batch).loss, _adamw, "160MiB", accelerate_start=512,
+    )  # fmt: skip
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "mlp": _mlp_case,
     "cnn": _cnn_case,
     "gpt2": _gpt2_case,
     "small-mlp": _small_mlp_case,
+    "bert": _bert_case,
 }
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -188,29 +188,19 @@ def probe(
       torchrun --nproc-per-node 2 --no-python memkit probe model.py --device cpu \\
           --budget 1GiB,512MiB
     """
+    from memkit import distributed
     from memkit.probing.result import ProbeModes, ProbeResult
     from memkit.probing.runner import DEFAULT_MARGIN, probe_file
-    from memkit.units import format_size
-
-    def progress(trial: object) -> None:
-        t = trial  # ProbeTrial
-        status = "fits" if t.fits else "OOM"  # type: ignore[attr-defined]
-        click.echo(
-            f"memkit probe: batch {t.batch_size:>7}  {status:<4}  "  # type: ignore[attr-defined]
-            f"peak {format_size(t.peak_bytes):>11}  {t.seconds:6.2f}s",  # type: ignore[attr-defined]
-            err=True,
-        )
-
-    from memkit import distributed
 
     if max_batch is not None and max_batch < min_batch:
         raise click.BadParameter(
             f"--max-batch ({max_batch}) must be at least --min-batch ({min_batch})"
         )
     world, me = distributed.world_size(), distributed.rank()
+    on_host = _host_budgets(budget, world, me)
     budget = _rank_budget(budget, world, me)
     device = _rank_device(device, world, distributed.local_rank())
-    backend = _check_target(device, budget)  # before the model file loads: exit 2 if bad
+    backend = _check_target(device, budget, on_host)  # before the model file loads: exit 2
     if backend.device.type == "meta":
         from memkit.errors import ConfigError
 
@@ -223,7 +213,7 @@ def probe(
     wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
     with (
         distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
-        contextlib.redirect_stdout(sys.stderr),  # the model file's prints: --json stays JSON
+        _user_output_to_stderr(),
     ):
         per_mode = [
             probe_file(
@@ -237,7 +227,7 @@ def probe(
                 steps=steps,
                 margin=DEFAULT_MARGIN if margin is None else margin,
                 target_batch=target_batch if one == "train" else None,
-                on_trial=progress if me == 0 else None,
+                progress=me == 0 and not as_json and _stderr_is_terminal(),
                 ddp=ddp,
                 timeout=wait,
             )
@@ -251,6 +241,40 @@ def probe(
     ]
     if any(r.max_batch_size is None for r in results):
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def _user_output_to_stderr() -> Iterator[None]:
+    """While the model file runs, what it writes to standard output goes to standard error:
+    Python's prints and what native code writes to file descriptor 1 alike, so that with
+    ``--json`` stdout is one JSON object."""
+    stdout = sys.stdout
+    try:
+        real = stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # no descriptor (a test runner, a notebook)
+        real = False
+    with contextlib.ExitStack() as stack:
+        if real:
+            stdout.flush()
+            saved = os.dup(1)
+            os.dup2(2, 1)
+
+            def restore() -> None:
+                stdout.flush()
+                os.dup2(saved, 1)
+                os.close(saved)
+
+            stack.callback(restore)
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        yield
+
+
+def _stderr_is_terminal() -> bool:
+    """Progress lines only for a person watching: not in logs, pipes or CI."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _rank_budget(budget: str | None, world: int, rank: int) -> str | None:
@@ -307,11 +331,27 @@ def _budget_bytes(part: str, budget: str) -> int:
     return size
 
 
-def _check_target(device: str | None, budget: str | None) -> Any:
+def _host_budgets(budget: str | None, world: int, rank: int) -> list[str]:
+    """The ``--budget`` entries of the ranks that share this machine (torchrun's
+    ``LOCAL_WORLD_SIZE`` ranks, numbered from ``rank - LOCAL_RANK``), this rank's included."""
+    from memkit import distributed
+
+    if budget is None:
+        return []
+    parts = [part.strip() for part in budget.split(",")]
+    local = min(distributed.local_world_size(), world)
+    if len(parts) == 1:
+        return parts * local
+    first = rank - distributed.local_rank()
+    return parts[first : first + local]
+
+
+def _check_target(device: str | None, budget: str | None, on_host: list[str]) -> Any:
     """The backend of this rank's device and budget (already resolved per rank), checked
     before anything runs: a device this machine does not have is a ConfigError naming
-    ``--device`` (exit 2), and so is a simulated cpu device larger than the RAM this machine
-    has available (its tensors are real). Shared by ``memkit probe`` and ``memkit run``."""
+    ``--device`` (exit 2), and so are simulated cpu devices larger, together, than the RAM
+    this machine has available (their tensors are real; ``on_host`` are the budgets of the
+    ranks on this machine). Shared by ``memkit probe`` and ``memkit run``."""
     from memkit.devices import SimulatedBackend, get_backend
     from memkit.errors import ConfigError
 
@@ -320,27 +360,35 @@ def _check_target(device: str | None, budget: str | None) -> Any:
     except ConfigError as exc:
         raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
-        _check_host_backs(budget, backend.budget)
+        _check_host_backs(on_host or [budget])
     return backend
 
 
-def _check_host_backs(budget: str, size: int | None) -> None:
-    """A ConfigError (exit 2) when a simulated cpu device of ``size`` bytes is more than the
-    machine's available RAM: its tensors are real, so the machine would run out of RAM (or
-    swap) before the simulated device reached its limit."""
+def _check_host_backs(budgets: list[str]) -> None:
+    """A ConfigError (exit 2) when the simulated cpu devices of the ranks on this machine
+    hold more, together, than its available RAM: their tensors are real, so the machine would
+    run out of RAM (or swap) before a simulated device reached its limit."""
     from memkit.devices import host_memory
     from memkit.errors import ConfigError
-    from memkit.units import format_size
+    from memkit.units import format_size, parse_size
 
     host = host_memory()
-    if size is None or host.available is None or size <= host.available:
+    need = sum(parse_size(b) for b in budgets)
+    if host.available is None or need <= host.available:
         return
     total = "" if host.total is None else f" of {format_size(host.total)}"
+    given = f"--budget {budgets[0]!r}"
+    if len(budgets) > 1:
+        given = (
+            f"--budget {','.join(dict.fromkeys(budgets))}: the {len(budgets)} ranks on this "
+            f"machine simulate {format_size(need)} in all, and"
+        )
+    else:
+        given += ":"
     raise ConfigError(
-        f"--budget {budget!r}: the simulated cpu device holds real tensors, so it can be at "
-        f"most the RAM this machine has available: {format_size(host.available)}{total}. Give "
-        f"a --budget of at most {format_size(host.available)} (or free some RAM), or probe a "
-        "real GPU with --device cuda"
+        f"{given} the simulated cpu device holds real tensors, so it can be at most the RAM "
+        f"this machine has available: {format_size(host.available)}{total}. Give a smaller "
+        "--budget (or free some RAM), or probe a real GPU with --device cuda"
     )
 
 
@@ -462,9 +510,10 @@ def run_command(
     )
 
     # everything is checked before the script starts: a bad option must not cost a run
+    on_host = _host_budgets(budget, distributed.world_size(), distributed.rank())
     budget = _rank_budget(budget, distributed.world_size(), distributed.rank())
     device = default_device(device)
-    _check_target(device, budget)
+    _check_target(device, budget, on_host)
     outputs = [
         (option, rank_path(path))
         for option, path in (("--json", json_path), ("--html", html_path))
@@ -584,7 +633,7 @@ def estimate_command(
         "margin": DEFAULT_MARGIN if margin is None else margin,
     }  # fmt: skip
     lengths: list[int | None] = list(seq_len) if seq_len else [None]
-    with contextlib.redirect_stdout(sys.stderr):  # the model file's prints: --json stays JSON
+    with _user_output_to_stderr():
         results = [estimate(file, seq_len=length, **options) for length in lengths]
     if as_json:
         payload: Any = results[0].to_dict() if len(results) == 1 else {

@@ -103,6 +103,11 @@ def local_rank() -> int:
     return _env_int("LOCAL_RANK", 0)
 
 
+def local_world_size() -> int:
+    """The number of ranks on this node: ``$LOCAL_WORLD_SIZE`` (set by torchrun), else 1."""
+    return max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+
+
 def world_size() -> int:
     """The number of ranks: the process group's, else ``$WORLD_SIZE``, else 1."""
     dist = _dist()

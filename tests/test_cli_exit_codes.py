@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import memkit
+from memkit import cli as cli_module
 from memkit import devices
 from memkit.cli import cli
 from memkit.errors import ConfigError
@@ -132,6 +133,7 @@ def test_probe_json_piped_to_json_tool():
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["max_batch_size"] == 8
     assert "number of parameters:" in done.stderr
+    assert "native: written to fd 1" in done.stderr  # below Python's sys.stdout, too
 
 
 # -- budgets the machine cannot back -----------------------------------------------------------
@@ -147,6 +149,32 @@ def test_a_budget_beyond_the_ram_is_refused_with_what_the_machine_has(command, m
     result = invoke("probe", target, "--device", "cpu", "--budget", "512MiB")
     assert result.exit_code == 2, result.output
     assert "256.00 MiB" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("budget", "rank", "refused"),
+    [("600MiB", 0, True), ("256MiB,256MiB,1GiB,1GiB", 0, False),
+     ("256MiB,256MiB,1GiB,1GiB", 3, True)],
+)  # fmt: skip
+def test_ranks_on_one_machine_are_checked_against_its_ram_together(
+    monkeypatch, budget, rank, refused
+):
+    """torchrun --nproc-per-node 2 on each of two 1 GiB machines: every rank's simulated
+    device holds real tensors in the same RAM, so the ranks of one machine must fit together
+    (each alone would)."""
+    _small_host(monkeypatch, 1024**3)
+    for name, value in {"WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2, "RANK": rank,
+                        "LOCAL_RANK": rank % 2}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    on_host = cli_module._host_budgets(budget, 4, rank)
+    assert len(on_host) == 2
+    if not refused:
+        cli_module._check_host_backs(on_host)  # 512 MiB on this machine: fine
+        return
+    result = invoke("probe", str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", budget)
+    assert result.exit_code == 2, result.output
+    assert "the 2 ranks on this machine simulate" in result.stderr
+    assert "available: 1.00 GiB" in result.stderr
 
 
 def test_a_zero_budget_in_the_python_api_is_a_config_error():

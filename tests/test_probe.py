@@ -56,6 +56,35 @@ def test_probe_trial_count_is_logarithmic():
     ]
 
 
+def test_a_bert_classifier_is_found_with_one_oom_trial():
+    """A transformers BERT classifier: its 30522-word embedding makes the optimizer step and
+    the embedding's dense gradient set the peak at batches 1, 2 and 4, flat, so a line
+    through whole peaks jumped to 256 and paid four OOM trials (11 trials). The probe cuts
+    each trial's peak into parts (module by module, the optimizer step) and aims with the
+    part that grows."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.randint(0, config.vocab_size, (n, 128)),
+            "attention_mask": torch.ones(n, 128, dtype=torch.long),
+            "labels": torch.randint(0, 2, (n,)),
+        }
+
+    result = probe(model, make_batch, device="cpu", budget="64MiB")
+    assert_exact(result)
+    flat = [t.peak_bytes for t in result.trials[:3]]
+    assert flat[2] - flat[0] < 1e-3 * flat[0]  # 1, 2, 4: the flat part sets the peak
+    failed = [t.batch_size for t in result.trials if not t.fits]
+    assert failed == [result.max_batch_size + 1], [t.batch_size for t in result.trials]
+    assert len(result.trials) <= 6
+
+
 def test_reported_peaks_match_a_direct_measurement():
     model = small_mlp()
     result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")

@@ -211,3 +211,45 @@ def test_reported_model_spans_the_search_not_its_last_cluster():
     assert result.model.per_sample_bytes == pytest.approx(mib, rel=0.05)
     assert summary_fit([]) is None
     assert summary_fit([(8, 100)]) is None
+
+
+def test_a_flat_part_does_not_hide_the_growing_one():
+    """A step whose flat part (the optimizer step: weights, gradients, Adam's moments, and a
+    little that grows with the batch) sets the peak at small sizes: a line through whole
+    peaks sees three collinear points with a tiny slope, trusts them and jumps far past the
+    limit (a large, slow OOM trial). With the step's parts reported, the search fits each
+    part and aims where the growing one reaches the capacity."""
+    limit = 60
+
+    def flat(b: int) -> int:
+        return 100 * MIB + 2_000 * b
+
+    def growing(b: int) -> int:
+        return 55 * MIB + 1_200_000 * b
+
+    capacity = max(flat(limit), growing(limit))
+    assert flat(4) > growing(4) and growing(limit + 1) > capacity  # the flat part hides it
+
+    def fits(b: int, parts: bool):
+        peaks = (flat(b), growing(b))
+        ok = b <= limit
+        return (ok, max(peaks), peaks if ok else ()) if parts else (ok, max(peaks))
+
+    whole = search_max_batch(lambda b: fits(b, False), capacity_bytes=capacity)
+    split = search_max_batch(lambda b: fits(b, True), capacity_bytes=capacity)
+    assert whole.max_batch_size == split.max_batch_size == limit
+    assert whole.trials[3].batch_size == 256 and not whole.trials[3].fits  # the overshoot
+    assert [t.batch_size for t in split.trials] == [1, 2, 4, limit, limit + 1]
+    assert split.trials[2].part_peaks == (flat(4), growing(4))
+
+
+def test_parts_that_differ_between_sizes_fall_back_to_whole_peaks():
+    """Control flow that depends on the batch (a different number of parts per size) gives
+    no part-by-part line: the search uses the whole peaks, and stays exact."""
+    def fits(b: int):
+        peaks = tuple([int(linear(b))] * (1 + b % 3))
+        return b <= 500, int(linear(b)), peaks
+
+    result = search_max_batch(fits, capacity_bytes=int(linear(500)))
+    assert result.max_batch_size == 500
+    assert not result.trials[-1].fits and result.trials[-1].batch_size == 501

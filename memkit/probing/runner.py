@@ -51,6 +51,7 @@ from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, check_batch, to_device
+from memkit.progress import TrialProgress
 from memkit.units import format_size
 
 __all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "probe", "probe_file"]
@@ -109,6 +110,66 @@ def _hint(exc: BaseException, batch_size: int) -> str:
     return ""
 
 
+class _PartPeaks:
+    """A trial's peak cut into parts at every module's forward start and end, every module
+    output's gradient (backward, module by module) and the optimizer step's start and end.
+
+    A step's peak is the largest of many lines in the batch size: each moment of the step
+    holds some bytes that do not depend on the batch and some that grow with it. At small
+    sizes a flat moment (the optimizer step, the embedding's dense gradient at the end of
+    backward) sets the whole peak and hides the growing one, so a line through whole peaks
+    aims far past the limit. The search fits a line to each part instead and aims where the
+    first of them reaches the capacity. The hooks only read and reset the device's peak
+    counters; they keep no tensor.
+    """
+
+    def __init__(self, backend: Backend, model: torch.nn.Module, optimizer: Any) -> None:
+        self.backend = backend
+        self.parts: list[int] = []
+        self.allocated = 0
+        handles: list[Any] = []
+        if hasattr(optimizer, "register_step_pre_hook"):
+            handles += [
+                optimizer.register_step_pre_hook(self._cut),
+                optimizer.register_step_post_hook(self._cut),
+            ]
+        if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
+            for module in model.modules():
+                handles.append(module.register_forward_pre_hook(self._cut))
+                handles.append(module.register_forward_hook(self._after_forward))
+        self.handles = handles
+
+    def _cut(self, *_: Any) -> None:
+        self.parts.append(self.backend.peak_reserved())
+        self.allocated = max(self.allocated, self.backend.peak_allocated())
+        self.backend.reset_peak()
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        self._cut()
+        if isinstance(output, torch.Tensor):
+            tensors: Any = (output,)
+        elif isinstance(output, dict):
+            tensors = output.values()
+        elif isinstance(output, (tuple, list)):
+            tensors = output
+        else:
+            return
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._cut)
+
+    def finish(self) -> tuple[int, int, tuple[int, ...]]:
+        """``(peak, peak_allocated, part_peaks)`` of the whole trial."""
+        self._cut()
+        self.close()
+        return max(self.parts), self.allocated, tuple(self.parts)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 @dataclass
 class _TrialRunner:
     """The oracle handed to the search: runs one batch size and reports (fits, peak)."""
@@ -126,6 +187,7 @@ class _TrialRunner:
     sync: RankSync | None = None
     capacities: tuple[int | None, ...] | None = None
     timeout: float | None = None
+    on_start: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         self.records: dict[int, ProbeTrial] = {}
@@ -153,16 +215,21 @@ class _TrialRunner:
         finally:
             self.step.release()  # the trial's loop is over: its last output goes too
 
-    def __call__(self, batch_size: int) -> tuple[bool, int | None]:
+    def __call__(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
+        if self.on_start is not None:
+            self.on_start(batch_size)
         if self.capacities is not None:
             return self._call_ranks(batch_size)
         self._clean()
         failed: BaseException | None = None
+        split = _PartPeaks(self.backend, self.model, self.optimizer)
         started = time.perf_counter()
         try:
             with self.backend.activate():
                 self._run_steps(batch_size)
         except MemkitError:
+            split.close()
+            raise
             raise
         except Exception as exc:
             host = _host_failure(exc, self.backend, batch_size)
@@ -179,7 +246,9 @@ class _TrialRunner:
                 ) from exc
             failed = exc
         seconds = time.perf_counter() - started
+        parts: tuple[int, ...] | None = None
         if failed is not None:
+            split.close()
             # Bytes known to be needed: what was held when the allocation failed (from the
             # message: the unwinding has freed some already) plus what it tried to get.
             details = parse_oom_message(failed)
@@ -196,18 +265,16 @@ class _TrialRunner:
             need = None if tried is None else in_use + tried
             record = ProbeTrial(batch_size, False, need, seconds, None, error)
         else:
-            peak = self.backend.peak_reserved()
+            peak, allocated, parts = split.finish()
             fits = self.capacity is None or peak <= self.capacity
             over = None if fits else f"peak {format_size(peak)} exceeds the capacity"
-            record = ProbeTrial(
-                batch_size, fits, peak, seconds, self.backend.peak_allocated(), over
-            )
+            record = ProbeTrial(batch_size, fits, peak, seconds, allocated, over)
         self.records[batch_size] = record
         if self.on_trial is not None:
             self.on_trial(record)
-        return record.fits, record.peak_bytes
+        return record.fits, record.peak_bytes, parts
 
-    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None]:
+    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
         """One trial on every rank; the agreed outcome (same on every rank)."""
         self._clean()
         caught: BaseException | None = None
@@ -283,7 +350,7 @@ class _TrialRunner:
         self.records[batch_size] = record
         if self.on_trial is not None:
             self.on_trial(record)
-        return record.fits, record.peak_bytes
+        return record.fits, record.peak_bytes, None
 
 
 def _resolve_backend(
@@ -350,6 +417,7 @@ def probe(
     target_batch: int | None = None,
     seq_len: int | None = None,
     on_trial: TrialCallback | None = None,
+    progress: bool = False,
     defaults: Sequence[str] = (),
     ddp: bool = False,
     timeout: float | None = None,
@@ -377,7 +445,10 @@ def probe(
         margin: share of capacity, in bytes, the recommended size leaves free.
         target_batch: effective batch wanted; adds ``accumulate`` advice.
         seq_len: passed to ``make_batch`` as its second argument.
-        on_trial: called after each trial (progress lines).
+        on_trial: called after each trial.
+        progress: show a live progress line (tqdm: a widget in a notebook, a line on
+            standard error in a terminal) with each trial's outcome and the running trial's
+            elapsed time.
         ddp: wrap the model in ``DistributedDataParallel`` for the trials, so its gradient
             buckets and gradient all-reduce are measured (needs a process group). A model that
             already is a DDP model is probed as such.
@@ -460,6 +531,8 @@ def probe(
         target = _wrap_agreed(model, backend, timeout)
     sync = RankSync(target, optimizer, timeout) if ranked and is_ddp(target) else None
     training_flag = model.training
+    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
+    bar = TrialProgress(label) if progress else None
     # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
     # gc.collect() after every trial only walks the trial's own objects (a full collection
     # with transformers imported costs ~0.4 s on a slow CPU).
@@ -471,7 +544,7 @@ def probe(
             model.eval()
         runner = _TrialRunner(
             target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
-            on_trial, sync, capacities, timeout,
+            _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
         )  # fmt: skip
         search = search_max_batch(
             runner,
@@ -481,6 +554,8 @@ def probe(
             margin=margin,
         )
     finally:
+        if bar is not None:
+            bar.close()
         gc.unfreeze()
         model.train(training_flag)
         saved.restore()
@@ -495,6 +570,19 @@ def probe(
     if ddp or is_ddp(model):
         result = dataclasses.replace(result, ddp=True, defaults=(*result.defaults, _DDP_NOTE))
     return result
+
+
+def _both(on_trial: TrialCallback | None, bar: TrialProgress | None) -> TrialCallback | None:
+    """The user's callback, then the progress line's."""
+    if bar is None:
+        return on_trial
+
+    def call(trial: ProbeTrial) -> None:
+        if on_trial is not None:
+            on_trial(trial)
+        bar.finished(trial.batch_size, trial.fits, trial.peak_bytes)
+
+    return call
 
 
 _DDP_NOTE = (

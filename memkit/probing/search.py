@@ -85,11 +85,17 @@ __all__ = [
     "summary_fit",
 ]
 
-Oracle = Callable[[int], "tuple[bool, int | None]"]
-"""Runs one trial at a batch size and returns ``(fits, peak_bytes)``.
+Oracle = Callable[
+    [int], "tuple[bool, int | None] | tuple[bool, int | None, tuple[int, ...] | None]"
+]
+"""Runs one trial at a batch size and returns ``(fits, peak_bytes)``, or
+``(fits, peak_bytes, part_peaks)`` (``part_peaks`` ``None`` or empty when unknown).
 
 ``peak_bytes`` is the measured peak when it fit; when it did not, the bytes known to be needed
-at least (in use plus the allocation that failed), or ``None`` when unknown.
+at least (in use plus the allocation that failed), or ``None`` when unknown. ``part_peaks``,
+when the oracle can tell, are the peaks of the parts of a step whose maximum is the peak (for
+``memkit.probe``: outside and inside the optimizer step): each part is fitted with its own line,
+so that a flat part (the optimizer step's) cannot hide the slope of a growing one.
 """
 
 _NO_LIMIT = 1 << 40
@@ -112,12 +118,15 @@ class Trial:
         peak_bytes: the measured peak when it fit; for a failure, the bytes known to be needed
             at least (in use plus the allocation that failed), or ``None`` when unknown.
         seconds: wall time of the oracle call.
+        part_peaks: the peaks of the step's parts when the oracle reported them (see
+            :data:`Oracle`), else ``None``.
     """
 
     batch_size: int
     fits: bool
     peak_bytes: int | None
     seconds: float
+    part_peaks: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, int | bool | float | None]:
         """Returns the trial as a JSON-ready dict."""
@@ -275,9 +284,12 @@ class _Search:
         high = self.max_batch if self.hi is None else self.hi - 1
         batch_size = min(max(batch_size, low), high)
         start = self.clock()
-        ok, peak = self.fits(batch_size)
+        ok, peak, *parts = self.fits(batch_size)
         seconds = self.clock() - start
-        trial = Trial(batch_size, bool(ok), None if peak is None else int(peak), seconds)
+        part_peaks = tuple(int(p) for p in parts[0]) if parts and parts[0] else None
+        trial = Trial(
+            batch_size, bool(ok), None if peak is None else int(peak), seconds, part_peaks
+        )
         self.trials.append(trial)
         if trial.fits:
             self.lo = batch_size
@@ -291,6 +303,23 @@ class _Search:
         return sorted(
             (t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None
         )
+
+    def part_points(self) -> list[list[tuple[int, int]]]:
+        """One ``(batch_size, peak)`` list per part of the step when every size that fit
+        reported the same parts; else the whole peaks' list alone."""
+        fitting = sorted(
+            (t for t in self.trials if t.fits and t.peak_bytes is not None),
+            key=lambda t: t.batch_size,
+        )
+        shapes = {None if t.part_peaks is None else len(t.part_peaks) for t in fitting}
+        if len(shapes) != 1 or None in shapes:
+            return [self.fitting_points()]
+        parts = fitting[0].part_peaks
+        assert parts is not None
+        return [
+            [(t.batch_size, t.part_peaks[i]) for t in fitting if t.part_peaks is not None]
+            for i in range(len(parts))
+        ]
 
 
 def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
@@ -355,6 +384,20 @@ def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | N
     b0, p0 = points[-3]
     below = (p1 - p0) / (b1 - b0)
     return predicted, abs(slope - below) <= SLOPE_TOLERANCE * slope
+
+
+def _aim(
+    s: _Search, capacity: int
+) -> tuple[float | None, bool, Sequence[tuple[int, int]]]:
+    """The secant prediction of the part of the step that reaches ``capacity`` first, whether
+    it is trusted, and that part's points (the whole peaks when no parts were reported)."""
+    series = s.part_points()
+    best: tuple[float | None, bool, Sequence[tuple[int, int]]] = (None, False, series[0])
+    for points in series:
+        predicted, trusted = _secant(points, capacity)
+        if predicted is not None and (best[0] is None or predicted < best[0]):
+            best = (predicted, trusted, points)
+    return best
 
 
 def _convex_consistent(points: Sequence[tuple[int, int]]) -> bool:
@@ -633,8 +676,7 @@ class _ModelStrategy:
         if s.lo is None:  # `start` failed: bisect down towards min_batch
             return _plain_next(s)
         lo = s.lo
-        points = s.fitting_points()
-        predicted, trusted = _secant(points, self.capacity)
+        predicted, trusted, points = _aim(s, self.capacity)
         if s.hi is None:  # growing
             proposal = self._grow(lo, predicted, trusted, len(points))
             grid = self.reference.next_size(lo)

@@ -1,8 +1,12 @@
-"""A model file that prints, like nanoGPT's "number of parameters: ...": --json stays JSON."""
+"""A model file that prints, like nanoGPT's "number of parameters: ...", and writes to file
+descriptor 1 as C code does (a compiler's or a library's native logging): --json stays JSON."""
+
+import os
 
 import torch
 
 print("loading chatty.py")
+os.write(1, b"native: written to fd 1\n")
 
 
 def build_model():
