@@ -7,6 +7,10 @@ import gc
 import pytest
 import torch
 
+# Files under tests/ that are run or loaded by the tests, never imported as modules: with
+# --doctest-modules pytest would import them (and run the scripts) to look for doctests.
+collect_ignore_glob = ["modelfiles/*", "realworld/scripts/*", "scenarios/*", "rank_processes.py"]
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_collect():

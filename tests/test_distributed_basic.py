@@ -81,14 +81,13 @@ WORKER = textwrap.dedent(
         result["error"] = type(exc).__name__
     result["steps_after_error"] = steps[0]
 
-    # a dead rank: rank 1 leaves, rank 0 times out instead of hanging
+    # a dead rank: rank 1 leaves, rank 0 times out instead of hanging (a hang would run into
+    # the launcher's limit and fail the test)
     if rank == 0:
-        t0 = time.monotonic()
         try:
             distributed.any_true(False, timeout=2.0)
         except Exception as exc:
             result["dead"] = type(exc).__name__
-        result["waited"] = time.monotonic() - t0
     json.dump(result, open(out, "w"))
     """
 )
@@ -193,7 +192,7 @@ def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(tmp_path
     # a non-OOM error on rank 1 ends both ranks (no hang, no step); a dead rank times out
     assert r1["error"] == "ValueError" and r0["error"] == "DistributedError"
     assert r0["steps_after_error"] == r1["steps_after_error"] == 3
-    assert r0["dead"] == "DistributedError" and r0["waited"] < 10
+    assert r0["dead"] == "DistributedError"
     p0 = torch.load(str(outs[0]) + ".pt")
     p1 = torch.load(str(outs[1]) + ".pt")
     # reference: one process, full global batch of 512, same SGD

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from rank_processes import wait_for_ranks
+from rank_processes import free_port, port_was_taken, wait_for_ranks
 
 from memkit.probing.ranks import OK, OOM, agreed_outcome
 from memkit.probing.result import ProbeResult, ProbeTrial
@@ -118,34 +117,33 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(tmp_path: Path, worker: str, limit: float) -> tuple[list[dict], list[str]]:
     """Run ``worker`` as ranks 0 and 1 (torchrun's environment, without torchrun's start-up
     cost); kill both and fail if they are not done within ``limit`` seconds."""
     script = tmp_path / "worker.py"
     script.write_text(worker)
     (tmp_path / "model.py").write_text(MODEL_FILE)
-    port = _free_port()
-    procs, outs = [], []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        out = tmp_path / f"rank{rank}.json"
-        outs.append(out)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+    for _attempt in range(3):  # again with another port if rank 0 found its port taken
+        port = free_port()
+        procs, outs = [], []
+        for rank in range(2):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)}  # fmt: skip
+            out = tmp_path / f"rank{rank}.json"
+            outs.append(out)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(out)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
-    logs = wait_for_ranks(procs, limit, "the 2-rank probe")
+        logs = wait_for_ranks(procs, limit, "the 2-rank probe", abandon=port_was_taken)
+        if logs is not None:
+            break
+    assert logs is not None, "the rendezvous port was taken three times in a row"
     results = []
     for rank, out in enumerate(outs):
         assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-4000:]}"

@@ -66,8 +66,10 @@ def check(result, calls, limit, *, min_batch=1, max_batch=None) -> None:
     assert all(min_batch <= b <= top for b in calls)
     by_size = {t.batch_size: t for t in result.trials}
     assert by_size[limit].fits
-    if limit != max_batch:
-        assert not by_size[limit + 1].fits
+    if limit == max_batch:  # the cap: reached, reported as such, nothing above it run
+        assert result.hit_max_batch and limit + 1 not in by_size
+    else:
+        assert not by_size[limit + 1].fits and not result.hit_max_batch
     assert [t.batch_size for t in result.trials] == calls
 
 
