@@ -226,7 +226,7 @@ class _Gather(Function):
         shape = list(inputs[0].shape)
         shape[dim] = sum(ctx.sizes)
         with vd.on(target):  # comm.gather: one empty result on the target, filled by copies
-            result = torch.empty(shape, dtype=inputs[0].dtype)
+            result = torch.empty(shape, dtype=inputs[0].dtype, device=inputs[0].device)
         offset = 0
         for t, n in zip(inputs, ctx.sizes, strict=False):
             result.narrow(dim, offset, n).copy_(t)
@@ -498,8 +498,10 @@ def ddp_replicas(
             if not gradient_as_bucket_view:
                 trainable = [p for p in replica.parameters() if p.requires_grad]
                 dtype = trainable[0].dtype if trainable else torch.float32
+                real = trainable[0].device if trainable else None
                 buckets = [
-                    torch.empty(n, dtype=dtype) for n in bucket_sizes(trainable, bucket_cap_mb)
+                    torch.empty(n, dtype=dtype, device=real)
+                    for n in bucket_sizes(trainable, bucket_cap_mb)
                 ]
         out.append(DdpReplica(dev, replica, opt, buckets))
     return out

@@ -1,0 +1,11 @@
+"""Large weights, small activations: DataParallel's cuda:0 holds the gradients and AdamW state."""
+
+import torch
+
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 64)
