@@ -4,7 +4,8 @@ import torch
 
 
 def build_model():
-    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64))
+    layers = [torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 64)]
+    return torch.nn.Sequential(*layers)
 
 
 def make_batch(batch_size):
