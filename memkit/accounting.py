@@ -383,11 +383,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def simulate(
-    budget: int | str | None,
+    budget: int | str | list[int | str | None] | tuple[int | str | None, ...] | None,
     device: str | torch.device = "cpu",
     *,
     track: Any = None,
     rounding: str = "none",
+    devices: int | None = None,
 ) -> MemoryAccountant:
     """A device of ``budget`` bytes for the ``with`` block: ``with simulate("512MiB") as acct:``.
 
@@ -401,6 +402,10 @@ def simulate(
         device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, no compute).
         track: a model, optimizer, tensor, or a tuple/list of them.
         rounding: ``"none"`` or ``"cuda"`` (count like the CUDA caching allocator).
+        devices: stand for this many accelerators, ``budget`` each (or give ``budget`` as a
+            list, one per device): returns a :class:`memkit.virtual_devices.VirtualDevices`
+            whose tensors live on ``cuda:0`` ... ``cuda:N-1`` (docs/simulated-device.md);
+            ``track`` objects go on ``cuda:0``.
 
     Examples:
         >>> import torch, memkit
@@ -411,6 +416,21 @@ def simulate(
         ...         print("out of memory")
         out of memory
     """
+    if devices is not None or isinstance(budget, (list, tuple)):
+        from memkit.virtual_devices import VirtualDevices
+
+        if isinstance(budget, (list, tuple)):
+            if devices is not None and devices != len(budget):
+                raise ValueError(f"devices={devices} but {len(budget)} budgets were given")
+            budgets = list(budget)
+        else:
+            if devices is None or devices < 1:
+                raise ValueError(f"devices must be at least 1, found {devices}")
+            budgets = [budget] * devices
+        virtual = VirtualDevices(budgets, device, rounding=rounding)
+        if track is not None:
+            virtual.track(track)
+        return virtual
     accountant = MemoryAccountant(device, budget, rounding=rounding)
     if track is not None:
         accountant.track(track)

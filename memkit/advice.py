@@ -313,7 +313,11 @@ def check_data_parallel(model: Any, batch_size: int | None = None) -> list[Advic
         return []
     ids = [int(getattr(d, "index", d)) for d in device_ids]
     out: list[Advice] = []
-    found = {str(t.device) for t in (*module.parameters(), *module.buffers())}
+    virtual = getattr(model, "parameter_devices", None)  # memkit.parallel's stand-in
+    if callable(virtual):
+        found = set(virtual())
+    else:
+        found = {str(t.device) for t in (*module.parameters(), *module.buffers())}
     mismatch = dp_device_mismatch(found, ids)
     if mismatch is not None:
         out.append(mismatch)

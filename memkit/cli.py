@@ -103,8 +103,10 @@ def _parse_margin(_ctx: click.Context, _param: click.Parameter, value: str | Non
 
 def _parse_modes(_ctx: click.Context, _param: click.Parameter, value: str) -> list[str]:
     modes = [part.strip() for part in value.split(",") if part.strip()]
-    if not modes or any(m not in ("train", "infer") for m in modes) or len(set(modes)) != len(
-        modes
+    if (
+        not modes
+        or any(m not in ("train", "infer") for m in modes)
+        or len(set(modes)) != len(modes)
     ):
         raise click.BadParameter(f"expected train, infer or train,infer, found {value!r}")
     return modes
@@ -156,6 +158,11 @@ def _parse_seq_lens(
 @click.option("--dist-backend", default=None, metavar="NAME", help="Under torchrun: the "
               "process group's backend [default: nccl on cuda, else gloo; gloo puts several "
               "ranks on one GPU].")  # fmt: skip
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
+              "this many virtual GPUs of --budget each (--device cpu).")  # fmt: skip
+@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
+              "DDP on --gpus virtual GPUs: largest global batch and per-device peaks "
+              "(docs/distributed.md).")  # fmt: skip
 @handle_errors
 def probe(
     file: str,
@@ -172,6 +179,8 @@ def probe(
     ddp: bool,
     timeout: float | None,
     dist_backend: str | None,
+    gpus: int | None = None,
+    strategies: str | None = None,
 ) -> None:
     """Find the largest batch size of a model file that fits, exactly.
 
@@ -188,6 +197,9 @@ def probe(
       torchrun --nproc-per-node 2 --no-python memkit probe model.py --device cpu \\
           --budget 1GiB,512MiB
     """
+    if gpus is not None or strategies is not None:
+        _compare(file, gpus, strategies, budget, device or "cpu", max_batch, seq_len, as_json)
+        return
     from memkit import distributed
     from memkit.probing.result import ProbeModes, ProbeResult
     from memkit.probing.runner import DEFAULT_MARGIN, probe_file
@@ -275,6 +287,40 @@ def _stderr_is_terminal() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _compare(
+    file: str,
+    gpus: int | None,
+    strategies: str | None,
+    budget: str | int | None,
+    device: str,
+    max_batch: int | None,
+    seq_len: list[int] | None,
+    as_json: bool,
+) -> None:
+    """``--gpus N --strategies dp,ddp``: DP vs DDP on N virtual devices (memkit.strategies)."""
+    from memkit.strategies import STRATEGIES, compare_strategies
+    from memkit.units import parse_size
+
+    if gpus is None or budget is None:
+        raise click.BadParameter("--strategies needs --gpus N and --budget (per GPU)")
+    if device not in ("cpu", "meta"):
+        raise click.BadParameter(f"--gpus runs on virtual devices: --device cpu, not {device}")
+    names = [s.strip() for s in (strategies or ",".join(STRATEGIES)).split(",") if s.strip()]
+    size: Any = budget if isinstance(budget, int) else [
+        parse_size(b) for b in str(budget).split(",")
+    ]  # fmt: skip
+    if isinstance(size, list) and len(size) == 1:
+        size = size[0]
+    with _user_output_to_stderr():
+        result = compare_strategies(
+            file, gpus=gpus, budget=size, strategies=names, device=device,
+            seq_len=seq_len[0] if seq_len else None, max_batch=max_batch,
+        )  # fmt: skip
+    click.echo(result.to_json() if as_json else str(result))
+    if any(r.max_global_batch is None for r in result.results):
+        sys.exit(1)
 
 
 def _rank_budget(budget: str | None, world: int, rank: int) -> str | None:
@@ -594,6 +640,10 @@ def _parse_size_option(
 @click.option("--margin", callback=_parse_margin, default=None,
               help="Memory the recommended batch leaves free, percent [default: 5].")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
+              "this many GPUs of --device-memory each.")  # fmt: skip
+@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
+              "DDP on --gpus GPUs, on meta tensors (docs/distributed.md).")  # fmt: skip
 @handle_errors
 def estimate_command(
     file: str,
@@ -608,6 +658,8 @@ def estimate_command(
     max_batch: int | None,
     margin: float | None,
     as_json: bool,
+    gpus: int | None = None,
+    strategies: str | None = None,
 ) -> None:
     """Estimate the largest batch of a model file on a GPU you do not have (no GPU needed).
 
@@ -621,6 +673,9 @@ def estimate_command(
     """
     import json
 
+    if gpus is not None or strategies is not None:
+        _compare(file, gpus, strategies, device_memory, "meta", max_batch, seq_len, as_json)
+        return
     from memkit.estimation import DEFAULT_MARGIN, estimate
 
     if max_batch is not None and max_batch < min_batch:

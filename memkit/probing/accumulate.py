@@ -108,11 +108,7 @@ def accumulation_advice(
             f"{plan.effective_batch - plan.target_batch} above the target: scale the learning "
             f"rate for it, or use {exact.steps} steps of {exact.micro_batch} to match exactly."
         )
-    norm = (
-        f" Batch-norm statistics see micro batches of {plan.micro_batch}."
-        if batch_norm
-        else ""
-    )
+    norm = f" Batch-norm statistics see micro batches of {plan.micro_batch}." if batch_norm else ""
     return Advice(
         code="accumulate",
         title=(

@@ -207,7 +207,6 @@ class ProbeResult:
                 return f"no size leaves {margin} free (batch {rec} leaves {free:.1%})"
         return f"recommended {rec} (leaves {margin} free)"
 
-
     def _trial_rows(self) -> list[list[object]]:
         return [
             [t.batch_size, "yes" if t.fits else "OOM", _peak_cell(t), f"{t.seconds:.2f}"]

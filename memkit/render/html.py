@@ -179,9 +179,7 @@ def line_plot(
     if y_format is None:
         from memkit.units import format_size
 
-        y_fmt: Callable[[float], str] = (
-            format_size if y_bytes else (lambda v: _number(v, y_step))
-        )
+        y_fmt: Callable[[float], str] = format_size if y_bytes else (lambda v: _number(v, y_step))
     else:
         y_fmt = y_format
     x_fmt = x_format or (lambda v: _number(v, x_step))

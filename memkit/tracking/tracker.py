@@ -1587,10 +1587,7 @@ def _mode_active(mode: Any) -> bool:
 
 def _only_mode(mode: Any) -> bool:
     """``mode`` is the only dispatch mode active in this thread."""
-    return (
-        torch._C._len_torch_dispatch_stack() == 1
-        and torch._C._get_dispatch_stack_at(0) is mode
-    )
+    return torch._C._len_torch_dispatch_stack() == 1 and torch._C._get_dispatch_stack_at(0) is mode
 
 
 def _input_shape(args: Any) -> tuple[int, ...] | None:

@@ -1,0 +1,410 @@
+"""DataParallel vs DDP on N virtual devices: the largest global batch each fits, per device.
+
+``memkit probe model.py --device cpu --gpus 4 --budget 24GiB --strategies dp,ddp`` (real
+compute on the simulated device) and ``memkit estimate ... --gpus 4 --strategies dp,ddp`` (meta
+tensors, no compute) call :func:`compare_strategies`. Each strategy's trials run on a fresh
+:class:`~memkit.virtual_devices.VirtualDevices`:
+
+* ``dp``: the model on ``cuda:0`` wrapped in :class:`memkit.parallel.DataParallel`, its optimizer
+  there, the global batch made on ``cuda:0`` (the script's ``x.cuda()``) and scattered;
+* ``ddp``: :func:`memkit.parallel.ddp_replicas` on every device (replica, optimizer, buckets), each
+  running the per-rank batch (global / N); ranks run one after the other (their memory is
+  independent) and gradients are not averaged across them (an in-place all-reduce adds no memory).
+
+Each trial runs ``steps`` full steps (the probe's default step or the file's ``train_step``). A
+size fits when no device ran out. The search doubles, then bisects (global batches for DP, per-rank
+batches for DDP). The models' weights change during the trials (optimizer steps); sizes do not.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memkit import advice as rules
+from memkit.accounting import tensors_of
+from memkit.advice import Advice, advice_html, advice_text
+from memkit.errors import ConfigError, UserCodeError
+from memkit.modelfile import ModelSpec, call_user, load_model_file
+from memkit.oom import is_oom
+from memkit.parallel import DataParallel, ddp_replicas
+from memkit.probing.step import StepPlan
+from memkit.render import html as h
+from memkit.units import format_size
+from memkit.virtual_devices import VirtualDevices
+
+__all__ = ["STRATEGIES", "StrategyComparison", "StrategyResult", "compare_strategies"]
+
+STRATEGIES = ("dp", "ddp")
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a batch or an output (a tensor, a tuple/list/dict of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+MAX_GLOBAL_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """One strategy's answer.
+
+    Attributes:
+        strategy: ``"dp"`` or ``"ddp"``.
+        max_global_batch: the largest global batch that fits on every device (``None``: not
+            even the smallest).
+        per_device_peaks: each device's peak at that batch (bytes).
+        excess_bytes: device 0's peak minus the mean of the others.
+        excess_parts: what lives on device 0 only, at that batch: full input (the other chunks),
+            gathered outputs, loss, reduced gradients, optimizer state (bytes; DP only).
+        trials: ``(global batch, fits)`` in the order run.
+    """
+
+    strategy: str
+    max_global_batch: int | None
+    per_device_peaks: tuple[int, ...]
+    excess_bytes: int
+    excess_parts: tuple[tuple[str, int], ...]
+    trials: tuple[tuple[int, bool], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "max_global_batch": self.max_global_batch,
+            "per_device_peaks": list(self.per_device_peaks),
+            "excess_bytes": self.excess_bytes,
+            "excess_parts": dict(self.excess_parts),
+            "trials": [{"global_batch": b, "fits": f} for b, f in self.trials],
+        }
+
+
+@dataclass(frozen=True)
+class StrategyComparison:
+    """DP vs DDP on ``gpus`` virtual devices: per strategy, the largest global batch and the
+    per-device peaks, and the advice they back."""
+
+    path: str
+    device: str
+    gpus: int
+    budgets: tuple[int, ...]
+    results: tuple[StrategyResult, ...]
+    advice: tuple[Advice, ...] = ()
+
+    def result(self, strategy: str) -> StrategyResult | None:
+        """The result of one strategy, if it was run."""
+        return next((r for r in self.results if r.strategy == strategy), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "device": self.device,
+            "gpus": self.gpus,
+            "budgets": list(self.budgets),
+            "strategies": [r.to_dict() for r in self.results],
+            "advice": [a.to_dict() for a in self.advice],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        for r in self.results:
+            batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
+            peaks = [format_size(p) for p in r.per_device_peaks]
+            rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
+        return rows
+
+    def _header(self) -> list[str]:
+        return ["strategy", "global batch", *[f"cuda:{i}" for i in range(self.gpus)], "excess 0"]
+
+    def __str__(self) -> str:
+        sizes = ", ".join(format_size(b) for b in self.budgets)
+        lines = [
+            f"{self.path}: {self.gpus} virtual GPUs ({sizes}) on {self.device}",
+            "largest global batch that fits on every device, and each device's peak at it",
+            "",
+        ]
+        header = self._header()
+        rows = [header, *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for k, row in enumerate(rows):
+            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        for r in self.results:
+            if r.excess_parts:
+                parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
+                lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
+        dp, ddp = self.result("dp"), self.result("ddp")
+        if (
+            dp is not None
+            and ddp is not None
+            and (ddp.max_global_batch or 0) <= (dp.max_global_batch or 0)
+        ):
+            lines.append(
+                "ddp fits no larger global batch here: each rank holds its own gradients, their "
+                "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
+            )
+        if self.advice:
+            lines += ["", "advice", advice_text(self.advice)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        best = ", ".join(f"{r.strategy}={r.max_global_batch}" for r in self.results)
+        return f"StrategyComparison({self.gpus} GPUs, {best})"
+
+    def _repr_html_(self) -> str:
+        sizes = ", ".join(format_size(b) for b in self.budgets)
+        return (
+            f"<h3>{h.escape(self.path)}: {self.gpus} virtual GPUs ({h.escape(sizes)})</h3>"
+            + h.table(self._header(), self._rows())
+            + advice_html(self.advice)
+        )
+
+
+def _switch_advice(dp: StrategyResult, ddp: StrategyResult, gpus: int) -> Advice | None:
+    """``switch-to-ddp``: DDP fits a larger global batch than DP on the same devices."""
+    if ddp.max_global_batch is None or (dp.max_global_batch or 0) >= ddp.max_global_batch:
+        return None
+    x, y = dp.max_global_batch or 0, ddp.max_global_batch
+    gain = f"+{100.0 * (y - x) / x:.0f}%" if x else "DP fits no batch"
+    parts = ", ".join(f"{k} {format_size(v)}" for k, v in dp.excess_parts)
+    return Advice(
+        code="switch-to-ddp",
+        title=f"switch to DDP: largest global batch {x} -> {y} ({gain})",
+        evidence=(
+            f"On {gpus} GPUs, DataParallel's largest global batch is {x}, with cuda:0 at "
+            f"{format_size(dp.per_device_peaks[0]) if dp.per_device_peaks else '-'}, "
+            f"{format_size(dp.excess_bytes)} above the others' mean (on cuda:0 only: {parts}). "
+            f"Under DDP every device holds the same, and the largest global batch is {y}."
+        ),
+        action=(
+            f"torchrun --nproc-per-node {gpus} train.py with DistributedDataParallel and a "
+            f"DistributedSampler, per-rank batch {y // gpus}."
+        ),
+        severity="warning",
+    )
+
+
+class _Trials:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        budgets: Sequence[int],
+        device: str,
+        steps: int,
+        seq_len: int | None,
+    ) -> None:
+        self.spec = spec
+        self.budgets = list(budgets)
+        self.device = device
+        self.steps = steps
+        self.seq_len = seq_len
+        with torch.device(device):
+            self.model = call_user(spec.build_model, what="build_model()", path=spec.path)
+        self.plan = StepPlan("train", loss_fn=spec.loss_fn, train_step=spec.train_step)
+        self.parts: dict[str, int] = {}
+
+    def _optimizer(self, model: torch.nn.Module) -> Any:
+        if self.spec.build_optimizer is not None:
+            return self.spec.build_optimizer(model.parameters())
+        return torch.optim.AdamW(model.parameters())
+
+    def _batch(self, size: int) -> Any:
+        with torch.device(self.device):
+            if self.seq_len is None:
+                return self.spec.make_batch(size)
+            return self.spec.make_batch(size, self.seq_len)
+
+    def _run(self, body: Callable[[VirtualDevices], None]) -> tuple[bool, list[int]]:
+        vd = VirtualDevices(self.budgets, self.device)
+        try:
+            with vd:
+                body(vd)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise UserCodeError(
+                    f"the training step raised {type(exc).__name__} on the virtual devices: {exc}",
+                    original=exc,
+                ) from exc
+            self.plan.release()
+            gc.collect()
+            return False, vd.peaks
+        self.plan.release()
+        peaks = vd.peaks
+        gc.collect()
+        return True, peaks
+
+    def dp(self, global_batch: int) -> tuple[bool, list[int]]:
+        model = self.model
+        seen: dict[str, int] = {}
+
+        def body(vd: VirtualDevices) -> None:
+            vd.to(model, 0)
+            opt = self._optimizer(model)
+            dp = DataParallel(model)
+
+            def out_hook(_m: Any, _a: Any, output: Any) -> None:
+                size = _nbytes(output)
+                seen["gathered outputs"] = max(seen.get("gathered outputs", 0), size)
+
+            dp.register_forward_hook(out_hook)
+            for _ in range(self.steps):
+                batch = self._batch(global_batch)
+                full = _nbytes(batch)
+                n = min(len(self.budgets), global_batch)
+                seen["full input"] = full - full // max(1, n)
+                self.plan(dp, batch, opt)
+                del batch
+            seen["reduced gradients"] = sum(
+                p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+            )
+            seen["optimizer state"] = sum(
+                t.numel() * t.element_size() for t in tensors_of(opt.state)
+            )
+            model.zero_grad(set_to_none=True)
+            vd.to(model, -1)
+
+        try:
+            fits, peaks = self._run(body)
+        finally:
+            model.zero_grad(set_to_none=True)
+        self.parts = seen
+        return fits, peaks
+
+    def ddp(self, per_rank: int) -> tuple[bool, list[int]]:
+        def body(vd: VirtualDevices) -> None:
+            replicas = ddp_replicas(self.model, self._optimizer)
+            for rep in replicas:
+                with vd.on(rep.device):
+                    for _ in range(self.steps):
+                        batch = self._batch(per_rank)
+                        self.plan(rep.model, batch, rep.optimizer)
+                        del batch
+                    self.plan.release()
+
+        return self._run(body)
+
+
+def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, list[int]]:
+    """Largest ``n`` in ``[1, max_size]`` with ``fits(n)`` (doubling, then bisection)."""
+    tried: list[int] = []
+
+    def run(n: int) -> bool:
+        tried.append(n)
+        return fits(n)
+
+    if not run(1):
+        return None, tried
+    lo, hi = 1, None
+    while hi is None:
+        nxt = min(lo * 2, max_size)
+        if nxt == lo:
+            return lo, tried
+        if run(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried
+
+
+def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> StrategyResult:
+    record: dict[int, tuple[bool, list[int], dict[str, int]]] = {}
+    order: list[tuple[int, bool]] = []
+
+    def fits(n: int) -> bool:
+        size = n if strategy == "dp" else n * gpus
+        ok, peaks = trials.dp(n) if strategy == "dp" else trials.ddp(n)
+        record[size] = (ok, peaks, dict(trials.parts) if strategy == "dp" else {})
+        order.append((size, ok))
+        return ok
+
+    limit = max_batch if strategy == "dp" else max(1, max_batch // gpus)
+    best, _ = _search(fits, limit)
+    size = None if best is None else (best if strategy == "dp" else best * gpus)
+    peaks: list[int] = [] if size is None else record[size][1]
+    parts = {} if size is None else record[size][2]
+    others = peaks[1:]
+    excess = peaks[0] - sum(others) // len(others) if peaks and others else 0
+    names = ("full input", "gathered outputs", "reduced gradients", "optimizer state")
+    return StrategyResult(
+        strategy,
+        size,
+        tuple(peaks),
+        excess,
+        tuple((k, parts[k]) for k in names if parts.get(k)),
+        tuple(order),
+    )
+
+
+def compare_strategies(
+    path: str,
+    *,
+    gpus: int,
+    budget: int | Sequence[int],
+    strategies: Sequence[str] = STRATEGIES,
+    device: str = "cpu",
+    steps: int = 2,
+    seq_len: int | None = None,
+    max_batch: int | None = None,
+) -> StrategyComparison:
+    """Run each strategy's search on ``gpus`` virtual devices of ``budget`` bytes each.
+
+    Args:
+        path: a model file (docs/probe.md).
+        gpus: number of virtual GPUs (at least 2).
+        budget: bytes per device, or one size per device.
+        strategies: ``"dp"``, ``"ddp"`` or both.
+        device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, ``memkit estimate``).
+        steps: full steps per trial.
+        max_batch: the largest global batch tried (default 65536).
+    """
+    if gpus < 2:
+        raise ConfigError(f"--gpus must be at least 2 to compare strategies, found {gpus}")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ConfigError(f"expected strategies among dp,ddp, found {','.join(strategies)!r}")
+    budgets = [int(budget)] * gpus if isinstance(budget, int) else [int(b) for b in budget]
+    if len(budgets) != gpus:
+        raise ConfigError(f"{len(budgets)} budgets given for {gpus} GPUs; give one or {gpus}")
+    spec = load_model_file(path)
+    trials = _Trials(spec, budgets, device, steps, seq_len)
+    limit = max_batch or MAX_GLOBAL_BATCH
+    results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
+    advice: list[Advice] = []
+    dp, ddp = (next((r for r in results if r.strategy == s), None) for s in STRATEGIES)
+    for r in results:  # the tracker's DP rule, on each strategy's per-device peaks
+        if len(r.per_device_peaks) >= 2:
+            parts = dict(r.excess_parts)
+            a = rules.dp_to_ddp(
+                {f"cuda:{i}": p for i, p in enumerate(r.per_device_peaks)},
+                "cuda:0",
+                gradient_bytes=parts.get("reduced gradients", 0),
+                optimizer_state_bytes=parts.get("optimizer state", 0),
+            )
+            if a is not None:
+                advice.append(a)
+    if dp is not None and ddp is not None:
+        switch = _switch_advice(dp, ddp, gpus)
+        if switch is not None:
+            advice.insert(0, switch)
+    return StrategyComparison(path, device, gpus, tuple(budgets), results, tuple(advice))

@@ -1,0 +1,66 @@
+"""DP vs DDP on virtual devices: the strategy table (text, JSON, HTML) and its advice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from memkit.cli import cli
+from memkit.strategies import compare_strategies
+
+FILES = Path(__file__).parent / "modelfiles"
+MiB = 1024**2
+
+
+def test_dp_gathering_wide_outputs_loses_to_ddp_and_the_advice_says_by_how_much() -> None:
+    result = compare_strategies(str(FILES / "wide_output.py"), gpus=4, budget=8 * MiB,
+                                device="meta", max_batch=4096)  # fmt: skip
+    dp, ddp = result.result("dp"), result.result("ddp")
+    assert dp is not None and ddp is not None
+    assert dp.max_global_batch is not None and ddp.max_global_batch is not None
+    assert ddp.max_global_batch % 4 == 0 and ddp.max_global_batch > dp.max_global_batch
+    # every peak fits its device; DDP's are equal, DP's device 0 carries the excess
+    assert max(dp.per_device_peaks) <= 8 * MiB and max(ddp.per_device_peaks) <= 8 * MiB
+    assert len(set(ddp.per_device_peaks)) == 1 and ddp.excess_bytes == 0
+    others = dp.per_device_peaks[1:]
+    assert dp.excess_bytes == dp.per_device_peaks[0] - sum(others) // 3 > 0
+    parts = dict(dp.excess_parts)
+    b = dp.max_global_batch
+    assert parts["gathered outputs"] == b * 4096 * 4  # the full output, on cuda:0
+    assert parts["full input"] == b * 64 * 4 - (b * 64 * 4) // 4
+    x, y = dp.max_global_batch, ddp.max_global_batch
+    codes = [a.code for a in result.advice]
+    assert codes[0] == "switch-to-ddp"
+    assert result.advice[0].title == (
+        f"switch to DDP: largest global batch {x} -> {y} (+{100.0 * (y - x) / x:.0f}%)"
+    )
+    # the tracker's DP rule fires on DP's per-device peaks and stays silent on DDP's
+    assert codes.count("dp-to-ddp") == 1 and "cuda:0" in result.advice[1].title
+    text = str(result)
+    assert f"dp  {x:>12}" in text.replace("      dp", "dp") and "switch to DDP" in text
+    payload = json.loads(result.to_json())
+    assert [s["max_global_batch"] for s in payload["strategies"]] == [x, y]
+    assert payload["strategies"][0]["per_device_peaks"] == list(dp.per_device_peaks)
+    html = result._repr_html_()
+    assert "<table" in html and "switch-to-ddp" in html and str(y) in html
+
+
+def test_cli_probe_and_estimate_compare_strategies() -> None:
+    runner = CliRunner()
+    args = [str(FILES / "wide_mlp.py"), "--gpus", "2", "--strategies", "dp,ddp", "--json"]
+    est = runner.invoke(cli, ["estimate", *args, "--device-memory", "4MiB", "--max-batch", "256"])
+    assert est.exit_code == 0, est.output
+    got = json.loads(est.output)
+    assert got["device"] == "meta" and got["gpus"] == 2 and got["budgets"] == [4 * MiB] * 2
+    probe = runner.invoke(cli, ["probe", *args, "--device", "cpu", "--budget", "4MiB",
+                                "--max-batch", "256"])  # fmt: skip
+    assert probe.exit_code == 0, probe.output
+    on_cpu = json.loads(probe.output)
+    # real compute and meta tensors count the same storages: the same answers
+    assert [s["max_global_batch"] for s in on_cpu["strategies"]] == [
+        s["max_global_batch"] for s in got["strategies"]
+    ]
+    bad = runner.invoke(cli, ["probe", str(FILES / "wide_mlp.py"), "--strategies", "dp"])
+    assert bad.exit_code == 2
