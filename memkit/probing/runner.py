@@ -110,6 +110,23 @@ def _hint(exc: BaseException, batch_size: int) -> str:
     return ""
 
 
+PART_MODULES = 48
+"""At most this many modules cut a trial's peak into parts: the outermost ones, level by level.
+Each cut reads the device's peak counters (on CUDA a ``memory_stats`` call, tens of
+microseconds), three times per module and step."""
+
+
+def _outer_modules(model: torch.nn.Module, limit: int) -> list[torch.nn.Module]:
+    """The model and its submodules, breadth first, while a whole level fits in ``limit``."""
+    chosen, level = [model], [model]
+    while level:
+        level = [child for module in level for child in module.children()]
+        if len(chosen) + len(level) > limit:
+            break
+        chosen += level
+    return chosen
+
+
 class _PartPeaks:
     """A trial's peak cut into parts at every module's forward start and end, every module
     output's gradient (backward, module by module) and the optimizer step's start and end.
@@ -134,7 +151,7 @@ class _PartPeaks:
                 optimizer.register_step_post_hook(self._cut),
             ]
         if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
-            for module in model.modules():
+            for module in _outer_modules(model, PART_MODULES):
                 handles.append(module.register_forward_pre_hook(self._cut))
                 handles.append(module.register_forward_hook(self._after_forward))
         self.handles = handles
