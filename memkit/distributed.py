@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,20 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.errors import DistributedError
+
+
+class RankStatus(enum.IntEnum):
+    """A rank's outcome of one attempt (a probe trial, a micro-batch step). Ranks agree by
+    taking the largest: the worst outcome on any rank is every rank's."""
+
+    OK = 0
+    ABORTED = 1
+    """Stopped because another rank failed."""
+    OOM = 2
+    FATAL_OOM = 3
+    """Out of memory with no smaller size left to try (a micro-batch of 1)."""
+    ERROR = 4
+    """An error that is not an out-of-memory error."""
 
 __all__ = [
     "all_agree_max",

@@ -69,6 +69,7 @@ from typing import Any, overload
 import torch
 
 from memkit import distributed
+from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, DoesNotFitError
 from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
 from memkit.units import format_size
@@ -85,8 +86,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Per-attempt status agreed across ranks with an all-reduce MAX: higher wins.
-_OK, _OOM, _FATAL_OOM, _ERROR = 0, 1, 2, 3
 
 Weight = Callable[[Any], "float | int | torch.Tensor"]
 
@@ -586,19 +585,21 @@ class MicroBatchStep:
                 if exc is None:
                     used_or_none, exc = _guarded(self._prepare_sync)
                     used = used_or_none if used_or_none is not None else used
-            status = _OK
+            status = RankStatus.OK
             if exc is not None:
-                status = (_OOM if tried > 1 else _FATAL_OOM) if is_oom(exc) else _ERROR
+                status = RankStatus.ERROR
+                if is_oom(exc):
+                    status = RankStatus.OOM if tried > 1 else RankStatus.FATAL_OOM
             if ddp:
                 agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
                 status_all, used = agreed_flags[0], agreed_flags[1:]
             else:
                 status_all = status
-            if status == _ERROR:
+            if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
                 raise exc  # not an OOM: at once, unchanged, never retried
-            if status_all == _ERROR:
+            if status_all == RankStatus.ERROR:
                 loss = None
                 if exc is not None:
                     recover(self.backend, exc)
@@ -607,7 +608,7 @@ class MicroBatchStep:
                     f"rank {distributed.rank()}: another rank's train_step raised an error that "
                     "is not an OOM; see that rank's traceback"
                 )
-            if status_all == _OK:
+            if status_all == RankStatus.OK:
                 break
             # Some rank (maybe only another one) ran out of memory: recover, then retry.
             loss = None
@@ -622,9 +623,9 @@ class MicroBatchStep:
                 recover(self.backend, exc)
                 del exc
             self._zero_grads()
-            if status == _FATAL_OOM:
+            if status == RankStatus.FATAL_OOM:
                 raise self._does_not_fit(size, details, message, baseline)
-            if status_all == _FATAL_OOM:
+            if status_all == RankStatus.FATAL_OOM:
                 raise DoesNotFitError(
                     f"rank {distributed.rank()}: another rank's batch does not fit even at "
                     "micro-batch size 1; see that rank's error for the numbers"
@@ -674,9 +675,7 @@ class MicroBatchStep:
         self, size: int, details: OomDetails | None, message: str, baseline: int | None
     ) -> DoesNotFitError:
         d = details or OomDetails()
-        needed = None
-        if d.allocated_by_pytorch is not None and d.tried_to_allocate is not None:
-            needed = d.allocated_by_pytorch + d.tried_to_allocate
+        needed = d.needed_at_least()
         capacity = self._capacity()  # exact when a backend is known; the message rounds
         if capacity is None:
             capacity = d.capacity
@@ -684,8 +683,8 @@ class MicroBatchStep:
         if needed is not None:
             parts.append(
                 f"the attempt needed at least {format_size(needed)} "
-                f"({format_size(d.allocated_by_pytorch or 0)} in use + "
-                f"{format_size(d.tried_to_allocate or 0)} requested)"
+                f"({format_size(d.held())} held + {format_size(d.tried_to_allocate or 0)} "
+                "requested)"
             )
         if capacity is not None:
             parts.append(f"the device has {format_size(capacity)}")

@@ -392,6 +392,23 @@ class OomDetails:
     allowed: int | None = None
     device_index: int | None = None
 
+    def held(self, now: int = 0) -> int:
+        """Bytes held when the request failed: the allocator's whole reservation, else what
+        tensors held; at least ``now``, a reading taken before unwinding freed anything."""
+        return max(self.reserved_total or 0, self.allocated_by_pytorch or 0, now)
+
+    def needed_at_least(self, now: int = 0) -> int | None:
+        """A lower bound of the memory the failed attempt needed: :meth:`held` plus the
+        request that failed; ``None`` when the message does not give the request.
+
+        Examples:
+            >>> OomDetails(tried_to_allocate=20, allocated_by_pytorch=90).needed_at_least()
+            110
+        """
+        if self.tried_to_allocate is None:
+            return None
+        return self.held(now) + self.tried_to_allocate
+
 
 # PyTorch's format_size prints binary multiples; the MPS allocator labels them "KB/MB/GB", so
 # here those are binary too (unlike memkit.units.parse_size, which reads "GB" as 10**9).

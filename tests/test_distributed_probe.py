@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from rank_processes import free_port, port_was_taken, wait_for_ranks
 
-from memkit.probing.ranks import OK, OOM, agreed_outcome
+from memkit.distributed import RankStatus
+from memkit.probing.ranks import agreed_outcome
 from memkit.probing.result import ProbeResult, ProbeTrial
 
 pytestmark = pytest.mark.slow
@@ -204,6 +205,7 @@ def test_a_non_oom_error_on_one_rank_ends_both(two_ranks: list[dict]) -> None:
 
 
 def test_agreed_outcome_shifts_peaks_to_the_smallest_capacity() -> None:
+    OK, OOM = RankStatus.OK, RankStatus.OOM
     # rank 0: 100 capacity, peak 90 (room 10); rank 1: 80 capacity, peak 75 (room 5)
     o = agreed_outcome([[OK, 1, 90, 90, None], [OK, 1, 75, 75, None]], [100, 80])
     assert o.fits and o.peak_bytes == 80 - 5 and o.rank_peaks == (90, 75)

@@ -114,10 +114,7 @@ def find_batch_size(
                     attempts.append(Attempt(size, True))
                     return result
                 details = parse_oom_message(failed)
-                needed = None
-                if details.tried_to_allocate is not None:
-                    held = details.reserved_total or details.allocated_by_pytorch or 0
-                    needed = held + details.tried_to_allocate
+                needed = details.needed_at_least()
                 if capacity is None and details.capacity is not None:
                     capacity = details.capacity
                 recover(backend, failed)

@@ -45,13 +45,10 @@ from typing import Any
 import torch
 
 from memkit import distributed
+from memkit.distributed import RankStatus
 from memkit.errors import ConfigError
 
 __all__ = [
-    "ABORTED",
-    "ERROR",
-    "OK",
-    "OOM",
     "PeerFailed",
     "RankSync",
     "agree_settings",
@@ -62,8 +59,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OK, ABORTED, OOM, ERROR = 0, 1, 2, 3
-"""A rank's trial status; ranks agree on the largest (the worst)."""
 
 
 class PeerFailed(Exception):
@@ -143,23 +138,27 @@ def agreed_outcome(
     """
     known = all(c is not None for c in capacities)
     cmin = min(c for c in capacities if c is not None) if known else None
-    fits = all(r[0] == OK and r[1] == 1 for r in rows)
+    fits = all(r[0] == RankStatus.OK and r[1] == 1 for r in rows)
     values: list[int | None] = []
     for r in rows:
-        values.append(r[2] if r[0] == OK else r[4] if r[0] == OOM else None)
+        values.append(
+            r[2] if r[0] == RankStatus.OK else r[4] if r[0] == RankStatus.OOM else None
+        )
     shifted: list[int] = []
     for r, v, cap in zip(rows, values, capacities, strict=True):
-        if v is None or (not fits and r[0] == OK and r[1] == 1):
+        if v is None or (not fits and r[0] == RankStatus.OK and r[1] == 1):
             continue  # a failure's peak comes from the ranks that failed
         shifted.append(v + (cmin - cap) if cmin is not None and cap is not None else v)
-    allocs = [r[3] for r in rows if r[3] is not None and r[0] == OK]
+    allocs = [r[3] for r in rows if r[3] is not None and r[0] == RankStatus.OK]
     return AgreedOutcome(
         fits=fits,
         peak_bytes=max(shifted) if shifted else None,
         peak_allocated_bytes=max(allocs) if allocs else None,
         rank_peaks=tuple(values),
         failed_ranks=tuple(
-            i for i, r in enumerate(rows) if r[0] != ABORTED and not (r[0] == OK and r[1] == 1)
+            i
+            for i, r in enumerate(rows)
+            if r[0] != RankStatus.ABORTED and not (r[0] == RankStatus.OK and r[1] == 1)
         ),
         status=max(int(r[0] or 0) for r in rows),
     )
@@ -184,7 +183,7 @@ class RankSync:
         vector = [status, *used] + [0] * (len(self.params) - len(used))
         agreed = distributed.all_max(vector, timeout=self.timeout)
         self.checkpoints += 1
-        if agreed[0] != OK:
+        if agreed[0] != RankStatus.OK:
             self.announced = True
         return agreed
 
@@ -199,7 +198,7 @@ class RankSync:
         Raises:
             PeerFailed: another rank failed.
         """
-        if self._checkpoint(OK)[0] != OK:
+        if self._checkpoint(RankStatus.OK)[0] != RankStatus.OK:
             raise PeerFailed("another rank failed in this step")
 
     def _fill_grads(self) -> list[int]:
@@ -219,11 +218,17 @@ class RankSync:
             failed = exc
         from memkit.oom import is_oom
 
-        status = OK if failed is None else OOM if is_oom(failed) else ERROR
+        status = (
+            RankStatus.OK
+            if failed is None
+            else RankStatus.OOM
+            if is_oom(failed)
+            else RankStatus.ERROR
+        )
         agreed = self._checkpoint(status, used)
         if failed is not None:
             raise failed
-        if agreed[0] != OK:
+        if agreed[0] != RankStatus.OK:
             raise PeerFailed("another rank failed before the optimizer step")
         grads = []
         for param, flag in zip(self.params, agreed[1:], strict=True):

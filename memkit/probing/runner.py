@@ -24,6 +24,7 @@ import torch
 from memkit import distributed
 from memkit.advice import Advice
 from memkit.devices import CudaBackend, SimulatedBackend, get_backend, host_memory
+from memkit.distributed import RankStatus
 from memkit.errors import (
     ConfigError,
     DistributedError,
@@ -36,10 +37,6 @@ from memkit.modelfile import accepts_seq_len, call_user, load_model_file, make_o
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.accumulate import accumulation_advice, plan_accumulation
 from memkit.probing.ranks import (
-    ABORTED,
-    ERROR,
-    OK,
-    OOM,
     PeerFailed,
     RankSync,
     agree_settings,
@@ -268,18 +265,11 @@ class _TrialRunner:
             split.close()
             # Bytes known to be needed: what was held when the allocation failed (from the
             # message: the unwinding has freed some already) plus what it tried to get.
-            details = parse_oom_message(failed)
-            tried = details.tried_to_allocate
-            in_use = max(
-                details.reserved_total or 0,
-                details.allocated_by_pytorch or 0,
-                self.backend.allocated(),
-            )
+            need = parse_oom_message(failed).needed_at_least(self.backend.allocated())
             error = _first_line(failed)
             recover(self.backend, failed)
             del failed
             self.model.zero_grad(set_to_none=True)
-            need = None if tried is None else in_use + tried
             record = ProbeTrial(batch_size, False, need, seconds, None, error)
         else:
             peak, allocated, parts = split.finish()
@@ -305,17 +295,17 @@ class _TrialRunner:
         except Exception as exc:
             caught = exc
         seconds = time.perf_counter() - started
-        status, error, local_error = OK, None, None
+        status, error, local_error = RankStatus.OK, None, None
         need: int | None = None
         if caught is not None:
             if isinstance(caught, PeerFailed):
-                status = ABORTED
+                status = RankStatus.ABORTED
             elif isinstance(caught, MemkitError):
-                status, local_error = ERROR, caught
+                status, local_error = RankStatus.ERROR, caught
             elif (host := _host_failure(caught, self.backend, batch_size)) is not None:
-                status, local_error = ERROR, host
+                status, local_error = RankStatus.ERROR, host
             elif not is_oom(caught):
-                status = ERROR
+                status = RankStatus.ERROR
                 local_error = UserCodeError(
                     f"rank {distributed.rank()}: the training step raised "
                     f"{type(caught).__name__} at batch size {batch_size}; this is not an "
@@ -325,25 +315,18 @@ class _TrialRunner:
                 )
                 local_error.__cause__ = caught
             else:
-                status = OOM
-                details = parse_oom_message(caught)
-                in_use = max(
-                    details.reserved_total or 0,
-                    details.allocated_by_pytorch or 0,
-                    self.backend.allocated(),
-                )
-                tried = details.tried_to_allocate
-                need = None if tried is None else in_use + tried
+                status = RankStatus.OOM
+                need = parse_oom_message(caught).needed_at_least(self.backend.allocated())
                 error = _first_line(caught)
             if local_error is None:
                 recover(self.backend, caught)
             del caught
             self.model.zero_grad(set_to_none=True)
-        if self.sync is not None and status in (OOM, ERROR):
+        if self.sync is not None and status in (RankStatus.OOM, RankStatus.ERROR):
             self.sync.fail(status)
         peak = alloc = None
         fits = 0
-        if status == OK:
+        if status == RankStatus.OK:
             peak, alloc = self.backend.peak_reserved(), self.backend.peak_allocated()
             fits = int(self.capacity is None or peak <= self.capacity)
         rows = distributed.all_gather_ints([status, fits, peak, alloc, need], timeout=self.timeout)
@@ -351,8 +334,8 @@ class _TrialRunner:
             raise local_error
         assert self.capacities is not None
         outcome = agreed_outcome(rows, self.capacities)
-        if outcome.status == ERROR:
-            bad = [r for r, row in enumerate(rows) if row[0] == ERROR]
+        if outcome.status == RankStatus.ERROR:
+            bad = [r for r, row in enumerate(rows) if row[0] == RankStatus.ERROR]
             raise DistributedError(
                 f"rank {distributed.rank()}: rank(s) {bad} raised an error that is not an OOM "
                 f"at batch size {batch_size}; see that rank's traceback"
