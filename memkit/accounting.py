@@ -56,19 +56,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memkit.allocator_model import round_size
 from memkit.units import format_size, parse_size
 
 __all__ = ["MemoryAccountant", "cuda_rounded", "simulate", "tensors_of"]
 
-CUDA_MIN_BLOCK = 512
-"""``kMinBlockSize`` of PyTorch's CUDA caching allocator: every block is a multiple of this."""
-
-
-def cuda_rounded(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``."""
-    if nbytes <= 0:
-        return 0
-    return max(CUDA_MIN_BLOCK, -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
+cuda_rounded = round_size
+"""Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
+(:func:`memkit.allocator_model.round_size`, the one statement of the rule)."""
 
 
 def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:

@@ -71,10 +71,16 @@ K_ROUND_LARGE = 2 << 20
 
 
 def round_size(nbytes: int) -> int:
-    """The allocator's request rounding: ``max(512, ceil(n / 512) * 512)``."""
-    if nbytes < K_MIN_BLOCK:
-        return K_MIN_BLOCK
-    return -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK
+    """The allocator's request rounding: ``max(512, ceil(n / 512) * 512)``; an empty request
+    takes no block at all (the allocator returns a null pointer for it).
+
+    Examples:
+        >>> [round_size(n) for n in (0, 1, 512, 513)]
+        [0, 512, 512, 1024]
+    """
+    if nbytes <= 0:
+        return 0
+    return max(K_MIN_BLOCK, -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK)
 
 
 def _segment_size(size: int) -> int:
