@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from memkit.advice import Advice
+from memkit.advice import CUDA_CONTEXT_BYTES, Advice
 from memkit.units import format_size
 
 __all__ = ["ContextReading", "ddp_gpu0_context", "ddp_unused_parameters"]
@@ -100,10 +100,6 @@ class ContextReading:
     cuda_initialized: bool
     current_device: int | None
     node: str = ""
-
-
-CUDA_CONTEXT_BYTES = 500 * 1024**2
-"""A typical CUDA context (300-600 MiB depending on the GPU and CUDA version)."""
 
 
 def ddp_gpu0_context(readings: Sequence[ContextReading]) -> Advice | None:

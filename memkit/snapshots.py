@@ -75,7 +75,7 @@ EXPLAIN: tuple[tuple[str, str], ...] = (
     ),
     (
         "used",
-        "what nvidia-smi shows: reserved + each process's CUDA context (~300-500 MiB) "
+        "what nvidia-smi shows: reserved + each process's CUDA context (~300-600 MiB) "
         "+ other processes.",
     ),
 )
