@@ -479,12 +479,30 @@ class MicroBatchStep:
             weights: list[Any] = list(sizes)
         else:
             weights = [self.weight(part) for part in parts]
-        total: Any = sum(weights)
         no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
-        if self._ddp():
-            # No DDP collective may run inside the attempt: not the bucket all-reduce (no_sync)
-            # and not the buffer broadcast DDP does before a forward that follows a synced one.
-            setattr(self.model, "require_forward_param_sync", False)  # noqa: B010
+        with self._no_buffer_broadcast():
+            return self._micro_steps(parts, weights, no_sync, world)
+
+    @contextlib.contextmanager
+    def _no_buffer_broadcast(self) -> Iterator[None]:
+        """No DDP collective may run inside an attempt: not the bucket all-reduce (no_sync) and
+        not the buffer broadcast DDP does before a forward that follows a synced one. The
+        flag is put back afterwards, so the user's own next forward broadcasts as it would
+        have."""
+        if not self._ddp():
+            yield
+            return
+        before = getattr(self.model, "require_forward_param_sync", True)
+        setattr(self.model, "require_forward_param_sync", False)  # noqa: B010
+        try:
+            yield
+        finally:
+            setattr(self.model, "require_forward_param_sync", before)  # noqa: B010
+
+    def _micro_steps(
+        self, parts: list[Any], weights: list[Any], no_sync: Any, world: int
+    ) -> torch.Tensor:
+        total: Any = sum(weights)
         loss_sum: torch.Tensor | None = None
         for part, w in zip(parts, weights, strict=True):
             with no_sync():

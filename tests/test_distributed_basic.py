@@ -60,6 +60,9 @@ WORKER = textwrap.dedent(
         x, y = batch
         return F.cross_entropy(ddp(x), y)
 
+    ddp(torch.zeros(2, 64)).sum().backward()  # an ordinary synced step first
+    ddp.zero_grad(set_to_none=True)
+    flags = [ddp.require_forward_param_sync]
     step = microbatch(train, model=ddp, optimizer=opt, timeout=15)
     gen = torch.Generator().manual_seed(1)
     infos = []
@@ -70,7 +73,8 @@ WORKER = textwrap.dedent(
             mine = (x[rank * 256:(rank + 1) * 256], y[rank * 256:(rank + 1) * 256])
             step(mine)
             infos.append([step.last.chunks, step.last.attempts, step.last.ooms])
-    result.update(infos=infos, steps=steps[0], step_steps=step.steps)
+    flags.append(ddp.require_forward_param_sync)  # put back for the user's next forward
+    result.update(infos=infos, steps=steps[0], step_steps=step.steps, flags=flags)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".pt")
 
     # a non-OOM error on rank 1: rank 1 re-raises it, rank 0 gets a DistributedError
@@ -186,6 +190,7 @@ def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(tmp_path
     assert r0["gathered"] == [{"r": 0}, {"r": 1}] and r1["gathered"] is None
     # one optimizer step per batch on each rank; the split agreed and then reused
     assert r0["steps"] == r1["steps"] == 3 == r0["step_steps"]
+    assert r0["flags"] == r1["flags"] == [True, True]  # DDP's buffer-broadcast flag put back
     assert r0["infos"][0][2] >= 1 and r1["infos"][0][2] == 0  # only rank 0 ran out
     assert r0["infos"][0][0] == r1["infos"][0][0] >= 2  # both ranks used the agreed split
     assert [i[1:] for i in r0["infos"][1:]] == [[1, 0], [1, 0]]
