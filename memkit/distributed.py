@@ -18,8 +18,8 @@ completed; it cannot be used further, and the job should end.
 
 Examples:
     >>> from memkit import distributed
-    >>> distributed.world_size(), distributed.any_true(False), distributed.all_agree_max(3)
-    (1, False, 3)
+    >>> distributed.world_size(), distributed.any_true(False), distributed.all_max([3, 1])
+    (1, False, [3, 1])
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class RankStatus(enum.IntEnum):
     """An error that is not an out-of-memory error."""
 
 __all__ = [
-    "all_agree_max",
     "all_gather_ints",
     "all_max",
     "all_reduce_sum_",
@@ -193,19 +192,6 @@ def any_true(flag: bool, *, timeout: float | None = None) -> bool:
         (True, False)
     """
     return bool(all_max([1 if flag else 0], timeout=timeout)[0])
-
-
-def all_agree_max(value: int, *, timeout: float | None = None) -> int:
-    """The largest ``value`` over all ranks (e.g. the micro-batch count every rank will use).
-
-    Raises:
-        DistributedError: a rank did not take part within ``timeout`` seconds.
-
-    Examples:
-        >>> all_agree_max(4)
-        4
-    """
-    return all_max([value], timeout=timeout)[0]
 
 
 def all_gather_ints(

@@ -40,7 +40,7 @@ WORKER = textwrap.dedent(
                             timeout=datetime.timedelta(seconds=20))
     result = {"rank": rank, "world": distributed.world_size(), "is": distributed.is_distributed()}
     result["any"] = [distributed.any_true(rank == 1), distributed.any_true(False)]
-    result["max"] = distributed.all_agree_max(10 * rank + 3)
+    result["max"] = distributed.all_max([10 * rank + 3])[0]
     result["gathered"] = distributed.gather_to_rank0({"r": rank})
 
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_without_a_process_group_everything_is_local(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert (distributed.rank(), distributed.local_rank(), distributed.world_size()) == (3, 1, 4)
     assert distributed.any_true(True) and not distributed.any_true(False, timeout=1)
-    assert distributed.all_agree_max(7) == 7 and distributed.all_max([1, -2]) == [1, -2]
+    assert distributed.all_max([7]) == [7] and distributed.all_max([1, -2]) == [1, -2]
     assert distributed.gather_to_rank0("x") == ["x"]
     t = torch.ones(2)
     distributed.all_reduce_sum_([t])

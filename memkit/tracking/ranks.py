@@ -30,7 +30,6 @@ __all__ = [
     "RankSummary",
     "RankWatch",
     "RanksReport",
-    "cuda_context_reading",
     "gather",
     "rank_advice",
     "summarize",
@@ -191,13 +190,6 @@ def rank_advice(ranks: tuple[RankSummary, ...]) -> list[Advice]:
     return out
 
 
-def cuda_context_reading() -> tuple[bool, int | None]:
-    """``(cuda initialised, current device)`` of this process, without initialising CUDA."""
-    from memkit.devices import cuda_context_reading
-
-    return cuda_context_reading()
-
-
 def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
     """This rank's :class:`RankSummary` from its :class:`~memkit.tracking.report.TrackReport`."""
     devices = list(report.devices)
@@ -213,6 +205,8 @@ def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
             peak_phase = dev.breakdown.phase
             peak_step = dev.breakdown.step if dev.breakdown.step is not None else peak_step
     oom = report.oom
+    from memkit.devices import cuda_context_reading
+
     initialized, current = cuda_context_reading()
     return RankSummary(
         rank=distributed.rank(),
