@@ -8,6 +8,7 @@ class                       exit code  meaning
 ==========================  =========  ============================================
 ``DoesNotFitError``         1          even the minimum batch does not fit
 ``ConfigError``             2          bad option, size, device or configuration
+``MissingDependencyError``  2          an optional dependency is not installed
 ``ModelFileError``          2          the model file is missing or unusable
 ``UserCodeError``           3          the user's own code raised a non-OOM error
 ``DistributedError``        4          a rank failed or timed out
@@ -21,6 +22,7 @@ __all__ = [
     "DistributedError",
     "DoesNotFitError",
     "MemkitError",
+    "MissingDependencyError",
     "ModelFileError",
     "UserCodeError",
 ]
@@ -34,6 +36,15 @@ class MemkitError(RuntimeError):
 
 class ConfigError(MemkitError, ValueError):
     """Bad configuration: an option, a size, a device name, an argument combination."""
+
+    exit_code = 2
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional dependency (an extra such as ``memkit[lightning]``) is not installed.
+
+    Also an ``ImportError``, so ``except ImportError`` around an optional import catches it.
+    """
 
     exit_code = 2
 

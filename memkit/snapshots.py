@@ -16,7 +16,8 @@ Three numbers people mix up, each on the rendering:
   (a few hundred MiB each) plus the memory of other processes.
 
 Reading device-wide memory never creates a CUDA context on a device this process has not used:
-nvidia-smi (through GPUtil) is read first, ``cudaMemGetInfo`` only for devices this process
+the driver's view (NVML through nvidia-ml-py, else nvidia-smi through GPUtil) is read first,
+``cudaMemGetInfo`` only for devices this process
 already holds memory on or that were named explicitly. A value that cannot be read is ``None``
 with a reason (:meth:`DeviceSnapshot.why`), never a crash.
 
@@ -1194,7 +1195,7 @@ def _cuda_row(
             free, total = info
             used, source = total - free, "cudaMemGetInfo"
     if used is None and stats is not None and stats.memory_total is not None:
-        total, used, source = stats.memory_total, stats.memory_used, "nvidia-smi"
+        total, used, source = stats.memory_total, stats.memory_used, stats.source
     if used is None:
         why = (
             f"nvidia-smi gives none ({smi_reason or 'no matching GPU'}), and cudaMemGetInfo "
@@ -1246,7 +1247,7 @@ def _smi_only_row(stats: devices.GpuStats, position: int) -> DeviceSnapshot:
         accounting="nvidia-smi (device-wide only; not visible to this process's torch)",
         total=stats.memory_total,
         used=stats.memory_used,
-        used_source="nvidia-smi",
+        used_source=stats.source,
         utilization=stats.utilization,
         temperature=stats.temperature,
         uuid=stats.uuid,
@@ -1316,8 +1317,9 @@ def snapshot(
             join the largest list, and "other tensors" of devices without an allocator
             counter (host tensors) are the tensors found.
         top: how many of the largest tensors to keep.
-        nvidia_smi: read utilisation, temperature and device-wide memory through GPUtil (a
-            subprocess; never call :func:`snapshot` from a hot path).
+        nvidia_smi: read utilisation, temperature and device-wide memory from the driver
+            (NVML in process, else nvidia-smi through GPUtil in a subprocess; never call
+            :func:`snapshot` from a hot path).
         label: a name for this moment, shown on renderings and diffs.
 
     Returns:
@@ -1365,7 +1367,7 @@ def snapshot(
         or any(getattr(t, "kind", None) == "cuda" or str(t).startswith("cuda") for t in targets)
     )
     if wants_smi:
-        stats, smi_reason = devices.nvidia_smi_stats()
+        stats, smi_reason = devices.gpu_stats()
     by_index = {s.cuda_index: s for s in stats if s.cuda_index is not None}
 
     if not targets:

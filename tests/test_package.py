@@ -36,3 +36,15 @@ def test_import_is_cheap_and_torch_free():
     code = "import sys, memkit; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_integrations_package_imports_no_framework():
+    """``import memkit`` and ``import memkit.integrations`` load neither torch nor the
+    frameworks; only ``memkit.integrations.lightning``/``.transformers`` need them."""
+    code = (
+        "import sys, memkit, memkit.integrations, memkit.integrations._common;"
+        "print(sorted(m for m in ('torch', 'lightning', 'transformers', 'accelerate',"
+        " 'pytorch_lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

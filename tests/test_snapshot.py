@@ -51,7 +51,7 @@ class TiedLM(torch.nn.Module):
 @pytest.fixture
 def no_smi(monkeypatch):
     """No subprocess in unit tests: nvidia-smi reports nothing."""
-    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([], "nvidia-smi is not installed"))
+    monkeypatch.setattr(devices, "gpu_stats", lambda: ([], "nvidia-smi is not installed"))
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -85,6 +85,7 @@ def test_gputil_failure_is_a_reason_not_a_crash(monkeypatch):
         calls.append(1)
         return [], "GPUtil is not importable (ModuleNotFoundError: No module named 'distutils')"
 
+    monkeypatch.setattr(devices, "nvml_stats", lambda: ([], "NVML is unavailable"))
     monkeypatch.setattr(devices, "nvidia_smi_stats", broken)
     snap = snapshot()
     assert calls == [1]
@@ -106,7 +107,7 @@ def test_gputil_raising_inside_is_a_reason(monkeypatch):
 
 def test_gpus_only_nvidia_smi_sees_get_device_wide_rows(monkeypatch):
     gpu = devices.GpuStats(None, "GPU-abc", "NVIDIA A100", 12.0, 40.0, 2 * 2**30, 40 * 2**30)
-    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([gpu], None))
+    monkeypatch.setattr(devices, "gpu_stats", lambda: ([gpu], None))
     monkeypatch.setattr(devices, "visible_devices", list)
     snap = snapshot()
     row = snap.devices[0]
@@ -425,7 +426,7 @@ def test_cuda_rows_in_index_order_without_creating_contexts(monkeypatch):
         devices.GpuStats(1, "GPU-b", "NVIDIA B", 5.0, 35.0, 3 * 2**30, 40 * 2**30),
         devices.GpuStats(0, "GPU-a", "NVIDIA A", 90.0, 70.0, 11 * 2**30, 40 * 2**30),
     ]
-    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: (stats, None))
+    monkeypatch.setattr(devices, "gpu_stats", lambda: (stats, None))
     monkeypatch.setattr(
         devices, "visible_devices", lambda: [torch.device("cuda", 0), torch.device("cuda", 1)]
     )
@@ -443,7 +444,7 @@ def test_cuda_rows_in_index_order_without_creating_contexts(monkeypatch):
 
 def test_cuda_row_without_nvidia_smi_says_why_used_is_missing(monkeypatch):
     idle = FakeCuda(0, 0, 0)
-    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([], "GPUtil is not importable"))
+    monkeypatch.setattr(devices, "gpu_stats", lambda: ([], "GPUtil is not importable"))
     monkeypatch.setattr(devices, "visible_devices", lambda: [torch.device("cuda", 0)])
     monkeypatch.setattr(devices, "get_backend", lambda dev, *a, **k: idle)
     row = snapshot().devices[0]

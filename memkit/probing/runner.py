@@ -421,6 +421,7 @@ def probe(
     defaults: Sequence[str] = (),
     ddp: bool = False,
     timeout: float | None = None,
+    step_label: str | None = None,
 ) -> ProbeResult:
     """Find the largest batch size that fits, exactly, and leave everything as it was.
 
@@ -454,6 +455,7 @@ def probe(
             already is a DDP model is probed as such.
         timeout: seconds to wait for the other ranks at each agreement; ``None`` uses the
             process group's timeout.
+        step_label: how the report describes ``train_step`` (default: the model file's).
 
     Inside an initialised process group every rank must call ``probe`` with the same options:
     each probes its own device, the ranks agree after every trial (a size fits only if it fits
@@ -524,7 +526,7 @@ def probe(
         )
         known = [c for c in capacities if c is not None]
         search_capacity = min(known) if len(known) == len(capacities) else None
-    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step)
+    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
     saved = SavedState(model, optimizer)
     target = model
     if ddp and not is_ddp(model):

@@ -102,6 +102,7 @@ class StepPlan:
     mode: str
     loss_fn: Callable[[Any, Any], Any] | None = None
     train_step: Callable[[Any, Any, Any], Any] | None = None
+    step_label: str | None = None
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
 
@@ -145,7 +146,8 @@ class StepPlan:
         if self.mode == "infer":
             return ["step: forward under torch.inference_mode() (inference)", kept]
         if self.train_step is not None:
-            return ["step: train_step(model, batch, optimizer) from the model file"]
+            default = "step: train_step(model, batch, optimizer) from the model file"
+            return [self.step_label or default]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",

@@ -208,6 +208,8 @@ class _Device:
         self.backwards = 0  # training backward passes in the current step
         self.growth = leaks.GrowthDetector()
         self.leak: LeakFinding | None = None
+        self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
+        self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
 
 
 class _Restore:
@@ -323,6 +325,7 @@ class Tracker:
         self._failed = False  # an exception is leaving the block: what it holds is no peak
         self._eval_input: tuple[int, ...] | None = None
         self._eval_return = OTHER
+        self._eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self._last_input: tuple[int, ...] | None = None
         self._backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self._backwards_in_step = 0
@@ -687,6 +690,15 @@ class Tracker:
             stack = tls.stack
         except AttributeError:
             stack = tls.stack = []
+        if stack:
+            if stack[-1].kind < 0:  # inside a module that is not the model
+                stack.append(_Ignored(id(module)))
+                return
+        elif root is None:
+            root = self._root_info(module)
+            if not root.model:  # a parameterless submodule run on its own (a loss, a metric)
+                stack.append(_Ignored(id(module)))
+                return
         dev = self._single or self._dev_for_args(args)
         kind = stack[-1].kind if stack else self._root_pre(module, args, root)
         a, r, p, pr = dev.read()
@@ -894,9 +906,12 @@ class Tracker:
             with self._lock:
                 self._resolve_pending(dev)
         if frame.kind == EVAL_PASS:
-            if self._phase == EVAL:
+            if self._eval_hold:  # a framework's evaluation loop: the rest of it is eval too
+                if self._sim is not None:
+                    self._sim.count_ops(True, False)
+            elif self._phase == EVAL:
                 with self._lock:
-                    if self._phase == EVAL:
+                    if self._phase == EVAL and not self._eval_hold:
                         self._transition(self._eval_return)
         elif frame.kind == TRAIN_PASS and self._sim is not None:
             self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
@@ -977,9 +992,11 @@ class Tracker:
             out["dp_output_device"] = f"{self._kind}:{int(getattr(model, 'output_device', ids[0]))}"
         return out
 
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _opt_pre(
+        self, optimizer: Any, args: Any, kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._active:
-            return
+            return None
         if id(optimizer) not in self._seen_optimizers:
             self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
             if self._step_owner is None:
@@ -987,6 +1004,33 @@ class Tracker:
                 self._optimizer_name = type(optimizer).__name__
             if self._probe is None:
                 self._probe = self._find_probe()
+        # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
+        # and backward run inside step(); the optimizer's own work starts when the closure
+        # returns. ``args`` starts with the optimizer itself.
+        kwargs = dict(kwargs or {})
+        closure = kwargs.get("closure")
+        if callable(closure):
+            kwargs["closure"] = self._after_closure(optimizer, closure)
+            return tuple(args), kwargs
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
+        self._optimizer_begins(optimizer)
+        return None
+
+    def _after_closure(self, optimizer: Any, closure: Callable[..., Any]) -> Callable[..., Any]:
+        begins = self._optimizer_begins
+
+        def run_closure(*args: Any, **kwargs: Any) -> Any:
+            result = closure(*args, **kwargs)
+            begins(optimizer)
+            return result
+
+        return run_closure
+
+    def _optimizer_begins(self, optimizer: Any) -> None:
+        """The optimizer's own work starts (its step, after any closure it was given)."""
+        if not self._active:
+            return
         if self._ranks_watch is not None:
             self._ranks_watch.on_step(optimizer)
         with self._lock:
@@ -1131,6 +1175,71 @@ class Tracker:
         self._step = first + 1
         self._grads_checked_step = min(self._grads_checked_step, self._step)
         self._graph_scans = []
+
+    def begin_eval(self) -> None:
+        """An evaluation loop begins (a framework's validation): everything until
+        :meth:`end_eval` is the eval phase, not only the model's forwards. Nests."""
+        if not self._active:
+            return
+        with self._lock:
+            self._eval_hold += 1
+            if self._eval_hold > 1:
+                return
+            if self._phase != EVAL:
+                self._eval_return = self._phase
+                self._transition(EVAL)
+            else:
+                self._close_all(None)
+            for dev in self._devices.values():  # this loop's own peak, kept apart until its end
+                dev.eval_saved = dev.step_phase[EVAL]
+                dev.step_phase[EVAL] = None
+
+    def end_eval(self) -> int | None:
+        """The evaluation loop :meth:`begin_eval` started ends; returns its peak allocated bytes
+        on the tracked device (``None`` if nothing ran in it, or while loops are still nested)."""
+        if not self._active or not self._eval_hold:
+            return None
+        with self._lock:
+            self._eval_hold -= 1
+            if self._eval_hold:
+                return None
+            if self._phase == EVAL:
+                self._transition(self._eval_return)
+            else:
+                self._close_all(None)
+            for dev in self._devices.values():
+                window, saved = dev.step_phase[EVAL], dev.eval_saved
+                dev.step_phase[EVAL] = (
+                    window if saved is None else saved if window is None else max(saved, window)
+                )
+                dev.eval_window = window
+            primary = self._primary
+            return None if primary is None else primary.eval_window
+
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
+        callback that logs each step's peaks)."""
+        dev = self._primary
+        if dev is None:
+            return []
+        out: list[StepRecord] = []
+        for record in reversed(dev.steps):
+            if record.step < step:
+                break
+            out.append(record)
+        out.reverse()
+        return out
+
+    def open_step_peaks(self) -> dict[str, int | None]:
+        """Peak allocated bytes per phase since the last step boundary (the step in progress,
+        and what ran after the last step: an evaluation) on the tracked device."""
+        with self._lock:
+            if self._active:
+                self._close_all(None)
+            dev = self._primary
+            if dev is None:
+                return dict.fromkeys(PHASES)
+            return dict(zip(PHASES, dev.step_phase, strict=True))
 
     def step(self) -> None:
         """Mark a step boundary (for loops without an optimizer, or to count steps yourself).

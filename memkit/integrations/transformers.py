@@ -1,0 +1,237 @@
+"""memkit in the transformers ``Trainer``: a ``TrainerCallback`` that tracks ``train()``.
+
+The tracker runs from ``on_train_begin`` to ``on_train_end`` on the Trainer's model and
+optimizer (accelerate's wrapper unwrapped), per phase, step and module; ``on_log`` adds each
+logging window's peaks to the Trainer's logs, and the report (text, JSON, HTML) is on
+``callback.report`` when training ends. Needs ``pip install memkit[transformers]``; see
+docs/integrations.md.
+
+Example::
+
+    from memkit.integrations.transformers import MemkitCallback
+
+    cb = MemkitCallback(html="memory.html")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    with cb:  # optional: an OOM inside train() gets its post-mortem, tracking stops
+        trainer.train()
+    print(cb.report)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from memkit.integrations._common import (
+    MIB,
+    ReportFiles,
+    check_postmortem,
+    missing,
+    step_metrics,
+    unwrap_optimizer,
+)
+
+try:
+    import transformers
+except ImportError as exc:
+    raise missing(
+        "transformers", "memkit.integrations.transformers", "transformers>=4.40", exc
+    ) from exc
+
+import torch
+
+from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
+
+if TYPE_CHECKING:
+    from memkit.tracking.report import TrackReport
+
+__all__ = ["MemkitCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class MemkitCallback(transformers.TrainerCallback):
+    """Track memory through ``Trainer.train()``.
+
+    Hooks: ``on_train_begin`` starts a :class:`~memkit.tracking.tracker.Tracker` (which
+    classifies forward, backward, optimizer, other and evaluation passes itself, as
+    :func:`memkit.track` does); ``on_step_begin``/``on_substep_end``/``on_step_end`` count the
+    Trainer's micro-batches and close each optimizer step's record; ``on_log`` adds the peaks
+    since the last log to the logs (``memkit/peak_mib``, ``memkit/forward_peak_mib``,
+    ``memkit/backward_peak_mib``, ``memkit/optimizer_peak_mib``; an evaluation's log gets
+    ``memkit/eval_peak_mib``, which ``on_evaluate`` also adds to the metrics ``evaluate()``
+    returns); ``on_train_end`` ends tracking and writes the report.
+
+    The transformers Trainer has no hook for an exception: use the callback as a context
+    manager around ``trainer.train()`` to get the OOM post-mortem and to stop tracking when
+    ``train()`` raises (else tracking stops at the next ``on_train_begin``).
+
+    Args:
+        device: the device to track; ``None``: the Trainer's (``args.device``; ``cpu`` means
+            memkit's simulated device).
+        budget: the simulated device's size (``"512MiB"``), or a cap on a real GPU.
+        per_module: hooks on every submodule (default), or on the model only.
+        log_peaks: add memkit's peaks to the Trainer's logs.
+        text, json, html: files the report is written to at the end; under a distributed
+            run each rank writes ``NAME.rankN.EXT``.
+        postmortem: ``"stderr"`` prints the OOM post-mortem there; ``None`` only logs it.
+        timeline_limit: counter readings kept.
+
+    Raises:
+        ConfigError: a bad option, or a report file that cannot be written (checked now).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        budget: int | str | None = None,
+        per_module: bool = True,
+        log_peaks: bool = True,
+        text: str | Path | None = None,
+        json: str | Path | None = None,
+        html: str | Path | None = None,
+        postmortem: str | None = "stderr",
+        timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
+    ) -> None:
+        check_postmortem(postmortem)
+        self.device = device
+        self.budget = budget
+        self.per_module = per_module
+        self.log_peaks = log_peaks
+        self.files = ReportFiles.checked(text, json, html)
+        self.postmortem = postmortem
+        self.timeline_limit = timeline_limit
+        self.written: list[Path] = []
+        self._tracker: Tracker | None = None
+        self._report: TrackReport | None = None
+        self._logged_step = 0  # the first tracker step not yet in a log
+        self._micro = 0
+        self._micro_mismatch: tuple[int, int, int] | None = None
+
+    # -- results --------------------------------------------------------------------------
+    @property
+    def report(self) -> TrackReport | None:
+        """The last ``train()``'s report (``None`` before one ended); while training, use
+        ``callback.tracker.report()``."""
+        return self._report
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """The live tracker while training runs."""
+        return self._tracker
+
+    # -- as a context manager: the exception train() raised ------------------------------
+    def __enter__(self) -> MemkitCallback:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._finish(exc)
+
+    # -- starting and ending --------------------------------------------------------------
+    def _finish(self, exc: BaseException | None) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return
+        try:
+            tracker.__exit__(
+                None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__
+            )
+        finally:
+            if self._micro_mismatch is not None:
+                step, hf, seen = self._micro_mismatch
+                tracker.notes.append(
+                    f"at step {step} the Trainer ran {hf} micro-batch(es) but memkit saw {seen} "
+                    "training backward pass(es): a backward memkit did not see is not in the "
+                    "phases"
+                )
+            self._report = tracker.report()
+            self.written = self.files.write(self._report)
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if self._tracker is not None:
+            # the last train() ended without on_train_end (it raised, or auto_find_batch_size
+            # is retrying at a smaller batch): that tracking ends here, without a post-mortem
+            log.info("memkit: a train() ended without on_train_end; its tracking ends now")
+            self._finish(None)
+        device = self.device if self.device is not None else getattr(args, "device", None)
+        raw = unwrap_optimizer(optimizer)
+        tracker = Tracker(
+            model,
+            raw,
+            device=device,
+            budget=self.budget,
+            per_module=self.per_module,
+            postmortem=self.postmortem,
+            timeline_limit=self.timeline_limit,
+        )
+        tracker.__enter__()
+        self._tracker, self._report = tracker, None
+        self._logged_step, self._micro, self._micro_mismatch = 0, 0, None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._finish(None)
+
+    # -- steps ----------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._micro = 0
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._micro += 1  # a micro-batch of gradient accumulation, not the step's last
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tracker = self._tracker
+        if tracker is None:
+            return
+        micro, self._micro = self._micro + 1, 0
+        records = tracker.steps_since(tracker.current_step - 1)
+        if records and self._micro_mismatch is None and records[-1].backward_passes != micro:
+            self._micro_mismatch = (records[-1].step, micro, records[-1].backward_passes)
+
+    # -- logs -----------------------------------------------------------------------------
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        tracker = self._tracker
+        if tracker is None or logs is None or not self.log_peaks:
+            return
+        before = dict(logs)
+        if any(k.startswith("eval_") for k in logs):
+            added = self._eval_metrics(tracker)
+        else:
+            records = tracker.steps_since(self._logged_step)
+            if records:
+                self._logged_step = records[-1].step + 1
+            added = step_metrics(records)
+        if not added:
+            return
+        logs.update(added)
+        # the Trainer stored a copy of these logs in its history before calling us
+        history = getattr(state, "log_history", None)
+        if history and all(history[-1].get(k) == v for k, v in before.items()):
+            history[-1].update(added)
+
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        tracker = self._tracker
+        if tracker is not None and metrics is not None and self.log_peaks:
+            metrics.update(self._eval_metrics(tracker))
+
+    @staticmethod
+    def _eval_metrics(tracker: Tracker) -> dict[str, float]:
+        """The evaluation that just ran: the eval peak since the last step boundary."""
+        peak = tracker.open_step_peaks().get("eval")
+        return {} if peak is None else {"memkit/eval_peak_mib": peak / MIB}

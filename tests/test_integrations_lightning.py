@@ -1,0 +1,360 @@
+"""memkit.integrations.lightning with a real Lightning Trainer on CPU, on the simulated device.
+
+The callback's numbers are checked against ``memkit.track`` around the same fit, against a
+plain loop doing the same tensor work as Lightning's automatic optimization, and against hand
+counts from the model's shapes; ``probe_batch_size``'s answer against real fits at that size
+and one more; and a 2-rank DDP fit (gloo) against each rank's own report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import memkit
+from memkit.errors import ConfigError, MissingDependencyError
+
+pl = pytest.importorskip("lightning.pytorch")
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning")
+
+from memkit.integrations.lightning import MemkitCallback, probe_batch_size  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+B, STEPS, HIDDEN, VAL_BATCHES = 16, 4, 256, 2
+MIB = float(1 << 20)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        yield
+    logger.setLevel(level)
+
+
+class Net(pl.LightningModule):
+    """An MLP classifier; ``zero_after_step`` frees the gradients right after each step."""
+
+    def __init__(self, zero_after_step: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+        self.zero_after_step = zero_after_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+        if self.zero_after_step:
+            optimizer.zero_grad(set_to_none=True)
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, batch_size: int = B, samples: int = B * STEPS) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.samples = samples
+        self.setups = 0
+
+    def setup(self, stage: str) -> None:
+        self.setups += 1
+        g = torch.Generator().manual_seed(0)
+        n = self.samples
+        self.train = TensorDataset(
+            torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size)
+
+
+def trainer(callbacks=(), **options) -> pl.Trainer:
+    settings = dict(
+        accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=VAL_BATCHES,
+    )  # fmt: skip
+    settings.update(options)
+    return pl.Trainer(callbacks=list(callbacks), **settings)
+
+
+def fit_with_callback(budget: str | int = "64MiB", zero_after_step: bool = False, **files):
+    torch.manual_seed(0)
+    module = Net(zero_after_step)
+    cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, **files)
+    t = trainer([cb])
+    t.fit(module, datamodule=Data())
+    return cb, t, module
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def same_steps(a, b) -> bool:
+    strip = lambda s: dataclasses.replace(s, duration_s=0.0)  # noqa: E731
+    return [strip(s) for s in a] == [strip(s) for s in b]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """One fit with the callback (writing its three files), one under memkit.track."""
+    folder = tmp_path_factory.mktemp("lightning")
+    cb, t, module = fit_with_callback(
+        text=folder / "report.txt", json=folder / "report.json", html=folder / "report.html"
+    )
+    torch.manual_seed(0)
+    plain = Net()
+    with memkit.track(plain, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        trainer().fit(plain, datamodule=Data())
+    return cb, t, module, tracker.report(), folder
+
+
+def test_callback_gives_the_numbers_of_track_around_the_same_fit(fitted):
+    cb, _, module, tracked, _ = fitted
+    report = cb.report
+    assert report is not None and cb.tracker is None
+    dev, ref = report.devices[0], tracked.devices[0]
+    assert report.steps == tracked.steps == STEPS and report.step_rule == "optimizer"
+    assert dev.phase_peaks == ref.phase_peaks
+    assert dev.breakdown == ref.breakdown
+    assert dev.modules == ref.modules
+    assert same_steps(dev.steps, ref.steps)
+    assert report.eval_forwards == tracked.eval_forwards == VAL_BATCHES
+    # hand counts from the shapes
+    p = param_bytes(module)
+    bd = dev.breakdown
+    assert bd is not None and bd.phase == "optimizer"
+    assert bd.parameters == bd.gradients == p
+    assert bd.optimizer_state == 2 * p + 4 * len(list(module.parameters()))  # Adam: 2 moments
+    kept = {m.path: m.activation_bytes for m in dev.modules}
+    assert kept["net.0"] == kept["net.1"] == B * HIDDEN * 4  # Linear's output, ReLU's output
+    assert kept["net.2"] == B * 10 * 4
+    assert all(m.calls == STEPS and m.eval_calls == VAL_BATCHES for m in dev.modules)
+
+
+def test_lightning_steps_have_the_peaks_of_the_same_plain_loop(fitted):
+    """The tensor work of Lightning's automatic optimization written as a plain loop (forward,
+    the loss divided by accumulate_grad_batches with a detached copy kept, zero_grad, backward,
+    step) under memkit.track: the same forward, backward and optimizer peaks."""
+    cb = fitted[0]
+    torch.manual_seed(0)
+    module = Net()
+    opt = module.configure_optimizers()
+    data = Data()
+    data.setup("fit")
+    with memkit.track(module, opt, device="cpu", budget="64MiB") as tracker:
+        for i, batch in enumerate(data.train_dataloader()):
+            out = module.training_step(batch, i)
+            loss = out / 1
+            copy = loss.detach().clone()
+            del out
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del loss, copy
+    plain = tracker.report().devices[0].phase_peaks
+    lightning = cb.report.devices[0].phase_peaks
+    for phase in ("forward", "backward", "optimizer"):
+        assert lightning[phase] == plain[phase], phase
+
+
+def test_peaks_are_logged_through_the_module(fitted):
+    cb, t, *_ = fitted
+    last = cb.report.devices[0].steps[-1]
+    logged = {k: float(v) for k, v in t.callback_metrics.items() if k.startswith("memkit/")}
+    assert logged["memkit/peak_mib"] == pytest.approx(last.peak_allocated / MIB, rel=1e-6)
+    for phase in ("forward", "backward", "optimizer"):
+        value = last.phase_peaks[phase] / MIB
+        assert logged[f"memkit/{phase}_peak_mib"] == pytest.approx(value, rel=1e-6)
+    eval_peak = cb.report.devices[0].phase_peaks["eval"] / MIB
+    assert logged["memkit/eval_peak_mib"] == pytest.approx(eval_peak, rel=1e-6)
+
+
+def test_report_files_are_written_at_teardown(fitted):
+    cb, *_, folder = fitted
+    assert sorted(p.name for p in cb.written) == ["report.html", "report.json", "report.txt"]
+    assert json.loads((folder / "report.json").read_text()) == json.loads(cb.report.to_json())
+    assert (folder / "report.txt").read_text().startswith("memkit track: 4 step(s)")
+    assert "<svg" in (folder / "report.html").read_text()
+
+
+def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
+    """Lightning zeroes gradients after training_step: they are alive through the forward.
+    The fix the advice gives (zero them after the step) removes them from the forward peak."""
+    cb = fitted[0]
+    advice = {a.code: a for a in cb.report.advice}
+    assert "optimizer_step" in advice["zero-grad-keeps-grads"].action
+    fixed, _, module = fit_with_callback(zero_after_step=True)
+    assert "zero-grad-keeps-grads" not in {a.code for a in fixed.report.advice}
+    before = cb.report.devices[0].phase_peaks["forward"]
+    after = fixed.report.devices[0].phase_peaks["forward"]
+    assert before - after == param_bytes(module)  # exactly the gradients
+
+
+def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):
+    budget = 200_000  # the parameters, gradients and Adam's state do not all fit
+    with pytest.raises(torch.OutOfMemoryError):
+        fit_with_callback(budget=budget, json=tmp_path / "oom.json")
+    # the fit raised, so no callback object came back: read the file it wrote
+    written = json.loads((tmp_path / "oom.json").read_text())
+    assert torch._C._len_torch_dispatch_stack() == 0  # the simulated device was left
+    assert getattr(torch.autograd.backward, "__wrapped__", None) is None
+    torch.manual_seed(0)
+    module = Net()
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        memkit.track(module, device="cpu", budget=budget, postmortem=None) as tracker,
+    ):
+        trainer().fit(module, datamodule=Data())
+    ref = tracker.report().oom
+    assert ref is not None
+    assert written["oom"]["where"] == ref.where == "step 0, optimizer, outside any module"
+    assert written["oom"]["allocated"] == ref.allocated
+    assert [a["code"] for a in written["oom"]["advice"]] == [a.code for a in ref.advice]
+
+
+def test_probe_batch_size_is_the_size_a_real_fit_trains_at():
+    torch.manual_seed(0)
+    module, data = Net(), Data()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    budget = "1MiB"
+    result = probe_batch_size(module, data, device="cpu", budget=budget, steps=2)
+    assert data.setups == 1
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert any("configure_optimizers" in d for d in result.defaults)
+    assert any("automatic optimization" in d for d in result.defaults)
+    size = result.max_batch_size
+    assert size is not None and result.trial(size + 1).fits is False
+
+    def fits(batch_size: int) -> bool:
+        torch.manual_seed(0)
+        cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, log_peaks=False)
+        try:
+            run = trainer([cb], max_steps=2, limit_val_batches=0)
+            run.fit(Net(), datamodule=Data(batch_size, samples=4 * batch_size))
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert fits(size) and not fits(size + 1)
+
+
+def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="does not exist"):
+        MemkitCallback(json=tmp_path / "missing" / "r.json")
+    with pytest.raises(ConfigError, match="postmortem"):
+        MemkitCallback(postmortem="file")
+    with pytest.raises(ConfigError, match=r"memkit\.probe"):
+        probe_batch_size(nn.Linear(2, 2), make_batch=lambda n: torch.randn(n, 2))
+
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ConfigError, match="automatic_optimization"):
+        probe_batch_size(Manual(), Data())
+    monkeypatch.delitem(sys.modules, "memkit.integrations.lightning")
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install memkit\[lightning\]"):
+        import memkit.integrations.lightning  # noqa: F401
+
+
+class RankNet(Net):
+    """Three batches per rank; rank 1's are 8x rank 0's (8x the activations)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def _loader(self) -> DataLoader:
+        batch = 8 if self.global_rank == 0 else 64
+        g = torch.Generator().manual_seed(self.global_rank)
+        n = 3 * batch
+        x, y = torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+        data = TensorDataset(x, y)
+        return DataLoader(data, batch_size=batch)
+
+    train_dataloader = val_dataloader = _loader
+
+
+@pytest.mark.slow
+def test_ddp_fit_on_two_gloo_ranks_is_gathered_on_rank0(tmp_path):
+    """A real 2-rank DDP fit on gloo (Lightning forks the two ranks from this process): each
+    rank writes its report, rank 0's holds every rank's summary, and it matches each rank's
+    own numbers. A watchdog kills the ranks if they hang, so a hang fails the test."""
+    import multiprocessing
+    import threading
+
+    saved_env = dict(os.environ)
+    hung = []
+
+    def watchdog() -> None:
+        for child in multiprocessing.active_children():
+            hung.append(child.pid)
+            os.kill(child.pid, signal.SIGKILL)
+
+    timer = threading.Timer(90.0, watchdog)
+    timer.start()
+    torch.manual_seed(0)
+    cb = MemkitCallback(device="cpu", budget="64MiB", json=tmp_path / "report.json")
+    run = trainer(
+        [cb], devices=2, strategy="ddp_fork", max_steps=3, limit_val_batches=1,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    try:
+        run.fit(RankNet())
+    except Exception:
+        if hung:
+            pytest.fail(f"the 2-rank fit did not finish within 90 s; killed ranks {hung}")
+        raise
+    finally:
+        timer.cancel()
+        os.environ.clear()  # the launcher sets MASTER_PORT & co. in this process
+        os.environ.update(saved_env)
+    r0 = json.loads((tmp_path / "report.rank0.json").read_text())
+    r1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    assert r0["steps"] == r1["steps"] == 3 and "ranks" not in r1
+    ranks = r0["ranks"]
+    own = [r0["devices"][0], r1["devices"][0]]
+    assert [r["peak_allocated"] for r in ranks["ranks"]] == [d["peak_allocated"] for d in own]
+    assert ranks["tightest_rank"] == 1
+    # parameters are checked for gradients when the optimizer steps: after the closure's
+    # backward, so none is unused
+    assert all(r["unused_parameters"] == [] for r in ranks["ranks"])
+    kept = [{m["path"]: m["activation_bytes"] for m in d["modules"]} for d in own]
+    assert kept[0]["net.0"] == 8 * HIDDEN * 4 and kept[1]["net.0"] == 64 * HIDDEN * 4
+    # the eval peak is logged with sync_dist: the largest rank's (rank 0's metrics come back)
+    eval_peaks = [d["phase_peaks"]["eval"] for d in own]
+    logged = float(run.callback_metrics["memkit/eval_peak_mib"])
+    assert logged == pytest.approx(max(eval_peaks) / MIB, rel=1e-6)

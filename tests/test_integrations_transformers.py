@@ -1,0 +1,168 @@
+"""memkit.integrations.transformers with a real ``Trainer.train()`` on a tiny BERT, on CPU and
+the simulated device: the callback's numbers against ``memkit.track`` around the same training
+and hand counts, the peaks it adds to the Trainer's logs against its report, and the OOM
+post-mortem when the callback is the context around ``train()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import pytest
+import torch
+
+import memkit
+from memkit.errors import ConfigError, MissingDependencyError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from memkit.integrations.transformers import MemkitCallback  # noqa: E402
+
+MIB = float(1 << 20)
+STEPS, ACCUM, EVAL_STEPS, BATCH, SEQ, VOCAB = 4, 2, 2, 8, 16, 128
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Random token sequences with a label (what is learnt does not matter here)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class Recorder(transformers.TrainerCallback):
+    """Runs after memkit's callback: what the next callbacks (loggers, printers) receive."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+        self.evaluations: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evaluations.append(dict(metrics))
+
+
+def make_trainer(folder, callbacks=()) -> transformers.Trainer:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_labels=2, pad_token_id=0,
+    )  # fmt: skip
+    args = transformers.TrainingArguments(
+        output_dir=str(folder), per_device_train_batch_size=BATCH, per_device_eval_batch_size=16,
+        gradient_accumulation_steps=ACCUM, max_steps=STEPS, eval_strategy="steps",
+        eval_steps=EVAL_STEPS, logging_steps=EVAL_STEPS, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0, learning_rate=5e-4,
+    )  # fmt: skip
+    return transformers.Trainer(
+        model=transformers.BertForSequenceClassification(config), args=args,
+        train_dataset=Pairs(BATCH * ACCUM * STEPS, 0), eval_dataset=Pairs(16, 1),
+        callbacks=list(callbacks),
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    cb, recorder = MemkitCallback(device="cpu", budget="256MiB", json=folder / "r.json"), Recorder()
+    trainer = make_trainer(folder, [cb, recorder])
+    trainer.train()
+    plain = make_trainer(folder)
+    with memkit.track(plain.model, device="cpu", budget="256MiB") as tracker:
+        plain.train()
+    return cb, recorder, trainer, tracker.report()
+
+
+def test_callback_gives_the_numbers_of_track_around_the_same_training(trained):
+    cb, _, trainer, tracked = trained
+    report = cb.report
+    assert report is not None and cb.tracker is None
+    dev, ref = report.devices[0], tracked.devices[0]
+    assert report.steps == tracked.steps == STEPS
+    assert report.micro_batches == tracked.micro_batches == ACCUM
+    assert report.eval_forwards == tracked.eval_forwards == STEPS // EVAL_STEPS
+    assert dev.phase_peaks == ref.phase_peaks
+    assert dev.breakdown == ref.breakdown
+    assert dev.modules == ref.modules
+
+    def strip(s):
+        return dataclasses.replace(s, duration_s=0.0)
+
+    assert [strip(s) for s in dev.steps] == [strip(s) for s in ref.steps]
+    assert not any("micro-batch" in n for n in report.notes)  # the Trainer's count agreed
+    # hand counts: every parameter trains; AdamW keeps two moments and a 0-dim step each
+    params = list(trainer.model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in params)
+    bd = dev.breakdown
+    assert bd is not None and bd.gradients == grads
+    assert bd.optimizer_state == 2 * grads + 4 * len(params)
+    assert [p.name for p in cb.written] == ["r.json"]
+
+
+def test_peaks_are_added_to_the_trainers_logs(trained):
+    cb, recorder, trainer, _ = trained
+    steps = cb.report.devices[0].steps
+    train_logs = [log for log in recorder.logs if "loss" in log]
+    eval_logs = [log for log in recorder.logs if "eval_loss" in log]
+    assert len(train_logs) == len(eval_logs) == STEPS // EVAL_STEPS
+    for i, log in enumerate(train_logs):  # each log: the peaks of the steps since the last
+        window = steps[i * EVAL_STEPS : (i + 1) * EVAL_STEPS]
+        assert log["memkit/peak_mib"] == max(s.peak_allocated for s in window) / MIB
+        for phase in ("forward", "backward", "optimizer"):
+            peak = max(s.phase_peaks[phase] for s in window)
+            assert log[f"memkit/{phase}_peak_mib"] == peak / MIB
+    # an evaluation runs after its step's boundary: the first one is in step 2's record; the
+    # last one after the last step, in no record (the same data and shapes: the same peak)
+    first = steps[EVAL_STEPS].phase_peaks["eval"]
+    assert first is not None and first == cb.report.devices[0].phase_peaks["eval"]
+    for log, metrics in zip(eval_logs, recorder.evaluations, strict=True):
+        assert log["memkit/eval_peak_mib"] == metrics["memkit/eval_peak_mib"] == first / MIB
+    history = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
+    assert all(("memkit/peak_mib" in h) or ("memkit/eval_peak_mib" in h) for h in history)
+
+
+def test_out_of_memory_in_train_gets_a_post_mortem(tmp_path):
+    budget = 600_000
+    cb = MemkitCallback(device="cpu", budget=budget, postmortem=None)
+    trainer = make_trainer(tmp_path, [cb])
+    with pytest.raises(torch.OutOfMemoryError), cb:
+        trainer.train()
+    assert torch._C._len_torch_dispatch_stack() == 0 and cb.tracker is None
+    plain = make_trainer(tmp_path)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        memkit.track(plain.model, device="cpu", budget=budget, postmortem=None) as tracker,
+    ):
+        plain.train()
+    oom, ref = cb.report.oom, tracker.report().oom
+    assert oom is not None and ref is not None
+    assert (oom.where, oom.allocated) == (ref.where, ref.allocated)
+
+
+def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="does not exist"):
+        MemkitCallback(html=tmp_path / "missing" / "r.html")
+    monkeypatch.delitem(sys.modules, "memkit.integrations.transformers")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install memkit\[transformers\]"):
+        import memkit.integrations.transformers  # noqa: F401
