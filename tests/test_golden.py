@@ -5,6 +5,7 @@ Regenerate with ``python -m pytest tests/test_golden.py --update-golden`` and re
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,41 @@ def test_probe_sweep_text(golden):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     golden("probe_sweep", result.stdout)
+
+
+def test_estimate_text(golden):
+    result = CliRunner().invoke(
+        cli,
+        ["estimate", "examples/gpt2.py", "--device-memory", "8GiB", "--seq-len", "128"],
+    )
+    assert result.exit_code == 0, result.output
+    golden("estimate_gpt2", result.stdout)
+
+
+def test_run_report_text(golden):
+    """`memkit run` on the plain training script of examples/: the report on stderr."""
+    result = CliRunner().invoke(
+        cli,
+        ["run", "--device", "cpu", "--budget", "256MiB", "examples/train.py", "--epochs", "1"],
+    )
+    assert result.exit_code == 0, result.output
+    report = re.sub(r"step\(s\) in \d+\.\d\d s", "step(s) in #.## s", result.stderr)
+    golden("run_train", report)
+
+
+@pytest.mark.skipif(
+    __import__("memkit.devices").devices.accelerator_available(),
+    reason="the golden snapshot is of a machine with no accelerator",
+)
+def test_snapshot_text(golden):
+    """`memkit snapshot` on a machine with no accelerator: host RAM masked (it moves)."""
+    result = CliRunner().invoke(cli, ["snapshot"])
+    assert result.exit_code == 0, result.output
+    text = re.sub(  # the host line's sizes move from run to run
+        r"(?m)^(host: .*)$",
+        lambda m: re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)\b", "# B", m.group(1)),
+        result.stdout,
+    )
+    text = re.sub(r"\d{4}-\d\d-\d\d[ T][\d:.]+", "<time>", text)
+    text = re.sub(r"\b\d+(\.\d+)?%", "#%", text)
+    golden("snapshot_no_accelerator", text)
