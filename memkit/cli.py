@@ -427,6 +427,13 @@ def snapshot_command(as_json: bool, watch: float | None, count: int | None) -> N
               help="Write a self-contained HTML report (no network, no scripts).")  # fmt: skip
 @click.option("--per-module/--steps-only", default=True,
               help="Hooks on every module (default), or only at step boundaries.")  # fmt: skip
+@click.option("--memory-history", "history_path", default=None, type=click.Path(dir_okay=False),
+              metavar="FILE", help="Write PyTorch's memory snapshot (alloc/free events with "
+              "stacks) to FILE when the script ends, for pytorch.org/memory_viz or memkit "
+              "inspect; on cpu from the simulated device (torchrun: NAME.rankN.EXT).")  # fmt: skip
+@click.option("--history-entries", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Events the memory history keeps, the most recent [default: "
+              "100000].")  # fmt: skip
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @handle_errors
@@ -436,6 +443,8 @@ def run_command(
     json_path: str | None,
     html_path: str | None,
     per_module: bool,
+    history_path: str | None,
+    history_entries: int | None,
     script: str,
     args: tuple[str, ...],
 ) -> None:
@@ -448,6 +457,7 @@ def run_command(
     \b
     memkit run train.py --epochs 1
     memkit run --device cpu --budget 300MiB train.py
+    memkit run --memory-history mem.pickle train.py   # then: memkit inspect mem.pickle
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
     from memkit import distributed
@@ -472,11 +482,20 @@ def run_command(
     ]
     for option, out in outputs:
         check_writable(out, option)
+    if history_path:
+        check_writable(rank_path(history_path), "--memory-history")
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
     with SigtermGuard() as guard:
         outcome = run_script(
-            script, list(args), device=device, budget=budget, per_module=per_module, sigterm=guard
+            script,
+            list(args),
+            device=device,
+            budget=budget,
+            per_module=per_module,
+            sigterm=guard,
+            memory_history=history_path,
+            history_entries=history_entries,
         )
         report = outcome.report
         written = []
@@ -491,6 +510,12 @@ def run_command(
                            f"({exc.strerror or exc})", err=True)  # fmt: skip
             else:
                 written.append(out)
+        if outcome.history_error is not None:
+            click.echo(f"memkit: error: --memory-history {str(rank_path(history_path or ''))!r}: "
+                       f"could not write the memory history ({outcome.history_error})",
+                       err=True)  # fmt: skip
+        elif outcome.history_file is not None:
+            written.append(outcome.history_file)
         prefix = rank_prefix()
         if outcome.traceback:
             click.echo(outcome.traceback.rstrip("\n"), err=True)

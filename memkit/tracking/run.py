@@ -138,6 +138,9 @@ class RunOutcome:
             script's own frames on, else ``None``.
         oom: an out-of-memory error ended the script.
         interrupted: the signal that stopped the script (``"SIGTERM"``), else ``None``.
+        history_file: where the memory history was written (``--memory-history``), else
+            ``None``.
+        history_error: why it could not be written, else ``None``.
     """
 
     exit_code: int
@@ -145,6 +148,8 @@ class RunOutcome:
     traceback: str | None
     oom: bool
     interrupted: str | None = None
+    history_file: Path | None = None
+    history_error: str | None = None
 
 
 def rank_prefix() -> str:
@@ -260,15 +265,20 @@ def run_script(
     budget: str | int | None = None,
     per_module: bool = True,
     sigterm: SigtermGuard | None = None,
+    memory_history: str | Path | None = None,
+    history_entries: int | None = None,
 ) -> RunOutcome:
     """Run ``script`` as ``__main__`` with ``args`` under :func:`memkit.track` (global hooks).
 
     With an entered ``sigterm`` guard, a SIGTERM stops the script with :class:`Terminated`:
-    exit code 143, and a report noting ``interrupted by SIGTERM at step N``.
+    exit code 143, and a report noting ``interrupted by SIGTERM at step N``. With
+    ``memory_history``, PyTorch's memory snapshot of the run is written there when it ends
+    (``NAME.rankN.EXT`` under torchrun).
 
     Raises:
         ConfigError: the script does not exist or is not a file.
     """
+    from memkit.history import DEFAULT_MAX_ENTRIES
     from memkit.tracking.tracker import Tracker
 
     path = Path(script)
@@ -284,6 +294,8 @@ def run_script(
         budget=budget,
         per_module=per_module,
         postmortem=None,
+        memory_history=memory_history,
+        history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
     )
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [str(path), *args]
@@ -345,5 +357,11 @@ def run_script(
         )
         report = dataclasses.replace(report, notes=(*report.notes, note))
     return RunOutcome(
-        exit_code=exit_code, report=report, traceback=text, oom=oom, interrupted=interrupted
+        exit_code=exit_code,
+        report=report,
+        traceback=text,
+        oom=oom,
+        interrupted=interrupted,
+        history_file=tracker.history_file,
+        history_error=tracker.history_error,
     )
