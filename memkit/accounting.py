@@ -329,6 +329,9 @@ class MemoryAccountant(TorchDispatchMode):
             del out, new
             raise torch.OutOfMemoryError(message)
         if new:
+            if self.adopted is not None and func is _LIFT_FRESH:
+                for key in new:  # torch.tensor(...): a fresh tensor, not an older one read
+                    self.adopted.pop(key, None)
             with self._lock:
                 self._register(new)
         elif grown > 0:
@@ -380,6 +383,9 @@ if _EVAL_FRAME is not None:  # skip the handler and everything it calls, as _dis
     _EVAL_FRAME.set_code_exec_strategy(
         MemoryAccountant.__torch_dispatch__.__code__, _EVAL_FRAME._FrameExecStrategy(_SKIP, _SKIP)
     )
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+"""What ``torch.tensor(data)`` dispatches: its input is the new tensor itself."""
 
 _ACCOUNTANTS: weakref.WeakSet[MemoryAccountant] = weakref.WeakSet()
 

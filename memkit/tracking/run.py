@@ -311,9 +311,12 @@ def run_script(
     interrupted: str | None = None
     where: str | None = None
     armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
+    script_globals: dict[str, Any] | None = None
     try:
         with tracker, armed:
-            runpy.run_path(str(path), run_name="__main__")
+            # kept until the tracker has exited: its end (and the memory history's) is the
+            # script's end, with what its globals still hold, whether or not they are in a cycle
+            script_globals = runpy.run_path(str(path), run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None:
@@ -339,6 +342,7 @@ def run_script(
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+    del script_globals  # the script's objects can go now
     if failed is not None:
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, failed)
