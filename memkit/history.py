@@ -156,17 +156,21 @@ class SimulatedHistory:
         self.max_entries = max_entries
         self.frame_depth = frame_depth
         self.events_recorded = 0
-        self._events: deque[tuple[int, int, int, list[dict[str, Any]], int]] = deque(
-            maxlen=max_entries
-        )
-        self._live: dict[int, tuple[int, int, int, list[dict[str, Any]]]] = {}
+        # Events and live entries are tuples of ints (action, address, size, stack id, time):
+        # the garbage collector stops tracking those, so a full ring costs it nothing. A stack
+        # id indexes self._stacks, one frames list per distinct stack (shared in the pickle).
+        self._events: deque[tuple[int, int, int, int, int]] = deque(maxlen=max_entries)
+        self._live: dict[int, tuple[int, int, int, int]] = {}  # key -> (addr, size, req, stack)
         self._next = ADDRESS_BASE
-        self._frames: dict[tuple[Any, int], dict[str, Any]] = {}
-        self._stacks: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-        self._markers = {
-            kind: {"filename": ADOPTED_FILENAME, "line": 0, "name": kind}
-            for kind in ("parameter", "tensor")
-        }
+        self._stacks: list[list[dict[str, Any]]] = [[]]  # id 0: no frames
+        self._stack_ids: dict[tuple[int, ...], int] = {}
+        self._frames: dict[tuple[int, int], dict[str, Any]] = {}
+        self._codes: dict[int, Any] = {}  # keeps each code object alive, so its id stays its own
+        self._markers = [
+            None,
+            {"filename": ADOPTED_FILENAME, "line": 0, "name": "parameter"},
+            {"filename": ADOPTED_FILENAME, "line": 0, "name": "tensor"},
+        ]
         self._saved: tuple[Any, Any, Any] | None = None
 
     @property
@@ -187,7 +191,7 @@ class SimulatedHistory:
         with acct._lock:
             for key, (ref, nbytes) in acct._live.items():
                 if ref() is not None and nbytes > 0 and key not in self._live:
-                    self._live[key] = (self._address(nbytes), nbytes, nbytes, [])
+                    self._live[key] = (self._address(nbytes), nbytes, nbytes, 0)
             self._saved = (acct.on_alloc, acct.on_free, acct.on_oom)
             acct.on_alloc = _chain(self._on_alloc, acct.on_alloc)
             acct.on_free = _chain(self._on_free, acct.on_free)
@@ -223,12 +227,12 @@ class SimulatedHistory:
             if storage is not None:
                 requested = int(storage.nbytes())
         addr = self._address(nbytes)
-        frames = self._stack(None if kind is None else "parameter" if kind else "tensor")
-        self._live[key] = (addr, nbytes, requested, frames)
+        stack = self._stack(0 if kind is None else 1 if kind else 2)
+        self._live[key] = (addr, nbytes, requested, stack)
         now = time.time_ns() // 1000
         events = self._events
-        events.append((_SEGMENT_ALLOC, addr, nbytes, frames, now))
-        events.append((_ALLOC, addr, requested, frames, now))
+        events.append((_SEGMENT_ALLOC, addr, nbytes, stack, now))
+        events.append((_ALLOC, addr, requested, stack, now))
         self.events_recorded += 2
 
     def _on_free(self, key: int, nbytes: int) -> None:
@@ -236,58 +240,57 @@ class SimulatedHistory:
         if entry is None:
             return
         addr, size, requested, _ = entry
-        frames = self._stack(None)
+        stack = self._stack(0)
         now = time.time_ns() // 1000
         events = self._events
-        events.append((_FREE_REQUESTED, addr, requested, frames, now))
-        events.append((_FREE_COMPLETED, addr, requested, frames, now))
-        events.append((_SEGMENT_FREE, addr, size, frames, now))
+        events.append((_FREE_REQUESTED, addr, requested, stack, now))
+        events.append((_FREE_COMPLETED, addr, requested, stack, now))
+        events.append((_SEGMENT_FREE, addr, size, stack, now))
         self.events_recorded += 3
 
     def _on_oom(self, tried: int) -> None:
         acct = self.accountant
-        if acct.adopted:
-            acct.adopted.clear()  # the op's storages were never counted
-        free = acct.free if acct.free is not None else 0
-        self._events.append((_OOM, free, tried, self._stack(None), time.time_ns() // 1000))
-        self.events_recorded += 1
+        with acct._lock:  # the accountant calls this one outside its lock
+            if acct.adopted:
+                acct.adopted.clear()  # the op's storages were never counted
+            free = acct.free if acct.free is not None else 0
+            self._events.append((_OOM, free, tried, self._stack(0), time.time_ns() // 1000))
+            self.events_recorded += 1
 
-    def _stack(self, marker: str | None) -> list[dict[str, Any]]:
-        """The Python stack here, innermost first, memkit's frames at the top left out; one
-        list object per distinct stack (the pickle stores it once)."""
+    def _stack(self, marker: int) -> int:
+        """The id of the Python stack here, innermost first, memkit's frames at the top left
+        out (``marker``: 1 or 2 puts the parameter or tensor marker frame above it)."""
         f: FrameType | None = sys._getframe(2)
         while f is not None and _internal(f.f_code.co_filename):
             f = f.f_back
         frames: list[FrameType] = []
-        key: list[Any] = [marker]
+        key = [marker]
         depth = self.frame_depth
         while f is not None and len(frames) < depth:
             frames.append(f)
-            key.append(f.f_code)
+            key.append(id(f.f_code))
             key.append(f.f_lasti)
             f = f.f_back
         stack_key = tuple(key)
-        stack = self._stacks.get(stack_key)
-        if stack is None:
-            stack = [] if marker is None else [self._markers[marker]]
-            cache = self._frames
-            for frame in frames:
-                fkey = (frame.f_code, frame.f_lasti)
-                entry = cache.get(fkey)
-                if entry is None:
-                    code = frame.f_code
-                    entry = {
-                        "filename": code.co_filename,
-                        "line": frame.f_lineno or 0,
-                        "name": code.co_name,
-                    }
-                    cache[fkey] = entry
-                stack.append(entry)
-            if len(self._stacks) > 100_000:  # a bound on the cache, never on the trace
-                self._stacks.clear()
-                self._frames.clear()
-            self._stacks[stack_key] = stack
-        return stack
+        found = self._stack_ids.get(stack_key)
+        if found is not None:
+            return found
+        marker_frame = self._markers[marker]
+        stack = [] if marker_frame is None else [marker_frame]
+        cache = self._frames
+        for frame in frames:
+            code = frame.f_code
+            fkey = (id(code), frame.f_lasti)
+            entry = cache.get(fkey)
+            if entry is None:
+                entry = {"filename": code.co_filename, "line": frame.f_lineno or 0,
+                         "name": code.co_name}  # fmt: skip
+                cache[fkey] = entry
+                self._codes[id(code)] = code
+            stack.append(entry)
+        self._stacks.append(stack)
+        self._stack_ids[stack_key] = len(self._stacks) - 1
+        return len(self._stacks) - 1
 
     # -- results --------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -298,7 +301,9 @@ class SimulatedHistory:
             events = list(self._events)
             recorded = self.events_recorded
         segments = []
-        for addr, size, requested, frames in live:
+        stacks = self._stacks
+        for addr, size, requested, stack in live:
+            frames = stacks[stack]
             block = {
                 "address": addr,
                 "size": size,
@@ -323,14 +328,14 @@ class SimulatedHistory:
                 }
             )
         trace = []
-        for action, addr, size, frames, when in events:
+        for action, addr, size, stack, when in events:
             trace.append(
                 {
                     "action": _ACTIONS[action],
                     "device_free" if action == _OOM else "addr": addr,
                     "size": size,
                     "stream": 0,
-                    "frames": frames,
+                    "frames": stacks[stack],
                     "time_us": when,
                 }
             )
