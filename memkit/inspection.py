@@ -256,6 +256,8 @@ class OomEvent:
         allocated: requested bytes allocated just before (from the trace).
         reserved: bytes reserved just before (from the trace's segment events).
         frames: where it was asked for.
+        final: nothing was allocated, freed or reserved after it: the snapshot's segments are
+            the memory at this OOM (a dump at the failure).
     """
 
     index: int
@@ -264,11 +266,13 @@ class OomEvent:
     allocated: int
     reserved: int
     frames: tuple[Frame, ...] = ()
+    final: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {
             "index": self.index,
+            "final": self.final,
             "size": self.size,
             "device_free": self.device_free,
             "allocated": self.allocated,
@@ -921,6 +925,10 @@ def _trace(
         for a, (req, frames) in state.items()
     ]
     peak_allocs.sort(key=lambda x: (-x.size, x.address))
+    last_change = max(
+        (i for i in range(n) if delta[i] or res_delta[i] or trace[i]["action"] == "alloc"),
+        default=-1,
+    )
     ooms = []
     for i, e in enumerate(trace):
         if e["action"] == "oom":
@@ -934,6 +942,7 @@ def _trace(
                     allocated=after[i],
                     reserved=res_after[i],
                     frames=_frames(e.get("frames")),
+                    final=i > last_change,
                 )
             )
     points = [(-1, start_level, start_res)] + [(i, after[i], res_after[i]) for i in range(n)]
@@ -993,8 +1002,8 @@ def inspect_snapshot(
         if meta is not None
         else "PyTorch caching allocator snapshot"
     )
-    notes = _notes(devices, meta, protocol, expandable)
-    advice = _advice(devices, simulated=meta is not None, expandable=expandable)
+    advice, advice_notes = _advice(devices, simulated=meta is not None, expandable=expandable)
+    notes = _notes(devices, meta, protocol, expandable) + advice_notes
     return SnapshotInspection(
         source=name,
         writer=writer,
@@ -1055,14 +1064,23 @@ def _notes(
 
 def _advice(
     devices: Sequence[DeviceInspection], *, simulated: bool, expandable: bool | None
-) -> list[Advice]:
+) -> tuple[list[Advice], list[str]]:
+    """``fragmentation`` per device, and notes on OOMs it does not explain."""
     if simulated or expandable:  # nothing to fragment, or the fix is already on
-        return []
-    out = []
+        return [], []
+    out, notes = [], []
     for d in devices:
         name = f"cuda:{d.device}"
-        if d.ooms:
-            last = d.ooms[-1]
+        last = d.ooms[-1] if d.ooms else None
+        found = None
+        if last is not None and last.final:  # the segments are the memory at the OOM
+            if d.largest_free_block >= last.size:
+                notes.append(
+                    f"{name}: the OOM of {format_size(last.size)} is not fragmentation: a free "
+                    f"block of {format_size(d.largest_free_block)} could hold it (another "
+                    "stream's or memory pool's, or freed since)"
+                )
+                continue
             found = advice_rules.fragmentation(
                 reserved=last.reserved,
                 allocated=last.allocated,
@@ -1076,4 +1094,4 @@ def _advice(
             )
         if found is not None:
             out.append(found)
-    return out
+    return out, notes

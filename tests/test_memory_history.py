@@ -325,9 +325,10 @@ FORWARD = frames(("/env/torch/nn/modules/linear.py", "forward"), ("/home/u/train
 ADAM = frames(("/env/torch/optim/adam.py", "_init_group"), ("/home/u/train.py", "train"))
 
 
-def cuda_snapshot(expandable: bool = False) -> dict:
-    """A CUDA-style snapshot: a large segment split into live and free blocks, a free segment,
-    a small segment with one live block, and a trace that ends in an OOM."""
+def cuda_snapshot(expandable: bool = False, free_segment: int = 400 * MIB) -> dict:
+    """A CUDA-style snapshot dumped at an OOM: a large segment split into live and free blocks,
+    a free segment, a small segment with one live block; the trace ends in an OOM of 600 MiB,
+    which no free block can hold (with the default ``free_segment``)."""
 
     def block(size, state, requested=None, frames_=None):
         b = {"size": size, "state": state}
@@ -338,7 +339,7 @@ def cuda_snapshot(expandable: bool = False) -> dict:
     layout = [
         [block(GIB, "active_allocated", frames_=FORWARD), block(300 * MIB, "inactive"),
          block(500 * MIB, "active_allocated", frames_=ADAM), block(200 * MIB, "inactive")],
-        [block(GIB, "inactive")],
+        [block(free_segment, "inactive")],
         [block(512, "active_allocated", requested=500), block(2 * MIB - 512, "inactive")],
     ]  # fmt: skip
     segments, address = [], 0x7F0000000000
@@ -390,9 +391,13 @@ def test_synthetic_cuda_snapshot_gives_the_fragmentation(tmp_path):
         "train.py:11:train > linear.py:10:forward",
         "train.py:11:train > adam.py:10:_init_group",
     ]
+    assert oom.final  # dumped at the failure
     # the fix already on: no advice, a note instead
     on = inspect_snapshot(cuda_snapshot(expandable=True))
     assert not on.advice and any("expandable_segments is on" in n for n in on.notes)
+    # a free block that could hold the request: the OOM is not fragmentation
+    roomy = inspect_snapshot(cuda_snapshot(free_segment=GIB))
+    assert not roomy.advice and any("is not fragmentation" in n for n in roomy.notes)
 
 
 def test_inspect_html_and_json_agree(tmp_path):
