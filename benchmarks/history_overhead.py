@@ -16,8 +16,9 @@ its steps. Configurations (all on the simulated device, the model and optimizer 
 It also reports the events per step, and the time and size of writing the snapshot, and, per
 allocation, ``--micro``: microseconds to make and free a 1 KiB tensor in a loop, plain, under
 each accountant, and with the history at a shallow stack and 30 frames deeper (the frame walk
-grows with the depth). Step times are reported as the median and the minimum over all steps:
-on a shared machine the minimum is the steadier number.
+grows with the depth). Step times are reported as the median and the minimum over all steps.
+The clock is the thread's CPU time (``time.thread_time``) with torch on one thread, so other
+processes sharing the machine do not count as cost (as in tracker_overhead.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from torch import nn
 
 from memkit.accounting import MemoryAccountant
 from memkit.history import SimulatedHistory
+
+CLOCK = time.thread_time
+"""CPU time of this thread: what the history costs, whatever else the machine runs."""
 
 
 def cnn() -> nn.Module:
@@ -122,10 +126,10 @@ def micro(rev: str | None, repeats: int = 7, n: int = 20000) -> None:
 
     def loop(acct: Any) -> float:
         with acct if acct is not None else contextlib.nullcontext():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             for _ in range(n):
                 torch.empty(256)
-            return (time.perf_counter() - t0) / n * 1e6
+            return (CLOCK() - t0) / n * 1e6
 
     def deeper(depth: int, fn: Callable[[], float]) -> float:
         return fn() if depth == 0 else deeper(depth - 1, fn)
@@ -161,13 +165,13 @@ def run_steps(model: nn.Module, opt: Any, make_loss: Callable[[nn.Module], Any],
     times = []
     with ctx as recorder:
         for i in range(warmup + steps):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             loss = make_loss(model)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(CLOCK() - t0)
             del loss
     return times, recorder
 
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", action="store_true", help="only the per-allocation costs")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    torch.set_num_threads(1)  # the thread's CPU time is then the step's
+    print(f"torch {torch.__version__}, 1 thread, thread CPU time")
     micro(args.baseline_rev)
     if args.micro:
         return 0

@@ -471,12 +471,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert nowhere.exit_code == 2 and "--html" in nowhere.stderr
 
 
-def test_protocol_5_is_read_and_told_apart(tmp_path):
+def test_protocol_5_is_read_and_told_apart_without_torch(tmp_path):
     path = tmp_path / "p5.pickle"
     path.write_bytes(pickle.dumps(cuda_snapshot(), protocol=5))
     result = invoke("inspect", str(path))
     assert result.exit_code == 0, result.output
     assert "pickle protocol 5" in result.stdout and "reads protocols 2 to 4" in result.stdout
+    code = (
+        "import sys; from memkit.cli import main\n"
+        "try:\n    main(['inspect', sys.argv[1], '--json'])\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("False")  # memkit inspect never imports torch
 
 
 # -- a browser -----------------------------------------------------------------------------------
