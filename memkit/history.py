@@ -190,8 +190,10 @@ class SimulatedHistory:
             raise RuntimeError("a memory history already records this accountant")
         with acct._lock:
             for key, (ref, nbytes) in acct._live.items():
-                if ref() is not None and nbytes > 0 and key not in self._live:
-                    self._live[key] = (self._address(nbytes), nbytes, nbytes, 0)
+                storage = ref()
+                if storage is not None and nbytes > 0 and key not in self._live:
+                    requested = int(storage.nbytes())
+                    self._live[key] = (self._address(nbytes), nbytes, requested, 0)
             self._saved = (acct.on_alloc, acct.on_free, acct.on_oom)
             acct.on_alloc = _chain(self._on_alloc, acct.on_alloc)
             acct.on_free = _chain(self._on_free, acct.on_free)

@@ -225,6 +225,24 @@ def test_history_ring_keeps_the_latest_events(tmp_path):
     assert {e["size"] for e in trace} == {5 * 512}
 
 
+def test_cuda_rounding_gives_rounded_blocks_and_exact_requests():
+    with memkit.simulate(None, rounding="cuda") as acct:
+        before = torch.empty(700, dtype=torch.uint8)  # counted before recording starts
+        history = SimulatedHistory(acct).start()
+        x = torch.empty(1000, dtype=torch.uint8)
+        snap = history.snapshot()
+        history.stop()
+        counted = acct.current
+    assert before.numel() + x.numel() == 1700
+    blocks = sorted((b["size"], b["requested_size"]) for s in snap["segments"] for b in s["blocks"])
+    assert blocks == [(1024, 700), (1024, 1000)] and counted == 2048  # 512-byte blocks
+    assert [e["size"] for e in snap["device_traces"][0]] == [1024, 1000]  # segment, request
+    dev = inspect_snapshot(snap).device(0)
+    assert (dev.allocated, dev.requested, dev.reserved) == (2048, 1700, 2048)
+    rounding = (1024 - 700) + (1024 - 1000)  # torch counts it as internal free memory
+    assert f"total_free: {viz.Bytes(rounding)} (100.0% internal)" in viz.segsum(snap)
+
+
 # -- track and run ---------------------------------------------------------------------------------
 
 
