@@ -40,6 +40,8 @@ _LAZY: dict[str, str] = {
     "MicroBatchStep": "memkit.microbatching",
     "Snapshot": "memkit.snapshots",
     "SnapshotDiff": "memkit.snapshots",
+    "inspect_snapshot": "memkit.inspection",
+    "SnapshotInspection": "memkit.inspection",
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "ProbeResult",
     "Snapshot",
     "SnapshotDiff",
+    "SnapshotInspection",
     "TrackReport",
     "Tracker",
     "__version__",
@@ -58,6 +61,7 @@ __all__ = [
     "find_batch_size",
     "format_size",
     "get_backend",
+    "inspect_snapshot",
     "is_oom",
     "microbatch",
     "parse_size",
@@ -74,6 +78,7 @@ if TYPE_CHECKING:
     from memkit.devices import get_backend
     from memkit.errors import MemkitError
     from memkit.estimation import Estimate, estimate
+    from memkit.inspection import SnapshotInspection, inspect_snapshot
     from memkit.microbatching import MicroBatchStep, microbatch
     from memkit.oom import is_oom, recover
     from memkit.probing.decorator import find_batch_size

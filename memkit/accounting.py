@@ -156,6 +156,13 @@ class MemoryAccountant(TorchDispatchMode):
         # the accountant's lock, so they must not call back into the accountant.
         self.on_alloc: Callable[[int, int], None] | None = None
         self.on_free: Callable[[int, int], None] | None = None
+        # Called with the bytes an op tried to add when it crosses the budget, before the OOM is
+        # raised (memkit.history records it as the trace's "oom" event).
+        self.on_oom: Callable[[int], None] | None = None
+        # Set by memkit.history while it records: id(storage) -> whether the tensor was a
+        # Parameter, for each storage counted because it existed before (an op read it for the
+        # first time, or track() was given it). None: nothing is noted (no cost).
+        self.adopted: dict[int, bool] | None = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -224,10 +231,13 @@ class MemoryAccountant(TorchDispatchMode):
         Tracking never raises an OOM: the objects already exist.
         """
         pending: dict[int, tuple[Any, int]] = {}
+        adopted = self.adopted
         for tensor in tensors_of(objects):
             storage = self._storage(tensor)
             if storage is not None and id(storage) not in self._live:
                 pending[id(storage)] = (storage, self._size(storage))
+                if adopted is not None:
+                    adopted[id(storage)] = isinstance(tensor, torch.nn.Parameter)
         with self._lock:
             self._register(pending)
         return self
@@ -286,6 +296,8 @@ class MemoryAccountant(TorchDispatchMode):
             storage = self._storage(tensor)
             if storage is not None and id(storage) not in self._live:
                 new.setdefault(id(storage), (storage, self._size(storage)))
+                if self.adopted is not None:  # only for first-seen storages: no per-op cost
+                    self.adopted[id(storage)] = isinstance(tensor, torch.nn.Parameter)
         return new, grown
 
     @classmethod
@@ -304,12 +316,17 @@ class MemoryAccountant(TorchDispatchMode):
         added = sum(size for _, size in new.values())
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1
+            if self.on_oom is not None:
+                self.on_oom(added)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new
             raise torch.OutOfMemoryError(message)
         if new:
+            if self.adopted is not None and func is _LIFT_FRESH:
+                for key in new:  # torch.tensor(...): a fresh tensor, not an older one read
+                    self.adopted.pop(key, None)
             with self._lock:
                 self._register(new)
         elif grown > 0:
@@ -361,6 +378,9 @@ if _EVAL_FRAME is not None:  # skip the handler and everything it calls, as _dis
     _EVAL_FRAME.set_code_exec_strategy(
         MemoryAccountant.__torch_dispatch__.__code__, _EVAL_FRAME._FrameExecStrategy(_SKIP, _SKIP)
     )
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+"""What ``torch.tensor(data)`` dispatches: its input is the new tensor itself."""
 
 _ACCOUNTANTS: weakref.WeakSet[MemoryAccountant] = weakref.WeakSet()
 

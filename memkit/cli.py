@@ -76,6 +76,7 @@ def cli() -> None:
     memkit run train.py        memory per device, module and phase while a script trains
     memkit snapshot            what is on every device right now
     memkit estimate model.py   will it fit on a GPU you do not have?
+    memkit inspect mem.pickle  memkit's view of a PyTorch memory snapshot
     """
 
 
@@ -521,6 +522,13 @@ def snapshot_command(as_json: bool, watch: float | None, count: int | None) -> N
               help="Write a self-contained HTML report (no network, no scripts).")  # fmt: skip
 @click.option("--per-module/--steps-only", default=True,
               help="Hooks on every module (default), or only at step boundaries.")  # fmt: skip
+@click.option("--memory-history", "history_path", default=None, type=click.Path(dir_okay=False),
+              metavar="FILE", help="Write PyTorch's memory snapshot (alloc/free events with "
+              "stacks) to FILE when the script ends, for pytorch.org/memory_viz or memkit "
+              "inspect; on cpu from the simulated device (torchrun: NAME.rankN.EXT).")  # fmt: skip
+@click.option("--history-entries", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Events the memory history keeps, the most recent [default: "
+              "100000].")  # fmt: skip
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @handle_errors
@@ -530,6 +538,8 @@ def run_command(
     json_path: str | None,
     html_path: str | None,
     per_module: bool,
+    history_path: str | None,
+    history_entries: int | None,
     script: str,
     args: tuple[str, ...],
 ) -> None:
@@ -542,6 +552,7 @@ def run_command(
     \b
     memkit run train.py --epochs 1
     memkit run --device cpu --budget 300MiB train.py
+    memkit run --memory-history mem.pickle train.py   # then: memkit inspect mem.pickle
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
     from memkit import distributed
@@ -567,11 +578,20 @@ def run_command(
     ]
     for option, out in outputs:
         check_writable(out, option)
+    if history_path:
+        check_writable(rank_path(history_path), "--memory-history")
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
     with SigtermGuard() as guard:
         outcome = run_script(
-            script, list(args), device=device, budget=budget, per_module=per_module, sigterm=guard
+            script,
+            list(args),
+            device=device,
+            budget=budget,
+            per_module=per_module,
+            sigterm=guard,
+            memory_history=history_path,
+            history_entries=history_entries,
         )
         report = outcome.report
         written = []
@@ -586,6 +606,12 @@ def run_command(
                            f"({exc.strerror or exc})", err=True)  # fmt: skip
             else:
                 written.append(out)
+        if outcome.history_error is not None:
+            click.echo(f"memkit: error: --memory-history {str(rank_path(history_path or ''))!r}: "
+                       f"could not write the memory history ({outcome.history_error})",
+                       err=True)  # fmt: skip
+        elif outcome.history_file is not None:
+            written.append(outcome.history_file)
         prefix = rank_prefix()
         if outcome.traceback:
             click.echo(outcome.traceback.rstrip("\n"), err=True)
@@ -600,6 +626,52 @@ def run_command(
             text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
         click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
     sys.exit(outcome.exit_code)
+
+
+@cli.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
+              metavar="PATH", help="Also write a self-contained HTML page (no network, no "
+              "scripts).")  # fmt: skip
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Largest allocations listed (at the end, and at the trace's peak).")  # fmt: skip
+@handle_errors
+def inspect_command(file: str, as_json: bool, html_path: str | None, top: int) -> None:
+    """memkit's view of a PyTorch memory snapshot FILE.
+
+    FILE is the pickle torch.cuda.memory._dump_snapshot() writes, from any run, or memkit run
+    --memory-history's. Prints fragmentation (reserved vs allocated, split blocks, the largest
+    free block), what is allocated by category at the end and at the trace's peak (guessed from
+    the frames), the largest allocations with their frames, OOM events and advice. Exit codes:
+    0 read; 2 not a snapshot (not a pickle, a pickle of something else, a protocol this Python
+    cannot read) or a bad option. See docs/memory-history.md.
+
+    \b
+    memkit inspect mem.pickle
+    memkit inspect mem.pickle --json > view.json
+    memkit inspect mem.pickle --html view.html
+    """
+    from pathlib import Path
+
+    from memkit.errors import ConfigError
+    from memkit.inspection import inspect_snapshot
+
+    page = Path(html_path) if html_path else None
+    if page is not None and not page.parent.is_dir():  # before reading a large file
+        raise ConfigError(
+            f"--html {html_path!r}: expected a file in an existing folder, but the folder "
+            f"{str(page.parent)!r} does not exist; create it first or give another path"
+        )
+    result = inspect_snapshot(file, top=top)
+    if page is not None:
+        try:
+            result.to_html(page)
+        except OSError as exc:
+            raise ConfigError(
+                f"--html {html_path!r}: could not write the page ({exc.strerror or exc})"
+            ) from None
+    click.echo(result.to_json() if as_json else str(result))
 
 
 _ESTIMATE_ARCHS = ["volta", "turing", "ampere", "ada", "hopper", "blackwell"]

@@ -50,6 +50,7 @@ __all__ = [
     "collective_device",
     "counter_reader",
     "cuda_context_reading",
+    "cuda_history_snapshot",
     "current_device_index",
     "default_cpu_budget",
     "get_backend",
@@ -60,6 +61,8 @@ __all__ = [
     "restore_rng_state",
     "rng_state",
     "set_current_device",
+    "start_cuda_history",
+    "stop_cuda_history",
     "visible_devices",
 ]
 
@@ -745,3 +748,27 @@ def cuda_context_reading() -> tuple[bool, int | None]:
     """``(CUDA initialised in this process, current CUDA device)``, without initialising CUDA."""
     initialized = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
     return initialized, (torch.cuda.current_device() if initialized else None)
+
+
+# --- memory history (memkit.history): the CUDA caching allocator's own trace ------------------
+
+
+def start_cuda_history(max_entries: int) -> None:
+    """Record every allocation and free of the CUDA caching allocator, with its Python stack
+    (``stacks="python"``: no C++ frames, the cheap kind; ``context="all"``: stacks for frees
+    too), keeping the last ``max_entries`` events (torch's ring buffer drops older ones).
+    Recording covers every CUDA device of the process."""
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context="all", stacks="python", max_entries=max_entries
+    )
+
+
+def cuda_history_snapshot() -> dict[str, Any]:
+    """The allocator's segments and the recorded trace: ``torch.cuda.memory._snapshot()``, the
+    dict that ``torch.cuda.memory._dump_snapshot`` pickles."""
+    return dict(torch.cuda.memory._snapshot())
+
+
+def stop_cuda_history() -> None:
+    """Stop recording (``_record_memory_history(enabled=None)``)."""
+    torch.cuda.memory._record_memory_history(enabled=None)

@@ -138,6 +138,9 @@ class RunOutcome:
             script's own frames on, else ``None``.
         oom: an out-of-memory error ended the script.
         interrupted: the signal that stopped the script (``"SIGTERM"``), else ``None``.
+        history_file: where the memory history was written (``--memory-history``), else
+            ``None``.
+        history_error: why it could not be written, else ``None``.
     """
 
     exit_code: int
@@ -145,6 +148,8 @@ class RunOutcome:
     traceback: str | None
     oom: bool
     interrupted: str | None = None
+    history_file: Path | None = None
+    history_error: str | None = None
 
 
 def rank_prefix() -> str:
@@ -260,15 +265,20 @@ def run_script(
     budget: str | int | None = None,
     per_module: bool = True,
     sigterm: SigtermGuard | None = None,
+    memory_history: str | Path | None = None,
+    history_entries: int | None = None,
 ) -> RunOutcome:
     """Run ``script`` as ``__main__`` with ``args`` under :func:`memkit.track` (global hooks).
 
     With an entered ``sigterm`` guard, a SIGTERM stops the script with :class:`Terminated`:
-    exit code 143, and a report noting ``interrupted by SIGTERM at step N``.
+    exit code 143, and a report noting ``interrupted by SIGTERM at step N``. With
+    ``memory_history``, PyTorch's memory snapshot of the run is written there when it ends
+    (``NAME.rankN.EXT`` under torchrun).
 
     Raises:
         ConfigError: the script does not exist or is not a file.
     """
+    from memkit.history import DEFAULT_MAX_ENTRIES
     from memkit.tracking.tracker import Tracker
 
     path = Path(script)
@@ -284,6 +294,8 @@ def run_script(
         budget=budget,
         per_module=per_module,
         postmortem=None,
+        memory_history=memory_history,
+        history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
     )
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [str(path), *args]
@@ -299,9 +311,12 @@ def run_script(
     interrupted: str | None = None
     where: str | None = None
     armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
+    script_globals: dict[str, Any] | None = None
     try:
         with tracker, armed:
-            runpy.run_path(str(path), run_name="__main__")
+            # kept until the tracker has exited: its end (and the memory history's) is the
+            # script's end, with what its globals still hold, whether or not they are in a cycle
+            script_globals = runpy.run_path(str(path), run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None:
@@ -327,6 +342,7 @@ def run_script(
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+    del script_globals  # the script's objects can go now
     if failed is not None:
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, failed)
@@ -345,5 +361,11 @@ def run_script(
         )
         report = dataclasses.replace(report, notes=(*report.notes, note))
     return RunOutcome(
-        exit_code=exit_code, report=report, traceback=text, oom=oom, interrupted=interrupted
+        exit_code=exit_code,
+        report=report,
+        traceback=text,
+        oom=oom,
+        interrupted=interrupted,
+        history_file=tracker.history_file,
+        history_error=tracker.history_error,
     )

@@ -40,6 +40,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ from memkit.devices import (
     visible_devices,
 )
 from memkit.distributed import launched_rank, world_size
+from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking import leaks
 from memkit.tracking.ranks import GATHER_TIMEOUT, RanksReport, RankWatch
@@ -68,6 +70,7 @@ from memkit.tracking.report import (
     TimelinePoint,
     TrackReport,
 )
+from memkit.tracking.run import check_writable, rank_path
 
 __all__ = ["Tracker", "track"]
 
@@ -268,6 +271,11 @@ class Tracker:
         postmortem: ``"stderr"`` prints the OOM post-mortem there when an OOM leaves the block;
             ``None`` only logs it. It is on ``tracker.report().oom`` either way.
         timeline_limit: readings kept per device.
+        memory_history: a file to write PyTorch's memory snapshot to when the block ends (also
+            when it ends with an OOM): on CUDA PyTorch's own recording, on the simulated device
+            memkit's (docs/memory-history.md). Under torchrun each rank writes
+            ``NAME.rankN.EXT``.
+        history_entries: events the memory history keeps (the most recent).
     """
 
     def __init__(
@@ -283,6 +291,8 @@ class Tracker:
         leak_warmup: int = 2,
         leak_window: int = 3,
         gather_timeout: float = GATHER_TIMEOUT,
+        memory_history: str | Path | None = None,
+        history_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         if postmortem not in ("stderr", None):
             raise ValueError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
@@ -359,6 +369,14 @@ class Tracker:
         self.gather_timeout = gather_timeout
         self._ranks_watch: RankWatch | None = None
         self._ranks_report: RanksReport | None = None
+        # -- memory history (memkit/history.py) --
+        self._history_path = None if memory_history is None else Path(memory_history)
+        self._history_entries = history_entries
+        self._history: MemoryHistory | None = None
+        self.history_file: Path | None = None
+        """Where the memory history was written (after the block)."""
+        self.history_error: str | None = None
+        """Why it could not be written, if it could not."""
 
     # ------------------------------------------------------------------------------------
     # entering and leaving
@@ -369,10 +387,17 @@ class Tracker:
         self._used = True
         backend = get_backend(self._device_arg, self._budget)
         self.backend = backend
+        if self._history_path is not None:  # checked before anything is hooked
+            path = rank_path(self._history_path)
+            check_writable(path, "memory_history")
+            self._history = MemoryHistory(backend, path, max_entries=self._history_entries)
         stack = contextlib.ExitStack()
         self._stack_ctx = stack
         try:
             self._kind = backend.device.type
+            if self._history is not None:  # before the tracked objects are counted
+                self._history.start()
+                stack.callback(self._history.stop)
             if isinstance(backend, SimulatedBackend):
                 self._sim = backend
                 stack.enter_context(backend.activate())
@@ -414,6 +439,7 @@ class Tracker:
         tb: TracebackType | None,
     ) -> Literal[False]:
         try:
+            self._write_history()  # first: after an OOM, the failed step's tensors are alive
             if exc is None and self._backwards_in_step and self._step_rule() == "backward":
                 with self._lock:  # the last step of a loop without an optimizer
                     self._boundary(None)
@@ -444,6 +470,24 @@ class Tracker:
             if self._stack_ctx is not None:
                 self._stack_ctx.close()
         return False
+
+    def _write_history(self) -> None:
+        history = self._history
+        if history is None:
+            return
+        try:
+            self.history_file = history.dump()
+        except Exception as exc:  # never hide the user's exception behind our own
+            self.history_error = f"{type(exc).__name__}: {exc}"
+            log.warning("memkit could not write the memory history: %s", self.history_error)
+            self.notes.append(
+                f"memory history: could not write {history.path} ({self.history_error})"
+            )
+        else:
+            self.notes.append(
+                f"memory history: {self.history_file} (open it at https://pytorch.org/memory_viz, "
+                f"or: memkit inspect {self.history_file})"
+            )
 
     def _install(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -1729,6 +1773,8 @@ def track(
     postmortem: str | None = "stderr",
     timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
     gather_timeout: float = GATHER_TIMEOUT,
+    memory_history: str | Path | None = None,
+    history_entries: int = DEFAULT_MAX_ENTRIES,
 ) -> Tracker:
     """Track memory per device, phase, step and module while the ``with`` block runs.
 
@@ -1749,6 +1795,12 @@ def track(
         postmortem: ``"stderr"`` (default) prints the diagnosis of an OOM that leaves the block;
             ``None`` only logs it. The exception propagates unchanged either way.
         timeline_limit: counter readings kept per device.
+        memory_history: write PyTorch's memory snapshot (``_dump_snapshot``'s format, pickle
+            protocol 4) to this file when the block ends, also after an OOM; it opens at
+            https://pytorch.org/memory_viz and in ``memkit inspect``. On CUDA PyTorch records it
+            (python stacks, the last ``history_entries`` events); on the simulated device memkit
+            does. Under torchrun each rank writes ``NAME.rankN.EXT``.
+        history_entries: events the memory history keeps (the most recent).
 
     Examples:
         >>> import torch, memkit
@@ -1772,4 +1824,6 @@ def track(
         postmortem=postmortem,
         timeline_limit=timeline_limit,
         gather_timeout=gather_timeout,
+        memory_history=memory_history,
+        history_entries=history_entries,
     )
