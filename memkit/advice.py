@@ -173,9 +173,10 @@ def dp_to_ddp(
     DDP's per-rank peak is estimated as the larger of a replica's peak (its weight copy, its
     share of the activations and its gradients before the reduction) plus DDP's buckets, the
     optimizer state and the loss on the rank's share of the outputs (that share and its
-    gradient, twice ``gathered_output_bytes / N``: a heuristic), and parameters + gradients + buckets + optimizer state (the optimizer
-    step). Measured largest batches, when given, decide whether DDP fits more. The rule only
-    advises DDP for memory when that estimate (or the measurement) says it saves memory.
+    gradient, twice ``gathered_output_bytes / N``: a heuristic), and parameters + gradients +
+    buckets + optimizer state (the optimizer step). Measured largest batches, when given,
+    decide whether DDP fits more. The rule advises DDP for memory only when that estimate (or
+    the measurement) says it saves memory.
 
         >>> a = dp_to_ddp({"cuda:0": 50 * MiB, "cuda:1": 40 * MiB}, "cuda:0",
         ...               gradient_bytes=8 * MiB, optimizer_state_bytes=8 * MiB)

@@ -14,7 +14,7 @@ import memkit
 from memkit.parallel import DataParallel, ddp_replicas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from cnn import SmallCNN, train_step  # noqa: E402
+from cnn import SmallCNN, train_step
 
 GPUS = 4
 
