@@ -153,8 +153,12 @@ def dp_to_ddp(
     gradient_bytes: int = 0,
     optimizer_state_bytes: int = 0,
     gradient_as_bucket_view: bool = False,
+    parameter_bytes: int = 0,
+    gathered_output_bytes: int = 0,
+    largest_batches: tuple[int | None, int | None] | None = None,
 ) -> Advice | None:
-    """``dp-to-ddp``: under ``nn.DataParallel`` the primary device holds far more than the rest.
+    """``dp-to-ddp``: under ``nn.DataParallel`` the primary device holds far more than the rest,
+    and what DDP would cost instead.
 
     Args:
         peaks: peak allocated bytes per device (``{"cuda:0": ..., "cuda:1": ...}``).
@@ -162,10 +166,22 @@ def dp_to_ddp(
         gradient_bytes: the reduced gradients (they live on the primary device only).
         optimizer_state_bytes: optimizer state (on the primary device only).
         gradient_as_bucket_view: the DDP flag: without it, DDP's buckets copy the gradients.
+        parameter_bytes: the parameters (for DDP's optimizer-step floor).
+        gathered_output_bytes: the outputs DataParallel gathers on ``primary`` per forward.
+        largest_batches: measured largest global batches ``(DataParallel, DDP)``, when known.
 
-    Under DDP each rank holds what a replica holds now (weights and its share of the
-    activations) plus its own gradients, their bucket copy and the optimizer state; the
-    gathered outputs, the loss and the reduction no longer pile up on one device.
+    DDP's per-rank peak is estimated as the larger of a replica's peak (its weight copy, its
+    share of the activations and its gradients before the reduction) plus DDP's buckets, the
+    optimizer state and the loss on the rank's share of the outputs (that share and its
+    gradient, twice ``gathered_output_bytes / N``: a heuristic), and parameters + gradients +
+    buckets + optimizer state (the optimizer step). Measured largest batches, when given,
+    decide whether DDP fits more. The rule advises DDP for memory only when that estimate (or
+    the measurement) says it saves memory.
+
+        >>> a = dp_to_ddp({"cuda:0": 50 * MiB, "cuda:1": 40 * MiB}, "cuda:0",
+        ...               gradient_bytes=8 * MiB, optimizer_state_bytes=8 * MiB)
+        >>> a.severity, a.saving_bytes  # 40 + 8 (buckets) + 8 (state) = 56 MiB > 50 MiB
+        ('info', None)
     """
     others = [v for k, v in peaks.items() if k != primary]
     if primary not in peaks or not others:
@@ -174,22 +190,63 @@ def dp_to_ddp(
     if top < DP_IMBALANCE * mean or top - mean < 1 * MiB:
         return None
     buckets = 0 if gradient_as_bucket_view else gradient_bytes
-    ddp = int(mean) + gradient_bytes + buckets + optimizer_state_bytes
-    saving = top - ddp if ddp < top else None
+    fixed = buckets + optimizer_state_bytes
+    loss = 2 * gathered_output_bytes // len(peaks)
+    ddp = max(int(mean) + fixed + loss, parameter_bytes + gradient_bytes + fixed)
+    dp_b, ddp_b = largest_batches or (None, None)
+    measured = dp_b is not None or ddp_b is not None
+    saves = (ddp_b or 0) > (dp_b or 0) if measured else ddp < top
     n = len(peaks)
     table = ", ".join(f"{k} {format_size(v)}" for k, v in peaks.items())
+    estimate = (
+        f"Under DDP each rank would peak near {format_size(ddp)} (estimated: a replica's "
+        f"{format_size(int(mean))} + DDP's bucket copy of the gradients "
+        f"({format_size(buckets)}) + the optimizer state ({format_size(optimizer_state_bytes)})"
+        f" + the loss on its share of the outputs ({format_size(loss)}), on every device)"
+    )
+    if measured:
+        estimate += (
+            f"; measured on these devices, the largest global batch is {dp_b if dp_b else '-'} "
+            f"with DataParallel and {ddp_b if ddp_b else '-'} with DDP"
+        )
+    evidence = (
+        f"Peak per device: {table}. {primary} holds {format_size(top)} against a mean of "
+        f"{format_size(int(mean))} on the other {len(others)}: the gathered outputs, the "
+        f"loss, the reduced gradients ({format_size(gradient_bytes)}) and the optimizer "
+        f"state ({format_size(optimizer_state_bytes)}) live there. {estimate}."
+    )
+    if not saves:
+        return Advice(
+            code="dp-to-ddp",
+            title=(
+                f"DataParallel puts {top / mean:.1f}x the memory on {primary}, but DDP would not "
+                f"save memory here (about {format_size(ddp)} per device vs {format_size(top)})"
+                if not measured
+                else f"DataParallel puts {top / mean:.1f}x the memory on {primary}, but DDP "
+                f"fits a smaller global batch here ({ddp_b or '-'} vs {dp_b or '-'})"
+            ),
+            evidence=evidence,
+            action=(
+                "Keep DataParallel if memory is the limit: DDP puts gradients, their buckets and "
+                f"the optimizer state on all {n} devices, where DataParallel keeps one copy on "
+                f"{primary}. To relieve {primary}, compute the loss inside the replicas "
+                "(dp-loss-on-replicas) or give it a smaller share with `output_device`. DDP is "
+                "still faster (no weight broadcast per step, one process per GPU)."
+            ),
+            saving_bytes=None,
+            severity="info",
+        )
+    saving = top - ddp if ddp < top else None
     return Advice(
         code="dp-to-ddp",
-        title=f"DataParallel puts {top / mean:.1f}x the memory on {primary}",
-        evidence=(
-            f"Peak per device: {table}. {primary} holds {format_size(top)} against a mean of "
-            f"{format_size(int(mean))} on the other {len(others)}: the gathered outputs, the "
-            f"loss, the reduced gradients ({format_size(gradient_bytes)}) and the optimizer "
-            f"state ({format_size(optimizer_state_bytes)}) live there. Under DDP each rank "
-            f"would peak near {format_size(ddp)} (a replica's {format_size(int(mean))} + its "
-            f"gradients{'' if gradient_as_bucket_view else ' and their bucket copy'} + "
-            "optimizer state)."
+        title=(
+            f"DataParallel puts {top / mean:.1f}x the memory on {primary}; DDP would peak "
+            f"near {format_size(ddp)} per device"
+            if not measured
+            else f"DataParallel puts {top / mean:.1f}x the memory on {primary}; DDP fits a "
+            f"global batch of {ddp_b} (DataParallel {dp_b or '-'})"
         ),
+        evidence=evidence,
         action=(
             f"Use DistributedDataParallel: `torchrun --nproc_per_node {n} train.py`; in the "
             "script `dist.init_process_group('nccl')`, `local_rank = int(os.environ["

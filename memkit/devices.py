@@ -25,6 +25,7 @@ Both are for snapshots, never for hot paths such as hooks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -46,6 +47,7 @@ __all__ = [
     "HostMemory",
     "MemoryBackend",
     "SimulatedBackend",
+    "VirtualDeviceBackend",
     "accelerator_available",
     "collective_device",
     "counter_reader",
@@ -303,6 +305,60 @@ class SimulatedBackend:
 
     def __repr__(self) -> str:
         return f"SimulatedBackend({self.device}, budget={self.budget})"
+
+
+class VirtualDeviceBackend:
+    """One virtual device (``cuda:i``) of a :class:`~memkit.virtual_devices.VirtualDevices`
+    block, for the tracker: its counters are that device's, its peak is a segment peak of its
+    own (the block's :meth:`peak_of` stays intact)."""
+
+    kind = "simulated"
+    thread_local = False
+
+    def __init__(self, devices: Any, index: int) -> None:
+        self.devices = devices
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.budget = devices.budgets[index]
+        self.accounting = (
+            f"memkit virtual device cuda:{index} of {devices.n}: live tensor storages tagged "
+            "with that device, counted by a TorchDispatchMode (exact bytes)"
+        )
+
+    def name(self) -> str:
+        size = "no budget" if self.budget is None else format_size(self.budget)
+        return f"virtual cuda:{self.index} of {self.devices.n} ({size})"
+
+    def allocated(self) -> int:
+        return int(self.devices.current_of(self.index))
+
+    reserved = allocated
+
+    def peak_allocated(self) -> int:
+        return int(self.devices.window_peak(self.index))
+
+    peak_reserved = peak_allocated
+
+    def reset_peak(self) -> None:
+        self.devices.reset_window(self.index)
+
+    def capacity(self) -> Capacity:
+        if self.budget is None:
+            return Capacity(None, None, "budget", "the virtual device has no budget")
+        return Capacity(self.budget, max(0, self.budget - self.allocated()), "budget")
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this virtual device."""
+        return bool(self.devices.where(tensor) == self.index)
+
+    def empty_cache(self) -> None:
+        """No cache to empty."""
+
+    def synchronize(self) -> None:
+        """Ops run synchronously."""
+
+    def __repr__(self) -> str:
+        return f"VirtualDeviceBackend(cuda:{self.index} of {self.devices.n})"
 
 
 @dataclass(frozen=True)
@@ -684,6 +740,14 @@ def counter_reader(backend: Any) -> tuple[CounterReader, PeakResetter]:
             return cur, cur, peak, peak
 
         return read_sim, acct.reset_peak
+    if isinstance(backend, VirtualDeviceBackend):
+        vd, i = backend.devices, backend.index
+
+        def read_virtual() -> tuple[int, int, int, int]:
+            cur, peak = vd._cur[i], vd._windows[i]
+            return cur, cur, peak, peak
+
+        return read_virtual, functools.partial(vd.reset_window, i)
     if isinstance(backend, CudaBackend) and backend.device.type == "cuda":
         index = backend.index
         stats = getattr(torch._C, "_cuda_memoryStats", None)

@@ -28,14 +28,20 @@ context per device; exceptions in a replica propagate as they are (torch re-rais
 the replica thread with "Caught ... in replica i").
 
 :func:`ddp_replicas` builds what DistributedDataParallel puts on each device: a full replica,
-its optimizer and its gradient buckets (``bucket_cap_mb`` 25, the first bucket 1 MiB; one flat
-tensor per bucket as the Reducer allocates them; none with ``gradient_as_bucket_view=True``,
-where the gradients are views into them).
+its optimizer, its gradient buckets (``bucket_cap_mb`` 25, the first bucket 1 MiB; one flat
+tensor per bucket, as the Reducer allocates them at construction whatever
+``gradient_as_bucket_view`` says) and the Reducer's unused-parameter map (one int32 per
+trainable parameter). With ``gradient_as_bucket_view=True`` each gradient, once accumulated, is
+copied into its bucket view and replaced by it (the Reducer's autograd hook), so gradients take
+no memory of their own beyond the one being handed over. The all-reduce itself is in place on
+the bucket (gloo and NCCL alike) and its communication buffers are not tensor memory: not
+modelled, and not counted by memkit's simulated device nor by ``torch.cuda.memory_allocated``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +60,7 @@ __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
     "DataParallel",
     "DdpReplica",
+    "bucket_indices",
     "bucket_sizes",
     "ddp_replicas",
     "gather",
@@ -426,13 +433,14 @@ class DataParallel(torch.nn.DataParallel):
 
 @dataclass
 class DdpReplica:
-    """What DistributedDataParallel keeps on one device: the replica, its optimizer and its
-    gradient buckets."""
+    """What DistributedDataParallel keeps on one device: the replica, its optimizer, its
+    gradient buckets and the Reducer's unused-parameter map."""
 
     device: int
     model: torch.nn.Module
     optimizer: Any
     buckets: list[torch.Tensor]
+    used_map: torch.Tensor | None = None
 
     @property
     def bucket_bytes(self) -> int:
@@ -440,10 +448,10 @@ class DdpReplica:
         return sum(b.numel() * b.element_size() for b in self.buckets)
 
 
-def bucket_sizes(
+def bucket_indices(
     params: Sequence[torch.Tensor], bucket_cap_mb: float = DDP_BUCKET_CAP_MB
-) -> list[int]:
-    """Element counts of DDP's gradient buckets for ``params`` (trainable, in order).
+) -> list[list[int]]:
+    """Indices into ``params`` (trainable, in order) of each of DDP's gradient buckets.
 
     Uses torch's own ``_compute_bucket_assignment_by_size`` with DDP's limits (1 MiB for the
     first bucket, ``bucket_cap_mb`` after) where this torch has it, else fills buckets up to
@@ -457,20 +465,28 @@ def bucket_sizes(
     if assign is not None:
         try:
             indices, _ = assign(params, [DDP_FIRST_BUCKET_BYTES, cap], [False] * len(params))
-            return [sum(params[i].numel() for i in bucket) for bucket in indices]
+            return [list(bucket) for bucket in indices]
         except (RuntimeError, TypeError):  # pragma: no cover - torch drift
             pass
-    sizes: list[int] = []
-    total, numel = 0, 0
-    for p in reversed(params):
-        total += p.numel() * p.element_size()
-        numel += p.numel()
+    out: list[list[int]] = []
+    total, idx = 0, []
+    for i in reversed(range(len(params))):
+        total += params[i].numel() * params[i].element_size()
+        idx.append(i)
         if total >= cap:
-            sizes.append(numel)
-            total, numel = 0, 0
-    if numel:
-        sizes.append(numel)
-    return sizes
+            out.append(idx)
+            total, idx = 0, []
+    if idx:
+        out.append(idx)
+    return out
+
+
+def bucket_sizes(
+    params: Sequence[torch.Tensor], bucket_cap_mb: float = DDP_BUCKET_CAP_MB
+) -> list[int]:
+    """Element counts of DDP's gradient buckets for ``params`` (:func:`bucket_indices`)."""
+    params = list(params)
+    return [sum(params[i].numel() for i in b) for b in bucket_indices(params, bucket_cap_mb)]
 
 
 def ddp_replicas(
@@ -482,9 +498,10 @@ def ddp_replicas(
     gradient_as_bucket_view: bool = False,
 ) -> list[DdpReplica]:
     """What DDP puts on each virtual device: a full copy of ``model`` (its parameters and
-    buffers), ``make_optimizer(copy)`` and one flat gradient bucket per DDP bucket (none with
-    ``gradient_as_bucket_view``: the gradients then live in the buckets). ``model`` itself is
-    not changed; each copy is on its device."""
+    buffers), ``make_optimizer(copy)``, one flat gradient bucket per DDP bucket and an int32
+    per trainable parameter (the Reducer's ``local_used_map``). With ``gradient_as_bucket_view``
+    each accumulated gradient is moved into its bucket view by a post-accumulate-grad hook, as
+    the Reducer does. ``model`` itself is not changed; each copy is on its device."""
     vd = _vd()
     ids = list(range(vd.n)) if devices is None else list(devices)
     out = []
@@ -493,18 +510,44 @@ def ddp_replicas(
             replica = copy.deepcopy(model)
         vd.to(replica, dev)
         with vd.on(dev):
+            trainable = [p for p in replica.parameters() if p.requires_grad]
+            buckets, used = _ddp_buckets(trainable, bucket_cap_mb, gradient_as_bucket_view)
             opt = make_optimizer(replica) if make_optimizer is not None else None
-            buckets: list[torch.Tensor] = []
-            if not gradient_as_bucket_view:
-                trainable = [p for p in replica.parameters() if p.requires_grad]
-                dtype = trainable[0].dtype if trainable else torch.float32
-                real = trainable[0].device if trainable else None
-                buckets = [
-                    torch.empty(n, dtype=dtype, device=real)
-                    for n in bucket_sizes(trainable, bucket_cap_mb)
-                ]
-        out.append(DdpReplica(dev, replica, opt, buckets))
+        out.append(DdpReplica(dev, replica, opt, buckets, used))
     return out
+
+
+def _ddp_buckets(
+    trainable: Sequence[torch.Tensor], bucket_cap_mb: float, as_view: bool
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The Reducer's flat buckets for ``trainable`` (and its hooks with ``as_view``)."""
+    if not trainable:
+        return [], None
+    dtype, real = trainable[0].dtype, trainable[0].device
+    buckets, views = [], {}
+    for idx in bucket_indices(trainable, bucket_cap_mb):
+        bucket = torch.empty(sum(trainable[i].numel() for i in idx), dtype=dtype, device=real)
+        offset = 0
+        for i in idx:  # bucket_views_in: each parameter's slice of its bucket
+            n = trainable[i].numel()
+            views[i] = bucket[offset : offset + n].view_as(trainable[i])
+            offset += n
+        buckets.append(bucket)
+    used = torch.zeros(len(trainable), dtype=torch.int32, device=real)
+    if as_view:
+        for i, p in enumerate(trainable):
+            p.register_post_accumulate_grad_hook(functools.partial(_to_bucket, views[i]))
+    return buckets, used
+
+
+def _to_bucket(view: torch.Tensor, param: torch.Tensor) -> None:
+    """gradient_as_bucket_view: the gradient is copied into its bucket view and becomes it."""
+    grad = param.grad
+    if grad is None or grad.data_ptr() == view.data_ptr():
+        return
+    with torch.no_grad():
+        view.copy_(grad)
+    param.grad = view
 
 
 def iter_devices(vd: VirtualDevices) -> Iterator[int]:

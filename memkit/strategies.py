@@ -400,6 +400,11 @@ def compare_strategies(
                 "cuda:0",
                 gradient_bytes=parts.get("reduced gradients", 0),
                 optimizer_state_bytes=parts.get("optimizer state", 0),
+                largest_batches=(
+                    (dp.max_global_batch, ddp.max_global_batch)
+                    if dp is not None and ddp is not None
+                    else None
+                ),
             )
             if a is not None:
                 advice.append(a)

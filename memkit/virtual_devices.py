@@ -38,7 +38,14 @@ import torch
 from memkit.accounting import MemoryAccountant, _tensors, tensors_of
 from memkit.units import format_size, parse_size
 
-__all__ = ["HOST", "VirtualDevices", "active_virtual_devices", "device_name", "to_virtual"]
+__all__ = [
+    "HOST",
+    "VirtualDevices",
+    "active_virtual_devices",
+    "device_name",
+    "is_active",
+    "to_virtual",
+]
 
 HOST = -1
 """The device index of host (cpu) tensors: not counted on any virtual device."""
@@ -85,6 +92,7 @@ class VirtualDevices(MemoryAccountant):
         self._where: dict[int, int] = {}
         self._cur = [0] * self.n
         self._peaks = [0] * self.n
+        self._windows = [0] * self.n  # peaks a tracker reads and resets (peaks stay intact)
         self._tls = threading.local()
 
     # -- counters ---------------------------------------------------------------------------
@@ -109,6 +117,14 @@ class VirtualDevices(MemoryAccountant):
                 self._peak = self._current
             else:
                 self._peaks[index] = self._cur[index]
+
+    def window_peak(self, index: int) -> int:
+        """Peak bytes on device ``index`` since :meth:`reset_window` (a tracker's segment)."""
+        return self._windows[index]
+
+    def reset_window(self, index: int) -> None:
+        """Start a new segment on device ``index``; :meth:`peak_of` is not affected."""
+        self._windows[index] = self._cur[index]
 
     def where(self, tensor: torch.Tensor) -> int:
         """The virtual device of ``tensor`` (:data:`HOST` for host tensors)."""
@@ -214,6 +230,8 @@ class VirtualDevices(MemoryAccountant):
             self.num_allocs += 1
         if self._cur[index] > self._peaks[index]:
             self._peaks[index] = self._cur[index]
+        if self._cur[index] > self._windows[index]:
+            self._windows[index] = self._cur[index]
         if self._current > self._peak:
             self._peak = self._current
 
@@ -320,6 +338,11 @@ class VirtualDevices(MemoryAccountant):
             for i, b in enumerate(self.budgets)
         )
         return f"VirtualDevices({self.device}: {parts})"
+
+
+def is_active(devices: VirtualDevices) -> bool:
+    """Whether ``devices`` is being run (its ``with`` block entered and not left)."""
+    return devices in _ACTIVE
 
 
 def to_virtual(obj: Any, index: int) -> Any:

@@ -140,10 +140,28 @@ def test_dp_to_ddp_estimates_the_rank_peak():
     peaks = {"cuda:0": 30 * GiB, "cuda:1": 12 * GiB, "cuda:2": 12 * GiB, "cuda:3": 12 * GiB}
     adv = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB)
     assert adv is not None and adv.code == "dp-to-ddp"
-    assert adv.saving_bytes == 30 * GiB - (12 + 2 + 2 + 4) * GiB
+    # a replica's peak already holds its gradients (before the reduction): DDP adds its
+    # bucket copy and the optimizer state on every rank
+    assert adv.saving_bytes == 30 * GiB - (12 + 2 + 4) * GiB
+    assert adv.severity == "warning" and "18.00 GiB per device" in adv.title
     assert "torchrun --nproc_per_node 4" in adv.action
     assert "LOCAL_RANK" in adv.action and "DistributedSampler" in adv.action
     assert "2.5x" in adv.title
+    # heavy gradients and state: DDP's estimate (12 + 8 + 8 = 28 GiB, and the optimizer
+    # step's 4 + 8 + 8 + 8 = 28 GiB) does not beat cuda:0's 24 GiB: no switch promised
+    heavy = {"cuda:0": 24 * GiB, "cuda:1": 12 * GiB}
+    info = A.dp_to_ddp(heavy, "cuda:0", gradient_bytes=8 * GiB, optimizer_state_bytes=8 * GiB,
+                       parameter_bytes=4 * GiB)  # fmt: skip
+    assert info is not None and info.severity == "info" and info.saving_bytes is None
+    assert "would not save memory" in info.title and "28.00 GiB per device" in info.title
+    assert "Keep DataParallel" in info.action and "DistributedSampler" not in info.action
+    # measured batches decide over the estimate
+    fits_less = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, largest_batches=(104, 84))
+    assert fits_less is not None and fits_less.severity == "info"
+    assert "(84 vs 104)" in fits_less.title and "104 with DataParallel" in fits_less.evidence
+    fits_more = A.dp_to_ddp(heavy, "cuda:0", gradient_bytes=8 * GiB, largest_batches=(64, 96))
+    assert fits_more is not None and fits_more.severity == "warning"
+    assert "global batch of 96" in fits_more.title
     balanced = {"cuda:0": 13 * GiB, "cuda:1": 12 * GiB}
     assert A.dp_to_ddp(balanced, "cuda:0") is None
     assert A.dp_to_ddp({"cuda:0": 30 * GiB}, "cuda:0") is None

@@ -202,7 +202,10 @@ def test_ddp_replicas_hold_a_model_optimizer_and_buckets_each() -> None:
     with memkit.simulate(None, devices=3) as vd:
         reps = ddp_replicas(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
         assert [r.device for r in reps] == [0, 1, 2]
-        assert vd.peaks == [2 * p] * 3  # the replica and one bucket copy of its gradients
+        # the replica, one bucket copy of its gradients, an int32 used flag per parameter
+        n = len(list(model.parameters()))
+        assert vd.peaks == [2 * p + 4 * n] * 3
         assert sum(bucket_sizes(list(model.parameters()))) * F == p
-        none = ddp_replicas(model, None, [0], gradient_as_bucket_view=True)
-        assert none[0].buckets == []
+        # gradient_as_bucket_view: the buckets are there too (the gradients become views)
+        views = ddp_replicas(model, None, [0], gradient_as_bucket_view=True)
+        assert views[0].bucket_bytes == p

@@ -222,6 +222,8 @@ def measured_advice(report: TrackReport) -> list[Advice]:
                 report.dp_output_device,
                 gradient_bytes=pbd.gradients if pbd is not None else 0,
                 optimizer_state_bytes=pbd.optimizer_state if pbd is not None else 0,
+                parameter_bytes=pbd.parameters if pbd is not None else 0,
+                gathered_output_bytes=report.dp_output_bytes,
             )
         )
         out.append(

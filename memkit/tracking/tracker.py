@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.devices import (
     SimulatedBackend,
+    VirtualDeviceBackend,
     counter_reader,
     current_device_index,
     get_backend,
@@ -71,6 +72,7 @@ from memkit.tracking.report import (
     TrackReport,
 )
 from memkit.tracking.run import check_writable, rank_path
+from memkit.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 
 __all__ = ["Tracker", "track"]
 
@@ -263,8 +265,11 @@ class Tracker:
         optimizer: an optimizer, several, or ``None`` for every optimizer (global hooks). Steps
             are counted from its ``step()`` (the first optimizer seen, with global hooks).
         device: the device to track (``"cuda:0"``, ``"cpu"`` for the simulated device); ``None``:
-            the current accelerator, else the simulated cpu device. On an accelerator, other
-            devices the model's tensors use are added as they appear.
+            the virtual devices of an enclosing ``memkit.simulate(..., devices=N)`` block, else
+            the current accelerator, else the simulated cpu device. A
+            :class:`~memkit.virtual_devices.VirtualDevices` tracks its devices (entered here if
+            not already). On an accelerator or virtual devices, other devices the model's
+            tensors use are added as they appear.
         budget: the simulated device's size (``"300MiB"``), or a cap on a real one.
         per_module: hooks on every module (default); ``False``: on ``model`` only (or none at
             all without a model), for the least overhead.
@@ -283,7 +288,7 @@ class Tracker:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
-        device: str | torch.device | None = None,
+        device: str | torch.device | VirtualDevices | None = None,
         budget: int | str | None = None,
         per_module: bool = True,
         postmortem: str | None = "stderr",
@@ -330,6 +335,7 @@ class Tracker:
         self._roots: dict[int, _Root] = {}
         self._owners: dict[int, _Root] = {}  # id(submodule) -> the root it belongs to
         self._sim: SimulatedBackend | None = None
+        self._vd: VirtualDevices | None = None
         self._eval_forwards = 0
         self._trained = False
         self._failed = False  # an exception is leaving the block: what it holds is no peak
@@ -385,7 +391,12 @@ class Tracker:
         if self._used:
             raise RuntimeError("a Tracker can be used for one block only; call memkit.track again")
         self._used = True
-        backend = get_backend(self._device_arg, self._budget)
+        vd = self._virtual_devices()
+        backend: Any = (
+            VirtualDeviceBackend(vd, self._first_virtual(vd))
+            if vd is not None
+            else get_backend(self._device_arg, self._budget)  # type: ignore[arg-type]
+        )
         self.backend = backend
         if self._history_path is not None:  # checked before anything is hooked
             path = rank_path(self._history_path)
@@ -394,6 +405,15 @@ class Tracker:
         stack = contextlib.ExitStack()
         self._stack_ctx = stack
         try:
+            if vd is not None:
+                self._vd = vd
+                if not is_active(vd):
+                    stack.enter_context(vd)
+                self.notes.append(
+                    f"{vd.n} virtual devices (memkit.simulate(devices={vd.n})): each device's "
+                    "peak and current bytes are its tagged storages'; replicas of memkit's "
+                    "DataParallel stand-in run one after another in this thread"
+                )
             self._kind = backend.device.type
             if self._history is not None:  # before the tracked objects are counted
                 self._history.start()
@@ -416,7 +436,9 @@ class Tracker:
             self._step_t0 = self._t0
             primary = self._add_device(backend.device, backend)
             self._primary = primary
-            if isinstance(backend, SimulatedBackend) or len(visible_devices()) <= 1:
+            if vd is None and (
+                isinstance(backend, SimulatedBackend) or len(visible_devices()) <= 1
+            ):
                 self._single = primary
             self._probe = self._find_probe()
             primary.base_grads_none = self._grads_none()
@@ -606,13 +628,35 @@ class Tracker:
     # ------------------------------------------------------------------------------------
     # devices
 
+    def _virtual_devices(self) -> VirtualDevices | None:
+        """The virtual devices to track: given as ``device``, or the enclosing block's."""
+        if isinstance(self._device_arg, VirtualDevices):
+            return self._device_arg
+        if self._device_arg is None and self._budget is None:
+            return active_virtual_devices()
+        return None
+
+    def _first_virtual(self, vd: VirtualDevices) -> int:
+        """The primary virtual device: DataParallel's output device, else the current one."""
+        model = self.model
+        if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+            return int(getattr(model, "output_device", model.device_ids[0]))
+        return max(0, vd.current_device)
+
+    def _index_of(self, tensor: torch.Tensor) -> int:
+        """The device index of ``tensor`` (virtual: its tag; -1 for the current device)."""
+        vd = self._vd
+        return vd.where(tensor) if vd is not None else tensor.get_device()
+
     def _add_device(self, device: torch.device, backend: Any = None) -> _Device:
         with self._lock:
             key = device.index if device.type != "cpu" else -1
             dev = self._devices.get(key)
             if dev is not None:
                 return dev
-            if backend is None:
+            if backend is None and self._vd is not None:
+                backend = VirtualDeviceBackend(self._vd, device.index or 0)
+            elif backend is None:
                 backend = get_backend(device)
             label = (
                 str(device)
@@ -627,7 +671,10 @@ class Tracker:
 
     def _dev_index(self, index: int) -> _Device:
         if index < 0:
-            index = current_device_index(self._kind)
+            vd = self._vd
+            index = (
+                max(0, vd.current_device) if vd is not None else current_device_index(self._kind)
+            )
         dev = self._devices.get(index)
         if dev is None:
             dev = self._add_device(torch.device(self._kind, index))
@@ -639,7 +686,7 @@ class Tracker:
             return single
         for a in args:
             if isinstance(a, torch.Tensor):
-                return self._dev_index(a.get_device())
+                return self._dev_index(self._index_of(a))
         return self._dev_index(-1)
 
     # ------------------------------------------------------------------------------------
@@ -854,7 +901,7 @@ class Tracker:
                 if self._phase != BACKWARD:
                     self._transition(BACKWARD)
                     _queue_callback(self._end_queued)
-        dev = self._single or self._dev_index(grad.get_device())
+        dev = self._single or self._dev_index(self._index_of(grad))
         if self.per_module:
             a, r, p, pr = dev.read()
             if p > a:
@@ -1412,10 +1459,14 @@ class Tracker:
     def _persistent(self, dev: _Device) -> tuple[int, int, int]:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``."""
         target = dev.backend.device
+        holds = getattr(dev.backend, "holds", None)
         seen: set[tuple[int, int]] = set()
 
         def size(t: torch.Tensor) -> int:
-            if t.device.type != target.type or (
+            if holds is not None:
+                if not holds(t):
+                    return 0
+            elif t.device.type != target.type or (
                 target.index is not None and t.device.index not in (None, target.index)
             ):
                 return 0
@@ -1767,7 +1818,7 @@ def track(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
-    device: str | torch.device | None = None,
+    device: str | torch.device | VirtualDevices | None = None,
     budget: int | str | None = None,
     per_module: bool = True,
     postmortem: str | None = "stderr",
@@ -1787,8 +1838,10 @@ def track(
     Args:
         model: the model to hook, or ``None`` for every module (global hooks).
         optimizer: the optimizer(s) whose steps count as step boundaries, or ``None`` for any.
-        device: ``"cuda:0"``..., ``"cpu"`` (the simulated device), or ``None`` for the current
-            accelerator (else the simulated cpu device).
+        device: ``"cuda:0"``..., ``"cpu"`` (the simulated device), a ``VirtualDevices``
+            (``memkit.simulate(budget, devices=N)``: one row per virtual device), or ``None``:
+            the enclosing ``simulate(devices=N)`` block's devices, else the current accelerator,
+            else the simulated cpu device.
         budget: size of the simulated device (``"300MiB"``): the block raises
             ``torch.OutOfMemoryError`` when it is crossed, as a GPU of that size would.
         per_module: hooks on every module (default), or on the model only (least overhead).

@@ -1,0 +1,126 @@
+"""memkit.track on virtual devices: the per-device table of memkit's DataParallel stand-in, and
+the dp-to-ddp rule against what DDP measures on the same devices."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import memkit
+from memkit.parallel import DataParallel, ddp_replicas
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from cnn import SmallCNN, train_step
+
+GPUS = 4
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _track_dp(model: nn.Module, batch, gpus: int = GPUS):
+    """Two tracked DataParallel steps; the report and the accountant's own peaks."""
+    with memkit.simulate("64MiB", devices=gpus) as vd:
+        vd.to(model, 0)
+        opt = _sgd(model)
+        dp = DataParallel(model)
+        with memkit.track(dp, opt) as tracker:
+            for _ in range(2):
+                train_step(dp, batch(), opt)
+        return tracker.report(), vd.peaks, [vd.current_of(i) for i in range(gpus)]
+
+
+def _ddp_peak(model: nn.Module, batch, gpus: int = GPUS) -> int:
+    """DDP's per-device peak on the same devices (memkit.parallel.ddp_replicas)."""
+    with memkit.simulate(None, devices=gpus) as vd:
+        for rank in ddp_replicas(model, _sgd):
+            with vd.on(rank.device):
+                for _ in range(2):
+                    train_step(rank.model, batch(), rank.optimizer)
+        assert len(set(vd.peaks)) == 1
+        return vd.peaks[0]
+
+
+def _cnn_batch(n: int):
+    return lambda: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
+
+
+def test_track_gives_each_virtual_device_its_peak_and_dp_to_ddp_says_ddp_costs_more() -> None:
+    torch.manual_seed(0)
+    report, peaks, current = _track_dp(SmallCNN(), _cnn_batch(32))
+    rows = {d.device: d for d in report.devices}
+    assert list(rows) == [f"cuda:{i}" for i in range(GPUS)]
+    assert [rows[f"cuda:{i}"].peak_allocated for i in range(GPUS)] == peaks
+    assert [rows[f"cuda:{i}"].final_allocated for i in range(GPUS)] == current
+    p = sum(t.numel() * 4 for t in SmallCNN().parameters())
+    bufs = sum(b.numel() * b.element_size() for b in SmallCNN().buffers())
+    # after the steps cuda:0 keeps the weights, the BatchNorm buffers and the momentum; the
+    # others nothing (the replicas are gone, gradients set to None)
+    assert current == [2 * p + bufs, 0, 0, 0]
+    bd = rows["cuda:0"].breakdown
+    assert bd is not None and bd.gradients == p and bd.optimizer_state == p
+    dp_advice = [a for a in report.advice if a.code == "dp-to-ddp"]
+    assert len(dp_advice) == 1
+    adv = dp_advice[0]
+    # the estimate: a replica's peak + DDP's bucket copy + momentum; DDP measured on the
+    # same devices agrees within 2%, and it is above cuda:0's peak: no switch promised
+    mean = sum(peaks[1:]) // (GPUS - 1)
+    estimate = mean + p + p
+    ddp = _ddp_peak(SmallCNN(), _cnn_batch(32 // GPUS))
+    assert abs(estimate - ddp) <= 0.02 * ddp and ddp > peaks[0]
+    assert adv.severity == "info" and adv.saving_bytes is None
+    assert "would not save memory" in adv.title and "DistributedSampler" not in adv.action
+    payload = json.loads(report.to_json())
+    assert [d["peak_allocated"] for d in payload["devices"]] == peaks
+    assert any(a["code"] == "dp-to-ddp" for a in payload["advice"])
+    html = report._repr_html_()
+    assert "cuda:3" in html and "dp-to-ddp" in html
+    assert "cuda:3" in str(report) and "would not save memory" in str(report)
+
+
+class Wide(nn.Module):
+    """Small weights, wide outputs: DataParallel gathers them (and their gradient) on cuda:0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _wide_batch(n: int):
+    return lambda: (torch.randn(n, 64), torch.randint(0, 4096, (n,)))
+
+
+def test_dp_to_ddp_advises_ddp_where_it_saves_memory_and_is_silent_on_one_device() -> None:
+    torch.manual_seed(0)
+    report, peaks, _ = _track_dp(Wide(), _wide_batch(512))
+    adv = next(a for a in report.advice if a.code == "dp-to-ddp")
+    ddp = _ddp_peak(Wide(), _wide_batch(512 // GPUS))
+    p = sum(t.numel() * 4 for t in Wide().parameters())
+    # a replica's peak + the bucket copy + momentum + the loss on the rank's share of the
+    # outputs (the share and its gradient: 2 x 512 x 4096 x 4 / 4 bytes)
+    estimate = sum(peaks[1:]) // (GPUS - 1) + 2 * p + 2 * 512 * 4096 * 4 // GPUS
+    assert abs(estimate - ddp) <= 0.02 * ddp and ddp < peaks[0]
+    assert adv.severity == "warning" and adv.saving_bytes == peaks[0] - estimate
+    assert "DDP would peak near" in adv.title and "torchrun --nproc_per_node 4" in adv.action
+    # the same model on one device (DataParallel over one device, then no wrapper): silent
+    single, one_peaks, _ = _track_dp(Wide(), _wide_batch(512), gpus=1)
+    assert [d.peak_allocated for d in single.devices] == one_peaks
+    assert not any(a.code == "dp-to-ddp" for a in single.advice)
+    with memkit.simulate("64MiB", devices=2) as vd:
+        model = vd.to(Wide(), 0)
+        opt = _sgd(model)
+        with memkit.track(model, opt) as tracker:
+            for _ in range(2):
+                train_step(model, _wide_batch(512)(), opt)
+    plain = tracker.report()
+    assert [d.device for d in plain.devices] == ["cuda:0"]
+    assert plain.devices[0].peak_allocated == vd.peak_of(0) and vd.peak_of(1) == 0
+    assert not any(a.code == "dp-to-ddp" for a in plain.advice)
