@@ -199,7 +199,14 @@ def probe(
           --budget 1GiB,512MiB
     """
     if gpus is not None or strategies is not None:
-        _compare(file, gpus, strategies, budget, device or "cpu", max_batch, seq_len, as_json)
+        _compare(
+            file, gpus, strategies, budget, device=device or "cpu", max_batch=max_batch,
+            seq_len=seq_len, as_json=as_json, steps=steps,
+            ignored={"--mode": mode != ["train"], "--min-batch": min_batch != 1,
+                     "--margin": margin is not None, "--target-batch": target_batch is not None,
+                     "--ddp": ddp, "--timeout": timeout is not None,
+                     "--dist-backend": dist_backend is not None},
+        )  # fmt: skip
         return
     from memkit import distributed
     from memkit.probing.result import ProbeModes, ProbeResult
@@ -295,30 +302,73 @@ def _compare(
     gpus: int | None,
     strategies: str | None,
     budget: str | int | None,
+    *,
     device: str,
     max_batch: int | None,
     seq_len: list[int] | None,
     as_json: bool,
+    steps: int = 2,
+    ignored: dict[str, bool],
+    context: int = 0,
 ) -> None:
-    """``--gpus N --strategies dp,ddp``: DP vs DDP on N virtual devices (memkit.strategies)."""
-    from memkit.strategies import STRATEGIES, compare_strategies
-    from memkit.units import parse_size
+    """``--gpus N [--strategies dp,ddp]``: DP vs DDP on N virtual devices (memkit.strategies).
 
-    if gpus is None or budget is None:
-        raise click.BadParameter("--strategies needs --gpus N and --budget (per GPU)")
+    ``ignored``: the command's options the comparison does not use, and whether each was
+    given (a given one is refused, never silently dropped). ``context``: bytes each device
+    loses to the CUDA context before PyTorch allocates (``memkit estimate`` on meta).
+    """
+    import dataclasses
+
+    from memkit import distributed
+    from memkit.errors import ConfigError
+    from memkit.strategies import STRATEGIES, compare_strategies
+    from memkit.units import format_size
+
+    option = "--device-memory" if device == "meta" else "--budget"
+    if gpus is None:
+        raise ConfigError("--strategies compares strategies on virtual GPUs: give --gpus N too")
+    if budget is None:
+        raise ConfigError(f"--gpus {gpus}: give each virtual GPU's memory with {option} SIZE")
     if device not in ("cpu", "meta"):
-        raise click.BadParameter(f"--gpus runs on virtual devices: --device cpu, not {device}")
-    names = [s.strip() for s in (strategies or ",".join(STRATEGIES)).split(",") if s.strip()]
-    size: Any = budget if isinstance(budget, int) else [
-        parse_size(b) for b in str(budget).split(",")
-    ]  # fmt: skip
-    if isinstance(size, list) and len(size) == 1:
-        size = size[0]
+        raise ConfigError(f"--gpus runs on virtual devices (--device cpu), not on {device!r}")
+    given = [name for name, on in ignored.items() if on]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: not used by the --gpus comparison (training steps of each "
+            "strategy on virtual GPUs); drop them, or run without --gpus for one device"
+        )
+    if distributed.world_size() > 1:
+        raise ConfigError("--gpus simulates every GPU in one process: run it without torchrun")
+    if seq_len is not None and len(seq_len) > 1:
+        raise ConfigError(f"--gpus takes one --seq-len, found {len(seq_len)}")
+    text = str(budget)
+    parts = [part.strip() for part in text.split(",")] if isinstance(budget, str) else []
+    sizes = [_budget_bytes(part, text) for part in parts] if parts else [int(budget)]
+    if len(sizes) not in (1, gpus):
+        raise ConfigError(
+            f"{option} {text!r}: give one size for every GPU or {gpus} sizes, one per GPU; "
+            f"found {len(sizes)}"
+        )
+    if device == "cpu":
+        _check_host_backs(parts * gpus if len(parts) == 1 else parts, "virtual GPUs")
+    if context and min(sizes) <= context:
+        raise ConfigError(
+            f"{option} {format_size(min(sizes))} is not larger than the CUDA context "
+            f"({format_size(context)}); give the card's total memory, e.g. 24GiB"
+        )
+    names = [n.strip() for n in (strategies or ",".join(STRATEGIES)).split(",") if n.strip()]
     with _user_output_to_stderr():
         result = compare_strategies(
-            file, gpus=gpus, budget=size, strategies=names, device=device,
+            file, gpus=gpus, budget=[size - context for size in sizes] if len(sizes) > 1
+            else sizes[0] - context, strategies=names, device=device, steps=steps,
             seq_len=seq_len[0] if seq_len else None, max_batch=max_batch,
         )  # fmt: skip
+    if context:
+        result = dataclasses.replace(result, notes=(
+            f"meta tensors: each GPU's memory less a {format_size(context)} CUDA context; "
+            "tensor bytes, without the caching allocator's rounding or cuBLAS's workspace "
+            "(memkit estimate models both for one card)",
+        ))  # fmt: skip
     click.echo(result.to_json() if as_json else str(result))
     if any(r.max_global_batch is None for r in result.results):
         sys.exit(1)
@@ -411,7 +461,7 @@ def _check_target(device: str | None, budget: str | None, on_host: list[str]) ->
     return backend
 
 
-def _check_host_backs(budgets: list[str]) -> None:
+def _check_host_backs(budgets: list[str], what: str = "ranks on this machine") -> None:
     """A ConfigError (exit 2) when the simulated cpu devices of the ranks on this machine
     hold more, together, than its available RAM: their tensors are real, so the machine would
     run out of RAM (or swap) before a simulated device reached its limit."""
@@ -427,8 +477,8 @@ def _check_host_backs(budgets: list[str]) -> None:
     given = f"--budget {budgets[0]!r}"
     if len(budgets) > 1:
         given = (
-            f"--budget {','.join(dict.fromkeys(budgets))}: the {len(budgets)} ranks on this "
-            f"machine simulate {format_size(need)} in all, and"
+            f"--budget {','.join(dict.fromkeys(budgets))}: the {len(budgets)} {what} "
+            f"simulate {format_size(need)} in all, and"
         )
     else:
         given += ":"
@@ -746,7 +796,16 @@ def estimate_command(
     import json
 
     if gpus is not None or strategies is not None:
-        _compare(file, gpus, strategies, device_memory, "meta", max_batch, seq_len, as_json)
+        from memkit.estimation import DEVICE_FAMILIES
+
+        _compare(
+            file, gpus, strategies, device_memory, device="meta", max_batch=max_batch,
+            seq_len=seq_len, as_json=as_json,
+            ignored={"--mode": mode != "train", "--amp": amp is not None,
+                     "--attention": attention != "auto", "--min-batch": min_batch != 1,
+                     "--margin": margin is not None},
+            context=DEVICE_FAMILIES[arch].context_bytes if context is None else context,
+        )  # fmt: skip
         return
     from memkit.estimation import DEFAULT_MARGIN, estimate
 

@@ -36,7 +36,7 @@ class TrialProgress:
             desc=label,
             unit=" trials",
             file=sys.stderr if file is None else file,
-            bar_format="{desc}: {n_fmt} trials{postfix} [{elapsed}]",
+            bar_format="{desc}: trials done {n_fmt}{postfix} [{elapsed}]",
             dynamic_ncols=True,
         )
         self._lock = threading.Lock()

@@ -101,6 +101,7 @@ class StrategyComparison:
     budgets: tuple[int, ...]
     results: tuple[StrategyResult, ...]
     advice: tuple[Advice, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def result(self, strategy: str) -> StrategyResult | None:
         """The result of one strategy, if it was run."""
@@ -114,6 +115,7 @@ class StrategyComparison:
             "budgets": list(self.budgets),
             "strategies": [r.to_dict() for r in self.results],
             "advice": [a.to_dict() for a in self.advice],
+            "notes": list(self.notes),
         }
 
     def to_json(self) -> str:
@@ -124,6 +126,7 @@ class StrategyComparison:
         for r in self.results:
             batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
             peaks = [format_size(p) for p in r.per_device_peaks]
+            peaks += ["-"] * (self.gpus - len(peaks))  # nothing fit: no peak at any size
             rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
         return rows
 
@@ -152,7 +155,8 @@ class StrategyComparison:
         if (
             dp is not None
             and ddp is not None
-            and (ddp.max_global_batch or 0) <= (dp.max_global_batch or 0)
+            and dp.max_global_batch is not None
+            and (ddp.max_global_batch or 0) <= dp.max_global_batch
         ):
             lines.append(
                 "ddp fits no larger global batch here: each rank holds its own gradients, their "
@@ -160,6 +164,8 @@ class StrategyComparison:
             )
         if self.advice:
             lines += ["", "advice", advice_text(self.advice)]
+        if self.notes:
+            lines += ["", "notes:", *(f"- {note}" for note in self.notes)]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

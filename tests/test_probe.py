@@ -203,6 +203,27 @@ def test_non_oom_error_is_reported_not_retried():
     assert info.value.exit_code == 3
 
 
+def test_no_hook_of_the_probe_stays_on_the_model_after_an_error():
+    """The probe hooks the model and optimizer during each trial (to cut its peak into
+    parts); a step that raises something else than an OOM must not leave them behind, or they
+    would read and reset the device's peak counters on every later forward."""
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def forward_breaks_above_4(batch):
+        if batch.shape[0] > 4:
+            raise ValueError("a shape bug above batch 4")
+        return batch
+
+    model[0].register_forward_pre_hook(lambda m, args: forward_breaks_above_4(args[0]))
+    before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    with pytest.raises(UserCodeError):
+        probe(model, lambda n: torch.randn(n, 256), optimizer=opt, device="cpu", budget="8MiB")
+    after = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    assert after == before
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
 def test_does_not_fit_even_at_min_batch():
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights; AdamW needs 16 MiB in all
     result = probe(model, lambda n: torch.randn(n, 1024), device="cpu", budget="10MiB")

@@ -49,7 +49,7 @@ def test_progress_line_on_a_terminal_only_and_never_under_json(monkeypatch, json
     trials = shown.stdout.split("\n\n")[1]  # the report's trial table
     count = sum(1 for line in trials.splitlines() if line.strip()[:1].isdigit())
     last = shown.stderr.replace("\r", "\n").strip().splitlines()[-1]
-    assert last.startswith(f"memkit probe (train): {count} trials, batch ")
+    assert last.startswith(f"memkit probe (train): trials done {count}, batch ")
     assert "OOM" in last or "fits" in last
 
 
@@ -67,7 +67,7 @@ def test_a_long_trial_shows_it_is_alive(monkeypatch):
     time.sleep(0.3)
     drawn = out.getvalue()
     bar.close()
-    assert "memkit probe (train, seq 512): 1 trials, batch 4 fits (3.00 MiB)" in drawn
+    assert "memkit probe (train, seq 512): trials done 1, batch 4 fits (3.00 MiB)" in drawn
     assert drawn.count("running batch 256 (0 s)") >= 3  # redrawn by the ticker meanwhile
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from memkit.cli import cli
@@ -50,9 +51,10 @@ def test_dp_gathering_wide_outputs_loses_to_ddp_and_the_advice_says_by_how_much(
 def test_cli_probe_and_estimate_compare_strategies() -> None:
     runner = CliRunner()
     args = [str(FILES / "wide_mlp.py"), "--gpus", "2", "--strategies", "dp,ddp", "--json"]
-    est = runner.invoke(cli, ["estimate", *args, "--device-memory", "4MiB", "--max-batch", "256"])
+    est = runner.invoke(cli, ["estimate", *args, "--device-memory", "504MiB", "--context",
+                              "500MiB", "--max-batch", "256"])  # fmt: skip
     assert est.exit_code == 0, est.output
-    got = json.loads(est.output)
+    got = json.loads(est.output)  # 4 MiB per GPU for PyTorch after the CUDA context
     assert got["device"] == "meta" and got["gpus"] == 2 and got["budgets"] == [4 * MiB] * 2
     probe = runner.invoke(cli, ["probe", *args, "--device", "cpu", "--budget", "4MiB",
                                 "--max-batch", "256"])  # fmt: skip
@@ -64,3 +66,46 @@ def test_cli_probe_and_estimate_compare_strategies() -> None:
     ]
     bad = runner.invoke(cli, ["probe", str(FILES / "wide_mlp.py"), "--strategies", "dp"])
     assert bad.exit_code == 2
+
+
+def test_nothing_fits_is_exit_1_with_a_table_not_a_crash() -> None:
+    out = CliRunner().invoke(cli, ["probe", str(FILES / "wide_mlp.py"), "--device", "cpu",
+                                   "--gpus", "2", "--budget", "1KiB"])  # fmt: skip
+    assert out.exit_code == 1, out.output
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:3] in ("dp ", "ddp")]
+    assert [row[:4] for row in rows] == [["dp", "-", "-", "-"], ["ddp", "-", "-", "-"]]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["probe", "--device", "cpu", "--gpus", "2"], "memory with --budget"),
+        (["probe", "--device", "cpu", "--strategies", "dp", "--budget", "8MiB"], "give --gpus N"),
+        (["probe", "--device", "cpu", "--gpus", "2", "--budget", "8MiB", "--mode", "infer",
+          "--margin", "10"], "--mode, --margin: not used by the --gpus comparison"),
+        (["probe", "--device", "cpu", "--gpus", "2", "--budget", "-8MiB"], "--budget '-8MiB'"),
+        (["probe", "--device", "cpu", "--gpus", "4", "--budget", "8MiB,8MiB"], "4 sizes"),
+        (["probe", "--device", "cpu", "--gpus", "2", "--budget", "8MiB", "--seq-len", "8,16"],
+         "one --seq-len"),
+        (["estimate", "--device-memory", "2GiB", "--gpus", "2", "--amp", "bf16"], "--amp: not"),
+        (["estimate", "--device-memory", "256MiB", "--gpus", "2"], "CUDA context"),
+    ],
+)  # fmt: skip
+def test_options_the_comparison_cannot_honour_are_refused(args, message) -> None:
+    command, *rest = args
+    out = CliRunner().invoke(cli, [command, str(FILES / "wide_mlp.py"), *rest])
+    assert out.exit_code == 2, out.output
+    assert message in out.stderr
+
+
+def test_estimate_comparison_takes_the_cuda_context_off_every_gpu() -> None:
+    common = [str(FILES / "wide_mlp.py"), "--gpus", "2", "--strategies", "ddp", "--json"]
+    small = CliRunner().invoke(cli, ["estimate", *common, "--device-memory", "520MiB",
+                                     "--context", "500MiB"])  # fmt: skip
+    alone = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=20 * MiB,
+                               strategies=["ddp"], device="meta")  # fmt: skip
+    assert small.exit_code == 0, small.output
+    data = json.loads(small.stdout)
+    assert data["budgets"] == [20 * MiB, 20 * MiB]  # what the allocator may use on each
+    assert data["strategies"][0]["max_global_batch"] == alone.results[0].max_global_batch
+    assert "500.00 MiB CUDA context" in data["notes"][0]

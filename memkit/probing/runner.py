@@ -173,9 +173,8 @@ class _PartPeaks:
                 tensor.register_hook(self._cut)
 
     def finish(self) -> tuple[int, int, tuple[int, ...]]:
-        """``(peak, peak_allocated, part_peaks)`` of the whole trial."""
+        """``(peak, peak_allocated, part_peaks)`` of the whole trial, once it has ended."""
         self._cut()
-        self.close()
         return max(self.parts), self.allocated, tuple(self.parts)
 
     def close(self) -> None:
@@ -242,8 +241,6 @@ class _TrialRunner:
             with self.backend.activate():
                 self._run_steps(batch_size)
         except MemkitError:
-            split.close()
-            raise
             raise
         except Exception as exc:
             host = _host_failure(exc, self.backend, batch_size)
@@ -259,10 +256,11 @@ class _TrialRunner:
                     original=exc,
                 ) from exc
             failed = exc
+        finally:  # whatever ends the trial (an error, Ctrl-C), the model keeps no hook of ours
+            split.close()
         seconds = time.perf_counter() - started
         parts: tuple[int, ...] | None = None
         if failed is not None:
-            split.close()
             # Bytes known to be needed: what was held when the allocation failed (from the
             # message: the unwinding has freed some already) plus what it tried to get.
             need = parse_oom_message(failed).needed_at_least(self.backend.allocated())
@@ -537,8 +535,11 @@ def probe(
     bar = TrialProgress(label) if progress else None
     # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
     # gc.collect() after every trial only walks the trial's own objects (a full collection
-    # with transformers imported costs ~0.4 s on a slow CPU).
-    gc.freeze()
+    # with transformers imported costs ~0.4 s on a slow CPU). Not when the caller has frozen
+    # objects itself: gc.unfreeze() cannot tell theirs from ours.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         if mode == "train":
             model.train()
@@ -558,7 +559,8 @@ def probe(
     finally:
         if bar is not None:
             bar.close()
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
         model.train(training_flag)
         saved.restore()
         del target, sync  # a wrapper made here frees DDP's buckets with it
