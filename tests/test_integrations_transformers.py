@@ -86,7 +86,8 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
     cb, recorder = MemkitCallback(device="cpu", budget="256MiB", json=folder / "r.json"), Recorder()
     trainer = make_trainer(folder, [cb, recorder])
-    trainer.train()
+    with cb:
+        trainer.train()
     plain = make_trainer(folder)
     with memkit.track(plain.model, device="cpu", budget="256MiB") as tracker:
         plain.train()
@@ -157,6 +158,23 @@ def test_out_of_memory_in_train_gets_a_post_mortem(tmp_path):
     oom, ref = cb.report.oom, tracker.report().oom
     assert oom is not None and ref is not None
     assert (oom.where, oom.allocated) == (ref.where, ref.allocated)
+
+
+def test_without_with_a_warning_says_how_to_end_tracking_after_an_exception(tmp_path):
+    """The Trainer tells callbacks nothing when train() raises: outside `with callback:` the
+    simulated device would stay on for the rest of the process. The callback says so when
+    training starts, and close() ends it."""
+    cb = MemkitCallback(device="cpu", budget=600_000, postmortem=None)
+    trainer = make_trainer(tmp_path, [cb])
+    with (
+        pytest.warns(RuntimeWarning, match=r"with callback: trainer.train\(\)"),
+        pytest.raises(torch.OutOfMemoryError),
+    ):
+        trainer.train()
+    assert torch._C._len_torch_dispatch_stack() == 1  # still counting: the warned-of state
+    cb.close()
+    assert torch._C._len_torch_dispatch_stack() == 0 and cb.tracker is None
+    assert cb.report is not None
 
 
 def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):

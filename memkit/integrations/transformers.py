@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ except ImportError as exc:
 
 import torch
 
+from memkit.devices import SimulatedBackend
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
 
 if TYPE_CHECKING:
@@ -110,6 +112,7 @@ class MemkitCallback(transformers.TrainerCallback):
         self._logged_step = 0  # the first tracker step not yet in a log
         self._micro = 0
         self._micro_mismatch: tuple[int, int, int] | None = None
+        self._entered = False
 
     # -- results --------------------------------------------------------------------------
     @property
@@ -125,6 +128,7 @@ class MemkitCallback(transformers.TrainerCallback):
 
     # -- as a context manager: the exception train() raised ------------------------------
     def __enter__(self) -> MemkitCallback:
+        self._entered = True
         return self
 
     def __exit__(
@@ -133,7 +137,12 @@ class MemkitCallback(transformers.TrainerCallback):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._entered = False
         self._finish(exc)
+
+    def close(self) -> None:
+        """End tracking now (after a ``train()`` that raised, outside ``with callback:``)."""
+        self._finish(None)
 
     # -- starting and ending --------------------------------------------------------------
     def _finish(self, exc: BaseException | None) -> None:
@@ -176,6 +185,16 @@ class MemkitCallback(transformers.TrainerCallback):
             timeline_limit=self.timeline_limit,
         )
         tracker.__enter__()
+        if isinstance(tracker.backend, SimulatedBackend) and not self._entered:
+            warnings.warn(
+                "memkit: MemkitCallback tracks on the simulated device, which counts every "
+                "tensor op of this thread until tracking ends; the Trainer tells callbacks "
+                "nothing when train() raises, so after an exception (an OOM) the simulated "
+                "device would stay on. Use `with callback: trainer.train()`, or call "
+                "callback.close() after a train() that raised.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._tracker, self._report = tracker, None
         self._logged_step, self._micro, self._micro_mismatch = 0, 0, None
 
@@ -219,7 +238,7 @@ class MemkitCallback(transformers.TrainerCallback):
         logs.update(added)
         # the Trainer stored a copy of these logs in its history before calling us
         history = getattr(state, "log_history", None)
-        if history and all(history[-1].get(k) == v for k, v in before.items()):
+        if history and all(_same(history[-1].get(k), v) for k, v in before.items()):
             history[-1].update(added)
 
     def on_evaluate(
@@ -235,3 +254,8 @@ class MemkitCallback(transformers.TrainerCallback):
         """The evaluation that just ran: the eval peak since the last step boundary."""
         peak = tracker.open_step_peaks().get("eval")
         return {} if peak is None else {"memkit/eval_peak_mib": peak / MIB}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, or both NaN (a NaN loss is the same logged value)."""
+    return bool(a == b) or (a != a and b != b)
