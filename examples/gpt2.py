@@ -12,6 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 CONFIG = GPT2Config(
     vocab_size=2048, n_positions=512, n_embd=128, n_layer=4, n_head=4,
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    bos_token_id=0, eos_token_id=0,  # inside the 2048-word vocabulary
 )  # fmt: skip
 
 

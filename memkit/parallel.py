@@ -44,7 +44,7 @@ import copy
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -549,7 +549,3 @@ def _to_bucket(view: torch.Tensor, param: torch.Tensor) -> None:
         view.copy_(grad)
     param.grad = view
 
-
-def iter_devices(vd: VirtualDevices) -> Iterator[int]:
-    """The indices of ``vd``'s devices."""
-    return iter(range(vd.n))

@@ -30,7 +30,7 @@ from memkit import advice as rules
 from memkit.accounting import tensors_of
 from memkit.advice import Advice, advice_html, advice_text
 from memkit.errors import ConfigError, UserCodeError
-from memkit.modelfile import ModelSpec, call_user, load_model_file
+from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.parallel import DataParallel, ddp_replicas
 from memkit.probing.step import StepPlan
@@ -225,15 +225,14 @@ class _Trials:
         self.parts: dict[str, int] = {}
 
     def _optimizer(self, model: torch.nn.Module) -> Any:
-        if self.spec.build_optimizer is not None:
-            return self.spec.build_optimizer(model.parameters())
-        return torch.optim.AdamW(model.parameters())
+        return make_optimizer(self.spec, model)[0]
 
     def _batch(self, size: int) -> Any:
+        args = (size,) if self.seq_len is None else (size, self.seq_len)
         with torch.device(self.device):
-            if self.seq_len is None:
-                return self.spec.make_batch(size)
-            return self.spec.make_batch(size, self.seq_len)
+            return call_user(
+                self.spec.make_batch, *args, what=f"make_batch({size})", path=self.spec.path
+            )
 
     def _run(self, body: Callable[[VirtualDevices], None]) -> tuple[bool, list[int]]:
         vd = VirtualDevices(self.budgets, self.device)
