@@ -177,7 +177,7 @@ def _frames_json(frames: Sequence[Frame]) -> list[dict[str, Any]]:
     return [{"filename": f.filename, "line": f.line, "name": f.name} for f in frames]
 
 
-_MEMKIT_DIR = os.path.dirname(os.path.abspath(__file__)).replace(os.sep, "/") + "/"
+_MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"
 _LIBRARY_DIRS = ("/site-packages/", "/dist-packages/", "/torch/", "/lib/python")
 
 
