@@ -573,6 +573,11 @@ class MicroBatchStep:
             return self._call(batch)
 
     def _call(self, batch: Any) -> torch.Tensor:
+        """Attempts at smaller micro-batch sizes until every rank's succeeds, then the step.
+
+        Exceptions are dropped (``del``) as soon as recovered from, before the next attempt
+        or the raise, so that their tracebacks do not keep the failed attempt's memory alive.
+        """
         found = batch_size_of(batch)
         size = found if found is not None else 1
         ddp = self._ddp()
@@ -585,34 +590,11 @@ class MicroBatchStep:
             attempts += 1
             chunks = self.policy.chunks_for(size) if found is not None else 1
             if ddp:
-                agreed, neg_min = distributed.all_max([chunks, -size], timeout=self.timeout)
-                if agreed > -neg_min:
-                    raise DistributedError(
-                        f"rank {distributed.rank()}: the ranks need {agreed} micro-batches, but "
-                        f"the smallest per-rank batch has {-neg_min} samples; give every rank "
-                        "the same batch size (DistributedSampler(drop_last=True))"
-                    )
-                chunks = agreed
+                chunks = self._agree_on_chunks(chunks, size)
             tried = chunk_sizes(size, chunks)[0]
             baseline = self._allocated()
             loss, exc = _guarded(self._accumulate, batch, chunks, size, world)
-            used: list[int] = []
-            if ddp:
-                # every rank sends the same number of values, whatever happened to it
-                used = [0] * sum(1 for p in self.model.parameters() if p.requires_grad)
-                if exc is None:
-                    used_or_none, exc = _guarded(self._prepare_sync)
-                    used = used_or_none if used_or_none is not None else used
-            status = RankStatus.OK
-            if exc is not None:
-                status = RankStatus.ERROR
-                if is_oom(exc):
-                    status = RankStatus.OOM if tried > 1 else RankStatus.FATAL_OOM
-            if ddp:
-                agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
-                status_all, used = agreed_flags[0], agreed_flags[1:]
-            else:
-                status_all = status
+            status, status_all, used, exc = self._agree_on_status(exc, tried, ddp)
             if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
@@ -641,27 +623,90 @@ class MicroBatchStep:
                 recover(self.backend, exc)
                 del exc
             self._zero_grads()
-            if status == RankStatus.FATAL_OOM:
-                raise self._does_not_fit(size, details, message, baseline)
-            if status_all == RankStatus.FATAL_OOM:
-                raise DoesNotFitError(
-                    f"rank {distributed.rank()}: another rank's batch does not fit even at "
-                    "micro-batch size 1; see that rank's error for the numbers"
-                )
+            self._raise_if_no_smaller_size(status, status_all, size, details, message, baseline)
             if details is not None:
-                bound = oom_size_bound(tried, details, baseline, self._capacity())
-                new = self.policy.on_oom(tried, bound)
-                logger.warning(
-                    "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
-                    "retrying the same batch at micro-batch size %s%s",
-                    tried,
-                    size,
-                    chunks,
-                    new,
-                    "" if bound is None or new != bound else " (size bound from the OOM message)",
-                )
+                self._shrink_after_oom(tried, size, chunks, details, baseline)
         assert loss is not None
         del saved
+        self._step_once(used, ddp)
+        self.steps += 1
+        self.policy.on_success(tried)
+        self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
+        return loss
+
+    def _agree_on_chunks(self, chunks: int, size: int) -> int:
+        """DDP: the largest split count any rank needs (every rank must run as many)."""
+        agreed, neg_min = distributed.all_max([chunks, -size], timeout=self.timeout)
+        if agreed > -neg_min:
+            raise DistributedError(
+                f"rank {distributed.rank()}: the ranks need {agreed} micro-batches, but "
+                f"the smallest per-rank batch has {-neg_min} samples; give every rank "
+                "the same batch size (DistributedSampler(drop_last=True))"
+            )
+        return agreed
+
+    def _agree_on_status(
+        self, exc: Exception | None, tried: int, ddp: bool
+    ) -> tuple[int, int, list[int], Exception | None]:
+        """This rank's status, the worst over the ranks, the gradients used (DDP) and the
+        exception of this attempt (or of preparing the gradient sync)."""
+        used: list[int] = []
+        if ddp:
+            # every rank sends the same number of values, whatever happened to it
+            used = [0] * sum(1 for p in self.model.parameters() if p.requires_grad)
+            if exc is None:
+                used_or_none, exc = _guarded(self._prepare_sync)
+                used = used_or_none if used_or_none is not None else used
+        status = RankStatus.OK
+        if exc is not None:
+            status = RankStatus.ERROR
+            if is_oom(exc):
+                status = RankStatus.OOM if tried > 1 else RankStatus.FATAL_OOM
+        if not ddp:
+            return status, status, used, exc
+        agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
+        return status, agreed_flags[0], agreed_flags[1:], exc
+
+    def _raise_if_no_smaller_size(
+        self,
+        status: int,
+        status_all: int,
+        size: int,
+        details: OomDetails | None,
+        message: str,
+        baseline: int | None,
+    ) -> None:
+        """After an OOM at micro-batch size 1 (here or on another rank): does not fit."""
+        if status == RankStatus.FATAL_OOM:
+            raise self._does_not_fit(size, details, message, baseline)
+        if status_all == RankStatus.FATAL_OOM:
+            raise DoesNotFitError(
+                f"rank {distributed.rank()}: another rank's batch does not fit even at "
+                "micro-batch size 1; see that rank's error for the numbers"
+            )
+
+    def _shrink_after_oom(
+        self, tried: int, size: int, chunks: int, details: OomDetails, baseline: int | None
+    ) -> None:
+        """Pick the next micro-batch size from this rank's OOM, and say so."""
+        bound = oom_size_bound(tried, details, baseline, self._capacity())
+        new = self.policy.on_oom(tried, bound)
+        logger.warning(
+            "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
+            "retrying the same batch at micro-batch size %s%s",
+            tried,
+            size,
+            chunks,
+            new,
+            "" if bound is None or new != bound else " (size bound from the OOM message)",
+        )
+
+    def _step_once(self, used: list[int], ddp: bool) -> None:
+        """Sync the gradients (DDP), step the optimizer, zero the gradients, sync buffers.
+
+        Raises:
+            DoesNotFitError: the optimizer step ran out of memory.
+        """
         if ddp:
             self._sync(used)
         failed: Exception | None
@@ -684,10 +729,6 @@ class MicroBatchStep:
         self._zero_grads()
         if ddp:
             self._sync_buffers()
-        self.steps += 1
-        self.policy.on_success(tried)
-        self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
-        return loss
 
     def _does_not_fit(
         self, size: int, details: OomDetails | None, message: str, baseline: int | None
@@ -730,6 +771,9 @@ class MicroBatchStep:
         )
 
 
+# The two overloads repeat the signature because mypy needs them to type both uses: with
+# train_step, microbatch returns the step; without it (the decorator form), a decorator. Keep
+# their keyword arguments the same as the implementation's (mypy checks that they agree).
 @overload
 def microbatch(
     train_step: Callable[[Any], torch.Tensor],
