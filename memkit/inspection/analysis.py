@@ -125,7 +125,12 @@ def _trace(
     end_reserved: int,
     top: int,
 ) -> dict[str, Any]:
-    """Peak, categories at the peak, OOMs and the timeline, walked back from the end."""
+    """Peak, categories at the peak, OOMs and the timeline, walked back from the end.
+
+    Over 80 lines on purpose: one backward walk over the trace keeps the running level, the
+    reserved bytes, the pairing of allocs with frees and the OOM events in step; split into
+    passes, each would have to re-derive the others' state at every event.
+    """
     n = len(trace)
     alloc_at: dict[Any, int] = {}
     paired: dict[int, int | None] = {}

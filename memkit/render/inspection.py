@@ -107,22 +107,15 @@ def _device_text(d: DeviceInspection) -> list[str]:
             f"{_size(o.device_free)} free on the device, {format_size(o.allocated)} allocated, "
             f"{format_size(o.reserved)} reserved; at {where_of(o.frames)}"
         )
-    if d.peak_largest:
-        lines.append(
-            text.table(
-                ["bytes", "category", "where"],
-                _allocation_rows(d.peak_largest),
-                title="largest allocations at the peak",
+    for when, allocs in (("at the peak", d.peak_largest), ("at the end", d.largest)):
+        if allocs:
+            lines.append(
+                text.table(
+                    ["bytes", "category", "where"],
+                    _allocation_rows(allocs),
+                    title=f"largest allocations {when}",
+                )
             )
-        )
-    if d.largest:
-        lines.append(
-            text.table(
-                ["bytes", "category", "where"],
-                _allocation_rows(d.largest),
-                title="largest allocations at the end",
-            )
-        )
     return lines
 
 
