@@ -59,11 +59,40 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memkit.allocator_model import round_size
 from memkit.units import format_size, parse_size
 
-__all__ = ["MemoryAccountant", "cuda_rounded", "simulate", "tensors_of"]
+__all__ = [
+    "MemoryAccountant",
+    "counted_bytes",
+    "cuda_rounded",
+    "simulate",
+    "storage_of",
+    "tensors_of",
+]
 
 cuda_rounded = round_size
 """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
 (:func:`memkit.allocator_model.round_size`, the one statement of the rule)."""
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage a tensor keeps alive, or ``None`` for one without a strided storage of its
+    own (sparse layouts, storage-less subclasses, functional or fake tensors).
+
+    The one way memkit finds a tensor's storage, so that counts deduplicated by storage (the
+    simulated device, :func:`memkit.snapshot`'s census) agree on what a storage is: views and
+    tied weights share one.
+    """
+    try:
+        if tensor.layout != torch.strided:
+            return None
+        return tensor.untyped_storage()
+    except Exception:  # storage-less subclasses, functional/fake tensors
+        return None
+
+
+def counted_bytes(nbytes: int, rounding: str) -> int:
+    """Bytes a storage of ``nbytes`` counts for: CUDA's 512-byte blocks with
+    ``rounding="cuda"`` (:data:`cuda_rounded`), else exact."""
+    return cuda_rounded(nbytes) if rounding == "cuda" else nbytes
 
 
 def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
@@ -198,8 +227,7 @@ class MemoryAccountant(TorchDispatchMode):
 
     # -- registration -------------------------------------------------------------------------
     def _size(self, storage: torch.UntypedStorage) -> int:
-        nbytes = storage.nbytes()
-        return cuda_rounded(nbytes) if self.rounding == "cuda" else nbytes
+        return counted_bytes(storage.nbytes(), self.rounding)
 
     def _on_free(self, key: int, _ref: object = None) -> None:
         with self._lock:
@@ -218,12 +246,7 @@ class MemoryAccountant(TorchDispatchMode):
         return self.device.index is None or dev.index is None
 
     def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        if not self._matches(tensor) or tensor.layout != torch.strided:
-            return None
-        try:
-            return tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # storage-less subclasses
-            return None
+        return storage_of(tensor) if self._matches(tensor) else None
 
     def track(self, *objects: Any) -> MemoryAccountant:
         """Count the storages of existing objects (modules, optimizers, tensors) from now on.

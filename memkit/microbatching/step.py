@@ -1,68 +1,12 @@
-"""An OOM-proof training step that keeps the effective batch: split, accumulate, step once.
-
-``memkit.microbatch(train_step, model=model, optimizer=opt)`` returns a step function. Give it a
-full batch: it runs ``train_step`` on the batch (or on micro-batches of it), does the backward
-passes, accumulates the gradients, calls ``optimizer.step()`` once and clears the gradients.
-When the device runs out of memory it recovers (:func:`memkit.oom.recover`), splits the *same*
-batch into more micro-batches and tries again: no data is skipped, the optimizer steps exactly
-once per batch, and it sees the gradient of the whole batch (up to floating-point summation
-order), not the gradient of a smaller batch.
-
-What gets split (see :func:`split_batch`): the batch size ``B`` is dim 0 of the first tensor
-with at least one dimension, in depth-first order (dicts in insertion order). Every tensor whose
-dim 0 is ``B`` is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one,
-larger first); dicts/mappings, tuples, named tuples and lists are walked and rebuilt. Anything
-else is given unchanged to every micro-batch: Python scalars and strings, 0-d tensors, tensors
-whose dim 0 is not ``B``, ``None``. A Python list is a container, not a batch axis: a list of
-``B`` strings is not split.
-
-Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
-back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.
-The accumulated gradient then equals the full-batch gradient whenever the full-batch loss is the
-mean over samples of per-sample losses. For a token-mean loss (language models) that holds only
-if every sample has the same number of counted tokens; otherwise pass ``weight=`` returning the
-number of tokens the micro-batch's loss averages over, and it is exact again.
-
-Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
-training mode, anything using in-batch negatives) see micro-batches, as with any gradient
-accumulation; their running statistics are updated once per micro-batch.
-
-Split policy (:class:`SplitPolicy`): the largest micro-batch size known to work is remembered
-and reused for later batches. On an OOM at micro-batch size ``s`` the next size is
-``ceil(s / 2)``, or less when the OOM message shows that even half cannot fit (see
-:meth:`SplitPolicy.on_oom`). After ``grow_after`` clean steps a larger size (half way, in chunk
-counts, to the chunks at which the smallest size failed; half the chunks if none failed) is
-tried once; if it runs out of memory the same batch is retried at the remembered size and the
-patience doubles. A failed attempt's forward passes may have updated BatchNorm running
-statistics: they are restored before the retry (``restore_buffers``).
-
-DDP: with a :class:`~torch.nn.parallel.DistributedDataParallel` model, every micro-batch runs
-under ``model.no_sync()``, ranks agree on the split count before running and on "did any rank
-fail" after, and only then memkit all-reduces the gradients itself, once per batch. So no rank
-is ever inside a collective while another recovers from an OOM; the price is that gradient
-communication no longer overlaps the backward pass. docs/microbatch.md says why.
-
-Examples:
-    >>> import torch
-    >>> from memkit.microbatching import microbatch  # also memkit.microbatch
-    >>> model = torch.nn.Linear(8, 2)
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> @microbatch(model=model, optimizer=opt)
-    ... def step(batch):
-    ...     x, y = batch
-    ...     return torch.nn.functional.mse_loss(model(x), y)
-    >>> loss = step((torch.randn(16, 8), torch.randn(16, 2)))
-    >>> step.steps, step.last.chunks
-    (1, 1)
-"""
+"""The OOM-proof training step: :class:`MicroBatchStep` and :func:`microbatch` (see
+:mod:`memkit.microbatching` for the rules)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -71,264 +15,17 @@ import torch
 from memkit import distributed
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, DoesNotFitError
+from memkit.microbatching.policy import SplitPolicy, oom_size_bound
+from memkit.microbatching.splitting import batch_size_of, chunk_sizes, split_batch
 from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
 from memkit.units import format_size
 
-__all__ = [
-    "MicroBatchStep",
-    "SplitPolicy",
-    "StepInfo",
-    "batch_size_of",
-    "chunk_sizes",
-    "microbatch",
-    "split_batch",
-]
+__all__ = ["MicroBatchStep", "StepInfo", "Weight", "microbatch"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("memkit.microbatching")
 
 
 Weight = Callable[[Any], "float | int | torch.Tensor"]
-
-
-# --------------------------------------------------------------------------------------------
-# splitting
-
-
-def _leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, (tuple, list)):
-        for value in obj:
-            yield from _leaves(value)
-    else:
-        yield obj
-
-
-def batch_size_of(batch: Any) -> int | None:
-    """Dim 0 of the first tensor with at least one dimension, depth first; ``None`` if none.
-
-    Examples:
-        >>> import torch
-        >>> batch_size_of({"ids": torch.zeros(4, 7), "n": 3})
-        4
-        >>> batch_size_of(3) is None
-        True
-    """
-    for leaf in _leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            return int(leaf.shape[0])
-    return None
-
-
-def chunk_sizes(batch_size: int, chunks: int) -> list[int]:
-    """Sizes of ``chunks`` micro-batches of a batch: as equal as possible, larger first.
-
-    Examples:
-        >>> chunk_sizes(10, 4)
-        [3, 3, 2, 2]
-    """
-    if chunks < 1 or chunks > max(1, batch_size):
-        raise ConfigError(f"expected 1 <= chunks <= {batch_size}, found {chunks}")
-    q, r = divmod(batch_size, chunks)
-    return [q + 1] * r + [q] * (chunks - r)
-
-
-def _rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
-    if type(template) is dict:
-        return data
-    try:
-        factory: Any = type(template)
-        return factory(data)  # e.g. transformers' BatchEncoding, OrderedDict
-    except Exception:  # a mapping type that cannot be built from a dict
-        return data
-
-
-def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[Any]:
-    """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
-
-    Tensors whose dim 0 equals the batch size are split; mappings, tuples (named tuples too)
-    and lists are rebuilt around their split items; everything else is passed unchanged to
-    every micro-batch.
-
-    Args:
-        batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
-        chunks: how many micro-batches, ``1 <= chunks <= batch_size``.
-        batch_size: the batch size; default :func:`batch_size_of`.
-
-    Examples:
-        >>> import torch
-        >>> parts = split_batch({"x": torch.arange(5), "k": 2}, 2)
-        >>> [p["x"].tolist() for p in parts], parts[1]["k"]
-        ([[0, 1, 2], [3, 4]], 2)
-    """
-    size = batch_size if batch_size is not None else batch_size_of(batch)
-    if size is None or chunks == 1:
-        return [batch]
-    sizes = chunk_sizes(size, chunks)
-
-    def split(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor):
-            if obj.dim() >= 1 and obj.shape[0] == size:
-                return list(obj.split(sizes))
-            return [obj] * chunks
-        if isinstance(obj, Mapping):
-            parts = {key: split(value) for key, value in obj.items()}
-            return [
-                _rebuild_mapping(obj, {key: part[i] for key, part in parts.items()})
-                for i in range(chunks)
-            ]
-        if isinstance(obj, tuple):
-            columns = [split(value) for value in obj]
-            rows = [[column[i] for column in columns] for i in range(chunks)]
-            if hasattr(obj, "_fields"):  # named tuple
-                return [type(obj)(*row) for row in rows]
-            return [tuple(row) for row in rows]
-        if isinstance(obj, list):
-            columns = [split(value) for value in obj]
-            return [[column[i] for column in columns] for i in range(chunks)]
-        return [obj] * chunks
-
-    return split(batch)
-
-
-# --------------------------------------------------------------------------------------------
-# the split policy
-
-
-@dataclass
-class SplitPolicy:
-    """Which micro-batch size to use, learned from OOMs and clean steps.
-
-    Attributes:
-        grow_after: clean steps before a larger micro-batch size is tried once; ``None`` never.
-        micro_size: the largest micro-batch size known to work (``None``: no OOM seen yet, run
-            whole batches).
-        oom_size: the smallest micro-batch size that ran out of memory (most recent evidence).
-        patience: clean steps needed before the next growth trial (doubles after a failed one).
-        clean_steps: clean steps since the last OOM or growth.
-    """
-
-    grow_after: int | None = 50
-    micro_size: int | None = None
-    oom_size: int | None = None
-    patience: int | None = None
-    clean_steps: int = 0
-    _grow_pending: bool = False
-
-    def __post_init__(self) -> None:
-        if self.grow_after is not None and self.grow_after < 1:
-            raise ConfigError(f"grow_after must be >= 1 or None, found {self.grow_after}")
-        if self.patience is None:
-            self.patience = self.grow_after
-
-    def trial_chunks(self, batch_size: int) -> int | None:
-        """The chunk count a growth trial would use for ``batch_size``, or ``None``.
-
-        Half way (in chunk counts) between the chunks the remembered size needs and the chunks
-        at which the smallest failing size ran; half the chunks if nothing failed. ``None``
-        when nothing is remembered or no smaller count exists.
-        """
-        if self.micro_size is None:
-            return None
-        chunks = math.ceil(batch_size / self.micro_size)
-        if self.oom_size is None or self.oom_size <= self.micro_size:
-            trial = math.ceil(batch_size / (2 * self.micro_size))
-        else:
-            failed = math.ceil(batch_size / self.oom_size)
-            trial = max(failed, (chunks + failed) // 2)
-        return trial if trial < chunks else None
-
-    def chunks_for(self, batch_size: int) -> int:
-        """How many micro-batches to cut a batch of ``batch_size`` into."""
-        if self.micro_size is None or batch_size <= 1:
-            return 1
-        chunks = math.ceil(batch_size / self.micro_size)
-        if self._grow_pending:
-            trial = self.trial_chunks(batch_size)
-            if trial is not None:
-                logger.info(
-                    "microbatch: trying %d micro-batch(es) of up to %d (known to work: %d) "
-                    "after %d clean steps",
-                    trial,
-                    math.ceil(batch_size / trial),
-                    self.micro_size,
-                    self.clean_steps,
-                )
-                return trial
-        return min(chunks, batch_size)
-
-    def on_oom(self, tried: int, bound: int | None = None) -> int | None:
-        """Record an OOM at micro-batch size ``tried``; return the size to retry with.
-
-        A failed growth trial (``tried`` above the remembered size) goes back to the remembered
-        size and doubles the patience. Otherwise the next size is ``ceil(tried / 2)``, or
-        ``bound`` when that is smaller: ``bound`` comes from the OOM message (see
-        :func:`oom_size_bound`) and is an upper bound on any size that can fit. Returns
-        ``None`` when ``tried`` is already 1: nothing smaller exists.
-        """
-        self.clean_steps = 0
-        self._grow_pending = False
-        if self.micro_size is not None and tried > self.micro_size:
-            self.oom_size = tried
-            if self.patience is not None:
-                self.patience *= 2
-            return self.micro_size
-        if tried <= 1:
-            self.oom_size = 1
-            return None
-        new = (tried + 1) // 2
-        if bound is not None and bound < new:
-            new = max(1, bound)
-        self.oom_size = tried
-        self.micro_size = new
-        return new
-
-    def on_success(self, ran: int) -> None:
-        """Record a batch that stepped, whose largest micro-batch had ``ran`` samples."""
-        if self.micro_size is None:
-            return
-        if ran > self.micro_size:  # a growth trial worked
-            self.micro_size = ran
-            if self.oom_size is not None and ran >= self.oom_size:
-                self.oom_size = None
-            self.clean_steps = 0
-            self._grow_pending = False
-            return
-        self.clean_steps += 1
-        if self.patience is not None and self.clean_steps >= self.patience:
-            self._grow_pending = True
-
-
-def oom_size_bound(
-    tried: int, details: OomDetails, baseline: int | None, capacity: int | None = None
-) -> int | None:
-    """An upper bound on the micro-batch size that can fit, from one OOM at size ``tried``.
-
-    When the attempt started with ``baseline`` bytes in use and failed needing at least
-    ``need = in_use + tried_to_allocate - baseline`` bytes of ``avail`` (what was free for it),
-    then under the model ``peak(m) = c + k*m`` with ``c >= 0`` every size that fits satisfies
-    ``m <= tried * avail / need``. Returns ``None`` when the message lacks the numbers, or
-    when they do not show a shortfall (fragmentation, other processes).
-    """
-    used, want = details.allocated_by_pytorch, details.tried_to_allocate
-    if baseline is None or used is None or want is None:
-        return None
-    if details.free is not None:
-        avail = used - baseline + details.free + (details.reserved_unallocated or 0)
-    else:
-        cap = details.capacity if details.capacity is not None else capacity
-        if cap is None:
-            return None
-        avail = cap - baseline
-    need = used + want - baseline
-    if avail <= 0 or need <= avail:
-        return None
-    return max(1, (tried * avail) // need)
-
-
-# --------------------------------------------------------------------------------------------
-# the step
 
 
 @dataclass(frozen=True)
@@ -573,6 +270,11 @@ class MicroBatchStep:
             return self._call(batch)
 
     def _call(self, batch: Any) -> torch.Tensor:
+        """Attempts at smaller micro-batch sizes until every rank's succeeds, then the step.
+
+        Exceptions are dropped (``del``) as soon as recovered from, before the next attempt
+        or the raise, so that their tracebacks do not keep the failed attempt's memory alive.
+        """
         found = batch_size_of(batch)
         size = found if found is not None else 1
         ddp = self._ddp()
@@ -585,34 +287,11 @@ class MicroBatchStep:
             attempts += 1
             chunks = self.policy.chunks_for(size) if found is not None else 1
             if ddp:
-                agreed, neg_min = distributed.all_max([chunks, -size], timeout=self.timeout)
-                if agreed > -neg_min:
-                    raise DistributedError(
-                        f"rank {distributed.rank()}: the ranks need {agreed} micro-batches, but "
-                        f"the smallest per-rank batch has {-neg_min} samples; give every rank "
-                        "the same batch size (DistributedSampler(drop_last=True))"
-                    )
-                chunks = agreed
+                chunks = self._agree_on_chunks(chunks, size)
             tried = chunk_sizes(size, chunks)[0]
             baseline = self._allocated()
             loss, exc = _guarded(self._accumulate, batch, chunks, size, world)
-            used: list[int] = []
-            if ddp:
-                # every rank sends the same number of values, whatever happened to it
-                used = [0] * sum(1 for p in self.model.parameters() if p.requires_grad)
-                if exc is None:
-                    used_or_none, exc = _guarded(self._prepare_sync)
-                    used = used_or_none if used_or_none is not None else used
-            status = RankStatus.OK
-            if exc is not None:
-                status = RankStatus.ERROR
-                if is_oom(exc):
-                    status = RankStatus.OOM if tried > 1 else RankStatus.FATAL_OOM
-            if ddp:
-                agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
-                status_all, used = agreed_flags[0], agreed_flags[1:]
-            else:
-                status_all = status
+            status, status_all, used, exc = self._agree_on_status(exc, tried, ddp)
             if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
@@ -641,27 +320,90 @@ class MicroBatchStep:
                 recover(self.backend, exc)
                 del exc
             self._zero_grads()
-            if status == RankStatus.FATAL_OOM:
-                raise self._does_not_fit(size, details, message, baseline)
-            if status_all == RankStatus.FATAL_OOM:
-                raise DoesNotFitError(
-                    f"rank {distributed.rank()}: another rank's batch does not fit even at "
-                    "micro-batch size 1; see that rank's error for the numbers"
-                )
+            self._raise_if_no_smaller_size(status, status_all, size, details, message, baseline)
             if details is not None:
-                bound = oom_size_bound(tried, details, baseline, self._capacity())
-                new = self.policy.on_oom(tried, bound)
-                logger.warning(
-                    "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
-                    "retrying the same batch at micro-batch size %s%s",
-                    tried,
-                    size,
-                    chunks,
-                    new,
-                    "" if bound is None or new != bound else " (size bound from the OOM message)",
-                )
+                self._shrink_after_oom(tried, size, chunks, details, baseline)
         assert loss is not None
         del saved
+        self._step_once(used, ddp)
+        self.steps += 1
+        self.policy.on_success(tried)
+        self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
+        return loss
+
+    def _agree_on_chunks(self, chunks: int, size: int) -> int:
+        """DDP: the largest split count any rank needs (every rank must run as many)."""
+        agreed, neg_min = distributed.all_max([chunks, -size], timeout=self.timeout)
+        if agreed > -neg_min:
+            raise DistributedError(
+                f"rank {distributed.rank()}: the ranks need {agreed} micro-batches, but "
+                f"the smallest per-rank batch has {-neg_min} samples; give every rank "
+                "the same batch size (DistributedSampler(drop_last=True))"
+            )
+        return agreed
+
+    def _agree_on_status(
+        self, exc: Exception | None, tried: int, ddp: bool
+    ) -> tuple[int, int, list[int], Exception | None]:
+        """This rank's status, the worst over the ranks, the gradients used (DDP) and the
+        exception of this attempt (or of preparing the gradient sync)."""
+        used: list[int] = []
+        if ddp:
+            # every rank sends the same number of values, whatever happened to it
+            used = [0] * sum(1 for p in self.model.parameters() if p.requires_grad)
+            if exc is None:
+                used_or_none, exc = _guarded(self._prepare_sync)
+                used = used_or_none if used_or_none is not None else used
+        status = RankStatus.OK
+        if exc is not None:
+            status = RankStatus.ERROR
+            if is_oom(exc):
+                status = RankStatus.OOM if tried > 1 else RankStatus.FATAL_OOM
+        if not ddp:
+            return status, status, used, exc
+        agreed_flags = distributed.all_max([status, *used], timeout=self.timeout)
+        return status, agreed_flags[0], agreed_flags[1:], exc
+
+    def _raise_if_no_smaller_size(
+        self,
+        status: int,
+        status_all: int,
+        size: int,
+        details: OomDetails | None,
+        message: str,
+        baseline: int | None,
+    ) -> None:
+        """After an OOM at micro-batch size 1 (here or on another rank): does not fit."""
+        if status == RankStatus.FATAL_OOM:
+            raise self._does_not_fit(size, details, message, baseline)
+        if status_all == RankStatus.FATAL_OOM:
+            raise DoesNotFitError(
+                f"rank {distributed.rank()}: another rank's batch does not fit even at "
+                "micro-batch size 1; see that rank's error for the numbers"
+            )
+
+    def _shrink_after_oom(
+        self, tried: int, size: int, chunks: int, details: OomDetails, baseline: int | None
+    ) -> None:
+        """Pick the next micro-batch size from this rank's OOM, and say so."""
+        bound = oom_size_bound(tried, details, baseline, self._capacity())
+        new = self.policy.on_oom(tried, bound)
+        logger.warning(
+            "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
+            "retrying the same batch at micro-batch size %s%s",
+            tried,
+            size,
+            chunks,
+            new,
+            "" if bound is None or new != bound else " (size bound from the OOM message)",
+        )
+
+    def _step_once(self, used: list[int], ddp: bool) -> None:
+        """Sync the gradients (DDP), step the optimizer, zero the gradients, sync buffers.
+
+        Raises:
+            DoesNotFitError: the optimizer step ran out of memory.
+        """
         if ddp:
             self._sync(used)
         failed: Exception | None
@@ -684,10 +426,6 @@ class MicroBatchStep:
         self._zero_grads()
         if ddp:
             self._sync_buffers()
-        self.steps += 1
-        self.policy.on_success(tried)
-        self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
-        return loss
 
     def _does_not_fit(
         self, size: int, details: OomDetails | None, message: str, baseline: int | None
@@ -730,6 +468,9 @@ class MicroBatchStep:
         )
 
 
+# The two overloads repeat the signature because mypy needs them to type both uses: with
+# train_step, microbatch returns the step; without it (the decorator form), a decorator. Keep
+# their keyword arguments the same as the implementation's (mypy checks that they agree).
 @overload
 def microbatch(
     train_step: Callable[[Any], torch.Tensor],

@@ -1,0 +1,354 @@
+"""What a memory snapshot says, per device: fragmentation, what is allocated (at the end and at
+the trace's peak), the largest allocations, OOM events, notes and advice."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memkit import advice as advice_rules
+from memkit.advice import Advice
+from memkit.inspection.frames import CATEGORIES, Frame, categorize, frames_of
+from memkit.inspection.loading import load_snapshot, normalise
+from memkit.inspection.results import Allocation, DeviceInspection, OomEvent, SnapshotInspection
+from memkit.units import format_size
+
+__all__ = ["MAX_TIMELINE_POINTS", "inspect_snapshot"]
+
+MAX_TIMELINE_POINTS = 600
+"""Points kept of the allocated/reserved timeline (bucket maxima, so the peak survives)."""
+
+
+def _block_frames(block: Mapping[str, Any]) -> Any:
+    if "frames" in block:
+        return block["frames"]
+    history = block.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict):
+        return history[0].get("frames", [])
+    return []
+
+
+def _block_requested(block: Mapping[str, Any]) -> int:
+    value = block.get("requested_size")
+    if isinstance(value, int):
+        return value
+    history = block.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict):
+        real = history[0].get("real_size")
+        if isinstance(real, int):
+            return real
+    return int(block["size"])
+
+
+def _by_category(items: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    sums = dict.fromkeys(CATEGORIES, 0)
+    for category, nbytes in items:
+        sums[category] = sums.get(category, 0) + nbytes
+    return tuple((name, value) for name, value in sums.items() if value)
+
+
+def _downsample(points: list[tuple[int, int, int]], limit: int) -> tuple[tuple[int, int, int], ...]:
+    if len(points) <= limit:
+        return tuple(points)
+    step = -(-len(points) // limit)
+    out = []
+    for start in range(0, len(points), step):
+        chunk = points[start : start + step]
+        out.append(max(chunk, key=lambda p: (p[1], p[2])))
+    return tuple(out)
+
+
+def _device(
+    index: int, segments: list[dict[str, Any]], trace: list[dict[str, Any]], top: int
+) -> DeviceInspection:
+    reserved = allocated = requested = pending = split = split_blocks = empty = largest_free = 0
+    live: dict[int, tuple[int, int, tuple[Frame, ...]]] = {}  # addr -> (size, requested, frames)
+    for seg in segments:
+        total = int(seg["total_size"])
+        reserved += total
+        seg_addr = seg.get("address")
+        addr = seg_addr if isinstance(seg_addr, int) else 0
+        has_active = False
+        free_here: list[int] = []
+        for b in seg["blocks"]:
+            size = int(b["size"])
+            given = b.get("address")
+            b_addr = given if isinstance(given, int) else addr
+            state = str(b.get("state", "inactive"))
+            if state.startswith("active"):
+                has_active = True
+                allocated += size
+                req = _block_requested(b)
+                requested += req
+                if state != "active_allocated":
+                    pending += size
+                live[b_addr] = (size, req, frames_of(_block_frames(b)))
+            else:
+                free_here.append(size)
+                largest_free = max(largest_free, size)
+            addr = b_addr + size
+        if has_active:
+            split += sum(free_here)
+            split_blocks += len(free_here)
+        else:
+            empty += total
+    categories = {a: categorize(f) for a, (_, _, f) in live.items()}
+    end_allocs = [
+        Allocation(a, size, req, categories[a], frames) for a, (size, req, frames) in live.items()
+    ]
+    end_allocs.sort(key=lambda x: (-x.size, x.address))
+    result: dict[str, Any] = {
+        "device": index,
+        "segments": len(segments),
+        "reserved": reserved,
+        "allocated": allocated,
+        "requested": requested,
+        "pending_free": pending,
+        "inactive": reserved - allocated,
+        "inactive_split": split,
+        "inactive_split_blocks": split_blocks,
+        "empty_segments": empty,
+        "largest_free_block": largest_free,
+        "categories": _by_category([(a.category, a.size) for a in end_allocs]),
+        "largest": tuple(end_allocs[:top]),
+    }
+    if trace:
+        result.update(_trace(trace, live, requested, reserved, top))
+    return DeviceInspection(**result)
+
+
+def _trace(
+    trace: list[dict[str, Any]],
+    live: dict[int, tuple[int, int, tuple[Frame, ...]]],
+    end_level: int,
+    end_reserved: int,
+    top: int,
+) -> dict[str, Any]:
+    """Peak, categories at the peak, OOMs and the timeline, walked back from the end.
+
+    Over 80 lines on purpose: one backward walk over the trace keeps the running level, the
+    reserved bytes, the pairing of allocs with frees and the OOM events in step; split into
+    passes, each would have to re-derive the others' state at every event.
+    """
+    n = len(trace)
+    alloc_at: dict[Any, int] = {}
+    paired: dict[int, int | None] = {}
+    allocs = frees = 0
+    delta = [0] * n
+    res_delta = [0] * n
+    for i, e in enumerate(trace):
+        action, addr, size = e["action"], e.get("addr"), e.get("size", 0)
+        size = size if isinstance(size, int) else 0
+        if action == "alloc":
+            allocs += 1
+            alloc_at[addr] = i
+            delta[i] = size
+        elif action == "free_completed":
+            frees += 1
+            paired[i] = alloc_at.pop(addr, None)
+            delta[i] = -size
+        elif action in ("segment_alloc", "segment_map"):
+            res_delta[i] = size
+        elif action in ("segment_free", "segment_unmap"):
+            res_delta[i] = -size
+    # levels after each event, from the end backwards
+    after = [0] * n
+    res_after = [0] * n
+    level, res = end_level, end_reserved
+    for i in range(n - 1, -1, -1):
+        after[i], res_after[i] = level, res
+        level -= delta[i]
+        res -= res_delta[i]
+    start_level, start_res = level, res
+    peak, peak_index = start_level, -1
+    for i in range(n):
+        if after[i] > peak:
+            peak, peak_index = after[i], i
+    peak_res = max([start_res, *res_after])
+    # what was live at the peak: undo the events after it
+    state = {a: (req, frames) for a, (_, req, frames) in live.items()}
+    for i in range(n - 1, peak_index, -1):
+        e = trace[i]
+        if e["action"] == "alloc":
+            state.pop(e.get("addr"), None)  # type: ignore[arg-type]
+        elif e["action"] == "free_completed":
+            j = paired.get(i)
+            frames = frames_of(trace[j].get("frames")) if j is not None else ()
+            size = e.get("size", 0)
+            state[e.get("addr")] = (size if isinstance(size, int) else 0, frames)  # type: ignore[index]
+    peak_allocs = [
+        Allocation(a if isinstance(a, int) else 0, req, req, categorize(frames), frames)
+        for a, (req, frames) in state.items()
+    ]
+    peak_allocs.sort(key=lambda x: (-x.size, x.address))
+    last_change = max(
+        (i for i in range(n) if delta[i] or res_delta[i] or trace[i]["action"] == "alloc"),
+        default=-1,
+    )
+    ooms = []
+    for i, e in enumerate(trace):
+        if e["action"] == "oom":
+            free = e.get("device_free")
+            size = e.get("size", 0)
+            ooms.append(
+                OomEvent(
+                    index=i,
+                    size=size if isinstance(size, int) else 0,
+                    device_free=free if isinstance(free, int) else None,
+                    allocated=after[i],
+                    reserved=res_after[i],
+                    frames=frames_of(e.get("frames")),
+                    final=i > last_change,
+                )
+            )
+    points = [(-1, start_level, start_res)] + [(i, after[i], res_after[i]) for i in range(n)]
+    return {
+        "trace_entries": n,
+        "allocs": allocs,
+        "frees": frees,
+        "unpaired_frees": sum(1 for j in paired.values() if j is None),
+        "peak_allocated": peak,
+        "peak_reserved": peak_res,
+        "peak_index": peak_index,
+        "peak_categories": _by_category([(a.category, a.size) for a in peak_allocs]),
+        "peak_largest": tuple(peak_allocs[:top]),
+        "ooms": tuple(ooms),
+        "timeline": _downsample(points, MAX_TIMELINE_POINTS),
+    }
+
+
+def _device_of(segment: Mapping[str, Any]) -> int:
+    device = segment.get("device", 0)
+    return device if isinstance(device, int) else 0
+
+
+def inspect_snapshot(
+    source: str | Path | Mapping[str, Any], *, top: int = 10
+) -> SnapshotInspection:
+    """memkit's view of a PyTorch memory snapshot: a file (``_dump_snapshot``'s pickle, or
+    ``memkit run --memory-history``'s) or the dict itself (``torch.cuda.memory._snapshot()``).
+
+    Raises:
+        ConfigError: the file is missing, not a pickle, or not a snapshot (exit 2).
+    """
+    if isinstance(source, Mapping):
+        data, protocol, name = normalise(dict(source), "<dict>"), None, "<dict>"
+    else:
+        data, protocol = load_snapshot(source)
+        name = str(source)
+    segments: list[dict[str, Any]] = data["segments"]
+    traces: list[list[dict[str, Any]]] = data["device_traces"]
+    meta = data.get("memkit") if isinstance(data.get("memkit"), dict) else None
+    indices = sorted({_device_of(s) for s in segments} | {i for i, t in enumerate(traces) if t})
+    devices = tuple(
+        _device(
+            i,
+            [s for s in segments if _device_of(s) == i],
+            traces[i] if i < len(traces) else [],
+            top,
+        )
+        for i in indices
+    )
+    settings = data.get("allocator_settings")
+    expandable = None
+    if isinstance(settings, dict) and isinstance(settings.get("expandable_segments"), bool):
+        expandable = settings["expandable_segments"]
+    writer = (
+        f"{meta.get('writer', 'memkit')}, {meta.get('device', 'simulated device')}"
+        if meta is not None
+        else "PyTorch caching allocator snapshot"
+    )
+    advice, advice_notes = _advice(devices, simulated=meta is not None, expandable=expandable)
+    notes = _notes(devices, meta, protocol, expandable) + advice_notes
+    return SnapshotInspection(
+        source=name,
+        writer=writer,
+        simulated=meta is not None,
+        protocol=protocol,
+        devices=devices,
+        expandable_segments=expandable,
+        notes=tuple(notes),
+        advice=tuple(advice),
+        top=top,
+    )
+
+
+def _notes(
+    devices: Sequence[DeviceInspection],
+    meta: Mapping[str, Any] | None,
+    protocol: int | None,
+    expandable: bool | None,
+) -> list[str]:
+    notes = [
+        "categories are guessed from each allocation's Python frames (optimizer code, "
+        "backward, module construction, forward; see docs/memory-history.md); 'unknown': no "
+        "frames were recorded (allocated before recording began, or without stacks)"
+    ]
+    if any(d.trace_entries for d in devices):
+        notes.append(
+            "the trace's peak counts requested bytes over the recorded window, as memory_viz's "
+            "timeline does; allocated and reserved count whole blocks"
+        )
+    if any(d.unpaired_frees for d in devices):
+        notes.append(
+            "the trace begins after the process did: it frees allocations it never saw made "
+            "(recording started late, or the oldest events were dropped, max_entries); the "
+            "peak covers the recorded window only"
+        )
+    if meta is not None:
+        notes.append(
+            "written by memkit from its simulated device: one segment per storage, so "
+            "reserved equals allocated and there is no fragmentation to find"
+        )
+        dropped = meta.get("events_dropped")
+        if isinstance(dropped, int) and dropped > 0:
+            notes.append(f"{dropped} older event(s) were dropped (max_entries)")
+    if protocol is not None and protocol > 4:
+        notes.append(
+            f"this file is pickle protocol {protocol}: pytorch.org/memory_viz reads protocols 2 "
+            "to 4 (Python 3.14 pickles with 5 by default); memkit run --memory-history writes 4"
+        )
+    if not any(d.trace_entries for d in devices):
+        notes.append(
+            "no trace events: recorded without history (enabled='state'), or the segments "
+            "alone (torch.cuda.memory_snapshot()); only the state at the end is known"
+        )
+    if expandable:
+        notes.append("expandable_segments is on in this run's allocator settings")
+    return notes
+
+
+def _advice(
+    devices: Sequence[DeviceInspection], *, simulated: bool, expandable: bool | None
+) -> tuple[list[Advice], list[str]]:
+    """``fragmentation`` per device, and notes on OOMs it does not explain."""
+    if simulated or expandable:  # nothing to fragment, or the fix is already on
+        return [], []
+    out, notes = [], []
+    for d in devices:
+        name = f"cuda:{d.device}"
+        last = d.ooms[-1] if d.ooms else None
+        found = None
+        if last is not None and last.final:  # the segments are the memory at the OOM
+            if d.largest_free_block >= last.size:
+                notes.append(
+                    f"{name}: the OOM of {format_size(last.size)} is not fragmentation: a free "
+                    f"block of {format_size(d.largest_free_block)} could hold it (another "
+                    "stream's or memory pool's, or freed since)"
+                )
+                continue
+            found = advice_rules.fragmentation(
+                reserved=last.reserved,
+                allocated=last.allocated,
+                device=name,
+                tried_to_allocate=last.size,
+            )
+        else:
+            peak = max(d.allocated, d.peak_allocated or 0)
+            found = advice_rules.fragmentation(
+                reserved=d.reserved, allocated=d.allocated, device=name, peak_allocated=peak
+            )
+        if found is not None:
+            out.append(found)
+    return out, notes

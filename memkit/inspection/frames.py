@@ -1,0 +1,150 @@
+"""Python frames of an allocation and the category they suggest (parameters, gradients,
+optimizer state, activations, other), and where in your code an allocation was made."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CATEGORIES", "Frame", "categorize", "frames_json", "frames_of", "where_of"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "other", "unknown")
+"""Categories, in the order reports list them (``unknown``: no frames were recorded)."""
+
+_MODULE_FILE = "torch/nn/modules/module.py"
+_PARAMETER_CALLS = frozenset(
+    {"_apply", "convert", "to", "cuda", "to_empty", "load_state_dict", "_load_from_state_dict"}
+)
+_PARAMETER_NAMES = frozenset(
+    {
+        "load_state_dict",
+        "_load_from_state_dict",
+        "from_pretrained",
+        "_load_state_dict_into_meta_model",
+        "reset_parameters",
+    }
+)
+_BACKWARD_NAMES = frozenset({"backward", "_engine_run_backward", "run_backward"})
+
+
+# -- frames and categories ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of an allocation's stack."""
+
+    filename: str
+    line: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.line}:{self.name}"
+
+    @property
+    def short(self) -> str:
+        """``file.py:LINE:name`` (the file's base name)."""
+        return f"{self.filename.replace(os.sep, '/').rsplit('/', 1)[-1]}:{self.line}:{self.name}"
+
+
+def _frame_rule(filename: str, name: str) -> str | None:
+    """The category one frame implies, or ``None`` (see :func:`categorize`)."""
+    path = filename.replace(os.sep, "/")
+    if path.startswith("<memkit"):  # memkit's marker: a storage counted when first read
+        return "parameters" if name == "parameter" else "other"
+    base = path.rsplit("/", 1)[-1]
+    if "/optim/" in path or "/optimizers/" in path or "optimizer" in base:
+        return "optimizer state"
+    if name in _BACKWARD_NAMES or (name == "grad" and "autograd" in path):
+        return "gradients"
+    if path.endswith(_MODULE_FILE) and name in _PARAMETER_CALLS:
+        return "parameters"
+    if ("/torch/nn/modules/" in path and name == "__init__") or name in _PARAMETER_NAMES:
+        return "parameters"
+    if path.endswith("torch/nn/parameter.py"):
+        return "parameters"
+    if name == "forward" or (path.endswith(_MODULE_FILE) and name.endswith("call_impl")):
+        return "activations"
+    return None
+
+
+def categorize(frames: Sequence[Mapping[str, Any]] | Sequence[Frame]) -> str:
+    """What an allocation probably is, from its frames (innermost first); the first frame that
+    matches a rule decides:
+
+    * memkit's marker frame (``<memkit...>``, a storage counted when first read on the
+      simulated device): ``parameters`` for an ``nn.Parameter``, else ``other``;
+    * a file in an ``optim``/``optimizers`` folder or named ``*optimizer*``
+      (``torch/optim/adam.py``, ``accelerate/optimizer.py``): ``optimizer state``;
+    * a function ``backward``, ``_engine_run_backward``, ``run_backward``, or autograd's
+      ``grad``: ``gradients``;
+    * building or moving a model: ``Module._apply``/``convert``/``to``/``cuda``/``to_empty``, a
+      module's ``__init__``, ``reset_parameters``, ``load_state_dict``, ``from_pretrained``:
+      ``parameters``;
+    * a ``forward`` (or ``Module._call_impl``): ``activations``.
+
+    No match: ``other`` (data, the loss, your own code); no frames at all: ``unknown``. Blocks
+    that live on after a step keep the category of where they were made: gradients made in
+    backward, optimizer state in ``step``, activations kept for backward in ``forward``.
+    """
+    if not frames:
+        return "unknown"
+    for f in frames:
+        if isinstance(f, Frame):
+            rule = _frame_rule(f.filename, f.name)
+        else:
+            rule = _frame_rule(str(f.get("filename", "")), str(f.get("name", "")))
+        if rule is not None:
+            return rule
+    return "other"
+
+
+def frames_of(raw: Any) -> tuple[Frame, ...]:
+    if not isinstance(raw, (list, tuple)):
+        return ()
+    out = []
+    for f in raw:
+        if isinstance(f, Mapping):
+            line = f.get("line", 0)
+            out.append(
+                Frame(
+                    str(f.get("filename", "?")),
+                    int(line) if isinstance(line, int) else 0,
+                    str(f.get("name", "?")),
+                )
+            )
+    return tuple(out)
+
+
+def frames_json(frames: Sequence[Frame]) -> list[dict[str, Any]]:
+    """Frames as JSON-ready dicts."""
+    return [{"filename": f.filename, "line": f.line, "name": f.name} for f in frames]
+
+
+_MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"
+_LIBRARY_DIRS = ("/site-packages/", "/dist-packages/", "/torch/", "/lib/python")
+
+
+def _yours(frame: Frame) -> bool:
+    """A frame of the user's code: not a library's (torch, site-packages, the standard
+    library), not memkit's, not a marker."""
+    path = frame.filename.replace(os.sep, "/")
+    if path.startswith("<") and path != "<stdin>":
+        return False
+    return not path.startswith(_MEMKIT_DIR) and not any(d in path for d in _LIBRARY_DIRS)
+
+
+def where_of(frames: Sequence[Frame]) -> str:
+    """Where an allocation was made: the innermost frame of your code (not torch's, a
+    library's or memkit's), ``>`` the innermost frame when that is another; ``-`` without
+    frames."""
+    if not frames:
+        return "-"
+    own = next((f for f in frames if _yours(f)), None)
+    if own is None:
+        return frames[0].short
+    if own is frames[0]:
+        return own.short
+    return f"{own.short} > {frames[0].short}"

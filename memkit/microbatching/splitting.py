@@ -1,0 +1,111 @@
+"""Splitting a batch into micro-batches: its size, the chunk sizes, and the split itself
+(tensors, and lists, tuples, dicts and dataclass-like mappings of them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from memkit.errors import ConfigError
+
+__all__ = ["batch_size_of", "chunk_sizes", "split_batch"]
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _leaves(value)
+    else:
+        yield obj
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Dim 0 of the first tensor with at least one dimension, depth first; ``None`` if none.
+
+    Examples:
+        >>> import torch
+        >>> batch_size_of({"ids": torch.zeros(4, 7), "n": 3})
+        4
+        >>> batch_size_of(3) is None
+        True
+    """
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def chunk_sizes(batch_size: int, chunks: int) -> list[int]:
+    """Sizes of ``chunks`` micro-batches of a batch: as equal as possible, larger first.
+
+    Examples:
+        >>> chunk_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    if chunks < 1 or chunks > max(1, batch_size):
+        raise ConfigError(f"expected 1 <= chunks <= {batch_size}, found {chunks}")
+    q, r = divmod(batch_size, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+def _rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
+    if type(template) is dict:
+        return data
+    try:
+        factory: Any = type(template)
+        return factory(data)  # e.g. transformers' BatchEncoding, OrderedDict
+    except Exception:  # a mapping type that cannot be built from a dict
+        return data
+
+
+def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[Any]:
+    """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
+
+    Tensors whose dim 0 equals the batch size are split; mappings, tuples (named tuples too)
+    and lists are rebuilt around their split items; everything else is passed unchanged to
+    every micro-batch.
+
+    Args:
+        batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
+        chunks: how many micro-batches, ``1 <= chunks <= batch_size``.
+        batch_size: the batch size; default :func:`batch_size_of`.
+
+    Examples:
+        >>> import torch
+        >>> parts = split_batch({"x": torch.arange(5), "k": 2}, 2)
+        >>> [p["x"].tolist() for p in parts], parts[1]["k"]
+        ([[0, 1, 2], [3, 4]], 2)
+    """
+    size = batch_size if batch_size is not None else batch_size_of(batch)
+    if size is None or chunks == 1:
+        return [batch]
+    sizes = chunk_sizes(size, chunks)
+
+    def split(obj: Any) -> list[Any]:
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() >= 1 and obj.shape[0] == size:
+                return list(obj.split(sizes))
+            return [obj] * chunks
+        if isinstance(obj, Mapping):
+            parts = {key: split(value) for key, value in obj.items()}
+            return [
+                _rebuild_mapping(obj, {key: part[i] for key, part in parts.items()})
+                for i in range(chunks)
+            ]
+        if isinstance(obj, tuple):
+            columns = [split(value) for value in obj]
+            rows = [[column[i] for column in columns] for i in range(chunks)]
+            if hasattr(obj, "_fields"):  # named tuple
+                return [type(obj)(*row) for row in rows]
+            return [tuple(row) for row in rows]
+        if isinstance(obj, list):
+            columns = [split(value) for value in obj]
+            return [[column[i] for column in columns] for i in range(chunks)]
+        return [obj] * chunks
+
+    return split(batch)

@@ -1,0 +1,366 @@
+"""The result objects of :func:`memkit.snapshots.snapshot`: one device, the host, what the objects
+passed hold, the largest tensors, and the :class:`Snapshot` that gathers them.
+
+Frozen dataclasses with ``to_dict``/``to_json``; their text and HTML layout is in
+:mod:`memkit.render.snapshots`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memkit.advice import Advice
+from memkit.render import html as h
+from memkit.render import snapshots as layout
+from memkit.render.snapshots import BAR_LABELS, EXPLAIN, FREE_COLOR
+
+if TYPE_CHECKING:
+    from memkit.snapshots.diff import SnapshotDiff
+
+__all__ = [
+    "CATEGORY_FIELDS",
+    "SCHEMA",
+    "Categories",
+    "DeviceSnapshot",
+    "HostSnapshot",
+    "Snapshot",
+    "TensorInfo",
+]
+
+SCHEMA = "memkit.snapshot/1"
+
+CATEGORY_FIELDS = ("parameters", "buffers", "gradients", "optimizer_state", "other")
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """One device at one moment. Sizes in bytes; ``None`` where unreadable (see :meth:`why`).
+
+    Attributes:
+        device: ``"cuda:0"``, ``"cpu"`` (simulated), ``"nvidia-smi:1"`` (a GPU torch cannot
+            see) or ``"none"`` (no accelerator visible).
+        name: the device's product name, or what the row stands for.
+        kind: ``"cuda"`` (or another accelerator type), ``"simulated"``, ``"nvidia-smi"``,
+            ``"none"``.
+        accounting: which counters produced the numbers.
+        total: the device's size (a simulated device's budget).
+        used: device-wide used memory, every process and context included.
+        used_source: where ``used``/``total`` come from (``"cudaMemGetInfo"``, ``"nvidia-smi"``,
+            ``"budget"``).
+        allocated: this process's bytes in live tensors.
+        reserved: this process's bytes held by the caching allocator.
+        peak_allocated: highest ``allocated`` since the process start or the last peak reset.
+        peak_reserved: highest ``reserved`` likewise.
+        utilization: GPU utilisation in percent (nvidia-smi).
+        temperature: GPU temperature in °C (nvidia-smi).
+        uuid: the GPU's UUID where known (diffs match devices by it).
+        missing: ``(field, reason)`` for every ``None`` value above that has a reason.
+    """
+
+    device: str
+    name: str
+    kind: str
+    accounting: str
+    total: int | None = None
+    used: int | None = None
+    used_source: str | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    utilization: float | None = None
+    temperature: float | None = None
+    uuid: str | None = None
+    missing: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """How diffs match this device between snapshots (UUID where known, else the name)."""
+        return self.uuid or self.device
+
+    @property
+    def free(self) -> int | None:
+        """``total - used`` where both are known."""
+        if self.total is None or self.used is None:
+            return None
+        return max(0, self.total - self.used)
+
+    @property
+    def cached(self) -> int | None:
+        """Reserved but not allocated: the caching allocator's reserve and fragmentation."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return max(0, self.reserved - self.allocated)
+
+    @property
+    def outside(self) -> int | None:
+        """Used but not reserved by this process: CUDA contexts and other processes."""
+        if self.used is None or self.reserved is None:
+            return None
+        return max(0, self.used - self.reserved)
+
+    def why(self, field_name: str) -> str | None:
+        """Why ``field_name`` is ``None`` (``None`` if it is not, or no reason is known)."""
+        for name, reason in self.missing:
+            if name == field_name:
+                return reason
+        return None
+
+    def bar_parts(self) -> list[tuple[str, int]]:
+        """The stacked-bar segments (label, bytes): allocated, cached, context + others."""
+        return [
+            (BAR_LABELS[0], self.allocated or 0),
+            (BAR_LABELS[1], self.cached or 0),
+            (BAR_LABELS[2], self.outside or 0),
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, plus the derived ``free``, ``cached`` and ``outside``."""
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "missing"}
+        out.update(free=self.free, cached=self.cached, outside=self.outside)
+        out["missing"] = dict(self.missing)
+        return out
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """Host RAM: this process's resident memory and the machine's available and total RAM."""
+
+    process_rss: int | None
+    available: int | None
+    total: int | None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "process_rss": self.process_rss,
+            "available": self.available,
+            "total": self.total,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class Categories:
+    """What one device's memory is made of, from the objects passed to :func:`snapshot`.
+
+    Each tensor storage is counted once, in the first category that holds it (parameters,
+    buffers, gradients, optimizer state), so tied or shared weights are not counted twice.
+    On CUDA, bytes are counted as the caching allocator counts them (512-byte blocks).
+
+    Attributes:
+        device: the device the storages are on (``"cuda:0"``, ``"cpu"``...).
+        parameters: bytes of parameter storages (of the modules, and of the optimizers' groups).
+        buffers: bytes of module buffers (running statistics...) not shared with a parameter.
+        gradients: bytes of ``.grad`` storages.
+        optimizer_state: bytes of tensors in ``optimizer.state`` (Adam's moments...).
+        other: every other live tensor on the device, or ``None`` (see ``other_how``).
+        other_how: how ``other`` was obtained, or why it is ``None``.
+    """
+
+    device: str
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    other: int | None = None
+    other_how: str = ""
+
+    @property
+    def categorised(self) -> int:
+        """Parameters + buffers + gradients + optimizer state."""
+        return self.parameters + self.buffers + self.gradients + self.optimizer_state
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, plus ``categorised``."""
+        return {
+            "device": self.device,
+            "parameters": self.parameters,
+            "buffers": self.buffers,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "other": self.other,
+            "other_how": self.other_how,
+            "categorised": self.categorised,
+        }
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One live tensor (one storage) among the largest.
+
+    Attributes:
+        name: the module parameter/buffer name (``"encoder.layers.0.weight"``), the gradient
+            (``"fc.weight.grad"``) or optimizer state (``"fc.weight:exp_avg"``) it is, the key
+            it was passed under, or ``None`` for a tensor found only by the gc scan.
+        kind: ``"parameter"``, ``"buffer"``, ``"gradient"``, ``"optimizer state"``, ``"tensor"``.
+        shape: the tensor's shape.
+        dtype: e.g. ``"float32"``.
+        device: e.g. ``"cuda:0"``.
+        nbytes: bytes of its storage (a view reports the storage it keeps alive).
+        aliases: other names of the same storage (tied weights).
+    """
+
+    name: str | None
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    nbytes: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The name with its aliases, or a placeholder for an unnamed tensor."""
+        base = self.name or "(unnamed)"
+        return f"{base} (= {', '.join(self.aliases)})" if self.aliases else base
+
+    @property
+    def key(self) -> str:
+        """How diffs match a tensor between snapshots."""
+        if self.name:
+            return self.name
+        return f"{self.dtype}{list(self.shape)}@{self.device}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "device": self.device,
+            "nbytes": self.nbytes,
+            "aliases": list(self.aliases),
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every device and the host at one moment; see :func:`snapshot`.
+
+    Renders as text (``repr``/``str``), HTML (``_repr_html_``) and JSON (:meth:`to_json`);
+    ``later - earlier`` is a :class:`SnapshotDiff`.
+
+    Attributes:
+        taken_at: Unix time of the reading.
+        devices: one row per device, in CUDA index order.
+        host: host RAM.
+        categories: per device, what the objects passed to :func:`snapshot` hold (empty when
+            none were passed).
+        tensors: the largest live tensors seen, largest first.
+        notes: remarks about the reading (what was not counted, and why).
+        advice: recommendations from the readings (``other-processes``, ``fragmentation``,
+            ``empty-cache``; see docs/advice.md).
+        label: an optional name for the moment (``"after step 1"``).
+        pid: the process that took it.
+        top: how many tensors the largest-tensor list was asked to keep.
+    """
+
+    taken_at: float
+    devices: tuple[DeviceSnapshot, ...]
+    host: HostSnapshot
+    categories: tuple[Categories, ...] = ()
+    tensors: tuple[TensorInfo, ...] = ()
+    notes: tuple[str, ...] = ()
+    advice: tuple[Advice, ...] = ()
+    label: str | None = None
+    pid: int = field(default_factory=os.getpid)
+    top: int = 10
+
+    # -- data -------------------------------------------------------------------------------
+    def device(self, key: str) -> DeviceSnapshot:
+        """The row of a device by name (``"cuda:0"``) or UUID.
+
+        Raises:
+            KeyError: no such device in this snapshot.
+        """
+        for dev in self.devices:
+            if key in (dev.device, dev.uuid, dev.key):
+                return dev
+        raise KeyError(
+            f"no device {key!r} in this snapshot; found {[d.device for d in self.devices]}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (sizes in bytes)."""
+        return {
+            "schema": SCHEMA,
+            "taken_at": self.taken_at,
+            "label": self.label,
+            "pid": self.pid,
+            "top": self.top,
+            "devices": [d.to_dict() for d in self.devices],
+            "host": self.host.to_dict(),
+            "categories": [c.to_dict() for c in self.categories],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "notes": list(self.notes),
+            "advice": [a.to_dict() for a in self.advice],
+            "explain": dict(EXPLAIN),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The snapshot as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    # -- arithmetic -------------------------------------------------------------------------
+    def diff(self, earlier: Snapshot) -> SnapshotDiff:
+        """What changed from ``earlier`` to this snapshot (same as ``self - earlier``)."""
+        from memkit.snapshots.diff import SnapshotDiff
+
+        return SnapshotDiff.between(earlier, self)
+
+    def __sub__(self, other: object) -> SnapshotDiff:
+        from memkit.snapshots.diff import SnapshotDiff
+
+        if not isinstance(other, Snapshot):
+            return NotImplemented
+        return SnapshotDiff.between(other, self)
+
+    # -- renderings (layout in memkit.render.snapshots) --------------------------------------
+    def device_rows_text(self) -> list[list[object]]:
+        """The device table's rows as text cells (used by the CLI's watch mode too)."""
+        return layout.device_rows_text(self)
+
+    def watch_lines(self) -> list[str]:
+        """One line per device and one for the host: the CLI's non-TTY watch output."""
+        return layout.watch_lines(self)
+
+    def missing_lines(self) -> list[str]:
+        """One line per distinct reason a value is missing, naming the device and fields."""
+        return layout.missing_lines(self)
+
+    def __str__(self) -> str:
+        return layout.snapshot_text(self)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def html(self) -> str:
+        """The snapshot as an HTML fragment (without the scoped style; see ``_repr_html_``)."""
+        return layout.snapshot_html(self)
+
+    def _repr_html_(self) -> str:
+        return h.fragment(self.html())
+
+    def plot(self, ax: Any = None) -> Any:
+        """Draw one stacked bar per device with matplotlib; returns the Axes.
+
+        Raises:
+            ConfigError: matplotlib is not installed (the message says how to install it).
+        """
+        from memkit.render import plot
+
+        rows = [
+            (d.device, [*d.bar_parts(), ("free", d.free or 0)]) for d in self.devices if d.total
+        ]
+        return plot.stacked_bars(
+            rows,
+            ax=ax,
+            title=layout.snapshot_title(self, " "),
+            colors=[*h.PALETTE[:3], FREE_COLOR],
+        )
