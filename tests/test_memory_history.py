@@ -461,6 +461,9 @@ class Opens:
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     good = pickle.dumps(cuda_snapshot(), protocol=4)
+    odd_event, odd_segment = cuda_snapshot(), cuda_snapshot()
+    odd_event["device_traces"][0][0]["addr"] = [1]
+    odd_segment["segments"][0]["device"] = -1
     marker = tmp_path / "code-ran"
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as z:
@@ -474,6 +477,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         "future.pickle": (b"\x80\x09" + good[2:], "pickle protocol 9"),
         "model.pt": (archive.getvalue(), "zip archive"),
         "empty.pickle": (b"", "is empty"),
+        "addr.pickle": (pickle.dumps(odd_event), "'addr' is not a non-negative integer"),
+        "device.pickle": (pickle.dumps(odd_segment), "segment 0's 'device' is not"),
     }
     for name, (content, expected) in cases.items():
         (tmp_path / name).write_bytes(content)

@@ -133,4 +133,21 @@ def normalise(data: Any, where: str) -> dict[str, Any]:
                 raise ConfigError(
                     f"{where!r}: device {d}'s trace has an event without an 'action'; {_EXPECTED}"
                 )
+            bad = [k for k in ("addr", "size") if not _count(e.get(k, 0))]
+            if bad:
+                raise ConfigError(
+                    f"{where!r}: device {d}'s trace has a {e['action']!r} event whose "
+                    f"{' and '.join(repr(k) for k in bad)} is not a non-negative integer; "
+                    f"{_EXPECTED}"
+                )
+    for i, seg in enumerate(segments):
+        if not _count(seg.get("device", 0)):
+            raise ConfigError(
+                f"{where!r}: segment {i}'s 'device' is not a non-negative integer; {_EXPECTED}"
+            )
     return {**data, "segments": segments, "device_traces": traces}
+
+
+def _count(value: Any) -> bool:
+    """A non-negative integer (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
