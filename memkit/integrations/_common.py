@@ -11,9 +11,19 @@ from typing import TYPE_CHECKING, Any
 from memkit.errors import ConfigError, MissingDependencyError
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import StepRecord, TrackReport
+    import torch
 
-__all__ = ["MIB", "ReportFiles", "check_postmortem", "missing", "step_metrics", "unwrap_optimizer"]
+    from memkit.tracking.report import StepRecord, TrackReport
+    from memkit.tracking.tracker import Tracker
+
+__all__ = [
+    "MIB",
+    "ReportFiles",
+    "TrackingCallback",
+    "missing",
+    "step_metrics",
+    "unwrap_optimizer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +41,90 @@ def missing(extra: str, what: str, needs: str, exc: ImportError) -> MissingDepen
     )
 
 
-def check_postmortem(postmortem: str | None) -> None:
-    if postmortem not in ("stderr", None):
-        raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
+class TrackingCallback:
+    """What both framework callbacks hold: the tracking options, the live tracker, the last
+    report and the files it was written to. Mixed in before the framework's callback class.
+
+    Args:
+        device: the device to track; ``None``: the model's (``cpu`` means memkit's simulated
+            device).
+        budget: the simulated device's size (``"512MiB"``), or a cap on a real GPU.
+        per_module: hooks on every submodule (default), or on the model only.
+        log_peaks: add memkit's peaks (MiB) to the framework's logs.
+        text, json, html: files the report is written to at the end (after an OOM too);
+            under a distributed run each rank writes ``NAME.rankN.EXT``.
+        postmortem: ``"stderr"`` prints the OOM post-mortem there; ``None`` only logs it.
+        timeline_limit: counter readings kept.
+
+    Raises:
+        ConfigError: a bad option, or a report file that cannot be written (checked now).
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        budget: int | str | None = None,
+        per_module: bool = True,
+        log_peaks: bool = True,
+        text: str | Path | None = None,
+        json: str | Path | None = None,
+        html: str | Path | None = None,
+        postmortem: str | None = "stderr",
+        timeline_limit: int | None = None,
+    ) -> None:
+        from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT
+
+        super().__init__()
+        if postmortem not in ("stderr", None):
+            raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
+        self.device = device
+        self.budget = budget
+        self.per_module = per_module
+        self.log_peaks = log_peaks
+        self.files = ReportFiles.checked(text, json, html)
+        self.postmortem = postmortem
+        self.timeline_limit = DEFAULT_TIMELINE_LIMIT if timeline_limit is None else timeline_limit
+        self.written: list[Path] = []
+        self._tracker: Tracker | None = None
+        self._report: TrackReport | None = None
+
+    @property
+    def report(self) -> TrackReport | None:
+        """The last run's report (``None`` before one ended); while it runs, use
+        ``callback.tracker.report()``."""
+        return self._report
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """The live tracker while a run is tracked."""
+        return self._tracker
+
+    def _new_tracker(self, model: Any, optimizers: Any, device: Any) -> Tracker:
+        """A tracker with this callback's options, entered."""
+        from memkit.tracking.tracker import Tracker
+
+        tracker = Tracker(
+            model,
+            optimizers,
+            device=device,
+            budget=self.budget,
+            per_module=self.per_module,
+            postmortem=self.postmortem,
+            timeline_limit=self.timeline_limit,
+        )
+        tracker.__enter__()
+        return tracker
+
+    def _end_tracking(self, exc: BaseException | None) -> Tracker | None:
+        """Exit the live tracker (with the exception that ended the run, for its
+        post-mortem); returns it, or ``None`` when nothing was tracked."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(
+                None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__
+            )
+        return tracker
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,11 @@ import itertools
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memkit.integrations._common import (
     MIB,
-    ReportFiles,
-    check_postmortem,
+    TrackingCallback,
     missing,
     step_metrics,
 )
@@ -42,7 +40,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.errors import ConfigError
-from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
 
 if TYPE_CHECKING:
     from memkit.probing.result import ProbeResult
@@ -62,7 +59,7 @@ ZERO_GRAD_ACTION = (
 )
 
 
-class MemkitCallback(pl.Callback):
+class MemkitCallback(TrackingCallback, pl.Callback):
     """Track memory through ``Trainer.fit`` (also ``validate``/``test``/``predict``).
 
     The tracker runs for the whole stage on the LightningModule and its optimizers and
@@ -89,44 +86,9 @@ class MemkitCallback(pl.Callback):
         ConfigError: a bad option, or a report file that cannot be written (checked now).
     """
 
-    def __init__(
-        self,
-        *,
-        device: str | torch.device | None = None,
-        budget: int | str | None = None,
-        per_module: bool = True,
-        log_peaks: bool = True,
-        text: str | Path | None = None,
-        json: str | Path | None = None,
-        html: str | Path | None = None,
-        postmortem: str | None = "stderr",
-        timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
-    ) -> None:
-        super().__init__()
-        check_postmortem(postmortem)
-        self.device = device
-        self.budget = budget
-        self.per_module = per_module
-        self.log_peaks = log_peaks
-        self.files = ReportFiles.checked(text, json, html)
-        self.postmortem = postmortem
-        self.timeline_limit = timeline_limit
-        self.written: list[Path] = []
-        self._tracker: Tracker | None = None
-        self._report: TrackReport | None = None
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._next_step = 0
-
-    # -- results --------------------------------------------------------------------------
-    @property
-    def report(self) -> TrackReport | None:
-        """The last stage's report (``None`` before a stage ended); while a stage runs, use
-        ``callback.tracker.report()``."""
-        return self._report
-
-    @property
-    def tracker(self) -> Tracker | None:
-        """The live tracker while a stage runs."""
-        return self._tracker
 
     # -- starting and ending --------------------------------------------------------------
     def _start(self, trainer: Any, pl_module: Any) -> None:
@@ -134,26 +96,15 @@ class MemkitCallback(pl.Callback):
             return
         device = self.device if self.device is not None else pl_module.device
         optimizers = list(getattr(trainer, "optimizers", None) or ()) or None
-        tracker = Tracker(
-            pl_module,
-            optimizers,
-            device=device,
-            budget=self.budget,
-            per_module=self.per_module,
-            postmortem=self.postmortem,
-            timeline_limit=self.timeline_limit,
-        )
-        tracker.__enter__()
+        tracker = self._new_tracker(pl_module, optimizers, device)
         self._tracker, self._report, self._next_step = tracker, None, 0
 
     def _finish(self, exc: BaseException | None) -> None:
-        tracker, self._tracker = self._tracker, None
+        tracker = self._tracker
         if tracker is None:
             return
         try:
-            tracker.__exit__(
-                None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__
-            )
+            self._end_tracking(exc)
         finally:
             self._report = lightning_advice(tracker.report())
             self.written = self.files.write(self._report)

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from memkit.integrations._common import (
     MIB,
-    ReportFiles,
-    check_postmortem,
+    TrackingCallback,
     missing,
     step_metrics,
     unwrap_optimizer,
@@ -41,20 +39,19 @@ except ImportError as exc:
         "transformers", "memkit.integrations.transformers", "transformers>=4.40", exc
     ) from exc
 
-import torch
 
 from memkit.devices import SimulatedBackend
-from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
+from memkit.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import TrackReport
+    pass
 
 __all__ = ["MemkitCallback"]
 
 log = logging.getLogger(__name__)
 
 
-class MemkitCallback(transformers.TrainerCallback):
+class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
     """Track memory through ``Trainer.train()``.
 
     Hooks: ``on_train_begin`` starts a :class:`~memkit.tracking.tracker.Tracker` (which
@@ -85,46 +82,12 @@ class MemkitCallback(transformers.TrainerCallback):
         ConfigError: a bad option, or a report file that cannot be written (checked now).
     """
 
-    def __init__(
-        self,
-        *,
-        device: str | torch.device | None = None,
-        budget: int | str | None = None,
-        per_module: bool = True,
-        log_peaks: bool = True,
-        text: str | Path | None = None,
-        json: str | Path | None = None,
-        html: str | Path | None = None,
-        postmortem: str | None = "stderr",
-        timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
-    ) -> None:
-        check_postmortem(postmortem)
-        self.device = device
-        self.budget = budget
-        self.per_module = per_module
-        self.log_peaks = log_peaks
-        self.files = ReportFiles.checked(text, json, html)
-        self.postmortem = postmortem
-        self.timeline_limit = timeline_limit
-        self.written: list[Path] = []
-        self._tracker: Tracker | None = None
-        self._report: TrackReport | None = None
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._logged_step = 0  # the first tracker step not yet in a log
         self._micro = 0
         self._micro_mismatch: tuple[int, int, int] | None = None
         self._entered = False
-
-    # -- results --------------------------------------------------------------------------
-    @property
-    def report(self) -> TrackReport | None:
-        """The last ``train()``'s report (``None`` before one ended); while training, use
-        ``callback.tracker.report()``."""
-        return self._report
-
-    @property
-    def tracker(self) -> Tracker | None:
-        """The live tracker while training runs."""
-        return self._tracker
 
     # -- as a context manager: the exception train() raised ------------------------------
     def __enter__(self) -> MemkitCallback:
@@ -146,13 +109,11 @@ class MemkitCallback(transformers.TrainerCallback):
 
     # -- starting and ending --------------------------------------------------------------
     def _finish(self, exc: BaseException | None) -> None:
-        tracker, self._tracker = self._tracker, None
+        tracker = self._tracker
         if tracker is None:
             return
         try:
-            tracker.__exit__(
-                None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__
-            )
+            self._end_tracking(exc)
         finally:
             if self._micro_mismatch is not None:
                 step, hf, seen = self._micro_mismatch
@@ -175,16 +136,7 @@ class MemkitCallback(transformers.TrainerCallback):
             self._finish(None)
         device = self.device if self.device is not None else getattr(args, "device", None)
         raw = unwrap_optimizer(optimizer)
-        tracker = Tracker(
-            model,
-            raw,
-            device=device,
-            budget=self.budget,
-            per_module=self.per_module,
-            postmortem=self.postmortem,
-            timeline_limit=self.timeline_limit,
-        )
-        tracker.__enter__()
+        tracker = self._new_tracker(model, raw, device)
         if isinstance(tracker.backend, SimulatedBackend) and not self._entered:
             warnings.warn(
                 "memkit: MemkitCallback tracks on the simulated device, which counts every "
