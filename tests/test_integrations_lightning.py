@@ -208,6 +208,21 @@ def test_report_files_are_written_at_teardown(fitted):
     assert "<svg" in (folder / "report.html").read_text()
 
 
+def test_eval_peak_advice_names_lightnings_validation_loader(fitted):
+    """Lightning already validates under inference_mode: the advice says what is left to do,
+    in Lightning's terms; other advice is untouched."""
+    from memkit.advice import Advice
+    from memkit.integrations.lightning import lightning_advice
+
+    plain = Advice("eval-peak", "evaluation needs more memory than training", "e",
+                   "... run it under `torch.inference_mode()`.")  # fmt: skip
+    other = Advice("mixed-precision", "t", "e", "a")
+    report = dataclasses.replace(fitted[0].report, advice=(plain, other))
+    said = {a.code: a.action for a in lightning_advice(report).advice}
+    assert "val_dataloader()" in said["eval-peak"] and "already runs" in said["eval-peak"]
+    assert said["mixed-precision"] == "a"
+
+
 def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     """Lightning zeroes gradients after training_step: they are alive through the forward.
     The fix the advice gives (zero them after the step) removes them from the forward peak."""

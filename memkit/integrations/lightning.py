@@ -184,12 +184,26 @@ class MemkitCallback(TrackingCallback, pl.Callback):
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_eval(pl_module, log_it=False)  # Lightning logs nothing while predicting
 
+EVAL_PEAK_ACTION = (
+    "Give validation its own, smaller batch size (its DataLoader's `batch_size` in "
+    "`val_dataloader()`): it needs no gradients, so this does not change training. Lightning "
+    "already runs validation under `torch.inference_mode()`."
+)
+LIGHTNING_ACTIONS = {
+    "zero-grad-keeps-grads": ZERO_GRAD_ACTION,
+    "eval-peak": EVAL_PEAK_ACTION,
+}
+"""Advice actions said in Lightning's terms where its loop differs from a plain one."""
+
 
 def lightning_advice(report: TrackReport) -> TrackReport:
-    """The report with advice actions in Lightning's terms where its loop differs from a
-    plain one (``zero-grad-keeps-grads``: Lightning's closure zeroes after the forward)."""
+    """The report with advice actions in Lightning's terms (:data:`LIGHTNING_ACTIONS`):
+    Lightning's closure zeroes gradients after the forward, and its validation loop already
+    runs under ``inference_mode``."""
     advice = tuple(
-        dataclasses.replace(a, action=ZERO_GRAD_ACTION) if a.code == "zero-grad-keeps-grads" else a
+        dataclasses.replace(a, action=LIGHTNING_ACTIONS[a.code])
+        if a.code in LIGHTNING_ACTIONS
+        else a
         for a in report.advice
     )
     return dataclasses.replace(report, advice=advice)
