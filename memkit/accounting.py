@@ -56,14 +56,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkit.allocator_model import round_size
+from memkit.estimation.allocator import round_size
 from memkit.units import format_size, parse_size
 
 __all__ = ["MemoryAccountant", "cuda_rounded", "simulate", "tensors_of"]
 
 cuda_rounded = round_size
 """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
-(:func:`memkit.allocator_model.round_size`, the one statement of the rule)."""
+(:func:`memkit.estimation.allocator.round_size`, the one statement of the rule)."""
 
 
 def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
