@@ -62,21 +62,24 @@ __all__ = [
     "simulated_peak",
 ]
 
-_HOME: dict[str, str] = dict.fromkeys(__all__, "memkit.estimation.search")
+_HOME: dict[str, str] = {
+    "AMP_DTYPES": "memkit.estimation.search",
+    "DEFAULT_MARGIN": "memkit.estimation.search",
+    "estimate": "memkit.estimation.search",
+    "DEFAULT_FAMILY": "memkit.estimation.families",
+    "DEVICE_FAMILIES": "memkit.estimation.families",
+    "DeviceFamily": "memkit.estimation.families",
+    "Estimate": "memkit.estimation.result",
+    "EstimateBreakdown": "memkit.estimation.result",
+    "EstimateTrial": "memkit.estimation.result",
+    "simulated_peak": "memkit.estimation.validation",
+}
 
 if TYPE_CHECKING:
-    from memkit.estimation.search import (
-        AMP_DTYPES,
-        DEFAULT_FAMILY,
-        DEFAULT_MARGIN,
-        DEVICE_FAMILIES,
-        DeviceFamily,
-        Estimate,
-        EstimateBreakdown,
-        EstimateTrial,
-        estimate,
-        simulated_peak,
-    )
+    from memkit.estimation.families import DEFAULT_FAMILY, DEVICE_FAMILIES, DeviceFamily
+    from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
+    from memkit.estimation.search import AMP_DTYPES, DEFAULT_MARGIN, estimate
+    from memkit.estimation.validation import simulated_peak
 
 
 def __getattr__(name: str) -> Any:
