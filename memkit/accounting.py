@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkit.allocator_model import round_size
+from memkit.estimation.allocator import round_size
 from memkit.units import format_size, parse_size
 
 __all__ = [
@@ -70,7 +70,7 @@ __all__ = [
 
 cuda_rounded = round_size
 """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
-(:func:`memkit.allocator_model.round_size`, the one statement of the rule)."""
+(:func:`memkit.estimation.allocator.round_size`, the one statement of the rule)."""
 
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:

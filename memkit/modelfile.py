@@ -27,7 +27,15 @@ from typing import Any
 
 from memkit.errors import ModelFileError
 
-__all__ = ["EXPECTED_SIGNATURES", "ModelSpec", "call_user", "load_model_file", "make_optimizer"]
+__all__ = [
+    "EXPECTED_SIGNATURES",
+    "ModelSpec",
+    "build_model",
+    "call_user",
+    "load_model_file",
+    "make_optimizer",
+    "require_seq_len",
+]
 
 EXPECTED_SIGNATURES = """\
     def build_model() -> torch.nn.Module                  (required)
@@ -156,6 +164,30 @@ def _execute(file: Path, resolved: str) -> ModuleType:
             f"loading {file} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, resolved)}"
         ) from exc
     return module
+
+
+def require_seq_len(spec: ModelSpec, given: str) -> None:
+    """A sequence length was given (``given`` says how, for the message): ``make_batch`` must
+    take one, or this is a :class:`ModelFileError`."""
+    if not spec.takes_seq_len:
+        raise ModelFileError(
+            f"{given} was given but make_batch in {spec.path} takes no seq_len; "
+            "define make_batch(batch_size, seq_len)"
+        )
+
+
+def build_model(spec: ModelSpec) -> Any:
+    """Call the file's ``build_model`` (on the current default device); anything but a
+    ``torch.nn.Module`` is a :class:`ModelFileError`."""
+    import torch
+
+    model = call_user(spec.build_model, what="build_model()", path=spec.path)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(
+            f"build_model() in {spec.path} returned {type(model).__name__}; expected a "
+            "torch.nn.Module"
+        )
+    return model
 
 
 def make_optimizer(spec: ModelSpec, model: Any) -> tuple[Any, str]:

@@ -12,18 +12,18 @@ import torch
 from click.testing import CliRunner
 
 from memkit.accounting import MemoryAccountant
-from memkit.allocator_model import K_SMALL_BUFFER, CachingAllocatorModel
-from memkit.attention_model import choose_kernel, fused_attention
-from memkit.autocast_model import (
+from memkit.cli import _ESTIMATE_ARCHS, cli
+from memkit.errors import ConfigError, UserCodeError
+from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
+from memkit.estimation.allocator import K_SMALL_BUFFER, CachingAllocatorModel
+from memkit.estimation.attention import choose_kernel, fused_attention
+from memkit.estimation.autocast import (
     BUILTIN_LISTS,
     AutocastPolicy,
     autocast_lists,
     header_path,
     parse_header,
 )
-from memkit.cli import _ESTIMATE_ARCHS, cli
-from memkit.errors import ConfigError, UserCodeError
-from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -368,7 +368,7 @@ def test_autocast_lists_fall_back_to_the_builtin_copy(
         parse_header("#define AT_FORALL_LOWER_PRECISION_FP(_) \\\n  _(mm)\n", "a test")
     broken = tmp_path / "autocast_mode.h"
     broken.write_text("// no lists here\n")
-    monkeypatch.setattr("memkit.autocast_model.header_path", lambda: broken)
+    monkeypatch.setattr("memkit.estimation.autocast.header_path", lambda: broken)
     autocast_lists.cache_clear()
     try:
         assert autocast_lists() is BUILTIN_LISTS
@@ -422,7 +422,7 @@ def test_allocator_constants_match_the_installed_torch() -> None:
     """kSmallSize and friends, as the installed PyTorch's c10/core/AllocatorConfig.h has them."""
     import re
 
-    from memkit import allocator_model as am
+    from memkit.estimation import allocator as am
 
     header = Path(torch.__file__).parent / "include" / "c10" / "core" / "AllocatorConfig.h"
     if not header.exists():

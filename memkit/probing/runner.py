@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from memkit import distributed
-from memkit.advice import Advice
+from memkit.advice import Advice, does_not_fit
 from memkit.devices import CudaBackend, SimulatedBackend, get_backend, host_memory
 from memkit.distributed import RankStatus
 from memkit.errors import (
@@ -380,21 +380,12 @@ def _capacity(backend: Backend) -> int | None:
 
 def _does_not_fit_advice(result: SearchResult, backend: Backend, mode: str) -> Advice:
     trial = result.trials[0]
-    need = format_size(trial.peak_bytes) if trial.peak_bytes else "more"
-    return Advice(
-        code="does-not-fit",
-        title=f"Even batch {trial.batch_size} does not fit",
-        evidence=(
-            f"Batch {trial.batch_size} ({mode}) needed at least {need} on {backend.name()}, "
-            f"capacity {format_size(result.capacity_bytes)}."
-        ),
-        action=(
-            "Reduce what every step holds: mixed precision (torch.autocast), activation "
-            "checkpointing (torch.utils.checkpoint), a lighter optimizer (SGD keeps no moments; "
-            "Adam keeps two per parameter), or shard parameters and optimizer state across GPUs "
-            "(FSDP/ZeRO)."
-        ),
-        severity="critical",
+    return does_not_fit(
+        batch_size=trial.batch_size,
+        mode=mode,
+        need_bytes=trial.peak_bytes,
+        capacity_bytes=result.capacity_bytes,
+        device=backend.name(),
     )
 
 

@@ -1,0 +1,77 @@
+"""What an estimate assumed, one line each: the target card, its policies and the step.
+
+The lines are part of the result (``Estimate.assumptions``), written where the facts are known:
+before the search (the target) and after it (the kernels seen, the step, meta's limits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memkit.estimation.autocast import autocast_lists
+from memkit.estimation.families import DeviceFamily, TargetCard
+from memkit.units import format_size
+
+__all__ = ["attention_line", "outcome_lines", "target_lines"]
+
+MAKE_BATCH_ON_META = "make_batch ran under torch.device('meta'): its tensors are shapes only"
+
+
+def target_lines(
+    card: TargetCard, mode: str, amp: str | None, num_params: int, trainable: int
+) -> list[str]:
+    """The card, its CUDA context, allocator, cuBLAS workspace, autocast and the parameters."""
+    family = card.family
+    return [
+        f"target: {family.name} (sm{family.sm}; e.g. {family.examples}), "
+        f"{format_size(card.total)} total",
+        f"CUDA context: {format_size(card.context_bytes)}"
+        + (" (given)" if card.context_given else " (family default; override with --context)"),
+        "allocator: PyTorch CUDA caching allocator, default settings, one stream "
+        "(512-byte blocks, 2 MiB small / 20 MiB large segments, best fit, split, merge)",
+        f"cuBLAS workspace: {format_size(card.workspace_bytes)} per thread that runs matmuls"
+        + (" (2 in training: autograd's device thread has its own)" if mode == "train" else ""),
+        "amp: "
+        + (
+            "none (fp32)"
+            if amp is None
+            else f"torch.autocast('cuda', {amp}) policy on the forward; fp32 master weights; "
+            f"op lists from {autocast_lists().source}"
+        ),
+        f"parameters: {num_params:,} ({trainable:,} trainable, {num_params - trainable:,} "
+        "frozen: no gradients, no optimizer state)",
+    ]
+
+
+def attention_line(requested: str, kernels: Sequence[str], family: DeviceFamily) -> str:
+    """Which attention kernels the trials used, and why."""
+    if not kernels:
+        return "attention: no F.scaled_dot_product_attention call seen"
+    how = "chosen as PyTorch would on" if requested == "auto" else "requested; on"
+    line = f"attention: {', '.join(kernels)} kernel ({how} sm{family.sm}; --attention overrides)"
+    if "flash" in kernels and requested == "auto" and family.sm in (90, 100):
+        line += (
+            "; PyTorch builds with cuDNN > 9.15 run cuDNN attention here first, whose forward"
+            " keeps the same tensors: flash's footprint stands in for it"
+        )
+    return line
+
+
+def outcome_lines(
+    requested_attention: str,
+    kernels: Sequence[str],
+    family: DeviceFamily,
+    step_lines: Sequence[str],
+    data_checks: int,
+) -> list[str]:
+    """After the search: the attention kernels, the step (``StepPlan.describe()``), the
+    data-dependent checks taken as true and what make_batch's tensors were."""
+    lines = [attention_line(requested_attention, kernels, family), *step_lines]
+    if data_checks:
+        lines.append(
+            "data-dependent checks (`if mask.all():` and the like) read from meta tensors were "
+            f"taken as true ({data_checks} times in the trials): right for batches "
+            "without padding, as make_batch usually builds them"
+        )
+    lines.append(MAKE_BATCH_ON_META)
+    return lines

@@ -1,0 +1,45 @@
+"""The model file's model and optimizer, built on ``meta`` as the target GPU would run them."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from memkit.estimation.meta_step import META
+from memkit.modelfile import ModelSpec, build_model, make_optimizer
+
+__all__ = ["build_meta_model", "build_target_optimizer"]
+
+log = logging.getLogger(__name__)
+
+
+def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """``build_model()`` under ``torch.device("meta")``; tensors it put elsewhere move to meta."""
+    with torch.device(META):
+        model = build_model(spec)
+    off_meta = [
+        t.device for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"
+    ]
+    if off_meta:
+        log.info("build_model() put tensors on %s; moving them to meta", off_meta[0])
+        model = model.to(META)
+    return model
+
+
+def build_target_optimizer(
+    spec: ModelSpec, model: torch.nn.Module, foreach: bool | None
+) -> tuple[torch.optim.Optimizer, str]:
+    """The file's optimizer with the implementation a CUDA device would use, and the
+    assumption line that says which.
+
+    ``foreach`` is set on every param group that left it unset: ``None`` means the CUDA
+    default (foreach), which on meta would otherwise be the per-parameter loop.
+    """
+    optimizer, name = make_optimizer(spec, model)
+    impl = "foreach (CUDA default)" if foreach is None else ("foreach" if foreach else "for-loop")
+    use = True if foreach is None else foreach
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None:
+            group["foreach"] = use
+    return optimizer, f"optimizer: {name}, {impl} implementation"

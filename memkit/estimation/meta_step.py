@@ -1,0 +1,291 @@
+"""One accounted training step on ``meta`` tensors, replayed through the allocator model.
+
+:class:`MetaSession` holds the meta model, its optimizer and the target's settings and runs a
+trial per batch size; :class:`TargetMode` applies the target's autocast policy and attention
+kernel above autograd; :class:`StepRecorder` receives the accountant's allocations and frees,
+feeds the caching-allocator model and labels bytes for the breakdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from memkit.accounting import MemoryAccountant, tensors_of
+from memkit.errors import MemkitError, UserCodeError
+from memkit.estimation.allocator import CachingAllocatorModel
+from memkit.estimation.attention import choose_kernel, fused_attention
+from memkit.estimation.autocast import AutocastPolicy
+from memkit.modelfile import ModelSpec, call_user
+from memkit.probing.step import StepPlan, call_model, to_device
+
+__all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
+
+META = torch.device("meta")
+
+
+def _is_meta_bool(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta and value.numel() == 1
+
+
+class TargetMode(TorchFunctionMode):
+    """Applies autocast's policy and the attention-kernel footprint above autograd."""
+
+    def __init__(self, policy: AutocastPolicy | None, attention: str, sm: int) -> None:
+        super().__init__()
+        self.policy = policy
+        self.attention = attention
+        self.sm = sm
+        self.kernels: set[str] = set()
+        self.data_checks = 0  # truth values read from meta tensors (approximated as true)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            if self.policy is not None:  # the autocast region ends where backward starts
+                self.policy.enabled = False
+                self.policy.clear_cache()
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__bool__" and args and _is_meta_bool(args[0]):
+            # A data-dependent check on a meta tensor has no value: take it as true, the case
+            # of the batches make_batch builds (an all-ones attention mask's `mask.all()`).
+            self.data_checks += 1
+            return True
+        if self.policy is not None:
+            args, kwargs = self.policy.cast_args(name, args, kwargs)
+        if name == "scaled_dot_product_attention":
+            return self._attention(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        bound = dict(zip(names, args, strict=False)) | kw
+        query, key, value = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        dropout = float(bound.get("dropout_p") or 0.0)
+        kernel = choose_kernel(self.attention, query, key, value, mask, self.sm, dropout)
+        self.kernels.add(kernel)
+        if kernel == "math":
+            return func(*args, **kw)
+        return fused_attention(query, key, value, kernel, self.sm)
+
+
+# --------------------------------------------------------------------------------------------
+# One trial: the accountant's events replayed through the allocator, labelled for the breakdown
+# --------------------------------------------------------------------------------------------
+
+_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+class StepRecorder:
+    """Receives the accountant's alloc/free events: allocator model plus per-category bytes."""
+
+    def __init__(self, allocator: CachingAllocatorModel) -> None:
+        self.allocator = allocator
+        self.phase = "activations"
+        self.labels: dict[int, tuple[str, int]] = {}
+        self.bytes = dict.fromkeys(_CATEGORIES, 0)
+        self.total = 0
+        self.peak_total = 0
+        self.peak_parts = dict(self.bytes)
+        self.peak_slack = 0
+        self._fresh_key: int | None = None
+
+    def on_alloc(self, key: int, nbytes: int) -> None:
+        self.allocator.malloc(key, nbytes)
+        self.labels[key] = (self.phase, nbytes)
+        self.bytes[self.phase] += nbytes
+        self.total += nbytes
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+            self.peak_parts = dict(self.bytes)
+            self._fresh_key = key
+        else:
+            self._fresh_key = None
+
+    def on_free(self, key: int, nbytes: int) -> None:
+        self.allocator.free(key)
+        label = self.labels.pop(key, None)
+        if label is not None:
+            self.bytes[label[0]] -= label[1]
+            self.total -= label[1]
+        self._fresh_key = None
+
+    def relabel(self, tensor: torch.Tensor | None, category: str) -> None:
+        if tensor is None or tensor.device.type != "meta":
+            return
+        key = id(tensor.untyped_storage())
+        label = self.labels.get(key)
+        if label is None or label[0] == category:
+            return
+        old, nbytes = label
+        self.labels[key] = (category, nbytes)
+        self.bytes[old] -= nbytes
+        self.bytes[category] += nbytes
+        if key == self._fresh_key:  # the peak was taken at this very allocation
+            self.peak_parts[old] -= nbytes
+            self.peak_parts[category] += nbytes
+
+
+@dataclass
+class TrialPeaks:
+    """What one trial reached: the allocator model's peaks, the counted storages' peak, the
+    allocator's out-of-memory count, the breakdown at the peak and the trial's wall time."""
+
+    allocated: int
+    reserved: int
+    counted: int
+    ooms: int
+    parts: dict[str, int]
+    slack: int
+    workspace: int
+    seconds: float
+
+
+@dataclass
+class MetaSession:
+    """Everything a trial needs: the meta model, its optimizer and the target's settings."""
+
+    spec: ModelSpec
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    plan: StepPlan
+    seq_len: int | None
+    usable: int
+    workspace: int
+    policy_dtype: torch.dtype | None
+    attention: str
+    sm: int
+    kernels: set[str] = field(default_factory=set)
+    data_checks: int = 0
+    cache: dict[int, TrialPeaks] = field(default_factory=dict)
+
+    def with_amp(self, policy_dtype: torch.dtype | None) -> MetaSession:
+        """The same model and target under another autocast dtype, with no trials yet."""
+        return dataclasses.replace(self, policy_dtype=policy_dtype, kernels=set(), cache={})
+
+    def batch(self, batch_size: int) -> Any:
+        args = [batch_size] if self.seq_len is None else [batch_size, self.seq_len]
+        with torch.device(META):
+            made = call_user(
+                self.spec.make_batch, *args, what=f"make_batch({batch_size})", path=self.spec.path
+            )
+        return to_device(made, META)
+
+    def _mode(self) -> TargetMode:
+        policy = None if self.policy_dtype is None else AutocastPolicy(self.policy_dtype)
+        return TargetMode(policy, self.attention, self.sm)
+
+    def step(self, batch_size: int) -> None:
+        mode = self._mode()
+        batch = self.batch(batch_size)
+        with mode:
+            self.plan(self.model, batch, self.optimizer)
+        del batch
+        self.kernels |= mode.kernels
+        self.data_checks += mode.data_checks
+
+    def prime(self, batch_size: int) -> None:
+        """The previous step's output, as the steady state holds it during the next forward
+        (the default step keeps it like a loop's `out = model(x)`): made by an unaccounted
+        forward without a graph, counted from the accounted step's start."""
+        self.plan.release()
+        if self.plan.train_step is not None:
+            return
+        batch = self.batch(batch_size)
+        with torch.no_grad(), self._mode():
+            self.plan.hold(call_model(self.model, batch))
+
+    def run(self, batch_size: int) -> TrialPeaks:
+        cached = self.cache.get(batch_size)
+        if cached is not None:
+            return cached
+        started = time.perf_counter()
+        allocator = CachingAllocatorModel(capacity=self.usable)
+        recorder = StepRecorder(allocator)
+        accountant = MemoryAccountant(META, None, rounding="cuda", name="estimate")
+        accountant.on_alloc = recorder.on_alloc
+        accountant.on_free = recorder.on_free
+        workspaces = 2 if self.plan.mode == "train" else 1
+        for i in range(workspaces if self.workspace else 0):
+            allocator.malloc(("cublas-workspace", i), self.workspace)
+        recorder.phase = "parameters"
+        accountant.track(self.model)
+        recorder.phase = "optimizer_state"
+        if self.optimizer is not None:
+            accountant.track(self.optimizer)
+        self.prime(batch_size)
+        recorder.phase = "activations"
+        accountant.track(self.plan.kept)
+        with self._hooks(recorder), accountant:
+            self.step(batch_size)
+        self.plan.release()
+        accountant.on_alloc = accountant.on_free = None
+        workspace = self.workspace * workspaces
+        peaks = TrialPeaks(
+            allocated=allocator.peak_allocated,
+            reserved=allocator.peak_reserved,
+            counted=accountant.peak,
+            ooms=allocator.num_ooms,
+            parts=dict(recorder.peak_parts),
+            slack=max(0, allocator.peak_allocated - workspace - accountant.peak),
+            workspace=workspace,
+            seconds=time.perf_counter() - started,
+        )
+        self.cache[batch_size] = peaks
+        return peaks
+
+    @contextlib.contextmanager
+    def _hooks(self, recorder: StepRecorder) -> Iterator[None]:
+        handles: list[Any] = []
+
+        def grad_hook(param: torch.Tensor) -> None:
+            recorder.relabel(param.grad, "gradients")
+
+        for param in self.model.parameters():
+            if param.requires_grad:
+                handles.append(param.register_post_accumulate_grad_hook(grad_hook))
+        if self.optimizer is not None:
+            optimizer = self.optimizer
+
+            def post_step(*_: Any) -> None:
+                for tensor in tensors_of(list(optimizer.state.values())):
+                    recorder.relabel(tensor, "optimizer_state")
+
+            handles.append(optimizer.register_step_post_hook(post_step))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
+    """Run a meta step; the user's code failing becomes a clear error (never an OOM)."""
+    try:
+        return run()
+    except MemkitError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(
+            f"the step raised {type(exc).__name__} at batch size {batch_size} on meta tensors: "
+            f"{exc}. Code that reads tensor values (.item(), data-dependent shapes, printing) "
+            "cannot run on meta; move it out of the step or define train_step without it.",
+            original=exc,
+        ) from exc

@@ -1,0 +1,220 @@
+"""The entry point of ``memkit estimate``: the target resolved, the model built on meta, the
+batch-size search of ``memkit probe`` run over meta trials, and the :class:`Estimate` assembled."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from memkit.errors import ConfigError
+from memkit.estimation.advice import estimate_advice
+from memkit.estimation.assumptions import outcome_lines, target_lines
+from memkit.estimation.attention import ATTENTION_KERNELS
+from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card
+from memkit.estimation.meta_model import build_meta_model, build_target_optimizer
+from memkit.estimation.meta_step import MetaSession, run_guarded
+from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
+from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
+from memkit.probing.search import Trial, search_max_batch
+from memkit.probing.step import StepPlan, check_batch
+
+__all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "MAX_BATCH_CEILING", "estimate"]
+
+DEFAULT_MARGIN = 0.05
+MAX_BATCH_CEILING = 1 << 20
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def estimate(
+    model_file: str | Path | ModelSpec,
+    *,
+    device_memory: int | str,
+    mode: str = "train",
+    seq_len: int | None = None,
+    amp: str | None = None,
+    attention: str = "auto",
+    device: str | DeviceFamily = DEFAULT_FAMILY,
+    context: int | str | None = None,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    foreach: bool | None = None,
+    workspace: int | str | None = None,
+) -> Estimate:
+    """Estimate the largest batch of a model file that fits on a GPU, without one.
+
+    (Over 80 lines for its twelve documented arguments and the 25 fields of the
+    :class:`Estimate` it returns, written out by name; each step is a helper.)
+
+    Args:
+        model_file: a model file's path (see docs/probe.md), or a loaded ``ModelSpec``.
+        device_memory: the card's total memory (``"24GiB"``, ``"40GiB"``; ``GB`` is decimal).
+        mode: ``"train"`` or ``"infer"``.
+        seq_len: passed to ``make_batch(batch_size, seq_len)``.
+        amp: ``None`` (fp32), ``"bf16"`` or ``"fp16"``: autocast's policy on the forward.
+        attention: ``"auto"`` (what PyTorch picks on the target), ``"math"``, ``"efficient"``
+            or ``"flash"`` (falls back when the inputs do not allow it).
+        device: the GPU family (a key of :data:`DEVICE_FAMILIES`): context, cuBLAS workspace,
+            which attention kernels exist.
+        context: the CUDA context's size; default: the family's.
+        min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).
+        margin: share of the usable memory the recommended batch leaves free.
+        foreach: the optimizer's implementation where the model file leaves it unset; ``None``
+            means the CUDA default (foreach). ``False`` reproduces the simulated cpu device.
+        workspace: one cuBLAS workspace; default: the family's; ``0`` for none.
+
+    Returns:
+        An :class:`Estimate`.
+
+    Raises:
+        ConfigError: a bad argument. ModelFileError: an unusable model file.
+    """
+    started = time.perf_counter()
+    _check_arguments(mode, amp, attention, min_batch, max_batch, margin)
+    card = target_card(device, device_memory, context, workspace)
+    spec = model_file if isinstance(model_file, ModelSpec) else load_model_file(model_file)
+    if seq_len is not None:
+        require_seq_len(spec, f"a sequence length ({seq_len})")
+    model = build_meta_model(spec)
+    params = list(model.parameters())
+    num_params = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    assumptions = target_lines(card, mode, amp, num_params, trainable)
+    session = _start_session(
+        spec, model, card, mode=mode, seq_len=seq_len, amp=amp, attention=attention,
+        foreach=foreach, min_batch=min_batch, assumptions=assumptions,
+    )  # fmt: skip
+    search = search_max_batch(
+        _fits(session),
+        capacity_bytes=session.usable,
+        min_batch=min_batch,
+        max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
+        margin=margin,
+    )
+    breakdown = _breakdown(session, search.recommended_batch_size or min_batch)
+    kernels = tuple(sorted(session.kernels))
+    assumptions += outcome_lines(
+        attention, kernels, card.family, session.plan.describe(), session.data_checks
+    )
+    fit = search.model
+    return Estimate(
+        model_file=spec.path,
+        device=card.family.name,
+        device_memory=card.total,
+        context_bytes=card.context_bytes,
+        mode=mode,
+        trials=tuple(_trial(t, session) for t in search.trials),
+        max_batch_size=search.max_batch_size,
+        recommended_batch_size=search.recommended_batch_size,
+        margin=margin,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        hit_max_batch=search.hit_max_batch and max_batch is not None,
+        seq_len=seq_len,
+        amp=amp,
+        attention=attention,
+        attention_kernels=kernels,
+        num_parameters=num_params,
+        trainable_parameters=trainable,
+        breakdown=breakdown,
+        fixed_bytes=None if fit is None else fit.fixed_bytes,
+        per_sample_bytes=None if fit is None else fit.per_sample_bytes,
+        assumptions=tuple(assumptions),
+        advice=tuple(estimate_advice(search, session, breakdown, amp, mode, card)),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _check_arguments(
+    mode: str, amp: str | None, attention: str, min_batch: int, max_batch: int | None, margin: float
+) -> None:
+    if mode not in ("train", "infer"):
+        raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
+    if amp is not None and amp not in AMP_DTYPES:
+        raise ConfigError(f"amp must be one of {', '.join(AMP_DTYPES)} or None, found {amp!r}")
+    if attention not in ATTENTION_KERNELS:
+        raise ConfigError(
+            f"attention must be one of {', '.join(ATTENTION_KERNELS)}, found {attention!r}"
+        )
+    if min_batch < 1 or (max_batch is not None and max_batch < min_batch):
+        raise ConfigError(
+            f"need 1 <= min_batch <= max_batch, found min_batch={min_batch}, max_batch={max_batch}"
+        )
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin is a fraction in [0, 1), found {margin}")
+
+
+def _start_session(
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    card: TargetCard,
+    *,
+    mode: str,
+    seq_len: int | None,
+    amp: str | None,
+    attention: str,
+    foreach: bool | None,
+    min_batch: int,
+    assumptions: list[str],
+) -> MetaSession:
+    """The trials' session: the optimizer (train), make_batch's layout checked, and in training
+    the optimizer state created by an unaccounted warm-up step. Appends to ``assumptions``."""
+    optimizer = None
+    if mode == "train":
+        model.train()
+        optimizer, optimizer_line = build_target_optimizer(spec, model, foreach)
+        assumptions.append(optimizer_line)
+    else:
+        model.eval()
+    plan = StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
+    session = MetaSession(
+        spec=spec, model=model, optimizer=optimizer, plan=plan, seq_len=seq_len,
+        usable=card.usable, workspace=card.workspace_bytes,
+        policy_dtype=None if amp is None else AMP_DTYPES[amp], attention=attention,
+        sm=card.family.sm,
+    )  # fmt: skip
+    layout = check_batch(
+        session.batch(min_batch), min_batch, f"make_batch({min_batch}) in {spec.path}",
+        bigger=session.batch(min_batch + 1),
+    )  # fmt: skip
+    if layout is not None:
+        assumptions.append(layout)
+    if optimizer is not None:  # warm-up: creates the optimizer state (not accounted)
+        run_guarded(lambda: session.step(min_batch), min_batch)
+        model.zero_grad(set_to_none=True)
+    return session
+
+
+def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None]]:
+    """The search's oracle: a batch fits when the allocator model never ran out and its
+    reserved peak is within the usable memory."""
+
+    def oracle(batch_size: int) -> tuple[bool, int | None]:
+        peaks = run_guarded(lambda: session.run(batch_size), batch_size)
+        return peaks.ooms == 0 and peaks.reserved <= session.usable, peaks.reserved
+
+    return oracle
+
+
+def _breakdown(session: MetaSession, batch_size: int) -> EstimateBreakdown:
+    """What the allocated peak of ``batch_size`` is made of."""
+    peaks = run_guarded(lambda: session.run(batch_size), batch_size)
+    return EstimateBreakdown(
+        batch_size=batch_size,
+        parameters=peaks.parts["parameters"],
+        gradients=peaks.parts["gradients"],
+        optimizer_state=peaks.parts["optimizer_state"],
+        activations=peaks.parts["activations"],
+        workspace=peaks.workspace,
+        allocator_slack=max(0, peaks.allocated - peaks.workspace - peaks.counted),
+    )
+
+
+def _trial(trial: Trial, session: MetaSession) -> EstimateTrial:
+    peaks = session.cache[trial.batch_size]
+    return EstimateTrial(
+        trial.batch_size, peaks.allocated, peaks.reserved, peaks.counted, trial.fits, peaks.seconds
+    )

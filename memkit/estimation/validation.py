@@ -1,0 +1,50 @@
+"""Validation of the estimate's counting: the simulated cpu device running real steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memkit.accounting import MemoryAccountant
+from memkit.modelfile import ModelSpec, build_model, load_model_file, make_optimizer
+from memkit.probing.step import StepPlan, to_device
+
+__all__ = ["simulated_peak"]
+
+
+def simulated_peak(
+    model_file: str | Path | ModelSpec,
+    batch_size: int,
+    *,
+    mode: str = "train",
+    seq_len: int | None = None,
+    steps: int = 2,
+) -> int:
+    """The peak the simulated cpu device counts for real steps of a model file (validation).
+
+    Builds the model on cpu, runs ``steps`` real steps from an empty optimizer state (as a
+    ``memkit probe --device cpu`` trial does) under a :class:`MemoryAccountant` with CUDA
+    rounding, and returns its peak. ``estimate(..., foreach=False, attention="math",
+    workspace=0)`` counts the same storages on meta: its trials' ``counted_peak`` should agree.
+    """
+    spec = model_file if isinstance(model_file, ModelSpec) else load_model_file(model_file)
+    model = build_model(spec)
+    optimizer: Any = None
+    if mode == "train":
+        model.train()
+        optimizer, _ = make_optimizer(spec, model)
+    else:
+        model.eval()
+    plan = StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
+    cpu = torch.device("cpu")
+    accountant = MemoryAccountant(cpu, None, rounding="cuda")
+    accountant.track(model, optimizer)
+    args = [batch_size] if seq_len is None else [batch_size, seq_len]
+    with accountant:
+        for _ in range(steps):
+            batch = to_device(spec.make_batch(*args), cpu)
+            plan(model, batch, optimizer)
+            del batch
+    return accountant.peak

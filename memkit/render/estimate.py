@@ -1,0 +1,113 @@
+"""The layout of an :class:`~memkit.estimation.result.Estimate`: terminal text and HTML.
+
+Pure functions of the result (no torch at import): the headline, the trial table, the
+breakdown table, the memory model, the assumptions and the advice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memkit.advice import advice_html, advice_text
+from memkit.render import html as h
+from memkit.render.text import table
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.estimation.result import Estimate
+
+__all__ = ["estimate_headline", "estimate_html", "estimate_text"]
+
+_TRIAL_HEADERS = ["batch", "fits", "allocated", "reserved"]
+_BREAKDOWN_HEADERS = ["", "bytes", "share"]
+
+
+def estimate_headline(est: Estimate) -> str:
+    """One sentence: the largest and recommended batch on the card, or what batch 1 needs."""
+    card = f"{format_size(est.device_memory)} {est.device}"
+    seq = f", seq_len {est.seq_len}" if est.seq_len is not None else ""
+    amp = f", {est.amp} autocast" if est.amp else ", fp32"
+    usable = (
+        f"{format_size(est.usable_bytes)} usable after a "
+        f"{format_size(est.context_bytes)} CUDA context"
+    )
+    if est.max_batch_size is None:
+        need = est.trials[0].reserved_peak if est.trials else None
+        return (
+            f"Estimated not to fit: batch {est.min_batch} ({est.mode}{seq}{amp}) needs "
+            f"{format_size(need)} reserved on a {card} ({usable})."
+        )
+    bound = " (the --max-batch limit, not a memory limit)" if est.hit_max_batch else ""
+    return (
+        f"Estimated largest batch ({est.mode}{seq}{amp}) on a {card} ({usable}): "
+        f"{est.max_batch_size}{bound}; recommended {est.recommended_batch_size} "
+        f"(leaves {est.margin:.0%} free)."
+    )
+
+
+def _trial_rows(est: Estimate) -> list[list[object]]:
+    return [
+        [
+            t.batch_size,
+            "yes" if t.fits else "no",
+            format_size(t.allocated_peak),
+            format_size(t.reserved_peak),
+        ]
+        for t in sorted(est.trials, key=lambda t: t.batch_size)
+    ]
+
+
+def _breakdown_rows(est: Estimate) -> list[list[object]]:
+    if est.breakdown is None:
+        return []
+    total = est.breakdown.total or 1
+    rows: list[list[object]] = [
+        [label, format_size(nbytes), f"{nbytes / total:.0%}"]
+        for label, nbytes in est.breakdown.rows()
+    ]
+    return [*rows, ["allocated peak", format_size(est.breakdown.total), "100%"]]
+
+
+def estimate_text(est: Estimate) -> str:
+    """The terminal report (``memkit estimate``'s output, ``str(estimate)``)."""
+    parts = [estimate_headline(est), ""]
+    parts.append(table(_TRIAL_HEADERS, _trial_rows(est), align="rlrr"))
+    if est.breakdown is not None:
+        parts += [
+            "",
+            table(
+                _BREAKDOWN_HEADERS,
+                _breakdown_rows(est),
+                align="lrr",
+                title=f"breakdown at batch {est.breakdown.batch_size}:",
+            ),
+        ]
+    if est.per_sample_bytes is not None:
+        parts.append(
+            f"\nmemory model: {format_size(est.fixed_bytes)} + "
+            f"{format_size(est.per_sample_bytes)} per sample (reserved)"
+        )
+    parts.append("assumptions:")
+    parts.extend(f"  {a}" for a in est.assumptions)
+    text = advice_text(est.advice)
+    if text:
+        parts += ["", "advice:", text]
+    return "\n".join(parts)
+
+
+def estimate_html(est: Estimate) -> str:
+    """A self-contained HTML fragment (a notebook's ``_repr_html_``)."""
+    body = f"<h3>memkit estimate</h3><p>{h.escape(estimate_headline(est))}</p>" + h.table(
+        _TRIAL_HEADERS, _trial_rows(est)
+    )
+    if est.breakdown is not None:
+        body += f"<p>breakdown at batch {est.breakdown.batch_size}:</p>" + h.table(
+            _BREAKDOWN_HEADERS, _breakdown_rows(est)
+        )
+    body += (
+        '<p class="note">'
+        + "<br>".join(h.escape(a) for a in est.assumptions)
+        + "</p>"
+        + advice_html(est.advice)
+    )
+    return h.fragment(body)
