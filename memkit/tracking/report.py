@@ -19,7 +19,7 @@ from memkit.render.text import table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.ranks import RanksReport
+    from memkit.tracking.rank_gather import RanksReport
 
 __all__ = [
     "PHASES",
@@ -547,7 +547,7 @@ class TrackReport:
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
-            advice (:class:`memkit.tracking.ranks.RanksReport`); ``None`` otherwise.
+            advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
 
     devices: tuple[DeviceReport, ...]

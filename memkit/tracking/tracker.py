@@ -59,7 +59,7 @@ from memkit.distributed import launched_rank, world_size
 from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking import leaks
-from memkit.tracking.ranks import GATHER_TIMEOUT, RanksReport, RankWatch
+from memkit.tracking.rank_gather import GATHER_TIMEOUT, RanksReport, RankWatch
 from memkit.tracking.report import (
     PHASES,
     Breakdown,
@@ -371,7 +371,7 @@ class Tracker:
         self._oom: OomPostMortem | None = None
         self.backend: Any = None
         self.notes: list[str] = []
-        # -- across ranks (memkit/tracking/ranks.py) --
+        # -- across ranks (memkit/tracking/rank_gather.py) --
         self.gather_timeout = gather_timeout
         self._ranks_watch: RankWatch | None = None
         self._ranks_report: RanksReport | None = None
