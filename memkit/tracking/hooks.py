@@ -82,11 +82,8 @@ class Hooks(PhaseMachine):
     _single: DeviceRecord | None
     _failed: bool
     _step_owner: weakref.ref[Any] | None
-    _roots: dict[int, RootInfo]
-    _owners: dict[int, RootInfo]
     _optimizer_name: str | None
     _warning_filter: Any
-    _grad_witness: torch.Tensor | None
     _backward_depth: int
     _unwrap: tuple[Any, Any] | None
     _dp_output_bytes: int
@@ -98,7 +95,6 @@ class Hooks(PhaseMachine):
         def _dev_for_args(self, args: Any) -> DeviceRecord: ...
         def _dev_index(self, index: int) -> DeviceRecord: ...
         def _index_of(self, tensor: torch.Tensor) -> int: ...
-        def _find_grad_witness(self) -> torch.Tensor | None: ...
 
     def _install(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -459,49 +455,6 @@ class Hooks(PhaseMachine):
                 if self._phase == BACKWARD:
                     self._backwards_in_step += 1
                     self._transition(OTHER)
-
-    def _root_info(self, module: torch.nn.Module) -> RootInfo:
-        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
-        entry = self._roots.get(id(module))
-        if entry is not None and entry.ref() is module:
-            return entry
-        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
-            return self._new_root(module)
-
-    def _new_root(self, module: torch.nn.Module) -> RootInfo:
-        target = getattr(module, "_orig_mod", None)
-        compiled = isinstance(target, torch.nn.Module)
-        inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
-        name = type(inner).__name__
-        keys: dict[int, str | None] = {id(module): name}
-        if compiled:
-            keys[id(inner)] = None
-        for path, sub in inner.named_modules():
-            if path:
-                keys[id(sub)] = f"{name}.{path}"
-        if len(self._roots) > 256:
-            self._roots = {k: v for k, v in self._roots.items() if v.ref() is not None}
-            self._owners = {k: v for k, v in self._owners.items() if v.ref() is not None}
-        root = RootInfo(module, keys)
-        self._roots[id(module)] = root
-        if not root.model:
-            return root
-        for sub_id in keys:
-            if sub_id != id(module):
-                self._owners[sub_id] = root
-        if self._grad_witness is None:
-            self._grad_witness = self._find_grad_witness()
-        sim = self._sim
-        if sim is not None:
-            sim.track(module)  # the model lives on the device
-            if compiled and not any("torch.compile" in n for n in self.notes):
-                self.notes.append(
-                    "torch.compile: TorchDynamo does not compile while the simulated device "
-                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
-                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
-                    "less activation memory (measure the compiled program on a GPU)"
-                )
-        return root
 
     def _make_dp_output(self) -> Callable[[Any, Any, Any], None]:
         """A forward hook on a DataParallel model: the largest gathered output, in bytes."""

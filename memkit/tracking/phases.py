@@ -79,16 +79,20 @@ class PhaseMachine:
     _leak_warmup: int
     _leak_window: int
     _leak_watch: leaks.LeakWatch
+    _roots: dict[int, RootInfo]
+    _owners: dict[int, RootInfo]
+    _grad_witness: torch.Tensor | None
+    notes: list[str]
 
     if TYPE_CHECKING:  # defined by the other parts of Tracker
 
         def _close(self, dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None: ...
-        def _root_info(self, module: torch.nn.Module) -> RootInfo: ...
         def _resolve_pending(self, dev: DeviceRecord) -> None: ...
         def _grads_none(self) -> bool: ...
         def _state_empty(self) -> bool: ...
         def _capture_evidence(self) -> None: ...
         def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
+        def _find_grad_witness(self) -> torch.Tensor | None: ...
 
     def _root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
         """A forward of the model begins: which pass it is, and the phase it starts."""
@@ -160,6 +164,49 @@ class PhaseMachine:
                         self._transition(self._eval_return)
         elif frame.kind == TRAIN_PASS and self._sim is not None:
             self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
+
+    def _root_info(self, module: torch.nn.Module) -> RootInfo:
+        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
+        entry = self._roots.get(id(module))
+        if entry is not None and entry.ref() is module:
+            return entry
+        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
+            return self._new_root(module)
+
+    def _new_root(self, module: torch.nn.Module) -> RootInfo:
+        target = getattr(module, "_orig_mod", None)
+        compiled = isinstance(target, torch.nn.Module)
+        inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
+        name = type(inner).__name__
+        keys: dict[int, str | None] = {id(module): name}
+        if compiled:
+            keys[id(inner)] = None
+        for path, sub in inner.named_modules():
+            if path:
+                keys[id(sub)] = f"{name}.{path}"
+        if len(self._roots) > 256:
+            self._roots = {k: v for k, v in self._roots.items() if v.ref() is not None}
+            self._owners = {k: v for k, v in self._owners.items() if v.ref() is not None}
+        root = RootInfo(module, keys)
+        self._roots[id(module)] = root
+        if not root.model:
+            return root
+        for sub_id in keys:
+            if sub_id != id(module):
+                self._owners[sub_id] = root
+        if self._grad_witness is None:
+            self._grad_witness = self._find_grad_witness()
+        sim = self._sim
+        if sim is not None:
+            sim.track(module)  # the model lives on the device
+            if compiled and not any("torch.compile" in n for n in self.notes):
+                self.notes.append(
+                    "torch.compile: TorchDynamo does not compile while the simulated device "
+                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
+                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
+                    "less activation memory (measure the compiled program on a GPU)"
+                )
+        return root
 
     # transitions and step boundaries (under the lock; not per module)
 

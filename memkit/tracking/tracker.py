@@ -119,6 +119,8 @@ class Tracker(Hooks):
         memory_history: str | Path | None = None,
         history_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
+        """Long: it sets every attribute of the tracker's state, which the parts (hooks.py,
+        phases.py) declare and read; one list keeps that state in one place."""
         if postmortem not in ("stderr", None):
             raise ValueError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
         self.model = model
