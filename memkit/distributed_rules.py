@@ -1,7 +1,7 @@
 """Advice rules for DDP runs: functions of per-rank readings that return :class:`Advice`.
 
 Pure functions (no torch, no collectives): the readings are gathered to rank 0 by
-:mod:`memkit.tracking.ranks`, and tests construct them directly.
+:mod:`memkit.tracking.rank_gather`, and tests construct them directly.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
-from memkit.tracking.ranks import RanksReport, RankSummary, rank_advice
+from memkit.tracking.rank_gather import RanksReport, RankSummary, rank_advice
 
 ROOT = Path(__file__).resolve().parents[1]
 

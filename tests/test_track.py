@@ -345,7 +345,7 @@ def test_a_loader_in_another_thread_leaves_the_counting_alone():
 def test_the_users_own_warning_filter_survives_the_block():
     import warnings
 
-    from memkit.tracking.tracker import _COMPILE_WARNING
+    from memkit.tracking.hooks import _COMPILE_WARNING
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
@@ -353,3 +353,14 @@ def test_the_users_own_warning_filter_survives_the_block():
         with track(device="cpu", budget="64MiB"):
             pass
         assert mine in warnings.filters
+
+
+def test_track_takes_the_trackers_arguments():
+    """``track()`` once dropped two of ``Tracker``'s arguments: their signatures must match."""
+    import inspect
+
+    from memkit.tracking import Tracker
+
+    tracker = dict(inspect.signature(Tracker.__init__).parameters)
+    del tracker["self"]
+    assert list(inspect.signature(track).parameters.values()) == list(tracker.values())

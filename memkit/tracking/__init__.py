@@ -6,6 +6,7 @@ no code change, ``memkit run train.py``. See docs/track.md.
 
 from __future__ import annotations
 
+from memkit.tracking.api import track
 from memkit.tracking.report import (
     PHASES,
     Breakdown,
@@ -18,7 +19,7 @@ from memkit.tracking.report import (
     TimelinePoint,
     TrackReport,
 )
-from memkit.tracking.tracker import Tracker, track
+from memkit.tracking.tracker import Tracker
 
 __all__ = [
     "PHASES",

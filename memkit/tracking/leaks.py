@@ -19,6 +19,7 @@ microseconds and would not be free to leave on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import linecache
@@ -29,16 +30,20 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memkit.advice import Advice
 from memkit.tracking.report import LeakFinding, LeakSuspect
 from memkit.units import format_size
 
+if TYPE_CHECKING:
+    from memkit.tracking.records import DeviceRecord
+
 __all__ = [
     "GRAPH_NODE_LIMIT",
     "Candidate",
     "GrowthDetector",
+    "LeakWatch",
     "compare_scans",
     "graph_retained_advice",
     "graph_size",
@@ -49,6 +54,9 @@ log = logging.getLogger(__name__)
 
 GRAPH_NODE_LIMIT = 20_000
 """Autograd nodes counted at most per tensor (bounds the cost on huge leaked graphs)."""
+
+SCAN_PERIOD = 25
+"""Steps between rounds of three graph scans (leaks that device memory does not show)."""
 
 _CONTAINER_PEEK = 3
 """Elements looked at from each end of a list/tuple (and values of a dict)."""
@@ -312,6 +320,94 @@ def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:
     }
     return [s for s in compare_scans(scans[-2], scans[-1]) if (s.filename, s.function, s.name)
             in grew]  # fmt: skip
+
+
+class LeakWatch:
+    """The tracker's leak search at step boundaries: a frame scan when a device's memory
+    grows (who holds it), and rounds of graph scans (graphs that grow in host memory only).
+
+    Attributes:
+        graph_scans: the scans of the current round of graph scans.
+        scan: the last scan made on growth, and ``scan_step`` its step.
+        confirmed: a suspect grew between two scans.
+        suspects: the suspects of the last scan on growth.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.graph_scans: list[list[Candidate]] = []
+        self.scan: list[Candidate] | None = None
+        self.scan_step = -1
+        self.confirmed = False
+        self.suspects: tuple[LeakSuspect, ...] = ()
+
+    def scan_graphs(self, step: int, frame: Any, dev: DeviceRecord) -> None:
+        """Three scans in a row every SCAN_PERIOD steps: a variable whose autograd graph grows
+        at each (``running_loss += loss``) is a leak even when device memory stays flat
+        (backward freed the saved tensors; the graph's nodes pile up in host memory). A leak
+        found is set on ``dev``."""
+        offset = step - self.warmup
+        if offset < 0 or offset % SCAN_PERIOD >= 3:
+            return
+        try:
+            current = scan_frames(frame)
+        except Exception:  # inspection must never break training
+            log.debug("graph scan failed", exc_info=True)
+            return
+        scans = self.graph_scans if offset % SCAN_PERIOD else []
+        scans.append(current)
+        self.graph_scans = scans
+        if len(scans) < 3:
+            return
+        suspects = growing_in_all(scans)
+        if not suspects:
+            return
+        nodes = suspects[0].graph_nodes
+        start = next(c.size for c in scans[0] if c.name == suspects[0].name)
+        dev.leak = LeakFinding(
+            dev.key, 0, step - 2, 2, tuple(suspects), graph_growth=(nodes - start) // 2
+        )
+        log.info("memkit: %s at %s", dev.leak.headline(), suspects[0].where)
+
+    def on_growth(self, devices: list[DeviceRecord], frame: Any, step: int) -> None:
+        """``devices`` grew over their growth window (at step ``step``): scan the frames for
+        the variables behind it, once until a suspect is confirmed, and set each one's leak."""
+        scan_now = self.scan is None or (not self.confirmed and step > self.scan_step)
+        if scan_now:
+            try:
+                current = scan_frames(frame)
+            except Exception:  # inspection must never break training
+                log.debug("leak scan failed", exc_info=True)
+                current = []
+            suspects = compare_scans(self.scan or [], current)
+            if self.scan is not None and not any(s.growing for s in suspects):
+                suspects = compare_scans([], current)
+            else:
+                self.confirmed = self.confirmed or any(s.growing for s in suspects)
+            self.scan = current
+            self.scan_step = step
+            self.suspects = tuple(suspects)
+        for dev in devices:
+            growth, first, steps = dev.growth.finding or (0, step, 0)
+            first_time = dev.leak is None
+            period = max(1, round(steps / max(1, dev.growth.rises)))
+            dev.leak = LeakFinding(dev.key, growth, first, steps, self.suspects, period=period)
+            if first_time:  # the report says it; the log is for those who listen
+                log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
+
+    def suspects_at_failure(self, leak: LeakFinding, tb: Any) -> LeakFinding:
+        """``leak`` with the suspects of a last scan at the failure (``tb``: its traceback),
+        when no suspect was confirmed before and that scan confirms one."""
+        if self.confirmed or tb is None:
+            return leak
+        inner = tb
+        while inner.tb_next is not None:
+            inner = inner.tb_next
+        with contextlib.suppress(Exception):
+            suspects = compare_scans(self.scan or [], scan_frames(inner.tb_frame))
+            if any(s.growing for s in suspects):
+                return dataclasses.replace(leak, suspects=tuple(suspects))
+        return leak
 
 
 def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:

@@ -8,18 +8,17 @@ here is a pure function of the recorded numbers: no torch at import, nothing mea
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memkit.advice import Advice, advice_html, advice_text
+from memkit.advice import Advice
 from memkit.render import html as h
-from memkit.render.text import table
+from memkit.render import track as layout
 from memkit.units import format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.ranks import RanksReport
+    from memkit.tracking.rank_gather import RanksReport
 
 __all__ = [
     "PHASES",
@@ -39,22 +38,6 @@ PHASES = ("forward", "backward", "optimizer", "other", "eval")
 backward (with any checkpointed forward it recomputes), optimizer step, the time between them
 (data loading, logging), and evaluation passes (forwards under ``no_grad``/``inference_mode`` or
 in eval mode), which are reported on their own and never added to training's numbers."""
-
-MAX_PLOT_POINTS = 1200
-"""The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
-
-CAPACITY_IN_PLOT = 4
-"""The HTML memory plot draws the capacity line when it is at most this many times the peak
-(further up, it would squash the readings to the floor; a note gives it instead)."""
-
-
-def format_shape(shape: Sequence[int]) -> str:
-    """``(1000, 1, 28, 28)``."""
-    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _size(value: int | None) -> str:
-    return "-" if value is None else format_size(value)
 
 
 @dataclass(frozen=True)
@@ -183,12 +166,7 @@ class Breakdown:
 
     def text(self) -> str:
         """One line per category with its share of the total."""
-        rows = []
-        for name, value in self.parts():
-            share = f"{100.0 * value / self.total:.0f}%" if self.total else "-"
-            rows.append([name, format_size(value), share])
-        rows.append(["total", format_size(self.total), ""])
-        return table(["category", "bytes", "share"], rows, align="lrr")
+        return layout.breakdown_text(self)
 
 
 @dataclass(frozen=True)
@@ -334,79 +312,17 @@ class OomPostMortem:
         return out
 
     def __str__(self) -> str:
-        rank = "" if self.rank is None else f" (rank {self.rank})"
-        lines = [
-            f"memkit: out of memory on {self.device}{rank} at {self.where}",
-            f"  {self.exception}",
-            f"  tried to allocate {_size(self.tried_to_allocate)}; "
-            f"capacity {_size(self.capacity)}, free {_size(self.free)}, "
-            f"held by tensors {_size(self.allocated)}",
-        ]
-        if self.training is False and self.grad_enabled:
-            lines.append("  the last forward ran in eval mode with autograd recording")
-        if self.breakdown is not None:
-            lines.append("  what was allocated:")
-            lines.extend("    " + line for line in self.breakdown.text().splitlines())
-        if self.top_modules:
-            lines.append("  largest activations (kept after forward, per step):")
-            rows = [[path, format_size(size)] for path, size in self.top_modules]
-            lines.extend("    " + line for line in table(["module", "bytes"], rows).splitlines())
-        if self.leak is not None:
-            lines.append(f"  before this, {self.leak.headline()}")
-        if self.advice:
-            lines.append("  advice:")
-            lines.extend("    " + line for line in advice_text(self.advice).splitlines())
-        return "\n".join(lines)
+        return layout.postmortem_text(self)
 
     def __repr__(self) -> str:
         return self.__str__()
 
     def html(self) -> str:
         """An HTML section (no page shell)."""
-        rows = [
-            ["where", self.where],
-            ["exception", self.exception],
-            ["tried to allocate", _size(self.tried_to_allocate)],
-            ["capacity", _size(self.capacity)],
-            ["free", _size(self.free)],
-            ["held by tensors", _size(self.allocated)],
-        ]
-        body = [f"<h2>Out of memory on {h.escape(self.device)}</h2>", h.table(["", ""], rows)]
-        if self.breakdown is not None:
-            body.append(_breakdown_html(self.breakdown, "When it failed"))
-        if self.top_modules:
-            body.append("<h3>Largest activations</h3>")
-            body.append(
-                h.table(["module", "bytes"], [[p, format_size(s)] for p, s in self.top_modules])
-            )
-        body.append("<h3>Advice</h3>")
-        body.append(advice_html(list(self.advice)))
-        return "".join(body)
+        return layout.postmortem_html(self)
 
     def _repr_html_(self) -> str:
         return h.fragment(self.html())
-
-
-def _breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
-    parts = [(f"{name}: {format_size(v)}", float(v)) for name, v in bd.parts()]
-    where = ", ".join(
-        x
-        for x in (
-            None if bd.step is None else f"step {bd.step}",
-            bd.phase,
-            None if bd.module is None else bd.module,
-        )
-        if x
-    )
-    rows = [[name, format_size(v)] for name, v in bd.parts()]
-    note = f'<p class="note">{h.escape(bd.note)}</p>' if bd.note else ""
-    return (
-        f"<h3>{h.escape(title)} ({h.escape(format_size(bd.total))}; {h.escape(where)})</h3>"
-        + h.stacked_bar(parts, float(bd.total), width_px=480)
-        + h.legend([name for name, _ in bd.parts()])
-        + h.table(["category", "bytes"], rows)
-        + note
-    )
 
 
 @dataclass(frozen=True)
@@ -458,63 +374,7 @@ class DeviceReport:
 
     def summary_row(self) -> list[object]:
         """A row for the device summary table."""
-        return [
-            self.device,
-            self.name,
-            _size(self.capacity),
-            _size(self.peak_allocated),
-            _size(self.peak_reserved),
-            *(_size(self.phase_peaks.get(p)) for p in PHASES),
-            len(self.steps),
-        ]
-
-
-SUMMARY_HEADERS = [
-    "device",
-    "name",
-    "capacity",
-    "peak alloc",
-    "peak reserved",
-    *(f"{p}" for p in PHASES),
-    "steps",
-]
-STEP_RULES = {
-    "optimizer": "steps counted at optimizer.step()",
-    "backward": "steps counted from backward passes (no optimizer stepped)",
-    "manual": "steps counted at Tracker.step()",
-}
-
-MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
-
-
-def _module_label(m: ModuleRecord) -> str:
-    """``path (Type)``; the path alone without a type, or when the path is the type (the model
-    itself is named by its class)."""
-    if not m.type_name or m.type_name == m.path:
-        return m.path
-    return f"{m.path} ({m.type_name})"
-
-
-def _module_row(m: ModuleRecord) -> list[object]:
-    return [
-        _module_label(m),
-        m.calls,
-        _size(m.activation_bytes_per_step),
-        _size(m.self_activation_bytes),
-        _size(m.peak_allocated),
-        _size(m.peak_over_entry),
-    ]
-
-
-def _downsample(points: Sequence[TimelinePoint], limit: int) -> list[TimelinePoint]:
-    """At most ``limit`` points, keeping each bucket's highest reading (peaks survive)."""
-    if len(points) <= limit:
-        return list(points)
-    bucket = -(-len(points) // limit)
-    out = []
-    for i in range(0, len(points), bucket):
-        out.append(max(points[i : i + bucket], key=lambda p: p.allocated))
-    return out
+        return layout.device_summary_row(self)
 
 
 @dataclass(frozen=True)
@@ -547,7 +407,7 @@ class TrackReport:
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
-            advice (:class:`memkit.tracking.ranks.RanksReport`); ``None`` otherwise.
+            advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
 
     devices: tuple[DeviceReport, ...]
@@ -645,153 +505,16 @@ class TrackReport:
             Path(path).write_text(text + "\n", encoding="utf-8")
         return text
 
-    # -- text -----------------------------------------------------------------------------
+    # -- text and HTML (memkit/render/track.py) ------------------------------------------
     def __str__(self) -> str:
-        rank = "" if self.rank is None else f" rank {self.rank}/{self.world_size}"
-        lines = [
-            f"memkit track{rank}: {self.steps} step(s) in {self.duration_s:.2f} s, "
-            f"mode {self.mode}; {STEP_RULES[self.step_rule]}",
-        ]
-        if self.micro_batches > 1:
-            lines.append(
-                f"gradient accumulation: up to {self.micro_batches} micro-batches per step; "
-                "kept/step sums a step's micro-batches (each backward frees its own, so the sum "
-                "can exceed the peak)"
-            )
-        if self.eval_forwards:
-            batch = (
-                ""
-                if self.eval_input_shape is None
-                else f", largest input {format_shape(self.eval_input_shape)}"
-            )
-            lines.append(
-                f"evaluation: {self.eval_forwards} forward pass(es){batch}, reported apart "
-                "from training (the eval column); module bytes are training forwards only"
-            )
-        lines += [
-            "",
-            table(SUMMARY_HEADERS, [d.summary_row() for d in self.devices], title="devices"),
-        ]
-        for dev in self.devices:
-            lines.append("")
-            lines.append(f"{dev.device}: {dev.accounting}")
-            if dev.breakdown is not None:
-                bd = dev.breakdown
-                where = ", ".join(
-                    x
-                    for x in (
-                        None if bd.step is None else f"step {bd.step}",
-                        bd.phase,
-                        next(
-                            (_module_label(m) for m in dev.modules if m.path == bd.module),
-                            bd.module,
-                        ),
-                    )
-                    if x
-                )
-                what = "the peak" if bd.phase == "eval" else "the training peak"
-                lines.append(f"at {what} ({where}):")
-                lines.extend("  " + line for line in bd.text().splitlines())
-            top = dev.top_modules(10)
-            if top:
-                lines.append(
-                    table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules")
-                )
-            if dev.leak is not None:
-                lines.append(dev.leak.headline())
-        if self.ranks is not None:
-            lines.extend(["", str(self.ranks)])
-        if self.advice:
-            lines.extend(["", "advice:", advice_text(self.advice)])
-        if self.notes:
-            lines.extend(["", "notes:", *(f"- {note}" for note in self.notes)])
-        if self.oom is not None:
-            lines.extend(["", str(self.oom)])
-        return "\n".join(lines)
+        return layout.report_text(self)
 
     def __repr__(self) -> str:
         return self.__str__()
 
-    # -- HTML -----------------------------------------------------------------------------
     def html_body(self) -> str:
         """The report's HTML without the page shell."""
-        rank = "" if self.rank is None else f" (rank {self.rank}/{self.world_size})"
-        body = [
-            f"<h2>memkit track{h.escape(rank)}</h2>",
-            f'<p class="note">{self.steps} step(s) in {self.duration_s:.2f} s, mode '
-            f"{h.escape(self.mode)}</p>",
-        ]
-        if self.oom is not None:
-            body.append(self.oom.html())
-        body.append("<h3>Devices</h3>")
-        body.append(h.table(SUMMARY_HEADERS, [d.summary_row() for d in self.devices]))
-        for dev in self.devices:
-            body.append(f"<h2>{h.escape(dev.device)}: {h.escape(dev.name)}</h2>")
-            body.append(f'<p class="note">{h.escape(dev.accounting)}</p>')
-            pts = _downsample(dev.timeline, MAX_PLOT_POINTS)
-            series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
-            if any(p.reserved != p.allocated for p in pts):
-                series.append(("reserved", [(p.t, float(p.reserved)) for p in pts]))
-            highest = max(dev.peak_allocated, dev.peak_reserved)
-            capacity_note = ""
-            if dev.capacity and dev.capacity <= CAPACITY_IN_PLOT * highest:
-                series.append(
-                    (
-                        "capacity",
-                        [(pts[0].t, dev.capacity), (pts[-1].t, dev.capacity)] if pts else [],
-                    )
-                )
-            elif dev.capacity:  # a flat line far above would squash the readings to the floor
-                capacity_note = (
-                    f'<p class="note">capacity {h.escape(format_size(dev.capacity))} is above '
-                    f"this chart: the peak, {h.escape(format_size(highest))}, is "
-                    f"{100 * highest / dev.capacity:.0f}% of it.</p>"
-                )
-            body.append("<h3>Memory over time</h3>")
-            body.append(
-                h.line_plot(
-                    series,
-                    width=900,
-                    height=240,
-                    x_label="seconds since the start",
-                    y_label="memory",
-                    y_bytes=True,
-                )
-            )
-            body.append(capacity_note)
-            if dev.timeline_dropped:
-                body.append(f'<p class="note">{dev.timeline_dropped} older readings not kept.</p>')
-            if dev.steps:
-                body.append("<h3>Peak per step</h3>")
-                body.append(
-                    h.line_plot(
-                        [
-                            ("step peak", [(s.step, float(s.peak_allocated)) for s in dev.steps]),
-                            ("end of step", [(s.step, float(s.end_allocated)) for s in dev.steps]),
-                        ],
-                        width=900,
-                        height=180,
-                        x_label="step",
-                        y_label="memory per step",
-                        y_bytes=True,
-                        x_integer=True,
-                        markers=len(dev.steps) <= 60,
-                    )
-                )
-            if dev.breakdown is not None:
-                body.append(_breakdown_html(dev.breakdown))
-            top = dev.top_modules(25)
-            if top:
-                body.append("<h3>Modules (largest activations first)</h3>")
-                body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
-        if self.ranks is not None:
-            body.append(self.ranks.html_body())
-        if self.advice or self.oom is None:  # the post-mortem above has its own advice
-            body.append("<h3>Advice</h3>")
-            body.append(advice_html(list(self.advice)))
-        if self.notes:
-            body.append("".join(f'<p class="note">{h.escape(n)}</p>' for n in self.notes))
-        return "".join(body)
+        return layout.report_html_body(self)
 
     def _repr_html_(self) -> str:
         return h.fragment(self.html_body())

@@ -24,8 +24,9 @@ import itertools
 from memkit import advice as rules_of
 from memkit.advice import Advice
 from memkit.oom import OomDetails
+from memkit.render.track import format_shape
 from memkit.tracking.leaks import graph_retained_advice
-from memkit.tracking.report import DeviceReport, OomPostMortem, TrackReport, format_shape
+from memkit.tracking.report import DeviceReport, OomPostMortem, TrackReport
 from memkit.units import format_size
 
 __all__ = ["eval_grad_enabled", "graph_retained", "measured_advice", "oom_advice", "track_advice"]

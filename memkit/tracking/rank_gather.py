@@ -257,6 +257,8 @@ class RankWatch:
         self.find_unused: bool | None = None
         self.checked = 0
         self.done = False
+        self.report: RanksReport | None = None
+        """Rank 0's report of all ranks, once gathered (the tracker's report shows it)."""
         self._unwrap: tuple[Any, Any] | None = None
 
     @staticmethod
@@ -344,6 +346,6 @@ class RankWatch:
             log.warning("memkit: could not gather the ranks' summaries: %s", exc)
             self.tracker.notes.append(f"ranks not gathered: {exc}")
             return
-        self.tracker._ranks_report = report
+        self.report = report
         if report is None:
             self.tracker.notes.append("this rank's summary was sent to rank 0's report")

@@ -1,0 +1,362 @@
+"""Text and HTML layout of :func:`memkit.track`'s results (:mod:`memkit.tracking.report`).
+
+Pure functions of the recorded numbers: the result classes delegate their ``__str__``,
+``text()``, ``html()`` and ``html_body()`` here. No torch at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memkit.advice import advice_html, advice_text
+from memkit.render import html as h
+from memkit.render.text import table
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.tracking.report import (
+        Breakdown,
+        DeviceReport,
+        ModuleRecord,
+        OomPostMortem,
+        TimelinePoint,
+        TrackReport,
+    )
+
+__all__ = [
+    "CAPACITY_IN_PLOT",
+    "MAX_PLOT_POINTS",
+    "MODULE_HEADERS",
+    "STEP_RULES",
+    "breakdown_html",
+    "breakdown_text",
+    "device_summary_row",
+    "format_shape",
+    "postmortem_html",
+    "postmortem_text",
+    "report_html_body",
+    "report_text",
+    "summary_headers",
+]
+
+MAX_PLOT_POINTS = 1200
+"""The HTML plot keeps at most this many points per device (peak-preserving downsampling)."""
+
+CAPACITY_IN_PLOT = 4
+"""The HTML memory plot draws the capacity line when it is at most this many times the peak
+(further up, it would squash the readings to the floor; a note gives it instead)."""
+
+STEP_RULES = {
+    "optimizer": "steps counted at optimizer.step()",
+    "backward": "steps counted from backward passes (no optimizer stepped)",
+    "manual": "steps counted at Tracker.step()",
+}
+
+MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``(1000, 1, 28, 28)``."""
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _size(value: int | None) -> str:
+    return "-" if value is None else format_size(value)
+
+
+def _phases() -> tuple[str, ...]:
+    from memkit.tracking.report import PHASES  # the result module imports this one
+
+    return PHASES
+
+
+def summary_headers() -> list[str]:
+    """The columns of the device summary table (one per phase)."""
+    return ["device", "name", "capacity", "peak alloc", "peak reserved", *_phases(), "steps"]
+
+
+def device_summary_row(dev: DeviceReport) -> list[object]:
+    """A row of the device summary table."""
+    return [
+        dev.device,
+        dev.name,
+        _size(dev.capacity),
+        _size(dev.peak_allocated),
+        _size(dev.peak_reserved),
+        *(_size(dev.phase_peaks.get(p)) for p in _phases()),
+        len(dev.steps),
+    ]
+
+
+def module_label(m: ModuleRecord) -> str:
+    """``path (Type)``; the path alone without a type, or when the path is the type (the model
+    itself is named by its class)."""
+    if not m.type_name or m.type_name == m.path:
+        return m.path
+    return f"{m.path} ({m.type_name})"
+
+
+def _module_row(m: ModuleRecord) -> list[object]:
+    return [
+        module_label(m),
+        m.calls,
+        _size(m.activation_bytes_per_step),
+        _size(m.self_activation_bytes),
+        _size(m.peak_allocated),
+        _size(m.peak_over_entry),
+    ]
+
+
+def _downsample(points: Sequence[TimelinePoint], limit: int) -> list[TimelinePoint]:
+    """At most ``limit`` points, keeping each bucket's highest reading (peaks survive)."""
+    if len(points) <= limit:
+        return list(points)
+    bucket = -(-len(points) // limit)
+    out = []
+    for i in range(0, len(points), bucket):
+        out.append(max(points[i : i + bucket], key=lambda p: p.allocated))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# the breakdown and the post-mortem
+
+
+def breakdown_text(bd: Breakdown) -> str:
+    """One line per category with its share of the total."""
+    rows = []
+    for name, value in bd.parts():
+        share = f"{100.0 * value / bd.total:.0f}%" if bd.total else "-"
+        rows.append([name, format_size(value), share])
+    rows.append(["total", format_size(bd.total), ""])
+    return table(["category", "bytes", "share"], rows, align="lrr")
+
+
+def breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
+    """A section: the categories as a stacked bar, a legend and a table."""
+    parts = [(f"{name}: {format_size(v)}", float(v)) for name, v in bd.parts()]
+    where = ", ".join(
+        x
+        for x in (
+            None if bd.step is None else f"step {bd.step}",
+            bd.phase,
+            None if bd.module is None else bd.module,
+        )
+        if x
+    )
+    rows = [[name, format_size(v)] for name, v in bd.parts()]
+    note = f'<p class="note">{h.escape(bd.note)}</p>' if bd.note else ""
+    return (
+        f"<h3>{h.escape(title)} ({h.escape(format_size(bd.total))}; {h.escape(where)})</h3>"
+        + h.stacked_bar(parts, float(bd.total), width_px=480)
+        + h.legend([name for name, _ in bd.parts()])
+        + h.table(["category", "bytes"], rows)
+        + note
+    )
+
+
+def postmortem_text(pm: OomPostMortem) -> str:
+    """The post-mortem as printed to stderr."""
+    rank = "" if pm.rank is None else f" (rank {pm.rank})"
+    lines = [
+        f"memkit: out of memory on {pm.device}{rank} at {pm.where}",
+        f"  {pm.exception}",
+        f"  tried to allocate {_size(pm.tried_to_allocate)}; "
+        f"capacity {_size(pm.capacity)}, free {_size(pm.free)}, "
+        f"held by tensors {_size(pm.allocated)}",
+    ]
+    if pm.training is False and pm.grad_enabled:
+        lines.append("  the last forward ran in eval mode with autograd recording")
+    if pm.breakdown is not None:
+        lines.append("  what was allocated:")
+        lines.extend("    " + line for line in breakdown_text(pm.breakdown).splitlines())
+    if pm.top_modules:
+        lines.append("  largest activations (kept after forward, per step):")
+        rows = [[path, format_size(size)] for path, size in pm.top_modules]
+        lines.extend("    " + line for line in table(["module", "bytes"], rows).splitlines())
+    if pm.leak is not None:
+        lines.append(f"  before this, {pm.leak.headline()}")
+    if pm.advice:
+        lines.append("  advice:")
+        lines.extend("    " + line for line in advice_text(pm.advice).splitlines())
+    return "\n".join(lines)
+
+
+def postmortem_html(pm: OomPostMortem) -> str:
+    """The post-mortem as an HTML section (no page shell)."""
+    rows = [
+        ["where", pm.where],
+        ["exception", pm.exception],
+        ["tried to allocate", _size(pm.tried_to_allocate)],
+        ["capacity", _size(pm.capacity)],
+        ["free", _size(pm.free)],
+        ["held by tensors", _size(pm.allocated)],
+    ]
+    body = [f"<h2>Out of memory on {h.escape(pm.device)}</h2>", h.table(["", ""], rows)]
+    if pm.breakdown is not None:
+        body.append(breakdown_html(pm.breakdown, "When it failed"))
+    if pm.top_modules:
+        body.append("<h3>Largest activations</h3>")
+        body.append(h.table(["module", "bytes"], [[p, format_size(s)] for p, s in pm.top_modules]))
+    body.append("<h3>Advice</h3>")
+    body.append(advice_html(list(pm.advice)))
+    return "".join(body)
+
+
+# ----------------------------------------------------------------------------------------
+# the report
+
+
+def report_text(report: TrackReport) -> str:
+    """The whole report as text (``str(report)``, ``memkit run``'s output)."""
+    rank = "" if report.rank is None else f" rank {report.rank}/{report.world_size}"
+    lines = [
+        f"memkit track{rank}: {report.steps} step(s) in {report.duration_s:.2f} s, "
+        f"mode {report.mode}; {STEP_RULES[report.step_rule]}",
+    ]
+    if report.micro_batches > 1:
+        lines.append(
+            f"gradient accumulation: up to {report.micro_batches} micro-batches per step; "
+            "kept/step sums a step's micro-batches (each backward frees its own, so the sum "
+            "can exceed the peak)"
+        )
+    if report.eval_forwards:
+        batch = (
+            ""
+            if report.eval_input_shape is None
+            else f", largest input {format_shape(report.eval_input_shape)}"
+        )
+        lines.append(
+            f"evaluation: {report.eval_forwards} forward pass(es){batch}, reported apart "
+            "from training (the eval column); module bytes are training forwards only"
+        )
+    lines += [
+        "",
+        table(summary_headers(), [d.summary_row() for d in report.devices], title="devices"),
+    ]
+    for dev in report.devices:
+        lines.append("")
+        lines.extend(_device_text(dev))
+    if report.ranks is not None:
+        lines.extend(["", str(report.ranks)])
+    if report.advice:
+        lines.extend(["", "advice:", advice_text(report.advice)])
+    if report.notes:
+        lines.extend(["", "notes:", *(f"- {note}" for note in report.notes)])
+    if report.oom is not None:
+        lines.extend(["", str(report.oom)])
+    return "\n".join(lines)
+
+
+def _device_text(dev: DeviceReport) -> list[str]:
+    lines = [f"{dev.device}: {dev.accounting}"]
+    if dev.breakdown is not None:
+        bd = dev.breakdown
+        where = ", ".join(
+            x
+            for x in (
+                None if bd.step is None else f"step {bd.step}",
+                bd.phase,
+                next((module_label(m) for m in dev.modules if m.path == bd.module), bd.module),
+            )
+            if x
+        )
+        what = "the peak" if bd.phase == "eval" else "the training peak"
+        lines.append(f"at {what} ({where}):")
+        lines.extend("  " + line for line in bd.text().splitlines())
+    top = dev.top_modules(10)
+    if top:
+        lines.append(table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules"))
+    if dev.leak is not None:
+        lines.append(dev.leak.headline())
+    return lines
+
+
+def report_html_body(report: TrackReport) -> str:
+    """The report's HTML without the page shell."""
+    rank = "" if report.rank is None else f" (rank {report.rank}/{report.world_size})"
+    body = [
+        f"<h2>memkit track{h.escape(rank)}</h2>",
+        f'<p class="note">{report.steps} step(s) in {report.duration_s:.2f} s, mode '
+        f"{h.escape(report.mode)}</p>",
+    ]
+    if report.oom is not None:
+        body.append(report.oom.html())
+    body.append("<h3>Devices</h3>")
+    body.append(h.table(summary_headers(), [d.summary_row() for d in report.devices]))
+    for dev in report.devices:
+        body.extend(_device_html(dev))
+    if report.ranks is not None:
+        body.append(report.ranks.html_body())
+    if report.advice or report.oom is None:  # the post-mortem above has its own advice
+        body.append("<h3>Advice</h3>")
+        body.append(advice_html(list(report.advice)))
+    if report.notes:
+        body.append("".join(f'<p class="note">{h.escape(n)}</p>' for n in report.notes))
+    return "".join(body)
+
+
+def _device_html(dev: DeviceReport) -> list[str]:
+    body = [
+        f"<h2>{h.escape(dev.device)}: {h.escape(dev.name)}</h2>",
+        f'<p class="note">{h.escape(dev.accounting)}</p>',
+        "<h3>Memory over time</h3>",
+        *_memory_plot(dev),
+    ]
+    if dev.timeline_dropped:
+        body.append(f'<p class="note">{dev.timeline_dropped} older readings not kept.</p>')
+    if dev.steps:
+        body.append("<h3>Peak per step</h3>")
+        body.append(
+            h.line_plot(
+                [
+                    ("step peak", [(s.step, float(s.peak_allocated)) for s in dev.steps]),
+                    ("end of step", [(s.step, float(s.end_allocated)) for s in dev.steps]),
+                ],
+                width=900,
+                height=180,
+                x_label="step",
+                y_label="memory per step",
+                y_bytes=True,
+                x_integer=True,
+                markers=len(dev.steps) <= 60,
+            )
+        )
+    if dev.breakdown is not None:
+        body.append(breakdown_html(dev.breakdown))
+    top = dev.top_modules(25)
+    if top:
+        body.append("<h3>Modules (largest activations first)</h3>")
+        body.append(h.table(MODULE_HEADERS, [_module_row(m) for m in top]))
+    return body
+
+
+def _memory_plot(dev: DeviceReport) -> list[str]:
+    """The readings over time (allocated, reserved where it differs, the capacity when it
+    fits the chart), then a note on the capacity when it does not."""
+    pts = _downsample(dev.timeline, MAX_PLOT_POINTS)
+    series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
+    if any(p.reserved != p.allocated for p in pts):
+        series.append(("reserved", [(p.t, float(p.reserved)) for p in pts]))
+    highest = max(dev.peak_allocated, dev.peak_reserved)
+    capacity_note = ""
+    if dev.capacity and dev.capacity <= CAPACITY_IN_PLOT * highest:
+        series.append(
+            ("capacity", [(pts[0].t, dev.capacity), (pts[-1].t, dev.capacity)] if pts else [])
+        )
+    elif dev.capacity:  # a flat line far above would squash the readings to the floor
+        capacity_note = (
+            f'<p class="note">capacity {h.escape(format_size(dev.capacity))} is above '
+            f"this chart: the peak, {h.escape(format_size(highest))}, is "
+            f"{100 * highest / dev.capacity:.0f}% of it.</p>"
+        )
+    plot = h.line_plot(
+        series,
+        width=900,
+        height=240,
+        x_label="seconds since the start",
+        y_label="memory",
+        y_bytes=True,
+    )
+    return [plot, capacity_note]

@@ -1,0 +1,178 @@
+"""What allocated memory consisted of at the training peak (or at an OOM), and the evidence
+read from the live model and optimizer for it.
+
+Parameters, gradients and optimizer state are byte sums of the tracked objects' tensors on the
+device (each storage once); activations are the growth since the step's forward began, less
+what was created of those three since then; other is the rest. The tracker runs this off the
+hot path: when a phase ends or a forward returns after a new peak (``DeviceRecord.pending``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER
+from memkit.tracking.records import DeviceRecord
+from memkit.tracking.report import PHASES, Breakdown
+
+__all__ = ["breakdown", "gradient_witness", "param_dtype", "persistent_bytes"]
+
+
+def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
+    """The dtype holding most bytes of the modules' trainable floating parameters."""
+    sizes: dict[str, int] = {}
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad and p.is_floating_point():
+                key = str(p.dtype).replace("torch.", "")
+                sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+    return max(sizes, key=lambda k: sizes[k]) if sizes else None
+
+
+def gradient_witness(
+    modules: Iterable[torch.nn.Module], optimizers: Iterable[Any]
+) -> torch.Tensor | None:
+    """A trainable parameter whose ``.grad`` tells whether gradients are allocated now (all
+    of a model's gradients come and go together: backward creates them, ``zero_grad`` frees
+    them)."""
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad:
+                return p
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    return p
+    return None
+
+
+def persistent_bytes(
+    dev: DeviceRecord,
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    model: torch.nn.Module | None,
+    primary: bool,
+) -> tuple[int, int, int]:
+    """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
+
+    Each storage counts once (tied weights, views); ``model`` is the tracked model (a
+    DataParallel one's replicas count on the devices other than the ``primary`` one).
+    """
+    target = dev.backend.device
+    holds = getattr(dev.backend, "holds", None)
+    seen: set[tuple[int, int]] = set()
+
+    def size(t: torch.Tensor) -> int:
+        if holds is not None:
+            if not holds(t):
+                return 0
+        elif t.device.type != target.type or (
+            target.index is not None and t.device.index not in (None, target.index)
+        ):
+            return 0
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return 0
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(key)
+        return int(storage.nbytes())
+
+    params = grads = state = 0
+    all_params: list[torch.Tensor] = []
+    for mod in modules:
+        all_params.extend(mod.parameters())
+        for b in mod.buffers():
+            params += size(b)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            all_params.extend(group["params"])
+    for p in all_params:
+        params += size(p)
+    for p in all_params:
+        if p.grad is not None:
+            grads += size(p.grad)
+    for opt in optimizers:
+        for st in opt.state.values():
+            for v in st.values() if isinstance(st, dict) else ():
+                if isinstance(v, torch.Tensor):
+                    state += size(v)
+    if params == 0 and not all_params:  # the model is gone: what was last seen
+        params = dev.params_full
+    if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
+        # replicas on the other devices: broadcast copies of the weights for each forward
+        params = sum(int(p.numel() * p.element_size()) for p in model.parameters())
+    return params, grads, state
+
+
+def breakdown(
+    dev: DeviceRecord,
+    persistent: tuple[int, int, int],
+    total: int,
+    step: int | None,
+    phase: int,
+    module: str | None,
+    base: int | None,
+    grads_none: bool,
+    state_empty: bool,
+    grads_none_now: bool,
+    state_empty_now: bool,
+) -> Breakdown:
+    """``total`` allocated bytes of ``dev`` by category, at a moment of phase ``phase``.
+
+    ``persistent``: :func:`persistent_bytes` now; ``base``: allocated bytes when the step's
+    forward began (``None``: unknown, no activations); ``grads_none``/``state_empty``: whether
+    gradients and optimizer state were absent then, ``*_now``: whether they are now.
+    """
+    params, grads_now, state_now = persistent
+    # sizes of full gradients / state, remembered: they may be freed (zero_grad with
+    # set_to_none) between the peak and this computation
+    dev.grads_full = max(dev.grads_full, grads_now)
+    dev.state_full = max(dev.state_full, state_now)
+    grads_known = grads_now or dev.grads_full
+    state_known = state_now or dev.state_full
+    # in backward, gradients are created progressively: as of the end of it, capped below.
+    # In forward they can only disappear (zero_grad after the loss): present at the peak
+    # if present when the forward began.
+    if phase == FORWARD:
+        grads_none_now = grads_none_now and grads_none
+    grads = grads_now if phase == BACKWARD else 0 if grads_none_now else grads_known
+    state = 0 if state_empty_now else state_known
+    note = None
+    rest = total - params - grads - state
+    if rest < 0:
+        # gradients are counted when the phase ended; in backward they grow after the peak
+        grads = max(0, grads + rest)
+        rest = max(0, total - params - grads - state)
+        note = "gradients counted at the end of the phase, capped to fit the total"
+    if base is None:
+        acts, other = 0, rest
+    else:
+        grads_base = 0 if grads_none else grads_known
+        state_base = 0 if state_empty else state_known
+        other = max(0, base - params - grads_base - state_base)
+        acts = max(0, rest - other)
+        other = rest - acts
+    if phase == OPTIMIZER and acts:
+        note = (note + "; " if note else "") + (
+            "in the optimizer phase, activations are the optimizer's temporaries and any "
+            "activations still alive"
+        )
+    return Breakdown(
+        total=total,
+        parameters=params,
+        gradients=grads,
+        optimizer_state=state,
+        activations=acts,
+        other=other,
+        step=step,
+        phase=PHASES[phase],
+        module=module,
+        note=note,
+    )

@@ -1,0 +1,576 @@
+"""The hooks: module forward pre/post hooks, gradient hooks, the ``autograd.backward`` wrapper,
+optimizer step hooks, and the hot path they share.
+
+``with memkit.track(model, optimizer=opt) as tracker:`` installs
+
+* forward pre/post hooks on every submodule of ``model`` (``per_module=True``), on ``model``
+  alone (``per_module=False``), or, with no model, torch's global module hooks
+  (``register_module_forward_pre_hook``/``register_module_forward_hook``);
+* a gradient hook on each module's output tensor (registered by the forward post hook): it fires
+  when backward reaches that module, which marks the start of the module's backward. The first
+  one of a backward pass queues an autograd-engine callback that marks its end. memkit does not
+  use ``register_full_backward_hook``: it wraps every module's inputs and outputs in an extra
+  autograd function, which breaks in-place ops (``ReLU(inplace=True)``) and costs more;
+* optimizer step pre/post hooks (``optimizer`` given), else the global
+  ``register_optimizer_step_pre_hook``/``register_optimizer_step_post_hook``.
+
+Hooks only read counters (:func:`memkit.devices.counter_reader`: one call returns allocated,
+reserved and both peaks) and reset the peak, append a tuple to a bounded deque and update a few
+integers: no sync, no subprocess, no device allocation. Anything heavier (the breakdown, the
+leak scan) runs at phase or step boundaries (memkit/tracking/phases.py).
+
+Peaks: every hook closes a *segment* (the time since the previous hook on that device): the
+device's peak counter is read and reset. A segment's peak belongs to the phase and innermost
+module running during it, so per-phase, per-step and per-module peaks are exact, not sampled.
+Side effect: ``torch.cuda.max_memory_allocated()`` is reset at every hook while tracking; use the
+report's peaks instead.
+
+:class:`Hooks` is a part of :class:`~memkit.tracking.tracker.Tracker` (a base class, not an
+object of its own): the hot path reads the tracker's attributes directly, as fast as before
+the split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memkit.tracking.phases import (
+    BACKWARD,
+    EVAL,
+    EVAL_PASS,
+    OPTIMIZER,
+    OTHER,
+    TRAIN_PASS,
+    PhaseMachine,
+)
+from memkit.tracking.records import DeviceRecord, Frame, IgnoredCall, ModuleStat, RootInfo
+
+if TYPE_CHECKING:
+    from memkit.tracking.rank_gather import RankWatch
+
+__all__ = ["Hooks"]
+
+log = logging.getLogger(__name__)
+
+_clock = time.perf_counter
+
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+class Hooks(PhaseMachine):
+    """Installs and removes the hooks; the hot path that attributes every segment's peak."""
+
+    # the tracker's state the hooks read and write (set in Tracker.__init__)
+    model: torch.nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
+    per_module: bool
+    notes: list[str]
+    _handles: list[Any]
+    _tls: threading.local
+    _single: DeviceRecord | None
+    _failed: bool
+    _step_owner: weakref.ref[Any] | None
+    _optimizer_name: str | None
+    _warning_filter: Any
+    _backward_depth: int
+    _unwrap: tuple[Any, Any] | None
+    _dp_output_bytes: int
+    _fail: tuple[int, DeviceRecord, int, int, str | None] | None
+    _ranks_watch: RankWatch | None
+
+    if TYPE_CHECKING:  # defined by Tracker
+
+        def _dev_for_args(self, args: Any) -> DeviceRecord: ...
+        def _dev_index(self, index: int) -> DeviceRecord: ...
+        def _index_of(self, tensor: torch.Tensor) -> int: ...
+
+    def _install(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        h = self._handles
+        if self.model is not None:
+            root_name = type(self.model).__name__
+            targets: Iterable[tuple[str, torch.nn.Module]] = (
+                self.model.named_modules() if self.per_module else [("", self.model)]
+            )
+            for name, mod in targets:
+                label = name or root_name
+                leaf = not any(True for _ in mod.children())
+                h.append(mod.register_forward_pre_hook(self._make_pre(label, leaf)))
+                h.append(mod.register_forward_hook(self._make_post(label), always_call=True))
+            if isinstance(self.model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
+                h.append(self.model.register_forward_hook(self._make_dp_output()))
+        else:  # every module: the trained model is found as its forward runs
+            h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
+            h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+            # torch warns once per call site that global hooks also fire for torch.compile's
+            # wrapper; memkit expects that and keeps the user's stderr quiet
+            before = list(warnings.filters)
+            warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+            added = warnings.filters[0]
+            self._warning_filter = None if added in before else added  # a user's stays
+        self._wrap_backward()
+        self._wrap_data_loading()
+        if self.optimizers:
+            for opt in self.optimizers:
+                h.append(opt.register_step_pre_hook(self._opt_pre))
+                h.append(opt.register_step_post_hook(self._opt_post))
+        else:
+            h.append(optim_module.register_optimizer_step_pre_hook(self._opt_pre))
+            h.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
+
+    def _wrap_backward(self) -> None:
+        """Mark backward's start and end exactly: wrap ``torch.autograd.backward`` (what
+        ``Tensor.backward`` calls) for the block. The first gradient hook comes too late: the
+        loss's own backward (e.g. the gradient of the logits) runs before it."""
+        autograd = torch.autograd
+        original = autograd.backward
+        begin, end = self._begin_backward, self._end_backward
+
+        def failed() -> None:
+            with self._lock:
+                self._backward_depth = max(0, self._backward_depth - 1)
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            begin()
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                failed()  # keep the phase: a post-mortem reads it
+                raise
+            end()
+            return result
+
+        autograd.backward = backward
+        self._unwrap = (original, backward)
+
+    def _wrap_data_loading(self) -> None:
+        """Data loading is host work: while a DataLoader fetches a batch (datasets, transforms,
+        collation), the simulated device counts nothing."""
+        sim = self._sim
+        if sim is None:
+            return
+        from torch.utils.data import dataloader
+
+        cls = dataloader._BaseDataLoaderIter
+        original = cls.__next__
+
+        @functools.wraps(original)
+        def fetch(it: Any) -> Any:
+            acct = sim.accountant
+            if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
+                with _disable_current_modes():
+                    return original(it)
+            if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
+                return original(it)
+            saved = acct.counting, acct.adopting
+            sim.count_ops(False, False)
+            try:
+                return original(it)
+            finally:
+                sim.count_ops(*saved)
+
+        cls.__next__ = fetch  # type: ignore[method-assign,assignment]
+        self._handles.append(_Restore(cls, "__next__", original, fetch))
+
+    def _remove(self) -> None:
+        if self._warning_filter is not None:
+            with contextlib.suppress(ValueError):
+                warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+            self._warning_filter = None
+        if self._ranks_watch is not None:
+            self._ranks_watch.remove()
+        unwrap = self._unwrap
+        if unwrap is not None:
+            original, wrapper = unwrap
+            if torch.autograd.backward is wrapper:
+                torch.autograd.backward = original
+            else:  # someone wrapped it after us: leave theirs, make ours a no-op
+                log.debug("torch.autograd.backward was re-wrapped; leaving it")
+            self._unwrap = None
+        while self._handles:
+            handle = self._handles.pop()
+            try:
+                handle.remove()
+            except Exception:  # a handle whose owner is gone
+                log.debug("could not remove hook %r", handle, exc_info=True)
+
+    # the hot path
+
+    def _close(self, dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None:
+        """Attribute a segment's peak ``p`` (reserved ``pr``) to the current phase."""
+        ph = self._phase
+        sp = dev.step_phase
+        cur = sp[ph]
+        if cur is None or p > cur:
+            sp[ph] = p
+        if p > dev.step_peak:
+            dev.step_peak = p
+        if pr > dev.step_peak_res:
+            dev.step_peak_res = pr
+        if pr > dev.peak_res:
+            dev.peak_res = pr
+        if p > dev.peak:
+            dev.peak = p
+        if p > dev.train_peak and (ph != EVAL or not self._trained) and not self._failed:
+            dev.train_peak = p
+            dev.pending = (
+                p,
+                self._step,
+                ph,
+                owner,
+                dev.forward_base,
+                dev.base_grads_none,
+                dev.base_state_empty,
+                self._grads_none(),
+                self._state_empty(),
+            )
+
+    # Hooks on modules are plain closures, not bound methods or partials: ``copy.deepcopy`` of
+    # a tracked model (an EMA copy) copies functions by reference, but would try to copy the
+    # tracker (and its locks) through a bound method. Inert once the block has exited.
+    def _make_pre(self, name: str, leaf: bool) -> Callable[[Any, Any], None]:
+        impl = self._pre
+        root = type(self.model).__name__
+        key = f"{root}.{name}" if name else root
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            impl(key, leaf, module, args, None)
+
+        return pre
+
+    def _make_post(self, name: str) -> Callable[[Any, Any, Any], None]:
+        impl = self._post
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            impl(module, args, output)
+
+        return post
+
+    def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._active:
+            return
+        tls = self._tls
+        try:
+            stack = tls.stack
+        except AttributeError:
+            stack = tls.stack = []
+        root: RootInfo | None = None
+        if stack:
+            if stack[-1].kind < 0 or not self.per_module:
+                stack.append(IgnoredCall(id(module)))
+                return
+            keys = tls.keys
+        else:
+            root = self._owners.get(id(module))
+            if root is None or root.ref() is None:  # not a part of a model seen before
+                root = self._root_info(module)
+                if not root.model:  # a loss module, a data transform: not the model
+                    stack.append(IgnoredCall(id(module)))
+                    return
+            keys = tls.keys = root.keys
+        key = keys.get(id(module), "")
+        if key is None:  # torch.compile's wrapped module: its wrapper stands for it
+            return
+        if not key:
+            key = f"{next(iter(keys.values()))}.{type(module).__name__}"
+        self._pre(key, not module._modules, module, args, root)
+
+    def _pre(
+        self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: RootInfo | None
+    ) -> None:
+        if not self._active:
+            return
+        tls = self._tls
+        try:
+            stack = tls.stack
+        except AttributeError:
+            stack = tls.stack = []
+        if stack:
+            if stack[-1].kind < 0:  # inside a module that is not the model
+                stack.append(IgnoredCall(id(module)))
+                return
+        elif root is None:
+            root = self._root_info(module)
+            if not root.model:  # a parameterless submodule run on its own (a loss, a metric)
+                stack.append(IgnoredCall(id(module)))
+                return
+        dev = self._single or self._dev_for_args(args)
+        kind = stack[-1].kind if stack else self._root_pre(module, args, root)
+        a, r, p, pr = dev.read()
+        if p > a:
+            dev.reset()
+        if stack:
+            top = stack[-1]
+            self._close(dev, p, pr, top.name)
+            if p > top.max:
+                top.max = p
+        else:
+            self._close(dev, p, pr, None)
+        ms = dev.modules.get(name)
+        if ms is None:
+            # gradient hooks only where backward does real work: modules with their own
+            # parameters, and the top-level module (backward start in steps-only mode)
+            hook = bool(module._parameters) or not stack
+            bw = functools.partial(self._bw, name) if hook else None
+            inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model
+            ms = dev.modules[name] = ModuleStat(leaf, bw, type(inner).__name__)
+        frame = Frame(name, id(module), dev, a, ms, kind)
+        if not stack and not module.training and torch.is_grad_enabled():
+            frame.eval_grad = True
+        stack.append(frame)
+        dev.timeline.append((_clock() - self._t0, self._step, self._phase, name, a, r))
+        dev.events += 1
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._active:
+            return
+        tls = self._tls
+        stack = getattr(tls, "stack", None)
+        if not stack:
+            return
+        frame = stack.pop()
+        if frame.mid != id(module):
+            # a module whose post hook did not run (hooks added mid-forward): unwind to ours
+            stack.append(frame)
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i].mid == id(module):
+                    del stack[i + 1 :]
+                    break
+            else:
+                return
+            frame = stack.pop()
+        kind = frame.kind
+        if kind < 0:
+            return
+        dev = frame.dev
+        a, r, p, pr = dev.read()
+        if p > a:
+            dev.reset()
+        name = frame.name
+        self._close(dev, p, pr, name)
+        fmax = frame.max if frame.max > p else p
+        if output is None:
+            exc = sys.exc_info()[1]
+            if exc is not None and (self._fail is None or self._fail[0] != id(exc)):
+                self._fail = (id(exc), dev, self._phase, self._step, name)
+        alloc_in = frame.alloc_in
+        delta = a - alloc_in
+        ms = frame.ms
+        step = self._step
+        if kind == TRAIN_PASS:  # what a training forward keeps for backward
+            ms.calls += 1
+            if delta > ms.act_max:
+                ms.act_max = delta
+            own = delta - frame.children
+            if own > ms.self_max:
+                ms.self_max = own
+            if ms.step_id != step:
+                ms.step_id = step
+                ms.step_sum = delta
+            else:
+                ms.step_sum += delta
+            if ms.step_sum > ms.step_max:
+                ms.step_max = ms.step_sum
+            if fmax > ms.peak:
+                ms.peak = fmax
+            if fmax - alloc_in > ms.over_max:
+                ms.over_max = fmax - alloc_in
+        elif kind == EVAL_PASS:
+            ms.eval_calls += 1
+        else:
+            ms.recompute_calls += 1
+        if stack:
+            parent = stack[-1]
+            parent.children += delta
+            if fmax > parent.max:
+                parent.max = fmax
+        else:
+            self._root_post(frame, delta, dev)
+        bw = ms.bw
+        if bw is not None and kind == TRAIN_PASS:
+            t = output if type(output) is torch.Tensor else _first_tensor(output)
+            if t is not None and t.requires_grad:
+                last = getattr(tls, "hooked", None)
+                if last is None or last() is not t:
+                    t.register_hook(bw)
+                    tls.hooked = weakref.ref(t)
+        dev.timeline.append((_clock() - self._t0, step, self._phase, name, a, r))
+        dev.events += 1
+
+    def _bw(self, name: str, grad: torch.Tensor) -> None:
+        if not self._active:
+            return
+        if self._phase != BACKWARD:  # a backward that did not go through autograd.backward
+            with self._lock:
+                if self._phase != BACKWARD:
+                    self._transition(BACKWARD)
+                    _queue_callback(self._end_queued)
+        dev = self._single or self._dev_index(self._index_of(grad))
+        if self.per_module:
+            a, r, p, pr = dev.read()
+            if p > a:
+                dev.reset()
+            self._close(dev, p, pr, dev.bw_module)
+            dev.timeline.append((_clock() - self._t0, self._step, BACKWARD, name, a, r))
+            dev.events += 1
+        dev.bw_module = name
+
+    def _begin_backward(self) -> None:
+        if not self._active:
+            return
+        with self._lock:
+            if self._phase != BACKWARD:
+                self._transition(BACKWARD)
+            self._backward_depth += 1
+
+    def _end_backward(self) -> None:
+        if not self._active:
+            return
+        with self._lock:
+            if self._backward_depth > 0:
+                self._backward_depth -= 1
+            if self._phase == BACKWARD and self._backward_depth == 0:
+                self._backwards_in_step += 1
+                self._transition(OTHER)
+
+    def _end_queued(self) -> None:
+        if self._active and self._backward_depth == 0:
+            with self._lock:
+                if self._phase == BACKWARD:
+                    self._backwards_in_step += 1
+                    self._transition(OTHER)
+
+    def _make_dp_output(self) -> Callable[[Any, Any, Any], None]:
+        """A forward hook on a DataParallel model: the largest gathered output, in bytes."""
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if not self._active:
+                return
+            values = output.values() if isinstance(output, dict) else output
+            tensors = [output] if isinstance(output, torch.Tensor) else list(values or ())
+            size = sum(
+                int(t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)
+            )
+            if size > self._dp_output_bytes:
+                self._dp_output_bytes = size
+
+        return hook
+
+    def _opt_pre(
+        self, optimizer: Any, args: Any, kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._active:
+            return None
+        if id(optimizer) not in self._seen_optimizers:
+            self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
+            if self._step_owner is None:
+                self._step_owner = weakref.ref(optimizer)
+                self._optimizer_name = type(optimizer).__name__
+            if self._grad_witness is None:
+                self._grad_witness = self._find_grad_witness()
+        # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
+        # and backward run inside step(); the optimizer's own work starts when the closure
+        # returns. ``args`` starts with the optimizer itself.
+        kwargs = dict(kwargs or {})
+        closure = kwargs.get("closure")
+        if callable(closure):
+            kwargs["closure"] = self._after_closure(optimizer, closure)
+            return tuple(args), kwargs
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
+        self._optimizer_begins(optimizer)
+        return None
+
+    def _after_closure(self, optimizer: Any, closure: Callable[..., Any]) -> Callable[..., Any]:
+        begins = self._optimizer_begins
+
+        def run_closure(*args: Any, **kwargs: Any) -> Any:
+            result = closure(*args, **kwargs)
+            begins(optimizer)
+            return result
+
+        return run_closure
+
+    def _optimizer_begins(self, optimizer: Any) -> None:
+        """The optimizer's own work starts (its step, after any closure it was given)."""
+        if not self._active:
+            return
+        if self._ranks_watch is not None:
+            self._ranks_watch.on_step(optimizer)
+        with self._lock:
+            self._transition(OPTIMIZER)
+
+    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        with self._lock:
+            owner = self._step_owner() if self._step_owner is not None else None
+            if not self._manual_steps and (owner is None or owner is optimizer):
+                self._boundary(sys._getframe(1))
+                if self._backward_steps:
+                    self._merge_backward_steps()
+            else:
+                self._transition(OTHER)
+
+
+class _Restore:
+    """A removable handle that puts an attribute back (if nobody replaced it since)."""
+
+    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+        self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
+
+    def remove(self) -> None:
+        if getattr(self.owner, self.name) is self.replacement:
+            setattr(self.owner, self.name, self.original)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor of a module output: itself, or in a tuple/list/dict (one level)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+        return None
+    if isinstance(value, dict):
+        for v in value.values():
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _queue_callback(fn: Callable[[], None]) -> bool:
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("cannot queue an end-of-backward callback: %s", exc)
+        return False
+    return True
+
+
+def _mode_active(mode: Any) -> bool:
+    """``mode`` is on this thread's dispatch-mode stack."""
+    stack = torch._C._get_dispatch_stack_at
+    return any(stack(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+
+
+def _only_mode(mode: Any) -> bool:
+    """``mode`` is the only dispatch mode active in this thread."""
+    return torch._C._len_torch_dispatch_stack() == 1 and torch._C._get_dispatch_stack_at(0) is mode

@@ -1,0 +1,384 @@
+"""The phase and pass state machine: which phase runs (forward, backward, optimizer, other,
+eval), what a root forward is (a training pass, an evaluation pass, a checkpointed forward
+recomputed in backward), and where steps end (the step rules).
+
+:class:`PhaseMachine` is a part of :class:`~memkit.tracking.tracker.Tracker` (a base class,
+not an object of its own): the hooks read ``_phase`` and ``_step`` on every call, and an extra
+object between them would cost an attribute lookup per hook. Transitions and boundaries run
+under the tracker's lock, at most a few times per step, never per module.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memkit.devices import SimulatedBackend
+from memkit.tracking import leaks
+from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
+from memkit.tracking.report import PHASES, StepRecord
+
+__all__ = [
+    "BACKWARD",
+    "EVAL",
+    "EVAL_PASS",
+    "FORWARD",
+    "OPTIMIZER",
+    "OTHER",
+    "RECOMPUTE",
+    "TRAIN_PASS",
+    "PhaseMachine",
+]
+
+FORWARD, BACKWARD, OPTIMIZER, OTHER, EVAL = range(5)
+"""Phases, as indices into :data:`~memkit.tracking.report.PHASES`."""
+
+TRAIN_PASS, EVAL_PASS, RECOMPUTE = range(3)
+"""What a root forward is: a training forward (builds a graph for backward), an evaluation
+pass (``no_grad``/``inference_mode``, eval mode, or nothing that could build a graph), or the
+recomputation of a checkpointed forward inside backward."""
+
+
+class PhaseMachine:
+    """Phase transitions, root forwards, step boundaries and evaluation windows."""
+
+    # the tracker's state this part reads and writes (set in Tracker.__init__)
+    _active: bool
+    _lock: threading.RLock
+    _devices: dict[Any, DeviceRecord]
+    _primary: DeviceRecord | None
+    _kind: str
+    _phase: int
+    _step: int
+    _t0: float
+    _step_t0: float
+    _sim: SimulatedBackend | None
+    _manual_steps: bool
+    _trained: bool
+    _eval_forwards: int
+    _eval_input: tuple[int, ...] | None
+    _eval_return: int
+    _eval_hold: int
+    _last_input: tuple[int, ...] | None
+    _last_root: tuple[bool, bool] | None
+    _backward_steps: int
+    _backwards_in_step: int
+    _seen_optimizers: dict[int, weakref.ref[Any]]
+    _eval_grad: int
+    _eval_grad_bytes: int
+    _autocast_forwards: int
+    _grads_steps: int
+    _grads_checked_step: int
+    _param_dtype: str | None
+    _leak_warmup: int
+    _leak_window: int
+    _leak_watch: leaks.LeakWatch
+    _roots: dict[int, RootInfo]
+    _owners: dict[int, RootInfo]
+    _grad_witness: torch.Tensor | None
+    notes: list[str]
+
+    if TYPE_CHECKING:  # defined by the other parts of Tracker
+
+        def _close(self, dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None: ...
+        def _resolve_pending(self, dev: DeviceRecord) -> None: ...
+        def _grads_none(self) -> bool: ...
+        def _state_empty(self) -> bool: ...
+        def _capture_evidence(self) -> None: ...
+        def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
+        def _find_grad_witness(self) -> torch.Tensor | None: ...
+
+    def _root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
+        """A forward of the model begins: which pass it is, and the phase it starts."""
+        if self._phase == BACKWARD:  # a checkpointed forward recomputed inside backward
+            return RECOMPUTE
+        if root is None:
+            root = self._root_info(module)
+        grad = torch.is_grad_enabled()
+        self._last_root = (module.training, grad)
+        self._last_input = shape = _input_shape(args)
+        sim = self._sim
+        if not grad or not module.training or not (root.trainable or _needs_grad(args)):
+            kind = EVAL_PASS
+            self._eval_forwards += 1
+            if shape is not None and (
+                self._eval_input is None or math.prod(shape) > math.prod(self._eval_input)
+            ):
+                self._eval_input = shape
+            if self._phase != EVAL:
+                with self._lock:
+                    if self._phase != EVAL:
+                        self._eval_return = self._phase
+                        self._transition(EVAL)
+        else:
+            kind = TRAIN_PASS
+            if _autocast_on(self._kind):  # advice: mixed-precision
+                self._autocast_forwards += 1
+            if self._phase != FORWARD:
+                with self._lock:
+                    if self._phase != FORWARD:
+                        if self._backwards_in_step and self._step_rule() == "backward":
+                            # no optimizer steps: a new training forward after a backward
+                            # begins the next step
+                            self._boundary(sys._getframe(1))
+                            self._backward_steps += 1
+                        self._transition(FORWARD)
+                        if not self._trained:  # from now on the breakdown is training's
+                            self._trained = True
+                            for dev in self._devices.values():
+                                dev.train_peak, dev.pending, dev.breakdown = 0, None, None
+                        # advice: zero-grad-keeps-grads (a step's first forward, from step 1
+                        # on; not while steps are counted from backward passes, where the next
+                        # micro-batch's forward rightly finds the accumulating gradients)
+                        if self._step > self._grads_checked_step and self._seen_optimizers:
+                            self._grads_checked_step = self._step
+                            if not self._grads_none():
+                                self._grads_steps += 1
+        if sim is not None:  # the batch reaches the model: it is on the device now
+            sim.count_ops(True, True)
+            sim.track(args)
+        return kind
+
+    def _root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
+        """The model's forward returned."""
+        if frame.eval_grad:
+            self._eval_grad += 1
+            if delta > self._eval_grad_bytes:
+                self._eval_grad_bytes = delta
+        if dev.pending is not None:  # a new peak in this forward: categorise it now
+            with self._lock:
+                self._resolve_pending(dev)
+        if frame.kind == EVAL_PASS:
+            if self._eval_hold:  # a framework's evaluation loop: the rest of it is eval too
+                if self._sim is not None:
+                    self._sim.count_ops(True, False)
+            elif self._phase == EVAL:
+                with self._lock:
+                    if self._phase == EVAL and not self._eval_hold:
+                        self._transition(self._eval_return)
+        elif frame.kind == TRAIN_PASS and self._sim is not None:
+            self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
+
+    def _root_info(self, module: torch.nn.Module) -> RootInfo:
+        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
+        entry = self._roots.get(id(module))
+        if entry is not None and entry.ref() is module:
+            return entry
+        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
+            return self._new_root(module)
+
+    def _new_root(self, module: torch.nn.Module) -> RootInfo:
+        target = getattr(module, "_orig_mod", None)
+        compiled = isinstance(target, torch.nn.Module)
+        inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
+        name = type(inner).__name__
+        keys: dict[int, str | None] = {id(module): name}
+        if compiled:
+            keys[id(inner)] = None
+        for path, sub in inner.named_modules():
+            if path:
+                keys[id(sub)] = f"{name}.{path}"
+        if len(self._roots) > 256:
+            self._roots = {k: v for k, v in self._roots.items() if v.ref() is not None}
+            self._owners = {k: v for k, v in self._owners.items() if v.ref() is not None}
+        root = RootInfo(module, keys)
+        self._roots[id(module)] = root
+        if not root.model:
+            return root
+        for sub_id in keys:
+            if sub_id != id(module):
+                self._owners[sub_id] = root
+        if self._grad_witness is None:
+            self._grad_witness = self._find_grad_witness()
+        sim = self._sim
+        if sim is not None:
+            sim.track(module)  # the model lives on the device
+            if compiled and not any("torch.compile" in n for n in self.notes):
+                self.notes.append(
+                    "torch.compile: TorchDynamo does not compile while the simulated device "
+                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
+                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
+                    "less activation memory (measure the compiled program on a GPU)"
+                )
+        return root
+
+    # transitions and step boundaries (under the lock; not per module)
+
+    def _close_all(self, owner: str | None) -> None:
+        now = time.perf_counter() - self._t0
+        for dev in self._devices.values():
+            a, r, p, pr = dev.read()
+            dev.reset()
+            self._close(dev, p, pr, owner if owner is not None else dev.bw_module)
+            dev.timeline.append((now, self._step, self._phase, None, a, r))
+            dev.events += 1
+            dev.last = (a, r)
+
+    def _transition(self, phase: int) -> None:
+        self._close_all(None)
+        for dev in self._devices.values():
+            self._resolve_pending(dev)
+            if phase == FORWARD:
+                dev.forward_base = dev.last[0]
+                dev.base_grads_none = self._grads_none()
+                dev.base_state_empty = self._state_empty()
+            if phase != BACKWARD:
+                dev.bw_module = None
+        self._phase = phase
+        if self._sim is not None:  # device memory is what the step's phases create
+            self._sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
+
+    def _boundary(self, frame: Any) -> None:
+        self._close_all(None)
+        now = time.perf_counter()
+        growing: list[DeviceRecord] = []
+        if self._step < 3 or self._param_dtype is None:
+            self._capture_evidence()
+        for dev in self._devices.values():
+            self._resolve_pending(dev)
+            close_step(dev, self._step, now - self._step_t0, self._backwards_in_step)
+            dev.base_grads_none = self._grads_none()
+            dev.base_state_empty = self._state_empty()
+            dev.bw_module = None
+            if self._step < 3 or (dev.grads_full == 0 and not self._grads_none()):
+                # remember the persistent sizes while they exist (first steps only): the
+                # objects may be gone when the report is made (a script's main() returned)
+                p, g, st = self._persistent(dev)
+                dev.params_full = max(dev.params_full, p)
+                dev.grads_full = max(dev.grads_full, g)
+                dev.state_full = max(dev.state_full, st)
+            if dev.growth.observe(self._step, dev.last[0]):
+                growing.append(dev)
+        step = self._step
+        self._step += 1
+        self._step_t0 = now
+        self._backwards_in_step = 0
+        self._phase = OTHER
+        if self._sim is not None:
+            self._sim.count_ops(False, False)
+        if growing:
+            self._leak_watch.on_growth(growing, frame, self._step)
+        elif frame is not None and not any(d.leak is not None for d in self._devices.values()):
+            primary = self._primary or next(iter(self._devices.values()))
+            self._leak_watch.scan_graphs(step, frame, primary)
+
+    def _step_rule(self) -> str:
+        """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
+        optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
+        if self._manual_steps:
+            return "manual"
+        return "optimizer" if self._seen_optimizers else "backward"
+
+    def _merge_backward_steps(self) -> None:
+        """The first optimizer step came after steps counted from backward passes: they were
+        the micro-batches of one step (gradient accumulation). Merge their records."""
+        n, self._backward_steps = self._backward_steps, 0
+        first = self._step - 1 - n
+        for dev in self._devices.values():
+            merge_steps(dev, first)
+            dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
+        self._step = first + 1
+        self._grads_checked_step = min(self._grads_checked_step, self._step)
+        self._leak_watch.graph_scans = []
+
+    def begin_eval(self) -> None:
+        """An evaluation loop begins (a framework's validation): everything until
+        :meth:`end_eval` is the eval phase, not only the model's forwards. Nests."""
+        if not self._active:
+            return
+        with self._lock:
+            self._eval_hold += 1
+            if self._eval_hold > 1:
+                return
+            if self._phase != EVAL:
+                self._eval_return = self._phase
+                self._transition(EVAL)
+            else:
+                self._close_all(None)
+            for dev in self._devices.values():  # this loop's own peak, kept apart until its end
+                dev.eval_saved = dev.step_phase[EVAL]
+                dev.step_phase[EVAL] = None
+
+    def end_eval(self) -> int | None:
+        """The evaluation loop :meth:`begin_eval` started ends; returns its peak allocated bytes
+        on the tracked device (``None`` if nothing ran in it, or while loops are still nested)."""
+        if not self._active or not self._eval_hold:
+            return None
+        with self._lock:
+            self._eval_hold -= 1
+            if self._eval_hold:
+                return None
+            if self._phase == EVAL:
+                self._transition(self._eval_return)
+            else:
+                self._close_all(None)
+            for dev in self._devices.values():
+                window, saved = dev.step_phase[EVAL], dev.eval_saved
+                dev.step_phase[EVAL] = (
+                    window if saved is None else saved if window is None else max(saved, window)
+                )
+                dev.eval_window = window
+            primary = self._primary
+            return None if primary is None else primary.eval_window
+
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
+        callback that logs each step's peaks)."""
+        dev = self._primary
+        if dev is None:
+            return []
+        out: list[StepRecord] = []
+        for record in reversed(dev.steps):
+            if record.step < step:
+                break
+            out.append(record)
+        out.reverse()
+        return out
+
+    def open_step_peaks(self) -> dict[str, int | None]:
+        """Peak allocated bytes per phase since the last step boundary (the step in progress,
+        and what ran after the last step: an evaluation) on the tracked device."""
+        with self._lock:
+            if self._active:
+                self._close_all(None)
+            dev = self._primary
+            if dev is None:
+                return dict.fromkeys(PHASES)
+            return dict(zip(PHASES, dev.step_phase, strict=True))
+
+    def step(self) -> None:
+        """Mark a step boundary (for loops without an optimizer, or to count steps yourself).
+
+        Once called, optimizer steps no longer count as boundaries: only these calls do.
+        """
+        if not self._active:
+            return
+        with self._lock:
+            self._manual_steps = True
+            self._boundary(sys._getframe(1))
+
+
+def _input_shape(args: Any) -> tuple[int, ...] | None:
+    """The shape of a forward's first tensor argument (its batch dimension is the model's
+    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return tuple(int(n) for n in a.shape)
+    return None
+
+
+def _needs_grad(args: Any) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _autocast_on(kind: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(kind))
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
+        return False

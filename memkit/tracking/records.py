@@ -1,0 +1,290 @@
+"""What the tracker records: per device, per module, per step, and the calls in progress.
+
+The hot path (memkit/tracking/hooks.py) updates these plain attributes directly; the functions
+here close a step's record, merge the steps counted from backward passes, and turn a device's
+records into the report's :class:`~memkit.tracking.report.DeviceReport`. Torch is only used for
+the types of module references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memkit.devices import counter_reader
+from memkit.tracking import leaks
+from memkit.tracking.report import (
+    PHASES,
+    Breakdown,
+    DeviceReport,
+    LeakFinding,
+    ModuleRecord,
+    StepRecord,
+    TimelinePoint,
+)
+
+__all__ = [
+    "DEFAULT_STEP_LIMIT",
+    "DEFAULT_TIMELINE_LIMIT",
+    "DeviceRecord",
+    "Frame",
+    "IgnoredCall",
+    "ModuleStat",
+    "RootInfo",
+    "close_step",
+    "device_report",
+    "merge_steps",
+    "module_records",
+]
+
+Namer = Callable[[str | None], str | None]
+"""Module keys to the names reports show (``Tracker._namer``)."""
+
+DEFAULT_TIMELINE_LIMIT = 100_000
+"""Counter readings kept per device (the most recent ones)."""
+
+DEFAULT_STEP_LIMIT = 100_000
+"""Step records kept per device (the most recent ones)."""
+
+
+class Frame:
+    """One module call in progress (per thread)."""
+
+    __slots__ = ("alloc_in", "children", "dev", "eval_grad", "kind", "max", "mid", "ms", "name")
+
+    def __init__(
+        self, name: str, mid: int, dev: DeviceRecord, alloc_in: int, ms: ModuleStat, kind: int
+    ) -> None:
+        self.name = name
+        self.ms = ms
+        self.mid = mid
+        self.dev = dev
+        self.alloc_in = alloc_in
+        self.max = alloc_in
+        self.children = 0
+        self.eval_grad = False
+        self.kind = kind
+
+
+class IgnoredCall:
+    """A module call outside the trained model (a loss module, a data transform)."""
+
+    __slots__ = ("mid",)
+    kind = -1
+
+    def __init__(self, mid: int) -> None:
+        self.mid = mid
+
+
+class RootInfo:
+    """What the tracker knows about one top-level module it has seen (cold path)."""
+
+    __slots__ = ("keys", "model", "ref", "trainable")
+
+    def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
+        self.ref = weakref.ref(module)
+        self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
+        params = [p.requires_grad for p in module.parameters()]
+        self.model = bool(params)  # only a module with parameters can be the trained model
+        self.trainable = any(params)
+
+
+class ModuleStat:
+    """One module's numbers on one device (updated by the forward hooks)."""
+
+    __slots__ = (
+        "act_max",
+        "bw",
+        "calls",
+        "eval_calls",
+        "leaf",
+        "over_max",
+        "peak",
+        "recompute_calls",
+        "self_max",
+        "step_id",
+        "step_max",
+        "step_sum",
+        "type_name",
+    )
+
+    def __init__(
+        self, leaf: bool, bw: Callable[[torch.Tensor], None] | None, type_name: str
+    ) -> None:
+        self.bw = bw
+        self.type_name = type_name
+        self.calls = 0
+        self.eval_calls = 0
+        self.recompute_calls = 0
+        self.act_max = 0
+        self.self_max = 0
+        self.step_id = -1
+        self.step_sum = 0
+        self.step_max = 0
+        self.peak = 0
+        self.over_max = 0
+        self.leaf = leaf
+
+
+class DeviceRecord:
+    """Everything recorded for one device; hot-path fields are plain attributes."""
+
+    def __init__(self, key: str, backend: Any, timeline_limit: int, step_limit: int) -> None:
+        self.key = key
+        self.backend = backend
+        self.read, self.reset = counter_reader(backend)
+        a, r, _, _ = self.read()
+        self.reset()
+        self.baseline = a
+        self.timeline: deque[tuple[float, int, int, str | None, int, int]] = deque(
+            maxlen=timeline_limit
+        )
+        self.events = 0
+        self.step_phase: list[int | None] = [None] * len(PHASES)
+        self.phase_peak: list[int | None] = [None] * len(PHASES)
+        self.step_peak = a
+        self.step_peak_res = r
+        self.peak = a
+        self.train_peak = a
+        self.peak_res = r
+        self.pending: tuple[Any, ...] | None = None
+        self.breakdown: Breakdown | None = None
+        self.modules: dict[str, ModuleStat] = {}
+        self.steps: deque[StepRecord] = deque(maxlen=step_limit)
+        self.step_start = a
+        self.forward_base: int | None = a
+        self.base_grads_none = True
+        self.base_state_empty = True
+        self.bw_module: str | None = None
+        self.last = (a, r)
+        self.params_full = 0
+        self.grads_full = 0
+        self.state_full = 0
+        self.backwards = 0  # training backward passes in the current step
+        self.growth = leaks.GrowthDetector()
+        self.leak: LeakFinding | None = None
+        self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
+        self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
+
+
+def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
+    """The report's per-module records of ``dev``, largest own activations first."""
+    out = []
+    for name, ms in dev.modules.items():
+        if ms.calls + ms.eval_calls + ms.recompute_calls == 0:
+            continue
+        out.append(
+            ModuleRecord(
+                path=display(name) or name,
+                device=dev.key,
+                calls=ms.calls,
+                activation_bytes=ms.act_max,
+                self_activation_bytes=ms.self_max,
+                activation_bytes_per_step=ms.step_max,
+                peak_allocated=ms.peak,
+                peak_over_entry=ms.over_max,
+                leaf=ms.leaf,
+                eval_calls=ms.eval_calls,
+                recompute_calls=ms.recompute_calls,
+                type_name=ms.type_name,
+            )
+        )
+    out.sort(key=lambda m: m.self_activation_bytes, reverse=True)
+    return out
+
+
+def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes: int) -> None:
+    """Record step ``step`` of ``dev`` (its peaks since the last boundary) and start the next
+    one at the allocated bytes read last."""
+    a, r = dev.last
+    dev.steps.append(
+        StepRecord(
+            step=step,
+            start_allocated=dev.step_start,
+            end_allocated=a,
+            peak_allocated=dev.step_peak,
+            peak_reserved=dev.step_peak_res,
+            phase_peaks=dict(zip(PHASES, dev.step_phase, strict=True)),
+            duration_s=duration_s,
+            backward_passes=backward_passes,
+        )
+    )
+    for i, v in enumerate(dev.step_phase):
+        cur = dev.phase_peak[i]
+        if v is not None and (cur is None or v > cur):
+            dev.phase_peak[i] = v
+    dev.step_phase = [None] * len(PHASES)
+    dev.step_peak, dev.step_peak_res = a, r
+    dev.step_start = a
+    dev.forward_base = a
+
+
+def merge_steps(dev: DeviceRecord, first: int) -> None:
+    """Merge the records of steps ``first`` and later into one step ``first`` (the
+    micro-batches of one step, counted from backward passes before an optimizer stepped)."""
+    parts = [s for s in dev.steps if s.step >= first]
+    kept = [s for s in dev.steps if s.step < first]
+    if parts:
+        phases = {
+            ph: max((v for s in parts if (v := s.phase_peaks.get(ph)) is not None),
+                    default=None)
+            for ph in PHASES
+        }  # fmt: skip
+        kept.append(
+            StepRecord(
+                step=first,
+                start_allocated=parts[0].start_allocated,
+                end_allocated=parts[-1].end_allocated,
+                peak_allocated=max(s.peak_allocated for s in parts),
+                peak_reserved=max(s.peak_reserved for s in parts),
+                phase_peaks=phases,
+                duration_s=sum(s.duration_s for s in parts),
+                backward_passes=sum(s.backward_passes for s in parts),
+            )
+        )
+    dev.steps.clear()
+    dev.steps.extend(kept)
+    timeline = dev.timeline
+    i = len(timeline) - 1
+    while i >= 0 and timeline[i][1] >= first:  # readings of the merged micro-batches
+        t, _, *rest = timeline[i]
+        timeline[i] = (t, first, *rest)  # type: ignore[assignment]
+        i -= 1
+    for ms in dev.modules.values():
+        ms.step_id = -1
+
+
+def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
+    """``dev``'s records as the report shows them (module keys through ``display``)."""
+    phase_peaks: dict[str, int | None] = {}
+    for i, name in enumerate(PHASES):
+        vals = [v for v in (dev.phase_peak[i], dev.step_phase[i]) if v is not None]
+        phase_peaks[name] = max(vals) if vals else None
+    timeline = tuple(
+        TimelinePoint(t, s, PHASES[ph], display(m), a, r) for t, s, ph, m, a, r in dev.timeline
+    )
+    cap = dev.backend.capacity()
+    return DeviceReport(
+        device=dev.key,
+        name=dev.backend.name(),
+        accounting=dev.backend.accounting,
+        capacity=cap.total,
+        baseline_allocated=dev.baseline,
+        final_allocated=dev.last[0],
+        peak_allocated=dev.peak,
+        peak_reserved=dev.peak_res,
+        phase_peaks=phase_peaks,
+        steps=tuple(dev.steps),
+        modules=tuple(module_records(dev, display)),
+        breakdown=None
+        if dev.breakdown is None
+        else dataclasses.replace(dev.breakdown, module=display(dev.breakdown.module)),
+        timeline=timeline,
+        timeline_dropped=max(0, dev.events - len(dev.timeline)),
+        leak=dev.leak,
+    )
