@@ -188,6 +188,9 @@ class MemoryAccountant(TorchDispatchMode):
         # Called with the bytes an op tried to add when it crosses the budget, before the OOM is
         # raised (memkit.history records it as the trace's "oom" event).
         self.on_oom: Callable[[int], None] | None = None
+        self.in_use_at_oom: int | None = None
+        """Exact bytes in use when the last out-of-memory error was raised (the message
+        rounds them), for a post-mortem read after the unwinding freed some."""
         # Set by memkit.history while it records: id(storage) -> whether the tensor was a
         # Parameter, for each storage counted because it existed before (an op read it for the
         # first time, or track() was given it). None: nothing is noted (no cost).
@@ -339,6 +342,7 @@ class MemoryAccountant(TorchDispatchMode):
         added = sum(size for _, size in new.values())
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1
+            self.in_use_at_oom = self._current
             if self.on_oom is not None:
                 self.on_oom(added)
             message = self._oom_message(added)

@@ -364,3 +364,27 @@ def test_track_takes_the_trackers_arguments():
     tracker = dict(inspect.signature(Tracker.__init__).parameters)
     del tracker["self"]
     assert list(inspect.signature(track).parameters.values()) == list(tracker.values())
+
+
+def test_postmortem_bytes_in_use_are_those_at_the_failure(tmp_path):
+    """The post-mortem's bytes in use are those when the allocation failed, exactly (the
+    memory history's OOM event is the independent count), not the last hook's reading: a
+    tiny GPT-2 failing in training held 64 KiB more than that reading."""
+    transformers = pytest.importorskip("transformers")
+    from memkit.inspection import inspect_snapshot
+
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2,
+                                     n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 256, (4, 32))
+    path = tmp_path / "oom.pickle"
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, device="cpu", budget="600KiB", postmortem=None,
+              memory_history=path) as tracker,  # fmt: skip
+    ):
+        model(input_ids=ids, labels=ids).loss.backward()
+    pm = tracker.report().oom
+    (event,) = inspect_snapshot(path).device(0).ooms
+    assert pm is not None and pm.allocated == event.allocated
+    assert pm.free == pm.capacity - pm.allocated

@@ -81,7 +81,7 @@ class PhaseMachine:
     _leak_watch: leaks.LeakWatch
     _roots: dict[int, RootInfo]
     _owners: dict[int, RootInfo]
-    _grad_witness: torch.Tensor | None
+    _grad_witness: weakref.ref[torch.Tensor] | None
     notes: list[str]
 
     if TYPE_CHECKING:  # defined by the other parts of Tracker
@@ -92,7 +92,7 @@ class PhaseMachine:
         def _state_empty(self) -> bool: ...
         def _capture_evidence(self) -> None: ...
         def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
-        def _find_grad_witness(self) -> torch.Tensor | None: ...
+        def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None: ...
 
     def _root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
         """A forward of the model begins: which pass it is, and the phase it starts."""

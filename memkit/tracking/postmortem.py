@@ -85,7 +85,12 @@ def build_postmortem(
     module = display(module)
     if details.device_index is not None and devices is not None:
         dev = devices.get(details.device_index, dev)
-    a, _ = dev.last
+    # the last reading came before the failing op; what was in use when it failed is larger
+    # when that op's inputs were made since: exact from the simulated device, else from the
+    # message (rounded to its two decimals)
+    accountant = getattr(dev.backend, "accountant", None)
+    at_oom = getattr(accountant, "in_use_at_oom", None)
+    a = max(dev.last[0], at_oom if at_oom is not None else details.allocated_by_pytorch or 0)
     breakdown = categorise(dev, a, step, phase, module)
     cap = dev.backend.capacity()
     capacity = details.capacity if details.capacity is not None else cap.total

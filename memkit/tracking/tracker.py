@@ -169,7 +169,9 @@ class Tracker(Hooks):
         self._backwards_in_step = 0
         self._warning_filter: Any = None
         self._seen_optimizers: dict[int, weakref.ref[Any]] = {}
-        self._grad_witness: torch.Tensor | None = None  # its .grad: are gradients allocated?
+        # a parameter whose .grad says whether gradients are allocated; weak, so that the
+        # tracker never keeps a deleted model's tensor (or the memory history would show it)
+        self._grad_witness: weakref.ref[torch.Tensor] | None = None
         self._backward_depth = 0
         self._unwrap: tuple[Any, Any] | None = None
         self._eval_grad = 0
@@ -426,11 +428,13 @@ class Tracker(Hooks):
             return list(self.optimizers)
         return [o for o in (r() for r in self._seen_optimizers.values()) if o is not None]
 
-    def _find_grad_witness(self) -> torch.Tensor | None:
-        return gradient_witness(self._root_modules(), self._all_optimizers())
+    def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None:
+        param = gradient_witness(self._root_modules(), self._all_optimizers())
+        return None if param is None else weakref.ref(param)
 
     def _grads_none(self) -> bool:
-        return self._grad_witness is None or self._grad_witness.grad is None
+        param = None if self._grad_witness is None else self._grad_witness()
+        return param is None or param.grad is None
 
     def _state_empty(self) -> bool:
         opts = self._all_optimizers()
