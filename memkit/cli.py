@@ -724,7 +724,13 @@ def inspect_command(file: str, as_json: bool, html_path: str | None, top: int) -
     click.echo(result.to_json() if as_json else str(result))
 
 
-_ESTIMATE_ARCHS = ["volta", "turing", "ampere", "ada", "hopper", "blackwell"]
+def _estimate_archs() -> list[str]:
+    from memkit.estimation.families import DEVICE_FAMILIES  # torch-free: --help stays light
+
+    return list(DEVICE_FAMILIES)
+
+
+_ESTIMATE_ARCHS = _estimate_archs()
 """The keys of memkit.estimation.DEVICE_FAMILIES (listed here so --help needs no torch)."""
 
 

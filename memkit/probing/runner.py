@@ -30,10 +30,16 @@ from memkit.errors import (
     DistributedError,
     DoesNotFitError,
     MemkitError,
-    ModelFileError,
     UserCodeError,
 )
-from memkit.modelfile import accepts_seq_len, call_user, load_model_file, make_optimizer
+from memkit.modelfile import (
+    accepts_seq_len,
+    build_model,
+    call_user,
+    load_model_file,
+    make_optimizer,
+    require_seq_len,
+)
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.accumulate import accumulation_advice, plan_accumulation
 from memkit.probing.ranks import (
@@ -705,17 +711,9 @@ def probe_file(
     """
     spec = load_model_file(path)
     lengths = [seq_len] if isinstance(seq_len, int) or seq_len is None else list(seq_len)
-    if lengths != [None] and not spec.takes_seq_len:
-        raise ModelFileError(
-            f"--seq-len was given but make_batch in {spec.path} takes no seq_len; "
-            "define make_batch(batch_size, seq_len)"
-        )
-    model = call_user(spec.build_model, what="build_model()", path=spec.path)
-    if not isinstance(model, torch.nn.Module):
-        raise ModelFileError(
-            f"build_model() in {spec.path} returned {type(model).__name__}; expected a "
-            "torch.nn.Module"
-        )
+    if lengths != [None]:
+        require_seq_len(spec, "--seq-len")
+    model = build_model(spec)
     backend_device = get_backend(device, options.get("budget")).device
     model = model.to(backend_device)
     first_len = lengths[0]
