@@ -115,7 +115,7 @@ class Result(Record):
 
         An integer first argument is the indentation (the older ``to_json(indent)`` form).
         """
-        if isinstance(path, int) and not isinstance(path, bool):
+        if isinstance(path, int):
             path, indent = None, path
         if indent is _INDENT_DEFAULT:
             indent = self.JSON_INDENT
