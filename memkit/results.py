@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from memkit.render import html as h
 
-__all__ = ["Record", "Result", "json_fields", "json_value", "write_json"]
+__all__ = ["Record", "Result", "json_fields", "json_value", "memory_model_json", "write_json"]
 
 
 def json_value(value: Any) -> Any:
@@ -65,6 +65,16 @@ def write_json(data: Any, path: str | Path | None, indent: int | None) -> str:
     if path is not None:
         Path(path).write_text(text + "\n", encoding="utf-8")
     return text
+
+
+def memory_model_json(out: dict[str, Any]) -> dict[str, Any]:
+    """Move a result's ``fixed_bytes`` and ``per_sample_bytes`` (its peak as a line of the
+    batch size) into one ``memory_model`` key (``None`` without a line); returns ``out``."""
+    fixed, per_sample = out.pop("fixed_bytes"), out.pop("per_sample_bytes")
+    out["memory_model"] = (
+        None if per_sample is None else {"fixed_bytes": fixed, "per_sample_bytes": per_sample}
+    )
+    return out
 
 
 class Record:

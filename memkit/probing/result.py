@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from memkit.advice import Advice
 from memkit.render import probe as layout
-from memkit.results import Record, Result
+from memkit.results import Record, Result, memory_model_json
 
 __all__ = ["ProbeModes", "ProbeResult", "ProbeSweep", "ProbeTrial"]
 
@@ -110,10 +110,7 @@ class ProbeResult(Result):
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         """The ``--json`` output: the line's two numbers as ``memory_model``; the per-rank
         capacities, the tightest rank and ``ddp`` only across ranks or under DDP."""
-        fixed, per_sample = out.pop("fixed_bytes"), out.pop("per_sample_bytes")
-        out["memory_model"] = (
-            None if per_sample is None else {"fixed_bytes": fixed, "per_sample_bytes": per_sample}
-        )
+        memory_model_json(out)
         if self.world_size > 1 or self.ddp:
             out["tightest_rank"] = self.tightest_rank
         else:
