@@ -119,17 +119,23 @@ class Result(Record):
         return {"schema": self.SCHEMA, **super().to_dict()}
 
     def to_json(
-        self, path: str | Path | int | None = None, *, indent: int | None = _INDENT_DEFAULT
+        self,
+        path: str | Path | int | None = None,
+        *,
+        indent: int | None = _INDENT_DEFAULT,
+        **dict_options: Any,
     ) -> str:
         """:meth:`to_dict` as JSON text; also written to ``path`` if given.
 
-        An integer first argument is the indentation (the older ``to_json(indent)`` form).
+        ``indent`` defaults to :attr:`JSON_INDENT`; an integer first argument is the
+        indentation (the older ``to_json(indent)`` form). ``dict_options`` go to ``to_dict``
+        (``report.to_json(timeline=False)``).
         """
         if isinstance(path, int):
             path, indent = None, path
         if indent is _INDENT_DEFAULT:
             indent = self.JSON_INDENT
-        return write_json(self.to_dict(), path, indent)
+        return write_json(self.to_dict(**dict_options), path, indent)
 
     def __str__(self) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no text layout")
