@@ -169,9 +169,7 @@ def modes_text(modes: ProbeModes) -> str:
     """One line with each mode's largest batch, then each mode's own text."""
     from memkit.probing.result import ProbeResult  # the result module imports this one
 
-    heads = [
-        f"{r.mode} {r.max_batch_size}" for r in modes.results if isinstance(r, ProbeResult)
-    ]
+    heads = [f"{r.mode} {r.max_batch_size}" for r in modes.results if isinstance(r, ProbeResult)]
     summary = f"Largest batch per mode: {', '.join(heads)}\n\n" if heads else ""
     return summary + "\n\n".join(str(r) for r in modes.results)
 
