@@ -19,22 +19,22 @@ batches for DDP). The models' weights change during the trials (optimizer steps)
 from __future__ import annotations
 
 import gc
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from memkit import advice as rules
 from memkit.accounting import tensors_of
-from memkit.advice import Advice, advice_html, advice_text
+from memkit.advice import Advice
 from memkit.errors import ConfigError, UserCodeError
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.parallel import DataParallel, ddp_replicas
 from memkit.probing.step import StepPlan
-from memkit.render import html as h
+from memkit.render import strategies as layout
+from memkit.results import Record, Result
 from memkit.units import format_size
 from memkit.virtual_devices import VirtualDevices
 
@@ -58,7 +58,7 @@ MAX_GLOBAL_BATCH = 1 << 16
 
 
 @dataclass(frozen=True)
-class StrategyResult:
+class StrategyResult(Record):
     """One strategy's answer.
 
     Attributes:
@@ -79,21 +79,19 @@ class StrategyResult:
     excess_parts: tuple[tuple[str, int], ...]
     trials: tuple[tuple[int, bool], ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "max_global_batch": self.max_global_batch,
-            "per_device_peaks": list(self.per_device_peaks),
-            "excess_bytes": self.excess_bytes,
-            "excess_parts": dict(self.excess_parts),
-            "trials": [{"global_batch": b, "fits": f} for b, f in self.trials],
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["excess_parts"] = dict(self.excess_parts)
+        out["trials"] = [{"global_batch": b, "fits": f} for b, f in self.trials]
+        return out
 
 
 @dataclass(frozen=True)
-class StrategyComparison:
+class StrategyComparison(Result):
     """DP vs DDP on ``gpus`` virtual devices: per strategy, the largest global batch and the
     per-device peaks, and the advice they back."""
+
+    SCHEMA: ClassVar[str] = "memkit.StrategyComparison/1"
+    HTML_TITLE: ClassVar[str] = "memkit estimate: DP vs DDP"
 
     path: str
     device: str
@@ -107,78 +105,19 @@ class StrategyComparison:
         """The result of one strategy, if it was run."""
         return next((r for r in self.results if r.strategy == strategy), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "device": self.device,
-            "gpus": self.gpus,
-            "budgets": list(self.budgets),
-            "strategies": [r.to_dict() for r in self.results],
-            "advice": [a.to_dict() for a in self.advice],
-            "notes": list(self.notes),
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def _rows(self) -> list[list[str]]:
-        rows = []
-        for r in self.results:
-            batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
-            peaks = [format_size(p) for p in r.per_device_peaks]
-            peaks += ["-"] * (self.gpus - len(peaks))  # nothing fit: no peak at any size
-            rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
-        return rows
-
-    def _header(self) -> list[str]:
-        return ["strategy", "global batch", *[f"cuda:{i}" for i in range(self.gpus)], "excess 0"]
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["strategies"] = out.pop("results")
+        return out
 
     def __str__(self) -> str:
-        sizes = ", ".join(format_size(b) for b in self.budgets)
-        lines = [
-            f"{self.path}: {self.gpus} virtual GPUs ({sizes}) on {self.device}",
-            "largest global batch that fits on every device, and each device's peak at it",
-            "",
-        ]
-        header = self._header()
-        rows = [header, *self._rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for k, row in enumerate(rows):
-            lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        for r in self.results:
-            if r.excess_parts:
-                parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
-                lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
-        dp, ddp = self.result("dp"), self.result("ddp")
-        if (
-            dp is not None
-            and ddp is not None
-            and dp.max_global_batch is not None
-            and (ddp.max_global_batch or 0) <= dp.max_global_batch
-        ):
-            lines.append(
-                "ddp fits no larger global batch here: each rank holds its own gradients, their "
-                "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
-            )
-        if self.advice:
-            lines += ["", "advice", advice_text(self.advice)]
-        if self.notes:
-            lines += ["", "notes:", *(f"- {note}" for note in self.notes)]
-        return "\n".join(lines)
+        return layout.comparison_text(self)
 
     def __repr__(self) -> str:
         best = ", ".join(f"{r.strategy}={r.max_global_batch}" for r in self.results)
         return f"StrategyComparison({self.gpus} GPUs, {best})"
 
-    def _repr_html_(self) -> str:
-        sizes = ", ".join(format_size(b) for b in self.budgets)
-        return (
-            f"<h3>{h.escape(self.path)}: {self.gpus} virtual GPUs ({h.escape(sizes)})</h3>"
-            + h.table(self._header(), self._rows())
-            + advice_html(self.advice)
-        )
+    def html_body(self) -> str:
+        return layout.comparison_html_body(self)
 
 
 def _switch_advice(dp: StrategyResult, ddp: StrategyResult, gpus: int) -> Advice | None:

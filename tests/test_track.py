@@ -95,7 +95,7 @@ def test_json_text_and_html_render():
         train(model, opt, 2)
     report = tracker.report()
     data = json.loads(report.to_json())
-    assert data["kind"] == "memkit.TrackReport" and data["steps"] == 2
+    assert data["schema"] == "memkit.TrackReport/1" and data["steps"] == 2
     assert data["devices"][0]["timeline_fields"][0] == "t"
     assert "devices" in str(report) and "top modules" in str(report)
     page = report.to_html()

@@ -1,23 +1,24 @@
 """The result of :func:`memkit.estimation.estimate`: trials, breakdown and the estimate itself.
 
-Data only (torch-free); the text and HTML layout is :mod:`memkit.render.estimate`.
+Data only (torch-free); the text and HTML layout is :mod:`memkit.render.estimate`, the shared
+methods (``to_dict``, ``to_json``, ``to_html``...) :class:`memkit.results.Result`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from memkit.advice import Advice
-from memkit.render.estimate import estimate_html, estimate_text
+from memkit.render.estimate import estimate_html_body, estimate_text
+from memkit.results import Record, Result, memory_model_json
 from memkit.units import format_size
 
 __all__ = ["Estimate", "EstimateBreakdown", "EstimateTrial"]
 
 
 @dataclass(frozen=True)
-class EstimateTrial:
+class EstimateTrial(Record):
     """One batch size estimated.
 
     Attributes:
@@ -37,20 +38,13 @@ class EstimateTrial:
     fits: bool
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return {
-            "batch_size": self.batch_size,
-            "allocated_peak": self.allocated_peak,
-            "reserved_peak": self.reserved_peak,
-            "counted_peak": self.counted_peak,
-            "fits": self.fits,
-            "seconds": round(self.seconds, 6),
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["seconds"] = round(self.seconds, 6)
+        return out
 
 
 @dataclass(frozen=True)
-class EstimateBreakdown:
+class EstimateBreakdown(Record):
     """What the allocated peak of one batch size is made of, at the moment of the peak.
 
     Attributes:
@@ -95,23 +89,18 @@ class EstimateBreakdown:
             ("allocator block slack", self.allocator_slack),
         ]
 
-    def to_dict(self) -> dict[str, int]:
-        """JSON-ready dict."""
-        return {
-            "batch_size": self.batch_size,
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
-            "activations": self.activations,
-            "workspace": self.workspace,
-            "allocator_slack": self.allocator_slack,
-            "total": self.total,
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["total"] = self.total
+        return out
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Result):
     """What :func:`estimate` predicts for one model, mode and target device."""
+
+    SCHEMA: ClassVar[str] = "memkit.Estimate/1"
+    HTML_TITLE: ClassVar[str] = "memkit estimate"
+    _JSON_SKIP: ClassVar[tuple[str, ...]] = ("extra",)
 
     model_file: str | None
     device: str
@@ -153,40 +142,13 @@ class Estimate:
         """The trial estimated at ``batch_size``, if any."""
         return next((t for t in self.trials if t.batch_size == batch_size), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dictionary (the ``--json`` output)."""
-        return {
-            "model_file": self.model_file,
-            "device": self.device,
-            "device_memory": self.device_memory,
-            "context_bytes": self.context_bytes,
-            "usable_bytes": self.usable_bytes,
-            "mode": self.mode,
-            "seq_len": self.seq_len,
-            "amp": self.amp,
-            "attention": self.attention,
-            "attention_kernels": list(self.attention_kernels),
-            "num_parameters": self.num_parameters,
-            "trainable_parameters": self.trainable_parameters,
-            "max_batch_size": self.max_batch_size,
-            "recommended_batch_size": self.recommended_batch_size,
-            "margin": self.margin,
-            "min_batch": self.min_batch,
-            "max_batch": self.max_batch,
-            "hit_max_batch": self.hit_max_batch,
-            "memory_model": None
-            if self.per_sample_bytes is None
-            else {"fixed_bytes": self.fixed_bytes, "per_sample_bytes": self.per_sample_bytes},
-            "breakdown": None if self.breakdown is None else self.breakdown.to_dict(),
-            "assumptions": list(self.assumptions),
-            "trials": [t.to_dict() for t in self.trials],
-            "advice": [a.to_dict() for a in self.advice],
-            "seconds": round(self.seconds, 3),
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The ``--json`` output."""
-        return json.dumps(self.to_dict(), indent=indent)
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The ``--json`` output: ``usable_bytes`` added, the line's two numbers as
+        ``memory_model``, ``seconds`` to the millisecond; ``extra`` is not part of it."""
+        memory_model_json(out)
+        out["usable_bytes"] = self.usable_bytes
+        out["seconds"] = round(self.seconds, 3)
+        return out
 
     def __str__(self) -> str:
         return estimate_text(self)
@@ -199,5 +161,5 @@ class Estimate:
             f"amp={self.amp!r}, trials={len(self.trials)})"
         )
 
-    def _repr_html_(self) -> str:
-        return estimate_html(self)
+    def html_body(self) -> str:
+        return estimate_html_body(self)

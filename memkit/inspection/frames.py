@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATEGORIES", "Frame", "categorize", "frames_json", "frames_of", "where_of"]
+__all__ = ["CATEGORIES", "Frame", "categorize", "frames_of", "where_of"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "other", "unknown")
 """Categories, in the order reports list them (``unknown``: no frames were recorded)."""
@@ -116,11 +116,6 @@ def frames_of(raw: Any) -> tuple[Frame, ...]:
                 )
             )
     return tuple(out)
-
-
-def frames_json(frames: Sequence[Frame]) -> list[dict[str, Any]]:
-    """Frames as JSON-ready dicts."""
-    return [{"filename": f.filename, "line": f.line, "name": f.name} for f in frames]
 
 
 _MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"

@@ -1,24 +1,23 @@
 """The results of :func:`~memkit.inspection.inspect_snapshot`: allocations, OOM events, one
 device, and the :class:`SnapshotInspection` that gathers them. Frozen dataclasses with
-``to_dict``/``to_json``; their text and HTML layout is in :mod:`memkit.render.inspection`."""
+the shared result methods (:class:`memkit.results.Result`); their text and HTML layout is in
+:mod:`memkit.render.inspection`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from memkit.advice import Advice
-from memkit.inspection.frames import Frame, frames_json, where_of
-from memkit.render import html as h
+from memkit.inspection.frames import Frame, where_of
 from memkit.render import inspection as layout
+from memkit.results import Record, Result
 
 __all__ = ["Allocation", "DeviceInspection", "OomEvent", "SnapshotInspection"]
 
 
 @dataclass(frozen=True)
-class Allocation:
+class Allocation(Record):
     """One allocation: its block, what it probably is and where it was made.
 
     Attributes:
@@ -40,20 +39,13 @@ class Allocation:
         """The innermost frame of your code (``train.py:42:step``), ``> torch's`` frame."""
         return where_of(self.frames)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return {
-            "address": self.address,
-            "size": self.size,
-            "requested_size": self.requested_size,
-            "category": self.category,
-            "where": self.where,
-            "frames": frames_json(self.frames),
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["where"] = where_of(self.frames)
+        return out
 
 
 @dataclass(frozen=True)
-class OomEvent:
+class OomEvent(Record):
     """An ``oom`` event of the trace: a request the allocator could not serve.
 
     Attributes:
@@ -76,22 +68,13 @@ class OomEvent:
     frames: tuple[Frame, ...] = ()
     final: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return {
-            "index": self.index,
-            "final": self.final,
-            "size": self.size,
-            "device_free": self.device_free,
-            "allocated": self.allocated,
-            "reserved": self.reserved,
-            "where": where_of(self.frames),
-            "frames": frames_json(self.frames),
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["where"] = where_of(self.frames)
+        return out
 
 
 @dataclass(frozen=True)
-class DeviceInspection:
+class DeviceInspection(Record):
     """One device of a snapshot (sizes in bytes).
 
     Attributes:
@@ -160,44 +143,20 @@ class DeviceInspection:
         """Bytes of one category at the end (or at the peak)."""
         return dict(self.peak_categories if at_peak else self.categories).get(name, 0)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return {
-            "device": self.device,
-            "segments": self.segments,
-            "reserved": self.reserved,
-            "allocated": self.allocated,
-            "requested": self.requested,
-            "pending_free": self.pending_free,
-            "inactive": self.inactive,
-            "inactive_split": self.inactive_split,
-            "inactive_split_blocks": self.inactive_split_blocks,
-            "empty_segments": self.empty_segments,
-            "largest_free_block": self.largest_free_block,
-            "fragmentation": self.fragmentation,
-            "categories": dict(self.categories),
-            "largest": [a.to_dict() for a in self.largest],
-            "trace_entries": self.trace_entries,
-            "allocs": self.allocs,
-            "frees": self.frees,
-            "unpaired_frees": self.unpaired_frees,
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "peak_index": self.peak_index,
-            "peak_categories": dict(self.peak_categories),
-            "peak_largest": [a.to_dict() for a in self.peak_largest],
-            "ooms": [o.to_dict() for o in self.ooms],
-            "timeline": [list(p) for p in self.timeline],
-            "timeline_fields": ["event", "allocated", "reserved"],
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Plus ``fragmentation``; categories as dicts, the timeline's columns named."""
+        out["fragmentation"] = self.fragmentation
+        out["categories"] = dict(self.categories)
+        out["peak_categories"] = dict(self.peak_categories)
+        out["timeline_fields"] = ["event", "allocated", "reserved"]
+        return out
 
 
 @dataclass(frozen=True)
-class SnapshotInspection:
+class SnapshotInspection(Result):
     """memkit's view of a PyTorch memory snapshot; see :func:`inspect_snapshot`.
 
-    Renders as text (``str``), HTML (``_repr_html_``, :meth:`to_html`) and JSON
-    (:meth:`to_json`).
+    Renders as text (``str``), HTML (``_repr_html_``, ``to_html``) and JSON (``to_json``).
 
     Attributes:
         source: the file read (or ``"<dict>"``).
@@ -211,6 +170,10 @@ class SnapshotInspection:
         advice: recommendations (``fragmentation``).
         top: how many allocations the largest lists keep.
     """
+
+    SCHEMA: ClassVar[str] = "memkit.SnapshotInspection/1"
+    HTML_TITLE: ClassVar[str] = "memkit inspect"
+    JSON_INDENT: ClassVar[int | None] = 1
 
     source: str
     writer: str
@@ -235,29 +198,6 @@ class SnapshotInspection:
             f"no device {index} in this snapshot; found {[d.device for d in self.devices]}"
         )
 
-    # -- JSON -------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (sizes in bytes)."""
-        return {
-            "kind": "memkit.SnapshotInspection",
-            "source": self.source,
-            "writer": self.writer,
-            "simulated": self.simulated,
-            "protocol": self.protocol,
-            "expandable_segments": self.expandable_segments,
-            "top": self.top,
-            "devices": [d.to_dict() for d in self.devices],
-            "notes": list(self.notes),
-            "advice": [a.to_dict() for a in self.advice],
-        }
-
-    def to_json(self, path: str | Path | None = None) -> str:
-        """As JSON; also written to ``path`` if given."""
-        out = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(out + "\n", encoding="utf-8")
-        return out
-
     # -- renderings (layout in memkit.render.inspection) -------------------------------------
     def __str__(self) -> str:
         return layout.inspection_text(self)
@@ -268,13 +208,3 @@ class SnapshotInspection:
     def html_body(self) -> str:
         """The inspection as HTML, without the page shell."""
         return layout.inspection_html(self)
-
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html_body())
-
-    def to_html(self, path: str | Path | None = None) -> str:
-        """A self-contained HTML page (inline SVG, no scripts); also written to ``path``."""
-        page = h.page("memkit inspect", self.html_body())
-        if path is not None:
-            Path(path).write_text(page, encoding="utf-8")
-        return page

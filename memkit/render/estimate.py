@@ -16,7 +16,7 @@ from memkit.units import format_size
 if TYPE_CHECKING:
     from memkit.estimation.result import Estimate
 
-__all__ = ["estimate_headline", "estimate_html", "estimate_text"]
+__all__ = ["estimate_headline", "estimate_html_body", "estimate_text"]
 
 _TRIAL_HEADERS = ["batch", "fits", "allocated", "reserved"]
 _BREAKDOWN_HEADERS = ["", "bytes", "share"]
@@ -95,8 +95,8 @@ def estimate_text(est: Estimate) -> str:
     return "\n".join(parts)
 
 
-def estimate_html(est: Estimate) -> str:
-    """A self-contained HTML fragment (a notebook's ``_repr_html_``)."""
+def estimate_html_body(est: Estimate) -> str:
+    """The estimate as HTML (no page shell, no style; see :class:`memkit.results.Result`)."""
     body = f"<h3>memkit estimate</h3><p>{h.escape(estimate_headline(est))}</p>" + h.table(
         _TRIAL_HEADERS, _trial_rows(est)
     )
@@ -110,4 +110,4 @@ def estimate_html(est: Estimate) -> str:
         + "</p>"
         + advice_html(est.advice)
     )
-    return h.fragment(body)
+    return body

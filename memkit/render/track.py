@@ -15,9 +15,11 @@ from memkit.render.text import table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
+    from memkit.tracking.rank_gather import RanksReport
     from memkit.tracking.report import (
         Breakdown,
         DeviceReport,
+        LeakFinding,
         ModuleRecord,
         OomPostMortem,
         TimelinePoint,
@@ -28,13 +30,19 @@ __all__ = [
     "CAPACITY_IN_PLOT",
     "MAX_PLOT_POINTS",
     "MODULE_HEADERS",
+    "RANK_HEADERS",
     "STEP_RULES",
     "breakdown_html",
     "breakdown_text",
     "device_summary_row",
     "format_shape",
+    "leak_headline",
     "postmortem_html",
     "postmortem_text",
+    "rank_rows",
+    "ranks_headline",
+    "ranks_html_body",
+    "ranks_text",
     "report_html_body",
     "report_text",
     "summary_headers",
@@ -156,6 +164,25 @@ def breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
     )
 
 
+def leak_headline(leak: LeakFinding) -> str:
+    """One line: what grows, by how much."""
+    if leak.graph_growth and leak.growth_per_step <= 0:
+        held = f" held by `{leak.suspects[0].name}`" if leak.suspects else ""
+        return (
+            f"an autograd graph{held} grows by about {leak.graph_growth} nodes per step "
+            f"(host memory; since step {leak.first_step})"
+        )
+    if leak.period > 1:
+        return (
+            f"memory grows by {format_size(leak.growth_per_step * leak.period)} every "
+            f"{leak.period} steps (since step {leak.first_step}, over {leak.steps} steps)"
+        )
+    return (
+        f"memory grows by {format_size(leak.growth_per_step)} per step "
+        f"(since step {leak.first_step}, over {leak.steps} steps)"
+    )
+
+
 def postmortem_text(pm: OomPostMortem) -> str:
     """The post-mortem as printed to stderr."""
     rank = "" if pm.rank is None else f" (rank {pm.rank})"
@@ -176,7 +203,7 @@ def postmortem_text(pm: OomPostMortem) -> str:
         rows = [[path, format_size(size)] for path, size in pm.top_modules]
         lines.extend("    " + line for line in table(["module", "bytes"], rows).splitlines())
     if pm.leak is not None:
-        lines.append(f"  before this, {pm.leak.headline()}")
+        lines.append(f"  before this, {leak_headline(pm.leak)}")
     if pm.advice:
         lines.append("  advice:")
         lines.extend("    " + line for line in advice_text(pm.advice).splitlines())
@@ -202,6 +229,59 @@ def postmortem_html(pm: OomPostMortem) -> str:
     body.append("<h3>Advice</h3>")
     body.append(advice_html(list(pm.advice)))
     return "".join(body)
+
+
+# ----------------------------------------------------------------------------------------
+# across ranks (rank 0's report)
+
+RANK_HEADERS = ["rank", "device", "peak alloc", "peak reserved", "capacity", "used", "phase",
+                "step", ""]  # fmt: skip
+
+
+def rank_rows(ranks: RanksReport) -> list[list[object]]:
+    """One row per rank, under :data:`RANK_HEADERS`."""
+    tight = ranks.tightest_rank
+    return [
+        [
+            r.rank,
+            r.device,
+            format_size(r.peak_allocated),
+            format_size(r.peak_reserved),
+            format_size(r.capacity),
+            "" if r.used_share is None else f"{r.used_share:.0%}",
+            r.peak_phase or "",
+            "" if r.peak_step is None else r.peak_step,
+            ("OOM " + r.oom) if r.oom else ("tightest" if r.rank == tight else ""),
+        ]
+        for r in ranks.ranks
+    ]
+
+
+def ranks_headline(ranks: RanksReport) -> str:
+    """The imbalance and the rank closest to its capacity, in one line."""
+    return (
+        f"{ranks.world_size} ranks; imbalance between ranks {ranks.imbalance:.0%} of the "
+        f"largest peak; rank {ranks.tightest_rank} is the closest to its capacity (the first to "
+        "run out as the batch grows)"
+    )
+
+
+def ranks_text(ranks: RanksReport) -> str:
+    """The headline, the per-rank table and the advice across ranks."""
+    parts = [ranks_headline(ranks), "", table(RANK_HEADERS, rank_rows(ranks), title="ranks")]
+    text = advice_text(ranks.advice)
+    if text:
+        parts += ["", "advice across ranks:", text]
+    return "\n".join(parts)
+
+
+def ranks_html_body(ranks: RanksReport) -> str:
+    """The same as HTML (no page shell)."""
+    return (
+        f"<h3>Ranks</h3><p>{h.escape(ranks_headline(ranks))}</p>"
+        + h.table(RANK_HEADERS, rank_rows(ranks))
+        + (advice_html(list(ranks.advice)) if ranks.advice else "")
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -239,7 +319,7 @@ def report_text(report: TrackReport) -> str:
         lines.append("")
         lines.extend(_device_text(dev))
     if report.ranks is not None:
-        lines.extend(["", str(report.ranks)])
+        lines.extend(["", ranks_text(report.ranks)])
     if report.advice:
         lines.extend(["", "advice:", advice_text(report.advice)])
     if report.notes:
@@ -269,7 +349,7 @@ def _device_text(dev: DeviceReport) -> list[str]:
     if top:
         lines.append(table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules"))
     if dev.leak is not None:
-        lines.append(dev.leak.headline())
+        lines.append(leak_headline(dev.leak))
     return lines
 
 
@@ -288,7 +368,7 @@ def report_html_body(report: TrackReport) -> str:
     for dev in report.devices:
         body.extend(_device_html(dev))
     if report.ranks is not None:
-        body.append(report.ranks.html_body())
+        body.append(ranks_html_body(report.ranks))
     if report.advice or report.oom is None:  # the post-mortem above has its own advice
         body.append("<h3>Advice</h3>")
         body.append(advice_html(list(report.advice)))

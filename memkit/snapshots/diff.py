@@ -5,12 +5,11 @@ Layout in :mod:`memkit.render.snapshots`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from memkit.render import html as h
 from memkit.render import snapshots as layout
+from memkit.results import Record, Result
 from memkit.snapshots.results import CATEGORY_FIELDS, Snapshot
 from memkit.units import format_size
 
@@ -18,7 +17,7 @@ __all__ = ["Change", "SnapshotDiff"]
 
 
 @dataclass(frozen=True)
-class Change:
+class Change(Record):
     """One value that differs between two snapshots.
 
     Attributes:
@@ -69,16 +68,9 @@ class Change:
             return f"{delta:+.0f}{' °C' if self.unit == '°C' else '%'}"
         return f"{delta:+}"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, plus ``delta``."""
-        return {
-            "where": self.where,
-            "what": self.what,
-            "before": self.before,
-            "after": self.after,
-            "unit": self.unit,
-            "delta": self.delta,
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["delta"] = self.delta
+        return out
 
 
 _DEVICE_DIFF_FIELDS: tuple[tuple[str, str], ...] = (
@@ -122,7 +114,7 @@ def _tensor_changes(before: Snapshot, after: Snapshot) -> list[Change]:
 
 
 @dataclass(frozen=True)
-class SnapshotDiff:
+class SnapshotDiff(Result):
     """What changed between two snapshots: only the values that differ.
 
     Build it with ``later - earlier`` (or :meth:`between`). Renders as text, HTML and JSON like
@@ -136,6 +128,9 @@ class SnapshotDiff:
         before_label: the earlier snapshot's label.
         after_label: the later snapshot's label.
     """
+
+    SCHEMA: ClassVar[str] = "memkit.snapshot-diff/1"
+    HTML_TITLE: ClassVar[str] = "memkit snapshot diff"
 
     before_at: float
     after_at: float
@@ -195,21 +190,9 @@ class SnapshotDiff:
     def __len__(self) -> int:
         return len(self.changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "schema": "memkit.snapshot-diff/1",
-            "before_at": self.before_at,
-            "after_at": self.after_at,
-            "before_label": self.before_label,
-            "after_label": self.after_label,
-            "elapsed": self.elapsed,
-            "changes": [c.to_dict() for c in self.changes],
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The diff as JSON text."""
-        return json.dumps(self.to_dict(), indent=indent)
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["elapsed"] = self.elapsed
+        return out
 
     def __str__(self) -> str:
         return layout.diff_text(self)
@@ -217,9 +200,6 @@ class SnapshotDiff:
     def __repr__(self) -> str:
         return str(self)
 
-    def html(self) -> str:
-        """The diff as an HTML fragment (without the scoped style; see ``_repr_html_``)."""
+    def html_body(self) -> str:
+        """The diff as HTML (no page shell, no style; ``html()`` is the same)."""
         return layout.diff_html(self)
-
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html())

@@ -1,21 +1,21 @@
 """The result objects of :func:`memkit.snapshots.snapshot`: one device, the host, what the objects
 passed hold, the largest tensors, and the :class:`Snapshot` that gathers them.
 
-Frozen dataclasses with ``to_dict``/``to_json``; their text and HTML layout is in
-:mod:`memkit.render.snapshots`.
+Frozen dataclasses with the shared result methods (:class:`memkit.results.Result`); their text
+and HTML layout is in :mod:`memkit.render.snapshots`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from memkit.advice import Advice
 from memkit.render import html as h
 from memkit.render import snapshots as layout
 from memkit.render.snapshots import BAR_LABELS, EXPLAIN, FREE_COLOR
+from memkit.results import Record, Result
 
 if TYPE_CHECKING:
     from memkit.snapshots.diff import SnapshotDiff
@@ -36,7 +36,7 @@ CATEGORY_FIELDS = ("parameters", "buffers", "gradients", "optimizer_state", "oth
 
 
 @dataclass(frozen=True)
-class DeviceSnapshot:
+class DeviceSnapshot(Record):
     """One device at one moment. Sizes in bytes; ``None`` where unreadable (see :meth:`why`).
 
     Attributes:
@@ -117,16 +117,16 @@ class DeviceSnapshot:
             (BAR_LABELS[2], self.outside or 0),
         ]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, plus the derived ``free``, ``cached`` and ``outside``."""
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "missing"}
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Plus the derived ``free``, ``cached`` and ``outside``; ``missing`` as a dict."""
+        del out["missing"]
         out.update(free=self.free, cached=self.cached, outside=self.outside)
         out["missing"] = dict(self.missing)
         return out
 
 
 @dataclass(frozen=True)
-class HostSnapshot:
+class HostSnapshot(Record):
     """Host RAM: this process's resident memory and the machine's available and total RAM."""
 
     process_rss: int | None
@@ -134,18 +134,8 @@ class HostSnapshot:
     total: int | None
     reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "process_rss": self.process_rss,
-            "available": self.available,
-            "total": self.total,
-            "reason": self.reason,
-        }
-
-
 @dataclass(frozen=True)
-class Categories:
+class Categories(Record):
     """What one device's memory is made of, from the objects passed to :func:`snapshot`.
 
     Each tensor storage is counted once, in the first category that holds it (parameters,
@@ -175,22 +165,13 @@ class Categories:
         """Parameters + buffers + gradients + optimizer state."""
         return self.parameters + self.buffers + self.gradients + self.optimizer_state
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, plus ``categorised``."""
-        return {
-            "device": self.device,
-            "parameters": self.parameters,
-            "buffers": self.buffers,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
-            "other": self.other,
-            "other_how": self.other_how,
-            "categorised": self.categorised,
-        }
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["categorised"] = self.categorised
+        return out
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(Record):
     """One live tensor (one storage) among the largest.
 
     Attributes:
@@ -226,25 +207,12 @@ class TensorInfo:
             return self.name
         return f"{self.dtype}{list(self.shape)}@{self.device}"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "device": self.device,
-            "nbytes": self.nbytes,
-            "aliases": list(self.aliases),
-        }
-
-
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(Result):
     """Every device and the host at one moment; see :func:`snapshot`.
 
-    Renders as text (``repr``/``str``), HTML (``_repr_html_``) and JSON (:meth:`to_json`);
-    ``later - earlier`` is a :class:`SnapshotDiff`.
+    Renders as text (``repr``/``str``), HTML (``_repr_html_``, ``to_html``) and JSON
+    (``to_json``); ``later - earlier`` is a :class:`SnapshotDiff`.
 
     Attributes:
         taken_at: Unix time of the reading.
@@ -260,6 +228,9 @@ class Snapshot:
         pid: the process that took it.
         top: how many tensors the largest-tensor list was asked to keep.
     """
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    HTML_TITLE: ClassVar[str] = "memkit snapshot"
 
     taken_at: float
     devices: tuple[DeviceSnapshot, ...]
@@ -286,26 +257,10 @@ class Snapshot:
             f"no device {key!r} in this snapshot; found {[d.device for d in self.devices]}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (sizes in bytes)."""
-        return {
-            "schema": SCHEMA,
-            "taken_at": self.taken_at,
-            "label": self.label,
-            "pid": self.pid,
-            "top": self.top,
-            "devices": [d.to_dict() for d in self.devices],
-            "host": self.host.to_dict(),
-            "categories": [c.to_dict() for c in self.categories],
-            "tensors": [t.to_dict() for t in self.tensors],
-            "notes": list(self.notes),
-            "advice": [a.to_dict() for a in self.advice],
-            "explain": dict(EXPLAIN),
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The snapshot as JSON text."""
-        return json.dumps(self.to_dict(), indent=indent)
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Sizes in bytes; plus what each device column means (``explain``)."""
+        out["explain"] = dict(EXPLAIN)
+        return out
 
     # -- arithmetic -------------------------------------------------------------------------
     def diff(self, earlier: Snapshot) -> SnapshotDiff:
@@ -340,12 +295,9 @@ class Snapshot:
     def __repr__(self) -> str:
         return str(self)
 
-    def html(self) -> str:
-        """The snapshot as an HTML fragment (without the scoped style; see ``_repr_html_``)."""
+    def html_body(self) -> str:
+        """The snapshot as HTML (no page shell, no style; ``html()`` is the same)."""
         return layout.snapshot_html(self)
-
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html())
 
     def plot(self, ax: Any = None) -> Any:
         """Draw one stacked bar per device with matplotlib; returns the Axes.

@@ -12,18 +12,16 @@ when it fails, the report says so in a note instead of raising.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from memkit import distributed
-from memkit.advice import Advice, advice_html, advice_text
+from memkit.advice import Advice
 from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
-from memkit.render import html as h
-from memkit.render.text import table
-from memkit.units import format_size
+from memkit.render import track as layout
+from memkit.results import Result
 
 __all__ = [
     "GATHER_TIMEOUT",
@@ -83,8 +81,13 @@ class RankSummary:
 
 
 @dataclass(frozen=True)
-class RanksReport:
-    """Every rank's summary, on rank 0."""
+class RanksReport(Result):
+    """Every rank's summary, on rank 0 (layout: :mod:`memkit.render.track`)."""
+
+    SCHEMA: ClassVar[str] = "memkit.RanksReport/1"
+    HTML_TITLE: ClassVar[str] = "memkit track: ranks"
+    JSON_INDENT: ClassVar[int | None] = 1
+    HEADERS: ClassVar[tuple[str, ...]] = tuple(layout.RANK_HEADERS)
 
     ranks: tuple[RankSummary, ...]
     advice: tuple[Advice, ...] = ()
@@ -109,61 +112,24 @@ class RanksReport:
         return max(self.ranks, key=lambda r: (r.peak_reserved, -r.rank)).rank
 
     def rows(self) -> list[list[object]]:
-        tight = self.tightest_rank
-        return [
-            [
-                r.rank,
-                r.device,
-                format_size(r.peak_allocated),
-                format_size(r.peak_reserved),
-                format_size(r.capacity),
-                "" if r.used_share is None else f"{r.used_share:.0%}",
-                r.peak_phase or "",
-                "" if r.peak_step is None else r.peak_step,
-                ("OOM " + r.oom) if r.oom else ("tightest" if r.rank == tight else ""),
-            ]
-            for r in self.ranks
-        ]
-
-    HEADERS = ("rank", "device", "peak alloc", "peak reserved", "capacity", "used", "phase",
-               "step", "")  # fmt: skip
+        """The per-rank table's rows (under :attr:`HEADERS`)."""
+        return layout.rank_rows(self)
 
     def headline(self) -> str:
-        tight = self.tightest_rank
-        return (
-            f"{self.world_size} ranks; imbalance between ranks {self.imbalance:.0%} of the "
-            f"largest peak; rank {tight} is the closest to its capacity (the first to run out "
-            "as the batch grows)"
+        """The imbalance and the rank closest to its capacity."""
+        return layout.ranks_headline(self)
+
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out.update(
+            world_size=self.world_size, imbalance=self.imbalance, tightest_rank=self.tightest_rank
         )
+        return out
 
     def __str__(self) -> str:
-        parts = [self.headline(), "", table(list(self.HEADERS), self.rows(), title="ranks")]
-        text = advice_text(self.advice)
-        if text:
-            parts += ["", "advice across ranks:", text]
-        return "\n".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "imbalance": self.imbalance,
-            "tightest_rank": self.tightest_rank,
-            "ranks": [asdict(r) for r in self.ranks],
-            "advice": [a.to_dict() for a in self.advice],
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        return layout.ranks_text(self)
 
     def html_body(self) -> str:
-        return (
-            f"<h3>Ranks</h3><p>{h.escape(self.headline())}</p>"
-            + h.table(list(self.HEADERS), self.rows())
-            + (advice_html(list(self.advice)) if self.advice else "")
-        )
-
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html_body())
+        return layout.ranks_html_body(self)
 
 
 def rank_advice(ranks: tuple[RankSummary, ...]) -> list[Advice]:

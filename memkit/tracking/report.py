@@ -2,20 +2,20 @@
 
 A :class:`TrackReport` holds one :class:`DeviceReport` per device the tracked code used, the
 advice, and, when an out-of-memory error ended the block, an :class:`OomPostMortem`. Everything
-here is a pure function of the recorded numbers: no torch at import, nothing measured.
+here is a pure function of the recorded numbers: no torch at import, nothing measured. The text
+and HTML layout is :mod:`memkit.render.track`; the shared methods (``to_dict``, ``to_json``,
+``to_html``...) come from :class:`memkit.results.Result`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from memkit.advice import Advice
-from memkit.render import html as h
 from memkit.render import track as layout
-from memkit.units import format_size
+from memkit.results import Result, json_fields
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RanksReport
@@ -228,25 +228,11 @@ class LeakFinding:
 
     def headline(self) -> str:
         """One line: what grows, by how much."""
-        if self.graph_growth and self.growth_per_step <= 0:
-            held = f" held by `{self.suspects[0].name}`" if self.suspects else ""
-            return (
-                f"an autograd graph{held} grows by about {self.graph_growth} nodes per step "
-                f"(host memory; since step {self.first_step})"
-            )
-        if self.period > 1:
-            return (
-                f"memory grows by {format_size(self.growth_per_step * self.period)} every "
-                f"{self.period} steps (since step {self.first_step}, over {self.steps} steps)"
-            )
-        return (
-            f"memory grows by {format_size(self.growth_per_step)} per step "
-            f"(since step {self.first_step}, over {self.steps} steps)"
-        )
+        return layout.leak_headline(self)
 
 
 @dataclass(frozen=True)
-class OomPostMortem:
+class OomPostMortem(Result):
     """Where and why an out-of-memory error ended the tracked block.
 
     Attributes:
@@ -270,6 +256,9 @@ class OomPostMortem:
         rank: the distributed rank, if any.
         input_shape: the shape of the last model forward's first tensor input, if any.
     """
+
+    SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
+    HTML_TITLE: ClassVar[str] = "memkit out-of-memory post-mortem"
 
     device: str
     step: int
@@ -304,10 +293,7 @@ class OomPostMortem:
             place = f"{self.phase}, outside any module"
         return f"step {self.step}, {place}"
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        out = asdict(self)
-        out["advice"] = [a.to_dict() for a in self.advice]
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["where"] = self.where
         return out
 
@@ -317,12 +303,9 @@ class OomPostMortem:
     def __repr__(self) -> str:
         return self.__str__()
 
-    def html(self) -> str:
+    def html_body(self) -> str:
         """An HTML section (no page shell)."""
         return layout.postmortem_html(self)
-
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html())
 
 
 @dataclass(frozen=True)
@@ -378,7 +361,7 @@ class DeviceReport:
 
 
 @dataclass(frozen=True)
-class TrackReport:
+class TrackReport(Result):
     """What :func:`memkit.track` (or ``memkit run``) recorded.
 
     Attributes:
@@ -409,6 +392,11 @@ class TrackReport:
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
+
+    SCHEMA: ClassVar[str] = "memkit.TrackReport/1"
+    HTML_TITLE: ClassVar[str] = "memkit track report"
+    JSON_INDENT: ClassVar[int | None] = 1
+    _JSON_SKIP: ClassVar[tuple[str, ...]] = ("devices",)
 
     devices: tuple[DeviceReport, ...]
     steps: int
@@ -458,52 +446,18 @@ class TrackReport:
         """Devices whose memory grew step after step."""
         return [d.leak for d in self.devices if d.leak is not None]
 
-    # -- JSON -----------------------------------------------------------------------------
+    # -- JSON (memkit/results.py) --------------------------------------------------------
     def to_dict(self, *, timeline: bool = True) -> dict[str, Any]:
         """JSON-ready dict (``timeline=False`` leaves the per-reading timeline out)."""
-        devices = []
-        for dev in self.devices:
-            d = asdict(dev)
-            if not timeline:
-                d.pop("timeline")
-            else:
-                d["timeline"] = [
-                    [p.t, p.step, p.phase, p.module, p.allocated, p.reserved] for p in dev.timeline
-                ]
-                d["timeline_fields"] = ["t", "step", "phase", "module", "allocated", "reserved"]
-            devices.append(d)
-        return {
-            "kind": "memkit.TrackReport",
-            "mode": self.mode,
-            "steps": self.steps,
-            "duration_s": self.duration_s,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "eval_grad_forwards": self.eval_grad_forwards,
-            "eval_forwards": self.eval_forwards,
-            "eval_input_shape": self.eval_input_shape,
-            "step_rule": self.step_rule,
-            "micro_batches": self.micro_batches,
-            "devices": devices,
-            "advice": [a.to_dict() for a in self.advice],
-            "oom": None if self.oom is None else self.oom.to_dict(),
-            "notes": list(self.notes),
-            "param_dtype": self.param_dtype,
-            "optimizer_name": self.optimizer_name,
-            "autocast_forwards": self.autocast_forwards,
-            "steps_with_grads_at_forward": self.steps_with_grads_at_forward,
-            "dp_device_ids": list(self.dp_device_ids),
-            "dp_output_device": self.dp_output_device,
-            "dp_output_bytes": self.dp_output_bytes,
-            **({} if self.ranks is None else {"ranks": self.ranks.to_dict()}),
-        }
+        out = super().to_dict()
+        out["devices"] = [_device_json(dev, timeline) for dev in self.devices]
+        return out
 
-    def to_json(self, path: str | Path | None = None, *, timeline: bool = True) -> str:
-        """The report as JSON; also written to ``path`` if given."""
-        text = json.dumps(self.to_dict(timeline=timeline), indent=1)
-        if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
-        return text
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["micro_batches"] = self.micro_batches
+        if self.ranks is None:
+            del out["ranks"]
+        return out
 
     # -- text and HTML (memkit/render/track.py) ------------------------------------------
     def __str__(self) -> str:
@@ -516,12 +470,17 @@ class TrackReport:
         """The report's HTML without the page shell."""
         return layout.report_html_body(self)
 
-    def _repr_html_(self) -> str:
-        return h.fragment(self.html_body())
 
-    def to_html(self, path: str | Path | None = None) -> str:
-        """A self-contained HTML page (inline SVG, no scripts); also written to ``path``."""
-        page = h.page("memkit track report", self.html_body())
-        if path is not None:
-            Path(path).write_text(page, encoding="utf-8")
-        return page
+TIMELINE_FIELDS = ["t", "step", "phase", "module", "allocated", "reserved"]
+"""The columns of a device's ``timeline`` in the JSON (one row per reading)."""
+
+
+def _device_json(dev: DeviceReport, timeline: bool) -> dict[str, Any]:
+    """A device's record as JSON; its timeline as rows of :data:`TIMELINE_FIELDS`."""
+    out = json_fields(dev, skip=("timeline",))
+    if timeline:
+        out["timeline"] = [
+            [p.t, p.step, p.phase, p.module, p.allocated, p.reserved] for p in dev.timeline
+        ]
+        out["timeline_fields"] = list(TIMELINE_FIELDS)
+    return out

@@ -1,0 +1,77 @@
+"""Text and HTML layout of :class:`memkit.strategies.StrategyComparison` (pure, torch-free)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memkit.advice import advice_html, advice_text
+from memkit.render import html as h
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.strategies import StrategyComparison
+
+__all__ = ["comparison_html_body", "comparison_text"]
+
+
+def _header(comparison: StrategyComparison) -> list[str]:
+    gpus = range(comparison.gpus)
+    return ["strategy", "global batch", *[f"cuda:{i}" for i in gpus], "excess 0"]
+
+
+def _rows(comparison: StrategyComparison) -> list[list[str]]:
+    rows = []
+    for r in comparison.results:
+        batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
+        peaks = [format_size(p) for p in r.per_device_peaks]
+        peaks += ["-"] * (comparison.gpus - len(peaks))  # nothing fit: no peak at any size
+        rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
+    return rows
+
+
+def comparison_text(comparison: StrategyComparison) -> str:
+    """The per-strategy table, what lives on cuda:0 only, the advice and the notes."""
+    sizes = ", ".join(format_size(b) for b in comparison.budgets)
+    lines = [
+        f"{comparison.path}: {comparison.gpus} virtual GPUs ({sizes}) on {comparison.device}",
+        "largest global batch that fits on every device, and each device's peak at it",
+        "",
+    ]
+    header = _header(comparison)
+    rows = [header, *_rows(comparison)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for r in comparison.results:
+        if r.excess_parts:
+            parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
+            lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
+    dp, ddp = comparison.result("dp"), comparison.result("ddp")
+    if (
+        dp is not None
+        and ddp is not None
+        and dp.max_global_batch is not None
+        and (ddp.max_global_batch or 0) <= dp.max_global_batch
+    ):
+        lines.append(
+            "ddp fits no larger global batch here: each rank holds its own gradients, their "
+            "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
+        )
+    if comparison.advice:
+        lines += ["", "advice", advice_text(comparison.advice)]
+    if comparison.notes:
+        lines += ["", "notes:", *(f"- {note}" for note in comparison.notes)]
+    return "\n".join(lines)
+
+
+def comparison_html_body(comparison: StrategyComparison) -> str:
+    """The table and the advice as HTML (no page shell)."""
+    sizes = ", ".join(format_size(b) for b in comparison.budgets)
+    return (
+        f"<h3>{h.escape(comparison.path)}: {comparison.gpus} virtual GPUs "
+        f"({h.escape(sizes)})</h3>"
+        + h.table(_header(comparison), _rows(comparison))
+        + advice_html(comparison.advice)
+    )
