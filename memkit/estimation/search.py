@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from memkit.errors import ConfigError
-from memkit.estimation.advice import estimate_advice
+from memkit.estimation.evidence import estimate_advice
 from memkit.estimation.assumptions import outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
 from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card

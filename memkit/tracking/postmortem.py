@@ -77,7 +77,7 @@ def build_postmortem(
         last_root: ``(training, grad_enabled)`` of the last forward of the model.
         last_input: the shape of the last forward's first tensor input.
     """
-    from memkit.tracking import rules
+    from memkit.advice import track as rules
 
     oom = find_oom(exc) or exc
     details = parse_oom_message(oom)

@@ -20,7 +20,7 @@ from typing import Any
 
 from memkit import distributed
 from memkit.advice import Advice, advice_html, advice_text
-from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.render import html as h
 from memkit.render.text import table
 from memkit.units import format_size

@@ -528,7 +528,7 @@ class Tracker(Hooks):
 
     def report(self) -> TrackReport:
         """The report so far (inside the block: a snapshot; after it: the final one)."""
-        from memkit.tracking import rules
+        from memkit.advice import track as rules
 
         with self._lock:
             if self._active:
