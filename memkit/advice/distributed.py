@@ -16,8 +16,8 @@ from memkit.units import format_size
 
 __all__ = [
     "DP_IMBALANCE",
-    "DdpEstimate",
     "ContextReading",
+    "DdpEstimate",
     "check_data_parallel",
     "ddp_gpu0_context",
     "ddp_unused_parameters",
