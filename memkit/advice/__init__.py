@@ -10,8 +10,10 @@ advice never does. One module per subject:
   ``optimizer-state``, ``zero-grad-keeps-grads``.
 * :mod:`memkit.advice.device`: ``fragmentation``, ``other-processes``, ``empty-cache``.
 * :mod:`memkit.advice.distributed`: ``dp-*`` and ``ddp-*``.
-* :mod:`memkit.advice.probe`: ``does-not-fit``.
-* :mod:`memkit.advice.track`: the rules fed with a track report, and the OOM post-mortem's.
+* :mod:`memkit.advice.probe`: ``does-not-fit``, ``accumulate``; :mod:`memkit.advice.estimate`:
+  an estimate's.
+* :mod:`memkit.advice.track`: the rules fed with a track report; :mod:`memkit.advice.oom`: the
+  OOM post-mortem's; :mod:`memkit.advice.leaks`: ``graph-retained``, ``memory-growth``.
 
 This package re-exports the form, the renderings and the rules of plain numbers.
 """
@@ -34,7 +36,7 @@ from memkit.advice.distributed import (
     dp_to_ddp,
 )
 from memkit.advice.form import CUDA_CONTEXT_BYTES, PRESSURE, SEVERITIES, Advice, MiB
-from memkit.advice.probe import does_not_fit
+from memkit.advice.probe import accumulation_advice, does_not_fit
 from memkit.advice.training import (
     LIGHTER_OPTIMIZERS,
     ModuleActivation,
@@ -54,6 +56,7 @@ __all__ = [
     "Advice",
     "MiB",
     "ModuleActivation",
+    "accumulation_advice",
     "activation_checkpointing",
     "advice_html",
     "advice_text",

@@ -1,5 +1,6 @@
-"""The advice of an estimate: its evidence (the trials, the breakdown, a bf16 re-run) handed
-to the rules of :mod:`memkit.advice` (one implementation per code)."""
+"""The evidence an estimate's advice needs, handed to :mod:`memkit.advice.estimate`: the
+search's outcome, the reserved peak at the breakdown's batch, and (when the rule asks) a bf16
+re-run of that batch."""
 
 from __future__ import annotations
 
@@ -7,19 +8,19 @@ import logging
 
 import torch
 
-from memkit import advice as rules
 from memkit.advice import Advice
+from memkit.advice.estimate import estimate_advice
 from memkit.estimation.families import TargetCard
 from memkit.estimation.meta_step import MetaSession
 from memkit.estimation.result import EstimateBreakdown
 from memkit.probing.search import SearchResult
 
-__all__ = ["estimate_advice"]
+__all__ = ["advice_for", "bf16_saving"]
 
 log = logging.getLogger(__name__)
 
 
-def estimate_advice(
+def advice_for(
     search: SearchResult,
     session: MetaSession,
     breakdown: EstimateBreakdown,
@@ -27,48 +28,20 @@ def estimate_advice(
     mode: str,
     card: TargetCard,
 ) -> list[Advice]:
-    """``does-not-fit``, ``mixed-precision`` and ``optimizer-state`` for the breakdown's batch."""
-    advice: list[Advice] = []
+    """The estimate's advice for the breakdown's batch, from the trials ``session`` ran."""
     focus = breakdown.batch_size
-    peaks = session.cache[focus]
-    if search.max_batch_size is None:
-        advice.append(
-            rules.does_not_fit(
-                batch_size=focus,
-                mode=mode,
-                need_bytes=peaks.reserved,
-                capacity_bytes=card.usable,
-                total_bytes=card.total,
-                context_bytes=card.context_bytes,
-            )
-        )
-    if amp is None and breakdown.activations > 0.2 * breakdown.total:
-        mp = rules.mixed_precision(
-            param_dtype="float32",  # no --amp: the estimate computes in the model's fp32
-            autocast=False,
-            activation_bytes=breakdown.activations,
-            peak_bytes=breakdown.total,
-            parameter_bytes=breakdown.parameters,
-            device=f"the estimated card, batch {focus}",
-            saving_bytes=_bf16_saving(session, focus),  # measured: a bf16 estimate of the batch
-            min_share=0.2,
-        )
-        if mp is not None:
-            advice.append(mp)
-    if mode == "train":
-        opt = rules.optimizer_state(
-            optimizer_state_bytes=breakdown.optimizer_state,
-            parameter_bytes=breakdown.parameters,
-            peak_bytes=breakdown.total,
-            capacity=None,  # an estimate asks "would it fit": always relevant
-            device=f"the estimated card, batch {focus}",
-        )
-        if opt is not None:
-            advice.append(opt)
-    return advice
+    return estimate_advice(
+        breakdown,
+        card,
+        mode=mode,
+        amp=amp,
+        fits=search.max_batch_size is not None,
+        need_bytes=session.cache[focus].reserved,
+        bf16_saving=lambda: bf16_saving(session, focus),
+    )
 
 
-def _bf16_saving(session: MetaSession, batch_size: int) -> int | None:
+def bf16_saving(session: MetaSession, batch_size: int) -> int | None:
     """What bf16 autocast would save at ``batch_size``: a second trial (``None`` if it fails)."""
     try:
         bf16 = session.with_amp(torch.bfloat16).run(batch_size).allocated
