@@ -61,6 +61,10 @@ class DdpEstimate:
         dp_b, ddp_b = self.largest_batches or (None, None)
         return dp_b is not None or ddp_b is not None
 
+    def imbalance(self, primary: str) -> str:
+        """How much more ``primary`` holds than the others, for the titles."""
+        return f"DataParallel puts {self.top / self.mean:.1f}x the memory on {primary}"
+
     @property
     def saves(self) -> bool:
         """Whether DDP saves memory: fits a larger global batch, else a lower estimated peak."""
@@ -155,15 +159,15 @@ def _dp_evidence(
 
 def _keep_data_parallel(est: DdpEstimate, primary: str, n: int, evidence: str) -> Advice:
     """``dp-to-ddp`` (info) when DDP would not save memory: what relieves the primary instead."""
-    top, mean, ddp = est.top, est.mean, est.per_device
+    top, ddp = est.top, est.per_device
     dp_b, ddp_b = est.largest_batches or (None, None)
     return Advice(
         code="dp-to-ddp",
         title=(
-            f"DataParallel puts {top / mean:.1f}x the memory on {primary}, but DDP would not "
+            f"{est.imbalance(primary)}, but DDP would not "
             f"save memory here (about {format_size(ddp)} per device vs {format_size(top)})"
             if not est.measured
-            else f"DataParallel puts {top / mean:.1f}x the memory on {primary}, but DDP "
+            else f"{est.imbalance(primary)}, but DDP "
             f"fits a smaller global batch here ({ddp_b or '-'} vs {dp_b or '-'})"
         ),
         evidence=evidence,
@@ -181,15 +185,14 @@ def _keep_data_parallel(est: DdpEstimate, primary: str, n: int, evidence: str) -
 
 def _switch_to_ddp(est: DdpEstimate, primary: str, n: int, evidence: str) -> Advice:
     """``dp-to-ddp`` (warning) when DDP saves memory: how to switch."""
-    top, mean, ddp = est.top, est.mean, est.per_device
+    top, ddp = est.top, est.per_device
     dp_b, ddp_b = est.largest_batches or (None, None)
     return Advice(
         code="dp-to-ddp",
         title=(
-            f"DataParallel puts {top / mean:.1f}x the memory on {primary}; DDP would peak "
-            f"near {format_size(ddp)} per device"
+            f"{est.imbalance(primary)}; DDP would peak near {format_size(ddp)} per device"
             if not est.measured
-            else f"DataParallel puts {top / mean:.1f}x the memory on {primary}; DDP fits a "
+            else f"{est.imbalance(primary)}; DDP fits a "
             f"global batch of {ddp_b} (DataParallel {dp_b or '-'})"
         ),
         evidence=evidence,
