@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from memkit import advice as A
+from memkit.advice.probe import accumulation_advice
+from memkit.advice.track import measured_advice
 from memkit.oom import parse_oom_message
-from memkit.probing.accumulate import accumulation_advice, exact_split, plan_accumulation
+from memkit.probing.accumulate import exact_split, plan_accumulation
 from memkit.tracking import track
 from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
-from memkit.tracking.rules import measured_advice
 
 MiB = 1024**2
 GiB = 1024**3
@@ -353,8 +354,8 @@ def test_renderings():
 
 
 def test_oom_post_mortem_gets_fragmentation_and_other_processes_from_the_message():
+    from memkit.advice.track import oom_advice
     from memkit.tracking.report import OomPostMortem
-    from memkit.tracking.rules import oom_advice
 
     d = parse_oom_message(OOM_FRAGMENTED)
     pm = OomPostMortem(

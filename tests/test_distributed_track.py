@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.tracking.rank_gather import RanksReport, RankSummary, rank_advice
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from memkit.errors import ConfigError
-from memkit.estimation.advice import estimate_advice
 from memkit.estimation.assumptions import outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
+from memkit.estimation.evidence import advice_for
 from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card
 from memkit.estimation.meta_model import build_meta_model, build_target_optimizer
 from memkit.estimation.meta_step import MetaSession, run_guarded
@@ -123,7 +123,7 @@ def estimate(
         fixed_bytes=None if fit is None else fit.fixed_bytes,
         per_sample_bytes=None if fit is None else fit.per_sample_bytes,
         assumptions=tuple(assumptions),
-        advice=tuple(estimate_advice(search, session, breakdown, amp, mode, card)),
+        advice=tuple(advice_for(search, session, breakdown, amp, mode, card)),
         seconds=time.perf_counter() - started,
     )
 

@@ -1,14 +1,14 @@
-"""Gradient accumulation: reach a target effective batch with micro batches that fit."""
+"""Gradient accumulation: plan a target effective batch with micro batches that fit (the
+``accumulate`` advice on a plan: :func:`memkit.advice.probe.accumulation_advice`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from memkit.advice import Advice
 from memkit.errors import ConfigError
 
-__all__ = ["AccumulationPlan", "accumulation_advice", "exact_split", "plan_accumulation"]
+__all__ = ["AccumulationPlan", "exact_split", "plan_accumulation"]
 
 
 @dataclass(frozen=True)
@@ -77,51 +77,3 @@ def exact_split(target_batch: int, max_micro_batch: int, world_size: int = 1) ->
             steps = target_batch // (micro * world_size)
             return AccumulationPlan(target_batch, micro, steps, world_size)
     return AccumulationPlan(target_batch, 1, math.ceil(target_batch / world_size), world_size)
-
-
-def accumulation_advice(
-    plan: AccumulationPlan, recommended: int, device: str, *, batch_norm: bool = False
-) -> Advice:
-    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size."""
-    world = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
-    if plan.steps == 1:
-        return Advice(
-            code="accumulate",
-            title=f"Target batch {plan.target_batch} fits without accumulation",
-            evidence=(
-                f"The recommended batch size on {device} is {recommended} per device; the "
-                f"target needs {plan.micro_batch} per device{world}."
-            ),
-            action=f"Train with batch_size={plan.micro_batch} per device; no accumulation needed.",
-        )
-    if plan.exact:
-        overshoot = ""
-        schedule = "The effective batch (and so the learning-rate schedule) matches the target."
-    else:
-        exact = exact_split(plan.target_batch, recommended, plan.world_size)
-        overshoot = (
-            f" With {plan.steps} steps no micro batch gives exactly {plan.target_batch}; an exact "
-            f"split needs {exact.steps} steps of {exact.micro_batch}."
-        )
-        schedule = (
-            f"The effective batch is {plan.effective_batch}, "
-            f"{plan.effective_batch - plan.target_batch} above the target: scale the learning "
-            f"rate for it, or use {exact.steps} steps of {exact.micro_batch} to match exactly."
-        )
-    norm = f" Batch-norm statistics see micro batches of {plan.micro_batch}." if batch_norm else ""
-    return Advice(
-        code="accumulate",
-        title=(
-            f"Accumulate gradients over {plan.steps} steps of {plan.micro_batch} "
-            f"for an effective batch of {plan.effective_batch}"
-        ),
-        evidence=(
-            f"Target effective batch {plan.target_batch}; the recommended batch size on {device} "
-            f"is {recommended}{world}.{overshoot}"
-        ),
-        action=(
-            f"batch_size={plan.micro_batch}; call optimizer.step() and zero_grad() every "
-            f"{plan.steps} micro batches and divide each micro batch's loss by {plan.steps}. "
-            f"{schedule}{norm}"
-        ),
-    )

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from memkit import distributed
-from memkit.advice import Advice, does_not_fit
+from memkit.advice.probe import probe_advice
 from memkit.devices import CudaBackend, SimulatedBackend, get_backend, host_memory
 from memkit.distributed import RankStatus
 from memkit.errors import (
@@ -41,7 +41,6 @@ from memkit.modelfile import (
     require_seq_len,
 )
 from memkit.oom import is_oom, parse_oom_message, recover
-from memkit.probing.accumulate import accumulation_advice, plan_accumulation
 from memkit.probing.ranks import (
     PeerFailed,
     RankSync,
@@ -384,17 +383,6 @@ def _capacity(backend: Backend) -> int | None:
     return min(cap.total or 1 << 62, backend.reserved() + cap.free)
 
 
-def _does_not_fit_advice(result: SearchResult, backend: Backend, mode: str) -> Advice:
-    trial = result.trials[0]
-    return does_not_fit(
-        batch_size=trial.batch_size,
-        mode=mode,
-        need_bytes=trial.peak_bytes,
-        capacity_bytes=result.capacity_bytes,
-        device=backend.name(),
-    )
-
-
 def probe(
     model: torch.nn.Module,
     make_batch: Callable[..., Any],
@@ -643,17 +631,14 @@ def _build_result(
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
-    advice: list[Advice] = []
-    if search.max_batch_size is None:
-        advice.append(_does_not_fit_advice(search, backend, mode))
-    elif target_batch is not None and search.recommended_batch_size is not None:
-        micro = search.recommended_batch_size
-        advice.append(
-            accumulation_advice(
-                plan_accumulation(target_batch, micro, world), micro, backend.name(),
-                batch_norm=batch_norm,
-            )
-        )  # fmt: skip
+    advice = probe_advice(
+        search,
+        backend.name(),
+        mode,
+        target_batch=target_batch,
+        world_size=world,
+        batch_norm=batch_norm,
+    )
     model = search.model
     return ProbeResult(
         max_batch_size=search.max_batch_size,

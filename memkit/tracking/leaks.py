@@ -32,9 +32,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from memkit.advice import Advice
 from memkit.tracking.report import LeakFinding, LeakSuspect
-from memkit.units import format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.records import DeviceRecord
@@ -45,7 +43,6 @@ __all__ = [
     "GrowthDetector",
     "LeakWatch",
     "compare_scans",
-    "graph_retained_advice",
     "graph_size",
     "scan_frames",
 ]
@@ -408,64 +405,3 @@ class LeakWatch:
             if any(s.growing for s in suspects):
                 return dataclasses.replace(leak, suspects=tuple(suspects))
         return leak
-
-
-def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
-    """``graph-retained``: memory grows each step and a live variable holds an autograd graph."""
-    out: list[Advice] = []
-    for leak in leaks:
-        if leak.period > 1:
-            growth = (
-                f"Allocated memory on {leak.device} grew by "
-                f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
-                f"over {leak.steps} steps (from step {leak.first_step}) without coming back down."
-            )
-        elif leak.graph_growth and leak.growth_per_step <= 0:
-            growth = (
-                f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
-                f"{leak.first_step}); device memory on {leak.device} stayed flat because "
-                "backward freed the saved tensors, but every step's graph nodes stay alive in "
-                "host memory, and anything that still holds tensors keeps them on the device."
-            )
-        else:
-            growth = (
-                f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
-                f"per step over {leak.steps} steps (from step {leak.first_step}) without "
-                "coming back down."
-            )
-        if not leak.suspects:
-            out.append(
-                Advice(
-                    code="memory-growth",
-                    title=f"memory grows every step on {leak.device}",
-                    evidence=growth + " No variable of the training thread holds an autograd "
-                    "graph: look for tensors kept in lists, caches or globals.",
-                    action="Keep only Python numbers across steps (`.item()`), or `.detach()` "
-                    "tensors you store; check caches that grow with the step count.",
-                    saving_bytes=leak.growth_per_step,
-                    severity="warning",
-                )
-            )
-            continue
-        top = leak.suspects[0]
-        names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
-        fix = (
-            f"`{top.name}.append(x.item())` (or `x.detach()`)"
-            if top.kind == "container"
-            else f"`{top.name} += loss.item()` (or `loss.detach()`)"
-        )
-        out.append(
-            Advice(
-                code="graph-retained",
-                title=f"`{top.name}` keeps an autograd graph alive across steps",
-                evidence=growth
-                + f" Still holding a graph after the optimizer step: {names}"
-                + (f"; line: `{top.code}`" if top.code else "")
-                + ". Each step's graph (and whatever tensors it saved) stays alive.",
-                action=f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
-                "only logs.",
-                saving_bytes=leak.growth_per_step or None,
-                severity="critical" if top.growing else "warning",
-            )
-        )
-    return out

@@ -77,7 +77,7 @@ def build_postmortem(
         last_root: ``(training, grad_enabled)`` of the last forward of the model.
         last_input: the shape of the last forward's first tensor input.
     """
-    from memkit.tracking import rules
+    from memkit.advice.oom import oom_advice
 
     oom = find_oom(exc) or exc
     details = parse_oom_message(oom)
@@ -121,5 +121,5 @@ def build_postmortem(
         rank=launched_rank(),
         input_shape=last_input,
     )
-    advice = rules.oom_advice(pm, details.reserved_unallocated, details=details)
+    advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

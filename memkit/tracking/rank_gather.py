@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from memkit import distributed
 from memkit.advice import Advice
-from memkit.distributed_rules import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.render import track as layout
 from memkit.results import Result
 

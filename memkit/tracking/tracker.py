@@ -528,7 +528,7 @@ class Tracker(Hooks):
 
     def report(self) -> TrackReport:
         """The report so far (inside the block: a snapshot; after it: the final one)."""
-        from memkit.tracking import rules
+        from memkit.advice.track import track_advice
 
         with self._lock:
             if self._active:
@@ -558,7 +558,7 @@ class Tracker(Hooks):
             ranks=None if self._ranks_watch is None else self._ranks_watch.report,
             **self._advice_evidence(),
         )
-        advice = rules.track_advice(report, eval_grad_bytes=self._eval_grad_bytes)
+        advice = track_advice(report, eval_grad_bytes=self._eval_grad_bytes)
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
 
     @property

@@ -1,0 +1,91 @@
+"""The form of advice: :class:`Advice`, its severities, and the thresholds the rules share.
+
+Each :class:`Advice` has a stable ``code`` (tests and users match on it; docs/advice.md has one
+section per code), the ``evidence`` with the measured numbers (device, bytes, ratios), a concrete
+``action`` (a code line, an environment variable, a flag) and, where it can be computed, the
+expected ``saving_bytes``. Its text and HTML layout is in :mod:`memkit.render.advice`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from memkit.units import format_size
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "PRESSURE",
+    "SEVERITIES",
+    "Advice",
+    "MiB",
+    "percent_of",
+    "under_pressure",
+]
+
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One recommendation.
+
+    Attributes:
+        code: stable identifier, e.g. ``"accumulate"``, ``"dp-to-ddp"``.
+        title: one line.
+        evidence: what was measured, with numbers.
+        action: what to do, concretely.
+        saving_bytes: expected memory saved, if it can be estimated.
+        severity: ``"info"``, ``"warning"`` or ``"critical"``.
+    """
+
+    code: str
+    title: str
+    evidence: str
+    action: str
+    saving_bytes: int | None = None
+    severity: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, found {self.severity!r}")
+
+    @property
+    def detail(self) -> str:
+        """Evidence, action and saving in one paragraph."""
+        saving = (
+            f" Expected saving: {format_size(self.saving_bytes)}."
+            if self.saving_bytes is not None
+            else ""
+        )
+        return f"{self.evidence} {self.action}{saving}".strip()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field plus ``detail``."""
+        return {**asdict(self), "detail": self.detail}
+
+    def __str__(self) -> str:
+        from memkit.render.advice import advice_block
+
+        return advice_block(self)
+
+
+MiB = 1024**2
+
+PRESSURE = 0.5
+"""Trade-off rules (activation checkpointing costs recompute, a lighter optimizer changes
+training) fire only when the peak reached this share of the device's capacity, or capacity is
+unknown: advice to save memory when memory is not short is noise."""
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""A CUDA context's size, roughly (300-600 MiB depending on the GPU and the CUDA version)."""
+
+
+def percent_of(part: float, whole: float) -> str:
+    """``part`` as a whole percentage of ``whole`` (``"-"`` when ``whole`` is zero)."""
+    return f"{100.0 * part / whole:.0f}%" if whole else "-"
+
+
+def under_pressure(peak: int, capacity: int | None, pressure: float = PRESSURE) -> bool:
+    """Whether ``peak`` reached ``pressure`` of ``capacity`` (or capacity is unknown)."""
+    return capacity is None or capacity <= 0 or peak >= pressure * capacity

@@ -1,0 +1,226 @@
+"""The OOM post-mortem's advice: rules of the breakdown at the failure (``oom-activations``,
+``oom-optimizer-state``, ``oom-parameters``, ``oom-other``), of the pass it failed in
+(``oom-eval``, ``eval-grad-enabled``), of a leak that ran out (``graph-retained``), and of the
+CUDA message (``fragmentation``, ``other-processes``). Each is a function of the
+:class:`~memkit.tracking.report.OomPostMortem` (and the parsed message); none measures."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memkit.advice.device import fragmentation, other_processes, processes_in_oom_message
+from memkit.advice.form import Advice
+from memkit.advice.leaks import graph_retained_advice
+from memkit.render.track import format_shape
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.oom import OomDetails
+    from memkit.tracking.report import Breakdown, OomPostMortem
+
+__all__ = [
+    "eval_grad_at_oom",
+    "leak_ran_out",
+    "message_advice",
+    "oom_activations",
+    "oom_advice",
+    "oom_in_evaluation",
+    "oom_optimizer_state",
+    "oom_other",
+    "oom_parameters",
+]
+
+
+def oom_advice(
+    pm: OomPostMortem,
+    reserved_unallocated: int | None = None,
+    *,
+    details: OomDetails | None = None,
+) -> list[Advice]:
+    """What to do about the OOM described by ``pm`` (most useful first); ``details`` (the
+    parsed message) adds ``fragmentation`` and ``other-processes``."""
+    out: list[Advice] = [*leak_ran_out(pm)]
+    at_eval = eval_grad_at_oom(pm)
+    if at_eval is not None:
+        out.append(at_eval)
+    if pm.phase == "eval":
+        out.append(oom_in_evaluation(pm))
+    bd = pm.breakdown
+    if bd is not None and bd.total > 0:
+        share = {name: value / bd.total for name, value in bd.parts()}
+        found = (
+            oom_activations(pm, bd, share),
+            oom_optimizer_state(bd, share),
+            oom_parameters(bd, share),
+            oom_other(pm, bd, share),
+        )
+        out.extend(a for a in found if a is not None)
+    out.extend(message_advice(pm, reserved_unallocated, details))
+    return out
+
+
+def leak_ran_out(pm: OomPostMortem) -> list[Advice]:
+    """The leak advice (``graph-retained``, ``memory-growth``) of a leak that ran out: critical."""
+    if pm.leak is None:
+        return []
+    return [
+        Advice(
+            code=a.code,
+            title=a.title + " (and ran out)",
+            evidence=a.evidence,
+            action=a.action,
+            saving_bytes=a.saving_bytes,
+            severity="critical",
+        )
+        for a in graph_retained_advice([pm.leak])
+    ]
+
+
+def eval_grad_at_oom(pm: OomPostMortem) -> Advice | None:
+    """``eval-grad-enabled``: the last forward ran in eval mode with autograd recording."""
+    if not (pm.training is False and pm.grad_enabled):
+        return None
+    bd = pm.breakdown
+    return Advice(
+        code="eval-grad-enabled",
+        title="out of memory during evaluation with autograd recording",
+        evidence=f"The last forward ran with the model in eval mode and autograd on "
+        f"({pm.where}): every activation is kept for a backward that never comes.",
+        action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`).",
+        saving_bytes=bd.activations if bd is not None else None,
+        severity="critical",
+    )
+
+
+def oom_in_evaluation(pm: OomPostMortem) -> Advice:
+    """``oom-eval``: the OOM came in an evaluation pass, where accumulation does not apply."""
+    shape = pm.input_shape
+    batch = "" if shape is None else f"; the model's first input was {format_shape(shape)}"
+    kept = (
+        "Autograd was recording, so every layer's activations were kept for a backward that "
+        "never comes (see eval-grad-enabled)."
+        if pm.grad_enabled
+        else "Autograd was off: evaluation keeps no activations for a backward, so its memory "
+        "is the model, the batch and a few layers' outputs."
+    )
+    return Advice(
+        code="oom-eval",
+        title="out of memory in an evaluation pass",
+        evidence=f"It failed at {pm.where}{batch}. {kept} Gradient accumulation does not apply "
+        "to evaluation.",
+        action="Lower the evaluation batch size (a loader of its own, e.g. `--test-batch-size`): "
+        "it is independent of the training batch. Run evaluation under "
+        "`torch.inference_mode()` (or `torch.no_grad()`) with `model.eval()`, and move what you "
+        "keep of its outputs to the CPU.",
+        saving_bytes=None,
+        severity="critical",
+    )
+
+
+def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-activations``: activations were at least 40% of the memory (not in evaluation)."""
+    if share["activations"] < 0.4 or pm.phase == "eval":
+        return None
+    top = ", ".join(path for path, _ in pm.top_modules[:3])
+    return Advice(
+        code="oom-activations",
+        title="activations fill the device",
+        evidence=f"Activations were {format_size(bd.activations)} "
+        f"({100 * share['activations']:.0f}% of {format_size(bd.total)}) when it "
+        f"failed at {pm.where}" + (f"; the largest come from {top}." if top else "."),
+        action="Halve the micro-batch and accumulate gradients over 2 steps (same "
+        "effective batch); or checkpoint the largest blocks "
+        "(`torch.utils.checkpoint`); or train in bf16/fp16 autocast.",
+        saving_bytes=bd.activations // 2,
+        severity="critical",
+    )
+
+
+def oom_optimizer_state(bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-optimizer-state``: optimizer state was at least 30% of the memory."""
+    if share["optimizer state"] < 0.3:
+        return None
+    return Advice(
+        code="oom-optimizer-state",
+        title="optimizer state is a large share",
+        evidence=f"Optimizer state was {format_size(bd.optimizer_state)} "
+        f"({100 * share['optimizer state']:.0f}%), "
+        f"{bd.optimizer_state / max(1, bd.parameters):.1f}x the parameters.",
+        action="Use a lighter optimizer state (SGD with momentum, Adafactor, 8-bit "
+        "Adam), or shard it across ranks (ZeroRedundancyOptimizer, FSDP).",
+        saving_bytes=bd.optimizer_state // 2,
+        severity="warning",
+    )
+
+
+def oom_parameters(bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-parameters``: the parameters were at least half of the memory."""
+    if share["parameters"] < 0.5:
+        return None
+    return Advice(
+        code="oom-parameters",
+        title="the weights alone take most of the device",
+        evidence=f"Parameters were {format_size(bd.parameters)} "
+        f"({100 * share['parameters']:.0f}% of what was allocated).",
+        action="Keep weights in bf16, or shard them (FSDP); a smaller batch will not help much.",
+        severity="warning",
+    )
+
+
+def oom_other(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-other``: at least 30% was none of the model's (and no leak explains it)."""
+    if share["other"] < 0.3 or pm.leak is not None:
+        return None
+    return Advice(
+        code="oom-other",
+        title="much of the memory is not the model's",
+        evidence=f"{format_size(bd.other)} ({100 * share['other']:.0f}%) was "
+        "allocated before the step's forward and is neither parameters, gradients "
+        "nor optimizer state: batches, cached tensors, outputs kept from earlier "
+        "steps.",
+        action="Free what you keep across steps (`del`, `.item()`, `.detach()`), "
+        "move stored tensors to CPU.",
+        saving_bytes=bd.other,
+        severity="warning",
+    )
+
+
+def message_advice(
+    pm: OomPostMortem, reserved_unallocated: int | None, details: OomDetails | None
+) -> list[Advice]:
+    """``fragmentation`` and ``other-processes`` from the CUDA message's numbers."""
+    out: list[Advice] = []
+    if reserved_unallocated is None and details is not None:
+        reserved_unallocated = details.reserved_unallocated
+    if reserved_unallocated is not None and pm.tried_to_allocate is not None:
+        allocated = (
+            details.allocated_by_pytorch
+            if details is not None and details.allocated_by_pytorch is not None
+            else pm.allocated or 0
+        )
+        frag = fragmentation(
+            reserved=allocated + reserved_unallocated,
+            allocated=allocated,
+            tried_to_allocate=pm.tried_to_allocate,
+            capacity=pm.capacity,
+            device=pm.device,
+        )
+        if frag is not None:
+            out.append(frag)
+    if (
+        details is not None
+        and details.process_in_use is not None
+        and details.capacity is not None
+        and details.free is not None
+    ):
+        others = other_processes(
+            used=details.capacity - details.free,
+            this_process=details.process_in_use,
+            total=details.capacity,
+            device=pm.device,
+            includes_context=True,
+            processes=processes_in_oom_message(pm.exception),
+        )
+        if others is not None:
+            out.append(others)
+    return out

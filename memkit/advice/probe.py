@@ -1,0 +1,151 @@
+"""Rules on the batch size: ``does-not-fit`` (a probe or an estimate found no batch that fits)
+and ``accumulate`` (a target effective batch from micro batches that fit), and the advice of a
+probe's search."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memkit.advice.form import Advice
+from memkit.probing.accumulate import AccumulationPlan, exact_split, plan_accumulation
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.probing.search import SearchResult
+
+__all__ = ["accumulation_advice", "does_not_fit", "probe_advice"]
+
+
+def probe_advice(
+    search: SearchResult,
+    device: str,
+    mode: str,
+    *,
+    target_batch: int | None = None,
+    world_size: int = 1,
+    batch_norm: bool = False,
+) -> list[Advice]:
+    """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers), else
+    ``accumulate`` toward ``target_batch`` (when given) with the recommended batch size."""
+    if search.max_batch_size is None:
+        trial = search.trials[0]
+        return [
+            does_not_fit(
+                batch_size=trial.batch_size,
+                mode=mode,
+                need_bytes=trial.peak_bytes,
+                capacity_bytes=search.capacity_bytes,
+                device=device,
+            )
+        ]
+    micro = search.recommended_batch_size
+    if target_batch is None or micro is None:
+        return []
+    plan = plan_accumulation(target_batch, micro, world_size)
+    return [accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
+
+
+def does_not_fit(
+    *,
+    batch_size: int,
+    mode: str,
+    need_bytes: int | None,
+    capacity_bytes: int | None,
+    device: str | None = None,
+    total_bytes: int | None = None,
+    context_bytes: int | None = None,
+) -> Advice:
+    """``does-not-fit``: even the smallest batch tried does not fit; what every step can shed.
+
+    Measured by ``memkit probe`` (``device`` names where it ran) or estimated by
+    ``memkit estimate`` (``total_bytes`` and ``context_bytes`` describe the card: the capacity is
+    what the allocator may reserve, the card minus its CUDA context).
+
+    Args:
+        batch_size: the batch that did not fit.
+        mode: ``"train"`` or ``"infer"``.
+        need_bytes: what it needed (probe: at least this; estimate: the reserved peak).
+        capacity_bytes: what the step may use.
+        device: where a probe ran (its backend's name).
+        total_bytes: the estimated card's memory.
+        context_bytes: the estimated card's CUDA context.
+    """
+    shard = "shard parameters and optimizer state across GPUs (FSDP/ZeRO)."
+    if total_bytes is None or context_bytes is None:  # measured by a probe
+        need = format_size(need_bytes) if need_bytes else "more"
+        return Advice(
+            code="does-not-fit",
+            title=f"Even batch {batch_size} does not fit",
+            evidence=(
+                f"Batch {batch_size} ({mode}) needed at least {need} on {device}, "
+                f"capacity {format_size(capacity_bytes)}."
+            ),
+            action=(
+                "Reduce what every step holds: mixed precision (torch.autocast), activation "
+                "checkpointing (torch.utils.checkpoint), a lighter optimizer (SGD keeps no "
+                f"moments; Adam keeps two per parameter), or {shard}"
+            ),
+            severity="critical",
+        )
+    return Advice(
+        code="does-not-fit",
+        title=f"Even batch {batch_size} is estimated not to fit",
+        evidence=(
+            f"Batch {batch_size} ({mode}) needs an estimated {format_size(need_bytes)} "
+            f"reserved; the card has {format_size(capacity_bytes)} usable "
+            f"({format_size(total_bytes)} minus a {format_size(context_bytes)} CUDA context)."
+        ),
+        action=(
+            "Use a larger card, or reduce what every step holds: mixed precision "
+            f"(--amp bf16), activation checkpointing, a lighter optimizer, or {shard}"
+        ),
+        severity="critical",
+    )
+
+
+def accumulation_advice(
+    plan: AccumulationPlan, recommended: int, device: str, *, batch_norm: bool = False
+) -> Advice:
+    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size."""
+    world = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
+    if plan.steps == 1:
+        return Advice(
+            code="accumulate",
+            title=f"Target batch {plan.target_batch} fits without accumulation",
+            evidence=(
+                f"The recommended batch size on {device} is {recommended} per device; the "
+                f"target needs {plan.micro_batch} per device{world}."
+            ),
+            action=f"Train with batch_size={plan.micro_batch} per device; no accumulation needed.",
+        )
+    if plan.exact:
+        overshoot = ""
+        schedule = "The effective batch (and so the learning-rate schedule) matches the target."
+    else:
+        exact = exact_split(plan.target_batch, recommended, plan.world_size)
+        overshoot = (
+            f" With {plan.steps} steps no micro batch gives exactly {plan.target_batch}; an exact "
+            f"split needs {exact.steps} steps of {exact.micro_batch}."
+        )
+        schedule = (
+            f"The effective batch is {plan.effective_batch}, "
+            f"{plan.effective_batch - plan.target_batch} above the target: scale the learning "
+            f"rate for it, or use {exact.steps} steps of {exact.micro_batch} to match exactly."
+        )
+    norm = f" Batch-norm statistics see micro batches of {plan.micro_batch}." if batch_norm else ""
+    return Advice(
+        code="accumulate",
+        title=(
+            f"Accumulate gradients over {plan.steps} steps of {plan.micro_batch} "
+            f"for an effective batch of {plan.effective_batch}"
+        ),
+        evidence=(
+            f"Target effective batch {plan.target_batch}; the recommended batch size on {device} "
+            f"is {recommended}{world}.{overshoot}"
+        ),
+        action=(
+            f"batch_size={plan.micro_batch}; call optimizer.step() and zero_grad() every "
+            f"{plan.steps} micro batches and divide each micro batch's loss by {plan.steps}. "
+            f"{schedule}{norm}"
+        ),
+    )

@@ -1,0 +1,243 @@
+"""The advice of a track report: functions of a :class:`~memkit.tracking.report.TrackReport`.
+
+* ``graph-retained`` / ``memory-growth``: memory grows every step (:mod:`memkit.advice.leaks`).
+* ``eval-grad-enabled``: forward passes in eval mode with autograd recording keep activations
+  that nothing will use; ``eval-peak``: evaluation, not training, sets the peak.
+* :func:`measured_advice` feeds the rules of plain numbers this report's numbers:
+  ``mixed-precision``, ``activation-checkpointing``, ``optimizer-state``,
+  ``zero-grad-keeps-grads`` (:mod:`memkit.advice.training`), ``fragmentation``, ``empty-cache``
+  (:mod:`memkit.advice.device`), ``dp-to-ddp``, ``dp-loss-on-replicas``
+  (:mod:`memkit.advice.distributed`).
+
+The OOM post-mortem's rules are in :mod:`memkit.advice.oom` (``oom_advice`` is re-exported
+here). Each rule returns a list (empty when it does not fire), so the report can collect them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from memkit.advice.device import empty_cache, fragmentation
+from memkit.advice.distributed import dp_loss_on_replicas, dp_to_ddp
+from memkit.advice.form import Advice
+from memkit.advice.leaks import graph_retained_advice
+from memkit.advice.oom import oom_advice
+from memkit.advice.training import (
+    ModuleActivation,
+    activation_checkpointing,
+    mixed_precision,
+    optimizer_state,
+    zero_grad_keeps_grads,
+)
+from memkit.render.track import format_shape
+from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
+
+__all__ = [
+    "eval_grad_enabled",
+    "eval_peak",
+    "graph_retained",
+    "measured_advice",
+    "oom_advice",
+    "track_advice",
+]
+
+
+def graph_retained(report: TrackReport) -> list[Advice]:
+    """``graph-retained`` (or ``memory-growth`` without a named variable) per growing device."""
+    return graph_retained_advice(report.leaks)
+
+
+def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Advice]:
+    """``eval-grad-enabled``: forwards in eval mode while autograd was recording."""
+    if report.eval_grad_forwards <= 0:
+        return []
+    kept = (
+        f" The largest kept {format_size(eval_grad_bytes)} of activations for a backward that "
+        "never comes."
+        if eval_grad_bytes > 0
+        else ""
+    )
+    return [
+        Advice(
+            code="eval-grad-enabled",
+            title="evaluation runs with autograd recording",
+            evidence=f"{report.eval_grad_forwards} forward pass(es) ran with the model in eval "
+            f"mode and torch.is_grad_enabled() true.{kept} Results that are kept (a summed "
+            "validation loss, stored outputs) hold those graphs alive.",
+            action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`); "
+            "`model.eval()` alone does not stop autograd.",
+            saving_bytes=eval_grad_bytes or None,
+            severity="warning",
+        )
+    ]
+
+
+def eval_peak(report: TrackReport) -> list[Advice]:
+    """``eval-peak``: an evaluation pass, not training, sets the device's peak."""
+    out = []
+    for dev in report.devices:
+        evaluation = dev.phase_peaks.get("eval")
+        training = max(
+            (v for p in ("forward", "backward", "optimizer") if (v := dev.phase_peaks.get(p))),
+            default=None,
+        )
+        if evaluation is None or training is None or evaluation <= training * 1.1:
+            continue
+        shape = report.eval_input_shape
+        batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
+        out.append(
+            Advice(
+                code="eval-peak",
+                title=f"evaluation needs more memory than training on {dev.device}",
+                evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training "
+                f"peaked at {format_size(training)}. A larger batch or model will run out in "
+                "evaluation first.",
+                action="Give evaluation its own, smaller batch size (it needs no gradients, so "
+                "it does not change training), and run it under `torch.inference_mode()`.",
+                saving_bytes=evaluation - training,
+                severity="info",
+            )
+        )
+    return out
+
+
+def track_advice(report: TrackReport, *, eval_grad_bytes: int = 0) -> list[Advice]:
+    """Every tracker rule that fires on ``report``."""
+    return [
+        *graph_retained(report),
+        *eval_grad_enabled(report, eval_grad_bytes),
+        *eval_peak(report),
+        *measured_advice(report),
+    ]
+
+
+# -- the rules of plain numbers, fed with a track report (issue #5) ------------------------------
+
+
+def _cache_releases(dev: DeviceReport) -> int:
+    """Readings where reserved memory dropped by 1 MiB or more: the cache given back to the
+    driver (``empty_cache``). Zero on devices without a caching allocator (reserved ==
+    allocated throughout, the simulated device)."""
+    points = dev.timeline
+    if not any(p.reserved > p.allocated for p in points):
+        return 0
+    return sum(1 for a, b in itertools.pairwise(points) if b.reserved <= a.reserved - (1 << 20))
+
+
+def _optimizer_transient(dev: DeviceReport) -> int:
+    """The most an optimizer step allocated above the step's end (its temporaries)."""
+    return max(
+        (
+            (s.phase_peaks.get("optimizer") or 0) - s.end_allocated
+            for s in dev.steps
+            if s.phase_peaks.get("optimizer") is not None
+        ),
+        default=0,
+    )
+
+
+def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[Advice | None]:
+    """What a training step held at ``dev``'s peak: precision, checkpointing, optimizer,
+    gradients kept through the forward."""
+    transient = _optimizer_transient(dev)
+    return [
+        mixed_precision(
+            param_dtype=report.param_dtype,
+            autocast=report.autocast_forwards > 0,
+            activation_bytes=bd.activations,
+            peak_bytes=bd.total,
+            parameter_bytes=bd.parameters,
+            device=dev.device,
+            min_share=0.3,
+        ),
+        activation_checkpointing(
+            activation_bytes=bd.activations,
+            peak_bytes=bd.total,
+            modules=[ModuleActivation(m.path, m.activation_bytes, m.leaf) for m in dev.modules],
+            capacity=dev.capacity,
+            device=dev.device,
+        ),
+        optimizer_state(
+            optimizer_state_bytes=bd.optimizer_state,
+            parameter_bytes=bd.parameters,
+            peak_bytes=bd.total,
+            capacity=dev.capacity,
+            optimizer=report.optimizer_name,
+            optimizer_transient_bytes=transient if transient > 0 else None,
+            ranks=report.world_size,
+            device=dev.device,
+        ),
+        zero_grad_keeps_grads(
+            steps_with_grads=report.steps_with_grads_at_forward,
+            gradient_bytes=bd.gradients,
+            peak_phase=bd.phase,
+            device=dev.device,
+        ),
+    ]
+
+
+def _allocator_rules(dev: DeviceReport) -> list[Advice | None]:
+    """``fragmentation`` and ``empty-cache`` from ``dev``'s peaks and timeline."""
+    return [
+        fragmentation(
+            reserved=dev.peak_reserved,
+            allocated=dev.peak_allocated,
+            peak_allocated=dev.peak_allocated,
+            device=dev.device,
+        ),
+        empty_cache(
+            reserved=dev.peak_reserved,
+            allocated=dev.peak_allocated,
+            device=dev.device,
+            cache_releases=_cache_releases(dev),
+            steps=len(dev.steps),
+        ),
+    ]
+
+
+def _data_parallel_rules(report: TrackReport) -> list[Advice | None]:
+    """``dp-to-ddp`` and ``dp-loss-on-replicas`` for a report of an ``nn.DataParallel`` model."""
+    if not (report.dp_device_ids and len(report.devices) >= 2 and report.dp_output_device):
+        return []
+    primary = next((d for d in report.devices if d.device == report.dp_output_device), None)
+    pbd = primary.breakdown if primary is not None else None
+    return [
+        dp_to_ddp(
+            {d.device: d.peak_allocated for d in report.devices},
+            report.dp_output_device,
+            gradient_bytes=pbd.gradients if pbd is not None else 0,
+            optimizer_state_bytes=pbd.optimizer_state if pbd is not None else 0,
+            parameter_bytes=pbd.parameters if pbd is not None else 0,
+            gathered_output_bytes=report.dp_output_bytes,
+        ),
+        dp_loss_on_replicas(
+            report.dp_output_bytes,
+            report.dp_output_device,
+            len(report.dp_device_ids),
+            primary.peak_allocated if primary is not None else None,
+        ),
+    ]
+
+
+def measured_advice(report: TrackReport) -> list[Advice]:
+    """The rules of plain numbers that fire on ``report``'s measurements."""
+    out: list[Advice | None] = []
+    trained = any(d.phase_peaks.get("backward") is not None for d in report.devices)
+    for dev in report.devices:
+        bd = dev.breakdown
+        if bd is not None and bd.total > 0 and trained:
+            out.extend(_step_rules(report, dev, bd))
+        out.extend(_allocator_rules(dev))
+    out.extend(_data_parallel_rules(report))
+    # one advice per code: the first device that shows it (the primary under DataParallel)
+    seen: set[str] = set()
+    result: list[Advice] = []
+    for a in out:
+        if a is not None and a.code not in seen:
+            seen.add(a.code)
+            result.append(a)
+    return result
