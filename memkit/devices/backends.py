@@ -1,0 +1,400 @@
+"""Memory backends: one per device kind, each reading its own counters.
+
+* :class:`CudaBackend`: the CUDA caching allocator's counters (``memory_allocated``,
+  ``memory_reserved`` and their peaks), ``cudaMemGetInfo`` for device-wide free/total (which
+  includes the CUDA context and other processes). Other accelerators (XPU, MPS...) use the same
+  class through ``torch.accelerator``.
+* :class:`SimulatedBackend`: memkit's :class:`~memkit.accounting.MemoryAccountant` with a budget.
+  ``--device cpu`` uses it: a deterministic device of the budget's size on any machine.
+  Dispatch modes are thread-local, so its counting is active only in threads that entered
+  :meth:`SimulatedBackend.activate`.
+* :class:`VirtualDeviceBackend`: one device of a :class:`~memkit.virtual_devices.VirtualDevices`
+  block.
+
+:func:`get_backend` picks one for a device string; :func:`visible_devices` lists the
+accelerators torch sees. Neither initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from memkit.accounting import MemoryAccountant
+from memkit.devices.host import default_cpu_budget
+from memkit.errors import ConfigError
+from memkit.units import format_size, parse_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How much memory a device offers this process.
+
+    Attributes:
+        total: the device's size for this process (a ``--budget`` caps it), bytes or ``None``.
+        free: what this process can still allocate now, bytes or ``None``.
+        source: where the numbers come from (``"cudaMemGetInfo"``, ``"budget"``...).
+        reason: why a value is ``None``, else ``None``.
+    """
+
+    total: int | None
+    free: int | None
+    source: str
+    reason: str | None = None
+
+
+@runtime_checkable
+class MemoryBackend(Protocol):
+    """Memory counters of one device. Reading a counter never allocates, syncs or spawns."""
+
+    device: torch.device
+    kind: str
+    accounting: str
+    budget: int | None
+
+    def name(self) -> str: ...
+    def allocated(self) -> int: ...
+    def reserved(self) -> int: ...
+    def peak_allocated(self) -> int: ...
+    def peak_reserved(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def capacity(self) -> Capacity: ...
+    def empty_cache(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def activate(self) -> contextlib.AbstractContextManager[Any]: ...
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS...), without initialising CUDA."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def _current_accelerator() -> torch.device | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        dev = acc.current_accelerator()
+        return None if dev is None else torch.device(dev.type, acc.current_device_index())
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+class CudaBackend:
+    """Counters of the caching allocator of a CUDA device (or another torch accelerator).
+
+    With a ``budget``, :meth:`capacity` reports at most the budget: probing then treats the
+    device as that large.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device, budget: int | None = None) -> None:
+        self.device = device
+        self.budget = budget
+        self._mod: Any = torch.cuda if device.type == "cuda" else torch.accelerator
+        self.kind = device.type
+        self.accounting = (
+            f"{device.type} caching allocator counters (memory_allocated / memory_reserved)"
+        )
+
+    @property
+    def index(self) -> int:
+        return self.device.index or 0
+
+    def name(self) -> str:
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.index))
+        return str(self.device)
+
+    def allocated(self) -> int:
+        return int(self._mod.memory_allocated(self.index))
+
+    def reserved(self) -> int:
+        return int(self._mod.memory_reserved(self.index))
+
+    def peak_allocated(self) -> int:
+        return int(self._mod.max_memory_allocated(self.index))
+
+    def peak_reserved(self) -> int:
+        return int(self._mod.max_memory_reserved(self.index))
+
+    def reset_peak(self) -> None:
+        self._mod.reset_peak_memory_stats(self.index)
+
+    def device_wide(self) -> tuple[int, int] | None:
+        """``(free, total)`` for the whole device, as the driver sees it (all processes)."""
+        try:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.index)
+            else:
+                free, total = torch.accelerator.get_memory_info(self.index)
+        except (RuntimeError, AttributeError) as exc:
+            log.debug("device-wide memory info unavailable: %s", exc)
+            return None
+        return int(free), int(total)
+
+    def capacity(self) -> Capacity:
+        info = self.device_wide()
+        if info is None:
+            if self.budget is None:
+                return Capacity(
+                    None, None, "none", "the driver gives no free/total for this device"
+                )
+            return Capacity(self.budget, self.budget - self.reserved(), "budget")
+        free, total = info
+        # What this process can still get: the driver's free memory plus its own cached blocks.
+        own_free = free + self.reserved() - self.allocated()
+        if self.budget is not None and self.budget < total:
+            return Capacity(self.budget, min(own_free, self.budget - self.allocated()), "budget")
+        return Capacity(total, own_free, "cudaMemGetInfo")
+
+    def empty_cache(self) -> None:
+        self._mod.empty_cache()
+
+    def synchronize(self) -> None:
+        self._mod.synchronize(self.index)
+
+    def activate(self) -> contextlib.AbstractContextManager[Any]:
+        """Real devices count in every thread. With a budget on CUDA, the caching allocator is
+        capped at it for the block (``set_per_process_memory_fraction``), so allocations past
+        the budget raise a real ``torch.OutOfMemoryError``."""
+        if self.budget is None or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return self._capped()
+
+    @contextlib.contextmanager
+    def _capped(self) -> Iterator[None]:
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        before = 1.0 if getter is None else getter(self.index)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.budget or 0) / total), self.index)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, self.index)
+
+    def __repr__(self) -> str:
+        return f"CudaBackend({self.device})"
+
+
+class SimulatedBackend:
+    """A device of ``budget`` bytes simulated by counting tensor storages (see accounting.py).
+
+    Its counters advance only for ops run inside :meth:`activate` in the same thread: dispatch
+    modes are thread-local. It has no cache, so reserved equals allocated.
+    """
+
+    kind = "simulated"
+    thread_local = True
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        budget: int | None = None,
+        *,
+        rounding: str = "none",
+    ) -> None:
+        self.device = torch.device(device)
+        self.budget = budget
+        self.accountant = MemoryAccountant(self.device, budget, rounding=rounding)
+        rule = "CUDA 512-byte block rounding" if rounding == "cuda" else "exact bytes"
+        self.accounting = (
+            f"memkit simulated device: live tensor storages on {self.device} counted by a "
+            f"TorchDispatchMode ({rule})"
+        )
+
+    def name(self) -> str:
+        size = "no budget" if self.budget is None else format_size(self.budget)
+        return f"simulated {self.device} ({size})"
+
+    def allocated(self) -> int:
+        return self.accountant.current
+
+    def reserved(self) -> int:
+        return self.accountant.current
+
+    def peak_allocated(self) -> int:
+        return self.accountant.peak
+
+    def peak_reserved(self) -> int:
+        return self.accountant.peak
+
+    def reset_peak(self) -> None:
+        self.accountant.reset_peak()
+
+    def capacity(self) -> Capacity:
+        if self.budget is None:
+            return Capacity(None, None, "budget", "the simulated device has no budget")
+        return Capacity(self.budget, max(0, self.budget - self.accountant.current), "budget")
+
+    def empty_cache(self) -> None:
+        """No cache to empty: freed storages leave the count at once."""
+
+    def synchronize(self) -> None:
+        """Ops run synchronously on the simulated device."""
+
+    def track(self, *objects: Any) -> None:
+        """Count existing objects (model, optimizer, tensors) on this device from now on."""
+        self.accountant.track(*objects)
+
+    def activate(self) -> contextlib.AbstractContextManager[Any]:
+        """Count ops run in this thread until the block exits (re-entrant)."""
+        return self.accountant
+
+    def count_ops(self, counting: bool, adopting: bool) -> None:
+        """Whether ops now create device memory (``counting``) and whether storages made
+        earlier become device memory when an op reads them (``adopting``): a tracker turns
+        both off for host-side work (data loading, code between steps)."""
+        acct = self.accountant
+        acct.counting = counting
+        acct.adopting = adopting
+
+    def __repr__(self) -> str:
+        return f"SimulatedBackend({self.device}, budget={self.budget})"
+
+
+class VirtualDeviceBackend:
+    """One virtual device (``cuda:i``) of a :class:`~memkit.virtual_devices.VirtualDevices`
+    block, for the tracker: its counters are that device's, its peak is a segment peak of its
+    own (the block's :meth:`peak_of` stays intact)."""
+
+    kind = "simulated"
+    thread_local = False
+
+    def __init__(self, devices: Any, index: int) -> None:
+        self.devices = devices
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.budget = devices.budgets[index]
+        self.accounting = (
+            f"memkit virtual device cuda:{index} of {devices.n}: live tensor storages tagged "
+            "with that device, counted by a TorchDispatchMode (exact bytes)"
+        )
+
+    def name(self) -> str:
+        size = "no budget" if self.budget is None else format_size(self.budget)
+        return f"virtual cuda:{self.index} of {self.devices.n} ({size})"
+
+    def allocated(self) -> int:
+        return int(self.devices.current_of(self.index))
+
+    reserved = allocated
+
+    def peak_allocated(self) -> int:
+        return int(self.devices.window_peak(self.index))
+
+    peak_reserved = peak_allocated
+
+    def reset_peak(self) -> None:
+        self.devices.reset_window(self.index)
+
+    def capacity(self) -> Capacity:
+        if self.budget is None:
+            return Capacity(None, None, "budget", "the virtual device has no budget")
+        return Capacity(self.budget, max(0, self.budget - self.allocated()), "budget")
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this virtual device."""
+        return bool(self.devices.where(tensor) == self.index)
+
+    def empty_cache(self) -> None:
+        """No cache to empty."""
+
+    def synchronize(self) -> None:
+        """Ops run synchronously."""
+
+    def __repr__(self) -> str:
+        return f"VirtualDeviceBackend(cuda:{self.index} of {self.devices.n})"
+
+
+_DEVICE_FORMS = (
+    "'cpu' (simulated), 'meta' (simulated, no compute), 'cuda', 'cuda:N', 'xpu:N', 'mps'"
+)
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(str(device).strip())
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"expected a device such as {_DEVICE_FORMS}, found {device!r}, which torch does not "
+            "know as a device; give one of those (memkit snapshot lists this machine's)"
+        ) from None
+
+
+def get_backend(
+    device: str | torch.device | None = None,
+    budget: int | str | None = None,
+    *,
+    rounding: str = "none",
+) -> CudaBackend | SimulatedBackend:
+    """Pick the backend for a device.
+
+    Args:
+        device: ``"cuda:1"``, ``"cpu"``, a ``torch.device``, or ``None`` for the current
+            accelerator if there is one, else the simulated cpu device.
+        budget: bytes or a size string. On ``cpu``/``meta`` it is the simulated device's size
+            (default on cpu: 1 GiB, or half the available RAM if less; unlimited on meta); on
+            a GPU it caps the capacity below the real one.
+        rounding: simulated devices only: ``"none"`` or ``"cuda"``.
+
+    Raises:
+        ConfigError: unknown device string, or an accelerator that this machine does not have.
+    """
+    dev = _parse_device(device)
+    size = None if budget is None else parse_size(budget)
+    if size is not None and size <= 0:
+        raise ConfigError(
+            f"expected a positive budget such as 300MiB or 8GiB, found {budget!r}, which is 0 bytes"
+        )
+    if dev is None:
+        dev = _current_accelerator() or torch.device("cpu")
+    if dev.type == "cpu":
+        return SimulatedBackend(
+            dev, size if size is not None else default_cpu_budget(), rounding=rounding
+        )
+    if dev.type == "meta":
+        return SimulatedBackend(dev, size, rounding=rounding)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {dev} was asked for, but this torch ({torch.__version__}) sees no CUDA "
+                "device; use --device cpu --budget SIZE to simulate a GPU of that size"
+            )
+        count = torch.cuda.device_count()
+        if (dev.index or 0) >= count:
+            raise ConfigError(
+                f"device {dev} was asked for, but only {count} CUDA device(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                f"give cuda:0 to cuda:{count - 1}, or --device cpu --budget SIZE to simulate one"
+            )
+        return CudaBackend(torch.device("cuda", dev.index or 0), size)
+    acc = _current_accelerator()
+    if acc is None or acc.type != dev.type or not hasattr(torch.accelerator, "memory_allocated"):
+        raise ConfigError(
+            f"device {dev} is not available here; expected one of {_DEVICE_FORMS} "
+            "for a device this machine has"
+        )
+    return CudaBackend(torch.device(dev.type, dev.index or 0), size)
+
+
+def visible_devices() -> list[torch.device]:
+    """The accelerator devices this process can see, in torch's index order (no CUDA init)."""
+    acc = _current_accelerator()
+    if acc is None:
+        return []
+    count = torch.cuda.device_count() if acc.type == "cuda" else torch.accelerator.device_count()
+    return [torch.device(acc.type, i) for i in range(count)]
