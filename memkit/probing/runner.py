@@ -1,18 +1,21 @@
-"""Run probe trials on a device: one batch size, ``steps`` full steps, peak measured, OOM
-recovered, the user's objects restored afterwards.
+"""Probe a model: the largest batch size that fits on a device, the user's objects restored
+afterwards.
 
-:func:`probe` works on live objects; :func:`probe_file` loads a model file first. Inside an
-initialised process group every rank probes its own device and the ranks agree after each
-trial (see :mod:`memkit.probing.ranks`).
+:func:`probe` works on live objects; :func:`probe_file` loads a model file first. This module
+sets a probe up (device, optimizer, the ranks' agreement, the DDP wrapper), hands the search
+(:mod:`memkit.probing.search`) its oracle (:class:`memkit.probing.trials.TrialRunner`, one
+trial per batch size), tears down and builds the :class:`ProbeResult`. Inside an initialised
+process group every rank probes its own device and the ranks agree after each trial (see
+:mod:`memkit.probing.ranks`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import gc
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +155,55 @@ def probe(
         >>> result.trial(result.max_batch_size).fits, result.trial(result.max_batch_size + 1).fits
         (True, False)
     """
+    _check_options(make_batch, mode, steps, seq_len)
+    backend = _resolve_backend(model, device, budget)
+    optimizer, defaults = _resolve_optimizer(model, optimizer, mode, defaults)
+    if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
+        defaults.append(
+            f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
+        )
+    if isinstance(backend, SimulatedBackend):
+        backend.track(model, optimizer)
+    capacity = _capacity(backend)
+    capacities = _agree_across_ranks(
+        model, backend, capacity, ddp, timeout, min_batch=min_batch, max_batch=max_batch,
+        steps=steps, mode=mode, seq_len=seq_len,
+    )  # fmt: skip
+    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
+    saved = SavedState(model, optimizer)
+    target = _wrap_agreed(model, backend, timeout) if ddp and not is_ddp(model) else model
+    ranked_ddp = capacities is not None and is_ddp(target)
+    sync = RankSync(target, optimizer, timeout) if ranked_ddp else None
+    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
+    bar = TrialProgress(label) if progress else None
+    runner = TrialRunner(
+        target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
+        _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
+    )  # fmt: skip
+    records = runner.records
+    del target, sync  # the runner holds them now
+    with _probing(model, mode, saved, backend, bar):
+        try:
+            search = search_max_batch(
+                runner,
+                capacity_bytes=capacity if capacities is None else _tightest(capacities),
+                min_batch=min_batch,
+                max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
+                margin=margin,
+            )
+        finally:
+            del runner  # a DDP wrapper made here goes with it (its buckets), before the clean-up
+    return _build_result(
+        search, records, backend, plan, mode, steps, margin, min_batch, max_batch,
+        seq_len, defaults, target_batch, capacities,
+        batch_norm=_has_batch_norm(model), ddp=ddp or is_ddp(model),
+    )  # fmt: skip
+
+
+def _check_options(
+    make_batch: Callable[..., Any], mode: str, steps: int, seq_len: int | None
+) -> None:
+    """The :class:`ConfigError` for an option :func:`probe` cannot run with."""
     if mode not in ("train", "infer"):
         raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
     if steps < 1:
@@ -161,7 +213,17 @@ def probe(
             f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
             "define make_batch(batch_size, seq_len)"
         )
-    backend = _resolve_backend(model, device, budget)
+
+
+def _has_batch_norm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _resolve_optimizer(
+    model: torch.nn.Module, optimizer: Any, mode: str, defaults: Sequence[str]
+) -> tuple[Any, list[str]]:
+    """The optimizer the trials step (``None`` in infer mode; a default AdamW when none is
+    given) and the report's ``defaults`` with a line naming it."""
     defaults = list(defaults)
     if mode == "infer":
         optimizer = None
@@ -170,13 +232,26 @@ def probe(
         defaults.append("optimizer: AdamW (default)")
     elif not any(d.startswith("optimizer:") for d in defaults):
         defaults.append(f"optimizer: {type(optimizer).__name__}")
-    if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
-        defaults.append(
-            f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
-        )
-    if isinstance(backend, SimulatedBackend):
-        backend.track(model, optimizer)
-    capacity = _capacity(backend)
+    return optimizer, defaults
+
+
+def _agree_across_ranks(
+    model: torch.nn.Module,
+    backend: Backend,
+    capacity: int | None,
+    ddp: bool,
+    timeout: float | None,
+    *,
+    min_batch: int,
+    max_batch: int | None,
+    steps: int,
+    mode: str,
+    seq_len: int | None,
+) -> tuple[int | None, ...] | None:
+    """Inside a process group: check that every rank probes with the same settings, and return
+    every rank's capacity. ``None`` outside one (with a warning under a launcher that set
+    ``WORLD_SIZE`` but initialised no group); ``ddp`` without a group raises the
+    :class:`ConfigError` that explains what is missing."""
     ranked = distributed.is_distributed()
     if not ranked and distributed.world_size() > 1:
         warnings.warn(
@@ -186,35 +261,43 @@ def probe(
             "torch.distributed.init_process_group() first so the ranks agree on one size, or "
             "use `torchrun ... memkit probe`, which does.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of probe()
         )
-    capacities: tuple[int | None, ...] | None = None
-    search_capacity = capacity
-    if ddp and not ranked:
-        wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
-    if ranked:
-        agree_settings(
-            min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
-            ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
-        )  # fmt: skip
-        capacities = tuple(
-            row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout)
-        )
-        known = [c for c in capacities if c is not None]
-        search_capacity = min(known) if len(known) == len(capacities) else None
-    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
-    saved = SavedState(model, optimizer)
-    target = model
-    if ddp and not is_ddp(model):
-        target = _wrap_agreed(model, backend, timeout)
-    sync = RankSync(target, optimizer, timeout) if ranked and is_ddp(target) else None
+    if not ranked:
+        if ddp:
+            wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
+        return None
+    agree_settings(
+        min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
+        ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
+    )  # fmt: skip
+    return tuple(row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout))
+
+
+def _tightest(capacities: tuple[int | None, ...]) -> int | None:
+    """The capacity the search aims at across ranks: the smallest, ``None`` if any is unknown."""
+    known = [c for c in capacities if c is not None]
+    return min(known) if len(known) == len(capacities) else None
+
+
+@contextlib.contextmanager
+def _probing(
+    model: torch.nn.Module,
+    mode: str,
+    saved: SavedState,
+    backend: Backend,
+    bar: TrialProgress | None,
+) -> Iterator[None]:
+    """The model in ``mode`` while the trials run; afterwards, whatever ends them, everything
+    as it was: the model's training flag and its (and the optimizer's) state restored, the
+    progress line closed, the trials' memory collected and the device's cache emptied.
+
+    Everything alive on entry outlives the probe: it is frozen out of the collector's scans, so
+    the gc.collect() after every trial only walks the trial's own objects (a full collection
+    with transformers imported costs ~0.4 s on a slow CPU). Not when the caller has frozen
+    objects itself: gc.unfreeze() cannot tell theirs from ours.
+    """
     training_flag = model.training
-    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
-    bar = TrialProgress(label) if progress else None
-    # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
-    # gc.collect() after every trial only walks the trial's own objects (a full collection
-    # with transformers imported costs ~0.4 s on a slow CPU). Not when the caller has frozen
-    # objects itself: gc.unfreeze() cannot tell theirs from ours.
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
@@ -223,17 +306,7 @@ def probe(
             model.train()
         else:
             model.eval()
-        runner = TrialRunner(
-            target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
-            _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
-        )  # fmt: skip
-        search = search_max_batch(
-            runner,
-            capacity_bytes=search_capacity,
-            min_batch=min_batch,
-            max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
-            margin=margin,
-        )
+        yield
     finally:
         if bar is not None:
             bar.close()
@@ -241,17 +314,8 @@ def probe(
             gc.unfreeze()
         model.train(training_flag)
         saved.restore()
-        del target, sync  # a wrapper made here frees DDP's buckets with it
         gc.collect()
         backend.empty_cache()
-    result = _build_result(
-        search, runner.records, backend, plan, mode, steps, margin, min_batch, max_batch,
-        seq_len, defaults, target_batch, capacities,
-        any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
-    )  # fmt: skip
-    if ddp or is_ddp(model):
-        result = dataclasses.replace(result, ddp=True, defaults=(*result.defaults, _DDP_NOTE))
-    return result
 
 
 def _both(on_trial: TrialCallback | None, bar: TrialProgress | None) -> TrialCallback | None:
@@ -320,7 +384,9 @@ def _build_result(
     defaults: list[str],
     target_batch: int | None,
     capacities: tuple[int | None, ...] | None = None,
+    *,
     batch_norm: bool = False,
+    ddp: bool = False,
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
@@ -350,11 +416,12 @@ def _build_result(
         seq_len=seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,
-        defaults=tuple(defaults + plan.describe()),
+        defaults=tuple(defaults + plan.describe()) + ((_DDP_NOTE,) if ddp else ()),
         advice=tuple(advice),
         world_size=world,
         per_rank_peaks=_rank_peaks(search.max_batch_size, records) if world > 1 else (),
         per_rank_capacities=capacities if world > 1 and capacities is not None else (),
+        ddp=ddp,
     )
 
 
