@@ -1,37 +1,29 @@
-"""Run probe trials on a device: one batch size, ``steps`` full steps, peak measured, OOM
-recovered, the user's objects restored afterwards.
+"""Probe a model: the largest batch size that fits on a device, the user's objects restored
+afterwards.
 
-:func:`probe` works on live objects; :func:`probe_file` loads a model file first. Inside an
-initialised process group every rank probes its own device and the ranks agree after each
-trial (see :mod:`memkit.probing.ranks`).
+:func:`probe` works on live objects; :func:`probe_file` loads a model file first. This module
+sets a probe up (device, optimizer, the ranks' agreement, the DDP wrapper), hands the search
+(:mod:`memkit.probing.search`) its oracle (:class:`memkit.probing.trials.TrialRunner`, one
+trial per batch size), tears down and builds the :class:`ProbeResult`. Inside an initialised
+process group every rank probes its own device and the ranks agree after each trial (see
+:mod:`memkit.probing.ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
-import time
-import traceback
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from memkit import distributed
 from memkit.advice.probe import probe_advice
-from memkit.devices import CudaBackend, SimulatedBackend, get_backend, host_memory
-from memkit.distributed import RankStatus
-from memkit.errors import (
-    ConfigError,
-    DistributedError,
-    DoesNotFitError,
-    MemkitError,
-    UserCodeError,
-)
+from memkit.devices import SimulatedBackend, get_backend
+from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
 from memkit.modelfile import (
     accepts_seq_len,
     build_model,
@@ -40,19 +32,13 @@ from memkit.modelfile import (
     make_optimizer,
     require_seq_len,
 )
-from memkit.oom import is_oom, parse_oom_message, recover
-from memkit.probing.ranks import (
-    PeerFailed,
-    RankSync,
-    agree_settings,
-    agreed_outcome,
-    is_ddp,
-    wrap_ddp,
-)
+from memkit.oom import is_oom, recover
+from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.state import SavedState
-from memkit.probing.step import StepPlan, check_batch, to_device
+from memkit.probing.step import StepPlan, check_batch
+from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
 from memkit.units import format_size
 
@@ -64,296 +50,6 @@ DEFAULT_MARGIN = 0.05
 """Share of capacity the recommended batch leaves free (fragmentation, ragged batches)."""
 MAX_BATCH_CEILING = 1 << 20
 """Largest batch ever tried when no --max-batch is given."""
-
-Backend = CudaBackend | SimulatedBackend
-TrialCallback = Callable[[ProbeTrial], None]
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-
-
-_HOST_ALLOCATOR_FRAGMENTS = ("DefaultCPUAllocator", "alloc_cpu.cpp")
-
-
-def _host_failure(exc: BaseException, backend: Backend, batch_size: int) -> ConfigError | None:
-    """On the simulated cpu device: the error that stops the probe when the *machine* ran out
-    of RAM (the host allocator failed, or Python's MemoryError) before the simulated device
-    reached its budget. That is not the simulated device's limit, so it must never be counted
-    as "does not fit"; ``None`` for anything else (the simulated device's own OOM included)."""
-    if not isinstance(backend, SimulatedBackend) or backend.device.type != "cpu":
-        return None
-    if isinstance(exc, torch.OutOfMemoryError) and not any(
-        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
-    ):
-        return None  # the simulated device's own OOM
-    if not isinstance(exc, MemoryError) and not any(
-        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
-    ):
-        return None
-    available = host_memory().available
-    have = "" if available is None else f" (available now: {format_size(available)})"
-    return ConfigError(
-        f"the machine ran out of RAM at batch size {batch_size} before the simulated device's "
-        f"budget ({format_size(backend.budget)}) was reached: {_first_line(exc)}. This is the "
-        "host's limit, not the simulated device's, so memkit stopped instead of counting it as "
-        f"'does not fit'. Give a smaller --budget that this machine can back{have}, or free "
-        "some RAM"
-    )
-
-
-def _hint(exc: BaseException, batch_size: int) -> str:
-    """What to do about a step error that a known model property explains."""
-    if batch_size == 1 and "Expected more than 1 value per channel" in str(exc):
-        return (
-            "\nBatchNorm needs at least 2 samples per channel in training: probe from "
-            "--min-batch 2 (min_batch=2 in the Python API)."
-        )
-    return ""
-
-
-PART_MODULES = 48
-"""At most this many modules cut a trial's peak into parts: the outermost ones, level by level.
-Each cut reads the device's peak counters (on CUDA a ``memory_stats`` call, tens of
-microseconds), three times per module and step."""
-
-
-def _outer_modules(model: torch.nn.Module, limit: int) -> list[torch.nn.Module]:
-    """The model and its submodules, breadth first, while a whole level fits in ``limit``."""
-    chosen, level = [model], [model]
-    while level:
-        level = [child for module in level for child in module.children()]
-        if len(chosen) + len(level) > limit:
-            break
-        chosen += level
-    return chosen
-
-
-class _PartPeaks:
-    """A trial's peak cut into parts at every module's forward start and end, every module
-    output's gradient (backward, module by module) and the optimizer step's start and end.
-
-    A step's peak is the largest of many lines in the batch size: each moment of the step
-    holds some bytes that do not depend on the batch and some that grow with it. At small
-    sizes a flat moment (the optimizer step, the embedding's dense gradient at the end of
-    backward) sets the whole peak and hides the growing one, so a line through whole peaks
-    aims far past the limit. The search fits a line to each part instead and aims where the
-    first of them reaches the capacity. The hooks only read and reset the device's peak
-    counters; they keep no tensor.
-    """
-
-    def __init__(self, backend: Backend, model: torch.nn.Module, optimizer: Any) -> None:
-        self.backend = backend
-        self.parts: list[int] = []
-        self.allocated = 0
-        handles: list[Any] = []
-        if hasattr(optimizer, "register_step_pre_hook"):
-            handles += [
-                optimizer.register_step_pre_hook(self._cut),
-                optimizer.register_step_post_hook(self._cut),
-            ]
-        if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
-            for module in _outer_modules(model, PART_MODULES):
-                handles.append(module.register_forward_pre_hook(self._cut))
-                handles.append(module.register_forward_hook(self._after_forward))
-        self.handles = handles
-
-    def _cut(self, *_: Any) -> None:
-        self.parts.append(self.backend.peak_reserved())
-        self.allocated = max(self.allocated, self.backend.peak_allocated())
-        self.backend.reset_peak()
-
-    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        self._cut()
-        if isinstance(output, torch.Tensor):
-            tensors: Any = (output,)
-        elif isinstance(output, dict):
-            tensors = output.values()
-        elif isinstance(output, (tuple, list)):
-            tensors = output
-        else:
-            return
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._cut)
-
-    def finish(self) -> tuple[int, int, tuple[int, ...]]:
-        """``(peak, peak_allocated, part_peaks)`` of the whole trial, once it has ended."""
-        self._cut()
-        return max(self.parts), self.allocated, tuple(self.parts)
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-@dataclass
-class _TrialRunner:
-    """The oracle handed to the search: runs one batch size and reports (fits, peak)."""
-
-    model: torch.nn.Module
-    make_batch: Callable[..., Any]
-    optimizer: Any
-    step: StepPlan
-    backend: Backend
-    steps: int
-    capacity: int | None
-    saved: SavedState
-    seq_len: int | None = None
-    on_trial: TrialCallback | None = None
-    sync: RankSync | None = None
-    capacities: tuple[int | None, ...] | None = None
-    timeout: float | None = None
-    on_start: Callable[[int], None] | None = None
-
-    def __post_init__(self) -> None:
-        self.records: dict[int, ProbeTrial] = {}
-
-    def _batch(self, batch_size: int) -> Any:
-        if self.seq_len is None:
-            return self.make_batch(batch_size)
-        return self.make_batch(batch_size, self.seq_len)
-
-    def _clean(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-        self.saved.reset_optimizer()
-        gc.collect()
-        self.backend.empty_cache()
-        self.backend.reset_peak()
-
-    def _run_steps(self, batch_size: int) -> None:
-        try:
-            for _ in range(self.steps):
-                batch = to_device(self._batch(batch_size), self.backend.device)
-                self.step(self.model, batch, self.optimizer)
-                del batch
-                if self.sync is not None:
-                    self.sync.end_step()
-        finally:
-            self.step.release()  # the trial's loop is over: its last output goes too
-
-    def __call__(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
-        if self.on_start is not None:
-            self.on_start(batch_size)
-        if self.capacities is not None:
-            return self._call_ranks(batch_size)
-        self._clean()
-        failed: BaseException | None = None
-        split = _PartPeaks(self.backend, self.model, self.optimizer)
-        started = time.perf_counter()
-        try:
-            with self.backend.activate():
-                self._run_steps(batch_size)
-        except MemkitError:
-            raise
-        except Exception as exc:
-            host = _host_failure(exc, self.backend, batch_size)
-            if host is not None:
-                recover(self.backend, exc)
-                raise host from None
-            if not is_oom(exc):
-                raise UserCodeError(
-                    f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
-                    "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + "".join(traceback.format_exception(exc)).rstrip()
-                    + _hint(exc, batch_size),
-                    original=exc,
-                ) from exc
-            failed = exc
-        finally:  # whatever ends the trial (an error, Ctrl-C), the model keeps no hook of ours
-            split.close()
-        seconds = time.perf_counter() - started
-        parts: tuple[int, ...] | None = None
-        if failed is not None:
-            # Bytes known to be needed: what was held when the allocation failed (from the
-            # message: the unwinding has freed some already) plus what it tried to get.
-            need = parse_oom_message(failed).needed_at_least(self.backend.allocated())
-            error = _first_line(failed)
-            recover(self.backend, failed)
-            del failed
-            self.model.zero_grad(set_to_none=True)
-            record = ProbeTrial(batch_size, False, need, seconds, None, error)
-        else:
-            peak, allocated, parts = split.finish()
-            fits = self.capacity is None or peak <= self.capacity
-            over = None if fits else f"peak {format_size(peak)} exceeds the capacity"
-            record = ProbeTrial(batch_size, fits, peak, seconds, allocated, over)
-        self.records[batch_size] = record
-        if self.on_trial is not None:
-            self.on_trial(record)
-        return record.fits, record.peak_bytes, parts
-
-    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
-        """One trial on every rank; the agreed outcome (same on every rank)."""
-        self._clean()
-        caught: BaseException | None = None
-        started = time.perf_counter()
-        try:
-            synced = self.sync.trial() if self.sync else contextlib.nullcontext()
-            with self.backend.activate(), synced:
-                self._run_steps(batch_size)
-        except DistributedError:
-            raise  # a collective failed: the group cannot be used for the exchange
-        except Exception as exc:
-            caught = exc
-        seconds = time.perf_counter() - started
-        status, error, local_error = RankStatus.OK, None, None
-        need: int | None = None
-        if caught is not None:
-            if isinstance(caught, PeerFailed):
-                status = RankStatus.ABORTED
-            elif isinstance(caught, MemkitError):
-                status, local_error = RankStatus.ERROR, caught
-            elif (host := _host_failure(caught, self.backend, batch_size)) is not None:
-                status, local_error = RankStatus.ERROR, host
-            elif not is_oom(caught):
-                status = RankStatus.ERROR
-                local_error = UserCodeError(
-                    f"rank {distributed.rank()}: the training step raised "
-                    f"{type(caught).__name__} at batch size {batch_size}; this is not an "
-                    "out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + "".join(traceback.format_exception(caught)).rstrip(),
-                    original=caught,
-                )
-                local_error.__cause__ = caught
-            else:
-                status = RankStatus.OOM
-                need = parse_oom_message(caught).needed_at_least(self.backend.allocated())
-                error = _first_line(caught)
-            if local_error is None:
-                recover(self.backend, caught)
-            del caught
-            self.model.zero_grad(set_to_none=True)
-        if self.sync is not None and status in (RankStatus.OOM, RankStatus.ERROR):
-            self.sync.fail(status)
-        peak = alloc = None
-        fits = 0
-        if status == RankStatus.OK:
-            peak, alloc = self.backend.peak_reserved(), self.backend.peak_allocated()
-            fits = int(self.capacity is None or peak <= self.capacity)
-        rows = distributed.all_gather_ints([status, fits, peak, alloc, need], timeout=self.timeout)
-        if local_error is not None:
-            raise local_error
-        assert self.capacities is not None
-        outcome = agreed_outcome(rows, self.capacities)
-        if outcome.status == RankStatus.ERROR:
-            bad = [r for r, row in enumerate(rows) if row[0] == RankStatus.ERROR]
-            raise DistributedError(
-                f"rank {distributed.rank()}: rank(s) {bad} raised an error that is not an OOM "
-                f"at batch size {batch_size}; see that rank's traceback"
-            )
-        if not outcome.fits:
-            ranks = ", ".join(str(r) for r in outcome.failed_ranks)
-            error = f"does not fit on rank(s) {ranks}" + (f": {error}" if error else "")
-        record = ProbeTrial(
-            batch_size, outcome.fits, outcome.peak_bytes, seconds,
-            outcome.peak_allocated_bytes, error, rank_peaks=outcome.rank_peaks,
-        )  # fmt: skip
-        self.records[batch_size] = record
-        if self.on_trial is not None:
-            self.on_trial(record)
-        return record.fits, record.peak_bytes, None
 
 
 def _resolve_backend(
@@ -459,6 +155,55 @@ def probe(
         >>> result.trial(result.max_batch_size).fits, result.trial(result.max_batch_size + 1).fits
         (True, False)
     """
+    _check_options(make_batch, mode, steps, seq_len)
+    backend = _resolve_backend(model, device, budget)
+    optimizer, defaults = _resolve_optimizer(model, optimizer, mode, defaults)
+    if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
+        defaults.append(
+            f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
+        )
+    if isinstance(backend, SimulatedBackend):
+        backend.track(model, optimizer)
+    capacity = _capacity(backend)
+    capacities = _agree_across_ranks(
+        model, backend, capacity, ddp, timeout, min_batch=min_batch, max_batch=max_batch,
+        steps=steps, mode=mode, seq_len=seq_len,
+    )  # fmt: skip
+    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
+    saved = SavedState(model, optimizer)
+    target = _wrap_agreed(model, backend, timeout) if ddp and not is_ddp(model) else model
+    ranked_ddp = capacities is not None and is_ddp(target)
+    sync = RankSync(target, optimizer, timeout) if ranked_ddp else None
+    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
+    bar = TrialProgress(label) if progress else None
+    runner = TrialRunner(
+        target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
+        _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
+    )  # fmt: skip
+    records = runner.records
+    del target, sync  # the runner holds them now
+    with _probing(model, mode, saved, backend, bar):
+        try:
+            search = search_max_batch(
+                runner,
+                capacity_bytes=capacity if capacities is None else _tightest(capacities),
+                min_batch=min_batch,
+                max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
+                margin=margin,
+            )
+        finally:
+            del runner  # a DDP wrapper made here goes with it (its buckets), before the clean-up
+    return _build_result(
+        search, records, backend, plan, mode, steps, margin, min_batch, max_batch,
+        seq_len, defaults, target_batch, capacities,
+        batch_norm=_has_batch_norm(model), ddp=ddp or is_ddp(model),
+    )  # fmt: skip
+
+
+def _check_options(
+    make_batch: Callable[..., Any], mode: str, steps: int, seq_len: int | None
+) -> None:
+    """The :class:`ConfigError` for an option :func:`probe` cannot run with."""
     if mode not in ("train", "infer"):
         raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
     if steps < 1:
@@ -468,7 +213,17 @@ def probe(
             f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
             "define make_batch(batch_size, seq_len)"
         )
-    backend = _resolve_backend(model, device, budget)
+
+
+def _has_batch_norm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _resolve_optimizer(
+    model: torch.nn.Module, optimizer: Any, mode: str, defaults: Sequence[str]
+) -> tuple[Any, list[str]]:
+    """The optimizer the trials step (``None`` in infer mode; a default AdamW when none is
+    given) and the report's ``defaults`` with a line naming it."""
     defaults = list(defaults)
     if mode == "infer":
         optimizer = None
@@ -477,13 +232,26 @@ def probe(
         defaults.append("optimizer: AdamW (default)")
     elif not any(d.startswith("optimizer:") for d in defaults):
         defaults.append(f"optimizer: {type(optimizer).__name__}")
-    if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
-        defaults.append(
-            f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
-        )
-    if isinstance(backend, SimulatedBackend):
-        backend.track(model, optimizer)
-    capacity = _capacity(backend)
+    return optimizer, defaults
+
+
+def _agree_across_ranks(
+    model: torch.nn.Module,
+    backend: Backend,
+    capacity: int | None,
+    ddp: bool,
+    timeout: float | None,
+    *,
+    min_batch: int,
+    max_batch: int | None,
+    steps: int,
+    mode: str,
+    seq_len: int | None,
+) -> tuple[int | None, ...] | None:
+    """Inside a process group: check that every rank probes with the same settings, and return
+    every rank's capacity. ``None`` outside one (with a warning under a launcher that set
+    ``WORLD_SIZE`` but initialised no group); ``ddp`` without a group raises the
+    :class:`ConfigError` that explains what is missing."""
     ranked = distributed.is_distributed()
     if not ranked and distributed.world_size() > 1:
         warnings.warn(
@@ -493,35 +261,43 @@ def probe(
             "torch.distributed.init_process_group() first so the ranks agree on one size, or "
             "use `torchrun ... memkit probe`, which does.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of probe()
         )
-    capacities: tuple[int | None, ...] | None = None
-    search_capacity = capacity
-    if ddp and not ranked:
-        wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
-    if ranked:
-        agree_settings(
-            min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
-            ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
-        )  # fmt: skip
-        capacities = tuple(
-            row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout)
-        )
-        known = [c for c in capacities if c is not None]
-        search_capacity = min(known) if len(known) == len(capacities) else None
-    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
-    saved = SavedState(model, optimizer)
-    target = model
-    if ddp and not is_ddp(model):
-        target = _wrap_agreed(model, backend, timeout)
-    sync = RankSync(target, optimizer, timeout) if ranked and is_ddp(target) else None
+    if not ranked:
+        if ddp:
+            wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
+        return None
+    agree_settings(
+        min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
+        ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
+    )  # fmt: skip
+    return tuple(row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout))
+
+
+def _tightest(capacities: tuple[int | None, ...]) -> int | None:
+    """The capacity the search aims at across ranks: the smallest, ``None`` if any is unknown."""
+    known = [c for c in capacities if c is not None]
+    return min(known) if len(known) == len(capacities) else None
+
+
+@contextlib.contextmanager
+def _probing(
+    model: torch.nn.Module,
+    mode: str,
+    saved: SavedState,
+    backend: Backend,
+    bar: TrialProgress | None,
+) -> Iterator[None]:
+    """The model in ``mode`` while the trials run; afterwards, whatever ends them, everything
+    as it was: the model's training flag and its (and the optimizer's) state restored, the
+    progress line closed, the trials' memory collected and the device's cache emptied.
+
+    Everything alive on entry outlives the probe: it is frozen out of the collector's scans, so
+    the gc.collect() after every trial only walks the trial's own objects (a full collection
+    with transformers imported costs ~0.4 s on a slow CPU). Not when the caller has frozen
+    objects itself: gc.unfreeze() cannot tell theirs from ours.
+    """
     training_flag = model.training
-    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
-    bar = TrialProgress(label) if progress else None
-    # Everything alive now outlives the probe: freeze it out of the collector's scans, so the
-    # gc.collect() after every trial only walks the trial's own objects (a full collection
-    # with transformers imported costs ~0.4 s on a slow CPU). Not when the caller has frozen
-    # objects itself: gc.unfreeze() cannot tell theirs from ours.
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
@@ -530,17 +306,7 @@ def probe(
             model.train()
         else:
             model.eval()
-        runner = _TrialRunner(
-            target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
-            _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
-        )  # fmt: skip
-        search = search_max_batch(
-            runner,
-            capacity_bytes=search_capacity,
-            min_batch=min_batch,
-            max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
-            margin=margin,
-        )
+        yield
     finally:
         if bar is not None:
             bar.close()
@@ -548,17 +314,8 @@ def probe(
             gc.unfreeze()
         model.train(training_flag)
         saved.restore()
-        del target, sync  # a wrapper made here frees DDP's buckets with it
         gc.collect()
         backend.empty_cache()
-    result = _build_result(
-        search, runner.records, backend, plan, mode, steps, margin, min_batch, max_batch,
-        seq_len, defaults, target_batch, capacities,
-        any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
-    )  # fmt: skip
-    if ddp or is_ddp(model):
-        result = dataclasses.replace(result, ddp=True, defaults=(*result.defaults, _DDP_NOTE))
-    return result
 
 
 def _both(on_trial: TrialCallback | None, bar: TrialProgress | None) -> TrialCallback | None:
@@ -595,10 +352,10 @@ def _wrap_agreed(model: torch.nn.Module, backend: Backend, timeout: float | None
     if failed is not None:
         if not is_oom(failed):
             raise UserCodeError(
-                f"wrapping the model in DistributedDataParallel raised {_first_line(failed)}",
+                f"wrapping the model in DistributedDataParallel raised {first_line(failed)}",
                 original=failed,
             ) from failed
-        message = _first_line(failed)
+        message = first_line(failed)
         recover(backend, failed)
         del failed
         raise DoesNotFitError(
@@ -627,7 +384,9 @@ def _build_result(
     defaults: list[str],
     target_batch: int | None,
     capacities: tuple[int | None, ...] | None = None,
+    *,
     batch_norm: bool = False,
+    ddp: bool = False,
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
@@ -657,11 +416,12 @@ def _build_result(
         seq_len=seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,
-        defaults=tuple(defaults + plan.describe()),
+        defaults=tuple(defaults + plan.describe()) + ((_DDP_NOTE,) if ddp else ()),
         advice=tuple(advice),
         world_size=world,
         per_rank_peaks=_rank_peaks(search.max_batch_size, records) if world > 1 else (),
         per_rank_capacities=capacities if world > 1 and capacities is not None else (),
+        ddp=ddp,
     )
 
 

@@ -1,0 +1,332 @@
+"""One probe trial: the oracle that :func:`memkit.probing.search.search_max_batch` calls.
+
+:class:`TrialRunner` runs ``steps`` full steps at one batch size, measures the peak (cut into
+parts by :class:`PartPeaks`), recovers from an out-of-memory error and, inside a process group,
+agrees the outcome with the other ranks. Any other error stops the probe: a step that raises
+something else (:class:`~memkit.errors.UserCodeError`), or the machine's own RAM running out
+under the simulated device (:func:`host_failure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memkit import distributed
+from memkit.devices import CudaBackend, SimulatedBackend, host_memory
+from memkit.distributed import RankStatus
+from memkit.errors import ConfigError, DistributedError, MemkitError, UserCodeError
+from memkit.oom import is_oom, parse_oom_message, recover
+from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
+from memkit.probing.result import ProbeTrial
+from memkit.probing.state import SavedState
+from memkit.probing.step import StepPlan, to_device
+from memkit.units import format_size
+
+__all__ = [
+    "PART_MODULES",
+    "Backend",
+    "PartPeaks",
+    "TrialCallback",
+    "TrialRunner",
+    "first_line",
+    "host_failure",
+]
+
+Backend = CudaBackend | SimulatedBackend
+TrialCallback = Callable[[ProbeTrial], None]
+
+
+def first_line(exc: BaseException) -> str:
+    """The error's message in one line (at most 200 characters), or its type's name."""
+    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+_HOST_ALLOCATOR_FRAGMENTS = ("DefaultCPUAllocator", "alloc_cpu.cpp")
+
+
+def host_failure(exc: BaseException, backend: Backend, batch_size: int) -> ConfigError | None:
+    """On the simulated cpu device: the error that stops the probe when the *machine* ran out
+    of RAM (the host allocator failed, or Python's MemoryError) before the simulated device
+    reached its budget. That is not the simulated device's limit, so it must never be counted
+    as "does not fit"; ``None`` for anything else (the simulated device's own OOM included)."""
+    if not isinstance(backend, SimulatedBackend) or backend.device.type != "cpu":
+        return None
+    if isinstance(exc, torch.OutOfMemoryError) and not any(
+        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
+    ):
+        return None  # the simulated device's own OOM
+    if not isinstance(exc, MemoryError) and not any(
+        f in str(exc) for f in _HOST_ALLOCATOR_FRAGMENTS
+    ):
+        return None
+    available = host_memory().available
+    have = "" if available is None else f" (available now: {format_size(available)})"
+    return ConfigError(
+        f"the machine ran out of RAM at batch size {batch_size} before the simulated device's "
+        f"budget ({format_size(backend.budget)}) was reached: {first_line(exc)}. This is the "
+        "host's limit, not the simulated device's, so memkit stopped instead of counting it as "
+        f"'does not fit'. Give a smaller --budget that this machine can back{have}, or free "
+        "some RAM"
+    )
+
+
+def _hint(exc: BaseException, batch_size: int) -> str:
+    """What to do about a step error that a known model property explains."""
+    if batch_size == 1 and "Expected more than 1 value per channel" in str(exc):
+        return (
+            "\nBatchNorm needs at least 2 samples per channel in training: probe from "
+            "--min-batch 2 (min_batch=2 in the Python API)."
+        )
+    return ""
+
+
+PART_MODULES = 48
+"""At most this many modules cut a trial's peak into parts: the outermost ones, level by level.
+Each cut reads the device's peak counters (on CUDA a ``memory_stats`` call, tens of
+microseconds), three times per module and step."""
+
+
+def _outer_modules(model: torch.nn.Module, limit: int) -> list[torch.nn.Module]:
+    """The model and its submodules, breadth first, while a whole level fits in ``limit``."""
+    chosen, level = [model], [model]
+    while level:
+        level = [child for module in level for child in module.children()]
+        if len(chosen) + len(level) > limit:
+            break
+        chosen += level
+    return chosen
+
+
+class PartPeaks:
+    """A trial's peak cut into parts at every module's forward start and end, every module
+    output's gradient (backward, module by module) and the optimizer step's start and end.
+
+    A step's peak is the largest of many lines in the batch size: each moment of the step
+    holds some bytes that do not depend on the batch and some that grow with it. At small
+    sizes a flat moment (the optimizer step, the embedding's dense gradient at the end of
+    backward) sets the whole peak and hides the growing one, so a line through whole peaks
+    aims far past the limit. The search fits a line to each part instead and aims where the
+    first of them reaches the capacity. The hooks only read and reset the device's peak
+    counters; they keep no tensor.
+    """
+
+    def __init__(self, backend: Backend, model: torch.nn.Module, optimizer: Any) -> None:
+        self.backend = backend
+        self.parts: list[int] = []
+        self.allocated = 0
+        handles: list[Any] = []
+        if hasattr(optimizer, "register_step_pre_hook"):
+            handles += [
+                optimizer.register_step_pre_hook(self._cut),
+                optimizer.register_step_post_hook(self._cut),
+            ]
+        if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
+            for module in _outer_modules(model, PART_MODULES):
+                handles.append(module.register_forward_pre_hook(self._cut))
+                handles.append(module.register_forward_hook(self._after_forward))
+        self.handles = handles
+
+    def _cut(self, *_: Any) -> None:
+        self.parts.append(self.backend.peak_reserved())
+        self.allocated = max(self.allocated, self.backend.peak_allocated())
+        self.backend.reset_peak()
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        self._cut()
+        if isinstance(output, torch.Tensor):
+            tensors: Any = (output,)
+        elif isinstance(output, dict):
+            tensors = output.values()
+        elif isinstance(output, (tuple, list)):
+            tensors = output
+        else:
+            return
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._cut)
+
+    def finish(self) -> tuple[int, int, tuple[int, ...]]:
+        """``(peak, peak_allocated, part_peaks)`` of the whole trial, once it has ended."""
+        self._cut()
+        return max(self.parts), self.allocated, tuple(self.parts)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+@dataclass
+class TrialRunner:
+    """The oracle handed to the search: runs one batch size and reports (fits, peak)."""
+
+    model: torch.nn.Module
+    make_batch: Callable[..., Any]
+    optimizer: Any
+    step: StepPlan
+    backend: Backend
+    steps: int
+    capacity: int | None
+    saved: SavedState
+    seq_len: int | None = None
+    on_trial: TrialCallback | None = None
+    sync: RankSync | None = None
+    capacities: tuple[int | None, ...] | None = None
+    timeout: float | None = None
+    on_start: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.records: dict[int, ProbeTrial] = {}
+
+    def _batch(self, batch_size: int) -> Any:
+        if self.seq_len is None:
+            return self.make_batch(batch_size)
+        return self.make_batch(batch_size, self.seq_len)
+
+    def _clean(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.saved.reset_optimizer()
+        gc.collect()
+        self.backend.empty_cache()
+        self.backend.reset_peak()
+
+    def _run_steps(self, batch_size: int) -> None:
+        try:
+            for _ in range(self.steps):
+                batch = to_device(self._batch(batch_size), self.backend.device)
+                self.step(self.model, batch, self.optimizer)
+                del batch
+                if self.sync is not None:
+                    self.sync.end_step()
+        finally:
+            self.step.release()  # the trial's loop is over: its last output goes too
+
+    def __call__(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
+        if self.on_start is not None:
+            self.on_start(batch_size)
+        if self.capacities is not None:
+            return self._call_ranks(batch_size)
+        self._clean()
+        failed: BaseException | None = None
+        split = PartPeaks(self.backend, self.model, self.optimizer)
+        started = time.perf_counter()
+        try:
+            with self.backend.activate():
+                self._run_steps(batch_size)
+        except MemkitError:
+            raise
+        except Exception as exc:
+            host = host_failure(exc, self.backend, batch_size)
+            if host is not None:
+                recover(self.backend, exc)
+                raise host from None
+            if not is_oom(exc):
+                raise UserCodeError(
+                    f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
+                    "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
+                    + "".join(traceback.format_exception(exc)).rstrip()
+                    + _hint(exc, batch_size),
+                    original=exc,
+                ) from exc
+            failed = exc
+        finally:  # whatever ends the trial (an error, Ctrl-C), the model keeps no hook of ours
+            split.close()
+        seconds = time.perf_counter() - started
+        parts: tuple[int, ...] | None = None
+        if failed is not None:
+            # Bytes known to be needed: what was held when the allocation failed (from the
+            # message: the unwinding has freed some already) plus what it tried to get.
+            need = parse_oom_message(failed).needed_at_least(self.backend.allocated())
+            error = first_line(failed)
+            recover(self.backend, failed)
+            del failed
+            self.model.zero_grad(set_to_none=True)
+            record = ProbeTrial(batch_size, False, need, seconds, None, error)
+        else:
+            peak, allocated, parts = split.finish()
+            fits = self.capacity is None or peak <= self.capacity
+            over = None if fits else f"peak {format_size(peak)} exceeds the capacity"
+            record = ProbeTrial(batch_size, fits, peak, seconds, allocated, over)
+        self.records[batch_size] = record
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return record.fits, record.peak_bytes, parts
+
+    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
+        """One trial on every rank; the agreed outcome (same on every rank)."""
+        self._clean()
+        caught: BaseException | None = None
+        started = time.perf_counter()
+        try:
+            synced = self.sync.trial() if self.sync else contextlib.nullcontext()
+            with self.backend.activate(), synced:
+                self._run_steps(batch_size)
+        except DistributedError:
+            raise  # a collective failed: the group cannot be used for the exchange
+        except Exception as exc:
+            caught = exc
+        seconds = time.perf_counter() - started
+        status, error, local_error = RankStatus.OK, None, None
+        need: int | None = None
+        if caught is not None:
+            if isinstance(caught, PeerFailed):
+                status = RankStatus.ABORTED
+            elif isinstance(caught, MemkitError):
+                status, local_error = RankStatus.ERROR, caught
+            elif (host := host_failure(caught, self.backend, batch_size)) is not None:
+                status, local_error = RankStatus.ERROR, host
+            elif not is_oom(caught):
+                status = RankStatus.ERROR
+                local_error = UserCodeError(
+                    f"rank {distributed.rank()}: the training step raised "
+                    f"{type(caught).__name__} at batch size {batch_size}; this is not an "
+                    "out-of-memory error, so memkit stopped instead of retrying:\n"
+                    + "".join(traceback.format_exception(caught)).rstrip(),
+                    original=caught,
+                )
+                local_error.__cause__ = caught
+            else:
+                status = RankStatus.OOM
+                need = parse_oom_message(caught).needed_at_least(self.backend.allocated())
+                error = first_line(caught)
+            if local_error is None:
+                recover(self.backend, caught)
+            del caught
+            self.model.zero_grad(set_to_none=True)
+        if self.sync is not None and status in (RankStatus.OOM, RankStatus.ERROR):
+            self.sync.fail(status)
+        peak = alloc = None
+        fits = 0
+        if status == RankStatus.OK:
+            peak, alloc = self.backend.peak_reserved(), self.backend.peak_allocated()
+            fits = int(self.capacity is None or peak <= self.capacity)
+        rows = distributed.all_gather_ints([status, fits, peak, alloc, need], timeout=self.timeout)
+        if local_error is not None:
+            raise local_error
+        assert self.capacities is not None
+        outcome = agreed_outcome(rows, self.capacities)
+        if outcome.status == RankStatus.ERROR:
+            bad = [r for r, row in enumerate(rows) if row[0] == RankStatus.ERROR]
+            raise DistributedError(
+                f"rank {distributed.rank()}: rank(s) {bad} raised an error that is not an OOM "
+                f"at batch size {batch_size}; see that rank's traceback"
+            )
+        if not outcome.fits:
+            ranks = ", ".join(str(r) for r in outcome.failed_ranks)
+            error = f"does not fit on rank(s) {ranks}" + (f": {error}" if error else "")
+        record = ProbeTrial(
+            batch_size, outcome.fits, outcome.peak_bytes, seconds,
+            outcome.peak_allocated_bytes, error, rank_peaks=outcome.rank_peaks,
+        )  # fmt: skip
+        self.records[batch_size] = record
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return record.fits, record.peak_bytes, None
