@@ -20,6 +20,8 @@ from memkit.cli.streams import _stderr_is_terminal, _user_output_to_stderr
 from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
 
 
+# probe runs ~80 lines: one parameter per option and the --help text (its docstring); the
+# checks are _probe_target, the --gpus comparison memkit.cli.compare.
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--mode", callback=_parse_modes, default="train", show_default=True,
