@@ -39,7 +39,7 @@ def test_progress_line_on_a_terminal_only_and_never_under_json(monkeypatch, json
     args = [str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB", *flag]
     quiet = run(*args)  # CliRunner's stderr is not a terminal: as in a log or CI
     assert quiet.exit_code == 0 and "trials" not in quiet.stderr
-    monkeypatch.setattr("memkit.cli._stderr_is_terminal", lambda: True)
+    monkeypatch.setattr("memkit.cli.probe._stderr_is_terminal", lambda: True)
     shown = run(*args)
     assert shown.exit_code == 0, shown.output
     if json_flag:

@@ -377,9 +377,9 @@ def test_cli_watch_json_lines(no_smi):
 
 
 def test_cli_watch_refreshes_in_place_on_a_tty(no_smi, monkeypatch):
-    import memkit.cli
+    import memkit.cli.snapshot
 
-    monkeypatch.setattr(memkit.cli, "_stdout_is_tty", lambda: True)
+    monkeypatch.setattr(memkit.cli.snapshot, "_stdout_is_tty", lambda: True)
     result = CliRunner().invoke(cli, ["snapshot", "--watch", "0", "--count", "2"])
     assert result.exit_code == 0, result.output
     assert result.output.count("\x1b[H") == 2 and result.output.count("\x1b[2J") == 1

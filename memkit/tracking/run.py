@@ -35,13 +35,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.tracking.report import TrackReport
 from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.tracking.tracker import Tracker
 
 __all__ = [
     "RunOutcome",
@@ -281,12 +284,7 @@ def run_script(
     from memkit.history import DEFAULT_MAX_ENTRIES
     from memkit.tracking.tracker import Tracker
 
-    path = Path(script)
-    if not path.is_file():
-        raise ConfigError(
-            f"expected a Python training script, found no file at {str(path)!r}; "
-            "usage: memkit run [OPTIONS] SCRIPT [ARGS]..."
-        )
+    path = _script_file(script)
     tracker = Tracker(
         None,
         None,
@@ -297,6 +295,51 @@ def run_script(
         memory_history=memory_history,
         history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
     )
+    armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
+    with _as_main(path, args):
+        ending = _run_tracked(path, tracker, armed)
+    if ending.failed is not None:
+        # the traceback holds the failed step's frames and tensors: release them
+        recover(None, ending.failed)
+        ending.failed = None
+    # The script's globals live on in a reference cycle (its functions hold them): collect
+    # them now, while the interpreter is whole. Left to interpreter shutdown, a DDP model's
+    # gloo threads were torn down mid-finalization ("terminate called without an active
+    # exception", SIGABRT after the report was printed).
+    gc.collect()
+    report = tracker.report()
+    if ending.interrupted is not None:
+        at = f" ({ending.where})" if ending.where else ""
+        note = (
+            f"interrupted by {ending.interrupted} at step {report.steps}{at}; the numbers cover "
+            "what ran until then"
+        )
+        report = dataclasses.replace(report, notes=(*report.notes, note))
+    return RunOutcome(
+        exit_code=ending.exit_code,
+        report=report,
+        traceback=ending.traceback,
+        oom=ending.oom,
+        interrupted=ending.interrupted,
+        history_file=tracker.history_file,
+        history_error=tracker.history_error,
+    )
+
+
+def _script_file(script: str | Path) -> Path:
+    """``script`` as a path, or a ConfigError (exit 2) when no file is there."""
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(
+            f"expected a Python training script, found no file at {str(path)!r}; "
+            "usage: memkit run [OPTIONS] SCRIPT [ARGS]..."
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _as_main(path: Path, args: Sequence[str]) -> Iterator[None]:
+    """``sys.argv`` and ``sys.path[0]`` as ``python script.py args`` sets them, restored after."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [str(path), *args]
     script_dir = str(path.resolve().parent)
@@ -304,13 +347,32 @@ def run_script(
         sys.path[0] = script_dir
     else:
         sys.path.insert(0, script_dir)
-    exit_code = 0
-    text: str | None = None
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+
+
+@dataclass
+class _ScriptEnding:
+    """How the script ended, as :func:`_run_tracked` saw it."""
+
+    exit_code: int = 0
+    traceback: str | None = None
     failed: BaseException | None = None
-    oom = False
+    oom: bool = False
     interrupted: str | None = None
     where: str | None = None
-    armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
+
+
+def _run_tracked(
+    path: Path, tracker: Tracker, armed: contextlib.AbstractContextManager[Any]
+) -> _ScriptEnding:
+    """Run the script under ``tracker`` (and the armed SIGTERM guard); how it ended, with its
+    exit code (see the module docstring). Whatever escapes the script is caught here."""
+    ending = _ScriptEnding()
     script_globals: dict[str, Any] | None = None
     try:
         with tracker, armed:
@@ -320,52 +382,23 @@ def run_script(
     except SystemExit as exc:
         code = exc.code
         if code is None:
-            exit_code = 0
+            ending.exit_code = 0
         elif isinstance(code, int):
-            exit_code = code
+            ending.exit_code = code
         else:
-            text = str(code)
-            exit_code = 1
+            ending.traceback = str(code)
+            ending.exit_code = 1
     except KeyboardInterrupt as exc:
-        text = _script_traceback(exc, path)
-        exit_code = EXIT_INTERRUPTED
+        ending.traceback = _script_traceback(exc, path)
+        ending.exit_code = EXIT_INTERRUPTED
     except Terminated as exc:  # not an error of the script: where it was, not a traceback
-        exit_code = 128 + exc.signum
-        where = _script_line(exc, path)
-        interrupted = exc.signame
+        ending.exit_code = 128 + exc.signum
+        ending.where = _script_line(exc, path)
+        ending.interrupted = exc.signame
     except BaseException as exc:
-        text = _script_traceback(exc, path)
-        oom = find_oom(exc) is not None
-        exit_code = EXIT_OOM if oom else EXIT_USER_ERROR
-        failed = exc
-    finally:
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0] = saved_path0
+        ending.traceback = _script_traceback(exc, path)
+        ending.oom = find_oom(exc) is not None
+        ending.exit_code = EXIT_OOM if ending.oom else EXIT_USER_ERROR
+        ending.failed = exc
     del script_globals  # the script's objects can go now
-    if failed is not None:
-        # the traceback holds the failed step's frames and tensors: release them
-        recover(None, failed)
-        del failed
-    # The script's globals live on in a reference cycle (its functions hold them): collect
-    # them now, while the interpreter is whole. Left to interpreter shutdown, a DDP model's
-    # gloo threads were torn down mid-finalization ("terminate called without an active
-    # exception", SIGABRT after the report was printed).
-    gc.collect()
-    report = tracker.report()
-    if interrupted is not None:
-        at = f" ({where})" if where else ""
-        note = (
-            f"interrupted by {interrupted} at step {report.steps}{at}; the numbers cover what "
-            "ran until then"
-        )
-        report = dataclasses.replace(report, notes=(*report.notes, note))
-    return RunOutcome(
-        exit_code=exit_code,
-        report=report,
-        traceback=text,
-        oom=oom,
-        interrupted=interrupted,
-        history_file=tracker.history_file,
-        history_error=tracker.history_error,
-    )
+    return ending

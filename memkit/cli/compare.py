@@ -1,0 +1,88 @@
+"""``--gpus N [--strategies dp,ddp]`` of ``memkit probe`` and ``memkit estimate``: DataParallel
+against DDP on N virtual devices (:mod:`memkit.strategies`)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from memkit.cli.streams import _user_output_to_stderr
+from memkit.cli.targets import _budget_bytes, _check_host_backs
+
+
+def _compare(
+    file: str,
+    gpus: int | None,
+    strategies: str | None,
+    budget: str | int | None,
+    *,
+    device: str,
+    max_batch: int | None,
+    seq_len: list[int] | None,
+    as_json: bool,
+    steps: int = 2,
+    ignored: dict[str, bool],
+    context: int = 0,
+) -> None:
+    """``--gpus N [--strategies dp,ddp]``: DP vs DDP on N virtual devices (memkit.strategies).
+
+    ``ignored``: the command's options the comparison does not use, and whether each was
+    given (a given one is refused, never silently dropped). ``context``: bytes each device
+    loses to the CUDA context before PyTorch allocates (``memkit estimate`` on meta).
+    """
+    import dataclasses
+
+    from memkit import distributed
+    from memkit.errors import ConfigError
+    from memkit.strategies import STRATEGIES, compare_strategies
+    from memkit.units import format_size
+
+    option = "--device-memory" if device == "meta" else "--budget"
+    if gpus is None:
+        raise ConfigError("--strategies compares strategies on virtual GPUs: give --gpus N too")
+    if budget is None:
+        raise ConfigError(f"--gpus {gpus}: give each virtual GPU's memory with {option} SIZE")
+    if device not in ("cpu", "meta"):
+        raise ConfigError(f"--gpus runs on virtual devices (--device cpu), not on {device!r}")
+    given = [name for name, on in ignored.items() if on]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: not used by the --gpus comparison (training steps of each "
+            "strategy on virtual GPUs); drop them, or run without --gpus for one device"
+        )
+    if distributed.world_size() > 1:
+        raise ConfigError("--gpus simulates every GPU in one process: run it without torchrun")
+    if seq_len is not None and len(seq_len) > 1:
+        raise ConfigError(f"--gpus takes one --seq-len, found {len(seq_len)}")
+    text = str(budget)
+    parts = [part.strip() for part in text.split(",")] if isinstance(budget, str) else []
+    sizes = [_budget_bytes(part, text) for part in parts] if parts else [int(budget)]
+    if len(sizes) not in (1, gpus):
+        raise ConfigError(
+            f"{option} {text!r}: give one size for every GPU or {gpus} sizes, one per GPU; "
+            f"found {len(sizes)}"
+        )
+    if device == "cpu":
+        _check_host_backs(parts * gpus if len(parts) == 1 else parts, "virtual GPUs")
+    if context and min(sizes) <= context:
+        raise ConfigError(
+            f"{option} {format_size(min(sizes))} is not larger than the CUDA context "
+            f"({format_size(context)}); give the card's total memory, e.g. 24GiB"
+        )
+    names = [n.strip() for n in (strategies or ",".join(STRATEGIES)).split(",") if n.strip()]
+    with _user_output_to_stderr():
+        result = compare_strategies(
+            file, gpus=gpus, budget=[size - context for size in sizes] if len(sizes) > 1
+            else sizes[0] - context, strategies=names, device=device, steps=steps,
+            seq_len=seq_len[0] if seq_len else None, max_batch=max_batch,
+        )  # fmt: skip
+    if context:
+        result = dataclasses.replace(result, notes=(
+            f"meta tensors: each GPU's memory less a {format_size(context)} CUDA context; "
+            "tensor bytes, without the caching allocator's rounding or cuBLAS's workspace "
+            "(memkit estimate models both for one card)",
+        ))  # fmt: skip
+    click.echo(result.to_json() if as_json else str(result))
+    if any(r.max_global_batch is None for r in result.results):
+        sys.exit(1)

@@ -1,0 +1,117 @@
+"""``memkit estimate``: the largest batch of a model file on a GPU you do not have, on meta
+tensors."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from memkit.cli.compare import _compare
+from memkit.cli.exits import handle_errors
+from memkit.cli.parsing import (
+    _parse_margin,
+    _parse_seq_lens,
+    _parse_size_option,
+    check_batch_range,
+)
+from memkit.cli.streams import _user_output_to_stderr
+
+
+def _estimate_archs() -> list[str]:
+    from memkit.estimation.families import DEVICE_FAMILIES  # torch-free: --help stays light
+
+    return list(DEVICE_FAMILIES)
+
+
+_ESTIMATE_ARCHS = _estimate_archs()
+"""The keys of memkit.estimation.DEVICE_FAMILIES (listed here so --help needs no torch)."""
+
+
+@click.command("estimate")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--device-memory", required=True, callback=_parse_size_option,
+              help="The GPU's total memory: 24GiB, 40GiB, 80GB (GB is decimal).")  # fmt: skip
+@click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
+@click.option("--seq-len", callback=_parse_seq_lens, default=None,
+              help="Sequence length(s) for make_batch(batch_size, seq_len): 512,1024.")  # fmt: skip
+@click.option("--amp", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Model torch.autocast (fp32 master weights) [default: fp32].")  # fmt: skip
+@click.option("--attention", type=click.Choice(["auto", "math", "efficient", "flash"]),
+              default="auto", show_default=True,
+              help="SDPA kernel on the target (auto: what PyTorch would pick).")  # fmt: skip
+@click.option("--arch", type=click.Choice(_ESTIMATE_ARCHS), default="ampere", show_default=True,
+              help="GPU family: CUDA context, cuBLAS workspace, attention kernels.")  # fmt: skip
+@click.option("--context", callback=_parse_size_option, default=None,
+              help="CUDA context size [default: the family's, see docs/estimate.md].")  # fmt: skip
+@click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None)
+@click.option("--margin", callback=_parse_margin, default=None,
+              help="Memory the recommended batch leaves free, percent [default: 5].")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
+              "this many GPUs of --device-memory each.")  # fmt: skip
+@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
+              "DDP on --gpus GPUs, on meta tensors (docs/distributed.md).")  # fmt: skip
+@handle_errors
+def estimate_command(
+    file: str,
+    device_memory: int,
+    mode: str,
+    seq_len: list[int] | None,
+    amp: str | None,
+    attention: str,
+    arch: str,
+    context: int | None,
+    min_batch: int,
+    max_batch: int | None,
+    margin: float | None,
+    as_json: bool,
+    gpus: int | None = None,
+    strategies: str | None = None,
+) -> None:
+    """Estimate the largest batch of a model file on a GPU you do not have (no GPU needed).
+
+    Every trial runs on meta tensors: nothing is computed, no memory is used. Reports the
+    estimated allocated and reserved peaks per batch, the largest batch that fits, a
+    breakdown and advice (see docs/estimate.md). Exit codes: 0 fits, 1 even --min-batch is
+    estimated not to fit, 2 usage or model-file error, 3 the step failed on meta tensors.
+
+    \b
+    memkit estimate examples/gpt2_small.py --device-memory 24GiB --seq-len 1024 --amp bf16
+    """
+    import json
+
+    if gpus is not None or strategies is not None:
+        from memkit.estimation import DEVICE_FAMILIES
+
+        _compare(
+            file, gpus, strategies, device_memory, device="meta", max_batch=max_batch,
+            seq_len=seq_len, as_json=as_json,
+            ignored={"--mode": mode != "train", "--amp": amp is not None,
+                     "--attention": attention != "auto", "--min-batch": min_batch != 1,
+                     "--margin": margin is not None},
+            context=DEVICE_FAMILIES[arch].context_bytes if context is None else context,
+        )  # fmt: skip
+        return
+    from memkit.estimation import DEFAULT_MARGIN, estimate
+
+    check_batch_range(min_batch, max_batch)
+    options: dict[str, Any] = {
+        "device_memory": device_memory, "mode": mode, "amp": amp, "attention": attention,
+        "device": arch, "context": context, "min_batch": min_batch, "max_batch": max_batch,
+        "margin": DEFAULT_MARGIN if margin is None else margin,
+    }  # fmt: skip
+    lengths: list[int | None] = list(seq_len) if seq_len else [None]
+    with _user_output_to_stderr():
+        results = [estimate(file, seq_len=length, **options) for length in lengths]
+    if as_json:
+        payload: Any = results[0].to_dict() if len(results) == 1 else {
+            "seq_lens": [r.to_dict() for r in results]
+        }  # fmt: skip
+        click.echo(json.dumps(payload, indent=2))
+    else:
+        click.echo("\n\n".join(str(r) for r in results))
+    if any(r.max_batch_size is None for r in results):
+        sys.exit(1)

@@ -1,0 +1,167 @@
+"""``memkit probe``: the largest batch of a model file that fits, measured (one device, every
+rank under torchrun, or ``--gpus N`` virtual devices)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from memkit.cli.compare import _compare
+from memkit.cli.exits import handle_errors
+from memkit.cli.parsing import (
+    _parse_margin,
+    _parse_modes,
+    _parse_seq_lens,
+    check_batch_range,
+)
+from memkit.cli.streams import _stderr_is_terminal, _user_output_to_stderr
+from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
+
+
+# probe runs ~80 lines: one parameter per option and the --help text (its docstring); the
+# checks are _probe_target, the --gpus comparison memkit.cli.compare.
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--mode", callback=_parse_modes, default="train", show_default=True,
+              help="train, infer, or train,infer for both in one run (evaluation has no "
+              "gradients or optimizer state, so its batch can be larger).")  # fmt: skip
+@click.option("--device", default=None, help="cuda, cuda:N, cpu (simulated)... [default: the "
+              "current accelerator, else cpu]")  # fmt: skip
+@click.option("--budget", default=None, help="Memory cap, e.g. 8GiB. On cpu: the simulated "
+              "device's size, at most the available RAM [default: 1GiB, or half the available "
+              "RAM if less].")  # fmt: skip
+@click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None)
+@click.option("--steps", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Full steps per trial (optimizer state appears on the first).")  # fmt: skip
+@click.option("--margin", callback=_parse_margin, default=None,
+              help="Capacity the recommended batch leaves free, in percent "
+              "[default: 5].")  # fmt: skip
+@click.option("--target-batch", type=click.IntRange(min=1), default=None,
+              help="Effective batch you want: advises gradient accumulation.")  # fmt: skip
+@click.option("--seq-len", callback=_parse_seq_lens, default=None,
+              help="Sequence length(s) for make_batch(batch_size, seq_len): "
+              "128,512,2048.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--ddp", is_flag=True, help="Under torchrun: wrap the model in "
+              "DistributedDataParallel for the trials (its buckets and all-reduce are "
+              "measured).")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="Under torchrun: how long a rank waits for the others "
+              "before failing (exit 4) [default: 1800].")  # fmt: skip
+@click.option("--dist-backend", default=None, metavar="NAME", help="Under torchrun: the "
+              "process group's backend [default: nccl on cuda, else gloo; gloo puts several "
+              "ranks on one GPU].")  # fmt: skip
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
+              "this many virtual GPUs of --budget each (--device cpu).")  # fmt: skip
+@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
+              "DDP on --gpus virtual GPUs: largest global batch and per-device peaks "
+              "(docs/distributed.md).")  # fmt: skip
+@handle_errors
+def probe(
+    file: str,
+    mode: list[str],
+    device: str | None,
+    budget: str | None,
+    min_batch: int,
+    max_batch: int | None,
+    steps: int,
+    margin: float | None,
+    target_batch: int | None,
+    seq_len: list[int] | None,
+    as_json: bool,
+    ddp: bool,
+    timeout: float | None,
+    dist_backend: str | None,
+    gpus: int | None = None,
+    strategies: str | None = None,
+) -> None:
+    """Find the largest batch size of a model file that fits, exactly.
+
+    FILE defines build_model() and make_batch(batch_size), and optionally build_optimizer,
+    loss_fn and train_step (see docs/probe.md). Exit codes: 0 found, 1 even --min-batch does
+    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM (or
+    memkit failed), 4 a rank failed or timed out, 130 interrupted. With --json, stdout is one
+    JSON object: what the model file prints goes to stderr.
+
+    \b
+    Under torchrun every rank probes its own device (cuda:LOCAL_RANK, or a simulated cpu
+    device) and the ranks agree on one size that fits on all; rank 0 prints the report:
+      torchrun --nproc-per-node 2 --no-python memkit probe model.py --ddp
+      torchrun --nproc-per-node 2 --no-python memkit probe model.py --device cpu \\
+          --budget 1GiB,512MiB
+    """
+    if gpus is not None or strategies is not None:
+        _compare(
+            file, gpus, strategies, budget, device=device or "cpu", max_batch=max_batch,
+            seq_len=seq_len, as_json=as_json, steps=steps,
+            ignored={"--mode": mode != ["train"], "--min-batch": min_batch != 1,
+                     "--margin": margin is not None, "--target-batch": target_batch is not None,
+                     "--ddp": ddp, "--timeout": timeout is not None,
+                     "--dist-backend": dist_backend is not None},
+        )  # fmt: skip
+        return
+    from memkit import distributed
+    from memkit.probing.result import ProbeModes, ProbeResult
+    from memkit.probing.runner import DEFAULT_MARGIN, probe_file
+
+    check_batch_range(min_batch, max_batch)
+    device, budget, backend = _probe_target(device, budget)
+    world, me = distributed.world_size(), distributed.rank()
+    rank_device = backend.device if world > 1 else "cpu"
+    wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
+    with (
+        distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
+        _user_output_to_stderr(),
+    ):
+        per_mode = [
+            probe_file(
+                file,
+                seq_len=seq_len,
+                device=device,
+                mode=one,
+                budget=budget,
+                min_batch=min_batch,
+                max_batch=max_batch,
+                steps=steps,
+                margin=DEFAULT_MARGIN if margin is None else margin,
+                target_batch=target_batch if one == "train" else None,
+                progress=me == 0 and not as_json and _stderr_is_terminal(),
+                ddp=ddp,
+                timeout=wait,
+            )
+            for one in mode
+        ]
+    result = per_mode[0] if len(per_mode) == 1 else ProbeModes(tuple(per_mode))
+    if me == 0:
+        click.echo(result.to_json() if as_json else str(result))
+    results = [
+        r for one in per_mode for r in ([one] if isinstance(one, ProbeResult) else one.results)
+    ]
+    if any(r.max_batch_size is None for r in results):
+        sys.exit(1)
+
+
+def _probe_target(device: str | None, budget: str | None) -> tuple[str | None, str | None, Any]:
+    """This rank's device, budget and backend, checked before the model file loads (exit 2).
+
+    Raises:
+        ConfigError: a bad ``--budget`` or ``--device`` (see :func:`_check_target`), or
+            ``--device meta``: probe runs real steps, meta tensors hold no data.
+    """
+    from memkit import distributed
+
+    budget, on_host = _this_rank_budget(budget)
+    device = _rank_device(device, distributed.world_size(), distributed.local_rank())
+    backend = _check_target(device, budget, on_host)
+    if backend.device.type == "meta":
+        from memkit.errors import ConfigError
+
+        raise ConfigError(
+            "--device meta: probe runs real steps and measures them; meta tensors hold no data. "
+            "Use memkit estimate FILE --device-memory SIZE for meta-device estimates, or "
+            "--device cpu --budget SIZE for a simulated device that runs the steps"
+        )
+    return device, budget, backend

@@ -1,0 +1,156 @@
+"""``memkit run``: a training script under memory tracking; the report goes to stderr (the
+engine is :func:`memkit.tracking.run.run_script`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from memkit.cli.exits import handle_errors
+from memkit.cli.targets import _check_target, _this_rank_budget
+
+if TYPE_CHECKING:
+    from memkit.tracking.report import TrackReport
+    from memkit.tracking.run import RunOutcome
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--device", default=None, help="cuda:N, or cpu (simulated). Default: current GPU.")
+@click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB; "
+              "under torchrun one per rank: 1GiB,512MiB.")  # fmt: skip
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the report as JSON (torchrun: NAME.rankN.json per rank).")  # fmt: skip
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
+              help="Write a self-contained HTML report (no network, no scripts).")  # fmt: skip
+@click.option("--per-module/--steps-only", default=True,
+              help="Hooks on every module (default), or only at step boundaries.")  # fmt: skip
+@click.option("--memory-history", "history_path", default=None, type=click.Path(dir_okay=False),
+              metavar="FILE", help="Write PyTorch's memory snapshot (alloc/free events with "
+              "stacks) to FILE when the script ends, for pytorch.org/memory_viz or memkit "
+              "inspect; on cpu from the simulated device (torchrun: NAME.rankN.EXT).")  # fmt: skip
+@click.option("--history-entries", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Events the memory history keeps, the most recent [default: "
+              "100000].")  # fmt: skip
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@handle_errors
+def run_command(
+    device: str | None,
+    budget: str | None,
+    json_path: str | None,
+    html_path: str | None,
+    per_module: bool,
+    history_path: str | None,
+    history_entries: int | None,
+    script: str,
+    args: tuple[str, ...],
+) -> None:
+    """Run a training SCRIPT under memory tracking; print the report (and OOM post-mortem).
+
+    The script runs as __main__ with its own ARGS and keeps its exit code (an OOM exits 1,
+    another error 3, SIGTERM 143 with the report still written). The report goes to stderr;
+    stdout is the script's. The options are checked before the script starts (exit 2).
+
+    \b
+    memkit run train.py --epochs 1
+    memkit run --device cpu --budget 300MiB train.py
+    memkit run --memory-history mem.pickle train.py   # then: memkit inspect mem.pickle
+    torchrun --nproc-per-node 2 --no-python memkit run train.py
+    """
+    from memkit.tracking.run import SigtermGuard, rank_path, run_script
+
+    device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
+    # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
+    # raises in the script, the report is built, written and printed; exit 143
+    with SigtermGuard() as guard:
+        outcome = run_script(
+            script,
+            list(args),
+            device=device,
+            budget=budget,
+            per_module=per_module,
+            sigterm=guard,
+            memory_history=history_path,
+            history_entries=history_entries,
+        )
+        written = _write_reports(outcome.report, outputs)
+        if outcome.history_error is not None:
+            click.echo(f"memkit: error: --memory-history {str(rank_path(history_path or ''))!r}: "
+                       f"could not write the memory history ({outcome.history_error})",
+                       err=True)  # fmt: skip
+        elif outcome.history_file is not None:
+            written.append(outcome.history_file)
+        _print_outcome(outcome, written)
+    sys.exit(outcome.exit_code)
+
+
+def _check_run_options(
+    device: str | None,
+    budget: str | None,
+    json_path: str | None,
+    html_path: str | None,
+    history_path: str | None,
+) -> tuple[str | None, str | None, list[tuple[str, Path]]]:
+    """This rank's device and budget, and the report files to write as ``(option, path)``,
+    all checked before the script starts: a bad option must not cost a run (exit 2)."""
+    from memkit.tracking.run import check_writable, default_device, rank_path
+
+    budget, on_host = _this_rank_budget(budget)
+    device = default_device(device)
+    _check_target(device, budget, on_host)
+    outputs = [
+        (option, rank_path(path))
+        for option, path in (("--json", json_path), ("--html", html_path))
+        if path
+    ]
+    for option, out in outputs:
+        check_writable(out, option)
+    if history_path:
+        check_writable(rank_path(history_path), "--memory-history")
+    return device, budget, outputs
+
+
+def _write_reports(report: TrackReport, outputs: list[tuple[str, Path]]) -> list[str | Path]:
+    """Write ``--json`` and ``--html``; the files written. A file that cannot be written (a
+    full disk: the paths were checked before the run) is one error line, not the end."""
+    written: list[str | Path] = []
+    for option, out in outputs:
+        try:
+            if option == "--json":
+                report.to_json(out)
+            else:
+                report.to_html(out)
+        except OSError as exc:
+            click.echo(f"memkit: error: {option} {str(out)!r}: could not write the report "
+                       f"({exc.strerror or exc})", err=True)  # fmt: skip
+        else:
+            written.append(out)
+    return written
+
+
+def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
+    """The script's traceback, then the report on stderr: in full on rank 0 (or without
+    torchrun), one summary line on the other ranks (with the OOM post-mortem only they know)."""
+    from memkit import distributed
+    from memkit.tracking.run import rank_prefix, summary_line
+
+    report = outcome.report
+    prefix = rank_prefix()
+    if outcome.traceback:
+        click.echo(outcome.traceback.rstrip("\n"), err=True)
+    if distributed.launched_rank() in (None, 0):
+        text = str(report)
+    else:  # rank 0 prints the full report (with every rank's row when there was a group)
+        text = summary_line(report, written)
+        if report.oom is not None:  # only this rank knows where it ran out
+            text += "\n" + str(report.oom)
+    if outcome.interrupted is not None and distributed.launched_rank() in (None, 0):
+        note = next(n for n in report.notes if n.startswith("interrupted by "))
+        text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
+    click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
