@@ -212,6 +212,8 @@ def lightning_advice(report: TrackReport) -> TrackReport:
 # -- the exact batch size -------------------------------------------------------------------
 
 
+# Long for its signature and its docstring (what a trial runs, in Lightning's order); the body
+# builds the step and batches and calls memkit.probe.
 def probe_batch_size(
     module: Any,
     datamodule: Any = None,

@@ -79,6 +79,8 @@ def _capacity(backend: Backend) -> int | None:
     return min(cap.total or 1 << 62, backend.reserved() + cap.free)
 
 
+# Long for its signature and its docstring (the API reference, with a doctest); the body is
+# about 40 lines of named steps.
 def probe(
     model: torch.nn.Module,
     make_batch: Callable[..., Any],
