@@ -57,12 +57,14 @@ __all__ = [
     "all_reduce_sum_",
     "any_true",
     "broadcast_",
+    "fill_missing_grads",
     "gather_to_rank0",
     "is_distributed",
     "launched_rank",
     "local_rank",
     "process_group_from_env",
     "rank",
+    "reduce_used_grads",
     "world_size",
 ]
 
@@ -256,6 +258,47 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor], *, timeout: float | None = 
     with torch.no_grad():
         works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
     _wait_all(works, f"an all-reduce of {len(works)} tensor(s)", timeout)
+
+
+def fill_missing_grads(params: Sequence[torch.Tensor]) -> list[int]:
+    """Give every ``None`` gradient a zero tensor (each rank must all-reduce the same tensors);
+    return which parameters had one here (1) or not (0), for the ranks to agree on with
+    :func:`all_max` before :func:`reduce_used_grads`."""
+    used = []
+    for param in params:
+        used.append(0 if param.grad is None else 1)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    return used
+
+
+def reduce_used_grads(
+    params: Sequence[torch.Tensor],
+    used: Sequence[int],
+    *,
+    timeout: float | None = None,
+    average: bool = False,
+) -> None:
+    """Sum over all ranks the gradients of the parameters some rank used (``used``: the
+    agreed flags); one used on no rank goes back to ``None``, as DDP leaves it. ``average``
+    divides the sums by the world size (DDP's mean), for gradients not pre-scaled by it.
+
+    Raises:
+        DistributedError: an all-reduce failed or timed out.
+    """
+    grads = []
+    for param, flag in zip(params, used, strict=True):
+        if flag:
+            assert param.grad is not None
+            grads.append(param.grad)
+        else:
+            param.grad = None
+    all_reduce_sum_(grads, timeout=timeout)
+    if average:
+        world = world_size()
+        with torch.no_grad():
+            for grad in grads:
+                grad.div_(world)
 
 
 def broadcast_(

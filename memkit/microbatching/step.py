@@ -222,28 +222,16 @@ class MicroBatchStep:
         assert loss_sum is not None
         return loss_sum
 
+    def _trained(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def _prepare_sync(self) -> list[int]:
         """Give every local ``None`` gradient a zero tensor; return which ones were used here."""
-        used = []
-        for param in self.model.parameters():
-            if not param.requires_grad:
-                continue
-            used.append(0 if param.grad is None else 1)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        return used
+        return distributed.fill_missing_grads(self._trained())
 
     def _sync(self, used: list[int]) -> None:
-        """After every rank finished: average gradients (pre-scaled by 1/world), sync buffers."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = []
-        for param, flag in zip(params, used, strict=True):
-            if flag:
-                assert param.grad is not None
-                grads.append(param.grad)
-            else:  # unused on every rank: leave it None, as DDP does
-                param.grad = None
-        distributed.all_reduce_sum_(grads, timeout=self.timeout)
+        """After every rank finished: sum the gradients (pre-scaled by 1/world: their mean)."""
+        distributed.reduce_used_grads(self._trained(), used, timeout=self.timeout)
 
     def _sync_buffers(self) -> None:
         if getattr(self.model, "broadcast_buffers", False):

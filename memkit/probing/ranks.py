@@ -201,19 +201,11 @@ class RankSync:
         if self._checkpoint(RankStatus.OK)[0] != RankStatus.OK:
             raise PeerFailed("another rank failed in this step")
 
-    def _fill_grads(self) -> list[int]:
-        used = []
-        for param in self.params:
-            used.append(0 if param.grad is None else 1)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        return used
-
     def _before_step(self, *_args: Any) -> None:
         used: list[int] = []
         failed: BaseException | None = None
         try:
-            used = self._fill_grads()
+            used = distributed.fill_missing_grads(self.params)
         except Exception as exc:  # reported at this very checkpoint, re-raised below
             failed = exc
         from memkit.oom import is_oom
@@ -230,18 +222,9 @@ class RankSync:
             raise failed
         if agreed[0] != RankStatus.OK:
             raise PeerFailed("another rank failed before the optimizer step")
-        grads = []
-        for param, flag in zip(self.params, agreed[1:], strict=True):
-            if flag:
-                assert param.grad is not None
-                grads.append(param.grad)
-            else:  # unused on every rank: no gradient, as DDP leaves it
-                param.grad = None
-        distributed.all_reduce_sum_(grads, timeout=self.timeout)
-        world = distributed.world_size()
-        with torch.no_grad():
-            for grad in grads:
-                grad.div_(world)
+        distributed.reduce_used_grads(
+            self.params, agreed[1:], timeout=self.timeout, average=True
+        )
 
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:

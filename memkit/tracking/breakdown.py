@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from memkit.accounting import storage_of
 from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER
 from memkit.tracking.records import DeviceRecord
 from memkit.tracking.report import PHASES, Breakdown
@@ -74,9 +75,8 @@ def persistent_bytes(
             target.index is not None and t.device.index not in (None, target.index)
         ):
             return 0
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        storage = storage_of(t)
+        if storage is None:
             return 0
         key = (storage.data_ptr(), storage.nbytes())
         if key in seen or storage.nbytes() == 0:
