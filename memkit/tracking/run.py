@@ -65,6 +65,11 @@ EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 """143: the conventional exit code of a process ended by SIGTERM (128 + 15)."""
 
 
+RETRY_SECONDS = 0.2
+"""How long :class:`SigtermGuard` waits before sending SIGTERM again when the script did not
+stop (the exception was raised where Python drops exceptions)."""
+
+
 class Terminated(BaseException):
     """Raised in the script's main thread by :class:`SigtermGuard` when SIGTERM arrives.
 
@@ -94,6 +99,7 @@ class SigtermGuard:
         self._installed = False
         self._armed = False
         self._raised = False
+        self._in_block = False
         self.pending: int | None = None
 
     def __enter__(self) -> SigtermGuard:
@@ -114,8 +120,24 @@ class SigtermGuard:
         if self._armed:
             self._raised = True
             self._armed = False
+            self._retry_later(signum)
             raise Terminated(signum)
         self.pending = signum
+
+    def _retry_later(self, signum: int) -> None:
+        """Python runs a signal handler between any two bytecodes, also inside a weakref
+        callback (the simulated device's free hook) or a ``__del__``, where an exception is
+        printed and dropped: if the script is still running after :data:`RETRY_SECONDS`, the
+        signal is sent again, until :class:`Terminated` lands where it stops the script."""
+
+        def again() -> None:
+            if self._in_block:
+                self._raised, self._armed = False, True
+                os.kill(os.getpid(), signum)
+
+        timer = threading.Timer(RETRY_SECONDS, again)
+        timer.daemon = True
+        timer.start()
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -123,11 +145,11 @@ class SigtermGuard:
         if self.pending is not None and not self._raised:
             self._raised = True
             raise Terminated(self.pending)
-        self._armed = True
+        self._armed = self._in_block = True
         try:
             yield
         finally:
-            self._armed = False
+            self._armed = self._in_block = False
 
 
 @dataclass(frozen=True)
