@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
-from memkit.render.text import table
+from memkit.render.text import section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ def estimate_text(est: Estimate) -> str:
         )
     parts.append("assumptions:")
     parts.extend(f"  {a}" for a in est.assumptions)
-    text = advice_text(est.advice)
-    if text:
-        parts += ["", "advice:", text]
+    parts += section("advice:", advice_text(est.advice))
     return "\n".join(parts)
 
 

@@ -30,10 +30,8 @@ def inspection_text(view: SnapshotInspection) -> str:
     for d in view.devices:
         lines.append("")
         lines.extend(_device_text(d))
-    if view.advice:
-        lines.extend(["", "advice:", advice_text(view.advice)])
-    if view.notes:
-        lines.extend(["", "notes:", *(f"- {n}" for n in view.notes)])
+    lines += text.section("advice:", advice_text(view.advice))
+    lines += text.section("notes:", [f"- {n}" for n in view.notes])
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
-from memkit.render.text import table
+from memkit.render.text import section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -114,9 +114,7 @@ def probe_text(result: ProbeResult) -> str:
         )
     parts.append(f"accounting: {result.accounting}")
     parts.extend(result.defaults)
-    text = advice_text(result.advice)
-    if text:
-        parts += ["", "advice:", text]
+    parts += section("advice:", advice_text(result.advice))
     return "\n".join(parts)
 
 
@@ -155,7 +153,7 @@ def sweep_text(sweep: ProbeSweep) -> str:
     )
     body = table(_SWEEP_HEAD, _sweep_rows(sweep))
     advice = advice_text(a for r in sweep.results for a in r.advice)
-    return "\n".join([head, "", body, *(["", "advice:", advice] if advice else [])])
+    return "\n".join([head, "", body, *section("advice:", advice)])
 
 
 def sweep_html_body(sweep: ProbeSweep) -> str:

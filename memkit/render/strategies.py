@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
+from memkit.render.text import section
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -59,10 +60,8 @@ def comparison_text(comparison: StrategyComparison) -> str:
             "ddp fits no larger global batch here: each rank holds its own gradients, their "
             "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
         )
-    if comparison.advice:
-        lines += ["", "advice", advice_text(comparison.advice)]
-    if comparison.notes:
-        lines += ["", "notes:", *(f"- {note}" for note in comparison.notes)]
+    lines += section("advice", advice_text(comparison.advice))
+    lines += section("notes:", [f"- {note}" for note in comparison.notes])
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["table"]
 
@@ -56,3 +56,10 @@ def table(
     lines.append(fmt(["-" * w for w in widths]))
     lines.extend(fmt(row) for row in cells)
     return "\n".join(lines)
+
+
+def section(heading: str, body: str | Iterable[str]) -> list[str]:
+    """A report's section as lines, ``["", heading, *body]``; no lines when the body is empty
+    (an empty string, or no lines)."""
+    lines = ([body] if body else []) if isinstance(body, str) else list(body)
+    return ["", heading, *lines] if lines else []

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
-from memkit.render.text import table
+from memkit.render.text import section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -269,9 +269,7 @@ def ranks_headline(ranks: RanksReport) -> str:
 def ranks_text(ranks: RanksReport) -> str:
     """The headline, the per-rank table and the advice across ranks."""
     parts = [ranks_headline(ranks), "", table(RANK_HEADERS, rank_rows(ranks), title="ranks")]
-    text = advice_text(ranks.advice)
-    if text:
-        parts += ["", "advice across ranks:", text]
+    parts += section("advice across ranks:", advice_text(ranks.advice))
     return "\n".join(parts)
 
 
@@ -320,10 +318,8 @@ def report_text(report: TrackReport) -> str:
         lines.extend(_device_text(dev))
     if report.ranks is not None:
         lines.extend(["", ranks_text(report.ranks)])
-    if report.advice:
-        lines.extend(["", "advice:", advice_text(report.advice)])
-    if report.notes:
-        lines.extend(["", "notes:", *(f"- {note}" for note in report.notes)])
+    lines += section("advice:", advice_text(report.advice))
+    lines += section("notes:", [f"- {note}" for note in report.notes])
     if report.oom is not None:
         lines.extend(["", str(report.oom)])
     return "\n".join(lines)
