@@ -91,11 +91,14 @@ class SigtermGuard:
     there; elsewhere it does nothing) and restores the previous handler on exit. Inside
     :meth:`armed` (the script's run) the first SIGTERM raises :class:`Terminated`; a SIGTERM
     before that is raised as soon as the script starts, and any later one is ignored until
-    the guard exits, so the report is printed and written in full.
+    the guard exits, so the report is printed and written in full. A :class:`Terminated` that
+    Python drops (see :meth:`_retry_later`) is not printed as "Exception ignored": it is sent
+    again instead.
     """
 
     def __init__(self) -> None:
         self._previous: Any = None
+        self._previous_unraisable: Any = None
         self._installed = False
         self._armed = False
         self._raised = False
@@ -105,6 +108,8 @@ class SigtermGuard:
     def __enter__(self) -> SigtermGuard:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous_unraisable = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
             self._installed = True
         return self
 
@@ -112,6 +117,7 @@ class SigtermGuard:
         if self._installed:
             previous = signal.SIG_DFL if self._previous is None else self._previous
             signal.signal(signal.SIGTERM, previous)
+            sys.unraisablehook = self._previous_unraisable
             self._installed = False
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -123,6 +129,11 @@ class SigtermGuard:
             self._retry_later(signum)
             raise Terminated(signum)
         self.pending = signum
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, Terminated):
+            return  # dropped where Python drops exceptions: _retry_later sends it again
+        self._previous_unraisable(unraisable)
 
     def _retry_later(self, signum: int) -> None:
         """Python runs a signal handler between any two bytecodes, also inside a weakref
