@@ -50,8 +50,8 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,6 +140,33 @@ def _eval_frame_api() -> Any:
 _EVAL_FRAME = _eval_frame_api()
 
 
+def _existed(tensor: torch.Tensor) -> str:
+    """How a storage counted because it existed before is named in a memory history."""
+    return "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
+
+
+class StorageObserver(Protocol):
+    """What a recorder (:class:`memkit.history.SimulatedHistory`) hears from an accountant.
+
+    The calls come under the accountant's lock, so an observer must not call back into it.
+    ``key`` identifies a storage while it lives (its ``id``); ``counted`` is the bytes counted for
+    it (rounded with ``rounding="cuda"``) and ``requested`` the storage's own bytes.
+    """
+
+    def already_counted(self, storages: list[tuple[int, int, int]]) -> None:
+        """The ``(key, counted, requested)`` of every storage counted when observing began."""
+
+    def allocated(self, key: int, counted: int, requested: int, existed: str | None) -> None:
+        """A storage is counted. ``existed``: ``None`` for one an op made; ``"parameter"`` or
+        ``"tensor"`` for one made earlier and counted now (first read, or given to track())."""
+
+    def freed(self, key: int, counted: int) -> None:
+        """A counted storage is freed (or resized: freed, then allocated again)."""
+
+    def out_of_memory(self, tried: int, free: int) -> None:
+        """An op tried to add ``tried`` bytes with ``free`` left in the budget."""
+
+
 class MemoryAccountant(TorchDispatchMode):
     """Counts live tensor-storage bytes on one device, optionally against a budget.
 
@@ -180,21 +207,14 @@ class MemoryAccountant(TorchDispatchMode):
         self.adopting = True
         """Adopt storages that existed before and that an op reads for the first time."""
         _ACCOUNTANTS.add(self)
-        # Optional observers of every counted storage (used by memkit.estimation to replay the
-        # allocations through a caching-allocator model). Called with (key, counted bytes), under
-        # the accountant's lock, so they must not call back into the accountant.
-        self.on_alloc: Callable[[int, int], None] | None = None
-        self.on_free: Callable[[int, int], None] | None = None
-        # Called with the bytes an op tried to add when it crosses the budget, before the OOM is
-        # raised (memkit.history records it as the trace's "oom" event).
-        self.on_oom: Callable[[int], None] | None = None
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
         rounds them), for a post-mortem read after the unwinding freed some."""
-        # Set by memkit.history while it records: id(storage) -> whether the tensor was a
-        # Parameter, for each storage counted because it existed before (an op read it for the
-        # first time, or track() was given it). None: nothing is noted (no cost).
-        self.adopted: dict[int, bool] | None = None
+        self._observer: StorageObserver | None = None
+        # While observed: id(storage) -> "parameter"/"tensor", for each storage counted because
+        # it existed before (an op read it for the first time, or track() was given it). None
+        # while nobody observes: nothing is noted (no cost).
+        self._adopted: dict[int, str] | None = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -212,10 +232,45 @@ class MemoryAccountant(TorchDispatchMode):
         """Budget left, or ``None`` without a budget."""
         return None if self.budget is None else max(0, self.budget - self._current)
 
+    def counters(self) -> tuple[int, int]:
+        """``(current, peak)`` in one call, for hooks that read them once per module call."""
+        return self._current, self._peak
+
     def reset_peak(self) -> None:
         """Set the peak to the current bytes."""
         with self._lock:
             self._peak = self._current
+
+    # -- observing --------------------------------------------------------------------------
+    @property
+    def observed(self) -> bool:
+        """Whether an observer is attached (see :meth:`observe`)."""
+        return self._observer is not None
+
+    def observe(self, observer: StorageObserver) -> None:
+        """Tell ``observer`` about every counted storage from now on, after telling it (in
+        ``already_counted``) about those counted now. One observer at a time.
+
+        Raises:
+            RuntimeError: another observer is attached.
+        """
+        with self._lock:
+            if self._observer is not None:
+                raise RuntimeError("another observer already records this accountant")
+            live = []
+            for key, (ref, counted) in self._live.items():
+                storage = ref()
+                if storage is not None:
+                    live.append((key, counted, int(storage.nbytes())))
+            observer.already_counted(live)
+            self._observer = observer
+            self._adopted = {}
+
+    def stop_observing(self) -> None:
+        """Detach the observer, if any."""
+        with self._lock:
+            self._observer = None
+            self._adopted = None
 
     def live_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
         """The counted storages that are still alive, with the bytes counted for each."""
@@ -237,8 +292,8 @@ class MemoryAccountant(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._current -= entry[1]
-                if self.on_free is not None:
-                    self.on_free(key, entry[1])
+                if self._observer is not None:
+                    self._observer.freed(key, entry[1])
 
     def _matches(self, tensor: torch.Tensor) -> bool:
         dev = tensor.device
@@ -257,13 +312,13 @@ class MemoryAccountant(TorchDispatchMode):
         Tracking never raises an OOM: the objects already exist.
         """
         pending: dict[int, tuple[Any, int]] = {}
-        adopted = self.adopted
+        adopted = self._adopted
         for tensor in tensors_of(objects):
             storage = self._storage(tensor)
             if storage is not None and id(storage) not in self._live:
                 pending[id(storage)] = (storage, self._size(storage))
                 if adopted is not None:
-                    adopted[id(storage)] = isinstance(tensor, torch.nn.Parameter)
+                    adopted[id(storage)] = _existed(tensor)
         with self._lock:
             self._register(pending)
         return self
@@ -276,8 +331,11 @@ class MemoryAccountant(TorchDispatchMode):
             self._live[key] = (weakref.ref(storage, functools.partial(self._on_free, key)), nbytes)
             self._current += nbytes
             self.num_allocs += 1
-            if self.on_alloc is not None:
-                self.on_alloc(key, nbytes)
+            observer = self._observer
+            if observer is not None:
+                adopted = self._adopted
+                existed = adopted.pop(key, None) if adopted else None
+                observer.allocated(key, nbytes, int(storage.nbytes()), existed)
         if self._current > self._peak:
             self._peak = self._current
 
@@ -311,9 +369,9 @@ class MemoryAccountant(TorchDispatchMode):
                         self._live[key] = (entry[0], size)
                         self._current += size - entry[1]
                         grown += size - entry[1]
-                        if self.on_free is not None and self.on_alloc is not None:
-                            self.on_free(key, entry[1])
-                            self.on_alloc(key, size)
+                        if self._observer is not None:
+                            self._observer.freed(key, entry[1])
+                            self._observer.allocated(key, size, int(storage.nbytes()), None)
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
         # device: adopt them.
         if not self.adopting:
@@ -322,8 +380,8 @@ class MemoryAccountant(TorchDispatchMode):
             storage = self._storage(tensor)
             if storage is not None and id(storage) not in self._live:
                 new.setdefault(id(storage), (storage, self._size(storage)))
-                if self.adopted is not None:  # only for first-seen storages: no per-op cost
-                    self.adopted[id(storage)] = isinstance(tensor, torch.nn.Parameter)
+                if self._adopted is not None:  # only for first-seen storages: no per-op cost
+                    self._adopted[id(storage)] = _existed(tensor)
         return new, grown
 
     @classmethod
@@ -343,17 +401,20 @@ class MemoryAccountant(TorchDispatchMode):
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1
             self.in_use_at_oom = self._current
-            if self.on_oom is not None:
-                self.on_oom(added)
+            if self._observer is not None:
+                with self._lock:
+                    if self._adopted:
+                        self._adopted.clear()  # the op's storages are never counted
+                    self._observer.out_of_memory(added, self.free or 0)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new
             raise torch.OutOfMemoryError(message)
         if new:
-            if self.adopted is not None and func is _LIFT_FRESH:
+            if self._adopted is not None and func is _LIFT_FRESH:
                 for key in new:  # torch.tensor(...): a fresh tensor, not an older one read
-                    self.adopted.pop(key, None)
+                    self._adopted.pop(key, None)
             with self._lock:
                 self._register(new)
         elif grown > 0:

@@ -47,9 +47,9 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -127,10 +127,10 @@ class SimulatedHistory:
     """Records a :class:`~memkit.accounting.MemoryAccountant`'s allocations and frees in
     PyTorch's memory-snapshot format (layout in the module docs).
 
-    ``start()`` hooks the accountant's observers (while it is not started, the accountant pays
-    nothing: its observers are ``None``); storages already counted then are in the snapshot's
-    segments without frames, as on CUDA for blocks allocated before recording began.
-    ``snapshot()`` returns the dict, ``dump(path)`` writes it, ``stop()`` unhooks.
+    ``start()`` makes it the accountant's observer (while nobody observes, the accountant pays
+    nothing); storages already counted then are in the snapshot's segments without frames, as
+    on CUDA for blocks allocated before recording began. ``snapshot()`` returns the dict,
+    ``dump(path)`` writes it, ``stop()`` detaches.
 
     Examples:
         >>> import torch, memkit
@@ -163,110 +163,90 @@ class SimulatedHistory:
         self._live: dict[int, tuple[int, int, int, int]] = {}  # key -> (addr, size, req, stack)
         self._next = ADDRESS_BASE
         self._stacks: list[list[dict[str, Any]]] = [[]]  # id 0: no frames
-        self._stack_ids: dict[tuple[int, ...], int] = {}
+        self._stack_ids: dict[tuple[Any, ...], int] = {}
         self._frames: dict[tuple[int, int], dict[str, Any]] = {}
         self._codes: dict[int, Any] = {}  # keeps each code object alive, so its id stays its own
-        self._markers = [
-            None,
-            {"filename": ADOPTED_FILENAME, "line": 0, "name": "parameter"},
-            {"filename": ADOPTED_FILENAME, "line": 0, "name": "tensor"},
-        ]
-        self._saved: tuple[Any, Any, Any] | None = None
-
-    @property
-    def recording(self) -> bool:
-        """Whether the accountant's observers are hooked."""
-        return self._saved is not None
+        self._markers = {
+            None: None,
+            "parameter": {"filename": ADOPTED_FILENAME, "line": 0, "name": "parameter"},
+            "tensor": {"filename": ADOPTED_FILENAME, "line": 0, "name": "tensor"},
+        }
+        # The accountant calls the observer methods under its own lock; this one keeps
+        # snapshot() from reading the events while they change.
+        self._lock = threading.Lock()
+        self.recording = False
+        """Whether this history observes its accountant."""
 
     # -- hooking --------------------------------------------------------------------------
     def start(self) -> SimulatedHistory:
-        """Hook the accountant; returns ``self``.
+        """Observe the accountant; returns ``self``.
 
         Raises:
             RuntimeError: another history already records this accountant.
         """
-        acct = self.accountant
-        if acct.adopted is not None:
-            raise RuntimeError("a memory history already records this accountant")
-        with acct._lock:
-            for key, (ref, nbytes) in acct._live.items():
-                storage = ref()
-                if storage is not None and nbytes > 0 and key not in self._live:
-                    requested = int(storage.nbytes())
-                    self._live[key] = (self._address(nbytes), nbytes, requested, 0)
-            self._saved = (acct.on_alloc, acct.on_free, acct.on_oom)
-            acct.on_alloc = _chain(self._on_alloc, acct.on_alloc)
-            acct.on_free = _chain(self._on_free, acct.on_free)
-            acct.on_oom = _chain(self._on_oom, acct.on_oom)
-            acct.adopted = {}
+        self.accountant.observe(self)
+        self.recording = True
         return self
 
     def stop(self) -> None:
-        """Unhook the accountant (what was recorded stays)."""
-        if self._saved is None:
-            return
-        acct = self.accountant
-        with acct._lock:
-            acct.on_alloc, acct.on_free, acct.on_oom = self._saved
-            acct.adopted = None
-            self._saved = None
+        """Stop observing the accountant (what was recorded stays)."""
+        if self.recording:
+            self.accountant.stop_observing()
+            self.recording = False
 
-    # -- the observers (called by the accountant, under its lock except on_oom) -------------
+    # -- the observer (memkit.accounting.StorageObserver, called under the accountant's lock) --
     def _address(self, nbytes: int) -> int:
         addr = self._next
         self._next += -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
         return addr
 
-    def _on_alloc(self, key: int, nbytes: int) -> None:
-        acct = self.accountant
-        kind = acct.adopted.pop(key, None) if acct.adopted else None
-        if nbytes <= 0:
-            return
-        requested = nbytes
-        if acct.rounding != "none":  # the block is rounded; the request is the storage's bytes
-            entry = acct._live.get(key)
-            storage = None if entry is None else entry[0]()
-            if storage is not None:
-                requested = int(storage.nbytes())
-        addr = self._address(nbytes)
-        stack = self._stack(0 if kind is None else 1 if kind else 2)
-        self._live[key] = (addr, nbytes, requested, stack)
-        now = time.time_ns() // 1000
-        events = self._events
-        events.append((_SEGMENT_ALLOC, addr, nbytes, stack, now))
-        events.append((_ALLOC, addr, requested, stack, now))
-        self.events_recorded += 2
+    def already_counted(self, storages: list[tuple[int, int, int]]) -> None:
+        with self._lock:
+            for key, counted, requested in storages:
+                if counted > 0 and key not in self._live:
+                    self._live[key] = (self._address(counted), counted, requested, 0)
 
-    def _on_free(self, key: int, nbytes: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is None:
+    def allocated(self, key: int, counted: int, requested: int, existed: str | None) -> None:
+        if counted <= 0:
             return
-        addr, size, requested, _ = entry
-        stack = self._stack(0)
+        stack = self._stack(existed)
         now = time.time_ns() // 1000
-        events = self._events
-        events.append((_FREE_REQUESTED, addr, requested, stack, now))
-        events.append((_FREE_COMPLETED, addr, requested, stack, now))
-        events.append((_SEGMENT_FREE, addr, size, stack, now))
-        self.events_recorded += 3
+        with self._lock:
+            addr = self._address(counted)
+            self._live[key] = (addr, counted, requested, stack)
+            events = self._events
+            events.append((_SEGMENT_ALLOC, addr, counted, stack, now))
+            events.append((_ALLOC, addr, requested, stack, now))
+            self.events_recorded += 2
 
-    def _on_oom(self, tried: int) -> None:
-        acct = self.accountant
-        with acct._lock:  # the accountant calls this one outside its lock
-            if acct.adopted:
-                acct.adopted.clear()  # the op's storages were never counted
-            free = acct.free if acct.free is not None else 0
-            self._events.append((_OOM, free, tried, self._stack(0), time.time_ns() // 1000))
+    def freed(self, key: int, counted: int) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is None:
+                return
+            addr, size, requested, _ = entry
+            stack = self._stack(None)
+            now = time.time_ns() // 1000
+            events = self._events
+            events.append((_FREE_REQUESTED, addr, requested, stack, now))
+            events.append((_FREE_COMPLETED, addr, requested, stack, now))
+            events.append((_SEGMENT_FREE, addr, size, stack, now))
+            self.events_recorded += 3
+
+    def out_of_memory(self, tried: int, free: int) -> None:
+        stack = self._stack(None)
+        with self._lock:
+            self._events.append((_OOM, free, tried, stack, time.time_ns() // 1000))
             self.events_recorded += 1
 
-    def _stack(self, marker: int) -> int:
+    def _stack(self, marker: str | None) -> int:
         """The id of the Python stack here, innermost first, memkit's frames at the top left
-        out (``marker``: 1 or 2 puts the parameter or tensor marker frame above it)."""
+        out (``marker``: ``"parameter"`` or ``"tensor"`` puts that marker frame above it)."""
         f: FrameType | None = sys._getframe(2)
         while f is not None and _internal(f.f_code.co_filename):
             f = f.f_back
         frames: list[FrameType] = []
-        key = [marker]
+        key: list[Any] = [marker]
         depth = self.frame_depth
         while f is not None and len(frames) < depth:
             frames.append(f)
@@ -298,7 +278,7 @@ class SimulatedHistory:
     def snapshot(self) -> dict[str, Any]:
         """The recorded history in PyTorch's snapshot format (a new dict; frames are shared)."""
         acct = self.accountant
-        with acct._lock:
+        with self._lock:
             live = sorted(self._live.values(), key=lambda e: e[0])
             events = list(self._events)
             recorded = self.events_recorded
@@ -360,18 +340,6 @@ class SimulatedHistory:
     def dump(self, path: str | Path) -> Path:
         """Write :meth:`snapshot` to ``path`` (pickle protocol 4)."""
         return write_snapshot(self.snapshot(), path)
-
-
-def _chain(first: Callable[..., None], then: Callable[..., None] | None) -> Callable[..., None]:
-    """``first``, followed by an observer that was already there."""
-    if then is None:
-        return first
-
-    def both(*args: Any) -> None:
-        first(*args)
-        then(*args)
-
-    return both
 
 
 class MemoryHistory:

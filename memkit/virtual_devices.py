@@ -122,6 +122,10 @@ class VirtualDevices(MemoryAccountant):
         """Peak bytes on device ``index`` since :meth:`reset_window` (a tracker's segment)."""
         return self._windows[index]
 
+    def window_counters(self, index: int) -> tuple[int, int]:
+        """``(current, window peak)`` of device ``index`` in one call, for per-call hooks."""
+        return self._cur[index], self._windows[index]
+
     def reset_window(self, index: int) -> None:
         """Start a new segment on device ``index``; :meth:`peak_of` is not affected."""
         self._windows[index] = self._cur[index]

@@ -190,23 +190,23 @@ def test_written_file_opens_in_torch_memory_viz(tmp_path):
         assert pickle.loads(embedded_snapshot(page)) == data
 
 
-def test_the_accountant_pays_nothing_without_a_history():
+def test_the_accountant_is_observed_only_while_a_history_records():
     acct = MemoryAccountant("cpu")
-    assert (acct.on_alloc, acct.on_free, acct.on_oom, acct.adopted) == (None,) * 4
+    assert not acct.observed
     model = nn.Linear(4, 4)
     with memkit.track(model, device="cpu", budget="8MiB") as tracker:
         model(torch.randn(2, 4)).sum().backward()
-    sim = tracker.backend.accountant
-    assert (sim.on_alloc, sim.on_free, sim.on_oom, sim.adopted) == (None,) * 4
-    # a history hooks them, and gives back what was there (estimation's recorder, say)
-    seen: list[int] = []
-    acct.on_alloc = lambda key, nbytes: seen.append(nbytes)
-    previous = acct.on_alloc
+    assert not tracker.backend.accountant.observed  # tracking alone records nothing
     history = SimulatedHistory(acct).start()
+    assert acct.observed
+    with pytest.raises(RuntimeError, match="another observer"):
+        SimulatedHistory(acct).start()
     with acct:
         torch.empty(64, dtype=torch.uint8)
     history.stop()
-    assert seen == [64] and acct.on_alloc is previous and acct.adopted is None
+    assert not acct.observed
+    with acct:
+        torch.empty(32, dtype=torch.uint8)  # after stop(): not recorded
     trace = history.snapshot()["device_traces"][0]
     assert [e["size"] for e in trace] == [64] * 5  # made and freed at once
 

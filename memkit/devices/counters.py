@@ -36,17 +36,19 @@ def counter_reader(backend: Any) -> tuple[CounterReader, PeakResetter]:
     """
     if isinstance(backend, SimulatedBackend):
         acct = backend.accountant
+        sim_counters = acct.counters
 
         def read_sim() -> tuple[int, int, int, int]:
-            cur, peak = acct._current, acct._peak
+            cur, peak = sim_counters()
             return cur, cur, peak, peak
 
         return read_sim, acct.reset_peak
     if isinstance(backend, VirtualDeviceBackend):
         vd, i = backend.devices, backend.index
+        window_counters = vd.window_counters
 
         def read_virtual() -> tuple[int, int, int, int]:
-            cur, peak = vd._cur[i], vd._windows[i]
+            cur, peak = window_counters(i)
             return cur, cur, peak, peak
 
         return read_virtual, functools.partial(vd.reset_window, i)

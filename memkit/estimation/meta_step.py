@@ -94,7 +94,8 @@ _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 
 class StepRecorder:
-    """Receives the accountant's alloc/free events: allocator model plus per-category bytes."""
+    """The accountant's observer (:class:`~memkit.accounting.StorageObserver`): replays its
+    allocations and frees through the allocator model and sums bytes per category."""
 
     def __init__(self, allocator: CachingAllocatorModel) -> None:
         self.allocator = allocator
@@ -107,7 +108,13 @@ class StepRecorder:
         self.peak_slack = 0
         self._fresh_key: int | None = None
 
-    def on_alloc(self, key: int, nbytes: int) -> None:
+    def already_counted(self, storages: list[tuple[int, int, int]]) -> None:
+        assert not storages, "the recorder observes a fresh accountant"
+
+    def out_of_memory(self, tried: int, free: int) -> None:
+        pass  # the accountant has no budget; the allocator model counts its own OOMs
+
+    def allocated(self, key: int, nbytes: int, requested: int, existed: str | None) -> None:
         self.allocator.malloc(key, nbytes)
         self.labels[key] = (self.phase, nbytes)
         self.bytes[self.phase] += nbytes
@@ -119,7 +126,7 @@ class StepRecorder:
         else:
             self._fresh_key = None
 
-    def on_free(self, key: int, nbytes: int) -> None:
+    def freed(self, key: int, nbytes: int) -> None:
         self.allocator.free(key)
         label = self.labels.pop(key, None)
         if label is not None:
@@ -220,8 +227,7 @@ class MetaSession:
         allocator = CachingAllocatorModel(capacity=self.usable)
         recorder = StepRecorder(allocator)
         accountant = MemoryAccountant(META, None, rounding="cuda", name="estimate")
-        accountant.on_alloc = recorder.on_alloc
-        accountant.on_free = recorder.on_free
+        accountant.observe(recorder)
         workspaces = 2 if self.plan.mode == "train" else 1
         for i in range(workspaces if self.workspace else 0):
             allocator.malloc(("cublas-workspace", i), self.workspace)
@@ -236,7 +242,7 @@ class MetaSession:
         with self._hooks(recorder), accountant:
             self.step(batch_size)
         self.plan.release()
-        accountant.on_alloc = accountant.on_free = None
+        accountant.stop_observing()
         workspace = self.workspace * workspaces
         peaks = TrialPeaks(
             allocated=allocator.peak_allocated,

@@ -232,19 +232,13 @@ class RankWatch:
         """Whether a multi-rank process group is (or will be) in use."""
         return distributed.is_distributed() or distributed.world_size() > 1
 
-    def _roots(self) -> list[Any]:
-        model = self.tracker.model
-        if model is not None:
-            return [model]
-        return list(self.tracker._root_modules())
-
     def on_step(self, optimizer: Any) -> None:
         """At an optimizer step (before it): note trainable parameters with no gradient."""
         if self.checked >= self.CHECKED_STEPS:
             return
         self.checked += 1
         names: dict[int, str] = {}
-        for root in self._roots():
+        for root in self.tracker.root_modules():
             if self.find_unused is None and hasattr(root, "find_unused_parameters"):
                 self.find_unused = bool(root.find_unused_parameters)
             for name, param in root.named_parameters():

@@ -413,7 +413,8 @@ class Tracker(Hooks):
     # ------------------------------------------------------------------------------------
     # the tracked model and optimizers, the breakdown (cold path: memkit/tracking/breakdown.py)
 
-    def _root_modules(self) -> list[torch.nn.Module]:
+    def root_modules(self) -> list[torch.nn.Module]:
+        """The model given to track(), or else the outermost modules seen running a forward."""
         if self.model is not None:
             return [self.model]
         out = []
@@ -429,7 +430,7 @@ class Tracker(Hooks):
         return [o for o in (r() for r in self._seen_optimizers.values()) if o is not None]
 
     def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None:
-        param = gradient_witness(self._root_modules(), self._all_optimizers())
+        param = gradient_witness(self.root_modules(), self._all_optimizers())
         return None if param is None else weakref.ref(param)
 
     def _grads_none(self) -> bool:
@@ -446,7 +447,7 @@ class Tracker(Hooks):
     def _capture_evidence(self) -> None:
         """Read what the advice needs from the live model and optimizer (they may be gone by
         the time the report is made: a script's ``main()`` returned)."""
-        dtype = param_dtype(self._root_modules())
+        dtype = param_dtype(self.root_modules())
         if dtype is not None:
             self._param_dtype = dtype
         opts = self._all_optimizers()
@@ -456,7 +457,7 @@ class Tracker(Hooks):
     def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``."""
         return persistent_bytes(
-            dev, self._root_modules(), self._all_optimizers(), self.model, dev is self._primary
+            dev, self.root_modules(), self._all_optimizers(), self.model, dev is self._primary
         )
 
     def _resolve_pending(self, dev: DeviceRecord) -> None:
