@@ -151,7 +151,7 @@ def test_multi_billion_model_needs_no_host_ram(tmp_path: Path) -> None:
         )
     )
     before = psutil.Process().memory_info().rss
-    est = estimate(str(path), device_memory="80GiB", mode="infer", max_batch=1, device="hopper")
+    est = estimate(str(path), device_memory="80GiB", mode="infer", max_batch=1, arch="hopper")
     grown = psutil.Process().memory_info().rss - before
     assert est.num_parameters > 3_000_000_000
     assert est.breakdown is not None and est.breakdown.parameters > 12 * 10**9
@@ -208,12 +208,12 @@ def test_attention_kernel_assumption_changes_long_sequence_peak(files: dict[str,
     assert math.attention_kernels == ("math",) and efficient.attention_kernels == ("efficient",)
     auto_bf16 = estimate(files["gpt2"], amp="bf16", **kwargs)
     assert auto_bf16.attention_kernels == ("flash",)  # sm80, bf16, no mask
-    volta = estimate(files["gpt2"], amp="fp16", device="volta", **kwargs)
+    volta = estimate(files["gpt2"], amp="fp16", arch="volta", **kwargs)
     assert volta.attention_kernels == ("efficient",)
-    volta_bf16 = estimate(files["gpt2"], amp="bf16", device="volta", **kwargs)
+    volta_bf16 = estimate(files["gpt2"], amp="bf16", arch="volta", **kwargs)
     assert volta_bf16.attention_kernels == ("math",)  # no bf16 kernels before sm80
     assert any("flash kernel" in a for a in auto_bf16.assumptions)
-    hopper = estimate(files["gpt2"], amp="bf16", device="hopper", **kwargs)
+    hopper = estimate(files["gpt2"], amp="bf16", arch="hopper", **kwargs)
     assert any("cuDNN attention" in a for a in hopper.assumptions)
 
 
@@ -259,9 +259,20 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="8GiB", amp="fp8")
     with pytest.raises(ConfigError):
-        estimate(files["mlp"], device_memory="8GiB", device="pascal")
+        estimate(files["mlp"], device_memory="8GiB", arch="pascal")
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+
+
+def test_device_is_the_deprecated_name_of_arch(files: dict[str, str]) -> None:
+    kwargs = {"device_memory": "8GiB", "mode": "infer", "max_batch": 4}
+    with pytest.warns(DeprecationWarning, match=r"estimate\(arch=\.\.\.\)"):
+        old = estimate(files["mlp"], device="volta", **kwargs)
+    new = estimate(files["mlp"], arch="volta", **kwargs)
+    assert old.device == new.device == "volta"
+    assert old.max_batch_size == new.max_batch_size and old.context_bytes == new.context_bytes
+    with pytest.raises(ConfigError, match="give arch only"):
+        estimate(files["mlp"], arch="volta", device="hopper", **kwargs)
 
 
 def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:

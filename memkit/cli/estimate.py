@@ -100,7 +100,7 @@ def estimate_command(
     check_batch_range(min_batch, max_batch)
     options: dict[str, Any] = {
         "device_memory": device_memory, "mode": mode, "amp": amp, "attention": attention,
-        "device": arch, "context": context, "min_batch": min_batch, "max_batch": max_batch,
+        "arch": arch, "context": context, "min_batch": min_batch, "max_batch": max_batch,
         "margin": DEFAULT_MARGIN if margin is None else margin,
     }  # fmt: skip
     lengths: list[int | None] = list(seq_len) if seq_len else [None]

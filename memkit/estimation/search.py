@@ -4,6 +4,7 @@ batch-size search of ``memkit probe`` run over meta trials, and the :class:`Esti
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,13 +37,14 @@ def estimate(
     seq_len: int | None = None,
     amp: str | None = None,
     attention: str = "auto",
-    device: str | DeviceFamily = DEFAULT_FAMILY,
+    arch: str | DeviceFamily | None = None,
     context: int | str | None = None,
     min_batch: int = 1,
     max_batch: int | None = None,
     margin: float = DEFAULT_MARGIN,
     foreach: bool | None = None,
     workspace: int | str | None = None,
+    device: str | DeviceFamily | None = None,
 ) -> Estimate:
     """Estimate the largest batch of a model file that fits on a GPU, without one.
 
@@ -57,14 +59,15 @@ def estimate(
         amp: ``None`` (fp32), ``"bf16"`` or ``"fp16"``: autocast's policy on the forward.
         attention: ``"auto"`` (what PyTorch picks on the target), ``"math"``, ``"efficient"``
             or ``"flash"`` (falls back when the inputs do not allow it).
-        device: the GPU family (a key of :data:`DEVICE_FAMILIES`): context, cuBLAS workspace,
-            which attention kernels exist.
+        arch: the GPU family (a key of :data:`DEVICE_FAMILIES`, as ``--arch``; default
+            ``"ampere"``): context, cuBLAS workspace, which attention kernels exist.
         context: the CUDA context's size; default: the family's.
         min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).
         margin: share of the usable memory the recommended batch leaves free.
         foreach: the optimizer's implementation where the model file leaves it unset; ``None``
             means the CUDA default (foreach). ``False`` reproduces the simulated cpu device.
         workspace: one cuBLAS workspace; default: the family's; ``0`` for none.
+        device: the older name of ``arch`` (deprecated: a DeprecationWarning).
 
     Returns:
         An :class:`Estimate`.
@@ -74,7 +77,7 @@ def estimate(
     """
     started = time.perf_counter()
     _check_arguments(mode, amp, attention, min_batch, max_batch, margin)
-    card = target_card(device, device_memory, context, workspace)
+    card = target_card(_arch(arch, device), device_memory, context, workspace)
     spec = model_file if isinstance(model_file, ModelSpec) else load_model_file(model_file)
     if seq_len is not None:
         require_seq_len(spec, f"a sequence length ({seq_len})")
@@ -218,3 +221,19 @@ def _trial(trial: Trial, session: MetaSession) -> EstimateTrial:
     return EstimateTrial(
         trial.batch_size, peaks.allocated, peaks.reserved, peaks.counted, trial.fits, peaks.seconds
     )
+
+
+def _arch(
+    arch: str | DeviceFamily | None, device: str | DeviceFamily | None
+) -> str | DeviceFamily:
+    """``arch``, or the family given by its deprecated name ``device``, or the default."""
+    if device is None:
+        return DEFAULT_FAMILY if arch is None else arch
+    if arch is not None:
+        raise ConfigError(f"estimate() got arch={arch!r} and device={device!r}; give arch only")
+    warnings.warn(
+        "estimate(device=...) is now estimate(arch=...), the name of the CLI's --arch",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return device
