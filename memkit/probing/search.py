@@ -1,6 +1,7 @@
 """Batch-size search: the largest batch that fits, exact and verified, in few trials.
 
-This module is the search *strategy* only: a pure function of an oracle
+This module is the search only (the loop in :mod:`memkit.probing.bracket`, the model-guided
+strategy in :mod:`memkit.probing.aiming`): a pure function of an oracle
 ``fits(batch_size) -> (fits, peak_bytes)`` that runs one trial. Building the batch, catching the
 out-of-memory error and recovering from it are the caller's business (``memkit.probe``).
 Nothing here imports torch.
@@ -17,14 +18,15 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   (the optimizer step: parameters, gradients, Adam's moments, foreach temporaries), so real
   curves look like ``max(flat, fixed + per_sample * batch)``: convex. The search
 
-  1. runs ``start`` (``min_batch`` by default) and grows by ``GROWTH`` (2x, as doubling would)
-     while it has no line to aim with;
+  1. runs ``start`` (``min_batch`` by default) and grows by ``aiming.GROWTH`` (2x, as
+     doubling would) while it has no line to aim with;
   2. predicts the limit where the secant of the two largest sizes that fit crosses the
      capacity. The line is *trusted* when the pair below has the same slope (within
-     ``SLOPE_TOLERANCE``: three collinear points, i.e. past the flat part). A trusted prediction
-     is run directly (at most ``TRUSTED_GROWTH`` times the largest fit); an untrusted one, which
-     on a convex curve overshoots, is approached halfway. When the model keeps predicting "just
-     above" and is wrong (noise, rounding), the steps gallop (2, 4, 8, ... sizes);
+     ``aiming.SLOPE_TOLERANCE``: three collinear points, i.e. past the flat part). A trusted
+     prediction is run directly (at most ``aiming.TRUSTED_GROWTH`` times the largest fit); an
+     untrusted one, which on a convex curve overshoots, is approached halfway. When the model
+     keeps predicting "just above" and is wrong (noise, rounding), the steps gallop (2, 4, 8,
+     ... sizes);
   3. once a size has failed, the prediction is clamped into the bracket (an untrusted one only
      when the last secant is at least as steep as the whole curve, as a convex curve's is),
      once per new point: an aim that failed is followed by a bisection, not a second aim with
@@ -75,7 +77,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from memkit.errors import ConfigError
-from memkit.probing.reference import Reference
+from memkit.probing.aiming import ModelStrategy
+from memkit.probing.bracket import NO_LIMIT, Bracket, Oracle, Trial, plain_next, run_strategy
+from memkit.results import Record
 
 __all__ = [
     "LinearFit",
@@ -87,61 +91,9 @@ __all__ = [
     "summary_fit",
 ]
 
-Oracle = Callable[
-    [int], "tuple[bool, int | None] | tuple[bool, int | None, tuple[int, ...] | None]"
-]
-"""Runs one trial at a batch size and returns ``(fits, peak_bytes)``, or
-``(fits, peak_bytes, part_peaks)`` (``part_peaks`` ``None`` or empty when unknown).
-
-``peak_bytes`` is the measured peak when it fit; when it did not, the bytes known to be needed
-at least (in use plus the allocation that failed), or ``None`` when unknown. ``part_peaks``,
-when the oracle can tell, are the peaks of the parts of a step whose maximum is the peak (for
-``memkit.probe``: outside and inside the optimizer step): each part is fitted with its own line,
-so that a flat part (the optimizer step's) cannot hide the slope of a growing one.
-"""
-
-_NO_LIMIT = 1 << 40
-"""The upper bound when ``max_batch`` is None."""
-GROWTH = 2
-"""Growth factor while no line can be trusted."""
-TRUSTED_GROWTH = 64
-"""A trusted prediction is run directly if it is at most this many times the largest fit."""
-SLOPE_TOLERANCE = 0.05
-"""Two secant slopes agree (the points are collinear) within this relative difference."""
-
 
 @dataclasses.dataclass(frozen=True)
-class Trial:
-    """One run of the oracle.
-
-    Attributes:
-        batch_size: the size that was run.
-        fits: whether it fit.
-        peak_bytes: the measured peak when it fit; for a failure, the bytes known to be needed
-            at least (in use plus the allocation that failed), or ``None`` when unknown.
-        seconds: wall time of the oracle call.
-        part_peaks: the peaks of the step's parts when the oracle reported them (see
-            :data:`Oracle`), else ``None``.
-    """
-
-    batch_size: int
-    fits: bool
-    peak_bytes: int | None
-    seconds: float
-    part_peaks: tuple[int, ...] | None = None
-
-    def to_dict(self) -> dict[str, int | bool | float | None]:
-        """Returns the trial as a JSON-ready dict."""
-        return {
-            "batch_size": self.batch_size,
-            "fits": self.fits,
-            "peak_bytes": self.peak_bytes,
-            "seconds": self.seconds,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearFit:
+class LinearFit(Record):
     """Peak memory as a straight line of the batch size: ``fixed + per_sample * batch``.
 
     Attributes:
@@ -192,13 +144,9 @@ class LinearFit:
         x = (budget_bytes - self.fixed_bytes) / self.per_sample_bytes
         return max(0, math.floor(x + 1e-12 * max(1.0, abs(x))))
 
-    def to_dict(self) -> dict[str, float]:
-        """Returns the fit as a JSON-ready dict."""
-        return {"fixed_bytes": self.fixed_bytes, "per_sample_bytes": self.per_sample_bytes}
-
 
 @dataclasses.dataclass(frozen=True)
-class SearchResult:
+class SearchResult(Record):
     """What a batch-size search found, and every trial it ran to find it.
 
     Attributes:
@@ -233,96 +181,6 @@ class SearchResult:
     recommended_measured: bool = True
     strategy: str = "model"
 
-    def to_dict(self) -> dict[str, object]:
-        """Returns the result as a JSON-ready dict."""
-        return {
-            "max_batch_size": self.max_batch_size,
-            "recommended_batch_size": self.recommended_batch_size,
-            "capacity_bytes": self.capacity_bytes,
-            "margin": self.margin,
-            "margin_met": self.margin_met,
-            "recommended_measured": self.recommended_measured,
-            "hit_max_batch": self.hit_max_batch,
-            "strategy": self.strategy,
-            "model": None if self.model is None else self.model.to_dict(),
-            "trials": [t.to_dict() for t in self.trials],
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# The loop shared by both strategies
-# --------------------------------------------------------------------------------------------
-
-
-class _Search:
-    """Runs trials and keeps the bracket; a strategy only proposes the next size."""
-
-    def __init__(
-        self,
-        fits: Oracle,
-        *,
-        min_batch: int,
-        max_batch: int,
-        clock: Callable[[], float],
-        on_trial: Callable[[Trial], None] | None,
-    ) -> None:
-        self.fits = fits
-        self.min_batch = min_batch
-        self.max_batch = max_batch
-        self.clock = clock
-        self.on_trial = on_trial
-        self.trials: list[Trial] = []
-        self.lo: int | None = None  # largest size run that fit
-        self.hi: int | None = None  # smallest size run that failed
-
-    def done(self) -> bool:
-        if self.lo is None:
-            return self.hi == self.min_batch
-        return self.lo == self.max_batch or self.hi == self.lo + 1
-
-    def run(self, batch_size: int) -> None:
-        # The strategy proposes; the bracket disposes: only a size strictly inside it is run.
-        low = self.min_batch if self.lo is None else self.lo + 1
-        high = self.max_batch if self.hi is None else self.hi - 1
-        batch_size = min(max(batch_size, low), high)
-        start = self.clock()
-        ok, peak, *parts = self.fits(batch_size)
-        seconds = self.clock() - start
-        part_peaks = tuple(int(p) for p in parts[0]) if parts and parts[0] else None
-        trial = Trial(
-            batch_size, bool(ok), None if peak is None else int(peak), seconds, part_peaks
-        )
-        self.trials.append(trial)
-        if trial.fits:
-            self.lo = batch_size
-        else:
-            self.hi = batch_size
-        if self.on_trial is not None:
-            self.on_trial(trial)
-
-    def fitting_points(self) -> list[tuple[int, int]]:
-        """``(batch_size, peak_bytes)`` of the sizes that fit with a measured peak, by size."""
-        return sorted(
-            (t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None
-        )
-
-    def part_points(self) -> list[list[tuple[int, int]]]:
-        """One ``(batch_size, peak)`` list per part of the step when every size that fit
-        reported the same parts; else the whole peaks' list alone."""
-        fitting = sorted(
-            (t for t in self.trials if t.fits and t.peak_bytes is not None),
-            key=lambda t: t.batch_size,
-        )
-        shapes = {None if t.part_peaks is None else len(t.part_peaks) for t in fitting}
-        if len(shapes) != 1 or None in shapes:
-            return [self.fitting_points()]
-        parts = fitting[0].part_peaks
-        assert parts is not None
-        return [
-            [(t.batch_size, t.part_peaks[i]) for t in fitting if t.part_peaks is not None]
-            for i in range(len(parts))
-        ]
-
 
 def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
     """The line reported with a result, through well-spread ``(batch_size, peak)`` points.
@@ -350,168 +208,6 @@ def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
     return fit
 
 
-def _plain_next(s: _Search) -> int:
-    """Doubling until a failure, then bisection (bisecting down when ``start`` failed)."""
-    if s.lo is None:
-        assert s.hi is not None
-        return (s.min_batch - 1 + s.hi) // 2
-    if s.hi is None:
-        return 2 * s.lo
-    return (s.lo + s.hi) // 2
-
-
-def _run(s: _Search, start: int, strategy: Callable[[_Search], int]) -> None:
-    s.run(start)
-    while not s.done():
-        s.run(strategy(s))
-
-
-# --------------------------------------------------------------------------------------------
-# The model-guided strategy
-# --------------------------------------------------------------------------------------------
-
-
-def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | None, bool]:
-    """Where the secant of the two largest fitting sizes crosses ``capacity``, and whether it
-    is trusted (the pair below has the same slope: three collinear points)."""
-    if len(points) < 2:
-        return None, False
-    (b1, p1), (b2, p2) = points[-2], points[-1]
-    slope = (p2 - p1) / (b2 - b1)
-    if slope <= 0:
-        return None, False
-    predicted = b2 + (capacity - p2) / slope
-    if len(points) < 3:
-        return predicted, False
-    b0, p0 = points[-3]
-    below = (p1 - p0) / (b1 - b0)
-    return predicted, abs(slope - below) <= SLOPE_TOLERANCE * slope
-
-
-def _aim(
-    s: _Search, capacity: int
-) -> tuple[float | None, bool, Sequence[tuple[int, int]]]:
-    """The secant prediction of the part of the step that reaches ``capacity`` first, whether
-    it is trusted, and that part's points (the whole peaks when no parts were reported)."""
-    series = s.part_points()
-    best: tuple[float | None, bool, Sequence[tuple[int, int]]] = (None, False, series[0])
-    for points in series:
-        predicted, trusted = _secant(points, capacity)
-        if predicted is not None and (best[0] is None or predicted < best[0]):
-            best = (predicted, trusted, points)
-    return best
-
-
-def _convex_consistent(points: Sequence[tuple[int, int]]) -> bool:
-    """Whether the last secant is at least as steep as the line from the first point: what a
-    convex memory curve shows. Noise-dominated peaks fail this about half the time, and an
-    untrusted line is then not worth aiming with."""
-    (b0, p0), (b1, p1), (b2, p2) = points[0], points[-2], points[-1]
-    if b2 in (b0, b1):
-        return False
-    return (p2 - p1) / (b2 - b1) >= (p2 - p0) / (b2 - b0)
-
-
-def _collinear(points: Sequence[tuple[int, int]]) -> bool:
-    """Whether three or more points all lie exactly on one line (exact integer arithmetic)."""
-    n = len(points)
-    if n < 3:
-        return False
-    sx = sum(b for b, _ in points)
-    sy = sum(p for _, p in points)
-    d = n * sum(b * b for b, _ in points) - sx * sx
-    num = n * sum(b * p for b, p in points) - sx * sy
-    return (n * sum(p * p for _, p in points) - sy * sy) * d == num * num
-
-
-class _ModelStrategy:
-    """Secant prediction with trust, halfway steps and a bisection safeguard."""
-
-    def __init__(self, capacity: int, base: int = 1, max_batch: int = _NO_LIMIT) -> None:
-        self.capacity = capacity
-        self.reference = Reference(base, max_batch)
-        self.max_batch = max_batch
-        self.exact_aim: int | None = None
-        self.exact_missed = False
-        self.widths: list[int] = []  # bracket widths seen since the first failure
-        self.gallop = 2  # the least step when the model creeps; doubles each time it is used
-        self.said_limit = False  # the last growth step verified a limit the model predicted
-        self.small_steps = 0  # consecutive growth steps of one size
-        self.aimed_with = -1  # number of fitting points when the bracket was last aimed into
-
-    def __call__(self, s: _Search) -> int:
-        if s.lo is None:  # `start` failed: bisect down towards min_batch
-            return _plain_next(s)
-        lo = s.lo
-        predicted, trusted, points = _aim(s, self.capacity)
-        if s.hi is None:  # growing
-            proposal = self._grow(lo, predicted, trusted, len(points))
-            grid = self.reference.next_size(lo)
-            if self.exact_aim is not None and s.trials[-1].batch_size == self.exact_aim + 1:
-                self.exact_missed = self.exact_missed or s.trials[-1].fits
-            if proposal > grid and not trusted:
-                return grid  # only a trusted line jumps past doubling's next size
-            if proposal < grid:
-                exact = _collinear(points) and not self.exact_missed
-                if exact:
-                    self.exact_aim = proposal
-                elif not self.reference.allows(lo, proposal, self.max_batch + 1, len(s.trials)):
-                    return grid  # short of doubling where a wrong guess could cost more
-            return proposal
-        hi = s.hi
-        target = self._bracketed(s, lo, hi, points, predicted, trusted)
-        window = self.reference.window(lo, hi, len(s.trials))
-        if window is None:
-            return target
-        return min(max(target, window[0]), window[1])
-
-    def _bracketed(
-        self,
-        s: _Search,
-        lo: int,
-        hi: int,
-        points: Sequence[tuple[int, int]],
-        predicted: float | None,
-        trusted: bool,
-    ) -> int:
-        """The next size inside the bracket, before the reference window."""
-        self.widths.append(hi - lo)
-        if len(self.widths) >= 2 and self.widths[-1] * 2 > self.widths[-2]:
-            self.widths.clear()  # the last trial did not halve the bracket: bisect once
-            return (lo + hi) // 2
-        fitted = len(points)
-        if not trusted and predicted is not None and not _convex_consistent(points):
-            predicted = None  # flatter than the whole curve: not the convex shape, noise
-        if predicted is None or fitted == self.aimed_with:
-            # No line, or the last aim failed and no new point has moved the line since
-            # (aiming again would creep down one size at a time): bisect.
-            return (lo + hi) // 2
-        self.aimed_with = fitted
-        return math.floor(min(predicted, hi))
-
-    def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
-        if predicted is None:
-            return lo * GROWTH
-        limit = math.floor(predicted)
-        if trusted:
-            proposal = min(limit, lo * TRUSTED_GROWTH)
-            self.aimed_with = fitted
-        else:
-            proposal = min(lo * GROWTH, math.floor((lo + predicted) / 2))
-        creeping = (limit <= lo and self.said_limit) or (
-            not trusted and proposal <= lo + 1 and self.small_steps >= 2
-        )
-        if creeping:
-            # The model keeps saying "the limit is just above" and is wrong (noise, rounding,
-            # a curve bending up): gallop, each such step twice as far as the last.
-            proposal = lo + self.gallop
-            self.gallop *= 2
-        proposal = max(proposal, lo + 1)
-        self.said_limit = limit <= lo
-        self.small_steps = self.small_steps + 1 if proposal == lo + 1 else 0
-        return proposal
-
-
 def _check(min_batch: int, max_batch: int | None, margin: float, capacity: int | None) -> None:
     if min_batch < 1:
         raise ConfigError(f"min_batch must be at least 1, got {min_batch}.")
@@ -533,14 +229,14 @@ def _new_search(
     start: int | None,
     clock: Callable[[], float],
     on_trial: Callable[[Trial], None] | None,
-) -> tuple[_Search, int]:
-    upper = _NO_LIMIT if max_batch is None else max_batch
+) -> tuple[Bracket, int]:
+    upper = NO_LIMIT if max_batch is None else max_batch
     first = min(max(min_batch if start is None else start, min_batch), upper)
-    search = _Search(fits, min_batch=min_batch, max_batch=upper, clock=clock, on_trial=on_trial)
+    search = Bracket(fits, min_batch=min_batch, max_batch=upper, clock=clock, on_trial=on_trial)
     return search, first
 
 
-def _recommend(s: _Search, budget: float) -> tuple[int, bool, bool]:
+def _recommend(s: Bracket, budget: float) -> tuple[int, bool, bool]:
     """``(size, margin_met, measured)``: the largest size known to keep the peak in budget.
 
     The largest size that fit with a measured peak within ``budget``; raised, when the next
@@ -563,7 +259,7 @@ def _recommend(s: _Search, budget: float) -> tuple[int, bool, bool]:
     return b1, True, True
 
 
-def _result(s: _Search, *, capacity: int | None, margin: float, strategy: str) -> SearchResult:
+def _result(s: Bracket, *, capacity: int | None, margin: float, strategy: str) -> SearchResult:
     best = s.lo
     recommended, met, measured = best, None, True
     if best is not None and capacity is not None:
@@ -614,7 +310,7 @@ def doubling_bisection(
     """
     _check(min_batch, max_batch, 0.0, None)
     s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial)
-    _run(s, first, _plain_next)
+    run_strategy(s, first, plain_next)
     return _result(s, capacity=None, margin=0.0, strategy="doubling")
 
 
@@ -668,5 +364,5 @@ def search_max_batch(
         )
         return dataclasses.replace(plain, margin=margin)
     s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial)
-    _run(s, first, _ModelStrategy(capacity_bytes, first, s.max_batch))
+    run_strategy(s, first, ModelStrategy(capacity_bytes, first, s.max_batch))
     return _result(s, capacity=capacity_bytes, margin=margin, strategy="model")

@@ -1,0 +1,163 @@
+"""The model-guided strategy of :func:`memkit.probing.search.search_max_batch`.
+
+It aims each next size where a line through the measured peaks crosses the capacity (the
+module docs of :mod:`memkit.probing.search` explain the steps and the guarantees), and never
+pays more trials than doubling + bisection would where a wrong aim could cost more
+(:class:`memkit.probing.reference.Reference`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from memkit.probing.bracket import NO_LIMIT, Bracket, plain_next
+from memkit.probing.reference import Reference
+
+__all__ = ["GROWTH", "SLOPE_TOLERANCE", "TRUSTED_GROWTH", "ModelStrategy"]
+
+GROWTH = 2
+"""Growth factor while no line can be trusted."""
+TRUSTED_GROWTH = 64
+"""A trusted prediction is run directly if it is at most this many times the largest fit."""
+SLOPE_TOLERANCE = 0.05
+"""Two secant slopes agree (the points are collinear) within this relative difference."""
+
+
+def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | None, bool]:
+    """Where the secant of the two largest fitting sizes crosses ``capacity``, and whether it
+    is trusted (the pair below has the same slope: three collinear points)."""
+    if len(points) < 2:
+        return None, False
+    (b1, p1), (b2, p2) = points[-2], points[-1]
+    slope = (p2 - p1) / (b2 - b1)
+    if slope <= 0:
+        return None, False
+    predicted = b2 + (capacity - p2) / slope
+    if len(points) < 3:
+        return predicted, False
+    b0, p0 = points[-3]
+    below = (p1 - p0) / (b1 - b0)
+    return predicted, abs(slope - below) <= SLOPE_TOLERANCE * slope
+
+
+def _aim(s: Bracket, capacity: int) -> tuple[float | None, bool, Sequence[tuple[int, int]]]:
+    """The secant prediction of the part of the step that reaches ``capacity`` first, whether
+    it is trusted, and that part's points (the whole peaks when no parts were reported)."""
+    series = s.part_points()
+    best: tuple[float | None, bool, Sequence[tuple[int, int]]] = (None, False, series[0])
+    for points in series:
+        predicted, trusted = _secant(points, capacity)
+        if predicted is not None and (best[0] is None or predicted < best[0]):
+            best = (predicted, trusted, points)
+    return best
+
+
+def _convex_consistent(points: Sequence[tuple[int, int]]) -> bool:
+    """Whether the last secant is at least as steep as the line from the first point: what a
+    convex memory curve shows. Noise-dominated peaks fail this about half the time, and an
+    untrusted line is then not worth aiming with."""
+    (b0, p0), (b1, p1), (b2, p2) = points[0], points[-2], points[-1]
+    if b2 in (b0, b1):
+        return False
+    return (p2 - p1) / (b2 - b1) >= (p2 - p0) / (b2 - b0)
+
+
+def _collinear(points: Sequence[tuple[int, int]]) -> bool:
+    """Whether three or more points all lie exactly on one line (exact integer arithmetic)."""
+    n = len(points)
+    if n < 3:
+        return False
+    sx = sum(b for b, _ in points)
+    sy = sum(p for _, p in points)
+    d = n * sum(b * b for b, _ in points) - sx * sx
+    num = n * sum(b * p for b, p in points) - sx * sy
+    return (n * sum(p * p for _, p in points) - sy * sy) * d == num * num
+
+
+class ModelStrategy:
+    """Secant prediction with trust, halfway steps and a bisection safeguard."""
+
+    def __init__(self, capacity: int, base: int = 1, max_batch: int = NO_LIMIT) -> None:
+        self.capacity = capacity
+        self.reference = Reference(base, max_batch)
+        self.max_batch = max_batch
+        self.exact_aim: int | None = None
+        self.exact_missed = False
+        self.widths: list[int] = []  # bracket widths seen since the first failure
+        self.gallop = 2  # the least step when the model creeps; doubles each time it is used
+        self.said_limit = False  # the last growth step verified a limit the model predicted
+        self.small_steps = 0  # consecutive growth steps of one size
+        self.aimed_with = -1  # number of fitting points when the bracket was last aimed into
+
+    def __call__(self, s: Bracket) -> int:
+        if s.lo is None:  # `start` failed: bisect down towards min_batch
+            return plain_next(s)
+        lo = s.lo
+        predicted, trusted, points = _aim(s, self.capacity)
+        if s.hi is None:  # growing
+            proposal = self._grow(lo, predicted, trusted, len(points))
+            grid = self.reference.next_size(lo)
+            if self.exact_aim is not None and s.trials[-1].batch_size == self.exact_aim + 1:
+                self.exact_missed = self.exact_missed or s.trials[-1].fits
+            if proposal > grid and not trusted:
+                return grid  # only a trusted line jumps past doubling's next size
+            if proposal < grid:
+                exact = _collinear(points) and not self.exact_missed
+                if exact:
+                    self.exact_aim = proposal
+                elif not self.reference.allows(lo, proposal, self.max_batch + 1, len(s.trials)):
+                    return grid  # short of doubling where a wrong guess could cost more
+            return proposal
+        hi = s.hi
+        target = self._bracketed(s, lo, hi, points, predicted, trusted)
+        window = self.reference.window(lo, hi, len(s.trials))
+        if window is None:
+            return target
+        return min(max(target, window[0]), window[1])
+
+    def _bracketed(
+        self,
+        s: Bracket,
+        lo: int,
+        hi: int,
+        points: Sequence[tuple[int, int]],
+        predicted: float | None,
+        trusted: bool,
+    ) -> int:
+        """The next size inside the bracket, before the reference window."""
+        self.widths.append(hi - lo)
+        if len(self.widths) >= 2 and self.widths[-1] * 2 > self.widths[-2]:
+            self.widths.clear()  # the last trial did not halve the bracket: bisect once
+            return (lo + hi) // 2
+        fitted = len(points)
+        if not trusted and predicted is not None and not _convex_consistent(points):
+            predicted = None  # flatter than the whole curve: not the convex shape, noise
+        if predicted is None or fitted == self.aimed_with:
+            # No line, or the last aim failed and no new point has moved the line since
+            # (aiming again would creep down one size at a time): bisect.
+            return (lo + hi) // 2
+        self.aimed_with = fitted
+        return math.floor(min(predicted, hi))
+
+    def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
+        if predicted is None:
+            return lo * GROWTH
+        limit = math.floor(predicted)
+        if trusted:
+            proposal = min(limit, lo * TRUSTED_GROWTH)
+            self.aimed_with = fitted
+        else:
+            proposal = min(lo * GROWTH, math.floor((lo + predicted) / 2))
+        creeping = (limit <= lo and self.said_limit) or (
+            not trusted and proposal <= lo + 1 and self.small_steps >= 2
+        )
+        if creeping:
+            # The model keeps saying "the limit is just above" and is wrong (noise, rounding,
+            # a curve bending up): gallop, each such step twice as far as the last.
+            proposal = lo + self.gallop
+            self.gallop *= 2
+        proposal = max(proposal, lo + 1)
+        self.said_limit = limit <= lo
+        self.small_steps = self.small_steps + 1 if proposal == lo + 1 else 0
+        return proposal

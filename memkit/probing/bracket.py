@@ -1,0 +1,143 @@
+"""The loop every batch-size search shares: run a size, keep the bracket.
+
+:class:`Bracket` runs the oracle (:data:`Oracle`) at the size a strategy proposes, clamped
+strictly inside the bracket (the largest size known to fit, the smallest known to fail), and
+records each :class:`Trial`. :func:`plain_next` is the plain strategy (doubling, then
+bisection); :mod:`memkit.probing.aiming` is the model-guided one; :mod:`memkit.probing.search`
+puts them together. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
+
+from memkit.results import Record
+
+__all__ = ["NO_LIMIT", "Bracket", "Oracle", "Trial", "plain_next", "run_strategy"]
+
+Oracle = Callable[
+    [int], "tuple[bool, int | None] | tuple[bool, int | None, tuple[int, ...] | None]"
+]
+"""Runs one trial at a batch size and returns ``(fits, peak_bytes)``, or
+``(fits, peak_bytes, part_peaks)`` (``part_peaks`` ``None`` or empty when unknown).
+
+``peak_bytes`` is the measured peak when it fit; when it did not, the bytes known to be needed
+at least (in use plus the allocation that failed), or ``None`` when unknown. ``part_peaks``,
+when the oracle can tell, are the peaks of the parts of a step whose maximum is the peak (for
+``memkit.probe``: outside and inside the optimizer step): each part is fitted with its own line,
+so that a flat part (the optimizer step's) cannot hide the slope of a growing one.
+"""
+
+NO_LIMIT = 1 << 40
+"""The upper bound when ``max_batch`` is None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial(Record):
+    """One run of the oracle.
+
+    Attributes:
+        batch_size: the size that was run.
+        fits: whether it fit.
+        peak_bytes: the measured peak when it fit; for a failure, the bytes known to be needed
+            at least (in use plus the allocation that failed), or ``None`` when unknown.
+        seconds: wall time of the oracle call.
+        part_peaks: the peaks of the step's parts when the oracle reported them (see
+            :data:`Oracle`), else ``None``.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    part_peaks: tuple[int, ...] | None = None
+
+    _JSON_SKIP: ClassVar[tuple[str, ...]] = ("part_peaks",)
+
+
+class Bracket:
+    """Runs trials and keeps the bracket; a strategy only proposes the next size."""
+
+    def __init__(
+        self,
+        fits: Oracle,
+        *,
+        min_batch: int,
+        max_batch: int,
+        clock: Callable[[], float],
+        on_trial: Callable[[Trial], None] | None,
+    ) -> None:
+        self.fits = fits
+        self.min_batch = min_batch
+        self.max_batch = max_batch
+        self.clock = clock
+        self.on_trial = on_trial
+        self.trials: list[Trial] = []
+        self.lo: int | None = None  # largest size run that fit
+        self.hi: int | None = None  # smallest size run that failed
+
+    def done(self) -> bool:
+        if self.lo is None:
+            return self.hi == self.min_batch
+        return self.lo == self.max_batch or self.hi == self.lo + 1
+
+    def run(self, batch_size: int) -> None:
+        # The strategy proposes; the bracket disposes: only a size strictly inside it is run.
+        low = self.min_batch if self.lo is None else self.lo + 1
+        high = self.max_batch if self.hi is None else self.hi - 1
+        batch_size = min(max(batch_size, low), high)
+        start = self.clock()
+        ok, peak, *parts = self.fits(batch_size)
+        seconds = self.clock() - start
+        part_peaks = tuple(int(p) for p in parts[0]) if parts and parts[0] else None
+        trial = Trial(
+            batch_size, bool(ok), None if peak is None else int(peak), seconds, part_peaks
+        )
+        self.trials.append(trial)
+        if trial.fits:
+            self.lo = batch_size
+        else:
+            self.hi = batch_size
+        if self.on_trial is not None:
+            self.on_trial(trial)
+
+    def fitting_points(self) -> list[tuple[int, int]]:
+        """``(batch_size, peak_bytes)`` of the sizes that fit with a measured peak, by size."""
+        return sorted(
+            (t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None
+        )
+
+    def part_points(self) -> list[list[tuple[int, int]]]:
+        """One ``(batch_size, peak)`` list per part of the step when every size that fit
+        reported the same parts; else the whole peaks' list alone."""
+        fitting = sorted(
+            (t for t in self.trials if t.fits and t.peak_bytes is not None),
+            key=lambda t: t.batch_size,
+        )
+        shapes = {None if t.part_peaks is None else len(t.part_peaks) for t in fitting}
+        if len(shapes) != 1 or None in shapes:
+            return [self.fitting_points()]
+        parts = fitting[0].part_peaks
+        assert parts is not None
+        return [
+            [(t.batch_size, t.part_peaks[i]) for t in fitting if t.part_peaks is not None]
+            for i in range(len(parts))
+        ]
+
+
+def plain_next(s: Bracket) -> int:
+    """Doubling until a failure, then bisection (bisecting down when ``start`` failed)."""
+    if s.lo is None:
+        assert s.hi is not None
+        return (s.min_batch - 1 + s.hi) // 2
+    if s.hi is None:
+        return 2 * s.lo
+    return (s.lo + s.hi) // 2
+
+
+def run_strategy(s: Bracket, start: int, strategy: Callable[[Bracket], int]) -> None:
+    s.run(start)
+    while not s.done():
+        s.run(strategy(s))
