@@ -68,7 +68,7 @@ __all__ = [
     "world_size",
 ]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 def _dist() -> Any:
@@ -86,7 +86,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        logger.debug("ignoring %s=%r: not an integer", name, value)
+        log.debug("ignoring %s=%r: not an integer", name, value)
         return default
 
 
@@ -419,7 +419,7 @@ def process_group_from_env(
             f"environment (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
             f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}. Launch with torchrun"
         ) from exc
-    logger.debug("rank %d of %d: %s process group created", rank(), world_size(), name)
+    log.debug("rank %d of %d: %s process group created", rank(), world_size(), name)
     try:
         yield True
     finally:

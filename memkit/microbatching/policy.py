@@ -12,7 +12,7 @@ from memkit.oom import OomDetails
 
 __all__ = ["SplitPolicy", "oom_size_bound"]
 
-logger = logging.getLogger("memkit.microbatching")
+log = logging.getLogger("memkit.microbatching")
 
 
 @dataclass
@@ -66,7 +66,7 @@ class SplitPolicy:
         if self._grow_pending:
             trial = self.trial_chunks(batch_size)
             if trial is not None:
-                logger.info(
+                log.info(
                     "microbatch: trying %d micro-batch(es) of up to %d (known to work: %d) "
                     "after %d clean steps",
                     trial,

@@ -22,7 +22,7 @@ from memkit.units import format_size
 
 __all__ = ["MicroBatchStep", "StepInfo", "Weight", "microbatch"]
 
-logger = logging.getLogger("memkit.microbatching")
+log = logging.getLogger("memkit.microbatching")
 
 
 Weight = Callable[[Any], "float | int | torch.Tensor"]
@@ -140,7 +140,7 @@ class MicroBatchStep:
         try:
             return int(self.backend.allocated())
         except Exception:  # a counter that cannot be read only disables the jump heuristic
-            logger.debug("backend.allocated() failed", exc_info=True)
+            log.debug("backend.allocated() failed", exc_info=True)
             return None
 
     def _capacity(self) -> int | None:
@@ -149,7 +149,7 @@ class MicroBatchStep:
         try:
             total = self.backend.capacity().total
         except Exception:
-            logger.debug("backend.capacity() failed", exc_info=True)
+            log.debug("backend.capacity() failed", exc_info=True)
             return None
         return None if total is None else int(total)
 
@@ -376,7 +376,7 @@ class MicroBatchStep:
         """Pick the next micro-batch size from this rank's OOM, and say so."""
         bound = oom_size_bound(tried, details, baseline, self._capacity())
         new = self.policy.on_oom(tried, bound)
-        logger.warning(
+        log.warning(
             "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
             "retrying the same batch at micro-batch size %s%s",
             tried,

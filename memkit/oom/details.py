@@ -9,7 +9,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from memkit.oom.messages import exception_text
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def parse_oom_message(message: str | BaseException) -> OomDetails:
         values = {name: _find_size(text, patterns) for name, patterns in _FIELDS.items()}
         device = _DEVICE.search(text)
     except Exception:  # pragma: no cover - regexes on a str do not raise; belt and braces
-        logger.debug("could not parse OOM message %r", text, exc_info=True)
+        log.debug("could not parse OOM message %r", text, exc_info=True)
         return OomDetails()
     allocated = values["allocated_by_pytorch"]
     if allocated is not None:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from memkit.oom.recognising import exception_chain, is_oom
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 class RecoverableBackend(Protocol):
@@ -48,10 +48,10 @@ def _clear_tracebacks(exc: BaseException) -> None:
         try:
             traceback.clear_frames(tb)
         except RuntimeError:  # clear_frames already skips executing frames; just in case
-            logger.debug("could not clear every frame of %r", tb, exc_info=True)
+            log.debug("could not clear every frame of %r", tb, exc_info=True)
     for member in chain:
         member.__traceback__ = None
-    logger.debug("recover: cleared %d traceback(s) of %d exception(s)", len(tracebacks), len(chain))
+    log.debug("recover: cleared %d traceback(s) of %d exception(s)", len(tracebacks), len(chain))
 
 
 def recover(backend: RecoverableBackend | None = None, exc: BaseException | None = None) -> None:
@@ -101,7 +101,7 @@ def recover(backend: RecoverableBackend | None = None, exc: BaseException | None
     if exc is not None:
         _clear_tracebacks(exc)
     collected = gc.collect()
-    logger.debug("recover: gc.collect() found %d unreachable object(s)", collected)
+    log.debug("recover: gc.collect() found %d unreachable object(s)", collected)
     if backend is not None:
         backend.empty_cache()
         backend.reset_peak()
