@@ -280,6 +280,13 @@ def test_per_device_routing_with_replica_threads(monkeypatch):
     with track(model.to("meta"), device="meta:0", budget="1GiB", postmortem=None) as tracker:
         tracker._single = None  # pretend several devices are visible
         tracker._add_device(torch.device("meta", 1))
+        # Stand-ins for CUDA devices, whose counters count everything made on them: the
+        # tracker's switches (and its adoption of the batch) belong to its one simulated device,
+        # and put replica 1's batch on device 0's count (freed mid-forward of replica 0, it
+        # shrank device 0's growth when the threads interleaved so)
+        tracker._sim = None
+        for dev in tracker._devices.values():
+            dev.backend.count_ops(True, True)
         replicas = [copy.deepcopy(model) for _ in range(2)]  # shares the hooks, like replicate()
         # deepcopy leaves cyclic garbage holding counted storages: freed by a collection that
         # could land inside a replica's forward and shrink its measured growth (under load)

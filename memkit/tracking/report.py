@@ -411,7 +411,7 @@ class TrackReport(Result):
     rank: int | None = None
     world_size: int | None = None
     notes: tuple[str, ...] = ()
-    # evidence for the advice rules (memkit/advice.py)
+    # what the training used: facts in the JSON that the advice rules (advice/track.py) read
     param_dtype: str | None = None
     optimizer_name: str | None = None
     autocast_forwards: int = 0
