@@ -82,11 +82,9 @@ class Hooks(PhaseMachine):
     _single: DeviceRecord | None
     _failed: bool
     _step_owner: weakref.ref[Any] | None
-    _optimizer_name: str | None
     _warning_filter: Any
     _backward_depth: int
     _unwrap: tuple[Any, Any] | None
-    _dp_output_bytes: int
     _fail: tuple[int, DeviceRecord, int, int, str | None] | None
     _ranks_watch: RankWatch | None
 
@@ -467,8 +465,8 @@ class Hooks(PhaseMachine):
             size = sum(
                 int(t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)
             )
-            if size > self._dp_output_bytes:
-                self._dp_output_bytes = size
+            if size > self._facts.dp_output_bytes:
+                self._facts.dp_output_bytes = size
 
         return hook
 
@@ -481,7 +479,7 @@ class Hooks(PhaseMachine):
             self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
             if self._step_owner is None:
                 self._step_owner = weakref.ref(optimizer)
-                self._optimizer_name = type(optimizer).__name__
+                self._facts.optimizer_name = type(optimizer).__name__
             if self._grad_witness is None:
                 self._grad_witness = self._find_grad_witness()
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward

@@ -21,7 +21,14 @@ import torch
 
 from memkit.devices import SimulatedBackend
 from memkit.tracking import leaks
-from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
+from memkit.tracking.records import (
+    DeviceRecord,
+    Frame,
+    RootInfo,
+    RunFacts,
+    close_step,
+    merge_steps,
+)
 from memkit.tracking.report import PHASES, StepRecord
 
 __all__ = [
@@ -59,23 +66,15 @@ class PhaseMachine:
     _t0: float
     _step_t0: float
     _sim: SimulatedBackend | None
+    _facts: RunFacts
     _manual_steps: bool
     _trained: bool
-    _eval_forwards: int
-    _eval_input: tuple[int, ...] | None
     _eval_return: int
     _eval_hold: int
-    _last_input: tuple[int, ...] | None
     _last_root: tuple[bool, bool] | None
     _backward_steps: int
     _backwards_in_step: int
     _seen_optimizers: dict[int, weakref.ref[Any]]
-    _eval_grad: int
-    _eval_grad_bytes: int
-    _autocast_forwards: int
-    _grads_steps: int
-    _grads_checked_step: int
-    _param_dtype: str | None
     _leak_warmup: int
     _leak_window: int
     _leak_watch: leaks.LeakWatch
@@ -102,15 +101,16 @@ class PhaseMachine:
             root = self._root_info(module)
         grad = torch.is_grad_enabled()
         self._last_root = (module.training, grad)
-        self._last_input = shape = _input_shape(args)
+        facts = self._facts
+        facts.last_input = shape = _input_shape(args)
         sim = self._sim
         if not grad or not module.training or not (root.trainable or _needs_grad(args)):
             kind = EVAL_PASS
-            self._eval_forwards += 1
+            facts.eval_forwards += 1
             if shape is not None and (
-                self._eval_input is None or math.prod(shape) > math.prod(self._eval_input)
+                facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
             ):
-                self._eval_input = shape
+                facts.eval_input = shape
             if self._phase != EVAL:
                 with self._lock:
                     if self._phase != EVAL:
@@ -119,7 +119,7 @@ class PhaseMachine:
         else:
             kind = TRAIN_PASS
             if _autocast_on(self._kind):  # advice: mixed-precision
-                self._autocast_forwards += 1
+                facts.autocast_forwards += 1
             if self._phase != FORWARD:
                 with self._lock:
                     if self._phase != FORWARD:
@@ -136,10 +136,10 @@ class PhaseMachine:
                         # advice: zero-grad-keeps-grads (a step's first forward, from step 1
                         # on; not while steps are counted from backward passes, where the next
                         # micro-batch's forward rightly finds the accumulating gradients)
-                        if self._step > self._grads_checked_step and self._seen_optimizers:
-                            self._grads_checked_step = self._step
+                        if self._step > facts.grads_checked_step and self._seen_optimizers:
+                            facts.grads_checked_step = self._step
                             if not self._grads_none():
-                                self._grads_steps += 1
+                                facts.grads_steps += 1
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args)
@@ -148,9 +148,10 @@ class PhaseMachine:
     def _root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
         """The model's forward returned."""
         if frame.eval_grad:
-            self._eval_grad += 1
-            if delta > self._eval_grad_bytes:
-                self._eval_grad_bytes = delta
+            facts = self._facts
+            facts.eval_grad += 1
+            if delta > facts.eval_grad_bytes:
+                facts.eval_grad_bytes = delta
         if dev.pending is not None:  # a new peak in this forward: categorise it now
             with self._lock:
                 self._resolve_pending(dev)
@@ -238,7 +239,7 @@ class PhaseMachine:
         self._close_all(None)
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
-        if self._step < 3 or self._param_dtype is None:
+        if self._step < 3 or self._facts.param_dtype is None:
             self._capture_evidence()
         for dev in self._devices.values():
             self._resolve_pending(dev)
@@ -284,7 +285,7 @@ class PhaseMachine:
             merge_steps(dev, first)
             dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
         self._step = first + 1
-        self._grads_checked_step = min(self._grads_checked_step, self._step)
+        self._facts.grads_checked_step = min(self._facts.grads_checked_step, self._step)
         self._leak_watch.graph_scans = []
 
     def begin_eval(self) -> None:

@@ -52,6 +52,25 @@ DEFAULT_STEP_LIMIT = 100_000
 """Step records kept per device (the most recent ones)."""
 
 
+
+@dataclasses.dataclass
+class RunFacts:
+    """What the training used and did beyond the device records, for the report and the
+    advice (captured while the objects are alive)."""
+
+    eval_forwards: int = 0
+    eval_input: tuple[int, ...] | None = None  # the largest evaluation input's shape
+    last_input: tuple[int, ...] | None = None  # the last model forward's input shape
+    eval_grad: int = 0  # eval-mode forwards that recorded a graph
+    eval_grad_bytes: int = 0  # the most such a forward kept
+    param_dtype: str | None = None
+    optimizer_name: str | None = None
+    state_was_empty: bool = True  # no optimizer had state when the block began
+    autocast_forwards: int = 0
+    grads_steps: int = 0  # steps whose first forward found gradients allocated
+    grads_checked_step: int = 0
+    dp_output_bytes: int = 0  # the largest output DataParallel gathered
+
 class Frame:
     """One module call in progress (per thread)."""
 

@@ -51,6 +51,7 @@ from memkit.tracking.records import (
     DEFAULT_TIMELINE_LIMIT,
     DeviceRecord,
     RootInfo,
+    RunFacts,
     device_report,
     module_records,
 )
@@ -158,13 +159,11 @@ class Tracker(Hooks):
         self._owners: dict[int, RootInfo] = {}  # id(submodule) -> the root it belongs to
         self._sim: SimulatedBackend | None = None
         self._vd: VirtualDevices | None = None
-        self._eval_forwards = 0
+        self._facts = RunFacts()
         self._trained = False
         self._failed = False  # an exception is leaving the block: what it holds is no peak
-        self._eval_input: tuple[int, ...] | None = None
         self._eval_return = OTHER
         self._eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
-        self._last_input: tuple[int, ...] | None = None
         self._backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self._backwards_in_step = 0
         self._warning_filter: Any = None
@@ -174,16 +173,6 @@ class Tracker(Hooks):
         self._grad_witness: weakref.ref[torch.Tensor] | None = None
         self._backward_depth = 0
         self._unwrap: tuple[Any, Any] | None = None
-        self._eval_grad = 0
-        self._eval_grad_bytes = 0
-        # -- evidence for the advice rules, captured while the objects are alive --
-        self._param_dtype: str | None = None
-        self._optimizer_name: str | None = None
-        self._state_was_empty = True
-        self._autocast_forwards = 0
-        self._grads_steps = 0
-        self._grads_checked_step = 0
-        self._dp_output_bytes = 0
         self._last_root: tuple[bool, bool] | None = None
         self._fail: tuple[int, DeviceRecord, int, int, str | None] | None = None
         self._leak_watch = leaks.LeakWatch(leak_warmup)
@@ -397,11 +386,11 @@ class Tracker(Hooks):
         """What the advice rules need that the device records do not hold (cold path)."""
         self._capture_evidence()
         out: dict[str, Any] = {
-            "param_dtype": self._param_dtype,
-            "optimizer_name": self._optimizer_name,
-            "autocast_forwards": self._autocast_forwards,
-            "steps_with_grads_at_forward": self._grads_steps,
-            "dp_output_bytes": self._dp_output_bytes,
+            "param_dtype": self._facts.param_dtype,
+            "optimizer_name": self._facts.optimizer_name,
+            "autocast_forwards": self._facts.autocast_forwards,
+            "steps_with_grads_at_forward": self._facts.grads_steps,
+            "dp_output_bytes": self._facts.dp_output_bytes,
         }
         model = self.model
         if isinstance(model, torch.nn.DataParallel) and model.device_ids:
@@ -440,19 +429,19 @@ class Tracker(Hooks):
     def _state_empty(self) -> bool:
         opts = self._all_optimizers()
         if not opts and self._seen_optimizers:  # gone: what was last seen
-            return self._state_was_empty
-        self._state_was_empty = all(not opt.state for opt in opts)
-        return self._state_was_empty
+            return self._facts.state_was_empty
+        self._facts.state_was_empty = all(not opt.state for opt in opts)
+        return self._facts.state_was_empty
 
     def _capture_evidence(self) -> None:
         """Read what the advice needs from the live model and optimizer (they may be gone by
         the time the report is made: a script's ``main()`` returned)."""
         dtype = param_dtype(self.root_modules())
         if dtype is not None:
-            self._param_dtype = dtype
+            self._facts.param_dtype = dtype
         opts = self._all_optimizers()
-        if opts and self._optimizer_name is None:
-            self._optimizer_name = type(opts[0]).__name__
+        if opts and self._facts.optimizer_name is None:
+            self._facts.optimizer_name = type(opts[0]).__name__
 
     def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``."""
@@ -505,7 +494,7 @@ class Tracker(Hooks):
             module_records=self._module_records,
             leak_watch=self._leak_watch,
             last_root=self._last_root,
-            last_input=self._last_input,
+            last_input=self._facts.last_input,
         )
 
     # ------------------------------------------------------------------------------------
@@ -549,9 +538,9 @@ class Tracker(Hooks):
             mode="per-module" if self.per_module else "steps-only",
             duration_s=end - self._t0,
             oom=self._oom,
-            eval_grad_forwards=self._eval_grad,
-            eval_forwards=self._eval_forwards,
-            eval_input_shape=self._eval_input,
+            eval_grad_forwards=self._facts.eval_grad,
+            eval_forwards=self._facts.eval_forwards,
+            eval_input_shape=self._facts.eval_input,
             step_rule=self._step_rule(),
             rank=rank,
             world_size=world,
@@ -559,7 +548,7 @@ class Tracker(Hooks):
             ranks=None if self._ranks_watch is None else self._ranks_watch.report,
             **self._advice_evidence(),
         )
-        advice = track_advice(report, eval_grad_bytes=self._eval_grad_bytes)
+        advice = track_advice(report, eval_grad_bytes=self._facts.eval_grad_bytes)
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
 
     @property
