@@ -26,8 +26,9 @@ Oracle = Callable[
 ``peak_bytes`` is the measured peak when it fit; when it did not, the bytes known to be needed
 at least (in use plus the allocation that failed), or ``None`` when unknown. ``part_peaks``,
 when the oracle can tell, are the peaks of the parts of a step whose maximum is the peak (for
-``memkit.probe``: outside and inside the optimizer step): each part is fitted with its own line,
-so that a flat part (the optimizer step's) cannot hide the slope of a growing one.
+``memkit.probe``: cut at module forwards, module gradients and the optimizer step; see
+:class:`memkit.probing.trials.PartPeaks`): each part is fitted with its own line, so that a flat
+part (the optimizer step's) cannot hide the slope of a growing one.
 """
 
 NO_LIMIT = 1 << 40
