@@ -289,7 +289,7 @@ def gpu_part(paths: dict[str, str]) -> dict[str, object]:
                         continue
                     est = estimate(
                         paths[name], device_memory=total, mode=mode, seq_len=seq,
-                        amp="bf16" if amp else None, device=family, context=context,
+                        amp="bf16" if amp else None, arch=family, context=context,
                         min_batch=batch, max_batch=batch,
                     )  # fmt: skip
                     trial = est.trial(batch)

@@ -61,6 +61,7 @@ from memkit.units import format_size, parse_size
 
 __all__ = [
     "MemoryAccountant",
+    "StorageObserver",
     "counted_bytes",
     "cuda_rounded",
     "simulate",
@@ -254,6 +255,7 @@ class MemoryAccountant(TorchDispatchMode):
         Raises:
             RuntimeError: another observer is attached.
         """
+        alive = []  # strong references, dropped after the lock: a free then takes it itself
         with self._lock:
             if self._observer is not None:
                 raise RuntimeError("another observer already records this accountant")
@@ -261,10 +263,12 @@ class MemoryAccountant(TorchDispatchMode):
             for key, (ref, counted) in self._live.items():
                 storage = ref()
                 if storage is not None:
+                    alive.append(storage)
                     live.append((key, counted, int(storage.nbytes())))
             observer.already_counted(live)
             self._observer = observer
             self._adopted = {}
+        del alive
 
     def stop_observing(self) -> None:
         """Detach the observer, if any."""
@@ -403,9 +407,11 @@ class MemoryAccountant(TorchDispatchMode):
             self.in_use_at_oom = self._current
             if self._observer is not None:
                 with self._lock:
-                    if self._adopted:
-                        self._adopted.clear()  # the op's storages are never counted
-                    self._observer.out_of_memory(added, self.free or 0)
+                    observer = self._observer  # read again under the lock: it may have gone
+                    if observer is not None:
+                        if self._adopted:
+                            self._adopted.clear()  # the op's storages are never counted
+                        observer.out_of_memory(added, self.free or 0)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).

@@ -172,27 +172,32 @@ class SimulatedHistory:
             "tensor": {"filename": ADOPTED_FILENAME, "line": 0, "name": "tensor"},
         }
         # The accountant calls the observer methods under its own lock; this one keeps
-        # snapshot() from reading the events while they change.
-        self._lock = threading.Lock()
-        self.recording = False
+        # snapshot() from reading the events while they change. Re-entrant: a collection
+        # inside snapshot() can free a counted storage, and freed() then runs in this thread.
+        self._lock = threading.RLock()
+        self._recording = False
+
+    @property
+    def recording(self) -> bool:
         """Whether this history observes its accountant."""
+        return self._recording
 
     # -- hooking --------------------------------------------------------------------------
     def start(self) -> SimulatedHistory:
         """Observe the accountant; returns ``self``.
 
         Raises:
-            RuntimeError: another history already records this accountant.
+            RuntimeError: another observer (another history) already records this accountant.
         """
         self.accountant.observe(self)
-        self.recording = True
+        self._recording = True
         return self
 
     def stop(self) -> None:
         """Stop observing the accountant (what was recorded stays)."""
-        if self.recording:
+        if self._recording:
             self.accountant.stop_observing()
-            self.recording = False
+            self._recording = False
 
     # -- the observer (memkit.accounting.StorageObserver, called under the accountant's lock) --
     def _address(self, nbytes: int) -> int:

@@ -279,6 +279,17 @@ while True:
     step += 1
     if step == 3:
         del box  # its finalizer runs, and SIGTERM arrives inside it
+        print("survived the finalizer", flush=True)  # the first Terminated was dropped
+"""
+
+SIGTERM_IN_A_FINALIZER_AT_THE_END = """
+import os, signal, weakref
+class Box:
+    pass
+box = Box()
+weakref.finalize(box, lambda: (os.kill(os.getpid(), signal.SIGTERM), sum(range(10000))))
+del box
+print("survived the finalizer", flush=True)
 """
 
 
@@ -295,14 +306,45 @@ def test_sigterm_that_lands_where_python_drops_exceptions_still_stops_the_script
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _, err = proc.communicate(timeout=60)
+        out_text, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    assert "survived the finalizer" in out_text  # the path under test: dropped, sent again
     assert proc.returncode == 143, err[-3000:]
-    assert "Exception ignored" not in err and "Traceback" not in err  # dropped, then sent again
+    assert "Exception ignored" not in err and "Traceback" not in err
     assert any(n.startswith("interrupted by SIGTERM") for n in json.loads(out.read_text())["notes"])
+
+
+def test_the_sigterm_guard_puts_the_unraisable_hook_back_and_is_entered_once():
+    from memkit.tracking.run import SigtermGuard
+
+    before = sys.unraisablehook
+    guard = SigtermGuard()
+    with guard:
+        assert sys.unraisablehook != before
+        with pytest.raises(RuntimeError, match="entered once"):
+            guard.__enter__()
+    assert sys.unraisablehook is before
+    with guard:  # again, after it exited
+        pass
+    assert sys.unraisablehook is before
+
+
+@pytest.mark.slow
+def test_sigterm_dropped_just_before_the_script_ends_still_exits_143(tmp_path):
+    """The dropped Terminated would be sent again 0.2 s later, but the script ends first: the
+    run must not report success."""
+    script = write(tmp_path, SIGTERM_IN_A_FINALIZER_AT_THE_END)
+    result = subprocess.run(
+        [sys.executable, "-m", "memkit", "run", "--device", "cpu", str(script)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "survived the finalizer" in result.stdout
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "memkit: interrupted by SIGTERM" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

@@ -223,9 +223,7 @@ def _trial(trial: Trial, session: MetaSession) -> EstimateTrial:
     )
 
 
-def _arch(
-    arch: str | DeviceFamily | None, device: str | DeviceFamily | None
-) -> str | DeviceFamily:
+def _arch(arch: str | DeviceFamily | None, device: str | DeviceFamily | None) -> str | DeviceFamily:
     """``arch``, or the family given by its deprecated name ``device``, or the default."""
     if device is None:
         return DEFAULT_FAMILY if arch is None else arch

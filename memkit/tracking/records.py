@@ -36,6 +36,7 @@ __all__ = [
     "IgnoredCall",
     "ModuleStat",
     "RootInfo",
+    "RunFacts",
     "close_step",
     "device_report",
     "merge_steps",
@@ -52,7 +53,6 @@ DEFAULT_STEP_LIMIT = 100_000
 """Step records kept per device (the most recent ones)."""
 
 
-
 @dataclasses.dataclass
 class RunFacts:
     """What the training used and did beyond the device records, for the report and the
@@ -65,11 +65,12 @@ class RunFacts:
     eval_grad_bytes: int = 0  # the most such a forward kept
     param_dtype: str | None = None
     optimizer_name: str | None = None
-    state_was_empty: bool = True  # no optimizer had state when the block began
+    state_was_empty: bool = True  # no optimizer had state at the last look
     autocast_forwards: int = 0
     grads_steps: int = 0  # steps whose first forward found gradients allocated
     grads_checked_step: int = 0
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
+
 
 class Frame:
     """One module call in progress (per thread)."""

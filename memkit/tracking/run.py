@@ -93,7 +93,7 @@ class SigtermGuard:
     before that is raised as soon as the script starts, and any later one is ignored until
     the guard exits, so the report is printed and written in full. A :class:`Terminated` that
     Python drops (see :meth:`_retry_later`) is not printed as "Exception ignored": it is sent
-    again instead.
+    again instead, and raised when the script ends first. One guard is entered once.
     """
 
     def __init__(self) -> None:
@@ -103,9 +103,12 @@ class SigtermGuard:
         self._armed = False
         self._raised = False
         self._in_block = False
+        self._dropped: int | None = None
         self.pending: int | None = None
 
     def __enter__(self) -> SigtermGuard:
+        if self._installed:
+            raise RuntimeError("a SigtermGuard is entered once at a time")
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._previous_unraisable = sys.unraisablehook
@@ -117,7 +120,8 @@ class SigtermGuard:
         if self._installed:
             previous = signal.SIG_DFL if self._previous is None else self._previous
             signal.signal(signal.SIGTERM, previous)
-            sys.unraisablehook = self._previous_unraisable
+            if sys.unraisablehook == self._unraisable:  # not replaced since: put back
+                sys.unraisablehook = self._previous_unraisable
             self._installed = False
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -131,8 +135,10 @@ class SigtermGuard:
         self.pending = signum
 
     def _unraisable(self, unraisable: Any) -> None:
-        if isinstance(unraisable.exc_value, Terminated):
-            return  # dropped where Python drops exceptions: _retry_later sends it again
+        exc = unraisable.exc_value
+        if isinstance(exc, Terminated):
+            self._dropped = exc.signum  # _retry_later sends it again; armed() raises it at the end
+            return
         self._previous_unraisable(unraisable)
 
     def _retry_later(self, signum: int) -> None:
@@ -159,8 +165,13 @@ class SigtermGuard:
         self._armed = self._in_block = True
         try:
             yield
+        except SystemExit:
+            if self._dropped is None:
+                raise
         finally:
             self._armed = self._in_block = False
+        if self._dropped is not None:  # the script ended before the signal was sent again
+            raise Terminated(self._dropped)
 
 
 @dataclass(frozen=True)
