@@ -66,6 +66,7 @@ class RunFacts:
     param_dtype: str | None = None
     optimizer_name: str | None = None
     state_was_empty: bool = True  # no optimizer had state at the last look
+    grads_were_none: bool = True  # the model had no gradients at the last look
     autocast_forwards: int = 0
     grads_steps: int = 0  # steps whose first forward found gradients allocated
     grads_checked_step: int = 0

@@ -423,8 +423,13 @@ class Tracker(Hooks):
         return None if param is None else weakref.ref(param)
 
     def _grads_none(self) -> bool:
-        param = None if self._grad_witness is None else self._grad_witness()
-        return param is None or param.grad is None
+        if self._grad_witness is None:
+            return True
+        param = self._grad_witness()
+        if param is None:  # the model is gone (a script's main() returned): what was last seen
+            return self._facts.grads_were_none
+        self._facts.grads_were_none = none = param.grad is None
+        return none
 
     def _state_empty(self) -> bool:
         opts = self._all_optimizers()

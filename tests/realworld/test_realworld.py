@@ -101,15 +101,24 @@ def _indent(text: str) -> str:
     return "".join("    " + line + "\n" for line in text.strip("\n").splitlines())
 
 
+# An evaluation forward left recording a graph (no no_grad) after training: the peak is in
+# "other", when the script ends, and main()'s model is gone by the time it is categorised
+EVAL_AT_THE_END = """
+model.eval()
+outs = model(torch.randn(512, 256))
+"""
+
+
+@pytest.mark.parametrize("tail", ["", EVAL_AT_THE_END], ids=["training", "eval-at-the-end"])
 @pytest.mark.parametrize("per_module", [True, False], ids=["per-module", "steps-only"])
-def test_main_function_and_module_level_get_the_same_report(tmp_path, per_module):
+def test_main_function_and_module_level_get_the_same_report(tmp_path, per_module, tail):
     flat = tmp_path / "flat.py"
-    flat.write_text(HEADER + BUILD + LOOP)
+    flat.write_text(HEADER + BUILD + LOOP + tail)
     wrapped = tmp_path / "wrapped.py"
     wrapped.write_text(
-        HEADER + "def main():\n" + _indent(BUILD + LOOP) + "\nif __name__ == '__main__':\n"
-        "    main()\n"
-    )
+        HEADER + "def main():\n" + _indent(BUILD + LOOP + tail)
+        + "\nif __name__ == '__main__':\n    main()\n"
+    )  # fmt: skip
     reports = [run(p, per_module=per_module).report for p in (flat, wrapped)]
     params = (256 * 1024 + 1024 + 1024 * 10 + 10) * 4  # hand count, fp32
     for report in reports:
@@ -118,6 +127,8 @@ def test_main_function_and_module_level_get_the_same_report(tmp_path, per_module
         assert report.optimizer_name == "Adam"
         assert bd.parameters == params and bd.gradients in (0, params)
         assert abs(bd.optimizer_state - 2 * params) <= 64  # exp_avg, exp_avg_sq (+ step)
+        if tail:  # the gradients of the last step are alive at the end
+            assert bd.phase == "other" and bd.gradients == params
     a, b = reports
     assert codes(a) == codes(b) and "mixed-precision" in codes(a)
     assert a.devices[0].breakdown == b.devices[0].breakdown
