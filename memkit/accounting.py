@@ -104,7 +104,8 @@ def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
         return
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
+        # a non-leaf's .grad is None unless retain_grad() was called (reading it warns)
+        if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
             yield obj.grad
     elif isinstance(obj, torch.nn.Module):
         for param in obj.parameters():

@@ -90,6 +90,15 @@ def test_device_meta_is_refused_by_probe_with_exit_2():
     assert "memkit estimate" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_device_meta_is_refused_by_run_before_the_script_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran')\n")
+    result = invoke("run", "--device", "meta", str(script))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: --device meta: memkit run counts")
+    assert "--device cpu" in result.stderr and "the script ran" not in result.output
+
+
 def test_an_unexpected_exception_in_memkit_exits_3_naming_it(monkeypatch):
     import memkit.probing.runner
 

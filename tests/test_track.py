@@ -399,3 +399,18 @@ def test_postmortem_bytes_in_use_are_those_at_the_failure(tmp_path):
     (event,) = inspect_snapshot(path).device(0).ooms
     assert pm is not None and pm.allocated == event.allocated
     assert pm.free == pm.capacity - pm.allocated
+
+
+def test_a_model_fed_a_non_leaf_tensor_draws_no_warning_from_memkit():
+    """A GAN's D(G(z)): the batch is a non-leaf that requires grad, whose ``.grad`` torch warns
+    about reading. Tracking must not read it (the user would see torch's warning point into
+    memkit)."""
+    import warnings
+
+    generator, discriminator = nn.Linear(4, 4), nn.Linear(4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with track(device="cpu", budget="64MiB") as tracker:
+            for _ in range(2):
+                discriminator(generator(torch.randn(8, 4))).mean().backward()
+    assert tracker.report().steps == 2

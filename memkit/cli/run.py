@@ -98,12 +98,21 @@ def _check_run_options(
     history_path: str | None,
 ) -> tuple[str | None, str | None, list[tuple[str, Path]]]:
     """This rank's device and budget, and the report files to write as ``(option, path)``,
-    all checked before the script starts: a bad option must not cost a run (exit 2)."""
+    all checked before the script starts: a bad option must not cost a run (exit 2).
+    ``--device meta`` is one: a script's tensors are on cpu or a GPU, and meta would count
+    nothing (a report of zeros)."""
+    from memkit.errors import ConfigError
     from memkit.tracking.run import check_writable, default_device, rank_path
 
     budget, on_host = _this_rank_budget(budget)
     device = default_device(device)
-    _check_target(device, budget, on_host)
+    if _check_target(device, budget, on_host).device.type == "meta":
+        raise ConfigError(
+            "--device meta: memkit run counts the memory the script's tensors use on one "
+            "device, and a script's tensors are on cpu or a GPU (meta would count nothing). "
+            "Use --device cpu --budget SIZE for the simulated device, or memkit estimate "
+            "FILE --device-memory SIZE for an estimate on meta tensors"
+        )
     outputs = [
         (option, rank_path(path))
         for option, path in (("--json", json_path), ("--html", html_path))

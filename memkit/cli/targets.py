@@ -118,7 +118,7 @@ def _check_host_backs(budgets: list[str], what: str = "ranks on this machine") -
     raise ConfigError(
         f"{given} the simulated cpu device holds real tensors, so it can be at most the RAM "
         f"this machine has available: {format_size(host.available)}{total}. Give a smaller "
-        "--budget (or free some RAM), or probe a real GPU with --device cuda"
+        "--budget (or free some RAM), or use a real GPU with --device cuda"
     )
 
 
