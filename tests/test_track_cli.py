@@ -348,6 +348,37 @@ def test_sigterm_dropped_just_before_the_script_ends_still_exits_143(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_still_writes_the_report_and_exits_130_without_a_traceback(tmp_path):
+    script = write(tmp_path, LOOP_FOREVER)
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
+         "--json", str(out), str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "step 3", "the script never reached step 3"
+        for _ in range(5):  # as a user presses Ctrl-C again when one lands where Python drops it
+            proc.send_signal(signal.SIGINT)
+            try:
+                _, err = proc.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    data = json.loads(out.read_text())
+    note = next(n for n in data["notes"] if n.startswith("interrupted by Ctrl-C"))
+    assert re.match(r"interrupted by Ctrl-C at step \d+ \(train.py line \d+", note), note
+    assert "memkit: interrupted by Ctrl-C at step" in err and "(exit 130)" in err
+    assert "Traceback" not in err and "memkit/" not in err  # no frames of memkit's hooks
+
+
+@pytest.mark.slow
 def test_sigterm_still_writes_the_report_and_exits_143(tmp_path):
     script = write(tmp_path, LOOP_FOREVER)
     out, page = tmp_path / "r.json", tmp_path / "r.html"

@@ -8,7 +8,8 @@ through torch's global hooks, so no line of the script changes. The exit code is
 * ``1`` when an out-of-memory error escapes it (what Python itself exits with; also memkit's
   "does not fit");
 * ``3`` when any other exception escapes it (memkit's "your code raised");
-* ``130`` on ``KeyboardInterrupt``;
+* ``130`` on ``KeyboardInterrupt`` (Ctrl-C): as for SIGTERM, the report notes ``interrupted
+  by Ctrl-C at step N`` and names the script's line, without a traceback;
 * ``143`` (128 + 15) when ``SIGTERM`` stopped it (under :class:`SigtermGuard`, which ``memkit
   run`` installs): the report is still built, with the note ``interrupted by SIGTERM at step
   N``, and its files are still written. torchrun sends SIGTERM to the other ranks when one
@@ -184,7 +185,7 @@ class RunOutcome:
         traceback: the formatted traceback of an exception that escaped the script, from the
             script's own frames on, else ``None``.
         oom: an out-of-memory error ended the script.
-        interrupted: the signal that stopped the script (``"SIGTERM"``), else ``None``.
+        interrupted: what stopped the script (``"SIGTERM"``, ``"Ctrl-C"``), else ``None``.
         history_file: where the memory history was written (``--memory-history``), else
             ``None``.
         history_error: why it could not be written, else ``None``.
@@ -432,9 +433,10 @@ def _run_tracked(
         else:
             ending.traceback = str(code)
             ending.exit_code = 1
-    except KeyboardInterrupt as exc:
-        ending.traceback = _script_traceback(exc, path)
+    except KeyboardInterrupt as exc:  # like SIGTERM: where it was, not a traceback
         ending.exit_code = EXIT_INTERRUPTED
+        ending.where = _script_line(exc, path)
+        ending.interrupted = "Ctrl-C"
     except Terminated as exc:  # not an error of the script: where it was, not a traceback
         ending.exit_code = 128 + exc.signum
         ending.where = _script_line(exc, path)
