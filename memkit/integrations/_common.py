@@ -41,6 +41,29 @@ def missing(extra: str, what: str, needs: str, exc: ImportError) -> MissingDepen
     )
 
 
+def _check_target(device: Any, budget: int | str | None) -> None:
+    """A bad ``device`` or ``budget`` is a ConfigError naming the option when the callback is
+    made, not a traceback when training starts."""
+    from memkit.units import parse_size
+
+    if budget is not None:
+        try:
+            if parse_size(budget) <= 0:
+                raise ConfigError(f"expected a positive size such as 512MiB, found {budget!r}")
+        except ConfigError as exc:
+            raise ConfigError(f"budget={budget!r}: {exc}") from None
+    if isinstance(device, str):
+        import torch
+
+        try:
+            torch.device(device)
+        except (RuntimeError, ValueError):
+            raise ConfigError(
+                f"device={device!r}: expected a device such as 'cpu' (memkit's simulated "
+                "device), 'cuda' or 'cuda:N', found one torch does not know"
+            ) from None
+
+
 class TrackingCallback:
     """What both framework callbacks hold: the tracking options, the live tracker, the last
     report and the files it was written to. Mixed in before the framework's callback class.
@@ -78,6 +101,7 @@ class TrackingCallback:
         super().__init__()
         if postmortem not in ("stderr", None):
             raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
+        _check_target(device, budget)
         self.device = device
         self.budget = budget
         self.per_module = per_module
