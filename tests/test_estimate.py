@@ -457,3 +457,23 @@ def test_data_dependent_mask_check_is_approximated_and_said(files: dict[str, str
     est = estimate(files["bert"], device_memory="1GiB", max_batch=8)
     assert est.max_batch_size == 8
     assert any("data-dependent checks" in line for line in est.assumptions)
+
+
+def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
+    head = "import torch\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
+    shape_bug = tmp_path / "shape_bug.py"
+    shape_bug.write_text(head + "def make_batch(n):\n    return torch.randn(n, 5)\n")
+    reads_value = tmp_path / "reads_value.py"
+    reads_value.write_text(
+        head + "def make_batch(n):\n    return torch.randn(n, 4)\n"
+        "def train_step(model, batch, optimizer):\n"
+        "    loss = model(batch).sum()\n    print(loss.item())\n    loss.backward()\n"
+    )
+    with pytest.raises(UserCodeError) as shape:
+        estimate(str(shape_bug), device_memory="1GiB")
+    assert "would stop this step on a GPU" in str(shape.value) and "hold no values" not in str(
+        shape.value
+    )
+    assert ".." not in str(shape.value)
+    with pytest.raises(UserCodeError, match="meta tensors, which hold no values"):
+        estimate(str(reads_value), device_memory="1GiB")

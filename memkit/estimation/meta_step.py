@@ -289,9 +289,24 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
     except MemkitError:
         raise
     except Exception as exc:
-        raise UserCodeError(
-            f"the step raised {type(exc).__name__} at batch size {batch_size} on meta tensors: "
-            f"{exc}. Code that reads tensor values (.item(), data-dependent shapes, printing) "
-            "cannot run on meta; move it out of the step or define train_step without it.",
-            original=exc,
-        ) from exc
+        said = f"the step raised {type(exc).__name__} at batch size {batch_size}: " + str(
+            exc
+        ).rstrip(". ")
+        if _meta_only(exc):
+            said += (
+                ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
+                "data-dependent shapes, .numpy()) cannot run there; move it out of the step or "
+                "define train_step without it."
+            )
+        else:  # a shape mismatch, a wrong argument: the same error on a GPU
+            said += (
+                ". The same error would stop this step on a GPU: check make_batch and the model "
+                "(memkit probe FILE --device cpu runs the step for real)."
+            )
+        raise UserCodeError(said, original=exc) from exc
+
+
+def _meta_only(exc: BaseException) -> bool:
+    """Whether an error comes from running on meta tensors (values read, an op with no meta
+    kernel), not from the user's code as such."""
+    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
