@@ -414,3 +414,34 @@ def test_a_model_fed_a_non_leaf_tensor_draws_no_warning_from_memkit():
             for _ in range(2):
                 discriminator(generator(torch.randn(8, 4))).mean().backward()
     assert tracker.report().steps == 2
+
+
+def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
+    """Two optimizers, each stepping after its own backward (a GAN's D and G): one backward
+    per optimizer step, not two micro-batches; four backward passes before one step are."""
+    gen, disc = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_d, opt_g = torch.optim.Adam(disc.parameters()), torch.optim.Adam(gen.parameters())
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(4):
+            fake = gen(torch.randn(16, 8))
+            opt_d.zero_grad()
+            disc(fake.detach()).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            (-disc(fake).mean()).backward()
+            opt_g.step()
+    gan = tracker.report()
+    assert gan.steps == 4 and gan.micro_batches == 1
+    assert "gradient accumulation" not in str(gan)
+
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            for _ in range(4):
+                model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    accumulated = tracker.report()
+    assert accumulated.steps == 3 and accumulated.micro_batches == 4
+    assert "gradient accumulation: up to 4 micro-batches" in str(accumulated)

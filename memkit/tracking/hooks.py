@@ -512,6 +512,12 @@ class Hooks(PhaseMachine):
         if self._ranks_watch is not None:
             self._ranks_watch.on_step(optimizer)
         with self._lock:
+            # micro-batches: backward passes this optimizer step is the first to use (a GAN's
+            # two optimizers, each after its own backward, are no gradient accumulation)
+            fresh = self._backwards_in_step - self._backwards_at_optimizer
+            self._backwards_at_optimizer = self._backwards_in_step
+            if fresh > self._micro_batches:
+                self._micro_batches = fresh
             self._transition(OPTIMIZER)
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:

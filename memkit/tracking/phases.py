@@ -74,6 +74,8 @@ class PhaseMachine:
     _last_root: tuple[bool, bool] | None
     _backward_steps: int
     _backwards_in_step: int
+    _backwards_at_optimizer: int
+    _micro_batches: int
     _seen_optimizers: dict[int, weakref.ref[Any]]
     _leak_warmup: int
     _leak_window: int
@@ -239,11 +241,13 @@ class PhaseMachine:
         self._close_all(None)
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
+        # backward passes before one optimizer step (without an optimizer: all of the step's)
+        micro = max(self._micro_batches, self._backwards_in_step - self._backwards_at_optimizer)
         if self._step < 3 or self._facts.param_dtype is None:
             self._capture_evidence()
         for dev in self._devices.values():
             self._resolve_pending(dev)
-            close_step(dev, self._step, now - self._step_t0, self._backwards_in_step)
+            close_step(dev, self._step, now - self._step_t0, micro)
             dev.base_grads_none = self._grads_none()
             dev.base_state_empty = self._state_empty()
             dev.bw_module = None
@@ -259,7 +263,7 @@ class PhaseMachine:
         step = self._step
         self._step += 1
         self._step_t0 = now
-        self._backwards_in_step = 0
+        self._backwards_in_step = self._backwards_at_optimizer = self._micro_batches = 0
         self._phase = OTHER
         if self._sim is not None:
             self._sim.count_ops(False, False)

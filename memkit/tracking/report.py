@@ -74,8 +74,10 @@ class StepRecord:
         peak_reserved: the highest reserved bytes during the step.
         phase_peaks: peak allocated bytes per phase (``None``: the phase did not occur).
         duration_s: wall time of the step.
-        backward_passes: training backward passes in the step (more than one: gradient
-            accumulation over micro-batches).
+        backward_passes: the most training backward passes one optimizer step of the step
+            used (more than one: gradient accumulation over micro-batches; two optimizers
+            each stepping after its own backward, as a GAN's, count one); without an
+            optimizer, the step's backward passes.
     """
 
     step: int

@@ -166,6 +166,8 @@ class Tracker(Hooks):
         self._eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self._backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self._backwards_in_step = 0
+        self._backwards_at_optimizer = 0  # _backwards_in_step at the last optimizer step
+        self._micro_batches = 0  # the most backward passes one optimizer step used, this step
         self._warning_filter: Any = None
         self._seen_optimizers: dict[int, weakref.ref[Any]] = {}
         # a parameter whose .grad says whether gradients are allocated; weak, so that the
