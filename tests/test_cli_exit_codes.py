@@ -99,6 +99,17 @@ def test_device_meta_is_refused_by_run_before_the_script_runs(tmp_path):
     assert "--device cpu" in result.stderr and "the script ran" not in result.output
 
 
+@pytest.mark.parametrize("command", ["probe", "run"])
+def test_an_unknown_device_names_the_forms_the_command_takes(tmp_path, command):
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran')\n")
+    target = str(FILES / "ok_mlp.py") if command == "probe" else str(script)
+    result = invoke(command, "--device", "gpu", target)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: --device 'gpu': expected a device such as")
+    assert "meta" not in result.stderr and "the script ran" not in result.output
+
+
 def test_an_unexpected_exception_in_memkit_exits_3_naming_it(monkeypatch):
     import memkit.probing.runner
 

@@ -30,6 +30,7 @@ from memkit.devices.backends import (
     VirtualDeviceBackend,
     accelerator_available,
     get_backend,
+    parse_device,
     visible_devices,
 )
 from memkit.devices.counters import counter_reader
@@ -83,6 +84,7 @@ __all__ = [
     "host_memory",
     "nvidia_smi_stats",
     "nvml_stats",
+    "parse_device",
     "restore_rng_state",
     "rng_state",
     "set_current_device",

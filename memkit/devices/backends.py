@@ -318,19 +318,29 @@ class VirtualDeviceBackend:
         return f"VirtualDeviceBackend(cuda:{self.index} of {self.devices.n})"
 
 
+_RUN_FORMS = "'cpu' (simulated), 'cuda', 'cuda:N', 'xpu:N', 'mps'"
 _DEVICE_FORMS = (
     "'cpu' (simulated), 'meta' (simulated, no compute), 'cuda', 'cuda:N', 'xpu:N', 'mps'"
 )
 
 
-def _parse_device(device: str | torch.device | None) -> torch.device | None:
+def parse_device(
+    device: str | torch.device | None, *, meta: bool = True
+) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays ``None``).
+
+    Raises:
+        ConfigError: torch does not know it; the message lists the forms memkit takes
+            (``meta=False``: without meta, for commands that run real steps).
+    """
     if device is None or isinstance(device, torch.device):
         return device
     try:
         return torch.device(str(device).strip())
     except (RuntimeError, ValueError):
+        forms = _DEVICE_FORMS if meta else _RUN_FORMS
         raise ConfigError(
-            f"expected a device such as {_DEVICE_FORMS}, found {device!r}, which torch does not "
+            f"expected a device such as {forms}, found {device!r}, which torch does not "
             "know as a device; give one of those (memkit snapshot lists this machine's)"
         ) from None
 
@@ -354,7 +364,7 @@ def get_backend(
     Raises:
         ConfigError: unknown device string, or an accelerator that this machine does not have.
     """
-    dev = _parse_device(device)
+    dev = parse_device(device)
     size = None if budget is None else parse_size(budget)
     if size is not None and size <= 0:
         raise ConfigError(
