@@ -445,3 +445,34 @@ def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
     accumulated = tracker.report()
     assert accumulated.steps == 3 and accumulated.micro_batches == 4
     assert "gradient accumulation: up to 4 micro-batches" in str(accumulated)
+
+
+def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
+    """A test loop after training keeps its outputs (here with their graph: no no_grad) while
+    it computes its metric: that memory is the evaluation's, so the training peak and its
+    breakdown stay training's. A teacher's no_grad forward inside a step (after the student's)
+    goes back to the step's forward, where the loss is counted."""
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    teacher = nn.Linear(256, 10).eval()
+    with track(device="cpu", budget="256MiB") as tracker:  # every module: the teacher too
+        for _ in range(3):
+            model.train()
+            x = torch.randn(16, 256)
+            student = model(x)
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = nn.functional.cross_entropy(student, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        outs = model(torch.randn(512, 256))  # the graph of 512 x 1024 activations is kept
+        accuracy = (outs.argmax(1) == 0).float().mean()
+    report = tracker.report()
+    dev = report.devices[0]
+    held = 2 * 512 * 1024 * 4  # the first Linear's output and ReLU's, kept by the graph
+    assert dev.phase_peaks["eval"] >= held > dev.phase_peaks["other"]
+    assert dev.breakdown is not None and dev.breakdown.phase != "other"
+    assert report.eval_forwards == 4  # the teacher's three and the test's one
+    assert report.steps == 3 and accuracy >= 0

@@ -124,3 +124,26 @@ def test_dp_to_ddp_advises_ddp_where_it_saves_memory_and_is_silent_on_one_device
     assert [d.device for d in plain.devices] == ["cuda:0"]
     assert plain.devices[0].peak_allocated == vd.peak_of(0) and vd.peak_of(1) == 0
     assert not any(a.code == "dp-to-ddp" for a in plain.advice)
+
+
+def test_a_peak_categorised_after_main_returned_keeps_the_gradients() -> None:
+    """On a device that counts everything (a GPU, a virtual device), a new peak in "other"
+    after the last step is categorised when the block ends: in `memkit run`, after the
+    script's main() returned and its model is gone. The gradients it held are still named."""
+    params = (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+    def main() -> None:
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(32, 64)).sum().backward()
+            opt.step()
+        big = torch.zeros(params)  # after the last step (4x the parameters), gradients alive
+        del big
+
+    with memkit.simulate("64MiB", devices=1), memkit.track() as tracker:
+        main()
+    bd = tracker.report().devices[0].breakdown
+    assert bd is not None and bd.phase == "other" and bd.step == 3
+    assert bd.parameters == params and bd.gradients == params

@@ -161,10 +161,17 @@ class PhaseMachine:
             if self._eval_hold:  # a framework's evaluation loop: the rest of it is eval too
                 if self._sim is not None:
                     self._sim.count_ops(True, False)
-            elif self._phase == EVAL:
+            elif self._phase == EVAL and self._eval_return != OTHER:
+                # an evaluation pass inside a training step (a distillation teacher after the
+                # student's forward): back to the step's phase
                 with self._lock:
                     if self._phase == EVAL and not self._eval_hold:
                         self._transition(self._eval_return)
+            elif self._sim is not None:
+                # one between steps (a test loop) stays evaluation until training resumes, so
+                # what its outputs hold is its own; what follows the forward is host work to
+                # the simulated device, as between steps (on a GPU the counters say)
+                self._sim.count_ops(False, False)
         elif frame.kind == TRAIN_PASS and self._sim is not None:
             self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
 
