@@ -308,3 +308,41 @@ def test_probe_under_a_launcher_without_a_process_group_warns(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.warns(RuntimeWarning, match="no process group is initialised"):
         probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+
+
+def _loss_viewing_a_buffer(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """A mean squared error returned as a 0-d view of the batch-sized buffer of squares, as
+    CPU's ``F.mse_loss`` returns it: while the loss lives, the buffer does."""
+    squares = (out - batch).pow(2)
+    flat = squares.view(-1)
+    flat[0] = squares.mean()
+    return flat[0]
+
+
+def test_the_default_step_keeps_the_loss_through_the_optimizer_step_as_a_loop_does():
+    """An ordinary loop's `loss` lives until the next step's loss is computed, through
+    optimizer.step(): the probe's answer must train in that loop, and the next size not."""
+
+    def loop_fits(batch_size: int) -> bool:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 1024)
+        opt = torch.optim.AdamW(model.parameters())
+        try:
+            with memkit.simulate("26MiB", track=[model]):
+                for _ in range(2):
+                    x = torch.randn(batch_size, 1024)
+                    out = model(x)
+                    loss = _loss_viewing_a_buffer(out, x)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)
+    result = probe(model, lambda n: torch.randn(n, 1024), loss_fn=_loss_viewing_a_buffer,
+                   device="cpu", budget="26MiB")  # fmt: skip
+    best = result.max_batch_size
+    assert best is not None and loop_fits(best) and not loop_fits(best + 1)

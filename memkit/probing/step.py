@@ -105,6 +105,7 @@ class StepPlan:
     step_label: str | None = None
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
+    _kept_loss: Any = field(default=None, init=False, repr=False)
 
     def __call__(self, model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
         if self.mode == "infer":
@@ -118,27 +119,28 @@ class StepPlan:
         output = call_model(model, batch)
         self._kept = None  # `out = model(x)` rebinds the loop's variable only now
         loss, self.loss_rule = resolve_loss(output, batch, self.loss_fn)
+        self._kept_loss = None  # and `loss = ...` now: a loop's loss lives through the step
         loss.backward()
-        del loss
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        self._kept = output
+        self._kept, self._kept_loss = output, loss
 
     @property
     def kept(self) -> Any:
-        """The output held from the last step (``None`` between trials)."""
-        return self._kept
+        """The output (and loss) held from the last step (``None`` between trials)."""
+        return self._kept if self._kept_loss is None else (self._kept, self._kept_loss)
 
     def hold(self, output: Any) -> None:
         """Hold ``output`` as if a previous step had returned it (estimates prime with it)."""
         self._kept = output
 
     def release(self) -> None:
-        """Drop the output kept from the last step (a trial is over: the loop has ended)."""
-        self._kept = None
+        """Drop the output and loss kept from the last step (a trial is over: the loop has
+        ended)."""
+        self._kept = self._kept_loss = None
 
     def describe(self) -> list[str]:
         """Lines such as ``"step: default (forward, loss, backward, optimizer.step)"``."""
@@ -152,7 +154,7 @@ class StepPlan:
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
-            kept,
+            kept + ", and the loss until the next step's loss (`loss = ...`)",
         ]
 
 
