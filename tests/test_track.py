@@ -476,3 +476,26 @@ def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     assert dev.breakdown is not None and dev.breakdown.phase != "other"
     assert report.eval_forwards == 4  # the teacher's three and the test's one
     assert report.steps == 3 and accuracy >= 0
+
+
+def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
+    """At an Adam step's peak, what the breakdown calls activations is the optimizer's
+    temporaries (backward has freed the graph): autocast would not shrink them, so the
+    advice must not quote them, and the text says what they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with track(model, opt, device="cpu", budget="32MiB") as tracker:
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(torch.randn(64, 128)),
+                                               torch.randint(0, 10, (64,)))  # fmt: skip
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    bd = report.devices[0].breakdown
+    assert bd is not None and bd.phase == "optimizer" and bd.activations > 0.3 * bd.total
+    assert "mixed-precision" not in {a.code for a in report.advice}
+    assert "note: in the optimizer phase, activations are the optimizer's temporaries" in str(
+        report
+    )

@@ -144,18 +144,22 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     """What a training step held at ``dev``'s peak: precision, checkpointing, optimizer,
     gradients kept through the forward."""
     transient = _optimizer_transient(dev)
+    # at a peak inside optimizer.step(), what the breakdown calls activations is mostly the
+    # optimizer's temporaries (backward freed the graph): neither autocast nor checkpointing
+    # shrinks them (the optimizer rule speaks of them)
+    activations = 0 if bd.phase == "optimizer" else bd.activations
     return [
         mixed_precision(
             param_dtype=report.param_dtype,
             autocast=report.autocast_forwards > 0,
-            activation_bytes=bd.activations,
+            activation_bytes=activations,
             peak_bytes=bd.total,
             parameter_bytes=bd.parameters,
             device=dev.device,
             min_share=0.3,
         ),
         activation_checkpointing(
-            activation_bytes=bd.activations,
+            activation_bytes=activations,
             peak_bytes=bd.total,
             modules=[ModuleActivation(m.path, m.activation_bytes, m.leaf) for m in dev.modules],
             capacity=dev.capacity,

@@ -138,7 +138,8 @@ def breakdown_text(bd: Breakdown) -> str:
         share = f"{100.0 * value / bd.total:.0f}%" if bd.total else "-"
         rows.append([name, format_size(value), share])
     rows.append(["total", format_size(bd.total), ""])
-    return table(["category", "bytes", "share"], rows, align="lrr")
+    text = table(["category", "bytes", "share"], rows, align="lrr")
+    return text + f"\nnote: {bd.note}" if bd.note else text
 
 
 def breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
