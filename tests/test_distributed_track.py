@@ -153,6 +153,25 @@ def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> Non
     assert rank1 and "out of memory at step 3" in rank1[0], err[-4000:]
 
 
+@pytest.mark.slow
+def test_unused_parameters_that_stop_ddp_are_advised_on_each_failed_rank(tmp_path: Path) -> None:
+    """Without find_unused_parameters, the unused module makes DDP fail at the next step
+    ('Expected to have finished reduction'): the ranks end with that error and are not
+    gathered, so each rank's own report must say why, and its line must not send the reader
+    to rank 0's report."""
+    script = TRAIN.replace("find_unused_parameters=True", "find_unused_parameters=False")
+    code, err = _torchrun(tmp_path, script, "--device", "cpu", "--budget", "256MiB", "--json",
+                          "r.json")  # fmt: skip
+    assert code != 0 and "Expected to have finished reduction" in err, err[-4000:]
+    for rank in (0, 1):
+        data = json.loads((tmp_path / f"r.rank{rank}.json").read_text())
+        advice = {a["code"]: a for a in data["advice"]}
+        assert "aux_head" in advice["ddp-unused-parameters"]["evidence"], data["advice"]
+        assert any(n.startswith("ranks not gathered") for n in data["notes"])
+    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] memkit: ")]
+    assert rank1 and "not gathered into rank 0's report" in rank1[0], err[-4000:]
+
+
 def _summary(rank: int, peak: int, capacity: int | None = 1000, **kw) -> RankSummary:
     return RankSummary(rank, rank, "n", "cpu", peak, peak, capacity, "backward", 1, 3, **kw)
 

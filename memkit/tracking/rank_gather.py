@@ -223,6 +223,7 @@ class RankWatch:
         self.find_unused: bool | None = None
         self.checked = 0
         self.done = False
+        self.gathered = False
         self.report: RanksReport | None = None
         """Rank 0's report of all ranks, once gathered (the tracker's report shows it)."""
         self._unwrap: tuple[Any, Any] | None = None
@@ -275,6 +276,20 @@ class RankWatch:
             dist.destroy_process_group = original
         self._unwrap = None
 
+    def local_advice(self) -> list[Advice]:
+        """What this rank alone can advise when the ranks were not gathered (its block ended
+        with an exception, such as DDP's 'Expected to have finished reduction' that unused
+        parameters cause): rank 0's report will not have it."""
+        if self.gathered or not self.unused:
+            return []
+        rank = distributed.rank()
+        advice = ddp_unused_parameters(
+            {rank: sorted(self.unused)},
+            unused_bytes=sum(self.unused.values()),
+            find_unused_parameters=self.find_unused,
+        )
+        return [] if advice is None else [advice]
+
     def finish(self, clean: bool) -> None:
         """At the end of the block: gather if not done yet (not after an exception: the other
         ranks may be stuck in the user's collectives; the exception must propagate now)."""
@@ -307,5 +322,6 @@ class RankWatch:
             self.tracker.notes.append(f"ranks not gathered: {exc}")
             return
         self.report = report
+        self.gathered = True
         if report is None:
             self.tracker.notes.append("this rank's summary was sent to rank 0's report")

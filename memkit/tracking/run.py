@@ -257,7 +257,8 @@ def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
     if report.oom is not None:
         parts.append(f"out of memory at {report.oom.where}")
     parts.extend(n.split(";")[0] for n in report.notes if n.startswith("interrupted by "))
-    rest = "full report on rank 0"
+    gathered = not any(n.startswith("ranks not gathered") for n in report.notes)
+    rest = "full report on rank 0" if gathered else "not gathered into rank 0's report"
     if files:
         rest += " (this rank's: " + ", ".join(str(f) for f in files) + ")"
     return "; ".join([*parts, rest])

@@ -556,6 +556,8 @@ class Tracker(Hooks):
             **self._advice_evidence(),
         )
         advice = track_advice(report, eval_grad_bytes=self._facts.eval_grad_bytes)
+        if self._ranks_watch is not None:
+            advice = [*self._ranks_watch.local_advice(), *advice]
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
 
     @property
