@@ -67,8 +67,9 @@ class StrategyResult(Record):
             even the smallest).
         per_device_peaks: each device's peak at that batch (bytes).
         excess_bytes: device 0's peak minus the mean of the others.
-        excess_parts: what lives on device 0 only, at that batch: full input (the other chunks),
-            gathered outputs, loss, reduced gradients, optimizer state (bytes; DP only).
+        excess_parts: what lives on device 0 only, at that batch: the input for the other
+            devices (the batch is made on device 0), gathered outputs, loss, reduced gradients,
+            optimizer state (bytes; DP only).
         trials: ``(global batch, fits)`` in the order run.
     """
 
@@ -210,7 +211,7 @@ class _Trials:
                 batch = self._batch(global_batch)
                 full = _nbytes(batch)
                 n = min(len(self.budgets), global_batch)
-                seen["full input"] = full - full // max(1, n)
+                seen["input for the other devices"] = full - full // max(1, n)
                 self.plan(dp, batch, opt)
                 del batch
             seen["reduced gradients"] = sum(
@@ -289,7 +290,12 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
     parts = {} if size is None else record[size][2]
     others = peaks[1:]
     excess = peaks[0] - sum(others) // len(others) if peaks and others else 0
-    names = ("full input", "gathered outputs", "reduced gradients", "optimizer state")
+    names = (
+        "input for the other devices",
+        "gathered outputs",
+        "reduced gradients",
+        "optimizer state",
+    )
     return StrategyResult(
         strategy,
         size,

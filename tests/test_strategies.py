@@ -30,7 +30,7 @@ def test_dp_gathering_wide_outputs_loses_to_ddp_and_the_advice_says_by_how_much(
     parts = dict(dp.excess_parts)
     b = dp.max_global_batch
     assert parts["gathered outputs"] == b * 4096 * 4  # the full output, on cuda:0
-    assert parts["full input"] == b * 64 * 4 - (b * 64 * 4) // 4
+    assert parts["input for the other devices"] == b * 64 * 4 - (b * 64 * 4) // 4
     x, y = dp.max_global_batch, ddp.max_global_batch
     codes = [a.code for a in result.advice]
     assert codes[0] == "switch-to-ddp"
