@@ -208,6 +208,9 @@ def test_keys_the_outputs_had_before_the_common_interface():
     assert probe["trials"][0]["seconds"] == 0.1 and "rank_peaks" not in probe["trials"][0]
     sweep = ProbeSweep((probe_result(128),)).to_dict()
     assert sweep["seq_lens"][0]["seq_len"] == 128
+    text = str(ProbeSweep((probe_result(128), probe_result(512))))
+    assert "[accumulate] seq_len 128: use gradient" in text  # each advice says whose it is
+    assert "[accumulate] seq_len 512: use gradient" in text
     est = estimate().to_dict()
     assert est["usable_bytes"] == (24 << 30) - 512 * MIB and "extra" not in est
     assert est["breakdown"]["total"] == 10 * MIB

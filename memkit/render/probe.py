@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from memkit.advice import advice_html, advice_text
@@ -152,7 +153,11 @@ def sweep_text(sweep: ProbeSweep) -> str:
         f"[{first.device}], capacity {format_size(first.capacity_bytes)}:"
     )
     body = table(_SWEEP_HEAD, _sweep_rows(sweep))
-    advice = advice_text(a for r in sweep.results for a in r.advice)
+    advice = advice_text(
+        dataclasses.replace(a, title=f"seq_len {r.seq_len}: {a.title}")  # whose it is
+        for r in sweep.results
+        for a in r.advice
+    )
     return "\n".join([head, "", body, *section("advice:", advice)])
 
 
