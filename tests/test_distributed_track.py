@@ -124,6 +124,7 @@ def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> Non
         "aux_head" in unused["evidence"]
         and "find_unused_parameters=True is on" in unused["evidence"]
     )
+    assert unused["saving_bytes"] == 2 * (128 * 8 + 8) * 4  # aux_head and its bucket slots
     assert "ddp-gpu0-context" not in codes  # no CUDA here
     assert "ranks; imbalance between ranks" in err and "tightest" in err  # rank 0's text
     # rank 0 prints the full report; rank 1 one line that says where the rest is

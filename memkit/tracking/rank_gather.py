@@ -52,7 +52,7 @@ class RankSummary:
         steps: steps completed.
         oom: ``"step N, phase of module"`` when an OOM ended the block on this rank.
         unused_parameters: trainable parameters with no gradient at an optimizer step.
-        unused_bytes: their size.
+        unused_bytes: their bytes, with their slots in DDP's gradient buckets.
         find_unused_parameters: the DDP model's setting, if a DDP model was tracked.
         cuda_initialized, current_device: the CUDA context reading (``ddp-gpu0-context``).
     """
@@ -239,16 +239,22 @@ class RankWatch:
             return
         self.checked += 1
         names: dict[int, str] = {}
+        in_ddp: set[int] = set()
         for root in self.tracker.root_modules():
-            if self.find_unused is None and hasattr(root, "find_unused_parameters"):
+            ddp = hasattr(root, "find_unused_parameters")
+            if self.find_unused is None and ddp:
                 self.find_unused = bool(root.find_unused_parameters)
             for name, param in root.named_parameters():
                 names.setdefault(id(param), name)
+                if ddp:
+                    in_ddp.add(id(param))
         for group in optimizer.param_groups:
             for i, param in enumerate(group["params"]):
                 if param.requires_grad and param.grad is None:
                     name = names.get(id(param), f"param_groups[...][{i}]")
-                    self.unused[name] = param.numel() * param.element_size()
+                    nbytes = param.numel() * param.element_size()
+                    # DDP's gradient buckets keep a slot for it as well
+                    self.unused[name] = 2 * nbytes if id(param) in in_ddp else nbytes
 
     def install(self) -> None:
         """Wrap ``torch.distributed.destroy_process_group`` for the block."""
