@@ -81,8 +81,9 @@ def build_postmortem(
 
     oom = find_oom(exc) or exc
     details = parse_oom_message(oom)
-    dev, phase, step, module = place
-    module = display(module)
+    dev, phase, step, key = place
+    module = display(key)
+    stat = None if key is None else dev.modules.get(key)
     if details.device_index is not None and devices is not None:
         dev = devices.get(details.device_index, dev)
     # the last reading came before the failing op; what was in use when it failed is larger
@@ -120,6 +121,7 @@ def build_postmortem(
         advice=(),
         rank=launched_rank(),
         input_shape=last_input,
+        module_type=None if stat is None else stat.type_name,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

@@ -257,6 +257,7 @@ class OomPostMortem(Result):
         advice: what to do.
         rank: the distributed rank, if any.
         input_shape: the shape of the last model forward's first tensor input, if any.
+        module_type: ``module``'s class name, if known.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -280,15 +281,19 @@ class OomPostMortem(Result):
     advice: tuple[Advice, ...]
     rank: int | None = None
     input_shape: tuple[int, ...] | None = None
+    module_type: str | None = None
 
     @property
     def where(self) -> str:
-        """``step 3, backward of transformer.h.1.mlp``."""
+        """``step 3, backward of transformer.h.1.mlp (MLP)``."""
+        module = self.module
+        if module is not None and self.module_type and self.module_type != module:
+            module = f"{module} ({self.module_type})"  # a bare index (`1`) says little alone
         if self.phase == "eval":
-            inside = "" if self.module is None else f" in {self.module}"
+            inside = "" if module is None else f" in {module}"
             return f"step {self.step}, an evaluation pass{inside}"
-        if self.module is not None:
-            place = f"{self.phase} of {self.module}"
+        if module is not None:
+            place = f"{self.phase} of {module}"
         elif self.phase == "forward":
             place = "forward, outside any module (e.g. the loss)"
         else:
