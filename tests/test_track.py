@@ -503,9 +503,11 @@ def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
 
 def test_an_oom_names_a_bare_module_index_with_its_type():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 200_000))
-    with pytest.raises(torch.OutOfMemoryError):
-        with track(model, device="cpu", budget="64MiB", postmortem=None) as tracker:
-            model(torch.randn(256, 64))  # the second layer's output: 195 MiB
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, device="cpu", budget="64MiB", postmortem=None) as tracker,
+    ):
+        model(torch.randn(256, 64))  # the second layer's output: 195 MiB
     oom = tracker.report().oom
     assert oom is not None and oom.module == "1" and oom.module_type == "Linear"
     assert oom.where == "step 0, forward of 1 (Linear)"

@@ -439,8 +439,9 @@ class MicroBatchStep:
             )
         advice = (
             "memkit cannot split further: reduce what one sample needs (activation "
-            "checkpointing, mixed precision, shorter sequences) or what the model holds "
-            "(a lighter optimizer), or use a larger device"
+            "checkpointing, mixed precision, shorter sequences) or what stays on the device "
+            "between steps (a lighter optimizer; batches or outputs a list keeps alive), or use "
+            "a larger device"
         )
         return DoesNotFitError(
             "; ".join(parts) + f". {advice}. Last OOM: {message}",
