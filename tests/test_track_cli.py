@@ -117,11 +117,15 @@ def test_steps_only_and_rank_prefix(tmp_path, monkeypatch):
         str(tmp_path / "report.json"), str(script),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    # a rank other than 0 prints one line (rank 0 prints the full report), and writes its file
+    # a rank other than 0 prints one line, and writes its file; the script made no process
+    # group, so nothing is gathered into rank 0's report, and the line says so
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("[rank 1] memkit: 3 step(s), peak ")
-    assert " on cpu of 8.00 MiB; full report on rank 0" in lines[0]
+    assert " on cpu of 8.00 MiB; not gathered into rank 0's report" in lines[0]
+    assert "ranks not gathered: no process group" in " ".join(
+        json.loads((tmp_path / "report.rank1.json").read_text())["notes"]
+    )
     assert "report.rank1.json" in lines[0] and "memkit track" not in result.stderr
     data = json.loads((tmp_path / "report.rank1.json").read_text())
     assert data["rank"] == 1 and data["steps"] == 3 and data["mode"] == "steps-only"

@@ -147,3 +147,60 @@ def test_a_peak_categorised_after_main_returned_keeps_the_gradients() -> None:
     bd = tracker.report().devices[0].breakdown
     assert bd is not None and bd.phase == "other" and bd.step == 3
     assert bd.parameters == params and bd.gradients == params
+
+
+def test_a_validation_batch_between_backward_and_the_step_returns_to_the_step() -> None:
+    """An evaluation pass after backward and before optimizer.step() is inside the step: what
+    follows it (gradient clipping's temporaries) is the step's, not evaluation's."""
+    with memkit.simulate("64MiB", devices=1), memkit.track() as tracker:
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model.train()
+            model(torch.randn(32, 64)).sum().backward()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 64))
+            model.train()
+            scratch = torch.zeros(4 * 1024 * 1024)  # 16 MiB in the gap, as a clipping buffer
+            del scratch
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    dev = report.devices[0]
+    assert dev.phase_peaks["other"] >= 16 * 1024 * 1024 > dev.phase_peaks["eval"]
+    assert "eval-peak" not in {a.code for a in report.advice}
+
+
+def test_new_models_and_a_teacher_do_not_fool_the_gradient_check() -> None:
+    """The parameter that tells whether gradients are alive: a fold's new model replaces the
+    last one's (no false zero-grad-keeps-grads), and a distillation teacher seen first (its
+    parameters require grad but never get one) does not hide the student's gradients."""
+    with memkit.simulate("64MiB", devices=1), memkit.track() as tracker:
+        for _ in range(2):  # two folds, each with its own model, zero_grad before backward
+            model = nn.Linear(8, 8)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+            del model, opt
+    folds = tracker.report()
+    assert folds.steps_with_grads_at_forward == 0
+    assert "zero-grad-keeps-grads" not in {a.code for a in folds.advice}
+
+    with memkit.simulate("64MiB", devices=1), memkit.track() as tracker:
+        teacher = nn.Linear(64, 10).eval()
+        student = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+        opt = torch.optim.Adam(student.parameters())
+        for _ in range(3):
+            x = torch.randn(32, 64)
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = nn.functional.cross_entropy(student(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    bd = tracker.report().devices[0].breakdown
+    assert bd is not None
+    assert bd.gradients == sum(p.numel() * 4 for p in student.parameters())

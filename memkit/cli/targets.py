@@ -86,7 +86,7 @@ def _check_target(device: str | None, budget: str | None, on_host: list[str]) ->
     from memkit.errors import ConfigError
 
     try:
-        parse_device(device, meta=False)  # probe and run take no meta: say the forms they take
+        parse_device(device, meta=False)  # an unknown device: the forms probe and run take
         backend = get_backend(device, budget)
     except ConfigError as exc:
         raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None

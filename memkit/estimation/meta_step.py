@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -309,4 +310,6 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
 def _meta_only(exc: BaseException) -> bool:
     """Whether an error comes from running on meta tensors (values read, an op with no meta
     kernel), not from the user's code as such."""
-    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
+    if isinstance(exc, NotImplementedError):
+        return True
+    return re.search(r"\bmeta\b", str(exc), re.IGNORECASE) is not None  # not 'metadata'

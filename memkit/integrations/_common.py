@@ -41,9 +41,11 @@ def missing(extra: str, what: str, needs: str, exc: ImportError) -> MissingDepen
     )
 
 
-def _check_target(device: Any, budget: int | str | None) -> None:
+def _check_options(device: Any, budget: int | str | None) -> None:
     """A bad ``device`` or ``budget`` is a ConfigError naming the option when the callback is
-    made, not a traceback when training starts."""
+    made, not a traceback when training starts: an unknown or absent device, meta (a training
+    run's tensors are on cpu or a GPU: it would count nothing), a size that is not one."""
+    from memkit.devices import get_backend, parse_device
     from memkit.units import parse_size
 
     if budget is not None:
@@ -52,16 +54,18 @@ def _check_target(device: Any, budget: int | str | None) -> None:
                 raise ConfigError(f"expected a positive size such as 512MiB, found {budget!r}")
         except ConfigError as exc:
             raise ConfigError(f"budget={budget!r}: {exc}") from None
-    if isinstance(device, str):
-        import torch
-
-        try:
-            torch.device(device)
-        except (RuntimeError, ValueError):
+    if device is None:
+        return
+    try:
+        parsed = parse_device(device, meta=False)
+        if parsed is not None and parsed.type == "meta":
             raise ConfigError(
-                f"device={device!r}: expected a device such as 'cpu' (memkit's simulated "
-                "device), 'cuda' or 'cuda:N', found one torch does not know"
-            ) from None
+                "a training run's tensors are on cpu or a GPU, so meta would count nothing; "
+                "use 'cpu' for memkit's simulated device"
+            )
+        get_backend(parsed)  # a GPU this machine does not have
+    except ConfigError as exc:
+        raise ConfigError(f"device={device!r}: {exc}") from None
 
 
 class TrackingCallback:
@@ -101,7 +105,7 @@ class TrackingCallback:
         super().__init__()
         if postmortem not in ("stderr", None):
             raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
-        _check_target(device, budget)
+        _check_options(device, budget)
         self.device = device
         self.budget = budget
         self.per_module = per_module

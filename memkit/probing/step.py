@@ -154,7 +154,7 @@ class StepPlan:
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
-            kept + ", and the loss until the next step's loss (`loss = ...`)",
+            kept + ", and the loss through optimizer.step() (`loss = ...`)",
         ]
 
 

@@ -38,16 +38,17 @@ def gradient_witness(
 ) -> torch.Tensor | None:
     """A trainable parameter whose ``.grad`` tells whether gradients are allocated now (all
     of a model's gradients come and go together: backward creates them, ``zero_grad`` frees
-    them)."""
-    for mod in modules:
-        for p in mod.parameters():
-            if p.requires_grad:
-                return p
+    them). An optimizer's first: a module seen first may be one that never trains (a
+    distillation teacher in eval mode whose parameters still require grad)."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     return p
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad:
+                return p
     return None
 
 

@@ -480,8 +480,8 @@ class Hooks(PhaseMachine):
             if self._step_owner is None:
                 self._step_owner = weakref.ref(optimizer)
                 self._facts.optimizer_name = type(optimizer).__name__
-            if self._grad_witness is None:
-                self._grad_witness = self._find_grad_witness()
+            # an optimizer's parameter: the witness a module seen first (a teacher) may not be
+            self._grad_witness = self._find_grad_witness()
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
         # returns. ``args`` starts with the optimizer itself.

@@ -161,9 +161,10 @@ class PhaseMachine:
             if self._eval_hold:  # a framework's evaluation loop: the rest of it is eval too
                 if self._sim is not None:
                     self._sim.count_ops(True, False)
-            elif self._phase == EVAL and self._eval_return != OTHER:
+            elif self._phase == EVAL and not self._between_steps():
                 # an evaluation pass inside a training step (a distillation teacher after the
-                # student's forward): back to the step's phase
+                # student's forward; a validation batch between backward and the optimizer
+                # step): back to the step's phase
                 with self._lock:
                     if self._phase == EVAL and not self._eval_hold:
                         self._transition(self._eval_return)
@@ -174,6 +175,12 @@ class PhaseMachine:
                 self._sim.count_ops(False, False)
         elif frame.kind == TRAIN_PASS and self._sim is not None:
             self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
+
+    def _between_steps(self) -> bool:
+        """Whether an evaluation pass that just ended ran between training steps: nothing of
+        a step had run (no forward, no backward since the last optimizer step). After a
+        backward it may be inside the step (before its optimizer step), so it is not."""
+        return self._eval_return == OTHER and self._backwards_in_step == 0
 
     def _root_info(self, module: torch.nn.Module) -> RootInfo:
         """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
@@ -204,7 +211,7 @@ class PhaseMachine:
         for sub_id in keys:
             if sub_id != id(module):
                 self._owners[sub_id] = root
-        if self._grad_witness is None:
+        if self._grad_witness is None or self._grad_witness() is None:  # none yet, or gone
             self._grad_witness = self._find_grad_witness()
         sim = self._sim
         if sim is not None:

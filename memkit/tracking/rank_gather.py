@@ -286,8 +286,8 @@ class RankWatch:
         """What this rank alone can advise when the ranks were not gathered (its block ended
         with an exception, such as DDP's 'Expected to have finished reduction' that unused
         parameters cause): rank 0's report will not have it."""
-        if self.gathered or not self.unused:
-            return []
+        if self.gathered or not self.unused or self.find_unused is not False:
+            return []  # gathered, nothing unused, or no DDP model that waits for them
         rank = distributed.rank()
         advice = ddp_unused_parameters(
             {rank: sorted(self.unused)},
@@ -312,6 +312,10 @@ class RankWatch:
     def gather_now(self) -> None:
         self.done = True
         if not (distributed.is_distributed() and distributed.world_size() > 1):
+            if distributed.world_size() > 1:  # launched with ranks, no group (never, or gone)
+                self.tracker.notes.append(
+                    "ranks not gathered: no process group when the block ended"
+                )
             return
         extra = {
             "unused_parameters": tuple(sorted(self.unused)),

@@ -445,7 +445,8 @@ class TrackReport(Result):
 
     @property
     def micro_batches(self) -> int:
-        """The most training backward passes in one step (over 1: gradient accumulation)."""
+        """The most micro-batches in one step (``StepRecord.backward_passes``; over 1:
+        gradient accumulation)."""
         return max((s.backward_passes for d in self.devices for s in d.steps), default=1)
 
     @property

@@ -428,8 +428,12 @@ class Tracker(Hooks):
         if self._grad_witness is None:
             return True
         param = self._grad_witness()
-        if param is None:  # the model is gone (a script's main() returned): what was last seen
-            return self._facts.grads_were_none
+        if param is None:  # its model is gone: a new one (k-fold), or none (main() returned)
+            found = self._find_grad_witness()
+            param = None if found is None else found()
+            if param is None:  # what was last seen
+                return self._facts.grads_were_none
+            self._grad_witness = found
         self._facts.grads_were_none = none = param.grad is None
         return none
 
