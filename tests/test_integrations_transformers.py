@@ -180,14 +180,6 @@ def test_without_with_a_warning_says_how_to_end_tracking_after_an_exception(tmp_
 def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         MemkitCallback(html=tmp_path / "missing" / "r.html")
-    with pytest.raises(ConfigError, match=r"budget='12XB': unknown size unit"):
-        MemkitCallback(device="cpu", budget="12XB")  # when made, not when training starts
-    with pytest.raises(ConfigError, match=r"device='gpu'"):
-        MemkitCallback(device="gpu")
-    with pytest.raises(ConfigError, match=r"device='meta': .* would count nothing"):
-        MemkitCallback(device="meta")
-    with pytest.raises(ConfigError, match=r"device='cuda:7': device cuda:7 "):
-        MemkitCallback(device="cuda:7")  # no such GPU on this machine
     monkeypatch.delitem(sys.modules, "memkit.integrations.transformers")
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(MissingDependencyError, match=r"pip install memkit\[transformers\]"):

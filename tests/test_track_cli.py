@@ -297,6 +297,16 @@ print("survived the finalizer", flush=True)
 """
 
 
+def _start_run(script: Path, out: Path, *options: str) -> subprocess.Popen[str]:
+    """``memkit run --device cpu --budget 8MiB --json OUT [OPTIONS] SCRIPT`` in a process of
+    its own, its output piped (for the signal tests)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
+         "--json", str(out), *options, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_sigterm_that_lands_where_python_drops_exceptions_still_stops_the_script(tmp_path):
     """A signal handler can run inside a weakref callback or a __del__ (the simulated device
@@ -304,11 +314,7 @@ def test_sigterm_that_lands_where_python_drops_exceptions_still_stops_the_script
     and its report, not loop on with every later SIGTERM ignored, and print no traceback."""
     script = write(tmp_path, SIGTERM_IN_A_FINALIZER)
     out = tmp_path / "r.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
-         "--json", str(out), str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _start_run(script, out)
     try:
         out_text, err = proc.communicate(timeout=60)
     finally:
@@ -355,11 +361,7 @@ def test_sigterm_dropped_just_before_the_script_ends_still_exits_143(tmp_path):
 def test_ctrl_c_still_writes_the_report_and_exits_130_without_a_traceback(tmp_path):
     script = write(tmp_path, LOOP_FOREVER)
     out = tmp_path / "r.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
-         "--json", str(out), str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _start_run(script, out)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "step 3", "the script never reached step 3"
@@ -386,11 +388,7 @@ def test_ctrl_c_still_writes_the_report_and_exits_130_without_a_traceback(tmp_pa
 def test_sigterm_still_writes_the_report_and_exits_143(tmp_path):
     script = write(tmp_path, LOOP_FOREVER)
     out, page = tmp_path / "r.json", tmp_path / "r.html"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
-         "--json", str(out), "--html", str(page), str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _start_run(script, out, "--html", str(page))
     watchdog = threading.Timer(120, proc.kill)  # a hang fails the test instead of blocking it
     watchdog.start()
     try:
