@@ -511,3 +511,25 @@ def test_an_oom_names_a_bare_module_index_with_its_type():
     oom = tracker.report().oom
     assert oom is not None and oom.module == "1" and oom.module_type == "Linear"
     assert oom.where == "step 0, forward of 1 (Linear)"
+
+
+def test_a_step_the_grad_scaler_skips_still_ends_the_step():
+    """fp16 training: GradScaler skips optimizer.step() when the gradients overflow (the
+    first steps, while the scale settles). The step still ends there; its backward is no
+    micro-batch of the next step."""
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for i in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8)).sum() * (float("inf") if i == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)  # skipped at i == 1: inf gradients
+            scaler.update()
+    assert scaler.get_scale() < 2.0**16  # one step was skipped
+    report = tracker.report()
+    assert report.steps == 4 and report.micro_batches == 1
+    assert torch.amp.GradScaler.step.__name__ == "step" and not hasattr(
+        torch.amp.GradScaler.step, "__wrapped__"
+    )  # put back after the block

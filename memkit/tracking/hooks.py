@@ -84,6 +84,7 @@ class Hooks(PhaseMachine):
     _step_owner: weakref.ref[Any] | None
     _warning_filter: Any
     _backward_depth: int
+    _optimizer_calls: int
     _unwrap: tuple[Any, Any] | None
     _fail: tuple[int, DeviceRecord, int, int, str | None] | None
     _ranks_watch: RankWatch | None
@@ -122,6 +123,7 @@ class Hooks(PhaseMachine):
             self._warning_filter = None if added in before else added  # a user's stays
         self._wrap_backward()
         self._wrap_data_loading()
+        self._wrap_grad_scaler()
         if self.optimizers:
             for opt in self.optimizers:
                 h.append(opt.register_step_pre_hook(self._opt_pre))
@@ -184,6 +186,28 @@ class Hooks(PhaseMachine):
 
         cls.__next__ = fetch  # type: ignore[method-assign,assignment]
         self._handles.append(_Restore(cls, "__next__", original, fetch))
+
+    def _wrap_grad_scaler(self) -> None:
+        """A step that ``GradScaler`` skips (inf or NaN gradients: fp16's first steps, while
+        the scale settles) calls no ``optimizer.step()``; it still ends the training step,
+        or its backward would be counted as a micro-batch of the next one."""
+        from torch.amp import grad_scaler
+
+        cls = grad_scaler.GradScaler
+        original = cls.step
+
+        @functools.wraps(original)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = self._optimizer_calls
+            result = original(scaler, optimizer, *args, **kwargs)
+            if self._active and self._optimizer_calls == before:
+                tracked = not self.optimizers or any(o is optimizer for o in self.optimizers)
+                if tracked and self._opt_pre(optimizer, (optimizer,), {}) is None:
+                    self._opt_post(optimizer, (), {})
+            return result
+
+        cls.step = step  # type: ignore[method-assign,assignment]
+        self._handles.append(_Restore(cls, "step", original, step))
 
     def _remove(self) -> None:
         if self._warning_filter is not None:
@@ -475,6 +499,7 @@ class Hooks(PhaseMachine):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._active:
             return None
+        self._optimizer_calls += 1
         if id(optimizer) not in self._seen_optimizers:
             self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
             if self._step_owner is None:
