@@ -1,5 +1,6 @@
-"""The hooks: module forward pre/post hooks, gradient hooks, the ``autograd.backward`` wrapper,
-optimizer step hooks, and the hot path they share.
+"""The hooks: module forward pre/post hooks, gradient hooks, optimizer step hooks, and the hot
+path they share (the torch functions wrapped for the block, ``autograd.backward`` among them,
+are in memkit/tracking/wrappers.py).
 
 ``with memkit.track(model, optimizer=opt) as tracker:`` installs
 
@@ -44,7 +45,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.tracking.phases import (
     BACKWARD,
@@ -56,6 +56,7 @@ from memkit.tracking.phases import (
     PhaseMachine,
 )
 from memkit.tracking.records import DeviceRecord, Frame, IgnoredCall, ModuleStat, RootInfo
+from memkit.tracking.wrappers import wrap_backward, wrap_data_loading, wrap_grad_scaler
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RankWatch
@@ -85,7 +86,6 @@ class Hooks(PhaseMachine):
     _warning_filter: Any
     _backward_depth: int
     _optimizer_calls: int
-    _unwrap: tuple[Any, Any] | None
     _fail: tuple[int, DeviceRecord, int, int, str | None] | None
     _ranks_watch: RankWatch | None
 
@@ -121,9 +121,10 @@ class Hooks(PhaseMachine):
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             added = warnings.filters[0]
             self._warning_filter = None if added in before else added  # a user's stays
-        self._wrap_backward()
-        self._wrap_data_loading()
-        self._wrap_grad_scaler()
+        h.append(wrap_backward(self._begin_backward, self._end_backward, self._backward_failed))
+        if self._sim is not None:
+            h.append(wrap_data_loading(self._sim))
+        h.append(wrap_grad_scaler(lambda: self._optimizer_calls, self._scaler_skipped))
         if self.optimizers:
             for opt in self.optimizers:
                 h.append(opt.register_step_pre_hook(self._opt_pre))
@@ -132,82 +133,18 @@ class Hooks(PhaseMachine):
             h.append(optim_module.register_optimizer_step_pre_hook(self._opt_pre))
             h.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
 
-    def _wrap_backward(self) -> None:
-        """Mark backward's start and end exactly: wrap ``torch.autograd.backward`` (what
-        ``Tensor.backward`` calls) for the block. The first gradient hook comes too late: the
-        loss's own backward (e.g. the gradient of the logits) runs before it."""
-        autograd = torch.autograd
-        original = autograd.backward
-        begin, end = self._begin_backward, self._end_backward
+    def _backward_failed(self) -> None:
+        with self._lock:
+            self._backward_depth = max(0, self._backward_depth - 1)
 
-        def failed() -> None:
-            with self._lock:
-                self._backward_depth = max(0, self._backward_depth - 1)
-
-        @functools.wraps(original)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            begin()
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                failed()  # keep the phase: a post-mortem reads it
-                raise
-            end()
-            return result
-
-        autograd.backward = backward
-        self._unwrap = (original, backward)
-
-    def _wrap_data_loading(self) -> None:
-        """Data loading is host work: while a DataLoader fetches a batch (datasets, transforms,
-        collation), the simulated device counts nothing."""
-        sim = self._sim
-        if sim is None:
+    def _scaler_skipped(self, optimizer: Any) -> None:
+        """A step GradScaler skipped: it ends the training step as optimizer.step() would."""
+        if not self._active:
             return
-        from torch.utils.data import dataloader
-
-        cls = dataloader._BaseDataLoaderIter
-        original = cls.__next__
-
-        @functools.wraps(original)
-        def fetch(it: Any) -> Any:
-            acct = sim.accountant
-            if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
-                with _disable_current_modes():
-                    return original(it)
-            if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
-                return original(it)
-            saved = acct.counting, acct.adopting
-            sim.count_ops(False, False)
-            try:
-                return original(it)
-            finally:
-                sim.count_ops(*saved)
-
-        cls.__next__ = fetch  # type: ignore[method-assign,assignment]
-        self._handles.append(_Restore(cls, "__next__", original, fetch))
-
-    def _wrap_grad_scaler(self) -> None:
-        """A step that ``GradScaler`` skips (inf or NaN gradients: fp16's first steps, while
-        the scale settles) calls no ``optimizer.step()``; it still ends the training step,
-        or its backward would be counted as a micro-batch of the next one."""
-        from torch.amp import grad_scaler
-
-        cls = grad_scaler.GradScaler
-        original = cls.step
-
-        @functools.wraps(original)
-        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            before = self._optimizer_calls
-            result = original(scaler, optimizer, *args, **kwargs)
-            if self._active and self._optimizer_calls == before:
-                tracked = not self.optimizers or any(o is optimizer for o in self.optimizers)
-                if tracked and self._opt_pre(optimizer, (optimizer,), {}) is None:
-                    self._opt_post(optimizer, (), {})
-            return result
-
-        cls.step = step  # type: ignore[method-assign,assignment]
-        self._handles.append(_Restore(cls, "step", original, step))
+        if self.optimizers and not any(o is optimizer for o in self.optimizers):
+            return
+        if self._opt_pre(optimizer, (optimizer,), {}) is None:
+            self._opt_post(optimizer, (), {})
 
     def _remove(self) -> None:
         if self._warning_filter is not None:
@@ -217,14 +154,6 @@ class Hooks(PhaseMachine):
             self._warning_filter = None
         if self._ranks_watch is not None:
             self._ranks_watch.remove()
-        unwrap = self._unwrap
-        if unwrap is not None:
-            original, wrapper = unwrap
-            if torch.autograd.backward is wrapper:
-                torch.autograd.backward = original
-            else:  # someone wrapped it after us: leave theirs, make ours a no-op
-                log.debug("torch.autograd.backward was re-wrapped; leaving it")
-            self._unwrap = None
         while self._handles:
             handle = self._handles.pop()
             try:
@@ -558,17 +487,6 @@ class Hooks(PhaseMachine):
                 self._transition(OTHER)
 
 
-class _Restore:
-    """A removable handle that puts an attribute back (if nobody replaced it since)."""
-
-    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
-        self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
-
-    def remove(self) -> None:
-        if getattr(self.owner, self.name) is self.replacement:
-            setattr(self.owner, self.name, self.original)
-
-
 def _first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor of a module output: itself, or in a tuple/list/dict (one level)."""
     if isinstance(value, torch.Tensor):
@@ -592,14 +510,3 @@ def _queue_callback(fn: Callable[[], None]) -> bool:
         log.debug("cannot queue an end-of-backward callback: %s", exc)
         return False
     return True
-
-
-def _mode_active(mode: Any) -> bool:
-    """``mode`` is on this thread's dispatch-mode stack."""
-    stack = torch._C._get_dispatch_stack_at
-    return any(stack(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
-
-
-def _only_mode(mode: Any) -> bool:
-    """``mode`` is the only dispatch mode active in this thread."""
-    return torch._C._len_torch_dispatch_stack() == 1 and torch._C._get_dispatch_stack_at(0) is mode

@@ -22,6 +22,7 @@ from memkit.advice import Advice
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.render import track as layout
 from memkit.results import Result
+from memkit.tracking.wrappers import Restore
 
 __all__ = [
     "GATHER_TIMEOUT",
@@ -226,7 +227,7 @@ class RankWatch:
         self.gathered = False
         self.report: RanksReport | None = None
         """Rank 0's report of all ranks, once gathered (the tracker's report shows it)."""
-        self._unwrap: tuple[Any, Any] | None = None
+        self._restore: Restore | None = None
 
     @staticmethod
     def wanted() -> bool:
@@ -270,17 +271,12 @@ class RankWatch:
             return original(group, *args, **kwargs)
 
         dist.destroy_process_group = destroy_process_group
-        self._unwrap = (original, destroy_process_group)
+        self._restore = Restore(dist, "destroy_process_group", original, destroy_process_group)
 
     def remove(self) -> None:
-        if self._unwrap is None:
-            return
-        import torch.distributed as dist
-
-        original, wrapper = self._unwrap
-        if dist.destroy_process_group is wrapper:
-            dist.destroy_process_group = original
-        self._unwrap = None
+        if self._restore is not None:
+            self._restore.remove()
+            self._restore = None
 
     def local_advice(self) -> list[Advice]:
         """What this rank alone can advise when the ranks were not gathered (its block ended

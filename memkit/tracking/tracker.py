@@ -175,7 +175,6 @@ class Tracker(Hooks):
         self._grad_witness: weakref.ref[torch.Tensor] | None = None
         self._backward_depth = 0
         self._optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
-        self._unwrap: tuple[Any, Any] | None = None
         self._last_root: tuple[bool, bool] | None = None
         self._fail: tuple[int, DeviceRecord, int, int, str | None] | None = None
         self._leak_watch = leaks.LeakWatch(leak_warmup)

@@ -1,0 +1,120 @@
+"""The torch functions a tracker replaces for its block, each put back by the handle returned
+(:class:`Restore`, kept with the tracker's hook handles):
+
+* ``torch.autograd.backward``: marks backward's start and end exactly;
+* ``DataLoader`` iteration: a batch fetch is host work, which the simulated device does not
+  count;
+* ``GradScaler.step``: a step the scaler skips still ends the training step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["Restore", "wrap_backward", "wrap_data_loading", "wrap_grad_scaler"]
+
+log = logging.getLogger(__name__)
+
+
+class Restore:
+    """A removable handle that puts an attribute back (if nobody replaced it since: then
+    theirs stays, and ours is left in their chain)."""
+
+    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+        self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
+
+    def remove(self) -> None:
+        if getattr(self.owner, self.name) is self.replacement:
+            setattr(self.owner, self.name, self.original)
+        else:
+            log.debug("%s.%s was replaced again; leaving it", self.owner, self.name)
+
+
+def wrap_backward(
+    begin: Callable[[], None], end: Callable[[], None], failed: Callable[[], None]
+) -> Restore:
+    """Wrap ``torch.autograd.backward`` (what ``Tensor.backward`` calls) so that ``begin`` and
+    ``end`` mark backward's start and end exactly (the first gradient hook comes too late: the
+    loss's own backward, e.g. the gradient of the logits, runs before it); ``failed`` when it
+    raises (the phase stays: a post-mortem reads it)."""
+    autograd = torch.autograd
+    original = autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        begin()
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            failed()
+            raise
+        end()
+        return result
+
+    autograd.backward = backward
+    return Restore(autograd, "backward", original, backward)
+
+
+def wrap_data_loading(sim: Any) -> Restore:
+    """While a DataLoader fetches a batch (datasets, transforms, collation), the simulated
+    device ``sim`` counts nothing: it is host work."""
+    from torch.utils.data import dataloader
+
+    cls = dataloader._BaseDataLoaderIter
+    original = cls.__next__
+
+    @functools.wraps(original)
+    def fetch(it: Any) -> Any:
+        acct = sim.accountant
+        if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
+            with _disable_current_modes():
+                return original(it)
+        if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
+            return original(it)
+        saved = acct.counting, acct.adopting
+        sim.count_ops(False, False)
+        try:
+            return original(it)
+        finally:
+            sim.count_ops(*saved)
+
+    cls.__next__ = fetch  # type: ignore[method-assign,assignment]
+    return Restore(cls, "__next__", original, fetch)
+
+
+def wrap_grad_scaler(calls: Callable[[], int], skipped: Callable[[Any], None]) -> Restore:
+    """``GradScaler.step(optimizer)`` calls no ``optimizer.step()`` when it skips the step
+    (inf or NaN gradients: fp16's first steps, while the scale settles): then ``skipped``
+    gets the optimizer. ``calls()`` counts the optimizer steps seen, before and after."""
+    from torch.amp import grad_scaler
+
+    cls = grad_scaler.GradScaler
+    original = cls.step
+
+    @functools.wraps(original)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = calls()
+        result = original(scaler, optimizer, *args, **kwargs)
+        if calls() == before:
+            skipped(optimizer)
+        return result
+
+    cls.step = step  # type: ignore[method-assign,assignment]
+    return Restore(cls, "step", original, step)
+
+
+def _mode_active(mode: Any) -> bool:
+    """``mode`` is on this thread's dispatch-mode stack."""
+    stack = torch._C._get_dispatch_stack_at
+    return any(stack(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+
+
+def _only_mode(mode: Any) -> bool:
+    """``mode`` is the only dispatch mode active in this thread."""
+    return torch._C._len_torch_dispatch_stack() == 1 and torch._C._get_dispatch_stack_at(0) is mode
