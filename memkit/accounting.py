@@ -208,9 +208,6 @@ class MemoryAccountant(TorchDispatchMode):
         """Count storages that ops create (off: host-side work such as data loading)."""
         self.adopting = True
         """Adopt storages that existed before and that an op reads for the first time."""
-        self.following = False
-        """While ``counting`` is off: still count what an op makes from counted storages (an
-        op on device tensors makes device tensors, as on a GPU; host data stays uncounted)."""
         _ACCOUNTANTS.add(self)
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
@@ -392,15 +389,6 @@ class MemoryAccountant(TorchDispatchMode):
                     self._adopted[id(storage)] = _existed(tensor)
         return new, grown
 
-    def _reads_counted(self, inputs: Any) -> bool:
-        """Whether an op reads a storage this accountant counts (a device tensor)."""
-        live = self._live
-        for tensor in _tensors(inputs):
-            storage = self._storage(tensor)
-            if storage is not None and id(storage) in live:
-                return True
-        return False
-
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # Dynamo must never trace this handler (a compiled model calls it for every op). torch
@@ -411,10 +399,9 @@ class MemoryAccountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = (*args, kwargs) if kwargs else args
-        if not self.counting and not (self.following and self._reads_counted(inputs)):
+        if not self.counting:
             return out
-        new, grown = self._scan(out, inputs)
+        new, grown = self._scan(out, (*args, kwargs) if kwargs else args)
         added = sum(size for _, size in new.values())
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1

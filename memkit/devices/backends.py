@@ -252,15 +252,13 @@ class SimulatedBackend:
         """Count ops run in this thread until the block exits (re-entrant)."""
         return self.accountant
 
-    def count_ops(self, counting: bool, adopting: bool, *, following: bool = True) -> None:
+    def count_ops(self, counting: bool, adopting: bool) -> None:
         """Whether ops now create device memory (``counting``) and whether storages made
         earlier become device memory when an op reads them (``adopting``): a tracker turns
-        both off for code between steps, where only ops on device tensors still make device
-        memory (``following``), and all three for data loading (host work)."""
+        both off for host-side work (data loading, code between steps)."""
         acct = self.accountant
         acct.counting = counting
         acct.adopting = adopting
-        acct.following = following and not counting
 
     def __repr__(self) -> str:
         return f"SimulatedBackend({self.device}, budget={self.budget})"

@@ -77,12 +77,12 @@ def wrap_data_loading(sim: Any) -> Restore:
                 return original(it)
         if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
             return original(it)
-        saved = acct.counting, acct.adopting, acct.following
-        sim.count_ops(False, False, following=False)
+        saved = acct.counting, acct.adopting
+        sim.count_ops(False, False)
         try:
             return original(it)
         finally:
-            acct.counting, acct.adopting, acct.following = saved
+            sim.count_ops(*saved)
 
     cls.__next__ = fetch  # type: ignore[method-assign,assignment]
     return Restore(cls, "__next__", original, fetch)
