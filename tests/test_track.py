@@ -533,3 +533,25 @@ def test_a_step_the_grad_scaler_skips_still_ends_the_step():
     assert torch.amp.GradScaler.step.__name__ == "step" and not hasattr(
         torch.amp.GradScaler.step, "__wrapped__"
     )  # put back after the block
+
+
+def test_evaluation_after_a_manual_sgd_step_is_evaluation():
+    """Without an optimizer (manual SGD), a step ends with its backward: an evaluation that
+    follows and keeps its outputs is between steps, so what it holds is evaluation's, not
+    the training peak."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    with track(device="cpu", budget="256MiB") as tracker:
+        for _ in range(4):
+            model.train()
+            model(torch.randn(16, 64)).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+                    p.grad = None
+                model.eval()
+                kept = [model(torch.randn(2048, 64)) for _ in range(3)]  # outputs kept
+            del kept
+    report = tracker.report()
+    bd = report.devices[0].breakdown
+    assert report.step_rule == "backward" and bd is not None and bd.phase != "other"
+    assert report.devices[0].phase_peaks["eval"] > report.devices[0].phase_peaks["other"]

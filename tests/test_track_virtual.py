@@ -152,20 +152,21 @@ def test_a_peak_categorised_after_main_returned_keeps_the_gradients() -> None:
 def test_a_validation_batch_between_backward_and_the_step_returns_to_the_step() -> None:
     """An evaluation pass after backward and before optimizer.step() is inside the step: what
     follows it (gradient clipping's temporaries) is the step's, not evaluation's."""
-    with memkit.simulate("64MiB", devices=1), memkit.track() as tracker:
+    with memkit.simulate("64MiB", devices=1):
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            model.train()
-            model(torch.randn(32, 64)).sum().backward()
-            model.eval()
-            with torch.no_grad():
-                model(torch.randn(8, 64))
-            model.train()
-            scratch = torch.zeros(4 * 1024 * 1024)  # 16 MiB in the gap, as a clipping buffer
-            del scratch
-            opt.step()
-            opt.zero_grad()
+        with memkit.track(model, opt) as tracker:  # the optimizer is known from step 0
+            for _ in range(3):
+                model.train()
+                model(torch.randn(32, 64)).sum().backward()
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(8, 64))
+                model.train()
+                scratch = torch.zeros(4 * 1024 * 1024)  # 16 MiB in the gap, as a clipping buffer
+                del scratch
+                opt.step()
+                opt.zero_grad()
     report = tracker.report()
     dev = report.devices[0]
     assert dev.phase_peaks["other"] >= 16 * 1024 * 1024 > dev.phase_peaks["eval"]

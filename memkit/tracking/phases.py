@@ -56,6 +56,7 @@ class PhaseMachine:
     """Phase transitions, root forwards, step boundaries and evaluation windows."""
 
     # the tracker's state this part reads and writes (set in Tracker.__init__)
+    optimizers: list[torch.optim.Optimizer]
     _active: bool
     _lock: threading.RLock
     _devices: dict[Any, DeviceRecord]
@@ -178,9 +179,13 @@ class PhaseMachine:
 
     def _between_steps(self) -> bool:
         """Whether an evaluation pass that just ended ran between training steps: nothing of
-        a step had run (no forward, no backward since the last optimizer step). After a
-        backward it may be inside the step (before its optimizer step), so it is not."""
-        return self._eval_return == OTHER and self._backwards_in_step == 0
+        a step had run (no backward since the last optimizer step), or no optimizer is known
+        (manual SGD: a step ends with its backward). After a backward with an optimizer known
+        it may be inside the step (before the optimizer step), so it is not."""
+        if self._eval_return != OTHER:
+            return False
+        no_optimizer = not (self.optimizers or self._seen_optimizers or self._manual_steps)
+        return self._backwards_in_step == 0 or no_optimizer
 
     def _root_info(self, module: torch.nn.Module) -> RootInfo:
         """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
