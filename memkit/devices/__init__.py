@@ -11,6 +11,8 @@ Every other module asks this package for numbers; only its modules call ``torch.
 * :mod:`~memkit.devices.readings`: device-wide GPU readings from the driver (:func:`nvml_stats`,
   :func:`nvidia_smi_stats`, :func:`gpu_stats`), for snapshots, never for hot paths.
 * :mod:`~memkit.devices.counters`: cheap counter readers for hooks (:func:`counter_reader`).
+* :mod:`~memkit.devices.peaks`: the user's peak counters kept true while memkit resets them
+  (:class:`UserPeaks`).
 * :mod:`~memkit.devices.state`: RNG states, the current device, CUDA's initialisation, the
   device a collective needs.
 * :mod:`~memkit.devices.cuda_history`: the caching allocator's trace (:mod:`memkit.history`).
@@ -44,6 +46,7 @@ from memkit.devices.host import (
     default_cpu_budget,
     host_memory,
 )
+from memkit.devices.peaks import UserPeaks
 from memkit.devices.readings import (
     GpuProcess,
     GpuStats,
@@ -71,6 +74,7 @@ __all__ = [
     "HostMemory",
     "MemoryBackend",
     "SimulatedBackend",
+    "UserPeaks",
     "VirtualDeviceBackend",
     "accelerator_available",
     "collective_device",

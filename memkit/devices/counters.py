@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from memkit.devices.backends import CudaBackend, SimulatedBackend, VirtualDeviceBackend
+from memkit.devices.peaks import UserPeaks
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,18 @@ class PeakResetter(Protocol):
     def __call__(self) -> None: ...
 
 
-def counter_reader(backend: Any) -> tuple[CounterReader, PeakResetter]:
+def counter_reader(
+    backend: Any, peaks: UserPeaks | None = None
+) -> tuple[CounterReader, PeakResetter]:
     """A fast ``(read, reset_peak)`` pair for hooks that run once per module call.
 
     ``read()`` returns ``(allocated, reserved, peak_allocated, peak_reserved)`` in one call;
     ``reset_peak()`` resets both peaks. On CUDA, ``read`` calls ``torch._C._cuda_memoryStats``
     once (the public ``torch.cuda.memory_allocated`` builds and sorts a flat dict of every
     statistic per call, several times slower) and returns zeros while CUDA is not initialised.
-    Neither function synchronises, allocates device memory or spawns a process.
+    Neither function synchronises, allocates device memory or spawns a process. With
+    ``peaks`` (CUDA), ``reset_peak`` first folds the peaks read last into the user's view
+    (:mod:`memkit.devices.peaks`): callers read, then reset.
     """
     if isinstance(backend, SimulatedBackend):
         acct = backend.accountant
@@ -59,15 +64,22 @@ def counter_reader(backend: Any) -> tuple[CounterReader, PeakResetter]:
         initialized = torch.cuda.is_initialized
         if stats is not None and reset is not None:
 
+            last = [0, 0]  # the peaks read last, for ``peaks``
+
             def read_cuda() -> tuple[int, int, int, int]:
                 if not initialized():
                     return 0, 0, 0, 0
                 s = stats(index)
                 a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-                return a["current"], r["current"], a["peak"], r["peak"]
+                last[0], last[1] = a["peak"], r["peak"]
+                return a["current"], r["current"], last[0], last[1]
+
+            fold = None if peaks is None else peaks.fold
 
             def reset_cuda() -> None:
                 if initialized():
+                    if fold is not None:
+                        fold(last[0], last[1])
                     reset(index)
 
             try:

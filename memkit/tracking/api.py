@@ -27,6 +27,7 @@ def track(
     device: str | torch.device | VirtualDevices | None = None,
     budget: int | str | None = None,
     per_module: bool = True,
+    module_every: int | None = None,
     postmortem: str | None = "stderr",
     timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
     leak_warmup: int = 2,
@@ -52,7 +53,10 @@ def track(
             else the simulated cpu device.
         budget: size of the simulated device (``"300MiB"``): the block raises
             ``torch.OutOfMemoryError`` when it is crossed, as a GPU of that size would.
-        per_module: hooks on every module (default), or on the model only (least overhead).
+        per_module: module detail (default), or hooks on the model only (least overhead).
+        module_every: module hooks on steps 0 and 1 and then every ``module_every``-th step
+            (steps and phases are exact on every step); ``1``: every step. Default: every step
+            on the simulated device, 100 on an accelerator (docs/track.md, "What it costs").
         postmortem: ``"stderr"`` (default) prints the diagnosis of an OOM that leaves the block;
             ``None`` only logs it. The exception propagates unchanged either way.
         timeline_limit: counter readings kept per device.
@@ -86,6 +90,7 @@ def track(
         device=device,
         budget=budget,
         per_module=per_module,
+        module_every=module_every,
         postmortem=postmortem,
         timeline_limit=timeline_limit,
         leak_warmup=leak_warmup,

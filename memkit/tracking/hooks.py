@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +66,7 @@ __all__ = ["Hooks"]
 log = logging.getLogger(__name__)
 
 _clock = time.perf_counter
+_compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -88,33 +89,32 @@ class Hooks(PhaseMachine):
     _optimizer_calls: int
     _fail: tuple[int, DeviceRecord, int, int, str | None] | None
     _ranks_watch: RankWatch | None
+    _detail_handles: list[Any]
+    _detail_on: bool
+    _layout: tuple[bool, bool] | None
+    _compiled: bool
+    _module_every: int
+    _roots: dict[int, RootInfo]
+    _step: int
 
     if TYPE_CHECKING:  # defined by Tracker
 
         def _dev_for_args(self, args: Any) -> DeviceRecord: ...
         def _dev_index(self, index: int) -> DeviceRecord: ...
-        def _index_of(self, tensor: torch.Tensor) -> int: ...
+        def _index_of(self, tensor: torch.Tensor | None) -> int: ...
 
     def _install(self) -> None:
-        from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
         h = self._handles
-        if self.model is not None:
-            root_name = type(self.model).__name__
-            targets: Iterable[tuple[str, torch.nn.Module]] = (
-                self.model.named_modules() if self.per_module else [("", self.model)]
-            )
-            for name, mod in targets:
-                label = name or root_name
-                leaf = not any(True for _ in mod.children())
-                h.append(mod.register_forward_pre_hook(self._make_pre(label, leaf)))
-                h.append(mod.register_forward_hook(self._make_post(label), always_call=True))
-            if isinstance(self.model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
-                h.append(self.model.register_forward_hook(self._make_dp_output()))
-        else:  # every module: the trained model is found as its forward runs
-            h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
-            h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+        model = self.model
+        if model is not None:  # the model's own hooks stay for the block
+            leaf = not any(True for _ in model.children())
+            h.append(model.register_forward_pre_hook(self._make_pre("", leaf)))
+            h.append(model.register_forward_hook(self._make_post(""), always_call=True))
+            if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
+                h.append(model.register_forward_hook(self._make_dp_output()))
+        else:
             # torch warns once per call site that global hooks also fire for torch.compile's
             # wrapper; memkit expects that and keeps the user's stderr quiet
             before = list(warnings.filters)
@@ -132,6 +132,71 @@ class Hooks(PhaseMachine):
         else:
             h.append(optim_module.register_optimizer_step_pre_hook(self._opt_pre))
             h.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
+        self._set_detail(self._wants_detail(0), force=True)
+
+    # module detail: on sampled steps only (memkit/tracking/sampling.py says which)
+
+    def _set_detail(self, on: bool, *, force: bool = False) -> None:
+        """Install the hooks of module detail (``on``), or the model's own hooks alone.
+
+        With a model: its submodules' hooks come and go. Without one: torch's global module
+        hooks on detail steps and on the steps that look for models (step 0, then every
+        ``module_every``-th, never once a compiled model is seen), else hooks on the models
+        seen so far: a model first used on another step is found at the next such step.
+        """
+        look = self.model is None and (on or self._looks_for_models(self._step))
+        layout = (on, look)
+        if layout == self._layout and not force:
+            return
+        self._remove_detail()
+        self._layout = layout
+        self._detail_on = on
+        h = self._detail_handles
+        if self.model is not None:
+            if not on:
+                return
+            root_name = _model_name(self.model)
+            for name, mod in self.model.named_modules():
+                if not name:
+                    continue  # the model's own hooks are permanent
+                leaf = not any(True for _ in mod.children())
+                h.append(mod.register_forward_pre_hook(self._make_pre(name, leaf, root_name)))
+                h.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+            return
+        from torch.nn.modules import module as nn_module
+
+        if look:
+            h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
+            h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+            return
+        post = self._make_post("")
+        for root in list(self._roots.values()):
+            mod = root.ref()
+            if mod is not None and root.model:
+                h.append(mod.register_forward_pre_hook(self._global_pre))
+                h.append(mod.register_forward_hook(post, always_call=True))
+
+    def _looks_for_models(self, step: int) -> bool:
+        """Whether global hooks look for models on step ``step`` (no model given)."""
+        return not self._compiled and step % self._module_every == 0
+
+    def _wants_detail(self, step: int) -> bool:
+        """Whether step ``step`` gets module detail: the first two steps (the first makes the
+        optimizer state, the second is the steady state), then every ``module_every``-th; never
+        for a compiled model (hooks inside its graph would break it)."""
+        if not self.per_module or self._compiled:
+            return False
+        every = self._module_every
+        return every <= 1 or step < 2 or step % every == 0
+
+    def _schedule_detail(self) -> None:
+        """At a step boundary: module detail for the step that begins, or not."""
+        self._set_detail(self._wants_detail(self._step))
+
+    def _remove_detail(self) -> None:
+        handles = self._detail_handles
+        while handles:
+            handles.pop().remove()
 
     def _backward_failed(self) -> None:
         with self._lock:
@@ -154,6 +219,7 @@ class Hooks(PhaseMachine):
             self._warning_filter = None
         if self._ranks_watch is not None:
             self._ranks_watch.remove()
+        self._remove_detail()
         while self._handles:
             handle = self._handles.pop()
             try:
@@ -195,13 +261,16 @@ class Hooks(PhaseMachine):
     # Hooks on modules are plain closures, not bound methods or partials: ``copy.deepcopy`` of
     # a tracked model (an EMA copy) copies functions by reference, but would try to copy the
     # tracker (and its locks) through a bound method. Inert once the block has exited.
-    def _make_pre(self, name: str, leaf: bool) -> Callable[[Any, Any], None]:
+    def _make_pre(
+        self, name: str, leaf: bool, root: str | None = None
+    ) -> Callable[[Any, Any], None]:
         impl = self._pre
-        root = type(self.model).__name__
+        root = root or _model_name(self.model)
         key = f"{root}.{name}" if name else root
 
         def pre(module: torch.nn.Module, args: Any) -> None:
-            impl(key, leaf, module, args, None)
+            if not _compiling():  # traced by TorchDynamo: nothing to do, nothing to guard
+                impl(key, leaf, module, args, None)
 
         return pre
 
@@ -209,12 +278,13 @@ class Hooks(PhaseMachine):
         impl = self._post
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            impl(module, args, output)
+            if not _compiling():
+                impl(module, args, output)
 
         return post
 
     def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._active:
+        if not self._active or _compiling():
             return
         tls = self._tls
         try:
@@ -223,7 +293,7 @@ class Hooks(PhaseMachine):
             stack = tls.stack = []
         root: RootInfo | None = None
         if stack:
-            if stack[-1].kind < 0 or not self.per_module:
+            if stack[-1].kind < 0 or not self._detail_on:
                 stack.append(IgnoredCall(id(module)))
                 return
             keys = tls.keys
@@ -262,8 +332,17 @@ class Hooks(PhaseMachine):
                 stack.append(IgnoredCall(id(module)))
                 return
         dev = self._single or self._dev_for_args(args)
-        kind = stack[-1].kind if stack else self._root_pre(module, args, root)
-        a, r, p, pr = dev.read()
+        if stack:
+            kind = stack[-1].kind
+            a, r, p, pr = dev.read()
+        else:
+            events = dev.events
+            kind = self._root_pre(module, args, root)
+            if dev.events != events:  # a transition read and reset the counters just now
+                a, r = dev.last
+                p, pr = a, r
+            else:
+                a, r, p, pr = dev.read()
         if p > a:
             dev.reset()
         if stack:
@@ -359,12 +438,18 @@ class Hooks(PhaseMachine):
             if t is not None and t.requires_grad:
                 last = getattr(tls, "hooked", None)
                 if last is None or last() is not t:
-                    t.register_hook(bw)
+                    node = t.grad_fn
+                    if node is not None:  # a node pre-hook: half the cost of a tensor hook
+                        node.register_prehook(bw)
+                    else:
+                        t.register_hook(bw)
                     tls.hooked = weakref.ref(t)
         dev.timeline.append((_clock() - self._t0, step, self._phase, name, a, r))
         dev.events += 1
 
-    def _bw(self, name: str, grad: torch.Tensor) -> None:
+    def _bw(self, name: str, grads: Any) -> None:
+        """Backward reached module ``name``'s output (``grads``: its gradient, or the
+        gradients its autograd node receives)."""
         if not self._active:
             return
         if self._phase != BACKWARD:  # a backward that did not go through autograd.backward
@@ -372,8 +457,8 @@ class Hooks(PhaseMachine):
                 if self._phase != BACKWARD:
                     self._transition(BACKWARD)
                     _queue_callback(self._end_queued)
-        dev = self._single or self._dev_index(self._index_of(grad))
-        if self.per_module:
+        dev = self._single or self._dev_index(self._index_of(_first_tensor(grads)))
+        if self._detail_on:
             a, r, p, pr = dev.read()
             if p > a:
                 dev.reset()
@@ -485,6 +570,18 @@ class Hooks(PhaseMachine):
                     self._merge_backward_steps()
             else:
                 self._transition(OTHER)
+
+
+def _model_name(model: torch.nn.Module | None) -> str:
+    """A model's class name; a ``torch.compile`` wrapper's is its model's."""
+    return type(getattr(model, "_orig_mod", model)).__name__
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
+    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

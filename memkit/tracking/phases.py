@@ -84,6 +84,8 @@ class PhaseMachine:
     _roots: dict[int, RootInfo]
     _owners: dict[int, RootInfo]
     _grad_witness: weakref.ref[torch.Tensor] | None
+    _compiled: bool
+    model: torch.nn.Module | None
     notes: list[str]
 
     if TYPE_CHECKING:  # defined by the other parts of Tracker
@@ -95,6 +97,8 @@ class PhaseMachine:
         def _capture_evidence(self) -> None: ...
         def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
         def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None: ...
+        def _schedule_detail(self) -> None: ...
+        def _set_detail(self, on: bool, *, force: bool = False) -> None: ...
 
     def _root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
         """A forward of the model begins: which pass it is, and the phase it starts."""
@@ -213,6 +217,14 @@ class PhaseMachine:
         self._roots[id(module)] = root
         if not root.model:
             return root
+        if (compiled or getattr(module, "_compiled_call_impl", None) is not None) and (
+            not self._compiled
+        ):
+            # module hooks inside a compiled graph would break it or make TorchDynamo
+            # recompile: from now on, hooks on the models alone (steps and phases stay exact)
+            self._compiled = True
+            if self.model is None:
+                self._set_detail(False)
         for sub_id in keys:
             if sub_id != id(module):
                 self._owners[sub_id] = root
@@ -258,6 +270,22 @@ class PhaseMachine:
 
     def _boundary(self, frame: Any) -> None:
         self._close_all(None)
+        primary = self._primary
+        if (
+            self.model is not None
+            and not self._compiled
+            and primary is not None
+            and primary.step_phase[FORWARD] is None
+            and self._backwards_in_step
+        ):
+            # a backward without a forward the hooks saw: the model runs inside a compiled
+            # graph (compiled after track() began), where hooks must stay out of the way
+            self._compiled = True
+            self.notes.append(
+                "the model's forward ran where memkit's hooks cannot see it (torch.compile "
+                "after the block began?): its memory counts as 'other'; pass the compiled "
+                "model to track() to have forward measured"
+            )
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
         # backward passes before one optimizer step (without an optimizer: all of the step's)
@@ -291,6 +319,7 @@ class PhaseMachine:
         elif frame is not None and not any(d.leak is not None for d in self._devices.values()):
             primary = self._primary or next(iter(self._devices.values()))
             self._leak_watch.scan_graphs(step, frame, primary)
+        self._schedule_detail()
 
     def _step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
@@ -310,6 +339,7 @@ class PhaseMachine:
         self._step = first + 1
         self._facts.grads_checked_step = min(self._facts.grads_checked_step, self._step)
         self._leak_watch.graph_scans = []
+        self._schedule_detail()
 
     def begin_eval(self) -> None:
         """An evaluation loop begins (a framework's validation): everything until

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memkit.devices import counter_reader
+from memkit.devices import UserPeaks, counter_reader
 from memkit.tracking import leaks
 from memkit.tracking.report import (
     PHASES,
@@ -155,10 +155,18 @@ class ModuleStat:
 class DeviceRecord:
     """Everything recorded for one device; hot-path fields are plain attributes."""
 
-    def __init__(self, key: str, backend: Any, timeline_limit: int, step_limit: int) -> None:
+    def __init__(
+        self,
+        key: str,
+        backend: Any,
+        timeline_limit: int,
+        step_limit: int,
+        peaks: UserPeaks | None = None,
+    ) -> None:
         self.key = key
         self.backend = backend
-        self.read, self.reset = counter_reader(backend)
+        self.peaks = peaks  # the user's peak counters, kept (memkit/devices/peaks.py)
+        self.read, self.reset = counter_reader(backend, peaks)
         a, r, _, _ = self.read()
         self.reset()
         self.baseline = a

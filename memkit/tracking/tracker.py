@@ -31,8 +31,11 @@ from typing import Any, Literal
 import torch
 
 from memkit.devices import (
+    CudaBackend,
     SimulatedBackend,
+    UserPeaks,
     VirtualDeviceBackend,
+    counter_reader,
     current_device_index,
     get_backend,
     visible_devices,
@@ -42,7 +45,7 @@ from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom
 from memkit.tracking import leaks
 from memkit.tracking.breakdown import breakdown, gradient_witness, param_dtype, persistent_bytes
-from memkit.tracking.hooks import Hooks
+from memkit.tracking.hooks import Hooks, is_compiled
 from memkit.tracking.phases import BACKWARD, OTHER
 from memkit.tracking.postmortem import build_postmortem, failing_call
 from memkit.tracking.rank_gather import GATHER_TIMEOUT, RankWatch
@@ -63,9 +66,13 @@ from memkit.tracking.report import (
     TrackReport,
 )
 from memkit.tracking.run import check_writable, rank_path
+from memkit.units import format_size
 from memkit.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 
-__all__ = ["DEFAULT_TIMELINE_LIMIT", "Tracker"]
+__all__ = ["DEFAULT_MODULE_EVERY", "DEFAULT_TIMELINE_LIMIT", "Tracker"]
+
+DEFAULT_MODULE_EVERY = 100
+"""On an accelerator, module hooks run on steps 0 and 1 and then on every 100th step."""
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +95,12 @@ class Tracker(Hooks):
             not already). On an accelerator or virtual devices, other devices the model's
             tensors use are added as they appear.
         budget: the simulated device's size (``"300MiB"``), or a cap on a real one.
-        per_module: hooks on every module (default); ``False``: on ``model`` only (or none at
-            all without a model), for the least overhead.
+        per_module: module detail (default): hooks on every module on sampled steps (see
+            ``module_every``); ``False``: hooks on the model alone (steps and phases only).
+        module_every: module hooks on steps 0 and 1 and then every ``module_every``-th step;
+            steps and phases are measured on every step either way. ``1``: every step (exact
+            module rows, at a cost per module call). Default: every step on the simulated
+            device (its per-op counting costs far more than the hooks), 100 on an accelerator.
         postmortem: ``"stderr"`` prints the OOM post-mortem there when an OOM leaves the block;
             ``None`` only logs it. It is on ``tracker.report().oom`` either way.
         timeline_limit: readings kept per device.
@@ -112,6 +123,7 @@ class Tracker(Hooks):
         device: str | torch.device | VirtualDevices | None = None,
         budget: int | str | None = None,
         per_module: bool = True,
+        module_every: int | None = None,
         postmortem: str | None = "stderr",
         timeline_limit: int = DEFAULT_TIMELINE_LIMIT,
         leak_warmup: int = 2,
@@ -131,7 +143,14 @@ class Tracker(Hooks):
             self.optimizers = [optimizer]
         else:
             self.optimizers = list(optimizer)
+        if module_every is not None and (
+            not isinstance(module_every, int) or isinstance(module_every, bool) or module_every < 1
+        ):
+            raise ValueError(
+                f"module_every must be a whole number of steps >= 1, found {module_every!r}"
+            )
         self.per_module = per_module
+        self.module_every = module_every
         self.postmortem = postmortem
         self._device_arg = device
         self._budget = budget
@@ -139,6 +158,11 @@ class Tracker(Hooks):
         self._leak_warmup = leak_warmup
         self._leak_window = leak_window
         self._handles: list[Any] = []
+        self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
+        self._detail_on = False
+        self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
+        self._module_every = 1
+        self._compiled = False  # a torch.compile'd model: no module hooks
         self._stack_ctx: contextlib.ExitStack | None = None
         self._tls = threading.local()
         self._lock = threading.RLock()
@@ -241,6 +265,13 @@ class Tracker(Hooks):
                     "evaluation steps create, in the thread that entered the block (not "
                     "datasets or data loading; not other threads, e.g. DataParallel replicas)"
                 )
+            elif isinstance(backend, CudaBackend) and backend.budget is not None:
+                # a cap on a real device: the caching allocator raises a real OOM past it
+                stack.enter_context(backend.activate())
+                self.notes.append(
+                    f"capped at the budget ({format_size(backend.budget)}) for the block: "
+                    "torch.cuda.set_per_process_memory_fraction"
+                )
             self._t0 = time.perf_counter()
             self._step_t0 = self._t0
             primary = self._add_device(backend.device, backend)
@@ -250,6 +281,9 @@ class Tracker(Hooks):
             ):
                 self._single = primary
             self._grad_witness = self._find_grad_witness()
+            simulated = isinstance(backend, (SimulatedBackend, VirtualDeviceBackend))
+            self._module_every = self.module_every or (1 if simulated else DEFAULT_MODULE_EVERY)
+            self._compiled = self.model is not None and is_compiled(self.model)
             primary.base_grads_none = self._grads_none()
             primary.base_state_empty = self._state_empty()
             self._install()
@@ -338,8 +372,10 @@ class Tracker(Hooks):
             return int(getattr(model, "output_device", model.device_ids[0]))
         return max(0, vd.current_device)
 
-    def _index_of(self, tensor: torch.Tensor) -> int:
+    def _index_of(self, tensor: torch.Tensor | None) -> int:
         """The device index of ``tensor`` (virtual: its tag; -1 for the current device)."""
+        if tensor is None:
+            return -1
         vd = self._vd
         return vd.where(tensor) if vd is not None else tensor.get_device()
 
@@ -358,7 +394,14 @@ class Tracker(Hooks):
                 if device.index is not None or device.type == "cpu"
                 else (f"{device.type}:0")
             )
-            dev = DeviceRecord(label, backend, self._timeline_limit, DEFAULT_STEP_LIMIT)
+            peaks = None
+            if isinstance(backend, CudaBackend) and backend.device.type == "cuda":
+                # memkit resets the peak counters: the user's reads stay what they would be
+                read, _ = counter_reader(backend)
+                peaks = UserPeaks(backend.index, read)
+                if self._stack_ctx is not None:
+                    self._stack_ctx.enter_context(peaks.installed())
+            dev = DeviceRecord(label, backend, self._timeline_limit, DEFAULT_STEP_LIMIT, peaks)
             dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
             dev.step_start = dev.baseline
             self._devices[key] = dev
@@ -546,7 +589,7 @@ class Tracker(Hooks):
         report = TrackReport(
             devices=tuple(devices),
             steps=self._step,
-            mode="per-module" if self.per_module else "steps-only",
+            mode=self._mode(),
             duration_s=end - self._t0,
             oom=self._oom,
             eval_grad_forwards=self._facts.eval_grad,
@@ -563,6 +606,18 @@ class Tracker(Hooks):
         if self._ranks_watch is not None:
             advice = [*self._ranks_watch.local_advice(), *advice]
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
+
+    def _mode(self) -> str:
+        """The report's mode: what the module rows cover."""
+        if not self.per_module:
+            return "steps-only"
+        if self._compiled:
+            return "steps-only (torch.compile: no module hooks)"
+        if self._module_every <= 1:
+            return "per-module"
+        every, n = self._module_every, max(1, self._step)
+        sampled = n if n <= 2 else 2 + (n - 1) // every
+        return f"per-module on {sampled} sampled step(s): 0, 1, then one in every {every}"
 
     @property
     def current_step(self) -> int:

@@ -1,0 +1,222 @@
+"""The user's peak counters, kept true while memkit resets them.
+
+memkit's hooks read a CUDA device's peak counters and reset them at every phase boundary: that
+is how each phase, step and module gets its own exact peak. Without care the user's own reads
+(``torch.cuda.max_memory_allocated()``, ``memory_stats()``: Lightning's ``DeviceStatsMonitor``,
+transformers' memory metrics, a script's own logging) would then see only the time since
+memkit's last reset. :class:`UserPeaks` keeps what the user would read:
+
+* every peak memkit reads just before it resets is folded into the user's view (memkit's
+  resets go through :meth:`UserPeaks.reset_hook`);
+* during the block, torch's Python functions that read the counters (``memory_stats`` and
+  everything built on it, ``torch.accelerator.memory_stats``) answer the larger of the real
+  counter and that view, and ``reset_peak_memory_stats`` resets the view too: the user's own
+  resets keep their meaning;
+* when the block ends, the real allocated peak counter is raised back to the view by briefly
+  allocating from the caching allocator's free cached blocks (:func:`plan_pieces`: no new
+  device memory, no synchronisation); the reserved peak is the current reserved bytes unless
+  memory was given back to the driver (``empty_cache``), which no allocation can undo without
+  holding it: :attr:`UserPeaks.shortfall` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SMALL_REQUEST", "UserPeaks", "plan_pieces"]
+
+SMALL_REQUEST = 1 << 20
+"""Requests up to 1 MiB come from the caching allocator's small pool (kSmallSize)."""
+
+_ALLOC, _RES = "allocated_bytes", "reserved_bytes"
+
+
+def plan_pieces(free_blocks: list[tuple[int, bool]], need: int) -> list[int]:
+    """Sizes of allocations that together take ``need`` bytes from cached free blocks.
+
+    ``free_blocks``: ``(size, small_pool)`` of each inactive block on the stream. A request
+    of more than 1 MiB is served from the large pool, one of at most 1 MiB from the small pool;
+    asking for a free block's own size (largest first) always finds a block, so nothing new is
+    reserved. A remainder no block of its pool can serve is taken as a larger request from a
+    large block (the peak then rises a little past the target, never short of it).
+    """
+    large = sorted((s for s, small in free_blocks if not small and s > SMALL_REQUEST), reverse=True)
+    small = sorted((s for s, small in free_blocks if small), reverse=True)
+    pieces: list[int] = []
+    spare: list[int] = []  # large free blocks (or what a split leaves) not taken
+    left = need
+    for size in large:
+        if left <= SMALL_REQUEST:
+            spare.append(size)
+            continue
+        take = min(size, left)
+        pieces.append(take)
+        left -= take
+        if size - take > SMALL_REQUEST:
+            spare.append(size - take)
+    for size in small:
+        if left <= 0:
+            break
+        take = min(size, left)
+        pieces.append(take)
+        left -= take
+    if 0 < left <= SMALL_REQUEST and any(s > SMALL_REQUEST + 512 for s in spare):
+        pieces.append(SMALL_REQUEST + 512)  # served from the large pool, not a new segment
+        left = 0
+    return pieces if left <= 0 else []
+
+
+class UserPeaks:
+    """The peaks a user of one CUDA device would read had memkit never reset them."""
+
+    def __init__(
+        self,
+        index: int,
+        read: Callable[[], tuple[int, int, int, int]],
+        *,
+        allocate: Callable[[int], Any] | None = None,
+        free_blocks: Callable[[], list[tuple[int, bool]]] | None = None,
+    ) -> None:
+        self.index = index
+        self._read = read
+        _, _, p, pr = read()
+        self.allocated = p  # the user's view: peaks since their last reset
+        self.reserved = pr
+        self._allocate = allocate or self._cuda_allocate
+        self._free_blocks = free_blocks or self._cuda_free_blocks
+        self.shortfall: str | None = None
+        """Why the real counters could not be put back after the block, if they could not."""
+
+    def fold(self, peak: int, peak_reserved: int) -> None:
+        """memkit read these peaks and is about to reset the counters."""
+        if peak > self.allocated:
+            self.allocated = peak
+        if peak_reserved > self.reserved:
+            self.reserved = peak_reserved
+
+    def view(self, stats: dict[str, Any], flat: bool) -> dict[str, Any]:
+        """``stats`` (nested as ``_cuda_memoryStats``, or flat as ``memory_stats``) with the
+        user's peaks."""
+        for key, mine in ((_ALLOC, self.allocated), (_RES, self.reserved)):
+            if flat:
+                name = f"{key}.all.peak"
+                if name in stats and stats[name] < mine:
+                    stats[name] = mine
+            else:
+                entry = stats.get(key, {}).get("all")
+                if entry is not None and entry.get("peak", 0) < mine:
+                    entry["peak"] = mine
+        return stats
+
+    def user_reset(self) -> None:
+        """The user reset the peaks: their view starts again from now."""
+        a, r, _, _ = self._read()
+        self.allocated, self.reserved = a, r
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[UserPeaks]:
+        """Torch's counter functions answer the user's view for the block; the real counters
+        are put back when it ends."""
+        patches = _patches(self)
+        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+        for mod, name, fn in patches:
+            setattr(mod, name, fn)
+        try:
+            yield self
+        finally:
+            for mod, name, fn in saved:
+                setattr(mod, name, fn)
+            try:
+                self.restore()
+            except Exception as exc:  # never the user's problem
+                self.shortfall = f"could not restore the peak counters ({exc})"
+                log.debug("restoring the peak counters failed", exc_info=True)
+
+    def restore(self) -> None:
+        """Raise the real counters to the user's view (after the block)."""
+        a, _, p, pr = self._read()
+        need = self.allocated - a
+        if self.allocated > p and need > 0:
+            pieces = plan_pieces(self._free_blocks(), need)
+            if not pieces:
+                self.shortfall = (
+                    f"max_memory_allocated() reads {p} B, below the block's peak "
+                    f"{self.allocated} B: too little cached memory to restore it"
+                )
+            else:
+                held = [self._allocate(n) for n in pieces]
+                del held
+        if self.reserved > pr:
+            self.shortfall = (
+                f"max_memory_reserved() reads {pr} B, below the block's peak {self.reserved} B: "
+                "cached memory was given back to the driver (empty_cache) during the block"
+            )
+
+    def _cuda_allocate(self, nbytes: int) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.index))
+
+    def _cuda_free_blocks(self) -> list[tuple[int, bool]]:
+        stream = torch.cuda.current_stream(self.index).cuda_stream
+        out = []
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") != self.index or seg.get("stream", stream) != stream:
+                continue
+            small = seg.get("segment_type") == "small"
+            out += [(b["size"], small) for b in seg.get("blocks", ()) if b["state"] == "inactive"]
+        return out
+
+
+def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:
+    """The counter functions of torch.cuda (and torch.accelerator) wrapped for ``peaks``."""
+    import torch.cuda.memory as cuda_memory
+
+    index = peaks.index
+    out: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    def ours(device: Any) -> bool:
+        try:
+            return torch.cuda._get_device_index(device, optional=True) == index
+        except (RuntimeError, ValueError, AssertionError):
+            return False
+
+    nested = cuda_memory.memory_stats_as_nested_dict
+    reset = cuda_memory.reset_peak_memory_stats
+
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        stats = nested(device=device)
+        return peaks.view(stats, flat=False) if stats and ours(device) else stats
+
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        reset(device)
+        if ours(device):
+            peaks.user_reset()
+
+    for mod in (cuda_memory, torch.cuda):
+        out.append((mod, "memory_stats_as_nested_dict", memory_stats_as_nested_dict))
+        out.append((mod, "reset_peak_memory_stats", reset_peak_memory_stats))
+    acc: Any = getattr(torch, "accelerator", None)
+    acc_memory: Any = getattr(acc, "memory", None)
+    if acc_memory is not None and hasattr(acc_memory, "memory_stats"):
+        flat_stats = acc_memory.memory_stats
+        acc_reset = acc_memory.reset_peak_memory_stats
+
+        def acc_memory_stats(device_index: Any = None, /) -> Any:
+            stats = flat_stats(device_index)
+            return peaks.view(stats, flat=True) if stats and ours(device_index) else stats
+
+        def acc_reset_peak(device_index: Any = None, /) -> None:
+            acc_reset(device_index)
+            if ours(device_index):
+                peaks.user_reset()
+
+        for mod in (acc_memory, acc):
+            out.append((mod, "memory_stats", acc_memory_stats))
+            out.append((mod, "reset_peak_memory_stats", acc_reset_peak))
+    return out

@@ -1,0 +1,141 @@
+"""What tracking costs and leaves alone: module detail on sampled steps with exact steps and
+phases, compiled models left uncompiled-around, the user's peak counters (docs/track.md,
+"What it costs")."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import memkit
+from memkit.devices import SimulatedBackend
+from memkit.devices.peaks import SMALL_REQUEST, plan_pieces
+
+MiB = 1 << 20
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Sequential(nn.Linear(256, 256), nn.ReLU()),
+        nn.Linear(256, 10),
+    )  # fmt: skip
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, on_step=None) -> None:
+    for i in range(steps):
+        model(torch.randn(32, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if on_step is not None:
+            on_step(i)
+
+
+def test_module_rows_come_from_sampled_steps_and_steps_stay_exact():
+    reports = {}
+    for every in (1, 3):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters())
+        with memkit.track(model, opt, device="cpu", budget="64MiB", module_every=every) as t:
+            train(model, opt, 7)
+        reports[every] = t.report()
+    exact, sampled = reports[1].devices[0], reports[3].devices[0]
+    # steps and phases: measured on every step either way, byte for byte the same
+    assert [s.peak_allocated for s in sampled.steps] == [s.peak_allocated for s in exact.steps]
+    assert [s.phase_peaks for s in sampled.steps] == [s.phase_peaks for s in exact.steps]
+    calls = {m.path: m.calls for m in sampled.modules}
+    assert calls["Sequential"] == 7  # the model's own hooks stay on
+    assert calls["0"] == calls["2.0"] == 4  # steps 0, 1, 3 and 6
+    by_path = {m.path: m for m in exact.modules}
+    for m in sampled.modules:  # what a sampled step measures is what every step measures
+        assert m.activation_bytes == by_path[m.path].activation_bytes
+    assert "4 sampled step(s)" in reports[3].mode and reports[1].mode == "per-module"
+
+
+def test_module_hooks_are_gone_between_sampled_steps():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked = []
+
+    def look(step: int) -> None:  # after step ``step``: the hooks of step + 1
+        hooked.append(bool(model[0]._forward_pre_hooks) and bool(model[0]._forward_hooks))
+
+    with memkit.track(model, opt, device="cpu", budget="64MiB", module_every=4):
+        train(model, opt, 9, look)
+    # steps 1..9 begin after steps 0..8: detail on steps 1, 4, 8 only
+    assert hooked == [True, False, False, True, False, False, False, True, False]
+    assert not model[0]._forward_pre_hooks and not model._forward_pre_hooks  # all removed
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_module_every_must_be_a_positive_whole_number(bad):
+    with pytest.raises(ValueError, match="module_every must be a whole number of steps >= 1"):
+        memkit.track(mlp(), module_every=bad)
+
+
+@contextlib.contextmanager
+def counters_constant() -> Iterator[None]:
+    """The simulated device's dispatch mode makes TorchDynamo skip frames: without it the
+    tracker's hooks run around a really compiled model (its counters then stay constant)."""
+    original = SimulatedBackend.activate
+    SimulatedBackend.activate = lambda self: contextlib.nullcontext()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SimulatedBackend.activate = original  # type: ignore[method-assign]
+
+
+def compiled_run(how: str) -> tuple[dict[str, int], memkit.tracking.report.TrackReport | None]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend="eager")
+    ctx: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if how == "model":
+        ctx = memkit.track(compiled, opt, device="cpu", module_every=2)
+    elif how == "global":  # memkit run: no model given, global hooks until the model is seen
+        ctx = memkit.track(device="cpu", module_every=2)
+    with counters_constant(), ctx as tracker:
+        for _ in range(5):
+            compiled(torch.randn(16, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    seen = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+    }
+    return seen, None if tracker is None else tracker.report()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("how", ["model", "global"])
+def test_a_compiled_model_is_tracked_without_graph_breaks_or_recompiles(how):
+    plain, _ = compiled_run("plain")
+    tracked, report = compiled_run(how)
+    assert tracked == plain and plain["graphs"] == 1 and plain["breaks"] == 0
+    assert report is not None and report.steps == 5
+    assert "torch.compile: no module hooks" in report.mode
+    assert [m.path for m in report.devices[0].modules] == ["Sequential"]  # named plainly
+    assert all(s.phase_peaks["forward"] is not None for s in report.devices[0].steps)
+
+
+def test_pieces_come_from_free_blocks_of_the_right_pool():
+    blocks = [(20 * MiB, False), (4 * MiB, False), (2 * MiB, True), (512 * 1024, True)]
+    pieces = plan_pieces(blocks, 23 * MiB)
+    assert sum(pieces) >= 23 * MiB
+    assert pieces[0] == 20 * MiB and all(p > SMALL_REQUEST for p in pieces[:2])
+    # a remainder under 1 MiB is served by a small block, not a new segment
+    assert plan_pieces(blocks, 20 * MiB + 4096) == [20 * MiB, 4096]
+    assert plan_pieces([(4 * MiB, False)], 2 * MiB + 100) == [2 * MiB + 100]
+    # nothing small left: a little more of a large block (at least the target, never short)
+    assert plan_pieces([(4 * MiB, False), (4 * MiB, False)], 4 * MiB + 1000) == [
+        4 * MiB, SMALL_REQUEST + 512,
+    ]  # fmt: skip
+    assert plan_pieces(blocks, 64 * MiB) == []  # the cache cannot serve it
