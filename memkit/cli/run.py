@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
               help="Write a self-contained HTML report (no network, no scripts).")  # fmt: skip
 @click.option("--per-module/--steps-only", default=True,
-              help="Hooks on every module (default), or only at step boundaries.")  # fmt: skip
+              help="Module detail (default), or hooks at step boundaries only.")  # fmt: skip
+@click.option("--module-every", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Module hooks on steps 0, 1 and every Nth step (steps and phases: every "
+              "step). 1: every step. [default: 100 on a GPU, 1 on cpu]")  # fmt: skip
 @click.option("--memory-history", "history_path", default=None, type=click.Path(dir_okay=False),
               metavar="FILE", help="Write PyTorch's memory snapshot (alloc/free events with "
               "stacks) to FILE when the script ends, for pytorch.org/memory_viz or memkit "
@@ -46,6 +49,7 @@ def run_command(
     json_path: str | None,
     html_path: str | None,
     per_module: bool,
+    module_every: int | None,
     history_path: str | None,
     history_entries: int | None,
     script: str,
@@ -75,6 +79,7 @@ def run_command(
             device=device,
             budget=budget,
             per_module=per_module,
+            module_every=module_every,
             sigterm=guard,
             memory_history=history_path,
             history_entries=history_entries,

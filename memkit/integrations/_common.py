@@ -76,7 +76,9 @@ class TrackingCallback:
         device: the device to track; ``None``: the model's (``cpu`` means memkit's simulated
             device).
         budget: the simulated device's size (``"512MiB"``), or a cap on a real GPU.
-        per_module: hooks on every submodule (default), or on the model only.
+        per_module: module detail (default), or hooks on the model only.
+        module_every: module hooks on steps 0, 1 and every ``module_every``-th step (default:
+            100 on a GPU, every step on the simulated device); ``1``: every step.
         log_peaks: add memkit's peaks (MiB) to the framework's logs.
         text, json, html: files the report is written to at the end (after an OOM too);
             under a distributed run each rank writes ``NAME.rankN.EXT``.
@@ -93,6 +95,7 @@ class TrackingCallback:
         device: str | torch.device | None = None,
         budget: int | str | None = None,
         per_module: bool = True,
+        module_every: int | None = None,
         log_peaks: bool = True,
         text: str | Path | None = None,
         json: str | Path | None = None,
@@ -109,6 +112,7 @@ class TrackingCallback:
         self.device = device
         self.budget = budget
         self.per_module = per_module
+        self.module_every = module_every
         self.log_peaks = log_peaks
         self.files = ReportFiles.checked(text, json, html)
         self.postmortem = postmortem
@@ -138,6 +142,7 @@ class TrackingCallback:
             device=device,
             budget=self.budget,
             per_module=self.per_module,
+            module_every=self.module_every,
             postmortem=self.postmortem,
             timeline_limit=self.timeline_limit,
         )

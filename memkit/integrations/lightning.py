@@ -74,6 +74,8 @@ class MemkitCallback(TrackingCallback, pl.Callback):
             (``cpu`` means memkit's simulated device).
         budget: the simulated device's size (``"512MiB"``), or a cap on a real GPU.
         per_module: hooks on every submodule (default), or on the module only.
+        module_every: module hooks on steps 0, 1 and every ``module_every``-th step (default:
+            100 on a GPU, every step on the simulated device); ``1``: every step.
         log_peaks: log each step's peaks (MiB) through ``pl_module.log``: ``memkit/peak_mib``,
             ``memkit/forward_peak_mib``, ``memkit/backward_peak_mib``,
             ``memkit/optimizer_peak_mib``; and each validation's ``memkit/eval_peak_mib``.

@@ -72,6 +72,8 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             memkit's simulated device).
         budget: the simulated device's size (``"512MiB"``), or a cap on a real GPU.
         per_module: hooks on every submodule (default), or on the model only.
+        module_every: module hooks on steps 0, 1 and every ``module_every``-th step (default:
+            100 on a GPU, every step on the simulated device); ``1``: every step.
         log_peaks: add memkit's peaks to the Trainer's logs.
         text, json, html: files the report is written to at the end; under a distributed
             run each rank writes ``NAME.rankN.EXT``.
