@@ -1,6 +1,10 @@
 """How much does memkit.track slow a training step? Compared with torch's own tools.
 
 Run: ``python benchmarks/tracker_overhead.py`` (CPU) or ``--device cuda`` (a GPU).
+``--counters`` (no GPU needed): the default mode on the CUDA stand-in
+(:mod:`memkit.devices.cuda_standin`) for ``--counter-steps`` steps of the transformer: memkit's
+CUDA code paths as they run on a GPU, counting ``torch._C._cuda_memoryStats`` calls a step and
+the hooks' microseconds per module call, which predict the GPU cost (about 18 us a read there).
 
 Each configuration trains the same model for ``--steps`` timed steps (after ``--warmup``), and
 the configurations are run in alternation, ``--rounds`` times, so that drifts of the machine
@@ -210,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--micro", action="store_true", help="also the per-module-call cost")
+    parser.add_argument("--counters", action="store_true",
+                        help="only: counter reads a step and hook us per module call, default "
+                        "mode, through the CUDA stand-in")  # fmt: skip
+    parser.add_argument("--counter-steps", type=int, default=120)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     device = args.device
@@ -220,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     clock_name = args.clock or ("thread" if on_cpu else "wall")
     clock = time.thread_time if clock_name == "thread" else time.perf_counter
     sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+    if args.counters:
+        counters(args.counter_steps, args.rounds, clock)
+        return 0
     configs = configurations(device)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     configs = {k: v for k, v in configs.items() if k not in skip}
@@ -306,6 +317,58 @@ def micro(device: str, clock: Callable[[], float], sync: Callable[[], None]) -> 
         f"(forward pre/post + backward); steps-only adds "
         f"{(min(steps_only) - base) * 1e6:.0f} us per step (min over rounds)"
     )
+
+
+def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
+    """The default tracking mode on the CUDA stand-in: counter reads a step, and the hooks'
+    cost per module call ((tracked - plain) / module calls, CPU time of this thread, the
+    fastest of ``rounds`` alternated runs each)."""
+    from memkit.devices.cuda_standin import cuda_standin
+
+    torch.manual_seed(0)
+    model = gpt2(2, 128)
+    calls = [0]
+
+    def count(module: nn.Module, args: Any) -> None:
+        calls[0] += 1
+
+    with cuda_standin("8GiB") as gpu:
+        model.to("cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 2048, (8, 128)).to("cuda")
+
+        def train(n: int) -> float:
+            t0 = clock()
+            for _ in range(n):
+                loss = model(input_ids=ids, labels=ids).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                del loss
+            return clock() - t0
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+        train(1)
+        handle.remove()
+        per_step = calls[0]
+        train(2)  # warm-up: optimizer state, allocator segments
+        plain: list[float] = []
+        tracked: list[float] = []
+        reads = resets = 0
+        for _ in range(rounds):
+            plain.append(train(steps))
+            r0, z0 = gpu.stat_reads, gpu.peak_resets
+            with track(model, opt, device="cuda") as tracker:
+                tracked.append(train(steps))
+            reads, resets = gpu.stat_reads - r0, gpu.peak_resets - z0
+        mode = tracker.report().mode
+    cost = (min(tracked) - min(plain)) / (steps * per_step)
+    print(f"default mode on the CUDA stand-in ({mode}), {steps} steps, {per_step} module "
+          f"calls a step; plain {min(plain) / steps * 1e3:.2f} ms/step, tracked "
+          f"{min(tracked) / steps * 1e3:.2f} ms/step (fastest of {rounds})")  # fmt: skip
+    print(f"counter reads per step: {reads / steps:.2f}")
+    print(f"peak resets per step: {resets / steps:.2f}")
+    print(f"hook us per module call: {cost * 1e6:.2f}")
 
 
 if __name__ == "__main__":
