@@ -167,6 +167,8 @@ class StandInAccountant(MemoryAccountant):
             if entry is not None:
                 self._current -= entry[1]
                 self.standin._freed(key)
+                if self._observer is not None:
+                    self._observer.freed(key, entry[1])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
