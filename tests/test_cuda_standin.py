@@ -92,6 +92,10 @@ def test_allocated_counts_blocks_and_reserved_moves_in_segments():
         assert torch.cuda.memory_allocated() == 4096 + 512 + 1_200_128
         assert torch.cuda.memory_reserved() == 22 * MIB + 30 * MIB  # cached, not released
         assert torch.cuda.max_memory_allocated() == blocks
+        stats = torch.cuda.memory_stats()  # free parts of segments still in use: a's and c's
+        assert stats["inactive_split.all.current"] == 2
+        assert stats["inactive_split_bytes.all.current"] == 22 * MIB - 4608 - 1_200_128
+        assert "Non-releasable memory" in torch.cuda.memory_summary()  # torch's own table
         torch.cuda.empty_cache()  # e's segment is free; c's still holds c
         assert torch.cuda.memory_reserved() == 22 * MIB
         assert torch.cuda.max_memory_reserved() == 52 * MIB

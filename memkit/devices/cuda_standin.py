@@ -67,8 +67,14 @@ __all__ = ["StandIn", "StandInAccountant", "StandInProperties", "cuda_format_siz
 
 _CPU = torch.device("cpu")
 _CUDA0 = torch.device("cuda", 0)
-_STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes")
-_COUNTS = ("allocation", "segment", "active")
+_STATS = (
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "requested_bytes",
+    "inactive_split_bytes",
+)
+_COUNTS = ("allocation", "segment", "active", "inactive_split")
 _POOLS = ("all", "small_pool", "large_pool")
 _ACTIVE: list[StandIn] = []  # the stand-in whose block is running (they do not nest)
 
@@ -200,8 +206,12 @@ class StandInAccountant(MemoryAccountant):
                 new.setdefault(key, (storage, size))
         if new:
             with self._lock:
-                self.standin._malloc(new)  # raises CUDA's OOM, counting nothing
-                self._register(new)
+                failed = self.standin._malloc(new)
+                if failed is None:
+                    self._register(new)
+            if failed is not None:  # nothing of the op counted; its outputs freed right away
+                del out, new
+                raise torch.OutOfMemoryError(failed)
         return out
 
 
@@ -288,9 +298,10 @@ class StandIn:
             entry["large_pool"].set(blocks[False])
             entry["all"].set(blocks[True] + blocks[False])
 
-    def _malloc(self, new: dict[int, tuple[Any, int]]) -> None:
+    def _malloc(self, new: dict[int, tuple[Any, int]]) -> str | None:
         """Give each new storage a block, in order; on a segment past the limit, give back the
-        ones given so far and raise CUDA's OOM. The caller holds the accountant's lock."""
+        ones given so far and return CUDA's OOM message. The caller holds the accountant's
+        lock."""
         alloc = self.allocator
         alloc.capacity = self.limit
         done: list[int] = []
@@ -309,15 +320,19 @@ class StandIn:
                 for earlier in done:
                     self._freed(earlier)
                 self._sync()
-                self.accountant.num_ooms += 1
-                self.accountant.in_use_at_oom = alloc.allocated
-                raise torch.OutOfMemoryError(message)
+                acct = self.accountant
+                acct.num_ooms += 1
+                acct.in_use_at_oom = alloc.allocated
+                if acct._observer is not None:
+                    acct._observer.out_of_memory(round_size(nbytes), self.limit - alloc.reserved)
+                return message
             small = round_size(nbytes) <= K_SMALL_SIZE
             self._requested[key] = (nbytes, small)
             self._requested_by_pool[small] += nbytes
             self._blocks_by_pool[small] += 1
             done.append(key)
         self._sync()
+        return None
 
     def _freed(self, key: int) -> None:
         """A device storage is gone: its block goes back to the cache."""
@@ -358,6 +373,12 @@ class StandIn:
         self._check(device)
         self.stat_reads += 1
         with self.accountant._lock:
+            split = self.allocator.inactive_split()  # sampled here: its peaks are the reads'
+            for i, name in enumerate(("inactive_split", "inactive_split_bytes")):
+                pools = self._stats[name]
+                pools["small_pool"].set(split[True][i])
+                pools["large_pool"].set(split[False][i])
+                pools["all"].set(split[True][i] + split[False][i])
             out: dict[str, Any] = {
                 name: {pool: stat.as_dict() for pool, stat in pools.items()}
                 for name, pools in self._stats.items()
@@ -369,6 +390,9 @@ class StandIn:
             num_device_alloc=out["segment"]["all"]["allocated"],
             num_device_free=out["segment"]["all"]["freed"],
             max_split_size=-1,
+            # max_split_size is unset: no block counts as oversize, as on CUDA by default
+            oversize_allocations=_Stat().as_dict(),
+            oversize_segments=_Stat().as_dict(),
         )
         return out
 

@@ -229,6 +229,17 @@ class CachingAllocatorModel:
                 block.size += neighbour.size
         self._add_free(block)
 
+    def inactive_split(self) -> dict[bool, tuple[int, int]]:
+        """Per pool (``True``: small), the count and bytes of free blocks in segments that also
+        hold allocated blocks (``memory_stats``' ``inactive_split``); one pass over the free
+        blocks."""
+        out = {True: (0, 0), False: (0, 0)}
+        for block in self._free_blocks.values():
+            if block.prev is not None or block.next is not None:
+                count, nbytes = out[block.small]
+                out[block.small] = (count + 1, nbytes + block.size)
+        return out
+
     def release_cached(self) -> None:
         """Free every segment that is entirely free, as ``torch.cuda.empty_cache()`` does."""
         self._release_cached()
