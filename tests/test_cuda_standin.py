@@ -111,6 +111,18 @@ def test_allocated_counts_blocks_and_reserved_moves_in_segments():
         assert torch.cuda.memory_allocated() == 0
 
 
+def test_an_unsplit_large_block_counts_whole():
+    """A large block whose remainder is at most 1 MiB is not split: memory_allocated counts the
+    whole block, as CUDA's allocator does, while the request (and the accountant's 512-byte
+    count) is smaller."""
+    with cuda_standin("1GiB") as gpu:
+        x = on_gpu(5_111_808)  # 19.5 MiB: a 20 MiB segment, 0.5 MiB left is not split off
+        assert torch.cuda.memory_allocated() == 20 * MIB == torch.cuda.memory_reserved()
+        assert torch.cuda.memory_stats()["requested_bytes.all.current"] == 39 * MIB // 2
+        assert gpu.accountant.current == 39 * MIB // 2
+        del x
+
+
 def test_host_and_device_tensors_follow_cudas_rules():
     """``.to("cuda")`` copies onto the device, ops on device tensors make device tensors,
     host-only work stays on the host, ``.cpu()`` copies back; a device tensor moved to cuda
