@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import MemoryAccountant, _tensors, counted_bytes, storage_of
+from memkit.accounting import _EVAL_FRAME, MemoryAccountant, _tensors, counted_bytes, storage_of
 from memkit.estimation.allocator import (
     K_MIN_LARGE_ALLOC,
     K_ROUND_LARGE,
@@ -606,6 +606,13 @@ def _target(
     if target is None or target.type not in ("cuda", "cpu"):
         return None, args, kwargs
     return target, tuple(new_args), kwargs
+
+
+if _EVAL_FRAME is not None:  # Dynamo skips this handler too, as it does the base class's
+    _SKIP = _EVAL_FRAME._FrameAction.SKIP
+    _EVAL_FRAME.set_code_exec_strategy(
+        StandInAccountant.__torch_dispatch__.__code__, _EVAL_FRAME._FrameExecStrategy(_SKIP, _SKIP)
+    )
 
 
 def cuda_standin(capacity: int | str = "1GiB", *, name: str = "Stand-in H200") -> StandIn:
