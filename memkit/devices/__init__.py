@@ -16,6 +16,8 @@ Every other module asks this package for numbers; only its modules call ``torch.
 * :mod:`~memkit.devices.state`: RNG states, the current device, CUDA's initialisation, the
   device a collective needs.
 * :mod:`~memkit.devices.cuda_history`: the caching allocator's trace (:mod:`memkit.history`).
+* :mod:`~memkit.devices.cuda_standin`: a stand-in for ``torch.cuda``'s memory API backed by the
+  simulated device, so that memkit's CUDA code runs in tests without a GPU (imported on demand).
 
 Import it from here (``memkit.devices.X``): readers that use other readers call them through
 this package, so replacing one here replaces it everywhere. Importing it does not initialise
@@ -64,6 +66,7 @@ from memkit.devices.state import (
     restore_rng_state,
     rng_state,
     set_current_device,
+    tensor_device,
 )
 
 __all__ = [
@@ -94,5 +97,6 @@ __all__ = [
     "set_current_device",
     "start_cuda_history",
     "stop_cuda_history",
+    "tensor_device",
     "visible_devices",
 ]

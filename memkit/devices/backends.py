@@ -159,6 +159,14 @@ class CudaBackend:
             return Capacity(self.budget, min(own_free, self.budget - self.allocated()), "budget")
         return Capacity(total, own_free, "cudaMemGetInfo")
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this device, as :func:`memkit.devices.tensor_device`
+        says (the tracker's breakdown asks; the CUDA stand-in answers there for its tensors)."""
+        from memkit import devices
+
+        dev = devices.tensor_device(tensor)
+        return dev.type == self.device.type and (dev.index is None or dev.index == self.index)
+
     def empty_cache(self) -> None:
         self._mod.empty_cache()
 

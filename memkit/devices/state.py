@@ -40,6 +40,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def tensor_device(tensor: torch.Tensor) -> torch.device:
+    """The device memkit takes ``tensor`` to live on: ``tensor.device``. Call it through
+    :mod:`memkit.devices`: the CUDA stand-in (:mod:`memkit.devices.cuda_standin`) answers
+    ``cuda:0`` there for its device tensors, which are cpu tensors."""
+    return tensor.device
+
+
 def collective_device(pg_backend: str) -> torch.device:
     """Where a small tensor for a ``torch.distributed`` collective must live for ``pg_backend``.
 

@@ -116,6 +116,8 @@ class CachingAllocatorModel:
         allocated, reserved: current bytes (see the module docstring).
         peak_allocated, peak_reserved: their high-water marks.
         num_ooms: allocations that did not fit even after freeing the cache.
+        allocated_by_pool, reserved_by_pool, segments_by_pool: current bytes, bytes and segment
+            counts per pool (``True``: the small pool), as ``memory_stats`` splits them.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -125,6 +127,9 @@ class CachingAllocatorModel:
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.num_ooms = 0
+        self.allocated_by_pool: dict[bool, int] = {True: 0, False: 0}
+        self.reserved_by_pool: dict[bool, int] = {True: 0, False: 0}
+        self.segments_by_pool: dict[bool, int] = {True: 0, False: 0}
         self._next_addr = 0
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self._free_blocks: dict[tuple[int, int], _Block] = {}
@@ -160,6 +165,8 @@ class CachingAllocatorModel:
                 if block.prev is None and block.next is None:
                     self._remove_free(block)
                     self.reserved -= block.size
+                    self.reserved_by_pool[small] -= block.size
+                    self.segments_by_pool[small] -= 1
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         seg = _segment_size(size)
@@ -170,6 +177,8 @@ class CachingAllocatorModel:
         block = _Block(self._next_addr, seg, small)
         self._next_addr += seg
         self.reserved += seg
+        self.reserved_by_pool[small] += seg
+        self.segments_by_pool[small] += 1
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
@@ -194,6 +203,7 @@ class CachingAllocatorModel:
         block.allocated = True
         self._live[key] = block
         self.allocated += block.size
+        self.allocated_by_pool[small] += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def free(self, key: Hashable) -> None:
@@ -202,6 +212,7 @@ class CachingAllocatorModel:
         if block is None:
             return
         self.allocated -= block.size
+        self.allocated_by_pool[block.small] -= block.size
         block.allocated = False
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.allocated:
@@ -217,6 +228,21 @@ class CachingAllocatorModel:
                         neighbour.next.prev = block
                 block.size += neighbour.size
         self._add_free(block)
+
+    def inactive_split(self) -> dict[bool, tuple[int, int]]:
+        """Per pool (``True``: small), the count and bytes of free blocks in segments that also
+        hold allocated blocks (``memory_stats``' ``inactive_split``); one pass over the free
+        blocks."""
+        out = {True: (0, 0), False: (0, 0)}
+        for block in self._free_blocks.values():
+            if block.prev is not None or block.next is not None:
+                count, nbytes = out[block.small]
+                out[block.small] = (count + 1, nbytes + block.size)
+        return out
+
+    def release_cached(self) -> None:
+        """Free every segment that is entirely free, as ``torch.cuda.empty_cache()`` does."""
+        self._release_cached()
 
     def reset_peak(self) -> None:
         """Set the peaks to the current values."""

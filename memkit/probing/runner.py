@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from memkit import distributed
+from memkit import devices, distributed
 from memkit.advice.probe import probe_advice
 from memkit.devices import SimulatedBackend, get_backend
 from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
@@ -56,7 +56,7 @@ def _resolve_backend(
     model: torch.nn.Module, device: str | torch.device | None, budget: int | str | None
 ) -> Backend:
     params = [p for p in model.parameters()] + [b for b in model.buffers()]
-    model_device = params[0].device if params else None
+    model_device = devices.tensor_device(params[0]) if params else None
     if device is None and model_device is not None and model_device.type not in ("cpu", "meta"):
         device = model_device
     backend = get_backend(device, budget)
