@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import linecache
@@ -29,7 +30,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
 from memkit.tracking.report import LeakFinding, LeakSuspect
@@ -127,7 +128,13 @@ class Candidate:
     frame_line: int
     kind: str
     size: int  # graph nodes (tensor) or length (container)
-    first_line: int
+    code: CodeType  # the frame's code: first_line reads its source only when asked
+
+    @functools.cached_property
+    def first_line(self) -> int:
+        """The line that grows or assigns the variable (reading the source costs more than
+        a scan: only suspects need it)."""
+        return _first_line(self.code, self.frame_line, self.name)
 
 
 def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
@@ -188,15 +195,14 @@ _TO_NUMBER = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\.numpy\(\)|\bflo
 """What makes a line store a number, not a graph (the healthy twin of a leaking line)."""
 
 
-def _first_line(frame: FrameType, name: str) -> int:
-    """The line that grows or assigns ``name`` in the frame's function (augmented assignment or
-    append preferred, and a line that keeps a tensor over one that stores a number), else the
-    frame's current line."""
-    code = frame.f_code
+def _first_line(code: CodeType, lineno: int, name: str) -> int:
+    """The line that grows or assigns ``name`` in the function of ``code`` (augmented
+    assignment or append preferred, and a line that keeps a tensor over one that stores a
+    number), else the frame's current line ``lineno``."""
     try:
         lines, start = inspect.getsourcelines(code)
     except (OSError, TypeError):
-        return frame.f_lineno
+        return lineno
     if code.co_name == "<module>":
         start = 1
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
@@ -211,7 +217,7 @@ def _first_line(frame: FrameType, name: str) -> int:
             rank += 1
         if best is None or rank < best[0]:
             best = (rank, start + i)
-    return frame.f_lineno if best is None else best[1]
+    return lineno if best is None else best[1]
 
 
 def scan_frames(start: FrameType | None = None) -> list[Candidate]:
@@ -263,7 +269,7 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                     frame_line=frame.f_lineno,
                     kind=kind,
                     size=size,
-                    first_line=_first_line(frame, name),
+                    code=frame.f_code,
                 )
             )
     return out
@@ -330,8 +336,9 @@ class LeakWatch:
         suspects: the suspects of the last scan on growth.
     """
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, period: int = SCAN_PERIOD) -> None:
         self.warmup = warmup
+        self.period = period  # the graph scans' period: three scans in a row every period
         self.graph_scans: list[list[Candidate]] = []
         self.scan: list[Candidate] | None = None
         self.scan_step = -1
@@ -339,19 +346,19 @@ class LeakWatch:
         self.suspects: tuple[LeakSuspect, ...] = ()
 
     def scan_graphs(self, step: int, frame: Any, dev: DeviceRecord) -> None:
-        """Three scans in a row every SCAN_PERIOD steps: a variable whose autograd graph grows
+        """Three scans in a row every ``period`` steps: a variable whose autograd graph grows
         at each (``running_loss += loss``) is a leak even when device memory stays flat
         (backward freed the saved tensors; the graph's nodes pile up in host memory). A leak
         found is set on ``dev``."""
         offset = step - self.warmup
-        if offset < 0 or offset % SCAN_PERIOD >= 3:
+        if offset < 0 or offset % self.period >= 3:
             return
         try:
             current = scan_frames(frame)
         except Exception:  # inspection must never break training
             log.debug("graph scan failed", exc_info=True)
             return
-        scans = self.graph_scans if offset % SCAN_PERIOD else []
+        scans = self.graph_scans if offset % self.period else []
         scans.append(current)
         self.graph_scans = scans
         if len(scans) < 3:

@@ -283,6 +283,9 @@ class Tracker(Hooks):
             self._grad_witness = self._find_grad_witness()
             simulated = isinstance(backend, (SimulatedBackend, VirtualDeviceBackend))
             self._module_every = self.module_every or (1 if simulated else DEFAULT_MODULE_EVERY)
+            # a graph scan walks autograd graphs in Python: on an accelerator, as rarely as
+            # module detail (a step there is short, and every microsecond of it is wall time)
+            self._leak_watch.period = max(leaks.SCAN_PERIOD, self._module_every)
             self._compiled = self.model is not None and is_compiled(self.model)
             primary.base_grads_none = self._grads_none()
             primary.base_state_empty = self._state_empty()
