@@ -421,6 +421,8 @@ def test_memkit_run_budget_caps_cuda(tmp_path):
     assert "32.00 MiB allowed" in result.stderr
 
 
+@pytest.mark.filterwarnings("ignore:GPU available but not used")  # the stand-in, rightly
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning")
 def test_lightning_callback_on_cuda():
     """MemkitCallback(device="cuda") with Lightning's accelerator left 'cpu': the module puts
     its network on the stand-in GPU itself when the fit starts (Lightning's own model_to_device
