@@ -209,7 +209,8 @@ def test_every_patched_attribute_is_restored_even_after_an_error():
         "memkit.devices": devices,
     }
     before = {name: dict(vars(owner)) for name, owner in owners.items()}
-    with pytest.raises(AssertionError) as outside:
+    # a CPU build says "Torch not compiled with CUDA enabled"; whatever it says, it says it again
+    with pytest.raises((AssertionError, RuntimeError, NotImplementedError)) as outside:
         torch.zeros(1, device="cuda")
     with pytest.raises(ValueError, match="boom"), cuda_standin("8MiB") as gpu:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
@@ -420,6 +421,8 @@ def test_memkit_run_budget_caps_cuda(tmp_path):
     assert "32.00 MiB allowed" in result.stderr
 
 
+@pytest.mark.filterwarnings("ignore:GPU available but not used")  # the stand-in, rightly
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning")
 def test_lightning_callback_on_cuda():
     """MemkitCallback(device="cuda") with Lightning's accelerator left 'cpu': the module puts
     its network on the stand-in GPU itself when the fit starts (Lightning's own model_to_device
