@@ -128,7 +128,8 @@ def _collinear(points: Sequence[tuple[int, int]]) -> bool:
 
 
 class ModelStrategy:
-    """Secant prediction with trust, halfway steps and a bisection safeguard."""
+    """Secant prediction with trust, halfway steps, near-limit steps from the measured free
+    memory and a bisection safeguard."""
 
     def __init__(self, capacity: int, base: int = 1, max_batch: int = NO_LIMIT) -> None:
         self.capacity = capacity
@@ -177,14 +178,15 @@ class ModelStrategy:
     def _near(
         self, s: Bracket, points: Sequence[tuple[int, int]], predicted: float | None
     ) -> int | None:
-        """The next size when the last trial fit within ``NEAR`` samples of the limit, by the
-        free memory it measured: the free memory is a measurement, only the slope is a guess,
-        and the guess's error is a fraction of the few samples left. Under one sample: the
-        next size, the verification; else the predicted limit rounded to the nearest size.
-        Either is run as is, whatever doubling would do. ``None`` when the peaks move in steps
-        as large as half a sample (the allocator's rounding without a smooth measure: free
-        memory then says little), once a size said not to fit has fit, and after a near step
-        from the same largest fit (it failed: the other rules take over)."""
+        """The next size when the largest fit left less than ``NEAR`` samples' worth of
+        memory free: the free memory is a measurement, only the slope is a guess, and the
+        guess's error is a fraction of the few samples left. Under one sample: the next size,
+        the verification; else the predicted limit rounded to the nearest size. Either is run
+        as is, whatever doubling or the bisection window would do. ``None`` when the last
+        three peaks are not steady (``_steady``), when the peaks move in steps as large as
+        half a sample (the allocator's rounding without a smooth measure: free memory then
+        says little), once a size said not to fit has fit, and after a near step from the
+        same largest fit (it failed: the other rules take over)."""
         last = s.trials[-1]
         if last.fits and last.batch_size == self.verified:
             self.near_missed = True  # it was said not to fit, and it fit
