@@ -395,6 +395,38 @@ def test_trials_collect_garbage_only_when_memory_is_still_held(monkeypatch):
     assert backend.allocated() == baseline
 
 
+def test_memory_made_once_by_the_first_trial_costs_one_more_collection(monkeypatch):
+    """A workspace made at the first matmul (cuBLAS on CUDA) stays allocated after the first
+    trial: one collection finds it is not garbage, and the next trials do not collect."""
+    import gc
+
+    from memkit.probing import trials
+
+    calls = {"n": 0}
+    real = gc.collect
+
+    def counting(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    workspace: list[torch.Tensor] = []
+
+    def step(model, batch, optimizer):
+        if not workspace:
+            workspace.append(torch.empty(1 << 16))  # made inside the first trial, kept
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(trials.gc, "collect", counting)
+    result = probe(small_mlp(), lambda n: torch.randn(n, 256), train_step=step, device="cpu",
+                   budget="8MiB")  # fmt: skip
+    assert_exact(result)
+    ooms = sum(not t.fits for t in result.trials)
+    assert len(result.trials) >= 5
+    assert calls["n"] == 2 + ooms + 1, [t.batch_size for t in result.trials]
+
+
 def test_accumulation_with_a_train_step_steps_the_optimizer_once_per_accumulated_step():
     """A model file's train_step is called once per micro-batch; the optimizer it receives
     steps and zeroes the gradients on the last micro-batch only, so the gradients of the
