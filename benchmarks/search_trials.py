@@ -9,15 +9,26 @@ plain reference :func:`doubling_bisection` ran, and ``ceil(log2 L) + 3``.
 
 ``--module`` compares another implementation of the same API (a dotted module path
 importable from ``PYTHONPATH``), e.g. a candidate strategy kept outside the tree.
+
+``--recorded FILE`` replays a probe recorded on a real device (``memkit probe ... --json``, e.g.
+``tests/fixtures/h200_probe_nanogpt_call1.json``): the sizes up to the recorded answer fit and
+the larger ones do not; a size's peaks are the recorded ones, or, between recorded sizes, the
+straight line between their neighbours, the reserved peak then rounded up as the caching
+allocator reserves (whole 2 MiB multiples, ``memkit.estimation.allocator.K_ROUND_LARGE``). The
+search aims with the allocated peak and decides with the reserved one, as on the device. It
+prints ``trials N, answer B`` and the sizes run.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib
+import json
 import math
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 MIB = 1 << 20
 LIMITS = (7, 100, 1000, 4097, 6000, 8191, 100_000)
@@ -66,10 +77,83 @@ def count(search: Callable[..., object], curve: Callable[[int], float], limit: i
     return len(calls)
 
 
+def _interpolate(points: list[tuple[int, int]], b: int) -> float:
+    """The straight line between the recorded neighbours of ``b`` (the end segments beyond)."""
+    sizes = [x for x, _ in points]
+    if len(points) == 1:
+        return float(points[0][1])
+    i = min(max(bisect.bisect_left(sizes, b), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+
+class Replay:
+    """An oracle that replays a recorded probe (see the module docstring)."""
+
+    def __init__(self, record: dict) -> None:
+        from memkit.estimation.allocator import K_ROUND_LARGE
+
+        self.segment = K_ROUND_LARGE
+        trials = record["trials"]
+        fit = sorted(
+            (t["batch_size"], t["peak_bytes"], t.get("peak_allocated_bytes") or t["peak_bytes"])
+            for t in trials
+            if t["fits"]
+        )
+        failed = [t["batch_size"] for t in trials if not t["fits"]]
+        self.limit = record["max_batch_size"]
+        if not fit or any(b <= self.limit for b in failed) or fit[-1][0] != self.limit:
+            raise SystemExit("the record does not bracket its answer (B fit, larger sizes failed)")
+        self.capacity = int(record["capacity_bytes"])
+        self.reserved = [(b, r) for b, r, _ in fit]
+        self.allocated = [(b, a) for b, _, a in fit]
+        self.needs = {t["batch_size"]: t["peak_bytes"] for t in trials if not t["fits"]}
+        self.calls: list[int] = []
+
+    def __call__(self, b: int) -> tuple[bool, int | None, None, int | None]:
+        self.calls.append(b)
+        if b > self.limit:
+            return False, self.needs.get(b), None, None
+        recorded = dict(self.reserved)
+        if b in recorded:
+            return True, recorded[b], None, dict(self.allocated)[b]
+        reserved = math.ceil(_interpolate(self.reserved, b) / self.segment) * self.segment
+        reserved = min(reserved, self.capacity)  # it fit: it reserved at most the capacity
+        allocated = min(int(_interpolate(self.allocated, b)), reserved)
+        return True, reserved, None, allocated
+
+
+def replay(path: Path, module: str) -> tuple[int, int | None, list[int]]:
+    """``(trials, answer, sizes run)`` of the search on a recorded probe."""
+    mod = importlib.import_module(module)
+    record = json.loads(path.read_text())
+    oracle = Replay(record)
+    result = mod.search_max_batch(
+        oracle,
+        capacity_bytes=oracle.capacity,
+        min_batch=record.get("min_batch") or 1,
+        max_batch=record.get("max_batch"),
+    )
+    return len(oracle.calls), result.max_batch_size, oracle.calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", default="memkit.probing.search")
+    parser.add_argument("--recorded", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
+    if args.recorded is not None:
+        record = json.loads(args.recorded.read_text())
+        trials, answer, sizes = replay(args.recorded, args.module)
+        recorded = " ".join(
+            f"{t['batch_size']}{'' if t['fits'] else 'x'}" for t in record["trials"]
+        )
+        ran = " ".join(f"{b}{'' if b <= record['max_batch_size'] else 'x'}" for b in sizes)
+        answer_was = record["max_batch_size"]
+        print(f"recorded: trials {len(record['trials'])}, answer {answer_was}: {recorded}")
+        print(f"replayed: {ran}")
+        print(f"trials {trials}, answer {answer}")
+        return
     mod = importlib.import_module(args.module)
 
     print(f"search: {args.module}")

@@ -8,8 +8,14 @@ curve, so the search's model sees realistic numbers.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -255,3 +261,98 @@ def test_parts_that_differ_between_sizes_fall_back_to_whole_peaks():
     result = search_max_batch(fits, capacity_bytes=int(linear(500)))
     assert result.max_batch_size == 500
     assert not result.trials[-1].fits and result.trials[-1].batch_size == 501
+
+
+def _sizes(result) -> str:
+    return " ".join(f"{t.batch_size}{'' if t.fits else 'x'}" for t in result.trials)
+
+
+def test_a_fit_that_leaves_less_than_a_sample_free_is_followed_by_the_verification():
+    """x-transformers' copy task at 256 MiB: about 10.8 MiB a sample, 20 fits with 2.8 MiB
+    free. The measured free memory and slope say 21 does not fit: the search runs 21 next,
+    not doubling's 32 (which paid 4 OOM trials: 32 26 23 21)."""
+
+    def peak(b: int) -> float:  # a flat optimizer step below 3 samples, a kink at 8
+        return max(60 * MIB, 37.2 * MIB + 10.8 * MIB * b) + (3 * MIB if b == 8 else 0)
+
+    result = search_max_batch(lambda b: (peak(b) <= 256 * MIB, int(peak(b))),
+                              capacity_bytes=256 * MIB)  # fmt: skip
+    assert result.max_batch_size == 20
+    assert [t.batch_size for t in result.trials if not t.fits] == [21], _sizes(result)
+    assert result.trials[-2].batch_size == 20 and result.trials[-1].batch_size == 21
+
+
+def test_a_fit_a_few_samples_below_the_limit_aims_at_it_inside_the_bracket():
+    """LBFGS (time_sequence_prediction) at 48 MiB: 0.54 MiB a sample, 50 fits with 0.43 MiB
+    free. After an overshoot, a fit a few samples below the limit is followed by the
+    predicted limit, not by the bisection's midpoint (which paid 64 57 53 51)."""
+
+    def peak(b: int) -> float:
+        kink = 0.2 * MIB if b in (2, 8) else 0
+        return max(20 * MIB, 47.57 * MIB - 0.54 * MIB * (50 - b)) + kink
+
+    result = search_max_batch(lambda b: (peak(b) <= 48 * MIB, int(peak(b))),
+                              capacity_bytes=48 * MIB)  # fmt: skip
+    assert result.max_batch_size == 50
+    assert sum(not t.fits for t in result.trials) <= 2, _sizes(result)
+
+
+def test_a_smooth_measure_aims_where_the_rounded_one_decides():
+    """On CUDA the reserved peak (what runs out) moves in 20 MiB segments; the allocated peak
+    grows smoothly. Aiming with the smooth one plus the gap measured at the largest fit finds
+    the limit in fewer trials than aiming with the rounded one."""
+    seg = 20 * MIB
+
+    def allocated(b: int) -> int:
+        return 250 * MIB + 24 * MIB * b
+
+    def reserved(b: int) -> int:
+        return -(-(allocated(b) + 30 * MIB) // seg) * seg
+
+    capacity = 3 * 1024 * MIB
+    limit = max(b for b in range(1, 200) if reserved(b) <= capacity)
+
+    def with_aim(b: int):
+        return reserved(b) <= capacity, reserved(b), None, allocated(b)
+
+    smooth = search_max_batch(with_aim, capacity_bytes=capacity)
+    rounded = search_max_batch(lambda b: with_aim(b)[:2], capacity_bytes=capacity)
+    assert smooth.max_batch_size == rounded.max_batch_size == limit
+    assert len(smooth.trials) < len(rounded.trials), (_sizes(smooth), _sizes(rounded))
+    assert len(smooth.trials) <= 6, _sizes(smooth)
+    assert all(t.aim_bytes == allocated(t.batch_size) for t in smooth.trials if t.fits)
+    assert "aim_bytes" not in smooth.trials[0].to_dict()
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+
+
+def test_the_recorded_h200_probe_of_nanogpt_replays_to_122_in_at_most_7_trials():
+    """memkit probe of nanoGPT's shakespeare_char GPT on an H200 under a 3 GiB cap (bf16,
+    2026-11-26): the run doubled 1..128 and took 14 trials (3 OOM). Replayed with the
+    recorded peaks (interpolated between recorded sizes, reserved rounded as the caching
+    allocator reserves), the search finds the same exact answer in at most 7."""
+    fixture = FIXTURES / "h200_probe_nanogpt_call1.json"
+    out = subprocess.run(
+        [sys.executable, "benchmarks/search_trials.py", "--recorded", str(fixture)],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    last = out.strip().splitlines()[-1]
+    trials, answer = (int(x) for x in re.fullmatch(r"trials (\d+), answer (\d+)", last).groups())
+    assert answer == 122 and trials <= 7, out
+    assert sum(s.endswith("x") for s in out.splitlines()[-2].split()) <= 2, out
+
+
+def test_the_replay_oracle_interpolates_and_rounds_as_the_allocator_reserves():
+    path = ROOT / "benchmarks" / "search_trials.py"
+    spec = importlib.util.spec_from_file_location("search_trials", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = json.loads((FIXTURES / "h200_probe_nanogpt_call1.json").read_text())
+    oracle = bench.Replay(record)
+    assert oracle(122) == (True, 3221225472, None, 3171573248)  # recorded as is
+    ok, reserved, _, allocated = oracle(100)  # between 96 and 112
+    assert ok and reserved % (2 * MIB) == 0 and allocated <= reserved
+    assert 2545942528 < reserved < 2973761536 and 2535764480 < allocated < 2947731968
+    assert oracle(123)[0] is False and oracle(1000)[:2] == (False, None)

@@ -13,7 +13,7 @@ from memkit.units import format_size
 if TYPE_CHECKING:
     from memkit.probing.search import SearchResult
 
-__all__ = ["accumulation_advice", "does_not_fit", "probe_advice"]
+__all__ = ["accumulation_advice", "does_not_fit", "probe_advice", "state_still_grows"]
 
 
 def probe_advice(
@@ -24,9 +24,13 @@ def probe_advice(
     target_batch: int | None = None,
     world_size: int = 1,
     batch_norm: bool = False,
+    growing: tuple[int, int, int] | None = None,
 ) -> list[Advice]:
     """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers), else
-    ``accumulate`` toward ``target_batch`` (when given) with the recommended batch size."""
+    ``probe-state-grows`` when the memory kept between the answer's steps still grew at the
+    last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
+    state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
+    size."""
     if search.max_batch_size is None:
         trial = search.trials[0]
         return [
@@ -38,11 +42,44 @@ def probe_advice(
                 device=device,
             )
         ]
+    advice: list[Advice] = []
+    if growing is not None and search.max_batch_size is not None:
+        advice.append(state_still_grows(search.max_batch_size, *growing))
     micro = search.recommended_batch_size
     if target_batch is None or micro is None:
-        return []
+        return advice
     plan = plan_accumulation(target_batch, micro, world_size)
-    return [accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
+    return [*advice, accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
+
+
+def state_still_grows(
+    batch_size: int, steps: int, grown_bytes: int, optimizer_bytes: int
+) -> Advice:
+    """``probe-state-grows``: the memory kept between steps still grew at the probe's last
+    step, so its answer holds for that many steps, not for a longer run."""
+    what = (
+        f"{format_size(optimizer_bytes)} of it in the optimizer's state (an LBFGS-like "
+        "history, or state that appears late)"
+        if optimizer_bytes
+        else "none of it in the optimizer's state (a cache, a list the step appends to, "
+        "tensors kept across steps)"
+    )
+    return Advice(
+        code="probe-state-grows",
+        title=f"Batch {batch_size} is measured for {steps} steps: memory kept between steps "
+        "still grew",
+        evidence=(
+            f"At batch {batch_size}, what the loop keeps between steps grew by "
+            f"{format_size(grown_bytes)} from step 1 to step {steps} and was still growing at "
+            f"step {steps}; {what}."
+        ),
+        action=(
+            "Train with less than the answer, or bound what grows (LBFGS: history_size; a "
+            "list of losses: append loss.item(), not loss), then probe again; `memkit run` "
+            "shows which step's memory grows."
+        ),
+        severity="warning",
+    )
 
 
 def does_not_fit(

@@ -40,7 +40,11 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
               help="Capacity the recommended batch leaves free, in percent "
               "[default: 5].")  # fmt: skip
 @click.option("--target-batch", type=click.IntRange(min=1), default=None,
-              help="Effective batch you want: advises gradient accumulation.")  # fmt: skip
+              help="Effective batch you want: advises gradient accumulation (and answers "
+              "for the accumulating step when it does).")  # fmt: skip
+@click.option("--accumulate", type=click.IntRange(min=1), default=None, metavar="K",
+              help="The script accumulates gradients over K micro-batches per optimizer "
+              "step: answer for that step.")  # fmt: skip
 @click.option("--seq-len", callback=_parse_seq_lens, default=None,
               help="Sequence length(s) for make_batch(batch_size, seq_len): "
               "128,512,2048.")  # fmt: skip
@@ -70,6 +74,7 @@ def probe(
     steps: int,
     margin: float | None,
     target_batch: int | None,
+    accumulate: int | None,
     seq_len: list[int] | None,
     as_json: bool,
     ddp: bool,
@@ -99,6 +104,7 @@ def probe(
             seq_len=seq_len, as_json=as_json, steps=steps,
             ignored={"--mode": mode != ["train"], "--min-batch": min_batch != 1,
                      "--margin": margin is not None, "--target-batch": target_batch is not None,
+                     "--accumulate": accumulate is not None,
                      "--ddp": ddp, "--timeout": timeout is not None,
                      "--dist-backend": dist_backend is not None},
         )  # fmt: skip
@@ -128,6 +134,7 @@ def probe(
                 steps=steps,
                 margin=DEFAULT_MARGIN if margin is None else margin,
                 target_batch=target_batch if one == "train" else None,
+                accumulation=accumulate if one == "train" else None,
                 progress=me == 0 and not as_json and _stderr_is_terminal(),
                 ddp=ddp,
                 timeout=wait,

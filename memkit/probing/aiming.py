@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from memkit.probing.bracket import NO_LIMIT, Bracket, plain_next
 from memkit.probing.reference import Reference
 
-__all__ = ["GROWTH", "SLOPE_TOLERANCE", "TRUSTED_GROWTH", "ModelStrategy"]
+__all__ = ["GROWTH", "NEAR", "SLOPE_TOLERANCE", "STEADY", "TRUSTED_GROWTH", "ModelStrategy"]
 
 GROWTH = 2
 """Growth factor while no line can be trusted."""
@@ -22,6 +22,11 @@ TRUSTED_GROWTH = 64
 """A trusted prediction is run directly if it is at most this many times the largest fit."""
 SLOPE_TOLERANCE = 0.05
 """Two secant slopes agree (the points are collinear) within this relative difference."""
+NEAR = 8
+"""Within this many samples of free memory above the largest fit, the predicted limit is run
+as is, rounded to the nearest size (the limit L and L + 1 each settle it in two trials)."""
+STEADY = 0.15
+"""Those near steps need the last two secants to agree within this relative difference."""
 
 
 def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | None, bool]:
@@ -45,12 +50,59 @@ def _aim(s: Bracket, capacity: int) -> tuple[float | None, bool, Sequence[tuple[
     """The secant prediction of the part of the step that reaches ``capacity`` first, whether
     it is trusted, and that part's points (the whole peaks when no parts were reported)."""
     series = s.part_points()
+    capacity -= s.gap()  # the smooth peaks aim where the peak that decides the fit ends
     best: tuple[float | None, bool, Sequence[tuple[int, int]]] = (None, False, series[0])
     for points in series:
         predicted, trusted = _secant(points, capacity)
         if predicted is not None and (best[0] is None or predicted < best[0]):
             best = (predicted, trusted, points)
     return best
+
+
+def _wide_slope(points: Sequence[tuple[int, int]]) -> float | None:
+    """The slope from the largest point at most half the largest size (the smallest point
+    when there is none) to the largest point: a span wide enough that the allocator's steps
+    and a kink between two recorded sizes barely move it."""
+    (top, peak) = points[-1]
+    low = [p for p in points[:-1] if p[0] <= top / 2] or list(points[:1])
+    b0, p0 = low[-1]
+    return None if b0 == top else (peak - p0) / (top - b0)
+
+
+def _local_slope(points: Sequence[tuple[int, int]]) -> float:
+    """The slope of the secant of the two largest points."""
+    (b1, p1), (b2, p2) = points[-2], points[-1]
+    return (p2 - p1) / (b2 - b1)
+
+
+def _quantum(points: Sequence[tuple[int, int]]) -> int:
+    """The step all the peaks move in (their greatest common divisor): 2 MiB for peaks
+    rounded as an allocator reserves them, a few bytes for exact counts."""
+    return math.gcd(*(p for _, p in points))
+
+
+def _steady(points: Sequence[tuple[int, int]]) -> bool:
+    """Whether the last three peaks grow with the batch and their two secants agree within
+    ``STEADY``: a slope to measure headroom with, not noise."""
+    if len(points) < 3:
+        return False
+    (b0, p0), (b1, p1) = points[-3], points[-2]
+    below, top = (p1 - p0) / (b1 - b0), _local_slope(points)
+    return below > 0 and top > 0 and abs(top - below) <= STEADY * max(top, below)
+
+
+def _headroom(s: Bracket, capacity: int, points: Sequence[tuple[int, int]]) -> float | None:
+    """Samples that still fit above the largest fit by the measured free memory, under both
+    the last secant and the wide slope (the larger of the two estimates); ``None`` when a
+    slope is not positive or the largest fit left nothing to measure."""
+    if len(points) < 2:
+        return None
+    free = capacity - s.gap() - points[-1][1]
+    local = _local_slope(points)
+    wide = _wide_slope(points)
+    if free < 0 or local <= 0 or wide is None or wide <= 0:
+        return None
+    return max(free / local, free / wide)
 
 
 def _convex_consistent(points: Sequence[tuple[int, int]]) -> bool:
@@ -76,25 +128,32 @@ def _collinear(points: Sequence[tuple[int, int]]) -> bool:
 
 
 class ModelStrategy:
-    """Secant prediction with trust, halfway steps and a bisection safeguard."""
+    """Secant prediction with trust, halfway steps, near-limit steps from the measured free
+    memory and a bisection safeguard."""
 
     def __init__(self, capacity: int, base: int = 1, max_batch: int = NO_LIMIT) -> None:
         self.capacity = capacity
         self.reference = Reference(base, max_batch)
         self.max_batch = max_batch
         self.exact_aim: int | None = None
+        self.verified: int | None = None  # the last size run because it was said not to fit
         self.exact_missed = False
         self.widths: list[int] = []  # bracket widths seen since the first failure
         self.gallop = 2  # the least step when the model creeps; doubles each time it is used
         self.said_limit = False  # the last growth step verified a limit the model predicted
         self.small_steps = 0  # consecutive growth steps of one size
         self.aimed_with = -1  # number of fitting points when the bracket was last aimed into
+        self.near_missed = False  # a size said to be one too many by the free memory fit
+        self.near_lo: int | None = None  # the largest fit the last near step started from
 
     def __call__(self, s: Bracket) -> int:
         if s.lo is None:  # `start` failed: bisect down towards min_batch
             return plain_next(s)
         lo = s.lo
         predicted, trusted, points = _aim(s, self.capacity)
+        near = self._near(s, points, predicted)
+        if near is not None:
+            return near
         if s.hi is None:  # growing
             proposal = self._grow(lo, predicted, trusted, len(points))
             grid = self.reference.next_size(lo)
@@ -115,6 +174,35 @@ class ModelStrategy:
         if window is None:
             return target
         return min(max(target, window[0]), window[1])
+
+    def _near(
+        self, s: Bracket, points: Sequence[tuple[int, int]], predicted: float | None
+    ) -> int | None:
+        """The next size when the largest fit left less than ``NEAR`` samples' worth of
+        memory free: the free memory is a measurement, only the slope is a guess, and the
+        guess's error is a fraction of the few samples left. Under one sample: the next size,
+        the verification; else the predicted limit rounded to the nearest size. Either is run
+        as is, whatever doubling or the bisection window would do. ``None`` when the last
+        three peaks are not steady (``_steady``), when the peaks move in steps as large as
+        half a sample (the allocator's rounding without a smooth measure: free memory then
+        says little), once a size said not to fit has fit, and after a near step from the
+        same largest fit (it failed: the other rules take over)."""
+        last = s.trials[-1]
+        if last.fits and last.batch_size == self.verified:
+            self.near_missed = True  # it was said not to fit, and it fit
+        if self.near_missed or s.lo is None or s.lo == self.near_lo:
+            return None
+        room = _headroom(s, self.capacity, points)
+        if predicted is None or room is None or room >= NEAR or not _steady(points):
+            return None
+        if _quantum(points) * 2 > _local_slope(points):
+            return None
+        lo, hi = s.lo, (NO_LIMIT if s.hi is None else s.hi)
+        self.near_lo = lo
+        if room < 1:
+            self.verified = lo + 1
+            return lo + 1
+        return min(max(math.floor(predicted + 0.5), lo + 1), hi - 1)
 
     def _bracketed(
         self,

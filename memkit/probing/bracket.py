@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from memkit.results import Record
 
 __all__ = ["NO_LIMIT", "Bracket", "Oracle", "Trial", "plain_next", "run_strategy"]
 
 Oracle = Callable[
-    [int], "tuple[bool, int | None] | tuple[bool, int | None, tuple[int, ...] | None]"
+    [int],
+    "tuple[bool, int | None] | tuple[bool, int | None, tuple[int, ...] | None]"
+    " | tuple[bool, int | None, tuple[int, ...] | None, int | None]",
 ]
 """Runs one trial at a batch size and returns ``(fits, peak_bytes)``, or
-``(fits, peak_bytes, part_peaks)`` (``part_peaks`` ``None`` or empty when unknown).
+``(fits, peak_bytes, part_peaks)`` (``part_peaks`` ``None`` or empty when unknown), or
+``(fits, peak_bytes, part_peaks, aim_bytes)``.
 
 ``peak_bytes`` is the measured peak when it fit; when it did not, the bytes known to be needed
 at least (in use plus the allocation that failed), or ``None`` when unknown. ``part_peaks``,
@@ -29,6 +32,13 @@ when the oracle can tell, are the peaks of the parts of a step whose maximum is 
 ``memkit.probe``: cut at module forwards, module gradients and the optimizer step; see
 :class:`memkit.probing.trials.PartPeaks`): each part is fitted with its own line, so that a flat
 part (the optimizer step's) cannot hide the slope of a growing one.
+
+``aim_bytes``, when given, is a smoother measure of the same peak to aim with (on CUDA the
+allocated peak: the reserved peak that decides the fit moves in allocator segments of 2 and 20
+MiB, so its secants jump; the allocated peak grows smoothly). ``part_peaks`` are then in the
+same measure as ``aim_bytes``. The search aims where the smooth measure plus the gap measured
+at the largest fit (``peak_bytes - aim_bytes``) reaches the capacity; the fit itself is always
+``fits``.
 """
 
 NO_LIMIT = 1 << 40
@@ -47,6 +57,8 @@ class Trial(Record):
         seconds: wall time of the oracle call.
         part_peaks: the peaks of the step's parts when the oracle reported them (see
             :data:`Oracle`), else ``None``.
+        aim_bytes: the smooth measure of the peak the search aims with (see :data:`Oracle`);
+            ``None`` when the oracle gave none (``peak_bytes`` is used).
     """
 
     batch_size: int
@@ -54,8 +66,14 @@ class Trial(Record):
     peak_bytes: int | None
     seconds: float
     part_peaks: tuple[int, ...] | None = None
+    aim_bytes: int | None = None
 
-    _JSON_SKIP: ClassVar[tuple[str, ...]] = ("part_peaks",)
+    _JSON_SKIP: ClassVar[tuple[str, ...]] = ("part_peaks", "aim_bytes")
+
+    @property
+    def smooth_bytes(self) -> int | None:
+        """The peak the search aims with: ``aim_bytes``, else ``peak_bytes``."""
+        return self.peak_bytes if self.aim_bytes is None else self.aim_bytes
 
 
 class Bracket:
@@ -90,12 +108,16 @@ class Bracket:
         high = self.max_batch if self.hi is None else self.hi - 1
         batch_size = min(max(batch_size, low), high)
         start = self.clock()
-        ok, peak, *parts = self.fits(batch_size)
+        ok, peak, *extra = self.fits(batch_size)
         seconds = self.clock() - start
-        part_peaks = tuple(int(p) for p in parts[0]) if parts and parts[0] else None
+        parts: Any = extra[0] if extra else None
+        part_peaks = tuple(int(p) for p in parts) if parts else None
+        aim: Any = extra[1] if len(extra) > 1 else None
+        aim = None if aim is None else int(aim)
         trial = Trial(
-            batch_size, bool(ok), None if peak is None else int(peak), seconds, part_peaks
-        )
+            batch_size, bool(ok), None if peak is None else int(peak), seconds, part_peaks,
+            aim if ok else None,
+        )  # fmt: skip
         self.trials.append(trial)
         if trial.fits:
             self.lo = batch_size
@@ -110,16 +132,36 @@ class Bracket:
             (t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None
         )
 
+    def aim_points(self) -> list[tuple[int, int]]:
+        """``(batch_size, smooth_bytes)`` of the sizes that fit, by size (see :data:`Oracle`)."""
+        return sorted(
+            (t.batch_size, t.smooth_bytes)
+            for t in self.trials
+            if t.fits and t.smooth_bytes is not None
+        )
+
+    def gap(self) -> int:
+        """What the peak that decides the fit held above the smooth one at the largest size
+        that fit (the allocator's rounding and cached blocks on CUDA; 0 without ``aim_bytes``)."""
+        fitting = [t for t in self.trials if t.fits and t.peak_bytes is not None]
+        if not fitting:
+            return 0
+        top = max(fitting, key=lambda t: t.batch_size)
+        smooth = top.smooth_bytes
+        if top.peak_bytes is None or smooth is None:  # pragma: no cover - filtered above
+            return 0
+        return max(0, top.peak_bytes - smooth)
+
     def part_points(self) -> list[list[tuple[int, int]]]:
         """One ``(batch_size, peak)`` list per part of the step when every size that fit
-        reported the same parts; else the whole peaks' list alone."""
+        reported the same parts; else the whole (smooth) peaks' list alone."""
         fitting = sorted(
             (t for t in self.trials if t.fits and t.peak_bytes is not None),
             key=lambda t: t.batch_size,
         )
         shapes = {None if t.part_peaks is None else len(t.part_peaks) for t in fitting}
         if len(shapes) != 1 or None in shapes:
-            return [self.fitting_points()]
+            return [self.aim_points()]
         parts = fitting[0].part_peaks
         assert parts is not None
         return [

@@ -32,6 +32,13 @@ class ProbeTrial(Record):
             knew it needed; ``None`` when unknown or when it stopped because another rank
             failed). ``peak_bytes`` is then the tightest rank's, on the scale of the smallest
             capacity (see :mod:`memkit.probing.ranks`). Empty in a single process.
+        steps_run: the steps the trial ran (more than the probe's ``steps`` while the memory
+            kept between steps grew); ``None`` for a failure.
+        kept_growth_bytes: what was kept after the last step beyond what was kept after the
+            first (an optimizer's history filling up); ``None`` when nothing grew.
+        optimizer_growth_bytes: of that, what the optimizer's state added.
+        still_growing: the last step still added to what is kept (the trial stopped at
+            ``memkit.probing.trials.MAX_STEPS``): the fit holds for ``steps_run`` steps.
     """
 
     batch_size: int
@@ -41,11 +48,18 @@ class ProbeTrial(Record):
     peak_allocated_bytes: int | None = None
     error: str | None = None
     rank_peaks: tuple[int | None, ...] = ()
+    steps_run: int | None = None
+    kept_growth_bytes: int | None = None
+    optimizer_growth_bytes: int | None = None
+    still_growing: bool = False
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = round(self.seconds, 6)
-        if not self.rank_peaks:
-            del out["rank_peaks"]
+        for key in ("rank_peaks", "kept_growth_bytes", "optimizer_growth_bytes", "still_growing"):
+            if not out[key]:
+                del out[key]
+        if out["steps_run"] is None:
+            del out["steps_run"]
         return out
 
 

@@ -12,6 +12,7 @@ process group every rank probes its own device and the ranks agree after each tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import warnings
@@ -33,6 +34,7 @@ from memkit.modelfile import (
     require_seq_len,
 )
 from memkit.oom import is_oom, recover
+from memkit.probing.accumulate import plan_accumulation
 from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
@@ -103,13 +105,22 @@ def probe(
     ddp: bool = False,
     timeout: float | None = None,
     step_label: str | None = None,
+    accumulation: int | None = None,
 ) -> ProbeResult:
     """Find the largest batch size that fits, exactly, and leave everything as it was.
 
     Each trial runs ``steps`` full steps (forward, loss, backward, optimizer step) at one batch
-    size and measures the peak. The search (:mod:`memkit.probing.search`) fits
-    ``peak = fixed + per_sample * batch`` to the trials and jumps to the predicted limit, then
-    verifies: the reported size was run and fit, and the next size was run and did not.
+    size and measures the peak, and steps on while the memory kept between steps still grows
+    (an optimizer's history, up to ``trials.MAX_STEPS``). The search
+    (:mod:`memkit.probing.search`) fits ``peak = fixed + per_sample * batch`` to the trials and
+    jumps to the predicted limit, then verifies: the reported size was run and fit, and the
+    next size was run and did not.
+
+    The answer is for the step the script runs: with ``accumulation`` (micro-batches per
+    optimizer step), an accumulating step, whose gradients live through the next
+    micro-batches' forwards; and when ``target_batch`` needs accumulation, the probe searches
+    again with the accumulating step and answers for it (the size without accumulation is
+    noted in ``defaults``).
 
     Args:
         model: the model, on the device to probe (or on cpu for the simulated device).
@@ -137,6 +148,8 @@ def probe(
         timeout: seconds to wait for the other ranks at each agreement; ``None`` uses the
             process group's timeout.
         step_label: how the report describes ``train_step`` (default: the model file's).
+        accumulation: micro-batches per optimizer step in the script (gradient
+            accumulation); ``None`` or 1: none, unless ``target_batch`` needs it.
 
     Inside an initialised process group every rank must call ``probe`` with the same options:
     each probes its own device, the ranks agree after every trial (a size fits only if it fits
@@ -171,35 +184,99 @@ def probe(
         model, backend, capacity, ddp, timeout, min_batch=min_batch, max_batch=max_batch,
         steps=steps, mode=mode, seq_len=seq_len,
     )  # fmt: skip
-    plan = StepPlan(mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label)
+    plan = StepPlan(
+        mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
+        accumulation=_accumulation(accumulation, mode, capacities),
+    )  # fmt: skip
     saved = SavedState(model, optimizer)
     target = _wrap_agreed(model, backend, timeout) if ddp and not is_ddp(model) else model
     ranked_ddp = capacities is not None and is_ddp(target)
     sync = RankSync(target, optimizer, timeout) if ranked_ddp else None
     label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
     bar = TrialProgress(label) if progress else None
-    runner = TrialRunner(
-        target, make_batch, optimizer, plan, backend, steps, capacity, saved, seq_len,
-        _both(on_trial, bar), sync, capacities, timeout, None if bar is None else bar.started,
-    )  # fmt: skip
-    records = runner.records
-    del target, sync  # the runner holds them now
-    with _probing(model, mode, saved, backend, bar):
+    aim_at = capacity if capacities is None else _tightest(capacities)
+    ceiling = max_batch if max_batch is not None else MAX_BATCH_CEILING
+
+    held: list[Any] = [target, sync]  # emptied before the clean-up: a DDP wrapper made here
+    del target, sync
+    started = None if bar is None else bar.started
+
+    def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
+        runner = TrialRunner(
+            held[0], make_batch, optimizer, step, backend, steps, capacity, saved, seq_len,
+            _both(on_trial, bar), held[1], capacities, timeout, started,
+        )  # fmt: skip
+        records = runner.records
         try:
-            search = search_max_batch(
-                runner,
-                capacity_bytes=capacity if capacities is None else _tightest(capacities),
-                min_batch=min_batch,
-                max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
-                margin=margin,
+            found = search_max_batch(
+                runner, capacity_bytes=aim_at, min_batch=min_batch, max_batch=top, margin=margin
             )
         finally:
-            del runner  # a DDP wrapper made here goes with it (its buckets), before the clean-up
+            del runner  # before the next search and the clean-up
+        return found, records
+
+    with _probing(model, mode, saved, backend, bar):
+        try:
+            search, records = search_with(plan, ceiling)
+            steps_advised = _advised_accumulation(search, target_batch, capacities, plan)
+            if steps_advised is not None and search.max_batch_size is not None:
+                # the advice accumulates: answer for the accumulating step
+                defaults.append(_without_accumulation(search.max_batch_size, records))
+                plan = dataclasses.replace(plan, accumulation=steps_advised)
+                search, records = search_with(plan, search.max_batch_size)
+        finally:
+            held.clear()
     return _build_result(
         search, records, backend, plan, mode, steps, margin, min_batch, max_batch,
         seq_len, defaults, target_batch, capacities,
         batch_norm=_has_batch_norm(model), ddp=ddp or is_ddp(model),
     )  # fmt: skip
+
+
+def _accumulation(
+    accumulation: int | None, mode: str, capacities: tuple[int | None, ...] | None
+) -> int:
+    """Micro-batches per optimizer step to probe with (1: none), checked."""
+    if accumulation is None or accumulation == 1:
+        return 1
+    if accumulation < 1:
+        raise ConfigError(f"accumulation must be at least 1, found {accumulation}")
+    if mode != "train":
+        raise ConfigError("gradient accumulation applies to --mode train only")
+    if capacities is not None:
+        raise ConfigError(
+            "gradient accumulation is not probed across ranks yet; probe one rank's step "
+            "without a process group"
+        )
+    return accumulation
+
+
+def _advised_accumulation(
+    search: SearchResult,
+    target_batch: int | None,
+    capacities: tuple[int | None, ...] | None,
+    plan: StepPlan,
+) -> int | None:
+    """The accumulation steps the ``accumulate`` advice will give when the probe ran a step
+    that does not accumulate; ``None`` when it gives none (or across ranks, not probed yet)."""
+    micro = search.recommended_batch_size
+    if target_batch is None or micro is None or plan.accumulation > 1 or plan.mode != "train":
+        return None
+    if capacities is not None:
+        return None
+    steps = plan_accumulation(target_batch, micro).steps
+    return steps if steps > 1 else None
+
+
+def _without_accumulation(best: int, records: dict[int, ProbeTrial]) -> str:
+    """The report's line on the first search, when the answer is for an accumulating step."""
+    above = records.get(best + 1)
+    bracket = f", {best + 1} does not" if above is not None and not above.fits else ""
+    return (
+        f"without accumulation: {best} fits{bracket} ({len(records)} trials); accumulating "
+        "keeps gradients alive through the micro-batches' forwards, so the answer above is for "
+        "the accumulating step the advice gives"
+    )
 
 
 def _check_options(
@@ -392,6 +469,7 @@ def _build_result(
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
+    grown, growing = _kept_growth(trials, search.max_batch_size, steps)
     advice = probe_advice(
         search,
         backend.name(),
@@ -399,6 +477,7 @@ def _build_result(
         target_batch=target_batch,
         world_size=world,
         batch_norm=batch_norm,
+        growing=growing,
     )
     model = search.model
     return ProbeResult(
@@ -414,17 +493,42 @@ def _build_result(
         margin=margin,
         min_batch=min_batch,
         max_batch=max_batch,
-        hit_max_batch=search.hit_max_batch and max_batch is not None,
+        hit_max_batch=search.hit_max_batch and search.max_batch_size == max_batch,
         seq_len=seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,
-        defaults=tuple(defaults + plan.describe()) + ((_DDP_NOTE,) if ddp else ()),
+        defaults=tuple(defaults + plan.describe() + grown) + ((_DDP_NOTE,) if ddp else ()),
         advice=tuple(advice),
         world_size=world,
         per_rank_peaks=_rank_peaks(search.max_batch_size, records) if world > 1 else (),
         per_rank_capacities=capacities if world > 1 and capacities is not None else (),
         ddp=ddp,
     )
+
+
+def _kept_growth(
+    trials: tuple[ProbeTrial, ...], best: int | None, steps: int
+) -> tuple[list[str], tuple[int, int, int] | None]:
+    """The report's line when trials stepped on past ``steps`` because the memory kept
+    between steps grew, and ``(steps, grown, of it optimizer state)`` for the advice when the
+    answer's trial was still growing at its last step."""
+    longer = [t for t in trials if t.fits and (t.steps_run or 0) > steps]
+    if not longer:
+        return [], None
+    at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
+    most = max(t.steps_run or 0 for t in longer)
+    grew = format_size(at.kept_growth_bytes or 0)
+    state = format_size(at.optimizer_growth_bytes or 0)
+    line = (
+        f"steps: up to {most} per trial (--steps {steps}), while the memory kept between steps "
+        f"grew: at batch {at.batch_size}, {grew} more after step {at.steps_run} than after "
+        f"step 1, {state} of it the optimizer's state"
+        + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
+    )
+    growing = None
+    if at.still_growing and at.steps_run is not None:
+        growing = (at.steps_run, at.kept_growth_bytes or 0, at.optimizer_growth_bytes or 0)
+    return [line], growing
 
 
 def _rank_peaks(batch_size: int | None, records: dict[int, ProbeTrial]) -> tuple[int | None, ...]:
@@ -436,10 +540,9 @@ def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
     record = records.get(trial.batch_size)
     if record is None:  # pragma: no cover - every trial goes through the runner
         return ProbeTrial(trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds)
-    return ProbeTrial(
-        trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds,
-        record.peak_allocated_bytes, record.error, record.rank_peaks,
-    )  # fmt: skip
+    return dataclasses.replace(
+        record, fits=trial.fits, peak_bytes=trial.peak_bytes, seconds=trial.seconds
+    )
 
 
 def probe_file(

@@ -30,7 +30,20 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   3. once a size has failed, the prediction is clamped into the bracket (an untrusted one only
      when the last secant is at least as steep as the whole curve, as a convex curve's is),
      once per new point: an aim that failed is followed by a bisection, not a second aim with
-     the same line, and so is any trial that did not halve the bracket.
+     the same line, and so is any trial that did not halve the bracket;
+  4. near the limit the measured free memory decides (``aiming.NEAR``): once a new largest
+     fit leaves less than ``NEAR`` samples' worth free (by the last secant and by a wide one,
+     the last three points growing with slopes within ``aiming.STEADY``), the predicted limit
+     is run as is, rounded to the nearest size; under one sample's worth, the next size, the
+     verification. Doubling's grid and the bisection window are skipped for that step: they
+     would pay for sizes the free memory already rules out (x-transformers' copy task: 32 26
+     23 21 all ran out after 20 fit with 2.8 MiB free at 10.8 MiB a sample). Off once a size
+     said not to fit has fit, and where the peaks move in steps of half a sample or more.
+
+  The oracle may report a second, smooth measure of each peak (``aim_bytes``: on CUDA the
+  allocated peak, where the reserved peak that decides the fit moves in 2 and 20 MiB allocator
+  segments); the search then aims with the smooth one, at the capacity less the gap between
+  the two measured at the largest fit, and decides with the other.
 
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
   limit, one more), 7 up to 2**20. The tests run every limit from 1 to 2048 and a sample up
@@ -45,8 +58,9 @@ and bisection would take, as a Kraft mass ``2**-trials``. While growing, a step 
 doubling's next size is taken only where a wrong guess cannot make any limit cost more than the
 reference (or on an exact line); once bracketed, every size is projected into the window that
 keeps every limit still possible within the reference's count (exact leaf by leaf for narrow
-brackets, by masses for wide ones). Only a trusted jump beyond doubling's next size can still
-cost more, when it fails.
+brackets, by masses for wide ones). Only a trusted jump beyond doubling's next size and a near
+step (4.) can still cost more, when they are wrong; the tests check that they never do on the
+five test curves.
 
 Failure trials' ``peak_bytes`` (in use plus the allocation that failed) are lower bounds of a
 peak that was never reached; they never enter a fit.

@@ -10,6 +10,16 @@ Like a training loop's ``out = model(x)`` (or nanoGPT's ``logits, loss = model(X
 step keeps the model's output alive through backward and the optimizer step, until the next
 step's forward has returned: a loop's variable is only rebound then. So the second step of a
 trial holds the first step's output during its forward, as every real loop does.
+
+With gradient accumulation (``StepPlan(accumulation=k)``, ``k >= 2``) an optimizer step is
+``k`` micro-batches: forward, ``loss / k``, backward each, and ``optimizer.step()`` and
+``zero_grad(set_to_none=True)`` after the last. The gradients of micro-batch 1 stay alive
+through the forwards of micro-batches 2..k (with the previous micro-batch's output, as in
+transformers' ``run_clm_no_trainer.py``), which a step that frees them before every forward
+never holds. Micro-batches 2..k hold the same memory, so the runner runs two micro-batches per
+optimizer step (:attr:`StepPlan.micro_batches`). A ``train_step`` is called once per
+micro-batch with an optimizer whose ``step()`` and ``zero_grad()`` act on the last only
+(:class:`DeferredOptimizer`).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import torch
 from memkit.errors import ModelFileError
 
 __all__ = [
+    "DeferredOptimizer",
     "StepFn",
     "StepPlan",
     "batch_leading_dims",
@@ -95,37 +106,83 @@ def resolve_loss(
     return total, "sum of the output"
 
 
+class DeferredOptimizer:
+    """An optimizer whose ``step()`` and ``zero_grad()`` do nothing until ``active`` (the last
+    micro-batch of an accumulating step); ``step(closure)`` still runs the closure (the
+    forward and backward inside it). Everything else is the optimizer's."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self.active = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self.active:
+            return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.active:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
 @dataclass
 class StepPlan:
-    """The step a probe runs, and the description of each default it used."""
+    """The step a probe runs, and the description of each default it used.
+
+    ``accumulation``: micro-batches per optimizer step in the script (1: none).
+    """
 
     mode: str
     loss_fn: Callable[[Any, Any], Any] | None = None
     train_step: Callable[[Any, Any, Any], Any] | None = None
     step_label: str | None = None
+    accumulation: int = 1
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
     _kept_loss: Any = field(default=None, init=False, repr=False)
 
-    def __call__(self, model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches the probe runs per optimizer step: 1, or 2 when accumulating
+        (micro-batches 2..k hold the same memory)."""
+        return 1 if self.mode == "infer" or self.accumulation < 2 else 2
+
+    def __call__(
+        self, model: torch.nn.Module, batch: Any, optimizer: Any, *, last: bool = True
+    ) -> None:
+        """One micro-batch; ``last``: the one that ends an optimizer step."""
         if self.mode == "infer":
             with torch.inference_mode():
                 output = call_model(model, batch)
             self._kept = output  # the previous output lived until this forward returned
             return
         if self.train_step is not None:
-            self.train_step(model, batch, optimizer)
+            if self.micro_batches == 1:
+                self.train_step(model, batch, optimizer)
+                return
+            deferred = DeferredOptimizer(optimizer)
+            deferred.active = last
+            self.train_step(model, batch, deferred)
             return
         output = call_model(model, batch)
         self._kept = None  # `out = model(x)` rebinds the loop's variable only now
         loss, self.loss_rule = resolve_loss(output, batch, self.loss_fn)
+        if self.accumulation > 1:
+            loss = loss / self.accumulation
         self._kept_loss = None  # and `loss = ...` now: a loop's loss lives through the step
         loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        if last:
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
         self._kept, self._kept_loss = output, loss
 
     @property
@@ -147,14 +204,22 @@ class StepPlan:
         kept = "kept: the model's output, until the next step's forward returns (`out = model(x)`)"
         if self.mode == "infer":
             return ["step: forward under torch.inference_mode() (inference)", kept]
+        accumulating = []
+        if self.micro_batches > 1:
+            accumulating = [
+                "accumulation: gradients accumulated over micro-batches (2 run per optimizer "
+                "step, loss / k): the first's gradients live through the second's forward, as "
+                "through every later one's"
+            ]
         if self.train_step is not None:
             default = "step: train_step(model, batch, optimizer) from the model file"
-            return [self.step_label or default]
+            return [self.step_label or default, *accumulating]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
             kept + ", and the loss through optimizer.step() (`loss = ...`)",
+            *accumulating,
         ]
 
 

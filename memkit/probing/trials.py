@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memkit import distributed
-from memkit.devices import CudaBackend, SimulatedBackend, host_memory
+from memkit.devices import CudaBackend, SimulatedBackend, counter_reader, host_memory
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, MemkitError, UserCodeError
 from memkit.oom import is_oom, parse_oom_message, recover
@@ -31,13 +31,16 @@ from memkit.probing.step import StepPlan, to_device
 from memkit.units import format_size
 
 __all__ = [
+    "MAX_STEPS",
     "PART_MODULES",
     "Backend",
+    "Kept",
     "PartPeaks",
     "TrialCallback",
     "TrialRunner",
     "first_line",
     "host_failure",
+    "optimizer_state_bytes",
 ]
 
 Backend = CudaBackend | SimulatedBackend
@@ -90,8 +93,12 @@ def _hint(exc: BaseException, batch_size: int) -> str:
 
 PART_MODULES = 48
 """At most this many modules cut a trial's peak into parts: the outermost ones, level by level.
-Each cut reads the device's peak counters (on CUDA a ``memory_stats`` call, tens of
-microseconds), three times per module and step."""
+Each cut reads the device's counters once (on CUDA one ``torch._C._cuda_memoryStats`` call,
+about 18 us, through :func:`memkit.devices.counter_reader`) and resets the peaks, three times
+per module and step."""
+MAX_STEPS = 16
+"""While the memory kept between a trial's steps still grows (an optimizer's history, a cache
+that fills), the trial steps on, up to this many steps."""
 
 
 def _outer_modules(model: torch.nn.Module, limit: int) -> list[torch.nn.Module]:
@@ -114,14 +121,18 @@ class PartPeaks:
     sizes a flat moment (the optimizer step, the embedding's dense gradient at the end of
     backward) sets the whole peak and hides the growing one, so a line through whole peaks
     aims far past the limit. The search fits a line to each part instead and aims where the
-    first of them reaches the capacity. The hooks only read and reset the device's peak
-    counters; they keep no tensor.
+    first of them reaches the capacity. The parts are *allocated* peaks, the smooth measure
+    (on CUDA the reserved peak moves in allocator segments); the reserved peak of the whole
+    trial is kept beside them. The hooks only read and reset the device's counters (one call
+    each through ``counters``); they keep no tensor.
     """
 
-    def __init__(self, backend: Backend, model: torch.nn.Module, optimizer: Any) -> None:
-        self.backend = backend
+    def __init__(
+        self, counters: tuple[Any, Any], model: torch.nn.Module, optimizer: Any
+    ) -> None:
+        self.read, self.reset = counters
         self.parts: list[int] = []
-        self.allocated = 0
+        self.reserved = 0
         handles: list[Any] = []
         if hasattr(optimizer, "register_step_pre_hook"):
             handles += [
@@ -135,9 +146,11 @@ class PartPeaks:
         self.handles = handles
 
     def _cut(self, *_: Any) -> None:
-        self.parts.append(self.backend.peak_reserved())
-        self.allocated = max(self.allocated, self.backend.peak_allocated())
-        self.backend.reset_peak()
+        _, _, peak_allocated, peak_reserved = self.read()
+        self.parts.append(peak_allocated)
+        if peak_reserved > self.reserved:
+            self.reserved = peak_reserved
+        self.reset()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         self._cut()
@@ -154,14 +167,61 @@ class PartPeaks:
                 tensor.register_hook(self._cut)
 
     def finish(self) -> tuple[int, int, tuple[int, ...]]:
-        """``(peak, peak_allocated, part_peaks)`` of the whole trial, once it has ended."""
+        """``(peak_reserved, peak_allocated, part_peaks)`` of the whole trial, once it has
+        ended; the parts are allocated peaks."""
         self._cut()
-        return max(self.parts), self.allocated, tuple(self.parts)
+        return self.reserved, max(self.parts), tuple(self.parts)
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _tensor_bytes(obj: Any, seen: set[int]) -> int:
+    """Bytes of the distinct tensors in a nest of dicts, lists and tuples (an optimizer's
+    state: Adam's moments, LBFGS's direction history)."""
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr() if obj.device.type != "meta" else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    return 0
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes the optimizer's state holds (``optimizer.state``), each storage counted once."""
+    state = getattr(optimizer, "state", None)
+    return 0 if not state else _tensor_bytes(dict(state), set())
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a trial's loop kept between its steps: allocated bytes after each step, and the
+    optimizer state's bytes after each step."""
+
+    after_step: tuple[int, ...]
+    optimizer: tuple[int, ...]
+
+    @property
+    def growth(self) -> int:
+        """Bytes kept after the last step beyond those kept after the first."""
+        return max(0, self.after_step[-1] - self.after_step[0]) if self.after_step else 0
+
+    @property
+    def optimizer_growth(self) -> int:
+        """Of :attr:`growth`, the bytes the optimizer's state added."""
+        return max(0, self.optimizer[-1] - self.optimizer[0]) if self.optimizer else 0
+
+    @property
+    def still_growing(self) -> bool:
+        """Whether the last step still added to what is kept."""
+        return len(self.after_step) >= 2 and self.after_step[-1] > self.after_step[-2]
 
 
 @dataclass
@@ -185,6 +245,9 @@ class TrialRunner:
 
     def __post_init__(self) -> None:
         self.records: dict[int, ProbeTrial] = {}
+        self.counters = counter_reader(self.backend)
+        self.baseline: int | None = None  # allocated between trials, once collected
+        self.collections = 0  # gc.collect() calls between trials (not after OOMs)
 
     def _batch(self, batch_size: int) -> Any:
         if self.seq_len is None:
@@ -192,35 +255,63 @@ class TrialRunner:
         return self.make_batch(batch_size, self.seq_len)
 
     def _clean(self) -> None:
+        """Back to the state before any trial: no gradients, the optimizer's state as saved,
+        an empty cache and fresh peaks. ``gc.collect()`` (0.15 s a call on nanoGPT's H200 run)
+        only before the first trial and when more is allocated than after the last collection
+        (reference cycles keeping tensors alive); after an OOM, :func:`memkit.oom.recover` has
+        collected already."""
         self.model.zero_grad(set_to_none=True)
         self.saved.reset_optimizer()
-        gc.collect()
+        read = self.counters[0]
+        if self.baseline is None or read()[0] > self.baseline:
+            gc.collect()
+            self.collections += 1
+            # what a collection leaves is not garbage (a cuBLAS workspace made by the first
+            # trial's first matmul, a cache the model keeps): the next trials start from it
+            self.baseline = read()[0]
         self.backend.empty_cache()
-        self.backend.reset_peak()
+        self.counters[1]()
 
-    def _run_steps(self, batch_size: int) -> None:
+    def _run_steps(self, batch_size: int, *, extend: bool = True) -> Kept:
+        """``steps`` steps, then more while what the loop keeps between steps still grows
+        (``extend``; up to ``MAX_STEPS``). Returns what was kept after each step."""
+        read = self.counters[0]
+        kept: list[int] = []
+        state: list[int] = []
         try:
-            for _ in range(self.steps):
-                batch = to_device(self._batch(batch_size), self.backend.device)
-                self.step(self.model, batch, self.optimizer)
-                del batch
+            while True:
+                micro = self.step.micro_batches
+                for i in range(micro):
+                    batch = to_device(self._batch(batch_size), self.backend.device)
+                    self.step(self.model, batch, self.optimizer, last=i == micro - 1)
+                    del batch
                 if self.sync is not None:
                     self.sync.end_step()
+                kept.append(read()[0])
+                state.append(optimizer_state_bytes(self.optimizer))
+                done = len(kept) >= self.steps
+                growing = extend and len(kept) >= 2 and kept[-1] > kept[-2]
+                if (done and not growing) or len(kept) >= max(self.steps, MAX_STEPS):
+                    break
         finally:
             self.step.release()  # the trial's loop is over: its last output goes too
+        return Kept(tuple(kept), tuple(state))
 
-    def __call__(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
+    def __call__(
+        self, batch_size: int
+    ) -> tuple[bool, int | None, tuple[int, ...] | None, int | None]:
         if self.on_start is not None:
             self.on_start(batch_size)
         if self.capacities is not None:
             return self._call_ranks(batch_size)
         self._clean()
         failed: BaseException | None = None
-        split = PartPeaks(self.backend, self.model, self.optimizer)
+        split = PartPeaks(self.counters, self.model, self.optimizer)
+        kept: Kept | None = None
         started = time.perf_counter()
         try:
             with self.backend.activate():
-                self._run_steps(batch_size)
+                kept = self._run_steps(batch_size)
         except MemkitError:
             raise
         except Exception as exc:
@@ -241,6 +332,7 @@ class TrialRunner:
             split.close()
         seconds = time.perf_counter() - started
         parts: tuple[int, ...] | None = None
+        allocated: int | None = None
         if failed is not None:
             # Bytes known to be needed: what was held when the allocation failed (from the
             # message: the unwinding has freed some already) plus what it tried to get.
@@ -254,13 +346,22 @@ class TrialRunner:
             peak, allocated, parts = split.finish()
             fits = self.capacity is None or peak <= self.capacity
             over = None if fits else f"peak {format_size(peak)} exceeds the capacity"
-            record = ProbeTrial(batch_size, fits, peak, seconds, allocated, over)
+            assert kept is not None
+            record = ProbeTrial(
+                batch_size, fits, peak, seconds, allocated, over,
+                steps_run=len(kept.after_step),
+                kept_growth_bytes=kept.growth or None,
+                optimizer_growth_bytes=kept.optimizer_growth or None,
+                still_growing=kept.still_growing,
+            )  # fmt: skip
         self.records[batch_size] = record
         if self.on_trial is not None:
             self.on_trial(record)
-        return record.fits, record.peak_bytes, parts
+        return record.fits, record.peak_bytes, parts, allocated
 
-    def _call_ranks(self, batch_size: int) -> tuple[bool, int | None, tuple[int, ...] | None]:
+    def _call_ranks(
+        self, batch_size: int
+    ) -> tuple[bool, int | None, tuple[int, ...] | None, int | None]:
         """One trial on every rank; the agreed outcome (same on every rank)."""
         self._clean()
         caught: BaseException | None = None
@@ -268,7 +369,7 @@ class TrialRunner:
         try:
             synced = self.sync.trial() if self.sync else contextlib.nullcontext()
             with self.backend.activate(), synced:
-                self._run_steps(batch_size)
+                self._run_steps(batch_size, extend=False)  # the ranks step in lockstep
         except DistributedError:
             raise  # a collective failed: the group cannot be used for the exchange
         except Exception as exc:
@@ -329,4 +430,4 @@ class TrialRunner:
         self.records[batch_size] = record
         if self.on_trial is not None:
             self.on_trial(record)
-        return record.fits, record.peak_bytes, None
+        return record.fits, record.peak_bytes, None, None
