@@ -24,8 +24,9 @@ from memkit.errors import MemkitError, UserCodeError
 from memkit.estimation.allocator import CachingAllocatorModel
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
+from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user
-from memkit.probing.step import StepPlan, call_model, to_device
+from memkit.probing.step import StepPlan, call_model, resolve_loss, to_device
 
 __all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
 
@@ -67,10 +68,38 @@ class TargetMode(TorchFunctionMode):
             self.data_checks += 1
             return True
         if self.policy is not None:
+            if name == "cross_entropy":
+                result = self.policy.cross_entropy(args, kwargs)
+                if result is not NotImplemented:
+                    return result
             args, kwargs = self.policy.cast_args(name, args, kwargs)
         if name == "scaled_dot_product_attention":
             return self._attention(func, args, kwargs)
+        if name == "dropout" and self.attention != "cpu-flash":  # cpu-flash: a CPU target
+            return self._dropout(func, args, kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """Dropout as CUDA runs it: ``at::native::dropout`` takes the fused ``native_dropout``
+        (its backward saves a 1-byte bool mask) when the input is on CUDA and ``0 < p < 1``
+        (``is_fused_kernel_acceptable``); elsewhere, meta included, it multiplies by a noise
+        tensor of the input's dtype, which backward saves (4 bytes an element in fp32).
+        In-place dropout takes the noise path on CUDA too, and runs as it is."""
+        names = ("input", "p", "training", "inplace")
+        bound = dict(zip(names, args, strict=False)) | kw
+        x = bound.get("input")
+        p = float(bound.get("p", 0.5))
+        training = bound.get("training", bound.get("train", True))
+        if (
+            isinstance(x, torch.Tensor)
+            and training
+            and not bound.get("inplace", False)
+            and 0.0 < p < 1.0
+            and x.numel() > 0
+        ):
+            return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kw)
 
     def _attention(
         self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
@@ -180,6 +209,9 @@ class MetaSession:
     policy_dtype: torch.dtype | None
     attention: str
     sm: int
+    keep_output: bool = True
+    workspace_use: frozenset[tuple[str, str]] = frozenset()
+    """The cuBLAS/cuBLASLt workspaces the step creates (found by :meth:`warm_up`)."""
     kernels: set[str] = field(default_factory=set)
     data_checks: int = 0
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
@@ -197,24 +229,59 @@ class MetaSession:
         return to_device(made, META)
 
     def _mode(self) -> TargetMode:
-        policy = None if self.policy_dtype is None else AutocastPolicy(self.policy_dtype)
+        inference = self.plan.mode == "infer"
+        policy = (
+            None
+            if self.policy_dtype is None
+            else AutocastPolicy(self.policy_dtype, inference=inference)
+        )
         return TargetMode(policy, self.attention, self.sm)
 
     def step(self, batch_size: int) -> None:
         mode = self._mode()
         batch = self.batch(batch_size)
         with mode:
-            self.plan(self.model, batch, self.optimizer)
+            if self.plan.mode == "infer":
+                self._infer(batch)
+            else:
+                self.plan(self.model, batch, self.optimizer)
         del batch
         self.kernels |= mode.kernels
         self.data_checks += mode.data_checks
+
+    def warm_up(self, batch_size: int) -> None:
+        """One unaccounted step (in training it creates the optimizer state) that finds the
+        workspaces the step creates: in the steady state a GPU holds them from the first
+        step on, so every trial allocates them before its step (see :meth:`run`)."""
+        finder = KernelWorkspaces(lambda _key, _nbytes: None, self.workspace)
+        with finder:
+            self.step(batch_size)
+        self.plan.release()
+        self.workspace_use = frozenset(finder.created)
+        self.model.zero_grad(set_to_none=True)
+
+    def _infer(self, batch: Any) -> None:
+        """The inference step: the forward under ``torch.no_grad()`` on meta, for the GPU's
+        ``torch.inference_mode()``.
+
+        Both keep no graph, but under ``inference_mode`` a composite op (``cross_entropy``,
+        ``linear`` on 3-D inputs...) reaches the accountant as one call, whose inner ops'
+        temporaries (``cross_entropy``'s log-probabilities) are never counted; on a GPU they
+        are allocated all the same. ``no_grad`` keeps the autograd keys, where those ops
+        decompose above the accountant, as they run on CUDA.
+        """
+        with torch.no_grad():
+            output = call_model(self.model, batch)
+        if self.keep_output:
+            self.plan.hold(output)  # the previous output lived until this forward returned
+        del output
 
     def prime(self, batch_size: int) -> None:
         """The previous step's output, as the steady state holds it during the next forward
         (the default step keeps it like a loop's `out = model(x)`): made by an unaccounted
         forward without a graph, counted from the accounted step's start."""
         self.plan.release()
-        if self.plan.train_step is not None:
+        if self.plan.train_step is not None or not self.keep_output:
             return
         batch = self.batch(batch_size)
         with torch.no_grad(), self._mode():
@@ -229,9 +296,7 @@ class MetaSession:
         recorder = StepRecorder(allocator)
         accountant = MemoryAccountant(META, None, rounding="cuda", name="estimate")
         accountant.observe(recorder)
-        workspaces = 2 if self.plan.mode == "train" else 1
-        for i in range(workspaces if self.workspace else 0):
-            allocator.malloc(("cublas-workspace", i), self.workspace)
+        workspaces = KernelWorkspaces(allocator.malloc, self.workspace)
         recorder.phase = "parameters"
         accountant.track(self.model)
         recorder.phase = "optimizer_state"
@@ -240,11 +305,12 @@ class MetaSession:
         self.prime(batch_size)
         recorder.phase = "activations"
         accountant.track(self.plan.kept)
-        with self._hooks(recorder), accountant:
+        workspaces.preallocate(self.workspace_use)
+        with self._hooks(recorder), accountant, workspaces:
             self.step(batch_size)
         self.plan.release()
         accountant.stop_observing()
-        workspace = self.workspace * workspaces
+        workspace = workspaces.allocated
         peaks = TrialPeaks(
             allocated=allocator.peak_allocated,
             reserved=allocator.peak_reserved,
