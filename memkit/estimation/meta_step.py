@@ -125,18 +125,23 @@ _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 class StepRecorder:
     """The accountant's observer (:class:`~memkit.accounting.StorageObserver`): replays its
-    allocations and frees through the allocator model and sums bytes per category."""
+    allocations and frees through the allocator model and sums bytes per category.
+
+    A storage's category is its final one: optimizer state made by the first step's
+    ``optimizer.step()`` and gradients are relabelled once they are known to be that, and the
+    breakdown at the peak (:attr:`peak_parts`) counts the storages alive then by that label.
+    """
 
     def __init__(self, allocator: CachingAllocatorModel) -> None:
         self.allocator = allocator
         self.phase = "activations"
-        self.labels: dict[int, tuple[str, int]] = {}
-        self.bytes = dict.fromkeys(_CATEGORIES, 0)
         self.total = 0
         self.peak_total = 0
-        self.peak_parts = dict(self.bytes)
-        self.peak_slack = 0
-        self._fresh_key: int | None = None
+        self._serials: dict[int, int] = {}  # live key -> serial of its allocation
+        # per serial: [category, bytes, event it was allocated at, event it was freed at]
+        self._storages: list[list[Any]] = []
+        self._events = 0
+        self._peak_event = -1
 
     def already_counted(self, storages: list[tuple[int, int, int]]) -> None:
         assert not storages, "the recorder observes a fresh accountant"
@@ -146,38 +151,39 @@ class StepRecorder:
 
     def allocated(self, key: int, nbytes: int, requested: int, existed: str | None) -> None:
         self.allocator.malloc(key, nbytes)
-        self.labels[key] = (self.phase, nbytes)
-        self.bytes[self.phase] += nbytes
+        self._serials[key] = len(self._storages)
+        self._storages.append([self.phase, nbytes, self._events, None])
         self.total += nbytes
         if self.total > self.peak_total:
             self.peak_total = self.total
-            self.peak_parts = dict(self.bytes)
-            self._fresh_key = key
-        else:
-            self._fresh_key = None
+            self._peak_event = self._events
+        self._events += 1
 
     def freed(self, key: int, nbytes: int) -> None:
         self.allocator.free(key)
-        label = self.labels.pop(key, None)
-        if label is not None:
-            self.bytes[label[0]] -= label[1]
-            self.total -= label[1]
-        self._fresh_key = None
+        serial = self._serials.pop(key, None)
+        if serial is not None:
+            entry = self._storages[serial]
+            entry[3] = self._events
+            self.total -= entry[1]
+        self._events += 1
 
     def relabel(self, tensor: torch.Tensor | None, category: str) -> None:
         if tensor is None or tensor.device.type != "meta":
             return
-        key = id(tensor.untyped_storage())
-        label = self.labels.get(key)
-        if label is None or label[0] == category:
-            return
-        old, nbytes = label
-        self.labels[key] = (category, nbytes)
-        self.bytes[old] -= nbytes
-        self.bytes[category] += nbytes
-        if key == self._fresh_key:  # the peak was taken at this very allocation
-            self.peak_parts[old] -= nbytes
-            self.peak_parts[category] += nbytes
+        serial = self._serials.get(id(tensor.untyped_storage()))
+        if serial is not None:
+            self._storages[serial][0] = category
+
+    @property
+    def peak_parts(self) -> dict[str, int]:
+        """Bytes per category of the storages alive at the counted peak."""
+        parts = dict.fromkeys(_CATEGORIES, 0)
+        peak = self._peak_event
+        for category, nbytes, born, died in self._storages:
+            if born <= peak and (died is None or died > peak):
+                parts[category] += nbytes
+        return parts
 
 
 @dataclass
@@ -210,8 +216,6 @@ class MetaSession:
     attention: str
     sm: int
     keep_output: bool = True
-    workspace_use: frozenset[tuple[str, str]] = frozenset()
-    """The cuBLAS/cuBLASLt workspaces the step creates (found by :meth:`warm_up`)."""
     kernels: set[str] = field(default_factory=set)
     data_checks: int = 0
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
@@ -250,14 +254,9 @@ class MetaSession:
         self.data_checks += mode.data_checks
 
     def warm_up(self, batch_size: int) -> None:
-        """One unaccounted step (in training it creates the optimizer state) that finds the
-        workspaces the step creates: in the steady state a GPU holds them from the first
-        step on, so every trial allocates them before its step (see :meth:`run`)."""
-        finder = KernelWorkspaces(lambda _key, _nbytes: None, self.workspace)
-        with finder:
-            self.step(batch_size)
+        """One unaccounted step: the step's errors surface before the search starts."""
+        self.step(batch_size)
         self.plan.release()
-        self.workspace_use = frozenset(finder.created)
         self.model.zero_grad(set_to_none=True)
 
     def _infer(self, batch: Any) -> None:
@@ -276,18 +275,12 @@ class MetaSession:
             self.plan.hold(output)  # the previous output lived until this forward returned
         del output
 
-    def prime(self, batch_size: int) -> None:
-        """The previous step's output, as the steady state holds it during the next forward
-        (the default step keeps it like a loop's `out = model(x)`): made by an unaccounted
-        forward without a graph, counted from the accounted step's start."""
-        self.plan.release()
-        if self.plan.train_step is not None or not self.keep_output:
-            return
-        batch = self.batch(batch_size)
-        with torch.no_grad(), self._mode():
-            self.plan.hold(call_model(self.model, batch))
-
     def run(self, batch_size: int) -> TrialPeaks:
+        """A trial as ``memkit probe`` runs one on a GPU: the parameters, then two steps from an
+        empty optimizer state, all replayed through one allocator model. The first step creates
+        the optimizer state and the kernel workspaces where a GPU creates them, and leaves the
+        cached segments the second step reuses; the second holds the first one's output during
+        its forward (the default step keeps it, like a loop's ``out = model(x)``)."""
         cached = self.cache.get(batch_size)
         if cached is not None:
             return cached
@@ -299,15 +292,13 @@ class MetaSession:
         workspaces = KernelWorkspaces(allocator.malloc, self.workspace)
         recorder.phase = "parameters"
         accountant.track(self.model)
-        recorder.phase = "optimizer_state"
         if self.optimizer is not None:
-            accountant.track(self.optimizer)
-        self.prime(batch_size)
+            self.optimizer.state.clear()  # created by the first step (relabelled by a hook)
+        self.plan.release()
         recorder.phase = "activations"
-        accountant.track(self.plan.kept)
-        workspaces.preallocate(self.workspace_use)
         with self._hooks(recorder), accountant, workspaces:
-            self.step(batch_size)
+            for _ in range(2):
+                self.step(batch_size)
         self.plan.release()
         accountant.stop_observing()
         workspace = workspaces.allocated

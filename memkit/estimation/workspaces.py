@@ -84,12 +84,6 @@ class KernelWorkspaces(TorchDispatchMode):
         self.allocated = 0
         self.created: list[tuple[str, str]] = []
 
-    def preallocate(self, keys: frozenset[tuple[str, str]] | set[tuple[str, str]]) -> None:
-        """Create the workspaces ``keys`` now (those an earlier step created: a GPU keeps them)."""
-        sizes = {"cublas": self.cublas_bytes, "cublaslt": self.cublaslt_bytes}
-        for kind, thread in sorted(keys):
-            self._ensure(kind, thread, sizes[kind])
-
     def _ensure(self, kind: str, thread: str, nbytes: int) -> None:
         key = (kind, thread)
         if nbytes <= 0 or key in self.created:
