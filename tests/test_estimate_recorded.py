@@ -3,7 +3,8 @@
 2.11, 2026-11-26) and compares them with the real ``max_memory_allocated``/``reserved``.
 
 A representative subset runs here (one case per mechanism; the 48 cases take about a minute on
-two cores: ``python benchmarks/estimate_accuracy.py --recorded tests/data/estimate_h200_call1.json``).
+two cores: ``python benchmarks/estimate_accuracy.py --recorded
+tests/data/estimate_h200_call1.json``).
 Convolution models are left out: their cuDNN workspaces are cuDNN's heuristics' choice, which
 memkit does not model (docs/estimate.md, "Accuracy").
 """

@@ -27,8 +27,9 @@ function or ``Tensor`` method that was called (``__matmul__`` as ``matmul``, ``g
 Limits: Python functions that are not on a list but call listed ops internally are seen as one
 call (the mode is not re-entered while it handles a call); ``F.cross_entropy`` runs as
 PyTorch's composite kernel does under autocast (:meth:`AutocastPolicy.cross_entropy`), and
-``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) as lower-precision as a whole. Ops reached only from C++ (inside
-another op) are not seen, but those run inside one listed op anyway.
+``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) as lower-precision as a whole.
+Ops reached only from C++ (inside another op) are not seen, but those run inside one listed op
+anyway.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user
-from memkit.probing.step import StepPlan, call_model, resolve_loss, to_device
+from memkit.probing.step import StepPlan, call_model, to_device
 
 __all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
