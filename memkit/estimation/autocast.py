@@ -273,9 +273,9 @@ class AutocastPolicy:
             return NotImplemented
         reduction = bound.get("reduction", "mean")
         if bound.get("size_average") is not None or bound.get("reduce") is not None:
-            reduction = torch.nn.functional._Reduction.legacy_get_string(
-                bound.get("size_average"), bound.get("reduce")
-            )
+            from torch.nn import _reduction
+
+            reduction = _reduction.legacy_get_string(bound.get("size_average"), bound.get("reduce"))
         class_dim = 0 if logits.dim() == 1 else 1
         log_probs = torch.log_softmax(logits, class_dim, dtype=logits.dtype)
         weight = bound.get("weight")

@@ -92,7 +92,7 @@ class KernelWorkspaces(TorchDispatchMode):
         self.allocated += nbytes
         self._allocate(("workspace", *key), nbytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
