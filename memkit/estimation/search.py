@@ -169,8 +169,9 @@ def _start_session(
     assumptions: list[str],
     keep_output: bool = True,
 ) -> MetaSession:
-    """The trials' session: the optimizer (train), make_batch's layout checked, and in training
-    the optimizer state created by an unaccounted warm-up step. Appends to ``assumptions``."""
+    """The trials' session: the optimizer (train), make_batch's layout checked, one unaccounted
+    warm-up step run (its errors surface before the search; each trial starts from an empty
+    optimizer state again). Appends to ``assumptions``."""
     optimizer = None
     if mode == "train":
         model.train()
@@ -191,7 +192,7 @@ def _start_session(
     )  # fmt: skip
     if layout is not None:
         assumptions.append(layout)
-    # warm-up (not accounted): creates the optimizer state, finds the kernel workspaces
+    # warm-up (not accounted): the step's errors surface before the search
     run_guarded(lambda: session.warm_up(min_batch), min_batch)
     return session
 
