@@ -3,6 +3,7 @@
     python benchmarks/estimate_accuracy.py            # GPU part if CUDA is there, CPU part always
     python benchmarks/estimate_accuracy.py --cpu-only
     python benchmarks/estimate_accuracy.py --gpu-only --models mlp,gpt2 --json out.json
+    python benchmarks/estimate_accuracy.py --recorded tests/data/estimate_h200_call1.json
 
 * **CPU part** (any machine): the estimate's counted peak on ``meta`` against the simulated cpu
   device's real runs of the same model files (same accounting, so it checks the meta path; the
@@ -11,7 +12,14 @@
   context measured) against ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of two
   real steps (fresh optimizer state, as ``memkit probe``), for 5 models (MLP, CNN with BatchNorm,
   ViT-like, GPT-2-like, BERT-like) x train/infer x fp32/bf16 autocast x several batch sizes.
-  Autocast wraps the forward and the loss (the standard recipe), not backward or the step.
+  Autocast wraps the forward and the loss (the standard recipe), not backward or the step. The
+  step is probe's default step (the estimate's): the output is kept through backward and, in
+  inference, until the next forward returns (``"keeps_output": true`` in the JSON).
+* **Recorded** (``--recorded FILE``, any machine): the cases of a GPU part's ``--json`` file
+  re-estimated on CPU for the family and CUDA context they were measured with, against the
+  recorded real peaks; prints the GPU part's table and summary line. Files written before
+  ``keeps_output`` was recorded ran fp32 cases with probe's step and bf16 cases keeping only
+  the loss (their output dropped at once): each case is re-estimated with the step it ran.
 
 Prints a table with each error and the median and worst absolute errors.
 """
@@ -27,6 +35,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -230,25 +239,30 @@ def _real_gpu_peak(path: str, mode: str, batch: int, amp: bool, seq: int | None)
     args = [batch] if seq is None else [batch, seq]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    output: object = None  # kept as probe's step keeps it (the estimate's step)
     for _ in range(2):
         data = to_device(spec.make_batch(*args), device)
         if not amp:
             plan(model, data, optimizer)
         elif mode == "infer":
             with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-                call_model(model, data)
+                output = call_model(model, data)  # the previous output lived until now
         else:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss, _ = resolve_loss(call_model(model, data), data, spec.loss_fn)
+                new_output = call_model(model, data)
+                output = None  # `out = model(x)` rebinds the loop's variable only now
+                loss, _ = resolve_loss(new_output, data, spec.loss_fn)
+            output, new_output = new_output, None
             loss.backward()
-            del loss
             assert optimizer is not None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            del loss
         del data
     torch.cuda.synchronize()
     peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    del model, optimizer
+    plan.release()
+    del model, optimizer, output
     torch.cuda.empty_cache()
     return peaks
 
@@ -300,7 +314,8 @@ def gpu_part(paths: dict[str, str]) -> dict[str, object]:
                     cases.append({"model": name, "mode": mode, "amp": amp, "batch": batch,
                                   "real_allocated": real_a, "est_allocated": trial.allocated_peak,
                                   "real_reserved": real_r, "est_reserved": trial.reserved_peak,
-                                  "kernels": list(est.attention_kernels)})  # fmt: skip
+                                  "kernels": list(est.attention_kernels),
+                                  "keeps_output": True})  # fmt: skip
                     rows.append([name, mode, "bf16" if amp else "fp32", batch,
                                  format_size(real_a), format_size(trial.allocated_peak),
                                  f"{ea:+.1%}", format_size(real_r),
@@ -310,11 +325,77 @@ def gpu_part(paths: dict[str, str]) -> dict[str, object]:
                  "real reserved", "est reserved", "err", "attention"], rows,
                 title="GPU: estimate vs torch.cuda max_memory_allocated / reserved"))  # fmt: skip
     summary: dict[str, object] = {"device": torch.cuda.get_device_name(), "family": family,
-                                  "measured_context": context, "cases": cases}  # fmt: skip
+                                  "measured_context": context, "total_memory": total,
+                                  "torch": torch.__version__, "cases": cases}  # fmt: skip
     if alloc_err:
-        print(f"allocated: median |error| {statistics.median(alloc_err):.2%}, "
-              f"worst {max(alloc_err):.2%}; reserved: median {statistics.median(res_err):.2%}, "
-              f"worst {max(res_err):.2%}")  # fmt: skip
+        print(summary_line(alloc_err, res_err))
+        summary |= {"allocated_median": statistics.median(alloc_err),
+                    "allocated_worst": max(alloc_err),
+                    "reserved_median": statistics.median(res_err),
+                    "reserved_worst": max(res_err)}  # fmt: skip
+    return summary
+
+
+_HEADERS = ["model", "mode", "amp", "batch", "real alloc", "est alloc", "err", "real reserved",
+            "est reserved", "err", "attention"]  # fmt: skip
+
+
+def _row(case: dict[str, Any], est_a: int, est_r: int, kernels: list[str]) -> list[object]:
+    ra, rr = int(case["real_allocated"]), int(case["real_reserved"])
+    return [case["model"], case["mode"], "bf16" if case["amp"] else "fp32", case["batch"],
+            format_size(ra), format_size(est_a), f"{_err(est_a, ra):+.1%}", format_size(rr),
+            format_size(est_r), f"{_err(est_r, rr):+.1%}", ",".join(kernels) or "-"]  # fmt: skip
+
+
+def summary_line(alloc_err: list[float], res_err: list[float]) -> str:
+    """The summary both the GPU part and ``--recorded`` print."""
+    return (
+        f"allocated: median |error| {statistics.median(alloc_err):.2%}, worst {max(alloc_err):.2%}"
+        f"; reserved: median {statistics.median(res_err):.2%}, worst {max(res_err):.2%}"
+    )
+
+
+def keeps_output(case: dict[str, Any]) -> bool:
+    """The step a recorded case ran: files without ``keeps_output`` (call1, 2026-11-26) ran
+    probe's step in fp32 and kept only the loss under bf16 autocast."""
+    return bool(case.get("keeps_output", not case["amp"]))
+
+
+def recorded_part(record: dict[str, Any], paths: dict[str, str]) -> dict[str, object]:
+    """Re-estimate a GPU part's recorded cases on CPU; prints the table and the summary line.
+
+    Returns the recorded summary with the new estimates (``est_*``) and errors.
+    """
+    family, context = str(record["family"]), int(record["measured_context"])
+    total = int(record.get("total_memory") or 1 << 40)  # peaks do not depend on it below OOM
+    rows, alloc_err, res_err = [], [], []
+    cases: list[dict[str, object]] = []
+    for case in record["cases"]:
+        if "failed" in case or case["model"] not in paths:
+            continue
+        name, batch = case["model"], int(case["batch"])
+        est = estimate(
+            paths[name], device_memory=total, mode=case["mode"], seq_len=SEQ_MODELS.get(name),
+            amp="bf16" if case["amp"] else None, arch=family, context=context,
+            min_batch=batch, max_batch=batch, keep_output=keeps_output(case),
+        )  # fmt: skip
+        trial = est.trial(batch)
+        assert trial is not None
+        ea = _err(trial.allocated_peak, int(case["real_allocated"]))
+        er = _err(trial.reserved_peak, int(case["real_reserved"]))
+        alloc_err.append(abs(ea))
+        res_err.append(abs(er))
+        kernels = list(est.attention_kernels)
+        rows.append(_row(case, trial.allocated_peak, trial.reserved_peak, kernels))
+        cases.append(case | {"est_allocated": trial.allocated_peak,
+                             "est_reserved": trial.reserved_peak, "kernels": kernels,
+                             "allocated_error": ea, "reserved_error": er})  # fmt: skip
+    print(table(_HEADERS, rows, title=f"Recorded on {record.get('device')} ({family}): "
+                "estimate re-run on CPU vs the recorded real peaks"))  # fmt: skip
+    summary: dict[str, object] = {k: v for k, v in record.items() if k != "cases"}
+    summary["cases"] = cases
+    if alloc_err:
+        print(summary_line(alloc_err, res_err))
         summary |= {"allocated_median": statistics.median(alloc_err),
                     "allocated_worst": max(alloc_err),
                     "reserved_median": statistics.median(res_err),
@@ -331,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}"
     )
     parser.add_argument("--json", type=Path, help="write the GPU cases and summary here")
+    parser.add_argument("--recorded", type=Path, metavar="FILE",
+                        help="re-estimate the cases of a GPU part's --json FILE on CPU and "
+                        "compare them with its real peaks (no GPU needed)")  # fmt: skip
     args = parser.parse_args(argv)
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(MODELS))
@@ -339,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {k: v for k, v in write_models(Path(tmp)).items() if k in chosen}
+        if args.recorded is not None:
+            summary = recorded_part(json.loads(args.recorded.read_text()), paths)
+            if args.json is not None:
+                args.json.write_text(json.dumps(summary, indent=2))
+            return 0
         if not args.gpu_only:
             cpu_part(paths)
         if args.cpu_only:

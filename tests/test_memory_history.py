@@ -396,7 +396,11 @@ def test_synthetic_cuda_snapshot_gives_the_fragmentation(tmp_path):
     assert (dev.inactive_split, dev.inactive_split_blocks) == (sum(in_used), len(in_used))
     assert dev.empty_segments == snap["segments"][1]["total_size"]
     assert dev.largest_free_block == max(free)
-    assert dev.fragmentation == pytest.approx(1 - max(free) / sum(free))
+    # fragmentation: the free memory that cannot serve the failed 600 MiB request (every split
+    # block here), as a share of all free memory; the empty 400 MiB segment is cache, not that
+    assert dev.reference_request == 600 * MIB and "failed" in dev.reference_request_how
+    assert dev.unusable_free == sum(in_used)
+    assert dev.fragmentation == pytest.approx(sum(in_used) / sum(free))
     assert dev.category("activations") == GIB and dev.category("optimizer state") == 500 * MIB
     assert dev.category("unknown") == 512
     (oom,) = dev.ooms
@@ -416,6 +420,65 @@ def test_synthetic_cuda_snapshot_gives_the_fragmentation(tmp_path):
     # a free block that could hold the request: the OOM is not fragmentation
     roomy = inspect_snapshot(cuda_snapshot(free_segment=GIB))
     assert not roomy.advice and any("is not fragmentation" in n for n in roomy.notes)
+
+
+def test_cached_empty_segments_are_not_fragmentation():
+    """1.5 GiB of whole empty segments (what empty_cache() returns) next to a used segment with a
+    small free tail: reported as cache, and fragmentation is the tail only, measured against
+    the workload's typical large request."""
+    live = {"size": 64 * MIB, "state": "active_allocated", "requested_size": 64 * MIB,
+            "frames": FORWARD}  # fmt: skip
+    used = {"device": 0, "address": 0, "total_size": 84 * MIB, "stream": 0,
+            "segment_type": "large",
+            "blocks": [live, {"size": 20 * MIB, "state": "inactive"}]}  # fmt: skip
+    empty = [{"device": 0, "address": (i + 1) * GIB, "total_size": 512 * MIB, "stream": 0,
+              "segment_type": "large", "blocks": [{"size": 512 * MIB, "state": "inactive"}]}
+             for i in range(3)]  # fmt: skip
+    trace = [{"action": "alloc", "addr": 0, "size": 64 * MIB, "frames": FORWARD}] + [
+        {"action": "alloc", "addr": GIB + i, "size": MIB, "frames": FORWARD} for i in range(8)
+    ]
+    dev = inspect_snapshot({"segments": [used, *empty], "device_traces": [trace]}).device(0)
+    assert dev.empty_segments == 1536 * MIB and dev.inactive == 1556 * MIB
+    assert dev.reference_request == 64 * MIB and "typical" in dev.reference_request_how
+    assert dev.unusable_free == 20 * MIB  # the 20 MiB tail cannot hold a 64 MiB request
+    assert dev.fragmentation == pytest.approx(20 / 1556)
+    assert 1 - dev.largest_free_block / dev.inactive > 0.6  # the old measure: 67%
+    text = str(inspect_snapshot({"segments": [used, *empty], "device_traces": [trace]}))
+    assert "cached in empty segments 1.50 GiB (empty_cache() returns them)" in text
+    assert "fragmentation 1%" in text
+
+
+def test_gradients_at_the_peak_are_bounded_by_the_parameters():
+    """Backward's allocations are gradients only as far as parameters of their size exist:
+    a 4 KiB parameter's gradient, not backward's three 64 KiB temporaries."""
+    backward = frames(("/env/torch/autograd/graph.py", "_engine_run_backward"),
+                      ("/u/train.py", "train"))  # fmt: skip
+    build = frames(("/env/torch/nn/modules/module.py", "_apply"), ("/u/train.py", "main"))
+    blocks = [("p", 4 * 1024, build), ("g", 4 * 1024, backward)] + [
+        (f"t{i}", 64 * 1024, backward) for i in range(3)
+    ]
+    segment_blocks, trace, address = [], [], 0
+    for _, size, stack in blocks:
+        segment_blocks.append({"size": size, "state": "active_allocated", "requested_size": size,
+                               "frames": stack, "address": address})  # fmt: skip
+        trace.append({"action": "alloc", "addr": address, "size": size, "frames": stack})
+        address += size
+    total = address
+    segment_blocks.append({"size": 2 * MIB - total, "state": "inactive", "address": total})
+    seg = {"device": 0, "address": 0, "total_size": 2 * MIB, "stream": 0,
+           "segment_type": "small", "blocks": segment_blocks}  # fmt: skip
+    view = inspect_snapshot({"segments": [seg], "device_traces": [trace]})
+    dev = view.device(0)
+    for at_peak in (False, True):
+        assert dev.category("parameters", at_peak=at_peak) == 4 * 1024
+        assert dev.category("gradients", at_peak=at_peak) == 4 * 1024
+        assert dev.category("backward temporaries", at_peak=at_peak) == 3 * 64 * 1024
+    assert any("categories are guesses" in n for n in view.notes)
+    # no parameter recorded: nothing bounds them, and the category says so
+    unsorted = inspect_snapshot({"segments": [seg | {"blocks": segment_blocks[1:]}],
+                                 "device_traces": [trace[1:]]}).device(0)  # fmt: skip
+    assert unsorted.category("gradients") == 0
+    assert unsorted.category("backward, unsorted") == 4 * 1024 + 3 * 64 * 1024
 
 
 def test_inspect_html_and_json_agree(tmp_path):

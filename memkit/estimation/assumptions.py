@@ -30,7 +30,8 @@ def target_lines(
         "allocator: PyTorch CUDA caching allocator, default settings, one stream "
         "(512-byte blocks, 2 MiB small / 20 MiB large segments, best fit, split, merge)",
         f"cuBLAS workspace: {format_size(card.workspace_bytes)} per thread that runs matmuls"
-        + (" (2 in training: autograd's device thread has its own)" if mode == "train" else ""),
+        + (" (2 in training: autograd's device thread has its own)" if mode == "train" else "")
+        + "; cuBLASLt: 1.00 MiB more per thread that runs a Linear with a bias",
         "amp: "
         + (
             "none (fp32)"

@@ -25,10 +25,11 @@ function or ``Tensor`` method that was called (``__matmul__`` as ``matmul``, ``g
 ``grid_sampler``, ``interpolate`` as the upsampling op it runs).
 
 Limits: Python functions that are not on a list but call listed ops internally are seen as one
-call (the mode is not re-entered while it handles a call); ``F.cross_entropy`` is treated as its
-``log_softmax`` + ``nll_loss`` (fp32), and ``F.multi_head_attention_forward``
-(``nn.MultiheadAttention``) as lower-precision as a whole. Ops reached only from C++ (inside
-another op) are not seen, but those run inside one listed op anyway.
+call (the mode is not re-entered while it handles a call); ``F.cross_entropy`` runs as
+PyTorch's composite kernel does under autocast (:meth:`AutocastPolicy.cross_entropy`), and
+``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) as lower-precision as a whole.
+Ops reached only from C++ (inside another op) are not seen, but those run inside one listed op
+anyway.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ _ALIASES = {
     "__rpow__": "pow",
     "__ipow__": "pow",
     "grid_sample": "grid_sampler",
-    "cross_entropy": "nll_loss",
+    "cross_entropy": "nll_loss",  # only where cross_entropy() below does not apply
     "multi_head_attention_forward": "scaled_dot_product_attention",
 }
 """Python names of functions and methods that run (or stand for) a listed aten op."""
@@ -199,12 +200,17 @@ class AutocastPolicy:
         lists: the op lists; the installed PyTorch's by default.
     """
 
-    def __init__(self, dtype: torch.dtype, lists: AutocastLists | None = None) -> None:
+    def __init__(
+        self, dtype: torch.dtype, lists: AutocastLists | None = None, inference: bool = False
+    ) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"autocast dtype must be bfloat16 or float16, found {dtype}")
         self.dtype = dtype
         self.lists = lists or autocast_lists()
         self.enabled = True
+        self.inference = inference
+        """The region runs under ``torch.inference_mode()`` on the GPU (whatever runs on meta):
+        autocast then caches no weight cast (``cached_cast``'s ``InferenceMode`` check)."""
         self._cache: dict[int, torch.Tensor] = {}
         self.num_casts = 0
 
@@ -222,7 +228,7 @@ class AutocastPolicy:
             and value.dtype == torch.float32
             and value.is_leaf
             and value.requires_grad
-            and not torch.is_inference_mode_enabled()
+            and not (self.inference or torch.is_inference_mode_enabled())
         )
         if cacheable:
             cached = self._cache.get(id(value))
@@ -241,6 +247,45 @@ class AutocastPolicy:
             mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
             return _INTERPOLATE.get(mode, name)
         return _ALIASES.get(name, name)
+
+    def cross_entropy(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``F.cross_entropy`` as autocast runs it, or ``NotImplemented`` where it cannot tell.
+
+        Autocast does not list ``cross_entropy_loss``: its composite kernel runs under autocast
+        and calls ``log_softmax(input, class_dim, input.scalar_type())``. That dtype is given,
+        so the ``fp32_set_opt_dtype`` policy keeps it: the log-probabilities stay in the
+        input's dtype (bf16 logits give bf16 log-probabilities, saved for backward); then
+        ``nll_loss`` (fp32 list) casts them to fp32, a copy its backward saves. Class-index
+        targets without label smoothing only; the other forms run as one fp32 op.
+        """
+        names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                 "reduction", "label_smoothing")  # fmt: skip
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        logits, target = bound.get("input"), bound.get("target")
+        if (
+            not self.enabled
+            or not isinstance(logits, torch.Tensor)
+            or not isinstance(target, torch.Tensor)
+            or logits.dtype not in _CASTABLE
+            or target.is_floating_point()
+            or float(bound.get("label_smoothing") or 0.0) > 0.0
+        ):
+            return NotImplemented
+        reduction = bound.get("reduction", "mean")
+        if bound.get("size_average") is not None or bound.get("reduce") is not None:
+            from torch.nn import _reduction
+
+            reduction = _reduction.legacy_get_string(bound.get("size_average"), bound.get("reduce"))
+        class_dim = 0 if logits.dim() == 1 else 1
+        log_probs = torch.log_softmax(logits, class_dim, dtype=logits.dtype)
+        weight = bound.get("weight")
+        return torch.nn.functional.nll_loss(
+            self._cast(log_probs, torch.float32),
+            target,
+            None if weight is None else self._cast(weight, torch.float32),
+            ignore_index=bound.get("ignore_index", -100),
+            reduction=reduction,
+        )
 
     def cast_args(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -24,6 +24,7 @@ from memkit.errors import MemkitError, UserCodeError
 from memkit.estimation.allocator import CachingAllocatorModel
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
+from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user
 from memkit.probing.step import StepPlan, call_model, to_device
 
@@ -67,10 +68,38 @@ class TargetMode(TorchFunctionMode):
             self.data_checks += 1
             return True
         if self.policy is not None:
+            if name == "cross_entropy":
+                result = self.policy.cross_entropy(args, kwargs)
+                if result is not NotImplemented:
+                    return result
             args, kwargs = self.policy.cast_args(name, args, kwargs)
         if name == "scaled_dot_product_attention":
             return self._attention(func, args, kwargs)
+        if name == "dropout" and self.attention != "cpu-flash":  # cpu-flash: a CPU target
+            return self._dropout(func, args, kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """Dropout as CUDA runs it: ``at::native::dropout`` takes the fused ``native_dropout``
+        (its backward saves a 1-byte bool mask) when the input is on CUDA and ``0 < p < 1``
+        (``is_fused_kernel_acceptable``); elsewhere, meta included, it multiplies by a noise
+        tensor of the input's dtype, which backward saves (4 bytes an element in fp32).
+        In-place dropout takes the noise path on CUDA too, and runs as it is."""
+        names = ("input", "p", "training", "inplace")
+        bound = dict(zip(names, args, strict=False)) | kw
+        x = bound.get("input")
+        p = float(bound.get("p", 0.5))
+        training = bound.get("training", bound.get("train", True))
+        if (
+            isinstance(x, torch.Tensor)
+            and training
+            and not bound.get("inplace", False)
+            and 0.0 < p < 1.0
+            and x.numel() > 0
+        ):
+            return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kw)
 
     def _attention(
         self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
@@ -96,18 +125,23 @@ _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 class StepRecorder:
     """The accountant's observer (:class:`~memkit.accounting.StorageObserver`): replays its
-    allocations and frees through the allocator model and sums bytes per category."""
+    allocations and frees through the allocator model and sums bytes per category.
+
+    A storage's category is its final one: optimizer state made by the first step's
+    ``optimizer.step()`` and gradients are relabelled once they are known to be that, and the
+    breakdown at the peak (:attr:`peak_parts`) counts the storages alive then by that label.
+    """
 
     def __init__(self, allocator: CachingAllocatorModel) -> None:
         self.allocator = allocator
         self.phase = "activations"
-        self.labels: dict[int, tuple[str, int]] = {}
-        self.bytes = dict.fromkeys(_CATEGORIES, 0)
         self.total = 0
         self.peak_total = 0
-        self.peak_parts = dict(self.bytes)
-        self.peak_slack = 0
-        self._fresh_key: int | None = None
+        self._serials: dict[int, int] = {}  # live key -> serial of its allocation
+        # per serial: [category, bytes, event it was allocated at, event it was freed at]
+        self._storages: list[list[Any]] = []
+        self._events = 0
+        self._peak_event = -1
 
     def already_counted(self, storages: list[tuple[int, int, int]]) -> None:
         assert not storages, "the recorder observes a fresh accountant"
@@ -117,38 +151,39 @@ class StepRecorder:
 
     def allocated(self, key: int, nbytes: int, requested: int, existed: str | None) -> None:
         self.allocator.malloc(key, nbytes)
-        self.labels[key] = (self.phase, nbytes)
-        self.bytes[self.phase] += nbytes
+        self._serials[key] = len(self._storages)
+        self._storages.append([self.phase, nbytes, self._events, None])
         self.total += nbytes
         if self.total > self.peak_total:
             self.peak_total = self.total
-            self.peak_parts = dict(self.bytes)
-            self._fresh_key = key
-        else:
-            self._fresh_key = None
+            self._peak_event = self._events
+        self._events += 1
 
     def freed(self, key: int, nbytes: int) -> None:
         self.allocator.free(key)
-        label = self.labels.pop(key, None)
-        if label is not None:
-            self.bytes[label[0]] -= label[1]
-            self.total -= label[1]
-        self._fresh_key = None
+        serial = self._serials.pop(key, None)
+        if serial is not None:
+            entry = self._storages[serial]
+            entry[3] = self._events
+            self.total -= entry[1]
+        self._events += 1
 
     def relabel(self, tensor: torch.Tensor | None, category: str) -> None:
         if tensor is None or tensor.device.type != "meta":
             return
-        key = id(tensor.untyped_storage())
-        label = self.labels.get(key)
-        if label is None or label[0] == category:
-            return
-        old, nbytes = label
-        self.labels[key] = (category, nbytes)
-        self.bytes[old] -= nbytes
-        self.bytes[category] += nbytes
-        if key == self._fresh_key:  # the peak was taken at this very allocation
-            self.peak_parts[old] -= nbytes
-            self.peak_parts[category] += nbytes
+        serial = self._serials.get(id(tensor.untyped_storage()))
+        if serial is not None:
+            self._storages[serial][0] = category
+
+    @property
+    def peak_parts(self) -> dict[str, int]:
+        """Bytes per category of the storages alive at the counted peak."""
+        parts = dict.fromkeys(_CATEGORIES, 0)
+        peak = self._peak_event
+        for category, nbytes, born, died in self._storages:
+            if born <= peak and (died is None or died > peak):
+                parts[category] += nbytes
+        return parts
 
 
 @dataclass
@@ -180,6 +215,7 @@ class MetaSession:
     policy_dtype: torch.dtype | None
     attention: str
     sm: int
+    keep_output: bool = True
     kernels: set[str] = field(default_factory=set)
     data_checks: int = 0
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
@@ -197,30 +233,54 @@ class MetaSession:
         return to_device(made, META)
 
     def _mode(self) -> TargetMode:
-        policy = None if self.policy_dtype is None else AutocastPolicy(self.policy_dtype)
+        inference = self.plan.mode == "infer"
+        policy = (
+            None
+            if self.policy_dtype is None
+            else AutocastPolicy(self.policy_dtype, inference=inference)
+        )
         return TargetMode(policy, self.attention, self.sm)
 
     def step(self, batch_size: int) -> None:
         mode = self._mode()
         batch = self.batch(batch_size)
         with mode:
-            self.plan(self.model, batch, self.optimizer)
+            if self.plan.mode == "infer":
+                self._infer(batch)
+            else:
+                self.plan(self.model, batch, self.optimizer)
         del batch
         self.kernels |= mode.kernels
         self.data_checks += mode.data_checks
 
-    def prime(self, batch_size: int) -> None:
-        """The previous step's output, as the steady state holds it during the next forward
-        (the default step keeps it like a loop's `out = model(x)`): made by an unaccounted
-        forward without a graph, counted from the accounted step's start."""
+    def warm_up(self, batch_size: int) -> None:
+        """One unaccounted step: the step's errors surface before the search starts."""
+        self.step(batch_size)
         self.plan.release()
-        if self.plan.train_step is not None:
-            return
-        batch = self.batch(batch_size)
-        with torch.no_grad(), self._mode():
-            self.plan.hold(call_model(self.model, batch))
+        self.model.zero_grad(set_to_none=True)
+
+    def _infer(self, batch: Any) -> None:
+        """The inference step: the forward under ``torch.no_grad()`` on meta, for the GPU's
+        ``torch.inference_mode()``.
+
+        Both keep no graph, but under ``inference_mode`` a composite op (``cross_entropy``,
+        ``linear`` on 3-D inputs...) reaches the accountant as one call, whose inner ops'
+        temporaries (``cross_entropy``'s log-probabilities) are never counted; on a GPU they
+        are allocated all the same. ``no_grad`` keeps the autograd keys, where those ops
+        decompose above the accountant, as they run on CUDA.
+        """
+        with torch.no_grad():
+            output = call_model(self.model, batch)
+        if self.keep_output:
+            self.plan.hold(output)  # the previous output lived until this forward returned
+        del output
 
     def run(self, batch_size: int) -> TrialPeaks:
+        """A trial as ``memkit probe`` runs one on a GPU: the parameters, then two steps from an
+        empty optimizer state, all replayed through one allocator model. The first step creates
+        the optimizer state and the kernel workspaces where a GPU creates them, and leaves the
+        cached segments the second step reuses; the second holds the first one's output during
+        its forward (the default step keeps it, like a loop's ``out = model(x)``)."""
         cached = self.cache.get(batch_size)
         if cached is not None:
             return cached
@@ -229,22 +289,19 @@ class MetaSession:
         recorder = StepRecorder(allocator)
         accountant = MemoryAccountant(META, None, rounding="cuda", name="estimate")
         accountant.observe(recorder)
-        workspaces = 2 if self.plan.mode == "train" else 1
-        for i in range(workspaces if self.workspace else 0):
-            allocator.malloc(("cublas-workspace", i), self.workspace)
+        workspaces = KernelWorkspaces(allocator.malloc, self.workspace)
         recorder.phase = "parameters"
         accountant.track(self.model)
-        recorder.phase = "optimizer_state"
         if self.optimizer is not None:
-            accountant.track(self.optimizer)
-        self.prime(batch_size)
+            self.optimizer.state.clear()  # created by the first step (relabelled by a hook)
+        self.plan.release()
         recorder.phase = "activations"
-        accountant.track(self.plan.kept)
-        with self._hooks(recorder), accountant:
-            self.step(batch_size)
+        with self._hooks(recorder), accountant, workspaces:
+            for _ in range(2):
+                self.step(batch_size)
         self.plan.release()
         accountant.stop_observing()
-        workspace = self.workspace * workspaces
+        workspace = workspaces.allocated
         peaks = TrialPeaks(
             allocated=allocator.peak_allocated,
             reserved=allocator.peak_reserved,

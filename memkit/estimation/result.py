@@ -54,7 +54,7 @@ class EstimateBreakdown(Record):
         optimizer_state: optimizer state (moments...) alive at the peak.
         activations: everything else alive at the peak: activations kept for backward,
             temporaries, autocast's cast copies, optimizer temporaries.
-        workspace: cuBLAS workspaces.
+        workspace: cuBLAS and cuBLASLt workspaces.
         allocator_slack: allocated block bytes beyond the requests (unsplit blocks).
     """
 
@@ -85,7 +85,7 @@ class EstimateBreakdown(Record):
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
             ("activations and temporaries", self.activations),
-            ("cuBLAS workspace", self.workspace),
+            ("cuBLAS/cuBLASLt workspaces", self.workspace),
             ("allocator block slack", self.allocator_slack),
         ]
 

@@ -7,6 +7,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
 from memkit.probing.search import Trial, search_max_batch
-from memkit.probing.step import StepPlan, check_batch
+from memkit.probing.step import StepPlan, call_model, check_batch, resolve_loss
 
 __all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "MAX_BATCH_CEILING", "estimate"]
 
@@ -45,6 +46,7 @@ def estimate(
     foreach: bool | None = None,
     workspace: int | str | None = None,
     device: str | DeviceFamily | None = None,
+    keep_output: bool = True,
 ) -> Estimate:
     """Estimate the largest batch of a model file that fits on a GPU, without one.
 
@@ -68,6 +70,9 @@ def estimate(
             means the CUDA default (foreach). ``False`` reproduces the simulated cpu device.
         workspace: one cuBLAS workspace; default: the family's; ``0`` for none.
         device: the older name of ``arch`` (deprecated: a DeprecationWarning).
+        keep_output: the step keeps the model's output as a loop's ``out = model(x)`` does
+            (probe's default step: through backward, and in inference until the next forward
+            returns); ``False``: a loop that keeps only the loss (``loss = model(x).loss``).
 
     Returns:
         An :class:`Estimate`.
@@ -88,7 +93,7 @@ def estimate(
     assumptions = target_lines(card, mode, amp, num_params, trainable)
     session = _start_session(
         spec, model, card, mode=mode, seq_len=seq_len, amp=amp, attention=attention,
-        foreach=foreach, min_batch=min_batch, assumptions=assumptions,
+        foreach=foreach, min_batch=min_batch, assumptions=assumptions, keep_output=keep_output,
     )  # fmt: skip
     search = search_max_batch(
         _fits(session),
@@ -162,9 +167,11 @@ def _start_session(
     foreach: bool | None,
     min_batch: int,
     assumptions: list[str],
+    keep_output: bool = True,
 ) -> MetaSession:
-    """The trials' session: the optimizer (train), make_batch's layout checked, and in training
-    the optimizer state created by an unaccounted warm-up step. Appends to ``assumptions``."""
+    """The trials' session: the optimizer (train), make_batch's layout checked, one unaccounted
+    warm-up step run (its errors surface before the search; each trial starts from an empty
+    optimizer state again). Appends to ``assumptions``."""
     optimizer = None
     if mode == "train":
         model.train()
@@ -172,12 +179,12 @@ def _start_session(
         assumptions.append(optimizer_line)
     else:
         model.eval()
-    plan = StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
+    plan = _plan(spec, mode, keep_output)
     session = MetaSession(
         spec=spec, model=model, optimizer=optimizer, plan=plan, seq_len=seq_len,
         usable=card.usable, workspace=card.workspace_bytes,
         policy_dtype=None if amp is None else AMP_DTYPES[amp], attention=attention,
-        sm=card.family.sm,
+        sm=card.family.sm, keep_output=keep_output,
     )  # fmt: skip
     layout = check_batch(
         session.batch(min_batch), min_batch, f"make_batch({min_batch}) in {spec.path}",
@@ -185,10 +192,26 @@ def _start_session(
     )  # fmt: skip
     if layout is not None:
         assumptions.append(layout)
-    if optimizer is not None:  # warm-up: creates the optimizer state (not accounted)
-        run_guarded(lambda: session.step(min_batch), min_batch)
-        model.zero_grad(set_to_none=True)
+    # warm-up (not accounted): the step's errors surface before the search
+    run_guarded(lambda: session.warm_up(min_batch), min_batch)
     return session
+
+
+def _plan(spec: ModelSpec, mode: str, keep_output: bool) -> StepPlan:
+    """Probe's step, or (``keep_output=False``, training, no ``train_step`` in the file) the
+    default step that drops the output once the loss is taken."""
+    if keep_output or mode != "train" or spec.train_step is not None:
+        return StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
+    loss_fn = spec.loss_fn
+
+    def loss_only_step(model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
+        loss, _ = resolve_loss(call_model(model, batch), batch, loss_fn)  # the output dropped
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    label = "step: default, keeping only the loss (the output dropped before backward)"
+    return StepPlan(mode, loss_fn=loss_fn, train_step=loss_only_step, step_label=label)
 
 
 def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None]]:

@@ -4,11 +4,14 @@ A snapshot is the pickle ``torch.cuda.memory._dump_snapshot`` writes (or memkit'
 ``--memory-history``, the same format from the simulated device; see :mod:`memkit.history`).
 :func:`inspect_snapshot` reads it and returns a frozen :class:`SnapshotInspection`: per device,
 
-* **fragmentation**: reserved (segments) against allocated (active blocks), the free bytes in
-  segments that also hold live blocks (*split* blocks: ``empty_cache`` cannot return them, and
-  they serve only requests that fit in one of them), whole free segments, the largest free block;
+* **free memory and fragmentation**: reserved (segments) against allocated (active blocks); the
+  free bytes in whole empty segments (cache: ``empty_cache`` returns them) apart from those in
+  segments that also hold live blocks (*split* blocks); fragmentation as the share of the free
+  memory that cannot serve a reference request (the failed one at an OOM, else the typical
+  large one);
 * **what is allocated**, at the end and at the trace's peak, by category, guessed from each
-  allocation's Python frames (:func:`categorize`);
+  allocation's Python frames (:func:`categorize`), gradients bounded by the parameters
+  (:func:`~memkit.inspection.frames.bound_gradients`);
 * **the largest allocations** with their frames, at the end and at the peak;
 * **OOM events** in the trace, with what was allocated and reserved then;
 * **advice** (``fragmentation``, from :mod:`memkit.advice`).

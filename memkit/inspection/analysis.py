@@ -4,17 +4,21 @@ the trace's peak), the largest allocations, OOM events, notes and advice."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from memkit import advice as advice_rules
 from memkit.advice import Advice
-from memkit.inspection.frames import CATEGORIES, Frame, categorize, frames_of
+from memkit.inspection.frames import CATEGORIES, Frame, bound_gradients, categorize, frames_of
 from memkit.inspection.loading import load_snapshot, normalise
 from memkit.inspection.results import Allocation, DeviceInspection, OomEvent, SnapshotInspection
 from memkit.units import format_size
 
 __all__ = ["MAX_TIMELINE_POINTS", "inspect_snapshot"]
+
+_SMALL_SIZE = 1 << 20
+"""The caching allocator's ``kSmallSize``: requests up to 1 MiB use the small pool."""
 
 MAX_TIMELINE_POINTS = 600
 """Points kept of the allocated/reserved timeline (bucket maxima, so the peak survives)."""
@@ -48,6 +52,35 @@ def _by_category(items: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...
     return tuple((name, value) for name, value in sums.items() if value)
 
 
+def _bounded(allocs: list[Allocation]) -> list[Allocation]:
+    """``allocs`` (alive together) with gradients bounded by the parameters among them."""
+    labels = bound_gradients([(a.category, a.requested_size) for a in allocs])
+    return [
+        a if a.category == c else replace(a, category=c)
+        for a, c in zip(allocs, labels, strict=True)
+    ]
+
+
+def _typical_request(sizes: Sequence[int]) -> int:
+    """The byte-weighted median request: half of the bytes asked for came in requests at least
+    this large (the workload's typical large request)."""
+    ordered = sorted(s for s in sizes if s > 0)
+    half, running = sum(ordered) / 2, 0
+    for size in reversed(ordered):
+        running += size
+        if running >= half:
+            return size
+    return 0
+
+
+def _unusable(free: Sequence[tuple[int, bool]], request: int) -> int:
+    """Bytes of free split blocks (``(size, small pool)``) that cannot serve ``request``: too
+    small, or in the other pool (requests up to 1 MiB come only from the small pool)."""
+    small = request <= _SMALL_SIZE
+    rounded = max(512, -(-request // 512) * 512)
+    return sum(size for size, pool_small in free if pool_small != small or size < rounded)
+
+
 def _downsample(points: list[tuple[int, int, int]], limit: int) -> tuple[tuple[int, int, int], ...]:
     if len(points) <= limit:
         return tuple(points)
@@ -64,8 +97,11 @@ def _device(
 ) -> DeviceInspection:
     reserved = allocated = requested = pending = split = split_blocks = empty = largest_free = 0
     live: dict[int, tuple[int, int, tuple[Frame, ...]]] = {}  # addr -> (size, requested, frames)
+    split_free: list[tuple[int, bool]] = []  # free blocks in segments with live ones
     for seg in segments:
         total = int(seg["total_size"])
+        kind = seg.get("segment_type")
+        small_pool = kind == "small" if kind is not None else total <= 2 * _SMALL_SIZE
         reserved += total
         seg_addr = seg.get("address")
         addr = seg_addr if isinstance(seg_addr, int) else 0
@@ -91,12 +127,12 @@ def _device(
         if has_active:
             split += sum(free_here)
             split_blocks += len(free_here)
+            split_free.extend((size, small_pool) for size in free_here)
         else:
             empty += total
-    categories = {a: categorize(f) for a, (_, _, f) in live.items()}
-    end_allocs = [
-        Allocation(a, size, req, categories[a], frames) for a, (size, req, frames) in live.items()
-    ]
+    end_allocs = _bounded(
+        [Allocation(a, size, req, categorize(f), f) for a, (size, req, f) in live.items()]
+    )
     end_allocs.sort(key=lambda x: (-x.size, x.address))
     result: dict[str, Any] = {
         "device": index,
@@ -115,6 +151,17 @@ def _device(
     }
     if trace:
         result.update(_trace(trace, live, requested, reserved, top))
+    ooms = result.get("ooms", ())
+    if ooms:
+        request, how = ooms[-1].size, "the request that failed (the last OOM)"
+    else:
+        sizes = [int(e.get("size") or 0) for e in trace if e.get("action") == "alloc"]
+        request = _typical_request(sizes or [req for _, req, _ in live.values()])
+        how = "the typical large request (half of the bytes asked for came in requests this large"
+        how += " or larger)"
+    result["reference_request"] = request
+    result["reference_request_how"] = how
+    result["unusable_free"] = _unusable(split_free, request) if request else split
     return DeviceInspection(**result)
 
 
@@ -177,10 +224,12 @@ def _trace(
             frames = frames_of(trace[j].get("frames")) if j is not None else ()
             size = e.get("size", 0)
             state[e.get("addr")] = (size if isinstance(size, int) else 0, frames)  # type: ignore[index]
-    peak_allocs = [
-        Allocation(a if isinstance(a, int) else 0, req, req, categorize(frames), frames)
-        for a, (req, frames) in state.items()
-    ]
+    peak_allocs = _bounded(
+        [
+            Allocation(a if isinstance(a, int) else 0, req, req, categorize(frames), frames)
+            for a, (req, frames) in state.items()
+        ]
+    )
     peak_allocs.sort(key=lambda x: (-x.size, x.address))
     last_change = max(
         (i for i in range(n) if delta[i] or res_delta[i] or trace[i]["action"] == "alloc"),
@@ -281,9 +330,16 @@ def _notes(
     expandable: bool | None,
 ) -> list[str]:
     notes = [
-        "categories are guessed from each allocation's Python frames (optimizer code, "
+        "categories are guesses from each allocation's Python frames (optimizer code, "
         "backward, module construction, forward; see docs/memory-history.md); 'unknown': no "
-        "frames were recorded (allocated before recording began, or without stacks)"
+        "frames were recorded (allocated before recording began, or without stacks). "
+        "Backward's allocations count as gradients only up to one per parameter of the same "
+        "size alive with them; the rest are 'backward temporaries' ('backward, unsorted' when "
+        "no parameter was recorded)",
+        "fragmentation: the share of the free memory in segments that cannot serve the "
+        "reference request (the failed one at an OOM, else the typical large one); cached empty "
+        "segments are not fragments: empty_cache() returns them, and the allocator frees them "
+        "itself before it would run out",
     ]
     if any(d.trace_entries for d in devices):
         notes.append(

@@ -8,10 +8,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATEGORIES", "Frame", "categorize", "frames_of", "where_of"]
+__all__ = ["CATEGORIES", "Frame", "bound_gradients", "categorize", "frames_of", "where_of"]
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "other", "unknown")
-"""Categories, in the order reports list them (``unknown``: no frames were recorded)."""
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "backward temporaries",
+    "backward, unsorted",
+    "optimizer state",
+    "activations",
+    "other",
+    "unknown",
+)
+"""Categories, in the order reports list them (``unknown``: no frames were recorded). Frames
+name only ``gradients``; the inspection then keeps as gradients the backward allocations that a
+parameter of the same size can account for, one each: the rest are ``backward temporaries``, or
+``backward, unsorted`` where no parameter was recorded (see :func:`bound_gradients`)."""
 
 _MODULE_FILE = "torch/nn/modules/module.py"
 _PARAMETER_CALLS = frozenset(
@@ -99,6 +111,35 @@ def categorize(frames: Sequence[Mapping[str, Any]] | Sequence[Frame]) -> str:
         if rule is not None:
             return rule
     return "other"
+
+
+def bound_gradients(items: Sequence[tuple[str, int]]) -> list[str]:
+    """The categories of ``(category, requested bytes)`` allocations alive together, with the
+    frame guess ``gradients`` bounded by what is possible: a gradient has its parameter's size,
+    and there is at most one per parameter. Backward allocations matched to a parameter of the
+    same size stay ``gradients``; the others are ``backward temporaries`` (backward's
+    intermediate results), or ``backward, unsorted`` when no parameter is among ``items``
+    (recorded before the history began: nothing to bound them by).
+
+    Examples:
+        >>> bound_gradients([("parameters", 4096), ("gradients", 4096), ("gradients", 4096)])
+        ['parameters', 'gradients', 'backward temporaries']
+    """
+    sizes: dict[int, int] = {}
+    for category, nbytes in items:
+        if category == "parameters":
+            sizes[nbytes] = sizes.get(nbytes, 0) + 1
+    out = []
+    for category, nbytes in items:
+        if category == "gradients":
+            if not sizes:
+                category = "backward, unsorted"
+            elif sizes.get(nbytes, 0) > 0:
+                sizes[nbytes] -= 1
+            else:
+                category = "backward temporaries"
+        out.append(category)
+    return out
 
 
 def frames_of(raw: Any) -> tuple[Frame, ...]:

@@ -92,6 +92,11 @@ class DeviceInspection(Record):
             them).
         largest_free_block: the largest inactive block: the largest request served without
             new memory.
+        reference_request: the request fragmentation is measured against: the last OOM's, or
+            the typical large request (byte-weighted median of the requests).
+        reference_request_how: which of the two it is.
+        unusable_free: free bytes in segments with live blocks that cannot serve
+            ``reference_request`` (too small, or in the other pool).
         categories: ``(category, bytes)`` of the active blocks at the end.
         largest: the largest active blocks at the end, largest first.
         trace_entries: events in the device's trace.
@@ -132,12 +137,16 @@ class DeviceInspection(Record):
     peak_largest: tuple[Allocation, ...] = ()
     ooms: tuple[OomEvent, ...] = ()
     timeline: tuple[tuple[int, int, int], ...] = ()
+    reference_request: int = 0
+    reference_request_how: str = ""
+    unusable_free: int = 0
 
     @property
     def fragmentation(self) -> float:
-        """``1 - largest free block / free bytes``: 0 when the free memory is one block (or
-        there is none), near 1 when it is scattered in many small ones."""
-        return 0.0 if self.inactive <= 0 else 1.0 - self.largest_free_block / self.inactive
+        """What fragmentation costs: the share of the free memory (``inactive``) that cannot
+        serve a ``reference_request``. Cached empty segments can (the allocator frees them and
+        asks the driver again), so memory ``empty_cache()`` would return is not counted."""
+        return 0.0 if self.inactive <= 0 else self.unusable_free / self.inactive
 
     def category(self, name: str, *, at_peak: bool = False) -> int:
         """Bytes of one category at the end (or at the peak)."""

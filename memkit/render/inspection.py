@@ -75,11 +75,17 @@ def _summary(d: DeviceInspection) -> list[str]:
     lines = [
         f"device {d.device}: {d.segments} segment(s), reserved {format_size(d.reserved)}, "
         f"allocated {format_size(d.allocated)} (requested {format_size(d.requested)})",
-        f"free in segments {format_size(d.inactive)}: split blocks {format_size(d.inactive_split)}"
-        f" in {d.inactive_split_blocks} block(s), empty segments {format_size(d.empty_segments)},"
-        f" largest free block {format_size(d.largest_free_block)}"
-        + (f", fragmentation {100 * d.fragmentation:.0f}%" if d.inactive > 0 else ""),
+        f"free in segments {format_size(d.inactive)}: cached in empty segments "
+        f"{format_size(d.empty_segments)} (empty_cache() returns them), in split blocks "
+        f"{format_size(d.inactive_split)} ({d.inactive_split_blocks} block(s)); largest free "
+        f"block {format_size(d.largest_free_block)}",
     ]
+    if d.inactive > 0 and d.reference_request:
+        lines.append(
+            f"fragmentation {100 * d.fragmentation:.0f}%: {format_size(d.unusable_free)} of the "
+            f"free memory cannot serve a {format_size(d.reference_request)} request, "
+            f"{d.reference_request_how}"
+        )
     if d.pending_free:
         lines.append(f"pending free (waiting for another stream): {format_size(d.pending_free)}")
     if d.trace_entries:
@@ -98,7 +104,8 @@ def _device_text(d: DeviceInspection) -> list[str]:
     lines = _summary(d)
     rows = _category_rows(d)
     if rows:
-        lines.append(text.table(_category_headers(d), rows, title="what is allocated"))
+        title = "what is allocated (categories guessed from frames; see notes)"
+        lines.append(text.table(_category_headers(d), rows, title=title))
     for o in d.ooms:
         lines.append(
             f"OOM at event {o.index}: {format_size(o.size)} requested, "

@@ -222,6 +222,7 @@ def snapshot_text(snap: Snapshot) -> str:
         ]
         headers = [*_CATEGORY_HEADERS, "other", "other = "]
         parts.append(text.table(headers, rows, align="lrrrrrl", title="\nwhat it holds"))
+        parts.extend(f"  {c.device} counts {c.counted_as}" for c in snap.categories if c.counted_as)
     if snap.tensors:
         rows = _tensor_rows(snap, "x")
         parts.append(text.table(_TENSOR_HEADERS, rows, align="rlllll", title="\nlargest tensors"))
@@ -269,7 +270,12 @@ def _categories_html(snap: Snapshot) -> str:
         for sizes, c in zip(_category_sizes(snap), snap.categories, strict=True)
     ]
     headers = [*_CATEGORY_HEADERS, "other tensors", "other = "]
-    return "<h3>what it holds</h3>" + h.table(headers, rows)
+    counted = "".join(
+        f'<p class="note">{h.escape(c.device)} counts {h.escape(c.counted_as)}</p>'
+        for c in snap.categories
+        if c.counted_as
+    )
+    return "<h3>what it holds</h3>" + h.table(headers, rows) + counted
 
 
 def _remarks_html(snap: Snapshot) -> list[str]:

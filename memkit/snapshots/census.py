@@ -120,6 +120,13 @@ class Census:
         return found
 
 
+_COUNTED_AS = {
+    "cuda": "allocator blocks: each storage's bytes rounded up to 512, as memory_allocated "
+    "counts them (a tensor's own bytes can be up to 511 fewer)",
+    "none": "each storage's bytes",
+}
+
+
 def _counted(entry: _Entry, rounding: str) -> int:
     return counted_bytes(entry.nbytes, rounding)
 
@@ -211,7 +218,11 @@ def categorise(
             other, how = _allocated_other(dev_name, alloc, sum(sums.values()), notes)
         else:
             other, how = _passed_other(dev_name, passed_other, scanned)
-        out.append(Categories(dev_name, **sums, other=other, other_how=how))
+        out.append(
+            Categories(
+                dev_name, **sums, other=other, other_how=how, counted_as=_COUNTED_AS[rounding]
+            )
+        )
     return tuple(out)
 
 

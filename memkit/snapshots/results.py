@@ -140,7 +140,9 @@ class Categories(Record):
 
     Each tensor storage is counted once, in the first category that holds it (parameters,
     buffers, gradients, optimizer state), so tied or shared weights are not counted twice.
-    On CUDA, bytes are counted as the caching allocator counts them (512-byte blocks).
+    On CUDA a storage counts as the caching allocator's block for it: its bytes rounded up to
+    512 (``memory_allocated`` counts the same), so that categorised + other = allocated; a
+    tensor's own bytes can be up to 511 fewer (``counted_as`` says which was used).
 
     Attributes:
         device: the device the storages are on (``"cuda:0"``, ``"cpu"``...).
@@ -150,6 +152,7 @@ class Categories(Record):
         optimizer_state: bytes of tensors in ``optimizer.state`` (Adam's moments...).
         other: every other live tensor on the device, or ``None`` (see ``other_how``).
         other_how: how ``other`` was obtained, or why it is ``None``.
+        counted_as: what a storage counts as on this device (its allocator block, or its bytes).
     """
 
     device: str
@@ -159,6 +162,7 @@ class Categories(Record):
     optimizer_state: int = 0
     other: int | None = None
     other_how: str = ""
+    counted_as: str = ""
 
     @property
     def categorised(self) -> int:

@@ -41,9 +41,14 @@ def test_categories_on_cuda_are_exact_and_other_is_the_rest():
     opt.step()
     snap = snapshot(model, opt, device="cuda:0")
     (cats,) = [c for c in snap.categories if c.device == "cuda:0"]
-    params = sum(p.numel() * 4 for p in model.parameters())  # all 512-multiples here
+    # categories count allocator blocks (bytes rounded up to 512, as memory_allocated does):
+    # the 10-float bias takes a 512-byte block, so the tensors' own bytes are 472 fewer
+    tensor_bytes = sum(p.numel() * 4 for p in model.parameters())
+    params = sum(-(-p.numel() * 4 // 512) * 512 for p in model.parameters())
+    assert params - tensor_bytes == 512 - 40
     assert cats.parameters == params
     assert cats.gradients == params
+    assert cats.counted_as.startswith("allocator blocks")
     assert cats.optimizer_state >= 2 * params  # exp_avg, exp_avg_sq (+ step on device)
     row = snap.devices[0]
     assert cats.other is not None and row.allocated is not None

@@ -1,0 +1,105 @@
+"""cuBLAS and cuBLASLt workspaces: device memory a GPU step holds that no tensor shows.
+
+PyTorch gives each (cuBLAS handle, stream) pair a workspace from the caching allocator at the
+handle's first use (``aten/src/ATen/cuda/CublasHandlePool.cpp``: ``setWorkspaceForHandle``, called
+by ``getCurrentCUDABlasHandle``) and keeps it in a map that ``empty_cache()`` does not free.
+Handles are per thread: the forward runs on the Python thread, backward on autograd's device
+thread, so a training step holds two. Its size is ``CUBLAS_WORKSPACE_CONFIG``'s, by default
+``:4096:2:16:8`` (8.125 MiB), 32 MiB on sm90 (the family's ``cublas_workspace_bytes``).
+
+``addmm`` with a 1-D bias (``nn.Linear`` with a bias) runs through cuBLASLt (``Blas.cpp``:
+``useLtInterface``). Unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, ``getCUDABlasLtWorkspace``
+allocates a second, separate workspace per (handle, stream) of ``CUBLASLT_WORKSPACE_SIZE`` KiB,
+1024 by default (capped at the cuBLAS workspace). 1 MiB is a small-pool request.
+
+:class:`KernelWorkspaces` watches the aten ops of a meta step and allocates each workspace in
+the allocator model the first time its thread would create it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CUBLASLT_WORKSPACE_BYTES", "CUBLAS_OPS", "KernelWorkspaces", "uses_cublaslt"]
+
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
+"""PyTorch's default ``CUBLASLT_WORKSPACE_SIZE`` (1024 KiB) on CUDA."""
+
+CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
+                        "_addmm_activation"})  # fmt: skip
+"""aten ops whose CUDA kernels call cuBLAS through the current thread's handle."""
+
+_LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``addmm(bias, mat1, mat2)`` takes PyTorch's cuBLASLt path (``useLtInterface``):
+    a contiguous 1-D bias as long as the output's rows, ``beta == 1``, a matrix ``mat2`` with
+    both dimensions over 1, a floating dtype."""
+    if name not in ("addmm", "_addmm_activation") or len(args) < 3:
+        return False
+    bias, _mat1, mat2 = args[:3]
+    if not all(isinstance(t, torch.Tensor) for t in (bias, mat2)):
+        return False
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    return (
+        beta == 1
+        and bias.dim() == 1
+        and bias.is_contiguous()
+        and mat2.dim() == 2
+        and bias.shape[0] == mat2.shape[1]
+        and mat2.shape[0] > 1
+        and mat2.shape[1] > 1
+        and bias.dtype in _LT_DTYPES
+    )
+
+
+class KernelWorkspaces(TorchDispatchMode):
+    """Allocates the cuBLAS and cuBLASLt workspaces of each thread at its first use.
+
+    Args:
+        allocate: ``allocate(key, nbytes)``, the allocator model's ``malloc``.
+        cublas_bytes: one cuBLAS workspace (``0``: no workspaces at all).
+        cublaslt_bytes: one cuBLASLt workspace (capped at ``cublas_bytes``, as PyTorch does).
+
+    Attributes:
+        allocated: bytes of the workspaces created so far.
+        created: their keys, ``("cublas" | "cublaslt", "forward" | "backward")``.
+    """
+
+    def __init__(
+        self,
+        allocate: Callable[[Hashable, int], None],
+        cublas_bytes: int,
+        cublaslt_bytes: int = CUBLASLT_WORKSPACE_BYTES,
+    ) -> None:
+        super().__init__()
+        self._allocate = allocate
+        self.cublas_bytes = cublas_bytes
+        self.cublaslt_bytes = min(cublaslt_bytes, cublas_bytes)
+        self.allocated = 0
+        self.created: list[tuple[str, str]] = []
+
+    def _ensure(self, kind: str, thread: str, nbytes: int) -> None:
+        key = (kind, thread)
+        if nbytes <= 0 or key in self.created:
+            return
+        self.created.append(key)
+        self.allocated += nbytes
+        self._allocate(("workspace", *key), nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in CUBLAS_OPS and self.cublas_bytes:
+            # autograd's engine runs backward on its own thread on a GPU (here: a node is set)
+            thread = "forward" if torch._C._current_autograd_node() is None else "backward"
+            self._ensure("cublas", thread, self.cublas_bytes)
+            if uses_cublaslt(name, args, kwargs):
+                self._ensure("cublaslt", thread, self.cublaslt_bytes)
+        return out

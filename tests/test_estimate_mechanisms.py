@@ -1,0 +1,124 @@
+"""The GPU mechanisms issue #26 added to the estimate, each on a tiny meta step: cuBLAS and
+cuBLASLt workspaces per thread, cross_entropy under autocast, composite ops' temporaries in
+inference, CUDA's fused dropout."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memkit.estimation import estimate
+from memkit.estimation.autocast import AutocastPolicy
+from memkit.estimation.meta_step import TargetMode
+from memkit.estimation.workspaces import CUBLASLT_WORKSPACE_BYTES, KernelWorkspaces, uses_cublaslt
+
+MIB = 1 << 20
+META = torch.device("meta")
+
+
+def test_workspaces_are_per_thread_and_cublaslt_only_for_a_bias():
+    made: dict[object, int] = {}
+    linear = torch.nn.Linear(64, 32, device=META)
+    plain = torch.nn.Linear(32, 16, bias=False, device=META)
+    x = torch.randn(8, 64, device=META)
+    with KernelWorkspaces(made.__setitem__, 32 * MIB) as ws:
+        plain(linear(x)).sum().backward()
+    # forward: addmm with a bias (cuBLASLt) and mm; backward: mm on autograd's thread only
+    assert sorted(made) == [
+        ("workspace", "cublas", "backward"),
+        ("workspace", "cublas", "forward"),
+        ("workspace", "cublaslt", "forward"),
+    ]
+    assert made[("workspace", "cublaslt", "forward")] == CUBLASLT_WORKSPACE_BYTES
+    assert ws.allocated == 2 * 32 * MIB + MIB
+    bias, mat1, mat2 = torch.randn(4), torch.randn(2, 3), torch.randn(3, 4)
+    assert uses_cublaslt("addmm", (bias, mat1, mat2), {})
+    assert not uses_cublaslt("addmm", (bias, mat1, mat2), {"beta": 0.5})
+    assert not uses_cublaslt("addmm", (torch.randn(2, 4), mat1, mat2), {})  # a 2-D "bias"
+    assert not uses_cublaslt("mm", (mat1, mat2), {})
+
+
+def test_no_workspace_when_the_size_is_zero():
+    made: dict[object, int] = {}
+    with KernelWorkspaces(made.__setitem__, 0):
+        torch.nn.Linear(4, 4, device=META)(torch.randn(2, 4, device=META))
+    assert made == {}
+
+
+def test_cross_entropy_under_autocast_keeps_bf16_log_probabilities():
+    """PyTorch's cross_entropy_loss passes the input's dtype to log_softmax, which autocast
+    then leaves alone; nll_loss casts to fp32. Backward saves both."""
+    logits = torch.randn(16, 100, device=META, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 100, (16,), device=META)
+    with TargetMode(AutocastPolicy(torch.bfloat16), "auto", 90):
+        loss = F.cross_entropy(logits, target)
+    assert loss.dtype == torch.float32
+    nll = loss.grad_fn
+    assert type(nll).__name__.startswith("NllLoss")
+    to_fp32 = nll.next_functions[0][0]
+    log_softmax = to_fp32.next_functions[0][0]
+    assert type(to_fp32).__name__ == "ToCopyBackward0"
+    assert type(log_softmax).__name__ == "LogSoftmaxBackward0"
+    assert log_softmax._saved_result.dtype == torch.bfloat16
+    # label smoothing and soft targets run as one fp32 op, as before
+    with TargetMode(AutocastPolicy(torch.bfloat16), "auto", 90):
+        smooth = F.cross_entropy(logits, target, label_smoothing=0.1)
+    assert smooth.dtype == torch.float32
+
+
+def test_dropout_in_training_saves_a_bool_mask_as_on_cuda():
+    x = torch.randn(8, 64, device=META, requires_grad=True)
+    with TargetMode(None, "auto", 90):
+        y = F.dropout(x, 0.1, training=True)
+    assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+    with TargetMode(None, "cpu-flash", 90):  # the CPU target: the noise tensor, as on CPU
+        z = F.dropout(x, 0.1, training=True)
+    assert type(z.grad_fn).__name__ != "NativeDropoutBackward0"
+
+
+LOSS_IN_FORWARD = """
+    import torch
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(64, 4096, bias=False)
+        def forward(self, x, labels):
+            logits = self.head(x)
+            return {"logits": logits,
+                    "loss": torch.nn.functional.cross_entropy(logits, labels)}
+    def build_model():
+        return Net()
+    def make_batch(batch_size):
+        return {"x": torch.randn(batch_size, 64),
+                "labels": torch.randint(0, 4096, (batch_size,))}
+"""
+
+
+@pytest.fixture
+def loss_model(tmp_path: Path) -> str:
+    path = tmp_path / "loss_model.py"
+    path.write_text(textwrap.dedent(LOSS_IN_FORWARD))
+    return str(path)
+
+
+def test_inference_counts_the_temporaries_inside_composite_ops(loss_model: str):
+    """cross_entropy's log-probabilities (as large as the logits) exist on a GPU under
+    inference_mode; the estimate counts them (it used to miss them)."""
+    batch = 256
+    logits = batch * 4096 * 4  # 4 MiB
+    est = estimate(loss_model, device_memory="80GiB", mode="infer", min_batch=batch,
+                   max_batch=batch, workspace=0)  # fmt: skip
+    trial = est.trial(batch)
+    assert trial is not None
+    params = 64 * 4096 * 4
+    # the previous output's logits, the new logits and the log-probabilities at once
+    assert trial.counted_peak >= params + 3 * logits
+    dropped = estimate(loss_model, device_memory="80GiB", mode="infer", min_batch=batch,
+                       max_batch=batch, workspace=0, keep_output=False)  # fmt: skip
+    trial2 = dropped.trial(batch)
+    assert trial2 is not None
+    assert trial.counted_peak - trial2.counted_peak >= logits  # no previous output held
