@@ -200,6 +200,11 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             gradient_bytes=bd.gradients,
             peak_phase=bd.phase,
             device=dev.device,
+            peak_bytes=bd.total,
+            next_peak_bytes=max(
+                (v for p in ("backward", "optimizer") if (v := dev.phase_peaks.get(p))),
+                default=None,
+            ),
         ),
     ]
 

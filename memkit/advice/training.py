@@ -419,6 +419,8 @@ def zero_grad_keeps_grads(
     gradient_bytes: int,
     peak_phase: str | None = None,
     device: str = "the device",
+    peak_bytes: int | None = None,
+    next_peak_bytes: int | None = None,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
@@ -426,19 +428,39 @@ def zero_grad_keeps_grads(
     allocated: ``optimizer.zero_grad(set_to_none=False)`` (zeros, still allocated), or
     ``zero_grad()`` called between the forward and backward instead of before the forward.
     Under gradient accumulation the later micro batches of a step legitimately start with
-    gradients; only a step's first forward counts. The saving is claimed only when the peak
-    came in a forward (``peak_phase``): elsewhere freeing them earlier does not lower it.
+    gradients; only a step's first forward counts.
+
+    The saving is on the peak: claimed only when the peak came in a forward (``peak_phase``),
+    and then at most ``peak_bytes - next_peak_bytes`` (the highest other training phase's
+    peak, which freeing them before the forward does not lower).
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
-    at_peak = peak_phase == "forward"
-    where = (
-        ", and the peak came in a forward, so they are part of it."
-        if at_peak
-        else f". The peak came in {peak_phase or 'another phase'}, not in a forward: freeing "
-        "them before the forward lowers the forward's memory; the peak moves only where they "
-        "stayed allocated into it (`set_to_none=False`), so no saving is claimed."
-    )
+    saving: int | None = None
+    if peak_phase == "forward":
+        saving = gradient_bytes
+        if peak_bytes is not None and next_peak_bytes is not None:
+            saving = min(saving, peak_bytes - next_peak_bytes)
+        saving = saving if saving > 0 else None
+    if saving is None:
+        where = (
+            f". The peak came in {peak_phase or 'another phase'}, not in a forward"
+            if peak_phase != "forward"
+            else ". The peak came in a forward, but another phase peaks as high without them"
+        ) + (
+            ": freeing them before the forward lowers the forward's memory; the peak moves "
+            "only where they stayed allocated into it (`set_to_none=False`), so no saving is "
+            "claimed."
+        )
+    elif saving < gradient_bytes:
+        where = (
+            ", and the peak came in a forward. Freed before the forward, they would lower "
+            f"the forward by {format_size(gradient_bytes)} but the peak only by "
+            f"{format_size(saving)}: down to another training phase's peak "
+            f"({format_size(next_peak_bytes or 0)}), which does not hold them."
+        )
+    else:
+        where = ", and the peak came in a forward, so they are part of it."
     return Advice(
         code="zero-grad-keeps-grads",
         title=f"{format_size(gradient_bytes)} of gradients stay allocated through the forward",
@@ -451,6 +473,6 @@ def zero_grad_keeps_grads(
             "default since PyTorch 2.0; drop `set_to_none=False`) right after "
             "`optimizer.step()` or before `model(x)`, not between forward and backward."
         ),
-        saving_bytes=gradient_bytes if at_peak else None,
-        severity="warning" if at_peak else "info",
+        saving_bytes=saving,
+        severity="warning" if saving else "info",
     )
