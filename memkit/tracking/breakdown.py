@@ -10,6 +10,7 @@ hot path: when a phase ends or a forward returns after a new peak (``DeviceRecor
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -91,6 +92,15 @@ def training_setup(
         optimizer=type(optimizers[0]).__name__ if optimizers else None,
         history_size=history,
         forward_autocast=autocast,
+    )
+
+
+def _merged(old: TrainingSetup | None, new: TrainingSetup | None) -> TrainingSetup | None:
+    """``new``, with what it could not read (the model or optimizer gone) kept from ``old``."""
+    if old is None or new is None:
+        return new or old
+    return TrainingSetup(
+        *(b if b is not None else a for a, b in zip(astuple(old), astuple(new), strict=True))
     )
 
 
@@ -182,7 +192,7 @@ def persistent_bytes(
             for t in state_tensors(st):
                 state += size(t)
     if modules or optimizers:
-        dev.setup = training_setup(modules, optimizers) or dev.setup
+        dev.setup = _merged(dev.setup, training_setup(modules, optimizers))
     if params == 0 and not all_params:  # the model is gone: what was last seen
         params = dev.params_full
     if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
