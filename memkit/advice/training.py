@@ -58,8 +58,13 @@ def mixed_precision(
         return None
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
+    bound = ""
     if saving_bytes is None:
         saving_bytes = max(0, activation_bytes // 2 - parameter_bytes // 2) or None
+        bound = (
+            " The saving is an upper bound: what autocast runs in float32 (layer norm, "
+            "softmax, the loss) keeps its bytes."
+        )
     if not matters(saving_bytes, peak_bytes, capacity):
         return None
     dtype = "torch.bfloat16" if half == "bf16" else "torch.float16"
@@ -74,7 +79,7 @@ def mixed_precision(
             f"Parameters are {param_dtype} and no forward ran under autocast; activations were "
             f"{format_size(activation_bytes)} ({percent_of(activation_bytes, peak_bytes)}) of the "
             f"{format_size(peak_bytes)} peak on {device}. In {half} most activations take half "
-            "the bytes (autocast keeps a half copy of the weights it casts)."
+            f"the bytes (autocast keeps a half copy of the weights it casts).{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
