@@ -6,7 +6,7 @@ advice never does. One module per subject:
 
 * :mod:`memkit.advice.form`: :class:`Advice`, its severities and shared thresholds (its text
   and HTML layout: :mod:`memkit.render.advice`).
-* :mod:`memkit.advice.training`: ``mixed-precision``, ``activation-checkpointing``,
+* :mod:`memkit.advice.training`: ``mixed-precision``, ``float64``, ``activation-checkpointing``,
   ``optimizer-state``, ``zero-grad-keeps-grads``.
 * :mod:`memkit.advice.device`: ``fragmentation``, ``other-processes``, ``empty-cache``.
 * :mod:`memkit.advice.distributed`: ``dp-*`` and ``ddp-*``.
@@ -35,12 +35,13 @@ from memkit.advice.distributed import (
     dp_loss_on_replicas,
     dp_to_ddp,
 )
-from memkit.advice.form import CUDA_CONTEXT_BYTES, PRESSURE, SEVERITIES, Advice, MiB
+from memkit.advice.form import CUDA_CONTEXT_BYTES, MATERIAL, PRESSURE, SEVERITIES, Advice, MiB
 from memkit.advice.probe import accumulation_advice, does_not_fit
 from memkit.advice.training import (
     LIGHTER_OPTIMIZERS,
     ModuleActivation,
     activation_checkpointing,
+    float64_training,
     mixed_precision,
     optimizer_state,
     zero_grad_keeps_grads,
@@ -51,6 +52,7 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "DP_IMBALANCE",
     "LIGHTER_OPTIMIZERS",
+    "MATERIAL",
     "PRESSURE",
     "SEVERITIES",
     "Advice",
@@ -68,6 +70,7 @@ __all__ = [
     "dp_loss_on_replicas",
     "dp_to_ddp",
     "empty_cache",
+    "float64_training",
     "fragmentation",
     "mixed_precision",
     "optimizer_state",

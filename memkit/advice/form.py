@@ -15,10 +15,12 @@ from memkit.units import format_size
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
+    "MATERIAL",
     "PRESSURE",
     "SEVERITIES",
     "Advice",
     "MiB",
+    "matters",
     "percent_of",
     "under_pressure",
 ]
@@ -89,3 +91,17 @@ def percent_of(part: float, whole: float) -> str:
 def under_pressure(peak: int, capacity: int | None, pressure: float = PRESSURE) -> bool:
     """Whether ``peak`` reached ``pressure`` of ``capacity`` (or capacity is unknown)."""
     return capacity is None or capacity <= 0 or peak >= pressure * capacity
+
+
+MATERIAL = 0.05
+"""A saving matters (:func:`matters`) when it is at least this share of the device's
+capacity, even while memory is not short."""
+
+
+def matters(saving: int | None, peak: int, capacity: int | None) -> bool:
+    """Whether a saving earns advice: memory is short (:func:`under_pressure`), or the saving
+    is at least :data:`MATERIAL` of the capacity (capacity unknown: it does). A 494 B saving
+    on a 1 KiB peak of a 1 MiB device does not."""
+    if capacity is None or capacity <= 0 or under_pressure(peak, capacity):
+        return True
+    return saving is not None and saving >= MATERIAL * capacity

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from memkit.advice.device import fragmentation, other_processes, processes_in_oom_message
 from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
+from memkit.advice.training import lbfgs_history
 from memkit.render.track import format_shape
 from memkit.units import format_size
 
@@ -50,7 +51,7 @@ def oom_advice(
         share = {name: value / bd.total for name, value in bd.parts()}
         found = (
             oom_activations(pm, bd, share),
-            oom_optimizer_state(bd, share),
+            oom_optimizer_state(bd, share, pm),
             oom_parameters(bd, share),
             oom_other(pm, bd, share),
         )
@@ -117,29 +118,77 @@ def oom_in_evaluation(pm: OomPostMortem) -> Advice:
     )
 
 
+def _precision_option(pm: OomPostMortem) -> str:
+    """The precision remedy that fits the model: float32 for a float64 model, autocast for a
+    float32 one not already under it, nothing for a half-precision one."""
+    setup = pm.setup
+    dtype = None if setup is None else setup.param_dtype
+    if dtype == "float64":
+        return "; or train in float32 (`model.float()`, float32 inputs): it halves every tensor"
+    if setup is not None and setup.forward_autocast is not None:
+        return ""  # the forward already runs under autocast (accelerate's mixed precision)
+    if dtype in (None, "float32"):
+        return "; or train in bf16/fp16 autocast"
+    return ""
+
+
 def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
-    """``oom-activations``: activations were at least 40% of the memory (not in evaluation)."""
+    """``oom-activations``: activations were at least 40% of the memory (not in evaluation).
+
+    The accumulation it proposes doubles what the script already runs (``micro_batches``),
+    and the precision option fits the model's dtype."""
     if share["activations"] < 0.4 or pm.phase == "eval":
         return None
     top = ", ".join(path for path, _ in pm.top_modules[:3])
+    micro = max(1, pm.micro_batches)
+    if micro > 1:
+        accumulate = (
+            f"The script already accumulates gradients over {micro} micro-batches: halve the "
+            f"micro-batch and accumulate over {2 * micro} (same effective batch)"
+        )
+    else:
+        accumulate = (
+            "Halve the micro-batch and accumulate gradients over 2 steps (same effective batch)"
+        )
     return Advice(
         code="oom-activations",
         title="activations fill the device",
         evidence=f"Activations were {format_size(bd.activations)} "
         f"({100 * share['activations']:.0f}% of {format_size(bd.total)}) when it "
         f"failed at {pm.where}" + (f"; the largest come from {top}." if top else "."),
-        action="Halve the micro-batch and accumulate gradients over 2 steps (same "
-        "effective batch); or checkpoint the largest blocks "
-        "(`torch.utils.checkpoint`); or train in bf16/fp16 autocast.",
+        action=f"{accumulate}; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
+        f"{_precision_option(pm)}.",
         saving_bytes=bd.activations // 2,
         severity="critical",
     )
 
 
-def oom_optimizer_state(bd: Breakdown, share: dict[str, float]) -> Advice | None:
-    """``oom-optimizer-state``: optimizer state was at least 30% of the memory."""
+def oom_optimizer_state(
+    bd: Breakdown, share: dict[str, float], pm: OomPostMortem | None = None
+) -> Advice | None:
+    """``oom-optimizer-state``: optimizer state was at least 30% of the memory (LBFGS: its
+    history, and a smaller ``history_size``)."""
     if share["optimizer state"] < 0.3:
         return None
+    setup = None if pm is None else pm.setup
+    if setup is not None and setup.optimizer == "LBFGS":
+        found = lbfgs_history(bd.optimizer_state, bd.parameters, setup.history_size)
+        if found is not None:
+            evidence, action, saving = found
+            return Advice(
+                code="oom-optimizer-state",
+                title="LBFGS's history fills the device",
+                evidence=f"Optimizer state was {format_size(bd.optimizer_state)} "
+                f"({100 * share['optimizer state']:.0f}%). {evidence}",
+                action=f"{action}"
+                + (
+                    "; in float32 every pair takes half the bytes."
+                    if setup.param_dtype == "float64"
+                    else "."
+                ),
+                saving_bytes=saving,
+                severity="critical",
+            )
     return Advice(
         code="oom-optimizer-state",
         title="optimizer state is a large share",

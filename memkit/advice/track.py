@@ -4,7 +4,7 @@
 * ``eval-grad-enabled``: forward passes in eval mode with autograd recording keep activations
   that nothing will use; ``eval-peak``: evaluation, not training, sets the peak.
 * :func:`measured_advice` feeds the rules of plain numbers this report's numbers:
-  ``mixed-precision``, ``activation-checkpointing``, ``optimizer-state``,
+  ``mixed-precision``, ``float64``, ``activation-checkpointing``, ``optimizer-state``,
   ``zero-grad-keeps-grads`` (:mod:`memkit.advice.training`), ``fragmentation``, ``empty-cache``
   (:mod:`memkit.advice.device`), ``dp-to-ddp``, ``dp-loss-on-replicas``
   (:mod:`memkit.advice.distributed`).
@@ -26,6 +26,7 @@ from memkit.advice.oom import oom_advice
 from memkit.advice.training import (
     ModuleActivation,
     activation_checkpointing,
+    float64_training,
     mixed_precision,
     optimizer_state,
     zero_grad_keeps_grads,
@@ -148,20 +149,38 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     # optimizer's temporaries (backward freed the graph): neither autocast nor checkpointing
     # shrinks them (the optimizer rule speaks of them)
     activations = 0 if bd.phase == "optimizer" else bd.activations
+    setup = dev.setup
+    # an autocast wrapping the model's forward (accelerate's mixed precision) is entered
+    # after the hooks, which then count no autocast forward: the wrapper says it ran
+    wrapped = setup is not None and setup.forward_autocast is not None
     return [
         mixed_precision(
             param_dtype=report.param_dtype,
-            autocast=report.autocast_forwards > 0,
+            autocast=report.autocast_forwards > 0 or wrapped,
             activation_bytes=activations,
             peak_bytes=bd.total,
             parameter_bytes=bd.parameters,
             device=dev.device,
             min_share=0.3,
+            capacity=dev.capacity,
+        ),
+        float64_training(
+            param_dtype=report.param_dtype,
+            peak_bytes=bd.total,
+            parameter_bytes=bd.parameters,
+            gradient_bytes=bd.gradients,
+            optimizer_state_bytes=bd.optimizer_state,
+            activation_bytes=bd.activations,
+            capacity=dev.capacity,
+            device=dev.device,
         ),
         activation_checkpointing(
             activation_bytes=activations,
             peak_bytes=bd.total,
-            modules=[ModuleActivation(m.path, m.activation_bytes, m.leaf) for m in dev.modules],
+            modules=[
+                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name)
+                for m in dev.modules
+            ],
             capacity=dev.capacity,
             device=dev.device,
         ),
@@ -174,12 +193,18 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             optimizer_transient_bytes=transient if transient > 0 else None,
             ranks=report.world_size,
             device=dev.device,
+            history_size=None if setup is None else setup.history_size,
         ),
         zero_grad_keeps_grads(
             steps_with_grads=report.steps_with_grads_at_forward,
             gradient_bytes=bd.gradients,
             peak_phase=bd.phase,
             device=dev.device,
+            peak_bytes=bd.total,
+            next_peak_bytes=max(
+                (v for p in ("backward", "optimizer") if (v := dev.phase_peaks.get(p))),
+                default=None,
+            ),
         ),
     ]
 

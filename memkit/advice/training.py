@@ -7,13 +7,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memkit.advice.form import Advice, percent_of, under_pressure
+from memkit.advice.form import Advice, matters, percent_of, under_pressure
 from memkit.units import format_size
 
 __all__ = [
     "LIGHTER_OPTIMIZERS",
+    "BlockGroup",
     "ModuleActivation",
     "activation_checkpointing",
+    "checkpoint_groups",
+    "float64_training",
+    "lbfgs_history",
     "mixed_precision",
     "optimizer_state",
     "zero_grad_keeps_grads",
@@ -31,6 +35,7 @@ def mixed_precision(
     half: str | None = "bf16",
     saving_bytes: int | None = None,
     min_share: float = 0.2,
+    capacity: int | None = None,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training whose activations are a large share of the peak.
 
@@ -45,13 +50,23 @@ def mixed_precision(
         saving_bytes: a measured saving (an estimate's bf16 rerun) overrides the estimate
             ``activations / 2 - parameters / 2``.
         min_share: activations must be at least this share of the peak.
+        capacity: the device's size: with it, the saving must matter (:func:`matters`).
+
+    float64 models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
         return None
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
+    bound = ""
     if saving_bytes is None:
         saving_bytes = max(0, activation_bytes // 2 - parameter_bytes // 2) or None
+        bound = (
+            " The saving is an upper bound: what autocast runs in float32 (layer norm, "
+            "softmax, the loss) keeps its bytes."
+        )
+    if not matters(saving_bytes, peak_bytes, capacity):
+        return None
     dtype = "torch.bfloat16" if half == "bf16" else "torch.float16"
     scaler = (
         "" if half == "bf16" else " With fp16 also use `torch.amp.GradScaler()` to scale the loss."
@@ -64,13 +79,52 @@ def mixed_precision(
             f"Parameters are {param_dtype} and no forward ran under autocast; activations were "
             f"{format_size(activation_bytes)} ({percent_of(activation_bytes, peak_bytes)}) of the "
             f"{format_size(peak_bytes)} peak on {device}. In {half} most activations take half "
-            "the bytes (autocast keeps a half copy of the weights it casts)."
+            f"the bytes (autocast keeps a half copy of the weights it casts).{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
             f"(weights and the optimizer stay fp32).{scaler}"
         ),
         saving_bytes=saving_bytes,
+    )
+
+
+def float64_training(
+    *,
+    param_dtype: str | None,
+    peak_bytes: int,
+    parameter_bytes: int,
+    gradient_bytes: int = 0,
+    optimizer_state_bytes: int = 0,
+    activation_bytes: int = 0,
+    capacity: int | None = None,
+    device: str = "the device",
+) -> Advice | None:
+    """``float64``: a float64 model; float32 halves its parameters, gradients, optimizer
+    state and activations (saving: half of their sum at the peak). Fires when the saving
+    matters (:func:`matters`)."""
+    if param_dtype not in ("float64", "torch.float64") or peak_bytes <= 0:
+        return None
+    floating = parameter_bytes + gradient_bytes + optimizer_state_bytes + activation_bytes
+    saving = min(floating, peak_bytes) // 2
+    if saving <= 0 or not matters(saving, peak_bytes, capacity):
+        return None
+    return Advice(
+        code="float64",
+        title="float64 training: float32 would halve the model's memory",
+        evidence=(
+            f"Parameters are float64. Parameters, gradients, optimizer state and activations "
+            f"were {format_size(floating)} ({percent_of(floating, peak_bytes)}) of the "
+            f"{format_size(peak_bytes)} peak on {device}; in float32 each takes half the bytes "
+            "(bf16/fp16 autocast applies to float32 models, not to this one)."
+        ),
+        action=(
+            "Train in float32: drop `model.double()` (or call `model.float()`) and make the "
+            "inputs float32 (`x.float()`); keep float64 only where a computation needs its "
+            "precision. Then mixed precision (`torch.autocast`) halves the activations again."
+        ),
+        saving_bytes=saving,
+        severity="warning" if under_pressure(peak_bytes, capacity) else "info",
     )
 
 
@@ -81,28 +135,105 @@ class ModuleActivation:
     path: str
     activation_bytes: int
     leaf: bool
+    type_name: str | None = None
 
 
-def _checkpoint_blocks(
-    modules: Sequence[ModuleActivation],
-) -> tuple[list[ModuleActivation], dict[str, int]]:
-    """The non-leaf, non-root blocks at the depth whose blocks keep the most activations, and
-    the estimated output (kept when checkpointed) of each: its largest leaf descendant's."""
-    if not modules:
-        return [], {}
-    root = max(modules, key=lambda m: m.activation_bytes)
-    blocks = [m for m in modules if m is not root and not m.leaf]
-    by_depth: dict[int, list[ModuleActivation]] = {}
-    for m in blocks:
-        by_depth.setdefault(m.path.count("."), []).append(m)
-    if not by_depth:
-        return [], {}
-    best = max(by_depth.values(), key=lambda ms: (sum(m.activation_bytes for m in ms), -len(ms)))
-    outputs: dict[str, int] = {}
-    for b in best:
-        leaves = [m.activation_bytes for m in modules if m.leaf and m.path.startswith(b.path + ".")]
-        outputs[b.path] = max(leaves, default=0)
-    return sorted(best, key=lambda m: -m.activation_bytes), outputs
+@dataclass(frozen=True)
+class BlockGroup:
+    """Repeated blocks under one parent (``transformer.h``: ``transformer.h.0`` ...), the
+    unit people wrap in ``torch.utils.checkpoint``.
+
+    Attributes:
+        parent: the container's path (``""`` for the model's own indexed children).
+        blocks: ``(path, kept bytes, output bytes)`` of each block; a block with no hooks of
+            its own (a ``ModuleList`` entry) keeps what its outermost recorded modules keep.
+    """
+
+    parent: str
+    blocks: tuple[tuple[str, int, int], ...]
+
+    @property
+    def kept(self) -> int:
+        return sum(b[1] for b in self.blocks)
+
+    def describe(self) -> str:
+        """``decoder.layers.0 ... decoder.layers.11 (12 blocks, 40.00 MiB)``."""
+        paths = [b[0] for b in self.blocks]
+        span = paths[0] if len(paths) == 1 else f"{paths[0]} ... {paths[-1]}"
+        return f"{span} ({len(paths)} blocks, {format_size(self.kept)})"
+
+
+def _index_prefixes(path: str) -> list[str]:
+    """The prefixes of ``path`` (itself included) whose last part is an index: ``h.0.attn``
+    -> ``["h.0"]``."""
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()]
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _inside(path: str, block: str) -> bool:
+    return block == "" or path == block or path.startswith(block + ".")
+
+
+def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
+    """The outermost groups of repeated blocks: indexed children (``ModuleList``,
+    ``Sequential``) of one parent, of one type where their types are known, none a leaf, and
+    none inside a block of another group (so no byte counts twice). A block's kept bytes are
+    its own record's, else the sum of its outermost recorded descendants'; its output (kept
+    when checkpointed) is estimated as its largest leaf descendant's."""
+    by_path = {m.path: m for m in modules}
+    members: dict[str, set[str]] = {}
+    for m in modules:
+        for block in _index_prefixes(m.path):
+            members.setdefault(_parent(block), set()).add(block)
+
+    def kept(block: str) -> int:
+        if block in by_path:
+            return by_path[block].activation_bytes
+        outer = [
+            m for m in modules
+            if _inside(m.path, block)
+            and not any(a in by_path for a in _ancestors_between(m.path, block))
+        ]  # fmt: skip
+        return sum(m.activation_bytes for m in outer)
+
+    groups: list[BlockGroup] = []
+    for parent, paths in members.items():
+        recorded = [by_path[p] for p in paths if p in by_path]
+        if any(m.leaf for m in recorded):
+            paths = {p for p in paths if p not in by_path or not by_path[p].leaf}
+        types = [m.type_name for m in recorded if m.type_name and not m.leaf]
+        if types:  # the blocks are the most common type among them
+            common = max(set(types), key=types.count)
+            paths = {p for p in paths if p not in by_path or by_path[p].type_name == common}
+        if len(paths) < 2:
+            continue
+        ordered = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
+        blocks = []
+        for p in ordered:
+            leaves = [m.activation_bytes for m in modules if m.leaf and _inside(m.path, p)
+                      and m.path != p]  # fmt: skip
+            blocks.append((p, kept(p), max(leaves, default=0)))
+        groups.append(BlockGroup(parent, tuple(blocks)))
+    outermost = [
+        g for g in groups
+        if not any(h is not g and any(_inside(g.parent, b[0]) for b in h.blocks) for h in groups)
+    ]  # fmt: skip
+    return sorted(outermost, key=lambda g: -g.kept)
+
+
+def _ancestors_between(path: str, block: str) -> list[str]:
+    """The paths strictly between ``block`` and ``path`` (``block`` excluded, ``path`` too)."""
+    rest = path[len(block) + 1 :].split(".") if block else path.split(".")
+    head = block
+    out = []
+    for part in rest[:-1]:
+        head = f"{head}.{part}" if head else part
+        out.append(head)
+    return out
 
 
 def activation_checkpointing(
@@ -116,36 +247,39 @@ def activation_checkpointing(
 ) -> Advice | None:
     """``activation-checkpointing``: activations dominate the peak; which blocks to checkpoint.
 
-    The blocks are the non-leaf submodules at the depth whose blocks keep the most activation
-    memory (a transformer's layers, a ResNet's stages). Checkpointing k blocks keeps each
-    one's output (estimated as its largest leaf module's activation) and, during backward,
-    recomputes one block at a time: saving ~ sum(kept) - sum(outputs) - max(kept). Fires when
-    activations are at least ``min_share`` of the peak and memory is short (:data:`PRESSURE`).
+    The blocks are the outermost repeated blocks (:func:`checkpoint_groups`: a transformer's
+    layers, a ResNet stage's blocks), never the model itself and never a block inside
+    another. Checkpointing them keeps each one's output and, during backward, recomputes one
+    block at a time: saving ~ sum(kept) - sum(outputs) - max(kept), at most the activations
+    at the peak. Fires when activations are at least ``min_share`` of the peak and memory is
+    short (:data:`PRESSURE`).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
     if not under_pressure(peak_bytes, capacity):
         return None
-    blocks, outputs = _checkpoint_blocks(modules)
+    groups = checkpoint_groups(modules)
+    blocks = [b for g in groups for b in g.blocks]
     if len(blocks) < 2:
         return None
-    kept = sum(b.activation_bytes for b in blocks)
-    saving = kept - sum(outputs.values()) - max(b.activation_bytes for b in blocks)
+    kept = sum(b[1] for b in blocks)
+    outputs = sum(b[2] for b in blocks)
+    saving = min(kept - outputs - max(b[1] for b in blocks), activation_bytes - outputs)
     if saving <= 0:
         return None
-    names = ", ".join(f"{b.path} ({format_size(b.activation_bytes)})" for b in blocks[:5])
-    more = f" and {len(blocks) - 5} more" if len(blocks) > 5 else ""
+    names = "; ".join(g.describe() for g in groups[:3])
+    more = f"; and {len(groups) - 3} more groups" if len(groups) > 3 else ""
     cap = "" if not capacity else f" (capacity {format_size(capacity)})"
-    first = blocks[0].path
+    first = blocks[0][0]
     return Advice(
         code="activation-checkpointing",
         title=f"activations are {percent_of(activation_bytes, peak_bytes)} of the peak: checkpoint "
         f"{len(blocks)} blocks",
         evidence=(
             f"Activations were {format_size(activation_bytes)} of the {format_size(peak_bytes)} "
-            f"peak on {device}{cap}. The blocks that keep the most: {names}{more}; together "
+            f"peak on {device}{cap}. The repeated blocks: {names}{more}; together "
             f"{format_size(kept)}, of which their outputs (kept when checkpointed) are about "
-            f"{format_size(sum(outputs.values()))}."
+            f"{format_size(outputs)}."
         ),
         action=(
             "Recompute those blocks in backward: in the parent's forward, `x = torch.utils."
@@ -166,6 +300,43 @@ LIGHTER_OPTIMIZERS = (
 """``(option, share of Adam's state saved)`` for the ``optimizer-state`` advice."""
 
 
+def lbfgs_history(
+    optimizer_state_bytes: int, parameter_bytes: int, history_size: int | None
+) -> tuple[str, str, int] | None:
+    """LBFGS's state, explained: ``(evidence, action, saving)``, or ``None`` when it is not
+    mostly history. LBFGS keeps up to ``history_size`` pairs of flat copies of the parameters
+    (``old_dirs``, ``old_stps``) plus a few more (``d``, ``prev_flat_grad``); a smaller
+    ``history_size`` keeps fewer pairs (the saving assumes the history is full)."""
+    pair = 2 * parameter_bytes
+    if pair <= 0 or optimizer_state_bytes < 2 * pair:
+        return None
+    kept = max(0, round((optimizer_state_bytes - pair) / pair))  # pairs held now
+    size = history_size if history_size is not None else kept
+    smaller = 10 if size > 20 else max(1, size // 2)
+    saving = max(0, min(kept, size) - smaller) * pair
+    if saving <= 0:
+        return None
+    of = f"history_size={history_size}" if history_size is not None else "its history"
+    growing = (
+        f" The history was still filling: full, its {history_size} pairs take "
+        f"{format_size(history_size * pair)}."
+        if history_size is not None and kept < history_size
+        else ""
+    )
+    evidence = (
+        f"LBFGS keeps {of}: about {kept} pairs of flat copies of the parameters (old_dirs, "
+        f"old_stps), {format_size(pair)} a pair ({format_size(parameter_bytes)} of "
+        f"parameters); its state was {format_size(optimizer_state_bytes)}, "
+        f"{optimizer_state_bytes / parameter_bytes:.0f}x the parameters.{growing}"
+    )
+    action = (
+        f"`torch.optim.LBFGS(..., history_size={smaller})` keeps {smaller} pairs: saves "
+        f"~{format_size(saving)} (fewer pairs approximate the curvature from fewer steps; "
+        "the default is 100)"
+    )
+    return evidence, action, saving
+
+
 def optimizer_state(
     *,
     optimizer_state_bytes: int,
@@ -177,6 +348,7 @@ def optimizer_state(
     ranks: int | None = None,
     device: str = "the device",
     min_share: float = 0.3,
+    history_size: int | None = None,
 ) -> Advice | None:
     """``optimizer-state``: optimizer state dominates the peak; the options and their savings.
 
@@ -191,11 +363,26 @@ def optimizer_state(
         ranks: ranks to shard across (the world size); the text shows 2, 4 and 8 when unknown.
         device: where it ran, for the text.
         min_share: state must be at least this share of the peak.
+        history_size: LBFGS's ``history_size``: its state is a history of parameter copies,
+            and a smaller history is the option (:func:`lbfgs_history`).
     """
     if peak_bytes <= 0 or optimizer_state_bytes < min_share * peak_bytes:
         return None
     if not under_pressure(peak_bytes, capacity):
         return None
+    if optimizer == "LBFGS":
+        found = lbfgs_history(optimizer_state_bytes, parameter_bytes, history_size)
+        if found is not None:
+            evidence, action, saving = found
+            return Advice(
+                code="optimizer-state",
+                title=f"LBFGS's history is {percent_of(optimizer_state_bytes, peak_bytes)} of "
+                "the peak",
+                evidence=f"{evidence} Peak: {format_size(peak_bytes)} on {device}.",
+                action=f"{action}.",
+                saving_bytes=saving,
+                severity="warning",
+            )
     name = optimizer or "the optimizer"
     ratio = optimizer_state_bytes / parameter_bytes if parameter_bytes else 0.0
     options = [
@@ -221,8 +408,9 @@ def optimizer_state(
         title=f"optimizer state is {percent_of(optimizer_state_bytes, peak_bytes)} of the peak",
         evidence=(
             f"{name} state was {format_size(optimizer_state_bytes)} "
-            f"({ratio:.1f}x the {format_size(parameter_bytes)} of parameters; Adam keeps two "
-            f"moments per parameter) of the {format_size(peak_bytes)} peak on {device}."
+            f"({ratio:.1f}x the {format_size(parameter_bytes)} of parameters"
+            + ("; Adam keeps two moments per parameter" if "Adam" in name else "")
+            + f") of the {format_size(peak_bytes)} peak on {device}."
         ),
         action="Options: " + "; ".join(options) + ".",
         saving_bytes=optimizer_state_bytes // 2,
@@ -236,6 +424,8 @@ def zero_grad_keeps_grads(
     gradient_bytes: int,
     peak_phase: str | None = None,
     device: str = "the device",
+    peak_bytes: int | None = None,
+    next_peak_bytes: int | None = None,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
@@ -244,23 +434,50 @@ def zero_grad_keeps_grads(
     ``zero_grad()`` called between the forward and backward instead of before the forward.
     Under gradient accumulation the later micro batches of a step legitimately start with
     gradients; only a step's first forward counts.
+
+    The saving is on the peak: claimed only when the peak came in a forward (``peak_phase``),
+    and then at most ``peak_bytes - next_peak_bytes`` (the highest other training phase's
+    peak, which freeing them before the forward does not lower).
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
-    at_peak = peak_phase == "forward"
+    saving: int | None = None
+    if peak_phase == "forward":
+        saving = gradient_bytes
+        if peak_bytes is not None and next_peak_bytes is not None:
+            saving = min(saving, peak_bytes - next_peak_bytes)
+        saving = saving if saving > 0 else None
+    if saving is None:
+        where = (
+            f". The peak came in {peak_phase or 'another phase'}, not in a forward"
+            if peak_phase != "forward"
+            else ". The peak came in a forward, but another phase peaks as high without them"
+        ) + (
+            ": freeing them before the forward lowers the forward's memory; the peak moves "
+            "only where they stayed allocated into it (`set_to_none=False`), so no saving is "
+            "claimed."
+        )
+    elif saving < gradient_bytes:
+        where = (
+            ", and the peak came in a forward. Freed before the forward, they would lower "
+            f"the forward by {format_size(gradient_bytes)} but the peak only by "
+            f"{format_size(saving)}: down to another training phase's peak "
+            f"({format_size(next_peak_bytes or 0)}), which does not hold them."
+        )
+    else:
+        where = ", and the peak came in a forward, so they are part of it."
     return Advice(
         code="zero-grad-keeps-grads",
         title=f"{format_size(gradient_bytes)} of gradients stay allocated through the forward",
         evidence=(
             f"On {device}, {steps_with_grads} step(s) began their forward with the "
-            f"{format_size(gradient_bytes)} of gradients still allocated"
-            + (", and the peak came in a forward, so they are part of it." if at_peak else ".")
+            f"{format_size(gradient_bytes)} of gradients still allocated{where}"
         ),
         action=(
             "Free them before the forward: `optimizer.zero_grad(set_to_none=True)` (the "
             "default since PyTorch 2.0; drop `set_to_none=False`) right after "
             "`optimizer.step()` or before `model(x)`, not between forward and backward."
         ),
-        saving_bytes=gradient_bytes,
-        severity="warning" if at_peak else "info",
+        saving_bytes=saving,
+        severity="warning" if saving else "info",
     )

@@ -66,3 +66,19 @@ def check_batch_range(min_batch: int, max_batch: int | None) -> None:
         raise click.BadParameter(
             f"--max-batch ({max_batch}) must be at least --min-batch ({min_batch})"
         )
+
+
+def reject_mistyped_option(ctx: click.Context, value: str) -> None:
+    """A usage error (exit 2, with click's "Did you mean") when ``value``, taken for a
+    command's positional argument, is an option the command does not have: ``memkit run
+    --budjet 64MiB train.py`` must not look for a script named ``--budjet``. A file of that
+    name still counts as the argument (``./-odd.py`` always does)."""
+    import difflib
+    from pathlib import Path
+
+    if not value.startswith("-") or value == "-" or Path(value).is_file():
+        return
+    name = value.split("=", 1)[0]
+    options = [o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)]
+    close = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=3)
+    raise click.NoSuchOption(name, possibilities=close, ctx=ctx)

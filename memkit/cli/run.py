@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from memkit.cli.exits import handle_errors
+from memkit.cli.parsing import reject_mistyped_option
 from memkit.cli.targets import _check_target, _this_rank_budget
 
 if TYPE_CHECKING:
@@ -21,11 +22,14 @@ if TYPE_CHECKING:
     "run",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.option("--device", default=None, help="cuda:N, or cpu (simulated). Default: current GPU.")
+@click.option("--device", default=None, help="cuda:N, or cpu (simulated) [default: the current "
+              "GPU; on a machine without one, the simulated cpu device of --budget, else of 1 "
+              "GiB or half the available RAM if less].")  # fmt: skip
 @click.option("--budget", default=None, help="Simulated device size (cpu), or a cap: 300MiB; "
               "under torchrun one per rank: 1GiB,512MiB.")  # fmt: skip
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
-              help="Write the report as JSON (torchrun: NAME.rankN.json per rank).")  # fmt: skip
+              help="Write the report as JSON to a file (torchrun: NAME.rankN.json per rank); "
+              "not '-': stdout is the script's.")  # fmt: skip
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
               help="Write a self-contained HTML report (no network, no scripts).")  # fmt: skip
 @click.option("--per-module/--steps-only", default=True,
@@ -69,6 +73,7 @@ def run_command(
     """
     from memkit.tracking.run import SigtermGuard, rank_path, run_script
 
+    reject_mistyped_option(click.get_current_context(), script)
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
@@ -109,6 +114,16 @@ def _check_run_options(
     from memkit.errors import ConfigError
     from memkit.tracking.run import check_writable, default_device, rank_path
 
+    for option, path in (("--json", json_path), ("--html", html_path),
+                         ("--memory-history", history_path)):  # fmt: skip
+        if path == "-":
+            raise ConfigError(
+                f"{option} '-': expected a file name; memkit run's stdout is the script's "
+                "own output, so the report cannot go there without mixing with it (and '-' "
+                f"is not written as a file). Give a file ({option} report"
+                f"{'.pickle' if option == '--memory-history' else option.replace('--', '.')}); "
+                "the text report is on stderr"
+            )
     budget, on_host = _this_rank_budget(budget)
     device = default_device(device)
     if _check_target(device, budget, on_host).device.type == "meta":
@@ -159,7 +174,7 @@ def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
     if outcome.traceback:
         click.echo(outcome.traceback.rstrip("\n"), err=True)
     if distributed.launched_rank() in (None, 0):
-        text = str(report)
+        text = str(report) if ran_anything(report) else before_first_step(outcome.exit_code)
     else:  # rank 0 prints the full report (with every rank's row when there was a group)
         text = summary_line(report, written)
         if report.oom is not None:  # only this rank knows where it ran out
@@ -168,3 +183,25 @@ def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
         note = next(n for n in report.notes if n.startswith("interrupted by "))
         text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
     click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
+
+
+def ran_anything(report: TrackReport) -> bool:
+    """Whether the script got as far as a model forward (or a step): else its report is
+    empty, and one line says so instead (:func:`before_first_step`)."""
+    if report.steps or report.oom is not None or report.eval_forwards:
+        return True
+    return any(
+        d.modules or any(v is not None for p, v in d.phase_peaks.items() if p != "other")
+        for d in report.devices
+    )
+
+
+def before_first_step(exit_code: int) -> str:
+    """The one line for a script that ended before any model forward ran (its own argparse
+    rejecting an option, ``--help``): its exit code is its own, not memkit's."""
+    how = "ended" if exit_code == 0 else f"exited with code {exit_code}"
+    return (
+        f"memkit: the script {how} before its first step (no model forward ran): nothing to "
+        "report. The exit code is the script's own; memkit's usage errors exit 2 with a "
+        "'memkit: error:' line before the script starts."
+    )

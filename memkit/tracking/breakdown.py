@@ -10,6 +10,7 @@ hot path: when a phase ends or a forward returns after a new peak (``DeviceRecor
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -17,9 +18,20 @@ import torch
 from memkit.accounting import storage_of
 from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER
 from memkit.tracking.records import DeviceRecord
-from memkit.tracking.report import PHASES, Breakdown
+from memkit.tracking.report import PHASES, Breakdown, TrainingSetup
 
-__all__ = ["breakdown", "gradient_witness", "param_dtype", "persistent_bytes"]
+__all__ = [
+    "breakdown",
+    "forward_autocast",
+    "gradient_witness",
+    "param_dtype",
+    "persistent_bytes",
+    "state_tensors",
+    "training_setup",
+]
+
+_STATE_DEPTH = 3
+"""How deep :func:`state_tensors` looks into lists, tuples and dicts of an optimizer's state."""
 
 
 def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
@@ -31,6 +43,79 @@ def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
                 key = str(p.dtype).replace("torch.", "")
                 sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
     return max(sizes, key=lambda k: sizes[k]) if sizes else None
+
+
+def forward_autocast(module: torch.nn.Module) -> str | None:
+    """The dtype (``"bfloat16"``) of a ``torch.autocast`` that wraps ``module``'s ``forward``
+    attribute itself, else ``None``.
+
+    accelerate's mixed precision replaces ``model.forward`` with ``convert_outputs_to_fp32(
+    autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
+    autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
+    on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
+    and the closures' autocast instances).
+    """
+    autocast_type = getattr(torch.amp, "autocast", None)
+    if autocast_type is None:
+        return None
+    fn: Any = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen and len(seen) < 16:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, autocast_type) and getattr(value, "_enabled", True):
+                dtype = getattr(value, "fast_dtype", None)
+                return None if dtype is None else str(dtype).replace("torch.", "")
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+    return None
+
+
+def training_setup(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
+) -> TrainingSetup | None:
+    """The model's and optimizer's facts the advice reads (``None`` when neither exists)."""
+    if not modules and not optimizers:
+        return None
+    history = None
+    if optimizers:
+        group = optimizers[0].param_groups[0] if optimizers[0].param_groups else {}
+        size = group.get("history_size")
+        history = size if isinstance(size, int) else None
+    autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
+    return TrainingSetup(
+        param_dtype=param_dtype(modules),
+        optimizer=type(optimizers[0]).__name__ if optimizers else None,
+        history_size=history,
+        forward_autocast=autocast,
+    )
+
+
+def _merged(old: TrainingSetup | None, new: TrainingSetup | None) -> TrainingSetup | None:
+    """``new``, with what it could not read (the model or optimizer gone) kept from ``old``."""
+    if old is None or new is None:
+        return new or old
+    return TrainingSetup(
+        *(b if b is not None else a for a, b in zip(astuple(old), astuple(new), strict=True))
+    )
+
+
+def state_tensors(value: Any, depth: int = _STATE_DEPTH) -> list[torch.Tensor]:
+    """The tensors of one optimizer state entry: the value itself, or inside lists, tuples and
+    dicts (LBFGS keeps its history as lists: ``old_dirs``, ``old_stps``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth <= 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in state_tensors(v, depth - 1)]
+    return []
 
 
 def gradient_witness(
@@ -63,6 +148,9 @@ def persistent_bytes(
 
     Each storage counts once (tied weights, views); ``model`` is the tracked model (a
     DataParallel one's replicas count on the devices other than the ``primary`` one).
+    Optimizer state is every tensor in ``optimizer.state``, also inside lists, tuples and
+    dicts. While the objects are alive this also records ``dev.setup``
+    (:func:`training_setup`), which the report and the OOM post-mortem carry.
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
@@ -101,9 +189,10 @@ def persistent_bytes(
             grads += size(p.grad)
     for opt in optimizers:
         for st in opt.state.values():
-            for v in st.values() if isinstance(st, dict) else ():
-                if isinstance(v, torch.Tensor):
-                    state += size(v)
+            for t in state_tensors(st):
+                state += size(t)
+    if modules or optimizers:
+        dev.setup = _merged(dev.setup, training_setup(modules, optimizers))
     if params == 0 and not all_params:  # the model is gone: what was last seen
         params = dev.params_full
     if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
@@ -160,6 +249,13 @@ def breakdown(
         other = max(0, base - params - grads_base - state_base)
         acts = max(0, rest - other)
         other = rest - acts
+    if phase == BACKWARD and grads:
+        note = (note + "; " if note else "") + (
+            "gradients as of the end of backward: at a peak inside backward only those of the "
+            "layers backward had reached existed (none kept from before if zero_grad ran "
+            "before backward), so gradients may be overstated and activations understated by "
+            "as much"
+        )
     if phase == OPTIMIZER and acts:
         note = (note + "; " if note else "") + (
             "in the optimizer phase, activations are the optimizer's temporaries and any "

@@ -80,6 +80,12 @@ class GrowthDetector:
     N steps that keeps its loss with the graph). The detector follows the boundary levels since
     they last came down and calls it a leak at the ``window``-th rise; any fall starts over.
 
+    Growth that stops is not a leak: an optimizer whose history fills up (LBFGS keeps
+    ``history_size`` entries), a cache that reaches its size. After a leak was called,
+    :attr:`stopped` says the level has not risen for ``max(window, 2 * period)`` boundaries
+    (``period``: the steps between two rises of the climb), so a leak that rises every N
+    steps is not taken for a plateau between its rises.
+
     Args:
         warmup: step boundaries ignored at the start (gradients and optimizer state appear).
         window: rises (without a fall in between) needed to call it a leak.
@@ -95,11 +101,23 @@ class GrowthDetector:
         self.rises = 0
         self._seen = 0
         self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
+        self.period = 1  # steps between two rises of the climb that was called a leak
+        self.last_rise = -1  # the step of the last rise of that climb
+        self.last_step = -1  # the last boundary observed
+
+    @property
+    def stopped(self) -> bool:
+        """A leak was called, and the level has not risen since for ``max(window, 2 *
+        period)`` step boundaries: the growth plateaued (or came back down)."""
+        if self.finding is None:
+            return False
+        return self.last_step - self.last_rise >= max(self.window, 2 * self.period)
 
     def observe(self, step: int, allocated: int) -> bool:
         """Record a boundary level; return True at the ``window``-th rise of a climb (and at
         every further rise)."""
         self._seen += 1
+        self.last_step = step
         if self._seen <= self.warmup:
             return False
         if self._start is None or allocated < self._last:
@@ -115,6 +133,8 @@ class GrowthDetector:
         first_step, first = self._start
         steps = step - first_step
         self.finding = ((allocated - first) // steps, first_step, steps)
+        self.period = max(1, round(steps / self.rises))
+        self.last_rise = step
         return True
 
 

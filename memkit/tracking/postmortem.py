@@ -13,7 +13,7 @@ from types import TracebackType
 from memkit.distributed import launched_rank
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking.leaks import LeakWatch
-from memkit.tracking.records import DeviceRecord
+from memkit.tracking.records import DeviceRecord, current_leak
 from memkit.tracking.report import PHASES, Breakdown, ModuleRecord, OomPostMortem
 
 __all__ = ["Place", "build_postmortem", "failing_call"]
@@ -40,14 +40,22 @@ def failing_call(exc: BaseException, fail: FailedCall | None) -> Place | None:
     return fail[1:] if fail[0] in chain_ids else None
 
 
-def top_activation_modules(records: list[ModuleRecord], n: int = 5) -> tuple[tuple[str, int], ...]:
-    """``(path, bytes)`` of the ``n`` leaf modules that kept the most activation memory."""
-
-    def kept(m: ModuleRecord) -> int:
+def own_kept(m: ModuleRecord) -> int:
+    """What ``m`` itself (not its child modules) kept per step: a leaf's per-step sum; a
+    parent's own bytes per call times its calls per step (an attention module that keeps its
+    score matrices while its Dropout child keeps the mask)."""
+    if m.leaf:
         return m.activation_bytes_per_step or m.self_activation_bytes
+    per_step, per_call = m.activation_bytes_per_step or 0, m.activation_bytes
+    calls = round(per_step / per_call) if per_step > 0 and per_call > 0 else 1
+    return m.self_activation_bytes * max(1, calls)
 
-    top = sorted(records, key=kept, reverse=True)
-    return tuple((m.path, kept(m)) for m in top if m.leaf and kept(m) > 0)[:n]
+
+def top_activation_modules(records: list[ModuleRecord], n: int = 5) -> tuple[tuple[str, int], ...]:
+    """``(path, bytes)`` of the ``n`` modules that kept the most activation memory themselves
+    (:func:`own_kept`: leaves and parents alike, never a parent's children counted twice)."""
+    top = sorted(records, key=own_kept, reverse=True)
+    return tuple((m.path, own_kept(m)) for m in top if own_kept(m) > 0)[:n]
 
 
 def build_postmortem(
@@ -96,7 +104,7 @@ def build_postmortem(
     cap = dev.backend.capacity()
     capacity = details.capacity if details.capacity is not None else cap.total
     free = details.free if details.free is not None else cap.free
-    leak = dev.leak
+    leak = current_leak(dev)  # growth that had stopped did not run out
     if leak is not None:
         leak = leak_watch.suspects_at_failure(leak, tb)
         dev.leak = leak
@@ -122,6 +130,8 @@ def build_postmortem(
         rank=launched_rank(),
         input_shape=last_input,
         module_type=None if stat is None else stat.type_name,
+        micro_batches=max((s.backward_passes for s in dev.steps), default=1),
+        setup=dev.setup,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

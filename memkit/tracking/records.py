@@ -26,6 +26,7 @@ from memkit.tracking.report import (
     ModuleRecord,
     StepRecord,
     TimelinePoint,
+    TrainingSetup,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "RootInfo",
     "RunFacts",
     "close_step",
+    "current_leak",
     "device_report",
     "merge_steps",
     "module_records",
@@ -199,6 +201,7 @@ class DeviceRecord:
         self.leak: LeakFinding | None = None
         self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
         self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
+        self.setup: TrainingSetup | None = None  # the model's facts (breakdown.py reads them)
 
 
 def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
@@ -288,6 +291,16 @@ def merge_steps(dev: DeviceRecord, first: int) -> None:
         ms.step_id = -1
 
 
+def current_leak(dev: DeviceRecord) -> LeakFinding | None:
+    """``dev``'s leak finding, unless it is growth of device memory that has since stopped
+    (:attr:`~memkit.tracking.leaks.GrowthDetector.stopped`): a plateau is not a leak. A graph
+    that grows in host memory (``graph_growth`` with flat device memory) stays."""
+    leak = dev.leak
+    if leak is None or (leak.graph_growth and leak.growth_per_step <= 0):
+        return leak
+    return None if dev.growth.stopped else leak
+
+
 def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
     """``dev``'s records as the report shows them (module keys through ``display``)."""
     phase_peaks: dict[str, int | None] = {}
@@ -315,5 +328,6 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         else dataclasses.replace(dev.breakdown, module=display(dev.breakdown.module)),
         timeline=timeline,
         timeline_dropped=max(0, dev.events - len(dev.timeline)),
-        leak=dev.leak,
+        leak=current_leak(dev),
+        setup=dev.setup,
     )

@@ -31,6 +31,7 @@ __all__ = [
     "StepRecord",
     "TimelinePoint",
     "TrackReport",
+    "TrainingSetup",
 ]
 
 PHASES = ("forward", "backward", "optimizer", "other", "eval")
@@ -172,6 +173,26 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
+class TrainingSetup:
+    """What the advice needs of the live model and optimizer, read while they exist (the
+    breakdown reads them; the post-mortem and the report carry them).
+
+    Attributes:
+        param_dtype: the dtype holding most of the trainable floating parameters' bytes.
+        optimizer: the (first) optimizer's class name.
+        history_size: LBFGS's ``history_size`` (its kept pairs of flat parameter copies).
+        forward_autocast: the dtype of a ``torch.autocast`` that wraps the model's ``forward``
+            itself (accelerate's mixed precision, ``@torch.autocast`` on ``forward``): it is
+            entered after the forward pre-hooks, so ``autocast_forwards`` does not count it.
+    """
+
+    param_dtype: str | None = None
+    optimizer: str | None = None
+    history_size: int | None = None
+    forward_autocast: str | None = None
+
+
+@dataclass(frozen=True)
 class LeakSuspect:
     """A live variable of the training thread that holds an autograd graph.
 
@@ -258,6 +279,9 @@ class OomPostMortem(Result):
         rank: the distributed rank, if any.
         input_shape: the shape of the last model forward's first tensor input, if any.
         module_type: ``module``'s class name, if known.
+        micro_batches: the most training backward passes one optimizer step had used before
+            it failed (over 1: gradient accumulation already runs).
+        setup: the model's and optimizer's facts the advice reads, if seen.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -282,6 +306,8 @@ class OomPostMortem(Result):
     rank: int | None = None
     input_shape: tuple[int, ...] | None = None
     module_type: str | None = None
+    micro_batches: int = 1
+    setup: TrainingSetup | None = None
 
     @property
     def where(self) -> str:
@@ -336,6 +362,7 @@ class DeviceReport:
         timeline: counter readings (the most recent ones, up to the tracker's limit).
         timeline_dropped: older readings that did not fit the limit.
         leak: growth from step to step, if detected.
+        setup: the model's and optimizer's facts the advice reads, if seen.
     """
 
     device: str
@@ -353,6 +380,7 @@ class DeviceReport:
     timeline: tuple[TimelinePoint, ...] = field(default=(), repr=False)
     timeline_dropped: int = 0
     leak: LeakFinding | None = None
+    setup: TrainingSetup | None = None
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children)."""
