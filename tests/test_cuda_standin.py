@@ -408,17 +408,47 @@ def test_memkit_run_cuda_oom_exits_1_with_the_postmortem(tmp_path):
     assert report["steps"] == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memkit bug found through the stand-in: tracking/tracker.py enters backend.activate() "
-    "only for the simulated device, so on CUDA `memkit run --budget` / track(budget=) report "
-    "the budget as the capacity but never cap the allocator (CudaBackend.activate would, with "
-    "set_per_process_memory_fraction); a 40 MiB tensor fits under --budget 32MiB",
-)
 def test_memkit_run_budget_caps_cuda(tmp_path):
+    """--budget caps a GPU for the script (set_per_process_memory_fraction), as probe does: a
+    40 MiB tensor under a 32 MiB cap is a real CUDA out-of-memory error."""
     result, _, _ = run_under_standin(tmp_path, 40, "--budget", "32MiB")
     assert result.exit_code == 1, result.output
     assert "32.00 MiB allowed" in result.stderr
+
+def test_the_users_peak_counters_survive_tracking():
+    """memkit resets the peak counters at every phase; what the user reads is still the true
+    peak, inside the block (torch.cuda.max_memory_allocated, memory_stats) and after it (the
+    real counter raised back from cached blocks), and the user's own reset keeps its meaning."""
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    with cuda_standin("1GiB") as gpu:
+        model.to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(512, 256).to("cuda")
+        torch.cuda.reset_peak_memory_stats()
+
+        def step() -> None:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        witness = gpu.peak_allocated  # the stand-in's own peak, no memkit: one step's
+        torch.cuda.reset_peak_memory_stats()
+        seen_inside = []
+        with memkit.track(model, opt, device="cuda", module_every=1):
+            for _ in range(3):
+                step()
+                seen_inside.append(torch.cuda.max_memory_allocated())
+            resets = gpu.peak_resets
+        after = torch.cuda.max_memory_allocated()
+        stats_after = torch.cuda.memory_stats()["allocated_bytes.all.peak"]
+        torch.cuda.reset_peak_memory_stats()
+        fresh = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+    assert resets > 10  # memkit did reset the counters, many times
+    assert seen_inside == [witness] * 3  # yet each read inside the block is the true peak
+    assert after == stats_after == witness  # and after it, from the real counter
+    assert fresh == current  # the user's reset is a reset
 
 
 @pytest.mark.filterwarnings("ignore:GPU available but not used")  # the stand-in, rightly

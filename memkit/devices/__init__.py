@@ -48,7 +48,7 @@ from memkit.devices.host import (
     default_cpu_budget,
     host_memory,
 )
-from memkit.devices.peaks import UserPeaks
+from memkit.devices.peaks import UserPeaks, cached_free_blocks, empty_on
 from memkit.devices.readings import (
     GpuProcess,
     GpuStats,
@@ -80,12 +80,14 @@ __all__ = [
     "UserPeaks",
     "VirtualDeviceBackend",
     "accelerator_available",
+    "cached_free_blocks",
     "collective_device",
     "counter_reader",
     "cuda_context_reading",
     "cuda_history_snapshot",
     "current_device_index",
     "default_cpu_budget",
+    "empty_on",
     "get_backend",
     "gpu_stats",
     "host_memory",

@@ -532,6 +532,15 @@ class StandIn:
         self._patch(torch.Tensor, "cuda", tensor_cuda)
         self._patch(devices, "tensor_device", tensor_device)
 
+        def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
+            return self.allocator.free_blocks()
+
+        def empty_on(index: int, nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8).to("cuda")
+
+        self._patch(devices, "cached_free_blocks", cached_free_blocks)
+        self._patch(devices, "empty_on", empty_on)
+
     def _restore(self) -> None:
         while self._patches:
             owner, name, had, old = self._patches.pop()

@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SMALL_REQUEST", "UserPeaks", "plan_pieces"]
+__all__ = ["SMALL_REQUEST", "UserPeaks", "cached_free_blocks", "empty_on", "plan_pieces"]
 
 SMALL_REQUEST = 1 << 20
 """Requests up to 1 MiB come from the caching allocator's small pool (kSmallSize)."""
@@ -76,21 +76,12 @@ def plan_pieces(free_blocks: list[tuple[int, bool]], need: int) -> list[int]:
 class UserPeaks:
     """The peaks a user of one CUDA device would read had memkit never reset them."""
 
-    def __init__(
-        self,
-        index: int,
-        read: Callable[[], tuple[int, int, int, int]],
-        *,
-        allocate: Callable[[int], Any] | None = None,
-        free_blocks: Callable[[], list[tuple[int, bool]]] | None = None,
-    ) -> None:
+    def __init__(self, index: int, read: Callable[[], tuple[int, int, int, int]]) -> None:
         self.index = index
         self._read = read
         _, _, p, pr = read()
         self.allocated = p  # the user's view: peaks since their last reset
         self.reserved = pr
-        self._allocate = allocate or self._cuda_allocate
-        self._free_blocks = free_blocks or self._cuda_free_blocks
         self.shortfall: str | None = None
         """Why the real counters could not be put back after the block, if they could not."""
 
@@ -141,17 +132,19 @@ class UserPeaks:
 
     def restore(self) -> None:
         """Raise the real counters to the user's view (after the block)."""
+        from memkit import devices  # through the package: the CUDA stand-in answers there
+
         a, _, p, pr = self._read()
         need = self.allocated - a
         if self.allocated > p and need > 0:
-            pieces = plan_pieces(self._free_blocks(), need)
+            pieces = plan_pieces(devices.cached_free_blocks(self.index), need)
             if not pieces:
                 self.shortfall = (
                     f"max_memory_allocated() reads {p} B, below the block's peak "
                     f"{self.allocated} B: too little cached memory to restore it"
                 )
             else:
-                held = [self._allocate(n) for n in pieces]
+                held = [devices.empty_on(self.index, n) for n in pieces]
                 del held
         if self.reserved > pr:
             self.shortfall = (
@@ -159,18 +152,25 @@ class UserPeaks:
                 "cached memory was given back to the driver (empty_cache) during the block"
             )
 
-    def _cuda_allocate(self, nbytes: int) -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.index))
 
-    def _cuda_free_blocks(self) -> list[tuple[int, bool]]:
-        stream = torch.cuda.current_stream(self.index).cuda_stream
-        out = []
-        for seg in torch.cuda.memory_snapshot():
-            if seg.get("device") != self.index or seg.get("stream", stream) != stream:
-                continue
-            small = seg.get("segment_type") == "small"
-            out += [(b["size"], small) for b in seg.get("blocks", ()) if b["state"] == "inactive"]
-        return out
+def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
+    """``(size, small_pool)`` of the caching allocator's free blocks on CUDA device ``index``
+    for the current stream (``torch.cuda.memory_snapshot()``). Call it through
+    :mod:`memkit.devices`."""
+    stream = torch.cuda.current_stream(index).cuda_stream
+    out = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") != index or seg.get("stream", stream) != stream:
+            continue
+        small = seg.get("segment_type") == "small"
+        out += [(b["size"], small) for b in seg.get("blocks", ()) if b["state"] == "inactive"]
+    return out
+
+
+def empty_on(index: int, nbytes: int) -> torch.Tensor:
+    """An uninitialised tensor of ``nbytes`` on CUDA device ``index`` (no copy, no sync).
+    Call it through :mod:`memkit.devices`."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
 
 
 def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:

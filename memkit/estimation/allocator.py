@@ -240,6 +240,10 @@ class CachingAllocatorModel:
                 out[block.small] = (count + 1, nbytes + block.size)
         return out
 
+    def free_blocks(self) -> list[tuple[int, bool]]:
+        """``(size, small_pool)`` of every free cached block."""
+        return [(size, small) for small, pool in self._free.items() for size, _ in pool]
+
     def release_cached(self) -> None:
         """Free every segment that is entirely free, as ``torch.cuda.empty_cache()`` does."""
         self._release_cached()
