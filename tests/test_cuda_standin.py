@@ -503,3 +503,18 @@ def test_lightning_callback_on_cuda():
     assert logged == pytest.approx(dev.steps[-1].peak_allocated / MIB, rel=1e-6)
     assert gpu.stat_reads > 0 and gpu.peak_resets > 0
     assert torch.cuda.is_available() is False
+
+
+def test_a_budget_binds_even_when_the_cache_holds_more():
+    """set_per_process_memory_fraction caps new segments only: a step served from cached
+    segments would never feel a smaller budget. track(budget=) gives the cached free segments
+    back first, so 40 MiB under a 32 MiB budget runs out as on a 32 MiB card."""
+    with cuda_standin("1GiB"):
+        big = torch.empty(100 << 20, dtype=torch.uint8).to("cuda")
+        del big  # 100 MiB cached, free
+        assert torch.cuda.memory_reserved() >= 100 << 20
+        with (
+            pytest.raises(torch.OutOfMemoryError, match=r"32\.00 MiB allowed"),
+            memkit.track(device="cuda", budget="32MiB", postmortem=None),
+        ):
+            torch.empty(40 << 20, dtype=torch.uint8).to("cuda")

@@ -266,11 +266,20 @@ class Tracker(Hooks):
                     "datasets or data loading; not other threads, e.g. DataParallel replicas)"
                 )
             elif isinstance(backend, CudaBackend) and backend.budget is not None:
-                # a cap on a real device: the caching allocator raises a real OOM past it
+                # a cap on a real device: the caching allocator raises a real OOM past it. The
+                # cap binds new segments only: cached free ones are given back first, or a
+                # step could reuse more than the budget from the cache
+                backend.empty_cache()
                 stack.enter_context(backend.activate())
+                held = backend.reserved()
                 self.notes.append(
                     f"capped at the budget ({format_size(backend.budget)}) for the block: "
                     "torch.cuda.set_per_process_memory_fraction"
+                    + (
+                        f"; {format_size(held)} was already reserved when it began, above it"
+                        if held > backend.budget
+                        else ""
+                    )
                 )
             self._t0 = time.perf_counter()
             self._step_t0 = self._t0
