@@ -139,3 +139,33 @@ def test_pieces_come_from_free_blocks_of_the_right_pool():
         4 * MiB, SMALL_REQUEST + 512,
     ]  # fmt: skip
     assert plan_pieces(blocks, 64 * MiB) == []  # the cache cannot serve it
+
+
+def test_the_passes_of_one_closure_step_do_not_add_up():
+    """LBFGS runs its closure (forward and backward) up to max_iter times inside one step():
+    each pass frees its activations in its own backward, so a module keeps one pass's bytes
+    per step, not max_iter times as much (they are no micro-batches)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1)).double()
+    x, y = torch.randn(128, 64, dtype=torch.float64), torch.randn(128, 1, dtype=torch.float64)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=5)
+    plain = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with memkit.track(model, opt, device="cpu", budget="64MiB") as t:
+        for _ in range(2):
+            opt.step(closure)
+    with memkit.track(model, plain, device="cpu", budget="64MiB") as once:
+        for _ in range(2):
+            nn.functional.mse_loss(model(x), y).backward()
+            plain.step()
+            plain.zero_grad()
+    lbfgs = {m.path: m for m in t.report().devices[0].modules}["0"]
+    single = {m.path: m for m in once.report().devices[0].modules}["0"]
+    assert lbfgs.calls >= 6  # several passes ran inside each step
+    assert lbfgs.activation_bytes_per_step == single.activation_bytes_per_step > 0

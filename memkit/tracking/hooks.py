@@ -92,6 +92,8 @@ class Hooks(PhaseMachine):
     _detail_handles: list[Any]
     _detail_on: bool
     _layout: tuple[bool, bool] | None
+    _train_passes: int
+    _closure_step: bool
     _compiled: bool
     _module_every: int
     _roots: dict[int, RootInfo]
@@ -410,8 +412,11 @@ class Hooks(PhaseMachine):
             own = delta - frame.children
             if own > ms.self_max:
                 ms.self_max = own
-            if ms.step_id != step:
-                ms.step_id = step
+            # a module's calls add up over a step (shared blocks, micro-batches), except the
+            # passes an optimizer's closure runs inside one step (LBFGS): they do not accumulate
+            key = -1 - self._train_passes if self._closure_step else step
+            if ms.step_id != key:
+                ms.step_id = key
                 ms.step_sum = delta
             else:
                 ms.step_sum += delta
@@ -527,9 +532,11 @@ class Hooks(PhaseMachine):
         kwargs = dict(kwargs or {})
         closure = kwargs.get("closure")
         if callable(closure):
+            self._closure_step = True
             kwargs["closure"] = self._after_closure(optimizer, closure)
             return tuple(args), kwargs
         if len(args) > 1 and callable(args[1]):
+            self._closure_step = True
             return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
         self._optimizer_begins(optimizer)
         return None
@@ -562,6 +569,7 @@ class Hooks(PhaseMachine):
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
+        self._closure_step = False
         with self._lock:
             owner = self._step_owner() if self._step_owner is not None else None
             if not self._manual_steps and (owner is None or owner is optimizer):

@@ -85,6 +85,7 @@ class PhaseMachine:
     _owners: dict[int, RootInfo]
     _grad_witness: weakref.ref[torch.Tensor] | None
     _compiled: bool
+    _train_passes: int
     model: torch.nn.Module | None
     notes: list[str]
 
@@ -125,6 +126,7 @@ class PhaseMachine:
                         self._transition(EVAL)
         else:
             kind = TRAIN_PASS
+            self._train_passes += 1
             if _autocast_on(self._kind):  # advice: mixed-precision
                 facts.autocast_forwards += 1
             if self._phase != FORWARD:

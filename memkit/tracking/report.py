@@ -110,7 +110,9 @@ class ModuleRecord:
         self_activation_bytes: the same, minus what its child modules left behind.
         activation_bytes_per_step: the largest sum over the calls of one step (a module called
             several times per step keeps several sets; with gradient accumulation, the sum over
-            the step's micro-batches); without step boundaries, the sum over every call.
+            the step's micro-batches; the passes an optimizer's closure runs inside one step,
+            as LBFGS does, are not added: each pass's own sum); without step boundaries, the
+            sum over every call.
         peak_allocated: the highest allocated bytes reached while its forward ran.
         peak_over_entry: that peak minus allocated at entry: the transient the call needed.
         leaf: the module has no child modules.
