@@ -67,7 +67,7 @@ def test_lbfgs_history_is_measured_until_it_stops_growing(scripts, monkeypatch):
     until history_size. The probe steps on until what it keeps between steps stops growing,
     so its answer holds for the script's whole run; measured for 2 steps only (the old
     probe), the answer is larger and the script runs out at its third step."""
-    import lbfgs_sequence as script
+    import time_sequence_lbfgs as script
 
     budget = "4.6MiB"
 
@@ -76,7 +76,7 @@ def test_lbfgs_history_is_measured_until_it_stops_growing(scripts, monkeypatch):
         optimizer = script.build_optimizer(seq.parameters())
         return runs(lambda: script.train(seq, optimizer, batch, steps), budget, (seq,))
 
-    result = probe("lbfgs_sequence.py", budget)
+    result = probe("time_sequence_lbfgs.py", budget)
     best = result.max_batch_size
     assert best is not None and not result.trial(best + 1).fits, sizes(result)
     at_best = result.trial(best)
@@ -86,7 +86,7 @@ def test_lbfgs_history_is_measured_until_it_stops_growing(scripts, monkeypatch):
     assert loop(best, 6) and not loop(best + 1, 6)
 
     monkeypatch.setattr(trials_module, "MAX_STEPS", 2)  # what the probe measured before
-    two_steps = probe("lbfgs_sequence.py", budget).max_batch_size
+    two_steps = probe("time_sequence_lbfgs.py", budget).max_batch_size
     assert two_steps is not None and two_steps > best
     assert loop(two_steps, 2) and not loop(two_steps, 6)
 
@@ -95,7 +95,7 @@ def test_state_still_growing_at_the_last_step_is_said_plainly(scripts, monkeypat
     """When the memory kept between steps still grows at the last step the probe runs, the
     answer holds for that many steps: the report says so, and what grows."""
     monkeypatch.setattr(trials_module, "MAX_STEPS", 3)  # LBFGS here fills its history at 3
-    result = probe("lbfgs_sequence.py", "4.6MiB")
+    result = probe("time_sequence_lbfgs.py", "4.6MiB")
     at_best = result.trial(result.max_batch_size)
     assert at_best.steps_run == 3 and at_best.still_growing
     (advice,) = [a for a in result.advice if a.code == "probe-state-grows"]
@@ -110,20 +110,23 @@ def test_an_accumulating_script_trains_at_the_probes_answer_and_not_above(script
     """run_clm_no_trainer with Accelerate's accumulate(): the gradients of the first
     micro-batch live through the forwards of the next ones. With --target-batch the probe
     advises accumulation and answers for the accumulating step; the step that frees gradients
-    before every forward fits one more, at which the script runs out."""
-    import clm_accumulate as script
+    before every forward fits one more, at which the script runs out. The script is the one
+    memkit run checks too; its model file is the same model with an 8192-token vocabulary
+    (about 9 MiB a sample, gradients about 10 MB)."""
+    import accelerate_clm as script
 
     budget = "122MiB"
 
     def loop(batch: int, accumulation: int) -> bool:
         model = script.build_model()
         optimizer = torch.optim.AdamW(script.grouped(model), lr=5e-5)
-        rows = script.lm_dataset(batch * accumulation * 2)  # host data: made outside
+        # host data: made outside
+        rows = script.RandomTokens(batch * accumulation * 2, script.BLOCK_SIZE, script.VOCAB)
         return runs(
             lambda: script.train(model, optimizer, rows, batch, accumulation, 2), budget, (model,)
         )
 
-    result = probe("clm_accumulate.py", budget, target_batch=64)
+    result = probe("accelerate_clm.py", budget, target_batch=64)
     best = result.max_batch_size
     (note,) = [d for d in result.defaults if d.startswith("without accumulation:")]
     plain = int(note.split()[2])
@@ -133,7 +136,7 @@ def test_an_accumulating_script_trains_at_the_probes_answer_and_not_above(script
     assert loop(best, 4) and not loop(best + 1, 4)
     assert loop(plain, 1)  # without accumulation the larger size trains
 
-    explicit = probe("clm_accumulate.py", budget, accumulation=4)
+    explicit = probe("accelerate_clm.py", budget, accumulation=4)
     assert explicit.max_batch_size == best and not explicit.trial(best + 1).fits
 
 
