@@ -555,3 +555,51 @@ def test_evaluation_after_a_manual_sgd_step_is_evaluation():
     bd = report.devices[0].breakdown
     assert report.step_rule == "backward" and bd is not None and bd.phase != "other"
     assert report.devices[0].phase_peaks["eval"] > report.devices[0].phase_peaks["other"]
+
+
+def test_keyword_arguments_are_a_forward_s_inputs():
+    """transformers models are called with keywords (``model(**batch)``): the evaluation's
+    largest input is still named, and accelerate-style autocast around ``forward`` counts."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=64)
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    with track(model, opt, device="cpu", budget="256MiB") as tracker:
+        for _ in range(2):
+            ids = torch.randint(0, 128, (4, 32))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (8, 32)))
+    report = tracker.report()
+    assert report.eval_input_shape == (8, 32) and report.steps == 2
+    assert report.autocast_forwards == 0
+
+
+def test_an_autocast_wrapping_forward_counts_as_autocast():
+    """accelerate's mixed precision enters autocast inside a wrapped ``forward``, after the
+    forward pre-hooks: the training forwards still count as run under autocast."""
+    import functools
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = model.forward
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with autocast:
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            model(torch.randn(4, 16)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert tracker.report().autocast_forwards == 3

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memkit.accounting import storage_of
-from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER
+from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER, forward_autocast
 from memkit.tracking.records import DeviceRecord
 from memkit.tracking.report import PHASES, Breakdown, TrainingSetup
 
@@ -43,36 +43,6 @@ def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
                 key = str(p.dtype).replace("torch.", "")
                 sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
     return max(sizes, key=lambda k: sizes[k]) if sizes else None
-
-
-def forward_autocast(module: torch.nn.Module) -> str | None:
-    """The dtype (``"bfloat16"``) of a ``torch.autocast`` that wraps ``module``'s ``forward``
-    attribute itself, else ``None``.
-
-    accelerate's mixed precision replaces ``model.forward`` with ``convert_outputs_to_fp32(
-    autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
-    autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
-    on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
-    and the closures' autocast instances).
-    """
-    autocast_type = getattr(torch.amp, "autocast", None)
-    if autocast_type is None:
-        return None
-    fn: Any = module.__dict__.get("forward") or getattr(type(module), "forward", None)
-    seen: set[int] = set()
-    while fn is not None and id(fn) not in seen and len(seen) < 16:
-        seen.add(id(fn))
-        fn = getattr(fn, "__func__", fn)
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, autocast_type) and getattr(value, "_enabled", True):
-                dtype = getattr(value, "fast_dtype", None)
-                return None if dtype is None else str(dtype).replace("torch.", "")
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
-    return None
 
 
 def training_setup(

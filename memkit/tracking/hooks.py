@@ -112,7 +112,7 @@ class Hooks(PhaseMachine):
         model = self.model
         if model is not None:  # the model's own hooks stay for the block
             leaf = not any(True for _ in model.children())
-            h.append(model.register_forward_pre_hook(self._make_pre("", leaf)))
+            h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
             h.append(model.register_forward_hook(self._make_post(""), always_call=True))
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
                 h.append(model.register_forward_hook(self._make_dp_output()))
@@ -172,10 +172,15 @@ class Hooks(PhaseMachine):
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
             return
         post = self._make_post("")
+        pre = self._global_pre
+
+        def root_pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            pre(module, (*args, *kwargs.values()) if kwargs else args)
+
         for root in list(self._roots.values()):
             mod = root.ref()
             if mod is not None and root.model:
-                h.append(mod.register_forward_pre_hook(self._global_pre))
+                h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True))
                 h.append(mod.register_forward_hook(post, always_call=True))
 
     def _looks_for_models(self, step: int) -> bool:
@@ -273,6 +278,18 @@ class Hooks(PhaseMachine):
         def pre(module: torch.nn.Module, args: Any) -> None:
             if not _compiling():  # traced by TorchDynamo: nothing to do, nothing to guard
                 impl(key, leaf, module, args, None)
+
+        return pre
+
+    def _make_root_pre(self, leaf: bool) -> Callable[[Any, Any, Any], None]:
+        """The model's own pre-hook: its keyword arguments count as inputs too
+        (``model(**batch)``: the input's shape, the batch reaching the device)."""
+        impl = self._pre
+        key = _model_name(self.model)
+
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if not _compiling():
+                impl(key, leaf, module, (*args, *kwargs.values()) if kwargs else args, None)
 
         return pre
 

@@ -41,6 +41,7 @@ __all__ = [
     "RECOMPUTE",
     "TRAIN_PASS",
     "PhaseMachine",
+    "forward_autocast",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER, EVAL = range(5)
@@ -127,7 +128,9 @@ class PhaseMachine:
         else:
             kind = TRAIN_PASS
             self._train_passes += 1
-            if _autocast_on(self._kind):  # advice: mixed-precision
+            # advice: mixed-precision. An autocast wrapping the model's forward itself
+            # (accelerate's mixed precision) is entered after this hook: read the wrapper
+            if _autocast_on(self._kind) or forward_autocast(module) is not None:
                 facts.autocast_forwards += 1
             if self._phase != FORWARD:
                 with self._lock:
@@ -431,6 +434,36 @@ def _input_shape(args: Any) -> tuple[int, ...] | None:
 
 def _needs_grad(args: Any) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def forward_autocast(module: torch.nn.Module) -> str | None:
+    """The dtype (``"bfloat16"``) of a ``torch.autocast`` that wraps ``module``'s ``forward``
+    attribute itself, else ``None``.
+
+    accelerate's mixed precision replaces ``model.forward`` with ``convert_outputs_to_fp32(
+    autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
+    autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
+    on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
+    and the closures' autocast instances).
+    """
+    autocast_type = getattr(torch.amp, "autocast", None)
+    if autocast_type is None:
+        return None
+    fn: Any = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen and len(seen) < 16:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, autocast_type) and getattr(value, "_enabled", True):
+                dtype = getattr(value, "fast_dtype", None)
+                return None if dtype is None else str(dtype).replace("torch.", "")
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+    return None
 
 
 def _autocast_on(kind: str) -> bool:
