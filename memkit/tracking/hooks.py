@@ -4,10 +4,13 @@ are in memkit/tracking/wrappers.py).
 
 ``with memkit.track(model, optimizer=opt) as tracker:`` installs
 
-* forward pre/post hooks on every submodule of ``model`` (``per_module=True``), on ``model``
-  alone (``per_module=False``), or, with no model, torch's global module hooks
-  (``register_module_forward_pre_hook``/``register_module_forward_hook``);
-* a gradient hook on each module's output tensor (registered by the forward post hook): it fires
+* forward pre/post hooks on ``model`` itself for the whole block, and on every submodule on the
+  steps that have module detail (``per_module``: steps 0, 1, then every ``module_every``-th;
+  removed in between); with no model, torch's global module hooks
+  (``register_module_forward_pre_hook``/``register_module_forward_hook``) on those steps and on
+  step 0, hooks on the models found in between; none inside a ``torch.compile`` graph;
+* a pre-hook on the autograd node of each module's output (registered by the forward post
+  hook): it fires
   when backward reaches that module, which marks the start of the module's backward. The first
   one of a backward pass queues an autograd-engine callback that marks its end. memkit does not
   use ``register_full_backward_hook``: it wraps every module's inputs and outputs in an extra
@@ -22,9 +25,9 @@ leak scan) runs at phase or step boundaries (memkit/tracking/phases.py).
 
 Peaks: every hook closes a *segment* (the time since the previous hook on that device): the
 device's peak counter is read and reset. A segment's peak belongs to the phase and innermost
-module running during it, so per-phase, per-step and per-module peaks are exact, not sampled.
-Side effect: ``torch.cuda.max_memory_allocated()`` is reset at every hook while tracking; use the
-report's peaks instead.
+module running during it, so per-phase and per-step peaks are exact, and so are per-module ones
+on the steps with module detail. What the user reads of the peak counters is kept true
+(memkit/devices/peaks.py).
 
 :class:`Hooks` is a part of :class:`~memkit.tracking.tracker.Tracker` (a base class, not an
 object of its own): the hot path reads the tracker's attributes directly, as fast as before
@@ -136,7 +139,7 @@ class Hooks(PhaseMachine):
             h.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
         self._set_detail(self._wants_detail(0), force=True)
 
-    # module detail: on sampled steps only (memkit/tracking/sampling.py says which)
+    # module detail: on sampled steps only (_wants_detail says which)
 
     def _set_detail(self, on: bool, *, force: bool = False) -> None:
         """Install the hooks of module detail (``on``), or the model's own hooks alone.
