@@ -144,12 +144,14 @@ def test_an_accumulating_script_trains_at_the_probes_answer_and_not_above(script
 
 
 def test_a_fit_close_to_the_limit_costs_one_oom_trial(scripts):
-    """x-transformers' copy task: about 4.5 MiB a sample here. A size that fits with less than
-    a sample's memory free is followed by the next size, not by a jump past it."""
-    import copy_task as script
+    """x-transformers' copy task: about 7.6 MiB a sample here (the model file's encoder-decoder
+    on 64 tokens, its decoder's on 129), next to a fixed 3 MiB. A size that fits with less than
+    a sample's memory free (12, with 1.4 MiB) is followed by the next size, not by a jump past
+    it."""
+    import x_transformers_copy as script
 
     budget = "96MiB"
-    result = probe("copy_task.py", budget)
+    result = probe("x_transformers_copy.py", budget)
     best = result.max_batch_size
     failed = [t.batch_size for t in result.trials if not t.fits]
     assert best is not None and failed == [best + 1], sizes(result)
@@ -157,6 +159,7 @@ def test_a_fit_close_to_the_limit_costs_one_oom_trial(scripts):
     def loop(batch: int) -> bool:
         model = script.build_model()
         optimizer = script.build_optimizer(model.parameters())
-        return runs(lambda: script.train(model, optimizer, batch, 3), budget, (model,))
+        batches = script.cycle(batch, script.ENC_SEQ_LEN, script.NUM_TOKENS)
+        return runs(lambda: script.train(model, optimizer, batches, 3), budget, (model,))
 
     assert loop(best) and not loop(best + 1)
