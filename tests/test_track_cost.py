@@ -169,3 +169,43 @@ def test_the_passes_of_one_closure_step_do_not_add_up():
     single = {m.path: m for m in once.report().devices[0].modules}["0"]
     assert lbfgs.calls >= 6  # several passes ran inside each step
     assert lbfgs.activation_bytes_per_step == single.activation_bytes_per_step > 0
+
+
+def test_a_failing_hook_stops_tracking_not_training(monkeypatch):
+    """A failure of memkit's own inside a hook (here the persistent-bytes count that a DTensor
+    parameter once broke inside optimizer.step()) must not reach the training loop: tracking
+    stops with a note, training goes on, and the report keeps what was measured before."""
+    from memkit.tracking.tracker import Tracker
+
+    calls = {"n": 0}
+    original = Tracker._persistent
+
+    def failing(self, dev):
+        if self._step >= 2:  # fail from step 2 on: steps 0 and 1 were measured
+            calls["n"] += 1
+            raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
+        return original(self, dev)
+
+    monkeypatch.setattr(Tracker, "_persistent", failing)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with memkit.track(model, opt, device="cpu", budget="64MiB", postmortem=None) as t:
+        train(model, opt, 5)
+    report = t.report()
+    assert calls["n"] == 1  # the failure happened, once: tracking stopped there
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert any("memkit stopped tracking" in n and "invalid python storage" in n
+               for n in report.notes)  # fmt: skip
+    assert report.steps == 2 and report.devices[0].peak_allocated > 0
+
+
+def test_an_out_of_memory_error_inside_a_hook_is_still_the_users():
+    """The simulated device runs out inside a forward: the hook shield lets the OOM through."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        memkit.track(model, opt, device="cpu", budget="2MiB", postmortem=None),
+    ):
+        model(torch.randn(4096, 64)).sum().backward()

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memkit.oom import is_oom
 from memkit.tracking.phases import (
     BACKWARD,
     EVAL,
@@ -126,17 +127,23 @@ class Hooks(PhaseMachine):
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             added = warnings.filters[0]
             self._warning_filter = None if added in before else added  # a user's stays
-        h.append(wrap_backward(self._begin_backward, self._end_backward, self._backward_failed))
+        shield = self._shield
+        h.append(
+            wrap_backward(
+                shield(self._begin_backward), shield(self._end_backward), self._backward_failed
+            )
+        )
         if self._sim is not None:
             h.append(wrap_data_loading(self._sim))
-        h.append(wrap_grad_scaler(lambda: self._optimizer_calls, self._scaler_skipped))
+        h.append(wrap_grad_scaler(lambda: self._optimizer_calls, shield(self._scaler_skipped)))
+        opt_pre, opt_post = shield(self._opt_pre), shield(self._opt_post)
         if self.optimizers:
             for opt in self.optimizers:
-                h.append(opt.register_step_pre_hook(self._opt_pre))
-                h.append(opt.register_step_post_hook(self._opt_post))
+                h.append(opt.register_step_pre_hook(opt_pre))
+                h.append(opt.register_step_post_hook(opt_post))
         else:
-            h.append(optim_module.register_optimizer_step_pre_hook(self._opt_pre))
-            h.append(optim_module.register_optimizer_step_post_hook(self._opt_post))
+            h.append(optim_module.register_optimizer_step_pre_hook(opt_pre))
+            h.append(optim_module.register_optimizer_step_post_hook(opt_post))
         self._set_detail(self._wants_detail(0), force=True)
 
     # module detail: on sampled steps only (_wants_detail says which)
@@ -171,14 +178,18 @@ class Hooks(PhaseMachine):
         from torch.nn.modules import module as nn_module
 
         if look:
-            h.append(nn_module.register_module_forward_pre_hook(self._global_pre))
+            h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
             return
         post = self._make_post("")
         pre = self._global_pre
+        failed = self._hook_failed
 
         def root_pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            pre(module, (*args, *kwargs.values()) if kwargs else args)
+            try:
+                pre(module, (*args, *kwargs.values()) if kwargs else args)
+            except Exception as exc:
+                failed(exc)
 
         for root in list(self._roots.values()):
             mod = root.ref()
@@ -207,6 +218,36 @@ class Hooks(PhaseMachine):
         handles = self._detail_handles
         while handles:
             handles.pop().remove()
+
+    def _shield(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as a hook that never takes training down: a failure of memkit's own stops
+        the tracking with a note (the report so far stays true); an out-of-memory error is the
+        device's, and goes on to the user."""
+
+        def shielded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                self._hook_failed(exc)
+                return None
+
+        return shielded
+
+    def _hook_failed(self, exc: Exception) -> None:
+        """A hook of memkit's raised ``exc``: re-raised if it is an out-of-memory error (the
+        user's step ran out), else tracking stops here and the report says why."""
+        if is_oom(exc):
+            raise exc
+        if not self._active:
+            return
+        self._active = False
+        log.warning("memkit: a tracking hook failed; tracking stopped", exc_info=exc)
+        self.notes.append(
+            f"memkit stopped tracking at step {self._step}: its own hook failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+            "training went on, and what is reported was measured before that (please report "
+            "this to memkit)"
+        )
 
     def _backward_failed(self) -> None:
         with self._lock:
@@ -278,9 +319,14 @@ class Hooks(PhaseMachine):
         root = root or _model_name(self.model)
         key = f"{root}.{name}" if name else root
 
+        failed = self._hook_failed
+
         def pre(module: torch.nn.Module, args: Any) -> None:
             if not _compiling():  # traced by TorchDynamo: nothing to do, nothing to guard
-                impl(key, leaf, module, args, None)
+                try:
+                    impl(key, leaf, module, args, None)
+                except Exception as exc:
+                    failed(exc)
 
         return pre
 
@@ -290,18 +336,28 @@ class Hooks(PhaseMachine):
         impl = self._pre
         key = _model_name(self.model)
 
+        failed = self._hook_failed
+
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if not _compiling():
-                impl(key, leaf, module, (*args, *kwargs.values()) if kwargs else args, None)
+                try:
+                    impl(key, leaf, module, (*args, *kwargs.values()) if kwargs else args, None)
+                except Exception as exc:
+                    failed(exc)
 
         return pre
 
     def _make_post(self, name: str) -> Callable[[Any, Any, Any], None]:
         impl = self._post
 
+        failed = self._hook_failed
+
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if not _compiling():
-                impl(module, args, output)
+                try:
+                    impl(module, args, output)
+                except Exception as exc:
+                    failed(exc)
 
         return post
 
@@ -379,7 +435,7 @@ class Hooks(PhaseMachine):
             # gradient hooks only where backward does real work: modules with their own
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or not stack
-            bw = functools.partial(self._bw, name) if hook else None
+            bw = self._shield(functools.partial(self._bw, name)) if hook else None
             inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model
             ms = dev.modules[name] = ModuleStat(leaf, bw, type(inner).__name__)
         frame = Frame(name, id(module), dev, a, ms, kind)
@@ -481,7 +537,7 @@ class Hooks(PhaseMachine):
             with self._lock:
                 if self._phase != BACKWARD:
                     self._transition(BACKWARD)
-                    _queue_callback(self._end_queued)
+                    _queue_callback(self._shield(self._end_queued))
         dev = self._single or self._dev_index(self._index_of(_first_tensor(grads)))
         if self._detail_on:
             a, r, p, pr = dev.read()
