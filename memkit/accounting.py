@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from memkit.estimation.allocator import round_size
 from memkit.units import format_size, parse_size
@@ -76,13 +76,20 @@ cuda_rounded = round_size
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage a tensor keeps alive, or ``None`` for one without a strided storage of its
-    own (sparse layouts, storage-less subclasses, functional or fake tensors).
+    own (sparse layouts, storage-less subclasses, functional or fake tensors). A wrapper
+    subclass (``DTensor``) answers its first inner tensor's.
 
     The one way memkit finds a tensor's storage, so that counts deduplicated by storage (the
     simulated device, :func:`memkit.snapshot`'s census) agree on what a storage is: views and
     tied weights share one.
     """
     try:
+        if is_traceable_wrapper_subclass(tensor):
+            # a wrapper (DTensor: a rank's shard in ``_local_tensor``) holds no memory of its
+            # own: the storage is its first inner tensor's
+            names, _ = tensor.__tensor_flatten__()
+            inner = getattr(tensor, names[0], None) if names else None
+            return storage_of(inner) if isinstance(inner, torch.Tensor) else None
         if tensor.layout != torch.strided:
             return None
         return tensor.untyped_storage()

@@ -241,7 +241,10 @@ class Hooks(PhaseMachine):
         if not self._active:
             return
         self._active = False
-        log.warning("memkit: a tracking hook failed; tracking stopped", exc_info=exc)
+        log.warning(
+            "memkit: a tracking hook failed (%s: %s); tracking stopped", type(exc).__name__, exc
+        )
+        log.debug("the failed hook's traceback", exc_info=exc)
         self.notes.append(
             f"memkit stopped tracking at step {self._step}: its own hook failed "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
