@@ -327,6 +327,13 @@ def gpu_part(paths: dict[str, str]) -> dict[str, object]:
     summary: dict[str, object] = {"device": torch.cuda.get_device_name(), "family": family,
                                   "measured_context": context, "total_memory": total,
                                   "torch": torch.__version__, "cases": cases}  # fmt: skip
+    return summarised(summary, alloc_err, res_err)
+
+
+def summarised(
+    summary: dict[str, object], alloc_err: list[float], res_err: list[float]
+) -> dict[str, object]:
+    """``summary`` with the medians and worst errors, printed as the summary line."""
     if alloc_err:
         print(summary_line(alloc_err, res_err))
         summary |= {"allocated_median": statistics.median(alloc_err),
@@ -394,13 +401,7 @@ def recorded_part(record: dict[str, Any], paths: dict[str, str]) -> dict[str, ob
                 "estimate re-run on CPU vs the recorded real peaks"))  # fmt: skip
     summary: dict[str, object] = {k: v for k, v in record.items() if k != "cases"}
     summary["cases"] = cases
-    if alloc_err:
-        print(summary_line(alloc_err, res_err))
-        summary |= {"allocated_median": statistics.median(alloc_err),
-                    "allocated_worst": max(alloc_err),
-                    "reserved_median": statistics.median(res_err),
-                    "reserved_worst": max(res_err)}  # fmt: skip
-    return summary
+    return summarised(summary, alloc_err, res_err)
 
 
 def main(argv: list[str] | None = None) -> int:
