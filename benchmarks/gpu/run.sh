@@ -1,0 +1,68 @@
+#!/bin/bash
+# One prepared GPU session, in two parts that each fit a device call (bash benchmarks/gpu/run.sh 1,
+# then 2): tests/gpu, the tracker's cost on nanoGPT (eager and compiled), the user's counters
+# and the budget cap, the probe (trials, overhead, vs Accelerate), the estimate.
+# Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+T0=$(date +%s)
+sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+itertime() { python3 - "$@" <<'PY'
+import re, statistics, sys
+for f in sys.argv[1:]:
+    ms = [float(m.group(2)) for m in re.finditer(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", open(f).read()) if 5 <= int(m.group(1)) <= 80]
+    print(f"ITERTIME {f.split('/')[-1]}: n={len(ms)} median_ms={statistics.median(ms) if ms else float('nan'):.2f}")
+PY
+}
+sec setup
+export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2; python3 -c "import memkit; print(memkit.__file__)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__)"
+if [ "$1" = 1 ]; then sec "user counters and budget cap on a real GPU"
+timeout 60 python3 $GPU/counters_check.py 2>&1 | tail -4
+sec "nanoGPT eager: plain, memkit run (default), --steps-only, --module-every 1, plain"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+timeout 90 python3 train.py $A > $OUT/e_plain1.log 2>&1; echo "plain rc $?"
+timeout 90 python3 -m memkit run --device cuda --json $OUT/e_memkit.json train.py $A > $OUT/e_memkit.log 2>&1; echo "memkit rc $?"
+timeout 90 python3 -m memkit run --device cuda --steps-only train.py $A > $OUT/e_steps.log 2>&1; echo "steps-only rc $?"
+timeout 90 python3 -m memkit run --device cuda --module-every 1 train.py $A > $OUT/e_every.log 2>&1; echo "every-step rc $?"
+timeout 90 python3 train.py $A > $OUT/e_plain2.log 2>&1; echo "plain rc $?"
+itertime $OUT/e_plain1.log $OUT/e_memkit.log $OUT/e_steps.log $OUT/e_every.log $OUT/e_plain2.log
+grep -A3 "^memkit track" $OUT/e_memkit.log | head -4
+sec "nanoGPT torch.compile: plain, memkit run (default)"
+C="config/train_shakespeare_char.py --compile=True --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+timeout 150 python3 train.py $C > $OUT/c_plain.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles timeout 150 python3 -m memkit run --device cuda train.py $C > $OUT/c_memkit.log 2>&1; echo "memkit rc $?"
+itertime $OUT/c_plain.log $OUT/c_memkit.log
+echo "recompile lines under memkit: $(grep -ci 'recompil' $OUT/c_memkit.log)"; grep -i "recompil" $OUT/c_memkit.log | head -5
+grep "^memkit track" $OUT/c_memkit.log
+sec "memkit run --budget 3GiB, nanoGPT batch 160 (runs out under the cap?)"
+timeout 90 python3 -m memkit run --device cuda --budget 3GiB train.py $A --batch_size=160 > $OUT/budget.log 2>&1; echo "rc $? (1 = OOM under the cap)"
+grep -E "capped|out of memory|peak" $OUT/budget.log | head -5
+cd $ROOT
+sec "tracker_overhead --device cuda"
+timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 2 --steps 6 --skip MemTracker 2>&1 | grep -v "^\[trans" | tail -14
+sec "end of part 1"; exit 0; fi
+sec "nanoGPT torch.compile again, alternated: memkit run, plain"
+cd $GPU/nanogpt
+C="config/train_shakespeare_char.py --compile=True --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+timeout 100 python3 -m memkit run --device cuda train.py $C > $OUT/c_memkit2.log 2>&1; echo "memkit rc $?"
+TORCH_LOGS=recompiles timeout 100 python3 train.py $C > $OUT/c_plain2.log 2>&1; echo "plain rc $?"
+itertime $OUT/c_memkit2.log $OUT/c_plain2.log; echo "recompile lines, plain: $(grep -ci 'recompiling' $OUT/c_plain2.log)"
+cd $ROOT
+sec "probe nanoGPT bf16, cap 3GiB"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_nanogpt.json 2> $OUT/probe.log; echo "rc $?"; tail -3 $OUT/probe.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_nanogpt.json')); t=d.get('trials',[])
+print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', [(x.get('batch_size'), x.get('fits')) for x in t])
+print('trial seconds', [round(x.get('seconds',0),3) for x in t])"
+timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep PEER
+timeout 90 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 1,4,16 --repeat 3 2>&1 | tail -6
+sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB"
+timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB 2>&1 | head -12
+sec "pytest tests/gpu"
+timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -12
+sec "estimate accuracy on the GPU"
+timeout 150 python3 benchmarks/estimate_accuracy.py --gpu-only --json $OUT/estimate.json 2>&1 | tail -8
+sec done
