@@ -664,13 +664,6 @@ def _model_name(model: torch.nn.Module | None) -> str:
     return type(getattr(model, "_orig_mod", model)).__name__
 
 
-def is_compiled(module: torch.nn.Module) -> bool:
-    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
-    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
-        getattr(module, "_compiled_call_impl", None) is not None
-    )
-
-
 def _first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor of a module output: itself, or in a tuple/list/dict (one level)."""
     if isinstance(value, torch.Tensor):

@@ -42,6 +42,7 @@ __all__ = [
     "TRAIN_PASS",
     "PhaseMachine",
     "forward_autocast",
+    "is_compiled",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER, EVAL = range(5)
@@ -222,9 +223,7 @@ class PhaseMachine:
         self._roots[id(module)] = root
         if not root.model:
             return root
-        if (compiled or getattr(module, "_compiled_call_impl", None) is not None) and (
-            not self._compiled
-        ):
+        if not self._compiled and is_compiled(module):
             # module hooks inside a compiled graph would break it or make TorchDynamo
             # recompile: from now on, hooks on the models alone (steps and phases stay exact)
             self._compiled = True
@@ -464,6 +463,13 @@ def forward_autocast(module: torch.nn.Module) -> str | None:
                 return None if dtype is None else str(dtype).replace("torch.", "")
         fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
     return None
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
+    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
 
 
 def _autocast_on(kind: str) -> bool:

@@ -167,7 +167,7 @@ class DeviceRecord:
     ) -> None:
         self.key = key
         self.backend = backend
-        self.peaks = peaks  # the user's peak counters, kept (memkit/devices/peaks.py)
+        # ``peaks``: the user's peak counters, kept while ``reset`` resets them
         self.read, self.reset = counter_reader(backend, peaks)
         a, r, _, _ = self.read()
         self.reset()

@@ -45,8 +45,8 @@ from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom
 from memkit.tracking import leaks
 from memkit.tracking.breakdown import breakdown, gradient_witness, param_dtype, persistent_bytes
-from memkit.tracking.hooks import Hooks, is_compiled
-from memkit.tracking.phases import BACKWARD, OTHER
+from memkit.tracking.hooks import Hooks
+from memkit.tracking.phases import BACKWARD, OTHER, is_compiled
 from memkit.tracking.postmortem import build_postmortem, failing_call
 from memkit.tracking.rank_gather import GATHER_TIMEOUT, RankWatch
 from memkit.tracking.records import (
