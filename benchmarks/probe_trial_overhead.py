@@ -10,6 +10,12 @@ before it, the steps with the part hooks, the counter reads); overhead = trial -
 median of ``--repeat`` rounds. The probe does not synchronise the device at the end of a
 trial; the next trial's ``empty_cache`` does, so on CUDA the table's trial time can lag the
 plain time by the last kernels' runtime.
+
+``--breakdown`` also times the pieces of a trial, each the median of ``--repeat`` rounds of
+the same steps (synchronised at the end): ``warm`` (the steps with the allocator's cache kept
+from the last steps), ``cold`` (the same steps right after ``empty_cache()``: every segment
+allocated anew), ``hooks`` (warm, with the part hooks of :class:`PartPeaks` on the model),
+and the clean-up before a trial: ``gc`` (``gc.collect()``) and ``empty`` (``empty_cache()``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,44 @@ def plain_steps(
     return seconds
 
 
+def _timed(backend: Any, run: Any) -> float:
+    backend.synchronize()
+    started = time.perf_counter()
+    run()
+    backend.synchronize()
+    return time.perf_counter() - started
+
+
+def breakdown(spec: Any, model: Any, optimizer: Any, backend: Any, size: int, repeat: int) -> str:
+    """One row: the median ms of each piece of a trial at ``size`` (see the module doc)."""
+    import gc
+
+    from memkit.devices import counter_reader
+    from memkit.probing.trials import PartPeaks
+
+    def steps() -> None:
+        plain_steps(spec, model, optimizer, backend, size, 2)
+
+    def hooked() -> None:
+        split = PartPeaks(counter_reader(backend), model, optimizer)
+        try:
+            steps()
+        finally:
+            split.close()
+
+    pieces: dict[str, list[float]] = {k: [] for k in ("warm", "cold", "hooks", "gc", "empty")}
+    steps()  # the cache holds this size's segments
+    for _ in range(repeat):
+        pieces["warm"].append(_timed(backend, steps))
+        pieces["hooks"].append(_timed(backend, hooked))
+        pieces["gc"].append(_timed(backend, gc.collect))
+        pieces["empty"].append(_timed(backend, backend.empty_cache))
+        pieces["cold"].append(_timed(backend, steps))
+    return f"{size:>5} " + " ".join(
+        f"{1000 * statistics.median(v):>8.1f}" for v in pieces.values()
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_file", nargs="?", default="examples/gpt2.py")
@@ -52,6 +96,7 @@ def main() -> None:
     parser.add_argument("--budget", default="1GiB")
     parser.add_argument("--sizes", default="1,2,4,8")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--breakdown", action="store_true", help="time each piece of a trial")
     args = parser.parse_args()
     spec = load_model_file(args.model_file)
     backend = get_backend(args.device, args.budget)
@@ -75,6 +120,11 @@ def main() -> None:
         plain, trial_s = statistics.median(plains), statistics.median(trials)
         over = 1000 * (trial_s - plain)
         print(f"{size:>5} {steps:>5} {plain:>8.4f} {trial_s:>8.4f} {over:>11.1f}")
+    if args.breakdown:
+        print(f"pieces of a trial, ms (median of {args.repeat}; steps: 2)")
+        print(f"{'batch':>5} {'warm':>8} {'cold':>8} {'hooks':>8} {'gc':>8} {'empty':>8}")
+        for size in (int(s) for s in args.sizes.split(",")):
+            print(breakdown(spec, model, optimizer, backend, size, args.repeat))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,17 @@ sec setup
 export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2; python3 -c "import memkit; print(memkit.__file__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
+if [ "$1" = trial ]; then sec "where a probe trial's time goes (nanoGPT's model, cap 3GiB)"
+timeout 150 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -12
+sec "probe nanoGPT bf16, cap 3GiB"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_trial.json 2> $OUT/probe_trial.log; echo "rc $?"; tail -2 $OUT/probe_trial.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_trial.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'))
+for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), (x.get('error') or '')[:150])"
+sec "plain loops in fresh processes"
+for n in 115 116 117 118 119; do timeout 60 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
+sec "end of part trial"; exit 0; fi
 if [ "$1" = 1 ]; then sec "user counters and budget cap on a real GPU"
 timeout 60 python3 $GPU/counters_check.py 2>&1 | tail -4
 sec "nanoGPT eager: plain, memkit run (default), --steps-only, --module-every 1, plain"
