@@ -373,6 +373,8 @@ def test_ctrl_c_still_writes_the_report_and_exits_130_without_a_traceback(tmp_pa
                 break
             except subprocess.TimeoutExpired:
                 continue
+        else:  # interrupted, still writing its report on a loaded machine
+            _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
