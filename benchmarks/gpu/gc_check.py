@@ -1,28 +1,42 @@
-import gc, sys, time
-def t(label, fn):
-    s = time.perf_counter(); r = fn(); print(f"GC {label}: {1000*(time.perf_counter()-s):.2f} ms -> {r}", flush=True)
-print(sys.version, "callbacks", gc.callbacks, "threshold", gc.get_threshold())
+"""On a GPU machine: what one gc.collect() costs before and after CUDA steps, frozen or not
+(the probe freezes the heap; the first CUDA step of nanoGPT's model creates objects lazily)."""
+import gc
+import sys
+import time
+
 import torch
-t("after import torch", gc.collect)
+
 sys.path.insert(0, "benchmarks/gpu")
 import probe_nanogpt as mf
-import memkit
-t("after import memkit", gc.collect)
-m = mf.build_model().cuda()
-t("after model on cuda", gc.collect)
-print("objects", len(gc.get_objects()), "callbacks", gc.callbacks)
+
+
+def timed(label, fn):
+    started = time.perf_counter()
+    found = fn()
+    print(f"GC {label}: {1000 * (time.perf_counter() - started):.2f} ms -> {found}", flush=True)
+
+
+def step(model, opt):
+    mf.train_step(model, tuple(x.cuda() for x in mf.make_batch(8)), opt)
+    torch.cuda.synchronize()
+
+
+print(sys.version, "callbacks", gc.callbacks, "threshold", gc.get_threshold())
+timed("after imports", gc.collect)
+model = mf.build_model().cuda()
+timed("after the model moved to cuda", gc.collect)
 gc.freeze()
-t("frozen", gc.collect)
-t("frozen gen1", lambda: gc.collect(1))
-opt = mf.build_optimizer(m.parameters())
-for i in range(2):
-    mf.train_step(m, tuple(x.cuda() for x in mf.make_batch(8)), opt)
-torch.cuda.synchronize()
-t("frozen after steps", gc.collect)
+timed("frozen", gc.collect)
+opt = mf.build_optimizer(model.parameters())
+step(model, opt)
+step(model, opt)
+timed("frozen, after two steps", gc.collect)
 gc.set_debug(gc.DEBUG_STATS)
-mf.train_step(m, tuple(x.cuda() for x in mf.make_batch(8)), opt); torch.cuda.synchronize()
-t("frozen after a step, stats", gc.collect)
+step(model, opt)
+timed("frozen, after a third step (stats)", gc.collect)
 gc.set_debug(0)
+gc.freeze()
+step(model, opt)
+timed("refrozen, after a fourth step", gc.collect)
 gc.unfreeze()
-t("unfrozen", gc.collect)
-print("callbacks at end", gc.callbacks)
+timed("unfrozen", gc.collect)

@@ -15,7 +15,7 @@ torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total)
 model = mf.build_model().cuda()
 opt = mf.build_optimizer(model.parameters())
 try:
-    for step in range(steps):
+    for step in range(steps):  # noqa: B007 (reported below)
         x, y = mf.make_batch(size)
         mf.train_step(model, (x.cuda(), y.cuda()), opt)
     torch.cuda.synchronize()

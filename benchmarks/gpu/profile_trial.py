@@ -4,8 +4,6 @@ import cProfile
 import pstats
 import sys
 
-import torch
-
 sys.path.insert(0, "benchmarks/gpu")
 import probe_nanogpt as mf
 
