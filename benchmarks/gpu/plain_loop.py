@@ -1,6 +1,10 @@
 """A plain loop of probe_nanogpt.py's step (no memkit) under the same cap, in this fresh process:
 does batch SIZE fit STEPS steps? Prints `PLAIN size N: fits|OOM at step K` with the peaks, the
-independent check of a probe's answer (run it for the answer and the answer + 1)."""
+independent check of a probe's answer (run it for the answer and the answer + 1).
+
+`--before B`: first 2 steps at batch B, then `empty_cache()`, as a probe's earlier trial leaves
+the process (the model file keeps the last logits, as train.py keeps `logits`)."""
+import argparse
 import sys
 
 import torch
@@ -8,20 +12,38 @@ import torch
 sys.path.insert(0, "benchmarks/gpu")
 import probe_nanogpt as mf
 
-size, steps = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 30
-cap = float(sys.argv[3]) if len(sys.argv) > 3 else 3.0
+parser = argparse.ArgumentParser()
+parser.add_argument("size", type=int)
+parser.add_argument("steps", type=int, nargs="?", default=30)
+parser.add_argument("--cap-gib", type=float, default=3.0)
+parser.add_argument("--before", type=int, default=None)
+args = parser.parse_args()
 total = torch.cuda.get_device_properties(0).total_memory
-torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total)
+torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
 model = mf.build_model().cuda()
 opt = mf.build_optimizer(model.parameters())
-try:
-    for step in range(steps):  # noqa: B007 (reported below)
+
+
+def train(size, steps):
+    for step in range(steps):
         x, y = mf.make_batch(size)
-        mf.train_step(model, (x.cuda(), y.cuda()), opt)
+        try:
+            mf.train_step(model, (x.cuda(), y.cuda()), opt)
+        except torch.OutOfMemoryError as exc:
+            return f"OOM at step {step}: {str(exc).splitlines()[0][:160]}"
     torch.cuda.synchronize()
-    result = "fits"
-except torch.OutOfMemoryError as exc:
-    result = f"OOM at step {step}: {str(exc).splitlines()[0][:160]}"
+    return "fits"
+
+
+label = ""
+if args.before is not None:
+    train(args.before, 2)
+    opt.state.clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    label = f" after 2 steps at {args.before}"
+result = train(args.size, args.steps)
 mib = 2**20
-print(f"PLAIN size {size}: {result}; peak allocated {torch.cuda.max_memory_allocated() / mib:.1f}"
-      f" MiB, reserved {torch.cuda.max_memory_reserved() / mib:.1f} MiB")
+print(f"PLAIN size {args.size}{label}: {result}; peak allocated "
+      f"{torch.cuda.max_memory_allocated() / mib:.1f} MiB, reserved "
+      f"{torch.cuda.max_memory_reserved() / mib:.1f} MiB")

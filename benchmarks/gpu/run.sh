@@ -10,7 +10,7 @@ sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
 for f in sys.argv[1:]:
-    ms = [float(m.group(2)) for m in re.finditer(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", open(f).read()) if 5 <= int(m.group(1)) <= 80]
+    ms = [float(m.group(2)) for m in re.finditer(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", open(f).read()) if int(m.group(1)) >= 5]
     print(f"ITERTIME {f.split('/')[-1]}: n={len(ms)} median_ms={statistics.median(ms) if ms else float('nan'):.2f}")
 PY
 }
@@ -18,6 +18,41 @@ sec setup
 export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2; python3 -c "import memkit; print(memkit.__file__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
+if [ "$1" = final ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
+timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
+sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_final.json 2> $OUT/probe_final.log; echo "rc $?"; tail -1 $OUT/probe_final.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_final.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', len(d.get('trials', [])))
+for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), x.get('peak_allocated_bytes'))"
+/usr/bin/time -f "PEER-WALL %e s" timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep -E "PEER"
+sec "plain loops: the boundary in a fresh process, and after an earlier size's steps"
+for n in 117 118 119; do timeout 40 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
+timeout 40 python3 $GPU/plain_loop.py 118 30 --before 116 2>&1 | grep PLAIN
+timeout 40 python3 $GPU/plain_loop.py 117 30 --before 116 2>&1 | grep PLAIN
+sec "FSDP2, one GPU, nccl, under memkit run"
+if [ -f $GPU/fsdp_one_gpu.py ]; then timeout 90 torchrun --nproc-per-node 1 -m memkit run --device cuda --json $OUT/fsdp.json $GPU/fsdp_one_gpu.py > $OUT/fsdp.log 2>&1; echo "rc $?"; grep -vE "^\s*$" $OUT/fsdp.log | tail -40; fi
+sec "nanoGPT eager, alternated: plain, memkit run (default), --steps-only, x2 (150 iterations)"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+timeout 60 python3 train.py $A > $OUT/f_plain$r.log 2>&1; echo "plain rc $?"
+timeout 60 python3 -m memkit run --device cuda train.py $A > $OUT/f_memkit$r.log 2>&1; echo "memkit rc $?"
+timeout 60 python3 -m memkit run --device cuda --steps-only train.py $A > $OUT/f_steps$r.log 2>&1; echo "steps-only rc $?"
+done
+itertime $OUT/f_plain1.log $OUT/f_plain2.log $OUT/f_memkit1.log $OUT/f_memkit2.log $OUT/f_steps1.log $OUT/f_steps2.log
+grep "^memkit track" $OUT/f_memkit1.log | head -2
+sec "nanoGPT torch.compile: plain, memkit run (default)"
+C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+timeout 120 python3 train.py $C > $OUT/fc_plain.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles timeout 120 python3 -m memkit run --device cuda train.py $C > $OUT/fc_memkit.log 2>&1; echo "memkit rc $?"
+itertime $OUT/fc_plain.log $OUT/fc_memkit.log
+echo "recompile lines under memkit: $(grep -ci 'recompil' $OUT/fc_memkit.log)"
+cd $ROOT
+sec "pytest tests/gpu"
+timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -8
+sec "end of part final"; exit 0; fi
 if [ "$1" = trial ]; then sec "where a probe trial's time goes (nanoGPT's model, cap 3GiB)"
 timeout 150 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -12
 sec "probe nanoGPT bf16, cap 3GiB"
