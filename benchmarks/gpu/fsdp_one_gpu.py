@@ -20,6 +20,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from torch import nn
 BLOCKS, WIDTH, HEAD, BATCH, STEPS = 4, 1024, 16, 256, 3
 
 
-def fully_shard_fn():  # noqa: ANN201 - torch's own callable
+def fully_shard_fn() -> Callable[..., Any]:
     """FSDP2's ``fully_shard`` (public from torch 2.6; the composable path before)."""
     try:
         from torch.distributed.fsdp import fully_shard
