@@ -1,6 +1,7 @@
-"""DataParallel vs DDP on N virtual devices: the largest global batch each fits, per device.
+"""DataParallel vs DDP vs FSDP2 on N virtual devices: the largest global batch each fits, per
+device.
 
-``memkit probe model.py --device cpu --gpus 4 --budget 24GiB --strategies dp,ddp`` (real
+``memkit probe model.py --device cpu --gpus 4 --budget 24GiB --strategies dp,ddp,fsdp`` (real
 compute on the simulated device) and ``memkit estimate ... --gpus 4 --strategies dp,ddp`` (meta
 tensors, no compute) call :func:`compare_strategies`. Each strategy's trials run on a fresh
 :class:`~memkit.virtual_devices.VirtualDevices`:
@@ -9,7 +10,10 @@ tensors, no compute) call :func:`compare_strategies`. Each strategy's trials run
   there, the global batch made on ``cuda:0`` (the script's ``x.cuda()``) and scattered;
 * ``ddp``: :func:`memkit.parallel.ddp_replicas` on every device (replica, optimizer, buckets), each
   running the per-rank batch (global / N); ranks run one after the other (their memory is
-  independent) and gradients are not averaged across them (an in-place all-reduce adds no memory).
+  independent) and gradients are not averaged across them (an in-place all-reduce adds no memory);
+* ``fsdp``: :func:`memkit.fsdp_ranks.fsdp_ranks` on every device (the rank's shards, its
+  optimizer over them, FSDP2's all-gathers and reduce-scatters around each unit), each running
+  the per-rank batch, one rank after the other.
 
 Each trial runs ``steps`` full steps (the probe's default step or the file's ``train_step``). A
 size fits when no device ran out. The search doubles, then bisects (global batches for DP, per-rank
@@ -29,6 +33,7 @@ from memkit import advice as rules
 from memkit.accounting import tensors_of
 from memkit.advice import Advice
 from memkit.errors import ConfigError, UserCodeError
+from memkit.fsdp_ranks import fsdp_ranks
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.parallel import DataParallel, ddp_replicas
@@ -38,9 +43,17 @@ from memkit.results import Record, Result
 from memkit.units import format_size
 from memkit.virtual_devices import VirtualDevices
 
-__all__ = ["STRATEGIES", "StrategyComparison", "StrategyResult", "compare_strategies"]
+__all__ = [
+    "DEFAULT_STRATEGIES",
+    "STRATEGIES",
+    "StrategyComparison",
+    "StrategyResult",
+    "compare_strategies",
+]
 
-STRATEGIES = ("dp", "ddp")
+STRATEGIES = ("dp", "ddp", "fsdp")
+DEFAULT_STRATEGIES = ("dp", "ddp")
+"""Compared when ``--strategies`` is not given."""
 
 
 def _nbytes(obj: Any) -> int:
@@ -62,7 +75,7 @@ class StrategyResult(Record):
     """One strategy's answer.
 
     Attributes:
-        strategy: ``"dp"`` or ``"ddp"``.
+        strategy: ``"dp"``, ``"ddp"`` or ``"fsdp"``.
         max_global_batch: the largest global batch that fits on every device (``None``: not
             even the smallest).
         per_device_peaks: each device's peak at that batch (bytes).
@@ -71,6 +84,8 @@ class StrategyResult(Record):
             devices (the batch is made on device 0), gathered outputs, loss, reduced gradients,
             optimizer state (bytes; DP only).
         trials: ``(global batch, fits)`` in the order run.
+        largest_unit: FSDP only: the unit whose all-gather is the largest (its module path,
+            ``""`` for the root) and its unsharded bytes.
     """
 
     strategy: str
@@ -79,6 +94,7 @@ class StrategyResult(Record):
     excess_bytes: int
     excess_parts: tuple[tuple[str, int], ...]
     trials: tuple[tuple[int, bool], ...]
+    largest_unit: tuple[str, int] | None = None
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["excess_parts"] = dict(self.excess_parts)
@@ -163,6 +179,7 @@ class _Trials:
             self.model = call_user(spec.build_model, what="build_model()", path=spec.path)
         self.plan = StepPlan("train", loss_fn=spec.loss_fn, train_step=spec.train_step)
         self.parts: dict[str, int] = {}
+        self.largest_unit: tuple[str, int] | None = None
 
     def _optimizer(self, model: torch.nn.Module) -> Any:
         return make_optimizer(self.spec, model)[0]
@@ -243,6 +260,20 @@ class _Trials:
 
         return self._run(body)
 
+    def fsdp(self, per_rank: int) -> tuple[bool, list[int]]:
+        def body(vd: VirtualDevices) -> None:
+            ranks = fsdp_ranks(self.model, self._optimizer)
+            self.largest_unit = ranks[0].largest_unit
+            for rank in ranks:
+                with vd.on(rank.device):
+                    for _ in range(self.steps):
+                        batch = self._batch(per_rank)
+                        self.plan(rank.model, batch, rank.optimizer)
+                        del batch
+                    self.plan.release()
+
+        return self._run(body)
+
 
 def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, list[int]]:
     """Largest ``n`` in ``[1, max_size]`` with ``fits(n)`` (doubling, then bisection)."""
@@ -278,7 +309,7 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
 
     def fits(n: int) -> bool:
         size = n if strategy == "dp" else n * gpus
-        ok, peaks = trials.dp(n) if strategy == "dp" else trials.ddp(n)
+        ok, peaks = getattr(trials, strategy)(n)
         record[size] = (ok, peaks, dict(trials.parts) if strategy == "dp" else {})
         order.append((size, ok))
         return ok
@@ -303,6 +334,7 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
         excess,
         tuple((k, parts[k]) for k in names if parts.get(k)),
         tuple(order),
+        trials.largest_unit if strategy == "fsdp" else None,
     )
 
 
@@ -311,7 +343,7 @@ def compare_strategies(
     *,
     gpus: int,
     budget: int | Sequence[int],
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
     device: str = "cpu",
     steps: int = 2,
     seq_len: int | None = None,
@@ -323,7 +355,7 @@ def compare_strategies(
         path: a model file (docs/probe.md).
         gpus: number of virtual GPUs (at least 2).
         budget: bytes per device, or one size per device.
-        strategies: ``"dp"``, ``"ddp"`` or both.
+        strategies: any of ``"dp"``, ``"ddp"``, ``"fsdp"``.
         device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, ``memkit estimate``).
         steps: full steps per trial.
         max_batch: the largest global batch tried (default 65536).
@@ -332,7 +364,15 @@ def compare_strategies(
         raise ConfigError(f"--gpus must be at least 2 to compare strategies, found {gpus}")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
-        raise ConfigError(f"expected strategies among dp,ddp, found {','.join(strategies)!r}")
+        raise ConfigError(
+            f"expected strategies among dp,ddp,fsdp, found {','.join(strategies)!r}"
+        )
+    if "fsdp" in strategies and device == "meta":
+        raise ConfigError(
+            "--strategies fsdp runs on the simulated cpu device only for now (its meta-tensor "
+            "peaks are not yet checked against real FSDP2): memkit probe FILE --device cpu "
+            "--gpus N --budget SIZE --strategies ddp,fsdp"
+        )
     budgets = [int(budget)] * gpus if isinstance(budget, int) else [int(b) for b in budget]
     if len(budgets) != gpus:
         raise ConfigError(f"{len(budgets)} budgets given for {gpus} GPUs; give one or {gpus}")
@@ -341,7 +381,7 @@ def compare_strategies(
     limit = max_batch or MAX_GLOBAL_BATCH
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
     advice: list[Advice] = []
-    dp, ddp = (next((r for r in results if r.strategy == s), None) for s in STRATEGIES)
+    dp, ddp = (next((r for r in results if r.strategy == s), None) for s in ("dp", "ddp"))
     for r in results:  # the tracker's DP rule, on each strategy's per-device peaks
         if len(r.per_device_peaks) >= 2:
             parts = dict(r.excess_parts)

@@ -109,3 +109,22 @@ def test_estimate_comparison_takes_the_cuda_context_off_every_gpu() -> None:
     assert data["budgets"] == [20 * MiB, 20 * MiB]  # what the allocator may use on each
     assert data["strategies"][0]["max_global_batch"] == alone.results[0].max_global_batch
     assert "500.00 MiB CUDA context" in data["notes"][0]
+
+
+
+def test_fsdp_shards_what_ddp_replicates() -> None:
+    on_cpu = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=4 * MiB,
+                                strategies=["ddp", "fsdp"], max_batch=256)  # fmt: skip
+    ddp, fsdp = on_cpu.result("ddp"), on_cpu.result("fsdp")
+    assert ddp is not None and fsdp is not None and fsdp.max_global_batch is not None
+    # FSDP's ranks hold half the parameters, gradients and AdamW state of DDP's and no
+    # gradient buckets: a batch at least as large, balanced, each rank lower at the cap
+    assert fsdp.max_global_batch >= (ddp.max_global_batch or 0)
+    assert len(set(fsdp.per_device_peaks)) == 1 and fsdp.excess_bytes == 0
+    assert fsdp.per_device_peaks[0] < ddp.per_device_peaks[0]
+    assert fsdp.largest_unit == ("0", (64 * 1024 + 1024) * 4)  # Linear(64, 1024) unsharded
+    assert "the largest unit all-gathered: 0" in str(on_cpu)
+    assert json.loads(on_cpu.to_json())["strategies"][1]["largest_unit"] == ["0", 266240]
+    args = ["--gpus", "2", "--strategies", "fsdp", "--device-memory", "2GiB"]
+    refused = CliRunner().invoke(cli, ["estimate", str(FILES / "wide_mlp.py"), *args])
+    assert refused.exit_code == 2 and "simulated cpu device only" in refused.stderr

@@ -35,7 +35,7 @@ def _compare(
 
     from memkit import distributed
     from memkit.errors import ConfigError
-    from memkit.strategies import STRATEGIES, compare_strategies
+    from memkit.strategies import DEFAULT_STRATEGIES, compare_strategies
     from memkit.units import format_size
 
     option = "--device-memory" if device == "meta" else "--budget"
@@ -70,7 +70,8 @@ def _compare(
             f"{option} {format_size(min(sizes))} is not larger than the CUDA context "
             f"({format_size(context)}); give the card's total memory, e.g. 24GiB"
         )
-    names = [n.strip() for n in (strategies or ",".join(STRATEGIES)).split(",") if n.strip()]
+    chosen = strategies or ",".join(DEFAULT_STRATEGIES)
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
     with _user_output_to_stderr():
         result = compare_strategies(
             file, gpus=gpus, budget=[size - context for size in sizes] if len(sizes) > 1

@@ -52,8 +52,9 @@ _ESTIMATE_ARCHS = _estimate_archs()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
               "this many GPUs of --device-memory each.")  # fmt: skip
-@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
-              "DDP on --gpus GPUs, on meta tensors (docs/distributed.md).")  # fmt: skip
+@click.option("--strategies", default=None, metavar="dp,ddp,fsdp", help="Compare "
+              "DataParallel, DDP and FSDP2 (default dp,ddp) on --gpus GPUs, on meta tensors "
+              "(docs/distributed.md).")  # fmt: skip
 @handle_errors
 def estimate_command(
     file: str,

@@ -60,8 +60,9 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
               "ranks on one GPU].")  # fmt: skip
 @click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
               "this many virtual GPUs of --budget each (--device cpu).")  # fmt: skip
-@click.option("--strategies", default=None, metavar="dp,ddp", help="Compare DataParallel and "
-              "DDP on --gpus virtual GPUs: largest global batch and per-device peaks "
+@click.option("--strategies", default=None, metavar="dp,ddp,fsdp", help="Compare "
+              "DataParallel, DDP and FSDP2 (default dp,ddp) on --gpus virtual GPUs: largest "
+              "global batch and per-device peaks "
               "(docs/distributed.md).")  # fmt: skip
 @handle_errors
 def probe(

@@ -49,6 +49,13 @@ def comparison_text(comparison: StrategyComparison) -> str:
         if r.excess_parts:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
             lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
+    fsdp = comparison.result("fsdp")
+    if fsdp is not None and fsdp.largest_unit is not None:
+        name, size = fsdp.largest_unit
+        lines.append(
+            f"fsdp: each rank holds its shards; the largest unit all-gathered: "
+            f"{name or 'the root'} ({format_size(size)} unsharded)"
+        )
     dp, ddp = comparison.result("dp"), comparison.result("ddp")
     if (
         dp is not None

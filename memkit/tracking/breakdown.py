@@ -2,8 +2,10 @@
 read from the live model and optimizer for it.
 
 Parameters, gradients and optimizer state are byte sums of the tracked objects' tensors on the
-device (each storage once); activations are the growth since the step's forward began, less
-what was created of those three since then; other is the rest. The tracker runs this off the
+device (each storage once; under FSDP2 the rank's shards); all-gathered parameters are FSDP2's
+unsharded parameters and all-gather buffers at the peak (memkit/tracking/fsdp.py); activations
+are the growth since the step's forward began, less what was created of those since then;
+other is the rest. The tracker runs this off the
 hot path: when a phase ends or a forward returns after a new peak (``DeviceRecord.pending``).
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from memkit.accounting import storage_of
+from memkit.tracking.fsdp import FsdpUnits
 from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER, forward_autocast
 from memkit.tracking.records import DeviceRecord
 from memkit.tracking.report import PHASES, Breakdown, TrainingSetup
@@ -113,14 +116,17 @@ def persistent_bytes(
     optimizers: Sequence[Any],
     model: torch.nn.Module | None,
     primary: bool,
+    fsdp: FsdpUnits | None = None,
 ) -> tuple[int, int, int]:
     """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
 
     Each storage counts once (tied weights, views); ``model`` is the tracked model (a
     DataParallel one's replicas count on the devices other than the ``primary`` one).
     Optimizer state is every tensor in ``optimizer.state``, also inside lists, tuples and
-    dicts. While the objects are alive this also records ``dev.setup``
-    (:func:`training_setup`), which the report and the OOM post-mortem carry.
+    dicts. Under FSDP2 (``fsdp``) the parameters are the rank's shards, whatever the modules
+    hold now: their unsharded parameters are all-gathered ones, counted apart. While the
+    objects are alive this also records ``dev.setup`` (:func:`training_setup`), which the
+    report and the OOM post-mortem carry.
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
@@ -143,8 +149,10 @@ def persistent_bytes(
         seen.add(key)
         return int(storage.nbytes())
 
+    if fsdp is not None:  # unsharded storages (allocated now) are not this rank's parameters
+        seen.update((s.data_ptr(), s.nbytes()) for s in fsdp.unsharded_storages())
     params = grads = state = 0
-    all_params: list[torch.Tensor] = []
+    all_params: list[torch.Tensor] = [] if fsdp is None else fsdp.sharded_params()
     for mod in modules:
         all_params.extend(mod.parameters())
         for b in mod.buffers():
@@ -183,12 +191,16 @@ def breakdown(
     state_empty: bool,
     grads_none_now: bool,
     state_empty_now: bool,
+    gathered: int = 0,
+    gathered_base: int = 0,
 ) -> Breakdown:
     """``total`` allocated bytes of ``dev`` by category, at a moment of phase ``phase``.
 
     ``persistent``: :func:`persistent_bytes` now; ``base``: allocated bytes when the step's
     forward began (``None``: unknown, no activations); ``grads_none``/``state_empty``: whether
-    gradients and optimizer state were absent then, ``*_now``: whether they are now.
+    gradients and optimizer state were absent then, ``*_now``: whether they are now;
+    ``gathered``/``gathered_base``: FSDP2's all-gathered bytes at the moment and when the
+    forward began.
     """
     params, grads_now, state_now = persistent
     # sizes of full gradients / state, remembered: they may be freed (zero_grad with
@@ -205,7 +217,8 @@ def breakdown(
     grads = grads_now if phase == BACKWARD else 0 if grads_none_now else grads_known
     state = 0 if state_empty_now else state_known
     note = None
-    rest = total - params - grads - state
+    gathered = max(0, min(gathered, total - params - state))
+    rest = total - params - grads - state - gathered
     if rest < 0:
         # gradients are counted when the phase ended; in backward they grow after the peak
         grads = max(0, grads + rest)
@@ -216,7 +229,7 @@ def breakdown(
     else:
         grads_base = 0 if grads_none else grads_known
         state_base = 0 if state_empty else state_known
-        other = max(0, base - params - grads_base - state_base)
+        other = max(0, base - params - grads_base - state_base - gathered_base)
         acts = max(0, rest - other)
         other = rest - acts
     if phase == BACKWARD and grads:
@@ -242,4 +255,5 @@ def breakdown(
         phase=PHASES[phase],
         module=module,
         note=note,
+        gathered_parameters=gathered,
     )

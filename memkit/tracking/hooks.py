@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memkit.oom import is_oom
+from memkit.tracking.fsdp import FsdpUnits, is_fsdp_unit, user_class_name
 from memkit.tracking.phases import (
     BACKWARD,
     EVAL,
@@ -102,6 +103,7 @@ class Hooks(PhaseMachine):
     _module_every: int
     _roots: dict[int, RootInfo]
     _step: int
+    _fsdp: FsdpUnits | None
 
     if TYPE_CHECKING:  # defined by Tracker
 
@@ -117,7 +119,12 @@ class Hooks(PhaseMachine):
         if model is not None:  # the model's own hooks stay for the block
             leaf = not any(True for _ in model.children())
             h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
-            h.append(model.register_forward_hook(self._make_post(""), always_call=True))
+            # before FSDP2's own post-hook (its reshard), which ends the unit's forward
+            h.append(
+                model.register_forward_hook(
+                    self._make_post(""), always_call=True, prepend=is_fsdp_unit(model)
+                )
+            )
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
                 h.append(model.register_forward_hook(self._make_dp_output()))
         else:
@@ -173,7 +180,11 @@ class Hooks(PhaseMachine):
                     continue  # the model's own hooks are permanent
                 leaf = not any(True for _ in mod.children())
                 h.append(mod.register_forward_pre_hook(self._make_pre(name, leaf, root_name)))
-                h.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+                h.append(
+                    mod.register_forward_hook(
+                        self._make_post(name), always_call=True, prepend=is_fsdp_unit(mod)
+                    )
+                )
             return
         from torch.nn.modules import module as nn_module
 
@@ -298,6 +309,14 @@ class Hooks(PhaseMachine):
             dev.peak_res = pr
         if p > dev.peak:
             dev.peak = p
+        fsdp = self._fsdp
+        if fsdp is not None:
+            # FSDP2's all-gathered parameters during the segment: read at both of its ends
+            # (a unit's all-gather and reshard sit between memkit's hooks, see fsdp.py)
+            start, dev.gathered = dev.gathered, fsdp.gathered()
+            gathered = start if start > dev.gathered else dev.gathered
+        else:
+            gathered = 0
         if p > dev.train_peak and (ph != EVAL or not self._trained) and not self._failed:
             dev.train_peak = p
             dev.pending = (
@@ -310,6 +329,8 @@ class Hooks(PhaseMachine):
                 dev.base_state_empty,
                 self._grads_none(),
                 self._state_empty(),
+                gathered,
+                dev.base_gathered,
             )
 
     # Hooks on modules are plain closures, not bound methods or partials: ``copy.deepcopy`` of
@@ -439,8 +460,7 @@ class Hooks(PhaseMachine):
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or not stack
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
-            inner = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model
-            ms = dev.modules[name] = ModuleStat(leaf, bw, type(inner).__name__)
+            ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
         if not stack and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
@@ -482,6 +502,8 @@ class Hooks(PhaseMachine):
                 self._fail = (id(exc), dev, self._phase, self._step, name)
         alloc_in = frame.alloc_in
         delta = a - alloc_in
+        if self._fsdp is not None:  # FSDP2's all-gathers are no activations of the module's
+            delta -= dev.gathered - frame.gathered_in
         ms = frame.ms
         step = self._step
         if kind == TRAIN_PASS:  # what a training forward keeps for backward
@@ -660,8 +682,8 @@ class Hooks(PhaseMachine):
 
 
 def _model_name(model: torch.nn.Module | None) -> str:
-    """A model's class name; a ``torch.compile`` wrapper's is its model's."""
-    return type(getattr(model, "_orig_mod", model)).__name__
+    """A model's class name as the user wrote it (:func:`user_class_name`)."""
+    return "NoneType" if model is None else user_class_name(model)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

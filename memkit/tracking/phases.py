@@ -21,6 +21,7 @@ import torch
 
 from memkit.devices import SimulatedBackend
 from memkit.tracking import leaks
+from memkit.tracking.fsdp import FsdpUnits, find_fsdp_units, user_class_name
 from memkit.tracking.records import (
     DeviceRecord,
     Frame,
@@ -69,6 +70,7 @@ class PhaseMachine:
     _t0: float
     _step_t0: float
     _sim: SimulatedBackend | None
+    _fsdp: FsdpUnits | None
     _facts: RunFacts
     _manual_steps: bool
     _trained: bool
@@ -100,6 +102,7 @@ class PhaseMachine:
         def _capture_evidence(self) -> None: ...
         def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
         def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None: ...
+        def root_modules(self) -> list[torch.nn.Module]: ...
         def _schedule_detail(self) -> None: ...
         def _set_detail(self, on: bool, *, force: bool = False) -> None: ...
 
@@ -209,7 +212,7 @@ class PhaseMachine:
         target = getattr(module, "_orig_mod", None)
         compiled = isinstance(target, torch.nn.Module)
         inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
-        name = type(inner).__name__
+        name = user_class_name(inner)
         keys: dict[int, str | None] = {id(module): name}
         if compiled:
             keys[id(inner)] = None
@@ -234,6 +237,8 @@ class PhaseMachine:
                 self._owners[sub_id] = root
         if self._grad_witness is None or self._grad_witness() is None:  # none yet, or gone
             self._grad_witness = self._find_grad_witness()
+        if self.model is None:  # a model found running: its FSDP2 units, if any
+            self._fsdp = find_fsdp_units(self.root_modules())
         sim = self._sim
         if sim is not None:
             sim.track(module)  # the model lives on the device
@@ -264,6 +269,7 @@ class PhaseMachine:
             self._resolve_pending(dev)
             if phase == FORWARD:
                 dev.forward_base = dev.last[0]
+                dev.base_gathered = dev.gathered
                 dev.base_grads_none = self._grads_none()
                 dev.base_state_empty = self._state_empty()
             if phase != BACKWARD:

@@ -78,7 +78,18 @@ class RunFacts:
 class Frame:
     """One module call in progress (per thread)."""
 
-    __slots__ = ("alloc_in", "children", "dev", "eval_grad", "kind", "max", "mid", "ms", "name")
+    __slots__ = (
+        "alloc_in",
+        "children",
+        "dev",
+        "eval_grad",
+        "gathered_in",
+        "kind",
+        "max",
+        "mid",
+        "ms",
+        "name",
+    )
 
     def __init__(
         self, name: str, mid: int, dev: DeviceRecord, alloc_in: int, ms: ModuleStat, kind: int
@@ -92,6 +103,7 @@ class Frame:
         self.children = 0
         self.eval_grad = False
         self.kind = kind
+        self.gathered_in = dev.gathered  # FSDP2's all-gathered bytes at entry
 
 
 class IgnoredCall:
@@ -189,6 +201,8 @@ class DeviceRecord:
         self.steps: deque[StepRecord] = deque(maxlen=step_limit)
         self.step_start = a
         self.forward_base: int | None = a
+        self.gathered = 0  # FSDP2's all-gathered bytes at the last segment boundary
+        self.base_gathered = 0  # ... when the step's forward began
         self.base_grads_none = True
         self.base_state_empty = True
         self.bw_module: str | None = None
@@ -254,6 +268,7 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
     dev.step_peak, dev.step_peak_res = a, r
     dev.step_start = a
     dev.forward_base = a
+    dev.base_gathered = dev.gathered
 
 
 def merge_steps(dev: DeviceRecord, first: int) -> None:

@@ -144,7 +144,9 @@ class Breakdown:
     optimizer's tensors on the device (each storage once). Activations are what the step's
     forward and backward added on top (growth since the step's forward began, minus gradients
     and optimizer state created since then); other is what was there before the forward and is
-    none of the above (the batch, user tensors, leaked graphs). See docs/track.md for the
+    none of the above (the batch, user tensors, leaked graphs). Under FSDP2, parameters,
+    gradients and optimizer state are the rank's shards, and ``gathered_parameters`` are the
+    unsharded parameters and all-gather buffers alive at that moment. See docs/track.md for the
     approximations.
     """
 
@@ -158,13 +160,16 @@ class Breakdown:
     phase: str | None
     module: str | None
     note: str | None = None
+    gathered_parameters: int = 0
 
     def parts(self) -> list[tuple[str, int]]:
-        """``(category, bytes)`` in display order."""
+        """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only)."""
+        gathered = [("all-gathered parameters", self.gathered_parameters)]
         return [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
+            *(gathered if self.gathered_parameters else []),
             ("activations", self.activations),
             ("other", self.other),
         ]

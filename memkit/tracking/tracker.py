@@ -45,6 +45,7 @@ from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom
 from memkit.tracking import leaks
 from memkit.tracking.breakdown import breakdown, gradient_witness, param_dtype, persistent_bytes
+from memkit.tracking.fsdp import FsdpUnits, counting_resizes, find_fsdp_units
 from memkit.tracking.hooks import Hooks
 from memkit.tracking.phases import BACKWARD, OTHER, is_compiled
 from memkit.tracking.postmortem import build_postmortem, failing_call
@@ -184,6 +185,7 @@ class Tracker(Hooks):
         self._roots: dict[int, RootInfo] = {}
         self._owners: dict[int, RootInfo] = {}  # id(submodule) -> the root it belongs to
         self._sim: SimulatedBackend | None = None
+        self._fsdp: FsdpUnits | None = None  # FSDP2's units in the tracked models
         self._vd: VirtualDevices | None = None
         self._facts = RunFacts()
         self._trained = False
@@ -256,6 +258,7 @@ class Tracker(Hooks):
             if isinstance(backend, SimulatedBackend):
                 self._sim = backend
                 stack.enter_context(backend.activate())
+                stack.enter_context(counting_resizes())  # FSDP2 resizes storages outside ops
                 tracked = [x for x in (self.model, *self.optimizers) if x is not None]
                 if tracked:
                     backend.track(*tracked)
@@ -292,6 +295,7 @@ class Tracker(Hooks):
             ):
                 self._single = primary
             self._grad_witness = self._find_grad_witness()
+            self._fsdp = find_fsdp_units(self.root_modules())
             simulated = isinstance(backend, (SimulatedBackend, VirtualDeviceBackend))
             self._module_every = self.module_every or (1 if simulated else DEFAULT_MODULE_EVERY)
             # a graph scan walks autograd graphs in Python: on an accelerator, as rarely as
@@ -514,7 +518,12 @@ class Tracker(Hooks):
     def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``."""
         return persistent_bytes(
-            dev, self.root_modules(), self._all_optimizers(), self.model, dev is self._primary
+            dev,
+            self.root_modules(),
+            self._all_optimizers(),
+            self.model,
+            dev is self._primary,
+            self._fsdp,
         )
 
     def _resolve_pending(self, dev: DeviceRecord) -> None:
@@ -544,6 +553,8 @@ class Tracker(Hooks):
             dev.base_state_empty,
             self._grads_none(),
             self._state_empty(),
+            0 if self._fsdp is None else self._fsdp.gathered(),
+            dev.base_gathered,
         )
 
     def _postmortem(self, exc: BaseException, tb: TracebackType | None) -> OomPostMortem:

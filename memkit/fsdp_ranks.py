@@ -1,0 +1,289 @@
+"""FSDP2 (``fully_shard``) on virtual devices: what each rank allocates, step for step as
+torch/distributed/fsdp/_fully_shard/ does it (read from _fsdp_param.py, _fsdp_param_group.py,
+_fsdp_collectives.py and _fsdp_state.py, torch 2.11 to 2.13).
+
+:func:`fsdp_ranks` gives each virtual device (rank ``r`` of ``N``) the model's units, each
+``fully_shard``-ed as :func:`fsdp_units` chooses, and the rank's optimizer over its shards:
+
+* each parameter's shard is ``ceil(dim0 / N)`` rows padded (``_sharded_param_data``); the rank's
+  parameter is its first ``min(ceil, dim0 - r * ceil)`` rows, so the optimizer state is the
+  unpadded shard's;
+* forward, per unit: the flat all-gather buffer (``N x`` the unit's padded shard) is allocated
+  while the previous unit's is still kept (``AllGatherState``), that one is freed, then the
+  unsharded parameters (``N x`` padded shard each) are allocated and the unit runs; after it,
+  non-root units are resharded (``reshard_after_forward``); after the root, the kept buffer
+  is freed;
+* backward, per unit in reverse: the unit is all-gathered again (buffer, unsharded
+  parameters, buffer freed) and the unit before it is prefetched (its buffer allocated now);
+  once all its gradients are accumulated (``post_backward``): the previous unit's
+  reduce-scatter input is freed, the unit's input (padded unsharded gradients) allocated, the
+  unsharded gradients and parameters freed, and the reduce-scatter output (the padded shard)
+  becomes the sharded gradients, added to existing ones (then freed). The root's final
+  callback frees the last input.
+
+The unit's compute runs on the real (full) parameters, placed on the device while unsharded
+(their bytes are the unsharded parameters; the padding rows are held apart). Not modelled:
+mixed precision (``MixedPrecisionPolicy``), CPU offload, HSDP, explicit prefetching, and the
+collectives' own buffers (NCCL's are outside the caching allocator; gloo's are host memory).
+Ranks run one after another; the collectives move no values (sizes do not depend on them).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memkit.virtual_devices import HOST, VirtualDevices, active_virtual_devices
+
+__all__ = ["FsdpRank", "fsdp_ranks", "fsdp_units"]
+
+
+def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules :func:`fsdp_ranks` shards as units, in forward order, the root last: the
+    children of the model's largest ``ModuleList``/``Sequential`` (its blocks), else the
+    model's children with parameters; the root takes the parameters left."""
+    best: list[tuple[str, torch.nn.Module]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            kids = [
+                (f"{name}.{k}" if name else k, c)
+                for k, c in mod.named_children()
+                if any(True for _ in c.parameters())
+            ]
+            if len(kids) > len(best):
+                best = kids
+    if len(best) < 2:
+        best = [(k, c) for k, c in model.named_children() if any(True for _ in c.parameters())]
+    return [*best, ("", model)]
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    rows: list[int]  # padded shard rows (ceil(dim0 / N)) per parameter
+    root: bool
+    shards: list[torch.nn.Parameter] = field(default_factory=list)
+    pads: list[torch.Tensor] = field(default_factory=list)
+    gathered: bool = False
+    grads_left: int = 0
+
+    def padded_numel(self, world: int) -> int:
+        """Elements of the unit's unsharded, padded parameters (= its all-gather buffer's)."""
+        return sum(world * r * _row(p) for p, r in zip(self.params, self.rows, strict=True))
+
+
+def _row(p: torch.Tensor) -> int:
+    return math.prod(p.shape[1:]) if p.dim() else 1
+
+
+@dataclass
+class FsdpRank:
+    """What FSDP2 keeps on one rank: the model (full parameters on the host, on the device
+    while a unit is unsharded), the rank's shards and the optimizer over them."""
+
+    device: int
+    model: torch.nn.Module
+    optimizer: Any
+    units: list[_Unit]
+    handles: list[Any]
+
+    @property
+    def largest_unit(self) -> tuple[str, int]:
+        """The unit with the most unsharded (padded) parameter bytes, and them."""
+        world = _vd().n
+        best = max(self.units, key=lambda u: u.padded_numel(world))
+        size = best.padded_numel(world) * (best.params[0].element_size() if best.params else 0)
+        return (best.name or type(self.model).__name__, size)
+
+
+def _vd() -> VirtualDevices:
+    vd = active_virtual_devices()
+    if vd is None:
+        raise RuntimeError("memkit.fsdp_ranks works inside `with memkit.simulate(..., devices=N):`")
+    return vd
+
+
+class _Rank:
+    """The hooks of one rank's units (FSDP2's pre/post forward, pre/post backward)."""
+
+    def __init__(self, vd: VirtualDevices, dev: int, units: list[_Unit]) -> None:
+        self.vd, self.dev, self.units = vd, dev, units
+        self.kept: torch.Tensor | None = None  # forward's AllGatherState buffer
+        self.prefetched: dict[int, torch.Tensor] = {}  # unit index -> its all-gather buffer
+        self.rs_input: torch.Tensor | None = None  # the last reduce-scatter input
+        self.order: list[int] = []  # units in post-forward order
+        self.final_queued = False
+
+    def _buffer(self, unit: _Unit) -> torch.Tensor:
+        with self.vd.on(self.dev):
+            return torch.empty(unit.padded_numel(self.vd.n), dtype=unit.params[0].dtype)
+
+    def _unshard(self, i: int, forward: bool) -> None:
+        unit = self.units[i]
+        if unit.gathered or not unit.params:
+            return
+        buf = self.prefetched.pop(i, None)
+        if buf is None:
+            buf = self._buffer(unit)  # foreach_all_gather's output
+        if forward:
+            self.kept = None  # the previous unit's, freed after this all-gather
+        for p in unit.params:  # alloc_all_gather_outputs + copy-out
+            self.vd.to([p], self.dev)  # in place (a list): the unsharded parameter
+        with self.vd.on(self.dev):
+            unit.pads = [
+                torch.empty((self.vd.n * r - p.shape[0]) * _row(p), dtype=p.dtype)
+                for p, r in zip(unit.params, unit.rows, strict=True)
+                if self.vd.n * r > p.shape[0]
+            ]
+        unit.gathered = True
+        if forward:
+            self.kept = buf
+        del buf
+
+    def _reshard(self, unit: _Unit) -> None:
+        if not unit.gathered:
+            return
+        for p in unit.params:
+            self.vd.to([p], HOST)
+        unit.pads = []
+        unit.gathered = False
+
+    def pre_forward(self, i: int, *_: Any) -> None:
+        if i == len(self.units) - 1:
+            self.order = []
+            for u in self.units:
+                u.grads_left = len([p for p in u.params if p.requires_grad])
+        self._unshard(i, forward=True)
+
+    def post_forward(self, i: int, _module: Any, _args: Any, output: Any) -> None:
+        unit = self.units[i]
+        self.order.append(i)
+        if unit.root:
+            self.kept = None  # the root flushes the kept all-gather buffer
+        else:
+            self._reshard(unit)
+        # FSDP2's pre-backward: a hook on the outputs' gradients (_register_pre_backward_hook)
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self.pre_backward, i))
+
+    def pre_backward(self, i: int, *_: Any) -> None:
+        if self.units[i].root and not self.final_queued:  # the root's final callback
+            self.final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+        self._unshard(i, forward=False)
+        pos = self.order.index(i) if i in self.order else -1
+        if pos > 0:  # prefetch the unit that ran before this one
+            j = self.order[pos - 1]
+            if not self.units[j].gathered and j not in self.prefetched and self.units[j].params:
+                self.prefetched[j] = self._buffer(self.units[j])
+
+    def post_accumulate(self, i: int, _param: torch.Tensor) -> None:
+        unit = self.units[i]
+        unit.grads_left -= 1
+        if unit.grads_left:
+            return
+        self.rs_input = None  # the previous unit's reduce-scatter input
+        with self.vd.on(self.dev):
+            rs_input = torch.empty(unit.padded_numel(self.vd.n), dtype=unit.params[0].dtype)
+        for p in unit.params:
+            p.grad = None  # the unsharded gradients, copied in
+        self._reshard(unit)
+        with self.vd.on(self.dev):
+            out = torch.empty(unit.padded_numel(self.vd.n) // self.vd.n, dtype=rs_input.dtype)
+        offset = 0
+        for shard, rows, p in zip(unit.shards, unit.rows, unit.params, strict=True):
+            view = out[offset : offset + shard.numel()].view_as(shard)
+            if shard.grad is None:
+                shard.grad = view
+            else:
+                shard.grad.add_(view)
+            offset += rows * _row(p)
+        del out, view
+        self.rs_input = rs_input
+
+    def _final(self) -> None:
+        """The root's post-backward final callback: the last reduce-scatter input and any
+        unused prefetch are freed."""
+        self.rs_input = None
+        self.prefetched.clear()
+        self.final_queued = False
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output (itself, or in a tuple, list or dict, one level)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def fsdp_ranks(
+    model: torch.nn.Module,
+    make_optimizer: Callable[[torch.nn.Module], Any] | None,
+    devices: Sequence[int] | None = None,
+) -> list[FsdpRank]:
+    """What FSDP2 puts on each virtual device (the module docstring): a copy of ``model`` run
+    with FSDP2's unshard and reshard, the rank's shards and ``make_optimizer`` over them (a
+    module holding the shards as its parameters)."""
+    vd = _vd()
+    ids = list(range(vd.n)) if devices is None else list(devices)
+    world = vd.n
+    out = []
+    for rank_index, dev in enumerate(ids):
+        with vd.paused():
+            replica = copy.deepcopy(model)
+        vd.to(replica, HOST)
+        picked = fsdp_units(replica)
+        owned: set[int] = set()
+        units: list[_Unit] = []
+        for name, mod in picked:
+            params = [p for p in mod.parameters() if id(p) not in owned]
+            owned.update(id(p) for p in params)
+            rows = [-(-(p.shape[0] if p.dim() else 1) // world) for p in params]
+            units.append(_Unit(name, mod, params, rows, root=mod is replica))
+        holder = torch.nn.Module()
+        with vd.on(dev):
+            for u_i, unit in enumerate(units):
+                for p_i, (p, pad_rows) in enumerate(zip(unit.params, unit.rows, strict=True)):
+                    dim0 = p.shape[0] if p.dim() else 1
+                    mine = max(0, min(pad_rows, dim0 - rank_index * pad_rows))
+                    padded = torch.empty(pad_rows * _row(p), dtype=p.dtype)  # _sharded_param_data
+                    shard = torch.nn.Parameter(
+                        padded[: mine * _row(p)].view(mine, *p.shape[1:]) if p.dim() else padded,
+                        requires_grad=p.requires_grad,
+                    )
+                    unit.shards.append(shard)
+                    holder.register_parameter(f"u{u_i}_p{p_i}", shard)
+            for b in replica.buffers():
+                vd.to(b, dev)
+            opt = make_optimizer(holder) if make_optimizer is not None else None
+        rank = _Rank(vd, dev, units)
+        handles = []
+        for i, unit in enumerate(units):
+            handles.append(
+                unit.module.register_forward_pre_hook(functools.partial(rank.pre_forward, i))
+            )
+            handles.append(
+                unit.module.register_forward_hook(functools.partial(rank.post_forward, i))
+            )
+            for p in unit.params:
+                if p.requires_grad:
+                    handles.append(
+                        p.register_post_accumulate_grad_hook(
+                            functools.partial(rank.post_accumulate, i)
+                        )
+                    )
+        out.append(FsdpRank(dev, replica, opt, units, handles))
+    return out

@@ -1,0 +1,109 @@
+"""FSDP2 under ``memkit run`` across 2 real gloo ranks on CPU, each on its own simulated device.
+
+Each rank trains 4 x ``Linear(256, 256)``, every layer and the model ``fully_shard``-ed, with
+AdamW. Checked against counts written from FSDP2's algorithm (torch/distributed/fsdp/
+_fully_shard/), not from memkit's reading of it: a rank's parameters are its shard (half of
+each weight's rows and of each bias: 4 x 32,896 x 4 B = 526,336 B), AdamW's state twice that,
+and one unit's all-gather is a flat buffer of both shards plus the unsharded parameters it is
+copied into (2 x 263,168 B). With ``reshard_after_forward=True`` a unit is all-gathered again
+for backward, where the next unit is prefetched: two units' worth at the peak either way. With
+``False`` the units stay unsharded from their forward to their backward: three to five units
+at the peak (the backward frees them one by one, the last forward holds its flat buffer too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+UNIT = (256 * 256 + 256) * 4  # one Linear(256, 256), unsharded
+SHARD = 4 * UNIT // 2  # a rank's half of the 4 layers
+
+TRAIN = textwrap.dedent(
+    """
+    import datetime, os, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    raf = sys.argv[1] == "True"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer, reshard_after_forward=raf)
+    fully_shard(model, reshard_after_forward=raf)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(3):
+        model(torch.randn(32, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _memkit_run(tmp_path: Path, *args: str, limit: float = 60.0) -> tuple[int, str]:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    pytest.importorskip("torch.distributed.fsdp")
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit",
+           "run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py",
+           *args]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun memkit run did not finish within {limit} s (a hang)")
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_fsdp2_ranks_report_shards_and_all_gathered_parameters(
+    tmp_path: Path, reshard_after_forward: bool
+) -> None:
+    code, err = _memkit_run(tmp_path, str(reshard_after_forward))
+    assert code == 0, err[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"report.rank{rank}.json").read_text())
+        device = report["devices"][0]
+        bd = device["breakdown"]
+        assert bd["parameters"] == SHARD
+        assert abs(bd["optimizer_state"] - 2 * SHARD) <= 64  # exp_avg, exp_avg_sq (+ step)
+        assert bd["gradients"] in (0, SHARD)  # the shards' gradients, when present
+        gathered = bd["gathered_parameters"]
+        if reshard_after_forward:
+            assert gathered == 2 * UNIT, bd
+        else:
+            assert gathered % UNIT == 0 and 3 * UNIT <= gathered <= 5 * UNIT, bd
+        # FSDP2 frees unsharded parameters by resizing their storages: counted as freed (this
+        # was 4 units of 'other' before the simulated device saw the resizes)
+        assert bd["other"] == 0, bd
+        parts = ("parameters", "gradients", "optimizer_state", "gathered_parameters",
+                 "activations", "other")  # fmt: skip
+        assert sum(bd[k] for k in parts) == bd["total"]
+        # module rows carry the user's class names, not FSDP2's FSDPLinear
+        names = {m["path"]: m for m in device["modules"]}
+        assert set(names) == {"Sequential", "0", "1", "2", "3"}, names
+        assert names["0"]["activation_bytes"] == 32 * 256 * 4  # the layer's output, kept
+    assert "all-gathered parameters" in err  # rank 0's text report
+    assert "FSDPLinear" not in err and "FSDPSequential" not in err

@@ -1,0 +1,113 @@
+"""FSDP2 on virtual devices (memkit.fsdp_ranks) against real FSDP2: 2 gloo ranks on CPU.
+
+One torchrun launch; each rank runs ``fully_shard`` (every layer, then the model) with AdamW
+on its own ``memkit.simulate`` device, FSDP2's storage resizes counted, and reports its peak.
+The same model, per-rank batch and optimizer run through ``fsdp_ranks`` on
+``memkit.simulate(devices=2)``. Equal to the byte but for what the simulated cpu device counts
+and CUDA would not: AdamW's ``step`` scalars (host tensors beside CUDA parameters, 4 B per
+parameter) and gloo's own temporaries, which come and go on its threads (up to 64.5 KiB on
+one rank, not on every run): the smaller rank peak is checked exactly, the other within that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from memkit.fsdp_ranks import fsdp_ranks
+from memkit.virtual_devices import VirtualDevices
+
+ROOT = Path(__file__).resolve().parents[1]
+PER_RANK, STEPS, LAYERS = 48, 2, 5
+
+MODEL = textwrap.dedent(
+    """
+    import torch
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)],
+                                   torch.nn.Linear(256, 10))
+
+    def step(model, opt, n):
+        model(torch.randn(n, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    """
+)
+
+WORKER = textwrap.dedent(
+    f"""
+    import datetime, json
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import memkit
+    from memkit.tracking.fsdp import counting_resizes
+    from fidelity_fsdp_model import build, step
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    model = build()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    with memkit.simulate(None) as sim, counting_resizes():
+        sim.track(model)
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range({STEPS}):
+            step(model, opt, {PER_RANK})
+        print(json.dumps({{"rank": dist.get_rank(), "peak": sim.peak}}))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _real_peaks(tmp_path: Path) -> list[int]:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    (tmp_path / "fidelity_fsdp_model.py").write_text(MODEL)
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "worker.py"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the FSDP2 ranks did not finish within 60 s (a hang)")
+    assert proc.returncode == 0, err[-4000:]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [r["peak"] for r in sorted(rows, key=lambda r: r["rank"])]
+
+
+def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.fsdp")
+    real = _real_peaks(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(MODEL, namespace)  # the same model and step as the ranks
+    build, step = namespace["build"], namespace["step"]
+    with VirtualDevices([None, None], "cpu") as vd:
+        ranks = fsdp_ranks(build(), lambda m: torch.optim.AdamW(m.parameters()))  # type: ignore[operator]
+        for rank in ranks:
+            with vd.on(rank.device):
+                for _ in range(STEPS):
+                    step(rank.model, rank.optimizer, PER_RANK)  # type: ignore[operator]
+        virtual = vd.peaks
+        largest = ranks[0].largest_unit
+    assert virtual[0] == virtual[1]  # 256 rows and 10 rows split evenly over 2 ranks
+    step_scalars = 2 * LAYERS * 4  # AdamW's step per parameter: host memory beside CUDA
+    assert min(real) - step_scalars == virtual[0], (real, virtual)
+    assert 0 <= max(real) - step_scalars - virtual[0] <= 66_048, (real, virtual)
+    assert largest == ("0", (256 * 256 + 256) * 4)  # the first 256 x 256 layer, unsharded
