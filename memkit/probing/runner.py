@@ -204,7 +204,7 @@ def probe(
     def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
         runner = TrialRunner(
             held[0], make_batch, optimizer, step, backend, steps, capacity, saved, seq_len,
-            _both(on_trial, bar), held[1], capacities, timeout, started, froze,
+            _both(on_trial, bar), held[1], capacities, timeout, started,
         )  # fmt: skip
         records = runner.records
         try:
@@ -215,7 +215,7 @@ def probe(
             del runner  # before the next search and the clean-up
         return found, records
 
-    with _probing(model, mode, saved, backend, bar) as froze:
+    with _probing(model, mode, saved, backend, bar):
         try:
             search, records = search_with(plan, ceiling)
             steps_advised = _advised_accumulation(search, target_batch, capacities, plan)
@@ -366,36 +366,35 @@ def _probing(
     saved: SavedState,
     backend: Backend,
     bar: TrialProgress | None,
-) -> Iterator[bool]:
+) -> Iterator[None]:
     """The model in ``mode`` while the trials run; afterwards, whatever ends them, everything
     as it was: the model's training flag and its (and the optimizer's) state restored, the
     progress line closed, the trials' memory collected and the device's cache emptied.
 
     Everything alive on entry outlives the probe: it is frozen out of the collector's scans, so
-    the gc.collect() after every trial only walks the trial's own objects (a full collection
-    with transformers imported costs ~0.4 s on a slow CPU, 0.13 s on the H200 machine); it
-    yields whether it froze. Not when the caller has frozen objects itself: gc.unfreeze()
-    cannot tell theirs from ours. The last collection runs before unfreezing: the trials'
-    garbage is young, and what the probe froze is left to Python's own collections.
+    the gc.collect() before a trial only walks the trial's own objects (a full collection costs
+    ~0.4 s with transformers imported on a slow CPU, 45-90 ms on the H200 machine). The last
+    collection runs before unfreezing (the trials' garbage is young). ``gc.unfreeze()`` cannot
+    tell objects frozen before the probe from its own, so those become collectable as usual
+    afterwards: the interpreter may have frozen some at start-up (375 under Python 3.12.3 on
+    the H200 machine, where a probe that froze only an unfrozen heap never froze, and each
+    collection walked the whole heap).
     """
     training_flag = model.training
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
+    gc.freeze()
     try:
         if mode == "train":
             model.train()
         else:
             model.eval()
-        yield freeze
+        yield
     finally:
         if bar is not None:
             bar.close()
         model.train(training_flag)
         saved.restore()
         gc.collect()
-        if freeze:
-            gc.unfreeze()
+        gc.unfreeze()
         backend.empty_cache()
 
 

@@ -242,7 +242,6 @@ class TrialRunner:
     capacities: tuple[int | None, ...] | None = None
     timeout: float | None = None
     on_start: Callable[[int], None] | None = None
-    freeze_survivors: bool = False
 
     def __post_init__(self) -> None:
         self.records: dict[int, ProbeTrial] = {}
@@ -261,8 +260,8 @@ class TrialRunner:
         more is allocated than after the last collection (reference cycles keeping tensors
         alive); after an OOM, :func:`memkit.oom.recover` has collected already.
 
-        With ``freeze_survivors`` (the probe froze the objects that outlive it), what survives
-        a collection is frozen too: the modules and caches a first CUDA step creates lazily
+        What survives a collection is frozen (as the probe froze what was alive before it, and
+        unfreezes at its end): the modules and caches a first CUDA step creates lazily
         (about 100,000 objects with fused AdamW and autocast on nanoGPT) made every later
         collection cost 50-120 ms on the H200 machine; frozen, a collection walks only the
         trial's own objects. Reference counting still frees them; the probe's end unfreezes."""
@@ -271,8 +270,7 @@ class TrialRunner:
         read = self.counters[0]
         if self.baseline is None or read()[0] > self.baseline:
             gc.collect()
-            if self.freeze_survivors:
-                gc.freeze()
+            gc.freeze()
             self.collections += 1
             # what a collection leaves is not garbage (a cuBLAS workspace made by the first
             # trial's first matmul, a cache the model keeps): the next trials start from it
