@@ -41,7 +41,7 @@ import torch
 
 from memkit.virtual_devices import HOST, VirtualDevices, active_virtual_devices
 
-__all__ = ["FsdpRank", "fsdp_ranks", "fsdp_units"]
+__all__ = ["FsdpRank", "fsdp_ranks", "fsdp_units", "split_candidate", "unit_sizes"]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -61,6 +61,42 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if len(best) < 2:
         best = [(k, c) for k, c in model.named_children() if any(True for _ in c.parameters())]
     return [*best, ("", model)]
+
+
+def _owned(
+    picked: Sequence[tuple[str, torch.nn.Module]],
+) -> list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]:
+    """Each unit with the parameters it shards: its own, not an earlier unit's."""
+    owned: set[int] = set()
+    out = []
+    for name, mod in picked:
+        params = [p for p in mod.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        out.append((name, mod, params))
+    return out
+
+
+def _nbytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def unit_sizes(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """Each unit of :func:`fsdp_units` and its unsharded parameter bytes (any device, meta too)."""
+    return [(name, _nbytes(params)) for name, _, params in _owned(fsdp_units(model))]
+
+
+def split_candidate(model: torch.nn.Module) -> tuple[str, int] | None:
+    """The largest module inside the largest unit that is not a unit and holds only part of
+    that unit's parameters (its path and bytes): the one to ``fully_shard`` on its own."""
+    units = _owned(fsdp_units(model))
+    name, unit, params = max(units, key=lambda u: _nbytes(u[2]))
+    total, mine = _nbytes(params), {id(p) for p in params}
+    best: tuple[str, int] | None = None
+    for path, mod in unit.named_modules():
+        size = _nbytes([p for p in mod.parameters() if id(p) in mine])
+        if mod is not unit and 0 < size < total and (best is None or size > best[1]):
+            best = (f"{name}.{path}" if name else path, size)
+    return best
 
 
 @dataclass
@@ -245,12 +281,8 @@ def fsdp_ranks(
         with vd.paused():
             replica = copy.deepcopy(model)
         vd.to(replica, HOST)
-        picked = fsdp_units(replica)
-        owned: set[int] = set()
         units: list[_Unit] = []
-        for name, mod in picked:
-            params = [p for p in mod.parameters() if id(p) not in owned]
-            owned.update(id(p) for p in params)
+        for name, mod, params in _owned(fsdp_units(replica)):
             rows = [-(-(p.shape[0] if p.dim() else 1) // world) for p in params]
             units.append(_Unit(name, mod, params, rows, root=mod is replica))
         holder = torch.nn.Module()

@@ -23,6 +23,7 @@ batches for DDP). The models' weights change during the trials (optimizer steps)
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,8 +33,9 @@ import torch
 from memkit import advice as rules
 from memkit.accounting import tensors_of
 from memkit.advice import Advice
+from memkit.advice.sharding import fsdp_gpus_needed, fsdp_saves, fsdp_wrap_unit
 from memkit.errors import ConfigError, UserCodeError
-from memkit.fsdp_ranks import fsdp_ranks
+from memkit.fsdp_ranks import fsdp_ranks, split_candidate, unit_sizes
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.parallel import DataParallel, ddp_replicas
@@ -68,6 +70,8 @@ def _nbytes(obj: Any) -> int:
 
 
 MAX_GLOBAL_BATCH = 1 << 16
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,10 @@ class _Trials:
                 self.spec.make_batch, *args, what=f"make_batch({size})", path=self.spec.path
             )
 
-    def _run(self, body: Callable[[VirtualDevices], None]) -> tuple[bool, list[int]]:
-        vd = VirtualDevices(self.budgets, self.device)
+    def _run(
+        self, body: Callable[[VirtualDevices], None], budgets: Sequence[int | None] | None = None
+    ) -> tuple[bool, list[int]]:
+        vd = VirtualDevices(self.budgets if budgets is None else budgets, self.device)
         try:
             with vd:
                 body(vd)
@@ -259,6 +265,22 @@ class _Trials:
                     self.plan.release()
 
         return self._run(body)
+
+    def one_gpu(self, batch: int) -> int:
+        """The peak of the plain step at ``batch`` on one device with no limit."""
+
+        def body(vd: VirtualDevices) -> None:
+            vd.to(self.model, 0)
+            opt = self._optimizer(self.model)
+            for _ in range(self.steps):
+                self.plan(self.model, self._batch(batch), opt)
+            self.model.zero_grad(set_to_none=True)
+            vd.to(self.model, -1)
+
+        try:
+            return self._run(body, [None])[1][0]
+        finally:
+            self.model.zero_grad(set_to_none=True)
 
     def fsdp(self, per_rank: int) -> tuple[bool, list[int]]:
         def body(vd: VirtualDevices) -> None:
@@ -338,6 +360,79 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
     )
 
 
+def _size(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _model_state(spec: ModelSpec) -> tuple[int, int, int] | None:
+    """Parameters (and buffers), trainable parameters and the optimizer's device state after
+    one step, in bytes, from the model built on meta tensors (``None`` if its optimizer
+    cannot step there)."""
+    with torch.device("meta"):
+        model = call_user(spec.build_model, what="build_model()", path=spec.path)
+    params = [*model.parameters(), *model.buffers()]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        opt = make_optimizer(spec, model)[0]
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    except Exception as exc:  # advice must never break the comparison
+        log.debug("the optimizer did not step on meta tensors: %s", exc)
+        return None
+    state = [t for t in tensors_of(opt.state) if t.device.type == "meta"]  # not host scalars
+    return _size(params), _size(trainable), _size(state)
+
+
+def _sharding_advice(trials: _Trials, results: Sequence[StrategyResult], gpus: int) -> list[Advice]:
+    """``fsdp-gpus`` when a strategy fits no batch, ``fsdp-saves`` when DDP and FSDP ran,
+    ``fsdp-wrap-unit`` when FSDP ran; from the model's state measured on meta tensors."""
+    by = {r.strategy: r for r in results}
+    failed = [r for r in results if r.max_global_batch is None and r.strategy != "fsdp"]
+    fsdp, ddp = by.get("fsdp"), by.get("ddp")
+    if not failed and fsdp is None:
+        return []
+    state = _model_state(trials.spec)
+    if state is None:
+        return []
+    params, grads, opt_state = state
+    units = unit_sizes(trials.model)
+    out: list[Advice] = []
+    if failed:
+        other = max(0, trials.one_gpu(1) - sum(state))
+        fits_on = (
+            (gpus, fsdp.max_global_batch, max(fsdp.per_device_peaks))
+            if fsdp is not None and fsdp.max_global_batch is not None
+            else None
+        )
+        a = fsdp_gpus_needed(
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=opt_state,
+            other_bytes=other,
+            capacity_bytes=min(trials.budgets),
+            units=units,
+            batch_size=1,
+            measured_fit=fits_on,
+        )
+        out += [a] if a is not None else []
+    if fsdp is not None and ddp is not None:
+        a = fsdp_saves(
+            parameter_bytes=params,
+            gradient_bytes=grads,
+            optimizer_state_bytes=opt_state,
+            bucket_bytes=grads,  # DDP's buckets: a copy of the gradients
+            gpus=gpus,
+            units=units,
+            largest_batches=(ddp.max_global_batch, fsdp.max_global_batch),
+        )
+        out += [a] if a is not None else []
+    if fsdp is not None and fsdp.per_device_peaks:
+        a = fsdp_wrap_unit(units, split_candidate(trials.model), max(fsdp.per_device_peaks))
+        out += [a] if a is not None else []
+    return out
+
+
 def compare_strategies(
     path: str,
     *,
@@ -364,9 +459,7 @@ def compare_strategies(
         raise ConfigError(f"--gpus must be at least 2 to compare strategies, found {gpus}")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
-        raise ConfigError(
-            f"expected strategies among dp,ddp,fsdp, found {','.join(strategies)!r}"
-        )
+        raise ConfigError(f"expected strategies among dp,ddp,fsdp, found {','.join(strategies)!r}")
     if "fsdp" in strategies and device == "meta":
         raise ConfigError(
             "--strategies fsdp runs on the simulated cpu device only for now (its meta-tensor "
@@ -402,4 +495,5 @@ def compare_strategies(
         switch = _switch_advice(dp, ddp, gpus)
         if switch is not None:
             advice.insert(0, switch)
+    advice += _sharding_advice(trials, results, gpus)
     return StrategyComparison(path, device, gpus, tuple(budgets), results, tuple(advice))

@@ -111,7 +111,6 @@ def test_estimate_comparison_takes_the_cuda_context_off_every_gpu() -> None:
     assert "500.00 MiB CUDA context" in data["notes"][0]
 
 
-
 def test_fsdp_shards_what_ddp_replicates() -> None:
     on_cpu = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=4 * MiB,
                                 strategies=["ddp", "fsdp"], max_batch=256)  # fmt: skip
@@ -128,3 +127,34 @@ def test_fsdp_shards_what_ddp_replicates() -> None:
     args = ["--gpus", "2", "--strategies", "fsdp", "--device-memory", "2GiB"]
     refused = CliRunner().invoke(cli, ["estimate", str(FILES / "wide_mlp.py"), *args])
     assert refused.exit_code == 2 and "simulated cpu device only" in refused.stderr
+
+
+def test_fsdp_gpus_when_ddp_fits_nothing_and_fsdp_fits_on_that_many() -> None:
+    # wide_mlp: 132 K parameters, AdamW: 2.02 MiB of state, more than a 2 MiB GPU
+    path = str(FILES / "wide_mlp.py")
+    result = compare_strategies(path, gpus=2, budget=2 * MiB, strategies=["ddp"], max_batch=8)
+    advice = {a.code: a for a in result.advice}
+    assert result.results[0].max_global_batch is None and "fsdp-gpus" in advice
+    params = (64 * 1024 + 1024 + 1024 * 64 + 64) * 4
+    assert "= 2.02 MiB" in advice["fsdp-gpus"].evidence  # 4 x params: weights, grads, 2 moments
+    gpus = int(advice["fsdp-gpus"].title.split()[2])
+    assert advice["fsdp-gpus"].saving_bytes == 4 * params - -(-4 * params // gpus)
+    # the count is safe: FSDP on that many 2 MiB GPUs fits, measured on the virtual devices
+    fsdp = compare_strategies(path, gpus=gpus, budget=2 * MiB, strategies=["fsdp"],
+                              max_batch=gpus).result("fsdp")  # fmt: skip
+    assert fsdp is not None and fsdp.max_global_batch == gpus
+
+
+def test_fsdp_names_the_unit_that_sets_its_peak_and_what_it_saves_against_ddp() -> None:
+    result = compare_strategies(str(FILES / "big_root.py"), gpus=2, budget=16 * MiB,
+                                strategies=["ddp", "fsdp"], max_batch=8)  # fmt: skip
+    advice = {a.code: a for a in result.advice}
+    embed, head = 4096 * 64 * 4, (64 * 4096 + 4096) * 4  # the root's unit: both
+    wrap = advice["fsdp-wrap-unit"]
+    assert "`fully_shard(model.head)` before `fully_shard(model)`" in wrap.action
+    block = (64 * 64 + 64) * 4  # the prefetched next unit, before and after the split
+    # 3 x (embed + head) + a block unsharded now; 3 x head + embed once head is its own unit
+    assert wrap.saving_bytes == (3 * (embed + head) + block) - (3 * head + embed)
+    saves = advice["fsdp-saves"]
+    assert "global batch of 8 on 2 GPUs (DDP 8)" in saves.title and "1.5x" in saves.title
+    assert "[fsdp-wrap-unit]" in str(result)

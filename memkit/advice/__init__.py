@@ -9,7 +9,8 @@ advice never does. One module per subject:
 * :mod:`memkit.advice.training`: ``mixed-precision``, ``float64``, ``activation-checkpointing``,
   ``optimizer-state``, ``zero-grad-keeps-grads``.
 * :mod:`memkit.advice.device`: ``fragmentation``, ``other-processes``, ``empty-cache``.
-* :mod:`memkit.advice.distributed`: ``dp-*`` and ``ddp-*``.
+* :mod:`memkit.advice.distributed`: ``dp-*`` and ``ddp-*``; :mod:`memkit.advice.sharding`:
+  ``fsdp-gpus``, ``fsdp-saves``, ``fsdp-wrap-unit``.
 * :mod:`memkit.advice.probe`: ``does-not-fit``, ``accumulate``; :mod:`memkit.advice.estimate`:
   an estimate's.
 * :mod:`memkit.advice.track`: the rules fed with a track report; :mod:`memkit.advice.oom`: the

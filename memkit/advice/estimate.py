@@ -1,14 +1,16 @@
-"""The advice of an estimate: ``does-not-fit``, ``mixed-precision`` and ``optimizer-state`` for
+"""The advice of an estimate: ``does-not-fit`` (with ``fsdp-gpus``), ``mixed-precision`` and
+``optimizer-state`` for
 the batch its breakdown describes, from the estimate's evidence (the search's outcome, the
 breakdown, the target card; :mod:`memkit.estimation.evidence` gathers it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from memkit.advice.form import Advice
 from memkit.advice.probe import does_not_fit
+from memkit.advice.sharding import Unit, fsdp_gpus_needed
 from memkit.advice.training import mixed_precision, optimizer_state
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ def estimate_advice(
     fits: bool,
     need_bytes: int,
     bf16_saving: Callable[[], int | None],
+    units: Sequence[Unit] = (),
+    trainable_bytes: int = 0,
 ) -> list[Advice]:
     """``does-not-fit``, ``mixed-precision`` and ``optimizer-state`` for the breakdown's batch.
 
@@ -39,6 +43,9 @@ def estimate_advice(
         need_bytes: the reserved peak at the breakdown's batch.
         bf16_saving: what bf16 autocast saves at that batch, measured by a second trial; asked
             only when ``mixed-precision`` may fire (``None`` if that trial fails).
+        units: the units FSDP would shard (``memkit.fsdp_ranks.unit_sizes``), for
+            ``fsdp-gpus`` when nothing fits in training.
+        trainable_bytes: the trainable parameters' bytes (the gradients FSDP shards).
     """
     advice: list[Advice] = []
     focus = breakdown.batch_size
@@ -53,6 +60,19 @@ def estimate_advice(
                 context_bytes=card.context_bytes,
             )
         )
+        if mode == "train" and units:
+            state = breakdown.parameters + trainable_bytes + breakdown.optimizer_state
+            gpus = fsdp_gpus_needed(
+                parameter_bytes=breakdown.parameters,
+                gradient_bytes=trainable_bytes,
+                optimizer_state_bytes=breakdown.optimizer_state,
+                other_bytes=max(0, need_bytes - state),
+                capacity_bytes=card.usable,
+                units=units,
+                batch_size=focus,
+            )
+            if gpus is not None:
+                advice.append(gpus)
     if amp is None and breakdown.activations > 0.2 * breakdown.total:
         mp = mixed_precision(
             param_dtype="float32",  # no --amp: the estimate computes in the model's fp32

@@ -13,6 +13,7 @@ from memkit.advice.estimate import estimate_advice
 from memkit.estimation.families import TargetCard
 from memkit.estimation.meta_step import MetaSession
 from memkit.estimation.result import EstimateBreakdown
+from memkit.fsdp_ranks import unit_sizes
 from memkit.probing.search import SearchResult
 
 __all__ = ["advice_for", "bf16_saving"]
@@ -38,6 +39,10 @@ def advice_for(
         fits=search.max_batch_size is not None,
         need_bytes=session.cache[focus].reserved,
         bf16_saving=lambda: bf16_saving(session, focus),
+        units=unit_sizes(session.model),
+        trainable_bytes=sum(
+            p.numel() * p.element_size() for p in session.model.parameters() if p.requires_grad
+        ),
     )
 
 
