@@ -108,6 +108,8 @@ def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
         largest = ranks[0].largest_unit
     assert virtual[0] == virtual[1]  # 256 rows and 10 rows split evenly over 2 ranks
     step_scalars = 2 * LAYERS * 4  # AdamW's step per parameter: host memory beside CUDA
-    assert min(real) - step_scalars == virtual[0], (real, virtual)
-    assert 0 <= max(real) - step_scalars - virtual[0] <= 66_048, (real, virtual)
+    # each rank: the model to the byte, or with gloo's own temporaries (66,048 B, freed on
+    # gloo's thread) alive at its backward peak, which happens on either rank or on both
+    excess = [r - step_scalars - virtual[0] for r in real]
+    assert all(e in (0, 66_048) for e in excess), (real, virtual)
     assert largest == ("0", (256 * 256 + 256) * 4)  # the first 256 x 256 layer, unsharded
