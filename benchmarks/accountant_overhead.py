@@ -1,6 +1,8 @@
 """What does one op cost under the simulated device? Microseconds per ATen op.
 
 Run: ``python benchmarks/accountant_overhead.py`` (CPU; ``--rounds 15``, ``--json out.json``).
+``--baseline OLD.py`` adds an older ``memkit/accounting.py`` (``git show REV:memkit/accounting.py
+> OLD.py``) to the same rounds: before and after, measured alike.
 
 The simulated device (``memkit run --device cpu``, ``memkit.simulate``) is a
 ``TorchDispatchMode``, :class:`memkit.accounting.MemoryAccountant`, that every ATen op passes
@@ -19,7 +21,8 @@ rotating every round:
   pays (torch's own Python dispatch), not memkit's;
 * ``accountant``: the accountant counting and adopting (a ``simulate`` block; the tracker's
   backward and optimizer phases);
-* ``accountant, no adopting``: counting only (the tracker's forward phase).
+* ``accountant, no adopting``: counting only (the tracker's forward phase);
+* with ``--baseline``: the same two with the older accountant.
 
 Times are the thread's CPU time (steadier than wall time on a shared machine), the median over
 the rounds, divided by the ops the workload dispatches. The table gives microseconds per op,
@@ -30,6 +33,7 @@ cost memkit's code pays.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -125,31 +129,44 @@ def ops_of(run: Callable[[], None]) -> int:
     return counter.ops
 
 
-def accountant(adopting: bool) -> Callable[[], MemoryAccountant]:
-    def make() -> MemoryAccountant:
-        acct = MemoryAccountant("cpu")
+def accountant(cls: type[Any], adopting: bool) -> Callable[[], Any]:
+    def make() -> Any:
+        acct = cls("cpu")
         acct.adopting = adopting
         return acct
 
     return make
 
 
-VARIANTS: dict[str, Callable[[], Any] | None] = {
-    "plain": None,
-    "no-op mode": NoOpMode,
-    "accountant": accountant(True),
-    "accountant, no adopting": accountant(False),
-}
+def variants(baseline: Path | None) -> dict[str, Callable[[], Any] | None]:
+    """The variants, with the accountant of ``baseline`` (an accounting.py file) if given."""
+    found: dict[str, Callable[[], Any] | None] = {
+        "plain": None,
+        "no-op mode": NoOpMode,
+        "accountant": accountant(MemoryAccountant, True),
+        "accountant, no adopting": accountant(MemoryAccountant, False),
+    }
+    if baseline is not None:
+        spec = importlib.util.spec_from_file_location("baseline_accounting", baseline)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"expected a Python file for --baseline, found {baseline}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found["baseline accountant"] = accountant(module.MemoryAccountant, True)
+        found["baseline, no adopting"] = accountant(module.MemoryAccountant, False)
+    return found
 
 
-def measure(run: Callable[[], None], rounds: int) -> dict[str, list[float]]:
+def measure(
+    run: Callable[[], None], rounds: int, table: dict[str, Callable[[], Any] | None]
+) -> dict[str, list[float]]:
     """Thread CPU seconds of each variant, per round."""
-    names = list(VARIANTS)
+    names = list(table)
     times: dict[str, list[float]] = {name: [] for name in names}
     run()  # warm up: lazy initialisation, allocator
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            make = VARIANTS[name]
+            make = table[name]
             t0 = time.thread_time()
             if make is None:
                 run()
@@ -164,19 +181,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="an older memkit/accounting.py to compare"
+    )
     args = parser.parse_args(argv)
+    table = variants(args.baseline)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, thread CPU time")
     raw: dict[str, Any] = {}
     for label, run in (("small ops", small_ops_workload()), ("lstm loop", lstm_workload())):
         ops = ops_of(run)
-        times = measure(run, args.rounds)
+        times = measure(run, args.rounds, table)
         us = {name: statistics.median(t) / ops * 1e6 for name, t in times.items()}
         print(f"\n{label}: {ops} ops a run")
         print("| variant | us/op | added to plain | added to the no-op mode |")
         print("|---|---:|---:|---:|")
         for name, value in us.items():
-            over_noop = f"{value - us['no-op mode']:+.2f}" if name.startswith("acc") else ""
+            counts = name not in ("plain", "no-op mode")
+            over_noop = f"{value - us['no-op mode']:+.2f}" if counts else ""
             print(f"| {name} | {value:.2f} | {value - us['plain']:+.2f} | {over_noop} |")
         raw[label] = {"ops": ops, "seconds": times}
     if args.json is not None:

@@ -403,8 +403,8 @@ class MemoryAccountant(TorchDispatchMode):
         plain_cpu = self._on_cpu
         new: dict[int, tuple[Any, int]] | None = None
         grown = 0
-        read: set[int] | None = None  # storages of the inputs, when not adopting
         adopting = self.adopting
+        read: set[int] | None = None  # storages of the inputs, when not adopting
         storage: torch.UntypedStorage | None
         for tensor in (out,) if type(out) is _TENSOR else _tensors(out):
             if plain_cpu and type(tensor) is _TENSOR:
@@ -421,16 +421,15 @@ class MemoryAccountant(TorchDispatchMode):
             key = id(storage)
             entry = live.get(key)
             if entry is None:
-                if not adopting:
-                    # a view (or in-place result) of a storage this op read is not new memory
-                    if read is None:
-                        read = self._read(args, kwargs)
-                    if key in read:
-                        continue
-                if new is None:
-                    new = {}
-                if key not in new:
-                    new[key] = (storage, self._size(storage))
+                # without adopting, a view (or in-place result) of a storage this op read is
+                # not new memory
+                if not adopting and read is None:
+                    read = self._read(args, kwargs)
+                if read is None or key not in read:
+                    if new is None:
+                        new = {key: (storage, self._size(storage))}
+                    elif key not in new:
+                        new[key] = (storage, self._size(storage))
             # a live storage's bytes are its count unless rounded, or resized in place (by
             # resize_ or an out= op)
             elif storage.nbytes() != entry[1] and self._size(storage) != entry[1]:
@@ -438,29 +437,40 @@ class MemoryAccountant(TorchDispatchMode):
         if not adopting:
             return new, grown
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
-        # device: adopt them.
-        for tensor in _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args):
-            if plain_cpu and type(tensor) is _TENSOR:
-                if not tensor.is_cpu:
+        # device: adopt them. Positional arguments are walked here, lists and keyword
+        # arguments by _adopt.
+        for arg in args:
+            if plain_cpu and type(arg) is _TENSOR:
+                if not arg.is_cpu:
                     continue
                 try:
-                    storage = tensor.untyped_storage()
+                    storage = arg.untyped_storage()
                 except Exception:
                     continue
-            else:
-                storage = self._storage(tensor)
-                if storage is None:
-                    continue
-            key = id(storage)
-            if key in live:
+                if id(storage) not in live:
+                    new = self._adopt([arg], new)
+            elif isinstance(arg, (_TENSOR, list, tuple)):
+                new = self._adopt(_tensors(arg), new)
+        if kwargs:
+            new = self._adopt(_tensors(kwargs), new)
+        return new, grown
+
+    def _adopt(
+        self, tensors: list[torch.Tensor], new: dict[int, tuple[Any, int]] | None
+    ) -> dict[int, tuple[Any, int]] | None:
+        """``new`` with the storages of ``tensors`` that are not counted yet."""
+        for tensor in tensors:
+            storage = self._storage(tensor)
+            if storage is None or id(storage) in self._live:
                 continue
             if new is None:
                 new = {}
+            key = id(storage)
             if key not in new:
                 new[key] = (storage, self._size(storage))
             if self._adopted is not None:  # only for first-seen storages: no per-op cost
                 self._adopted[key] = _existed(tensor)
-        return new, grown
+        return new
 
     def _read(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
         """The keys of the storages an op read."""
