@@ -65,6 +65,10 @@ SCENARIOS = {
         Scenario("compiled_model.py", ["--steps", "400"]),
         Scenario("running_loss_graph.py", ["--samples", "4000", "--epochs", "1"]),
         Scenario("periodic_eval_leak.py", ["--steps", "500", "--eval-every", "50"]),
+        Scenario("mingpt_adder.py", ["--max-iters", "100"]),
+        Scenario("accelerate_clm.py", ["--max_train_steps", "12"]),
+        Scenario("x_transformers_copy.py", ["--num-batches", "20"]),
+        Scenario("time_sequence_lbfgs.py", ["--steps", "4"]),
     )
 }
 

@@ -46,7 +46,6 @@ Examples:
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import weakref
@@ -176,6 +175,14 @@ class StorageObserver(Protocol):
         """An op tried to add ``tried`` bytes with ``free`` left in the budget."""
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage that carries its key to the free callback (made
+    by ``weakref.ref``'s own constructor: no Python ``__init__`` per storage)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class MemoryAccountant(TorchDispatchMode):
     """Counts live tensor-storage bytes on one device, optionally against a budget.
 
@@ -204,9 +211,14 @@ class MemoryAccountant(TorchDispatchMode):
         self.device = torch.device(device)
         self.budget: int | None = None if budget is None else parse_size(budget)
         self.rounding = rounding
+        # what a plain tensor is checked with in the per-op path (building tensor.device for
+        # each tensor of each op costs more than the rest of the check)
+        self._on_cpu = self.device.type == "cpu"
+        self._on_meta = self.device.type == "meta"
         self.name = name or f"simulated {self.device}"
         self._lock = threading.Lock()
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._freed = self._ref_freed  # one bound method for every storage's weak reference
         self._current = 0
         self._peak = 0
         self.num_allocs = 0
@@ -316,7 +328,26 @@ class MemoryAccountant(TorchDispatchMode):
         return self.device.index is None or dev.index is None
 
     def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        return storage_of(tensor) if self._matches(tensor) else None
+        """The storage of ``tensor`` if it is on this device (:func:`storage_of`), else None."""
+        kind = type(tensor)
+        if kind is not _TENSOR and kind is not _PARAMETER:
+            return storage_of(tensor) if self._matches(tensor) else None
+        # a plain tensor, nearly every tensor of every op: storage_of without its subclass
+        # checks, the device read as one flag where the device is cpu or meta
+        if self._on_cpu:
+            if not tensor.is_cpu:
+                return None
+        elif self._on_meta:
+            if not tensor.is_meta:
+                return None
+        elif not self._matches(tensor):
+            return None
+        if tensor.layout is not _STRIDED:
+            return None
+        try:
+            return tensor.untyped_storage()
+        except Exception:  # a functorch or functional wrapper: no storage of its own
+            return None
 
     def track(self, *objects: Any) -> MemoryAccountant:
         """Count the storages of existing objects (modules, optimizers, tensors) from now on.
@@ -337,13 +368,17 @@ class MemoryAccountant(TorchDispatchMode):
 
     def _register(self, pending: dict[int, tuple[Any, int]]) -> None:
         # caller holds the lock
+        live = self._live
+        freed = self._freed
+        observer = self._observer
         for key, (storage, nbytes) in pending.items():
-            if key in self._live:
+            if key in live:
                 continue
-            self._live[key] = (weakref.ref(storage, functools.partial(self._on_free, key)), nbytes)
+            ref = _StorageRef(storage, freed)
+            ref.key = key
+            live[key] = (ref, nbytes)
             self._current += nbytes
             self.num_allocs += 1
-            observer = self._observer
             if observer is not None:
                 adopted = self._adopted
                 existed = adopted.pop(key, None) if adopted else None
@@ -351,50 +386,109 @@ class MemoryAccountant(TorchDispatchMode):
         if self._current > self._peak:
             self._peak = self._current
 
+    def _ref_freed(self, ref: _StorageRef) -> None:
+        self._on_free(ref.key)
+
     # -- the dispatch hook ------------------------------------------------------------------
-    def _scan(self, out: Any, inputs: Any) -> tuple[dict[int, tuple[Any, int]], int]:
-        """Storages an op's outputs (or first-seen inputs) add, and bytes of in-place growth."""
-        new: dict[int, tuple[Any, int]] = {}
+    def _scan(
+        self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> tuple[dict[int, tuple[Any, int]] | None, int]:
+        """Storages an op's outputs (or first-seen inputs) add (``None``: none), and bytes of
+        in-place growth.
+
+        The per-op cost of the simulated device, so written for speed: one pass over the
+        outputs and, while adopting, one over the inputs; a plain tensor's storage read inline
+        (:meth:`_storage` for the rest), where a non-strided layout raises."""
+        live = self._live
+        plain_cpu = self._on_cpu
+        new: dict[int, tuple[Any, int]] | None = None
         grown = 0
+        adopting = self.adopting
         read: set[int] | None = None  # storages of the inputs, when not adopting
-        for tensor in _tensors(out):
-            storage = self._storage(tensor)
-            if storage is None:
-                continue
+        storage: torch.UntypedStorage | None
+        for tensor in (out,) if type(out) is _TENSOR else _tensors(out):
+            if plain_cpu and type(tensor) is _TENSOR:
+                if not tensor.is_cpu:
+                    continue
+                try:
+                    storage = tensor.untyped_storage()
+                except Exception:  # sparse, mkldnn: no strided storage
+                    continue
+            else:
+                storage = self._storage(tensor)
+                if storage is None:
+                    continue
             key = id(storage)
-            entry = self._live.get(key)
+            entry = live.get(key)
             if entry is None:
-                if not self.adopting:
-                    # a view (or in-place result) of a storage this op read is not new memory
-                    if read is None:
-                        read = {
-                            id(s) for t in _tensors(inputs) if (s := self._storage(t)) is not None
-                        }
-                    if key in read:
-                        continue
-                new.setdefault(key, (storage, self._size(storage)))
-                continue
-            size = self._size(storage)
-            if size != entry[1]:  # resized in place (resize_, out= ops)
-                with self._lock:
-                    if key in self._live:
-                        self._live[key] = (entry[0], size)
-                        self._current += size - entry[1]
-                        grown += size - entry[1]
-                        if self._observer is not None:
-                            self._observer.freed(key, entry[1])
-                            self._observer.allocated(key, size, int(storage.nbytes()), None)
-        # Inputs first seen now (created before the mode, e.g. the batch) are live on the
-        # device: adopt them.
-        if not self.adopting:
+                # without adopting, a view (or in-place result) of a storage this op read is
+                # not new memory
+                if not adopting and read is None:
+                    read = self._read(args, kwargs)
+                if read is None or key not in read:
+                    if new is None:
+                        new = {key: (storage, self._size(storage))}
+                    elif key not in new:
+                        new[key] = (storage, self._size(storage))
+            # a live storage's bytes are its count unless rounded, or resized in place (by
+            # resize_ or an out= op)
+            elif storage.nbytes() != entry[1] and self._size(storage) != entry[1]:
+                grown += self._resized(key, entry, storage)
+        if not adopting:
             return new, grown
-        for tensor in _tensors(inputs):
-            storage = self._storage(tensor)
-            if storage is not None and id(storage) not in self._live:
-                new.setdefault(id(storage), (storage, self._size(storage)))
-                if self._adopted is not None:  # only for first-seen storages: no per-op cost
-                    self._adopted[id(storage)] = _existed(tensor)
+        # Inputs first seen now (created before the mode, e.g. the batch) are live on the
+        # device: adopt them. Positional arguments are walked here, lists and keyword
+        # arguments by _adopt.
+        for arg in args:
+            if plain_cpu and type(arg) is _TENSOR:
+                if not arg.is_cpu:
+                    continue
+                try:
+                    storage = arg.untyped_storage()
+                except Exception:
+                    continue
+                if id(storage) not in live:
+                    new = self._adopt([arg], new)
+            elif isinstance(arg, (_TENSOR, list, tuple)):
+                new = self._adopt(_tensors(arg), new)
+        if kwargs:
+            new = self._adopt(_tensors(kwargs), new)
         return new, grown
+
+    def _adopt(
+        self, tensors: list[torch.Tensor], new: dict[int, tuple[Any, int]] | None
+    ) -> dict[int, tuple[Any, int]] | None:
+        """``new`` with the storages of ``tensors`` that are not counted yet."""
+        for tensor in tensors:
+            storage = self._storage(tensor)
+            if storage is None or id(storage) in self._live:
+                continue
+            if new is None:
+                new = {}
+            key = id(storage)
+            if key not in new:
+                new[key] = (storage, self._size(storage))
+            if self._adopted is not None:  # only for first-seen storages: no per-op cost
+                self._adopted[key] = _existed(tensor)
+        return new
+
+    def _read(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
+        """The keys of the storages an op read."""
+        inputs = _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
+        return {id(s) for t in inputs if (s := self._storage(t)) is not None}
+
+    def _resized(self, key: int, entry: tuple[Any, int], storage: torch.UntypedStorage) -> int:
+        """Count a live storage at its new size; the bytes it grew by."""
+        size = self._size(storage)
+        with self._lock:
+            if key not in self._live:
+                return 0
+            self._live[key] = (entry[0], size)
+            self._current += size - entry[1]
+            if self._observer is not None:
+                self._observer.freed(key, entry[1])
+                self._observer.allocated(key, size, int(storage.nbytes()), None)
+        return size - entry[1]
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -405,11 +499,17 @@ class MemoryAccountant(TorchDispatchMode):
         return _EVAL_FRAME is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        # an OpOverload's __call__ is this call of its C++ op, one Python frame less per op
+        run = func._op if type(func) is _OP_OVERLOAD else func
+        out = run(*args, **kwargs) if kwargs else run(*args)
         if not self.counting:
             return out
-        new, grown = self._scan(out, (*args, kwargs) if kwargs else args)
-        added = sum(size for _, size in new.values())
+        new, grown = self._scan(out, args, kwargs)
+        if new is None and grown == 0:
+            return out  # most ops: a view, an in-place op, or outputs counted already
+        added = 0
+        for _, size in new.values() if new is not None else ():
+            added += size
         if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
             self.num_ooms += 1
             self.in_use_at_oom = self._current
@@ -431,7 +531,7 @@ class MemoryAccountant(TorchDispatchMode):
                     self._adopted.pop(key, None)
             with self._lock:
                 self._register(new)
-        elif grown > 0:
+        else:  # grown in place
             with self._lock:
                 self._peak = max(self._peak, self._current)
         return out
@@ -480,6 +580,11 @@ if _EVAL_FRAME is not None:  # skip the handler and everything it calls, as _dis
     _EVAL_FRAME.set_code_exec_strategy(
         MemoryAccountant.__torch_dispatch__.__code__, _EVAL_FRAME._FrameExecStrategy(_SKIP, _SKIP)
     )
+
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+_STRIDED = torch.strided
+_OP_OVERLOAD = torch._ops.OpOverload
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 """What ``torch.tensor(data)`` dispatches: its input is the new tensor itself."""

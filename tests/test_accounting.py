@@ -144,6 +144,47 @@ def test_inputs_created_before_the_block_are_adopted_once():
         del y, z
 
 
+def test_in_place_growth_is_counted_at_the_new_size():
+    with simulate(None) as acct:
+        out = torch.empty(0)
+        torch.add(torch.ones(8), 1, out=out)  # out= resizes a counted storage: 0 -> 32 B
+        assert acct.current == 32
+        assert acct.peak == 64  # the temporary ones(8) was alive beside out's 32 B
+        out.resize_(100)
+        assert acct.current == acct.peak == 400
+        del out
+        assert acct.current == 0
+
+
+def test_only_strided_tensors_on_the_device_count():
+    class Tagged(torch.Tensor):
+        """A subclass without a dispatch of its own: its storage counts like any other."""
+
+    with simulate(None) as acct:
+        on_meta = torch.empty(1000, device="meta")
+        sparse = torch.eye(4).to_sparse()  # the sparse result has no strided storage
+        assert acct.current == 0
+        dense = sparse @ torch.ones(4, 2)  # 32 B result (the ones was temporary)
+        assert acct.current == 32
+        tagged = torch.ones(10).as_subclass(Tagged) * 2  # 40 B
+        assert type(tagged) is Tagged
+        assert acct.current == 32 + 40
+        del on_meta, sparse, dense, tagged
+        assert acct.current == 0
+
+
+def test_without_adopting_views_of_host_tensors_are_not_counted():
+    host = torch.randn(100)
+    with simulate(None) as acct:
+        acct.adopting = False
+        view = host[:10]
+        flat = host.view(10, 10).t()
+        assert acct.current == 0  # views of a storage the op read: not new memory
+        made = host * 2
+        assert acct.current == 400  # a new storage counts; the host one it read does not
+        del view, flat, made
+
+
 def test_nested_accountants_both_count():
     with simulate(None) as outer:
         a = torch.ones(100)
