@@ -85,8 +85,8 @@ def fsdp_gpus_needed(
         >>> a = fsdp_gpus_needed(parameter_bytes=400, gradient_bytes=400,
         ...     optimizer_state_bytes=800, other_bytes=100, capacity_bytes=600,
         ...     units=[("0", 100), ("1", 100)], batch_size=1)
-        >>> a.title  # 1600 / N + 400 + 100 <= 600: N = 16
-        'FSDP needs 16 GPUs for batch 1 per GPU: the model's state does not fit on one'
+        >>> print(a.title)  # 1600 / N + 400 + 100 <= 600: N = 16
+        FSDP needs 16 GPUs for batch 1 per GPU: the model's state does not fit on one
     """
     state = parameter_bytes + gradient_bytes + optimizer_state_bytes
     if state + other_bytes <= capacity_bytes or state <= 0:
