@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Files under tests/ that are run or loaded by the tests, never imported as modules: with
 # --doctest-modules pytest would import them (and run the scripts) to look for doctests.
@@ -60,3 +67,30 @@ def golden(request: pytest.FixtureRequest):
         )
 
     return check
+
+
+def torchrun(
+    cwd: Path, args: list[str], *, limit: float, python_path: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 ARGS`` in ``cwd``, memkit importable (and
+    ``python_path``), without the launcher variables of an outer run. Tests import it (``from
+    conftest import torchrun``); a hang kills torchrun's process group and fails the test."""
+    launcher = Path(sys.executable).parent / "torchrun"
+    if not launcher.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{python_path}" if python_path else str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [str(launcher), "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
+        proc.communicate()
+        pytest.fail(f"torchrun {' '.join(args[:3])} did not finish within {limit} s (a hang)")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

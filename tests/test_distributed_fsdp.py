@@ -14,16 +14,11 @@ at the peak (the backward frees them one by one, the last forward holds its flat
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import torchrun
 
 UNIT = (256 * 256 + 256) * 4  # one Linear(256, 256), unsharded
 SHARD = 4 * UNIT // 2  # a rank's half of the 4 layers
@@ -52,29 +47,11 @@ TRAIN = textwrap.dedent(
 
 
 def _memkit_run(tmp_path: Path, *args: str, limit: float = 60.0) -> tuple[int, str]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
     pytest.importorskip("torch.distributed.fsdp")
     (tmp_path / "train.py").write_text(TRAIN)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit",
-           "run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py",
-           *args]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"torchrun memkit run did not finish within {limit} s (a hang)")
-    return proc.returncode, err
+    run = ["run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py"]
+    done = torchrun(tmp_path, ["--no-python", "memkit", *run, *args], limit=limit)
+    return done.returncode, done.stderr
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])

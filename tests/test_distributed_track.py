@@ -10,20 +10,15 @@ are bounded: a hang fails the test and kills the process group it started."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.tracking.rank_gather import RanksReport, RankSummary, rank_advice
-
-ROOT = Path(__file__).resolve().parents[1]
 
 TRAIN = textwrap.dedent(
     """
@@ -81,28 +76,10 @@ RANK1_RUNS_OUT = textwrap.dedent(
 
 def _torchrun(tmp_path: Path, script: str, *args: str, limit: float = 90.0) -> tuple[int, str]:
     """``torchrun --standalone --nproc-per-node 2 --no-python memkit run ARGS train.py`` in
-    ``tmp_path``: its exit code and stderr. A hang kills the process group and fails."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
+    ``tmp_path``: its exit code and stderr."""
     (tmp_path / "train.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit",
-           "run", *args, "train.py"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
-        proc.communicate()
-        pytest.fail(f"torchrun memkit run did not finish within {limit} s (a hang)")
-    return proc.returncode, err
+    done = torchrun(tmp_path, ["--no-python", "memkit", "run", *args, "train.py"], limit=limit)
+    return done.returncode, done.stderr
 
 
 def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> None:

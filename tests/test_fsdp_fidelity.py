@@ -12,20 +12,16 @@ one rank, not on every run): the smaller rank peak is checked exactly, the other
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 from memkit.fsdp_ranks import fsdp_ranks
 from memkit.virtual_devices import VirtualDevices
 
-ROOT = Path(__file__).resolve().parents[1]
 PER_RANK, STEPS, LAYERS = 48, 2, 5
 
 MODEL = textwrap.dedent(
@@ -70,24 +66,11 @@ WORKER = textwrap.dedent(
 
 
 def _real_peaks(tmp_path: Path) -> list[int]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
     (tmp_path / "fidelity_fsdp_model.py").write_text(MODEL)
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "worker.py"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the FSDP2 ranks did not finish within 60 s (a hang)")
-    assert proc.returncode == 0, err[-4000:]
+    done = torchrun(tmp_path, ["worker.py"], limit=60, python_path=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return [r["peak"] for r in sorted(rows, key=lambda r: r["rank"])]
 

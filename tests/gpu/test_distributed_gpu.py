@@ -4,22 +4,19 @@ on one GPU). Rank 1 gets a smaller --budget, so it runs out first, with real CUD
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = textwrap.dedent(
     """
@@ -36,23 +33,7 @@ MODEL = textwrap.dedent(
 
 
 def _torchrun(tmp_path: Path, args: list[str], limit: float = 300.0) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to this Python")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--no-python", "memkit"]
-    proc = subprocess.Popen(
-        cmd + args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"torchrun did not finish within {limit} s (a hang)")
-    return subprocess.CompletedProcess(cmd + args, proc.returncode, out, err)
+    return torchrun(tmp_path, ["--no-python", "memkit", *args], limit=limit)
 
 
 @pytest.mark.parametrize("ddp", [False, True])
