@@ -297,8 +297,7 @@ def report_text(report: TrackReport) -> str:
     if report.micro_batches > 1:
         lines.append(
             f"gradient accumulation: up to {report.micro_batches} micro-batches per step; "
-            "kept/step sums a step's micro-batches (each backward frees its own, so the sum "
-            "can exceed the peak)"
+            "kept/step is one micro-batch's (each backward frees its own)"
         )
     if report.eval_forwards:
         batch = (

@@ -97,8 +97,6 @@ class Hooks(PhaseMachine):
     _detail_handles: list[Any]
     _detail_on: bool
     _layout: tuple[bool, bool] | None
-    _train_passes: int
-    _closure_step: bool
     _compiled: bool
     _module_every: int
     _roots: dict[int, RootInfo]
@@ -513,9 +511,10 @@ class Hooks(PhaseMachine):
             own = delta - frame.children
             if own > ms.self_max:
                 ms.self_max = own
-            # a module's calls add up over a step (shared blocks, micro-batches), except the
-            # passes an optimizer's closure runs inside one step (LBFGS): they do not accumulate
-            key = -1 - self._train_passes if self._closure_step else step
+            # a module's calls add up until the next backward frees what they keep (a shared
+            # block called twice in one forward; two forwards before one backward); the next
+            # pass starts again: micro-batches, the passes of an optimizer's closure (LBFGS)
+            key = (step << 20) | self._backwards_in_step
             if ms.step_id != key:
                 ms.step_id = key
                 ms.step_sum = delta
@@ -633,11 +632,9 @@ class Hooks(PhaseMachine):
         kwargs = dict(kwargs or {})
         closure = kwargs.get("closure")
         if callable(closure):
-            self._closure_step = True
             kwargs["closure"] = self._after_closure(optimizer, closure)
             return tuple(args), kwargs
         if len(args) > 1 and callable(args[1]):
-            self._closure_step = True
             return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
         self._optimizer_begins(optimizer)
         return None
@@ -670,7 +667,6 @@ class Hooks(PhaseMachine):
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
-        self._closure_step = False
         with self._lock:
             owner = self._step_owner() if self._step_owner is not None else None
             if not self._manual_steps and (owner is None or owner is optimizer):

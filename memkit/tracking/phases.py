@@ -89,7 +89,6 @@ class PhaseMachine:
     _owners: dict[int, RootInfo]
     _grad_witness: weakref.ref[torch.Tensor] | None
     _compiled: bool
-    _train_passes: int
     model: torch.nn.Module | None
     notes: list[str]
 
@@ -131,7 +130,6 @@ class PhaseMachine:
                         self._transition(EVAL)
         else:
             kind = TRAIN_PASS
-            self._train_passes += 1
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
             if _autocast_on(self._kind) or forward_autocast(module) is not None:

@@ -108,11 +108,10 @@ class ModuleRecord:
             (allocated after its forward minus before): what the call left behind, mostly what
             backward will need. Includes its children's.
         self_activation_bytes: the same, minus what its child modules left behind.
-        activation_bytes_per_step: the largest sum over the calls of one step (a module called
-            several times per step keeps several sets; with gradient accumulation, the sum over
-            the step's micro-batches; the passes an optimizer's closure runs inside one step,
-            as LBFGS does, are not added: each pass's own sum); without step boundaries, the
-            sum over every call.
+        activation_bytes_per_step: the largest sum over the calls before one backward (a
+            module called several times in one pass keeps several sets; micro-batches and the
+            passes of an optimizer's closure, as LBFGS runs, are not added: each backward frees
+            its own); without a backward, the sum over the calls of a step.
         peak_allocated: the highest allocated bytes reached while its forward ran.
         peak_over_entry: that peak minus allocated at entry: the transient the call needed.
         leaf: the module has no child modules.

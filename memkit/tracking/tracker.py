@@ -164,8 +164,6 @@ class Tracker(Hooks):
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._module_every = 1
         self._compiled = False  # a torch.compile'd model: no module hooks
-        self._train_passes = 0  # training forwards begun
-        self._closure_step = False  # inside optimizer.step(closure)
         self._stack_ctx: contextlib.ExitStack | None = None
         self._tls = threading.local()
         self._lock = threading.RLock()
