@@ -373,8 +373,8 @@ def _probing(
 
     Everything alive on entry outlives the probe: it is frozen out of the collector's scans, so
     the gc.collect() before a trial only walks the trial's own objects (a full collection costs
-    ~0.4 s with transformers imported on a slow CPU, 45-90 ms on the H200 machine). The last
-    collection runs before unfreezing (the trials' garbage is young). ``gc.unfreeze()`` cannot
+    ~0.4 s with transformers imported on a slow CPU, 45-90 ms on the H200 machine); the last
+    collection, after unfreezing, walks everything once. ``gc.unfreeze()`` cannot
     tell objects frozen before the probe from its own, so those become collectable as usual
     afterwards: the interpreter may have frozen some at start-up (375 under Python 3.12.3 on
     the H200 machine, where a probe that froze only an unfrozen heap never froze, and each
@@ -393,8 +393,8 @@ def _probing(
             bar.close()
         model.train(training_flag)
         saved.restore()
-        gc.collect()
         gc.unfreeze()
+        gc.collect()  # whole heap, once: garbage the trials left among frozen survivors too
         backend.empty_cache()
 
 
