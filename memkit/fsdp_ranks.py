@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +41,21 @@ from typing import Any
 
 import torch
 
+from memkit.accounting import tensors_of
 from memkit.virtual_devices import HOST, VirtualDevices, active_virtual_devices
 
-__all__ = ["FsdpRank", "fsdp_ranks", "fsdp_units", "split_candidate", "unit_sizes"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FsdpRank",
+    "fsdp_ranks",
+    "fsdp_units",
+    "meta_optimizer_state",
+    "optimizer_on_meta",
+    "split_candidate",
+    "tensor_bytes",
+    "unit_sizes",
+]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -76,24 +90,64 @@ def _owned(
     return out
 
 
-def _nbytes(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the tensors' elements (any device, meta too)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def unit_sizes(model: torch.nn.Module) -> list[tuple[str, int]]:
     """Each unit of :func:`fsdp_units` and its unsharded parameter bytes (any device, meta too)."""
-    return [(name, _nbytes(params)) for name, _, params in _owned(fsdp_units(model))]
+    return [(name, tensor_bytes(params)) for name, _, params in _owned(fsdp_units(model))]
+
+
+def meta_optimizer_state(optimizer: Any) -> int | None:
+    """Bytes of device state that ``optimizer``, built over meta parameters, holds after one
+    step (Adam's moments, momentum buffers; not host scalars); ``None`` when it cannot step on
+    meta tensors. The sharded state FSDP advice divides among GPUs."""
+    try:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+    except Exception as exc:  # advice must never break what it advises on
+        log.debug("the optimizer did not step on meta tensors: %s", exc)
+        return None
+    return tensor_bytes([t for t in tensors_of(optimizer.state) if t.device.type == "meta"])
+
+
+def optimizer_on_meta(optimizer: Any) -> Any | None:
+    """The same optimizer (class, settings, groups) over meta copies of its parameters: no
+    device memory, so it can be measured when the model does not fit. ``None`` when its class
+    cannot be rebuilt from ``param_groups`` and ``defaults``."""
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [
+                torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                for p in group["params"]
+            ],
+        }
+        for group in optimizer.param_groups
+    ]
+    cls = type(optimizer)
+    try:  # the settings its constructor takes (AdamW's defaults hold one it sets itself)
+        accepted = inspect.signature(cls).parameters
+        return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    except Exception as exc:
+        log.debug("%s could not be rebuilt on meta tensors: %s", type(optimizer).__name__, exc)
+        return None
 
 
 def split_candidate(model: torch.nn.Module) -> tuple[str, int] | None:
     """The largest module inside the largest unit that is not a unit and holds only part of
     that unit's parameters (its path and bytes): the one to ``fully_shard`` on its own."""
     units = _owned(fsdp_units(model))
-    name, unit, params = max(units, key=lambda u: _nbytes(u[2]))
-    total, mine = _nbytes(params), {id(p) for p in params}
+    name, unit, params = max(units, key=lambda u: tensor_bytes(u[2]))
+    total, mine = tensor_bytes(params), {id(p) for p in params}
     best: tuple[str, int] | None = None
     for path, mod in unit.named_modules():
-        size = _nbytes([p for p in mod.parameters() if id(p) in mine])
+        size = tensor_bytes([p for p in mod.parameters() if id(p) in mine])
         if mod is not unit and 0 < size < total and (best is None or size > best[1]):
             best = (f"{name}.{path}" if name else path, size)
     return best

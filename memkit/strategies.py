@@ -35,7 +35,13 @@ from memkit.accounting import tensors_of
 from memkit.advice import Advice
 from memkit.advice.sharding import fsdp_gpus_needed, fsdp_saves, fsdp_wrap_unit
 from memkit.errors import ConfigError, UserCodeError
-from memkit.fsdp_ranks import fsdp_ranks, split_candidate, unit_sizes
+from memkit.fsdp_ranks import (
+    fsdp_ranks,
+    meta_optimizer_state,
+    split_candidate,
+    tensor_bytes,
+    unit_sizes,
+)
 from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.parallel import DataParallel, ddp_replicas
@@ -237,12 +243,10 @@ class _Trials:
                 seen["input for the other devices"] = full - full // max(1, n)
                 self.plan(dp, batch, opt)
                 del batch
-            seen["reduced gradients"] = sum(
-                p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+            seen["reduced gradients"] = tensor_bytes(
+                [p for p in model.parameters() if p.requires_grad]
             )
-            seen["optimizer state"] = sum(
-                t.numel() * t.element_size() for t in tensors_of(opt.state)
-            )
+            seen["optimizer state"] = tensor_bytes(list(tensors_of(opt.state)))
             model.zero_grad(set_to_none=True)
             vd.to(model, -1)
 
@@ -360,10 +364,6 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
     )
 
 
-def _size(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _model_state(spec: ModelSpec) -> tuple[int, int, int] | None:
     """Parameters (and buffers), trainable parameters and the optimizer's device state after
     one step, in bytes, from the model built on meta tensors (``None`` if its optimizer
@@ -374,14 +374,11 @@ def _model_state(spec: ModelSpec) -> tuple[int, int, int] | None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     try:
         opt = make_optimizer(spec, model)[0]
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        opt.step()
     except Exception as exc:  # advice must never break the comparison
-        log.debug("the optimizer did not step on meta tensors: %s", exc)
+        log.debug("the optimizer could not be built on meta tensors: %s", exc)
         return None
-    state = [t for t in tensors_of(opt.state) if t.device.type == "meta"]  # not host scalars
-    return _size(params), _size(trainable), _size(state)
+    state = meta_optimizer_state(opt)
+    return None if state is None else (tensor_bytes(params), tensor_bytes(trainable), state)
 
 
 def _sharding_advice(trials: _Trials, results: Sequence[StrategyResult], gpus: int) -> list[Advice]:

@@ -121,3 +121,37 @@ def test_estimate_says_how_many_gpus_from_its_breakdown() -> None:
     gpus = math.ceil(state / room)
     assert gpus > 2 and f"FSDP needs {gpus} GPUs for batch 1" in advice["fsdp-gpus"]["title"]
     assert advice["fsdp-gpus"]["saving_bytes"] == state - math.ceil(state / gpus)
+
+
+def test_a_plain_probe_whose_model_state_does_not_fit_says_how_many_gpus_fsdp_needs() -> None:
+    """`memkit probe` without --strategies: the state (parameters + gradients + Adam's moments,
+    measured on meta copies of the optimizer) exceeds the budget, so next to does-not-fit the
+    probe names the GPUs FSDP needs; with a budget the state fits in, only does-not-fit."""
+    import torch
+
+    from memkit.probing.runner import probe
+    from memkit.units import format_size
+
+    def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        return model, torch.optim.Adam(model.parameters())
+
+    params = 4 * (512 * 512 + 512) * 4  # 4,202,496 B, and as many of gradients
+    model, opt = model_and_optimizer()
+    result = probe(model, lambda n: torch.randn(n, 512), optimizer=opt, device="cpu",
+                   budget="12MiB", max_batch=4)  # fmt: skip
+    assert result.max_batch_size is None
+    advice = {a.code: a for a in result.advice}
+    assert set(advice) == {"does-not-fit", "fsdp-gpus"}
+    gpus = advice["fsdp-gpus"]
+    assert gpus.title.startswith("FSDP needs ") and " GPUs for batch 1 per GPU" in gpus.title
+    # Adam's exp_avg and exp_avg_sq on the device (its step counters stay on the host)
+    assert f"parameters {format_size(params)} + gradients {format_size(params)} + optimizer " \
+        f"state {format_size(2 * params)}" in gpus.evidence  # fmt: skip
+    assert not opt.state  # measured on copies: the user's optimizer did not step
+
+    model, opt = model_and_optimizer()
+    result = probe(model, lambda n: torch.randn(n, 512), optimizer=opt, device="cpu",
+                   budget="24MiB", min_batch=8192, max_batch=16384)  # fmt: skip
+    assert result.max_batch_size is None  # the activations of 8192 samples do not fit
+    assert [a.code for a in result.advice] == ["does-not-fit"]  # the state (16 MiB) does

@@ -4,9 +4,11 @@ probe's search."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memkit.advice.form import Advice
+from memkit.advice.sharding import Unit, fsdp_gpus_needed
 from memkit.probing.accumulate import AccumulationPlan, exact_split, plan_accumulation
 from memkit.units import format_size
 
@@ -14,6 +16,18 @@ if TYPE_CHECKING:
     from memkit.probing.search import SearchResult
 
 __all__ = ["accumulation_advice", "does_not_fit", "probe_advice", "state_still_grows"]
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """What a model holds whatever the batch (measured when no batch fit): parameters and
+    buffers, gradients (the trainable parameters' bytes), the optimizer's state after a step,
+    and the units FSDP would all-gather."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    units: tuple[Unit, ...]
 
 
 def probe_advice(
@@ -25,15 +39,18 @@ def probe_advice(
     world_size: int = 1,
     batch_norm: bool = False,
     growing: tuple[int, int, int] | None = None,
+    state: ModelState | None = None,
 ) -> list[Advice]:
-    """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers), else
+    """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers; with
+    the model's ``state``, ``fsdp-gpus`` when that state alone exceeds the capacity: the rest
+    of the step is the failed trial's lower bound less the state), else
     ``probe-state-grows`` when the memory kept between the answer's steps still grew at the
     last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
     state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
     size."""
     if search.max_batch_size is None:
         trial = search.trials[0]
-        return [
+        found = [
             does_not_fit(
                 batch_size=trial.batch_size,
                 mode=mode,
@@ -42,6 +59,22 @@ def probe_advice(
                 device=device,
             )
         ]
+        held = 0 if state is None else (
+            state.parameter_bytes + state.gradient_bytes + state.optimizer_state_bytes
+        )  # fmt: skip
+        capacity = search.capacity_bytes
+        if state is not None and trial.peak_bytes and capacity and held > capacity:
+            gpus = fsdp_gpus_needed(
+                parameter_bytes=state.parameter_bytes,
+                gradient_bytes=state.gradient_bytes,
+                optimizer_state_bytes=state.optimizer_state_bytes,
+                other_bytes=max(0, trial.peak_bytes - held),
+                capacity_bytes=capacity,
+                units=state.units,
+                batch_size=trial.batch_size,
+            )
+            found += [gpus] if gpus is not None else []
+        return found
     advice: list[Advice] = []
     if growing is not None and search.max_batch_size is not None:
         advice.append(state_still_grows(search.max_batch_size, *growing))

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from memkit import devices, distributed
-from memkit.advice.probe import probe_advice
+from memkit.advice.probe import ModelState, probe_advice
 from memkit.devices import SimulatedBackend, get_backend
 from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
+from memkit.fsdp_ranks import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.modelfile import (
     accepts_seq_len,
     build_model,
@@ -226,11 +227,29 @@ def probe(
                 search, records = search_with(plan, search.max_batch_size)
         finally:
             held.clear()
+    unfit = search.max_batch_size is None and mode == "train" and capacities is None
     return _build_result(
         search, records, backend, plan, mode, steps, margin, min_batch, max_batch,
         seq_len, defaults, target_batch, capacities,
         batch_norm=_has_batch_norm(model), ddp=ddp or is_ddp(model),
+        state=_model_state(model, optimizer) if unfit else None,
     )  # fmt: skip
+
+
+def _model_state(model: torch.nn.Module, optimizer: Any) -> ModelState | None:
+    """What the model holds whatever the batch, for the sharding advice when no batch fit:
+    its parameters and buffers, its trainable parameters' gradients, and its optimizer's
+    state after one step measured on meta copies (no device memory)."""
+    twin = None if optimizer is None else optimizer_on_meta(optimizer)
+    state = None if twin is None else meta_optimizer_state(twin)
+    if state is None:
+        return None
+    return ModelState(
+        parameter_bytes=tensor_bytes([*model.parameters(), *model.buffers()]),
+        gradient_bytes=tensor_bytes([p for p in model.parameters() if p.requires_grad]),
+        optimizer_state_bytes=state,
+        units=tuple(unit_sizes(model)),
+    )
 
 
 def _accumulation(
@@ -467,6 +486,7 @@ def _build_result(
     *,
     batch_norm: bool = False,
     ddp: bool = False,
+    state: ModelState | None = None,
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
@@ -479,6 +499,7 @@ def _build_result(
         world_size=world,
         batch_norm=batch_norm,
         growing=growing,
+        state=state,
     )
     model = search.model
     return ProbeResult(
