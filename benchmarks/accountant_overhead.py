@@ -1,12 +1,12 @@
 """What does one op cost under the simulated device? Microseconds per ATen op.
 
 Run: ``python benchmarks/accountant_overhead.py`` (CPU; ``--rounds 15``, ``--json out.json``).
-``--baseline OLD.py`` adds an older ``memkit/accounting.py`` (``git show REV:memkit/accounting.py
-> OLD.py``) to the same rounds: before and after, measured alike.
+``--baseline OLD.py`` adds an older ``memkit/simulated/accountant.py`` (``git show
+REV:memkit/simulated/accountant.py > OLD.py``) to the same rounds: before and after, measured alike.
 
 The simulated device (``memkit run --device cpu``, ``memkit.simulate``) is a
-``TorchDispatchMode``, :class:`memkit.accounting.MemoryAccountant`, that every ATen op passes
-through. Two workloads, each run in-process with one intra-op thread:
+``TorchDispatchMode``, :class:`memkit.simulated.accountant.MemoryAccountant`, that every ATen op
+passes through. Two workloads, each run in-process with one intra-op thread:
 
 * ``small ops``: a loop of 16x16 ``mm`` and ``relu``, each op allocating its output;
 * ``lstm loop``: one Adam step of pytorch/examples ``time_sequence_prediction``'s model (two
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkit.accounting import MemoryAccountant
+from memkit.simulated.accountant import MemoryAccountant
 
 
 class NoOpMode(TorchDispatchMode):
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     parser.add_argument(
-        "--baseline", type=Path, default=None, help="an older memkit/accounting.py to compare"
+        "--baseline", type=Path, default=None, help="an older accountant module to compare"
     )
     args = parser.parse_args(argv)
     table = variants(args.baseline)

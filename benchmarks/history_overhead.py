@@ -2,15 +2,15 @@
 
 Run: ``python benchmarks/history_overhead.py`` (CPU). ``--baseline-rev REV`` also times the
 accountant as it was at git revision ``REV`` (before the history's hooks existed), loaded from
-``git show REV:memkit/accounting.py``, so "off" can be compared with "never there".
+``git show REV:memkit/simulated/accountant.py``, so "off" can be compared with "never there".
 
 Each configuration trains the same model for ``--steps`` timed steps (after ``--warmup``),
 alternating configurations ``--rounds`` times; a configuration's step time is the median of all
 its steps. Configurations (all on the simulated device, the model and optimizer tracked):
 
 * ``history off``: the accountant alone (what ``--device cpu`` costs without the option);
-* ``history on``: the same with :class:`memkit.history.SimulatedHistory` recording (frames of
-  every alloc and free, the default ring of 100000 events);
+* ``history on``: the same with :class:`memkit.simulated.history.SimulatedHistory` recording
+  (frames of every alloc and free, the default ring of 100000 events);
 * ``baseline REV`` (with ``--baseline-rev``): the older accountant.
 
 It also reports the events per step, and the time and size of writing the snapshot, and, per
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memkit.accounting import MemoryAccountant
-from memkit.history import SimulatedHistory
+from memkit.simulated.accountant import MemoryAccountant
+from memkit.simulated.history import SimulatedHistory
 
 CLOCK = time.thread_time
 """CPU time of this thread: what the history costs, whatever else the machine runs."""
@@ -87,10 +87,14 @@ def workloads() -> dict[str, tuple[nn.Module, Callable[[nn.Module], Any]]]:
 def old_accountant(rev: str) -> type[Any]:
     """``MemoryAccountant`` as it was at git revision ``rev``."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "show", f"{rev}:memkit/accounting.py"], cwd=root, check=True,
-        capture_output=True, text=True,
-    ).stdout  # fmt: skip
+    for where in ("memkit/simulated/accountant.py", "memkit/accounting.py"):  # moved in 2026-11
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{where}"], cwd=root, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "accounting_at_rev.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("accounting_at_rev", path)

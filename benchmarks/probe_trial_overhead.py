@@ -84,9 +84,7 @@ def breakdown(spec: Any, model: Any, optimizer: Any, backend: Any, size: int, re
         pieces["gc"].append(_timed(backend, gc.collect))
         pieces["empty"].append(_timed(backend, backend.empty_cache))
         pieces["cold"].append(_timed(backend, steps))
-    return f"{size:>5} " + " ".join(
-        f"{1000 * statistics.median(v):>8.1f}" for v in pieces.values()
-    )
+    return f"{size:>5} " + " ".join(f"{1000 * statistics.median(v):>8.1f}" for v in pieces.values())
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ importable from ``PYTHONPATH``), e.g. a candidate strategy kept outside the tree
 ``tests/fixtures/h200_probe_nanogpt_call1.json``): the sizes up to the recorded answer fit and
 the larger ones do not; a size's peaks are the recorded ones, or, between recorded sizes, the
 straight line between their neighbours, the reserved peak then rounded up as the caching
-allocator reserves (whole 2 MiB multiples, ``memkit.estimation.allocator.K_ROUND_LARGE``). The
+allocator reserves (whole 2 MiB multiples, ``memkit.simulated.allocator.K_ROUND_LARGE``). The
 search aims with the allocated peak and decides with the reserved one, as on the device. It
 prints ``trials N, answer B`` and the sizes run.
 """
@@ -91,7 +91,7 @@ class Replay:
     """An oracle that replays a recorded probe (see the module docstring)."""
 
     def __init__(self, record: dict) -> None:
-        from memkit.estimation.allocator import K_ROUND_LARGE
+        from memkit.simulated.allocator import K_ROUND_LARGE
 
         self.segment = K_ROUND_LARGE
         trials = record["trials"]

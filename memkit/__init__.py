@@ -14,11 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from memkit._version import __version__
 
 _LAZY: dict[str, str] = {
-    "simulate": "memkit.accounting",
-    "MemoryAccountant": "memkit.accounting",
+    "simulate": "memkit.simulated",
+    "MemoryAccountant": "memkit.simulated.accountant",
     "get_backend": "memkit.devices",
     "is_oom": "memkit.oom",
     "recover": "memkit.oom",
@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from memkit.accounting import MemoryAccountant, simulate
     from memkit.devices import get_backend
     from memkit.errors import MemkitError
     from memkit.estimation import Estimate, estimate
@@ -84,6 +83,7 @@ if TYPE_CHECKING:
     from memkit.probing.decorator import find_batch_size
     from memkit.probing.result import ProbeResult
     from memkit.probing.runner import probe, probe_file
+    from memkit.simulated import MemoryAccountant, simulate
     from memkit.snapshots import Snapshot, SnapshotDiff, snapshot
     from memkit.tracking import OomPostMortem, Tracker, TrackReport, track
     from memkit.units import format_size, parse_size

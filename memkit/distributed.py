@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memkit.errors import DistributedError
+from memkit.devices import collective_device, set_current_device
+from memkit.errors import ConfigError, DistributedError
 
 
 class RankStatus(enum.IntEnum):
@@ -50,6 +51,7 @@ class RankStatus(enum.IntEnum):
     """Out of memory with no smaller size left to try (a micro-batch of 1)."""
     ERROR = 4
     """An error that is not an out-of-memory error."""
+
 
 __all__ = [
     "all_gather_ints",
@@ -133,8 +135,6 @@ def world_size() -> int:
 
 
 def _collective_device(dist: Any) -> torch.device:
-    from memkit.devices import collective_device
-
     return collective_device(str(dist.get_backend()))
 
 
@@ -213,8 +213,6 @@ def all_gather_ints(
         >>> all_gather_ints([3, None])  # single process
         [[3, None]]
     """
-    from memkit.errors import ConfigError
-
     if any(v is not None and v < 0 for v in values):
         raise ConfigError(f"all_gather_ints takes non-negative integers or None, found {values}")
     n, me, size = len(values), rank(), world_size()
@@ -403,8 +401,6 @@ def process_group_from_env(
     dev = torch.device(device)
     name = backend or _default_backend(dev.type)
     if dev.type == "cuda":
-        from memkit.devices import set_current_device
-
         set_current_device(
             torch.device("cuda", dev.index if dev.index is not None else local_rank())
         )

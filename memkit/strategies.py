@@ -4,14 +4,16 @@ device.
 ``memkit probe model.py --device cpu --gpus 4 --budget 24GiB --strategies dp,ddp,fsdp`` (real
 compute on the simulated device) and ``memkit estimate ... --gpus 4 --strategies dp,ddp`` (meta
 tensors, no compute) call :func:`compare_strategies`. Each strategy's trials run on a fresh
-:class:`~memkit.virtual_devices.VirtualDevices`:
+:class:`~memkit.simulated.virtual_devices.VirtualDevices`:
 
-* ``dp``: the model on ``cuda:0`` wrapped in :class:`memkit.parallel.DataParallel`, its optimizer
+* ``dp``: the model on ``cuda:0`` wrapped in :class:`memkit.simulated.parallel.DataParallel`, its
+  optimizer
   there, the global batch made on ``cuda:0`` (the script's ``x.cuda()``) and scattered;
-* ``ddp``: :func:`memkit.parallel.ddp_replicas` on every device (replica, optimizer, buckets), each
+* ``ddp``: :func:`memkit.simulated.parallel.ddp_replicas` on every device (replica, optimizer,
+  buckets), each
   running the per-rank batch (global / N); ranks run one after the other (their memory is
   independent) and gradients are not averaged across them (an in-place all-reduce adds no memory);
-* ``fsdp``: :func:`memkit.fsdp_ranks.fsdp_ranks` on every device (the rank's shards, its
+* ``fsdp``: :func:`memkit.simulated.fsdp.fsdp_ranks` on every device (the rank's shards, its
   optimizer over them, FSDP2's all-gathers and reduce-scatters around each unit), each running
   the per-rank batch, one rank after the other.
 
@@ -31,25 +33,24 @@ from typing import Any, ClassVar
 import torch
 
 from memkit import advice as rules
-from memkit.accounting import tensors_of
 from memkit.advice import Advice
 from memkit.advice.sharding import fsdp_gpus_needed, fsdp_saves, fsdp_wrap_unit
 from memkit.errors import ConfigError, UserCodeError
-from memkit.fsdp_ranks import (
+from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
+from memkit.oom import is_oom
+from memkit.probing.step import StepPlan
+from memkit.render import strategies as layout
+from memkit.results import Record, Result
+from memkit.simulated.accountant import tensors_of
+from memkit.simulated.fsdp import (
     fsdp_ranks,
     meta_optimizer_state,
     split_candidate,
     tensor_bytes,
     unit_sizes,
 )
-from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
-from memkit.oom import is_oom
-from memkit.parallel import DataParallel, ddp_replicas
-from memkit.probing.step import StepPlan
-from memkit.render import strategies as layout
-from memkit.results import Record, Result
-from memkit.units import format_size
-from memkit.virtual_devices import VirtualDevices
+from memkit.simulated.parallel import DataParallel, ddp_replicas
+from memkit.simulated.virtual_devices import VirtualDevices
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -145,30 +146,6 @@ class StrategyComparison(Result):
 
     def html_body(self) -> str:
         return layout.comparison_html_body(self)
-
-
-def _switch_advice(dp: StrategyResult, ddp: StrategyResult, gpus: int) -> Advice | None:
-    """``switch-to-ddp``: DDP fits a larger global batch than DP on the same devices."""
-    if ddp.max_global_batch is None or (dp.max_global_batch or 0) >= ddp.max_global_batch:
-        return None
-    x, y = dp.max_global_batch or 0, ddp.max_global_batch
-    gain = f"+{100.0 * (y - x) / x:.0f}%" if x else "DP fits no batch"
-    parts = ", ".join(f"{k} {format_size(v)}" for k, v in dp.excess_parts)
-    return Advice(
-        code="switch-to-ddp",
-        title=f"switch to DDP: largest global batch {x} -> {y} ({gain})",
-        evidence=(
-            f"On {gpus} GPUs, DataParallel's largest global batch is {x}, with cuda:0 at "
-            f"{format_size(dp.per_device_peaks[0]) if dp.per_device_peaks else '-'}, "
-            f"{format_size(dp.excess_bytes)} above the others' mean (on cuda:0 only: {parts}). "
-            f"Under DDP every device holds the same, and the largest global batch is {y}."
-        ),
-        action=(
-            f"torchrun --nproc-per-node {gpus} train.py with DistributedDataParallel and a "
-            f"DistributedSampler, per-rank batch {y // gpus}."
-        ),
-        severity="warning",
-    )
 
 
 class _Trials:
@@ -489,7 +466,7 @@ def compare_strategies(
             if a is not None:
                 advice.append(a)
     if dp is not None and ddp is not None:
-        switch = _switch_advice(dp, ddp, gpus)
+        switch = rules.switch_to_ddp(dp, ddp, gpus)
         if switch is not None:
             advice.insert(0, switch)
     advice += _sharding_advice(trials, results, gpus)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import memkit
-from memkit.accounting import MemoryAccountant, cuda_rounded, simulate, tensors_of
 from memkit.oom import is_oom
+from memkit.simulated import simulate
+from memkit.simulated.accountant import MemoryAccountant, cuda_rounded, tensors_of
 
 
 def nbytes(*objs) -> int:

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from memkit import advice as A
+from memkit.advice.accumulation import exact_split, plan_accumulation
 from memkit.advice.probe import accumulation_advice
 from memkit.advice.track import measured_advice
 from memkit.oom import parse_oom_message
-from memkit.probing.accumulate import exact_split, plan_accumulation
+from memkit.render.advice import advice_html, advice_text
 from memkit.tracking import track
 from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
 from memkit.units import format_size
@@ -354,11 +355,11 @@ def test_renderings():
         A.dp_device_mismatch({"cpu"}, [0, 1]),
     ]
     items = [a for a in adv if a is not None]
-    text = A.advice_text(items)
+    text = advice_text(items)
     assert text.startswith("[dp-device-mismatch]") and "saving: ~" in text  # most severe first
     data = json.loads(json.dumps([a.to_dict() for a in items]))
     assert data[0]["code"] == "other-processes" and "detail" in data[0]
-    html = A.advice_html(items)
+    html = advice_html(items)
     assert "<table" in html and "dp-device-mismatch" in html
     with pytest.raises(ValueError):
         A.Advice("x", "t", "e", "a", severity="loud")

@@ -13,7 +13,7 @@ from memkit.advice.sharding import (
     fsdp_wrap_unit,
     gathered_bytes,
 )
-from memkit.fsdp_ranks import split_candidate, unit_sizes
+from memkit.simulated.fsdp import split_candidate, unit_sizes
 
 MiB = 1024**2
 FILES = Path(__file__).parent / "modelfiles"

@@ -28,9 +28,11 @@ def invoke(*args: str):
 
 
 def _small_host(monkeypatch, available: int) -> None:
-    monkeypatch.setattr(
-        devices, "host_memory", lambda: devices.HostMemory(1 << 20, available, 2 * available)
-    )
+    """A host with ``available`` bytes free, for the CLI's checks (they read it through the
+    package) and for the default budget (read in its own module)."""
+    small = lambda: devices.HostMemory(1 << 20, available, 2 * available)  # noqa: E731
+    monkeypatch.setattr(devices, "host_memory", small)
+    monkeypatch.setattr(devices.host, "host_memory", small)
 
 
 # -- Ctrl-C: 130 -------------------------------------------------------------------------------

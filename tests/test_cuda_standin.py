@@ -24,9 +24,9 @@ from torch import nn
 
 import memkit
 from memkit import devices
-from memkit.accounting import cuda_rounded
 from memkit.devices.cuda_standin import cuda_standin
 from memkit.oom import is_oom, parse_oom_message
+from memkit.simulated.accountant import cuda_rounded
 
 MIB = 1 << 20
 CUDA0 = torch.device("cuda", 0)
@@ -414,6 +414,7 @@ def test_memkit_run_budget_caps_cuda(tmp_path):
     result, _, _ = run_under_standin(tmp_path, 40, "--budget", "32MiB")
     assert result.exit_code == 1, result.output
     assert "32.00 MiB allowed" in result.stderr
+
 
 def test_the_users_peak_counters_survive_tracking():
     """memkit resets the peak counters at every phase; what the user reads is still the true

@@ -193,7 +193,9 @@ def test_nvml_without_a_driver_or_binding_is_a_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     stats, reason = devices.nvml_stats()
     assert stats == [] and "no NVIDIA driver" in reason and "Library Not Found" in reason
-    monkeypatch.setattr(devices, "nvidia_smi_stats", lambda: ([], "nvidia-smi found no GPU"))
+    monkeypatch.setattr(
+        devices.readings, "nvidia_smi_stats", lambda: ([], "nvidia-smi found no GPU")
+    )
     stats, reason = devices.gpu_stats()  # GPUtil is the fallback; both reasons are given
     assert stats == [] and "NVML: NVML is unavailable" in reason and "GPUtil: nvidia-smi" in reason
     monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed
@@ -213,12 +215,12 @@ def test_nvml_gpus_in_cuda_order_with_their_processes(monkeypatch):
         ]
     )  # fmt: skip
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(devices, "_cuda_uuids", lambda: {"aaa": 0, "bbb": 1})
+    monkeypatch.setattr(devices.readings, "_cuda_uuids", lambda: {"aaa": 0, "bbb": 1})
 
     def no_gputil():
         raise AssertionError("GPUtil must not run when NVML answers")
 
-    monkeypatch.setattr(devices, "nvidia_smi_stats", no_gputil)
+    monkeypatch.setattr(devices.readings, "nvidia_smi_stats", no_gputil)
     stats, reason = devices.gpu_stats()
     assert reason is None and fake.shutdowns == 1
     a, b = stats
@@ -246,7 +248,7 @@ def test_snapshot_reads_gpus_from_nvml(monkeypatch):
           "util": 90, "temp": 61, "procs": []}]
     )  # fmt: skip
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(devices, "_cuda_uuids", dict)
+    monkeypatch.setattr(devices.readings, "_cuda_uuids", dict)
     monkeypatch.setattr(devices, "visible_devices", list)  # torch sees none of them
     row = snapshot().devices[0]
     assert (row.name, row.used, row.total, row.used_source) == ("NVIDIA A", 6 * gib, 80 * gib,

@@ -3,7 +3,8 @@
 One launch of two processes; each rank runs DistributedDataParallel (gloo) on its own
 ``memkit.simulate`` device, with ``gradient_as_bucket_view`` off and on, and reports its peak.
 The same model, per-rank batch and optimizer run on ``memkit.simulate(devices=2)`` through
-``memkit.parallel.ddp_replicas``; the per-device peaks must match the real ranks' within 1%.
+``memkit.simulated.parallel.ddp_replicas``; the per-device peaks must match the real ranks' within
+1%.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from rank_processes import wait_for_ranks
 
 import memkit
-from memkit.parallel import bucket_sizes, ddp_replicas
+from memkit.simulated.parallel import bucket_sizes, ddp_replicas
 
 pytestmark = pytest.mark.slow
 

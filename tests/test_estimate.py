@@ -11,11 +11,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from memkit.accounting import MemoryAccountant
 from memkit.cli import _ESTIMATE_ARCHS, cli
 from memkit.errors import ConfigError, UserCodeError
 from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
-from memkit.estimation.allocator import K_SMALL_BUFFER, CachingAllocatorModel
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import (
     BUILTIN_LISTS,
@@ -24,6 +22,8 @@ from memkit.estimation.autocast import (
     header_path,
     parse_header,
 )
+from memkit.simulated.accountant import MemoryAccountant
+from memkit.simulated.allocator import K_SMALL_BUFFER, CachingAllocatorModel
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -433,7 +433,7 @@ def test_allocator_constants_match_the_installed_torch() -> None:
     """kSmallSize and friends, as the installed PyTorch's c10/core/AllocatorConfig.h has them."""
     import re
 
-    from memkit.estimation import allocator as am
+    from memkit.simulated import allocator as am
 
     header = Path(torch.__file__).parent / "include" / "c10" / "core" / "AllocatorConfig.h"
     if not header.exists():

@@ -26,10 +26,10 @@ from torch import nn
 from torch.cuda import _memory_viz as viz
 
 import memkit
-from memkit.accounting import MemoryAccountant, tensors_of
 from memkit.cli import cli
-from memkit.history import PICKLE_PROTOCOL, SimulatedHistory, write_snapshot
 from memkit.inspection import categorize, inspect_snapshot
+from memkit.simulated.accountant import MemoryAccountant, tensors_of
+from memkit.simulated.history import PICKLE_PROTOCOL, SimulatedHistory, write_snapshot
 
 MIB = 1024**2
 GIB = 1024**3
@@ -278,8 +278,9 @@ def test_track_writes_the_history_when_it_runs_out(tmp_path):
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, wide))
     with (
         pytest.raises(torch.OutOfMemoryError),
-        memkit.track(model, device="cpu", budget="10MiB", memory_history=path,
-                     postmortem=None) as tracker,  # fmt: skip
+        memkit.track(
+            model, device="cpu", budget="10MiB", memory_history=path, postmortem=None
+        ) as tracker,  # fmt: skip
     ):
         model(torch.randn(batch, 256))
     pm = tracker.report().oom

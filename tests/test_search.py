@@ -254,6 +254,7 @@ def test_a_flat_part_does_not_hide_the_growing_one():
 def test_parts_that_differ_between_sizes_fall_back_to_whole_peaks():
     """Control flow that depends on the batch (a different number of parts per size) gives
     no part-by-part line: the search uses the whole peaks, and stays exact."""
+
     def fits(b: int):
         peaks = tuple([int(linear(b))] * (1 + b % 3))
         return b <= 500, int(linear(b)), peaks

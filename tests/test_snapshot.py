@@ -85,8 +85,8 @@ def test_gputil_failure_is_a_reason_not_a_crash(monkeypatch):
         calls.append(1)
         return [], "GPUtil is not importable (ModuleNotFoundError: No module named 'distutils')"
 
-    monkeypatch.setattr(devices, "nvml_stats", lambda: ([], "NVML is unavailable"))
-    monkeypatch.setattr(devices, "nvidia_smi_stats", broken)
+    monkeypatch.setattr(devices.readings, "nvml_stats", lambda: ([], "NVML is unavailable"))
+    monkeypatch.setattr(devices.readings, "nvidia_smi_stats", broken)
     snap = snapshot()
     assert calls == [1]
     assert snap.devices[0].kind == "none"

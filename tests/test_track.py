@@ -391,8 +391,9 @@ def test_postmortem_bytes_in_use_are_those_at_the_failure(tmp_path):
     path = tmp_path / "oom.pickle"
     with (
         pytest.raises(torch.OutOfMemoryError),
-        track(model, device="cpu", budget="600KiB", postmortem=None,
-              memory_history=path) as tracker,  # fmt: skip
+        track(
+            model, device="cpu", budget="600KiB", postmortem=None, memory_history=path
+        ) as tracker,  # fmt: skip
     ):
         model(input_ids=ids, labels=ids).loss.backward()
     pm = tracker.report().oom

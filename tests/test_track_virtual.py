@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memkit
-from memkit.parallel import DataParallel, ddp_replicas
+from memkit.simulated.parallel import DataParallel, ddp_replicas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from cnn import SmallCNN, train_step
@@ -36,7 +36,7 @@ def _track_dp(model: nn.Module, batch, gpus: int = GPUS):
 
 
 def _ddp_peak(model: nn.Module, batch, gpus: int = GPUS) -> int:
-    """DDP's per-device peak on the same devices (memkit.parallel.ddp_replicas)."""
+    """DDP's per-device peak on the same devices (memkit.simulated.parallel.ddp_replicas)."""
     with memkit.simulate(None, devices=gpus) as vd:
         for rank in ddp_replicas(model, _sgd):
             with vd.on(rank.device):

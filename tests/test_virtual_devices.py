@@ -12,8 +12,8 @@ import torch
 
 import memkit
 from memkit.advice import check_data_parallel
-from memkit.parallel import DataParallel, bucket_sizes, ddp_replicas
-from memkit.virtual_devices import HOST, to_virtual
+from memkit.simulated.parallel import DataParallel, bucket_sizes, ddp_replicas
+from memkit.simulated.virtual_devices import HOST, to_virtual
 
 F = 4  # bytes per float32
 

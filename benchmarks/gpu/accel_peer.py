@@ -1,4 +1,5 @@
 """Accelerate's find_executable_batch_size on the same step and cap as memkit probe."""
+
 import sys
 import time
 

@@ -1,5 +1,6 @@
 """On a GPU machine: what one gc.collect() costs before and after CUDA steps, frozen or not
 (the probe freezes the heap; the first CUDA step of nanoGPT's model creates objects lazily)."""
+
 import gc
 import sys
 import time

@@ -4,6 +4,7 @@ independent check of a probe's answer (run it for the answer and the answer + 1)
 
 `--before B`: first 2 steps at batch B, then `empty_cache()`, as a probe's earlier trial leaves
 the process (the model file keeps the last logits, as train.py keeps `logits`)."""
+
 import argparse
 import sys
 
@@ -44,6 +45,8 @@ if args.before is not None:
     label = f" after 2 steps at {args.before}"
 result = train(args.size, args.steps)
 mib = 2**20
-print(f"PLAIN size {args.size}{label}: {result}; peak allocated "
-      f"{torch.cuda.max_memory_allocated() / mib:.1f} MiB, reserved "
-      f"{torch.cuda.max_memory_reserved() / mib:.1f} MiB")
+print(
+    f"PLAIN size {args.size}{label}: {result}; peak allocated "
+    f"{torch.cuda.max_memory_allocated() / mib:.1f} MiB, reserved "
+    f"{torch.cuda.max_memory_reserved() / mib:.1f} MiB"
+)

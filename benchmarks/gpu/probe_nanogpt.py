@@ -1,5 +1,6 @@
 """nanoGPT's shakespeare_char GPT stepped as its train.py steps it (bf16 autocast, logits kept
 until the next forward, clip 1.0, fused AdamW), as a memkit probe model file."""
+
 import os
 import sys
 
@@ -13,8 +14,11 @@ _kept = []
 
 def build_model():
     torch.manual_seed(1337)
-    return GPT(GPTConfig(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384,
-                         dropout=0.2, bias=False))
+    return GPT(
+        GPTConfig(
+            block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384, dropout=0.2, bias=False
+        )
+    )
 
 
 def make_batch(batch_size):
@@ -23,8 +27,9 @@ def make_batch(batch_size):
 
 
 def build_optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1,
-                             fused=torch.cuda.is_available())
+    return torch.optim.AdamW(
+        params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=torch.cuda.is_available()
+    )
 
 
 def train_step(model, batch, optimizer):

@@ -1,5 +1,6 @@
 """cProfile of probe trials on a warm GPU: where the time inside a trial goes (one-size probes of
 probe_nanogpt.py's model at batch 32 under a 3 GiB cap, after one warm-up probe)."""
+
 import cProfile
 import pstats
 import sys
@@ -14,8 +15,16 @@ opt = mf.build_optimizer(model.parameters())
 
 
 def once():
-    r = probe(model, mf.make_batch, optimizer=opt, train_step=mf.train_step, device="cuda",
-              budget="3GiB", min_batch=32, max_batch=32)
+    r = probe(
+        model,
+        mf.make_batch,
+        optimizer=opt,
+        train_step=mf.train_step,
+        device="cuda",
+        budget="3GiB",
+        min_batch=32,
+        max_batch=32,
+    )
     return r.trials[0].seconds
 
 

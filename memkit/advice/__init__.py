@@ -9,14 +9,15 @@ advice never does. One module per subject:
 * :mod:`memkit.advice.training`: ``mixed-precision``, ``float64``, ``activation-checkpointing``,
   ``optimizer-state``, ``zero-grad-keeps-grads``.
 * :mod:`memkit.advice.device`: ``fragmentation``, ``other-processes``, ``empty-cache``.
-* :mod:`memkit.advice.distributed`: ``dp-*`` and ``ddp-*``; :mod:`memkit.advice.sharding`:
-  ``fsdp-gpus``, ``fsdp-saves``, ``fsdp-wrap-unit``.
+* :mod:`memkit.advice.distributed`: ``dp-*``, ``ddp-*``, ``switch-to-ddp``;
+  :mod:`memkit.advice.sharding`: ``fsdp-gpus``, ``fsdp-saves``, ``fsdp-wrap-unit``.
+* :mod:`memkit.advice.lightning`: advice actions said in Lightning's terms.
 * :mod:`memkit.advice.probe`: ``does-not-fit``, ``accumulate``; :mod:`memkit.advice.estimate`:
   an estimate's.
 * :mod:`memkit.advice.track`: the rules fed with a track report; :mod:`memkit.advice.oom`: the
   OOM post-mortem's; :mod:`memkit.advice.leaks`: ``graph-retained``, ``memory-growth``.
 
-This package re-exports the form, the renderings and the rules of plain numbers.
+This package re-exports the form and the rules of plain numbers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from memkit.advice.device import (
     fragmentation,
     other_processes,
     processes_in_oom_message,
+    snapshot_fragmentation,
 )
 from memkit.advice.distributed import (
     DP_IMBALANCE,
@@ -35,6 +37,7 @@ from memkit.advice.distributed import (
     dp_device_mismatch,
     dp_loss_on_replicas,
     dp_to_ddp,
+    switch_to_ddp,
 )
 from memkit.advice.form import CUDA_CONTEXT_BYTES, MATERIAL, PRESSURE, SEVERITIES, Advice, MiB
 from memkit.advice.probe import accumulation_advice, does_not_fit
@@ -47,7 +50,6 @@ from memkit.advice.training import (
     optimizer_state,
     zero_grad_keeps_grads,
 )
-from memkit.render.advice import advice_html, advice_text
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -61,8 +63,6 @@ __all__ = [
     "ModuleActivation",
     "accumulation_advice",
     "activation_checkpointing",
-    "advice_html",
-    "advice_text",
     "check_data_parallel",
     "device_advice",
     "does_not_fit",
@@ -77,5 +77,7 @@ __all__ = [
     "optimizer_state",
     "other_processes",
     "processes_in_oom_message",
+    "snapshot_fragmentation",
+    "switch_to_ddp",
     "zero_grad_keeps_grads",
 ]

@@ -7,9 +7,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from memkit.advice.form import CUDA_CONTEXT_BYTES, Advice, MiB
 from memkit.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from memkit.inspection.results import DeviceInspection
 
 __all__ = [
     "device_advice",
@@ -17,6 +21,7 @@ __all__ = [
     "fragmentation",
     "other_processes",
     "processes_in_oom_message",
+    "snapshot_fragmentation",
 ]
 
 log = logging.getLogger(__name__)
@@ -251,3 +256,41 @@ def processes_in_oom_message(message: str) -> list[tuple[int, str, int]]:
         except Exception:  # a size we cannot read: leave that process out
             log.debug("unreadable size %r in an OOM message", size)
     return out
+
+
+def snapshot_fragmentation(
+    devices: Sequence[DeviceInspection], *, simulated: bool, expandable: bool | None
+) -> tuple[list[Advice], list[str]]:
+    """``fragmentation`` per device of a memory snapshot (``memkit inspect``), and notes on the
+    OOMs it does not explain: an OOM recorded at the dump whose request a free block could have
+    held was not fragmentation. Nothing on the simulated device (nothing to fragment) or with
+    ``expandable_segments`` on (the fix is already in place)."""
+    if simulated or expandable:  # nothing to fragment, or the fix is already on
+        return [], []
+    out, notes = [], []
+    for d in devices:
+        name = f"cuda:{d.device}"
+        last = d.ooms[-1] if d.ooms else None
+        found = None
+        if last is not None and last.final:  # the segments are the memory at the OOM
+            if d.largest_free_block >= last.size:
+                notes.append(
+                    f"{name}: the OOM of {format_size(last.size)} is not fragmentation: a free "
+                    f"block of {format_size(d.largest_free_block)} could hold it (another "
+                    "stream's or memory pool's, or freed since)"
+                )
+                continue
+            found = fragmentation(
+                reserved=last.reserved,
+                allocated=last.allocated,
+                device=name,
+                tried_to_allocate=last.size,
+            )
+        else:
+            peak = max(d.allocated, d.peak_allocated or 0)
+            found = fragmentation(
+                reserved=d.reserved, allocated=d.allocated, device=name, peak_allocated=peak
+            )
+        if found is not None:
+            out.append(found)
+    return out, notes

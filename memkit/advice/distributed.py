@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memkit.advice.form import CUDA_CONTEXT_BYTES, Advice, MiB, percent_of
 from memkit.units import format_size
+
+if TYPE_CHECKING:
+    from memkit.strategies import StrategyResult
 
 __all__ = [
     "DP_IMBALANCE",
@@ -25,6 +28,7 @@ __all__ = [
     "dp_device_mismatch",
     "dp_loss_on_replicas",
     "dp_to_ddp",
+    "switch_to_ddp",
 ]
 
 DP_IMBALANCE = 1.2
@@ -319,7 +323,7 @@ def check_data_parallel(model: Any, batch_size: int | None = None) -> list[Advic
         return []
     ids = [int(getattr(d, "index", d)) for d in device_ids]
     out: list[Advice] = []
-    virtual = getattr(model, "parameter_devices", None)  # memkit.parallel's stand-in
+    virtual = getattr(model, "parameter_devices", None)  # memkit.simulated.parallel's stand-in
     if callable(virtual):
         found = set(virtual())
     else:
@@ -464,4 +468,29 @@ def ddp_gpu0_context(readings: Sequence[ContextReading]) -> Advice | None:
         ),
         saving_bytes=extra,
         severity="critical",
+    )
+
+
+def switch_to_ddp(dp: StrategyResult, ddp: StrategyResult, gpus: int) -> Advice | None:
+    """``switch-to-ddp``: in the strategy comparison, DDP fits a larger global batch than
+    DataParallel on the same devices."""
+    if ddp.max_global_batch is None or (dp.max_global_batch or 0) >= ddp.max_global_batch:
+        return None
+    x, y = dp.max_global_batch or 0, ddp.max_global_batch
+    gain = f"+{100.0 * (y - x) / x:.0f}%" if x else "DP fits no batch"
+    parts = ", ".join(f"{k} {format_size(v)}" for k, v in dp.excess_parts)
+    return Advice(
+        code="switch-to-ddp",
+        title=f"switch to DDP: largest global batch {x} -> {y} ({gain})",
+        evidence=(
+            f"On {gpus} GPUs, DataParallel's largest global batch is {x}, with cuda:0 at "
+            f"{format_size(dp.per_device_peaks[0]) if dp.per_device_peaks else '-'}, "
+            f"{format_size(dp.excess_bytes)} above the others' mean (on cuda:0 only: {parts}). "
+            f"Under DDP every device holds the same, and the largest global batch is {y}."
+        ),
+        action=(
+            f"torchrun --nproc-per-node {gpus} train.py with DistributedDataParallel and a "
+            f"DistributedSampler, per-rank batch {y // gpus}."
+        ),
+        severity="warning",
     )

@@ -43,7 +43,7 @@ def estimate_advice(
         need_bytes: the reserved peak at the breakdown's batch.
         bf16_saving: what bf16 autocast saves at that batch, measured by a second trial; asked
             only when ``mixed-precision`` may fire (``None`` if that trial fails).
-        units: the units FSDP would shard (``memkit.fsdp_ranks.unit_sizes``), for
+        units: the units FSDP would shard (``memkit.simulated.fsdp.unit_sizes``), for
             ``fsdp-gpus`` when nothing fits in training.
         trainable_bytes: the trainable parameters' bytes (the gradients FSDP shards).
     """

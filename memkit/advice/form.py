@@ -8,9 +8,11 @@ expected ``saving_bytes``. Its text and HTML layout is in :mod:`memkit.render.ad
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from memkit.render.advice import advice_block
+from memkit.results import Record
 from memkit.units import format_size
 
 __all__ = [
@@ -29,7 +31,7 @@ SEVERITIES = ("info", "warning", "critical")
 
 
 @dataclass(frozen=True)
-class Advice:
+class Advice(Record):
     """One recommendation.
 
     Attributes:
@@ -62,13 +64,16 @@ class Advice:
         )
         return f"{self.evidence} {self.action}{saving}".strip()
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: every field plus ``detail``."""
-        return {**asdict(self), "detail": self.detail}
+    @property
+    def rank(self) -> int:
+        """The severity's place in :data:`SEVERITIES` (0 for ``"info"``): higher is worse."""
+        return SEVERITIES.index(self.severity)
+
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["detail"] = self.detail
+        return out
 
     def __str__(self) -> str:
-        from memkit.render.advice import advice_block
-
         return advice_block(self)
 
 

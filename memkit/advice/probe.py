@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memkit.advice.accumulation import AccumulationPlan, exact_split, plan_accumulation
 from memkit.advice.form import Advice
 from memkit.advice.sharding import Unit, fsdp_gpus_needed
-from memkit.probing.accumulate import AccumulationPlan, exact_split, plan_accumulation
 from memkit.units import format_size
 
 if TYPE_CHECKING:

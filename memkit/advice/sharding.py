@@ -7,7 +7,7 @@ A rank under FSDP holds ``1/N`` of the parameters, gradients and optimizer state
 the activations of its own batch, and, around the unit running, unsharded memory: at the peak
 of a unit's backward its unsharded parameters, their unsharded gradients and the reduce-scatter
 input (three times the unit), and the next unit's all-gather buffer, prefetched
-(:func:`gathered_bytes`; the step-by-step model is :mod:`memkit.fsdp_ranks`). Pure functions
+(:func:`gathered_bytes`; the step-by-step model is :mod:`memkit.simulated.fsdp`). Pure functions
 of numbers, so tests construct them.
 """
 
@@ -74,7 +74,7 @@ def fsdp_gpus_needed(
         other_bytes: the rest of the step's peak at ``batch_size`` (activations, temporaries):
             per rank, for a per-rank batch of ``batch_size``.
         capacity_bytes: what one GPU's step may use.
-        units: the units FSDP would all-gather (``memkit.fsdp_ranks.unit_sizes``).
+        units: the units FSDP would all-gather (``memkit.simulated.fsdp.unit_sizes``).
         measured_fit: FSDP measured to fit (``memkit probe --strategies fsdp``): on how many
             GPUs, its largest global batch there and the per-GPU peak at it; the answer is
             never above that number of GPUs.

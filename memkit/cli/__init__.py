@@ -17,7 +17,7 @@ import warnings
 
 import click
 
-from memkit import __version__
+from memkit._version import __version__
 from memkit.cli import estimate, inspect, probe, run, snapshot
 from memkit.cli.estimate import _ESTIMATE_ARCHS, estimate_command
 from memkit.cli.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, handle_errors

@@ -71,7 +71,8 @@ def run_command(
     memkit run --memory-history mem.pickle train.py   # then: memkit inspect mem.pickle
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
-    from memkit.tracking.run import SigtermGuard, rank_path, run_script
+    from memkit.tracking.outputs import rank_path
+    from memkit.tracking.run import SigtermGuard, run_script
 
     reject_mistyped_option(click.get_current_context(), script)
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
@@ -112,7 +113,8 @@ def _check_run_options(
     ``--device meta`` is one: a script's tensors are on cpu or a GPU, and meta would count
     nothing (a report of zeros)."""
     from memkit.errors import ConfigError
-    from memkit.tracking.run import check_writable, default_device, rank_path
+    from memkit.tracking.outputs import check_writable, rank_path
+    from memkit.tracking.run import default_device
 
     for option, path in (("--json", json_path), ("--html", html_path),
                          ("--memory-history", history_path)):  # fmt: skip

@@ -15,7 +15,8 @@ Every other module asks this package for numbers; only its modules call ``torch.
   (:class:`UserPeaks`).
 * :mod:`~memkit.devices.state`: RNG states, the current device, CUDA's initialisation, the
   device a collective needs.
-* :mod:`~memkit.devices.cuda_history`: the caching allocator's trace (:mod:`memkit.history`).
+* :mod:`~memkit.devices.history`: the memory history (the CUDA allocator's trace or the simulated
+  one).
 * :mod:`~memkit.devices.cuda_standin`: a stand-in for ``torch.cuda``'s memory API backed by the
   simulated device, so that memkit's CUDA code runs in tests without a GPU (imported on demand).
 
@@ -38,11 +39,7 @@ from memkit.devices.backends import (
     visible_devices,
 )
 from memkit.devices.counters import counter_reader
-from memkit.devices.cuda_history import (
-    cuda_history_snapshot,
-    start_cuda_history,
-    stop_cuda_history,
-)
+from memkit.devices.history import MemoryHistory
 from memkit.devices.host import (
     HostMemory,
     default_cpu_budget,
@@ -76,6 +73,7 @@ __all__ = [
     "GpuStats",
     "HostMemory",
     "MemoryBackend",
+    "MemoryHistory",
     "SimulatedBackend",
     "UserPeaks",
     "VirtualDeviceBackend",
@@ -84,7 +82,6 @@ __all__ = [
     "collective_device",
     "counter_reader",
     "cuda_context_reading",
-    "cuda_history_snapshot",
     "current_device_index",
     "default_cpu_budget",
     "empty_on",
@@ -97,8 +94,6 @@ __all__ = [
     "restore_rng_state",
     "rng_state",
     "set_current_device",
-    "start_cuda_history",
-    "stop_cuda_history",
     "tensor_device",
     "visible_devices",
 ]

@@ -4,11 +4,13 @@
   ``memory_reserved`` and their peaks), ``cudaMemGetInfo`` for device-wide free/total (which
   includes the CUDA context and other processes). Other accelerators (XPU, MPS...) use the same
   class through ``torch.accelerator``.
-* :class:`SimulatedBackend`: memkit's :class:`~memkit.accounting.MemoryAccountant` with a budget.
+* :class:`SimulatedBackend`: memkit's :class:`~memkit.simulated.accountant.MemoryAccountant` with a
+  budget.
   ``--device cpu`` uses it: a deterministic device of the budget's size on any machine.
   Dispatch modes are thread-local, so its counting is active only in threads that entered
   :meth:`SimulatedBackend.activate`.
-* :class:`VirtualDeviceBackend`: one device of a :class:`~memkit.virtual_devices.VirtualDevices`
+* :class:`VirtualDeviceBackend`: one device of a
+  :class:`~memkit.simulated.virtual_devices.VirtualDevices`
   block.
 
 :func:`get_backend` picks one for a device string; :func:`visible_devices` lists the
@@ -26,9 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from memkit.accounting import MemoryAccountant
 from memkit.devices.host import default_cpu_budget
+from memkit.devices.state import current_accelerator, tensor_device
 from memkit.errors import ConfigError
+from memkit.simulated.accountant import MemoryAccountant
 from memkit.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
@@ -78,16 +81,6 @@ def accelerator_available() -> bool:
     if acc is not None:
         return bool(acc.is_available())
     return torch.cuda.is_available()
-
-
-def _current_accelerator() -> torch.device | None:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        dev = acc.current_accelerator()
-        return None if dev is None else torch.device(dev.type, acc.current_device_index())
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
 
 
 class CudaBackend:
@@ -162,9 +155,7 @@ class CudaBackend:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives on this device, as :func:`memkit.devices.tensor_device`
         says (the tracker's breakdown asks; the CUDA stand-in answers there for its tensors)."""
-        from memkit import devices
-
-        dev = devices.tensor_device(tensor)
+        dev = tensor_device(tensor)
         return dev.type == self.device.type and (dev.index is None or dev.index == self.index)
 
     def empty_cache(self) -> None:
@@ -197,7 +188,8 @@ class CudaBackend:
 
 
 class SimulatedBackend:
-    """A device of ``budget`` bytes simulated by counting tensor storages (see accounting.py).
+    """A device of ``budget`` bytes simulated by counting tensor storages (see
+    memkit.simulated.accountant).
 
     Its counters advance only for ops run inside :meth:`activate` in the same thread: dispatch
     modes are thread-local. It has no cache, so reserved equals allocated.
@@ -273,9 +265,10 @@ class SimulatedBackend:
 
 
 class VirtualDeviceBackend:
-    """One virtual device (``cuda:i``) of a :class:`~memkit.virtual_devices.VirtualDevices`
-    block, for the tracker: its counters are that device's, its peak is a segment peak of its
-    own (the block's :meth:`peak_of` stays intact)."""
+    """One virtual device (``cuda:i``) of a
+    :class:`~memkit.simulated.virtual_devices.VirtualDevices` block, for the tracker: its counters
+    are that device's, its peak is a segment peak of its own (the block's :meth:`peak_of` stays
+    intact)."""
 
     kind = "simulated"
     thread_local = False
@@ -332,9 +325,7 @@ _DEVICE_FORMS = (
 )
 
 
-def parse_device(
-    device: str | torch.device | None, *, meta: bool = True
-) -> torch.device | None:
+def parse_device(device: str | torch.device | None, *, meta: bool = True) -> torch.device | None:
     """``device`` as a ``torch.device`` (``None`` stays ``None``).
 
     Raises:
@@ -379,7 +370,7 @@ def get_backend(
             f"expected a positive budget such as 300MiB or 8GiB, found {budget!r}, which is 0 bytes"
         )
     if dev is None:
-        dev = _current_accelerator() or torch.device("cpu")
+        dev = current_accelerator() or torch.device("cpu")
     if dev.type == "cpu":
         return SimulatedBackend(
             dev, size if size is not None else default_cpu_budget(), rounding=rounding
@@ -400,7 +391,7 @@ def get_backend(
                 f"give cuda:0 to cuda:{count - 1}, or --device cpu --budget SIZE to simulate one"
             )
         return CudaBackend(torch.device("cuda", dev.index or 0), size)
-    acc = _current_accelerator()
+    acc = current_accelerator()
     if acc is None or acc.type != dev.type or not hasattr(torch.accelerator, "memory_allocated"):
         raise ConfigError(
             f"device {dev} is not available here; expected one of {_DEVICE_FORMS} "
@@ -411,7 +402,7 @@ def get_backend(
 
 def visible_devices() -> list[torch.device]:
     """The accelerator devices this process can see, in torch's index order (no CUDA init)."""
-    acc = _current_accelerator()
+    acc = current_accelerator()
     if acc is None:
         return []
     count = torch.cuda.device_count() if acc.type == "cuda" else torch.accelerator.device_count()

@@ -63,7 +63,6 @@ def counter_reader(
         reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
         initialized = torch.cuda.is_initialized
         if stats is not None and reset is not None:
-
             last = [0, 0]  # the peaks read last, for ``peaks``
 
             def read_cuda() -> tuple[int, int, int, int]:

@@ -5,9 +5,9 @@ counters, ``set_per_process_memory_fraction`` as a cap, CUDA OOM messages) would
 test. ``with cuda_standin("1GiB") as gpu:`` makes torch, for the block, report one CUDA device
 whose memory is the simulated device's:
 
-* a :class:`StandInAccountant` (a :class:`~memkit.accounting.MemoryAccountant` with CUDA's
+* a :class:`StandInAccountant` (a :class:`~memkit.simulated.accountant.MemoryAccountant` with CUDA's
   512-byte rounding) counts the storages that live on the "GPU", and every one of them is
-  replayed through :class:`~memkit.estimation.allocator.CachingAllocatorModel`, so
+  replayed through :class:`~memkit.simulated.allocator.CachingAllocatorModel`, so
   ``memory_allocated`` counts blocks and ``memory_reserved`` moves in segments (2 MiB small-pool
   segments, 20 MiB or rounded large ones) as PyTorch's CUDACachingAllocator does;
 * an allocation that needs a segment past the capacity (or past
@@ -53,8 +53,15 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import _EVAL_FRAME, MemoryAccountant, _tensors, counted_bytes, storage_of
-from memkit.estimation.allocator import (
+from memkit.devices import state
+from memkit.simulated.accountant import (
+    _EVAL_FRAME,
+    MemoryAccountant,
+    _tensors,
+    counted_bytes,
+    storage_of,
+)
+from memkit.simulated.allocator import (
     K_MIN_LARGE_ALLOC,
     K_ROUND_LARGE,
     K_SMALL_SIZE,
@@ -221,7 +228,7 @@ class StandIn:
 
     Attributes:
         accountant: the :class:`StandInAccountant` counting the device's storages.
-        allocator: the :class:`~memkit.estimation.allocator.CachingAllocatorModel` behind
+        allocator: the :class:`~memkit.simulated.allocator.CachingAllocatorModel` behind
             ``memory_allocated``/``memory_reserved``.
         properties: what ``get_device_properties(0)`` returns.
         stat_reads: calls of ``torch._C._cuda_memoryStats`` (every torch memory reading,
@@ -462,8 +469,6 @@ class StandIn:
         setattr(owner, name, value)
 
     def _install(self) -> None:
-        from memkit import devices
-
         cuda, memory = torch.cuda, torch.cuda.memory
         one = lambda *_, **__: 1  # noqa: E731
         zero = lambda *_, **__: 0  # noqa: E731
@@ -524,22 +529,23 @@ class StandIn:
             target = _CUDA0 if device is None else torch.device("cuda", _index(device))
             return tensor_to(tensor, target, non_blocking=non_blocking, **kwargs)
 
-        def tensor_device(tensor: torch.Tensor) -> torch.device:
-            return _CUDA0 if acct.holds(tensor) else tensor.device
-
         self._patch(torch.Tensor, "to", tensor_to)
         self._patch(torch.Tensor, "cpu", tensor_cpu)
         self._patch(torch.Tensor, "cuda", tensor_cuda)
-        self._patch(devices, "tensor_device", tensor_device)
+        self._patch(state, "cuda_standin", self)
 
-        def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
-            return self.allocator.free_blocks()
+    # -- what memkit.devices asks the active stand-in (state.cuda_standin) ---------------------
+    def tensor_device(self, tensor: torch.Tensor) -> torch.device:
+        """``cuda:0`` for the stand-in's device tensors (cpu tensors), else ``tensor.device``."""
+        return _CUDA0 if self.accountant.holds(tensor) else tensor.device
 
-        def empty_on(index: int, nbytes: int) -> torch.Tensor:
-            return torch.empty(nbytes, dtype=torch.uint8).to("cuda")
+    def cached_free_blocks(self, index: int) -> list[tuple[int, bool]]:
+        """The modelled allocator's free blocks."""
+        return self.allocator.free_blocks()
 
-        self._patch(devices, "cached_free_blocks", cached_free_blocks)
-        self._patch(devices, "empty_on", empty_on)
+    def empty_on(self, index: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` on the stand-in's device."""
+        return torch.empty(nbytes, dtype=torch.uint8).to("cuda")
 
     def _restore(self) -> None:
         while self._patches:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import memkit.devices as _devices  # call host_memory through the package: one patch point
-
 DEFAULT_CPU_BUDGET = 1024**3
 """The simulated cpu device's size when no budget is given: a modest device (1 GiB), so a
 probe without --budget ends in seconds, not minutes and gigabytes of RAM."""
@@ -36,7 +34,7 @@ def host_memory() -> HostMemory:
 
 def default_cpu_budget() -> int:
     """The simulated cpu device's default size: 1 GiB, or half the available RAM if less."""
-    available = _devices.host_memory().available
+    available = host_memory().available
     if available is None:
         return DEFAULT_CPU_BUDGET
     return min(DEFAULT_CPU_BUDGET, int(available * DEFAULT_CPU_BUDGET_SHARE))

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from memkit.devices import state
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SMALL_REQUEST", "UserPeaks", "cached_free_blocks", "empty_on", "plan_pieces"]
@@ -132,19 +134,17 @@ class UserPeaks:
 
     def restore(self) -> None:
         """Raise the real counters to the user's view (after the block)."""
-        from memkit import devices  # through the package: the CUDA stand-in answers there
-
         a, _, p, pr = self._read()
         need = self.allocated - a
         if self.allocated > p and need > 0:
-            pieces = plan_pieces(devices.cached_free_blocks(self.index), need)
+            pieces = plan_pieces(cached_free_blocks(self.index), need)
             if not pieces:
                 self.shortfall = (
                     f"max_memory_allocated() reads {p} B, below the block's peak "
                     f"{self.allocated} B: too little cached memory to restore it"
                 )
             else:
-                held = [devices.empty_on(self.index, n) for n in pieces]
+                held = [empty_on(self.index, n) for n in pieces]
                 del held
         if self.reserved > pr:
             self.shortfall = (
@@ -155,8 +155,9 @@ class UserPeaks:
 
 def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
     """``(size, small_pool)`` of the caching allocator's free blocks on CUDA device ``index``
-    for the current stream (``torch.cuda.memory_snapshot()``). Call it through
-    :mod:`memkit.devices`."""
+    for the current stream (``torch.cuda.memory_snapshot()``), or the CUDA stand-in's."""
+    if state.cuda_standin is not None:
+        return state.cuda_standin.cached_free_blocks(index)
     stream = torch.cuda.current_stream(index).cuda_stream
     out = []
     for seg in torch.cuda.memory_snapshot():
@@ -168,8 +169,10 @@ def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
 
 
 def empty_on(index: int, nbytes: int) -> torch.Tensor:
-    """An uninitialised tensor of ``nbytes`` on CUDA device ``index`` (no copy, no sync).
-    Call it through :mod:`memkit.devices`."""
+    """An uninitialised tensor of ``nbytes`` on CUDA device ``index`` (no copy, no sync), or on
+    the CUDA stand-in."""
+    if state.cuda_standin is not None:
+        return state.cuda_standin.empty_on(index, nbytes)
     return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
 
 

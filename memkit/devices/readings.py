@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-import memkit.devices as _devices
-
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +118,7 @@ def nvml_stats() -> tuple[list[GpuStats], str | None]:
         count = int(pynvml.nvmlDeviceGetCount())
         if count == 0:
             return [], "NVML found no GPU"
-        order = _devices._cuda_uuids()
+        order = _cuda_uuids()
         stats = [_nvml_device(pynvml, i, order) for i in range(count)]
     except Exception as exc:  # a driver error in the middle: no partial reading
         return [], f"NVML failed ({type(exc).__name__}: {exc})"
@@ -177,10 +175,10 @@ def gpu_stats() -> tuple[list[GpuStats], str | None]:
     """Every GPU the driver sees, in CUDA order: NVML (:func:`nvml_stats`), else nvidia-smi
     through GPUtil (:func:`nvidia_smi_stats`); with none, why neither gave any. For
     snapshots, never for hot paths."""
-    stats, nvml_reason = _devices.nvml_stats()
+    stats, nvml_reason = nvml_stats()
     if stats:
         return stats, None
-    stats, smi_reason = _devices.nvidia_smi_stats()
+    stats, smi_reason = nvidia_smi_stats()
     if stats:
         return stats, None
     return [], f"NVML: {nvml_reason}; GPUtil: {smi_reason}"
@@ -201,7 +199,7 @@ def nvidia_smi_stats() -> tuple[list[GpuStats], str | None]:
         return [], f"GPUtil/nvidia-smi failed ({type(exc).__name__}: {exc})"
     if not gpus:
         return [], "nvidia-smi found no GPU (or is not installed)"
-    order = _devices._cuda_uuids()
+    order = _cuda_uuids()
     mib = 1024 * 1024
     stats = [
         GpuStats(

@@ -9,9 +9,23 @@ from typing import Any
 
 import torch
 
-from memkit.devices.backends import _current_accelerator
-
 log = logging.getLogger(__name__)
+
+cuda_standin: Any = None
+"""The active CUDA stand-in (:mod:`memkit.devices.cuda_standin`), or ``None``: while one is
+active, :func:`tensor_device` and the cached-block functions of :mod:`memkit.devices.peaks`
+answer from it (its device tensors are cpu tensors)."""
+
+
+def current_accelerator() -> torch.device | None:
+    """The current device of the accelerator torch sees (``torch.accelerator``), or ``None``."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        dev = acc.current_accelerator()
+        return None if dev is None else torch.device(dev.type, acc.current_device_index())
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -41,9 +55,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def tensor_device(tensor: torch.Tensor) -> torch.device:
-    """The device memkit takes ``tensor`` to live on: ``tensor.device``. Call it through
-    :mod:`memkit.devices`: the CUDA stand-in (:mod:`memkit.devices.cuda_standin`) answers
-    ``cuda:0`` there for its device tensors, which are cpu tensors."""
+    """The device memkit takes ``tensor`` to live on: ``tensor.device``, or what the active
+    CUDA stand-in says (``cuda:0`` for its device tensors, which are cpu tensors)."""
+    if cuda_standin is not None:
+        return cuda_standin.tensor_device(tensor)
     return tensor.device
 
 
@@ -59,7 +74,7 @@ def collective_device(pg_backend: str) -> torch.device:
         return torch.device("cpu")
     if name == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return _current_accelerator() or torch.device("cpu")
+    return current_accelerator() or torch.device("cpu")
 
 
 def current_device_index(device_type: str) -> int:

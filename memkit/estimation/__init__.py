@@ -4,11 +4,12 @@
 under ``torch.device("meta")`` (no host RAM: a multi-billion-parameter model costs nothing), and
 runs the same batch-size search as ``memkit probe`` (:func:`memkit.probing.search.search_max_batch`)
 with the same step (:class:`memkit.probing.step.StepPlan`). Every trial runs on ``meta`` tensors
-under the accounting mode (:class:`memkit.accounting.MemoryAccountant`, CUDA 512-byte rounding):
-nothing is computed and no memory is used, but every storage's size is exact. On top of that:
+under the accounting mode (:class:`memkit.simulated.accountant.MemoryAccountant`, CUDA 512-byte
+rounding): nothing is computed and no memory is used, but every storage's size is exact. On top of
+that:
 
 * **allocator**: each allocation and free is replayed through a model of the CUDA caching
-  allocator (:mod:`memkit.estimation.allocator`), which gives the estimated ``memory_allocated`` and
+  allocator (:mod:`memkit.simulated.allocator`), which gives the estimated ``memory_allocated`` and
   ``memory_reserved`` peaks; the reserved peak decides the fit, as in ``memkit probe``;
 * **CUDA context**: the card's memory minus a documented constant per device family
   (:data:`DEVICE_FAMILIES`, overridable) is what the allocator may use; the cuBLAS workspace
@@ -32,10 +33,11 @@ Each trial runs one step after an unaccounted warm-up step that creates the opti
 peak equals the larger of a probe's two steps from an empty state: the second).
 
 The package (one job per module): :mod:`~memkit.estimation.search` (the entry point and the
-batch-size search), the models of the target (:mod:`~memkit.estimation.allocator`,
-:mod:`~memkit.estimation.attention`, :mod:`~memkit.estimation.autocast`). Its public names load
-on first use: :mod:`memkit.accounting` imports :func:`~memkit.estimation.allocator.round_size`,
-and the entry point imports :mod:`memkit.accounting`, so an eager import here would be circular.
+batch-size search), the models of the target (:mod:`~memkit.estimation.attention`,
+:mod:`~memkit.estimation.autocast`, :mod:`~memkit.estimation.workspaces`; the caching
+allocator's is :mod:`memkit.simulated.allocator`). Its public names load on first use: the
+command line reads the device families (torch-free) for ``memkit estimate --help``, and the
+search imports torch.
 
 Examples:
     >>> import memkit

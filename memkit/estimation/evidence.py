@@ -13,8 +13,8 @@ from memkit.advice.estimate import estimate_advice
 from memkit.estimation.families import TargetCard
 from memkit.estimation.meta_step import MetaSession
 from memkit.estimation.result import EstimateBreakdown
-from memkit.fsdp_ranks import unit_sizes
 from memkit.probing.search import SearchResult
+from memkit.simulated.fsdp import unit_sizes
 
 __all__ = ["advice_for", "bf16_saving"]
 

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from memkit.accounting import MemoryAccountant, tensors_of
 from memkit.errors import MemkitError, UserCodeError
-from memkit.estimation.allocator import CachingAllocatorModel
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user
 from memkit.probing.step import StepPlan, call_model, to_device
+from memkit.simulated.accountant import MemoryAccountant, tensors_of
+from memkit.simulated.allocator import CachingAllocatorModel
 
 __all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
 
@@ -124,8 +124,8 @@ _CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 
 class StepRecorder:
-    """The accountant's observer (:class:`~memkit.accounting.StorageObserver`): replays its
-    allocations and frees through the allocator model and sums bytes per category.
+    """The accountant's observer (:class:`~memkit.simulated.accountant.StorageObserver`): replays
+    its allocations and frees through the allocator model and sums bytes per category.
 
     A storage's category is its final one: optimizer state made by the first step's
     ``optimizer.step()`` and gradients are relabelled once they are known to be that, and the

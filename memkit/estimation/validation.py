@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import MemoryAccountant
 from memkit.modelfile import ModelSpec, build_model, load_model_file, make_optimizer
 from memkit.probing.step import StepPlan, to_device
+from memkit.simulated.accountant import MemoryAccountant
 
 __all__ = ["simulated_peak"]
 

@@ -1,8 +1,9 @@
 """``memkit inspect``: memkit's view of a PyTorch memory snapshot, from any run.
 
 A snapshot is the pickle ``torch.cuda.memory._dump_snapshot`` writes (or memkit's
-``--memory-history``, the same format from the simulated device; see :mod:`memkit.history`).
-:func:`inspect_snapshot` reads it and returns a frozen :class:`SnapshotInspection`: per device,
+``--memory-history``, the same format from the simulated device; see
+:mod:`memkit.simulated.history`). :func:`inspect_snapshot` reads it and returns a frozen
+:class:`SnapshotInspection`: per device,
 
 * **free memory and fragmentation**: reserved (segments) against allocated (active blocks); the
   free bytes in whole empty segments (cache: ``empty_cache`` returns them) apart from those in

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from memkit import advice as advice_rules
-from memkit.advice import Advice
 from memkit.inspection.frames import CATEGORIES, Frame, bound_gradients, categorize, frames_of
 from memkit.inspection.loading import load_snapshot, normalise
 from memkit.inspection.results import Allocation, DeviceInspection, OomEvent, SnapshotInspection
-from memkit.units import format_size
 
 __all__ = ["MAX_TIMELINE_POINTS", "inspect_snapshot"]
 
@@ -308,7 +306,9 @@ def inspect_snapshot(
         if meta is not None
         else "PyTorch caching allocator snapshot"
     )
-    advice, advice_notes = _advice(devices, simulated=meta is not None, expandable=expandable)
+    advice, advice_notes = advice_rules.snapshot_fragmentation(
+        devices, simulated=meta is not None, expandable=expandable
+    )
     notes = _notes(devices, meta, protocol, expandable) + advice_notes
     return SnapshotInspection(
         source=name,
@@ -373,38 +373,3 @@ def _notes(
     if expandable:
         notes.append("expandable_segments is on in this run's allocator settings")
     return notes
-
-
-def _advice(
-    devices: Sequence[DeviceInspection], *, simulated: bool, expandable: bool | None
-) -> tuple[list[Advice], list[str]]:
-    """``fragmentation`` per device, and notes on OOMs it does not explain."""
-    if simulated or expandable:  # nothing to fragment, or the fix is already on
-        return [], []
-    out, notes = [], []
-    for d in devices:
-        name = f"cuda:{d.device}"
-        last = d.ooms[-1] if d.ooms else None
-        found = None
-        if last is not None and last.final:  # the segments are the memory at the OOM
-            if d.largest_free_block >= last.size:
-                notes.append(
-                    f"{name}: the OOM of {format_size(last.size)} is not fragmentation: a free "
-                    f"block of {format_size(d.largest_free_block)} could hold it (another "
-                    "stream's or memory pool's, or freed since)"
-                )
-                continue
-            found = advice_rules.fragmentation(
-                reserved=last.reserved,
-                allocated=last.allocated,
-                device=name,
-                tried_to_allocate=last.size,
-            )
-        else:
-            peak = max(d.allocated, d.peak_allocated or 0)
-            found = advice_rules.fragmentation(
-                reserved=d.reserved, allocated=d.allocated, device=name, peak_allocated=peak
-            )
-        if found is not None:
-            out.append(found)
-    return out, notes

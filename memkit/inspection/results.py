@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from memkit.advice import Advice
-from memkit.inspection.frames import Frame, where_of
+from memkit.inspection.frames import CATEGORIES, Frame, where_of
 from memkit.render import inspection as layout
 from memkit.results import Record, Result
 
@@ -40,7 +40,7 @@ class Allocation(Record):
         return where_of(self.frames)
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
-        out["where"] = where_of(self.frames)
+        out["where"] = self.where
         return out
 
 
@@ -68,8 +68,13 @@ class OomEvent(Record):
     frames: tuple[Frame, ...] = ()
     final: bool = False
 
+    @property
+    def where(self) -> str:
+        """The innermost frame of your code, as :attr:`Allocation.where`."""
+        return where_of(self.frames)
+
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
-        out["where"] = where_of(self.frames)
+        out["where"] = self.where
         return out
 
 
@@ -112,6 +117,9 @@ class DeviceInspection(Record):
         timeline: ``(event index, allocated, reserved)``, at most
             :data:`MAX_TIMELINE_POINTS` points (the highest of each stretch).
     """
+
+    CATEGORIES: ClassVar[tuple[str, ...]] = CATEGORIES
+    """The categories, in report order."""
 
     device: int
     segments: int

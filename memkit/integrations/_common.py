@@ -8,7 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memkit.devices import get_backend, parse_device
 from memkit.errors import ConfigError, MissingDependencyError
+from memkit.tracking.outputs import check_writable, rank_path
+from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
+from memkit.units import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +49,6 @@ def _check_options(device: Any, budget: int | str | None) -> None:
     """A bad ``device`` or ``budget`` is a ConfigError naming the option when the callback is
     made, not a traceback when training starts: an unknown or absent device, meta (a training
     run's tensors are on cpu or a GPU: it would count nothing), a size that is not one."""
-    from memkit.devices import get_backend, parse_device
-    from memkit.units import parse_size
-
     if budget is not None:
         try:
             if parse_size(budget) <= 0:
@@ -103,8 +104,6 @@ class TrackingCallback:
         postmortem: str | None = "stderr",
         timeline_limit: int | None = None,
     ) -> None:
-        from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT
-
         super().__init__()
         if postmortem not in ("stderr", None):
             raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
@@ -134,8 +133,6 @@ class TrackingCallback:
 
     def _new_tracker(self, model: Any, optimizers: Any, device: Any) -> Tracker:
         """A tracker with this callback's options, entered."""
-        from memkit.tracking.tracker import Tracker
-
         tracker = Tracker(
             model,
             optimizers,
@@ -180,8 +177,6 @@ class ReportFiles:
         Raises:
             ConfigError: a folder is missing or not writable; the message says what to do.
         """
-        from memkit.tracking.run import check_writable
-
         paths: dict[str, Path | None] = {}
         for name, value in (("text", text), ("json", json), ("html", html)):
             if value is not None and not isinstance(value, (str, Path)):
@@ -198,8 +193,6 @@ class ReportFiles:
         """Write the report's files; returns the paths written (with the rank in the name
         under a distributed run). A file that cannot be written is logged, not raised: the
         training it reports on has finished."""
-        from memkit.tracking.run import rank_path
-
         written = []
         for path, render in (
             (self.text, lambda p: p.write_text(str(report) + "\n", encoding="utf-8")),

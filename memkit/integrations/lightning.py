@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from memkit.advice.lightning import in_lightning_terms
 from memkit.integrations._common import (
     MIB,
     TrackingCallback,
@@ -39,7 +40,9 @@ except ImportError as exc:
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memkit.devices import get_backend
 from memkit.errors import ConfigError
+from memkit.probing.runner import DEFAULT_MARGIN, probe
 
 if TYPE_CHECKING:
     from memkit.probing.result import ProbeResult
@@ -48,15 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["MemkitCallback", "probe_batch_size"]
 
 log = logging.getLogger(__name__)
-
-ZERO_GRAD_ACTION = (
-    "Lightning zeroes gradients inside its closure, after `training_step` and before the "
-    "backward, so the previous step's gradients are alive through every forward. Free them "
-    "right after the step instead: in your LightningModule, `def optimizer_step(self, epoch, "
-    "batch_idx, optimizer, optimizer_closure=None): optimizer.step(closure=optimizer_closure); "
-    "optimizer.zero_grad(set_to_none=True)` (Lightning's own zero_grad then finds nothing to "
-    "free)."
-)
 
 
 class MemkitCallback(TrackingCallback, pl.Callback):
@@ -186,29 +180,11 @@ class MemkitCallback(TrackingCallback, pl.Callback):
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_eval(pl_module, log_it=False)  # Lightning logs nothing while predicting
 
-EVAL_PEAK_ACTION = (
-    "Give validation its own, smaller batch size (its DataLoader's `batch_size` in "
-    "`val_dataloader()`): it needs no gradients, so this does not change training. Lightning "
-    "already runs validation under `torch.inference_mode()`."
-)
-LIGHTNING_ACTIONS = {
-    "zero-grad-keeps-grads": ZERO_GRAD_ACTION,
-    "eval-peak": EVAL_PEAK_ACTION,
-}
-"""Advice actions said in Lightning's terms where its loop differs from a plain one."""
-
 
 def lightning_advice(report: TrackReport) -> TrackReport:
-    """The report with advice actions in Lightning's terms (:data:`LIGHTNING_ACTIONS`):
-    Lightning's closure zeroes gradients after the forward, and its validation loop already
-    runs under ``inference_mode``."""
-    advice = tuple(
-        dataclasses.replace(a, action=LIGHTNING_ACTIONS[a.code])
-        if a.code in LIGHTNING_ACTIONS
-        else a
-        for a in report.advice
-    )
-    return dataclasses.replace(report, advice=advice)
+    """The report with its advice in Lightning's terms
+    (:func:`memkit.advice.lightning.in_lightning_terms`)."""
+    return dataclasses.replace(report, advice=in_lightning_terms(report.advice))
 
 
 # -- the exact batch size -------------------------------------------------------------------
@@ -265,8 +241,6 @@ def probe_batch_size(
         ConfigError: manual optimization, no optimizer, or no way to build a batch.
         UserCodeError: ``training_step`` raised something that is not an OOM.
     """
-    from memkit.probing.runner import DEFAULT_MARGIN, probe
-
     if not isinstance(module, pl.LightningModule):
         raise ConfigError(
             f"probe_batch_size expected a lightning.pytorch.LightningModule, found "
@@ -288,7 +262,6 @@ def probe_batch_size(
         make_batch = _dataloader_batches(module, datamodule)
     optimizer = _first_optimizer(module)
     step = _LightningStep(module, accumulate_grad_batches)
-    from memkit.devices import get_backend
 
     backend_device = get_backend(device, budget).device
     original = _module_device(module)

@@ -13,6 +13,7 @@ from typing import Any, overload
 import torch
 
 from memkit import distributed
+from memkit.devices import get_backend
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, DoesNotFitError
 from memkit.microbatching.policy import SplitPolicy, oom_size_bound
@@ -121,7 +122,6 @@ class MicroBatchStep:
         param = next(model.parameters(), None)
         if param is None or param.device.type in ("cpu", "meta"):
             return None  # never wrap a cpu model in a new simulated device implicitly
-        from memkit.devices import get_backend
 
         return get_backend(param.device)
 

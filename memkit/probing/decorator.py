@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from memkit.devices import accelerator_available, get_backend
 from memkit.errors import DoesNotFitError
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.units import format_size
@@ -134,8 +135,6 @@ def find_batch_size(
 
 
 def _backend(device: Any) -> Any:
-    from memkit.devices import accelerator_available, get_backend
-
     if device is None and not accelerator_available():
         return None
     return get_backend(device) if device not in (None, "cpu") else None

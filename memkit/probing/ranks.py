@@ -47,6 +47,7 @@ import torch
 from memkit import distributed
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError
+from memkit.oom import is_oom
 
 __all__ = [
     "PeerFailed",
@@ -58,7 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
 
 
 class PeerFailed(Exception):
@@ -141,9 +141,7 @@ def agreed_outcome(
     fits = all(r[0] == RankStatus.OK and r[1] == 1 for r in rows)
     values: list[int | None] = []
     for r in rows:
-        values.append(
-            r[2] if r[0] == RankStatus.OK else r[4] if r[0] == RankStatus.OOM else None
-        )
+        values.append(r[2] if r[0] == RankStatus.OK else r[4] if r[0] == RankStatus.OOM else None)
     shifted: list[int] = []
     for r, v, cap in zip(rows, values, capacities, strict=True):
         if v is None or (not fits and r[0] == RankStatus.OK and r[1] == 1):
@@ -208,7 +206,6 @@ class RankSync:
             used = distributed.fill_missing_grads(self.params)
         except Exception as exc:  # reported at this very checkpoint, re-raised below
             failed = exc
-        from memkit.oom import is_oom
 
         status = (
             RankStatus.OK
@@ -222,9 +219,7 @@ class RankSync:
             raise failed
         if agreed[0] != RankStatus.OK:
             raise PeerFailed("another rank failed before the optimizer step")
-        distributed.reduce_used_grads(
-            self.params, agreed[1:], timeout=self.timeout, average=True
-        )
+        distributed.reduce_used_grads(self.params, agreed[1:], timeout=self.timeout, average=True)
 
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:

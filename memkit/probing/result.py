@@ -182,6 +182,11 @@ class ProbeModes(Result):
     def _mode(result: ProbeResult | ProbeSweep) -> str:
         return result.mode if isinstance(result, ProbeResult) else result.results[0].mode
 
+    @property
+    def largest_batches(self) -> dict[str, int | None]:
+        """Each single-length mode's largest batch (a sequence-length sweep has none)."""
+        return {r.mode: r.max_batch_size for r in self.results if isinstance(r, ProbeResult)}
+
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         return {
             "modes": {self._mode(r): d for r, d in zip(self.results, out["results"], strict=True)}

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from memkit import devices, distributed
+from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
 from memkit.devices import SimulatedBackend, get_backend
 from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
-from memkit.fsdp_ranks import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.modelfile import (
     accepts_seq_len,
     build_model,
@@ -35,7 +35,6 @@ from memkit.modelfile import (
     require_seq_len,
 )
 from memkit.oom import is_oom, recover
-from memkit.probing.accumulate import plan_accumulation
 from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
@@ -43,6 +42,7 @@ from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, check_batch
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
+from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.units import format_size
 
 __all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "probe", "probe_file"]

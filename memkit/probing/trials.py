@@ -127,9 +127,7 @@ class PartPeaks:
     each through ``counters``); they keep no tensor.
     """
 
-    def __init__(
-        self, counters: tuple[Any, Any], model: torch.nn.Module, optimizer: Any
-    ) -> None:
+    def __init__(self, counters: tuple[Any, Any], model: torch.nn.Module, optimizer: Any) -> None:
         self.read, self.reset = counters
         self.parts: list[int] = []
         self.reserved = 0

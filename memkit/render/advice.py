@@ -25,9 +25,7 @@ def advice_block(advice: Advice) -> str:
 
 def advice_text(advice: Iterable[Advice]) -> str:
     """Advice as indented text, most severe first; empty string when there is none."""
-    from memkit.advice.form import SEVERITIES
-
-    items = sorted(advice, key=lambda a: -SEVERITIES.index(a.severity))
+    items = sorted(advice, key=lambda a: -a.rank)
     return "\n".join(str(a) for a in items)
 
 

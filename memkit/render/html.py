@@ -10,6 +10,8 @@ import html
 import math
 from collections.abc import Callable, Sequence
 
+from memkit.units import format_size
+
 __all__ = [
     "PALETTE",
     "Raw",
@@ -177,8 +179,6 @@ def line_plot(
     x_ticks = axis_ticks(x0, x1, 6, integer=x_integer)
     x_step = x_ticks[1] - x_ticks[0] if len(x_ticks) > 1 else 1.0
     if y_format is None:
-        from memkit.units import format_size
-
         y_fmt: Callable[[float], str] = format_size if y_bytes else (lambda v: _number(v, y_step))
     else:
         y_fmt = y_format

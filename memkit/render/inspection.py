@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from memkit.advice import advice_html, advice_text
-from memkit.inspection.frames import CATEGORIES, where_of
 from memkit.render import html as h
 from memkit.render import text
+from memkit.render.advice import advice_html, advice_text
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -54,7 +53,7 @@ def _size(value: int | None) -> str:
 def _category_rows(d: DeviceInspection) -> list[list[object]]:
     end, peak = dict(d.categories), dict(d.peak_categories)
     rows: list[list[object]] = []
-    for name in CATEGORIES:
+    for name in d.CATEGORIES:
         if end.get(name) or peak.get(name):
             row: list[object] = [name, format_size(end.get(name, 0))]
             if d.peak_categories:
@@ -110,7 +109,7 @@ def _device_text(d: DeviceInspection) -> list[str]:
         lines.append(
             f"OOM at event {o.index}: {format_size(o.size)} requested, "
             f"{_size(o.device_free)} free on the device, {format_size(o.allocated)} allocated, "
-            f"{format_size(o.reserved)} reserved; at {where_of(o.frames)}"
+            f"{format_size(o.reserved)} reserved; at {o.where}"
         )
     for when, allocs in (("at the peak", d.peak_largest), ("at the end", d.largest)):
         if allocs:
@@ -167,7 +166,7 @@ def _device_html(d: DeviceInspection) -> str:
                         _size(o.device_free),
                         format_size(o.allocated),
                         format_size(o.reserved),
-                        where_of(o.frames),
+                        o.where,
                     ]
                     for o in d.ooms
                 ],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
+from memkit.render.advice import advice_html, advice_text
 from memkit.render.text import section, table
 from memkit.units import format_size
 
@@ -170,9 +170,7 @@ def sweep_html_body(sweep: ProbeSweep) -> str:
 
 def modes_text(modes: ProbeModes) -> str:
     """One line with each mode's largest batch, then each mode's own text."""
-    from memkit.probing.result import ProbeResult  # the result module imports this one
-
-    heads = [f"{r.mode} {r.max_batch_size}" for r in modes.results if isinstance(r, ProbeResult)]
+    heads = [f"{mode} {batch}" for mode, batch in modes.largest_batches.items()]
     summary = f"Largest batch per mode: {', '.join(heads)}\n\n" if heads else ""
     return summary + "\n\n".join(str(r) for r in modes.results)
 

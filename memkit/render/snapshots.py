@@ -6,18 +6,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
 from memkit.render import text
+from memkit.render.advice import advice_html, advice_text
 from memkit.units import format_size
 
 if TYPE_CHECKING:
-    from memkit.snapshots.diff import SnapshotDiff
-    from memkit.snapshots.results import DeviceSnapshot, Snapshot
+    from memkit.snapshots.results import DeviceSnapshot, Snapshot, SnapshotDiff
 
 __all__ = [
     "BAR_LABELS",
-    "EXPLAIN",
     "FREE_COLOR",
     "device_rows_text",
     "diff_html",
@@ -29,21 +27,6 @@ __all__ = [
     "snapshot_title",
     "watch_lines",
 ]
-
-EXPLAIN: tuple[tuple[str, str], ...] = (
-    ("allocated", "live tensors of this process (torch.cuda.memory_allocated)."),
-    (
-        "reserved",
-        "allocated + blocks the caching allocator keeps (cache, fragmentation); "
-        "torch.cuda.empty_cache() releases them.",
-    ),
-    (
-        "used",
-        "what nvidia-smi shows: reserved + each process's CUDA context (~300-600 MiB) "
-        "+ other processes.",
-    ),
-)
-"""One line each for the gaps people get confused by; shown under every rendering."""
 
 BAR_LABELS = (
     "allocated (this process's tensors)",
@@ -101,12 +84,12 @@ def _stamp(ts: float) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _explain_text() -> str:
-    return "\n".join(f"  {name}: {line}" for name, line in EXPLAIN)
+def _explain_text(snap: Snapshot) -> str:
+    return "\n".join(f"  {name}: {line}" for name, line in snap.EXPLAIN)
 
 
-def _explain_html() -> str:
-    items = "".join(f"<li><b>{h.escape(n)}</b>: {h.escape(line)}</li>" for n, line in EXPLAIN)
+def _explain_html(snap: Snapshot) -> str:
+    items = "".join(f"<li><b>{h.escape(n)}</b>: {h.escape(line)}</li>" for n, line in snap.EXPLAIN)
     return f'<ul class="note explain">{items}</ul>'
 
 
@@ -233,7 +216,7 @@ def snapshot_text(snap: Snapshot) -> str:
         parts.append("\nnotes:\n" + "\n".join(f"  {n}" for n in snap.notes))
     if snap.advice:
         parts.append("\nadvice:\n" + advice_text(snap.advice))
-    parts.append("\n" + _explain_text())
+    parts.append("\n" + _explain_text(snap))
     return "\n".join(parts)
 
 
@@ -315,7 +298,7 @@ def snapshot_html(snap: Snapshot) -> str:
         body.append("<h3>largest tensors</h3>")
         body.append(h.table(_TENSOR_HEADERS, _tensor_rows(snap, "×")))
     body.extend(_remarks_html(snap))
-    body.append(_explain_html())
+    body.append(_explain_html(snap))
     return f'<div class="memkit-snapshot">{"".join(body)}</div>'
 
 

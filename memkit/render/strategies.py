@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
+from memkit.render.advice import advice_html, advice_text
 from memkit.render.text import section
 from memkit.units import format_size
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from memkit.advice import advice_html, advice_text
 from memkit.render import html as h
+from memkit.render.advice import advice_html, advice_text
 from memkit.render.text import section, table
 from memkit.units import format_size
 
@@ -73,15 +73,9 @@ def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
 
-def _phases() -> tuple[str, ...]:
-    from memkit.tracking.report import PHASES  # the result module imports this one
-
-    return PHASES
-
-
-def summary_headers() -> list[str]:
+def summary_headers(phases: Sequence[str]) -> list[str]:
     """The columns of the device summary table (one per phase)."""
-    return ["device", "name", "capacity", "peak alloc", "peak reserved", *_phases(), "steps"]
+    return ["device", "name", "capacity", "peak alloc", "peak reserved", *phases, "steps"]
 
 
 def device_summary_row(dev: DeviceReport) -> list[object]:
@@ -92,7 +86,7 @@ def device_summary_row(dev: DeviceReport) -> list[object]:
         _size(dev.capacity),
         _size(dev.peak_allocated),
         _size(dev.peak_reserved),
-        *(_size(dev.phase_peaks.get(p)) for p in _phases()),
+        *(_size(dev.phase_peaks.get(p)) for p in dev.PHASES),
         len(dev.steps),
     ]
 
@@ -311,7 +305,11 @@ def report_text(report: TrackReport) -> str:
         )
     lines += [
         "",
-        table(summary_headers(), [d.summary_row() for d in report.devices], title="devices"),
+        table(
+            summary_headers(report.PHASES),
+            [d.summary_row() for d in report.devices],
+            title="devices",
+        ),
     ]
     for dev in report.devices:
         lines.append("")
@@ -360,7 +358,7 @@ def report_html_body(report: TrackReport) -> str:
     if report.oom is not None:
         body.append(report.oom.html())
     body.append("<h3>Devices</h3>")
-    body.append(h.table(summary_headers(), [d.summary_row() for d in report.devices]))
+    body.append(h.table(summary_headers(report.PHASES), [d.summary_row() for d in report.devices]))
     for dev in report.devices:
         body.extend(_device_html(dev))
     if report.ranks is not None:

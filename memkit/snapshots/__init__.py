@@ -29,15 +29,17 @@ Examples:
     288
 """
 
-from memkit.render.snapshots import BAR_LABELS, EXPLAIN
-from memkit.snapshots.diff import Change, SnapshotDiff
+from memkit.render.snapshots import BAR_LABELS
 from memkit.snapshots.reading import DeviceArg, snapshot
 from memkit.snapshots.results import (
+    EXPLAIN,
     SCHEMA,
     Categories,
+    Change,
     DeviceSnapshot,
     HostSnapshot,
     Snapshot,
+    SnapshotDiff,
     TensorInfo,
 )
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import MemoryAccountant, counted_bytes, storage_of, tensors_of
+from memkit.simulated.accountant import MemoryAccountant, counted_bytes, storage_of, tensors_of
 from memkit.snapshots.results import CATEGORY_FIELDS, Categories, DeviceSnapshot, TensorInfo
 from memkit.units import format_size
 

@@ -18,9 +18,9 @@ import torch
 
 from memkit import advice as advice_rules
 from memkit import devices
-from memkit.accounting import MemoryAccountant
 from memkit.advice import Advice
 from memkit.errors import ConfigError
+from memkit.simulated.accountant import MemoryAccountant
 from memkit.snapshots.census import Census, categorise, largest
 from memkit.snapshots.results import DeviceSnapshot, HostSnapshot, Snapshot
 from memkit.units import format_size

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from memkit.history import DEFAULT_MAX_ENTRIES
+from memkit.simulated.history import DEFAULT_MAX_ENTRIES
+from memkit.simulated.virtual_devices import VirtualDevices
 from memkit.tracking.rank_gather import GATHER_TIMEOUT
 from memkit.tracking.records import DEFAULT_TIMELINE_LIMIT
 from memkit.tracking.tracker import Tracker
-from memkit.virtual_devices import VirtualDevices
 
 __all__ = ["track"]
 

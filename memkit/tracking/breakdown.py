@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import storage_of
+from memkit.simulated.accountant import storage_of
 from memkit.tracking.fsdp import FsdpUnits
 from memkit.tracking.phases import BACKWARD, FORWARD, OPTIMIZER, forward_autocast
 from memkit.tracking.records import DeviceRecord

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
+from memkit.advice.oom import oom_advice
 from memkit.distributed import launched_rank
 from memkit.oom import find_oom, oom_source, parse_oom_message
 from memkit.tracking.leaks import LeakWatch
@@ -85,8 +86,6 @@ def build_postmortem(
         last_root: ``(training, grad_enabled)`` of the last forward of the model.
         last_input: the shape of the last forward's first tensor input.
     """
-    from memkit.advice.oom import oom_advice
-
     oom = find_oom(exc) or exc
     details = parse_oom_message(oom)
     dev, phase, step, key = place

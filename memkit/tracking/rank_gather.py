@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 from memkit import distributed
 from memkit.advice import Advice
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
+from memkit.devices import cuda_context_reading
+from memkit.errors import DistributedError
 from memkit.render import track as layout
 from memkit.results import Result
 from memkit.tracking.wrappers import Restore
@@ -172,7 +174,6 @@ def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
             peak_phase = dev.breakdown.phase
             peak_step = dev.breakdown.step if dev.breakdown.step is not None else peak_step
     oom = report.oom
-    from memkit.devices import cuda_context_reading
 
     initialized, current = cuda_context_reading()
     return RankSummary(
@@ -318,7 +319,6 @@ class RankWatch:
             "unused_bytes": sum(self.unused.values()),
             "find_unused_parameters": self.find_unused,
         }
-        from memkit.errors import DistributedError
 
         try:
             summary = summarize(self.tracker.report(), extra)

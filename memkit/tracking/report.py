@@ -371,6 +371,9 @@ class DeviceReport:
         setup: the model's and optimizer's facts the advice reads, if seen.
     """
 
+    PHASES: ClassVar[tuple[str, ...]] = PHASES
+    """The phases, in report order (the layout's columns)."""
+
     device: str
     name: str
     accounting: str
@@ -433,6 +436,9 @@ class TrackReport(Result):
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
+
+    PHASES: ClassVar[tuple[str, ...]] = PHASES
+    """The phases, in report order (the layout's columns)."""
 
     SCHEMA: ClassVar[str] = "memkit.TrackReport/1"
     HTML_TITLE: ClassVar[str] = "memkit track report"

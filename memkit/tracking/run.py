@@ -38,10 +38,13 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from memkit.devices import visible_devices
 from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
+from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.tracking.report import TrackReport
+from memkit.tracking.tracker import Tracker
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -51,9 +54,7 @@ __all__ = [
     "RunOutcome",
     "SigtermGuard",
     "Terminated",
-    "check_writable",
     "default_device",
-    "rank_path",
     "rank_prefix",
     "run_script",
     "summary_line",
@@ -206,45 +207,6 @@ def rank_prefix() -> str:
     return "" if rank is None else f"[rank {rank}] "
 
 
-def rank_path(path: str | Path) -> Path:
-    """``report.json`` -> ``report.rank0.json`` under torchrun, unchanged otherwise."""
-    path = Path(path)
-    rank = launched_rank()
-    if rank is None:
-        return path
-    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-
-
-def check_writable(path: str | Path, option: str) -> None:
-    """Check, before the script runs, that ``option``'s file (``--json``, ``--html``) can be
-    written: its folder exists and is writable, and it is not a folder itself.
-
-    Raises:
-        ConfigError: it cannot be written (exit 2); the message says what to do.
-    """
-    path = Path(path)
-    folder = path.parent
-    where = f"{option} {str(path)!r}"
-    if not folder.exists():
-        raise ConfigError(
-            f"{where}: expected a file in an existing folder, but the folder {str(folder)!r} "
-            f"does not exist; create it first (mkdir -p {folder}) or give another path"
-        )
-    if not folder.is_dir():
-        raise ConfigError(
-            f"{where}: expected a file in a folder, but {str(folder)!r} is not a folder; "
-            "give another path"
-        )
-    if path.is_dir():
-        raise ConfigError(f"{where}: expected a file name, found a folder; add a file name")
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise ConfigError(
-            f"{where}: expected a writable file, but {str(target)!r} is not writable by this "
-            "user; give a path in a folder you can write to"
-        )
-
-
 def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
     """One line for the ranks other than 0 under torchrun (rank 0 prints the full report)."""
     parts = [f"memkit: {report.steps} step(s)"]
@@ -273,7 +235,6 @@ def default_device(device: str | None) -> str | None:
     if launched_rank() is None:
         return None
     local = local_rank()
-    from memkit.devices import visible_devices
 
     visible = visible_devices()
     if not visible:
@@ -328,9 +289,6 @@ def run_script(
     Raises:
         ConfigError: the script does not exist or is not a file.
     """
-    from memkit.history import DEFAULT_MAX_ENTRIES
-    from memkit.tracking.tracker import Tracker
-
     path = _script_file(script)
     tracker = Tracker(
         None,

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from memkit.advice.track import track_advice
 from memkit.devices import (
     CudaBackend,
     SimulatedBackend,
@@ -40,13 +41,16 @@ from memkit.devices import (
     get_backend,
     visible_devices,
 )
+from memkit.devices.history import MemoryHistory
 from memkit.distributed import launched_rank, world_size
-from memkit.history import DEFAULT_MAX_ENTRIES, MemoryHistory
 from memkit.oom import find_oom
+from memkit.simulated.history import DEFAULT_MAX_ENTRIES
+from memkit.simulated.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 from memkit.tracking import leaks
 from memkit.tracking.breakdown import breakdown, gradient_witness, param_dtype, persistent_bytes
 from memkit.tracking.fsdp import FsdpUnits, counting_resizes, find_fsdp_units
 from memkit.tracking.hooks import Hooks
+from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.phases import BACKWARD, OTHER, is_compiled
 from memkit.tracking.postmortem import build_postmortem, failing_call
 from memkit.tracking.rank_gather import GATHER_TIMEOUT, RankWatch
@@ -66,9 +70,7 @@ from memkit.tracking.report import (
     OomPostMortem,
     TrackReport,
 )
-from memkit.tracking.run import check_writable, rank_path
 from memkit.units import format_size
-from memkit.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 
 __all__ = ["DEFAULT_MODULE_EVERY", "DEFAULT_TIMELINE_LIMIT", "Tracker"]
 
@@ -92,8 +94,8 @@ class Tracker(Hooks):
         device: the device to track (``"cuda:0"``, ``"cpu"`` for the simulated device); ``None``:
             the virtual devices of an enclosing ``memkit.simulate(..., devices=N)`` block, else
             the current accelerator, else the simulated cpu device. A
-            :class:`~memkit.virtual_devices.VirtualDevices` tracks its devices (entered here if
-            not already). On an accelerator or virtual devices, other devices the model's
+            :class:`~memkit.simulated.virtual_devices.VirtualDevices` tracks its devices (entered
+            here if not already). On an accelerator or virtual devices, other devices the model's
             tensors use are added as they appear.
         budget: the simulated device's size (``"300MiB"``), or a cap on a real one.
         per_module: module detail (default): hooks on every module on sampled steps (see
@@ -595,8 +597,6 @@ class Tracker(Hooks):
 
     def report(self) -> TrackReport:
         """The report so far (inside the block: a snapshot; after it: the final one)."""
-        from memkit.advice.track import track_advice
-
         with self._lock:
             if self._active:
                 self._close_all(None)

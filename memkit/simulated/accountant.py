@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from memkit.estimation.allocator import round_size
+from memkit.simulated.allocator import round_size
 from memkit.units import format_size, parse_size
 
 __all__ = [
@@ -63,14 +63,13 @@ __all__ = [
     "StorageObserver",
     "counted_bytes",
     "cuda_rounded",
-    "simulate",
     "storage_of",
     "tensors_of",
 ]
 
 cuda_rounded = round_size
 """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
-(:func:`memkit.estimation.allocator.round_size`, the one statement of the rule)."""
+(:func:`memkit.simulated.allocator.round_size`, the one statement of the rule)."""
 
 
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -154,7 +153,8 @@ def _existed(tensor: torch.Tensor) -> str:
 
 
 class StorageObserver(Protocol):
-    """What a recorder (:class:`memkit.history.SimulatedHistory`) hears from an accountant.
+    """What a recorder (:class:`memkit.simulated.history.SimulatedHistory`) hears from an
+    accountant.
 
     The calls come under the accountant's lock, so an observer must not call back into it.
     ``key`` identifies a storage while it lives (its ``id``); ``counted`` is the bytes counted for
@@ -602,58 +602,3 @@ def _stop_counting_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_stop_counting_in_child)
-
-
-def simulate(
-    budget: int | str | list[int | str | None] | tuple[int | str | None, ...] | None,
-    device: str | torch.device = "cpu",
-    *,
-    track: Any = None,
-    rounding: str = "none",
-    devices: int | None = None,
-) -> MemoryAccountant:
-    """A device of ``budget`` bytes for the ``with`` block: ``with simulate("512MiB") as acct:``.
-
-    Tensors created on ``device`` inside the block are counted; crossing the budget raises
-    ``torch.OutOfMemoryError`` from the op that crossed it, so OOM handling can be tested on a
-    laptop. ``track`` names objects that already exist (a model, an optimizer, or a tuple of them)
-    whose memory counts from the start.
-
-    Args:
-        budget: bytes or a size string (``"512MiB"``); ``None`` counts without a limit.
-        device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, no compute).
-        track: a model, optimizer, tensor, or a tuple/list of them.
-        rounding: ``"none"`` or ``"cuda"`` (count like the CUDA caching allocator).
-        devices: stand for this many accelerators, ``budget`` each (or give ``budget`` as a
-            list, one per device): returns a :class:`memkit.virtual_devices.VirtualDevices`
-            whose tensors live on ``cuda:0`` ... ``cuda:N-1`` (docs/simulated-device.md);
-            ``track`` objects go on ``cuda:0``.
-
-    Examples:
-        >>> import torch, memkit
-        >>> with memkit.simulate("1MiB") as acct:
-        ...     try:
-        ...         torch.empty(1024, 1024)  # 4 MiB
-        ...     except torch.OutOfMemoryError:
-        ...         print("out of memory")
-        out of memory
-    """
-    if devices is not None or isinstance(budget, (list, tuple)):
-        from memkit.virtual_devices import VirtualDevices
-
-        if isinstance(budget, (list, tuple)):
-            if devices is not None and devices != len(budget):
-                raise ValueError(f"devices={devices} but {len(budget)} budgets were given")
-            budgets = list(budget)
-        else:
-            if devices is None or devices < 1:
-                raise ValueError(f"devices must be at least 1, found {devices}")
-            budgets = [budget] * devices
-        virtual = VirtualDevices(budgets, device, rounding=rounding)
-        if track is not None:
-            virtual.track(track)
-        return virtual
-    accountant = MemoryAccountant(device, budget, rounding=rounding)
-    if track is not None:
-        accountant.track(track)
-    return accountant

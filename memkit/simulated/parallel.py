@@ -52,7 +52,12 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd import Function
 
-from memkit.virtual_devices import HOST, VirtualDevices, active_virtual_devices, device_name
+from memkit.simulated.virtual_devices import (
+    HOST,
+    VirtualDevices,
+    active_virtual_devices,
+    device_name,
+)
 
 __all__ = [
     "BROADCAST_BUFFER_BYTES",
@@ -80,7 +85,7 @@ def _vd() -> VirtualDevices:
     vd = active_virtual_devices()
     if vd is None:
         raise RuntimeError(
-            "memkit.parallel works on virtual devices: run it inside "
+            "memkit.simulated.parallel works on virtual devices: run it inside "
             "`with memkit.simulate(budget, devices=N):`"
         )
     return vd
@@ -548,4 +553,3 @@ def _to_bucket(view: torch.Tensor, param: torch.Tensor) -> None:
     with torch.no_grad():
         view.copy_(grad)
     param.grad = view
-

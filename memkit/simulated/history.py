@@ -14,14 +14,13 @@ that https://pytorch.org/memory_viz and ``torch.cuda._memory_viz`` draw. It has
 
 A frame is ``{"filename", "line", "name"}``, innermost first.
 
-:class:`MemoryHistory` is what ``memkit.track(..., memory_history=FILE)`` and ``memkit run
---memory-history FILE`` use: on CUDA it asks :mod:`memkit.devices` to record (python stacks, a
-bounded ring of events) and writes ``torch.cuda.memory._snapshot()``; on the simulated device it
-records the same format from memkit's own accounting (:class:`SimulatedHistory`), so a trace
-taken on a machine without a GPU opens in memory_viz. Files are written with pickle protocol 4
-(:data:`PICKLE_PROTOCOL`): memory_viz's reader accepts protocols 2 to 4, and Python 3.14 pickles
-with protocol 5 by default (``_dump_snapshot`` uses the default, so memkit pickles the snapshot
-itself).
+:class:`~memkit.devices.history.MemoryHistory` is what ``memkit.track(..., memory_history=FILE)``
+and ``memkit run --memory-history FILE`` use: on CUDA PyTorch records (python stacks, a bounded
+ring of events); on the simulated device :class:`SimulatedHistory`, here, records the same format
+from memkit's own accounting, so a trace taken on a machine without a GPU opens in memory_viz. Files
+are written with pickle protocol 4 (:data:`PICKLE_PROTOCOL`): memory_viz's reader accepts protocols
+2 to 4, and Python 3.14 pickles with protocol 5 by default (``_dump_snapshot`` uses the default, so
+memkit pickles the snapshot itself).
 
 The simulated layout (memkit's choice; a CPU has no caching allocator to copy):
 
@@ -54,9 +53,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from memkit import __version__
-from memkit.accounting import MemoryAccountant
-from memkit.errors import ConfigError
+from memkit._version import __version__
+from memkit.simulated.accountant import MemoryAccountant
 
 __all__ = [
     "ADDRESS_BASE",
@@ -64,7 +62,6 @@ __all__ = [
     "DEFAULT_FRAME_DEPTH",
     "DEFAULT_MAX_ENTRIES",
     "PICKLE_PROTOCOL",
-    "MemoryHistory",
     "SimulatedHistory",
     "write_snapshot",
 ]
@@ -124,7 +121,7 @@ def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
 
 
 class SimulatedHistory:
-    """Records a :class:`~memkit.accounting.MemoryAccountant`'s allocations and frees in
+    """Records a :class:`~memkit.simulated.accountant.MemoryAccountant`'s allocations and frees in
     PyTorch's memory-snapshot format (layout in the module docs).
 
     ``start()`` makes it the accountant's observer (while nobody observes, the accountant pays
@@ -134,7 +131,7 @@ class SimulatedHistory:
 
     Examples:
         >>> import torch, memkit
-        >>> from memkit.history import SimulatedHistory
+        >>> from memkit.simulated.history import SimulatedHistory
         >>> with memkit.simulate("64MiB") as acct:
         ...     history = SimulatedHistory(acct).start()
         ...     x = torch.empty(1024)
@@ -199,7 +196,8 @@ class SimulatedHistory:
             self.accountant.stop_observing()
             self._recording = False
 
-    # -- the observer (memkit.accounting.StorageObserver, called under the accountant's lock) --
+    # -- the observer (memkit.simulated.accountant.StorageObserver, called under the accountant's
+    # lock) --
     def _address(self, nbytes: int) -> int:
         addr = self._next
         self._next += -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
@@ -345,69 +343,3 @@ class SimulatedHistory:
     def dump(self, path: str | Path) -> Path:
         """Write :meth:`snapshot` to ``path`` (pickle protocol 4)."""
         return write_snapshot(self.snapshot(), path)
-
-
-class MemoryHistory:
-    """Record a backend's memory history and write it as a PyTorch snapshot pickle.
-
-    On a CUDA device, PyTorch records (through :mod:`memkit.devices`: python stacks, the last
-    ``max_entries`` events); on the simulated device, :class:`SimulatedHistory`. Other devices
-    have no history to record.
-
-    Raises:
-        ConfigError: the backend's device has no memory history (XPU, MPS...).
-    """
-
-    def __init__(self, backend: Any, path: str | Path, *, max_entries: int = DEFAULT_MAX_ENTRIES):
-        from memkit.devices import SimulatedBackend
-
-        self.path = Path(path)
-        self.max_entries = max_entries
-        self._backend = backend
-        self._sim: SimulatedHistory | None = None
-        self._cuda = False
-        if isinstance(backend, SimulatedBackend):
-            self._sim = SimulatedHistory(backend.accountant, max_entries=max_entries)
-        elif backend.device.type != "cuda":
-            raise ConfigError(
-                f"a memory history was asked for on {backend.device}, but PyTorch records one "
-                "only for CUDA devices; use a cuda device, or --device cpu for the simulated one"
-            )
-
-    def start(self) -> MemoryHistory:
-        """Start recording; returns ``self``."""
-        if self._sim is not None:
-            self._sim.start()
-        else:
-            from memkit import devices
-
-            devices.start_cuda_history(self.max_entries)
-            self._cuda = True
-        return self
-
-    def snapshot(self) -> dict[str, Any]:
-        """What has been recorded, in PyTorch's snapshot format."""
-        if self._sim is not None:
-            return self._sim.snapshot()
-        from memkit import devices
-
-        return devices.cuda_history_snapshot()
-
-    def dump(self) -> Path:
-        """Write the snapshot to :attr:`path` (pickle protocol 4) and return it."""
-        return write_snapshot(self.snapshot(), self.path)
-
-    def stop(self) -> None:
-        """Stop recording (on CUDA: ``_record_memory_history(enabled=None)``)."""
-        if self._sim is not None:
-            self._sim.stop()
-        elif self._cuda:
-            from memkit import devices
-
-            devices.stop_cuda_history()
-            self._cuda = False
-
-    @property
-    def events(self) -> int | None:
-        """Events recorded on the simulated device (``None`` on CUDA)."""
-        return None if self._sim is None else self._sim.events_recorded

@@ -20,8 +20,8 @@ devices, and the ``_foreach_*`` ops take lists spanning devices. Virtual device 
 
 Each device has its own current and peak bytes and its own budget; crossing device i's budget
 raises ``torch.OutOfMemoryError`` naming ``cuda:i``. The single-device accountant
-(:class:`~memkit.accounting.MemoryAccountant`) is unchanged: this subclass has its own dispatch
-handler, so ``simulate(budget)`` costs what it did.
+(:class:`~memkit.simulated.accountant.MemoryAccountant`) is unchanged: this subclass has its own
+dispatch handler, so ``simulate(budget)`` costs what it did.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import MemoryAccountant, _tensors, tensors_of
+from memkit.simulated.accountant import MemoryAccountant, _tensors, tensors_of
 from memkit.units import format_size, parse_size
 
 __all__ = [

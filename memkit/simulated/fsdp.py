@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from memkit.accounting import tensors_of
-from memkit.virtual_devices import HOST, VirtualDevices, active_virtual_devices
+from memkit.simulated.accountant import tensors_of
+from memkit.simulated.virtual_devices import HOST, VirtualDevices, active_virtual_devices
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,9 @@ class FsdpRank:
 def _vd() -> VirtualDevices:
     vd = active_virtual_devices()
     if vd is None:
-        raise RuntimeError("memkit.fsdp_ranks works inside `with memkit.simulate(..., devices=N):`")
+        raise RuntimeError(
+            "memkit.simulated.fsdp works inside `with memkit.simulate(..., devices=N):`"
+        )
     return vd
 
 

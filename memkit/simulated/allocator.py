@@ -1,9 +1,9 @@
 """A model of PyTorch's CUDA caching allocator: what ``memory_reserved`` would be.
 
-``memkit estimate`` counts live tensor storages on ``meta`` (see :mod:`memkit.accounting`); this
-module replays those allocations and frees through a simulation of the native caching allocator
-(``c10/cuda/CUDACachingAllocator.cpp``, default configuration, one stream) to predict both
-counters a GPU would report:
+``memkit estimate`` counts live tensor storages on ``meta`` (see
+:mod:`memkit.simulated.accountant`); this module replays those allocations and frees through a
+simulation of the native caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, default
+configuration, one stream) to predict both counters a GPU would report:
 
 * ``allocated``: the sizes of the blocks handed out (``torch.cuda.memory_allocated``). A request is
   rounded up to 512 bytes; a block that is not split keeps its whole size, so allocated can exceed
