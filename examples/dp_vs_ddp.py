@@ -2,7 +2,7 @@
 
     python examples/dp_vs_ddp.py
 
-No GPU needed: memkit.simulate(devices=4) stands for four 64 MiB GPUs; memkit.parallel's
+No GPU needed: memkit.simulate(devices=4) stands for four 64 MiB GPUs; memkit.simulated.parallel's
 DataParallel runs torch.nn.DataParallel's scatter / replicate / gather / reduce-add on them,
 and ddp_replicas puts a full replica, its gradient buckets and its optimizer on each.
 The same comparison from the command line:
@@ -14,7 +14,7 @@ import torch
 from cnn import SmallCNN, train_step
 
 import memkit
-from memkit.parallel import DataParallel, ddp_replicas
+from memkit.simulated.parallel import DataParallel, ddp_replicas
 
 GPUS, BATCH = 4, 64  # global batch: 16 per GPU
 
