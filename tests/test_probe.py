@@ -11,7 +11,7 @@ import memkit
 from memkit.devices import get_backend
 from memkit.errors import ConfigError, UserCodeError
 from memkit.modelfile import load_model_file
-from memkit.probing.runner import probe, probe_file
+from memkit.probing.runner import ProbeOptions, probe, probe_file
 from memkit.probing.step import call_model
 
 
@@ -291,8 +291,8 @@ def test_call_model_by_batch_type():
 
 
 def test_probe_file_examples_cnn_and_gpt2_seq_len_sweep():
-    cnn = probe_file("examples/cnn.py", device="cpu", budget="48MiB", max_batch=512,
-                     target_batch=512)  # fmt: skip
+    options = ProbeOptions(max_batch=512, target_batch=512)  # the CLI's form; keywords below
+    cnn = probe_file("examples/cnn.py", options, device="cpu", budget="48MiB")
     assert_exact(cnn)
     assert "optimizer: SGD (build_optimizer)" in cnn.defaults
     assert any("train_step" in d for d in cnn.defaults)
@@ -483,6 +483,15 @@ def test_accumulation_with_a_train_step_steps_the_optimizer_once_per_accumulated
     assert_exact(accumulating)
     assert accumulating.max_batch_size < plain.max_batch_size
     assert any(d.startswith("accumulation:") for d in accumulating.defaults)
+
+
+def test_options_are_checked_before_the_model_file_loads():
+    """One checked object: a bad bound is a ConfigError naming it, before any file is read."""
+    with pytest.raises(ConfigError, match=r"max_batch \(2\) must be at least min_batch \(4\)"):
+        probe_file("no/such/model.py", min_batch=4, max_batch=2)
+    with pytest.raises(ConfigError, match="steps must be at least 1, found 0"):
+        probe_file("no/such/model.py", ProbeOptions(), steps=0)
+    assert ProbeOptions(max_batch=8).for_length(128) == ProbeOptions(max_batch=8, seq_len=128)
 
 
 def test_accumulation_is_refused_where_it_means_nothing():

@@ -112,7 +112,7 @@ def probe(
         return
     from memkit import distributed
     from memkit.probing.result import ProbeModes, ProbeResult
-    from memkit.probing.runner import DEFAULT_MARGIN, probe_file
+    from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_file
 
     check_batch_range(min_batch, max_batch)
     device, budget, backend = _probe_target(device, budget)
@@ -123,22 +123,19 @@ def probe(
         distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
         _user_output_to_stderr(),
     ):
+        options = ProbeOptions(
+            min_batch=min_batch, max_batch=max_batch, steps=steps,
+            margin=DEFAULT_MARGIN if margin is None else margin, target_batch=target_batch,
+            accumulation=accumulate, ddp=ddp, timeout=wait,
+        )  # fmt: skip
         per_mode = [
             probe_file(
                 file,
+                _in_mode(options, one),
                 seq_len=seq_len,
                 device=device,
-                mode=one,
                 budget=budget,
-                min_batch=min_batch,
-                max_batch=max_batch,
-                steps=steps,
-                margin=DEFAULT_MARGIN if margin is None else margin,
-                target_batch=target_batch if one == "train" else None,
-                accumulation=accumulate if one == "train" else None,
                 progress=me == 0 and not as_json and _stderr_is_terminal(),
-                ddp=ddp,
-                timeout=wait,
             )
             for one in mode
         ]
@@ -150,6 +147,15 @@ def probe(
     ]
     if any(r.max_batch_size is None for r in results):
         sys.exit(1)
+
+
+def _in_mode(options: Any, mode: str) -> Any:
+    """``options`` for one ``--mode``: target batch and accumulation are training's."""
+    import dataclasses
+
+    if mode == "train":
+        return options
+    return dataclasses.replace(options, mode=mode, target_batch=None, accumulation=None)
 
 
 def _probe_target(device: str | None, budget: str | None) -> tuple[str | None, str | None, Any]:

@@ -20,13 +20,12 @@ from memkit.estimation.meta_model import build_meta_model, build_target_optimize
 from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
+from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING
 from memkit.probing.search import Trial, search_max_batch
 from memkit.probing.step import StepPlan, call_model, check_batch, resolve_loss
 
 __all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "MAX_BATCH_CEILING", "estimate"]
 
-DEFAULT_MARGIN = 0.05
-MAX_BATCH_CEILING = 1 << 20
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

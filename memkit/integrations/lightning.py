@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.devices import get_backend
 from memkit.errors import ConfigError
-from memkit.probing.runner import DEFAULT_MARGIN, probe
+from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_with
 
 if TYPE_CHECKING:
     from memkit.probing.result import ProbeResult
@@ -270,18 +270,21 @@ def probe_batch_size(
         module.to(backend_device)
         optimizer = _first_optimizer(module)  # its parameters are the moved ones
     try:
-        return probe(
-            module,
-            make_batch,
-            optimizer=optimizer,
-            train_step=step,
-            device=device,
-            budget=budget,
+        options = ProbeOptions(
             min_batch=min_batch,
             max_batch=max_batch,
             steps=steps,
             margin=DEFAULT_MARGIN if margin is None else margin,
             target_batch=target_batch,
+        )
+        return probe_with(
+            module,
+            make_batch,
+            options,
+            optimizer=optimizer,
+            train_step=step,
+            device=device,
+            budget=budget,
             on_trial=on_trial,
             defaults=[f"optimizer: {type(optimizer).__name__} (configure_optimizers)"],
             step_label=(

@@ -35,6 +35,7 @@ from memkit.modelfile import (
     require_seq_len,
 )
 from memkit.oom import is_oom, recover
+from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
@@ -45,14 +46,16 @@ from memkit.progress import TrialProgress
 from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.units import format_size
 
-__all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "probe", "probe_file"]
+__all__ = [
+    "DEFAULT_MARGIN",
+    "MAX_BATCH_CEILING",
+    "ProbeOptions",
+    "probe",
+    "probe_file",
+    "probe_with",
+]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MARGIN = 0.05
-"""Share of capacity the recommended batch leaves free (fragmentation, ragged batches)."""
-MAX_BATCH_CEILING = 1 << 20
-"""Largest batch ever tried when no --max-batch is given."""
 
 
 def _resolve_backend(
@@ -82,8 +85,8 @@ def _capacity(backend: Backend) -> int | None:
     return min(cap.total or 1 << 62, backend.reserved() + cap.free)
 
 
-# Long for its signature and its docstring (the API reference, with a doctest); the body is
-# about 40 lines of named steps.
+# Long for its signature and its docstring (the API reference, with a doctest); the work is
+# probe_with's.
 def probe(
     model: torch.nn.Module,
     make_batch: Callable[..., Any],
@@ -171,9 +174,39 @@ def probe(
         >>> result.trial(result.max_batch_size).fits, result.trial(result.max_batch_size + 1).fits
         (True, False)
     """
-    _check_options(make_batch, mode, steps, seq_len)
+    options = ProbeOptions(
+        mode=mode, seq_len=seq_len, min_batch=min_batch, max_batch=max_batch, steps=steps,
+        margin=margin, target_batch=target_batch, accumulation=accumulation, ddp=ddp,
+        timeout=timeout,
+    )  # fmt: skip
+    return probe_with(
+        model, make_batch, options, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step,
+        device=device, budget=budget, on_trial=on_trial, progress=progress, defaults=defaults,
+        step_label=step_label,
+    )  # fmt: skip
+
+
+def probe_with(
+    model: torch.nn.Module,
+    make_batch: Callable[..., Any],
+    options: ProbeOptions,
+    *,
+    optimizer: Any = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    train_step: Callable[[Any, Any, Any], Any] | None = None,
+    device: str | torch.device | None = None,
+    budget: int | str | None = None,
+    on_trial: TrialCallback | None = None,
+    progress: bool = False,
+    defaults: Sequence[str] = (),
+    step_label: str | None = None,
+) -> ProbeResult:
+    """:func:`probe` with its search and trials as one :class:`ProbeOptions` (what the command
+    line and Lightning's ``probe_batch_size`` build); the other arguments as in :func:`probe`."""
+    opts = options
+    _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    optimizer, defaults = _resolve_optimizer(model, optimizer, mode, defaults)
+    optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
         defaults.append(
             f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
@@ -181,22 +214,23 @@ def probe(
     if isinstance(backend, SimulatedBackend):
         backend.track(model, optimizer)
     capacity = _capacity(backend)
-    capacities = _agree_across_ranks(
-        model, backend, capacity, ddp, timeout, min_batch=min_batch, max_batch=max_batch,
-        steps=steps, mode=mode, seq_len=seq_len,
-    )  # fmt: skip
+    capacities = _agree_across_ranks(model, backend, capacity, opts)
+    if opts.accumulation not in (None, 1) and capacities is not None:
+        raise ConfigError(
+            "gradient accumulation is not probed across ranks yet; probe one rank's step "
+            "without a process group"
+        )
     plan = StepPlan(
-        mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
-        accumulation=_accumulation(accumulation, mode, capacities),
+        opts.mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
+        accumulation=opts.accumulation or 1,
     )  # fmt: skip
     saved = SavedState(model, optimizer)
-    target = _wrap_agreed(model, backend, timeout) if ddp and not is_ddp(model) else model
+    target = _wrap_agreed(model, backend, opts.timeout) if opts.ddp and not is_ddp(model) else model
     ranked_ddp = capacities is not None and is_ddp(target)
-    sync = RankSync(target, optimizer, timeout) if ranked_ddp else None
-    label = f"memkit probe ({mode}" + (f", seq {seq_len})" if seq_len else ")")
+    sync = RankSync(target, optimizer, opts.timeout) if ranked_ddp else None
+    label = f"memkit probe ({opts.mode}" + (f", seq {opts.seq_len})" if opts.seq_len else ")")
     bar = TrialProgress(label) if progress else None
     aim_at = capacity if capacities is None else _tightest(capacities)
-    ceiling = max_batch if max_batch is not None else MAX_BATCH_CEILING
 
     held: list[Any] = [target, sync]  # emptied before the clean-up: a DDP wrapper made here
     del target, sync
@@ -204,22 +238,23 @@ def probe(
 
     def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
         runner = TrialRunner(
-            held[0], make_batch, optimizer, step, backend, steps, capacity, saved, seq_len,
-            _both(on_trial, bar), held[1], capacities, timeout, started,
+            held[0], make_batch, optimizer, step, backend, opts.steps, capacity, saved,
+            opts.seq_len, _both(on_trial, bar), held[1], capacities, opts.timeout, started,
         )  # fmt: skip
         records = runner.records
         try:
             found = search_max_batch(
-                runner, capacity_bytes=aim_at, min_batch=min_batch, max_batch=top, margin=margin
-            )
+                runner, capacity_bytes=aim_at, min_batch=opts.min_batch, max_batch=top,
+                margin=opts.margin,
+            )  # fmt: skip
         finally:
             del runner  # before the next search and the clean-up
         return found, records
 
-    with _probing(model, mode, saved, backend, bar):
+    with _probing(model, opts.mode, saved, backend, bar):
         try:
-            search, records = search_with(plan, ceiling)
-            steps_advised = _advised_accumulation(search, target_batch, capacities, plan)
+            search, records = search_with(plan, opts.ceiling)
+            steps_advised = _advised_accumulation(search, opts, capacities, plan)
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
                 defaults.append(_without_accumulation(search.max_batch_size, records))
@@ -227,11 +262,10 @@ def probe(
                 search, records = search_with(plan, search.max_batch_size)
         finally:
             held.clear()
-    unfit = search.max_batch_size is None and mode == "train" and capacities is None
+    unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     return _build_result(
-        search, records, backend, plan, mode, steps, margin, min_batch, max_batch,
-        seq_len, defaults, target_batch, capacities,
-        batch_norm=_has_batch_norm(model), ddp=ddp or is_ddp(model),
+        search, records, backend, plan, opts, defaults, capacities,
+        batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None,
     )  # fmt: skip
 
@@ -252,33 +286,15 @@ def _model_state(model: torch.nn.Module, optimizer: Any) -> ModelState | None:
     )
 
 
-def _accumulation(
-    accumulation: int | None, mode: str, capacities: tuple[int | None, ...] | None
-) -> int:
-    """Micro-batches per optimizer step to probe with (1: none), checked."""
-    if accumulation is None or accumulation == 1:
-        return 1
-    if accumulation < 1:
-        raise ConfigError(f"accumulation must be at least 1, found {accumulation}")
-    if mode != "train":
-        raise ConfigError("gradient accumulation applies to --mode train only")
-    if capacities is not None:
-        raise ConfigError(
-            "gradient accumulation is not probed across ranks yet; probe one rank's step "
-            "without a process group"
-        )
-    return accumulation
-
-
 def _advised_accumulation(
     search: SearchResult,
-    target_batch: int | None,
+    opts: ProbeOptions,
     capacities: tuple[int | None, ...] | None,
     plan: StepPlan,
 ) -> int | None:
     """The accumulation steps the ``accumulate`` advice will give when the probe ran a step
     that does not accumulate; ``None`` when it gives none (or across ranks, not probed yet)."""
-    micro = search.recommended_batch_size
+    micro, target_batch = search.recommended_batch_size, opts.target_batch
     if target_batch is None or micro is None or plan.accumulation > 1 or plan.mode != "train":
         return None
     if capacities is not None:
@@ -298,14 +314,9 @@ def _without_accumulation(best: int, records: dict[int, ProbeTrial]) -> str:
     )
 
 
-def _check_options(
-    make_batch: Callable[..., Any], mode: str, steps: int, seq_len: int | None
-) -> None:
-    """The :class:`ConfigError` for an option :func:`probe` cannot run with."""
-    if mode not in ("train", "infer"):
-        raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
-    if steps < 1:
-        raise ConfigError(f"steps must be at least 1, found {steps}")
+def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> None:
+    """The :class:`ConfigError` when a sequence length is given to a ``make_batch`` that takes
+    none."""
     if seq_len is not None and not accepts_seq_len(make_batch):
         raise ConfigError(
             f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
@@ -334,17 +345,7 @@ def _resolve_optimizer(
 
 
 def _agree_across_ranks(
-    model: torch.nn.Module,
-    backend: Backend,
-    capacity: int | None,
-    ddp: bool,
-    timeout: float | None,
-    *,
-    min_batch: int,
-    max_batch: int | None,
-    steps: int,
-    mode: str,
-    seq_len: int | None,
+    model: torch.nn.Module, backend: Backend, capacity: int | None, opts: ProbeOptions
 ) -> tuple[int | None, ...] | None:
     """Inside a process group: check that every rank probes with the same settings, and return
     every rank's capacity. ``None`` outside one (with a warning under a launcher that set
@@ -362,14 +363,15 @@ def _agree_across_ranks(
             stacklevel=3,  # the caller of probe()
         )
     if not ranked:
-        if ddp:
+        if opts.ddp:
             wrap_ddp(model, backend.device)  # raises the ConfigError that explains what is missing
         return None
     agree_settings(
-        min_batch=min_batch, max_batch=max_batch, steps=steps, infer=int(mode == "infer"),
-        ddp=int(ddp or is_ddp(model)), seq_len=seq_len,
+        min_batch=opts.min_batch, max_batch=opts.max_batch, steps=opts.steps,
+        infer=int(opts.mode == "infer"), ddp=int(opts.ddp or is_ddp(model)),
+        seq_len=opts.seq_len,
     )  # fmt: skip
-    return tuple(row[0] for row in distributed.all_gather_ints([capacity], timeout=timeout))
+    return tuple(row[0] for row in distributed.all_gather_ints([capacity], timeout=opts.timeout))
 
 
 def _tightest(capacities: tuple[int | None, ...]) -> int | None:
@@ -474,14 +476,8 @@ def _build_result(
     records: dict[int, ProbeTrial],
     backend: Backend,
     plan: StepPlan,
-    mode: str,
-    steps: int,
-    margin: float,
-    min_batch: int,
-    max_batch: int | None,
-    seq_len: int | None,
+    opts: ProbeOptions,
     defaults: list[str],
-    target_batch: int | None,
     capacities: tuple[int | None, ...] | None = None,
     *,
     batch_norm: bool = False,
@@ -490,12 +486,12 @@ def _build_result(
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
-    grown, growing = _kept_growth(trials, search.max_batch_size, steps)
+    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps)
     advice = probe_advice(
         search,
         backend.name(),
-        mode,
-        target_batch=target_batch,
+        opts.mode,
+        target_batch=opts.target_batch,
         world_size=world,
         batch_norm=batch_norm,
         growing=growing,
@@ -510,13 +506,13 @@ def _build_result(
         device_name=backend.name(),
         accounting=backend.accounting,
         capacity_bytes=search.capacity_bytes,
-        mode=mode,
-        steps=steps,
-        margin=margin,
-        min_batch=min_batch,
-        max_batch=max_batch,
-        hit_max_batch=search.hit_max_batch and search.max_batch_size == max_batch,
-        seq_len=seq_len,
+        mode=opts.mode,
+        steps=opts.steps,
+        margin=opts.margin,
+        min_batch=opts.min_batch,
+        max_batch=opts.max_batch,
+        hit_max_batch=search.hit_max_batch and search.max_batch_size == opts.max_batch,
+        seq_len=opts.seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,
         defaults=tuple(defaults + plan.describe() + grown) + ((_DDP_NOTE,) if ddp else ()),
@@ -569,48 +565,58 @@ def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
 
 def probe_file(
     path: str,
+    options: ProbeOptions | None = None,
     *,
     seq_len: int | Sequence[int] | None = None,
     device: str | torch.device | None = None,
-    mode: str = "train",
-    min_batch: int = 1,
-    **options: Any,
+    budget: int | str | None = None,
+    on_trial: TrialCallback | None = None,
+    progress: bool = False,
+    **option_values: Any,
 ) -> ProbeResult | ProbeSweep:
-    """Load a model file (see :mod:`memkit.modelfile`) and :func:`probe` it.
+    """Load a model file (see :mod:`memkit.modelfile`) and probe it.
 
-    With several sequence lengths, returns a :class:`ProbeSweep` (one probe per length).
-    Errors in the file become :class:`ModelFileError` (exit code 2).
+    ``options`` (a :class:`ProbeOptions`), or its fields as keywords (``max_batch=512``,
+    ``steps=1``), say what to search; ``seq_len`` may be several lengths: then the result is a
+    :class:`ProbeSweep` (one probe per length). Errors in the file become
+    :class:`ModelFileError` (exit code 2).
     """
+    opts = dataclasses.replace(options or ProbeOptions(), **option_values)
     spec = load_model_file(path)
     lengths = [seq_len] if isinstance(seq_len, int) or seq_len is None else list(seq_len)
     if lengths != [None]:
         require_seq_len(spec, "--seq-len")
     model = build_model(spec)
-    backend_device = get_backend(device, options.get("budget")).device
-    model = model.to(backend_device)
-    first_len = lengths[0]
+    model = model.to(get_backend(device, budget).device)
+    first_len, low = lengths[0], opts.min_batch
     samples = [
         call_user(
             spec.make_batch, *([n] if first_len is None else [n, first_len]),
             what=f"make_batch({n})", path=spec.path,
         )
-        for n in (min_batch, min_batch + 1)
+        for n in (low, low + 1)
     ]  # fmt: skip
-    layout = check_batch(
-        samples[0], min_batch, f"make_batch({min_batch}) in {spec.path}", bigger=samples[1]
-    )
+    layout = check_batch(samples[0], low, f"make_batch({low}) in {spec.path}", bigger=samples[1])
     del samples
     optimizer = None
     defaults: list[str] = [] if layout is None else [layout]
-    if mode == "train":
+    if opts.mode == "train":
         optimizer, name = make_optimizer(spec, model)
         defaults.append(f"optimizer: {name}")
-    results = []
-    for length in lengths:
-        result = probe(
-            model, spec.make_batch, optimizer=optimizer, loss_fn=spec.loss_fn,
-            train_step=spec.train_step, mode=mode, device=device, min_batch=min_batch,
-            seq_len=length, defaults=defaults, **options,
-        )  # fmt: skip
-        results.append(result)
+    results = [
+        probe_with(
+            model,
+            spec.make_batch,
+            opts.for_length(length),
+            optimizer=optimizer,
+            loss_fn=spec.loss_fn,
+            train_step=spec.train_step,
+            device=device,
+            budget=budget,
+            on_trial=on_trial,
+            progress=progress,
+            defaults=defaults,
+        )
+        for length in lengths
+    ]
     return results[0] if len(results) == 1 else ProbeSweep(tuple(results))

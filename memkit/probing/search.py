@@ -100,6 +100,7 @@ __all__ = [
     "Oracle",
     "SearchResult",
     "Trial",
+    "check_bounds",
     "doubling_bisection",
     "search_max_batch",
     "summary_fit",
@@ -222,7 +223,8 @@ def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
     return fit
 
 
-def _check(min_batch: int, max_batch: int | None, margin: float, capacity: int | None) -> None:
+def check_bounds(min_batch: int, max_batch: int | None, margin: float) -> None:
+    """The :class:`ConfigError` for search bounds no search can run with."""
     if min_batch < 1:
         raise ConfigError(f"min_batch must be at least 1, got {min_batch}.")
     if max_batch is not None and max_batch < min_batch:
@@ -232,6 +234,10 @@ def _check(min_batch: int, max_batch: int | None, margin: float, capacity: int |
         )
     if not 0 <= margin < 1:
         raise ConfigError(f"margin is a fraction of the capacity in [0, 1), got {margin}.")
+
+
+def _check(min_batch: int, max_batch: int | None, margin: float, capacity: int | None) -> None:
+    check_bounds(min_batch, max_batch, margin)
     if capacity is not None and capacity <= 0:
         raise ConfigError(f"capacity_bytes must be positive, or None when unknown; got {capacity}.")
 
