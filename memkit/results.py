@@ -10,10 +10,12 @@ and so has the same methods:
   the first key is ``"schema"``, the class's :attr:`Result.SCHEMA` (``"memkit.ProbeResult/1"``).
 - ``to_json(path=None, *, indent=...)``: that dict as JSON text, also written to ``path``.
 - ``html_body()``: the HTML without page shell or style (the class supplies it, from
-  :mod:`memkit.render`); ``html()`` is the same.
+  :mod:`memkit.render`).
 - ``_repr_html_()``: the notebook fragment (the body in a scoped style).
 - ``to_html(path=None)``: a whole self-contained page, also written to ``path``.
 - ``__str__()``: the text layout (the class supplies it, from :mod:`memkit.render`).
+- ``__repr__()``: one line, the class name and the few numbers that matter (the class
+  supplies it; the text is ``str()``, the notebook shows the HTML).
 
 Nested records (a trial, a device's row) mix in :class:`Record` for the same ``to_dict``
 without a schema. Torch-free.
@@ -96,13 +98,14 @@ class Record:
 
 
 _INDENT_DEFAULT: Any = object()
+"""``to_json``'s ``indent`` when not given (``None`` is a value: one line)."""
 
 
 class Result(Record):
     """The interface of every top-level result (see the module docstring).
 
-    A subclass sets :attr:`SCHEMA` and :attr:`HTML_TITLE` and defines ``__str__`` and
-    :meth:`html_body` (both from :mod:`memkit.render`).
+    A subclass sets :attr:`SCHEMA` and :attr:`HTML_TITLE`, defines ``__str__`` and
+    :meth:`html_body` (both from :mod:`memkit.render`) and a one-line ``__repr__``.
     """
 
     __slots__ = ()
@@ -120,19 +123,16 @@ class Result(Record):
 
     def to_json(
         self,
-        path: str | Path | int | None = None,
+        path: str | Path | None = None,
         *,
         indent: int | None = _INDENT_DEFAULT,
         **dict_options: Any,
     ) -> str:
         """:meth:`to_dict` as JSON text; also written to ``path`` if given.
 
-        ``indent`` defaults to :attr:`JSON_INDENT`; an integer first argument is the
-        indentation (the older ``to_json(indent)`` form). ``dict_options`` go to ``to_dict``
-        (``report.to_json(timeline=False)``).
+        ``indent`` defaults to :attr:`JSON_INDENT`; ``indent=None`` is one line.
+        ``dict_options`` go to ``to_dict`` (``report.to_json(timeline=False)``).
         """
-        if isinstance(path, int):
-            path, indent = None, path
         if indent is _INDENT_DEFAULT:
             indent = self.JSON_INDENT
         return write_json(self.to_dict(**dict_options), path, indent)
@@ -143,10 +143,6 @@ class Result(Record):
     def html_body(self) -> str:
         """The HTML without page shell or style (from :mod:`memkit.render`)."""
         raise NotImplementedError(f"{type(self).__name__} has no HTML layout")
-
-    def html(self) -> str:
-        """The same as :meth:`html_body` (its older name)."""
-        return self.html_body()
 
     def _repr_html_(self) -> str:
         return h.fragment(self.html_body())

@@ -38,26 +38,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
         action="store_true",
-        help="rewrite tests/golden/*.txt from the current output instead of comparing",
+        help="rewrite the golden files under tests/golden/ from the current output instead of "
+        "comparing (tests/test_golden.py)",
     )
 
 
 @pytest.fixture
 def golden(request: pytest.FixtureRequest):
-    """``golden(name, text)``: compare CLI text with tests/golden/NAME.txt (timings masked);
-    ``pytest --update-golden`` rewrites the files."""
-    import re
-    from pathlib import Path
-
+    """``golden(name, text, suffix=".txt")``: compare ``text`` with tests/golden/NAME+SUFFIX
+    (``name`` may hold a folder: ``results/probe``); ``pytest --update-golden`` rewrites the
+    files instead. What varies between runs is the caller's to mask."""
     folder = Path(__file__).parent / "golden"
     update = request.config.getoption("--update-golden")
 
-    def check(name: str, text: str) -> None:
-        text = re.sub(r"(?m)(\s)\d+\.\d\ds$", r"\1#.##s", text)  # seconds per trial
-        text = re.sub(r"(?m)( {2,})\d+\.\d\d$", lambda m: m.group(1) + "#.##", text)
-        path = folder / f"{name}.txt"
+    def check(name: str, text: str, suffix: str = ".txt") -> None:
+        path = folder / f"{name}{suffix}"
         if update:
-            folder.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
             return
         assert path.exists(), f"no golden file {path}: run pytest --update-golden"

@@ -22,6 +22,7 @@ from memkit.estimation.autocast import (
     header_path,
     parse_header,
 )
+from memkit.estimation.result import EstimateSweep
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.simulated.allocator import K_SMALL_BUFFER, CachingAllocatorModel
 
@@ -86,13 +87,27 @@ def make_batch(batch_size):
     return torch.randn(batch_size, 256)
 """
 
+SEQ_FILE = """
+import torch
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+
+def make_batch(batch_size, seq_len):
+    return torch.randint(0, 64, (batch_size, seq_len))
+
+def loss_fn(output, batch):
+    return output.float().pow(2).mean()
+"""
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("estimate_models")
     out = {}
     for name, text in (
-        ("gpt2", GPT2_FILE), ("cnn", CNN_FILE), ("frozen", FROZEN_FILE), ("bert", BERT_FILE)
+        ("gpt2", GPT2_FILE), ("cnn", CNN_FILE), ("frozen", FROZEN_FILE), ("bert", BERT_FILE),
+        ("seq", SEQ_FILE),
     ):  # fmt: skip
         path = folder / f"{name}_model.py"
         path.write_text(textwrap.dedent(text))
@@ -298,6 +313,29 @@ def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
     nofile = runner.invoke(cli, ["estimate", "nope.py", "--device-memory", "8GiB"])
     assert nofile.exit_code == 2 and "not found" in nofile.output
     assert sorted(_ESTIMATE_ARCHS) == sorted(DEVICE_FAMILIES)
+
+
+def test_cli_seq_lens_are_one_sweep_result(files: dict[str, str]) -> None:
+    """``--seq-len 16,100000``: one estimate per length in an EstimateSweep (JSON, text); the
+    longer length does not fit in the 100 MiB left after the context, so the exit code is 1."""
+    args = ["estimate", files["seq"], "--device-memory", "600MiB", "--max-batch", "64",
+            "--seq-len", "16,100000"]  # fmt: skip
+    as_json = CliRunner().invoke(cli, [*args, "--json"])
+    assert as_json.exit_code == 1, as_json.output
+    data = json.loads(as_json.stdout)
+    assert list(data) == ["schema", "seq_lens"] and data["schema"] == EstimateSweep.SCHEMA
+    short, long = data["seq_lens"]
+    alone = estimate(files["seq"], device_memory="600MiB", max_batch=64, seq_len=16)
+    assert short["seq_len"] == 16 and short["max_batch_size"] == alone.max_batch_size == 64
+    assert [t["reserved_peak"] for t in short["trials"]] == [t.reserved_peak for t in alone.trials]
+    assert long["seq_len"] == 100000 and long["max_batch_size"] is None
+
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 1, text.output
+    rows = [line.split() for line in text.stdout.splitlines()[4:6]]
+    assert rows[0][:3] == ["16", "64", str(alone.recommended_batch_size)]
+    assert rows[1] == ["100000", "-", "-", "-", "-"]
+    assert "Estimated not to fit: batch 1 (train, seq_len 100000, fp32)" in text.stdout
 
 
 def test_allocator_model_split_merge_and_release() -> None:

@@ -82,8 +82,6 @@ def estimate_command(
     \b
     memkit estimate examples/gpt2_small.py --device-memory 24GiB --seq-len 1024 --amp bf16
     """
-    import json
-
     if gpus is not None or strategies is not None:
         from memkit.estimation import DEVICE_FAMILIES
 
@@ -104,15 +102,12 @@ def estimate_command(
         "arch": arch, "context": context, "min_batch": min_batch, "max_batch": max_batch,
         "margin": DEFAULT_MARGIN if margin is None else margin,
     }  # fmt: skip
+    from memkit.estimation.result import EstimateSweep
+
     lengths: list[int | None] = list(seq_len) if seq_len else [None]
     with _user_output_to_stderr():
         results = [estimate(file, seq_len=length, **options) for length in lengths]
-    if as_json:
-        payload: Any = results[0].to_dict() if len(results) == 1 else {
-            "seq_lens": [r.to_dict() for r in results]
-        }  # fmt: skip
-        click.echo(json.dumps(payload, indent=2))
-    else:
-        click.echo("\n\n".join(str(r) for r in results))
-    if any(r.max_batch_size is None for r in results):
+    result = results[0] if len(results) == 1 else EstimateSweep(tuple(results))
+    click.echo(result.to_json() if as_json else str(result))
+    if not result.fits:
         sys.exit(1)

@@ -1,4 +1,6 @@
-"""The result of :func:`memkit.estimation.estimate`: trials, breakdown and the estimate itself.
+"""The result of :func:`memkit.estimation.estimate`: trials, breakdown and the estimate itself;
+one estimate per sequence length (``memkit estimate --seq-len 512,1024``) is an
+:class:`EstimateSweep`.
 
 Data only (torch-free); the text and HTML layout is :mod:`memkit.render.estimate`, the shared
 methods (``to_dict``, ``to_json``, ``to_html``...) :class:`memkit.results.Result`.
@@ -10,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from memkit.advice import Advice
-from memkit.render.estimate import estimate_html_body, estimate_text
+from memkit.render import estimate as layout
 from memkit.results import Record, Result, memory_model_json
 from memkit.units import format_size
 
-__all__ = ["Estimate", "EstimateBreakdown", "EstimateTrial"]
+__all__ = ["Estimate", "EstimateBreakdown", "EstimateSweep", "EstimateTrial"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class Estimate(Result):
         return out
 
     def __str__(self) -> str:
-        return estimate_text(self)
+        return layout.estimate_text(self)
 
     def __repr__(self) -> str:
         return (
@@ -162,4 +164,46 @@ class Estimate(Result):
         )
 
     def html_body(self) -> str:
-        return estimate_html_body(self)
+        return layout.estimate_html_body(self)
+
+
+@dataclass(frozen=True)
+class EstimateSweep(Result):
+    """One estimate per sequence length, same model, card and options (``memkit estimate
+    --seq-len 512,1024``). Its JSON is ``{"schema": ..., "seq_lens": [estimate, ...]}``."""
+
+    SCHEMA: ClassVar[str] = "memkit.EstimateSweep/1"
+    HTML_TITLE: ClassVar[str] = "memkit estimate"
+
+    results: tuple[Estimate, ...]
+
+    def __post_init__(self) -> None:
+        if not self.results:
+            raise ValueError("an EstimateSweep needs at least one estimate")
+
+    @property
+    def fits(self) -> bool:
+        """Whether at least ``min_batch`` fits at every sequence length."""
+        return all(r.fits for r in self.results)
+
+    @property
+    def largest_batches(self) -> dict[int | None, int | None]:
+        """The largest batch per sequence length."""
+        return {r.seq_len: r.max_batch_size for r in self.results}
+
+    def result(self, seq_len: int) -> Estimate | None:
+        """The estimate at ``seq_len``, if it was made."""
+        return next((r for r in self.results if r.seq_len == seq_len), None)
+
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        return {"seq_lens": out["results"]}
+
+    def __str__(self) -> str:
+        return layout.sweep_text(self)
+
+    def __repr__(self) -> str:
+        pairs = ", ".join(f"{seq}: {batch}" for seq, batch in self.largest_batches.items())
+        return f"EstimateSweep({{{pairs}}})"
+
+    def html_body(self) -> str:
+        return layout.sweep_html_body(self)

@@ -12,6 +12,7 @@ from memkit.advice import Advice
 from memkit.inspection.frames import CATEGORIES, Frame, where_of
 from memkit.render import inspection as layout
 from memkit.results import Record, Result
+from memkit.units import format_size
 
 __all__ = ["Allocation", "DeviceInspection", "OomEvent", "SnapshotInspection"]
 
@@ -220,7 +221,15 @@ class SnapshotInspection(Result):
         return layout.inspection_text(self)
 
     def __repr__(self) -> str:
-        return str(self)
+        """One line: the file, and over its devices the reserved bytes at the end, the peak
+        reserved in the trace and the OOM events (the text is ``str()``)."""
+        peaks = [d.peak_reserved for d in self.devices if d.peak_reserved is not None]
+        return (
+            f"SnapshotInspection({self.source!r}, devices={len(self.devices)}, "
+            f"reserved={format_size(sum(d.reserved for d in self.devices))!r}, "
+            f"peak_reserved={format_size(max(peaks) if peaks else None)!r}, "
+            f"ooms={sum(len(d.ooms) for d in self.devices)})"
+        )
 
     def html_body(self) -> str:
         """The inspection as HTML, without the page shell."""

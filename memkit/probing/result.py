@@ -196,7 +196,15 @@ class ProbeModes(Result):
         return layout.modes_text(self)
 
     def __repr__(self) -> str:
-        return f"ProbeModes({', '.join(repr(r) for r in self.results)})"
+        """Each mode's largest batch (per sequence length for a sweep)."""
+        parts = []
+        for r in self.results:
+            if isinstance(r, ProbeResult):
+                parts.append(f"{r.mode}={r.max_batch_size}")
+            else:
+                pairs = ", ".join(f"{s.seq_len}: {s.max_batch_size}" for s in r.results)
+                parts.append(f"{self._mode(r)}={{{pairs}}}")
+        return f"ProbeModes({', '.join(parts)})"
 
     def html_body(self) -> str:
         return layout.modes_html_body(self)

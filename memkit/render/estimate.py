@@ -1,7 +1,9 @@
-"""The layout of an :class:`~memkit.estimation.result.Estimate`: terminal text and HTML.
+"""The layout of an :class:`~memkit.estimation.result.Estimate` and an
+:class:`~memkit.estimation.result.EstimateSweep`: terminal text and HTML.
 
 Pure functions of the result (no torch at import): the headline, the trial table, the
-breakdown table, the memory model, the assumptions and the advice.
+breakdown table, the memory model, the assumptions and the advice; for a sweep, one row per
+sequence length above each length's own report.
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ from memkit.render.text import section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
-    from memkit.estimation.result import Estimate
+    from memkit.estimation.result import Estimate, EstimateSweep
 
-__all__ = ["estimate_headline", "estimate_html_body", "estimate_text"]
+__all__ = [
+    "estimate_headline",
+    "estimate_html_body",
+    "estimate_text",
+    "sweep_html_body",
+    "sweep_text",
+]
 
 _TRIAL_HEADERS = ["batch", "fits", "allocated", "reserved"]
 _BREAKDOWN_HEADERS = ["", "bytes", "share"]
+_SWEEP_HEADERS = ["seq_len", "max batch", "recommended", "reserved", "per sample"]
 
 
 def estimate_headline(est: Estimate) -> str:
@@ -109,3 +118,48 @@ def estimate_html_body(est: Estimate) -> str:
         + advice_html(est.advice)
     )
     return body
+
+
+def _sweep_rows(sweep: EstimateSweep) -> list[list[object]]:
+    """Per length: the largest and recommended batch, the reserved peak of the largest, and
+    the memory model's bytes per sample."""
+    rows: list[list[object]] = []
+    for est in sweep.results:
+        largest = None if est.max_batch_size is None else est.trial(est.max_batch_size)
+        rows.append(
+            [
+                est.seq_len,
+                est.max_batch_size,
+                est.recommended_batch_size,
+                None if largest is None else format_size(largest.reserved_peak),
+                None if est.per_sample_bytes is None else format_size(est.per_sample_bytes),
+            ]
+        )
+    return rows
+
+
+def _sweep_headline(sweep: EstimateSweep) -> str:
+    first = sweep.results[0]
+    amp = f"{first.amp} autocast" if first.amp else "fp32"
+    return (
+        f"Estimated largest batch per sequence length ({first.mode}, {amp}) on a "
+        f"{format_size(first.device_memory)} {first.device} "
+        f"({format_size(first.usable_bytes)} usable):"
+    )
+
+
+def sweep_text(sweep: EstimateSweep) -> str:
+    """One row per sequence length (reserved: at the largest batch), then each length's own
+    report (``memkit estimate --seq-len 512,1024``)."""
+    summary = [_sweep_headline(sweep), "", table(_SWEEP_HEADERS, _sweep_rows(sweep), align="rrrrr")]
+    return "\n\n".join(["\n".join(summary), *(estimate_text(est) for est in sweep.results)])
+
+
+def sweep_html_body(sweep: EstimateSweep) -> str:
+    """The same as HTML: the table, then each length's estimate."""
+    return (
+        "<h3>memkit estimate: max batch per sequence length</h3>"
+        f"<p>{h.escape(_sweep_headline(sweep))}</p>"
+        + h.table(_SWEEP_HEADERS, _sweep_rows(sweep))
+        + "".join(estimate_html_body(est) for est in sweep.results)
+    )

@@ -356,7 +356,7 @@ def report_html_body(report: TrackReport) -> str:
         f"{h.escape(report.mode)}</p>",
     ]
     if report.oom is not None:
-        body.append(report.oom.html())
+        body.append(report.oom.html_body())
     body.append("<h3>Devices</h3>")
     body.append(h.table(summary_headers(report.PHASES), [d.summary_row() for d in report.devices]))
     for dev in report.devices:

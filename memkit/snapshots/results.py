@@ -235,7 +235,7 @@ class TensorInfo(Record):
 class Snapshot(Result):
     """Every device and the host at one moment; see :func:`snapshot`.
 
-    Renders as text (``repr``/``str``), HTML (``_repr_html_``, ``to_html``) and JSON
+    Renders as text (``str``; ``repr`` is one line), HTML (``_repr_html_``, ``to_html``) and JSON
     (``to_json``); ``later - earlier`` is a :class:`SnapshotDiff`.
 
     Attributes:
@@ -314,10 +314,18 @@ class Snapshot(Result):
         return layout.snapshot_text(self)
 
     def __repr__(self) -> str:
-        return str(self)
+        """One line: the label, and this process's allocated and reserved bytes over every
+        device that reads them (the text is ``str()``)."""
+        allocated = [d.allocated for d in self.devices if d.allocated is not None]
+        reserved = [d.reserved for d in self.devices if d.reserved is not None]
+        return (
+            f"Snapshot(label={self.label!r}, devices={len(self.devices)}, "
+            f"allocated={format_size(sum(allocated) if allocated else None)!r}, "
+            f"reserved={format_size(sum(reserved) if reserved else None)!r})"
+        )
 
     def html_body(self) -> str:
-        """The snapshot as HTML (no page shell, no style; ``html()`` is the same)."""
+        """The snapshot as HTML (no page shell, no style)."""
         return layout.snapshot_html(self)
 
     def plot(self, ax: Any = None) -> Any:
@@ -519,8 +527,11 @@ class SnapshotDiff(Result):
         return layout.diff_text(self)
 
     def __repr__(self) -> str:
-        return str(self)
+        return (
+            f"SnapshotDiff({self.before_label!r} -> {self.after_label!r}, "
+            f"changes={len(self.changes)}, elapsed={self.elapsed:.3f})"
+        )
 
     def html_body(self) -> str:
-        """The diff as HTML (no page shell, no style; ``html()`` is the same)."""
+        """The diff as HTML (no page shell, no style)."""
         return layout.diff_html(self)

@@ -131,6 +131,12 @@ class RanksReport(Result):
     def __str__(self) -> str:
         return layout.ranks_text(self)
 
+    def __repr__(self) -> str:
+        return (
+            f"RanksReport(world_size={self.world_size}, tightest_rank={self.tightest_rank}, "
+            f"imbalance={self.imbalance:.2f})"
+        )
+
     def html_body(self) -> str:
         return layout.ranks_html_body(self)
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from memkit.advice import Advice
 from memkit.render import track as layout
 from memkit.results import Result, json_fields
+from memkit.units import format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RanksReport
@@ -340,7 +341,11 @@ class OomPostMortem(Result):
         return layout.postmortem_text(self)
 
     def __repr__(self) -> str:
-        return self.__str__()
+        return (
+            f"OomPostMortem({self.where!r}, device={self.device!r}, "
+            f"tried_to_allocate={format_size(self.tried_to_allocate)!r}, "
+            f"allocated={format_size(self.allocated)!r}, capacity={format_size(self.capacity)!r})"
+        )
 
     def html_body(self) -> str:
         """An HTML section (no page shell)."""
@@ -512,7 +517,12 @@ class TrackReport(Result):
         return layout.report_text(self)
 
     def __repr__(self) -> str:
-        return self.__str__()
+        peak_reserved = max((d.peak_reserved for d in self.devices), default=0)
+        return (
+            f"TrackReport(steps={self.steps}, devices={len(self.devices)}, "
+            f"peak_allocated={format_size(self.peak_allocated)!r}, "
+            f"peak_reserved={format_size(peak_reserved)!r}, oom={self.oom is not None})"
+        )
 
     def html_body(self) -> str:
         """The report's HTML without the page shell."""
