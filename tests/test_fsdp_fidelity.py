@@ -7,6 +7,7 @@ The same model, per-rank batch and optimizer run through ``fsdp_ranks`` on
 and CUDA would not: AdamW's ``step`` scalars (host tensors beside CUDA parameters, 4 B per
 parameter) and gloo's own temporaries, which come and go on its threads (up to 64.5 KiB on
 one rank, not on every run): the smaller rank peak is checked exactly, the other within that.
+The same run on meta tensors (``memkit estimate``) counts what the cpu run counts, to the byte.
 """
 
 from __future__ import annotations
@@ -76,20 +77,29 @@ def _real_peaks(tmp_path: Path) -> list[int]:
     return [r["peak"] for r in rows]
 
 
-def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
-    pytest.importorskip("torch.distributed.fsdp")
-    real = _real_peaks(tmp_path)
+def _virtual_peaks(device: str, world: int = 2) -> tuple[list[int], tuple[str, int]]:
+    """The model's steps through ``fsdp_ranks`` on ``world`` virtual devices over ``device``
+    tensors (cpu: ``memkit probe``; meta: ``memkit estimate``)."""
     namespace: dict[str, object] = {}
     exec(MODEL, namespace)  # the same model and step as the ranks
     build, step = namespace["build"], namespace["step"]
-    with VirtualDevices([None, None], "cpu") as vd:
-        ranks = fsdp_ranks(build(), lambda m: torch.optim.AdamW(m.parameters()))  # type: ignore[operator]
+    with torch.device(device):
+        model = build()  # type: ignore[operator]
+    with VirtualDevices([None] * world, device) as vd:
+        ranks = fsdp_ranks(model, lambda m: torch.optim.AdamW(m.parameters()))
         for rank in ranks:
-            with vd.on(rank.device):
+            with vd.on(rank.device), torch.device(device):  # the step's batch
                 for _ in range(STEPS):
                     step(rank.model, rank.optimizer, PER_RANK)  # type: ignore[operator]
-        virtual = vd.peaks
-        largest = ranks[0].largest_unit
+        return vd.peaks, ranks[0].largest_unit
+
+
+def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.fsdp")
+    real = _real_peaks(tmp_path)
+    virtual, largest = _virtual_peaks("cpu")
+    # meta tensors (memkit estimate) count what the cpu run counts, to the byte
+    assert _virtual_peaks("meta") == (virtual, largest)
     assert virtual[0] == virtual[1]  # 256 rows and 10 rows split evenly over 2 ranks
     step_scalars = 2 * LAYERS * 4  # AdamW's step per parameter: host memory beside CUDA
     # each rank within 66,048 B of the model: gloo's own temporaries (freed on gloo's thread)
@@ -99,3 +109,20 @@ def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
     excess = [r - step_scalars - virtual[0] for r in real]
     assert all(abs(e) <= 66_048 for e in excess), (real, virtual)
     assert largest == ("0", (256 * 256 + 256) * 4)  # the first 256 x 256 layer, unsharded
+
+
+def test_fsdp_ranks_put_their_shards_on_the_models_device() -> None:
+    # the shards, all-gather and reduce-scatter buffers FSDP allocates are on the parameters'
+    # real device, counted by a meta accountant as by a cpu one (they once went to the host)
+    for world in (2, 3):
+        peaks = {device: _virtual_peaks(device, world)[0] for device in ("cpu", "meta")}
+        assert peaks["meta"] == peaks["cpu"], world
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+    with VirtualDevices([None] * 3, "meta") as vd:
+        ranks = fsdp_ranks(model, None)
+        shards = [p for rank in ranks for unit in rank.units for p in unit.shards]
+        assert {p.device.type for p in shards} == {"meta"}
+        # each rank holds its padded shards: ceil(256 / 3) = 86 and ceil(10 / 3) = 4 rows
+        padded = (86 * 256 + 86 + 4 * 256 + 4) * 4
+        assert [vd.current_of(i) for i in range(3)] == [padded] * 3

@@ -1,4 +1,4 @@
-"""DP vs DDP on virtual devices: the strategy table (text, JSON, HTML) and its advice."""
+"""DP, DDP and FSDP on virtual devices: the strategy table (text, JSON, HTML) and its advice."""
 
 from __future__ import annotations
 
@@ -124,9 +124,60 @@ def test_fsdp_shards_what_ddp_replicates() -> None:
     assert fsdp.largest_unit == ("0", (64 * 1024 + 1024) * 4)  # Linear(64, 1024) unsharded
     assert "the largest unit all-gathered: 0" in str(on_cpu)
     assert json.loads(on_cpu.to_json())["strategies"][1]["largest_unit"] == ["0", 266240]
-    args = ["--gpus", "2", "--strategies", "fsdp", "--device-memory", "2GiB"]
-    refused = CliRunner().invoke(cli, ["estimate", str(FILES / "wide_mlp.py"), *args])
-    assert refused.exit_code == 2 and "simulated cpu device only" in refused.stderr
+
+
+def test_estimate_fsdp_agrees_with_probe_on_cpu_to_the_byte() -> None:
+    # 3 GPUs: uneven shards (1024 rows -> 342, 342, 340; 64 -> 22, 22, 20) and padding rows.
+    # The comparison counts tensor bytes on both (no allocator rounding, no workspaces):
+    # estimate's GPUs of --device-memory less --context are probe's --budget.
+    budget, context = 1_655_000, 500 * MiB
+    common = [str(FILES / "wide_mlp.py"), "--gpus", "3", "--strategies", "fsdp",
+              "--max-batch", "24", "--json"]  # fmt: skip
+    runner = CliRunner()
+    est = runner.invoke(cli, ["estimate", *common, "--device-memory", str(budget + context),
+                              "--context", "500MiB"])  # fmt: skip
+    probe = runner.invoke(cli, ["probe", *common, "--device", "cpu", "--budget", str(budget)])
+    assert est.exit_code == 0, est.output
+    assert probe.exit_code == 0, probe.output
+    on_meta, on_cpu = json.loads(est.stdout), json.loads(probe.stdout)
+    assert on_meta["device"] == "meta" and on_meta["budgets"] == on_cpu["budgets"] == [budget] * 3
+    fsdp = on_meta["strategies"][0]
+    # the same search, trial for trial, and the same peak on every GPU, to the byte
+    assert fsdp == on_cpu["strategies"][0]
+    assert [t["fits"] for t in fsdp["trials"]].count(False) >= 1  # the search met the budget
+    peaks = fsdp["per_device_peaks"]
+    assert max(peaks) <= budget and peaks[0] == peaks[1]
+    # rank 2 holds 2 rows fewer of each parameter: AdamW's two moments over them (its
+    # padded shards and gradients are as large as the others')
+    rows = 64 * 4 + 4 + 1024 * 4 + 4  # a row of each: 2 weights and 2 biases, fp32
+    assert peaks[0] - peaks[2] == 2 * 2 * rows
+    assert fsdp["largest_unit"] == ["2", 3 * 22 * (1024 + 1) * 4]  # padded to 66 rows
+    assert any("NCCL" in note for note in on_meta["notes"])
+    assert any("CUDA context" in note for note in on_meta["notes"])
+
+
+def test_estimate_shows_fsdp_in_text_json_and_html_with_its_advice() -> None:
+    # wide_mlp: 2.02 MiB of state with AdamW, more than a 2 MiB GPU: DDP fits nothing
+    args = ["estimate", str(FILES / "wide_mlp.py"), "--device-memory", f"{500 * MiB + 2 * MiB}",
+            "--context", "500MiB", "--gpus", "2", "--strategies", "ddp,fsdp",
+            "--max-batch", "64"]  # fmt: skip
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code == 1, out.output  # a strategy fits nothing
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["ddp"], ["fsdp"])}  # fmt: skip
+    assert rows["ddp"][1] == "-" and rows["fsdp"][1].isdigit()
+    assert "the largest unit all-gathered: 0" in out.stdout and "[fsdp-gpus]" in out.stdout
+    assert "NCCL" in out.stdout
+    result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=2 * MiB,
+                                strategies=["ddp", "fsdp"], device="meta",
+                                max_batch=64)  # fmt: skip
+    fsdp = result.result("fsdp")
+    assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][1]
+    payload = json.loads(result.to_json())
+    assert [s["strategy"] for s in payload["strategies"]] == ["ddp", "fsdp"]
+    page = result.to_html()
+    assert "<title>memkit: DP, DDP and FSDP on virtual GPUs</title>" in page
+    assert f"<tr><td>fsdp</td><td>{fsdp.max_global_batch}</td>" in page and "fsdp-gpus" in page
 
 
 def test_fsdp_gpus_when_ddp_fits_nothing_and_fsdp_fits_on_that_many() -> None:

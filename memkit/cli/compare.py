@@ -1,5 +1,5 @@
-"""``--gpus N [--strategies dp,ddp]`` of ``memkit probe`` and ``memkit estimate``: DataParallel
-against DDP on N virtual devices (:mod:`memkit.strategies`)."""
+"""``--gpus N [--strategies dp,ddp,fsdp]`` of ``memkit probe`` and ``memkit estimate``:
+DataParallel, DDP and FSDP2 on N virtual devices (:mod:`memkit.strategies`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _compare(
     ignored: dict[str, bool],
     context: int = 0,
 ) -> None:
-    """``--gpus N [--strategies dp,ddp]``: DP vs DDP on N virtual devices (memkit.strategies).
+    """``--gpus N [--strategies dp,ddp,fsdp]``: the strategies on N virtual devices
+    (memkit.strategies).
 
     ``ignored``: the command's options the comparison does not use, and whether each was
     given (a given one is refused, never silently dropped). ``context``: bytes each device
@@ -82,7 +83,7 @@ def _compare(
         result = dataclasses.replace(result, notes=(
             f"meta tensors: each GPU's memory less a {format_size(context)} CUDA context; "
             "tensor bytes, without the caching allocator's rounding or cuBLAS's workspace "
-            "(memkit estimate models both for one card)",
+            "(memkit estimate models both for one card)", *result.notes,
         ))  # fmt: skip
     click.echo(result.to_json() if as_json else str(result))
     if any(r.max_global_batch is None for r in result.results):

@@ -22,9 +22,16 @@ _fsdp_collectives.py and _fsdp_state.py, torch 2.11 to 2.13).
   callback frees the last input.
 
 The unit's compute runs on the real (full) parameters, placed on the device while unsharded
-(their bytes are the unsharded parameters; the padding rows are held apart). Not modelled:
-mixed precision (``MixedPrecisionPolicy``), CPU offload, HSDP, explicit prefetching, and the
-collectives' own buffers (NCCL's are outside the caching allocator; gloo's are host memory).
+(their bytes are the unsharded parameters; the padding rows are held apart). Every storage
+FSDP itself allocates (padded shards, all-gather buffers, padding rows, reduce-scatter input
+and output) is made on the real device of the parameters it stands for: ``cpu`` for
+``memkit probe``, ``meta`` for ``memkit estimate``. Never on the ambient default device: the
+comparison builds only its models and batches under ``torch.device("meta")``, and even under
+it a backward runs its hooks with no device context (a ``TorchFunctionMode`` is off while it
+handles a call, here ``backward``); a ``meta`` accountant counts no ``cpu`` storage, so these
+(half the peak on a wide MLP) once went uncounted on meta. Not modelled: mixed precision
+(``MixedPrecisionPolicy``), CPU offload, HSDP, explicit prefetching, and the collectives' own
+buffers (NCCL's are outside the caching allocator; gloo's are host memory).
 Ranks run one after another; the collectives move no values (sizes do not depend on them).
 """
 
@@ -165,6 +172,13 @@ class _Unit:
     gathered: bool = False
     grads_left: int = 0
 
+    @property
+    def like(self) -> dict[str, Any]:
+        """The dtype and real device (cpu, or meta) of the unit's flat buffers: its
+        parameters', never the ambient default device (which hooks run without)."""
+        first = self.params[0]
+        return {"dtype": first.dtype, "device": first.device}
+
     def padded_numel(self, world: int) -> int:
         """Elements of the unit's unsharded, padded parameters (= its all-gather buffer's)."""
         return sum(world * r * _row(p) for p, r in zip(self.params, self.rows, strict=True))
@@ -216,7 +230,7 @@ class _Rank:
 
     def _buffer(self, unit: _Unit) -> torch.Tensor:
         with self.vd.on(self.dev):
-            return torch.empty(unit.padded_numel(self.vd.n), dtype=unit.params[0].dtype)
+            return torch.empty(unit.padded_numel(self.vd.n), **unit.like)
 
     def _unshard(self, i: int, forward: bool) -> None:
         unit = self.units[i]
@@ -231,7 +245,7 @@ class _Rank:
             self.vd.to([p], self.dev)  # in place (a list): the unsharded parameter
         with self.vd.on(self.dev):
             unit.pads = [
-                torch.empty((self.vd.n * r - p.shape[0]) * _row(p), dtype=p.dtype)
+                torch.empty((self.vd.n * r - p.shape[0]) * _row(p), dtype=p.dtype, device=p.device)
                 for p, r in zip(unit.params, unit.rows, strict=True)
                 if self.vd.n * r > p.shape[0]
             ]
@@ -285,12 +299,12 @@ class _Rank:
             return
         self.rs_input = None  # the previous unit's reduce-scatter input
         with self.vd.on(self.dev):
-            rs_input = torch.empty(unit.padded_numel(self.vd.n), dtype=unit.params[0].dtype)
+            rs_input = torch.empty(unit.padded_numel(self.vd.n), **unit.like)
         for p in unit.params:
             p.grad = None  # the unsharded gradients, copied in
         self._reshard(unit)
         with self.vd.on(self.dev):
-            out = torch.empty(unit.padded_numel(self.vd.n) // self.vd.n, dtype=rs_input.dtype)
+            out = torch.empty(unit.padded_numel(self.vd.n) // self.vd.n, **unit.like)
         offset = 0
         for shard, rows, p in zip(unit.shards, unit.rows, unit.params, strict=True):
             view = out[offset : offset + shard.numel()].view_as(shard)
@@ -347,7 +361,8 @@ def fsdp_ranks(
                 for p_i, (p, pad_rows) in enumerate(zip(unit.params, unit.rows, strict=True)):
                     dim0 = p.shape[0] if p.dim() else 1
                     mine = max(0, min(pad_rows, dim0 - rank_index * pad_rows))
-                    padded = torch.empty(pad_rows * _row(p), dtype=p.dtype)  # _sharded_param_data
+                    # _sharded_param_data, on the real device of p (cpu, or meta)
+                    padded = torch.empty(pad_rows * _row(p), dtype=p.dtype, device=p.device)
                     shard = torch.nn.Parameter(
                         padded[: mine * _row(p)].view(mine, *p.shape[1:]) if p.dim() else padded,
                         requires_grad=p.requires_grad,
