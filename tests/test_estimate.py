@@ -279,17 +279,6 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
 
 
-def test_device_is_the_deprecated_name_of_arch(files: dict[str, str]) -> None:
-    kwargs = {"device_memory": "8GiB", "mode": "infer", "max_batch": 4}
-    with pytest.warns(DeprecationWarning, match=r"estimate\(arch=\.\.\.\)"):
-        old = estimate(files["mlp"], device="volta", **kwargs)
-    new = estimate(files["mlp"], arch="volta", **kwargs)
-    assert old.device == new.device == "volta"
-    assert old.max_batch_size == new.max_batch_size and old.context_bytes == new.context_bytes
-    with pytest.raises(ConfigError, match="give arch only"):
-        estimate(files["mlp"], arch="volta", device="hopper", **kwargs)
-
-
 def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
     runner = CliRunner()
     ok = runner.invoke(

@@ -4,7 +4,6 @@ batch-size search of ``memkit probe`` run over meta trials, and the :class:`Esti
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,11 @@ from memkit.estimation.meta_model import build_meta_model, build_target_optimize
 from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
-from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING
+from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
 from memkit.probing.search import Trial, search_max_batch
 from memkit.probing.step import StepPlan, call_model, check_batch, resolve_loss
 
-__all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "MAX_BATCH_CEILING", "estimate"]
+__all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "estimate"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,7 +43,6 @@ def estimate(
     margin: float = DEFAULT_MARGIN,
     foreach: bool | None = None,
     workspace: int | str | None = None,
-    device: str | DeviceFamily | None = None,
     keep_output: bool = True,
 ) -> Estimate:
     """Estimate the largest batch of a model file that fits on a GPU, without one.
@@ -68,7 +66,6 @@ def estimate(
         foreach: the optimizer's implementation where the model file leaves it unset; ``None``
             means the CUDA default (foreach). ``False`` reproduces the simulated cpu device.
         workspace: one cuBLAS workspace; default: the family's; ``0`` for none.
-        device: the older name of ``arch`` (deprecated: a DeprecationWarning).
         keep_output: the step keeps the model's output as a loop's ``out = model(x)`` does
             (probe's default step: through backward, and in inference until the next forward
             returns); ``False``: a loop that keeps only the loss (``loss = model(x).loss``).
@@ -80,8 +77,11 @@ def estimate(
         ConfigError: a bad argument. ModelFileError: an unusable model file.
     """
     started = time.perf_counter()
-    _check_arguments(mode, amp, attention, min_batch, max_batch, margin)
-    card = target_card(_arch(arch, device), device_memory, context, workspace)
+    search_for = SearchOptions(
+        mode=mode, seq_len=seq_len, min_batch=min_batch, max_batch=max_batch, margin=margin
+    )
+    _check_target_step(amp, attention)
+    card = target_card(DEFAULT_FAMILY if arch is None else arch, device_memory, context, workspace)
     spec = model_file if isinstance(model_file, ModelSpec) else load_model_file(model_file)
     if seq_len is not None:
         require_seq_len(spec, f"a sequence length ({seq_len})")
@@ -91,14 +91,14 @@ def estimate(
     trainable = sum(p.numel() for p in params if p.requires_grad)
     assumptions = target_lines(card, mode, amp, num_params, trainable)
     session = _start_session(
-        spec, model, card, mode=mode, seq_len=seq_len, amp=amp, attention=attention,
-        foreach=foreach, min_batch=min_batch, assumptions=assumptions, keep_output=keep_output,
+        spec, model, card, search_for, amp=amp, attention=attention, foreach=foreach,
+        assumptions=assumptions, keep_output=keep_output,
     )  # fmt: skip
     search = search_max_batch(
         _fits(session),
         capacity_bytes=session.usable,
         min_batch=min_batch,
-        max_batch=max_batch if max_batch is not None else MAX_BATCH_CEILING,
+        max_batch=search_for.ceiling,
         margin=margin,
     )
     breakdown = _breakdown(session, search.recommended_batch_size or min_batch)
@@ -135,42 +135,32 @@ def estimate(
     )
 
 
-def _check_arguments(
-    mode: str, amp: str | None, attention: str, min_batch: int, max_batch: int | None, margin: float
-) -> None:
-    if mode not in ("train", "infer"):
-        raise ConfigError(f"mode must be 'train' or 'infer', found {mode!r}")
+def _check_target_step(amp: str | None, attention: str) -> None:
+    """The :class:`ConfigError` for an autocast or attention choice the target has not."""
     if amp is not None and amp not in AMP_DTYPES:
         raise ConfigError(f"amp must be one of {', '.join(AMP_DTYPES)} or None, found {amp!r}")
     if attention not in ATTENTION_KERNELS:
         raise ConfigError(
             f"attention must be one of {', '.join(ATTENTION_KERNELS)}, found {attention!r}"
         )
-    if min_batch < 1 or (max_batch is not None and max_batch < min_batch):
-        raise ConfigError(
-            f"need 1 <= min_batch <= max_batch, found min_batch={min_batch}, max_batch={max_batch}"
-        )
-    if not 0 <= margin < 1:
-        raise ConfigError(f"margin is a fraction in [0, 1), found {margin}")
 
 
 def _start_session(
     spec: ModelSpec,
     model: torch.nn.Module,
     card: TargetCard,
+    search_for: SearchOptions,
     *,
-    mode: str,
-    seq_len: int | None,
     amp: str | None,
     attention: str,
     foreach: bool | None,
-    min_batch: int,
     assumptions: list[str],
     keep_output: bool = True,
 ) -> MetaSession:
     """The trials' session: the optimizer (train), make_batch's layout checked, one unaccounted
     warm-up step run (its errors surface before the search; each trial starts from an empty
     optimizer state again). Appends to ``assumptions``."""
+    mode, low = search_for.mode, search_for.min_batch
     optimizer = None
     if mode == "train":
         model.train()
@@ -180,19 +170,18 @@ def _start_session(
         model.eval()
     plan = _plan(spec, mode, keep_output)
     session = MetaSession(
-        spec=spec, model=model, optimizer=optimizer, plan=plan, seq_len=seq_len,
+        spec=spec, model=model, optimizer=optimizer, plan=plan, seq_len=search_for.seq_len,
         usable=card.usable, workspace=card.workspace_bytes,
         policy_dtype=None if amp is None else AMP_DTYPES[amp], attention=attention,
         sm=card.family.sm, keep_output=keep_output,
     )  # fmt: skip
     layout = check_batch(
-        session.batch(min_batch), min_batch, f"make_batch({min_batch}) in {spec.path}",
-        bigger=session.batch(min_batch + 1),
+        session.batch(low), low, f"make_batch({low}) in {spec.path}", bigger=session.batch(low + 1),
     )  # fmt: skip
     if layout is not None:
         assumptions.append(layout)
     # warm-up (not accounted): the step's errors surface before the search
-    run_guarded(lambda: session.warm_up(min_batch), min_batch)
+    run_guarded(lambda: session.warm_up(low), low)
     return session
 
 
@@ -243,17 +232,3 @@ def _trial(trial: Trial, session: MetaSession) -> EstimateTrial:
     return EstimateTrial(
         trial.batch_size, peaks.allocated, peaks.reserved, peaks.counted, trial.fits, peaks.seconds
     )
-
-
-def _arch(arch: str | DeviceFamily | None, device: str | DeviceFamily | None) -> str | DeviceFamily:
-    """``arch``, or the family given by its deprecated name ``device``, or the default."""
-    if device is None:
-        return DEFAULT_FAMILY if arch is None else arch
-    if arch is not None:
-        raise ConfigError(f"estimate() got arch={arch!r} and device={device!r}; give arch only")
-    warnings.warn(
-        "estimate(device=...) is now estimate(arch=...), the name of the CLI's --arch",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return device

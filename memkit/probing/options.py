@@ -1,19 +1,25 @@
-"""What a probe searches for and how it runs its trials: one frozen, checked object.
+"""What a batch-size search looks for (:class:`SearchOptions`, the same for ``memkit probe``
+and ``memkit estimate``) and how a probe runs its trials (:class:`ProbeOptions`): frozen objects,
+checked when built.
 
-The command line builds one from its flags, :func:`memkit.probe` from its keywords and
-Lightning's ``probe_batch_size`` from its own; the runner, the ranks' agreement and the result
-read it. No torch.
+The command line builds them from its flags, :func:`memkit.probe` and :func:`memkit.estimate`
+from their keywords, Lightning's ``probe_batch_size`` from its own; the runner, the estimate's
+search, the ranks' agreement and the results read them. No torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from memkit.errors import ConfigError
 from memkit.probing.search import check_bounds
 
-__all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "ProbeOptions"]
+__all__ = ["DEFAULT_MARGIN", "MAX_BATCH_CEILING", "ProbeOptions", "SearchOptions"]
 
 DEFAULT_MARGIN = 0.05
 """Share of capacity the recommended batch leaves free (fragmentation, ragged batches)."""
@@ -22,16 +28,55 @@ MAX_BATCH_CEILING = 1 << 20
 
 
 @dataclass(frozen=True)
-class ProbeOptions:
-    """A probe's search and trials.
+class SearchOptions:
+    """What a batch-size search looks for.
 
     Attributes:
         mode: ``"train"`` (full steps) or ``"infer"`` (forward under ``inference_mode``).
         seq_len: passed to ``make_batch`` as its second argument.
         min_batch, max_batch: bounds of the search (``max_batch``: :data:`MAX_BATCH_CEILING`
             when ``None``).
-        steps: full steps per trial (2: optimizer state appears on the first).
         margin: share of capacity, in bytes, the recommended size leaves free.
+
+    Raises:
+        ConfigError: a value no search can run with (exit code 2 on the command line).
+
+    Examples:
+        >>> SearchOptions(max_batch=64).ceiling
+        64
+        >>> SearchOptions(mode="eval")
+        Traceback (most recent call last):
+        ...
+        memkit.errors.ConfigError: mode must be 'train' or 'infer', found 'eval'
+    """
+
+    mode: str = "train"
+    seq_len: int | None = None
+    min_batch: int = 1
+    max_batch: int | None = None
+    margin: float = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("train", "infer"):
+            raise ConfigError(f"mode must be 'train' or 'infer', found {self.mode!r}")
+        check_bounds(self.min_batch, self.max_batch, self.margin)
+
+    @property
+    def ceiling(self) -> int:
+        """The largest batch the search may try."""
+        return self.max_batch if self.max_batch is not None else MAX_BATCH_CEILING
+
+    def for_length(self, seq_len: int | None) -> Self:
+        """The same options at another sequence length (one search of a sweep)."""
+        return dataclasses.replace(self, seq_len=seq_len)
+
+
+@dataclass(frozen=True)
+class ProbeOptions(SearchOptions):
+    """A probe's search (:class:`SearchOptions`) and how it runs its trials.
+
+    Attributes:
+        steps: full steps per trial (2: optimizer state appears on the first).
         target_batch: the effective batch wanted: ``accumulate`` advice, and the answer for the
             accumulating step it gives.
         accumulation: micro-batches per optimizer step in the script (``None`` or 1: none).
@@ -43,41 +88,23 @@ class ProbeOptions:
         ConfigError: a value the probe cannot run with (exit code 2 on the command line).
 
     Examples:
-        >>> ProbeOptions(max_batch=64).ceiling
-        64
         >>> ProbeOptions(steps=0)
         Traceback (most recent call last):
         ...
         memkit.errors.ConfigError: steps must be at least 1, found 0
     """
 
-    mode: str = "train"
-    seq_len: int | None = None
-    min_batch: int = 1
-    max_batch: int | None = None
     steps: int = 2
-    margin: float = DEFAULT_MARGIN
     target_batch: int | None = None
     accumulation: int | None = None
     ddp: bool = False
     timeout: float | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "infer"):
-            raise ConfigError(f"mode must be 'train' or 'infer', found {self.mode!r}")
+        super().__post_init__()
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1, found {self.steps}")
-        check_bounds(self.min_batch, self.max_batch, self.margin)
         if self.accumulation is not None and self.accumulation < 1:
             raise ConfigError(f"accumulation must be at least 1, found {self.accumulation}")
         if self.accumulation not in (None, 1) and self.mode != "train":
             raise ConfigError("gradient accumulation applies to --mode train only")
-
-    @property
-    def ceiling(self) -> int:
-        """The largest batch the search may try."""
-        return self.max_batch if self.max_batch is not None else MAX_BATCH_CEILING
-
-    def for_length(self, seq_len: int | None) -> ProbeOptions:
-        """The same options at another sequence length (one probe of a sweep)."""
-        return dataclasses.replace(self, seq_len=seq_len)
