@@ -30,21 +30,10 @@ def _rows(comparison: StrategyComparison) -> list[list[str]]:
     return rows
 
 
-def comparison_text(comparison: StrategyComparison) -> str:
-    """The per-strategy table, what lives on cuda:0 only, the advice and the notes."""
-    sizes = ", ".join(format_size(b) for b in comparison.budgets)
-    lines = [
-        f"{comparison.path}: {comparison.gpus} virtual GPUs ({sizes}) on {comparison.device}",
-        "largest global batch that fits on every device, and each device's peak at it",
-        "",
-    ]
-    header = _header(comparison)
-    rows = [header, *_rows(comparison)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for k, row in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+def _remarks(comparison: StrategyComparison) -> list[str]:
+    """What the table does not say: what lives on cuda:0 only, the largest unit FSDP
+    all-gathers, why DDP fits no larger batch than DataParallel."""
+    lines: list[str] = []
     for r in comparison.results:
         if r.excess_parts:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
@@ -67,17 +56,40 @@ def comparison_text(comparison: StrategyComparison) -> str:
             "ddp fits no larger global batch here: each rank holds its own gradients, their "
             "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
         )
+    return lines
+
+
+def comparison_text(comparison: StrategyComparison) -> str:
+    """The per-strategy table, what lives on cuda:0 only, the advice and the notes."""
+    sizes = ", ".join(format_size(b) for b in comparison.budgets)
+    lines = [
+        f"{comparison.path}: {comparison.gpus} virtual GPUs ({sizes}) on {comparison.device}",
+        "largest global batch that fits on every device, and each device's peak at it",
+        "",
+    ]
+    header = _header(comparison)
+    rows = [header, *_rows(comparison)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += _remarks(comparison)
     lines += section("advice", advice_text(comparison.advice))
     lines += section("notes:", [f"- {note}" for note in comparison.notes])
     return "\n".join(lines)
 
 
 def comparison_html_body(comparison: StrategyComparison) -> str:
-    """The table and the advice as HTML (no page shell)."""
+    """The table, its remarks, the advice and the notes as HTML (no page shell)."""
     sizes = ", ".join(format_size(b) for b in comparison.budgets)
+    remarks = "".join(f'<p class="note">{h.escape(line)}</p>' for line in _remarks(comparison))
+    notes = "".join(f"<li>{h.escape(note)}</li>" for note in comparison.notes)
     return (
         f"<h3>{h.escape(comparison.path)}: {comparison.gpus} virtual GPUs "
         f"({h.escape(sizes)})</h3>"
         + h.table(_header(comparison), _rows(comparison))
+        + remarks
         + advice_html(comparison.advice)
+        + (f'<ul class="note">{notes}</ul>' if notes else "")
     )
