@@ -9,8 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+# One intra-op thread, in this process and every process a test starts (inherited): the tests
+# run many small ops, which two OpenMP threads contending with other processes on a small
+# machine make several times slower (spinning, not working). Memory counts do not depend on it.
+# Set before torch is imported; an OMP_NUM_THREADS of the caller's own is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
 
 ROOT = Path(__file__).resolve().parents[1]
 
