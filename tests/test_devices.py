@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import os
-import subprocess
 import sys
 import types
 
@@ -110,23 +109,6 @@ def test_gputil_import_failure_gives_reason(monkeypatch):
     stats, reason = nvidia_smi_stats()
     assert stats == []
     assert "distutils" in reason
-
-
-def test_import_help_and_get_backend_do_not_initialise_cuda_and_help_imports_no_torch():
-    """One fresh interpreter (each costs an ``import torch``): ``import memkit`` and
-    ``memkit --help`` import no torch; then neither they nor ``get_backend(None)`` and
-    ``visible_devices()`` initialise CUDA."""
-    code = (
-        "import sys, memkit; assert 'torch' not in sys.modules, 'torch imported';"
-        "from memkit.cli import cli;"
-        "from click.testing import CliRunner; r = CliRunner().invoke(cli, ['--help']);"
-        "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules;"
-        "import torch; print(torch.cuda.is_initialized());"
-        "from memkit.devices import get_backend, visible_devices;"
-        "get_backend(None); visible_devices(); print(torch.cuda.is_initialized())"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
 
 
 # -- NVML (nvidia-ml-py), with a fake pynvml ------------------------------------------------
