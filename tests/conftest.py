@@ -7,10 +7,21 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+# One intra-op thread, in this process and every process a test starts (inherited): the tests
+# run many small ops, which two OpenMP threads contending with other processes on a small
+# machine make several times slower (spinning, not working). Memory counts do not depend on it.
+# Set before torch is imported; an OMP_NUM_THREADS of the caller's own is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import pytest
 import torch
+from rank_processes import RankRun, launch_scenarios
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,3 +102,13 @@ def torchrun(
         proc.communicate()
         pytest.fail(f"torchrun {' '.join(args[:3])} did not finish within {limit} s (a hang)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def gloo_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RankRun]:
+    """``gloo_ranks(name)``: the results of the 2-rank scenario ``name``. Every scenario the
+    test modules registered (``rank_processes.rank_scenario``) runs in one launch of two gloo
+    ranks, the first time a test asks for one (a rank's start-up costs more than most
+    scenarios)."""
+    runs = launch_scenarios(tmp_path_factory.mktemp("ranks"), limit=240.0)
+    return lambda name: runs[name].checked()

@@ -1,13 +1,155 @@
-"""Waiting for the worker processes of a multi-rank test: bounded, so a hang fails the test."""
+"""Two real gloo ranks on CPU for the tests, started once for all of them.
+
+Starting a rank costs an ``import torch`` and memkit (seconds on a small machine), more than
+most scenarios run, so the tests' 2-rank scenarios share one launch: each test module
+registers its scenario with :func:`rank_scenario` when it is imported, and the session
+fixture ``gloo_ranks`` (tests/conftest.py) runs every registered scenario, in order, in one
+pair of processes the first time a test asks for one. The ranks get torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) without torchrun's start-up cost, and one
+process group from it, made as ``memkit probe`` makes it
+(:func:`memkit.distributed.process_group_from_env`). Every wait is bounded: a hang fails the
+tests and kills the ranks.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A scenario's code defines ``run(rank: int, args) -> dict`` (JSON-able); it runs in a folder
+# of its own (the working directory, also on sys.path) holding its files. An exception is
+# recorded with its traceback and the next scenario runs.
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, traceback
+    from memkit import distributed
+
+    rank = int(os.environ["RANK"])
+    spec, out = sys.argv[1], sys.argv[2]
+    results = {}
+    with distributed.process_group_from_env("cpu", timeout=30):
+        for name, code, folder, args in json.loads(open(spec).read()):
+            os.chdir(folder)
+            sys.path.insert(0, folder)
+            print(f"-- scenario {name}", flush=True)
+            try:
+                namespace = {"__name__": f"scenario_{name}"}
+                exec(compile(code, f"<scenario {name}>", "exec"), namespace)
+                results[name] = namespace["run"](rank, args)
+            except Exception:
+                results[name] = {"traceback": traceback.format_exc()}
+            finally:
+                sys.path.remove(folder)
+            with open(out, "w") as f:  # after each: what ran is kept if a later one hangs
+                json.dump(results, f)
+    """
+)
+
+
+@dataclass(frozen=True)
+class RankScenario:
+    """A scenario both ranks run; ``args`` is computed in the test process at launch."""
+
+    name: str
+    code: str
+    files: dict[str, str]
+    args: Callable[[], Any] | None
+    last: bool
+
+
+SCENARIOS: dict[str, RankScenario] = {}
+
+
+def rank_scenario(
+    name: str,
+    code: str,
+    *,
+    files: dict[str, str] | None = None,
+    args: Callable[[], Any] | None = None,
+    last: bool = False,
+) -> None:
+    """Register a scenario for the shared launch (call at module level). ``last``: run after
+    the others (one that leaves the group unusable: a rank that exits)."""
+    SCENARIOS[name] = RankScenario(name, code, files or {}, args, last)
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One scenario's results, rank 0's and rank 1's, and the folder it ran in."""
+
+    name: str
+    folder: Path
+    results: list[dict]
+    logs: list[str]
+
+    def checked(self) -> RankRun:
+        """Itself; fails the test with the ranks' tracebacks if the scenario raised."""
+        failed = [r["traceback"] for r in self.results if "traceback" in r]
+        if failed:
+            pytest.fail(f"scenario {self.name} raised on a rank:\n" + "\n".join(failed))
+        return self
+
+
+def launch_scenarios(folder: Path, limit: float) -> dict[str, RankRun]:
+    """Run every registered scenario as ranks 0 and 1, the ``last`` ones at the end."""
+    order = sorted(SCENARIOS.values(), key=lambda s: s.last)  # stable: registration order
+    spec = []
+    for scenario in order:
+        where = folder / scenario.name
+        where.mkdir()
+        for file_name, text in scenario.files.items():
+            (where / file_name).write_text(text)
+        args = scenario.args() if scenario.args is not None else None
+        spec.append([scenario.name, scenario.code, str(where), args])
+    (folder / "spec.json").write_text(json.dumps(spec))
+    (folder / "worker.py").write_text(WORKER)
+    outs = [folder / f"rank{rank}.json" for rank in (0, 1)]
+    for _attempt in range(3):  # again with another port if rank 0 found its port taken
+        port = free_port()
+        for out in outs:
+            out.unlink(missing_ok=True)
+        procs = []
+        for rank in (0, 1):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+            command = [sys.executable, str(folder / "worker.py"), str(folder / "spec.json"),
+                       str(outs[rank])]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            )
+        logs = wait_for_ranks(procs, limit, "the 2-rank scenarios", abandon=port_was_taken)
+        if logs is not None:
+            break
+    assert logs is not None, "the rendezvous port was taken three times in a row"
+    ranks = []
+    for rank, out in enumerate(outs):
+        assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-4000:]}"
+        ranks.append(json.loads(out.read_text()))
+    runs = {}
+    for scenario in order:
+        missing = [rank for rank in (0, 1) if scenario.name not in ranks[rank]]
+        assert not missing, f"scenario {scenario.name} did not finish on rank(s) {missing}:\n" + (
+            "\n".join(log[-4000:] for log in logs)
+        )
+        results = [ranks[0][scenario.name], ranks[1][scenario.name]]
+        runs[scenario.name] = RankRun(scenario.name, folder / scenario.name, results, logs)
+    return runs
 
 
 def free_port() -> int:

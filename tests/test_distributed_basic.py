@@ -1,23 +1,19 @@
 """memkit.distributed without a process group, and microbatch under a real 2-rank gloo DDP.
 
-The 2-rank tests start two Python processes (a worker script written to ``tmp_path``), each
-with its own ``memkit.simulate`` budget; every wait is bounded, so a hang fails the test.
+The 2-rank test runs in the launch the suite's 2-rank tests share (tests/rank_processes.py),
+each rank with its own ``memkit.simulate`` budget, last (its rank 1 leaves the group); every
+wait is bounded, so a hang fails the test.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rank_processes import wait_for_ranks
+from rank_processes import rank_scenario
 
 import memkit
 from memkit import distributed
@@ -25,110 +21,74 @@ from memkit.microbatching import split_batch
 
 pytestmark = pytest.mark.slow
 
-WORKER = textwrap.dedent(
+SCENARIO = textwrap.dedent(
     """
-    import datetime, json, sys, time
-    import torch, torch.distributed as dist, torch.nn.functional as F
+    import torch, torch.nn.functional as F
     import memkit
     from memkit import distributed
     from memkit.microbatching import microbatch
 
-    rank, world, init, out, budgets = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    budget = json.loads(budgets)[rank]
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
-    result = {"rank": rank, "world": distributed.world_size(), "is": distributed.is_distributed()}
-    result["any"] = [distributed.any_true(rank == 1), distributed.any_true(False)]
-    result["max"] = distributed.all_max([10 * rank + 3])[0]
-    result["gathered"] = distributed.gather_to_rank0({"r": rank})
+    def run(rank, budgets):
+        budget = budgets[rank]
+        result = {"rank": rank, "world": distributed.world_size(),
+                  "is": distributed.is_distributed()}
+        result["any"] = [distributed.any_true(rank == 1), distributed.any_true(False)]
+        result["max"] = distributed.all_max([10 * rank + 3])[0]
+        result["gathered"] = distributed.gather_to_rank0({"r": rank})
 
-    torch.manual_seed(0)
-    L, R = torch.nn.Linear, torch.nn.ReLU
-    model = torch.nn.Sequential(L(64, 128), R(), L(128, 128), R(), L(128, 10))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    steps = [0]
-    opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
-    calls = [0]
-    broken = [False]
+        torch.manual_seed(0)
+        L, R = torch.nn.Linear, torch.nn.ReLU
+        model = torch.nn.Sequential(L(64, 128), R(), L(128, 128), R(), L(128, 10))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        steps = [0]
+        opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+        calls = [0]
+        broken = [False]
 
-    def train(batch):
-        calls[0] += 1
-        if broken[0] and rank == 1:
-            raise ValueError("rank 1 broke")
-        x, y = batch
-        return F.cross_entropy(ddp(x), y)
+        def train(batch):
+            calls[0] += 1
+            if broken[0] and rank == 1:
+                raise ValueError("rank 1 broke")
+            x, y = batch
+            return F.cross_entropy(ddp(x), y)
 
-    ddp(torch.zeros(2, 64)).sum().backward()  # an ordinary synced step first
-    ddp.zero_grad(set_to_none=True)
-    flags = [ddp.require_forward_param_sync]
-    step = microbatch(train, model=ddp, optimizer=opt, timeout=15)
-    gen = torch.Generator().manual_seed(1)
-    infos = []
-    with memkit.simulate(budget, track=(model, opt)):
-        for _ in range(3):
-            x = torch.randn(2 * 256, 64, generator=gen)
-            y = torch.randint(0, 10, (2 * 256,), generator=gen)
-            mine = (x[rank * 256:(rank + 1) * 256], y[rank * 256:(rank + 1) * 256])
-            step(mine)
-            infos.append([step.last.chunks, step.last.attempts, step.last.ooms])
-    flags.append(ddp.require_forward_param_sync)  # put back for the user's next forward
-    result.update(infos=infos, steps=steps[0], step_steps=step.steps, flags=flags)
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".pt")
+        ddp(torch.zeros(2, 64)).sum().backward()  # an ordinary synced step first
+        ddp.zero_grad(set_to_none=True)
+        flags = [ddp.require_forward_param_sync]
+        step = microbatch(train, model=ddp, optimizer=opt, timeout=15)
+        gen = torch.Generator().manual_seed(1)
+        infos = []
+        with memkit.simulate(budget, track=(model, opt)):
+            for _ in range(3):
+                x = torch.randn(2 * 256, 64, generator=gen)
+                y = torch.randint(0, 10, (2 * 256,), generator=gen)
+                mine = (x[rank * 256:(rank + 1) * 256], y[rank * 256:(rank + 1) * 256])
+                step(mine)
+                infos.append([step.last.chunks, step.last.attempts, step.last.ooms])
+        flags.append(ddp.require_forward_param_sync)  # put back for the user's next forward
+        result.update(infos=infos, steps=steps[0], step_steps=step.steps, flags=flags)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   f"rank{rank}.pt")
 
-    # a non-OOM error on rank 1: rank 1 re-raises it, rank 0 gets a DistributedError
-    broken[0] = True
-    try:
-        step(mine)
-    except Exception as exc:
-        result["error"] = type(exc).__name__
-    result["steps_after_error"] = steps[0]
-
-    # a dead rank: rank 1 leaves, rank 0 times out instead of hanging (a hang would run into
-    # the launcher's limit and fail the test)
-    if rank == 0:
+        # a non-OOM error on rank 1: rank 1 re-raises it, rank 0 gets a DistributedError
+        broken[0] = True
         try:
-            distributed.any_true(False, timeout=2.0)
+            step(mine)
         except Exception as exc:
-            result["dead"] = type(exc).__name__
-    json.dump(result, open(out, "w"))
+            result["error"] = type(exc).__name__
+        result["steps_after_error"] = steps[0]
+
+        # a dead rank: rank 1 leaves, rank 0 times out instead of hanging (a hang would run
+        # into the launcher's limit and fail the test)
+        if rank == 0:
+            try:
+                distributed.any_true(False, timeout=2.0)
+            except Exception as exc:
+                result["dead"] = type(exc).__name__
+        return result
     """
 )
-
-
-def _launch(tmp_path: Path, budgets: list[int | None], limit: float = 40.0):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    init = tmp_path / "init"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    procs, outs = [], []
-    for rank in range(2):
-        out = tmp_path / f"rank{rank}.json"
-        outs.append(out)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(script),
-                    str(rank),
-                    "2",
-                    str(init),
-                    str(out),
-                    json.dumps(budgets),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    logs = wait_for_ranks(procs, limit, "the 2-rank run")
-    results: list[dict] = []
-    for rank, out in enumerate(outs):
-        assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-3000:]}"
-        results.append(json.loads(out.read_text()))
-    return results, outs, logs
 
 
 def _mlp() -> torch.nn.Module:
@@ -152,6 +112,25 @@ def _peak(model, batch, chunks: int) -> int:
         return acct.peak
 
 
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of 512 both ranks draw (each takes its half)."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(512, 64, generator=gen), torch.randint(0, 10, (512,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+def _budgets() -> list[int | None]:
+    """Rank 0's device: the per-rank batch of 256 does not fit, 128 does; rank 1: no budget."""
+    x, y = _batches()[0]
+    local = (x[:256], y[:256])
+    return [(_peak(_mlp(), local, 1) + _peak(_mlp(), local, 2)) // 2, None]
+
+
+rank_scenario("ddp-microbatch", SCENARIO, args=_budgets, last=True)
+
+
 def test_without_a_process_group_everything_is_local(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -170,20 +149,11 @@ def test_without_a_process_group_everything_is_local(monkeypatch):
     assert t.tolist() == [1.0, 1.0]
 
 
-def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(tmp_path):
+def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(gloo_ranks):
     """One 2-rank gloo run: collectives, OOM recovery, a non-OOM error, a dead rank."""
-    model = _mlp()
-    gen = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(3):
-        x = torch.randn(512, 64, generator=gen)
-        y = torch.randint(0, 10, (512,), generator=gen)
-        batches.append((x, y))
-    # rank 0's device: the per-rank batch of 256 does not fit, 128 does; rank 1: no budget
-    local = (batches[0][0][:256], batches[0][1][:256])
-    budget = (_peak(model, local, 1) + _peak(model, local, 2)) // 2
-    results, outs, _ = _launch(tmp_path, [budget, None])
-    r0, r1 = results
+    ranks = gloo_ranks("ddp-microbatch")
+    r0, r1 = ranks.results
+    batches = _batches()
     assert r0["world"] == 2 and r0["is"] is True
     assert r0["any"] == r1["any"] == [True, False]
     assert r0["max"] == r1["max"] == 13
@@ -198,8 +168,8 @@ def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(tmp_path
     assert r1["error"] == "ValueError" and r0["error"] == "DistributedError"
     assert r0["steps_after_error"] == r1["steps_after_error"] == 3
     assert r0["dead"] == "DistributedError"
-    p0 = torch.load(str(outs[0]) + ".pt")
-    p1 = torch.load(str(outs[1]) + ".pt")
+    p0 = torch.load(ranks.folder / "rank0.pt")
+    p1 = torch.load(ranks.folder / "rank1.pt")
     # reference: one process, full global batch of 512, same SGD
     ref = _mlp()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)

@@ -1,7 +1,8 @@
 """DDP on virtual devices against real DistributedDataParallel: 2 gloo ranks on CPU.
 
-One launch of two processes; each rank runs DistributedDataParallel (gloo) on its own
-``memkit.simulate`` device, with ``gradient_as_bucket_view`` off and on, and reports its peak.
+Both ranks (in the launch the suite's 2-rank tests share, tests/rank_processes.py) run
+DistributedDataParallel (gloo) on their own ``memkit.simulate`` device, with
+``gradient_as_bucket_view`` off and on, and report their peak.
 The same model, per-rank batch and optimizer run on ``memkit.simulate(devices=2)`` through
 ``memkit.simulated.parallel.ddp_replicas``; the per-device peaks must match the real ranks' within
 1%.
@@ -10,24 +11,19 @@ The same model, per-rank batch and optimizer run on ``memkit.simulate(devices=2)
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from rank_processes import wait_for_ranks
+from rank_processes import rank_scenario
 
 import memkit
 from memkit.simulated.parallel import bucket_sizes, ddp_replicas
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 PER_RANK, STEPS = 64, 2
 
 MODEL = textwrap.dedent(
@@ -53,31 +49,31 @@ MODEL = textwrap.dedent(
     """
 )
 
-WORKER = textwrap.dedent(
+SCENARIO = textwrap.dedent(
     """
-    import datetime, json, sys
-    import torch, torch.distributed as dist
+    import torch
     import memkit
     from fidelity_model import build, step
 
-    rank, init, out, per_rank, steps = sys.argv[1:6]
-    rank, per_rank, steps = int(rank), int(per_rank), int(steps)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
-    result = {}
-    for as_view in (False, True):
-        model = build()
-        with memkit.simulate(None, track=model) as acct:
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                model, gradient_as_bucket_view=as_view)
-            opt = torch.optim.AdamW(ddp.parameters())
-            for _ in range(steps):
-                step(ddp, opt, per_rank)
-            result[str(as_view)] = {"peak": acct.peak, "current": acct.current}
-            del ddp, opt
-    dist.destroy_process_group()
-    json.dump(result, open(out, "w"))
+    def run(rank, args):
+        per_rank, steps = args
+        result = {}
+        for as_view in (False, True):
+            model = build()
+            with memkit.simulate(None, track=model) as acct:
+                ddp = torch.nn.parallel.DistributedDataParallel(
+                    model, gradient_as_bucket_view=as_view)
+                opt = torch.optim.AdamW(ddp.parameters())
+                for _ in range(steps):
+                    step(ddp, opt, per_rank)
+                result[str(as_view)] = {"peak": acct.peak, "current": acct.current}
+                del ddp, opt
+        return result
     """
+)
+
+rank_scenario(
+    "ddp-fidelity", SCENARIO, files={"fidelity_model.py": MODEL}, args=lambda: [PER_RANK, STEPS]
 )
 
 
@@ -104,32 +100,11 @@ def _virtual(code: Any, as_view: bool) -> tuple[list[int], list[int], int]:
         return vd.peaks, [vd.current_of(i) for i in range(2)], len(ranks[0].buckets)
 
 
-def test_virtual_ddp_peaks_equal_real_gloo_ranks(tmp_path: Path) -> None:
-    (tmp_path / "fidelity_model.py").write_text(MODEL)
-    (tmp_path / "worker.py").write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = []
-    for r in range(2):
-        args = [str(r), str(tmp_path / "init"), str(outs[r]), str(PER_RANK), str(STEPS)]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(tmp_path / "worker.py"), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    logs = wait_for_ranks(procs, 90.0, "the 2-rank DDP run")
-    assert logs is not None
-    real = []
-    for r, out in enumerate(outs):
-        assert out.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
-        real.append(json.loads(out.read_text()))
+def test_virtual_ddp_peaks_equal_real_gloo_ranks(gloo_ranks) -> None:
+    ranks = gloo_ranks("ddp-fidelity")
+    real = ranks.results
     assert real[0] == real[1]  # same model, same per-rank batch: the ranks agree
-    code = _load(tmp_path)
+    code = _load(ranks.folder)
     model = code.build()
     params = list(model.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in params)

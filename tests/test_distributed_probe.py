@@ -1,22 +1,20 @@
 """memkit.probe across 2 real gloo ranks on CPU, each with its own simulated device and budget.
 
-One launch of two worker processes runs every scenario in sequence (process start-up dominates
-on a small machine): DDP probes where only rank 1 runs out of memory, in forward, in backward
-and in the optimizer step; a plain probe with different budgets per rank; a non-OOM error on
-one rank. Every wait is bounded: a hang fails the test, and the workers are killed.
+The two ranks run every scenario in sequence, in the launch the suite's 2-rank tests share
+(tests/rank_processes.py: process start-up dominates on a small machine): DDP probes where only
+rank 1 runs out of memory, in forward, in backward and in the optimizer step; a plain probe
+with different budgets per rank; a non-OOM error on one rank; the CLI in a process whose group
+exists. Every wait is bounded: a hang fails the test, and the workers are killed.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from rank_processes import free_port, port_was_taken, wait_for_ranks
+from rank_processes import rank_scenario
 
 from memkit.distributed import RankStatus
 from memkit.probing.ranks import agreed_outcome
@@ -24,138 +22,115 @@ from memkit.probing.result import ProbeResult, ProbeTrial
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-
-WORKER = textwrap.dedent(
+MODEL_FILE = textwrap.dedent(
     """
-    import contextlib, io, json, os, sys
     import torch
-    import memkit
-    from memkit import distributed
-    from memkit.cli import main
-    from memkit.errors import MemkitError
 
-    rank, out = int(os.environ["RANK"]), sys.argv[1]
-    group = distributed.process_group_from_env("cpu", timeout=30)  # what the CLI does
-    group.__enter__()
-    BALLAST = 64 * 1024  # bytes per sample, allocated by rank 1 in the phase under test
-    ooms = {"forward": 0, "backward": 0, "optimizer": 0}
+    def build_model():
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 8))
 
-    def ballast(phase, batch):
-        try:
-            return torch.empty(BALLAST * batch, dtype=torch.uint8)
-        except torch.OutOfMemoryError:
-            ooms[phase] += 1
-            raise
-
-    def hit(phase, batch):
-        ballast(phase, batch)  # allocated and dropped: a transient in that phase
-
-    def build(phase):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                    torch.nn.Linear(64, 8))
-        opt = torch.optim.AdamW(model.parameters())
-        if rank == 1 and phase == "forward":
-            model[1].register_forward_hook(lambda m, i, o: hit("forward", o.shape[0]))
-        if rank == 1 and phase == "backward":
-            def keep(m, i, o):  # fires late in backward, after the last layer's gradients
-                n = o.shape[0]
-                o.register_hook(lambda g: hit("backward", n))
-            model[0].register_forward_hook(keep)
-        if rank == 1 and phase == "optimizer":
-            sizes = []
-            model[0].register_forward_hook(lambda m, i, o: sizes.append(o.shape[0]))
-            opt.register_step_post_hook(lambda *a: hit("optimizer", sizes[-1]))
-        return model, opt
-
-    results = {}
-    for phase in ("forward", "backward", "optimizer"):
-        model, opt = build(phase)
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        budget = "64MiB" if rank == 0 else "1MiB"
-        with memkit.simulate(None, track=(model, opt)) as outer:
-            level = outer.current
-            res = memkit.probe(model, lambda n: torch.randn(n, 32), optimizer=opt,
-                               device="cpu", budget=budget, max_batch=64, ddp=True,
-                               timeout=20)
-            after = outer.current
-        same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-        hooks = len(opt._optimizer_step_pre_hooks)
-        results[phase] = {"result": res.to_dict(), "text": str(res), "leak": after - level,
-                          "restored": same, "ooms": ooms[phase], "hooks": hooks}
-
-    # no DDP, different capacities: rank 0 a small device, rank 1 a large one
-    model, opt = build("none")
-    res = memkit.probe(model, lambda n: torch.randn(n, 32), optimizer=opt,
-                       device="cpu", budget=["300KiB", "2MiB"][rank], max_batch=512, timeout=20)
-    results["budgets"] = {"result": res.to_dict(), "text": str(res)}
-
-    # a non-OOM error on rank 1: rank 1 gets UserCodeError, rank 0 DistributedError, no hang
-    def make(n):
-        if rank == 1 and n > 4:
-            raise KeyError("no such column")
-        return torch.randn(n, 32)
-    try:
-        memkit.probe(model, make, optimizer=opt, device="cpu", budget="64MiB", max_batch=64,
-                     ddp=True, timeout=20)
-    except MemkitError as exc:
-        results["error"] = [type(exc).__name__, exc.exit_code]
-
-    # the CLI in this process: the group exists, so it is used as it is
-    os.chdir(os.path.dirname(out))
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        try:
-            main(["probe", "model.py", "--device", "cpu", "--budget", "64MiB,200KiB", "--ddp",
-                  "--max-batch", "256", "--json", "--timeout", "30"])
-        except SystemExit as exc:
-            results["cli_exit"] = exc.code
-    results["cli_stdout"] = stdout.getvalue()
-    json.dump(results, open(out, "w"))
-    group.__exit__(None, None, None)
+    def make_batch(batch_size):
+        return torch.randn(batch_size, 32)
     """
 )
 
+# Both ranks run it in the shared launch: the group exists (made from torchrun's environment
+# as the CLI makes it), the working directory holds model.py.
+SCENARIO = textwrap.dedent(
+    """
+    import contextlib, io
+    import torch
+    import memkit
+    from memkit.cli import main
+    from memkit.errors import MemkitError
 
-def _launch(tmp_path: Path, worker: str, limit: float) -> tuple[list[dict], list[str]]:
-    """Run ``worker`` as ranks 0 and 1 (torchrun's environment, without torchrun's start-up
-    cost); kill both and fail if they are not done within ``limit`` seconds."""
-    script = tmp_path / "worker.py"
-    script.write_text(worker)
-    (tmp_path / "model.py").write_text(MODEL_FILE)
-    for _attempt in range(3):  # again with another port if rank 0 found its port taken
-        port = free_port()
-        procs, outs = [], []
-        for rank in range(2):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
-                   "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}  # fmt: skip
-            out = tmp_path / f"rank{rank}.json"
-            outs.append(out)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(script), str(out)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        logs = wait_for_ranks(procs, limit, "the 2-rank probe", abandon=port_was_taken)
-        if logs is not None:
-            break
-    assert logs is not None, "the rendezvous port was taken three times in a row"
-    results = []
-    for rank, out in enumerate(outs):
-        assert out.exists(), f"rank {rank} wrote nothing:\n{logs[rank][-4000:]}"
-        results.append(json.loads(out.read_text()))
-    return results, logs
+    BALLAST = 64 * 1024  # bytes per sample, allocated by rank 1 in the phase under test
+
+
+    def run(rank, args):
+        ooms = {"forward": 0, "backward": 0, "optimizer": 0}
+
+        def ballast(phase, batch):
+            try:
+                return torch.empty(BALLAST * batch, dtype=torch.uint8)
+            except torch.OutOfMemoryError:
+                ooms[phase] += 1
+                raise
+
+        def hit(phase, batch):
+            ballast(phase, batch)  # allocated and dropped: a transient in that phase
+
+        def build(phase):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 8))
+            opt = torch.optim.AdamW(model.parameters())
+            if rank == 1 and phase == "forward":
+                model[1].register_forward_hook(lambda m, i, o: hit("forward", o.shape[0]))
+            if rank == 1 and phase == "backward":
+                def keep(m, i, o):  # fires late in backward, after the last layer's gradients
+                    n = o.shape[0]
+                    o.register_hook(lambda g: hit("backward", n))
+                model[0].register_forward_hook(keep)
+            if rank == 1 and phase == "optimizer":
+                sizes = []
+                model[0].register_forward_hook(lambda m, i, o: sizes.append(o.shape[0]))
+                opt.register_step_post_hook(lambda *a: hit("optimizer", sizes[-1]))
+            return model, opt
+
+        results = {}
+        for phase in ("forward", "backward", "optimizer"):
+            model, opt = build(phase)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            budget = "64MiB" if rank == 0 else "1MiB"
+            with memkit.simulate(None, track=(model, opt)) as outer:
+                level = outer.current
+                res = memkit.probe(model, lambda n: torch.randn(n, 32), optimizer=opt,
+                                   device="cpu", budget=budget, max_batch=64, ddp=True,
+                                   timeout=20)
+                after = outer.current
+            same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            hooks = len(opt._optimizer_step_pre_hooks)
+            results[phase] = {"result": res.to_dict(), "text": str(res), "leak": after - level,
+                              "restored": same, "ooms": ooms[phase], "hooks": hooks}
+
+        # no DDP, different capacities: rank 0 a small device, rank 1 a large one
+        model, opt = build("none")
+        res = memkit.probe(model, lambda n: torch.randn(n, 32), optimizer=opt, device="cpu",
+                           budget=["300KiB", "2MiB"][rank], max_batch=512, timeout=20)
+        results["budgets"] = {"result": res.to_dict(), "text": str(res)}
+
+        # a non-OOM error on rank 1: rank 1 gets UserCodeError, rank 0 DistributedError, no hang
+        def make(n):
+            if rank == 1 and n > 4:
+                raise KeyError("no such column")
+            return torch.randn(n, 32)
+        try:
+            memkit.probe(model, make, optimizer=opt, device="cpu", budget="64MiB", max_batch=64,
+                         ddp=True, timeout=20)
+        except MemkitError as exc:
+            results["error"] = [type(exc).__name__, exc.exit_code]
+
+        # the CLI in this process: the group exists, so it is used as it is
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            try:
+                main(["probe", "model.py", "--device", "cpu", "--budget", "64MiB,200KiB",
+                      "--ddp", "--max-batch", "256", "--json", "--timeout", "30"])
+            except SystemExit as exc:
+                results["cli_exit"] = exc.code
+        results["cli_stdout"] = stdout.getvalue()
+        return results
+    """
+)
+
+rank_scenario("probe", SCENARIO, files={"model.py": MODEL_FILE})
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    results, _ = _launch(tmp_path_factory.mktemp("probe2"), WORKER, limit=90.0)
-    return results
+def two_ranks(gloo_ranks) -> list[dict]:
+    return gloo_ranks("probe").results
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
@@ -227,20 +202,6 @@ def test_result_renders_per_rank_table() -> None:
     d = res.to_dict()
     assert d["trials"][0]["rank_peaks"] == [900, 700] and d["tightest_rank"] == 1
     assert "tightest" in res._repr_html_()
-
-
-MODEL_FILE = textwrap.dedent(
-    """
-    import torch
-
-    def build_model():
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                   torch.nn.Linear(64, 8))
-
-    def make_batch(batch_size):
-        return torch.randn(batch_size, 32)
-    """
-)
 
 
 def test_cli_under_a_process_group_ddp_budget_per_rank_json_from_rank0(

@@ -1,24 +1,23 @@
 """FSDP2 on virtual devices (memkit.simulated.fsdp) against real FSDP2: 2 gloo ranks on CPU.
 
-One torchrun launch; each rank runs ``fully_shard`` (every layer, then the model) with AdamW
+In the launch the suite's 2-rank tests share (tests/rank_processes.py: torchrun's environment,
+without its start-up), each rank runs ``fully_shard`` (every layer, then the model) with AdamW
 on its own ``memkit.simulate`` device, FSDP2's storage resizes counted, and reports its peak.
 The same model, per-rank batch and optimizer run through ``fsdp_ranks`` on
 ``memkit.simulate(devices=2)``. Equal to the byte but for what the simulated cpu device counts
 and CUDA would not: AdamW's ``step`` scalars (host tensors beside CUDA parameters, 4 B per
 parameter) and gloo's own temporaries, which come and go on its threads (up to 64.5 KiB on
 one rank, not on every run): the smaller rank peak is checked exactly, the other within that.
-The same run on meta tensors (``memkit estimate``) counts what the cpu run counts, to the byte.
 """
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
+from rank_processes import rank_scenario
 
 from memkit.simulated.fsdp import fsdp_ranks
 from memkit.simulated.virtual_devices import VirtualDevices
@@ -41,40 +40,36 @@ MODEL = textwrap.dedent(
     """
 )
 
-WORKER = textwrap.dedent(
-    f"""
-    import datetime, json
+SCENARIO = textwrap.dedent(
+    """
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     import memkit
     from memkit.tracking.fsdp import counting_resizes
     from fidelity_fsdp_model import build, step
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    model = build()
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    with memkit.simulate(None) as sim, counting_resizes():
-        sim.track(model)
-        opt = torch.optim.AdamW(model.parameters())
-        for _ in range({STEPS}):
-            step(model, opt, {PER_RANK})
-        with open(f"peak{{dist.get_rank()}}.json", "w") as out:  # two ranks' prints interleave
-            json.dump({{"rank": dist.get_rank(), "peak": sim.peak}}, out)
-    dist.destroy_process_group()
+    def run(rank, args):
+        per_rank, steps = args
+        model = build()
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        with memkit.simulate(None) as sim, counting_resizes():
+            sim.track(model)
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(steps):
+                step(model, opt, per_rank)
+        return {"rank": dist.get_rank(), "peak": sim.peak}
     """
 )
 
-
-def _real_peaks(tmp_path: Path) -> list[int]:
-    (tmp_path / "fidelity_fsdp_model.py").write_text(MODEL)
-    (tmp_path / "worker.py").write_text(WORKER)
-    done = torchrun(tmp_path, ["worker.py"], limit=60, python_path=str(tmp_path))
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads((tmp_path / f"peak{rank}.json").read_text()) for rank in (0, 1)]
-    assert [r["rank"] for r in rows] == [0, 1]
-    return [r["peak"] for r in rows]
+if importlib.util.find_spec("torch.distributed.fsdp") is not None:
+    rank_scenario(
+        "fsdp-fidelity",
+        SCENARIO,
+        files={"fidelity_fsdp_model.py": MODEL},
+        args=lambda: [PER_RANK, STEPS],
+    )
 
 
 def _virtual_peaks(device: str, world: int = 2) -> tuple[list[int], tuple[str, int]]:
@@ -94,9 +89,11 @@ def _virtual_peaks(device: str, world: int = 2) -> tuple[list[int], tuple[str, i
         return vd.peaks, ranks[0].largest_unit
 
 
-def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(tmp_path: Path) -> None:
+def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(gloo_ranks) -> None:
     pytest.importorskip("torch.distributed.fsdp")
-    real = _real_peaks(tmp_path)
+    rows = gloo_ranks("fsdp-fidelity").results
+    assert [r["rank"] for r in rows] == [0, 1]
+    real = [r["peak"] for r in rows]
     virtual, largest = _virtual_peaks("cpu")
     # meta tensors (memkit estimate) count what the cpu run counts, to the byte
     assert _virtual_peaks("meta") == (virtual, largest)

@@ -21,7 +21,6 @@ from memkit.errors import DoesNotFitError, UserCodeError
 from memkit.oom import (
     MAX_CHAIN,
     OOM_MESSAGE_FRAGMENTS,
-    CaughtOom,
     OomDetails,
     catch_oom,
     find_oom,
@@ -417,9 +416,8 @@ def test_wrapped_oom_needs_follow_chain() -> None:
     assert oom_source(outer) is None
     assert is_oom(outer, follow_chain=True)
     assert oom_source(outer, follow_chain=True) == "torch.OutOfMemoryError"
-    found = find_oom(outer)
-    assert isinstance(found, torch.OutOfMemoryError)
-    assert found is outer.__cause__
+    assert find_oom(outer) is outer.__cause__
+    assert type(outer.__cause__) is torch.OutOfMemoryError  # what _wrapped_oom chained
 
 
 def test_implicit_and_suppressed_context_are_followed() -> None:
@@ -431,7 +429,8 @@ def test_implicit_and_suppressed_context_are_followed() -> None:
     except KeyError as e:
         suppressed = e
     assert suppressed.__suppress_context__
-    assert isinstance(find_oom(suppressed), MemoryError)
+    assert find_oom(suppressed) is suppressed.__context__
+    assert type(suppressed.__context__) is MemoryError
 
     try:
         try:
@@ -440,7 +439,8 @@ def test_implicit_and_suppressed_context_are_followed() -> None:
             raise ValueError("while handling")  # noqa: B904 - implicit context on purpose
     except ValueError as e:
         implicit = e
-    assert isinstance(find_oom(implicit), RuntimeError)
+    assert find_oom(implicit) is implicit.__context__
+    assert str(implicit.__context__) == "CUDA error: out of memory"
 
 
 def test_find_oom_returns_the_top_level_exception_first() -> None:
@@ -464,16 +464,17 @@ def test_chain_walk_is_cycle_safe_and_bounded() -> None:
 
     near = RuntimeError("near")
     near.__cause__ = RuntimeError("mid")
-    near.__cause__.__cause__ = MemoryError()
-    assert isinstance(find_oom(near), MemoryError)
+    near.__cause__.__cause__ = deep = MemoryError()
+    assert find_oom(near) is deep
 
 
 @pytest.mark.skipif(not hasattr(builtins, "ExceptionGroup"), reason="Python 3.11+")
 def test_exception_group_members_are_followed() -> None:
     group_type: Any = builtins.ExceptionGroup
-    group = group_type("ranks failed", [ValueError("rank 0"), MemoryError("rank 1")])
+    rank1 = MemoryError("rank 1")
+    group = group_type("ranks failed", [ValueError("rank 0"), rank1])
     assert not is_oom(group)
-    assert isinstance(find_oom(group), MemoryError)
+    assert find_oom(group) is rank1
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,21 +596,20 @@ def test_size_units(size: str, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "message",
+    ("message", "expected"),
     [
-        "",
-        "no numbers here",
-        "Tried to allocate lots. GPU x has a total capacity of many",
-        "Tried to allocate 12 parsecs",
-        "Tried to allocate 1" + "0" * 400 + " GiB",
-        "\x00\uffff" * 100,
+        ("", OomDetails()),
+        ("no numbers here", OomDetails()),
+        ("Tried to allocate lots. GPU x has a total capacity of many", OomDetails()),
+        ("Tried to allocate 12 parsecs", OomDetails()),
+        ("Tried to allocate 1" + "0" * 400 + " GiB", OomDetails(tried_to_allocate=10**400 * 2**30)),
+        ("\x00\uffff" * 100, OomDetails()),
     ],
 )
-def test_parse_never_raises(message: str) -> None:
-    details = parse_oom_message(message)
-    assert isinstance(details, OomDetails)
-    if "parsecs" in message or "lots" in message or not message:
-        assert details == OomDetails()
+def test_parse_never_raises(message: str, expected: OomDetails) -> None:
+    """Garbage gives empty details; a number too large for any device is still read exactly
+    (Python's ints), not an overflow."""
+    assert parse_oom_message(message) == expected
 
 
 def test_parse_accepts_the_exception_itself() -> None:
@@ -735,9 +735,9 @@ def test_catch_oom_swallows_an_oom_and_take_forgets_it() -> None:
     refs: list[weakref.ref[torch.Tensor]] = []
     with catch_oom() as caught:
         _allocate_then_oom(refs)
-    assert isinstance(caught, CaughtOom)
     assert caught
-    assert isinstance(caught.oom, torch.OutOfMemoryError)
+    assert type(caught.oom) is torch.OutOfMemoryError
+    assert str(caught.oom) == "CUDA out of memory. Tried to allocate 1.00 MiB"
     taken = caught.take()
     assert caught.oom is None and not caught
     recover(None, taken)
@@ -768,5 +768,4 @@ def test_catch_oom_follow_chain_keeps_the_outer_exception() -> None:
         raise _wrapped_oom()
     with catch_oom(follow_chain=True) as caught:
         raise _wrapped_oom()
-    assert isinstance(caught.oom, RuntimeError)
-    assert str(caught.oom) == "step failed"
+    assert str(caught.oom) == "step failed"  # the outer exception, not its OOM cause

@@ -32,22 +32,24 @@ def test_every_name_in_all_resolves():
         assert getattr(memkit, name) is not None
 
 
-def test_import_is_cheap_and_torch_free():
-    code = "import sys, memkit; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
-def test_integrations_package_imports_no_framework():
-    """``import memkit`` and ``import memkit.integrations`` load neither torch nor the
-    frameworks; their shared part loads torch (the tracker) but no framework; only
-    ``memkit.integrations.lightning``/``.transformers`` need theirs."""
+def test_torch_frameworks_and_cuda_are_loaded_only_when_needed():
+    """In one fresh interpreter (each costs an ``import torch`` when it gets that far):
+    ``import memkit``, ``import memkit.integrations`` and ``memkit --help`` load neither torch
+    nor a framework; the integrations' shared part loads torch (the tracker) but no framework
+    (only ``memkit.integrations.lightning``/``.transformers`` need theirs); none of them, nor
+    ``get_backend(None)`` and ``visible_devices()``, initialises CUDA."""
     names = "('torch', 'lightning', 'transformers', 'accelerate', 'pytorch_lightning')"
+    loaded = f"print(sorted(m for m in {names} if m in sys.modules));"
     code = (
-        "import sys, memkit, memkit.integrations;"
-        f"print(sorted(m for m in {names} if m in sys.modules));"
-        "import memkit.integrations._common;"
-        f"print(sorted(m for m in {names} if m in sys.modules))"
+        f"import sys, memkit; {loaded}"
+        f"import memkit.integrations; {loaded}"
+        "from click.testing import CliRunner; from memkit.cli import cli;"
+        "r = CliRunner().invoke(cli, ['--help']); assert r.exit_code == 0, r.output;"
+        f"{loaded}"
+        f"import memkit.integrations._common; {loaded}"
+        "import torch; print(torch.cuda.is_initialized());"
+        "from memkit.devices import get_backend, visible_devices;"
+        "get_backend(None); visible_devices(); print(torch.cuda.is_initialized())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["[]", "['torch']"]
+    assert out.stdout.split() == ["[]", "[]", "[]", "['torch']", "False", "False"]

@@ -132,7 +132,12 @@ def test_frozen_backbone_and_parameterless_modules():
     assert dev.breakdown.gradients <= head_bytes
     assert dev.breakdown.optimizer_state <= 2 * head_bytes + 64
     assert {"0.2", "0.6", "1.0"} <= {m.path for m in dev.modules}  # ReLU, pool, Flatten
-    assert dev.phase_peaks["backward"] is not None
+    # the frozen backbone keeps no activation for backward: its backward peak is the batch,
+    # the model's state and the head's few bytes, less than the first conv's output (8 x 8 x
+    # 16 x 16 float32) more
+    state = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    batch = 8 * 3 * 16 * 16 * 4
+    assert state + batch <= dev.phase_peaks["backward"] < state + batch + 8 * 8 * 16 * 16 * 4
 
 
 def test_global_hooks_on_tiny_gpt2():
@@ -164,7 +169,9 @@ def test_manual_steps_and_steps_only_mode():
     report = tracker.report()
     assert report.steps == 4 and report.mode == "steps-only"
     assert [m.path for m in report.devices[0].modules] == ["Sequential"]
-    assert report.devices[0].phase_peaks["backward"] is not None
+    # no zero_grad: from the second step on, backward holds the parameters and their gradients
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert report.devices[0].phase_peaks["backward"] >= 2 * params
 
 
 def test_oom_post_mortem_names_module_and_propagates():
@@ -182,6 +189,11 @@ def test_oom_post_mortem_names_module_and_propagates():
     assert (pm.step, pm.phase, pm.module) == (1, "forward", "0")
     assert pm.tried_to_allocate == 4096 * 2048 * 4
     assert pm.capacity == 16 * 1024**2 and pm.breakdown is not None
+    # hand count at the failed forward: the parameters, step 0's gradients (never zeroed) and
+    # the batch of 4096 x 256 float32 whose first layer's output did not fit
+    params = (256 * 2048 + 2048 + 2048 * 10 + 10) * 4
+    assert pm.breakdown.parameters == pm.breakdown.gradients == params
+    assert pm.breakdown.activations == 4096 * 256 * 4 and pm.breakdown.optimizer_state == 0
     assert "step 1, forward of 0" in str(pm)
     assert any(a.code.startswith("oom-") for a in pm.advice)
     assert no_hooks_left(model)
@@ -469,7 +481,7 @@ def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
             opt.step()
         model.eval()
         outs = model(torch.randn(512, 256))  # the graph of 512 x 1024 activations is kept
-        accuracy = (outs.argmax(1) == 0).float().mean()
+        _accuracy = (outs.argmax(1) == 0).float().mean()  # as an eval loop reads the outputs
     report = tracker.report()
     dev = report.devices[0]
     held = 2 * 512 * 1024 * 4  # the first Linear's output and ReLU's, kept by the graph
@@ -477,7 +489,7 @@ def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     assert dev.breakdown is not None and dev.breakdown.phase != "other"
     assert report.eval_forwards == 4  # the teacher's three and the test's one
     assert report.steps == 3
-    assert outs.requires_grad and 0 <= accuracy.item() <= 1  # the graph the eval peak holds
+    assert outs.requires_grad  # the graph the eval peak holds
 
 
 def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():

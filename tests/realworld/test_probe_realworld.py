@@ -22,16 +22,6 @@ from memkit.probing.runner import probe_file
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: these loops run many small ops, which two threads contending with
-    other processes on a small machine slow down tenfold. Memory counts do not change."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def scripts() -> Iterator[None]:
     sys.path.insert(0, str(SCRIPTS))

@@ -248,6 +248,7 @@ def test_no_advice_for_a_saving_that_does_not_matter():
     assert report.advice == ()
     # the same numbers with no capacity known, or on a full device, still advise
     kwargs = dict(param_dtype="float32", autocast=False, activation_bytes=600, peak_bytes=1000)
-    assert A.mixed_precision(**kwargs) is not None
+    unknown, full = A.mixed_precision(**kwargs), A.mixed_precision(**kwargs, capacity=1500)
     assert A.mixed_precision(**kwargs, capacity=MiB) is None
-    assert A.mixed_precision(**kwargs, capacity=1500) is not None
+    assert unknown is not None and full is not None
+    assert unknown.code == full.code == "mixed-precision"
