@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,12 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
         self._entered = False
         self._finish(exc)
 
-    def close(self) -> None:
-        """End tracking now (after a ``train()`` that raised, outside ``with callback:``)."""
-        self._finish(None)
+    def close(self, exc: BaseException | None = None) -> None:
+        """End tracking now (after a ``train()`` that raised, outside ``with callback:``).
+
+        The exception that ended training gets its post-mortem on :attr:`report`: ``exc``, or,
+        called in an ``except`` block, the exception being handled there."""
+        self._finish(exc if exc is not None else sys.exc_info()[1])
 
     # -- starting and ending --------------------------------------------------------------
     def _finish(self, exc: BaseException | None) -> None:
