@@ -135,7 +135,7 @@ class Hooks:
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             added = warnings.filters[0]
             self._warning_filter = None if added in before else added  # a user's stays
-        shield = self.shield
+        shield = self._shield
         h.append(
             wrap_backward(
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
@@ -192,7 +192,7 @@ class Hooks:
         from torch.nn.modules import module as nn_module
 
         if look:
-            h.append(nn_module.register_module_forward_pre_hook(self.shield(self._global_pre)))
+            h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
             h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
             return
         post = self._make_post("")
@@ -233,7 +233,7 @@ class Hooks:
         while handles:
             handles.pop().remove()
 
-    def shield(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _shield(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` as a hook that never takes training down: a failure of memkit's own stops
         the tracking with a note (the report so far stays true); an out-of-memory error is the
         device's, and goes on to the user."""
@@ -415,7 +415,7 @@ class Hooks:
             # gradient hooks only where backward does real work: modules with their own
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or top is None
-            bw = self.shield(functools.partial(self._bw, name)) if hook else None
+            bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
         if top is None and not module.training and torch.is_grad_enabled():
@@ -522,7 +522,7 @@ class Hooks:
             with state.lock:
                 if state.phase != BACKWARD:
                     self.phases.transition(BACKWARD)
-                    _queue_callback(self.shield(self._end_queued))
+                    _queue_callback(self._shield(self._end_queued))
         dev = state.single or self.devices.by_index(self.devices.index_of(_first_tensor(grads)))
         if state.detail_on:
             a, r, p, pr = dev.read()
