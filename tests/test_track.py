@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from memkit.tracking import TrackReport, track
-from memkit.tracking import tracker as tracker_mod
+from memkit.tracking import TrackReport, device_set, track
 from memkit.tracking.leaks import GrowthDetector, compare_scans, graph_size, scan_frames
 
 
@@ -287,17 +286,17 @@ def test_per_device_routing_with_replica_threads(monkeypatch):
     """DataParallel-like: one replica per thread, each on its own (simulated meta) device."""
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     local = threading.local()
-    monkeypatch.setattr(tracker_mod, "current_device_index", lambda kind: local.index)
+    monkeypatch.setattr(device_set, "current_device_index", lambda kind: local.index)
     local.index = 0
     with track(model.to("meta"), device="meta:0", budget="1GiB", postmortem=None) as tracker:
-        tracker._single = None  # pretend several devices are visible
-        tracker._add_device(torch.device("meta", 1))
+        tracker.state.single = None  # pretend several devices are visible
+        tracker.devices.add(torch.device("meta", 1))
         # Stand-ins for CUDA devices, whose counters count everything made on them: the
         # tracker's switches (and its adoption of the batch) belong to its one simulated device,
         # and put replica 1's batch on device 0's count (freed mid-forward of replica 0, it
         # shrank device 0's growth when the threads interleaved so)
-        tracker._sim = None
-        for dev in tracker._devices.values():
+        tracker.devices.sim = None
+        for dev in tracker.devices.records.values():
             dev.backend.count_ops(True, True)
         replicas = [copy.deepcopy(model) for _ in range(2)]  # shares the hooks, like replicate()
         # deepcopy leaves cyclic garbage holding counted storages: freed by a collection that
@@ -308,7 +307,7 @@ def test_per_device_routing_with_replica_threads(monkeypatch):
         def run(i: int, batch: int) -> None:
             local.index = i
             try:
-                with tracker._devices[i].backend.activate():
+                with tracker.devices.records[i].backend.activate():
                     replicas[i](torch.randn(batch, 64, device="meta")).sum()
             except BaseException as exc:  # pragma: no cover - surfaced below
                 errors.append(exc)
@@ -357,7 +356,7 @@ def test_a_loader_in_another_thread_leaves_the_counting_alone():
             return torch.zeros(1)
 
     with track(device="cpu", budget="64MiB") as tracker:
-        acct = tracker._sim.accountant
+        acct = tracker.devices.sim.accountant
         acct.counting = acct.adopting = True  # the training thread is mid-step
         worker = threading.Thread(target=lambda: list(DataLoader(Data())))
         worker.start()

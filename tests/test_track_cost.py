@@ -175,18 +175,18 @@ def test_a_failing_hook_stops_tracking_not_training(monkeypatch):
     """A failure of memkit's own inside a hook (here the persistent-bytes count that a DTensor
     parameter once broke inside optimizer.step()) must not reach the training loop: tracking
     stops with a note, training goes on, and the report keeps what was measured before."""
-    from memkit.tracking.tracker import Tracker
+    from memkit.tracking.device_set import DeviceSet
 
     calls = {"n": 0}
-    original = Tracker._persistent
+    original = DeviceSet.persistent
 
     def failing(self, dev):
-        if self._step >= 2:  # fail from step 2 on: steps 0 and 1 were measured
+        if self.state.step >= 2:  # fail from step 2 on: steps 0 and 1 were measured
             calls["n"] += 1
             raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
         return original(self, dev)
 
-    monkeypatch.setattr(Tracker, "_persistent", failing)
+    monkeypatch.setattr(DeviceSet, "persistent", failing)
     model = mlp()
     opt = torch.optim.AdamW(model.parameters())
     before = [p.detach().clone() for p in model.parameters()]

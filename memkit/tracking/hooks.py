@@ -20,18 +20,14 @@ are in memkit/tracking/wrappers.py).
 
 Hooks only read counters (:func:`memkit.devices.counter_reader`: one call returns allocated,
 reserved and both peaks) and reset the peak, append a tuple to a bounded deque and update a few
-integers: no sync, no subprocess, no device allocation. Anything heavier (the breakdown, the
-leak scan) runs at phase or step boundaries (memkit/tracking/phases.py).
+integers: no sync, no subprocess, no device allocation. Every hook closes a segment
+(:func:`~memkit.tracking.device_set.segment_closer`); what the user reads of the peak counters
+is kept true (memkit/devices/peaks.py). Anything heavier (the breakdown, the leak scan) runs at
+phase or step boundaries (memkit/tracking/phases.py).
 
-Peaks: every hook closes a *segment* (the time since the previous hook on that device): the
-device's peak counter is read and reset. A segment's peak belongs to the phase and innermost
-module running during it, so per-phase and per-step peaks are exact, and so are per-module ones
-on the steps with module detail. What the user reads of the peak counters is kept true
-(memkit/devices/peaks.py).
-
-:class:`Hooks` is a part of :class:`~memkit.tracking.tracker.Tracker` (a base class, not an
-object of its own): the hot path reads the tracker's attributes directly, as fast as before
-the split.
+:class:`Hooks` is every way in from torch: it reads the shared
+:class:`~memkit.tracking.state.TrackState` (one attribute hop) and keeps the per-thread stacks
+of module calls; phases, steps and the evidence are the other parts'.
 """
 
 from __future__ import annotations
@@ -50,17 +46,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memkit.oom import is_oom
-from memkit.tracking.fsdp import FsdpUnits, is_fsdp_unit, user_class_name
-from memkit.tracking.phases import (
-    BACKWARD,
-    EVAL,
-    EVAL_PASS,
-    OPTIMIZER,
-    OTHER,
-    TRAIN_PASS,
-    PhaseMachine,
-)
-from memkit.tracking.records import DeviceRecord, Frame, IgnoredCall, ModuleStat, RootInfo
+from memkit.tracking.device_set import DeviceSet
+from memkit.tracking.evidence import Evidence
+from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
+from memkit.tracking.models import TrackedModels
+from memkit.tracking.phases import PhaseMachine
+from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, RootInfo
+from memkit.tracking.state import BACKWARD, EVAL_PASS, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import wrap_backward, wrap_data_loading, wrap_grad_scaler
 
 if TYPE_CHECKING:
@@ -76,44 +68,55 @@ _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dy
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
-class Hooks(PhaseMachine):
-    """Installs and removes the hooks; the hot path that attributes every segment's peak."""
+class Hooks:
+    """Installs and removes the hooks; the hot path that attributes every segment's peak.
 
-    # the tracker's state the hooks read and write (set in Tracker.__init__)
-    model: torch.nn.Module | None
-    optimizers: list[torch.optim.Optimizer]
-    per_module: bool
-    notes: list[str]
-    _handles: list[Any]
-    _tls: threading.local
-    _single: DeviceRecord | None
-    _failed: bool
-    _step_owner: weakref.ref[Any] | None
-    _warning_filter: Any
-    _backward_depth: int
-    _optimizer_calls: int
-    _fail: tuple[int, DeviceRecord, int, int, str | None] | None
-    _ranks_watch: RankWatch | None
-    _detail_handles: list[Any]
-    _detail_on: bool
-    _layout: tuple[bool, bool] | None
-    _compiled: bool
-    _module_every: int
-    _roots: dict[int, RootInfo]
-    _step: int
-    _fsdp: FsdpUnits | None
+    Args:
+        state: the shared state the hooks read on every call.
+        devices: the tracked devices (``devices.close`` attributes a segment).
+        phases: the phase machine the root forwards, backward and optimizer steps drive.
+        evidence: what the hooks note for the report and the post-mortem.
+        models: the tracked models and optimizers.
+        notes: the report's notes.
+        per_module: module detail on sampled steps (``False``: the model's own hooks only).
 
-    if TYPE_CHECKING:  # defined by Tracker
+    Attributes:
+        module_every: module detail's period in steps (set when the block begins).
+        ranks_watch: the tracking across ranks, under a process group.
+    """
 
-        def _dev_for_args(self, args: Any) -> DeviceRecord: ...
-        def _dev_index(self, index: int) -> DeviceRecord: ...
-        def _index_of(self, tensor: torch.Tensor | None) -> int: ...
+    def __init__(
+        self,
+        state: TrackState,
+        devices: DeviceSet,
+        phases: PhaseMachine,
+        evidence: Evidence,
+        models: TrackedModels,
+        notes: list[str],
+        per_module: bool,
+    ) -> None:
+        self.state = state
+        self.devices = devices
+        self.phases = phases
+        self.evidence = evidence
+        self.models = models
+        self.notes = notes
+        self.per_module = per_module
+        self.module_every = 1
+        self.ranks_watch: RankWatch | None = None
+        self._close = devices.close
+        self._tls = threading.local()
+        self._handles: list[Any] = []
+        self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
+        self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
+        self._warning_filter: Any = None
 
-    def _install(self) -> None:
+    def install(self) -> None:
+        """Install the hooks of the block (and module detail's, if step 0 has it)."""
         from torch.optim import optimizer as optim_module
 
         h = self._handles
-        model = self.model
+        model = self.models.model
         if model is not None:  # the model's own hooks stay for the block
             leaf = not any(True for _ in model.children())
             h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
@@ -138,22 +141,23 @@ class Hooks(PhaseMachine):
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
             )
         )
-        if self._sim is not None:
-            h.append(wrap_data_loading(self._sim))
-        h.append(wrap_grad_scaler(lambda: self._optimizer_calls, shield(self._scaler_skipped)))
+        if self.devices.sim is not None:
+            h.append(wrap_data_loading(self.devices.sim))
+        phases = self.phases
+        h.append(wrap_grad_scaler(lambda: phases.optimizer_calls, shield(self._scaler_skipped)))
         opt_pre, opt_post = shield(self._opt_pre), shield(self._opt_post)
-        if self.optimizers:
-            for opt in self.optimizers:
+        if self.models.optimizers:
+            for opt in self.models.optimizers:
                 h.append(opt.register_step_pre_hook(opt_pre))
                 h.append(opt.register_step_post_hook(opt_post))
         else:
             h.append(optim_module.register_optimizer_step_pre_hook(opt_pre))
             h.append(optim_module.register_optimizer_step_post_hook(opt_post))
-        self._set_detail(self._wants_detail(0), force=True)
+        self.set_detail(self._wants_detail(0), force=True)
 
     # module detail: on sampled steps only (_wants_detail says which)
 
-    def _set_detail(self, on: bool, *, force: bool = False) -> None:
+    def set_detail(self, on: bool, *, force: bool = False) -> None:
         """Install the hooks of module detail (``on``), or the model's own hooks alone.
 
         With a model: its submodules' hooks come and go. Without one: torch's global module
@@ -161,19 +165,20 @@ class Hooks(PhaseMachine):
         ``module_every``-th, never once a compiled model is seen), else hooks on the models
         seen so far: a model first used on another step is found at the next such step.
         """
-        look = self.model is None and (on or self._looks_for_models(self._step))
+        model = self.models.model
+        look = model is None and (on or self._looks_for_models(self.state.step))
         layout = (on, look)
         if layout == self._layout and not force:
             return
         self._remove_detail()
         self._layout = layout
-        self._detail_on = on
+        self.state.detail_on = on
         h = self._detail_handles
-        if self.model is not None:
+        if model is not None:
             if not on:
                 return
-            root_name = _model_name(self.model)
-            for name, mod in self.model.named_modules():
+            root_name = _model_name(model)
+            for name, mod in model.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
                 leaf = not any(True for _ in mod.children())
@@ -200,7 +205,7 @@ class Hooks(PhaseMachine):
             except Exception as exc:
                 failed(exc)
 
-        for root in list(self._roots.values()):
+        for root in list(self.models.roots.values()):
             mod = root.ref()
             if mod is not None and root.model:
                 h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True))
@@ -208,20 +213,20 @@ class Hooks(PhaseMachine):
 
     def _looks_for_models(self, step: int) -> bool:
         """Whether global hooks look for models on step ``step`` (no model given)."""
-        return not self._compiled and step % self._module_every == 0
+        return not self.models.compiled and step % self.module_every == 0
 
     def _wants_detail(self, step: int) -> bool:
         """Whether step ``step`` gets module detail: the first two steps (the first makes the
         optimizer state, the second is the steady state), then every ``module_every``-th; never
         for a compiled model (hooks inside its graph would break it)."""
-        if not self.per_module or self._compiled:
+        if not self.per_module or self.models.compiled:
             return False
-        every = self._module_every
+        every = self.module_every
         return every <= 1 or step < 2 or step % every == 0
 
-    def _schedule_detail(self) -> None:
+    def schedule_detail(self) -> None:
         """At a step boundary: module detail for the step that begins, or not."""
-        self._set_detail(self._wants_detail(self._step))
+        self.set_detail(self._wants_detail(self.state.step))
 
     def _remove_detail(self) -> None:
         handles = self._detail_handles
@@ -247,41 +252,30 @@ class Hooks(PhaseMachine):
         user's step ran out), else tracking stops here and the report says why."""
         if is_oom(exc):
             raise exc
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        self._active = False
+        state.active = False
         log.warning(
             "memkit: a tracking hook failed (%s: %s); tracking stopped", type(exc).__name__, exc
         )
         log.debug("the failed hook's traceback", exc_info=exc)
         self.notes.append(
-            f"memkit stopped tracking at step {self._step}: its own hook failed "
+            f"memkit stopped tracking at step {state.step}: its own hook failed "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
             "training went on, and what is reported was measured before that (please report "
             "this to memkit)"
         )
 
-    def _backward_failed(self) -> None:
-        with self._lock:
-            self._backward_depth = max(0, self._backward_depth - 1)
-
-    def _scaler_skipped(self, optimizer: Any) -> None:
-        """A step GradScaler skipped: it ends the training step as optimizer.step() would."""
-        if not self._active:
-            return
-        if self.optimizers and not any(o is optimizer for o in self.optimizers):
-            return
-        if self._opt_pre(optimizer, (optimizer,), {}) is None:
-            self._opt_post(optimizer, (), {})
-
-    def _remove(self) -> None:
+    def remove(self) -> None:
+        """Remove every hook and put back every wrapped function."""
         if self._warning_filter is not None:
             with contextlib.suppress(ValueError):
                 warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
                 warnings._filters_mutated()  # type: ignore[attr-defined]
             self._warning_filter = None
-        if self._ranks_watch is not None:
-            self._ranks_watch.remove()
+        if self.ranks_watch is not None:
+            self.ranks_watch.remove()
         self._remove_detail()
         while self._handles:
             handle = self._handles.pop()
@@ -292,45 +286,6 @@ class Hooks(PhaseMachine):
 
     # the hot path
 
-    def _close(self, dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None:
-        """Attribute a segment's peak ``p`` (reserved ``pr``) to the current phase."""
-        ph = self._phase
-        sp = dev.step_phase
-        cur = sp[ph]
-        if cur is None or p > cur:
-            sp[ph] = p
-        if p > dev.step_peak:
-            dev.step_peak = p
-        if pr > dev.step_peak_res:
-            dev.step_peak_res = pr
-        if pr > dev.peak_res:
-            dev.peak_res = pr
-        if p > dev.peak:
-            dev.peak = p
-        fsdp = self._fsdp
-        if fsdp is not None:
-            # FSDP2's all-gathered parameters during the segment: read at both of its ends
-            # (a unit's all-gather and reshard sit between memkit's hooks, see fsdp.py)
-            start, dev.gathered = dev.gathered, fsdp.gathered()
-            gathered = start if start > dev.gathered else dev.gathered
-        else:
-            gathered = 0
-        if p > dev.train_peak and (ph != EVAL or not self._trained) and not self._failed:
-            dev.train_peak = p
-            dev.pending = (
-                p,
-                self._step,
-                ph,
-                owner,
-                dev.forward_base,
-                dev.base_grads_none,
-                dev.base_state_empty,
-                self._grads_none(),
-                self._state_empty(),
-                gathered,
-                dev.base_gathered,
-            )
-
     # Hooks on modules are plain closures, not bound methods or partials: ``copy.deepcopy`` of
     # a tracked model (an EMA copy) copies functions by reference, but would try to copy the
     # tracker (and its locks) through a bound method. Inert once the block has exited.
@@ -338,7 +293,7 @@ class Hooks(PhaseMachine):
         self, name: str, leaf: bool, root: str | None = None
     ) -> Callable[[Any, Any], None]:
         impl = self._pre
-        root = root or _model_name(self.model)
+        root = root or _model_name(self.models.model)
         key = f"{root}.{name}" if name else root
 
         failed = self._hook_failed
@@ -356,7 +311,7 @@ class Hooks(PhaseMachine):
         """The model's own pre-hook: its keyword arguments count as inputs too
         (``model(**batch)``: the input's shape, the batch reaching the device)."""
         impl = self._pre
-        key = _model_name(self.model)
+        key = _model_name(self.models.model)
 
         failed = self._hook_failed
 
@@ -384,7 +339,8 @@ class Hooks(PhaseMachine):
         return post
 
     def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._active or _compiling():
+        state = self.state
+        if not state.active or _compiling():
             return
         tls = self._tls
         try:
@@ -393,14 +349,15 @@ class Hooks(PhaseMachine):
             stack = tls.stack = []
         root: RootInfo | None = None
         if stack:
-            if stack[-1].kind < 0 or not self._detail_on:
+            if stack[-1].kind < 0 or not state.detail_on:
                 stack.append(IgnoredCall(id(module)))
                 return
             keys = tls.keys
         else:
-            root = self._owners.get(id(module))
+            models = self.models
+            root = models.owners.get(id(module))
             if root is None or root.ref() is None:  # not a part of a model seen before
-                root = self._root_info(module)
+                root = models.root_info(module)
                 if not root.model:  # a loss module, a data transform: not the model
                     stack.append(IgnoredCall(id(module)))
                     return
@@ -415,59 +372,61 @@ class Hooks(PhaseMachine):
     def _pre(
         self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: RootInfo | None
     ) -> None:
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
         tls = self._tls
         try:
             stack = tls.stack
         except AttributeError:
             stack = tls.stack = []
-        if stack:
-            if stack[-1].kind < 0:  # inside a module that is not the model
+        top = stack[-1] if stack else None
+        if top is not None:
+            if top.kind < 0:  # inside a module that is not the model
                 stack.append(IgnoredCall(id(module)))
                 return
         elif root is None:
-            root = self._root_info(module)
+            root = self.models.root_info(module)
             if not root.model:  # a parameterless submodule run on its own (a loss, a metric)
                 stack.append(IgnoredCall(id(module)))
                 return
-        dev = self._single or self._dev_for_args(args)
-        if stack:
-            kind = stack[-1].kind
+        dev = state.single or self.devices.for_args(args)
+        if top is not None:
+            kind = top.kind
             a, r, p, pr = dev.read()
+            if p > a:
+                dev.reset()
+            self._close(dev, p, pr, top.name)
+            if p > top.max:
+                top.max = p
         else:
             events = dev.events
-            kind = self._root_pre(module, args, root)
+            kind = self.phases.root_pre(module, args, root)
             if dev.events != events:  # a transition read and reset the counters just now
                 a, r = dev.last
                 p, pr = a, r
             else:
                 a, r, p, pr = dev.read()
-        if p > a:
-            dev.reset()
-        if stack:
-            top = stack[-1]
-            self._close(dev, p, pr, top.name)
-            if p > top.max:
-                top.max = p
-        else:
+            if p > a:
+                dev.reset()
             self._close(dev, p, pr, None)
         ms = dev.modules.get(name)
         if ms is None:
             # gradient hooks only where backward does real work: modules with their own
             # parameters, and the top-level module (backward start in steps-only mode)
-            hook = bool(module._parameters) or not stack
+            hook = bool(module._parameters) or top is None
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
-        if not stack and not module.training and torch.is_grad_enabled():
+        if top is None and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
         stack.append(frame)
-        dev.timeline.append((_clock() - self._t0, self._step, self._phase, name, a, r))
+        dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))
         dev.events += 1
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
         tls = self._tls
         stack = getattr(tls, "stack", None)
@@ -496,14 +455,15 @@ class Hooks(PhaseMachine):
         fmax = frame.max if frame.max > p else p
         if output is None:
             exc = sys.exc_info()[1]
-            if exc is not None and (self._fail is None or self._fail[0] != id(exc)):
-                self._fail = (id(exc), dev, self._phase, self._step, name)
+            failed = self.evidence.failed_call
+            if exc is not None and (failed is None or failed[0] != id(exc)):
+                self.evidence.failed_call = (id(exc), dev, state.phase, state.step, name)
         alloc_in = frame.alloc_in
         delta = a - alloc_in
-        if self._fsdp is not None:  # FSDP2's all-gathers are no activations of the module's
+        if state.fsdp is not None:  # FSDP2's all-gathers are no activations of the module's
             delta -= dev.gathered - frame.gathered_in
         ms = frame.ms
-        step = self._step
+        step = state.step
         if kind == TRAIN_PASS:  # what a training forward keeps for backward
             ms.calls += 1
             if delta > ms.act_max:
@@ -514,7 +474,7 @@ class Hooks(PhaseMachine):
             # a module's calls add up until the next backward frees what they keep (a shared
             # block called twice in one forward; two forwards before one backward); the next
             # pass starts again: micro-batches, the passes of an optimizer's closure (LBFGS)
-            key = (step << 20) | self._backwards_in_step
+            key = (step << 20) | state.backwards
             if ms.step_id != key:
                 ms.step_id = key
                 ms.step_sum = delta
@@ -536,7 +496,7 @@ class Hooks(PhaseMachine):
             if fmax > parent.max:
                 parent.max = fmax
         else:
-            self._root_post(frame, delta, dev)
+            self.phases.root_post(frame, delta, dev)
         bw = ms.bw
         if bw is not None and kind == TRAIN_PASS:
             t = output if type(output) is torch.Tensor else _first_tensor(output)
@@ -549,83 +509,89 @@ class Hooks(PhaseMachine):
                     else:
                         t.register_hook(bw)
                     tls.hooked = weakref.ref(t)
-        dev.timeline.append((_clock() - self._t0, step, self._phase, name, a, r))
+        dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
     def _bw(self, name: str, grads: Any) -> None:
         """Backward reached module ``name``'s output (``grads``: its gradient, or the
         gradients its autograd node receives)."""
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        if self._phase != BACKWARD:  # a backward that did not go through autograd.backward
-            with self._lock:
-                if self._phase != BACKWARD:
-                    self._transition(BACKWARD)
+        if state.phase != BACKWARD:  # a backward that did not go through autograd.backward
+            with state.lock:
+                if state.phase != BACKWARD:
+                    self.phases.transition(BACKWARD)
                     _queue_callback(self._shield(self._end_queued))
-        dev = self._single or self._dev_index(self._index_of(_first_tensor(grads)))
-        if self._detail_on:
+        dev = state.single or self.devices.by_index(self.devices.index_of(_first_tensor(grads)))
+        if state.detail_on:
             a, r, p, pr = dev.read()
             if p > a:
                 dev.reset()
             self._close(dev, p, pr, dev.bw_module)
-            dev.timeline.append((_clock() - self._t0, self._step, BACKWARD, name, a, r))
+            dev.timeline.append((_clock() - state.t0, state.step, BACKWARD, name, a, r))
             dev.events += 1
         dev.bw_module = name
 
+    # backward and the optimizer: the phase machine's, under the lock
+
     def _begin_backward(self) -> None:
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        with self._lock:
-            if self._phase != BACKWARD:
-                self._transition(BACKWARD)
-            self._backward_depth += 1
+        with state.lock:
+            self.phases.begin_backward()
 
     def _end_backward(self) -> None:
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        with self._lock:
-            if self._backward_depth > 0:
-                self._backward_depth -= 1
-            if self._phase == BACKWARD and self._backward_depth == 0:
-                self._backwards_in_step += 1
-                self._transition(OTHER)
+        with state.lock:
+            self.phases.end_backward()
 
     def _end_queued(self) -> None:
-        if self._active and self._backward_depth == 0:
-            with self._lock:
-                if self._phase == BACKWARD:
-                    self._backwards_in_step += 1
-                    self._transition(OTHER)
+        state = self.state
+        if state.active and self.phases.backward_depth == 0:
+            with state.lock:
+                self.phases.backward_ended()
+
+    def _backward_failed(self) -> None:
+        with self.state.lock:
+            self.phases.backward_failed()
+
+    def _scaler_skipped(self, optimizer: Any) -> None:
+        """A step GradScaler skipped: it ends the training step as optimizer.step() would."""
+        if not self.state.active:
+            return
+        optimizers = self.models.optimizers
+        if optimizers and not any(o is optimizer for o in optimizers):
+            return
+        if self._opt_pre(optimizer, (optimizer,), {}) is None:
+            self._opt_post(optimizer, (), {})
 
     def _make_dp_output(self) -> Callable[[Any, Any, Any], None]:
         """A forward hook on a DataParallel model: the largest gathered output, in bytes."""
+        state, facts = self.state, self.evidence.facts
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not self._active:
+            if not state.active:
                 return
             values = output.values() if isinstance(output, dict) else output
             tensors = [output] if isinstance(output, torch.Tensor) else list(values or ())
             size = sum(
                 int(t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)
             )
-            if size > self._facts.dp_output_bytes:
-                self._facts.dp_output_bytes = size
+            if size > facts.dp_output_bytes:
+                facts.dp_output_bytes = size
 
         return hook
 
     def _opt_pre(
         self, optimizer: Any, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self._active:
+        if not self.state.active:
             return None
-        self._optimizer_calls += 1
-        if id(optimizer) not in self._seen_optimizers:
-            self._seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
-            if self._step_owner is None:
-                self._step_owner = weakref.ref(optimizer)
-                self._facts.optimizer_name = type(optimizer).__name__
-            # an optimizer's parameter: the witness a module seen first (a teacher) may not be
-            self._grad_witness = self._find_grad_witness()
+        self.phases.optimizer_called(optimizer)
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
         # returns. ``args`` starts with the optimizer itself.
@@ -651,30 +617,20 @@ class Hooks(PhaseMachine):
 
     def _optimizer_begins(self, optimizer: Any) -> None:
         """The optimizer's own work starts (its step, after any closure it was given)."""
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        if self._ranks_watch is not None:
-            self._ranks_watch.on_step(optimizer)
-        with self._lock:
-            # micro-batches: backward passes this optimizer step is the first to use (a GAN's
-            # two optimizers, each after its own backward, are no gradient accumulation)
-            fresh = self._backwards_in_step - self._backwards_at_optimizer
-            self._backwards_at_optimizer = self._backwards_in_step
-            if fresh > self._micro_batches:
-                self._micro_batches = fresh
-            self._transition(OPTIMIZER)
+        if self.ranks_watch is not None:
+            self.ranks_watch.on_step(optimizer)
+        with state.lock:
+            self.phases.optimizer_begins()
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._active:
+        state = self.state
+        if not state.active:
             return
-        with self._lock:
-            owner = self._step_owner() if self._step_owner is not None else None
-            if not self._manual_steps and (owner is None or owner is optimizer):
-                self._boundary(sys._getframe(1))
-                if self._backward_steps:
-                    self._merge_backward_steps()
-            else:
-                self._transition(OTHER)
+        with state.lock:
+            self.phases.optimizer_ends(optimizer, sys._getframe(1))
 
 
 def _model_name(model: torch.nn.Module | None) -> str:

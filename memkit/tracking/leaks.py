@@ -31,12 +31,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memkit.tracking.report import LeakFinding, LeakSuspect
-
-if TYPE_CHECKING:
-    from memkit.tracking.records import DeviceRecord
 
 __all__ = [
     "GRAPH_NODE_LIMIT",
@@ -45,6 +42,7 @@ __all__ = [
     "LeakWatch",
     "compare_scans",
     "graph_size",
+    "growth_finding",
     "scan_frames",
 ]
 
@@ -326,6 +324,15 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
     return suspects
 
 
+def growth_finding(
+    device: str, growth: GrowthDetector, suspects: tuple[LeakSuspect, ...], step: int
+) -> LeakFinding:
+    """The leak a device's growth detector called (at step ``step``), with ``suspects``."""
+    rate, first, steps = growth.finding or (0, step, 0)
+    period = max(1, round(steps / max(1, growth.rises)))
+    return LeakFinding(device, rate, first, steps, suspects, period=period)
+
+
 def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:
     """Suspects from consecutive scans: variables whose graph (or length) grew at every scan.
 
@@ -365,37 +372,38 @@ class LeakWatch:
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
 
-    def scan_graphs(self, step: int, frame: Any, dev: DeviceRecord) -> None:
+    def scan_graphs(self, step: int, frame: Any, device: str) -> LeakFinding | None:
         """Three scans in a row every ``period`` steps: a variable whose autograd graph grows
         at each (``running_loss += loss``) is a leak even when device memory stays flat
-        (backward freed the saved tensors; the graph's nodes pile up in host memory). A leak
-        found is set on ``dev``."""
+        (backward freed the saved tensors; the graph's nodes pile up in host memory). Returns
+        the leak found, on ``device``."""
         offset = step - self.warmup
         if offset < 0 or offset % self.period >= 3:
-            return
+            return None
         try:
             current = scan_frames(frame)
         except Exception:  # inspection must never break training
             log.debug("graph scan failed", exc_info=True)
-            return
+            return None
         scans = self.graph_scans if offset % self.period else []
         scans.append(current)
         self.graph_scans = scans
         if len(scans) < 3:
-            return
+            return None
         suspects = growing_in_all(scans)
         if not suspects:
-            return
+            return None
         nodes = suspects[0].graph_nodes
         start = next(c.size for c in scans[0] if c.name == suspects[0].name)
-        dev.leak = LeakFinding(
-            dev.key, 0, step - 2, 2, tuple(suspects), graph_growth=(nodes - start) // 2
+        leak = LeakFinding(
+            device, 0, step - 2, 2, tuple(suspects), graph_growth=(nodes - start) // 2
         )
-        log.info("memkit: %s at %s", dev.leak.headline(), suspects[0].where)
+        log.info("memkit: %s at %s", leak.headline(), suspects[0].where)
+        return leak
 
-    def on_growth(self, devices: list[DeviceRecord], frame: Any, step: int) -> None:
-        """``devices`` grew over their growth window (at step ``step``): scan the frames for
-        the variables behind it, once until a suspect is confirmed, and set each one's leak."""
+    def on_growth(self, frame: Any, step: int) -> tuple[LeakSuspect, ...]:
+        """A device grew over its growth window (at step ``step``): the variables behind it,
+        from a scan of the frames (once until a suspect is confirmed)."""
         scan_now = self.scan is None or (not self.confirmed and step > self.scan_step)
         if scan_now:
             try:
@@ -411,13 +419,7 @@ class LeakWatch:
             self.scan = current
             self.scan_step = step
             self.suspects = tuple(suspects)
-        for dev in devices:
-            growth, first, steps = dev.growth.finding or (0, step, 0)
-            first_time = dev.leak is None
-            period = max(1, round(steps / max(1, dev.growth.rises)))
-            dev.leak = LeakFinding(dev.key, growth, first, steps, self.suspects, period=period)
-            if first_time:  # the report says it; the log is for those who listen
-                log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
+        return self.suspects
 
     def suspects_at_failure(self, leak: LeakFinding, tb: Any) -> LeakFinding:
         """``leak`` with the suspects of a last scan at the failure (``tb``: its traceback),

@@ -1,121 +1,102 @@
-"""The phase and pass state machine: which phase runs (forward, backward, optimizer, other,
-eval), what a root forward is (a training pass, an evaluation pass, a checkpointed forward
-recomputed in backward), and where steps end (the step rules).
+"""The phase machine: which phase runs (forward, backward, optimizer, other, eval), what a
+root forward is (a training pass, an evaluation pass, a checkpointed forward recomputed in
+backward), and where steps end (the step rules).
 
-:class:`PhaseMachine` is a part of :class:`~memkit.tracking.tracker.Tracker` (a base class,
-not an object of its own): the hooks read ``_phase`` and ``_step`` on every call, and an extra
-object between them would cost an attribute lookup per hook. Transitions and boundaries run
-under the tracker's lock, at most a few times per step, never per module.
+:class:`PhaseMachine` owns what the step rules need (backward passes, optimizer calls, the
+evaluation windows) and writes the phase and the step to the shared
+:class:`~memkit.tracking.state.TrackState`, which the hooks read on every call. Transitions and
+boundaries run under the tracker's lock, at most a few times per step, never per module; the
+hooks (memkit/tracking/hooks.py) call in when a root forward starts or ends, when backward
+starts or ends and when an optimizer steps.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
-import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from memkit.devices import SimulatedBackend
-from memkit.tracking import leaks
-from memkit.tracking.fsdp import FsdpUnits, find_fsdp_units, user_class_name
-from memkit.tracking.records import (
-    DeviceRecord,
-    Frame,
-    RootInfo,
-    RunFacts,
-    close_step,
-    merge_steps,
+from memkit.tracking.device_set import DeviceSet
+from memkit.tracking.evidence import Evidence
+from memkit.tracking.leaks import growth_finding
+from memkit.tracking.models import TrackedModels, forward_autocast
+from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
+from memkit.tracking.state import (
+    BACKWARD,
+    EVAL,
+    EVAL_PASS,
+    FORWARD,
+    OPTIMIZER,
+    OTHER,
+    RECOMPUTE,
+    TRAIN_PASS,
+    TrackState,
 )
-from memkit.tracking.report import PHASES, StepRecord
 
-__all__ = [
-    "BACKWARD",
-    "EVAL",
-    "EVAL_PASS",
-    "FORWARD",
-    "OPTIMIZER",
-    "OTHER",
-    "RECOMPUTE",
-    "TRAIN_PASS",
-    "PhaseMachine",
-    "forward_autocast",
-    "is_compiled",
-]
+__all__ = ["PhaseMachine"]
 
-FORWARD, BACKWARD, OPTIMIZER, OTHER, EVAL = range(5)
-"""Phases, as indices into :data:`~memkit.tracking.report.PHASES`."""
-
-TRAIN_PASS, EVAL_PASS, RECOMPUTE = range(3)
-"""What a root forward is: a training forward (builds a graph for backward), an evaluation
-pass (``no_grad``/``inference_mode``, eval mode, or nothing that could build a graph), or the
-recomputation of a checkpointed forward inside backward."""
+log = logging.getLogger(__name__)
 
 
 class PhaseMachine:
-    """Phase transitions, root forwards, step boundaries and evaluation windows."""
+    """Phase transitions, root forwards, step boundaries and evaluation windows.
 
-    # the tracker's state this part reads and writes (set in Tracker.__init__)
-    optimizers: list[torch.optim.Optimizer]
-    _active: bool
-    _lock: threading.RLock
-    _devices: dict[Any, DeviceRecord]
-    _primary: DeviceRecord | None
-    _kind: str
-    _phase: int
-    _step: int
-    _t0: float
-    _step_t0: float
-    _sim: SimulatedBackend | None
-    _fsdp: FsdpUnits | None
-    _facts: RunFacts
-    _manual_steps: bool
-    _trained: bool
-    _eval_return: int
-    _eval_hold: int
-    _last_root: tuple[bool, bool] | None
-    _backward_steps: int
-    _backwards_in_step: int
-    _backwards_at_optimizer: int
-    _micro_batches: int
-    _seen_optimizers: dict[int, weakref.ref[Any]]
-    _leak_warmup: int
-    _leak_window: int
-    _leak_watch: leaks.LeakWatch
-    _roots: dict[int, RootInfo]
-    _owners: dict[int, RootInfo]
-    _grad_witness: weakref.ref[torch.Tensor] | None
-    _compiled: bool
-    model: torch.nn.Module | None
-    notes: list[str]
+    Args:
+        state: the shared state (``phase``, ``step``, ``backwards`` are written here).
+        devices: the tracked devices (closed at every transition).
+        evidence: what the boundaries read of the live model and optimizer.
+        models: the tracked models and optimizers.
+        notes: the report's notes.
 
-    if TYPE_CHECKING:  # defined by the other parts of Tracker
+    Attributes:
+        on_step: called when a step begins (the hooks schedule module detail for it).
+    """
 
-        def _close(self, dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None: ...
-        def _resolve_pending(self, dev: DeviceRecord) -> None: ...
-        def _grads_none(self) -> bool: ...
-        def _state_empty(self) -> bool: ...
-        def _capture_evidence(self) -> None: ...
-        def _persistent(self, dev: DeviceRecord) -> tuple[int, int, int]: ...
-        def _find_grad_witness(self) -> weakref.ref[torch.Tensor] | None: ...
-        def root_modules(self) -> list[torch.nn.Module]: ...
-        def _schedule_detail(self) -> None: ...
-        def _set_detail(self, on: bool, *, force: bool = False) -> None: ...
+    def __init__(
+        self,
+        state: TrackState,
+        devices: DeviceSet,
+        evidence: Evidence,
+        models: TrackedModels,
+        notes: list[str],
+    ) -> None:
+        self.state = state
+        self.devices = devices
+        self.evidence = evidence
+        self.models = models
+        self.notes = notes
+        self.on_step: Callable[[], None] = lambda: None
+        self.step_t0 = 0.0
+        self.manual_steps = False
+        self.step_owner: weakref.ref[Any] | None = None  # the optimizer whose steps count
+        self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
+        self.backward_depth = 0
+        self.backward_steps = 0  # steps counted from backward passes, not yet confirmed
+        self.backwards_at_optimizer = 0  # state.backwards at the last optimizer step
+        self.micro_batches = 0  # the most backward passes one optimizer step used, this step
+        self.eval_return = OTHER
+        self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
 
-    def _root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
+    # root forwards (the hooks call these for a model's own forward)
+
+    def root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
         """A forward of the model begins: which pass it is, and the phase it starts."""
-        if self._phase == BACKWARD:  # a checkpointed forward recomputed inside backward
+        state = self.state
+        if state.phase == BACKWARD:  # a checkpointed forward recomputed inside backward
             return RECOMPUTE
         if root is None:
-            root = self._root_info(module)
+            root = self.models.root_info(module)
         grad = torch.is_grad_enabled()
-        self._last_root = (module.training, grad)
-        facts = self._facts
+        facts = self.evidence.facts
+        facts.last_root = (module.training, grad)
         facts.last_input = shape = _input_shape(args)
-        sim = self._sim
+        sim = self.devices.sim
         if not grad or not module.training or not (root.trainable or _needs_grad(args)):
             kind = EVAL_PASS
             facts.eval_forwards += 1
@@ -123,172 +104,183 @@ class PhaseMachine:
                 facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
             ):
                 facts.eval_input = shape
-            if self._phase != EVAL:
-                with self._lock:
-                    if self._phase != EVAL:
-                        self._eval_return = self._phase
-                        self._transition(EVAL)
+            if state.phase != EVAL:
+                with state.lock:
+                    if state.phase != EVAL:
+                        self.eval_return = state.phase
+                        self.transition(EVAL)
         else:
             kind = TRAIN_PASS
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
-            if _autocast_on(self._kind) or forward_autocast(module) is not None:
+            if _autocast_on(self.devices.kind) or forward_autocast(module) is not None:
                 facts.autocast_forwards += 1
-            if self._phase != FORWARD:
-                with self._lock:
-                    if self._phase != FORWARD:
-                        if self._backwards_in_step and self._step_rule() == "backward":
-                            # no optimizer steps: a new training forward after a backward
-                            # begins the next step
-                            self._boundary(sys._getframe(1))
-                            self._backward_steps += 1
-                        self._transition(FORWARD)
-                        if not self._trained:  # from now on the breakdown is training's
-                            self._trained = True
-                            for dev in self._devices.values():
-                                dev.train_peak, dev.pending, dev.breakdown = 0, None, None
-                        # advice: zero-grad-keeps-grads (a step's first forward, from step 1
-                        # on; not while steps are counted from backward passes, where the next
-                        # micro-batch's forward rightly finds the accumulating gradients)
-                        if self._step > facts.grads_checked_step and self._seen_optimizers:
-                            facts.grads_checked_step = self._step
-                            if not self._grads_none():
-                                facts.grads_steps += 1
+            if state.phase != FORWARD:
+                with state.lock:
+                    if state.phase != FORWARD:
+                        self._training_forward_begins(sys._getframe(1))
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args)
         return kind
 
-    def _root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
-        """The model's forward returned."""
+    def _training_forward_begins(self, frame: Any) -> None:
+        state, facts = self.state, self.evidence.facts
+        if state.backwards and self.step_rule() == "backward":
+            # no optimizer steps: a new training forward after a backward begins the next step
+            self.boundary(frame)
+            self.backward_steps += 1
+        self.transition(FORWARD)
+        if not state.trained:  # from now on the breakdown is training's
+            state.trained = True
+            for dev in self.devices.records.values():
+                dev.train_peak, dev.pending, dev.breakdown = 0, None, None
+        # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
+        # are counted from backward passes, where the next micro-batch's forward rightly finds
+        # the accumulating gradients)
+        if state.step > facts.grads_checked_step and self.models.seen_optimizers:
+            facts.grads_checked_step = state.step
+            if not self.evidence.grads_none():
+                facts.grads_steps += 1
+
+    def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
+        """The model's forward returned (``delta``: what it left allocated on ``dev``)."""
+        state, sim = self.state, self.devices.sim
         if frame.eval_grad:
-            facts = self._facts
+            facts = self.evidence.facts
             facts.eval_grad += 1
             if delta > facts.eval_grad_bytes:
                 facts.eval_grad_bytes = delta
         if dev.pending is not None:  # a new peak in this forward: categorise it now
-            with self._lock:
-                self._resolve_pending(dev)
+            with state.lock:
+                self.devices.resolve_pending(dev)
         if frame.kind == EVAL_PASS:
-            if self._eval_hold:  # a framework's evaluation loop: the rest of it is eval too
-                if self._sim is not None:
-                    self._sim.count_ops(True, False)
-            elif self._phase == EVAL and not self._between_steps():
+            if self.eval_hold:  # a framework's evaluation loop: the rest of it is eval too
+                if sim is not None:
+                    sim.count_ops(True, False)
+            elif state.phase == EVAL and not self._between_steps():
                 # an evaluation pass inside a training step (a distillation teacher after the
                 # student's forward; a validation batch between backward and the optimizer
                 # step): back to the step's phase
-                with self._lock:
-                    if self._phase == EVAL and not self._eval_hold:
-                        self._transition(self._eval_return)
-            elif self._sim is not None:
+                with state.lock:
+                    if state.phase == EVAL and not self.eval_hold:
+                        self.transition(self.eval_return)
+            elif sim is not None:
                 # one between steps (a test loop) stays evaluation until training resumes, so
                 # what its outputs hold is its own; what follows the forward is host work to
                 # the simulated device, as between steps (on a GPU the counters say)
-                self._sim.count_ops(False, False)
-        elif frame.kind == TRAIN_PASS and self._sim is not None:
-            self._sim.count_ops(True, False)  # the loss: new tensors count, host data does not
+                sim.count_ops(False, False)
+        elif frame.kind == TRAIN_PASS and sim is not None:
+            sim.count_ops(True, False)  # the loss: new tensors count, host data does not
 
     def _between_steps(self) -> bool:
         """Whether an evaluation pass that just ended ran between training steps: nothing of
         a step had run (no backward since the last optimizer step), or no optimizer is known
         (manual SGD: a step ends with its backward). After a backward with an optimizer known
         it may be inside the step (before the optimizer step), so it is not."""
-        if self._eval_return != OTHER:
+        if self.eval_return != OTHER:
             return False
-        no_optimizer = not (self.optimizers or self._seen_optimizers or self._manual_steps)
-        return self._backwards_in_step == 0 or no_optimizer
+        models = self.models
+        no_optimizer = not (models.optimizers or models.seen_optimizers or self.manual_steps)
+        return self.state.backwards == 0 or no_optimizer
 
-    def _root_info(self, module: torch.nn.Module) -> RootInfo:
-        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
-        entry = self._roots.get(id(module))
-        if entry is not None and entry.ref() is module:
-            return entry
-        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
-            return self._new_root(module)
+    # backward and the optimizer (the hooks call these; under the lock)
 
-    def _new_root(self, module: torch.nn.Module) -> RootInfo:
-        target = getattr(module, "_orig_mod", None)
-        compiled = isinstance(target, torch.nn.Module)
-        inner: torch.nn.Module = target if compiled else module  # type: ignore[assignment]
-        name = user_class_name(inner)
-        keys: dict[int, str | None] = {id(module): name}
-        if compiled:
-            keys[id(inner)] = None
-        for path, sub in inner.named_modules():
-            if path:
-                keys[id(sub)] = f"{name}.{path}"
-        if len(self._roots) > 256:
-            self._roots = {k: v for k, v in self._roots.items() if v.ref() is not None}
-            self._owners = {k: v for k, v in self._owners.items() if v.ref() is not None}
-        root = RootInfo(module, keys)
-        self._roots[id(module)] = root
-        if not root.model:
-            return root
-        if not self._compiled and is_compiled(module):
-            # module hooks inside a compiled graph would break it or make TorchDynamo
-            # recompile: from now on, hooks on the models alone (steps and phases stay exact)
-            self._compiled = True
-            if self.model is None:
-                self._set_detail(False)
-        for sub_id in keys:
-            if sub_id != id(module):
-                self._owners[sub_id] = root
-        if self._grad_witness is None or self._grad_witness() is None:  # none yet, or gone
-            self._grad_witness = self._find_grad_witness()
-        if self.model is None:  # a model found running: its FSDP2 units, if any
-            self._fsdp = find_fsdp_units(self.root_modules())
-        sim = self._sim
-        if sim is not None:
-            sim.track(module)  # the model lives on the device
-            if compiled and not any("torch.compile" in n for n in self.notes):
-                self.notes.append(
-                    "torch.compile: TorchDynamo does not compile while the simulated device "
-                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
-                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
-                    "less activation memory (measure the compiled program on a GPU)"
-                )
-        return root
+    def begin_backward(self) -> None:
+        """``torch.autograd.backward`` begins."""
+        if self.state.phase != BACKWARD:
+            self.transition(BACKWARD)
+        self.backward_depth += 1
+
+    def end_backward(self) -> None:
+        """``torch.autograd.backward`` returned."""
+        state = self.state
+        if self.backward_depth > 0:
+            self.backward_depth -= 1
+        if state.phase == BACKWARD and self.backward_depth == 0:
+            state.backwards += 1
+            self.transition(OTHER)
+
+    def backward_ended(self) -> None:
+        """The autograd engine finished a backward that did not go through
+        ``torch.autograd.backward`` (its end was queued when a gradient hook saw it)."""
+        state = self.state
+        if state.phase == BACKWARD:
+            state.backwards += 1
+            self.transition(OTHER)
+
+    def backward_failed(self) -> None:
+        """``torch.autograd.backward`` raised (the phase stays: a post-mortem reads it)."""
+        self.backward_depth = max(0, self.backward_depth - 1)
+
+    def optimizer_called(self, optimizer: Any) -> None:
+        """``optimizer.step()`` was called (before any closure it was given runs)."""
+        self.optimizer_calls += 1
+        if self.models.see_optimizer(optimizer):
+            if self.step_owner is None:
+                self.step_owner = weakref.ref(optimizer)
+                self.evidence.facts.optimizer_name = type(optimizer).__name__
+            # an optimizer's parameter: the witness a module seen first (a teacher) may not be
+            self.evidence.find_witness()
+
+    def optimizer_begins(self) -> None:
+        """The optimizer's own work starts (its step, after any closure it was given)."""
+        # micro-batches: backward passes this optimizer step is the first to use (a GAN's
+        # two optimizers, each after its own backward, are no gradient accumulation)
+        backwards = self.state.backwards
+        fresh = backwards - self.backwards_at_optimizer
+        self.backwards_at_optimizer = backwards
+        if fresh > self.micro_batches:
+            self.micro_batches = fresh
+        self.transition(OPTIMIZER)
+
+    def optimizer_ends(self, optimizer: Any, frame: Any) -> None:
+        """``optimizer.step()`` returned: the step's end, if this optimizer's steps count
+        (``frame``: the caller's, where the leak search starts)."""
+        owner = self.step_owner() if self.step_owner is not None else None
+        if not self.manual_steps and (owner is None or owner is optimizer):
+            self.boundary(frame)
+            if self.backward_steps:
+                self._merge_backward_steps()
+        else:
+            self.transition(OTHER)
 
     # transitions and step boundaries (under the lock; not per module)
 
-    def _close_all(self, owner: str | None) -> None:
-        now = time.perf_counter() - self._t0
-        for dev in self._devices.values():
-            a, r, p, pr = dev.read()
-            dev.reset()
-            self._close(dev, p, pr, owner if owner is not None else dev.bw_module)
-            dev.timeline.append((now, self._step, self._phase, None, a, r))
-            dev.events += 1
-            dev.last = (a, r)
-
-    def _transition(self, phase: int) -> None:
-        self._close_all(None)
-        for dev in self._devices.values():
-            self._resolve_pending(dev)
+    def transition(self, phase: int) -> None:
+        """Close every device's segment in the phase that ends, and start ``phase``."""
+        devices, evidence, state = self.devices, self.evidence, self.state
+        devices.close_all()
+        for dev in devices.records.values():
+            devices.resolve_pending(dev)
             if phase == FORWARD:
                 dev.forward_base = dev.last[0]
                 dev.base_gathered = dev.gathered
-                dev.base_grads_none = self._grads_none()
-                dev.base_state_empty = self._state_empty()
+                dev.base_grads_none = evidence.grads_none()
+                dev.base_state_empty = evidence.state_empty()
             if phase != BACKWARD:
                 dev.bw_module = None
-        self._phase = phase
-        if self._sim is not None:  # device memory is what the step's phases create
-            self._sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
+        state.phase = phase
+        sim = devices.sim
+        if sim is not None:  # device memory is what the step's phases create
+            sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
 
-    def _boundary(self, frame: Any) -> None:
-        self._close_all(None)
-        primary = self._primary
+    def boundary(self, frame: Any) -> None:
+        """A step ends (``frame``: the caller's, where the leak search starts; ``None``: no
+        search)."""
+        state, devices, evidence = self.state, self.devices, self.evidence
+        devices.close_all()
+        primary = devices.primary
         if (
-            self.model is not None
-            and not self._compiled
+            self.models.model is not None
+            and not self.models.compiled
             and primary is not None
             and primary.step_phase[FORWARD] is None
-            and self._backwards_in_step
+            and state.backwards
         ):
             # a backward without a forward the hooks saw: the model runs inside a compiled
             # graph (compiled after track() began), where hooks must stay out of the way
-            self._compiled = True
+            self.models.compiled = True
             self.notes.append(
                 "the model's forward ran where memkit's hooks cannot see it (torch.compile "
                 "after the block began?): its memory counts as 'other'; pass the compiled "
@@ -297,133 +289,110 @@ class PhaseMachine:
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
         # backward passes before one optimizer step (without an optimizer: all of the step's)
-        micro = max(self._micro_batches, self._backwards_in_step - self._backwards_at_optimizer)
-        if self._step < 3 or self._facts.param_dtype is None:
-            self._capture_evidence()
-        for dev in self._devices.values():
-            self._resolve_pending(dev)
-            close_step(dev, self._step, now - self._step_t0, micro)
-            dev.base_grads_none = self._grads_none()
-            dev.base_state_empty = self._state_empty()
+        micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
+        step = state.step
+        if step < 3 or evidence.facts.param_dtype is None:
+            evidence.capture()
+        for dev in devices.records.values():
+            devices.resolve_pending(dev)
+            close_step(dev, step, now - self.step_t0, micro)
+            dev.base_grads_none = evidence.grads_none()
+            dev.base_state_empty = evidence.state_empty()
             dev.bw_module = None
-            if self._step < 3 or (dev.grads_full == 0 and not self._grads_none()):
+            if step < 3 or (dev.grads_full == 0 and not evidence.grads_none()):
                 # remember the persistent sizes while they exist (first steps only): the
                 # objects may be gone when the report is made (a script's main() returned)
-                p, g, st = self._persistent(dev)
-                dev.params_full = max(dev.params_full, p)
-                dev.grads_full = max(dev.grads_full, g)
-                dev.state_full = max(dev.state_full, st)
-            if dev.growth.observe(self._step, dev.last[0]):
+                devices.remember(dev, devices.persistent(dev))
+            if dev.growth.observe(step, dev.last[0]):
                 growing.append(dev)
-        step = self._step
-        self._step += 1
-        self._step_t0 = now
-        self._backwards_in_step = self._backwards_at_optimizer = self._micro_batches = 0
-        self._phase = OTHER
-        if self._sim is not None:
-            self._sim.count_ops(False, False)
+        state.step = step + 1
+        self.step_t0 = now
+        state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
+        state.phase = OTHER
+        if devices.sim is not None:
+            devices.sim.count_ops(False, False)
+        watch = evidence.leak_watch
         if growing:
-            self._leak_watch.on_growth(growing, frame, self._step)
-        elif frame is not None and not any(d.leak is not None for d in self._devices.values()):
-            primary = self._primary or next(iter(self._devices.values()))
-            self._leak_watch.scan_graphs(step, frame, primary)
-        self._schedule_detail()
+            suspects = watch.on_growth(frame, state.step)
+            for dev in growing:
+                first_time = dev.leak is None
+                dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step)
+                if first_time:  # the report says it; the log is for those who listen
+                    log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
+        elif frame is not None and not any(d.leak is not None for d in devices.records.values()):
+            dev = primary or next(iter(devices.records.values()))
+            dev.leak = watch.scan_graphs(step, frame, dev.key)
+        self.on_step()
 
-    def _step_rule(self) -> str:
+    def step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
         optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
-        if self._manual_steps:
+        if self.manual_steps:
             return "manual"
-        return "optimizer" if self._seen_optimizers else "backward"
+        return "optimizer" if self.models.seen_optimizers else "backward"
 
     def _merge_backward_steps(self) -> None:
         """The first optimizer step came after steps counted from backward passes: they were
         the micro-batches of one step (gradient accumulation). Merge their records."""
-        n, self._backward_steps = self._backward_steps, 0
-        first = self._step - 1 - n
-        for dev in self._devices.values():
+        state, devices = self.state, self.devices
+        n, self.backward_steps = self.backward_steps, 0
+        first = state.step - 1 - n
+        for dev in devices.records.values():
             merge_steps(dev, first)
-            dev.growth = leaks.GrowthDetector(self._leak_warmup, self._leak_window)
-        self._step = first + 1
-        self._facts.grads_checked_step = min(self._facts.grads_checked_step, self._step)
-        self._leak_watch.graph_scans = []
-        self._schedule_detail()
+            dev.growth = devices.growth_detector()
+        state.step = first + 1
+        facts = self.evidence.facts
+        facts.grads_checked_step = min(facts.grads_checked_step, state.step)
+        self.evidence.leak_watch.graph_scans = []
+        self.on_step()
+
+    def manual_step(self, frame: Any) -> None:
+        """``Tracker.step()``: a step boundary; from now on only these calls are."""
+        self.manual_steps = True
+        self.boundary(frame)
+
+    def finish(self) -> None:
+        """The block ends normally: the last step of a loop without an optimizer ends too."""
+        if self.state.backwards and self.step_rule() == "backward":
+            self.boundary(None)
+
+    # evaluation windows (a framework's validation loop)
 
     def begin_eval(self) -> None:
-        """An evaluation loop begins (a framework's validation): everything until
-        :meth:`end_eval` is the eval phase, not only the model's forwards. Nests."""
-        if not self._active:
+        """An evaluation loop begins: everything until :meth:`end_eval` is the eval phase."""
+        state = self.state
+        self.eval_hold += 1
+        if self.eval_hold > 1:
             return
-        with self._lock:
-            self._eval_hold += 1
-            if self._eval_hold > 1:
-                return
-            if self._phase != EVAL:
-                self._eval_return = self._phase
-                self._transition(EVAL)
-            else:
-                self._close_all(None)
-            for dev in self._devices.values():  # this loop's own peak, kept apart until its end
-                dev.eval_saved = dev.step_phase[EVAL]
-                dev.step_phase[EVAL] = None
+        if state.phase != EVAL:
+            self.eval_return = state.phase
+            self.transition(EVAL)
+        else:
+            self.devices.close_all()
+        for dev in self.devices.records.values():  # this loop's own peak, kept apart
+            dev.eval_saved = dev.step_phase[EVAL]
+            dev.step_phase[EVAL] = None
 
     def end_eval(self) -> int | None:
-        """The evaluation loop :meth:`begin_eval` started ends; returns its peak allocated bytes
-        on the tracked device (``None`` if nothing ran in it, or while loops are still nested)."""
-        if not self._active or not self._eval_hold:
+        """The evaluation loop ends; returns its peak allocated bytes on the tracked device
+        (``None`` if nothing ran in it, or while loops are still nested)."""
+        if not self.eval_hold:
             return None
-        with self._lock:
-            self._eval_hold -= 1
-            if self._eval_hold:
-                return None
-            if self._phase == EVAL:
-                self._transition(self._eval_return)
-            else:
-                self._close_all(None)
-            for dev in self._devices.values():
-                window, saved = dev.step_phase[EVAL], dev.eval_saved
-                dev.step_phase[EVAL] = (
-                    window if saved is None else saved if window is None else max(saved, window)
-                )
-                dev.eval_window = window
-            primary = self._primary
-            return None if primary is None else primary.eval_window
-
-    def steps_since(self, step: int) -> list[StepRecord]:
-        """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
-        callback that logs each step's peaks)."""
-        dev = self._primary
-        if dev is None:
-            return []
-        out: list[StepRecord] = []
-        for record in reversed(dev.steps):
-            if record.step < step:
-                break
-            out.append(record)
-        out.reverse()
-        return out
-
-    def open_step_peaks(self) -> dict[str, int | None]:
-        """Peak allocated bytes per phase since the last step boundary (the step in progress,
-        and what ran after the last step: an evaluation) on the tracked device."""
-        with self._lock:
-            if self._active:
-                self._close_all(None)
-            dev = self._primary
-            if dev is None:
-                return dict.fromkeys(PHASES)
-            return dict(zip(PHASES, dev.step_phase, strict=True))
-
-    def step(self) -> None:
-        """Mark a step boundary (for loops without an optimizer, or to count steps yourself).
-
-        Once called, optimizer steps no longer count as boundaries: only these calls do.
-        """
-        if not self._active:
-            return
-        with self._lock:
-            self._manual_steps = True
-            self._boundary(sys._getframe(1))
+        self.eval_hold -= 1
+        if self.eval_hold:
+            return None
+        if self.state.phase == EVAL:
+            self.transition(self.eval_return)
+        else:
+            self.devices.close_all()
+        for dev in self.devices.records.values():
+            window, saved = dev.step_phase[EVAL], dev.eval_saved
+            dev.step_phase[EVAL] = (
+                window if saved is None else saved if window is None else max(saved, window)
+            )
+            dev.eval_window = window
+        primary = self.devices.primary
+        return None if primary is None else primary.eval_window
 
 
 def _input_shape(args: Any) -> tuple[int, ...] | None:
@@ -437,43 +406,6 @@ def _input_shape(args: Any) -> tuple[int, ...] | None:
 
 def _needs_grad(args: Any) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-
-def forward_autocast(module: torch.nn.Module) -> str | None:
-    """The dtype (``"bfloat16"``) of a ``torch.autocast`` that wraps ``module``'s ``forward``
-    attribute itself, else ``None``.
-
-    accelerate's mixed precision replaces ``model.forward`` with ``convert_outputs_to_fp32(
-    autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
-    autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
-    on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
-    and the closures' autocast instances).
-    """
-    autocast_type = getattr(torch.amp, "autocast", None)
-    if autocast_type is None:
-        return None
-    fn: Any = module.__dict__.get("forward") or getattr(type(module), "forward", None)
-    seen: set[int] = set()
-    while fn is not None and id(fn) not in seen and len(seen) < 16:
-        seen.add(id(fn))
-        fn = getattr(fn, "__func__", fn)
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, autocast_type) and getattr(value, "_enabled", True):
-                dtype = getattr(value, "fast_dtype", None)
-                return None if dtype is None else str(dtype).replace("torch.", "")
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
-    return None
-
-
-def is_compiled(module: torch.nn.Module) -> bool:
-    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
-    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
-        getattr(module, "_compiled_call_impl", None) is not None
-    )
 
 
 def _autocast_on(kind: str) -> bool:

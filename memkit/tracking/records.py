@@ -1,9 +1,10 @@
 """What the tracker records: per device, per module, per step, and the calls in progress.
 
-The hot path (memkit/tracking/hooks.py) updates these plain attributes directly; the functions
-here close a step's record, merge the steps counted from backward passes, and turn a device's
-records into the report's :class:`~memkit.tracking.report.DeviceReport`. Torch is only used for
-the types of module references.
+The hot path (memkit/tracking/hooks.py, device_set.py) updates these plain attributes
+directly; the functions here close a step's record, merge the steps counted from backward
+passes, and turn a device's records into the report's
+:class:`~memkit.tracking.report.DeviceReport`. Torch is only used for the types of module
+references.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +30,9 @@ from memkit.tracking.report import (
     TrainingSetup,
 )
 
+if TYPE_CHECKING:
+    from memkit.tracking.breakdown import PeakMoment
+
 __all__ = [
     "DEFAULT_STEP_LIMIT",
     "DEFAULT_TIMELINE_LIMIT",
@@ -41,12 +45,13 @@ __all__ = [
     "close_step",
     "current_leak",
     "device_report",
+    "display_names",
     "merge_steps",
     "module_records",
 ]
 
 Namer = Callable[[str | None], str | None]
-"""Module keys to the names reports show (``Tracker._namer``)."""
+"""Module keys to the names reports show (:func:`display_names`)."""
 
 DEFAULT_TIMELINE_LIMIT = 100_000
 """Counter readings kept per device (the most recent ones)."""
@@ -63,6 +68,7 @@ class RunFacts:
     eval_forwards: int = 0
     eval_input: tuple[int, ...] | None = None  # the largest evaluation input's shape
     last_input: tuple[int, ...] | None = None  # the last model forward's input shape
+    last_root: tuple[bool, bool] | None = None  # (training, grad enabled) of that forward
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept
     param_dtype: str | None = None
@@ -195,7 +201,7 @@ class DeviceRecord:
         self.peak = a
         self.train_peak = a
         self.peak_res = r
-        self.pending: tuple[Any, ...] | None = None
+        self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
         self.modules: dict[str, ModuleStat] = {}
         self.steps: deque[StepRecord] = deque(maxlen=step_limit)
@@ -215,7 +221,21 @@ class DeviceRecord:
         self.leak: LeakFinding | None = None
         self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
         self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
-        self.setup: TrainingSetup | None = None  # the model's facts (breakdown.py reads them)
+        self.setup: TrainingSetup | None = None  # the model's facts (evidence.py reads them)
+
+
+def display_names(records: Iterable[DeviceRecord]) -> Namer:
+    """Module keys (``Model.path``) as reports show them: the path alone while one model
+    (however often re-created or reloaded) is tracked, else with its model's class."""
+    roots = {k.split(".", 1)[0] for dev in records for k in dev.modules}
+
+    def display(key: str | None) -> str | None:
+        if key is None or len(roots) > 1:
+            return key
+        root, _, path = key.partition(".")
+        return path or root
+
+    return display
 
 
 def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from memkit import advice as A
 from memkit.tracking import track
-from memkit.tracking.breakdown import forward_autocast
+from memkit.tracking.models import forward_autocast
 from memkit.tracking.report import TrackReport
 from memkit.tracking.run import RunOutcome, run_script
 from memkit.units import format_size

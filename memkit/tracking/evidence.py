@@ -1,0 +1,290 @@
+"""What the tracker gathers beyond the device counters: read from the live model and
+optimizer while they exist (a script's ``main()`` may have returned by the time the report is
+made), for the breakdown, the report's advice and the OOM post-mortem.
+
+:class:`Evidence` owns it: the run's facts (:class:`~memkit.tracking.records.RunFacts`), the
+gradient witness (one parameter whose ``.grad`` says whether gradients exist), the leak search
+(:class:`~memkit.tracking.leaks.LeakWatch`) and the module call an exception left. The
+functions below read the live objects: persistent bytes on a device, the parameters' dtype, the
+training setup.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import astuple
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memkit.simulated.accountant import storage_of
+from memkit.tracking.breakdown import Persistent
+from memkit.tracking.fsdp import FsdpUnits
+from memkit.tracking.leaks import LeakWatch
+from memkit.tracking.models import TrackedModels, forward_autocast
+from memkit.tracking.records import RunFacts
+from memkit.tracking.report import TrainingSetup
+
+if TYPE_CHECKING:
+    from memkit.tracking.postmortem import FailedCall
+    from memkit.tracking.records import DeviceRecord
+    from memkit.tracking.state import TrackState
+
+__all__ = [
+    "Evidence",
+    "gradient_witness",
+    "param_dtype",
+    "persistent_bytes",
+    "state_tensors",
+    "training_setup",
+]
+
+_STATE_DEPTH = 3
+"""How deep :func:`state_tensors` looks into lists, tuples and dicts of an optimizer's state."""
+
+
+class Evidence:
+    """The evidence a tracker gathers (see the module docstring).
+
+    Args:
+        models: the tracked models and optimizers.
+        state: the tracker's shared state (FSDP2's units).
+        leak_warmup: step boundaries the leak search ignores at the start.
+
+    Attributes:
+        facts: what the training used and did, for the report and the advice.
+        leak_watch: the leak search at step boundaries.
+        failed_call: where the last module call that raised was (the forward post hook
+            records it): ``id`` of the exception, then the place (the post-mortem's).
+    """
+
+    def __init__(self, models: TrackedModels, state: TrackState, leak_warmup: int) -> None:
+        self.models = models
+        self.facts = RunFacts()
+        self.leak_watch = LeakWatch(leak_warmup)
+        self.failed_call: FailedCall | None = None
+        self._state = state
+        # a parameter whose .grad says whether gradients are allocated; weak, so that the
+        # tracker never keeps a deleted model's tensor (or the memory history would show it)
+        self._witness: weakref.ref[torch.Tensor] | None = None
+
+    def find_witness(self) -> None:
+        """Pick the gradient witness anew (an optimizer first seen: its parameter is a better
+        witness than a module seen first, a teacher's)."""
+        self._witness = self._new_witness()
+
+    def _new_witness(self) -> weakref.ref[torch.Tensor] | None:
+        param = gradient_witness(self.models.root_modules(), self.models.all_optimizers())
+        return None if param is None else weakref.ref(param)
+
+    def witness_missing(self) -> bool:
+        """No witness yet, or its model is gone."""
+        return self._witness is None or self._witness() is None
+
+    def release(self) -> None:
+        """Keep no reference to the model's tensors or the user's exception (the block ended)."""
+        self._witness = None
+        self.failed_call = None
+
+    def grads_none(self) -> bool:
+        """Whether the model has no gradients allocated now (what was last seen, once it is
+        gone)."""
+        if self._witness is None:
+            return True
+        param = self._witness()
+        if param is None:  # its model is gone: a new one (k-fold), or none (main() returned)
+            found = self._new_witness()
+            param = None if found is None else found()
+            if param is None:  # what was last seen
+                return self.facts.grads_were_none
+            self._witness = found
+        self.facts.grads_were_none = none = param.grad is None
+        return none
+
+    def state_empty(self) -> bool:
+        """Whether no optimizer holds state now (what was last seen, once they are gone)."""
+        models = self.models
+        opts = models.all_optimizers()
+        if not opts and models.seen_optimizers:  # gone: what was last seen
+            return self.facts.state_was_empty
+        self.facts.state_was_empty = all(not opt.state for opt in opts)
+        return self.facts.state_was_empty
+
+    def capture(self) -> None:
+        """Read what the advice needs from the live model and optimizer."""
+        dtype = param_dtype(self.models.root_modules())
+        if dtype is not None:
+            self.facts.param_dtype = dtype
+        opts = self.models.all_optimizers()
+        if opts and self.facts.optimizer_name is None:
+            self.facts.optimizer_name = type(opts[0]).__name__
+
+    def persistent(self, dev: DeviceRecord, primary: bool) -> Persistent:
+        """Bytes of parameters (and buffers), gradients and optimizer state on ``dev`` now
+        (``primary``: the tracked device, where a DataParallel model's own parameters are);
+        records the training setup on ``dev`` while the objects are alive."""
+        models = self.models
+        modules, optimizers = models.root_modules(), models.all_optimizers()
+        sizes = persistent_bytes(dev, modules, optimizers, models.model, primary, self._state.fsdp)
+        if modules or optimizers:
+            dev.setup = _merged(dev.setup, training_setup(modules, optimizers))
+        return sizes
+
+    def advice_fields(self, kind: str) -> dict[str, Any]:
+        """What the advice rules need that the device records do not hold (``kind``: the
+        device type, for a DataParallel model's output device)."""
+        self.capture()
+        facts = self.facts
+        out: dict[str, Any] = {
+            "param_dtype": facts.param_dtype,
+            "optimizer_name": facts.optimizer_name,
+            "autocast_forwards": facts.autocast_forwards,
+            "steps_with_grads_at_forward": facts.grads_steps,
+            "dp_output_bytes": facts.dp_output_bytes,
+        }
+        model = self.models.model
+        if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+            ids = tuple(int(getattr(d, "index", d)) for d in model.device_ids)
+            out["dp_device_ids"] = ids
+            out["dp_output_device"] = f"{kind}:{int(getattr(model, 'output_device', ids[0]))}"
+        return out
+
+
+def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
+    """The dtype holding most bytes of the modules' trainable floating parameters."""
+    sizes: dict[str, int] = {}
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad and p.is_floating_point():
+                key = str(p.dtype).replace("torch.", "")
+                sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+    return max(sizes, key=lambda k: sizes[k]) if sizes else None
+
+
+def training_setup(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
+) -> TrainingSetup | None:
+    """The model's and optimizer's facts the advice reads (``None`` when neither exists)."""
+    if not modules and not optimizers:
+        return None
+    history = None
+    if optimizers:
+        group = optimizers[0].param_groups[0] if optimizers[0].param_groups else {}
+        size = group.get("history_size")
+        history = size if isinstance(size, int) else None
+    autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
+    return TrainingSetup(
+        param_dtype=param_dtype(modules),
+        optimizer=type(optimizers[0]).__name__ if optimizers else None,
+        history_size=history,
+        forward_autocast=autocast,
+    )
+
+
+def _merged(old: TrainingSetup | None, new: TrainingSetup | None) -> TrainingSetup | None:
+    """``new``, with what it could not read (the model or optimizer gone) kept from ``old``."""
+    if old is None or new is None:
+        return new or old
+    return TrainingSetup(
+        *(b if b is not None else a for a, b in zip(astuple(old), astuple(new), strict=True))
+    )
+
+
+def state_tensors(value: Any, depth: int = _STATE_DEPTH) -> list[torch.Tensor]:
+    """The tensors of one optimizer state entry: the value itself, or inside lists, tuples and
+    dicts (LBFGS keeps its history as lists: ``old_dirs``, ``old_stps``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth <= 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in state_tensors(v, depth - 1)]
+    return []
+
+
+def gradient_witness(
+    modules: Iterable[torch.nn.Module], optimizers: Iterable[Any]
+) -> torch.Tensor | None:
+    """A trainable parameter whose ``.grad`` tells whether gradients are allocated now (all
+    of a model's gradients come and go together: backward creates them, ``zero_grad`` frees
+    them). An optimizer's first: a module seen first may be one that never trains (a
+    distillation teacher in eval mode whose parameters still require grad)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    return p
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad:
+                return p
+    return None
+
+
+def persistent_bytes(
+    dev: DeviceRecord,
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    model: torch.nn.Module | None,
+    primary: bool,
+    fsdp: FsdpUnits | None = None,
+) -> Persistent:
+    """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
+
+    Each storage counts once (tied weights, views); ``model`` is the tracked model (a
+    DataParallel one's replicas count on the devices other than the ``primary`` one).
+    Optimizer state is every tensor in ``optimizer.state``, also inside lists, tuples and
+    dicts. Under FSDP2 (``fsdp``) the parameters are the rank's shards, whatever the modules
+    hold now: their unsharded parameters are all-gathered ones, counted apart. With neither
+    modules nor optimizers left, the parameters are the most ``dev`` saw (``params_full``).
+    """
+    target = dev.backend.device
+    holds = getattr(dev.backend, "holds", None)
+    seen: set[tuple[int, int]] = set()
+
+    def size(t: torch.Tensor) -> int:
+        if holds is not None:
+            if not holds(t):
+                return 0
+        elif t.device.type != target.type or (
+            target.index is not None and t.device.index not in (None, target.index)
+        ):
+            return 0
+        storage = storage_of(t)
+        if storage is None:
+            return 0
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(key)
+        return int(storage.nbytes())
+
+    if fsdp is not None:  # unsharded storages (allocated now) are not this rank's parameters
+        seen.update((s.data_ptr(), s.nbytes()) for s in fsdp.unsharded_storages())
+    params = grads = state = 0
+    all_params: list[torch.Tensor] = [] if fsdp is None else fsdp.sharded_params()
+    for mod in modules:
+        all_params.extend(mod.parameters())
+        for b in mod.buffers():
+            params += size(b)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            all_params.extend(group["params"])
+    for p in all_params:
+        params += size(p)
+    for p in all_params:
+        if p.grad is not None:
+            grads += size(p.grad)
+    for opt in optimizers:
+        for st in opt.state.values():
+            for t in state_tensors(st):
+                state += size(t)
+    if params == 0 and not all_params:  # the model is gone: what was last seen
+        params = dev.params_full
+    if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
+        # replicas on the other devices: broadcast copies of the weights for each forward
+        params = sum(int(p.numel() * p.element_size()) for p in model.parameters())
+    return Persistent(params, grads, state)

@@ -1,0 +1,159 @@
+"""The models and optimizers a tracker follows: those given to ``track()``, else those found
+running (global hooks), with the module keys of each model and whether one is compiled.
+
+Torch only for the types; nothing here reads memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from memkit.tracking.fsdp import user_class_name
+from memkit.tracking.records import RootInfo
+
+__all__ = ["TrackedModels", "forward_autocast", "is_compiled"]
+
+ModelFound = Callable[[torch.nn.Module, bool], None]
+"""Called with a model seen running for the first time, and whether that made the tracking
+compiled (it was the first compiled model)."""
+
+
+class TrackedModels:
+    """The tracked models and optimizers, and the top-level modules seen running a forward.
+
+    Args:
+        model: the model given to ``track()``, or ``None`` (every model found running).
+        optimizer: an optimizer, several, or ``None`` (every optimizer seen stepping).
+        lock: the tracker's lock (replica threads meet a new model at the same time).
+
+    Attributes:
+        roots: ``id(module)`` -> what is known of each top-level module seen.
+        owners: ``id(submodule)`` -> the model it belongs to.
+        seen_optimizers: ``id(optimizer)`` -> a weak reference to each optimizer seen stepping.
+        compiled: a ``torch.compile``'d model is tracked: no module hooks inside it.
+        on_model: told of each model found running (the tracker wires the other parts to it).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+        lock: threading.RLock,
+    ) -> None:
+        self.model = model
+        if optimizer is None:
+            self.optimizers: list[torch.optim.Optimizer] = []
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizers = [optimizer]
+        else:
+            self.optimizers = list(optimizer)
+        self.roots: dict[int, RootInfo] = {}
+        self.owners: dict[int, RootInfo] = {}
+        self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
+        self.compiled = False
+        self.on_model: ModelFound | None = None
+        self._lock = lock
+
+    def root_modules(self) -> list[torch.nn.Module]:
+        """The model given to track(), or else the outermost modules seen running a forward."""
+        if self.model is not None:
+            return [self.model]
+        out = []
+        for root in self.roots.values():
+            mod = root.ref()
+            if mod is not None and root.model:
+                out.append(mod)
+        return out
+
+    def all_optimizers(self) -> list[Any]:
+        """The optimizers given, or else those seen stepping that are still alive."""
+        if self.optimizers:
+            return list(self.optimizers)
+        return [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
+
+    def see_optimizer(self, optimizer: Any) -> bool:
+        """Note an optimizer stepping; whether it is the first time."""
+        if id(optimizer) in self.seen_optimizers:
+            return False
+        self.seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
+        return True
+
+    def root_info(self, module: torch.nn.Module) -> RootInfo:
+        """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""
+        entry = self.roots.get(id(module))
+        if entry is not None and entry.ref() is module:
+            return entry
+        with self._lock:  # replica threads (DataParallel) meet new roots at the same time
+            return self._new_root(module)
+
+    def _new_root(self, module: torch.nn.Module) -> RootInfo:
+        target = getattr(module, "_orig_mod", None)
+        wrapper = isinstance(target, torch.nn.Module)
+        inner: torch.nn.Module = target if wrapper else module  # type: ignore[assignment]
+        name = user_class_name(inner)
+        keys: dict[int, str | None] = {id(module): name}
+        if wrapper:
+            keys[id(inner)] = None
+        for path, sub in inner.named_modules():
+            if path:
+                keys[id(sub)] = f"{name}.{path}"
+        if len(self.roots) > 256:
+            self.roots = {k: v for k, v in self.roots.items() if v.ref() is not None}
+            self.owners = {k: v for k, v in self.owners.items() if v.ref() is not None}
+        root = RootInfo(module, keys)
+        self.roots[id(module)] = root
+        if not root.model:
+            return root
+        # module hooks inside a compiled graph would break it or make TorchDynamo recompile:
+        # from now on, hooks on the models alone (steps and phases stay exact)
+        newly_compiled = not self.compiled and is_compiled(module)
+        if newly_compiled:
+            self.compiled = True
+        for sub_id in keys:
+            if sub_id != id(module):
+                self.owners[sub_id] = root
+        if self.on_model is not None:
+            self.on_model(module, newly_compiled)
+        return root
+
+
+def forward_autocast(module: torch.nn.Module) -> str | None:
+    """The dtype (``"bfloat16"``) of a ``torch.autocast`` that wraps ``module``'s ``forward``
+    attribute itself, else ``None``.
+
+    accelerate's mixed precision replaces ``model.forward`` with ``convert_outputs_to_fp32(
+    autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
+    autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
+    on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
+    and the closures' autocast instances).
+    """
+    autocast_type = getattr(torch.amp, "autocast", None)
+    if autocast_type is None:
+        return None
+    fn: Any = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen and len(seen) < 16:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, autocast_type) and getattr(value, "_enabled", True):
+                dtype = getattr(value, "fast_dtype", None)
+                return None if dtype is None else str(dtype).replace("torch.", "")
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+    return None
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
+    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
