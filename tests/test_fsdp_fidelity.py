@@ -123,3 +123,21 @@ def test_fsdp_ranks_put_their_shards_on_the_models_device() -> None:
         # each rank holds its padded shards: ceil(256 / 3) = 86 and ceil(10 / 3) = 4 rows
         padded = (86 * 256 + 86 + 4 * 256 + 4) * 4
         assert [vd.current_of(i) for i in range(3)] == [padded] * 3
+
+
+def test_fsdp_ranks_hold_the_unsharded_buffers_on_their_device() -> None:
+    """FSDP2 shards parameters, not buffers: each rank holds BatchNorm's running statistics on
+    its device, and a batch-norm model trains there (they were left on the host once, and
+    every convolutional model with batch norm failed with a device mismatch)."""
+    with torch.device("cpu"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
+    with VirtualDevices([None, None], "cpu") as vd:
+        ranks = fsdp_ranks(model, None)
+        # 8 rows over 2 ranks: 4 each of the weight (x 16), the bias, BN's weight and bias
+        shards = (4 * 16 + 4 + 4 + 4) * 4
+        buffers = 8 * 4 + 8 * 4 + 8  # running mean and var (float32), the int64 step count
+        assert [vd.current_of(i) for i in range(2)] == [shards + buffers] * 2
+        for rank in ranks:
+            with vd.on(rank.device):
+                rank.model(vd.to(torch.randn(4, 16), rank.device)).sum().backward()
+            assert all(vd.where(b) == rank.device for b in rank.model.buffers())

@@ -369,8 +369,10 @@ def fsdp_ranks(
                     )
                     unit.shards.append(shard)
                     holder.register_parameter(f"u{u_i}_p{p_i}", shard)
-            for b in replica.buffers():
-                vd.to(b, dev)
+            for mod in replica.modules():  # buffers are not sharded: each rank holds them
+                for key, buf in mod._buffers.items():
+                    if buf is not None:
+                        mod._buffers[key] = vd.to(buf, dev)  # a tensor's copy, as .to() gives
             opt = make_optimizer(holder) if make_optimizer is not None else None
         rank = _Rank(vd, dev, units)
         handles = []
