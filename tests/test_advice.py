@@ -7,6 +7,7 @@ per-device peaks are constructed numbers (DataParallel needs several GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from torch import nn
 from memkit import advice as A
 from memkit.advice.accumulation import exact_split, plan_accumulation
 from memkit.advice.probe import accumulation_advice
-from memkit.advice.track import measured_advice
+from memkit.advice.track import eval_peak, measured_advice
 from memkit.oom import parse_oom_message
 from memkit.render.advice import advice_html, advice_text
 from memkit.tracking import track
@@ -384,3 +385,16 @@ def test_oom_post_mortem_gets_fragmentation_and_other_processes_from_the_message
         "is reserved by PyTorch but unallocated."
     )
     assert not {"fragmentation", "other-processes"} & set(codes(oom_advice(pm, details=calm)))
+
+
+def test_eval_peak_asks_for_inference_mode_only_where_autograd_ran():
+    """An evaluation under no_grad already keeps nothing for backward: its batch is the fix."""
+    phases = {"forward": 40 * MiB, "backward": 47 * MiB, "eval": 75 * MiB}
+    dev = DeviceReport("cpu", "cpu", "sim", 256 * MiB, 0, 0, 75 * MiB, 75 * MiB, phases)
+    report = TrackReport(devices=(dev,), steps=4, mode="per-module", duration_s=1.0)
+    (no_grad,) = eval_peak(report)
+    assert no_grad.saving_bytes == 28 * MiB
+    assert "already runs without autograd" in no_grad.action
+    assert "inference_mode" not in no_grad.action
+    grad = dataclasses.replace(report, eval_grad_forwards=3)
+    assert "`torch.inference_mode()`" in eval_peak(grad)[0].action

@@ -90,6 +90,11 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
+        autograd = (
+            "and run it under `torch.inference_mode()`"
+            if report.eval_grad_forwards > 0
+            else "it already runs without autograd, so its batch is what sets its peak"
+        )
         out.append(
             Advice(
                 code="eval-peak",
@@ -98,7 +103,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
                 f"peaked at {format_size(training)}. A larger batch or model will run out in "
                 "evaluation first.",
                 action="Give evaluation its own, smaller batch size (it needs no gradients, so "
-                "it does not change training), and run it under `torch.inference_mode()`.",
+                f"it does not change training); {autograd}.",
                 saving_bytes=evaluation - training,
                 severity="info",
             )
