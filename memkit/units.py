@@ -22,10 +22,11 @@ Examples:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from memkit.errors import ConfigError
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_shape", "format_size", "parse_size"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -94,3 +95,8 @@ def format_size(n: int | float | None, *, signed: bool = False) -> str:
         if value < 1024 or unit == "TiB":
             return f"{sign}{value:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``(1000, 1, 28, 28)``."""
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"

@@ -12,8 +12,7 @@ from memkit.advice.device import fragmentation, other_processes, processes_in_oo
 from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
 from memkit.advice.training import lbfgs_history
-from memkit.render.track import format_shape
-from memkit.units import format_size
+from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
     from memkit.oom import OomDetails

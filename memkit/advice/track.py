@@ -31,8 +31,7 @@ from memkit.advice.training import (
     optimizer_state,
     zero_grad_keeps_grads,
 )
-from memkit.render.track import format_shape
-from memkit.units import format_size
+from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.report import Breakdown, DeviceReport, TrackReport

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
 from memkit.render.text import section, table
-from memkit.units import format_size
+from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RanksReport
@@ -35,7 +35,6 @@ __all__ = [
     "breakdown_html",
     "breakdown_text",
     "device_summary_row",
-    "format_shape",
     "leak_headline",
     "postmortem_html",
     "postmortem_text",
@@ -62,11 +61,6 @@ STEP_RULES = {
 }
 
 MODULE_HEADERS = ["module", "calls", "kept/step", "kept (self)", "peak inside", "transient"]
-
-
-def format_shape(shape: Sequence[int]) -> str:
-    """``(1000, 1, 28, 28)``."""
-    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 def _size(value: int | None) -> str:
