@@ -202,13 +202,15 @@ def _plan(spec: ModelSpec, mode: str, keep_output: bool) -> StepPlan:
     return StepPlan(mode, loss_fn=loss_fn, train_step=loss_only_step, step_label=label)
 
 
-def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None]]:
+def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None, int]]:
     """The search's oracle: a batch fits when the allocator model never ran out and its
-    reserved peak is within the usable memory."""
+    reserved peak is within the usable memory. It aims with the allocated peak, as the probe
+    does on CUDA: the reserved peak moves in 2 and 20 MiB segments, so its secants jump."""
 
-    def oracle(batch_size: int) -> tuple[bool, int | None]:
+    def oracle(batch_size: int) -> tuple[bool, int | None, None, int]:
         peaks = run_guarded(lambda: session.run(batch_size), batch_size)
-        return peaks.ooms == 0 and peaks.reserved <= session.usable, peaks.reserved
+        fits = peaks.ooms == 0 and peaks.reserved <= session.usable
+        return fits, peaks.reserved, None, peaks.allocated
 
     return oracle
 
