@@ -395,14 +395,21 @@ def _probing(
     Everything alive on entry outlives the probe: it is frozen out of the collector's scans, so
     the gc.collect() before a trial only walks the trial's own objects (a full collection costs
     ~0.4 s with transformers imported on a slow CPU, 45-90 ms on the H200 machine); the last
-    collection, after unfreezing, walks everything once. ``gc.unfreeze()`` cannot
-    tell objects frozen before the probe from its own, so those become collectable as usual
-    afterwards: the interpreter may have frozen some at start-up (375 under Python 3.12.3 on
-    the H200 machine, where a probe that froze only an unfrozen heap never froze, and each
-    collection walked the whole heap).
+    collection, after unfreezing, walks everything once (when needed, below).
+    ``gc.unfreeze()`` cannot tell objects frozen before the probe from its own, so those become
+    collectable as usual afterwards: the interpreter may have frozen some at start-up (375
+    under Python 3.12.3 on the H200 machine, where a probe that froze only an unfrozen heap
+    never froze, and each collection walked the whole heap).
+
+    That last collection is there to give the device back what reference cycles among the
+    trials' survivors still hold, before the cache is emptied. When the device holds no more
+    than it did on entry, there is nothing to give back and it is skipped (host-only garbage
+    is left to the interpreter's own collections).
     """
     training_flag = model.training
+    read = devices.counter_reader(backend)[0]
     gc.freeze()
+    held_on_entry = read()[0]
     try:
         if mode == "train":
             model.train()
@@ -415,7 +422,8 @@ def _probing(
         model.train(training_flag)
         saved.restore()
         gc.unfreeze()
-        gc.collect()  # whole heap, once: garbage the trials left among frozen survivors too
+        if read()[0] > held_on_entry:
+            gc.collect()  # whole heap, once: garbage the trials left among frozen survivors too
         backend.empty_cache()
 
 
