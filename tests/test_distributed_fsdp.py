@@ -11,78 +11,119 @@ for backward, where the next unit is prefetched: two units' worth at the peak ei
 the peak (the backward frees them one by one, the last forward holds its flat buffer too); how
 many depends on where in backward the peak lands, which gloo's own temporaries move: two to
 five on this machine, two when it was loaded.
+
+``True`` runs as users launch it, ``torchrun ... memkit run train.py``; ``False`` as a script
+that calls ``memkit.track`` itself, in the 2-rank launch the suite shares
+(tests/rank_processes.py), which saves a third torchrun start-up.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
 from conftest import torchrun
+from rank_processes import rank_scenario
 
 UNIT = (256 * 256 + 256) * 4  # one Linear(256, 256), unsharded
 SHARD = 4 * UNIT // 2  # a rank's half of the 4 layers
 
-TRAIN = textwrap.dedent(
+MODEL = textwrap.dedent(
     """
-    import datetime, os, sys
-    import torch, torch.distributed as dist
+    import torch
     from torch.distributed.fsdp import fully_shard
 
+    def build(reshard_after_forward):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        for layer in model:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        return model, torch.optim.AdamW(model.parameters())
+
+    def train(model, opt):
+        for _ in range(3):
+            model(torch.randn(32, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    """
+)
+
+TRAIN = textwrap.dedent(
+    """
+    import datetime
+    import torch.distributed as dist
+    from fsdp_model import build, train
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    raf = sys.argv[1] == "True"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    for layer in model:
-        fully_shard(layer, reshard_after_forward=raf)
-    fully_shard(model, reshard_after_forward=raf)
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(3):
-        model(torch.randn(32, 256)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    train(*build(reshard_after_forward=True))
     dist.destroy_process_group()
     """
 )
 
+TRACKED = textwrap.dedent(
+    """
+    import memkit
+    from fsdp_model import build, train
 
-def _memkit_run(tmp_path: Path, *args: str, limit: float = 60.0) -> tuple[int, str]:
+    def run(rank, args):
+        model, opt = build(reshard_after_forward=False)
+        with memkit.track(model, opt, device="cpu", budget="64MiB") as tracker:
+            train(model, opt)
+        return {"report": tracker.report().to_dict(), "text": str(tracker.report())}
+    """
+)
+
+if importlib.util.find_spec("torch.distributed.fsdp") is not None:
+    rank_scenario("fsdp-track", TRACKED, files={"fsdp_model.py": MODEL})
+
+
+def _check_rank_report(report: dict, reshard_after_forward: bool) -> None:
+    device = report["devices"][0]
+    bd = device["breakdown"]
+    assert bd["parameters"] == SHARD
+    assert abs(bd["optimizer_state"] - 2 * SHARD) <= 64  # exp_avg, exp_avg_sq (+ step)
+    assert bd["gradients"] in (0, SHARD)  # the shards' gradients, when present
+    gathered = bd["gathered_parameters"]
+    if reshard_after_forward:
+        assert gathered == 2 * UNIT, bd
+    else:
+        assert gathered % UNIT == 0 and 2 * UNIT <= gathered <= 5 * UNIT, bd
+    # FSDP2 frees unsharded parameters by resizing their storages: counted as freed (this
+    # was 4 units of 'other' before the simulated device saw the resizes)
+    assert bd["other"] == 0, bd
+    parts = ("parameters", "gradients", "optimizer_state", "gathered_parameters",
+             "activations", "other")  # fmt: skip
+    assert sum(bd[k] for k in parts) == bd["total"]
+    # module rows carry the user's class names, not FSDP2's FSDPLinear
+    names = {m["path"]: m for m in device["modules"]}
+    assert set(names) == {"Sequential", "0", "1", "2", "3"}, names
+    assert names["0"]["activation_bytes"] == 32 * 256 * 4  # the layer's output, kept
+
+
+def test_fsdp2_under_torchrun_memkit_run_reports_shards_and_all_gathered_parameters(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("torch.distributed.fsdp")
+    (tmp_path / "fsdp_model.py").write_text(MODEL)
     (tmp_path / "train.py").write_text(TRAIN)
     run = ["run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py"]
-    done = torchrun(tmp_path, ["--no-python", "memkit", *run, *args], limit=limit)
-    return done.returncode, done.stderr
-
-
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_fsdp2_ranks_report_shards_and_all_gathered_parameters(
-    tmp_path: Path, reshard_after_forward: bool
-) -> None:
-    code, err = _memkit_run(tmp_path, str(reshard_after_forward))
-    assert code == 0, err[-4000:]
+    done = torchrun(tmp_path, ["--no-python", "memkit", *run], limit=60.0)
+    assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
-        report = json.loads((tmp_path / f"report.rank{rank}.json").read_text())
-        device = report["devices"][0]
-        bd = device["breakdown"]
-        assert bd["parameters"] == SHARD
-        assert abs(bd["optimizer_state"] - 2 * SHARD) <= 64  # exp_avg, exp_avg_sq (+ step)
-        assert bd["gradients"] in (0, SHARD)  # the shards' gradients, when present
-        gathered = bd["gathered_parameters"]
-        if reshard_after_forward:
-            assert gathered == 2 * UNIT, bd
-        else:
-            assert gathered % UNIT == 0 and 2 * UNIT <= gathered <= 5 * UNIT, bd
-        # FSDP2 frees unsharded parameters by resizing their storages: counted as freed (this
-        # was 4 units of 'other' before the simulated device saw the resizes)
-        assert bd["other"] == 0, bd
-        parts = ("parameters", "gradients", "optimizer_state", "gathered_parameters",
-                 "activations", "other")  # fmt: skip
-        assert sum(bd[k] for k in parts) == bd["total"]
-        # module rows carry the user's class names, not FSDP2's FSDPLinear
-        names = {m["path"]: m for m in device["modules"]}
-        assert set(names) == {"Sequential", "0", "1", "2", "3"}, names
-        assert names["0"]["activation_bytes"] == 32 * 256 * 4  # the layer's output, kept
-    assert "all-gathered parameters" in err  # rank 0's text report
-    assert "FSDPLinear" not in err and "FSDPSequential" not in err
+        _check_rank_report(json.loads((tmp_path / f"report.rank{rank}.json").read_text()), True)
+    assert "all-gathered parameters" in done.stderr  # rank 0's text report
+    assert "FSDPLinear" not in done.stderr and "FSDPSequential" not in done.stderr
+
+
+def test_fsdp2_without_resharding_tracked_in_the_script_holds_more_gathered_units(
+    gloo_ranks,
+) -> None:
+    pytest.importorskip("torch.distributed.fsdp")
+    for rank in gloo_ranks("fsdp-track").checked().results:
+        _check_rank_report(rank["report"], False)
+        assert "all-gathered parameters" in rank["text"]
+        assert "FSDPLinear" not in rank["text"] and "FSDPSequential" not in rank["text"]
