@@ -19,7 +19,7 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import pytest
 import torch
-from rank_processes import RankRun, launch_scenarios
+from rank_processes import RankRun, SharedLaunch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
 
@@ -30,17 +30,33 @@ ROOT = Path(__file__).resolve().parents[1]
 collect_ignore_glob = ["modelfiles/*", "realworld/scripts/*", "scenarios/*", "rank_processes.py"]
 
 
+_unfrozen = [False]  # whether gc.unfreeze() ran since the last freeze below
+_unfreeze = gc.unfreeze
+
+
+def _noting_unfreeze() -> None:
+    _unfrozen[0] = True
+    _unfreeze()
+
+
+# a probe unfreezes the whole heap at its end (memkit.probing.runner._probing); noted here
+# because gc.get_freeze_count() walks the frozen objects to count them (48 ms a call here)
+gc.unfreeze = _noting_unfreeze
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_collect():
     torch.manual_seed(0)
     yield
     # free what a test left in reference cycles (tensors the next test's device would count);
     # then freeze the survivors, so the next collection looks only at what that test makes.
-    # A probe unfreezes the whole heap at its end: a collection then would walk all of it
-    # (0.1-0.2 s here), so what such a test left is frozen as it is.
-    if gc.get_freeze_count():
+    # After a probe unfroze the heap, a collection would walk all of it (0.1-0.2 s here, and
+    # the probe collected at its end where the device still held memory): what such a test
+    # left is frozen as it is.
+    if not _unfrozen[0]:
         gc.collect()
     gc.freeze()
+    _unfrozen[0] = False
 
 
 @pytest.fixture
@@ -107,11 +123,24 @@ def torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+_ranks = SharedLaunch(limit=240.0)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the 2-rank launch in the background when a collected test needs it."""
+    if any("gloo_ranks" in getattr(item, "fixturenames", ()) for item in session.items):
+        _ranks.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _ranks.join()  # a launch this process started, for another xdist worker's tests
+
+
 @pytest.fixture(scope="session")
-def gloo_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RankRun]:
+def gloo_ranks() -> Callable[[str], RankRun]:
     """``gloo_ranks(name)``: the results of the 2-rank scenario ``name``. Every scenario the
     test modules registered (``rank_processes.rank_scenario``) runs in one launch of two gloo
-    ranks, the first time a test asks for one (a rank's start-up costs more than most
-    scenarios)."""
-    runs = launch_scenarios(tmp_path_factory.mktemp("ranks"), limit=240.0)
+    ranks per test run, started in the background when collection ends (a rank's start-up
+    costs more than most scenarios)."""
+    runs = _ranks.runs()
     return lambda name: runs[name].checked()

@@ -2,23 +2,30 @@
 
 Starting a rank costs an ``import torch`` and memkit (seconds on a small machine), more than
 most scenarios run, so the tests' 2-rank scenarios share one launch: each test module
-registers its scenario with :func:`rank_scenario` when it is imported, and the session
-fixture ``gloo_ranks`` (tests/conftest.py) runs every registered scenario, in order, in one
-pair of processes the first time a test asks for one. The ranks get torchrun's environment
+registers its scenario with :func:`rank_scenario` when it is imported, and every registered
+scenario runs, in order, in one pair of processes. The ranks get torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) without torchrun's start-up cost, and one
 process group from it, made as ``memkit probe`` makes it
 (:func:`memkit.distributed.process_group_from_env`). Every wait is bounded: a hang fails the
 tests and kills the ranks.
+
+The launch starts in the background when collection ends (:class:`SharedLaunch`), so the
+ranks run while the other tests do; the session fixture ``gloo_ranks`` (tests/conftest.py)
+waits for it. Under pytest-xdist one worker launches (the first to take a file lock) and the
+others read its results.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +112,7 @@ class RankRun:
 
 def launch_scenarios(folder: Path, limit: float) -> dict[str, RankRun]:
     """Run every registered scenario as ranks 0 and 1, the ``last`` ones at the end."""
+    folder.mkdir()
     order = sorted(SCENARIOS.values(), key=lambda s: s.last)  # stable: registration order
     spec = []
     for scenario in order:
@@ -195,3 +203,67 @@ def wait_for_ranks(
         _kill(procs)
         pytest.fail(f"{what} did not finish within {limit} s (a hang)")
     return logs
+
+
+class SharedLaunch:
+    """The one launch of the registered scenarios in this test run, shared by the processes of
+    the run (pytest-xdist workers: the same ``PYTEST_XDIST_TESTRUNUID``) through a folder: the
+    first process to lock it launches, in a background thread, and writes ``runs.json``; the
+    others wait for the lock and read that file."""
+
+    def __init__(self, limit: float) -> None:
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        if run is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="memkit-ranks-"))
+        else:
+            self.folder = Path(tempfile.gettempdir()) / f"memkit-ranks-{run}"
+            self.folder.mkdir(exist_ok=True)
+        self.limit = limit
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Launch in the background unless another process of the run is launching or did."""
+        lock = open(self.folder / "lock", "w")  # noqa: SIM115 - held by the thread until done
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return
+        if (self.folder / "runs.json").exists():
+            lock.close()
+            return
+
+        def launch() -> None:
+            try:
+                self._launch()
+            finally:
+                lock.close()  # releases the lock: the waiting processes read runs.json
+
+        self._thread = threading.Thread(target=launch, name="gloo-ranks", daemon=True)
+        self._thread.start()
+
+    def _launch(self) -> None:
+        try:
+            runs = launch_scenarios(self.folder / f"scenarios-{os.getpid()}", self.limit)
+            data = {name: [str(r.folder), r.results, r.logs] for name, r in runs.items()}
+        except BaseException as exc:  # pytest.fail is a BaseException: the tests report it
+            data = {"error": f"{type(exc).__name__}: {exc}"}
+        (self.folder / "runs.json.tmp").write_text(json.dumps(data))
+        os.replace(self.folder / "runs.json.tmp", self.folder / "runs.json")
+
+    def runs(self) -> dict[str, RankRun]:
+        """The launch's results, waiting for it (launching here if no process did)."""
+        self.join()
+        with open(self.folder / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # until the launching process is done
+            if not (self.folder / "runs.json").exists():  # its process ended before launching
+                self._launch()
+        data = json.loads((self.folder / "runs.json").read_text())
+        if "error" in data:
+            pytest.fail(f"the 2-rank launch failed: {data['error']}")
+        return {name: RankRun(name, Path(f), res, logs) for name, (f, res, logs) in data.items()}
+
+    def join(self) -> None:
+        """Wait for this process's background launch, if it started one."""
+        if self._thread is not None:
+            self._thread.join()
