@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Files under tests/ that are run or loaded by the tests, never imported as modules: with
 # --doctest-modules pytest would import them (and run the scripts) to look for doctests.
-collect_ignore_glob = ["modelfiles/*", "realworld/scripts/*", "scenarios/*", "rank_processes.py"]
+collect_ignore_glob = [
+    "modelfiles/*", "realworld/scripts/*", "scenarios/*", "rank_processes.py",
+    "lightning_models.py",
+]  # fmt: skip
 
 
 _unfrozen = [False]  # whether gc.unfreeze() ran since the last freeze below
@@ -128,6 +131,8 @@ _ranks = SharedLaunch(limit=240.0)
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the 2-rank launch in the background when a collected test needs it."""
+    if session.config.option.collectonly:
+        return
     if any("gloo_ranks" in getattr(item, "fixturenames", ()) for item in session.items):
         _ranks.start()
 
