@@ -25,7 +25,7 @@ import torch
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding
-from memkit.tracking.models import TrackedModels, forward_autocast
+from memkit.tracking.models import TrackedModels
 from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
 from memkit.tracking.state import (
     BACKWARD,
@@ -113,7 +113,7 @@ class PhaseMachine:
             kind = TRAIN_PASS
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
-            if _autocast_on(self.devices.kind) or forward_autocast(module) is not None:
+            if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:
                 facts.autocast_forwards += 1
             if state.phase != FORWARD:
                 with state.lock:
@@ -413,7 +413,7 @@ def _input_shape(args: Any) -> tuple[int, ...] | None:
     business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return tuple(int(n) for n in a.shape)
+            return tuple(map(int, a.shape))
     return None
 
 
