@@ -519,3 +519,31 @@ def test_a_budget_binds_even_when_the_cache_holds_more():
             memkit.track(device="cuda", budget="32MiB", postmortem=None),
         ):
             torch.empty(40 << 20, dtype=torch.uint8).to("cuda")
+
+
+def test_a_backward_through_autograd_grad_is_found_between_sampled_steps():
+    """Between the sampled steps the model carries no gradient hook: a backward that skips
+    torch.autograd.backward (here torch.autograd.grad, imported before the block) is found at
+    the autograd engine's entry, so steps 2 and 3 (no module detail) have the backward phase
+    and the same phase peaks as the sampled step 1."""
+    from torch.autograd import grad
+
+    with cuda_standin("64MiB"):
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)).to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(16, 32).to("cuda")
+        params = list(model.parameters())
+        with memkit.track(model, opt, device="cuda", postmortem=None) as tracker:
+            for _ in range(4):
+                loss = model(batch).pow(2).mean()
+                for p, g in zip(params, grad(loss, params), strict=True):
+                    p.grad = g
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        report = tracker.report()
+    assert report.mode.startswith("per-module on 2 sampled step(s)")
+    steps = report.devices[0].steps
+    assert [s.backward_passes for s in steps] == [1, 1, 1, 1]
+    assert all(s.phase_peaks["backward"] is not None for s in steps)
+    assert steps[2].phase_peaks == steps[3].phase_peaks == steps[1].phase_peaks

@@ -172,21 +172,22 @@ def test_the_passes_of_one_closure_step_do_not_add_up():
 
 
 def test_a_failing_hook_stops_tracking_not_training(monkeypatch):
-    """A failure of memkit's own inside a hook (here the persistent-bytes count that a DTensor
-    parameter once broke inside optimizer.step()) must not reach the training loop: tracking
-    stops with a note, training goes on, and the report keeps what was measured before."""
-    from memkit.tracking.device_set import DeviceSet
+    """A failure of memkit's own inside a hook (here at the step boundary, inside
+    optimizer.step(), with the error a DTensor parameter once raised in the persistent-bytes
+    count there) must not reach the training loop: tracking stops with a note, training goes
+    on, and the report keeps what was measured before."""
+    from memkit.tracking import phases
 
     calls = {"n": 0}
-    original = DeviceSet.persistent
+    original = phases.close_step
 
-    def failing(self, dev):
-        if self.state.step >= 2:  # fail from step 2 on: steps 0 and 1 were measured
+    def failing(dev, step, *args):
+        if step >= 2:  # fail from step 2 on: steps 0 and 1 were measured
             calls["n"] += 1
             raise RuntimeError("Attempted to access the data pointer on an invalid python storage")
-        return original(self, dev)
+        return original(dev, step, *args)
 
-    monkeypatch.setattr(DeviceSet, "persistent", failing)
+    monkeypatch.setattr(phases, "close_step", failing)
     model = mlp()
     opt = torch.optim.AdamW(model.parameters())
     before = [p.detach().clone() for p in model.parameters()]

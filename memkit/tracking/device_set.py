@@ -211,14 +211,19 @@ class DeviceSet:
         return self.by_index(-1)
 
     def close_all(self) -> None:
-        """Read every device and close its segment (a phase or step boundary, the report)."""
+        """Read every device and close its segment (a phase or step boundary, the report).
+
+        The peaks are reset only when one is above its current value: a peak equal to the
+        current bytes is already where a reset would put it (one counter call saved)."""
         state, close = self.state, self.close
         now = time.perf_counter() - state.t0
+        step, phase = state.step, state.phase
         for dev in self.records.values():
             a, r, p, pr = dev.read()
-            dev.reset()
+            if p > a or pr > r:
+                dev.reset()
             close(dev, p, pr, dev.bw_module)
-            dev.timeline.append((now, state.step, state.phase, None, a, r))
+            dev.timeline.append((now, step, phase, None, a, r))
             dev.events += 1
             dev.last = (a, r)
 
@@ -233,19 +238,19 @@ class DeviceSet:
         dev.grads_full = max(dev.grads_full, sizes.gradients)
         dev.state_full = max(dev.state_full, sizes.optimizer_state)
 
-    def resolve_pending(self, dev: DeviceRecord) -> None:
-        """Categorise the new training peak ``dev`` saw (``dev.pending``), if any."""
+    def resolve_pending(self, dev: DeviceRecord, now: Persistent | None = None) -> None:
+        """Categorise the new training peak ``dev`` saw (``dev.pending``), if any (``now``:
+        the persistent sizes on ``dev``, if the caller measured them just now)."""
         pending = dev.pending
         if pending is None:
             return
         dev.pending = None
         try:
-            dev.breakdown = self._categorise(dev, pending)
+            dev.breakdown = self._categorise(dev, pending, now or self.persistent(dev))
         except Exception:  # the breakdown is best effort
             log.debug("breakdown failed", exc_info=True)
 
-    def _categorise(self, dev: DeviceRecord, moment: PeakMoment) -> Breakdown:
-        now = self.persistent(dev)
+    def _categorise(self, dev: DeviceRecord, moment: PeakMoment, now: Persistent) -> Breakdown:
         remembered = Persistent(dev.params_full, dev.grads_full, dev.state_full)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)

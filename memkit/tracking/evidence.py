@@ -243,9 +243,17 @@ def persistent_bytes(
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int]] = set()  # storages counted, or found elsewhere
 
     def size(t: torch.Tensor) -> int:
+        storage = storage_of(t)
+        if storage is None:
+            return 0
+        nbytes = storage.nbytes()
+        key = (storage.data_ptr(), nbytes)
+        if key in seen:
+            return 0
+        seen.add(key)
         if holds is not None:
             if not holds(t):
                 return 0
@@ -253,26 +261,23 @@ def persistent_bytes(
             target.index is not None and t.device.index not in (None, target.index)
         ):
             return 0
-        storage = storage_of(t)
-        if storage is None:
-            return 0
-        key = (storage.data_ptr(), storage.nbytes())
-        if key in seen or storage.nbytes() == 0:
-            return 0
-        seen.add(key)
-        return int(storage.nbytes())
+        return int(nbytes)
 
     if fsdp is not None:  # unsharded storages (allocated now) are not this rank's parameters
         seen.update((s.data_ptr(), s.nbytes()) for s in fsdp.unsharded_storages())
     params = grads = state = 0
-    all_params: list[torch.Tensor] = [] if fsdp is None else fsdp.sharded_params()
+    # each parameter once (the model's are the optimizer's too): by identity
+    unique: dict[int, torch.Tensor] = {}
+    if fsdp is not None:
+        unique.update((id(p), p) for p in fsdp.sharded_params())
     for mod in modules:
-        all_params.extend(mod.parameters())
+        unique.update((id(p), p) for p in mod.parameters())
         for b in mod.buffers():
             params += size(b)
     for opt in optimizers:
         for group in opt.param_groups:
-            all_params.extend(group["params"])
+            unique.update((id(p), p) for p in group["params"])
+    all_params = list(unique.values())
     for p in all_params:
         params += size(p)
     for p in all_params:

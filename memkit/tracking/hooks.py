@@ -52,8 +52,13 @@ from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, RootInfo
-from memkit.tracking.state import BACKWARD, EVAL_PASS, TRAIN_PASS, TrackState
-from memkit.tracking.wrappers import wrap_backward, wrap_data_loading, wrap_grad_scaler
+from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
+from memkit.tracking.wrappers import (
+    wrap_backward,
+    wrap_data_loading,
+    wrap_engine,
+    wrap_grad_scaler,
+)
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RankWatch
@@ -109,6 +114,7 @@ class Hooks:
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
+        self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._warning_filter: Any = None
 
     def install(self) -> None:
@@ -141,6 +147,10 @@ class Hooks:
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
             )
         )
+        engine = wrap_engine(self._engine_begins, shield(self._engine_ends))
+        if engine is not None:
+            h.append(engine)
+        self._engine_wrapped = engine is not None
         if self.devices.sim is not None:
             h.append(wrap_data_loading(self.devices.sim))
         phases = self.phases
@@ -498,7 +508,9 @@ class Hooks:
         else:
             self.phases.root_post(frame, delta, dev)
         bw = ms.bw
-        if bw is not None and kind == TRAIN_PASS:
+        # off the sampled steps the model's own gradient hook would only find a backward that
+        # bypassed torch.autograd.backward: the engine's wrapper finds those (wrap_engine)
+        if bw is not None and kind == TRAIN_PASS and (state.detail_on or not self._engine_wrapped):
             t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
                 last = getattr(tls, "hooked", None)
@@ -543,6 +555,31 @@ class Hooks:
             self.phases.begin_backward()
 
     def _end_backward(self) -> None:
+        state = self.state
+        if not state.active:
+            return
+        with state.lock:
+            self.phases.end_backward()
+
+    def _engine_begins(self) -> bool:
+        """The autograd engine is entered: a backward begins there if a training forward ran
+        and no backward was marked yet (``torch.autograd.grad``, or a ``backward`` imported
+        before the block): what the first gradient hook would find."""
+        state = self.state
+        if not state.active or state.phase != FORWARD:
+            return False
+        try:
+            with state.lock:
+                if state.phase != FORWARD:
+                    return False
+                self.phases.transition(BACKWARD)
+                self.phases.backward_depth += 1
+        except Exception as exc:
+            self._hook_failed(exc)
+            return False
+        return True
+
+    def _engine_ends(self) -> None:
         state = self.state
         if not state.active:
             return

@@ -58,6 +58,8 @@ class TrackedModels:
         self.compiled = False
         self.on_model: ModelFound | None = None
         self._lock = lock
+        # forward function -> forward_autocast's answer (its wrapper chain is made once)
+        self._autocast: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
@@ -82,6 +84,19 @@ class TrackedModels:
             return False
         self.seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
         return True
+
+    def forward_autocast(self, module: torch.nn.Module) -> str | None:
+        """:func:`forward_autocast` of ``module``, read once per ``forward`` function: a
+        wrapper chain is built once (accelerate replaces ``forward``: a new function, read
+        anew), and walking it is the costliest part of a training forward's first hook."""
+        fn = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+        try:
+            return self._autocast[fn]
+        except KeyError:
+            found = self._autocast[fn] = forward_autocast(module)
+            return found
+        except TypeError:  # a forward that takes no weak reference: read it every time
+            return forward_autocast(module)
 
     def root_info(self, module: torch.nn.Module) -> RootInfo:
         """The model ``module`` heads: its module keys (``GPT.transformer.h.0``), seen once."""

@@ -25,7 +25,7 @@ import torch
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding
-from memkit.tracking.models import TrackedModels, forward_autocast
+from memkit.tracking.models import TrackedModels
 from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
 from memkit.tracking.state import (
     BACKWARD,
@@ -113,7 +113,7 @@ class PhaseMachine:
             kind = TRAIN_PASS
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
-            if _autocast_on(self.devices.kind) or forward_autocast(module) is not None:
+            if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:
                 facts.autocast_forwards += 1
             if state.phase != FORWARD:
                 with state.lock:
@@ -251,13 +251,17 @@ class PhaseMachine:
         """Close every device's segment in the phase that ends, and start ``phase``."""
         devices, evidence, state = self.devices, self.evidence, self.state
         devices.close_all()
+        forward = phase == FORWARD
+        if forward:
+            grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         for dev in devices.records.values():
-            devices.resolve_pending(dev)
-            if phase == FORWARD:
+            if dev.pending is not None:
+                devices.resolve_pending(dev)
+            if forward:
                 dev.forward_base = dev.last[0]
                 dev.base_gathered = dev.gathered
-                dev.base_grads_none = evidence.grads_none()
-                dev.base_state_empty = evidence.state_empty()
+                dev.base_grads_none = grads_none
+                dev.base_state_empty = state_empty
             if phase != BACKWARD:
                 dev.bw_module = None
         state.phase = phase
@@ -291,20 +295,29 @@ class PhaseMachine:
         # backward passes before one optimizer step (without an optimizer: all of the step's)
         micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
         step = state.step
-        if step < 3 or evidence.facts.param_dtype is None:
-            evidence.capture()
+        grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
+        captured = False
         for dev in devices.records.values():
-            devices.resolve_pending(dev)
+            sizes = None
+            if dev.pending is not None:  # measured once for the breakdown and for remember
+                sizes = devices.persistent(dev)
+                devices.resolve_pending(dev, sizes)
             close_step(dev, step, now - self.step_t0, micro)
-            dev.base_grads_none = evidence.grads_none()
-            dev.base_state_empty = evidence.state_empty()
+            dev.base_grads_none = grads_none
+            dev.base_state_empty = state_empty
             dev.bw_module = None
-            if step < 3 or (dev.grads_full == 0 and not evidence.grads_none()):
-                # remember the persistent sizes while they exist (first steps only): the
-                # objects may be gone when the report is made (a script's main() returned)
-                devices.remember(dev, devices.persistent(dev))
-            if dev.growth.observe(step, dev.last[0]):
+            level = dev.last[0]
+            if (step < 3 and level != dev.kept_level) or (dev.grads_full == 0 and not grads_none):
+                # remember the persistent sizes while they exist (first steps only, and only
+                # when the memory kept across the boundary changed): the objects may be gone
+                # when the report is made (a script's main() returned)
+                devices.remember(dev, sizes or devices.persistent(dev))
+                dev.kept_level = level
+                captured = True
+            if dev.growth.observe(step, level):
                 growing.append(dev)
+        if captured or evidence.facts.param_dtype is None:
+            evidence.capture()
         state.step = step + 1
         self.step_t0 = now
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
@@ -400,7 +413,7 @@ def _input_shape(args: Any) -> tuple[int, ...] | None:
     business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return tuple(int(n) for n in a.shape)
+            return tuple(map(int, a.shape))
     return None
 
 

@@ -213,6 +213,7 @@ class DeviceRecord:
         self.base_state_empty = True
         self.bw_module: str | None = None
         self.last = (a, r)
+        self.kept_level: int | None = None  # allocated at the step boundary last remembered
         self.params_full = 0
         self.grads_full = 0
         self.state_full = 0

@@ -2,6 +2,8 @@
 (:class:`Restore`, kept with the tracker's hook handles):
 
 * ``torch.autograd.backward``: marks backward's start and end exactly;
+* the autograd engine's entry (``torch.autograd.grad`` too): a backward of a training forward
+  that did not go through ``torch.autograd.backward``;
 * ``DataLoader`` iteration: a batch fetch is host work, which the simulated device does not
   count;
 * ``GradScaler.step``: a step the scaler skips still ends the training step.
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Restore", "wrap_backward", "wrap_data_loading", "wrap_grad_scaler"]
+__all__ = ["Restore", "wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,29 @@ def wrap_backward(
 
     autograd.backward = backward
     return Restore(autograd, "backward", original, backward)
+
+
+def wrap_engine(begin: Callable[[], bool], end: Callable[[], None]) -> Restore | None:
+    """Wrap the call into the autograd engine that ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` make (``torch.autograd._engine_run_backward``, looked up at each
+    call, so also for callers that imported ``backward``/``grad`` before the block): ``begin``
+    says whether a backward begins there (one that :func:`wrap_backward` did not already mark),
+    and then ``end`` marks its end. ``None`` where torch has no such function."""
+    autograd = torch.autograd
+    original = getattr(autograd, "_engine_run_backward", None)
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        if not begin():
+            return original(*args, **kwargs)
+        result = original(*args, **kwargs)  # raising: the phase stays (the post-mortem's)
+        end()
+        return result
+
+    autograd._engine_run_backward = run_backward
+    return Restore(autograd, "_engine_run_backward", original, run_backward)
 
 
 def wrap_data_loading(sim: Any) -> Restore:
