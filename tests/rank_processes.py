@@ -212,14 +212,21 @@ class SharedLaunch:
     others wait for the lock and read that file."""
 
     def __init__(self, limit: float) -> None:
-        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-        if run is None:
-            self.folder = Path(tempfile.mkdtemp(prefix="memkit-ranks-"))
-        else:
-            self.folder = Path(tempfile.gettempdir()) / f"memkit-ranks-{run}"
-            self.folder.mkdir(exist_ok=True)
         self.limit = limit
+        self._folder: Path | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The run's folder, made on first use."""
+        if self._folder is None:
+            run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+            if run is None:
+                self._folder = Path(tempfile.mkdtemp(prefix="memkit-ranks-"))
+            else:
+                self._folder = Path(tempfile.gettempdir()) / f"memkit-ranks-{run}"
+                self._folder.mkdir(exist_ok=True)
+        return self._folder
 
     def start(self) -> None:
         """Launch in the background unless another process of the run is launching or did."""
