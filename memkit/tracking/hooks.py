@@ -147,7 +147,7 @@ class Hooks:
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
             )
         )
-        engine = wrap_engine(self._engine_begins, shield(self._engine_ends))
+        engine = wrap_engine(self._engine_begins, shield(self._end_backward))
         if engine is not None:
             h.append(engine)
         self._engine_wrapped = engine is not None
@@ -578,13 +578,6 @@ class Hooks:
             self._hook_failed(exc)
             return False
         return True
-
-    def _engine_ends(self) -> None:
-        state = self.state
-        if not state.active:
-            return
-        with state.lock:
-            self.phases.end_backward()
 
     def _end_queued(self) -> None:
         state = self.state
