@@ -129,6 +129,13 @@ def torchrun(
 _ranks = SharedLaunch(limit=240.0)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` (real processes: torchrun, signals, a kernel, a browser) first,
+    in their order: under pytest-xdist they then overlap the rest instead of ending the run
+    one after another on whichever worker got them last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the 2-rank launch in the background when a collected test needs it."""
     if session.config.option.collectonly:
