@@ -72,13 +72,13 @@ def run_command(
     torchrun --nproc-per-node 2 --no-python memkit run train.py
     """
     from memkit.tracking.outputs import rank_path
-    from memkit.tracking.run import SigtermGuard, run_script
+    from memkit.tracking.run import SignalGuard, run_script
 
     reject_mistyped_option(click.get_current_context(), script)
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
-    with SigtermGuard() as guard:
+    with SignalGuard() as guard:
         outcome = run_script(
             script,
             list(args),

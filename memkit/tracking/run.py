@@ -10,7 +10,7 @@ through torch's global hooks, so no line of the script changes. The exit code is
 * ``3`` when any other exception escapes it (memkit's "your code raised");
 * ``130`` on ``KeyboardInterrupt`` (Ctrl-C): as for SIGTERM, the report notes ``interrupted
   by Ctrl-C at step N`` and names the script's line, without a traceback;
-* ``143`` (128 + 15) when ``SIGTERM`` stopped it (under :class:`SigtermGuard`, which ``memkit
+* ``143`` (128 + 15) when ``SIGTERM`` stopped it (under :class:`SignalGuard`, which ``memkit
   run`` installs): the report is still built, with the note ``interrupted by SIGTERM at step
   N``, and its files are still written. torchrun sends SIGTERM to the other ranks when one
   fails.
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RunOutcome",
-    "SigtermGuard",
+    "SignalGuard",
     "Terminated",
     "default_device",
     "rank_prefix",
@@ -68,12 +68,12 @@ EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 
 
 RETRY_SECONDS = 0.2
-"""How long :class:`SigtermGuard` waits before sending SIGTERM again when the script did not
+"""How long :class:`SignalGuard` waits before sending SIGTERM again when the script did not
 stop (the exception was raised where Python drops exceptions)."""
 
 
 class Terminated(BaseException):
-    """Raised in the script's main thread by :class:`SigtermGuard` when SIGTERM arrives.
+    """Raised in the script's main thread by :class:`SignalGuard` when SIGTERM arrives.
 
     A ``BaseException`` (like ``KeyboardInterrupt`` and ``SystemExit``), so ``except
     Exception`` in the script does not swallow it; ``finally`` blocks and the tracker's
@@ -86,8 +86,9 @@ class Terminated(BaseException):
         super().__init__(f"terminated by {self.signame}")
 
 
-class SigtermGuard:
-    """Turn SIGTERM into :class:`Terminated` while a script runs, so its report survives.
+class SignalGuard:
+    """Turn SIGTERM into :class:`Terminated` while a script runs, so its report survives; never
+    lose a Ctrl-C or SIGTERM that lands where Python drops exceptions.
 
     Entered, it installs a SIGTERM handler (main thread only: Python runs signal handlers
     there; elsewhere it does nothing) and restores the previous handler on exit. Inside
@@ -95,7 +96,9 @@ class SigtermGuard:
     before that is raised as soon as the script starts, and any later one is ignored until
     the guard exits, so the report is printed and written in full. A :class:`Terminated` that
     Python drops (see :meth:`_retry_later`) is not printed as "Exception ignored": it is sent
-    again instead, and raised when the script ends first. One guard is entered once.
+    again instead, and raised when the script ends first. Ctrl-C is left to Python's own
+    handler, but a ``KeyboardInterrupt`` dropped the same way is treated alike: not printed,
+    SIGINT sent again, raised when the script ends first. One guard is entered once.
     """
 
     def __init__(self) -> None:
@@ -106,11 +109,12 @@ class SigtermGuard:
         self._raised = False
         self._in_block = False
         self._dropped: int | None = None
+        self._dropped_interrupt = False
         self.pending: int | None = None
 
-    def __enter__(self) -> SigtermGuard:
+    def __enter__(self) -> SignalGuard:
         if self._installed:
-            raise RuntimeError("a SigtermGuard is entered once at a time")
+            raise RuntimeError("a SignalGuard is entered once at a time")
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._previous_unraisable = sys.unraisablehook
@@ -141,7 +145,25 @@ class SigtermGuard:
         if isinstance(exc, Terminated):
             self._dropped = exc.signum  # _retry_later sends it again; armed() raises it at the end
             return
+        if isinstance(exc, KeyboardInterrupt) and self._in_block:
+            # Ctrl-C's KeyboardInterrupt dropped the same way: the user's Ctrl-C would be lost
+            # (the script runs on) behind a traceback of the callback it landed in
+            self._dropped_interrupt = True
+            self._interrupt_later()
+            return
         self._previous_unraisable(unraisable)
+
+    def _interrupt_later(self) -> None:
+        """SIGINT again after :data:`RETRY_SECONDS` while the script still runs (Python's own
+        handler raises ``KeyboardInterrupt`` there, or it is dropped and sent again)."""
+
+        def again() -> None:
+            if self._in_block:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Timer(RETRY_SECONDS, again)
+        timer.daemon = True
+        timer.start()
 
     def _retry_later(self, signum: int) -> None:
         """Python runs a signal handler between any two bytecodes, also inside a weakref
@@ -168,12 +190,18 @@ class SigtermGuard:
         try:
             yield
         except SystemExit:
-            if self._dropped is None:
+            if self._dropped is None and not self._dropped_interrupt:
                 raise
+        except KeyboardInterrupt:
+            self._dropped_interrupt = False  # Ctrl-C landed where it stops the script
+            raise
         finally:
             self._armed = self._in_block = False
         if self._dropped is not None:  # the script ended before the signal was sent again
             raise Terminated(self._dropped)
+        if self._dropped_interrupt:
+            self._dropped_interrupt = False
+            raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
@@ -275,7 +303,7 @@ def run_script(
     budget: str | int | None = None,
     per_module: bool = True,
     module_every: int | None = None,
-    sigterm: SigtermGuard | None = None,
+    sigterm: SignalGuard | None = None,
     memory_history: str | Path | None = None,
     history_entries: int | None = None,
 ) -> RunOutcome:
