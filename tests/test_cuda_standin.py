@@ -547,3 +547,26 @@ def test_a_backward_through_autograd_grad_is_found_between_sampled_steps():
     assert [s.backward_passes for s in steps] == [1, 1, 1, 1]
     assert all(s.phase_peaks["backward"] is not None for s in steps)
     assert steps[2].phase_peaks == steps[3].phase_peaks == steps[1].phase_peaks
+
+
+def test_a_failed_autograd_grad_that_the_script_catches_leaves_the_next_steps_counted():
+    """torch.autograd.grad raising between sampled steps (a tensor the output does not depend
+    on; scripts catch such errors and train on): the backward it began ends there, so the next
+    steps' backward passes are counted as before."""
+    with cuda_standin("64MiB"):
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10)).to("cuda")
+        unused = torch.zeros(3, requires_grad=True).to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(16, 32).to("cuda")
+        with memkit.track(model, opt, device="cuda", postmortem=None) as tracker:
+            for step in range(5):
+                loss = model(batch).pow(2).mean()
+                if step == 2:
+                    with pytest.raises(RuntimeError):
+                        torch.autograd.grad(loss, [unused])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        report = tracker.report()
+    steps = report.devices[0].steps
+    assert [s.backward_passes for s in steps[3:]] == [1, 1], [s.backward_passes for s in steps]

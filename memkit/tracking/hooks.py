@@ -147,7 +147,7 @@ class Hooks:
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
             )
         )
-        engine = wrap_engine(self._engine_begins, shield(self._end_backward))
+        engine = wrap_engine(self._engine_begins, shield(self._end_backward), self._backward_failed)
         if engine is not None:
             h.append(engine)
         self._engine_wrapped = engine is not None

@@ -63,12 +63,16 @@ def wrap_backward(
     return Restore(autograd, "backward", original, backward)
 
 
-def wrap_engine(begin: Callable[[], bool], end: Callable[[], None]) -> Restore | None:
+def wrap_engine(
+    begin: Callable[[], bool], end: Callable[[], None], failed: Callable[[], None]
+) -> Restore | None:
     """Wrap the call into the autograd engine that ``torch.autograd.backward`` and
     ``torch.autograd.grad`` make (``torch.autograd._engine_run_backward``, looked up at each
     call, so also for callers that imported ``backward``/``grad`` before the block): ``begin``
     says whether a backward begins there (one that :func:`wrap_backward` did not already mark),
-    and then ``end`` marks its end. ``None`` where torch has no such function."""
+    and then ``end`` marks its end, or ``failed`` when it raises (as in :func:`wrap_backward`:
+    a script that catches the error and trains on must not be left inside a backward). ``None``
+    where torch has no such function."""
     autograd = torch.autograd
     original = getattr(autograd, "_engine_run_backward", None)
     if original is None:
@@ -78,7 +82,11 @@ def wrap_engine(begin: Callable[[], bool], end: Callable[[], None]) -> Restore |
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         if not begin():
             return original(*args, **kwargs)
-        result = original(*args, **kwargs)  # raising: the phase stays (the post-mortem's)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            failed()  # the phase stays (the post-mortem's), the backward is over
+            raise
         end()
         return result
 
