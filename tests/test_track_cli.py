@@ -444,3 +444,21 @@ def test_sigterm_still_writes_the_report_and_exits_143(tmp_path):
     assert f"memkit track: {data['steps']} step(s)" in err  # the full report on stderr
     assert "memkit: interrupted by SIGTERM at step" in err and "(exit 143)" in err
     assert "Traceback" not in err
+
+
+def test_a_ctrl_c_sent_again_and_handled_by_the_script_is_not_raised_at_its_end():
+    """The dropped KeyboardInterrupt is sent again as SIGINT; a script that catches it (to save
+    a checkpoint, say) and ends normally must not get a second one from memkit at its end."""
+    import time
+    from types import SimpleNamespace
+
+    from memkit.tracking.run import SignalGuard
+
+    handled = []
+    with SignalGuard() as guard, guard.armed():
+        sys.unraisablehook(SimpleNamespace(exc_value=KeyboardInterrupt(), object=None))
+        try:
+            time.sleep(5)  # the SIGINT sent again lands here
+        except KeyboardInterrupt:
+            handled.append(True)
+    assert handled == [True]

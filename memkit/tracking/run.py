@@ -110,6 +110,7 @@ class SignalGuard:
         self._in_block = False
         self._dropped: int | None = None
         self._dropped_interrupt = False
+        self._interrupt_timer: threading.Timer | None = None
         self.pending: int | None = None
 
     def __enter__(self) -> SignalGuard:
@@ -155,15 +156,19 @@ class SignalGuard:
 
     def _interrupt_later(self) -> None:
         """SIGINT again after :data:`RETRY_SECONDS` while the script still runs (Python's own
-        handler raises ``KeyboardInterrupt`` there, or it is dropped and sent again)."""
+        handler raises ``KeyboardInterrupt`` there, or it is dropped and sent again). Once sent,
+        the interrupt is the script's: one it catches is not raised again at its end."""
 
         def again() -> None:
             if self._in_block:
+                self._dropped_interrupt = False
                 os.kill(os.getpid(), signal.SIGINT)
 
-        timer = threading.Timer(RETRY_SECONDS, again)
-        timer.daemon = True
-        timer.start()
+        if self._interrupt_timer is not None:
+            self._interrupt_timer.cancel()
+        self._interrupt_timer = threading.Timer(RETRY_SECONDS, again)
+        self._interrupt_timer.daemon = True
+        self._interrupt_timer.start()
 
     def _retry_later(self, signum: int) -> None:
         """Python runs a signal handler between any two bytecodes, also inside a weakref
@@ -197,6 +202,9 @@ class SignalGuard:
             raise
         finally:
             self._armed = self._in_block = False
+            if self._interrupt_timer is not None:
+                self._interrupt_timer.cancel()
+                self._interrupt_timer = None
         if self._dropped is not None:  # the script ended before the signal was sent again
             raise Terminated(self._dropped)
         if self._dropped_interrupt:
