@@ -408,8 +408,8 @@ def _probing(
     """
     training_flag = model.training
     read = devices.counter_reader(backend)[0]
-    gc.freeze()
     held_on_entry = read()[0]
+    gc.freeze()
     try:
         if mode == "train":
             model.train()
@@ -422,7 +422,8 @@ def _probing(
         model.train(training_flag)
         saved.restore()
         gc.unfreeze()
-        if read()[0] > held_on_entry:
+        held = read()[0]
+        if held > held_on_entry or held == 0:  # more held, or counters that cannot tell
             gc.collect()  # whole heap, once: garbage the trials left among frozen survivors too
         backend.empty_cache()
 
