@@ -141,7 +141,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     if any("gloo_ranks" in getattr(item, "fixturenames", ()) for item in session.items):
-        _ranks.start()
+        # the run's temporary directory (pytest keeps the last 3): an xdist worker's basetemp
+        # is a folder of it, popen-gwN; tmp_path_factory is a fixture, not yet available here
+        base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        _ranks.start((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "ranks")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

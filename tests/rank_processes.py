@@ -23,7 +23,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -110,8 +109,9 @@ class RankRun:
         return self
 
 
-def launch_scenarios(folder: Path, limit: float) -> dict[str, RankRun]:
-    """Run every registered scenario as ranks 0 and 1, the ``last`` ones at the end."""
+def prepare_scenarios(folder: Path) -> list[RankScenario]:
+    """Write every registered scenario's files and arguments into ``folder``, the ``last`` ones
+    at the end; in the calling thread, as ``args`` may use torch (and its global RNG)."""
     folder.mkdir()
     order = sorted(SCENARIOS.values(), key=lambda s: s.last)  # stable: registration order
     spec = []
@@ -124,6 +124,11 @@ def launch_scenarios(folder: Path, limit: float) -> dict[str, RankRun]:
         spec.append([scenario.name, scenario.code, str(where), args])
     (folder / "spec.json").write_text(json.dumps(spec))
     (folder / "worker.py").write_text(WORKER)
+    return order
+
+
+def launch_scenarios(folder: Path, order: list[RankScenario], limit: float) -> dict[str, RankRun]:
+    """Run the scenarios :func:`prepare_scenarios` wrote into ``folder`` as ranks 0 and 1."""
     outs = [folder / f"rank{rank}.json" for rank in (0, 1)]
     for _attempt in range(3):  # again with another port if rank 0 found its port taken
         port = free_port()
@@ -207,68 +212,74 @@ def wait_for_ranks(
 
 class SharedLaunch:
     """The one launch of the registered scenarios in this test run, shared by the processes of
-    the run (pytest-xdist workers: the same ``PYTEST_XDIST_TESTRUNUID``) through a folder: the
-    first process to lock it launches, in a background thread, and writes ``runs.json``; the
-    others wait for the lock and read that file."""
+    the run (pytest-xdist workers) through a folder of the run's temporary directory: the first
+    process to lock it launches, in a background thread, and writes ``runs.json``; the others
+    wait for the lock and read that file."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
-        self._folder: Path | None = None
+        self.folder: Path | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def folder(self) -> Path:
-        """The run's folder, made on first use."""
-        if self._folder is None:
-            run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-            if run is None:
-                self._folder = Path(tempfile.mkdtemp(prefix="memkit-ranks-"))
-            else:
-                self._folder = Path(tempfile.gettempdir()) / f"memkit-ranks-{run}"
-                self._folder.mkdir(exist_ok=True)
-        return self._folder
-
-    def start(self) -> None:
+    def start(self, folder: Path) -> None:
         """Launch in the background unless another process of the run is launching or did."""
-        lock = open(self.folder / "lock", "w")  # noqa: SIM115 - held by the thread until done
+        folder.mkdir(exist_ok=True)
+        self.folder = folder
+        lock = open(folder / "lock", "w")  # noqa: SIM115 - held by the thread until done
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
             return
-        if (self.folder / "runs.json").exists():
+        if (folder / "runs.json").exists():
+            lock.close()
+            return
+        where = folder / f"scenarios-{os.getpid()}"
+        try:
+            order = prepare_scenarios(where)  # here: args() may use torch, not beside a test
+        except BaseException as exc:
+            self._write({"error": f"{type(exc).__name__}: {exc}"})
             lock.close()
             return
 
         def launch() -> None:
             try:
-                self._launch()
+                self._launch(where, order)
             finally:
                 lock.close()  # releases the lock: the waiting processes read runs.json
 
         self._thread = threading.Thread(target=launch, name="gloo-ranks", daemon=True)
         self._thread.start()
 
-    def _launch(self) -> None:
+    def _launch(self, where: Path, order: list[RankScenario]) -> None:
         try:
-            runs = launch_scenarios(self.folder / f"scenarios-{os.getpid()}", self.limit)
+            runs = launch_scenarios(where, order, self.limit)
             data = {name: [str(r.folder), r.results, r.logs] for name, r in runs.items()}
         except BaseException as exc:  # pytest.fail is a BaseException: the tests report it
             data = {"error": f"{type(exc).__name__}: {exc}"}
+        self._write({"runs": data} if "error" not in data else data)
+
+    def _write(self, data: dict[str, Any]) -> None:
+        assert self.folder is not None
         (self.folder / "runs.json.tmp").write_text(json.dumps(data))
         os.replace(self.folder / "runs.json.tmp", self.folder / "runs.json")
 
     def runs(self) -> dict[str, RankRun]:
         """The launch's results, waiting for it (launching here if no process did)."""
+        if self.folder is None:
+            pytest.fail("the 2-rank launch was not started (pytest_collection_finish)")
         self.join()
         with open(self.folder / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # until the launching process is done
             if not (self.folder / "runs.json").exists():  # its process ended before launching
-                self._launch()
+                where = self.folder / f"scenarios-{os.getpid()}-late"
+                self._launch(where, prepare_scenarios(where))
         data = json.loads((self.folder / "runs.json").read_text())
         if "error" in data:
             pytest.fail(f"the 2-rank launch failed: {data['error']}")
-        return {name: RankRun(name, Path(f), res, logs) for name, (f, res, logs) in data.items()}
+        return {
+            name: RankRun(name, Path(f), res, logs) for name, (f, res, logs) in data["runs"].items()
+        }
 
     def join(self) -> None:
         """Wait for this process's background launch, if it started one."""
