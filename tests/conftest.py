@@ -55,8 +55,9 @@ def _seed_and_collect():
     # then freeze the survivors, so the next collection looks only at what that test makes.
     # After a probe unfroze the heap, a collection would walk all of it (0.1-0.2 s here, and
     # the probe collected at its end where the device still held memory): what such a test
-    # left is frozen as it is.
-    if not _unfrozen[0]:
+    # left is frozen as it is, except on a real GPU, where a cycle it left (an OOM's traceback
+    # after the probe) would hold device memory into the next tests' readings.
+    if not _unfrozen[0] or torch.cuda.is_initialized():
         gc.collect()
     gc.freeze()
     _unfrozen[0] = False
