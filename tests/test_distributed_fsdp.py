@@ -12,7 +12,8 @@ the peak (the backward frees them one by one, the last forward holds its flat bu
 many depends on where in backward the peak lands, which gloo's own temporaries move: two to
 five on this machine, two when it was loaded.
 
-``True`` runs as users launch it, ``torchrun ... memkit run train.py``; ``False`` as a script
+``True`` runs as users launch it, ``torchrun ... memkit run train.py`` (which also checks what
+``memkit run`` prints on each rank once the ranks are gathered); ``False`` as a script
 that calls ``memkit.track`` itself, in the 2-rank launch the suite shares
 (tests/rank_processes.py), which saves a third torchrun start-up.
 """
@@ -113,10 +114,23 @@ def test_fsdp2_under_torchrun_memkit_run_reports_shards_and_all_gathered_paramet
     run = ["run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py"]
     done = torchrun(tmp_path, ["--no-python", "memkit", *run], limit=60.0)
     assert done.returncode == 0, done.stderr[-4000:]
-    for rank in (0, 1):
-        _check_rank_report(json.loads((tmp_path / f"report.rank{rank}.json").read_text()), True)
-    assert "all-gathered parameters" in done.stderr  # rank 0's text report
-    assert "FSDPLinear" not in done.stderr and "FSDPSequential" not in done.stderr
+    reports = [json.loads((tmp_path / f"report.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        _check_rank_report(report, True)
+    err = done.stderr
+    assert "all-gathered parameters" in err  # rank 0's text report
+    assert "FSDPLinear" not in err and "FSDPSequential" not in err
+    # memkit run gathers the ranks to rank 0: its JSON holds the table, rank 1's does not
+    assert "ranks" not in reports[1]
+    ranks = reports[0]["ranks"]
+    assert ranks["world_size"] == 2 and [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    # rank 0 prints the full report; rank 1 one line that says where the rest is
+    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in err
+    assert "[rank 0] 2 ranks; imbalance between ranks" in err, err[-4000:]
+    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] ")]
+    assert len(rank1) == 1, err[-4000:]
+    assert rank1[0].startswith("[rank 1] memkit: 3 step(s), peak ") and " on cpu of " in rank1[0]
+    assert rank1[0].endswith("full report on rank 0 (this rank's: report.rank1.json)")
 
 
 def test_fsdp2_without_resharding_tracked_in_the_script_holds_more_gathered_units(

@@ -1,11 +1,14 @@
 """memkit run / memkit.track across 2 real gloo ranks on CPU, and the DDP advice rules.
 
-Two torchrun launches of ``memkit run``, each rank on its own simulated device. One runs a DDP
-script whose ranks hold different batch sizes and one unused module; rank 0's report must carry
-the per-rank table, the imbalance, the tightest rank and ``ddp-unused-parameters``, and only
-rank 0 prints a full report. In the other, rank 1 runs out of memory and torchrun stops rank 0
-with SIGTERM: rank 0 must still write and print its report, marked as interrupted. The launches
-are bounded: a hang fails the test and kills the process group it started."""
+A DDP script whose ranks hold different batch sizes and one unused module, tracked by
+``memkit.track`` in the 2-rank launch the suite shares (tests/rank_processes.py): rank 0's
+report must carry the per-rank table, the imbalance, the tightest rank and
+``ddp-unused-parameters``. Two torchrun launches of ``memkit run``: in one, rank 1 runs out of
+memory and torchrun stops rank 0 with SIGTERM: rank 0 must still write and print its report,
+marked as interrupted; in the other, DDP itself fails on an unused module and each rank's report
+must say why. (What ``memkit run`` prints on each rank when the ranks are gathered is checked
+under torchrun in tests/test_distributed_fsdp.py.) The launches are bounded: a hang fails the
+test and kills the process group it started."""
 
 from __future__ import annotations
 
@@ -16,17 +19,14 @@ from pathlib import Path
 
 import pytest
 from conftest import torchrun
+from rank_processes import rank_scenario
 
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.tracking.rank_gather import RanksReport, RankSummary, rank_advice
 
-TRAIN = textwrap.dedent(
+NET = textwrap.dedent(
     """
-    import datetime, os
-    import torch, torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    rank = dist.get_rank()
+    import torch
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -38,14 +38,46 @@ TRAIN = textwrap.dedent(
         def forward(self, x):
             return self.head(self.body(x))
 
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = 64 if rank == 0 else 512  # rank 1 holds far more activations
-    for _ in range(3):
-        model(torch.randn(batch, 64)).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def build(rank, find_unused_parameters):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            Net(), find_unused_parameters=find_unused_parameters
+        )
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model, opt, rank):
+        batch = 64 if rank == 0 else 512  # rank 1 holds far more activations
+        for _ in range(3):
+            model(torch.randn(batch, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    """
+)
+
+TRACKED = textwrap.dedent(
+    """
+    import memkit
+    from ddp_net import build, train
+
+    def run(rank, args):
+        model, opt = build(rank, find_unused_parameters=True)
+        with memkit.track(model, opt, device="cpu", budget="256MiB") as tracker:
+            train(model, opt, rank)
+        return {"report": tracker.report().to_dict(), "text": str(tracker.report())}
+    """
+)
+
+rank_scenario("ddp-gather", TRACKED, files={"ddp_net.py": NET})
+
+UNUSED_STOPS_DDP = textwrap.dedent(
+    """
+    import datetime
+    import torch.distributed as dist
+    from ddp_net import build, train
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    train(*build(rank, find_unused_parameters=False), rank)
     dist.destroy_process_group()
     """
 )
@@ -82,15 +114,14 @@ def _torchrun(tmp_path: Path, script: str, *args: str, limit: float = 90.0) -> t
     return done.returncode, done.stderr
 
 
-def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> None:
-    code, err = _torchrun(tmp_path, TRAIN, "--device", "cpu", "--budget", "256MiB", "--json",
-                          "report.json")  # fmt: skip
-    assert code == 0, err[-4000:]
-    r0 = json.loads((tmp_path / "report.rank0.json").read_text())
-    r1 = json.loads((tmp_path / "report.rank1.json").read_text())
-    assert "ranks" not in r1  # only rank 0 holds the gathered table
-    ranks = r0["ranks"]
+def test_ddp_ranks_are_gathered_to_rank0_with_imbalance_and_unused_parameters(
+    gloo_ranks,
+) -> None:
+    r0, r1 = gloo_ranks("ddp-gather").results
+    assert "ranks" not in r1["report"]  # only rank 0 holds the gathered table
+    ranks = r0["report"]["ranks"]
     assert ranks["world_size"] == 2 and [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    assert [r["steps"] for r in ranks["ranks"]] == [3, 3]
     peaks = [r["peak_reserved"] for r in ranks["ranks"]]
     assert peaks[1] > peaks[0] and ranks["tightest_rank"] == 1
     assert ranks["imbalance"] == pytest.approx((peaks[1] - peaks[0]) / peaks[1])
@@ -103,13 +134,8 @@ def test_memkit_run_under_torchrun_gathers_ranks_to_rank0(tmp_path: Path) -> Non
     )
     assert unused["saving_bytes"] == 2 * (128 * 8 + 8) * 4  # aux_head and its bucket slots
     assert "ddp-gpu0-context" not in codes  # no CUDA here
-    assert "ranks; imbalance between ranks" in err and "tightest" in err  # rank 0's text
-    # rank 0 prints the full report; rank 1 one line that says where the rest is
-    assert "[rank 0] memkit track rank 0/2: 3 step(s)" in err
-    rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] ")]
-    assert len(rank1) == 1, err[-4000:]
-    assert rank1[0].startswith("[rank 1] memkit: 3 step(s), peak ") and " on cpu of " in rank1[0]
-    assert rank1[0].endswith("full report on rank 0 (this rank's: report.rank1.json)")
+    assert "2 ranks; imbalance between ranks" in r0["text"] and "tightest" in r0["text"]
+    assert "memkit track rank 0/2: 3 step(s)" in r0["text"]
 
 
 def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> None:
@@ -137,9 +163,9 @@ def test_unused_parameters_that_stop_ddp_are_advised_on_each_failed_rank(tmp_pat
     ('Expected to have finished reduction'): the ranks end with that error and are not
     gathered, so each rank's own report must say why, and its line must not send the reader
     to rank 0's report."""
-    script = TRAIN.replace("find_unused_parameters=True", "find_unused_parameters=False")
-    code, err = _torchrun(tmp_path, script, "--device", "cpu", "--budget", "256MiB", "--json",
-                          "r.json")  # fmt: skip
+    (tmp_path / "ddp_net.py").write_text(NET)
+    code, err = _torchrun(tmp_path, UNUSED_STOPS_DDP, "--device", "cpu", "--budget", "256MiB",
+                          "--json", "r.json")  # fmt: skip
     assert code != 0 and "Expected to have finished reduction" in err, err[-4000:]
     for rank in (0, 1):
         data = json.loads((tmp_path / f"r.rank{rank}.json").read_text())
