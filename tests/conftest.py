@@ -20,6 +20,7 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 import pytest
 import torch
 from rank_processes import RankRun, SharedLaunch
+from warm_processes import warm_command, warm_entrypoint
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported first
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # --doctest-modules pytest would import them (and run the scripts) to look for doctests.
 collect_ignore_glob = [
     "modelfiles/*", "realworld/scripts/*", "scenarios/*", "rank_processes.py",
-    "lightning_models.py",
+    "lightning_models.py", "warm_processes.py",
 ]  # fmt: skip
 
 
@@ -100,20 +101,39 @@ def golden(request: pytest.FixtureRequest):
     return check
 
 
+_run_folder: list[Path] = []  # the test run's temporary folder, shared by xdist workers
+
+
+def run_folder() -> Path:
+    """The test run's temporary folder (one for all of its xdist workers)."""
+    if not _run_folder:
+        raise RuntimeError("run_folder() before the collection finished")
+    return _run_folder[0]
+
+
+def warm(command: list[str]) -> list[str]:
+    """``command`` (``python -m memkit ...``, ``python SCRIPT``, ``memkit``, ``torchrun``)
+    started from a warm interpreter: a real process that skips ``import torch``
+    (tests/warm_processes.py). Not for a test of what a command imports."""
+    return warm_command(command, run_folder())
+
+
 def torchrun(
-    cwd: Path, args: list[str], *, limit: float, python_path: str = ""
+    cwd: Path, command: list[str], *, limit: float, python_path: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node 2 ARGS`` in ``cwd``, memkit importable (and
-    ``python_path``), without the launcher variables of an outer run. Tests import it (``from
-    conftest import torchrun``); a hang kills torchrun's process group and fails the test."""
-    launcher = Path(sys.executable).parent / "torchrun"
-    if not launcher.exists():
+    """``torchrun --standalone --nproc-per-node 2`` running ``command`` (``["memkit", "run",
+    ...]``) as each rank, in ``cwd``, memkit importable (and ``python_path``), without the
+    launcher variables of an outer run; torchrun and the ranks start warm (:func:`warm`).
+    Tests import it (``from conftest import torchrun``); a hang kills torchrun's process group
+    and fails the test."""
+    if not (Path(sys.executable).parent / "torchrun").exists():
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{python_path}" if python_path else str(ROOT)}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [str(launcher), "--standalone", "--nproc-per-node", "2", *args]
+    ranks = warm_entrypoint(command, run_folder())
+    cmd = warm(["torchrun", "--standalone", "--nproc-per-node", "2", *ranks])
     proc = subprocess.Popen(
         cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -123,7 +143,7 @@ def torchrun(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
         proc.communicate()
-        pytest.fail(f"torchrun {' '.join(args[:3])} did not finish within {limit} s (a hang)")
+        pytest.fail(f"torchrun {' '.join(command[:3])} did not finish within {limit} s (a hang)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -141,11 +161,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the 2-rank launch in the background when a collected test needs it."""
     if session.config.option.collectonly:
         return
+    # the run's temporary directory (pytest keeps the last 3): an xdist worker's basetemp is a
+    # folder of it, popen-gwN; tmp_path_factory is a fixture, not yet available here
+    base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    _run_folder[:] = [base.parent if "PYTEST_XDIST_WORKER" in os.environ else base]
     if any("gloo_ranks" in getattr(item, "fixturenames", ()) for item in session.items):
-        # the run's temporary directory (pytest keeps the last 3): an xdist worker's basetemp
-        # is a folder of it, popen-gwN; tmp_path_factory is a fixture, not yet available here
-        base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-        _ranks.start((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "ranks")
+        _ranks.start(run_folder() / "ranks")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

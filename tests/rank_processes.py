@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from warm_processes import warm_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,8 +128,11 @@ def prepare_scenarios(folder: Path) -> list[RankScenario]:
     return order
 
 
-def launch_scenarios(folder: Path, order: list[RankScenario], limit: float) -> dict[str, RankRun]:
-    """Run the scenarios :func:`prepare_scenarios` wrote into ``folder`` as ranks 0 and 1."""
+def launch_scenarios(
+    folder: Path, order: list[RankScenario], limit: float, run_folder: Path
+) -> dict[str, RankRun]:
+    """Run the scenarios :func:`prepare_scenarios` wrote into ``folder`` as ranks 0 and 1,
+    started warm (tests/warm_processes.py; ``run_folder``: the test run's)."""
     outs = [folder / f"rank{rank}.json" for rank in (0, 1)]
     for _attempt in range(3):  # again with another port if rank 0 found its port taken
         port = free_port()
@@ -139,8 +143,9 @@ def launch_scenarios(folder: Path, order: list[RankScenario], limit: float) -> d
             env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
                    "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-            command = [sys.executable, str(folder / "worker.py"), str(folder / "spec.json"),
-                       str(outs[rank])]  # fmt: skip
+            worker = [sys.executable, str(folder / "worker.py"), str(folder / "spec.json"),
+                      str(outs[rank])]  # fmt: skip
+            command = warm_command(worker, run_folder)
             procs.append(
                 subprocess.Popen(
                     command, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -253,7 +258,8 @@ class SharedLaunch:
 
     def _launch(self, where: Path, order: list[RankScenario]) -> None:
         try:
-            runs = launch_scenarios(where, order, self.limit)
+            assert self.folder is not None
+            runs = launch_scenarios(where, order, self.limit, self.folder.parent)
             data = {name: [str(r.folder), r.results, r.logs] for name, r in runs.items()}
         except BaseException as exc:  # pytest.fail is a BaseException: the tests report it
             data = {"error": f"{type(exc).__name__}: {exc}"}

@@ -5,6 +5,7 @@ are refused, and the default simulated cpu device is modest."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import warm
 
 import memkit
 from memkit import cli as cli_module
@@ -144,10 +146,9 @@ def test_estimate_json_stays_json_when_the_model_file_prints():
 
 
 def test_probe_json_piped_to_json_tool():
-    command = (
-        f"{sys.executable} -m memkit probe {FILES / 'chatty.py'} --device cpu --budget 16MiB "
-        f"--max-batch 8 --json | {sys.executable} -m json.tool"
-    )
+    probe = warm([sys.executable, "-m", "memkit", "probe", str(FILES / "chatty.py"), "--device",
+                  "cpu", "--budget", "16MiB", "--max-batch", "8", "--json"])  # fmt: skip
+    command = f"{shlex.join(probe)} | {sys.executable} -m json.tool"
     done = subprocess.run(  # a fixed pipeline, as a person would type it
         ["bash", "-o", "pipefail", "-c", command], cwd=ROOT, capture_output=True, text=True,
         timeout=120,

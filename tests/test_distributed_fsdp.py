@@ -112,7 +112,7 @@ def test_fsdp2_under_torchrun_memkit_run_reports_shards_and_all_gathered_paramet
     (tmp_path / "fsdp_model.py").write_text(MODEL)
     (tmp_path / "train.py").write_text(TRAIN)
     run = ["run", "--device", "cpu", "--budget", "64MiB", "--json", "report.json", "train.py"]
-    done = torchrun(tmp_path, ["--no-python", "memkit", *run], limit=60.0)
+    done = torchrun(tmp_path, ["memkit", *run], limit=60.0)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report.rank{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:

@@ -107,10 +107,10 @@ RANK1_RUNS_OUT = textwrap.dedent(
 
 
 def _torchrun(tmp_path: Path, script: str, *args: str, limit: float = 90.0) -> tuple[int, str]:
-    """``torchrun --standalone --nproc-per-node 2 --no-python memkit run ARGS train.py`` in
+    """``torchrun --standalone --nproc-per-node 2`` of ``memkit run ARGS train.py`` in
     ``tmp_path``: its exit code and stderr."""
     (tmp_path / "train.py").write_text(script)
-    done = torchrun(tmp_path, ["--no-python", "memkit", "run", *args, "train.py"], limit=limit)
+    done = torchrun(tmp_path, ["memkit", "run", *args, "train.py"], limit=limit)
     return done.returncode, done.stderr
 
 

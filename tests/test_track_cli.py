@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import warm
 
 from memkit.cli import cli
 
@@ -236,8 +237,8 @@ def test_real_process_keeps_exit_code(tmp_path):
         tmp_path, "import torch\nm = torch.nn.Linear(64, 1024)\nm(torch.randn(512, 64))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "1MiB",
-         str(script)],
+        warm([sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "1MiB",
+              str(script)]),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
@@ -311,8 +312,8 @@ def _start_run(script: Path, out: Path, *options: str) -> subprocess.Popen[str]:
     """``memkit run --device cpu --budget 8MiB --json OUT [OPTIONS] SCRIPT`` in a process of
     its own, its output piped (for the signal tests)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
-         "--json", str(out), *options, str(script)],
+        warm([sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "8MiB",
+              "--json", str(out), *options, str(script)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -378,7 +379,7 @@ def test_sigterm_dropped_just_before_the_script_ends_still_exits_143(tmp_path):
     run must not report success."""
     script = write(tmp_path, SIGTERM_IN_A_FINALIZER_AT_THE_END)
     result = subprocess.run(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", str(script)],
+        warm([sys.executable, "-m", "memkit", "run", "--device", "cpu", str(script)]),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert "survived the finalizer" in result.stdout

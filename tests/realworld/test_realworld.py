@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import warm
 from torch import nn
 
 import memkit
@@ -248,8 +249,8 @@ def test_checkpointed_recompute_is_backward_with_the_same_module_paths(hf_runs):
 
 def test_compiled_model_is_named_plainly_and_says_it_ran_eagerly():
     proc = subprocess.run(
-        [sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "128MiB",
-         str(SCRIPTS / "compiled_model.py"), "--backend", "aot_eager", "--steps", "4"],
+        warm([sys.executable, "-m", "memkit", "run", "--device", "cpu", "--budget", "128MiB",
+              str(SCRIPTS / "compiled_model.py"), "--backend", "aot_eager", "--steps", "4"]),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,354 @@
+"""Real processes for the tests, started from a warm interpreter (a fork server).
+
+A test that needs a process of its own (a signal, an exit code, torchrun's ranks) would pay a
+fresh interpreter's start-up each time: ``import torch`` and ``torch._dynamo``, which torch
+imports at the first optimizer it builds (``Optimizer.add_param_group`` is wrapped by
+``torch._disable_dynamo``): about 4.5 s of CPU on a small machine, more than most scenarios
+run. The server here imports them once and forks a child for each command.
+
+:func:`warm_command` turns a command (``python -m memkit run ...``, ``python script.py``,
+``memkit ...``, ``torchrun ...``) into one that runs through the server, for
+``subprocess.Popen``/``subprocess.run`` as before: what starts is a small proxy (Python with
+no site packages, a few milliseconds) that hands its working directory, environment, argv and
+standard streams to the server, forwards the signals it receives to the child, and exits as
+the child did (its code, or killed by the same signal). The child runs the command at the top
+level of its interpreter, so it ends as a fresh one would: ``atexit``, finalizers, the exit
+status of an uncaught ``KeyboardInterrupt``. What differs from a fresh process: the modules
+imported ahead (so never use it to check what a command imports) and interpreter flags. When
+the proxy dies (a test killed it after a hang), the server kills the child's process group.
+
+One server per test run: the first pytest process that needs it starts it (a file lock in
+the run's folder, as the shared rank launch does); it exits when the run's main pytest process
+does. ``MEMKIT_TESTS_COLD=1`` runs every command as it is, cold, to compare.
+
+This file is also the server (``python warm_processes.py serve SOCKET WATCHED_PID``) and the
+proxy (``python -I -S warm_processes.py SOCKET COMMAND...``): standard library imports only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)  # fmt: skip
+PRELOAD = (
+    "torch", "torch._dynamo", "torch.distributed", "torch.distributed.run",
+    "torch.distributed.fsdp", "memkit.cli", "memkit.tracking", "memkit.probing", "runpy",
+    "importlib.metadata",
+)  # fmt: skip
+
+
+# -- in the tests' process ---------------------------------------------------------------------
+
+_socket: list[str | None] = []  # the server's socket, once known (None: run cold)
+_started: list[subprocess.Popen[bytes]] = []
+_BASE_PATH: list[str] = []  # in the server: its sys.path, less its own folder
+
+
+def warm_command(command: list[str], run_folder: Path) -> list[str]:
+    """``command`` run through the run's server (started if none is): ``python -m M``,
+    ``python SCRIPT``, ``python -c CODE`` or a console script's name (``memkit``,
+    ``torchrun``); ``run_folder`` is shared by the run's pytest processes."""
+    if not _socket:
+        _socket.append(None if os.environ.get("MEMKIT_TESTS_COLD") else _server(run_folder))
+    if _socket[0] is None:
+        return command
+    return [sys.executable, "-I", "-S", str(HERE), _socket[0], *command]
+
+
+def warm_entrypoint(command: list[str], run_folder: Path) -> list[str]:
+    """torchrun's arguments after its options that start each rank's ``command`` warm:
+    ``PROXY SOCKET COMMAND...``, which torchrun runs as ``python -u PROXY ...`` (cold:
+    ``--no-python COMMAND...``)."""
+    warm = warm_command(command, run_folder)
+    return ["--no-python", *command] if warm is command else warm[3:]
+
+
+def _server(run_folder: Path) -> str | None:
+    """The socket of the run's server, starting it unless another process of the run did."""
+    if not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
+        return None
+    run_folder.mkdir(parents=True, exist_ok=True)
+    path = run_folder / "warm.sock"
+    if len(str(path)) > 100:  # an AF_UNIX path is at most 108 bytes
+        return None
+    with open(run_folder / "warm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            # the run's main process: an xdist worker's parent, else this one
+            watched = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+            server = subprocess.Popen(
+                [sys.executable, str(HERE), "serve", str(path), str(watched)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+            assert server.stdout is not None
+            if server.stdout.readline().strip() != b"ready":
+                server.kill()
+                raise RuntimeError("the tests' process server did not start")
+            _started.append(server)  # it outlives this process's tests, not its object
+    return str(path)
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def serve(path: str, watched: int) -> dict[str, Any] | None:
+    """Fork a child for each request until ``watched`` exits. Returns the request in the child
+    (which runs it at the top level), ``None`` in the server when it is done."""
+    for name in PRELOAD:
+        __import__(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.settimeout(0.02)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    children: dict[int, socket.socket] = {}  # child pid -> its proxy's connection
+    while _alive(watched):
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            conn = None
+        if conn is not None:
+            conn.settimeout(None)
+            request, fds = _receive(conn)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in (conn, *children.values()):
+                    other.close()
+                _become(request, fds)
+                return request
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(b"%d\n" % pid)
+            children[pid] = conn
+        _reap(children)
+    for pid in children:
+        _kill_group(pid)
+    os.unlink(path)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Send each exited child's wait status to its proxy; kill the children whose proxy is
+    gone (killed by a test after a hang)."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(b"%d\n" % status)
+            conn.close()
+    for pid, conn in list(children.items()):
+        conn.setblocking(False)
+        try:
+            gone = conn.recv(1) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        conn.setblocking(True)
+        if gone:
+            _kill_group(pid)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    (size,) = struct.unpack("!I", head)
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ConnectionError("the proxy closed its connection mid-request")
+        body += chunk
+    return json.loads(body), fds
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In the child: take the proxy's process, as far as a fork can (a process group of its
+    own, so that the server can stop it and what it starts)."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [request["path0"], *extra, *_BASE_PATH]
+    sys.argv[:] = request["argv"]
+    unbuffered = bool(request["env"].get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = _stream(0, "r", False, False)
+    sys.stdout = sys.__stdout__ = _stream(1, "w", os.isatty(1), unbuffered)
+    sys.stderr = sys.__stderr__ = _stream(2, "w", True, unbuffered)
+
+
+def _stream(fd: int, mode: str, line: bool, through: bool) -> Any:
+    """A standard stream as Python makes it at start-up."""
+    import io
+
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    errors = "backslashreplace" if fd == 2 else "strict"
+    return io.TextIOWrapper(
+        buffered, encoding="utf-8", errors=errors, line_buffering=line, write_through=through
+    )
+
+
+def run_request(request: dict[str, Any]) -> None:
+    """Run the command in this (forked) interpreter and end as ``python ...`` ends: the
+    threads joined, ``atexit`` run, the streams flushed, an uncaught exception printed (exit
+    1), an uncaught ``KeyboardInterrupt`` ending by SIGINT. The modules are not torn down one
+    by one: that would write to every page of the heap shared with the server (a second of
+    copying here), and no test looks at it."""
+    import atexit
+    import threading
+
+    code = 0
+    interrupted = False
+    try:
+        _run(request["kind"], request["target"])
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == str(HERE):
+            tb = tb.tb_next  # this file's frames: a fresh interpreter has none
+        sys.excepthook(type(exc), exc, tb)
+        interrupted, code = isinstance(exc, KeyboardInterrupt), 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            code = code or 120  # as Python does when it cannot flush at exit
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _run(kind: str, target: str) -> None:
+    import runpy
+
+    if kind == "module":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "script":
+        runpy.run_path(target, run_name="__main__")
+    elif kind == "code":
+        exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+    else:  # a console script
+        from importlib.metadata import entry_points
+
+        (entry,) = entry_points(group="console_scripts", name=target)
+        sys.exit(entry.load()())
+
+
+# -- the proxy -----------------------------------------------------------------------------------
+
+
+def _request(command: list[str]) -> dict[str, Any]:
+    """What to run for ``command``, in the server's terms."""
+    cwd = os.getcwd()
+    name = os.path.basename(command[0])
+    if name.startswith("python"):
+        args = command[1:]
+        if args[:1] == ["-m"]:
+            return {"kind": "module", "target": args[1], "argv": [args[1], *args[2:]],
+                    "path0": cwd}  # fmt: skip
+        if args[:1] == ["-c"]:
+            return {"kind": "code", "target": args[1], "argv": ["-c", *args[2:]], "path0": ""}
+        if args[:1] == ["-u"]:  # torchrun's way of starting a script
+            args = args[1:]
+        if not args or args[0].startswith("-"):
+            raise SystemExit(f"warm_processes: unsupported python command {command}")
+        script = os.path.abspath(args[0])
+        return {"kind": "script", "target": script, "argv": [args[0], *args[1:]],
+                "path0": os.path.dirname(script)}  # fmt: skip
+    where = os.path.join(os.path.dirname(sys.executable), name)
+    return {"kind": "console", "target": name, "argv": [where, *command[1:]],
+            "path0": os.path.dirname(where)}  # fmt: skip
+
+
+def proxy(path: str, command: list[str]) -> None:
+    """Run ``command`` in a child of the server as this process, and end as it ends."""
+    request = _request(command)
+    request["cwd"], request["env"] = os.getcwd(), dict(os.environ)
+    body = json.dumps(request).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+    conn.sendall(body)
+    reader = conn.makefile("rb")
+    child = int(reader.readline())
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    while True:
+        try:
+            line = reader.readline()
+            break
+        except InterruptedError:
+            continue
+    if not line:
+        raise SystemExit(f"warm_processes: the server lost the child {child}")
+    code = os.waitstatus_to_exitcode(int(line))
+    if code < 0:  # killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        _BASE_PATH[:] = sys.path[1:]  # not this folder: the tests are no modules of the child
+        sys.path[:] = _BASE_PATH
+        _request_in_child = serve(sys.argv[2], int(sys.argv[3]))
+        if _request_in_child is not None:
+            del _request_in_child["env"]
+            run_request(_request_in_child)
+    else:
+        proxy(sys.argv[1], sys.argv[2:])
