@@ -153,8 +153,16 @@ _ranks = SharedLaunch(limit=240.0)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests marked ``slow`` (real processes: torchrun, signals, a kernel, a browser) first,
     in their order: under pytest-xdist they then overlap the rest instead of ending the run
-    one after another on whichever worker got them last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    one after another on whichever worker got them last. The tests that read the shared 2-rank
+    launch last: it runs in the background from the start, and a test that waited for it
+    would hold its worker idle."""
+
+    def order(item: pytest.Item) -> int:
+        if "gloo_ranks" in getattr(item, "fixturenames", ()):
+            return 2
+        return 0 if item.get_closest_marker("slow") is not None else 1
+
+    items.sort(key=order)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -238,9 +238,11 @@ def run_request(request: dict[str, Any]) -> None:
 
     code = 0
     interrupted = False
+    kept = None  # the script's globals (or its exception): they live until the exit, as there
     try:
-        _run(request["kind"], request["target"])
+        kept = _run(request["kind"], request["target"])
     except SystemExit as exc:
+        kept = exc
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
         else:
@@ -248,8 +250,9 @@ def run_request(request: dict[str, Any]) -> None:
             code = 1
     except BaseException as exc:
         tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == str(HERE):
-            tb = tb.tb_next  # this file's frames: a fresh interpreter has none
+        while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next  # this file's and runpy's frames: a fresh interpreter has none
+        kept = exc.with_traceback(tb)
         sys.excepthook(type(exc), exc, tb)
         interrupted, code = isinstance(exc, KeyboardInterrupt), 1
     threading._shutdown()  # type: ignore[attr-defined]
@@ -262,23 +265,30 @@ def run_request(request: dict[str, Any]) -> None:
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
+    del kept
     os._exit(code)
 
 
-def _run(kind: str, target: str) -> None:
+def _ours(filename: str) -> bool:
+    return filename == str(HERE) or "runpy" in filename
+
+
+def _run(kind: str, target: str) -> dict[str, Any]:
+    """Run the command; its ``__main__`` globals."""
     import runpy
 
     if kind == "module":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    elif kind == "script":
-        runpy.run_path(target, run_name="__main__")
-    elif kind == "code":
-        exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
-    else:  # a console script
-        from importlib.metadata import entry_points
+        return runpy.run_module(target, run_name="__main__", alter_sys=True)
+    if kind == "script":
+        return runpy.run_path(target, run_name="__main__")
+    if kind == "code":
+        namespace = {"__name__": "__main__"}
+        exec(compile(target, "<string>", "exec"), namespace)
+        return namespace
+    from importlib.metadata import entry_points  # a console script
 
-        (entry,) = entry_points(group="console_scripts", name=target)
-        sys.exit(entry.load()())
+    (entry,) = entry_points(group="console_scripts", name=target)
+    sys.exit(entry.load()())
 
 
 # -- the proxy -----------------------------------------------------------------------------------
