@@ -1,9 +1,9 @@
 """Two real gloo ranks on CPU for the tests, started once for all of them.
 
-Starting a rank costs an ``import torch`` and memkit (seconds on a small machine), more than
-most scenarios run, so the tests' 2-rank scenarios share one launch: each test module
-registers its scenario with :func:`rank_scenario` when it is imported, and every registered
-scenario runs, in order, in one pair of processes. The ranks get torchrun's environment
+Starting a rank costs a rendezvous and a process group, more than most scenarios run, so the
+tests' 2-rank scenarios share one launch: each test module registers its scenario with
+:func:`rank_scenario` when it is imported, and every registered scenario runs, in order, in one
+pair of processes (started warm: tests/warm_processes.py). The ranks get torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) without torchrun's start-up cost, and one
 process group from it, made as ``memkit probe`` makes it
 (:func:`memkit.distributed.process_group_from_env`). Every wait is bounded: a hang fails the
