@@ -236,7 +236,10 @@ class Hooks:
 
     def schedule_detail(self) -> None:
         """At a step boundary: module detail for the step that begins, or not."""
-        self.set_detail(self._wants_detail(self.state.step))
+        on = self._wants_detail(self.state.step)
+        if self.models.model is not None and self._layout == (on, False):
+            return  # as it is (the usual case: set_detail would find the same)
+        self.set_detail(on)
 
     def _remove_detail(self) -> None:
         handles = self._detail_handles
@@ -428,7 +431,8 @@ class Hooks:
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
-        if top is None and not module.training and torch.is_grad_enabled():
+        # (a training pass runs in training mode: no need to read the module again)
+        if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
         stack.append(frame)
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))
