@@ -113,6 +113,8 @@ class Hooks:
         self._tls = threading.local()
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
+        self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
+        self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._warning_filter: Any = None
@@ -129,7 +131,7 @@ class Hooks:
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
                 model.register_forward_hook(
-                    self._make_post(""), always_call=True, prepend=is_fsdp_unit(model)
+                    self._make_post(), always_call=True, prepend=is_fsdp_unit(model)
                 )
             )
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
@@ -188,24 +190,29 @@ class Hooks:
             if not on:
                 return
             root_name = _model_name(model)
+            made = self._detail_pres  # made once, installed on each sampled step
+            post = self._detail_post
+            if post is None:
+                post = self._detail_post = self._make_post()
             for name, mod in model.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
-                leaf = not any(True for _ in mod.children())
-                h.append(mod.register_forward_pre_hook(self._make_pre(name, leaf, root_name)))
-                h.append(
-                    mod.register_forward_hook(
-                        self._make_post(name), always_call=True, prepend=is_fsdp_unit(mod)
-                    )
-                )
+                leaf = all(m is None for m in mod._modules.values())  # no child module
+                key = (root_name, name, leaf)
+                pre = made.get(key)
+                if pre is None:
+                    pre = made[key] = self._make_pre(name, leaf, root_name)
+                h.append(mod.register_forward_pre_hook(pre))
+                fsdp = is_fsdp_unit(mod)
+                h.append(mod.register_forward_hook(post, always_call=True, prepend=fsdp))
             return
         from torch.nn.modules import module as nn_module
 
         if look:
             h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
-            h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+            h.append(nn_module.register_module_forward_hook(self._make_post(), always_call=True))
             return
-        post = self._make_post("")
+        post = self._make_post()
         pre = self._global_pre
         failed = self._hook_failed
 
@@ -337,7 +344,8 @@ class Hooks:
 
         return pre
 
-    def _make_post(self, name: str) -> Callable[[Any, Any, Any], None]:
+    def _make_post(self) -> Callable[[Any, Any, Any], None]:
+        """The forward post-hook (the same for every module: the frame names it)."""
         impl = self._post
 
         failed = self._hook_failed

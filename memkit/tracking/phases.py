@@ -357,7 +357,7 @@ class PhaseMachine:
             if dev.growth.observe(step, level):
                 growing = [*(growing or ()), dev]
         if captured or evidence.facts.param_dtype is None:
-            evidence.capture()
+            evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
         self.step_t0 = now
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
