@@ -107,11 +107,16 @@ class Evidence:
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""
         models = self.models
-        opts = models.all_optimizers()
+        opts = models.optimizers or models.all_optimizers()
         if not opts and models.seen_optimizers:  # gone: what was last seen
             return self.facts.state_was_empty
-        self.facts.state_was_empty = all(not opt.state for opt in opts)
-        return self.facts.state_was_empty
+        empty = True
+        for opt in opts:
+            if opt.state:
+                empty = False
+                break
+        self.facts.state_was_empty = empty
+        return empty
 
     def capture(self, walked: bool = False) -> None:
         """Read what the advice needs from the live model and optimizer (``walked``: the

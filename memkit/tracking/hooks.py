@@ -243,8 +243,13 @@ class Hooks:
 
     def schedule_detail(self) -> None:
         """At a step boundary: module detail for the step that begins, or not."""
-        on = self._wants_detail(self.state.step)
-        if self.models.model is not None and self._layout == (on, False):
+        models, step = self.models, self.state.step
+        if not self.per_module or models.compiled:  # as _wants_detail(step) says
+            on = False
+        else:
+            every = self.module_every
+            on = every <= 1 or step < 2 or step % every == 0
+        if models.model is not None and self._layout == (on, False):
             return  # as it is (the usual case: set_detail would find the same)
         self.set_detail(on)
 
@@ -517,8 +522,13 @@ class Hooks:
             parent.children += delta
             if fmax > parent.max:
                 parent.max = fmax
-        else:
-            self.phases.root_post(frame, delta, dev)
+        elif (
+            frame.kind != TRAIN_PASS
+            or frame.eval_grad
+            or dev.pending is not None
+            or self.devices.sim is not None
+        ):
+            self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
         # off the sampled steps the model's own gradient hook would only find a backward that
         # bypassed torch.autograd.backward: the engine's wrapper finds those (wrap_engine)

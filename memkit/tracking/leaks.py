@@ -395,14 +395,19 @@ class LeakWatch:
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
 
+    def due(self, step: int) -> bool:
+        """Whether the step boundary after step ``step`` scans (:meth:`scan_graphs`)."""
+        offset = step - self.warmup
+        return offset >= 0 and offset % self.period < 3
+
     def scan_graphs(self, step: int, frame: Any, device: str) -> LeakFinding | None:
         """Three scans in a row every ``period`` steps: a variable whose autograd graph grows
         at each (``running_loss += loss``) is a leak even when device memory stays flat
         (backward freed the saved tensors; the graph's nodes pile up in host memory). Returns
         the leak found, on ``device``."""
-        offset = step - self.warmup
-        if offset < 0 or offset % self.period >= 3:
+        if not self.due(step):
             return None
+        offset = step - self.warmup
         try:
             current = scan_frames(frame)
         except Exception:  # inspection must never break training

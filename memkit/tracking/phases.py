@@ -372,10 +372,14 @@ class PhaseMachine:
                 dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step)
                 if first_time:  # the report says it; the log is for those who listen
                     log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
-        elif frame is not None and (
-            single.leak is None
-            if single is not None
-            else not any(d.leak is not None for d in devices.records.values())
+        elif (
+            frame is not None
+            and watch.due(step)
+            and (
+                single.leak is None
+                if single is not None
+                else not any(d.leak is not None for d in devices.records.values())
+            )
         ):
             dev = primary or next(iter(devices.records.values()))
             dev.leak = watch.scan_graphs(step, frame, dev.key)
