@@ -68,6 +68,7 @@ __all__ = ["Hooks"]
 log = logging.getLogger(__name__)
 
 _clock = time.perf_counter
+_get_ident = threading.get_ident
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
@@ -111,6 +112,10 @@ class Hooks:
         self.ranks_watch: RankWatch | None = None
         self._close = devices.close
         self._tls = threading.local()
+        # the stack of module calls of the thread that entered the block (other threads':
+        # DataParallel's replicas, in self._tls.stack)
+        self._main_thread = threading.get_ident()
+        self._main_stack: list[Any] = []  # Frame, or IgnoredCall (kind < 0)
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
@@ -369,10 +374,7 @@ class Hooks:
         if not state.active or _compiling():
             return
         tls = self._tls
-        try:
-            stack = tls.stack
-        except AttributeError:
-            stack = tls.stack = []
+        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
         root: RootInfo | None = None
         if stack:
             if stack[-1].kind < 0 or not state.detail_on:
@@ -395,17 +397,22 @@ class Hooks:
             key = f"{next(iter(keys.values()))}.{type(module).__name__}"
         self._pre(key, not module._modules, module, args, root)
 
+    def _thread_stack(self) -> list[Any]:
+        """The stack of module calls of a thread other than the block's."""
+        tls = self._tls
+        try:
+            return tls.stack
+        except AttributeError:
+            stack = tls.stack = []
+            return stack
+
     def _pre(
         self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: RootInfo | None
     ) -> None:
         state = self.state
         if not state.active:
             return
-        tls = self._tls
-        try:
-            stack = tls.stack
-        except AttributeError:
-            stack = tls.stack = []
+        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
         top = stack[-1] if stack else None
         if top is not None:
             if top.kind < 0:  # inside a module that is not the model
@@ -456,7 +463,9 @@ class Hooks:
         if not state.active:
             return
         tls = self._tls
-        stack = getattr(tls, "stack", None)
+        stack = (
+            self._main_stack if _get_ident() == self._main_thread else getattr(tls, "stack", None)
+        )
         if not stack:
             return
         frame = stack.pop()
