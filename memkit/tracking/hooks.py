@@ -112,10 +112,11 @@ class Hooks:
         self.ranks_watch: RankWatch | None = None
         self._close = devices.close
         self._tls = threading.local()
-        # the stack of module calls of the thread that entered the block (other threads':
-        # DataParallel's replicas, in self._tls.stack)
+        # the module-call stack and the output hooked last of the thread that made the tracker
+        # (the block's, as a rule); other threads' (DataParallel's replicas) are in self._tls
         self._main_thread = threading.get_ident()
         self._main_stack: list[Any] = []  # Frame, or IgnoredCall (kind < 0)
+        self._main_hooked: weakref.ref[torch.Tensor] | None = None  # the output hooked last
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
@@ -463,9 +464,8 @@ class Hooks:
         if not state.active:
             return
         tls = self._tls
-        stack = (
-            self._main_stack if _get_ident() == self._main_thread else getattr(tls, "stack", None)
-        )
+        main = _get_ident() == self._main_thread
+        stack = self._main_stack if main else getattr(tls, "stack", None)
         if not stack:
             return
         frame = stack.pop()
@@ -544,14 +544,17 @@ class Hooks:
         if bw is not None and kind == TRAIN_PASS and (state.detail_on or not self._engine_wrapped):
             t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
-                last = getattr(tls, "hooked", None)
+                last = self._main_hooked if main else getattr(tls, "hooked", None)
                 if last is None or last() is not t:
                     node = t.grad_fn
                     if node is not None:  # a node pre-hook: half the cost of a tensor hook
                         node.register_prehook(bw)
                     else:
                         t.register_hook(bw)
-                    tls.hooked = weakref.ref(t)
+                    if main:
+                        self._main_hooked = weakref.ref(t)
+                    else:
+                        tls.hooked = weakref.ref(t)
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
@@ -656,13 +659,12 @@ class Hooks:
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
         # returns. ``args`` starts with the optimizer itself.
-        kwargs = dict(kwargs or {})
-        closure = kwargs.get("closure")
+        closure = kwargs.get("closure") if kwargs else None
         if callable(closure):
-            kwargs["closure"] = self._after_closure(optimizer, closure)
+            kwargs = {**kwargs, "closure": self._after_closure(optimizer, closure)}
             return tuple(args), kwargs
         if len(args) > 1 and callable(args[1]):
-            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
+            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), dict(kwargs or {})
         self._optimizer_begins(optimizer)
         return None
 
