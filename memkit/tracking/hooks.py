@@ -249,13 +249,8 @@ class Hooks:
 
     def schedule_detail(self) -> None:
         """At a step boundary: module detail for the step that begins, or not."""
-        models, step = self.models, self.state.step
-        if not self.per_module or models.compiled:  # as _wants_detail(step) says
-            on = False
-        else:
-            every = self.module_every
-            on = every <= 1 or step < 2 or step % every == 0
-        if models.model is not None and self._layout == (on, False):
+        on = self._wants_detail(self.state.step)
+        if self.models.model is not None and self._layout == (on, False):
             return  # as it is (the usual case: set_detail would find the same)
         self.set_detail(on)
 

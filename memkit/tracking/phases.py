@@ -146,7 +146,9 @@ class PhaseMachine:
                 facts.grads_steps += 1
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
-        """The model's forward returned (``delta``: what it left allocated on ``dev``)."""
+        """The model's forward returned (``delta``: what it left allocated on ``dev``). The
+        hooks call it unless there is nothing to do: a training pass with no graph kept in
+        eval mode, no pending peak and no simulated device (keep them in step)."""
         state, sim = self.state, self.devices.sim
         if frame.eval_grad:
             facts = self.evidence.facts
