@@ -257,7 +257,7 @@ class PhaseMachine:
         One device (``state.single``): flat, its counters read once; else every device's."""
         devices, evidence, state = self.devices, self.evidence, self.state
         dev = state.single
-        if dev is not None:
+        if dev is not None:  # its segment closed as DeviceSet.close_all would, inline
             a, r, p, pr = dev.read()
             if p > a or pr > r:
                 dev.reset()
@@ -304,7 +304,7 @@ class PhaseMachine:
         search)."""
         state, devices, evidence, models = self.state, self.devices, self.evidence, self.models
         single = state.single
-        if single is not None:  # one device: its segment closed here, flat
+        if single is not None:  # one device: its segment closed as close_all would, inline
             a, r, p, pr = single.read()
             if p > a or pr > r:
                 single.reset()
@@ -333,7 +333,7 @@ class PhaseMachine:
                 "model to track() to have forward measured"
             )
         now = time.perf_counter()
-        growing: list[DeviceRecord] | None = None
+        growing: list[DeviceRecord] = []
         # backward passes before one optimizer step (without an optimizer: all of the step's)
         micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
         step = state.step
@@ -357,7 +357,7 @@ class PhaseMachine:
                 dev.kept_level = level
                 captured = True
             if dev.growth.observe(step, level):
-                growing = [*(growing or ()), dev]
+                growing.append(dev)
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
