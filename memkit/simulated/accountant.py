@@ -72,6 +72,10 @@ cuda_rounded = round_size
 (:func:`memkit.simulated.allocator.round_size`, the one statement of the rule)."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types that are never wrapper subclasses (asked first: the check costs more)."""
+
+
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage a tensor keeps alive, or ``None`` for one without a strided storage of its
     own (sparse layouts, storage-less subclasses, functional or fake tensors). A wrapper
@@ -82,7 +86,7 @@ def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     tied weights share one.
     """
     try:
-        if is_traceable_wrapper_subclass(tensor):
+        if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
             # a wrapper (DTensor: a rank's shard in ``_local_tensor``) holds no memory of its
             # own: the storage is its first inner tensor's
             names, _ = tensor.__tensor_flatten__()

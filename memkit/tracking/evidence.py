@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +69,7 @@ class Evidence:
         # a parameter whose .grad says whether gradients are allocated; weak, so that the
         # tracker never keeps a deleted model's tensor (or the memory history would show it)
         self._witness: weakref.ref[torch.Tensor] | None = None
+        self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
 
     def find_witness(self) -> None:
         """Pick the gradient witness anew (an optimizer first seen: its parameter is a better
@@ -105,15 +107,21 @@ class Evidence:
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""
         models = self.models
-        opts = models.all_optimizers()
+        opts = models.optimizers or models.all_optimizers()
         if not opts and models.seen_optimizers:  # gone: what was last seen
             return self.facts.state_was_empty
-        self.facts.state_was_empty = all(not opt.state for opt in opts)
-        return self.facts.state_was_empty
+        empty = True
+        for opt in opts:
+            if opt.state:
+                empty = False
+                break
+        self.facts.state_was_empty = empty
+        return empty
 
-    def capture(self) -> None:
-        """Read what the advice needs from the live model and optimizer."""
-        dtype = param_dtype(self.models.root_modules())
+    def capture(self, walked: bool = False) -> None:
+        """Read what the advice needs from the live model and optimizer (``walked``: the
+        parameters' dtype is the one :meth:`persistent` found just now)."""
+        dtype = self.walked_dtype if walked else param_dtype(self.models.root_modules())
         if dtype is not None:
             self.facts.param_dtype = dtype
         opts = self.models.all_optimizers()
@@ -126,9 +134,13 @@ class Evidence:
         records the training setup on ``dev`` while the objects are alive."""
         models = self.models
         modules, optimizers = models.root_modules(), models.all_optimizers()
-        sizes = persistent_bytes(dev, modules, optimizers, models.model, primary, self._state.fsdp)
+        dtypes: dict[str, int] = {}
+        sizes = persistent_bytes(
+            dev, modules, optimizers, models.model, primary, self._state.fsdp, dtypes
+        )
+        self.walked_dtype = _largest(dtypes)
         if modules or optimizers:
-            dev.setup = _merged(dev.setup, training_setup(modules, optimizers))
+            dev.setup = _merged(dev.setup, training_setup(modules, optimizers, self.walked_dtype))
         return sizes
 
     def advice_fields(self, kind: str) -> dict[str, Any]:
@@ -156,16 +168,28 @@ def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
     sizes: dict[str, int] = {}
     for mod in modules:
         for p in mod.parameters():
-            if p.requires_grad and p.is_floating_point():
-                key = str(p.dtype).replace("torch.", "")
-                sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+            _count_dtype(p, sizes)
+    return _largest(sizes)
+
+
+def _count_dtype(p: torch.Tensor, sizes: dict[str, int]) -> None:
+    """Add a parameter's bytes to its dtype's, if it is trainable and floating."""
+    if p.requires_grad and p.is_floating_point():
+        key = str(p.dtype).replace("torch.", "")
+        sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
+
+
+def _largest(sizes: dict[str, int]) -> str | None:
     return max(sizes, key=lambda k: sizes[k]) if sizes else None
 
 
 def training_setup(
-    modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
+    modules: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    dtype: str | EllipsisType | None = ...,
 ) -> TrainingSetup | None:
-    """The model's and optimizer's facts the advice reads (``None`` when neither exists)."""
+    """The model's and optimizer's facts the advice reads (``None`` when neither exists;
+    ``dtype``: :func:`param_dtype` of ``modules``, where the caller has it)."""
     if not modules and not optimizers:
         return None
     history = None
@@ -175,7 +199,7 @@ def training_setup(
         history = size if isinstance(size, int) else None
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
     return TrainingSetup(
-        param_dtype=param_dtype(modules),
+        param_dtype=param_dtype(modules) if isinstance(dtype, EllipsisType) else dtype,
         optimizer=type(optimizers[0]).__name__ if optimizers else None,
         history_size=history,
         forward_autocast=autocast,
@@ -231,6 +255,7 @@ def persistent_bytes(
     model: torch.nn.Module | None,
     primary: bool,
     fsdp: FsdpUnits | None = None,
+    dtypes: dict[str, int] | None = None,
 ) -> Persistent:
     """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
 
@@ -240,6 +265,7 @@ def persistent_bytes(
     dicts. Under FSDP2 (``fsdp``) the parameters are the rank's shards, whatever the modules
     hold now: their unsharded parameters are all-gathered ones, counted apart. With neither
     modules nor optimizers left, the parameters are the most ``dev`` saw (``params_full``).
+    ``dtypes``: filled as :func:`param_dtype` counts, in the same walk of the modules.
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
@@ -271,7 +297,10 @@ def persistent_bytes(
     if fsdp is not None:
         unique.update((id(p), p) for p in fsdp.sharded_params())
     for mod in modules:
-        unique.update((id(p), p) for p in mod.parameters())
+        for param in mod.parameters():
+            unique[id(param)] = param
+            if dtypes is not None:
+                _count_dtype(param, dtypes)
         for b in mod.buffers():
             params += size(b)
     for opt in optimizers:

@@ -68,6 +68,7 @@ __all__ = ["Hooks"]
 log = logging.getLogger(__name__)
 
 _clock = time.perf_counter
+_get_ident = threading.get_ident
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
@@ -111,8 +112,15 @@ class Hooks:
         self.ranks_watch: RankWatch | None = None
         self._close = devices.close
         self._tls = threading.local()
+        # the module-call stack and the output hooked last of the thread that made the tracker
+        # (the block's, as a rule); other threads' (DataParallel's replicas) are in self._tls
+        self._main_thread = threading.get_ident()
+        self._main_stack: list[Any] = []  # Frame, or IgnoredCall (kind < 0)
+        self._main_hooked: weakref.ref[torch.Tensor] | None = None  # the output hooked last
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
+        self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
+        self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._warning_filter: Any = None
@@ -129,7 +137,7 @@ class Hooks:
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
                 model.register_forward_hook(
-                    self._make_post(""), always_call=True, prepend=is_fsdp_unit(model)
+                    self._make_post(), always_call=True, prepend=is_fsdp_unit(model)
                 )
             )
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
@@ -188,24 +196,29 @@ class Hooks:
             if not on:
                 return
             root_name = _model_name(model)
+            made = self._detail_pres  # made once, installed on each sampled step
+            post = self._detail_post
+            if post is None:
+                post = self._detail_post = self._make_post()
             for name, mod in model.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
-                leaf = not any(True for _ in mod.children())
-                h.append(mod.register_forward_pre_hook(self._make_pre(name, leaf, root_name)))
-                h.append(
-                    mod.register_forward_hook(
-                        self._make_post(name), always_call=True, prepend=is_fsdp_unit(mod)
-                    )
-                )
+                leaf = all(m is None for m in mod._modules.values())  # no child module
+                key = (root_name, name, leaf)
+                pre = made.get(key)
+                if pre is None:
+                    pre = made[key] = self._make_pre(name, leaf, root_name)
+                h.append(mod.register_forward_pre_hook(pre))
+                fsdp = is_fsdp_unit(mod)
+                h.append(mod.register_forward_hook(post, always_call=True, prepend=fsdp))
             return
         from torch.nn.modules import module as nn_module
 
         if look:
             h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
-            h.append(nn_module.register_module_forward_hook(self._make_post(""), always_call=True))
+            h.append(nn_module.register_module_forward_hook(self._make_post(), always_call=True))
             return
-        post = self._make_post("")
+        post = self._make_post()
         pre = self._global_pre
         failed = self._hook_failed
 
@@ -236,7 +249,10 @@ class Hooks:
 
     def schedule_detail(self) -> None:
         """At a step boundary: module detail for the step that begins, or not."""
-        self.set_detail(self._wants_detail(self.state.step))
+        on = self._wants_detail(self.state.step)
+        if self.models.model is not None and self._layout == (on, False):
+            return  # as it is (the usual case: set_detail would find the same)
+        self.set_detail(on)
 
     def _remove_detail(self) -> None:
         handles = self._detail_handles
@@ -334,7 +350,8 @@ class Hooks:
 
         return pre
 
-    def _make_post(self, name: str) -> Callable[[Any, Any, Any], None]:
+    def _make_post(self) -> Callable[[Any, Any, Any], None]:
+        """The forward post-hook (the same for every module: the frame names it)."""
         impl = self._post
 
         failed = self._hook_failed
@@ -353,10 +370,7 @@ class Hooks:
         if not state.active or _compiling():
             return
         tls = self._tls
-        try:
-            stack = tls.stack
-        except AttributeError:
-            stack = tls.stack = []
+        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
         root: RootInfo | None = None
         if stack:
             if stack[-1].kind < 0 or not state.detail_on:
@@ -379,17 +393,22 @@ class Hooks:
             key = f"{next(iter(keys.values()))}.{type(module).__name__}"
         self._pre(key, not module._modules, module, args, root)
 
+    def _thread_stack(self) -> list[Any]:
+        """The stack of module calls of a thread other than the block's."""
+        tls = self._tls
+        try:
+            return tls.stack
+        except AttributeError:
+            stack = tls.stack = []
+            return stack
+
     def _pre(
         self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: RootInfo | None
     ) -> None:
         state = self.state
         if not state.active:
             return
-        tls = self._tls
-        try:
-            stack = tls.stack
-        except AttributeError:
-            stack = tls.stack = []
+        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
         top = stack[-1] if stack else None
         if top is not None:
             if top.kind < 0:  # inside a module that is not the model
@@ -428,7 +447,8 @@ class Hooks:
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
-        if top is None and not module.training and torch.is_grad_enabled():
+        # (a training pass runs in training mode: no need to read the module again)
+        if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
         stack.append(frame)
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))
@@ -439,7 +459,8 @@ class Hooks:
         if not state.active:
             return
         tls = self._tls
-        stack = getattr(tls, "stack", None)
+        main = _get_ident() == self._main_thread
+        stack = self._main_stack if main else getattr(tls, "stack", None)
         if not stack:
             return
         frame = stack.pop()
@@ -505,22 +526,30 @@ class Hooks:
             parent.children += delta
             if fmax > parent.max:
                 parent.max = fmax
-        else:
-            self.phases.root_post(frame, delta, dev)
+        elif (
+            frame.kind != TRAIN_PASS
+            or frame.eval_grad
+            or dev.pending is not None
+            or self.devices.sim is not None
+        ):
+            self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
         # off the sampled steps the model's own gradient hook would only find a backward that
         # bypassed torch.autograd.backward: the engine's wrapper finds those (wrap_engine)
         if bw is not None and kind == TRAIN_PASS and (state.detail_on or not self._engine_wrapped):
             t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
-                last = getattr(tls, "hooked", None)
+                last = self._main_hooked if main else getattr(tls, "hooked", None)
                 if last is None or last() is not t:
                     node = t.grad_fn
                     if node is not None:  # a node pre-hook: half the cost of a tensor hook
                         node.register_prehook(bw)
                     else:
                         t.register_hook(bw)
-                    tls.hooked = weakref.ref(t)
+                    if main:
+                        self._main_hooked = weakref.ref(t)
+                    else:
+                        tls.hooked = weakref.ref(t)
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
@@ -625,13 +654,12 @@ class Hooks:
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
         # returns. ``args`` starts with the optimizer itself.
-        kwargs = dict(kwargs or {})
-        closure = kwargs.get("closure")
+        closure = kwargs.get("closure") if kwargs else None
         if callable(closure):
-            kwargs["closure"] = self._after_closure(optimizer, closure)
+            kwargs = {**kwargs, "closure": self._after_closure(optimizer, closure)}
             return tuple(args), kwargs
         if len(args) > 1 and callable(args[1]):
-            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), kwargs
+            return (args[0], self._after_closure(optimizer, args[1]), *args[2:]), dict(kwargs or {})
         self._optimizer_begins(optimizer)
         return None
 

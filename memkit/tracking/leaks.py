@@ -61,13 +61,37 @@ _MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 
 
 def _library_dirs() -> tuple[str, ...]:
+    global _LIBRARY_DIRS
+    if _LIBRARY_DIRS is not None:
+        return _LIBRARY_DIRS
     dirs = [_MEMKIT_DIR]
     torch = sys.modules.get("torch")
     torch_file = getattr(torch, "__file__", None)
     if torch_file:
         dirs.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
     dirs.append(os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # the stdlib (runpy...)
-    return tuple(dirs)
+    if not torch_file:
+        return tuple(dirs)
+    _LIBRARY_DIRS = tuple(dirs)  # fixed once torch is imported
+    return _LIBRARY_DIRS
+
+
+_LIBRARY_DIRS: tuple[str, ...] | None = None
+
+_USER_FILES: dict[str, bool] = {}
+"""Absolute code file names -> whether their frames are the user's (:func:`_user_frames`)."""
+
+
+def _is_user_file(filename: str, skip: tuple[str, ...]) -> bool:
+    known = _USER_FILES.get(filename)
+    if known is not None:
+        return known
+    user = not os.path.abspath(filename).startswith(skip) and not filename.startswith("<frozen")
+    if os.path.isabs(filename) and skip is _LIBRARY_DIRS:  # a relative one moves with the cwd
+        if len(_USER_FILES) > 4096:
+            _USER_FILES.clear()
+        _USER_FILES[filename] = user
+    return user
 
 
 class GrowthDetector:
@@ -199,8 +223,7 @@ def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType
     frame = start
     depth = 0
     while frame is not None and depth < limit:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(skip) and not frame.f_code.co_filename.startswith("<frozen"):
+        if _is_user_file(frame.f_code.co_filename, skip):
             yield frame
         frame = frame.f_back
         depth += 1
@@ -372,14 +395,19 @@ class LeakWatch:
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
 
+    def due(self, step: int) -> bool:
+        """Whether the step boundary after step ``step`` scans (:meth:`scan_graphs`)."""
+        offset = step - self.warmup
+        return offset >= 0 and offset % self.period < 3
+
     def scan_graphs(self, step: int, frame: Any, device: str) -> LeakFinding | None:
         """Three scans in a row every ``period`` steps: a variable whose autograd graph grows
         at each (``running_loss += loss``) is a leak even when device memory stays flat
         (backward freed the saved tensors; the graph's nodes pile up in host memory). Returns
         the leak found, on ``device``."""
-        offset = step - self.warmup
-        if offset < 0 or offset % self.period >= 3:
+        if not self.due(step):
             return None
+        offset = step - self.warmup
         try:
             current = scan_frames(frame)
         except Exception:  # inspection must never break training

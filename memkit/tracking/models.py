@@ -18,6 +18,9 @@ from memkit.tracking.records import RootInfo
 
 __all__ = ["TrackedModels", "forward_autocast", "is_compiled"]
 
+_UNREAD = object()
+"""Not in :meth:`TrackedModels.forward_autocast`'s cache yet."""
+
 ModelFound = Callable[[torch.nn.Module, bool], None]
 """Called with a model seen running for the first time, and whether that made the tracking
 compiled (it was the first compiled model)."""
@@ -59,7 +62,8 @@ class TrackedModels:
         self.on_model: ModelFound | None = None
         self._lock = lock
         # forward function -> forward_autocast's answer (its wrapper chain is made once)
-        self._autocast: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+        self._autocast: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._last_autocast: tuple[weakref.ref[Any], str | None] | None = None
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
@@ -90,10 +94,15 @@ class TrackedModels:
         wrapper chain is built once (accelerate replaces ``forward``: a new function, read
         anew), and walking it is the costliest part of a training forward's first hook."""
         fn = module.__dict__.get("forward") or getattr(type(module), "forward", None)
+        last = self._last_autocast  # the usual case: the same forward as last time
+        if last is not None and fn is not None and last[0]() is fn:
+            return last[1]
         try:
-            return self._autocast[fn]
-        except KeyError:
-            found = self._autocast[fn] = forward_autocast(module)
+            cached = self._autocast.get(fn, _UNREAD)
+            found = forward_autocast(module) if cached is _UNREAD else cached
+            if cached is _UNREAD:
+                self._autocast[fn] = found
+            self._last_autocast = (weakref.ref(fn), found)
             return found
         except TypeError:  # a forward that takes no weak reference: read it every time
             return forward_autocast(module)

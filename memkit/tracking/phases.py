@@ -82,6 +82,7 @@ class PhaseMachine:
         self.micro_batches = 0  # the most backward passes one optimizer step used, this step
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
+        self.grads_none_at_forward = True  # no gradients when the last forward began
 
     # root forwards (the hooks call these for a model's own forward)
 
@@ -93,11 +94,12 @@ class PhaseMachine:
         if root is None:
             root = self.models.root_info(module)
         grad = torch.is_grad_enabled()
+        training = module.training
         facts = self.evidence.facts
-        facts.last_root = (module.training, grad)
+        facts.last_root = (training, grad)
         facts.last_input = shape = _input_shape(args)
         sim = self.devices.sim
-        if not grad or not module.training or not (root.trainable or _needs_grad(args)):
+        if not grad or not training or not (root.trainable or _needs_grad(args)):
             kind = EVAL_PASS
             facts.eval_forwards += 1
             if shape is not None and (
@@ -140,11 +142,13 @@ class PhaseMachine:
         # the accumulating gradients)
         if state.step > facts.grads_checked_step and self.models.seen_optimizers:
             facts.grads_checked_step = state.step
-            if not self.evidence.grads_none():
+            if not self.grads_none_at_forward:  # read by the transition just now
                 facts.grads_steps += 1
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
-        """The model's forward returned (``delta``: what it left allocated on ``dev``)."""
+        """The model's forward returned (``delta``: what it left allocated on ``dev``). The
+        hooks call it unless there is nothing to do: a training pass with no graph kept in
+        eval mode, no pending peak and no simulated device (keep them in step)."""
         state, sim = self.state, self.devices.sim
         if frame.eval_grad:
             facts = self.evidence.facts
@@ -248,12 +252,38 @@ class PhaseMachine:
     # transitions and step boundaries (under the lock; not per module)
 
     def transition(self, phase: int) -> None:
-        """Close every device's segment in the phase that ends, and start ``phase``."""
+        """Close every device's segment in the phase that ends, and start ``phase``.
+
+        One device (``state.single``): flat, its counters read once; else every device's."""
         devices, evidence, state = self.devices, self.evidence, self.state
+        dev = state.single
+        if dev is not None:  # its segment closed as DeviceSet.close_all would, inline
+            a, r, p, pr = dev.read()
+            if p > a or pr > r:
+                dev.reset()
+            devices.close(dev, p, pr, dev.bw_module)
+            now = time.perf_counter() - state.t0
+            dev.timeline.append((now, state.step, state.phase, None, a, r))
+            dev.events += 1
+            dev.last = (a, r)
+            if dev.pending is not None:
+                devices.resolve_pending(dev)
+            if phase == FORWARD:
+                dev.forward_base = a
+                dev.base_gathered = dev.gathered
+                dev.base_grads_none = self.grads_none_at_forward = evidence.grads_none()
+                dev.base_state_empty = evidence.state_empty()
+            if phase != BACKWARD:
+                dev.bw_module = None
+            state.phase = phase
+            if devices.sim is not None:
+                devices.sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
+            return
         devices.close_all()
         forward = phase == FORWARD
         if forward:
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
+            self.grads_none_at_forward = grads_none
         for dev in devices.records.values():
             if dev.pending is not None:
                 devices.resolve_pending(dev)
@@ -272,19 +302,31 @@ class PhaseMachine:
     def boundary(self, frame: Any) -> None:
         """A step ends (``frame``: the caller's, where the leak search starts; ``None``: no
         search)."""
-        state, devices, evidence = self.state, self.devices, self.evidence
-        devices.close_all()
+        state, devices, evidence, models = self.state, self.devices, self.evidence, self.models
+        single = state.single
+        if single is not None:  # one device: its segment closed as close_all would, inline
+            a, r, p, pr = single.read()
+            if p > a or pr > r:
+                single.reset()
+            devices.close(single, p, pr, single.bw_module)
+            single.timeline.append(
+                (time.perf_counter() - state.t0, state.step, state.phase, None, a, r)
+            )
+            single.events += 1
+            single.last = (a, r)
+        else:
+            devices.close_all()
         primary = devices.primary
         if (
-            self.models.model is not None
-            and not self.models.compiled
+            models.model is not None
+            and not models.compiled
             and primary is not None
             and primary.step_phase[FORWARD] is None
             and state.backwards
         ):
             # a backward without a forward the hooks saw: the model runs inside a compiled
             # graph (compiled after track() began), where hooks must stay out of the way
-            self.models.compiled = True
+            models.compiled = True
             self.notes.append(
                 "the model's forward ran where memkit's hooks cannot see it (torch.compile "
                 "after the block began?): its memory counts as 'other'; pass the compiled "
@@ -317,7 +359,7 @@ class PhaseMachine:
             if dev.growth.observe(step, level):
                 growing.append(dev)
         if captured or evidence.facts.param_dtype is None:
-            evidence.capture()
+            evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
         self.step_t0 = now
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
@@ -332,7 +374,15 @@ class PhaseMachine:
                 dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step)
                 if first_time:  # the report says it; the log is for those who listen
                     log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
-        elif frame is not None and not any(d.leak is not None for d in devices.records.values()):
+        elif (
+            frame is not None
+            and watch.due(step)
+            and (
+                single.leak is None
+                if single is not None
+                else not any(d.leak is not None for d in devices.records.values())
+            )
+        ):
             dev = primary or next(iter(devices.records.values()))
             dev.leak = watch.scan_graphs(step, frame, dev.key)
         self.on_step()

@@ -42,12 +42,14 @@ __all__ = [
     "ModuleStat",
     "RootInfo",
     "RunFacts",
+    "StepRow",
     "close_step",
     "current_leak",
     "device_report",
     "display_names",
     "merge_steps",
     "module_records",
+    "step_record",
 ]
 
 Namer = Callable[[str | None], str | None]
@@ -58,6 +60,11 @@ DEFAULT_TIMELINE_LIMIT = 100_000
 
 DEFAULT_STEP_LIMIT = 100_000
 """Step records kept per device (the most recent ones)."""
+
+StepRow = tuple[int, int, int, int, int, tuple[int | None, ...], float, int]
+"""One step as the boundary keeps it (the hot path builds no dataclass): the fields of
+:class:`~memkit.tracking.report.StepRecord`, the phase peaks as a tuple in ``PHASES`` order
+(:func:`step_record` makes the record)."""
 
 
 @dataclasses.dataclass
@@ -204,7 +211,7 @@ class DeviceRecord:
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
         self.modules: dict[str, ModuleStat] = {}
-        self.steps: deque[StepRecord] = deque(maxlen=step_limit)
+        self.steps: deque[StepRow] = deque(maxlen=step_limit)  # step_record() makes each
         self.step_start = a
         self.forward_base: int | None = a
         self.gathered = 0  # FSDP2's all-gathered bytes at the last segment boundary
@@ -265,26 +272,36 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
     return out
 
 
+def step_record(row: StepRow) -> StepRecord:
+    """The report's record of a step kept as a :data:`StepRow`."""
+    step, start, end, peak, peak_res, phases, duration, backward_passes = row
+    return StepRecord(
+        step=step,
+        start_allocated=start,
+        end_allocated=end,
+        peak_allocated=peak,
+        peak_reserved=peak_res,
+        phase_peaks=dict(zip(PHASES, phases, strict=True)),
+        duration_s=duration,
+        backward_passes=backward_passes,
+    )
+
+
 def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes: int) -> None:
     """Record step ``step`` of ``dev`` (its peaks since the last boundary) and start the next
     one at the allocated bytes read last."""
     a, r = dev.last
+    sp = dev.step_phase
     dev.steps.append(
-        StepRecord(
-            step=step,
-            start_allocated=dev.step_start,
-            end_allocated=a,
-            peak_allocated=dev.step_peak,
-            peak_reserved=dev.step_peak_res,
-            phase_peaks=dict(zip(PHASES, dev.step_phase, strict=True)),
-            duration_s=duration_s,
-            backward_passes=backward_passes,
-        )
-    )
-    for i, v in enumerate(dev.step_phase):
-        cur = dev.phase_peak[i]
-        if v is not None and (cur is None or v > cur):
-            dev.phase_peak[i] = v
+        (step, dev.step_start, a, dev.step_peak, dev.step_peak_res, tuple(sp), duration_s,
+         backward_passes)
+    )  # fmt: skip
+    pp = dev.phase_peak
+    for i, v in enumerate(sp):
+        if v is not None:
+            cur = pp[i]
+            if cur is None or v > cur:
+                pp[i] = v
     dev.step_phase = [None] * len(PHASES)
     dev.step_peak, dev.step_peak_res = a, r
     dev.step_start = a
@@ -295,26 +312,18 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
 def merge_steps(dev: DeviceRecord, first: int) -> None:
     """Merge the records of steps ``first`` and later into one step ``first`` (the
     micro-batches of one step, counted from backward passes before an optimizer stepped)."""
-    parts = [s for s in dev.steps if s.step >= first]
-    kept = [s for s in dev.steps if s.step < first]
+    parts = [s for s in dev.steps if s[0] >= first]
+    kept = [s for s in dev.steps if s[0] < first]
     if parts:
-        phases = {
-            ph: max((v for s in parts if (v := s.phase_peaks.get(ph)) is not None),
-                    default=None)
-            for ph in PHASES
-        }  # fmt: skip
-        kept.append(
-            StepRecord(
-                step=first,
-                start_allocated=parts[0].start_allocated,
-                end_allocated=parts[-1].end_allocated,
-                peak_allocated=max(s.peak_allocated for s in parts),
-                peak_reserved=max(s.peak_reserved for s in parts),
-                phase_peaks=phases,
-                duration_s=sum(s.duration_s for s in parts),
-                backward_passes=sum(s.backward_passes for s in parts),
-            )
+        phases = tuple(
+            max((v for s in parts if (v := s[5][i]) is not None), default=None)
+            for i in range(len(PHASES))
         )
+        kept.append(
+            (first, parts[0][1], parts[-1][2], max(s[3] for s in parts),
+             max(s[4] for s in parts), phases, sum(s[6] for s in parts),
+             sum(s[7] for s in parts))
+        )  # fmt: skip
     dev.steps.clear()
     dev.steps.extend(kept)
     timeline = dev.timeline
@@ -357,7 +366,7 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         peak_allocated=dev.peak,
         peak_reserved=dev.peak_res,
         phase_peaks=phase_peaks,
-        steps=tuple(dev.steps),
+        steps=tuple(map(step_record, dev.steps)),
         modules=tuple(module_records(dev, display)),
         breakdown=None
         if dev.breakdown is None

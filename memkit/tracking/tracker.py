@@ -58,6 +58,7 @@ from memkit.tracking.records import (
     device_report,
     display_names,
     module_records,
+    step_record,
 )
 from memkit.tracking.report import PHASES, OomPostMortem, StepRecord, TrackReport
 from memkit.tracking.state import BACKWARD, TrackState
@@ -395,7 +396,7 @@ class Tracker:
             leak=leak,
             last_root=facts.last_root,
             last_input=facts.last_input,
-            micro_batches=max((s.backward_passes for s in dev.steps), default=1),
+            micro_batches=max((s[7] for s in dev.steps), default=1),  # StepRow's backward passes
             setup=dev.setup,
             rank=launched_rank(),
         )
@@ -489,10 +490,10 @@ class Tracker:
         if dev is None:
             return []
         out: list[StepRecord] = []
-        for record in reversed(dev.steps):
-            if record.step < step:
+        for row in reversed(dev.steps):
+            if row[0] < step:
                 break
-            out.append(record)
+            out.append(step_record(row))
         out.reverse()
         return out
 
