@@ -215,17 +215,19 @@ class DeviceSet:
 
         The peaks are reset only when one is above its current value: a peak equal to the
         current bytes is already where a reset would put it (one counter call saved)."""
-        state, close = self.state, self.close
-        now = time.perf_counter() - state.t0
-        step, phase = state.step, state.phase
         for dev in self.records.values():
-            a, r, p, pr = dev.read()
-            if p > a or pr > r:
-                dev.reset()
-            close(dev, p, pr, dev.bw_module)
-            dev.timeline.append((now, step, phase, None, a, r))
-            dev.events += 1
-            dev.last = (a, r)
+            self.close_one(dev)
+
+    def close_one(self, dev: DeviceRecord) -> None:
+        """Read one device and close its segment (:meth:`close_all` for one device)."""
+        a, r, p, pr = dev.read()
+        if p > a or pr > r:
+            dev.reset()
+        self.close(dev, p, pr, dev.bw_module)
+        state = self.state
+        dev.timeline.append((time.perf_counter() - state.t0, state.step, state.phase, None, a, r))
+        dev.events += 1
+        dev.last = (a, r)
 
     def persistent(self, dev: DeviceRecord) -> Persistent:
         """The tracked objects' persistent bytes on ``dev`` now (live tensors)."""

@@ -252,39 +252,19 @@ class PhaseMachine:
     # transitions and step boundaries (under the lock; not per module)
 
     def transition(self, phase: int) -> None:
-        """Close every device's segment in the phase that ends, and start ``phase``.
-
-        One device (``state.single``): flat, its counters read once; else every device's."""
+        """Close every device's segment in the phase that ends (one device: only it), and start
+        ``phase``."""
         devices, evidence, state = self.devices, self.evidence, self.state
-        dev = state.single
-        if dev is not None:  # its segment closed as DeviceSet.close_all would, inline
-            a, r, p, pr = dev.read()
-            if p > a or pr > r:
-                dev.reset()
-            devices.close(dev, p, pr, dev.bw_module)
-            now = time.perf_counter() - state.t0
-            dev.timeline.append((now, state.step, state.phase, None, a, r))
-            dev.events += 1
-            dev.last = (a, r)
-            if dev.pending is not None:
-                devices.resolve_pending(dev)
-            if phase == FORWARD:
-                dev.forward_base = a
-                dev.base_gathered = dev.gathered
-                dev.base_grads_none = self.grads_none_at_forward = evidence.grads_none()
-                dev.base_state_empty = evidence.state_empty()
-            if phase != BACKWARD:
-                dev.bw_module = None
-            state.phase = phase
-            if devices.sim is not None:
-                devices.sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
-            return
-        devices.close_all()
+        single = state.single
+        if single is not None:
+            devices.close_one(single)
+        else:
+            devices.close_all()
         forward = phase == FORWARD
         if forward:
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
             self.grads_none_at_forward = grads_none
-        for dev in devices.records.values():
+        for dev in (single,) if single is not None else devices.records.values():
             if dev.pending is not None:
                 devices.resolve_pending(dev)
             if forward:
@@ -304,16 +284,8 @@ class PhaseMachine:
         search)."""
         state, devices, evidence, models = self.state, self.devices, self.evidence, self.models
         single = state.single
-        if single is not None:  # one device: its segment closed as close_all would, inline
-            a, r, p, pr = single.read()
-            if p > a or pr > r:
-                single.reset()
-            devices.close(single, p, pr, single.bw_module)
-            single.timeline.append(
-                (time.perf_counter() - state.t0, state.step, state.phase, None, a, r)
-            )
-            single.events += 1
-            single.last = (a, r)
+        if single is not None:
+            devices.close_one(single)
         else:
             devices.close_all()
         primary = devices.primary
