@@ -1,9 +1,10 @@
 """examples/notebook.ipynb runs in a real ipykernel, and its cells render memkit's HTML.
 
 The kernel is this test's own interpreter (``sys.executable``, so the project's virtual
-environment), declared by a kernelspec written to a temporary ``JUPYTER_PATH``: nothing is
-installed in the user's Jupyter directories, and a ``python3`` kernelspec elsewhere on the
-machine (pointing at another Python) cannot be picked by mistake.
+environment, started warm: tests/warm_processes.py), declared by a kernelspec written to a
+temporary ``JUPYTER_PATH``: nothing is installed in the user's Jupyter directories, and a
+``python3`` kernelspec elsewhere on the machine (pointing at another Python) cannot be picked
+by mistake.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import warm
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -32,7 +34,9 @@ def kernel_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (spec / "kernel.json").write_text(
         json.dumps(
             {
-                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "argv": warm(
+                    [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+                ),
                 "display_name": f"memkit test ({sys.executable})",
                 "language": "python",
             }
