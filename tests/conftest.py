@@ -141,7 +141,9 @@ def torchrun(
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: this test's session
+        # the proxy's group: the server then stops torchrun; its ranks (each in a session of
+        # its own) are stopped when the test run ends, if their own timeouts have not
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail(f"torchrun {' '.join(command[:3])} did not finish within {limit} s (a hang)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

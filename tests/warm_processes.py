@@ -11,11 +11,14 @@ run. The server here imports them once and forks a child for each command.
 ``subprocess.Popen``/``subprocess.run`` as before: what starts is a small proxy (Python with
 no site packages, a few milliseconds) that hands its working directory, environment, argv and
 standard streams to the server, forwards the signals it receives to the child, and exits as
-the child did (its code, or killed by the same signal). The child runs the command at the top
-level of its interpreter, so it ends as a fresh one would: ``atexit``, finalizers, the exit
-status of an uncaught ``KeyboardInterrupt``. What differs from a fresh process: the modules
-imported ahead (so never use it to check what a command imports) and interpreter flags. When
-the proxy dies (a test killed it after a hang), the server kills the child's process group.
+the child did (its code, or killed by the same signal). The child runs the command in a fresh
+``__main__`` and ends as a fresh interpreter would: threads joined, ``atexit``, ``__main__``'s
+globals cleared, the streams flushed, the exit status of an uncaught ``KeyboardInterrupt``
+(tests/test_warm_processes.py compares). What differs from a fresh process: the modules
+imported ahead (so never use it to check what a command imports), interpreter flags other
+than ``-u``, and the hash seed (the server's, for every child). When the proxy dies (a test
+killed it after a hang), the server kills the child's process group; without a server to talk
+to, the proxy becomes the command itself.
 
 One server per test run: the first pytest process that needs it starts it (a file lock in
 the run's folder, as the shared rank launch does); it exits when the run's main pytest process
@@ -116,29 +119,43 @@ def serve(path: str, watched: int) -> dict[str, Any] | None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     children: dict[int, socket.socket] = {}  # child pid -> its proxy's connection
-    while _alive(watched):
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            conn = None
-        if conn is not None:
-            conn.settimeout(None)
-            request, fds = _receive(conn)
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                for other in (conn, *children.values()):
-                    other.close()
-                _become(request, fds)
-                return request
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(b"%d\n" % pid)
-            children[pid] = conn
-        _reap(children)
-    for pid in children:
-        _kill_group(pid)
-    os.unlink(path)
+    in_child = False
+    try:
+        while _alive(watched):
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                conn = None
+            if conn is not None:
+                try:
+                    conn.settimeout(10)
+                    request, fds = _receive(conn)
+                except (OSError, ValueError, struct.error):  # a proxy gone mid-request
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    in_child = True
+                    listener.close()
+                    for other in (conn, *children.values()):
+                        other.close()
+                    _become(request, fds)
+                    return request
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                try:
+                    conn.settimeout(None)
+                    conn.sendall(b"%d\n" % pid)
+                except OSError:  # the proxy is gone: its child is stopped below
+                    pass
+            _reap(children)
+    finally:
+        if not in_child:
+            for pid in children:
+                _kill_group(pid)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     return None
 
 
@@ -209,7 +226,11 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["path0"], *extra, *_BASE_PATH]
     sys.argv[:] = request["argv"]
-    unbuffered = bool(request["env"].get("PYTHONUNBUFFERED"))
+    threads = request["env"].get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # a fork starts torch's pool anew, at its default
+    unbuffered = request.get("unbuffered", False) or bool(request["env"].get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = _stream(0, "r", False, False)
     sys.stdout = sys.__stdout__ = _stream(1, "w", os.isatty(1), unbuffered)
     sys.stderr = sys.__stderr__ = _stream(2, "w", True, unbuffered)
@@ -229,20 +250,18 @@ def _stream(fd: int, mode: str, line: bool, through: bool) -> Any:
 
 def run_request(request: dict[str, Any]) -> None:
     """Run the command in this (forked) interpreter and end as ``python ...`` ends: the
-    threads joined, ``atexit`` run, the streams flushed, an uncaught exception printed (exit
-    1), an uncaught ``KeyboardInterrupt`` ending by SIGINT. The modules are not torn down one
-    by one: that would write to every page of the heap shared with the server (a second of
-    copying here), and no test looks at it."""
+    threads joined, ``atexit`` run, ``__main__``'s globals cleared (their ``__del__`` run),
+    the streams flushed, an uncaught exception printed (exit 1), an uncaught
+    ``KeyboardInterrupt`` ending by SIGINT. Other modules are not torn down one by one: that
+    would write to every page of the heap shared with the server (a second of copying here)."""
     import atexit
     import threading
 
     code = 0
     interrupted = False
-    kept = None  # the script's globals (or its exception): they live until the exit, as there
     try:
-        kept = _run(request["kind"], request["target"])
+        _run(request["kind"], request["target"])
     except SystemExit as exc:
-        kept = exc
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
         else:
@@ -252,20 +271,23 @@ def run_request(request: dict[str, Any]) -> None:
         tb = exc.__traceback__
         while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next  # this file's and runpy's frames: a fresh interpreter has none
-        kept = exc.with_traceback(tb)
-        sys.excepthook(type(exc), exc, tb)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         interrupted, code = isinstance(exc, KeyboardInterrupt), 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    main = sys.modules["__main__"].__dict__
+    for name in [n for n in main if n.startswith("_") and n != "__builtins__"] + list(main):
+        if name != "__builtins__":  # as Python clears a module at its end: _names first
+            main[name] = None
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except Exception:
             code = code or 120  # as Python does when it cannot flush at exit
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    del kept
     os._exit(code)
 
 
@@ -273,22 +295,34 @@ def _ours(filename: str) -> bool:
     return filename == str(HERE) or "runpy" in filename
 
 
-def _run(kind: str, target: str) -> dict[str, Any]:
-    """Run the command; its ``__main__`` globals."""
+def _run(kind: str, target: str) -> None:
+    """Run the command in a fresh ``__main__`` module, as ``python`` would."""
+    import builtins
     import runpy
+    import types
 
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
     if kind == "module":
-        return runpy.run_module(target, run_name="__main__", alter_sys=True)
-    if kind == "script":
-        return runpy.run_path(target, run_name="__main__")
-    if kind == "code":
-        namespace = {"__name__": "__main__"}
-        exec(compile(target, "<string>", "exec"), namespace)
-        return namespace
-    from importlib.metadata import entry_points  # a console script
+        runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # python -m's own
+    elif kind == "script":
+        try:
+            with open(target, "rb") as f:
+                source = f.read()
+        except OSError as exc:
+            print(f"{sys.executable}: can't open file {target!r}: [Errno {exc.errno}] "
+                  f"{exc.strerror}", file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        main.__dict__.update(__file__=target, __cached__=None)
+        exec(compile(source, target, "exec"), main.__dict__)
+    elif kind == "code":
+        exec(compile(target, "<string>", "exec"), main.__dict__)
+    else:  # a console script
+        from importlib.metadata import entry_points
 
-    (entry,) = entry_points(group="console_scripts", name=target)
-    sys.exit(entry.load()())
+        (entry,) = entry_points(group="console_scripts", name=target)
+        sys.exit(entry.load()())
 
 
 # -- the proxy -----------------------------------------------------------------------------------
@@ -305,29 +339,37 @@ def _request(command: list[str]) -> dict[str, Any]:
                     "path0": cwd}  # fmt: skip
         if args[:1] == ["-c"]:
             return {"kind": "code", "target": args[1], "argv": ["-c", *args[2:]], "path0": ""}
-        if args[:1] == ["-u"]:  # torchrun's way of starting a script
+        unbuffered = args[:1] == ["-u"]  # torchrun's way of starting a script
+        if unbuffered:
             args = args[1:]
         if not args or args[0].startswith("-"):
             raise SystemExit(f"warm_processes: unsupported python command {command}")
         script = os.path.abspath(args[0])
         return {"kind": "script", "target": script, "argv": [args[0], *args[1:]],
-                "path0": os.path.dirname(script)}  # fmt: skip
+                "path0": os.path.dirname(script), "unbuffered": unbuffered}  # fmt: skip
     where = os.path.join(os.path.dirname(sys.executable), name)
     return {"kind": "console", "target": name, "argv": [where, *command[1:]],
             "path0": os.path.dirname(where)}  # fmt: skip
 
 
 def proxy(path: str, command: list[str]) -> None:
-    """Run ``command`` in a child of the server as this process, and end as it ends."""
+    """Run ``command`` in a child of the server as this process, and end as it ends; without
+    a server to talk to, become the command itself (cold)."""
     request = _request(command)
     request["cwd"], request["env"] = os.getcwd(), dict(os.environ)
     body = json.dumps(request).encode()
+    # a signal that comes before the child's pid is known waits, then goes to the child
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(path)
-    socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
-    conn.sendall(body)
-    reader = conn.makefile("rb")
-    child = int(reader.readline())
+    try:
+        conn.connect(path)
+        socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+        conn.sendall(body)
+        reader = conn.makefile("rb")
+        child = int(reader.readline())
+    except (OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        os.execvp(command[0], command)
 
     def forward(signum: int, frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -335,20 +377,16 @@ def proxy(path: str, command: list[str]) -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    while True:
-        try:
-            line = reader.readline()
-            break
-        except InterruptedError:
-            continue
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    line = reader.readline()
     if not line:
         raise SystemExit(f"warm_processes: the server lost the child {child}")
     code = os.waitstatus_to_exitcode(int(line))
     if code < 0:  # killed by a signal: so is this process
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         time.sleep(1)
-    sys.stdout.flush()
     os._exit(code)
 
 
