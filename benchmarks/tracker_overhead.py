@@ -322,7 +322,7 @@ def micro(device: str, clock: Callable[[], float], sync: Callable[[], None]) -> 
 
 HOOK_ENTRIES = (
     "_pre", "_post", "_global_pre", "_bw", "_opt_pre", "_opt_post", "_begin_backward",
-    "_end_backward", "_end_queued",
+    "_end_backward", "_end_queued", "_engine_begins", "_graph_grad",
 )  # fmt: skip
 """What torch calls of the tracker: every hook's way in (memkit/tracking/hooks.py)."""
 

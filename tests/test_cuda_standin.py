@@ -570,3 +570,42 @@ def test_a_failed_autograd_grad_that_the_script_catches_leaves_the_next_steps_co
         report = tracker.report()
     steps = report.devices[0].steps
     assert [s.backward_passes for s in steps[3:]] == [1, 1], [s.backward_passes for s in steps]
+
+
+GP_STEPS = 4
+
+
+def _wgan_gp_critic_steps(device: str) -> memkit.TrackReport:
+    """A WGAN-GP critic's steps (the gradient penalty: torch.autograd.grad with
+    create_graph=True inside the step, then one loss.backward) under memkit.track."""
+    critic = nn.Sequential(nn.Linear(64, 256), nn.LeakyReLU(0.2), nn.Linear(256, 1)).to(device)
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    with memkit.track(critic, opt, device=device, postmortem=None) as tracker:
+        for _ in range(GP_STEPS):
+            real, fake = torch.randn(32, 64).to(device), torch.randn(32, 64).to(device)
+            alpha = torch.rand(32, 1).to(device)
+            mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            (grads,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+            penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+            loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return tracker.report()
+
+
+@pytest.mark.parametrize("where", ["simulated cpu, module hooks every step", "cuda, sampled"])
+def test_a_gradient_penalty_is_part_of_the_forward_not_a_second_backward(where):
+    """torch.autograd.grad(..., create_graph=True) builds graph for the loss: each step has
+    one backward pass (it was read as two: "gradient accumulation, 2 micro-batches"), on module
+    detail's steps (the gradient hooks) and between them (the engine's entry)."""
+    if where.startswith("cuda"):
+        with cuda_standin("256MiB"):
+            report = _wgan_gp_critic_steps("cuda")
+    else:
+        report = _wgan_gp_critic_steps("cpu")
+    steps = report.devices[0].steps
+    assert len(steps) == GP_STEPS
+    assert [s.backward_passes for s in steps] == [1] * GP_STEPS
+    assert all(s.phase_peaks["backward"] is not None for s in steps)
+    assert "gradient accumulation" not in str(report)

@@ -155,7 +155,12 @@ class Hooks:
                 shield(self._begin_backward), shield(self._end_backward), self._backward_failed
             )
         )
-        engine = wrap_engine(self._engine_begins, shield(self._end_backward), self._backward_failed)
+        engine = wrap_engine(
+            self._engine_begins,
+            shield(self._end_backward),
+            self._backward_failed,
+            self._graph_grad,
+        )
         if engine is not None:
             h.append(engine)
         self._engine_wrapped = engine is not None
@@ -557,7 +562,7 @@ class Hooks:
         """Backward reached module ``name``'s output (``grads``: its gradient, or the
         gradients its autograd node receives)."""
         state = self.state
-        if not state.active:
+        if not state.active or state.graph_grads:  # a gradient penalty's: part of the forward
             return
         if state.phase != BACKWARD:  # a backward that did not go through autograd.backward
             with state.lock:
@@ -607,6 +612,11 @@ class Hooks:
             self._hook_failed(exc)
             return False
         return True
+
+    def _graph_grad(self, change: int) -> None:
+        """A gradient that builds graph for the loss (``create_graph=True``, not accumulated:
+        a gradient penalty) begins (+1) or ends (-1): no backward pass, no phase of its own."""
+        self.state.graph_grads += change
 
     def _end_queued(self) -> None:
         state = self.state

@@ -46,6 +46,9 @@ class TrackState:
         phase: the phase running now (:data:`FORWARD`...).
         step: steps completed.
         backwards: training backward passes completed in the current step.
+        graph_grads: gradients being taken with ``create_graph=True`` that do not accumulate
+            (a gradient penalty's ``torch.autograd.grad``): part of the forward, whose
+            gradient hooks must not take them for a backward.
         detail_on: module detail's hooks are installed for this step.
         single: the one device's record when only one device can be used (the hooks skip
             routing a call to its device), else ``None``.
@@ -63,6 +66,7 @@ class TrackState:
         "detail_on",
         "failed",
         "fsdp",
+        "graph_grads",
         "lock",
         "phase",
         "single",
@@ -76,6 +80,7 @@ class TrackState:
         self.phase = OTHER
         self.step = 0
         self.backwards = 0
+        self.graph_grads = 0
         self.detail_on = False
         self.single: DeviceRecord | None = None
         self.trained = False

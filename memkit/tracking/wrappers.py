@@ -64,15 +64,22 @@ def wrap_backward(
 
 
 def wrap_engine(
-    begin: Callable[[], bool], end: Callable[[], None], failed: Callable[[], None]
+    begin: Callable[[], bool],
+    end: Callable[[], None],
+    failed: Callable[[], None],
+    graph_grad: Callable[[int], None],
 ) -> Restore | None:
     """Wrap the call into the autograd engine that ``torch.autograd.backward`` and
     ``torch.autograd.grad`` make (``torch.autograd._engine_run_backward``, looked up at each
     call, so also for callers that imported ``backward``/``grad`` before the block): ``begin``
     says whether a backward begins there (one that :func:`wrap_backward` did not already mark),
     and then ``end`` marks its end, or ``failed`` when it raises (as in :func:`wrap_backward`:
-    a script that catches the error and trains on must not be left inside a backward). ``None``
-    where torch has no such function."""
+    a script that catches the error and trains on must not be left inside a backward).
+
+    A gradient taken with ``create_graph=True`` that does not accumulate into ``.grad``
+    (``torch.autograd.grad`` for a gradient penalty, a meta-learning inner step) builds more
+    graph for the loss: it is part of the forward, no backward pass. ``graph_grad(+1)`` and
+    ``graph_grad(-1)`` bracket it. ``None`` where torch has no such function."""
     autograd = torch.autograd
     original = getattr(autograd, "_engine_run_backward", None)
     if original is None:
@@ -80,6 +87,14 @@ def wrap_engine(
 
     @functools.wraps(original)
     def run_backward(*args: Any, **kwargs: Any) -> Any:
+        # run_backward(outputs, grad_outputs, keep_graph, create_graph, inputs, ...)
+        create_graph = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+        if create_graph and kwargs.get("accumulate_grad", True) is False:
+            graph_grad(1)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                graph_grad(-1)
         if not begin():
             return original(*args, **kwargs)
         try:
