@@ -102,9 +102,15 @@ def test_fsdp_ranks_peak_matches_real_fsdp2_on_gloo(gloo_ranks) -> None:
     # each rank within 66,048 B of the model: gloo's own temporaries (freed on gloo's thread)
     # can be alive at a rank's backward peak, and one run in a few (both sides: real 3,145,344
     # and modelled 3,112,024 B a rank, against 3,046,528 and 3,046,488 usually) another 64 KiB
-    # activation is: not explained yet, so the test holds the bound, not the byte
+    # activation is: not explained yet, so the test holds the bound, not the byte. Once, in a
+    # loaded CI run, rank 1 peaked at 3,375,232 B: the model exactly (as rank 0) plus 263,168 B,
+    # one more unsharded unit. The real FSDP2's all-gathers finish on gloo's thread, so whether a
+    # unit is freed before the next one's prefetch is timing. So: at least one rank to the
+    # bound, the other to it or to one unit more.
+    unit = (256 * 256 + 256) * 4
     excess = [r - step_scalars - virtual[0] for r in real]
-    assert all(abs(e) <= 66_048 for e in excess), (real, virtual)
+    assert min(abs(e) for e in excess) <= 66_048, (real, virtual)
+    assert all(abs(e) <= 66_048 or abs(e - unit) <= 66_048 for e in excess), (real, virtual)
     assert largest == ("0", (256 * 256 + 256) * 4)  # the first 256 x 256 layer, unsharded
 
 
