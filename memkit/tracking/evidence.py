@@ -14,7 +14,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple
-from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -186,10 +185,10 @@ def _largest(sizes: dict[str, int]) -> str | None:
 def training_setup(
     modules: Sequence[torch.nn.Module],
     optimizers: Sequence[Any],
-    dtype: str | EllipsisType | None = ...,
+    dtype: str | None,
 ) -> TrainingSetup | None:
     """The model's and optimizer's facts the advice reads (``None`` when neither exists;
-    ``dtype``: :func:`param_dtype` of ``modules``, where the caller has it)."""
+    ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it)."""
     if not modules and not optimizers:
         return None
     history = None
@@ -199,7 +198,7 @@ def training_setup(
         history = size if isinstance(size, int) else None
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
     return TrainingSetup(
-        param_dtype=param_dtype(modules) if isinstance(dtype, EllipsisType) else dtype,
+        param_dtype=dtype,
         optimizer=type(optimizers[0]).__name__ if optimizers else None,
         history_size=history,
         forward_autocast=autocast,
