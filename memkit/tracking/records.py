@@ -13,7 +13,7 @@ import dataclasses
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -61,10 +61,20 @@ DEFAULT_TIMELINE_LIMIT = 100_000
 DEFAULT_STEP_LIMIT = 100_000
 """Step records kept per device (the most recent ones)."""
 
-StepRow = tuple[int, int, int, int, int, tuple[int | None, ...], float, int]
-"""One step as the boundary keeps it (the hot path builds no dataclass): the fields of
-:class:`~memkit.tracking.report.StepRecord`, the phase peaks as a tuple in ``PHASES`` order
-(:func:`step_record` makes the record)."""
+
+class StepRow(NamedTuple):
+    """One step as the boundary keeps it (the hot path builds no dataclass): the fields of
+    :class:`~memkit.tracking.report.StepRecord`, the phase peaks as a tuple in ``PHASES``
+    order (:func:`step_record` makes the record)."""
+
+    step: int
+    start: int
+    end: int
+    peak: int
+    peak_reserved: int
+    phases: tuple[int | None, ...]
+    duration_s: float
+    backward_passes: int
 
 
 @dataclasses.dataclass
@@ -273,17 +283,16 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
 
 
 def step_record(row: StepRow) -> StepRecord:
-    """The report's record of a step kept as a :data:`StepRow`."""
-    step, start, end, peak, peak_res, phases, duration, backward_passes = row
+    """The report's record of a step kept as a :class:`StepRow`."""
     return StepRecord(
-        step=step,
-        start_allocated=start,
-        end_allocated=end,
-        peak_allocated=peak,
-        peak_reserved=peak_res,
-        phase_peaks=dict(zip(PHASES, phases, strict=True)),
-        duration_s=duration,
-        backward_passes=backward_passes,
+        step=row.step,
+        start_allocated=row.start,
+        end_allocated=row.end,
+        peak_allocated=row.peak,
+        peak_reserved=row.peak_reserved,
+        phase_peaks=dict(zip(PHASES, row.phases, strict=True)),
+        duration_s=row.duration_s,
+        backward_passes=row.backward_passes,
     )
 
 
@@ -293,8 +302,8 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
     a, r = dev.last
     sp = dev.step_phase
     dev.steps.append(
-        (step, dev.step_start, a, dev.step_peak, dev.step_peak_res, tuple(sp), duration_s,
-         backward_passes)
+        StepRow(step, dev.step_start, a, dev.step_peak, dev.step_peak_res, tuple(sp), duration_s,
+                backward_passes)
     )  # fmt: skip
     pp = dev.phase_peak
     for i, v in enumerate(sp):
@@ -312,18 +321,25 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
 def merge_steps(dev: DeviceRecord, first: int) -> None:
     """Merge the records of steps ``first`` and later into one step ``first`` (the
     micro-batches of one step, counted from backward passes before an optimizer stepped)."""
-    parts = [s for s in dev.steps if s[0] >= first]
-    kept = [s for s in dev.steps if s[0] < first]
+    parts = [s for s in dev.steps if s.step >= first]
+    kept = [s for s in dev.steps if s.step < first]
     if parts:
         phases = tuple(
-            max((v for s in parts if (v := s[5][i]) is not None), default=None)
+            max((v for s in parts if (v := s.phases[i]) is not None), default=None)
             for i in range(len(PHASES))
         )
         kept.append(
-            (first, parts[0][1], parts[-1][2], max(s[3] for s in parts),
-             max(s[4] for s in parts), phases, sum(s[6] for s in parts),
-             sum(s[7] for s in parts))
-        )  # fmt: skip
+            StepRow(
+                first,
+                parts[0].start,
+                parts[-1].end,
+                max(s.peak for s in parts),
+                max(s.peak_reserved for s in parts),
+                phases,
+                sum(s.duration_s for s in parts),
+                sum(s.backward_passes for s in parts),
+            )
+        )
     dev.steps.clear()
     dev.steps.extend(kept)
     timeline = dev.timeline

@@ -396,7 +396,7 @@ class Tracker:
             leak=leak,
             last_root=facts.last_root,
             last_input=facts.last_input,
-            micro_batches=max((s[7] for s in dev.steps), default=1),  # StepRow's backward passes
+            micro_batches=max((s.backward_passes for s in dev.steps), default=1),
             setup=dev.setup,
             rank=launched_rank(),
         )
@@ -491,7 +491,7 @@ class Tracker:
             return []
         out: list[StepRecord] = []
         for row in reversed(dev.steps):
-            if row[0] < step:
+            if row.step < step:
                 break
             out.append(step_record(row))
         out.reverse()
