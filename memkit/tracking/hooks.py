@@ -111,12 +111,11 @@ class Hooks:
         self.module_every = 1
         self.ranks_watch: RankWatch | None = None
         self._close = devices.close
-        self._tls = threading.local()
-        # the module-call stack and the output hooked last of the thread that made the tracker
-        # (the block's, as a rule); other threads' (DataParallel's replicas) are in self._tls
+        # each thread's module calls: the thread that made the tracker (the block's, as a
+        # rule) in an attribute, other threads' (DataParallel's replicas) in a thread-local
         self._main_thread = threading.get_ident()
-        self._main_stack: list[Any] = []  # Frame, or IgnoredCall (kind < 0)
-        self._main_hooked: weakref.ref[torch.Tensor] | None = None  # the output hooked last
+        self._main_calls = _ThreadCalls()
+        self._tls = threading.local()
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
@@ -374,14 +373,14 @@ class Hooks:
         state = self.state
         if not state.active or _compiling():
             return
-        tls = self._tls
-        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
+        calls = self._main_calls if _get_ident() == self._main_thread else self._other_calls()
+        stack = calls.stack
         root: RootInfo | None = None
         if stack:
             if stack[-1].kind < 0 or not state.detail_on:
                 stack.append(IgnoredCall(id(module)))
                 return
-            keys = tls.keys
+            keys = calls.keys
         else:
             models = self.models
             root = models.owners.get(id(module))
@@ -390,7 +389,7 @@ class Hooks:
                 if not root.model:  # a loss module, a data transform: not the model
                     stack.append(IgnoredCall(id(module)))
                     return
-            keys = tls.keys = root.keys
+            keys = calls.keys = root.keys
         key = keys.get(id(module), "")
         if key is None:  # torch.compile's wrapped module: its wrapper stands for it
             return
@@ -398,14 +397,14 @@ class Hooks:
             key = f"{next(iter(keys.values()))}.{type(module).__name__}"
         self._pre(key, not module._modules, module, args, root)
 
-    def _thread_stack(self) -> list[Any]:
-        """The stack of module calls of a thread other than the block's."""
+    def _other_calls(self) -> _ThreadCalls:
+        """The module calls of a thread other than the block's."""
         tls = self._tls
         try:
-            return tls.stack
+            return tls.calls
         except AttributeError:
-            stack = tls.stack = []
-            return stack
+            calls = tls.calls = _ThreadCalls()
+            return calls
 
     def _pre(
         self, name: str, leaf: bool, module: torch.nn.Module, args: Any, root: RootInfo | None
@@ -413,7 +412,8 @@ class Hooks:
         state = self.state
         if not state.active:
             return
-        stack = self._main_stack if _get_ident() == self._main_thread else self._thread_stack()
+        calls = self._main_calls if _get_ident() == self._main_thread else self._other_calls()
+        stack = calls.stack
         top = stack[-1] if stack else None
         if top is not None:
             if top.kind < 0:  # inside a module that is not the model
@@ -463,9 +463,8 @@ class Hooks:
         state = self.state
         if not state.active:
             return
-        tls = self._tls
-        main = _get_ident() == self._main_thread
-        stack = self._main_stack if main else getattr(tls, "stack", None)
+        calls = self._main_calls if _get_ident() == self._main_thread else self._other_calls()
+        stack = calls.stack
         if not stack:
             return
         frame = stack.pop()
@@ -544,17 +543,14 @@ class Hooks:
         if bw is not None and kind == TRAIN_PASS and (state.detail_on or not self._engine_wrapped):
             t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
-                last = self._main_hooked if main else getattr(tls, "hooked", None)
+                last = calls.hooked
                 if last is None or last() is not t:
                     node = t.grad_fn
                     if node is not None:  # a node pre-hook: half the cost of a tensor hook
                         node.register_prehook(bw)
                     else:
                         t.register_hook(bw)
-                    if main:
-                        self._main_hooked = weakref.ref(t)
-                    else:
-                        tls.hooked = weakref.ref(t)
+                    calls.hooked = weakref.ref(t)
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
@@ -699,6 +695,19 @@ class Hooks:
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))
+
+
+class _ThreadCalls:
+    """One thread's module calls: its stack (a :class:`Frame`, or an :class:`IgnoredCall`
+    with ``kind < 0``), the module keys of the model it runs (global hooks), and the output
+    given a gradient hook last."""
+
+    __slots__ = ("hooked", "keys", "stack")
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+        self.keys: dict[int, str | None] = {}
+        self.hooked: weakref.ref[torch.Tensor] | None = None
 
 
 def _model_name(model: torch.nn.Module | None) -> str:
