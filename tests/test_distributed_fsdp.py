@@ -6,7 +6,8 @@ _fully_shard/), not from memkit's reading of it: a rank's parameters are its sha
 each weight's rows and of each bias: 4 x 32,896 x 4 B = 526,336 B), AdamW's state twice that,
 and one unit's all-gather is a flat buffer of both shards plus the unsharded parameters it is
 copied into (2 x 263,168 B). With ``reshard_after_forward=True`` a unit is all-gathered again
-for backward, where the next unit is prefetched: two units' worth at the peak either way. With
+for backward, where the next unit is prefetched: two units' worth at the peak either way (three
+when gloo's thread finishes a prefetch before the previous unit is resharded: timing). With
 ``False`` the units stay unsharded from their forward to their backward: up to five units at
 the peak (the backward frees them one by one, the last forward holds its flat buffer too); how
 many depends on where in backward the peak lands, which gloo's own temporaries move: two to
@@ -90,7 +91,9 @@ def _check_rank_report(report: dict, reshard_after_forward: bool) -> None:
     assert bd["gradients"] in (0, SHARD)  # the shards' gradients, when present
     gathered = bd["gathered_parameters"]
     if reshard_after_forward:
-        assert gathered == 2 * UNIT, bd
+        # two units; a third when gloo's thread finishes the next all-gather before the last
+        # unit is resharded (a timing race, seen once in tests/test_fsdp_fidelity.py)
+        assert gathered in (2 * UNIT, 3 * UNIT), bd
     else:
         assert gathered % UNIT == 0 and 2 * UNIT <= gathered <= 5 * UNIT, bd
     # FSDP2 frees unsharded parameters by resizing their storages: counted as freed (this
