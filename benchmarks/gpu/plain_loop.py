@@ -3,7 +3,12 @@ does batch SIZE fit STEPS steps? Prints `PLAIN size N: fits|OOM at step K` with 
 independent check of a probe's answer (run it for the answer and the answer + 1).
 
 `--before B`: first 2 steps at batch B, then `empty_cache()`, as a probe's earlier trial leaves
-the process (the model file keeps the last logits, as train.py keeps `logits`)."""
+the process (the model file keeps the last logits, as train.py keeps `logits`).
+
+`--part-hooks`: the same loop with the probe's own part hooks installed (memkit's `PartPeaks`:
+a counter read and peak reset at every outer module's forward start and end, at each module
+output's gradient and around the optimizer step), to test whether they are what makes a probe
+trial run out a sample or two before a fresh process does (issue 24: 116 against 118)."""
 
 import argparse
 import sys
@@ -18,6 +23,7 @@ parser.add_argument("size", type=int)
 parser.add_argument("steps", type=int, nargs="?", default=30)
 parser.add_argument("--cap-gib", type=float, default=3.0)
 parser.add_argument("--before", type=int, default=None)
+parser.add_argument("--part-hooks", action="store_true")
 args = parser.parse_args()
 total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total)
@@ -43,10 +49,20 @@ if args.before is not None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     label = f" after 2 steps at {args.before}"
+split = None
+if args.part_hooks:
+    from memkit.devices import counter_reader, get_backend
+    from memkit.probing.trials import PartPeaks
+
+    split = PartPeaks(counter_reader(get_backend("cuda")), model, opt)
+    label += " with the probe's part hooks"
 result = train(args.size, args.steps)
+peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+if split is not None:  # the hooks reset the peaks at every cut: theirs is the whole run's
+    peak_reserved, peak_allocated, _ = split.finish()
+    split.close()
 mib = 2**20
 print(
-    f"PLAIN size {args.size}{label}: {result}; peak allocated "
-    f"{torch.cuda.max_memory_allocated() / mib:.1f} MiB, reserved "
-    f"{torch.cuda.max_memory_reserved() / mib:.1f} MiB"
+    f"PLAIN size {args.size}{label}: {result}; peak allocated {peak_allocated / mib:.1f} MiB, "
+    f"reserved {peak_reserved / mib:.1f} MiB"
 )

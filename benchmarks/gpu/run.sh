@@ -31,6 +31,7 @@ sec "plain loops: the boundary in a fresh process, and after an earlier size's s
 for n in 117 118 119; do timeout 40 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
 timeout 40 python3 $GPU/plain_loop.py 118 30 --before 116 2>&1 | grep PLAIN
 timeout 40 python3 $GPU/plain_loop.py 117 30 --before 116 2>&1 | grep PLAIN
+timeout 40 python3 $GPU/plain_loop.py 118 30 --part-hooks 2>&1 | grep PLAIN
 sec "FSDP2, one GPU, nccl, under memkit run"
 if [ -f $GPU/fsdp_one_gpu.py ]; then timeout 90 torchrun --nproc-per-node 1 -m memkit run --device cuda --json $OUT/fsdp.json $GPU/fsdp_one_gpu.py > $OUT/fsdp.log 2>&1; echo "rc $?"; grep -vE "^\s*$" $OUT/fsdp.log | tail -40; fi
 sec "nanoGPT eager, alternated: plain, memkit run (default), --steps-only, x2 (150 iterations)"

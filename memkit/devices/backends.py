@@ -172,6 +172,10 @@ class CudaBackend:
             return contextlib.nullcontext()
         return self._capped()
 
+    def uncapped(self) -> contextlib.AbstractContextManager[Any]:
+        """The whole device, without the budget's cap (set only inside :meth:`activate`)."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _capped(self) -> Iterator[None]:
         total = torch.cuda.get_device_properties(self.index).total_memory
@@ -251,6 +255,17 @@ class SimulatedBackend:
     def activate(self) -> contextlib.AbstractContextManager[Any]:
         """Count ops run in this thread until the block exits (re-entrant)."""
         return self.accountant
+
+    @contextlib.contextmanager
+    def uncapped(self) -> Iterator[None]:
+        """Count ops as :meth:`activate` does, but with no budget: nothing runs out."""
+        acct = self.accountant
+        budget, acct.budget = acct.budget, None
+        try:
+            with acct:
+                yield
+        finally:
+            acct.budget = budget
 
     def count_ops(self, counting: bool, adopting: bool) -> None:
         """Whether ops now create device memory (``counting``) and whether storages made

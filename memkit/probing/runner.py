@@ -235,6 +235,7 @@ def probe_with(
     held: list[Any] = [target, sync]  # emptied before the clean-up: a DDP wrapper made here
     del target, sync
     started = None if bar is None else bar.started
+    held_after_oom: dict[int, int] = {}
 
     def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
         runner = TrialRunner(
@@ -248,6 +249,7 @@ def probe_with(
                 margin=opts.margin,
             )  # fmt: skip
         finally:
+            held_after_oom.update(runner.held_after_oom)
             del runner  # before the next search and the clean-up
         return found, records
 
@@ -263,11 +265,22 @@ def probe_with(
         finally:
             held.clear()
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
+    defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
     return _build_result(
         search, records, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None,
     )  # fmt: skip
+
+
+def _held_note(batch_size: int, held: int) -> str:
+    """The report's line for memory a failed trial left held (``TrialRunner.held_after_oom``)."""
+    return (
+        f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated, held by the "
+        "model or the script (not by memkit) even after a step at the smallest size that fit: "
+        "the trials after it had that much less room, so the answer may be below what a fresh "
+        "process fits. Keep no tensor of a step (outputs, losses) beyond the next step"
+    )
 
 
 def _model_state(model: torch.nn.Module, optimizer: Any) -> ModelState | None:

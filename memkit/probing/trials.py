@@ -246,6 +246,7 @@ class TrialRunner:
         self.counters = counter_reader(self.backend)
         self.baseline: int | None = None  # allocated between trials, once collected
         self.collections = 0  # gc.collect() calls between trials (not after OOMs)
+        self.held_after_oom: dict[int, int] = {}  # batch size -> bytes its OOM left held
 
     def _batch(self, batch_size: int) -> Any:
         if self.seq_len is None:
@@ -276,10 +277,12 @@ class TrialRunner:
         self.backend.empty_cache()
         self.counters[1]()
 
-    def _run_steps(self, batch_size: int, *, extend: bool = True) -> Kept:
-        """``steps`` steps, then more while what the loop keeps between steps still grows
-        (``extend``; up to ``MAX_STEPS``). Returns what was kept after each step."""
+    def _run_steps(self, batch_size: int, *, extend: bool = True, steps: int = 0) -> Kept:
+        """``steps`` steps (the trial's when 0), then more while what the loop keeps between
+        steps still grows (``extend``; up to ``MAX_STEPS``). Returns what was kept after each
+        step."""
         read = self.counters[0]
+        steps = steps or self.steps
         kept: list[int] = []
         state: list[int] = []
         try:
@@ -293,9 +296,9 @@ class TrialRunner:
                     self.sync.end_step()
                 kept.append(read()[0])
                 state.append(optimizer_state_bytes(self.optimizer))
-                done = len(kept) >= self.steps
+                done = len(kept) >= steps
                 growing = extend and len(kept) >= 2 and kept[-1] > kept[-2]
-                if (done and not growing) or len(kept) >= max(self.steps, MAX_STEPS):
+                if (done and not growing) or len(kept) >= max(steps, MAX_STEPS):
                     break
         finally:
             self.step.release()  # the trial's loop is over: its last output goes too
@@ -309,6 +312,7 @@ class TrialRunner:
         if self.capacities is not None:
             return self._call_ranks(batch_size)
         self._clean()
+        before = self.counters[0]()[0]
         failed: BaseException | None = None
         split = PartPeaks(self.counters, self.model, self.optimizer)
         kept: Kept | None = None
@@ -345,6 +349,7 @@ class TrialRunner:
             recover(self.backend, failed)
             del failed
             self.model.zero_grad(set_to_none=True)
+            self._release_failed_step(batch_size, before)
             record = ProbeTrial(batch_size, False, need, seconds, None, error)
         else:
             peak, allocated, parts = split.finish()
@@ -362,6 +367,42 @@ class TrialRunner:
         if self.on_trial is not None:
             self.on_trial(record)
         return record.fits, record.peak_bytes, parts, allocated
+
+    def _release_failed_step(self, batch_size: int, before: int) -> None:
+        """After an OOM at ``batch_size``: give back what the failed step left allocated
+        beyond ``before`` (the trial's start), so that it does not make the next trials run out.
+
+        The step's own tensors are gone once :func:`memkit.oom.recover` has run; what stays is
+        held by the script's own variables. A global that keeps the last logits (nanoGPT's
+        ``logits``, kept until the next forward) keeps their whole autograd graph when backward
+        ran out, since the graph is freed only by a backward that completes. In a training loop
+        the next iteration rebinds the variable; here one step at the smallest size that fit
+        does the same, run without the budget's cap (the held bytes fill most of it).
+        Whatever is still held after it is recorded in ``held_after_oom``.
+        """
+        read = self.counters[0]
+        if read()[0] <= before:
+            return
+        fitted = [size for size, record in self.records.items() if record.fits]
+        if fitted:
+            try:
+                with self.backend.uncapped():
+                    self._run_steps(min(fitted), extend=False, steps=1)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise UserCodeError(
+                        f"the training step raised {type(exc).__name__} at batch size "
+                        f"{min(fitted)}, which had fit before; this is not an out-of-memory "
+                        "error, so memkit stopped:\n"
+                        + "".join(traceback.format_exception(exc)).rstrip(),
+                        original=exc,
+                    ) from exc
+                recover(self.backend, exc)
+                del exc
+            self._clean()
+        held = read()[0] - before
+        if held > 0:
+            self.held_after_oom[batch_size] = held
 
     def _call_ranks(
         self, batch_size: int
