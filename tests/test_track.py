@@ -616,3 +616,43 @@ def test_an_autocast_wrapping_forward_counts_as_autocast():
             opt.step()
             opt.zero_grad()
     assert tracker.report().autocast_forwards == 3
+
+
+def test_a_batch_sliced_from_a_dataset_in_ram_counts_its_own_rows_not_the_dataset():
+    """The loop of PyTorch's "What is torch.nn really?" tutorial, ``xb = x_train[i:i + bs]``:
+    each batch is a view of a 48 MiB tensor in RAM. On a GPU ``.to("cuda")`` copies the rows;
+    the simulated device used to count the whole storage the view reads, ran out of its 16 MiB
+    and blamed the activations. Each step's peak must equal the same loop's with the batch
+    cloned (a tensor of its own, counted whole), through the tracker and through the probe."""
+    from memkit.probing.runner import probe
+
+    torch.manual_seed(0)
+    x_train = torch.randn(16_384, 768)  # 48 MiB
+    y_train = torch.randint(0, 10, (16_384,))
+
+    def peaks(clone: bool) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(768, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with track(model, opt, device="cpu", budget="16MiB", postmortem=None) as tracker:
+            for i in range(0, 256, 64):
+                xb, yb = x_train[i : i + 64], y_train[i : i + 64]
+                if clone:
+                    xb, yb = xb.clone(), yb.clone()
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return [s.peak_allocated for s in tracker.report().devices[0].steps]
+
+    sliced = peaks(clone=False)
+    assert len(sliced) == 4 and max(sliced) < 2 << 20, sliced
+    assert sliced == peaks(clone=True)
+
+    def best(clone: bool) -> int | None:
+        model = nn.Sequential(nn.Linear(768, 128), nn.ReLU(), nn.Linear(128, 10))
+        rows = (lambda n: x_train[:n].clone()) if clone else (lambda n: x_train[:n])
+        return probe(model, rows, loss_fn=lambda out, x: out.square().mean(), device="cpu",
+                     budget="4MiB").max_batch_size  # fmt: skip
+
+    assert best(clone=False) == best(clone=True) > 64

@@ -248,9 +248,10 @@ class SimulatedBackend:
     def synchronize(self) -> None:
         """Ops run synchronously on the simulated device."""
 
-    def track(self, *objects: Any) -> None:
-        """Count existing objects (model, optimizer, tensors) on this device from now on."""
-        self.accountant.track(*objects)
+    def track(self, *objects: Any, inputs: bool = False) -> None:
+        """Count existing objects (model, optimizer, tensors) on this device from now on;
+        ``inputs``: data reaching the device, a view counted by its own elements."""
+        self.accountant.track(*objects, inputs=inputs)
 
     def activate(self) -> contextlib.AbstractContextManager[Any]:
         """Count ops run in this thread until the block exits (re-entrant)."""

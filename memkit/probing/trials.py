@@ -253,6 +253,23 @@ class TrialRunner:
             return self.make_batch(batch_size)
         return self.make_batch(batch_size, self.seq_len)
 
+    def _device_batch(self, batch_size: int) -> Any:
+        """``make_batch``'s batch on the device. On the simulated device a batch is host
+        tensors (``to_device`` leaves them), counted as they reach the device: made without
+        counting, then each tensor at its own size, so a batch sliced from a dataset in RAM
+        (``x_train[:n]``) counts its rows, as ``.to("cuda")`` would copy them, not the whole
+        dataset it views."""
+        backend = self.backend
+        if not isinstance(backend, SimulatedBackend):
+            return to_device(self._batch(batch_size), backend.device)
+        backend.count_ops(False, False)
+        try:
+            batch = to_device(self._batch(batch_size), backend.device)
+        finally:
+            backend.count_ops(True, True)
+        backend.track(batch, inputs=True)
+        return batch
+
     def _clean(self) -> None:
         """Back to the state before any trial: no gradients, the optimizer's state as saved,
         an empty cache and fresh peaks. ``gc.collect()`` only before the first trial and when
@@ -289,7 +306,7 @@ class TrialRunner:
             while True:
                 micro = self.step.micro_batches
                 for i in range(micro):
-                    batch = to_device(self._batch(batch_size), self.backend.device)
+                    batch = self._device_batch(batch_size)
                     self.step(self.model, batch, self.optimizer, last=i == micro - 1)
                     del batch
                 if self.sync is not None:

@@ -222,6 +222,8 @@ class MemoryAccountant(TorchDispatchMode):
         self.name = name or f"simulated {self.device}"
         self._lock = threading.Lock()
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
+        # storages counted as a view's own elements, while that view lives (_input_entry)
+        self._partial: set[int] = set()
         self._freed = self._ref_freed  # one bound method for every storage's weak reference
         self._current = 0
         self._peak = 0
@@ -285,7 +287,7 @@ class MemoryAccountant(TorchDispatchMode):
                 raise RuntimeError("another observer already records this accountant")
             live = []
             for key, (ref, counted) in self._live.items():
-                storage = ref()
+                storage = self._stored(ref)
                 if storage is not None:
                     alive.append(storage)
                     live.append((key, counted, int(storage.nbytes())))
@@ -306,7 +308,7 @@ class MemoryAccountant(TorchDispatchMode):
             entries = list(self._live.values())
         out = []
         for ref, nbytes in entries:
-            storage = ref()
+            storage = self._stored(ref)
             if storage is not None:
                 out.append((storage, nbytes))
         return out
@@ -315,7 +317,25 @@ class MemoryAccountant(TorchDispatchMode):
     def _size(self, storage: torch.UntypedStorage) -> int:
         return counted_bytes(storage.nbytes(), self.rounding)
 
+    def _input_entry(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, int]:
+        """How a host tensor that reaches the device is counted: ``(what its count lives as
+        long as, bytes)``. Its storage, whole; but a view of a larger storage (a batch sliced
+        from a dataset in RAM, ``x_train[i:i + 64]``) counts its own elements while the view
+        lives, as the copy ``.to("cuda")`` makes of it would."""
+        own = tensor.numel() * tensor.element_size()
+        if own >= storage.nbytes():
+            return storage, self._size(storage)
+        self._partial.add(id(storage))
+        return tensor, counted_bytes(own, self.rounding)
+
+    def _stored(self, ref: weakref.ref[Any]) -> torch.UntypedStorage | None:
+        """The storage a live entry counts (a view's, for a view counted by its elements)."""
+        held = ref()
+        return held.untyped_storage() if isinstance(held, torch.Tensor) else held
+
     def _on_free(self, key: int, _ref: object = None) -> None:
+        if self._partial:
+            self._partial.discard(key)
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
@@ -353,8 +373,10 @@ class MemoryAccountant(TorchDispatchMode):
         except Exception:  # a functorch or functional wrapper: no storage of its own
             return None
 
-    def track(self, *objects: Any) -> MemoryAccountant:
-        """Count the storages of existing objects (modules, optimizers, tensors) from now on.
+    def track(self, *objects: Any, inputs: bool = False) -> MemoryAccountant:
+        """Count the storages of existing objects (modules, optimizers, tensors) from now on;
+        ``inputs``: the objects are data reaching the device (a batch), counted as copying
+        them there would allocate (:meth:`_input_entry`).
 
         Tracking never raises an OOM: the objects already exist.
         """
@@ -363,7 +385,9 @@ class MemoryAccountant(TorchDispatchMode):
         for tensor in tensors_of(objects):
             storage = self._storage(tensor)
             if storage is not None and id(storage) not in self._live:
-                pending[id(storage)] = (storage, self._size(storage))
+                pending[id(storage)] = (
+                    self._input_entry(tensor, storage) if inputs else (storage, self._size(storage))
+                )
                 if adopted is not None:
                     adopted[id(storage)] = _existed(tensor)
         with self._lock:
@@ -386,7 +410,8 @@ class MemoryAccountant(TorchDispatchMode):
             if observer is not None:
                 adopted = self._adopted
                 existed = adopted.pop(key, None) if adopted else None
-                observer.allocated(key, nbytes, int(storage.nbytes()), existed)
+                requested = nbytes if key in self._partial else int(storage.nbytes())
+                observer.allocated(key, nbytes, requested, existed)
         if self._current > self._peak:
             self._peak = self._current
 
@@ -434,9 +459,13 @@ class MemoryAccountant(TorchDispatchMode):
                         new = {key: (storage, self._size(storage))}
                     elif key not in new:
                         new[key] = (storage, self._size(storage))
-            # a live storage's bytes are its count unless rounded, or resized in place (by
-            # resize_ or an out= op)
-            elif storage.nbytes() != entry[1] and self._size(storage) != entry[1]:
+            # a live storage's bytes are its count unless rounded, counted as a view's own
+            # (_input_bytes), or resized in place (by resize_ or an out= op)
+            elif (
+                storage.nbytes() != entry[1]
+                and self._size(storage) != entry[1]
+                and key not in self._partial
+            ):
                 grown += self._resized(key, entry, storage)
         if not adopting:
             return new, grown
@@ -471,7 +500,7 @@ class MemoryAccountant(TorchDispatchMode):
                 new = {}
             key = id(storage)
             if key not in new:
-                new[key] = (storage, self._size(storage))
+                new[key] = self._input_entry(tensor, storage)
             if self._adopted is not None:  # only for first-seen storages: no per-op cost
                 self._adopted[key] = _existed(tensor)
         return new
@@ -524,6 +553,8 @@ class MemoryAccountant(TorchDispatchMode):
                         if self._adopted:
                             self._adopted.clear()  # the op's storages are never counted
                         observer.out_of_memory(added, self.free or 0)
+            if self._partial:  # nor counted as views
+                self._partial.intersection_update(self._live)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).

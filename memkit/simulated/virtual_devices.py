@@ -215,8 +215,9 @@ class VirtualDevices(MemoryAccountant):
                 raise torch.OutOfMemoryError(self._oom_on(index, added))
             self._register_on(pending, index)
 
-    def track(self, *objects: Any) -> VirtualDevices:
-        """Count existing objects on the current device (0 unless set)."""
+    def track(self, *objects: Any, inputs: bool = False) -> VirtualDevices:
+        """Count existing objects on the current device (0 unless set), each storage whole
+        (``inputs`` too: a batch is placed on a virtual device by ``.to``, a copy)."""
         index = self.current_device
         if index != HOST:
             self._place(list(tensors_of(objects)), index)

@@ -123,7 +123,7 @@ class PhaseMachine:
                         self._training_forward_begins(sys._getframe(1))
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
-            sim.track(args)
+            sim.track(args, inputs=True)
         return kind
 
     def _training_forward_begins(self, frame: Any) -> None:
