@@ -656,3 +656,25 @@ def test_a_batch_sliced_from_a_dataset_in_ram_counts_its_own_rows_not_the_datase
                      budget="4MiB").max_batch_size  # fmt: skip
 
     assert best(clone=False) == best(clone=True) > 64
+
+
+@pytest.mark.parametrize(
+    ("model", "optimizer", "message"),
+    [
+        ("pair", None, r"follows one model, found a list of 2 modules.*memkit.track\(optimizer="),
+        ("one", "adam", r"optimizer: expected a torch.optim.Optimizer.*found str 'adam'"),
+        ("one", "module", r"optimizer: expected .*found Linear Linear\(in_features=2"),
+        ("path", None, r"model: expected the torch.nn.Module you train .*found str 'model.pt'"),
+    ],
+)
+def test_what_is_not_a_model_or_an_optimizer_is_named_before_the_block(model, optimizer, message):
+    """A GAN's ``track([generator, discriminator], [opt_g, opt_d])`` and other wrong arguments
+    get an error that says what was expected and what to pass, not an AttributeError from
+    inside the tracker's first hook."""
+    from memkit.errors import ConfigError
+
+    g, d = nn.Linear(2, 2), nn.Linear(2, 2)
+    models = {"pair": [g, d], "one": g, "path": "model.pt"}
+    optimizers = {None: None, "adam": "adam", "module": [d]}
+    with pytest.raises(ConfigError, match=message):
+        track(models[model], optimizers[optimizer])

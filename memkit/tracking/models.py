@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memkit.errors import ConfigError
 from memkit.tracking.fsdp import user_class_name
 from memkit.tracking.records import RootInfo
 
@@ -24,6 +25,42 @@ _UNREAD = object()
 ModelFound = Callable[[torch.nn.Module, bool], None]
 """Called with a model seen running for the first time, and whether that made the tracking
 compiled (it was the first compiled model)."""
+
+
+def _found(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _checked_model(model: Any) -> torch.nn.Module | None:
+    """``model`` if it is a module or ``None``; otherwise what to pass instead."""
+    if model is None or isinstance(model, torch.nn.Module):
+        return model
+    if isinstance(model, (list, tuple)) and all(isinstance(m, torch.nn.Module) for m in model):
+        raise ConfigError(
+            f"model: memkit.track follows one model, found a {type(model).__name__} of "
+            f"{len(model)} modules. For several models (a GAN's generator and discriminator), "
+            "leave model out: every model that runs a forward in the block is tracked, e.g. "
+            "memkit.track(optimizer=[opt_g, opt_d])"
+        )
+    raise ConfigError(
+        f"model: expected the torch.nn.Module you train (or None: every model that runs), "
+        f"found {_found(model)}"
+    )
+
+
+def _checked_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers given, as a list; an error naming what is not an optimizer."""
+    if optimizer is None:
+        return []
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for item in optimizers:
+        if not (hasattr(item, "param_groups") and callable(getattr(item, "step", None))):
+            raise ConfigError(
+                "optimizer: expected a torch.optim.Optimizer, a list of them, or None (every "
+                f"optimizer that steps), found {_found(item)}"
+            )
+    return optimizers
 
 
 class TrackedModels:
@@ -48,13 +85,8 @@ class TrackedModels:
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         lock: threading.RLock,
     ) -> None:
-        self.model = model
-        if optimizer is None:
-            self.optimizers: list[torch.optim.Optimizer] = []
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            self.optimizers = [optimizer]
-        else:
-            self.optimizers = list(optimizer)
+        self.model = _checked_model(model)
+        self.optimizers: list[torch.optim.Optimizer] = _checked_optimizers(optimizer)
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
