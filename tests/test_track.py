@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -678,3 +679,49 @@ def test_what_is_not_a_model_or_an_optimizer_is_named_before_the_block(model, op
     optimizers = {None: None, "adam": "adam", "module": [d]}
     with pytest.raises(ConfigError, match=message):
         track(models[model], optimizers[optimizer])
+
+
+def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
+    """Blocks under ``torch.utils.checkpoint`` run out in backward's recomputation: the
+    post-mortem says checkpointing already runs, names the blocks, proposes the other remedies
+    and names no module inside a block as keeping activations (what those keep is freed when
+    the block's forward ends)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.h = nn.ModuleList(
+                nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(4)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.h:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    def run(budget: int | None) -> TrackReport:
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with (
+            pytest.raises(torch.OutOfMemoryError) if budget else contextlib.nullcontext(),
+            track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker,
+        ):
+            for _ in range(2):
+                model(torch.randn(256, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report()
+
+    peak = run(None).devices[0].peak_allocated
+    pm = run(int(peak * 0.9)).oom
+    assert pm is not None and pm.phase == "backward", pm
+    # the blocks recomputed before it ran out (backward runs h.3 first), never their layers
+    blocks = ("h.0", "h.1", "h.2", "h.3")
+    assert pm.checkpointed and pm.checkpointed == blocks[-len(pm.checkpointed) :], pm.checkpointed
+    inside = tuple(block + "." for block in pm.checkpointed)
+    assert not any(path.startswith(inside) for path, _ in pm.top_modules), pm.top_modules
+    (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
+    assert "checkpoint the largest blocks" not in advice.action
+    assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence

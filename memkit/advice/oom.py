@@ -149,14 +149,19 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         accumulate = (
             "Halve the micro-batch and accumulate gradients over 2 steps (same effective batch)"
         )
+    if pm.checkpointed:
+        blocks = ", ".join(pm.checkpointed[:3]) + (", ..." if len(pm.checkpointed) > 3 else "")
+        done = f" Activation checkpointing already runs ({blocks} recomputed in backward)."
+        checkpoint = ""
+    else:
+        done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
     return Advice(
         code="oom-activations",
         title="activations fill the device",
         evidence=f"Activations were {format_size(bd.activations)} "
         f"({100 * share['activations']:.0f}% of {format_size(bd.total)}) when it "
-        f"failed at {pm.where}" + (f"; the largest come from {top}." if top else "."),
-        action=f"{accumulate}; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
-        f"{_precision_option(pm)}.",
+        f"failed at {pm.where}" + (f"; the largest come from {top}." if top else ".") + done,
+        action=f"{accumulate}{checkpoint}{_precision_option(pm)}.",
         saving_bytes=bd.activations // 2,
         severity="critical",
     )

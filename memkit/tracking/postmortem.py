@@ -123,6 +123,11 @@ def top_activation_modules(
     return tuple((m.path, own_kept(m)) for m in top if own_kept(m) > 0)[:n]
 
 
+def _inside(path: str, blocks: set[str]) -> bool:
+    """Whether the module at ``path`` lies inside one of ``blocks`` (strictly)."""
+    return any(path.startswith(block + ".") for block in blocks)
+
+
 def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem:
     """The post-mortem of ``exc`` (an OOM, or an exception whose chain holds one)."""
     oom = find_oom(exc) or exc
@@ -136,6 +141,10 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     parts = breakdown(moment._replace(total=a), evidence.persistent, evidence.remembered)
     training, grad_enabled = evidence.last_root if evidence.last_root else (None, None)
     first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else ""
+    # checkpointed blocks: what their inner modules "kept" at their forward's end is freed
+    # when the block ends (only the block's input is saved), so they are no activations to name
+    order = [m.path for m in evidence.modules if m.recompute_calls]
+    recomputed = set(order)
     pm = OomPostMortem(
         device=evidence.device,
         step=evidence.step,
@@ -150,7 +159,9 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         free=details.free if details.free is not None else evidence.free,
         allocated=a,
         breakdown=parts,
-        top_modules=top_activation_modules(evidence.modules),
+        top_modules=top_activation_modules(
+            [m for m in evidence.modules if not _inside(m.path, recomputed)]
+        ),
         leak=evidence.leak,
         advice=(),
         rank=evidence.rank,
@@ -158,6 +169,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         module_type=evidence.module_type,
         micro_batches=evidence.micro_batches,
         setup=evidence.setup,
+        checkpointed=tuple(p for p in order if not _inside(p, recomputed)),
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

@@ -289,6 +289,8 @@ class OomPostMortem(Result):
         micro_batches: the most training backward passes one optimizer step had used before
             it failed (over 1: gradient accumulation already runs).
         setup: the model's and optimizer's facts the advice reads, if seen.
+        checkpointed: the outermost modules whose forward ran again in backward (activation
+            checkpointing already runs there); ``top_modules`` leaves out what is inside them.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -315,6 +317,7 @@ class OomPostMortem(Result):
     module_type: str | None = None
     micro_batches: int = 1
     setup: TrainingSetup | None = None
+    checkpointed: tuple[str, ...] = ()
 
     @property
     def where(self) -> str:
