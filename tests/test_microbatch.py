@@ -507,3 +507,52 @@ def test_growth_trial_that_ooms_retries_the_same_batch_at_the_remembered_size():
     assert after is not None and after.ooms == 0 and after.attempts == 1 and after.chunks == 2
     assert step.policy.patience == 2 and step.micro_batch_size == 128
     assert steps[0] == 3 == step.steps
+
+
+def test_a_detection_batch_splits_its_list_of_per_image_targets_with_the_images():
+    """torchvision's detection batches are ``(images, targets)`` with ``targets`` a list of one
+    dict per image. The list used to reach every micro-batch whole, so ``zip(preds, targets)``
+    paired each micro-batch's images with the first images' targets: a silently wrong loss
+    and gradient. Split, both are the full batch's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(8, 4),
+    )  # fmt: skip
+    images = torch.randn(256, 3, 32, 32)
+    targets = [{"boxes": torch.rand(1 + i % 3, 4)} for i in range(256)]
+
+    def step_fn(batch):
+        imgs, tgts = batch
+        preds = net(imgs)
+        pairs = zip(preds, tgts, strict=True)
+        return torch.stack(
+            [F.smooth_l1_loss(p.expand_as(t["boxes"]), t["boxes"]) for p, t in pairs]
+        ).mean()
+
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    full_loss = step_fn((images, targets))
+    full_loss.backward()
+    full = [p.grad.clone() for p in net.parameters()]
+    opt.zero_grad(set_to_none=True)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def before_step() -> None:
+        seen["g"] = [p.grad.clone() for p in net.parameters()]
+
+    step = memkit.microbatch(step_fn, model=net, optimizer=opt, before_step=before_step)
+    with memkit.simulate("8MiB", track=(net, opt)):
+        loss = step((images, targets))
+    assert step.micro_batch_size < 256
+    assert loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    pairs = zip(full, seen["g"], strict=True)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs)
+
+
+def test_the_batch_size_is_the_per_sample_data_not_a_shared_tensor_of_another_length():
+    batch = {"pos": torch.arange(16), "x": torch.zeros(2000, 64), "mask": torch.ones(2000)}
+    assert batch_size_of(batch) == 2000
+    parts = split_batch(batch, 2)
+    assert [p["x"].shape[0] for p in parts] == [1000, 1000]
+    assert all(p["pos"] is batch["pos"] for p in parts)  # shared, given whole
+    assert split_batch([torch.zeros(2, 3), torch.zeros(2, 5)], 2)[1][1].shape == (1, 5)

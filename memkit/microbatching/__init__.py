@@ -8,13 +8,13 @@ batch into more micro-batches and tries again: no data is skipped, the optimizer
 once per batch, and it sees the gradient of the whole batch (up to floating-point summation
 order), not the gradient of a smaller batch.
 
-What gets split (see :func:`split_batch`): the batch size ``B`` is dim 0 of the first tensor
-with at least one dimension, in depth-first order (dicts in insertion order). Every tensor whose
-dim 0 is ``B`` is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one,
-larger first); dicts/mappings, tuples, named tuples and lists are walked and rebuilt. Anything
-else is given unchanged to every micro-batch: Python scalars and strings, 0-d tensors, tensors
-whose dim 0 is not ``B``, ``None``. A Python list is a container, not a batch axis: a list of
-``B`` strings is not split.
+What gets split (see :func:`split_batch`): the batch size ``B`` is the dim 0 along which the
+batch's tensors hold the most bytes (:func:`batch_size_of`). Every tensor whose dim 0 is ``B``
+is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one, larger first); a
+list of ``B`` per-sample items that holds no such tensor (a detection batch's target dicts,
+captions) is sliced the same way; dicts/mappings, tuples, named tuples and other lists are
+walked and rebuilt. Anything else is given unchanged to every micro-batch: Python scalars and
+strings, 0-d tensors, tensors whose dim 0 is not ``B``, ``None``.
 
 Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
 back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.

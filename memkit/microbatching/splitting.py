@@ -25,19 +25,33 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """Dim 0 of the first tensor with at least one dimension, depth first; ``None`` if none.
+    """The batch size: the dim 0 that the batch's tensors (of at least one dimension) hold the
+    most bytes along, the per-sample data (a shared ``positions`` tensor of another length is
+    not it); among equals, the first found depth first. ``None`` if no such tensor.
 
     Examples:
         >>> import torch
         >>> batch_size_of({"ids": torch.zeros(4, 7), "n": 3})
         4
+        >>> batch_size_of({"pos": torch.arange(16), "x": torch.zeros(2000, 64)})
+        2000
         >>> batch_size_of(3) is None
         True
     """
+    weight: dict[int, int] = {}
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            return int(leaf.shape[0])
-    return None
+            size = int(leaf.shape[0])
+            weight[size] = weight.get(size, 0) + leaf.numel() * leaf.element_size() + 1
+    return max(weight, key=weight.__getitem__) if weight else None
+
+
+def _holds_rows(obj: Any, size: int) -> bool:
+    """Whether ``obj`` holds a tensor with ``size`` rows (something split along dim 0)."""
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == size
+        for leaf in _leaves(obj)
+    )
 
 
 def chunk_sizes(batch_size: int, chunks: int) -> list[int]:
@@ -66,9 +80,10 @@ def _rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
 def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[Any]:
     """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
 
-    Tensors whose dim 0 equals the batch size are split; mappings, tuples (named tuples too)
-    and lists are rebuilt around their split items; everything else is passed unchanged to
-    every micro-batch.
+    Tensors whose dim 0 equals the batch size are split; a list of one item per sample (as
+    long as the batch, holding no tensor of that many rows: a detection batch's target dicts)
+    is sliced; mappings, tuples (named tuples too) and other lists are rebuilt around their
+    split items; everything else is passed unchanged to every micro-batch.
 
     Args:
         batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
@@ -104,6 +119,10 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
                 return [type(obj)(*row) for row in rows]
             return [tuple(row) for row in rows]
         if isinstance(obj, list):
+            if len(obj) == size and size > 1 and not _holds_rows(obj, size):
+                # one item per sample (a detection batch's target dicts, captions): sliced
+                starts = [sum(sizes[:i]) for i in range(chunks)]
+                return [obj[start : start + n] for start, n in zip(starts, sizes, strict=True)]
             columns = [split(value) for value in obj]
             return [[column[i] for column in columns] for i in range(chunks)]
         return [obj] * chunks
