@@ -597,3 +597,39 @@ def test_memory_a_failed_step_leaves_held_is_reported_when_a_step_does_not_relea
     assert "held by the model or the script (not by memkit)" in notes[0]
     assert any("stayed allocated" in line for line in str(result).splitlines())
     by_size.clear()
+
+
+def test_a_cache_buffer_the_model_regrows_is_left_as_made_and_everything_else_restored():
+    """Older transformers rotary embeddings (``_set_cos_sin_cache``) re-register their cos/sin
+    buffers at the longest sequence seen and keep that length in a plain attribute. The probe
+    crashed at its end copying the saved 32-row cache into the 64-row one ("internal error",
+    the answer lost). The cache is now left as the model made it (consistent with its
+    attribute), the report says so, and the parameters are restored bit for bit."""
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cached = 0
+            self.grow(32)
+
+        def grow(self, length: int) -> None:
+            self.cached = length
+            self.register_buffer("cos", torch.arange(length * 16.0).view(length, 16).cos())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[1] > self.cached:
+                self.grow(x.shape[1])
+            return x * self.cos[: x.shape[1]]
+
+    model = torch.nn.Sequential(Rotary(), torch.nn.Linear(16, 16))
+    before = [p.detach().clone() for p in model.parameters()]
+    result = probe(model, lambda n, seq_len: torch.randn(n, seq_len, 16), device="cpu",
+                   budget="4MiB", seq_len=64)  # fmt: skip
+    assert_exact(result)
+    assert any(
+        line.endswith("left as the model remade them (another shape): 0.cos")
+        for line in result.defaults
+    ), result.defaults
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert model[0].cos.shape == (64, 16) and model[0].cached == 64
+    model(torch.randn(2, 64, 16))  # still consistent

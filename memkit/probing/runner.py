@@ -266,6 +266,11 @@ def probe_with(
             held.clear()
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
+    if saved.kept_as_made:
+        defaults.append(
+            "restored: parameters, gradients, optimizer state, training flags and RNG; left as "
+            f"the model remade them (another shape): {', '.join(saved.kept_as_made)}"
+        )
     return _build_result(
         search, records, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),

@@ -56,6 +56,8 @@ class SavedState:
         self._training = {name: m.training for name, m in model.named_modules()}
         self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
         self._rng = rng_state()
+        self.kept_as_made: list[str] = []
+        """Buffers :meth:`restore` left as the model remade them (another shape or dtype)."""
 
     def reset_optimizer(self) -> None:
         """Put the optimizer's state back (cheap when it was empty, the usual case)."""
@@ -68,13 +70,23 @@ class SavedState:
             self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_state))
 
     def restore(self) -> None:
-        """Copy everything back into the live objects."""
+        """Copy everything back into the live objects.
+
+        A buffer the model replaced by one of another shape or dtype (a rotary embedding's
+        cos/sin cache grown to a longer sequence, with the length it now covers in a plain
+        attribute) is left as the model made it, consistent with its attributes; its name is
+        added to :attr:`kept_as_made`."""
         tensors = dict([*self.model.named_parameters(), *self.model.named_buffers()])
         with torch.no_grad():
             for name, saved in self._tensors.items():
                 live = tensors.get(name)
-                if live is not None:
-                    live.copy_(saved)
+                if live is None:
+                    continue
+                if live.shape != saved.shape or live.dtype != saved.dtype:
+                    if name not in self.kept_as_made:
+                        self.kept_as_made.append(name)
+                    continue
+                live.copy_(saved)
         for name, param in self.model.named_parameters():
             grad = self._grads.get(name)
             param.grad = None if grad is None else grad.to(param.device)
