@@ -262,7 +262,42 @@ def test_infer_mode_fits_more_than_train():
     train = probe(model, make, device="cpu", budget="8MiB")
     infer = probe(model, make, device="cpu", budget="8MiB", mode="infer")
     assert infer.max_batch_size > train.max_batch_size
-    assert any("inference_mode" in d for d in infer.defaults)
+    assert "step: forward under torch.no_grad() (inference)" in infer.defaults
+
+
+def test_infer_counts_the_temporaries_inside_a_composite_loss_as_an_eval_loop_allocates_them():
+    """A model that computes its loss from labels (transformers' ``labels=``) in evaluation:
+    ``cross_entropy`` makes fp32 log-probabilities as large as the logits. Under
+    ``torch.inference_mode()`` the simulated device saw the op whole and never counted them,
+    so ``--mode infer`` answered 23% above what the usual ``model.eval()`` + ``no_grad`` loop
+    fits. The answer must be that loop's boundary."""
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(64, 4096)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.head(x), labels)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randint(0, 4096, (n,))
+
+    def eval_loop_fits(n: int) -> bool:
+        torch.manual_seed(0)
+        model = WithLoss().eval()
+        try:
+            with memkit.simulate("8MiB", track=[model]), torch.no_grad():
+                for _ in range(2):
+                    model(*batch(n))
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    torch.manual_seed(0)
+    result = probe(WithLoss(), batch, device="cpu", budget="8MiB", mode="infer")
+    best = result.max_batch_size
+    assert best is not None and eval_loop_fits(best) and not eval_loop_fits(best + 1)
 
 
 def test_max_batch_cap_is_reported_as_such():

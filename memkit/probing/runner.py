@@ -134,7 +134,7 @@ def probe(
         loss_fn: ``loss_fn(output, batch)``; default: ``output.loss``, a scalar output, or the
             sum of the output.
         train_step: ``train_step(model, batch, optimizer)`` replacing the default step.
-        mode: ``"train"`` or ``"infer"`` (forward under ``torch.inference_mode()``).
+        mode: ``"train"`` or ``"infer"`` (forward under ``torch.no_grad()``).
         device: default: the model's accelerator, else the current one, else simulated cpu.
         budget: cap on the device's memory (on cpu: the simulated device's size).
         min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).

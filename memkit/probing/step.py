@@ -4,7 +4,10 @@ Default step: call the model by the batch's type (tensor: ``model(b)``, tuple/li
 ``model(*b)``, dict: ``model(**b)``); loss = ``loss_fn(output, batch)`` if given, else
 ``output.loss`` if present (transformers models), else the output if it is a scalar, else the
 sum of every floating-point tensor in the output; backward; optimizer step;
-``zero_grad(set_to_none=True)``. Inference runs the forward under ``torch.inference_mode()``.
+``zero_grad(set_to_none=True)``. Inference runs the forward under ``torch.no_grad()``: it
+allocates what ``torch.inference_mode()`` does on a GPU, and on the simulated device the
+temporaries inside composite ops (``cross_entropy``'s log-probabilities) reach the counting
+mode only outside inference mode, whose dispatch skips the keys where they decompose.
 
 Like a training loop's ``out = model(x)`` (or nanoGPT's ``logits, loss = model(X, Y)``), the
 step keeps the model's output alive through backward and the optimizer step, until the next
@@ -158,7 +161,7 @@ class StepPlan:
     ) -> None:
         """One micro-batch; ``last``: the one that ends an optimizer step."""
         if self.mode == "infer":
-            with torch.inference_mode():
+            with torch.no_grad():
                 output = call_model(model, batch)
             self._kept = output  # the previous output lived until this forward returned
             return
@@ -203,7 +206,7 @@ class StepPlan:
         """Lines such as ``"step: default (forward, loss, backward, optimizer.step)"``."""
         kept = "kept: the model's output, until the next step's forward returns (`out = model(x)`)"
         if self.mode == "infer":
-            return ["step: forward under torch.inference_mode() (inference)", kept]
+            return ["step: forward under torch.no_grad() (inference)", kept]
         accumulating = []
         if self.micro_batches > 1:
             accumulating = [
