@@ -196,6 +196,12 @@ def make_optimizer(spec: ModelSpec, model: Any) -> tuple[Any, str]:
     import torch
 
     if spec.build_optimizer is None:
+        if next(iter(model.parameters()), None) is None:
+            raise ModelFileError(
+                f"{spec.path}: build_model() returned a {type(model).__name__} with no "
+                "parameters, so there is nothing to train (the default optimizer, AdamW, needs "
+                "some); probe its forward alone with --mode infer, or return the model you train"
+            )
         return torch.optim.AdamW(model.parameters()), "AdamW (default)"
     optimizer = call_user(
         spec.build_optimizer, model.parameters(), what="build_optimizer()", path=spec.path

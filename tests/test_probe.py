@@ -668,3 +668,37 @@ def test_a_cache_buffer_the_model_regrows_is_left_as_made_and_everything_else_re
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert model[0].cos.shape == (64, 16) and model[0].cached == 64
     model(torch.randn(2, 64, 16))  # still consistent
+
+
+def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
+    """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
+    examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3
+    were given". A forward of one argument gets the inputs; the loss gets the whole batch;
+    a forward of two (nanoGPT's ``forward(idx, targets=None)``) still gets both."""
+
+    class OneInput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    class TwoInputs(OneInput):
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            out = self.fc(x)
+            return out if y is None else torch.nn.functional.cross_entropy(out, y)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 32), torch.randint(0, 10, (n,))
+
+    def loss(out: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, b[1])
+
+    for mode in ("train", "infer"):
+        result = probe(OneInput(), batch, loss_fn=loss, device="cpu", budget="1MiB", mode=mode)
+        assert_exact(result)
+    assert (
+        "loss: the scalar output (default)"
+        in probe(TwoInputs(), batch, device="cpu", budget="1MiB", max_batch=8).defaults
+    )

@@ -188,3 +188,18 @@ def test_train_and_infer_in_one_run():
     assert data["infer"]["max_batch_size"] > data["train"]["max_batch_size"]
     # the text of the same run is test_golden's probe_train_infer
     assert run(*args, "--mode", "train,eval").exit_code == 2
+
+
+def test_a_model_without_parameters_is_the_model_files_problem_not_memkits(tmp_path: Path):
+    """The default AdamW of a parameterless model raised ValueError inside memkit: reported as
+    "internal error ... please report it", exit 3. It is the model file's: exit 2, one line."""
+    path = tmp_path / "no_params.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.ReLU()\n"
+        "def make_batch(n):\n    return torch.randn(n, 8)\n"
+    )
+    result = CliRunner().invoke(cli, ["probe", str(path), "--device", "cpu", "--budget", "1MiB"])
+    assert result.exit_code == 2, result.output
+    assert "returned a ReLU with no parameters" in result.output
+    assert "internal error" not in result.output and "Traceback" not in result.output

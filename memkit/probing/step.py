@@ -27,6 +27,7 @@ micro-batch with an optimizer whose ``step()`` and ``zero_grad()`` act on the la
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,12 +64,36 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    """Call the model the way the batch's type suggests."""
+    """Call the model the way the batch's type suggests: a mapping as keyword arguments, a
+    tuple or list as positional ones, except that an ``(inputs, labels)`` batch goes in as
+    ``model(inputs)`` when ``forward`` takes exactly one argument (the labels are the loss's,
+    :func:`resolve_loss` gets the whole batch)."""
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
+        if len(batch) > 1 and takes_one_input(model):
+            return model(batch[0])
         return model(*batch)
     return model(batch)
+
+
+def takes_one_input(model: torch.nn.Module) -> bool:
+    """Whether the model's ``forward`` takes exactly one positional argument."""
+    forward = type(model).forward
+    known = _ONE_INPUT.get(forward)
+    if known is None:
+        try:
+            params = list(inspect.signature(forward).parameters.values())[1:]  # after self
+        except (TypeError, ValueError):  # a builtin or a wrapper without a signature
+            params = []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+        known = _ONE_INPUT[forward] = len(positional) == 1 and not variadic
+    return known
+
+
+_ONE_INPUT: dict[Any, bool] = {}
+"""``forward`` function -> :func:`takes_one_input`'s answer."""
 
 
 def _float_tensors(output: Any) -> list[torch.Tensor]:
