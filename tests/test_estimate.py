@@ -504,3 +504,21 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
     assert ".." not in str(shape.value)
     with pytest.raises(UserCodeError, match="meta tensors, which hold no values"):
         estimate(str(reads_value), device_memory="1GiB")
+
+
+def test_the_headline_claims_the_margin_only_where_the_recommended_size_leaves_it(
+    files: dict[str, str],
+) -> None:
+    """examples/mlp.py at batch 1 reserves 122 MiB, and 123 MiB are usable: the headline said
+    "recommended 1 (leaves 5% free)" over a reserved peak of 99% of it. It now says what is
+    left, as the probe's does."""
+    est = estimate(files["mlp"], device_memory="623MiB", max_batch=64)  # ampere: 500 MiB context
+    rec = est.recommended_batch_size
+    ran = next(t for t in est.trials if t.batch_size == rec)
+    free = 1 - ran.reserved_peak / est.usable_bytes
+    text = str(est).splitlines()[0]
+    if free < est.margin:
+        assert f"no size leaves 5% free (batch {rec} leaves {free:.1%})" in text
+    else:
+        assert f"recommended {rec} (leaves 5% free)" in text
+    assert free < est.margin  # the case this test is for

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import section, table
+from memkit.render.text import recommended_words, section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -47,10 +47,13 @@ def estimate_headline(est: Estimate) -> str:
             f"{format_size(need)} reserved on a {card} ({usable})."
         )
     bound = " (the --max-batch limit, not a memory limit)" if est.hit_max_batch else ""
+    rec = est.recommended_batch_size
+    ran = next((t for t in est.trials if t.batch_size == rec), None)
+    peak = None if ran is None else ran.reserved_peak
+    words = recommended_words(rec, est.margin, peak, est.usable_bytes)
     return (
         f"Estimated largest batch ({est.mode}{seq}{amp}) on a {card} ({usable}): "
-        f"{est.max_batch_size}{bound}; recommended {est.recommended_batch_size} "
-        f"(leaves {est.margin:.0%} free)."
+        f"{est.max_batch_size}{bound}; {words}."
     )
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import section, table
+from memkit.render.text import recommended_words, section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -70,15 +70,10 @@ def _shows_ranks(result: ProbeResult) -> bool:
 
 def _recommended_words(result: ProbeResult) -> str:
     """``recommended N (leaves 5% free)``, only where the numbers say so."""
-    margin, rec, cap = f"{result.margin:.0%}", result.recommended_batch_size, result.capacity_bytes
-    if rec is None:
-        return f"no size leaves {margin} free"
-    ran = result.trial(rec)
-    if ran is not None and ran.peak_bytes is not None and cap:
-        free = 1 - ran.peak_bytes / cap
-        if free < result.margin:
-            return f"no size leaves {margin} free (batch {rec} leaves {free:.1%})"
-    return f"recommended {rec} (leaves {margin} free)"
+    rec = result.recommended_batch_size
+    ran = None if rec is None else result.trial(rec)
+    peak = None if ran is None else ran.peak_bytes
+    return recommended_words(rec, result.margin, peak, result.capacity_bytes)
 
 
 def probe_headline(result: ProbeResult) -> str:

@@ -63,3 +63,25 @@ def section(heading: str, body: str | Iterable[str]) -> list[str]:
     (an empty string, or no lines)."""
     lines = ([body] if body else []) if isinstance(body, str) else list(body)
     return ["", heading, *lines] if lines else []
+
+
+def recommended_words(
+    rec: int | None, margin: float, peak: int | None, capacity: int | None
+) -> str:
+    """``recommended N (leaves 5% free)``, only where the numbers say so: ``peak`` is the
+    recommended size's measured peak (``None``: not run), ``capacity`` what it is held against.
+
+    Examples:
+        >>> recommended_words(30, 0.05, 950, 1000)
+        'recommended 30 (leaves 5% free)'
+        >>> recommended_words(1, 0.05, 990, 1000)
+        'no size leaves 5% free (batch 1 leaves 1.0%)'
+    """
+    share = f"{margin:.0%}"
+    if rec is None:
+        return f"no size leaves {share} free"
+    if peak is not None and capacity:
+        free = 1 - peak / capacity
+        if free < margin:
+            return f"no size leaves {share} free (batch {rec} leaves {free:.1%})"
+    return f"recommended {rec} (leaves {share} free)"
