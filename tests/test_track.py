@@ -725,3 +725,31 @@ def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
     assert "checkpoint the largest blocks" not in advice.action
     assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence
+
+
+def test_an_ema_copy_updated_between_steps_is_device_memory():
+    """A diffusion or vision script keeps an EMA of its model and updates it after each
+    optimizer step, between memkit's steps. On a GPU the copy lives on the device, so it is in
+    every later step's peak; the simulated device only counted it at its first forward (an
+    evaluation at the end), 10% low on a DDPM-like script. Work between steps that reads
+    device memory is device work: the peak with the EMA is the peak without it plus the
+    copy's bytes."""
+
+    def peak(ema: bool) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+        shadow = copy.deepcopy(model).requires_grad_(False)
+        opt = torch.optim.Adam(model.parameters())
+        with track(model, opt, device="cpu", budget="64MiB", postmortem=None) as tracker:
+            for _ in range(3):
+                model(torch.randn(32, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if ema:
+                    with torch.no_grad():
+                        for s, p in zip(shadow.parameters(), model.parameters(), strict=True):
+                            s.lerp_(p, 0.01)
+        return tracker.report().devices[0].peak_allocated
+
+    copy_bytes = (64 * 512 + 512 + 512 * 64 + 64) * 4
+    assert peak(ema=True) - peak(ema=False) == copy_bytes

@@ -271,7 +271,8 @@ class SimulatedBackend:
     def count_ops(self, counting: bool, adopting: bool) -> None:
         """Whether ops now create device memory (``counting``) and whether storages made
         earlier become device memory when an op reads them (``adopting``): a tracker turns
-        both off for host-side work (data loading, code between steps)."""
+        both off for host-side work (data loading, code between steps), where an op that
+        reads device memory still counts (:attr:`MemoryAccountant.device_work`)."""
         acct = self.accountant
         acct.counting = counting
         acct.adopting = adopting

@@ -233,6 +233,10 @@ class MemoryAccountant(TorchDispatchMode):
         """Count storages that ops create (off: host-side work such as data loading)."""
         self.adopting = True
         """Adopt storages that existed before and that an op reads for the first time."""
+        self.device_work = False
+        """While ``counting`` is off: still count an op that reads a counted storage, and adopt
+        its other inputs (work on device tensors between a tracker's steps, an EMA's update:
+        on a GPU an op's outputs are where its inputs are)."""
         _ACCOUNTANTS.add(self)
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
@@ -535,9 +539,16 @@ class MemoryAccountant(TorchDispatchMode):
         # an OpOverload's __call__ is this call of its C++ op, one Python frame less per op
         run = func._op if type(func) is _OP_OVERLOAD else func
         out = run(*args, **kwargs) if kwargs else run(*args)
-        if not self.counting:
+        if self.counting:
+            new, grown = self._scan(out, args, kwargs)
+        elif self.device_work and not self._live.keys().isdisjoint(self._read(args, kwargs)):
+            adopting, self.adopting = self.adopting, True
+            try:
+                new, grown = self._scan(out, args, kwargs)
+            finally:
+                self.adopting = adopting
+        else:
             return out
-        new, grown = self._scan(out, args, kwargs)
         if new is None and grown == 0:
             return out  # most ops: a view, an in-place op, or outputs counted already
         added = 0

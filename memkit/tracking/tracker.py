@@ -235,9 +235,12 @@ class Tracker:
         tracked = [x for x in (self.models.model, *self.models.optimizers) if x is not None]
         if tracked:
             backend.track(*tracked)
-        # host-side work between steps (datasets, data loading) is not device memory
+        # host-side work between steps (datasets, data loading) is not device memory; work
+        # on device memory between steps (an EMA's update, a metric of the outputs) is
         backend.count_ops(False, False)
+        backend.accountant.device_work = True
         stack.callback(backend.count_ops, True, True)
+        stack.callback(setattr, backend.accountant, "device_work", False)
         self.notes.append(
             "simulated device: counts the model, its inputs and what training and "
             "evaluation steps create, in the thread that entered the block (not "
