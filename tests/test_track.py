@@ -753,3 +753,32 @@ def test_an_ema_copy_updated_between_steps_is_device_memory():
 
     copy_bytes = (64 * 512 + 512 + 512 * 64 + 64) * 4
     assert peak(ema=True) - peak(ema=False) == copy_bytes
+
+
+def test_two_live_models_of_one_class_keep_their_own_rows():
+    """cleanrl's PPO agent has an actor and a critic, both ``nn.Sequential``. Found by the
+    global hooks (``memkit run``), their rows were merged: the last layer showed 32 calls and a
+    blend of the actor's 1 KiB and the critic's 256 B. A model alive beside another of its
+    class gets ``Class#2``; one re-created after its predecessor died shares the rows."""
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    critic = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.Adam([*actor.parameters(), *critic.parameters()])
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(3):
+            obs = torch.randn(64, 8)
+            (actor(obs).square().mean() + critic(obs).square().mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert rows["Sequential.2"].calls == rows["Sequential#2.2"].calls == 3
+    assert rows["Sequential.2"].activation_bytes == 64 * 4 * 4  # the actor's logits
+    assert rows["Sequential#2.2"].activation_bytes == 64 * 1 * 4  # the critic's value
+
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):  # a model rebuilt each round, the old one freed
+            model = nn.Sequential(nn.Linear(8, 4))
+            model(torch.randn(2, 8)).sum().backward()
+            del model
+    paths = {m.path for m in tracker.report().devices[0].modules}
+    assert not any("#" in path for path in paths), paths

@@ -147,11 +147,26 @@ class TrackedModels:
         with self._lock:  # replica threads (DataParallel) meet new roots at the same time
             return self._new_root(module)
 
+    def _distinct(self, name: str, module: torch.nn.Module) -> str:
+        """``name``, or ``name#2``, ``name#3``... while other models of the class are alive (a
+        PPO agent's actor and critic, both ``Sequential``). A model re-created after its
+        predecessor died, and DataParallel's replicas, share the name: their rows add up."""
+        if getattr(module, "_is_replica", False):
+            return name
+        taken = set()
+        for root in self.roots.values():
+            other = root.ref()
+            if other is not None and other is not module and root.model and root.keys:
+                taken.add(root.keys.get(id(other)))
+        if name not in taken:
+            return name
+        return next(f"{name}#{n}" for n in range(2, len(taken) + 3) if f"{name}#{n}" not in taken)
+
     def _new_root(self, module: torch.nn.Module) -> RootInfo:
         target = getattr(module, "_orig_mod", None)
         wrapper = isinstance(target, torch.nn.Module)
         inner: torch.nn.Module = target if wrapper else module  # type: ignore[assignment]
-        name = user_class_name(inner)
+        name = self._distinct(user_class_name(inner), module)
         keys: dict[int, str | None] = {id(module): name}
         if wrapper:
             keys[id(inner)] = None
