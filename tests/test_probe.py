@@ -702,3 +702,47 @@ def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
         "loss: the scalar output (default)"
         in probe(TwoInputs(), batch, device="cpu", budget="1MiB", max_batch=8).defaults
     )
+
+
+@pytest.mark.parametrize("keep", ["output", "loss"])
+def test_the_answer_is_the_loops_whether_it_keeps_the_output_or_only_the_loss(keep):
+    """nanoGPT keeps ``logits`` until the next forward; transformers' ``Trainer`` takes
+    ``loss = model(**inputs).loss`` and drops the logits before backward. ``keep_output``
+    (``--keep output|loss``) answers for each: B fits in that loop and B + 1 runs out. The
+    loss-only answer is the larger (a tiny GPT-2 at 128 MiB: 31 against 27)."""
+    ce = torch.nn.functional.cross_entropy
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2048)
+        )
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randint(0, 2048, (n,))
+
+    def loop_fits(n: int) -> bool:
+        net = model()
+        opt = torch.optim.AdamW(net.parameters())
+        try:
+            with memkit.simulate("16MiB", track=[net]):
+                for _ in range(3):
+                    x, y = batch(n)
+                    if keep == "output":
+                        out = net(x)
+                        loss = ce(out, y)
+                    else:
+                        loss = ce(net(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    result = probe(model(), batch, loss_fn=lambda out, b: ce(out, b[1]), device="cpu",
+                   budget="16MiB", keep_output=keep == "output")  # fmt: skip
+    best = result.max_batch_size
+    assert best is not None and loop_fits(best) and not loop_fits(best + 1)
+    assert any(line.startswith(f"kept: the {'model' if keep == 'output' else 'loss'}")
+               for line in result.defaults)  # fmt: skip

@@ -48,6 +48,10 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
 @click.option("--seq-len", callback=_parse_seq_lens, default=None,
               help="Sequence length(s) for make_batch(batch_size, seq_len): "
               "128,512,2048.")  # fmt: skip
+@click.option("--keep", type=click.Choice(["output", "loss"]), default="output",
+              show_default=True, help="What the default step keeps, as your loop does: the "
+              "model's output until the next forward (`out = model(x)`), or the loss only "
+              "(`loss = model(x).loss`, transformers' Trainer).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--ddp", is_flag=True, help="Under torchrun: wrap the model in "
               "DistributedDataParallel for the trials (its buckets and all-reduce are "
@@ -77,6 +81,7 @@ def probe(
     target_batch: int | None,
     accumulate: int | None,
     seq_len: list[int] | None,
+    keep: str,
     as_json: bool,
     ddp: bool,
     timeout: float | None,
@@ -105,7 +110,7 @@ def probe(
             seq_len=seq_len, as_json=as_json, steps=steps,
             ignored={"--mode": mode != ["train"], "--min-batch": min_batch != 1,
                      "--margin": margin is not None, "--target-batch": target_batch is not None,
-                     "--accumulate": accumulate is not None,
+                     "--accumulate": accumulate is not None, "--keep": keep != "output",
                      "--ddp": ddp, "--timeout": timeout is not None,
                      "--dist-backend": dist_backend is not None},
         )  # fmt: skip
@@ -126,7 +131,7 @@ def probe(
         options = ProbeOptions(
             min_batch=min_batch, max_batch=max_batch, steps=steps,
             margin=DEFAULT_MARGIN if margin is None else margin, target_batch=target_batch,
-            accumulation=accumulate, ddp=ddp, timeout=wait,
+            accumulation=accumulate, ddp=ddp, timeout=wait, keep_output=keep == "output",
         )  # fmt: skip
         per_mode = [
             probe_file(

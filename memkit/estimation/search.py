@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
 from memkit.probing.search import Trial, search_max_batch
-from memkit.probing.step import StepPlan, call_model, check_batch, resolve_loss
+from memkit.probing.step import StepPlan, check_batch
 
 __all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "estimate"]
 
@@ -188,18 +187,8 @@ def _start_session(
 def _plan(spec: ModelSpec, mode: str, keep_output: bool) -> StepPlan:
     """Probe's step, or (``keep_output=False``, training, no ``train_step`` in the file) the
     default step that drops the output once the loss is taken."""
-    if keep_output or mode != "train" or spec.train_step is not None:
-        return StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
-    loss_fn = spec.loss_fn
-
-    def loss_only_step(model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
-        loss, _ = resolve_loss(call_model(model, batch), batch, loss_fn)  # the output dropped
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    label = "step: default, keeping only the loss (the output dropped before backward)"
-    return StepPlan(mode, loss_fn=loss_fn, train_step=loss_only_step, step_label=label)
+    keep = keep_output or mode != "train" or spec.train_step is not None
+    return StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step, keep_output=keep)
 
 
 def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None, int]]:

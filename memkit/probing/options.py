@@ -81,6 +81,9 @@ class ProbeOptions(SearchOptions):
             accumulating step it gives.
         accumulation: micro-batches per optimizer step in the script (``None`` or 1: none).
         ddp: wrap the model in ``DistributedDataParallel`` for the trials.
+        keep_output: the default step keeps the model's output until the next forward
+            (``out = model(x)``); ``False``: only the loss (``loss = model(x).loss``, as
+            transformers' ``Trainer`` does), for a larger answer where the script drops it.
         timeout: seconds to wait for the other ranks at each agreement (``None``: the process
             group's).
 
@@ -99,6 +102,7 @@ class ProbeOptions(SearchOptions):
     accumulation: int | None = None
     ddp: bool = False
     timeout: float | None = None
+    keep_output: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -110,6 +110,7 @@ def probe(
     timeout: float | None = None,
     step_label: str | None = None,
     accumulation: int | None = None,
+    keep_output: bool = True,
 ) -> ProbeResult:
     """Find the largest batch size that fits, exactly, and leave everything as it was.
 
@@ -154,6 +155,9 @@ def probe(
         step_label: how the report describes ``train_step`` (default: the model file's).
         accumulation: micro-batches per optimizer step in the script (gradient
             accumulation); ``None`` or 1: none, unless ``target_batch`` needs it.
+        keep_output: the default step keeps the model's output until the next forward has
+            returned, as ``out = model(x)`` does; ``False``: only the loss, as
+            ``loss = model(x).loss`` (transformers' ``Trainer``) does.
 
     Inside an initialised process group every rank must call ``probe`` with the same options:
     each probes its own device, the ranks agree after every trial (a size fits only if it fits
@@ -177,7 +181,7 @@ def probe(
     options = ProbeOptions(
         mode=mode, seq_len=seq_len, min_batch=min_batch, max_batch=max_batch, steps=steps,
         margin=margin, target_batch=target_batch, accumulation=accumulation, ddp=ddp,
-        timeout=timeout,
+        timeout=timeout, keep_output=keep_output,
     )  # fmt: skip
     return probe_with(
         model, make_batch, options, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step,
@@ -222,7 +226,7 @@ def probe_with(
         )
     plan = StepPlan(
         opts.mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
-        accumulation=opts.accumulation or 1,
+        accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
     )  # fmt: skip
     saved = SavedState(model, optimizer)
     target = _wrap_agreed(model, backend, opts.timeout) if opts.ddp and not is_ddp(model) else model

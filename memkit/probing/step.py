@@ -164,6 +164,9 @@ class StepPlan:
     """The step a probe runs, and the description of each default it used.
 
     ``accumulation``: micro-batches per optimizer step in the script (1: none).
+    ``keep_output``: the default step keeps the model's output as a loop's ``out = model(x)``
+    does (until the next forward has returned); ``False``: as ``loss = model(x).loss``, the
+    output is dropped once the loss is taken (transformers' ``Trainer``).
     """
 
     mode: str
@@ -171,6 +174,7 @@ class StepPlan:
     train_step: Callable[[Any, Any, Any], Any] | None = None
     step_label: str | None = None
     accumulation: int = 1
+    keep_output: bool = True
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
     _kept_loss: Any = field(default=None, init=False, repr=False)
@@ -188,7 +192,8 @@ class StepPlan:
         if self.mode == "infer":
             with torch.no_grad():
                 output = call_model(model, batch)
-            self._kept = output  # the previous output lived until this forward returned
+            # the previous output lived until this forward returned
+            self._kept = output if self.keep_output else None
             return
         if self.train_step is not None:
             if self.micro_batches == 1:
@@ -201,6 +206,8 @@ class StepPlan:
         output = call_model(model, batch)
         self._kept = None  # `out = model(x)` rebinds the loop's variable only now
         loss, self.loss_rule = resolve_loss(output, batch, self.loss_fn)
+        if not self.keep_output:
+            output = None  # `loss = model(x).loss`: nothing else of the output is held
         if self.accumulation > 1:
             loss = loss / self.accumulation
         self._kept_loss = None  # and `loss = ...` now: a loop's loss lives through the step
@@ -230,6 +237,9 @@ class StepPlan:
     def describe(self) -> list[str]:
         """Lines such as ``"step: default (forward, loss, backward, optimizer.step)"``."""
         kept = "kept: the model's output, until the next step's forward returns (`out = model(x)`)"
+        if not self.keep_output:
+            kept = "kept: the loss only (`loss = model(x).loss`): the output is dropped once "
+            kept += "the loss is taken" if self.mode == "train" else "it returns"
         if self.mode == "infer":
             return ["step: forward under torch.no_grad() (inference)", kept]
         accumulating = []
