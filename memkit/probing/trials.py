@@ -401,22 +401,23 @@ class TrialRunner:
         if read()[0] <= before:
             return
         fitted = [size for size, record in self.records.items() if record.fits]
-        if fitted:
-            try:
-                with self.backend.uncapped():
-                    self._run_steps(min(fitted), extend=False, steps=1)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise UserCodeError(
-                        f"the training step raised {type(exc).__name__} at batch size "
-                        f"{min(fitted)}, which had fit before; this is not an out-of-memory "
-                        "error, so memkit stopped:\n"
-                        + "".join(traceback.format_exception(exc)).rstrip(),
-                        original=exc,
-                    ) from exc
-                recover(self.backend, exc)
-                del exc
-            self._clean()
+        if not fitted:  # nothing fit: no trial follows that it could fail (and a first
+            return  # trial's lazy allocations, a cuBLAS workspace, are no one's to blame)
+        try:
+            with self.backend.uncapped():
+                self._run_steps(min(fitted), extend=False, steps=1)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise UserCodeError(
+                    f"the training step raised {type(exc).__name__} at batch size "
+                    f"{min(fitted)}, which had fit before; this is not an out-of-memory "
+                    "error, so memkit stopped:\n"
+                    + "".join(traceback.format_exception(exc)).rstrip(),
+                    original=exc,
+                ) from exc
+            recover(self.backend, exc)
+            del exc
+        self._clean()
         held = read()[0] - before
         if held > 0:
             self.held_after_oom[batch_size] = held
