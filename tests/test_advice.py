@@ -84,6 +84,31 @@ def test_zero_grad_set_to_none_false_fires_and_default_is_silent():
     assert "zero-grad-keeps-grads" not in codes(healthy.advice)
 
 
+def test_zero_grad_advice_quotes_the_gradients_alive_when_the_forward_began():
+    """A DCGAN loop: the generator's step runs ``netD(fake)`` right after
+    ``optimizerD.step()``, with the discriminator's gradients still allocated and the
+    generator's just zeroed. The advice quoted the breakdown's gradients (both models',
+    alive only mid-step: 395.62 KiB on the sweep's DCGAN) instead of what the forward began
+    with (the discriminator's: 167.75 KiB there)."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(16, 64), nn.Linear(64, 1)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(4):
+            fake = gen(torch.randn(32, 16))
+            disc.zero_grad()
+            disc(fake.detach()).mean().backward()
+            opt_d.step()
+            gen.zero_grad()
+            disc(fake).mean().backward()  # begins with the discriminator's gradients
+            opt_g.step()
+    report = tracker.report()
+    (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
+    disc_grads = (64 + 1) * 4
+    assert report.grads_at_forward_bytes == disc_grads
+    assert f"with the {format_size(disc_grads)} of gradients" in adv.evidence
+
+
 def test_optimizer_state_fires_for_adam_on_a_large_model_and_not_for_sgd():
     model = blocks(4, 1024)  # 16 MiB of weights; Adam adds 32 MiB of moments
     x = torch.randn(4, 1024)

@@ -201,7 +201,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         ),
         zero_grad_keeps_grads(
             steps_with_grads=report.steps_with_grads_at_forward,
-            gradient_bytes=bd.gradients,
+            gradient_bytes=report.grads_at_forward_bytes or bd.gradients,
             peak_phase=bd.phase,
             device=dev.device,
             peak_bytes=bd.total,

@@ -103,6 +103,20 @@ class Evidence:
         self.facts.grads_were_none = none = param.grad is None
         return none
 
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradients the models hold now, each storage once."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.models.root_modules():
+            for param in module.parameters():
+                grad = param.grad
+                if grad is not None:
+                    storage = grad.untyped_storage()
+                    if id(storage) not in seen:
+                        seen.add(id(storage))
+                        total += storage.nbytes()
+        return total
+
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""
         models = self.models
@@ -152,6 +166,7 @@ class Evidence:
             "optimizer_name": facts.optimizer_name,
             "autocast_forwards": facts.autocast_forwards,
             "steps_with_grads_at_forward": facts.grads_steps,
+            "grads_at_forward_bytes": facts.grads_at_forward_bytes,
             "dp_output_bytes": facts.dp_output_bytes,
         }
         model = self.models.model

@@ -144,6 +144,9 @@ class PhaseMachine:
             facts.grads_checked_step = state.step
             if not self.grads_none_at_forward:  # read by the transition just now
                 facts.grads_steps += 1
+                if facts.grads_steps <= 3:  # what the advice quotes: a walk, three times
+                    found = self.evidence.gradient_bytes()
+                    facts.grads_at_forward_bytes = max(facts.grads_at_forward_bytes, found)
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
         """The model's forward returned (``delta``: what it left allocated on ``dev``). The

@@ -94,6 +94,7 @@ class RunFacts:
     grads_were_none: bool = True  # the model had no gradients at the last look
     autocast_forwards: int = 0
     grads_steps: int = 0  # steps whose first forward found gradients allocated
+    grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
     grads_checked_step: int = 0
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
 

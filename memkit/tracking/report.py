@@ -438,6 +438,8 @@ class TrackReport(Result):
         autocast_forwards: forward passes run under ``torch.autocast``.
         steps_with_grads_at_forward: steps (after the first) whose first forward began with
             gradients allocated (``zero-grad-keeps-grads``).
+        grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
+            (measured at the first three).
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
@@ -471,6 +473,7 @@ class TrackReport(Result):
     optimizer_name: str | None = None
     autocast_forwards: int = 0
     steps_with_grads_at_forward: int = 0
+    grads_at_forward_bytes: int = 0
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
