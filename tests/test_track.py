@@ -782,3 +782,32 @@ def test_two_live_models_of_one_class_keep_their_own_rows():
             del model
     paths = {m.path for m in tracker.report().devices[0].modules}
     assert not any("#" in path for path in paths), paths
+
+
+def test_host_work_between_steps_that_reads_the_model_or_the_dataset_stays_host_work():
+    """What an EMA's update is (a write into tensors from device ones) and what it is not: an
+    early-stopping snapshot ``{k: v.cpu().clone()}`` (a host copy on a GPU) and a reshuffle of
+    the dataset that the last batch views (host data: only the batch's copy is on the device)
+    must not count. The reshuffle of a 48 MiB dataset used to raise a false OOM on 16 MiB."""
+    torch.manual_seed(0)
+    x_train = torch.randn(16_384, 768)
+
+    def peaks(snapshot: bool) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(768, 256), nn.ReLU(), nn.Linear(256, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = x_train
+        with track(model, opt, device="cpu", budget="16MiB", postmortem=None) as tracker:
+            for _ in range(2):
+                for i in range(0, 128, 64):
+                    xb = data[i : i + 64]
+                    model(xb).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if snapshot:
+                        best = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                        assert len(best) == 4
+                data = data[torch.randperm(len(data))]  # while xb still views the old one
+        return [s.peak_allocated for s in tracker.report().devices[0].steps]
+
+    assert peaks(snapshot=True) == peaks(snapshot=False)

@@ -234,9 +234,10 @@ class MemoryAccountant(TorchDispatchMode):
         self.adopting = True
         """Adopt storages that existed before and that an op reads for the first time."""
         self.device_work = False
-        """While ``counting`` is off: still count an op that reads a counted storage, and adopt
-        its other inputs (work on device tensors between a tracker's steps, an EMA's update:
-        on a GPU an op's outputs are where its inputs are)."""
+        """While ``counting`` is off (between a tracker's steps): an op that writes into
+        tensors not counted yet, reading counted ones, adopts what it writes (an EMA's
+        ``lerp_`` from the model's parameters: on a GPU both sides are device tensors). New
+        tensors stay host work (a host snapshot of the weights, a metric)."""
         _ACCOUNTANTS.add(self)
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
@@ -294,7 +295,8 @@ class MemoryAccountant(TorchDispatchMode):
                 storage = self._stored(ref)
                 if storage is not None:
                     alive.append(storage)
-                    live.append((key, counted, int(storage.nbytes())))
+                    requested = counted if key in self._partial else int(storage.nbytes())
+                    live.append((key, counted, requested))
             observer.already_counted(live)
             self._observer = observer
             self._adopted = {}
@@ -539,16 +541,11 @@ class MemoryAccountant(TorchDispatchMode):
         # an OpOverload's __call__ is this call of its C++ op, one Python frame less per op
         run = func._op if type(func) is _OP_OVERLOAD else func
         out = run(*args, **kwargs) if kwargs else run(*args)
-        if self.counting:
-            new, grown = self._scan(out, args, kwargs)
-        elif self.device_work and not self._live.keys().isdisjoint(self._read(args, kwargs)):
-            adopting, self.adopting = self.adopting, True
-            try:
-                new, grown = self._scan(out, args, kwargs)
-            finally:
-                self.adopting = adopting
-        else:
+        if not self.counting:
+            if self.device_work:
+                self._device_write(func, args, kwargs)
             return out
+        new, grown = self._scan(out, args, kwargs)
         if new is None and grown == 0:
             return out  # most ops: a view, an in-place op, or outputs counted already
         added = 0
@@ -582,6 +579,22 @@ class MemoryAccountant(TorchDispatchMode):
                 self._peak = max(self._peak, self._current)
         return out
 
+    def _device_write(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> None:
+        """Between steps (:attr:`device_work`): adopt the tensors ``func`` wrote into when it
+        read a counted storage (a view's partial count is host data, not device memory)."""
+        written = _written(func, args, kwargs)
+        if not written:
+            return
+        live, partial = self._live, self._partial
+        if not any(k in live and k not in partial for k in self._read(args, kwargs)):
+            return
+        pending = self._adopt(written, None)
+        if pending:
+            with self._lock:
+                self._register(pending)
+
     def _oom_message(self, tried: int) -> str:
         budget = self.budget or 0
         free = max(0, budget - self._current)
@@ -599,6 +612,30 @@ class MemoryAccountant(TorchDispatchMode):
             f"MemoryAccountant({self.device}, {budget}, current {format_size(self._current)}, "
             f"peak {format_size(self._peak)})"
         )
+
+
+_WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+"""op -> the positions and keyword names of the arguments its schema writes into."""
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """The tensors an op writes into (``lerp_``'s ``self``, an ``out=``), by its schema."""
+    where = _WRITES.get(func)
+    if where is None:
+        schema = getattr(func, "_schema", None)
+        arguments = [] if schema is None else schema.arguments
+        writes = [(i, a) for i, a in enumerate(arguments) if a.alias_info and a.alias_info.is_write]
+        where = _WRITES[func] = (
+            tuple(i for i, a in writes if not a.kwarg_only),
+            tuple(a.name for _, a in writes if a.kwarg_only),
+        )
+    positions, names = where
+    if not positions and not names:
+        return []
+    found = [t for i in positions if i < len(args) for t in _tensors(args[i])]
+    if kwargs and names:
+        found += [t for name in names if name in kwargs for t in _tensors(kwargs[name])]
+    return found
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
