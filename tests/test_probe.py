@@ -702,6 +702,15 @@ def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
         "loss: the scalar output (default)"
         in probe(TwoInputs(), batch, device="cpu", budget="1MiB", max_batch=8).defaults
     )
+    # through the wrappers a probe may meet (--ddp, torch.compile, DataParallel)
+    from memkit.probing.step import takes_one_input
+
+    one = OneInput()
+    assert takes_one_input(torch.compile(one)) and takes_one_input(torch.nn.DataParallel(one))
+    assert not takes_one_input(torch.compile(TwoInputs()))
+    # a list batch stays positional: forward(items) with a list of samples is not model(b[0])
+    with pytest.raises(TypeError, match="positional argument"):
+        call_model(one, [torch.randn(2, 32), torch.randn(2, 32)])
 
 
 @pytest.mark.parametrize("keep", ["output", "loss"])
@@ -746,3 +755,13 @@ def test_the_answer_is_the_loops_whether_it_keeps_the_output_or_only_the_loss(ke
     assert best is not None and loop_fits(best) and not loop_fits(best + 1)
     assert any(line.startswith(f"kept: the {'model' if keep == 'output' else 'loss'}")
                for line in result.defaults)  # fmt: skip
+
+
+def test_keep_loss_is_refused_where_the_model_files_train_step_runs():
+    def step(model, batch, optimizer):
+        model(batch).sum().backward()
+        optimizer.step()
+
+    with pytest.raises(ConfigError, match="train_step, which keeps what its own code keeps"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), train_step=step, device="cpu",
+              budget="8MiB", keep_output=False)  # fmt: skip

@@ -224,6 +224,12 @@ def probe_with(
             "gradient accumulation is not probed across ranks yet; probe one rank's step "
             "without a process group"
         )
+    if not opts.keep_output and train_step is not None and opts.mode == "train":
+        raise ConfigError(
+            "--keep loss (keep_output=False) changes what the default step keeps; this probe "
+            "runs the model file's train_step, which keeps what its own code keeps: leave "
+            "--keep out, or drop the output inside train_step"
+        )
     plan = StepPlan(
         opts.mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
         accumulation=opts.accumulation or 1, keep_output=opts.keep_output,

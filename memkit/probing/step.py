@@ -28,6 +28,7 @@ micro-batch with an optimizer whose ``step()`` and ``zero_grad()`` act on the la
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,20 +66,28 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """Call the model the way the batch's type suggests: a mapping as keyword arguments, a
-    tuple or list as positional ones, except that an ``(inputs, labels)`` batch goes in as
+    tuple or list as positional ones, except that an ``(inputs, labels)`` tuple goes in as
     ``model(inputs)`` when ``forward`` takes exactly one argument (the labels are the loss's,
-    :func:`resolve_loss` gets the whole batch)."""
+    :func:`resolve_loss` gets the whole batch). A list stays positional arguments."""
     if isinstance(batch, Mapping):
         return model(**batch)
+    if isinstance(batch, tuple) and len(batch) > 1 and takes_one_input(model):
+        return model(batch[0])
     if isinstance(batch, (tuple, list)):
-        if len(batch) > 1 and takes_one_input(model):
-            return model(batch[0])
         return model(*batch)
     return model(batch)
 
 
 def takes_one_input(model: torch.nn.Module) -> bool:
-    """Whether the model's ``forward`` takes exactly one positional argument."""
+    """Whether the model's ``forward`` takes exactly one positional argument; through
+    ``torch.compile``'s, DataParallel's and DistributedDataParallel's wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, _PARALLEL):
+            inner = model.module
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
     forward = type(model).forward
     known = _ONE_INPUT.get(forward)
     if known is None:
@@ -92,7 +101,8 @@ def takes_one_input(model: torch.nn.Module) -> bool:
     return known
 
 
-_ONE_INPUT: dict[Any, bool] = {}
+_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+_ONE_INPUT: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 """``forward`` function -> :func:`takes_one_input`'s answer."""
 
 
