@@ -556,3 +556,9 @@ def test_the_batch_size_is_the_per_sample_data_not_a_shared_tensor_of_another_le
     assert [p["x"].shape[0] for p in parts] == [1000, 1000]
     assert all(p["pos"] is batch["pos"] for p in parts)  # shared, given whole
     assert split_batch([torch.zeros(2, 3), torch.zeros(2, 5)], 2)[1][1].shape == (1, 5)
+    # per-image targets where one image has as many boxes as the batch has images
+    images = torch.zeros(4, 3, 8, 8)
+    targets = [{"boxes": torch.zeros(n, 4)} for n in (2, 2, 1, 4)]
+    first, second = split_batch((images, targets), 2)
+    assert [len(t["boxes"]) for t in first[1]] == [2, 2]
+    assert [len(t["boxes"]) for t in second[1]] == [1, 4]

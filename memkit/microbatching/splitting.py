@@ -81,8 +81,9 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
     """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
 
     Tensors whose dim 0 equals the batch size are split; a list of one item per sample (as
-    long as the batch, holding no tensor of that many rows: a detection batch's target dicts)
-    is sliced; mappings, tuples (named tuples too) and other lists are rebuilt around their
+    long as the batch, and not every item a tensor, or holding one, of that many rows: a
+    detection batch's target dicts, one of which may hold as many boxes as the batch has
+    images) is sliced; mappings, tuples (named tuples too) and other lists are rebuilt around their
     split items; everything else is passed unchanged to every micro-batch.
 
     Args:
@@ -119,7 +120,7 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
                 return [type(obj)(*row) for row in rows]
             return [tuple(row) for row in rows]
         if isinstance(obj, list):
-            if len(obj) == size and size > 1 and not _holds_rows(obj, size):
+            if len(obj) == size and size > 1 and not all(_holds_rows(i, size) for i in obj):
                 # one item per sample (a detection batch's target dicts, captions): sliced
                 starts = [sum(sizes[:i]) for i in range(chunks)]
                 return [obj[start : start + n] for start, n in zip(starts, sizes, strict=True)]
