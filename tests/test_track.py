@@ -658,6 +658,16 @@ def test_a_batch_sliced_from_a_dataset_in_ram_counts_its_own_rows_not_the_datase
 
     assert best(clone=False) == best(clone=True) > 64
 
+    # two views of one storage in a batch (x, y = chunk[:, :-1], chunk[:, 1:]): both count
+    from memkit.simulated.accountant import MemoryAccountant
+
+    chunk = torch.zeros(64, 257, dtype=torch.long)
+    x, y = chunk[:, :-1], chunk[:, 1:]
+    acct = MemoryAccountant("cpu").track((x, y), inputs=True)
+    assert acct.current == 2 * 64 * 256 * 8
+    acct.track((x, y), inputs=True)  # counted once, however often it is handed over
+    assert acct.current == 2 * 64 * 256 * 8
+
 
 @pytest.mark.parametrize(
     ("model", "optimizer", "message"),

@@ -388,14 +388,28 @@ class MemoryAccountant(TorchDispatchMode):
         """
         pending: dict[int, tuple[Any, int]] = {}
         adopted = self._adopted
+        views: set[tuple[Any, ...]] = set()
         for tensor in tensors_of(objects):
             storage = self._storage(tensor)
-            if storage is not None and id(storage) not in self._live:
-                pending[id(storage)] = (
-                    self._input_entry(tensor, storage) if inputs else (storage, self._size(storage))
-                )
-                if adopted is not None:
-                    adopted[id(storage)] = _existed(tensor)
+            key = id(storage)
+            if storage is None or key in self._live:
+                continue
+            if not inputs:
+                pending[key] = (storage, self._size(storage))
+            else:
+                view = (key, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+                if view in views:
+                    continue
+                views.add(view)
+                held, size = self._input_entry(tensor, storage)
+                if key in pending and key in self._partial:
+                    # another view of it in the batch (x, y = chunk[:, :-1], chunk[:, 1:]):
+                    # its own copy too, while the first view lives
+                    first, before = pending[key]
+                    held, size = first, before + size
+                pending[key] = (held, size)
+            if adopted is not None:
+                adopted[key] = _existed(tensor)
         with self._lock:
             self._register(pending)
         return self
