@@ -271,11 +271,21 @@ class SimulatedBackend:
     def count_ops(self, counting: bool, adopting: bool) -> None:
         """Whether ops now create device memory (``counting``) and whether storages made
         earlier become device memory when an op reads them (``adopting``): a tracker turns
-        both off for host-side work (data loading, code between steps), where an op that
-        reads device memory still counts (:attr:`MemoryAccountant.device_work`)."""
+        both off for host-side work (data loading, code between steps)."""
         acct = self.accountant
         acct.counting = counting
         acct.adopting = adopting
+
+    @contextlib.contextmanager
+    def writes_between_steps(self) -> Iterator[None]:
+        """While counting is off, an op that writes into uncounted tensors from counted ones
+        adopts them (an EMA's update: :attr:`MemoryAccountant.device_work`)."""
+        acct = self.accountant
+        before, acct.device_work = acct.device_work, True
+        try:
+            yield
+        finally:
+            acct.device_work = before
 
     def __repr__(self) -> str:
         return f"SimulatedBackend({self.device}, budget={self.budget})"

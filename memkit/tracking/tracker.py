@@ -235,12 +235,11 @@ class Tracker:
         tracked = [x for x in (self.models.model, *self.models.optimizers) if x is not None]
         if tracked:
             backend.track(*tracked)
-        # host-side work between steps (datasets, data loading) is not device memory; work
-        # on device memory between steps (an EMA's update, a metric of the outputs) is
+        # host-side work between steps (datasets, data loading) is not device memory; an
+        # EMA's update writes device memory (writes_between_steps)
         backend.count_ops(False, False)
-        backend.accountant.device_work = True
         stack.callback(backend.count_ops, True, True)
-        stack.callback(setattr, backend.accountant, "device_work", False)
+        stack.enter_context(backend.writes_between_steps())
         self.notes.append(
             "simulated device: counts the model, its inputs and what training and "
             "evaluation steps create, in the thread that entered the block (not "
