@@ -72,10 +72,10 @@ class SavedState:
     def restore(self) -> None:
         """Copy everything back into the live objects.
 
-        A buffer the model replaced by one of another shape or dtype (a rotary embedding's
-        cos/sin cache grown to a longer sequence, with the length it now covers in a plain
-        attribute) is left as the model made it, consistent with its attributes; its name is
-        added to :attr:`kept_as_made`."""
+        A buffer (or, rarer, a parameter) the model replaced by one of another shape or dtype
+        (a rotary embedding's cos/sin cache grown to a longer sequence, with the length it now
+        covers in a plain attribute) is left as the model made it, consistent with its
+        attributes; its name is added to :attr:`kept_as_made`."""
         tensors = dict([*self.model.named_parameters(), *self.model.named_buffers()])
         with torch.no_grad():
             for name, saved in self._tensors.items():
