@@ -821,3 +821,28 @@ def test_host_work_between_steps_that_reads_the_model_or_the_dataset_stays_host_
         return [s.peak_allocated for s in tracker.report().devices[0].steps]
 
     assert peaks(snapshot=True) == peaks(snapshot=False)
+
+
+def test_an_oom_in_a_model_checkpointed_whole_names_the_model_as_checkpointed():
+    """``checkpoint(model, x)``: the model itself is recomputed; its layers' rows have no
+    prefix of its name, yet all of them are inside it."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(budget: int | None) -> TrackReport:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with (
+            pytest.raises(torch.OutOfMemoryError) if budget else contextlib.nullcontext(),
+            track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker,
+        ):
+            for _ in range(2):
+                x = torch.randn(2048, 64, requires_grad=True)
+                checkpoint(model, x, use_reentrant=False).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report()
+
+    pm = run(int(run(None).devices[0].peak_allocated * 0.9)).oom
+    assert pm is not None and pm.checkpointed == ("Sequential",), pm.checkpointed
+    assert [path for path, _ in pm.top_modules] in ([], ["Sequential"])

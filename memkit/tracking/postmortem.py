@@ -123,6 +123,14 @@ def top_activation_modules(
     return tuple((m.path, own_kept(m)) for m in top if own_kept(m) > 0)[:n]
 
 
+def _is_root(m: ModuleRecord, evidence: OomEvidence) -> bool:
+    """Whether ``m`` is the one tracked model's own row (named by its class; its modules'
+    rows are their paths, with no class prefix, while one model is tracked)."""
+    return m.path == m.type_name and not any(
+        o.path.startswith(m.path + ".") for o in evidence.modules
+    )
+
+
 def _inside(path: str, blocks: set[str]) -> bool:
     """Whether the module at ``path`` lies inside one of ``blocks`` (strictly)."""
     return any(path.startswith(block + ".") for block in blocks)
@@ -145,6 +153,9 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     # when the block ends (only the block's input is saved), so they are no activations to name
     order = [m.path for m in evidence.modules if m.recompute_calls]
     recomputed = set(order)
+    whole = [m.path for m in evidence.modules if m.recompute_calls and _is_root(m, evidence)]
+    if whole:  # checkpoint(model, x): one model, whose rows are its paths without a prefix
+        order, recomputed = whole, {m.path for m in evidence.modules} - set(whole)
     pm = OomPostMortem(
         device=evidence.device,
         step=evidence.step,
@@ -160,7 +171,9 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         allocated=a,
         breakdown=parts,
         top_modules=top_activation_modules(
-            [m for m in evidence.modules if not _inside(m.path, recomputed)]
+            [m for m in evidence.modules if not (whole and m.path in recomputed)]
+            if whole
+            else [m for m in evidence.modules if not _inside(m.path, recomputed)]
         ),
         leak=evidence.leak,
         advice=(),
@@ -169,7 +182,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         module_type=evidence.module_type,
         micro_batches=evidence.micro_batches,
         setup=evidence.setup,
-        checkpointed=tuple(p for p in order if not _inside(p, recomputed)),
+        checkpointed=tuple(whole) or tuple(p for p in order if not _inside(p, recomputed)),
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
