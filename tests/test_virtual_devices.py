@@ -31,6 +31,10 @@ def test_ops_follow_their_inputs_and_mixing_devices_fails_like_cuda() -> None:
         with pytest.raises(RuntimeError, match="found at least two devices, cpu and cuda:0!"):
             before + torch.randn(100)
         assert vd.where(a * torch.tensor(2.0)) == 0  # a 0-d cpu tensor may join, as on CUDA
+        # transformers' cache starts from torch.tensor([], device=key.device): the host here,
+        # the gpu on a gpu; empty, it holds nothing to place (examples/gpt2.py --strategies)
+        empty = before[:0]
+        assert vd.where(torch.cat([empty, a])) == 0
         assert vd.where(before * 2) == HOST and vd.current_of(0) == 1000 * F  # a alone
         with vd.on(1):
             assert vd.where(torch.zeros(3)) == 1

@@ -298,8 +298,11 @@ class VirtualDevices(MemoryAccountant):
         scalar_host = False
         for t in inputs:
             index = self.where(t)
-            if index == HOST and t.dim() == 0:
-                scalar_host = True  # a cpu scalar may join cuda tensors
+            if index == HOST and (t.dim() == 0 or t.numel() == 0):
+                # a cpu scalar may join cuda tensors; an empty one (transformers' cache starts
+                # from torch.tensor([], device=key.device): the cpu here, the gpu on a gpu)
+                # holds nothing to place
+                scalar_host = True
                 continue
             if index not in found:
                 found.append(index)
