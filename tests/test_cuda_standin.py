@@ -609,3 +609,34 @@ def test_a_gradient_penalty_is_part_of_the_forward_not_a_second_backward(where):
     assert [s.backward_passes for s in steps] == [1] * GP_STEPS
     assert all(s.phase_peaks["backward"] is not None for s in steps)
     assert "gradient accumulation" not in str(report)
+
+
+def test_snapshot_files_the_standins_tensors_under_cuda_in_allocator_blocks():
+    """memkit.snapshot() under the stand-in filed the model's tensors under "cpu" (their
+    storage's device) with unrounded bytes and no "other": the snapshot's CUDA categorisation
+    never ran in a test. On cuda:0 each category counts 512-byte blocks, and with "other" they
+    add up to memory_allocated()."""
+    with cuda_standin("1GiB"):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(256, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 10)
+        )
+        model.to("cuda")
+        opt = torch.optim.Adam(model.parameters())
+        batch = torch.randn(64, 256).to("cuda")
+        nn.functional.cross_entropy(model(batch), torch.randint(0, 10, (64,)).to("cuda")).backward()
+        opt.step()
+        rows = {row.device: row for row in memkit.snapshot(model, opt).categories}
+        allocated = torch.cuda.memory_allocated()
+
+    def blocks(tensors) -> int:
+        return sum(cuda_rounded(t.untyped_storage().nbytes()) for t in tensors)
+
+    gpu = rows["cuda:0"]
+    assert gpu.parameters == blocks(model.parameters())
+    assert gpu.buffers == blocks(model.buffers())
+    assert gpu.gradients == blocks(p.grad for p in model.parameters())
+    moments = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert gpu.optimizer_state == blocks(moments)  # Adam's `step` scalars stay on the host
+    categorised = gpu.parameters + gpu.buffers + gpu.gradients + gpu.optimizer_state
+    assert gpu.other is not None and categorised + gpu.other == allocated

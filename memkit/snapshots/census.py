@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memkit.devices import tensor_device
 from memkit.simulated.accountant import MemoryAccountant, counted_bytes, storage_of, tensors_of
 from memkit.snapshots.results import CATEGORY_FIELDS, Categories, DeviceSnapshot, TensorInfo
 from memkit.units import format_size
@@ -38,7 +39,7 @@ class _Entry:
         self.tensor = tensor
         self.kind = kind
         self.names: list[str] = [name] if name else []
-        self.device = str(storage.device)
+        self.device = str(tensor_device(tensor))  # the CUDA stand-in's tensors are cuda:0
         self.nbytes = int(storage.nbytes())
 
 
