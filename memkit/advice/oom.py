@@ -140,29 +140,49 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         return None
     top = ", ".join(path for path, _ in pm.top_modules[:3])
     micro = max(1, pm.micro_batches)
+    # halving the micro-batch halves the activations; without accumulation so far, the first
+    # micro-batch's gradients then stay allocated through the second's forward and backward
+    # (as many bytes as the trainable parameters: bounded here by the parameters)
+    grads_added = 0 if micro > 1 else max(0, bd.parameters - bd.gradients)
+    saving = bd.activations // 2 - grads_added
     if micro > 1:
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: halve the "
             f"micro-batch and accumulate over {2 * micro} (same effective batch)"
         )
-    else:
+    elif saving > 0:
         accumulate = (
-            "Halve the micro-batch and accumulate gradients over 2 steps (same effective batch)"
+            "Halve the micro-batch and accumulate gradients over 2 steps (same effective "
+            f"batch; the first micro-batch's gradients, up to {format_size(grads_added)}, "
+            "stay allocated through the second)"
         )
+    else:
+        accumulate = ""
     if pm.checkpointed:
         blocks = ", ".join(pm.checkpointed[:3]) + (", ..." if len(pm.checkpointed) > 3 else "")
         done = f" Activation checkpointing already runs ({blocks} recomputed in backward)."
         checkpoint = ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
+    if not accumulate:
+        done += (
+            f" Halving the micro-batch with accumulation would save little: the first "
+            f"micro-batch's gradients ({format_size(grads_added)}) would stay allocated through "
+            f"the second, against half the activations ({format_size(bd.activations // 2)})."
+        )
+    options = "; or ".join(
+        part.removeprefix("; or ")
+        for part in (accumulate, checkpoint, _precision_option(pm))
+        if part
+    )
     return Advice(
         code="oom-activations",
         title="activations fill the device",
         evidence=f"Activations were {format_size(bd.activations)} "
         f"({100 * share['activations']:.0f}% of {format_size(bd.total)}) when it "
         f"failed at {pm.where}" + (f"; the largest come from {top}." if top else ".") + done,
-        action=f"{accumulate}{checkpoint}{_precision_option(pm)}.",
-        saving_bytes=bd.activations // 2,
+        action=(options[:1].upper() + options[1:] + ".") if options else "Reduce the batch.",
+        saving_bytes=saving if accumulate else None,
         severity="critical",
     )
 
