@@ -12,9 +12,10 @@ What gets split (see :func:`split_batch`): the batch size ``B`` is the dim 0 alo
 batch's tensors hold the most bytes (:func:`batch_size_of`). Every tensor whose dim 0 is ``B``
 is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one, larger first); a
 list of ``B`` per-sample items, not all of them such tensors or holding one (a detection
-batch's target dicts, captions), is sliced the same way; dicts/mappings, tuples, named tuples and other lists are
-walked and rebuilt. Anything else is given unchanged to every micro-batch: Python scalars and
-strings, 0-d tensors, tensors whose dim 0 is not ``B``, ``None``.
+batch's target dicts, captions), is sliced the same way; dicts/mappings, tuples, named tuples
+and other lists are walked and rebuilt. Anything else is given unchanged to every
+micro-batch: Python scalars and strings, 0-d tensors, tensors whose dim 0 is not ``B``,
+``None``.
 
 Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
 back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.
