@@ -112,12 +112,18 @@ def test_zero_grad_advice_quotes_the_gradients_alive_when_the_forward_began():
 def test_optimizer_state_fires_for_adam_on_a_large_model_and_not_for_sgd():
     model = blocks(4, 1024)  # 16 MiB of weights; Adam adds 32 MiB of moments
     x = torch.randn(4, 1024)
-    report = run_steps(model, torch.optim.Adam(model.parameters()), x, budget="96MiB")
+    report = run_steps(model, torch.optim.Adam(model.parameters(), foreach=True), x, budget="96MiB")
     (adv,) = [a for a in report.advice if a.code == "optimizer-state"]
     assert "Adam" in adv.evidence and "2.0x" in adv.evidence
     assert "ZeroRedundancyOptimizer" in adv.action and "8-bit Adam" in adv.action
     assert "foreach=False" in adv.action  # the step's temporaries were measured
     assert adv.saving_bytes == pytest.approx(16 * MiB, rel=0.05)
+    # torch's default on cpu parameters is the single-tensor step already (sweep C: the
+    # advice proposed foreach=False there, which would change nothing)
+    single = blocks(4, 1024)
+    report = run_steps(single, torch.optim.Adam(single.parameters()), x, budget="96MiB")
+    (adv,) = [a for a in report.advice if a.code == "optimizer-state"]
+    assert "foreach=False" not in adv.action and "8-bit Adam" in adv.action
     sgd = run_steps(blocks(4, 1024), torch.optim.SGD(model.parameters(), lr=0.1), x, budget="96MiB")
     assert "optimizer-state" not in codes(sgd.advice)
 

@@ -198,6 +198,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             ranks=report.world_size,
             device=dev.device,
             history_size=None if setup is None else setup.history_size,
+            foreach=None if setup is None else setup.optimizer_foreach,
         ),
         zero_grad_keeps_grads(
             steps_with_grads=report.steps_with_grads_at_forward,

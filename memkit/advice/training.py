@@ -349,6 +349,7 @@ def optimizer_state(
     device: str = "the device",
     min_share: float = 0.3,
     history_size: int | None = None,
+    foreach: bool | None = None,
 ) -> Advice | None:
     """``optimizer-state``: optimizer state dominates the peak; the options and their savings.
 
@@ -365,6 +366,8 @@ def optimizer_state(
         min_share: state must be at least this share of the peak.
         history_size: LBFGS's ``history_size``: its state is a history of parameter copies,
             and a smaller history is the option (:func:`lbfgs_history`).
+        foreach: whether it steps with ``foreach`` (``False``: single-tensor or fused already,
+            so ``foreach=False`` is no option; ``None``: unknown).
     """
     if peak_bytes <= 0 or optimizer_state_bytes < min_share * peak_bytes:
         return None
@@ -397,7 +400,7 @@ def optimizer_state(
         "shard it across ranks (torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP which "
         f"also shards weights and gradients): {shards} per rank"
     )
-    if optimizer_transient_bytes:
+    if optimizer_transient_bytes and foreach is not False:
         options.insert(
             0,
             f"`{name}(..., foreach=False)`: the step's temporaries "

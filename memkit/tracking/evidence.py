@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memkit.devices import tensor_device
 from memkit.simulated.accountant import storage_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.fsdp import FsdpUnits
@@ -206,18 +207,33 @@ def training_setup(
     ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it)."""
     if not modules and not optimizers:
         return None
-    history = None
+    history = foreach = None
     if optimizers:
         group = optimizers[0].param_groups[0] if optimizers[0].param_groups else {}
         size = group.get("history_size")
         history = size if isinstance(size, int) else None
+        foreach = _steps_foreach(group)
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
     return TrainingSetup(
         param_dtype=dtype,
         optimizer=type(optimizers[0]).__name__ if optimizers else None,
         history_size=history,
         forward_autocast=autocast,
+        optimizer_foreach=foreach,
     )
+
+
+def _steps_foreach(group: dict[str, Any]) -> bool | None:
+    """Whether an optimizer's param group steps with ``foreach``: its setting, else torch's
+    default (on where the parameters are on CUDA, unless ``fused``); ``None``: no setting."""
+    if "foreach" not in group:
+        return None  # not one of torch's foreach optimizers
+    if group.get("fused"):
+        return False
+    if group["foreach"] is not None:
+        return bool(group["foreach"])
+    params = group.get("params") or []
+    return bool(params) and all(tensor_device(p).type == "cuda" for p in params)
 
 
 def _merged(old: TrainingSetup | None, new: TrainingSetup | None) -> TrainingSetup | None:

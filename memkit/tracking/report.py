@@ -191,12 +191,16 @@ class TrainingSetup:
         forward_autocast: the dtype of a ``torch.autocast`` that wraps the model's ``forward``
             itself (accelerate's mixed precision, ``@torch.autocast`` on ``forward``): it is
             entered after the forward pre-hooks, so ``autocast_forwards`` does not count it.
+        optimizer_foreach: whether the (first) optimizer steps with the ``foreach``
+            implementation: its ``foreach`` setting, else torch's default (on when the
+            parameters are on CUDA and it is not ``fused``).
     """
 
     param_dtype: str | None = None
     optimizer: str | None = None
     history_size: int | None = None
     forward_autocast: str | None = None
+    optimizer_foreach: bool | None = None
 
 
 @dataclass(frozen=True)
