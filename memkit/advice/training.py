@@ -62,11 +62,9 @@ def mixed_precision(
     if saving_bytes is None:
         saving_bytes = max(0, activation_bytes // 2 - parameter_bytes // 2) or None
         bound = (
-            " The saving is an estimate (half the activations, less the half copies of the "
-            "weights autocast caches): what autocast runs in float32 (layer norm, softmax, the "
-            "loss) keeps its bytes, while the backward's half-precision temporaries can save "
-            "more (a 2-layer MLP on the simulated device: 21.98 MiB estimated, 31.97 MiB "
-            "measured). Measure it: rerun under autocast."
+            " The saving is an estimate, off either way: what autocast runs in float32 (layer "
+            "norm, softmax, the loss) keeps its bytes; half-precision temporaries in backward "
+            "save more. Rerun under autocast to measure it."
         )
     if not matters(saving_bytes, peak_bytes, capacity):
         return None
