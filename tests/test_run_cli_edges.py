@@ -98,3 +98,18 @@ def test_a_script_that_exits_before_its_first_step_says_so_in_one_line(tmp_path)
     ok = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path), "--steps", "2")
     assert ok.exit_code == 0 and marker.exists()
     assert "memkit track: 2 step(s)" in ok.stderr and "before its first step" not in ok.stderr
+
+
+def test_ctrl_c_before_the_first_step_says_so_in_one_line(tmp_path):
+    """Sweep C pressed Ctrl-C while a script was still loading: it got "the script exited with
+    code 130 before its first step ... the exit code is the script's own" and then "interrupted
+    by Ctrl-C at step 0; the numbers cover what ran until then". One line now, and it is true."""
+    path = tmp_path / "slow_start.py"
+    path.write_text("raise KeyboardInterrupt  # Ctrl-C while the script still loads its data\n")
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
+    assert result.exit_code == 130
+    lines = [line for line in result.stderr.splitlines() if line.startswith("memkit:")]
+    assert lines == [
+        "memkit: interrupted by Ctrl-C before the script's first step (no model forward ran): "
+        "nothing to report (exit 130)"
+    ], result.stderr

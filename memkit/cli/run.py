@@ -175,13 +175,23 @@ def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
     prefix = rank_prefix()
     if outcome.traceback:
         click.echo(outcome.traceback.rstrip("\n"), err=True)
-    if distributed.launched_rank() in (None, 0):
-        text = str(report) if ran_anything(report) else before_first_step(outcome.exit_code)
-    else:  # rank 0 prints the full report (with every rank's row when there was a group)
+    interrupted = outcome.interrupted is not None and distributed.launched_rank() in (None, 0)
+    if distributed.launched_rank() not in (None, 0):
+        # rank 0 prints the full report (with every rank's row when there was a group)
         text = summary_line(report, written)
         if report.oom is not None:  # only this rank knows where it ran out
             text += "\n" + str(report.oom)
-    if outcome.interrupted is not None and distributed.launched_rank() in (None, 0):
+    elif ran_anything(report):
+        text = str(report)
+    elif interrupted:
+        text = (
+            f"memkit: interrupted by {outcome.interrupted} before the script's first step (no "
+            f"model forward ran): nothing to report (exit {outcome.exit_code})"
+        )
+        interrupted = False
+    else:
+        text = before_first_step(outcome.exit_code)
+    if interrupted:
         note = next(n for n in report.notes if n.startswith("interrupted by "))
         text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
     click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
