@@ -528,6 +528,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     odd_event, odd_segment = cuda_snapshot(), cuda_snapshot()
     odd_event["device_traces"][0][0]["addr"] = [1]
     odd_segment["segments"][0]["device"] = -1
+    negative, odd_state = cuda_snapshot(), cuda_snapshot()
+    negative["segments"][0]["blocks"][0]["size"] = -512
+    odd_state["segments"][0]["blocks"][0]["state"] = "weird"
     marker = tmp_path / "code-ran"
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as z:
@@ -543,6 +546,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         "empty.pickle": (b"", "is empty"),
         "addr.pickle": (pickle.dumps(odd_event), "'addr' is not a non-negative integer"),
         "device.pickle": (pickle.dumps(odd_segment), "segment 0's 'device' is not"),
+        # sweep C: accepted before, and shown as "allocated -512 B" / an unknown state as free
+        "negative.pickle": (pickle.dumps(negative), "a block whose 'size' is not a non-negative"),
+        "state.pickle": (pickle.dumps(odd_state), "in state 'weird', not one of PyTorch's"),
     }
     for name, (content, expected) in cases.items():
         (tmp_path / name).write_bytes(content)

@@ -119,13 +119,20 @@ def normalise(data: Any, where: str) -> dict[str, Any]:
             f"found {_describe(traces)}; {_EXPECTED}"
         )
     for i, seg in enumerate(segments):
-        for key in ("total_size",):
-            if not isinstance(seg.get(key), int):
-                raise ConfigError(f"{where!r}: segment {i} has no integer {key!r}; {_EXPECTED}")
+        if not _count(seg.get("total_size")):
+            raise ConfigError(
+                f"{where!r}: segment {i}'s 'total_size' is not a non-negative integer; {_EXPECTED}"
+            )
         for b in seg["blocks"]:
-            if not isinstance(b, dict) or not isinstance(b.get("size"), int):
+            if not isinstance(b, dict) or not _count(b.get("size")):
                 raise ConfigError(
-                    f"{where!r}: segment {i} has a block without an integer 'size'; {_EXPECTED}"
+                    f"{where!r}: segment {i} has a block whose 'size' is not a non-negative "
+                    f"integer; {_EXPECTED}"
+                )
+            if b.get("state", "inactive") not in _BLOCK_STATES:
+                raise ConfigError(
+                    f"{where!r}: segment {i} has a block in state {b['state']!r}, not one of "
+                    f"PyTorch's ({', '.join(_BLOCK_STATES)}); {_EXPECTED}"
                 )
     for d, trace in enumerate(traces):
         for e in trace:
@@ -146,6 +153,11 @@ def normalise(data: Any, where: str) -> dict[str, Any]:
                 f"{where!r}: segment {i}'s 'device' is not a non-negative integer; {_EXPECTED}"
             )
     return {**data, "segments": segments, "device_traces": traces}
+
+
+_BLOCK_STATES = ("active_allocated", "active_awaiting_free", "active_pending_free", "inactive")
+"""A block's states in ``torch.cuda.memory._snapshot()``: its C++ writes
+``active_pending_free``, its type hints say ``active_awaiting_free``; both are accepted."""
 
 
 def _count(value: Any) -> bool:
