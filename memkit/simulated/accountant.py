@@ -480,7 +480,7 @@ class MemoryAccountant(TorchDispatchMode):
                     elif key not in new:
                         new[key] = (storage, self._size(storage))
             # a live storage's bytes are its count unless rounded, counted as a view's own
-            # (_input_bytes), or resized in place (by resize_ or an out= op)
+            # (_input_entry), or resized in place (by resize_ or an out= op)
             elif (
                 storage.nbytes() != entry[1]
                 and self._size(storage) != entry[1]
