@@ -10,7 +10,7 @@ forward post hook that saw the exception records, else the phase running then), 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memkit.advice.oom import oom_advice
@@ -123,17 +123,33 @@ def top_activation_modules(
     return tuple((m.path, own_kept(m)) for m in top if own_kept(m) > 0)[:n]
 
 
-def _is_root(m: ModuleRecord, evidence: OomEvidence) -> bool:
-    """Whether ``m`` is the one tracked model's own row (named by its class; its modules'
-    rows are their paths, with no class prefix, while one model is tracked)."""
-    return m.path == m.type_name and not any(
-        o.path.startswith(m.path + ".") for o in evidence.modules
+def _checkpointed(
+    modules: Sequence[ModuleRecord],
+) -> tuple[tuple[str, ...], Callable[[str], bool]]:
+    """The outermost modules recomputed in backward (activation checkpointing already runs
+    there), and whether a path lies inside one of them: what such a module "kept" at its
+    forward's end is freed when the block ends (only the block's input is saved)."""
+    recomputed = [m.path for m in modules if m.recompute_calls]
+    blocks = set(recomputed)
+    # checkpoint(model, x): the one tracked model's own row (its class name) holds every other
+    # row, though their paths carry no prefix of it
+    root = next(
+        (
+            m.path
+            for m in modules
+            if m.recompute_calls
+            and m.path == m.type_name
+            and not any(o.path.startswith(m.path + ".") for o in modules)
+        ),
+        None,
     )
+    if root is not None:
+        return (root,), lambda path: path != root
 
+    def inside(path: str) -> bool:
+        return any(path.startswith(block + ".") for block in blocks)
 
-def _inside(path: str, blocks: set[str]) -> bool:
-    """Whether the module at ``path`` lies inside one of ``blocks`` (strictly)."""
-    return any(path.startswith(block + ".") for block in blocks)
+    return tuple(p for p in recomputed if not inside(p)), inside
 
 
 def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem:
@@ -149,13 +165,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     parts = breakdown(moment._replace(total=a), evidence.persistent, evidence.remembered)
     training, grad_enabled = evidence.last_root if evidence.last_root else (None, None)
     first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else ""
-    # checkpointed blocks: what their inner modules "kept" at their forward's end is freed
-    # when the block ends (only the block's input is saved), so they are no activations to name
-    order = [m.path for m in evidence.modules if m.recompute_calls]
-    recomputed = set(order)
-    whole = [m.path for m in evidence.modules if m.recompute_calls and _is_root(m, evidence)]
-    if whole:  # checkpoint(model, x): one model, whose rows are its paths without a prefix
-        order, recomputed = whole, {m.path for m in evidence.modules} - set(whole)
+    checkpointed, inside = _checkpointed(evidence.modules)
     pm = OomPostMortem(
         device=evidence.device,
         step=evidence.step,
@@ -170,11 +180,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         free=details.free if details.free is not None else evidence.free,
         allocated=a,
         breakdown=parts,
-        top_modules=top_activation_modules(
-            [m for m in evidence.modules if not (whole and m.path in recomputed)]
-            if whole
-            else [m for m in evidence.modules if not _inside(m.path, recomputed)]
-        ),
+        top_modules=top_activation_modules([m for m in evidence.modules if not inside(m.path)]),
         leak=evidence.leak,
         advice=(),
         rank=evidence.rank,
@@ -182,7 +188,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         module_type=evidence.module_type,
         micro_batches=evidence.micro_batches,
         setup=evidence.setup,
-        checkpointed=tuple(whole) or tuple(p for p in order if not _inside(p, recomputed)),
+        checkpointed=checkpointed,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
