@@ -234,6 +234,45 @@ def test_leak_named_by_variable():
     assert advice and "loss.item()" in advice[0].action
 
 
+def lstm_bptt(steps: int, detach: bool) -> TrackReport:
+    """pytorch/examples' word_language_model loop (truncated BPTT, manual SGD), with its
+    ``repackage_hidden`` or without it (``retain_graph=True`` silencing the error that
+    follows): then ``hidden`` carries every earlier step's graph into the next."""
+    torch.manual_seed(0)
+    encoder, rnn, decoder = nn.Embedding(100, 16), nn.LSTM(16, 32, 2), nn.Linear(32, 100)
+    params = [*encoder.parameters(), *rnn.parameters(), *decoder.parameters()]
+    corpus = torch.randint(0, 100, (10 * steps + 1, 4))
+    with track(device="cpu", budget="64MiB") as tracker:
+        hidden = (torch.zeros(2, 4, 32), torch.zeros(2, 4, 32))
+        for i in range(0, 10 * steps, 10):
+            if detach:
+                hidden = tuple(h.detach() for h in hidden)
+            output, hidden = rnn(encoder(corpus[i : i + 10]), hidden)
+            loss = nn.functional.cross_entropy(decoder(output).flatten(0, 1),
+                                               corpus[i + 1 : i + 11].flatten())  # fmt: skip
+            for p in params:
+                p.grad = None
+            loss.backward(retain_graph=not detach)
+            for p in params:
+                p.data.add_(p.grad, alpha=-0.1)
+    return tracker.report()
+
+
+def test_a_hidden_state_never_detached_is_named_with_its_fix():
+    """The graph grows through the LSTM's ``hidden`` tuple (its length stays 2): ``hidden`` is
+    the suspect, and the fix is to detach it where a step begins, not ``.item()``."""
+    report = lstm_bptt(9, detach=False)
+    leak = report.devices[0].leak
+    assert leak is not None
+    top = leak.suspects[0]
+    assert top.name == "hidden" and top.growing and not top.scalar
+    assert top.code.startswith("output, hidden = rnn(")
+    advice = [a for a in report.advice if a.code == "graph-retained"]
+    assert advice and "Detach `hidden`" in advice[0].action and ".item()" not in advice[0].action
+    healthy = lstm_bptt(9, detach=True)
+    assert healthy.leaks == [] and not [a for a in healthy.advice if a.code == "graph-retained"]
+
+
 def test_no_leak_reported_for_healthy_loop():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -458,6 +497,41 @@ def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
     accumulated = tracker.report()
     assert accumulated.steps == 3 and accumulated.micro_batches == 4
     assert "gradient accumulation: up to 4 micro-batches" in str(accumulated)
+
+
+def test_a_discriminator_frozen_for_the_generators_update_trains_in_its_own():
+    """pix2pix/CycleGAN's ``set_requires_grad(netD, False)`` for G's update, ``True`` for D's,
+    each optimizer zeroing its own gradients: D's forwards in its own update are training
+    (not evaluation: D was frozen when first seen); and at D's optimizer step, the peak, the
+    breakdown has D's gradients though G's (the optimizer seen first) are freed by then: one
+    witness per optimizer."""
+    torch.manual_seed(0)
+    batch = 8
+    gen = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))
+    layers = [nn.Linear(256, 1024)] + [nn.Linear(1024, 1024) for _ in range(3)]
+    disc = nn.Sequential(*layers, nn.Linear(1024, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
+    opt_d = torch.optim.Adam(disc.parameters(), 2e-4, foreach=True)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    ones, zeros = torch.ones(batch, 1), torch.zeros(batch, 1)
+    with track(device="cpu", budget="128MiB") as tracker:
+        for _ in range(4):
+            real, fake = torch.randn(batch, 256), gen(torch.randn(batch, 64))
+            disc.requires_grad_(False)
+            bce(disc(fake), ones).backward()
+            opt_g.step()
+            opt_g.zero_grad()
+            disc.requires_grad_(True)
+            ((bce(disc(real), ones) + bce(disc(fake.detach()), zeros)) / 2).backward()
+            opt_d.step()
+            opt_d.zero_grad()
+    report = tracker.report()
+    assert report.eval_forwards == 0
+    rows = {m.path: m for m in report.devices[0].modules}
+    assert rows["Sequential#2"].calls == 12 and rows["Sequential#2"].eval_calls == 0
+    peak = report.devices[0].breakdown
+    assert peak is not None and peak.phase == "optimizer"
+    assert peak.gradients == sum(p.numel() * p.element_size() for p in disc.parameters())
 
 
 def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():

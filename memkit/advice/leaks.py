@@ -54,21 +54,34 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
             continue
         top = leak.suspects[0]
         names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
-        fix = (
-            f"`{top.name}.append(x.item())` (or `x.detach()`)"
-            if top.kind == "container"
-            else f"`{top.name} += loss.item()` (or `loss.detach()`)"
-        )
+        if not top.scalar:  # a state the next step builds on: cut its graph at each step
+            action = (
+                f"Detach `{top.name}` where each step begins (`{top.name} = "
+                + (
+                    f"tuple(h.detach() for h in {top.name})`"
+                    if top.kind == "container"
+                    else f"{top.name}.detach()`"
+                )
+                + ", as truncated backpropagation through time does), so backward stops at "
+                "the step; `retain_graph=True` is then no longer needed."
+            )
+        else:
+            fix = (
+                f"`{top.name}.append(x.item())` (or `x.detach()`)"
+                if top.kind == "container"
+                else f"`{top.name} += loss.item()` (or `loss.detach()`)"
+            )
+            action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
+            action += "only logs."
         out.append(
             Advice(
                 code="graph-retained",
                 title=f"`{top.name}` keeps an autograd graph alive across steps",
                 evidence=growth
-                + f" Still holding a graph after the optimizer step: {names}"
+                + f" Still holding a graph at the end of a step: {names}"
                 + (f"; line: `{top.code}`" if top.code else "")
                 + ". Each step's graph (and whatever tensors it saved) stays alive.",
-                action=f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
-                "only logs.",
+                action=action,
                 saving_bytes=leak.growth_per_step or None,
                 severity="critical" if top.growing else "warning",
             )

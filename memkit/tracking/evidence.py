@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Evidence",
-    "gradient_witness",
+    "gradient_witnesses",
     "param_dtype",
     "persistent_bytes",
     "state_tensors",
@@ -66,42 +66,46 @@ class Evidence:
         self.leak_watch = LeakWatch(leak_warmup)
         self.failed_call: FailedCall | None = None
         self._state = state
-        # a parameter whose .grad says whether gradients are allocated; weak, so that the
-        # tracker never keeps a deleted model's tensor (or the memory history would show it)
-        self._witness: weakref.ref[torch.Tensor] | None = None
+        # parameters whose .grad says whether gradients are allocated (one per optimizer);
+        # weak, so that the tracker never keeps a deleted model's tensor (or the memory
+        # history would show it)
+        self._witnesses: tuple[weakref.ref[torch.Tensor], ...] = ()
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
 
     def find_witness(self) -> None:
-        """Pick the gradient witness anew (an optimizer first seen: its parameter is a better
+        """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
         witness than a module seen first, a teacher's)."""
-        self._witness = self._new_witness()
+        self._witnesses = self._new_witnesses()
 
-    def _new_witness(self) -> weakref.ref[torch.Tensor] | None:
-        param = gradient_witness(self.models.root_modules(), self.models.all_optimizers())
-        return None if param is None else weakref.ref(param)
+    def _new_witnesses(self) -> tuple[weakref.ref[torch.Tensor], ...]:
+        found = gradient_witnesses(self.models.root_modules(), self.models.all_optimizers())
+        return tuple(weakref.ref(p) for p in found)
 
     def witness_missing(self) -> bool:
         """No witness yet, or its model is gone."""
-        return self._witness is None or self._witness() is None
+        return not self._witnesses or any(w() is None for w in self._witnesses)
 
     def release(self) -> None:
         """Keep no reference to the model's tensors or the user's exception (the block ended)."""
-        self._witness = None
+        self._witnesses = ()
         self.failed_call = None
 
     def grads_none(self) -> bool:
-        """Whether the model has no gradients allocated now (what was last seen, once it is
-        gone)."""
-        if self._witness is None:
-            return True
-        param = self._witness()
-        if param is None:  # its model is gone: a new one (k-fold), or none (main() returned)
-            found = self._new_witness()
-            param = None if found is None else found()
-            if param is None:  # what was last seen
-                return self.facts.grads_were_none
-            self._witness = found
-        self.facts.grads_were_none = none = param.grad is None
+        """Whether the models have no gradients allocated now (what was last seen, once they
+        are gone)."""
+        none = True
+        for witness in self._witnesses:
+            param = witness()
+            if param is None:  # its model is gone: a new one (k-fold), or none (main() returned)
+                found = self._new_witnesses()
+                if not found or found[0]() is None:  # what was last seen
+                    return self.facts.grads_were_none
+                self._witnesses = found
+                return self.grads_none()
+            if param.grad is not None:
+                none = False
+        if self._witnesses:
+            self.facts.grads_were_none = none
         return none
 
     def gradient_bytes(self) -> int:
@@ -259,23 +263,30 @@ def state_tensors(value: Any, depth: int = _STATE_DEPTH) -> list[torch.Tensor]:
     return []
 
 
-def gradient_witness(
+def gradient_witnesses(
     modules: Iterable[torch.nn.Module], optimizers: Iterable[Any]
-) -> torch.Tensor | None:
-    """A trainable parameter whose ``.grad`` tells whether gradients are allocated now (all
-    of a model's gradients come and go together: backward creates them, ``zero_grad`` frees
-    them). An optimizer's first: a module seen first may be one that never trains (a
-    distillation teacher in eval mode whose parameters still require grad)."""
+) -> list[torch.Tensor]:
+    """Parameters whose ``.grad`` tells whether gradients are allocated now: one per
+    optimizer (an optimizer's gradients come and go together: backward creates them, its
+    ``zero_grad`` frees them; a GAN's two optimizers free theirs at different times). Without
+    an optimizer, the first module's trainable parameter; optimizers first, as a module seen
+    first may be one that never trains (a distillation teacher in eval mode whose parameters
+    still require grad)."""
+    found: list[torch.Tensor] = []
     for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    return p
+        params = [p for group in opt.param_groups for p in group["params"]]
+        # a parameter frozen now may train later (a GAN's discriminator, frozen for the
+        # generator's update): a trainable one first, else any of the optimizer's
+        param = next((p for p in params if p.requires_grad), params[0] if params else None)
+        if param is not None and not any(param is f for f in found):
+            found.append(param)
+    if found:
+        return found
     for mod in modules:
         for p in mod.parameters():
             if p.requires_grad:
-                return p
-    return None
+                return [p]
+    return []
 
 
 def persistent_bytes(

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
@@ -169,8 +169,9 @@ class Candidate:
     filename: str
     frame_line: int
     kind: str
-    size: int  # graph nodes (tensor) or length (container)
+    size: int  # graph nodes (a tensor's; a container's, plus its length)
     code: CodeType  # the frame's code: first_line reads its source only when asked
+    scalar: bool = True  # its graphs end in one-element tensors (a loss), not in states
 
     @functools.cached_property
     def first_line(self) -> int:
@@ -181,11 +182,19 @@ class Candidate:
 
 def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
     """Autograd nodes reachable from ``tensor.grad_fn``, counted up to ``limit``."""
-    root = getattr(tensor, "grad_fn", None)
-    if root is None:
-        return 0
-    seen = {id(root)}
-    stack = [root]
+    return graph_nodes([tensor], limit)
+
+
+def graph_nodes(tensors: Iterable[Any], limit: int = GRAPH_NODE_LIMIT) -> int:
+    """Autograd nodes reachable from the ``grad_fn`` of any of ``tensors`` (each once),
+    counted up to ``limit``."""
+    seen: set[int] = set()
+    stack = []
+    for tensor in tensors:
+        root = getattr(tensor, "grad_fn", None)
+        if root is not None and id(root) not in seen:
+            seen.add(id(root))
+            stack.append(root)
     while stack and len(seen) < limit:
         node = stack.pop()
         for nxt, _ in getattr(node, "next_functions", ()):
@@ -199,8 +208,9 @@ def _has_graph(value: Any, tensor_type: type) -> bool:
     return isinstance(value, tensor_type) and getattr(value, "grad_fn", None) is not None
 
 
-def _container_graph(value: Any, tensor_type: type) -> bool:
-    """A list/tuple/dict with graph-carrying tensors among its first or last few items."""
+def _container_graph(value: Any, tensor_type: type) -> list[Any]:
+    """The graph-carrying tensors among a list's, tuple's or dict's first or last few items
+    (none: not such a container)."""
     if isinstance(value, (list, tuple)):
         n = len(value)
         items: list[Any] = [
@@ -214,8 +224,8 @@ def _container_graph(value: Any, tensor_type: type) -> bool:
                 break
             items.append(v)
     else:
-        return False
-    return any(_has_graph(v, tensor_type) for v in items)
+        return []
+    return [v for v in items if _has_graph(v, tensor_type)]
 
 
 def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType]:
@@ -253,10 +263,18 @@ def _first_line(code: CodeType, lineno: int, name: str) -> int:
         m = pattern.search(text)
         if m is None:
             continue
-        rank = 0 if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") else 2
-        if _TO_NUMBER.search(text[m.end() :]):
+        rest = text[m.end() :]
+        if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*="):
+            rank = 0
+        elif re.search(rf"(?<![\w.]){re.escape(bare)}\b", rest):
+            rank = 2  # built on itself: ``total = total + loss``, ``y, h = model(x, h)``
+        else:
+            rank = 4
+        if _TO_NUMBER.search(rest):
             rank += 1
-        if best is None or rank < best[0]:
+        # of the lines that build it on itself, the last: a detaching helper comes before
+        # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
+        if best is None or rank < best[0] or (rank == best[0] == 2):
             best = (rank, start + i)
     return lineno if best is None else best[1]
 
@@ -297,9 +315,11 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                 items.extend((f"self.{k}", v) for k, v in vars(owner).items())
         for name, value in items:
             if _has_graph(value, tensor_type):
-                kind, size = "tensor", graph_size(value)
-            elif _container_graph(value, tensor_type):
-                kind, size = "container", len(value)
+                kind, size, tensors = "tensor", graph_size(value), [value]
+            elif tensors := _container_graph(value, tensor_type):
+                # a list that grows (``losses.append(loss)``) grows in length; a state carried
+                # from step to step (an RNN's ``hidden`` tuple, never detached) in its graph
+                kind, size = "container", len(value) + graph_nodes(tensors)
             else:
                 continue
             out.append(
@@ -311,6 +331,7 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                     kind=kind,
                     size=size,
                     code=frame.f_code,
+                    scalar=all(t.numel() == 1 for t in tensors),
                 )
             )
     return out
@@ -341,6 +362,7 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
                 kind=c.kind,
                 graph_nodes=c.size,
                 growing=grew,
+                scalar=c.scalar,
             )
         )
     suspects.sort(key=lambda s: (not s.growing, s.kind != "container", -s.graph_nodes))

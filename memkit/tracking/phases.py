@@ -99,7 +99,7 @@ class PhaseMachine:
         facts.last_root = (training, grad)
         facts.last_input = shape = _input_shape(args)
         sim = self.devices.sim
-        if not grad or not training or not (root.trainable or _needs_grad(args)):
+        if not grad or not training or not (_needs_grad(args) or root.trainable()):
             kind = EVAL_PASS
             facts.eval_forwards += 1
             if shape is not None and (

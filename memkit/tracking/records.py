@@ -143,14 +143,28 @@ class IgnoredCall:
 class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("keys", "model", "ref", "trainable")
+    __slots__ = ("_trained_param", "keys", "model", "ref")
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
         self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
-        params = [p.requires_grad for p in module.parameters()]
-        self.model = bool(params)  # only a module with parameters can be the trained model
-        self.trainable = any(params)
+        self.model = any(True for _ in module.parameters())  # only these can be trained
+        self._trained_param: weakref.ref[torch.Tensor] | None = None
+
+    def trainable(self) -> bool:
+        """Whether a parameter of the module requires grad now: asked at each forward, as a
+        GAN freezes its discriminator for the generator's update and unfreezes it for its own
+        (``requires_grad_(False)``/``(True)``). The parameter found last is asked first."""
+        found = self._trained_param
+        param = found() if found is not None else None
+        if param is not None and param.requires_grad:
+            return True
+        module = self.ref()
+        for param in module.parameters() if module is not None else ():
+            if param.requires_grad:
+                self._trained_param = weakref.ref(param)
+                return True
+        return False
 
 
 class ModuleStat:

@@ -215,9 +215,11 @@ class LeakSuspect:
             current line.
         code: that line's text.
         kind: ``"tensor"`` or ``"container"`` (a list, tuple or dict of such tensors).
-        graph_nodes: autograd nodes reachable from it (counted up to a bound), or the
-            container's length.
+        graph_nodes: autograd nodes reachable from it (counted up to a bound); for a
+            container, from the tensors it shows first and last, plus its length.
         growing: it grew between two inspections (confirmed), else a candidate.
+        scalar: its graphs end in one-element tensors (a loss, summed or listed), not in a
+            state the next step builds on (an RNN's hidden state).
     """
 
     name: str
@@ -228,6 +230,7 @@ class LeakSuspect:
     kind: str
     graph_nodes: int
     growing: bool
+    scalar: bool = True
 
     @property
     def where(self) -> str:
