@@ -765,3 +765,34 @@ def test_keep_loss_is_refused_where_the_model_files_train_step_runs():
     with pytest.raises(ConfigError, match="train_step, which keeps what its own code keeps"):
         probe(small_mlp(), lambda n: torch.randn(n, 256), train_step=step, device="cpu",
               budget="8MiB", keep_output=False)  # fmt: skip
+
+
+def test_the_part_hooks_leave_a_transformer_encoders_fused_inference_path_on():
+    """``TransformerEncoderLayer`` runs its fused inference kernel only while no forward hook
+    sits on it or inside it: the probe's part hooks must not send it down the op-by-op path
+    (a ViT probed 156 at 32 MiB where its own eval loop fits 480)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memkit.probing.trials import PartPeaks
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    ).eval()
+    parts = PartPeaks((lambda: (0, 0, 0, 0), lambda: None), model, None)
+    try:
+        with torch.no_grad(), Ops() as ops:
+            model(torch.randn(4, 10, 8))
+    finally:
+        parts.close()
+    assert "_transformer_encoder_layer_fwd" in ops.names
+    assert len(parts.parts) >= 2  # the model's own parts are still cut

@@ -101,11 +101,26 @@ MAX_STEPS = 16
 that fills), the trial steps on, up to this many steps."""
 
 
+_PATH_CHANGES_WITH_HOOKS = (torch.nn.TransformerEncoderLayer,)
+"""Modules whose forward takes another path when it or a module inside it has forward hooks:
+``TransformerEncoderLayer`` leaves its fused inference kernel (torch/nn/modules/transformer.py,
+"forward pre-/hooks are attached to the module") for the op-by-op path, which keeps more
+memory. The probe cuts no part inside them: it must measure the model's own path."""
+
+
 def _outer_modules(model: torch.nn.Module, limit: int) -> list[torch.nn.Module]:
-    """The model and its submodules, breadth first, while a whole level fits in ``limit``."""
+    """The model and its submodules, breadth first, while a whole level fits in ``limit``;
+    none that is or lies inside a :data:`_PATH_CHANGES_WITH_HOOKS` module."""
+    if isinstance(model, _PATH_CHANGES_WITH_HOOKS):
+        return []
     chosen, level = [model], [model]
     while level:
-        level = [child for module in level for child in module.children()]
+        level = [
+            child
+            for module in level
+            for child in module.children()
+            if not isinstance(child, _PATH_CHANGES_WITH_HOOKS)
+        ]
         if len(chosen) + len(level) > limit:
             break
         chosen += level
