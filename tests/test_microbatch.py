@@ -314,6 +314,59 @@ def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
     assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
 
 
+def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
+    """Samples whose labels are all ignored (-100) make a micro-batch whose token-mean loss is
+    NaN (a mean over nothing): with the token weight it adds nothing, and the step's loss is
+    the full batch's, not NaN."""
+    ids = torch.randint(0, 256, (4, 16))
+    labels = ids.clone()
+    labels[2:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    expected = reference_step(gpt2, gpt2_loss, batch)
+    full = gpt2_loss(copy.deepcopy(gpt2), batch).item()
+    opt = torch.optim.SGD(gpt2.parameters(), lr=1.0)
+    step = microbatch(lambda b: gpt2_loss(gpt2, b), model=gpt2, optimizer=opt,
+                      weight=counted_tokens)  # fmt: skip
+    step.policy.micro_size = 2
+    loss = step(batch)
+    assert step.last is not None and step.last.chunk_sizes == (2, 2)
+    assert loss.item() == pytest.approx(full, rel=1e-5)
+    assert_params_close(gpt2, expected)
+
+
+def test_sequence_first_batches_are_split_along_the_batch_not_time():
+    """pytorch/examples' word_language_model: an ``nn.LSTM`` without ``batch_first`` takes
+    ``(seq, batch)`` tokens. Split along dim 0 the micro-batches would be spans of time and the
+    gradient silently wrong: memkit asks which dim is the batch, and with ``batch_dim=1``
+    the gradient is the full batch's."""
+    torch.manual_seed(0)
+
+    class LanguageModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.rnn = torch.nn.Embedding(50, 16), torch.nn.LSTM(16, 32)
+            self.out = torch.nn.Linear(32, 50)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(self.emb(tokens))[0])
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        data, targets = batch
+        return F.cross_entropy(model(data).flatten(0, 1), targets.flatten())
+
+    model = LanguageModel()
+    batch = (torch.randint(0, 50, (35, 8)), torch.randint(0, 50, (35, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ConfigError, match="batch_dim=1"):
+        microbatch(lambda b: loss_fn(model, b), model=model, optimizer=opt)
+    expected = reference_step(model, loss_fn, batch)
+    step = microbatch(lambda b: loss_fn(model, b), model=model, optimizer=opt, batch_dim=1)
+    step.policy.micro_size = 4
+    step(batch)
+    assert step.last is not None and step.last.chunk_sizes == (4, 4)
+    assert_params_close(model, expected)
+
+
 # --- errors -------------------------------------------------------------------------------
 
 

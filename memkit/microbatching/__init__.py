@@ -15,7 +15,8 @@ list of ``B`` per-sample items, not all of them such tensors or holding one (a d
 batch's target dicts, captions), is sliced the same way; dicts/mappings, tuples, named tuples
 and other lists are walked and rebuilt. Anything else is given unchanged to every
 micro-batch: Python scalars and strings, 0-d tensors, tensors whose dim 0 is not ``B``,
-``None``.
+``None``. "Dim 0" is ``batch_dim``: 1 for sequence-first batches, which a model with
+sequence-first layers must say (it is refused otherwise).
 
 Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
 back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.

@@ -24,10 +24,11 @@ def _leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-def batch_size_of(batch: Any) -> int | None:
-    """The batch size: the dim 0 that the batch's tensors (of at least one dimension) hold the
-    most bytes along, the per-sample data (a shared ``positions`` tensor of another length is
-    not it); among equals, the first found depth first. ``None`` if no such tensor.
+def batch_size_of(batch: Any, dim: int = 0) -> int | None:
+    """The batch size: the size of dim ``dim`` (0; 1 for sequence-first batches) that the
+    batch's tensors (with that dim) hold the most bytes along, the per-sample data (a shared
+    ``positions`` tensor of another length is not it); among equals, the first found depth
+    first. ``None`` if no such tensor.
 
     Examples:
         >>> import torch
@@ -40,16 +41,16 @@ def batch_size_of(batch: Any) -> int | None:
     """
     weight: dict[int, int] = {}
     for leaf in _leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            size = int(leaf.shape[0])
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
+            size = int(leaf.shape[dim])
             weight[size] = weight.get(size, 0) + leaf.numel() * leaf.element_size() + 1
     return max(weight, key=weight.__getitem__) if weight else None
 
 
-def _holds_rows(obj: Any, size: int) -> bool:
-    """Whether ``obj`` holds a tensor with ``size`` rows (something split along dim 0)."""
+def _holds_rows(obj: Any, size: int, dim: int) -> bool:
+    """Whether ``obj`` holds a tensor with ``size`` rows (something split along ``dim``)."""
     return any(
-        isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == size
+        isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size
         for leaf in _leaves(obj)
     )
 
@@ -77,10 +78,10 @@ def _rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
         return data
 
 
-def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[Any]:
-    """Split ``batch`` into ``chunks`` micro-batches along dim 0 (views, no copies).
+def split_batch(batch: Any, chunks: int, batch_size: int | None = None, dim: int = 0) -> list[Any]:
+    """Split ``batch`` into ``chunks`` micro-batches along dim ``dim`` (views, no copies).
 
-    Tensors whose dim 0 equals the batch size are split; a list of one item per sample (as
+    Tensors whose dim ``dim`` equals the batch size are split; a list of one item per sample (as
     long as the batch, and not every item a tensor, or holding one, of that many rows: a
     detection batch's target dicts, one of which may hold as many boxes as the batch has
     images) is sliced; mappings, tuples (named tuples too) and other lists are rebuilt around their
@@ -90,6 +91,7 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
         batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
         chunks: how many micro-batches, ``1 <= chunks <= batch_size``.
         batch_size: the batch size; default :func:`batch_size_of`.
+        dim: the batch dimension (1 for sequence-first batches: ``(seq, batch, ...)``).
 
     Examples:
         >>> import torch
@@ -97,15 +99,15 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
         >>> [p["x"].tolist() for p in parts], parts[1]["k"]
         ([[0, 1, 2], [3, 4]], 2)
     """
-    size = batch_size if batch_size is not None else batch_size_of(batch)
+    size = batch_size if batch_size is not None else batch_size_of(batch, dim)
     if size is None or chunks == 1:
         return [batch]
     sizes = chunk_sizes(size, chunks)
 
     def split(obj: Any) -> list[Any]:
         if isinstance(obj, torch.Tensor):
-            if obj.dim() >= 1 and obj.shape[0] == size:
-                return list(obj.split(sizes))
+            if obj.dim() > dim and obj.shape[dim] == size:
+                return list(obj.split(sizes, dim))
             return [obj] * chunks
         if isinstance(obj, Mapping):
             parts = {key: split(value) for key, value in obj.items()}
@@ -120,7 +122,7 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None) -> list[
                 return [type(obj)(*row) for row in rows]
             return [tuple(row) for row in rows]
         if isinstance(obj, list):
-            if len(obj) == size and size > 1 and not all(_holds_rows(i, size) for i in obj):
+            if len(obj) == size and size > 1 and not all(_holds_rows(i, size, dim) for i in obj):
                 # one item per sample (a detection batch's target dicts, captions): sliced
                 starts = [sum(sizes[:i]) for i in range(chunks)]
                 return [obj[start : start + n] for start, n in zip(starts, sizes, strict=True)]

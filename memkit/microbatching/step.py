@@ -61,6 +61,30 @@ def _guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]
         return None, exc
 
 
+_SEQUENCE_FIRST = (
+    torch.nn.RNNBase,
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+    torch.nn.Transformer,
+)
+
+
+def _default_batch_dim(model: torch.nn.Module) -> int:
+    """0, unless ``model`` has sequence-first layers (``batch_first=False``): then its
+    batches may be ``(seq, batch, ...)`` (pytorch/examples' word_language_model), or it may
+    transpose batch-first inputs itself; only the user knows."""
+    for name, module in model.named_modules():
+        if isinstance(module, _SEQUENCE_FIRST) and not getattr(module, "batch_first", True):
+            raise ConfigError(
+                f"{name or 'the model'} ({type(module).__name__}) takes sequence-first input "
+                "(batch_first=False): pass batch_dim=1 to microbatch if your batches are "
+                "(seq, batch, ...), or batch_dim=0 if they are batch-first (memkit would "
+                "otherwise split them along time, and the gradient would be wrong)"
+            )
+    return 0
+
+
 def _is_ddp(model: torch.nn.Module) -> bool:
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
     return ddp is not None and isinstance(model, ddp)
@@ -90,11 +114,14 @@ class MicroBatchStep:
         before_step: Callable[[], Any] | None = None,
         timeout: float | None = None,
         restore_buffers: str = "norm",
+        batch_dim: int | None = None,
     ) -> None:
         if restore_buffers not in ("norm", "all", "none"):
             raise ConfigError(
                 f"restore_buffers must be 'norm', 'all' or 'none', found {restore_buffers!r}"
             )
+        if batch_dim not in (None, 0, 1):
+            raise ConfigError(f"batch_dim must be 0 or 1, found {batch_dim!r}")
         if not callable(train_step):
             raise ConfigError(f"train_step must be callable, found {train_step!r}")
         if not isinstance(model, torch.nn.Module):
@@ -112,6 +139,7 @@ class MicroBatchStep:
         self.before_step = before_step
         self.timeout = timeout
         self.restore_buffers = restore_buffers
+        self.batch_dim = batch_dim if batch_dim is not None else _default_batch_dim(model)
         self.steps = 0
         self.ooms = 0
         self.last: StepInfo | None = None
@@ -170,7 +198,7 @@ class MicroBatchStep:
     def _accumulate(self, batch: Any, chunks: int, batch_size: int, world: int) -> torch.Tensor:
         """Forward and backward every micro-batch; return the full-batch loss (detached)."""
         self._zero_grads()
-        parts = split_batch(batch, chunks, batch_size)
+        parts = split_batch(batch, chunks, batch_size, self.batch_dim)
         sizes = chunk_sizes(batch_size, chunks)
         if self.weight is None:
             weights: list[Any] = list(sizes)
@@ -214,9 +242,18 @@ class MicroBatchStep:
                             else ""
                         )
                     )
+                # a micro-batch with nothing counted (all its labels ignored) adds nothing:
+                # its loss is NaN (a mean over nothing)
                 share = w / total
-                (loss.reshape(()) * (share / world)).backward()
-                contrib = loss.detach().reshape(()) * share
+                if isinstance(share, torch.Tensor):  # tested without a device sync
+                    (loss.reshape(()) * (share / world)).backward()
+                    contrib = torch.where(share > 0, loss.detach().reshape(()) * share, 0.0)
+                elif share:
+                    (loss.reshape(()) * (share / world)).backward()
+                    contrib = loss.detach().reshape(()) * share
+                else:
+                    del loss, part
+                    continue
                 loss_sum = contrib if loss_sum is None else loss_sum + contrib
             del loss, part
         assert loss_sum is not None
@@ -263,7 +300,7 @@ class MicroBatchStep:
         Exceptions are dropped (``del``) as soon as recovered from, before the next attempt
         or the raise, so that their tracebacks do not keep the failed attempt's memory alive.
         """
-        found = batch_size_of(batch)
+        found = batch_size_of(batch, self.batch_dim)
         size = found if found is not None else 1
         ddp = self._ddp()
         world = distributed.world_size() if ddp else 1
@@ -472,6 +509,7 @@ def microbatch(
     before_step: Callable[[], Any] | None = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
+    batch_dim: int | None = None,
 ) -> MicroBatchStep: ...
 
 
@@ -487,6 +525,7 @@ def microbatch(
     before_step: Callable[[], Any] | None = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
+    batch_dim: int | None = None,
 ) -> Callable[[Callable[[Any], torch.Tensor]], MicroBatchStep]: ...
 
 
@@ -501,6 +540,7 @@ def microbatch(
     before_step: Callable[[], Any] | None = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
+    batch_dim: int | None = None,
 ) -> MicroBatchStep | Callable[[Callable[[Any], torch.Tensor]], MicroBatchStep]:
     """Wrap ``train_step`` into an OOM-proof step that keeps the effective batch.
 
@@ -525,6 +565,10 @@ def microbatch(
             attempt fails, since its forward passes already updated them: ``"norm"`` (running
             statistics of BatchNorm/InstanceNorm layers, the default), ``"all"`` (every buffer;
             costs a copy of them per batch) or ``"none"``.
+        batch_dim: the dimension the batch is split along: 0, or 1 for sequence-first
+            batches ``(seq, batch, ...)``. Required (0 or 1) for a model with sequence-first
+            layers (an ``nn.LSTM`` without ``batch_first``): split along time, the gradient
+            would be silently wrong.
 
     Returns:
         A :class:`MicroBatchStep`; call it with a full batch.
@@ -548,6 +592,7 @@ def microbatch(
         "before_step": before_step,
         "timeout": timeout,
         "restore_buffers": restore_buffers,
+        "batch_dim": batch_dim,
     }
     if train_step is None:
 
