@@ -566,6 +566,46 @@ def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     assert outs.requires_grad  # the graph the eval peak holds
 
 
+def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
+    """Distillation: the frozen teacher runs under no_grad in eval mode on every training
+    batch. Running out there is the training step's problem (smaller micro-batch and
+    accumulation, a bf16 teacher), not an evaluation batch to lower; a validation pass of the
+    trained model still gets ``oom-eval``."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                            nn.Linear(2048, 10)).eval()  # fmt: skip
+    teacher.requires_grad_(False)
+    student = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(student.parameters())
+
+    def distill(batch: int) -> None:
+        x = torch.randn(batch, 256)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = nn.functional.cross_entropy(student(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="24MiB") as tracker:
+        for batch in (16, 16, 1024):
+            distill(batch)
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.step == 2
+    assert pm.frozen_model == ("Sequential", sum(p.numel() * 4 for p in teacher.parameters()))
+    codes = [a.code for a in pm.advice]
+    assert "oom-frozen-model" in codes and "oom-eval" not in codes
+
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="24MiB") as tracker:
+        distill(16)
+        student.eval()
+        with torch.no_grad():
+            student(torch.randn(60_000, 256))  # a validation batch far too large
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.frozen_model is None
+    assert "oom-eval" in [a.code for a in pm.advice]
+
+
 def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
     """At an Adam step's peak, what the breakdown calls activations is the optimizer's
     temporaries (backward has freed the graph): autocast would not shrink them, so the

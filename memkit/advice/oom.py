@@ -25,6 +25,7 @@ __all__ = [
     "oom_activations",
     "oom_advice",
     "oom_in_evaluation",
+    "oom_in_frozen_model",
     "oom_optimizer_state",
     "oom_other",
     "oom_parameters",
@@ -44,7 +45,7 @@ def oom_advice(
     if at_eval is not None:
         out.append(at_eval)
     if pm.phase == "eval":
-        out.append(oom_in_evaluation(pm))
+        out.append(oom_in_frozen_model(pm) if pm.frozen_model else oom_in_evaluation(pm))
     bd = pm.breakdown
     if bd is not None and bd.total > 0:
         share = {name: value / bd.total for name, value in bd.parts()}
@@ -112,6 +113,34 @@ def oom_in_evaluation(pm: OomPostMortem) -> Advice:
         "it is independent of the training batch. Run evaluation under "
         "`torch.inference_mode()` (or `torch.no_grad()`) with `model.eval()`, and move what you "
         "keep of its outputs to the CPU.",
+        saving_bytes=None,
+        severity="critical",
+    )
+
+
+def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
+    """``oom-frozen-model``: the OOM came in the no-grad forward of a model no optimizer
+    trains (a distillation teacher, a DPO reference model): it runs on the training batch
+    in every step, so the step's remedies apply, not evaluation's."""
+    assert pm.frozen_model is not None
+    name, size = pm.frozen_model
+    shape = pm.input_shape
+    batch = "" if shape is None else f" on an input of {format_shape(shape)}"
+    half = (
+        f"; hold it in bf16 (`.to(torch.bfloat16)`: its parameters are {format_size(size)}, "
+        "half of that saved)"
+        if pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
+        else ""
+    )
+    return Advice(
+        code="oom-frozen-model",
+        title=f"out of memory in the forward of `{name}`, a model no optimizer trains",
+        evidence=f"It failed at {pm.where}{batch}. No optimizer steps `{name}`'s parameters "
+        "(a distillation teacher, a reference model): its forward runs on the training batch "
+        "in every step, so its memory is the training step's.",
+        action="Lower the training micro-batch and keep the effective batch with gradient "
+        f"accumulation (its outputs are needed per micro-batch){half}; or compute its "
+        "outputs once, offline, and load them with the batch.",
         saving_bytes=None,
         severity="critical",
     )

@@ -96,6 +96,7 @@ class TrackedModels:
         # forward function -> forward_autocast's answer (its wrapper chain is made once)
         self._autocast: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._last_autocast: tuple[weakref.ref[Any], str | None] | None = None
+        self._frozen: dict[tuple[int, int], tuple[str, int] | None] = {}
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
@@ -120,6 +121,29 @@ class TrackedModels:
             return False
         self.seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
         return True
+
+    def frozen_model(self, module: torch.nn.Module, root: RootInfo) -> tuple[str, int] | None:
+        """``(name, parameter bytes)`` of ``module``, a model running an evaluation pass, if
+        no optimizer trains it (a distillation teacher, a DPO reference model run on each
+        training batch), else ``None`` (the trained model's validation). Before an optimizer
+        is known, a model none of whose parameters requires grad. Read once per model and
+        number of optimizers known."""
+        optimizers = self.all_optimizers()
+        key = (id(module), len(optimizers))
+        if key in self._frozen:
+            return self._frozen[key]
+        params = list(module.parameters())
+        if optimizers:
+            trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+            frozen = not any(id(p) in trained for p in params)
+        else:
+            frozen = not any(p.requires_grad for p in params)
+        size = sum(p.numel() * p.element_size() for p in params)
+        found = (root.keys.get(id(module)) or type(module).__name__, size) if frozen else None
+        if len(self._frozen) > 256:
+            self._frozen.clear()
+        self._frozen[key] = found
+        return found
 
     def forward_autocast(self, module: torch.nn.Module) -> str | None:
         """:func:`forward_autocast` of ``module``, read once per ``forward`` function: a

@@ -102,6 +102,7 @@ class PhaseMachine:
         if not grad or not training or not (_needs_grad(args) or root.trainable()):
             kind = EVAL_PASS
             facts.eval_forwards += 1
+            facts.frozen_model = self.models.frozen_model(module, root)
             if shape is not None and (
                 facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
             ):
@@ -113,6 +114,7 @@ class PhaseMachine:
                         self.transition(EVAL)
         else:
             kind = TRAIN_PASS
+            facts.frozen_model = None
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
             if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:

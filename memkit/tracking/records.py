@@ -86,6 +86,9 @@ class RunFacts:
     eval_input: tuple[int, ...] | None = None  # the largest evaluation input's shape
     last_input: tuple[int, ...] | None = None  # the last model forward's input shape
     last_root: tuple[bool, bool] | None = None  # (training, grad enabled) of that forward
+    # the model and its parameter bytes, when that forward was an evaluation pass of a model
+    # no optimizer trains (a distillation teacher, a DPO reference model)
+    frozen_model: tuple[str, int] | None = None
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept
     param_dtype: str | None = None

@@ -298,6 +298,9 @@ class OomPostMortem(Result):
         setup: the model's and optimizer's facts the advice reads, if seen.
         checkpointed: the outermost modules whose forward ran again in backward (activation
             checkpointing already runs there); ``top_modules`` leaves out what is inside them.
+        frozen_model: ``(name, parameter bytes)`` when the failing pass was an evaluation pass
+            of a model no optimizer trains (a distillation teacher, a DPO reference model),
+            which runs on the training batch in every step.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -325,6 +328,7 @@ class OomPostMortem(Result):
     micro_batches: int = 1
     setup: TrainingSetup | None = None
     checkpointed: tuple[str, ...] = ()
+    frozen_model: tuple[str, int] | None = None
 
     @property
     def where(self) -> str:

@@ -398,6 +398,7 @@ class Tracker:
             leak=leak,
             last_root=facts.last_root,
             last_input=facts.last_input,
+            frozen_model=facts.frozen_model,
             micro_batches=max((s.backward_passes for s in dev.steps), default=1),
             setup=dev.setup,
             rank=launched_rank(),
