@@ -134,8 +134,9 @@ def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pres
     report = run_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), x, 2, budget="40MiB")
     (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
     assert "8 blocks" in adv.title and "torch.utils.checkpoint" in adv.action
-    # 8 x 2.25 MiB kept - 8 x 1 MiB outputs (conservatively: the largest leaf) - one block
-    assert adv.saving_bytes == pytest.approx(7.75 * MiB, rel=0.05)
+    # 8 x 2.25 MiB kept - 8 x 1 MiB outputs (conservatively: the largest leaf) - one block,
+    # capped by the activations at the peak (in backward, some freed already) less the outputs
+    assert 7 * MiB <= adv.saving_bytes <= 7.75 * MiB
     roomy = mlp_blocks(8, 128)
     big = run_steps(roomy, torch.optim.SGD(roomy.parameters(), lr=0.01), x, 2, budget="1GiB")
     assert "activation-checkpointing" not in codes(big.advice)

@@ -190,10 +190,12 @@ def test_oom_post_mortem_names_module_and_propagates():
     assert pm.tried_to_allocate == 4096 * 2048 * 4
     assert pm.capacity == 16 * 1024**2 and pm.breakdown is not None
     # hand count at the failed forward: the parameters, step 0's gradients (never zeroed) and
-    # the batch of 4096 x 256 float32 whose first layer's output did not fit
+    # the batch of 4096 x 256 float32 whose first layer's output did not fit: on the device
+    # when the forward began ("other", as a GPU script's .to("cuda")), no activation yet
     params = (256 * 2048 + 2048 + 2048 * 10 + 10) * 4
     assert pm.breakdown.parameters == pm.breakdown.gradients == params
-    assert pm.breakdown.activations == 4096 * 256 * 4 and pm.breakdown.optimizer_state == 0
+    assert pm.breakdown.other == 4096 * 256 * 4 and pm.breakdown.activations == 0
+    assert pm.breakdown.optimizer_state == 0
     assert "step 1, forward of 0" in str(pm)
     assert any(a.code.startswith("oom-") for a in pm.advice)
     assert no_hooks_left(model)
@@ -622,7 +624,7 @@ def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
             opt.zero_grad()
     report = tracker.report()
     bd = report.devices[0].breakdown
-    assert bd is not None and bd.phase == "optimizer" and bd.activations > 0.3 * bd.total
+    assert bd is not None and bd.phase == "optimizer" and bd.activations > 0.25 * bd.total
     assert "mixed-precision" not in {a.code for a in report.advice}
     assert "note: in the optimizer phase, activations are the optimizer's temporaries" in str(
         report

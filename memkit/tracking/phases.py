@@ -99,6 +99,7 @@ class PhaseMachine:
         facts.last_root = (training, grad)
         facts.last_input = shape = _input_shape(args)
         sim = self.devices.sim
+        began = False
         if not grad or not training or not (_needs_grad(args) or root.trainable()):
             kind = EVAL_PASS
             facts.eval_forwards += 1
@@ -123,9 +124,14 @@ class PhaseMachine:
                 with state.lock:
                     if state.phase != FORWARD:
                         self._training_forward_begins(sys._getframe(1))
+                        began = True
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args, inputs=True)
+            if began:  # and was when the forward began (a script's ``.to("cuda")``): the
+                # breakdown's "other", as on a GPU, not activations
+                for dev in self.devices.records.values():
+                    dev.forward_base = dev.read()[0]
         return kind
 
     def _training_forward_begins(self, frame: Any) -> None:
