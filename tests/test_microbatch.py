@@ -258,6 +258,27 @@ def test_batchnorm_train_mode_differs_from_the_full_batch_gradient():
     assert not torch.allclose(model.state_dict()[weight], expected[weight], rtol=RTOL, atol=ATOL)
 
 
+def test_batchnorm_that_needs_micro_batches_of_one_does_not_fit_clearly():
+    """Where micro-batch size 2 runs out of memory, size 1 cannot train BatchNorm: a
+    DoesNotFitError that says so, with BatchNorm's error as its cause, and the running
+    statistics as they were (not BatchNorm's bare ValueError)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 8192), torch.nn.BatchNorm1d(8192), torch.nn.ReLU(),
+        torch.nn.Linear(8192, 10),
+    )  # fmt: skip
+    batch = (torch.randn(64, 32), torch.randint(0, 10, (64,)))
+    budget = accumulation_peak(model, mlp_loss, batch, 32) - 1024  # micro-batches of 2 fail
+    stats = [b.clone() for b in model.buffers()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)), pytest.raises(DoesNotFitError) as info:
+        step(batch)
+    assert "at micro-batch size 1 the model's BatchNorm fails" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+
+
 @pytest.fixture(scope="module")
 def gpt2() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")

@@ -103,6 +103,7 @@ def test_step_bug_exits_3_with_its_traceback():
         ("missing_make_batch.py", ["does not define make_batch", "make_batches", "def make_batch"]),
         ("build_raises.py", ["build_model() in", "IndexError", "build_raises.py", "line 6"]),
         ("bad_batch.py", ["make_batch(1)", "returned str", "expected a Tensor"]),
+        ("meta_batch.py", ["make_batch(1)", "on the meta device", "no data"]),
         ("ignores_batch_size.py", ["first dimensions [8]", "ignore its batch_size"]),
     ],
 )

@@ -85,6 +85,11 @@ def _default_batch_dim(model: torch.nn.Module) -> int:
     return 0
 
 
+def _needs_two_samples(exc: BaseException) -> bool:
+    """BatchNorm's error for a training batch of one sample."""
+    return isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc)
+
+
 def _is_ddp(model: torch.nn.Module) -> bool:
     ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
     return ddp is not None and isinstance(model, ddp)
@@ -304,7 +309,7 @@ class MicroBatchStep:
         size = found if found is not None else 1
         ddp = self._ddp()
         world = distributed.world_size() if ddp else 1
-        attempts = ooms = 0
+        attempts = ooms = smallest_oom = 0
         buffers = self._buffers_to_restore()
         with torch.no_grad():
             saved = [b.clone() for b in buffers]
@@ -320,6 +325,18 @@ class MicroBatchStep:
             if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
+                if tried == 1 and ooms and _needs_two_samples(exc):
+                    with torch.no_grad():
+                        for buffer, copy in zip(buffers, saved, strict=True):
+                            buffer.copy_(copy)
+                    self._zero_grads()
+                    raise DoesNotFitError(
+                        f"a batch of {size} ran out of memory at micro-batch size {smallest_oom} "
+                        "and cannot be split further: at micro-batch size 1 the model's "
+                        f"BatchNorm fails ({str(exc).splitlines()[0]}): it needs at least 2 "
+                        "samples per channel in training. Reduce what one sample needs "
+                        "(activation checkpointing, mixed precision) or use a larger device"
+                    ) from exc
                 raise exc  # not an OOM: at once, unchanged, never retried
             if status_all == RankStatus.ERROR:
                 loss = None
@@ -342,6 +359,7 @@ class MicroBatchStep:
             if exc is not None:
                 ooms += 1
                 self.ooms += 1
+                smallest_oom = tried
                 recover(self.backend, exc)
                 del exc
             self._zero_grads()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,26 +271,26 @@ class StepPlan:
         ]
 
 
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The batch's tensors, in a fixed order (tensor, sequence, dict values)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from _tensors(v)
+
+
 def batch_leading_dims(batch: Any) -> list[int]:
     """First-dimension sizes of the batch's tensors (0-d tensors are skipped)."""
-    if isinstance(batch, torch.Tensor):
-        return [batch.shape[0]] if batch.dim() > 0 else []
-    if isinstance(batch, Mapping):
-        return [d for v in batch.values() for d in batch_leading_dims(v)]
-    if isinstance(batch, (tuple, list)):
-        return [d for v in batch for d in batch_leading_dims(v)]
-    return []
+    return [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
 
 
 def _shapes(batch: Any) -> list[tuple[int, ...]]:
     """Shapes of the batch's tensors, in a fixed order (tensor, sequence, dict values)."""
-    if isinstance(batch, torch.Tensor):
-        return [tuple(batch.shape)]
-    if isinstance(batch, Mapping):
-        return [s for v in batch.values() for s in _shapes(v)]
-    if isinstance(batch, (tuple, list)):
-        return [s for v in batch for s in _shapes(v)]
-    return []
+    return [tuple(t.shape) for t in _tensors(batch)]
 
 
 def check_batch(batch: Any, batch_size: int, where: str, bigger: Any = None) -> str | None:
@@ -306,6 +306,13 @@ def check_batch(batch: Any, batch_size: int, where: str, bigger: Any = None) -> 
         raise ModelFileError(
             f"{where} returned {type(batch).__name__}; expected a Tensor, a tuple/list or a "
             "dict of tensors"
+        )
+    meta = next((t for t in _tensors(batch) if t.is_meta), None)
+    if meta is not None:
+        raise ModelFileError(
+            f"{where} returned a tensor on the meta device (shape {tuple(meta.shape)}): it has "
+            "no data to run a step on; make real tensors (on the CPU: memkit moves them to "
+            "the device)"
         )
     dims = batch_leading_dims(batch)
     if not dims:
