@@ -436,14 +436,13 @@ class Hooks:
         else:
             events = dev.events
             kind = self.phases.root_pre(module, args, root)
-            if dev.events != events:  # a transition read and reset the counters just now
+            if dev.events != events:  # a transition read, reset and closed just now
                 a, r = dev.last
-                p, pr = a, r
             else:
                 a, r, p, pr = dev.read()
-            if p > a:
-                dev.reset()
-            self._close(dev, p, pr, None)
+                if p > a:
+                    dev.reset()
+                self._close(dev, p, pr, None)
         ms = dev.modules.get(name)
         if ms is None:
             # gradient hooks only where backward does real work: modules with their own

@@ -100,7 +100,7 @@ class PhaseMachine:
         facts.last_input = shape = _input_shape(args)
         sim = self.devices.sim
         began = False
-        if not grad or not training or not (_needs_grad(args) or root.trainable()):
+        if not grad or not training or not (root.trainable() or _needs_grad(args)):
             kind = EVAL_PASS
             facts.eval_forwards += 1
             facts.frozen_model = self.models.frozen_model(module, root)
