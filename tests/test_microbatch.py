@@ -274,7 +274,15 @@ def test_batchnorm_that_needs_micro_batches_of_one_does_not_fit_clearly():
     step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
     with memkit.simulate(budget, track=(model, opt)), pytest.raises(DoesNotFitError) as info:
         step(batch)
-    assert "at micro-batch size 1 the model's BatchNorm fails" in str(info.value)
+    assert "cannot be split further: the model's BatchNorm fails on a micro-batch of 1" in str(
+        info.value
+    )
+    assert isinstance(info.value.__cause__, ValueError)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    # an odd batch whose split leaves one sample alone: a ConfigError that says why
+    step.policy.micro_size = 2
+    with pytest.raises(ConfigError, match="leaves one of 1 sample") as info:
+        step((torch.randn(5, 32), torch.randint(0, 10, (5,))))
     assert isinstance(info.value.__cause__, ValueError)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
 
@@ -355,11 +363,37 @@ def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
     assert_params_close(gpt2, expected)
 
 
+def test_a_hand_written_masked_mean_over_nothing_leaves_no_nan_in_the_weights():
+    """``(per * m).sum() / m.sum()`` over a micro-batch with no counted sample is 0/0: its
+    backward would put NaN in every gradient. Such a micro-batch is skipped; a batch with
+    nothing counted at all trains nothing and returns NaN, as its full-batch mean would."""
+    torch.manual_seed(0)
+    x, y, mask = torch.randn(8, 8), torch.randn(8), torch.ones(8)
+    mask[4:] = 0
+
+    def masked_mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y, m = batch
+        return (((model(x).squeeze(-1) - y) ** 2) * m).sum() / m.sum()
+
+    model = torch.nn.Linear(8, 1)
+    expected = reference_step(model, masked_mse, (x, y, mask), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = microbatch(lambda b: masked_mse(model, b), model=model, optimizer=opt,
+                      weight=lambda b: b[2].sum())  # fmt: skip
+    step.policy.micro_size = 4
+    loss = step((x, y, mask))
+    assert torch.isfinite(loss) and step.last is not None and step.last.chunks == 2
+    assert_params_close(model, expected)
+    before = copy.deepcopy(model.state_dict())
+    assert torch.isnan(step((x, y, torch.zeros(8))))
+    assert_params_close(model, before)
+
+
 def test_sequence_first_batches_are_split_along_the_batch_not_time():
     """pytorch/examples' word_language_model: an ``nn.LSTM`` without ``batch_first`` takes
     ``(seq, batch)`` tokens. Split along dim 0 the micro-batches would be spans of time and the
     gradient silently wrong: memkit asks which dim is the batch, and with ``batch_dim=1``
-    the gradient is the full batch's."""
+    the gradient is the full batch's (a 1-d per-sample tensor is split along its dim 0)."""
     torch.manual_seed(0)
 
     class LanguageModel(torch.nn.Module):
@@ -372,11 +406,12 @@ def test_sequence_first_batches_are_split_along_the_batch_not_time():
             return self.out(self.rnn(self.emb(tokens))[0])
 
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        data, targets = batch
-        return F.cross_entropy(model(data).flatten(0, 1), targets.flatten())
+        data, targets, sample_weight = batch  # (seq, B), (seq, B), (B,): one per sample
+        per_token = F.cross_entropy(model(data).flatten(0, 1), targets.flatten(), reduction="none")
+        return (per_token.view(targets.shape) * sample_weight).mean()
 
     model = LanguageModel()
-    batch = (torch.randint(0, 50, (35, 8)), torch.randint(0, 50, (35, 8)))
+    batch = (torch.randint(0, 50, (35, 8)), torch.randint(0, 50, (35, 8)), torch.rand(8))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with pytest.raises(ConfigError, match="batch_dim=1"):
         microbatch(lambda b: loss_fn(model, b), model=model, optimizer=opt)

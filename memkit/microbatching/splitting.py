@@ -47,10 +47,21 @@ def batch_size_of(batch: Any, dim: int = 0) -> int | None:
     return max(weight, key=weight.__getitem__) if weight else None
 
 
+def _batch_axis(tensor: torch.Tensor, size: int, dim: int) -> int | None:
+    """The dim ``tensor`` is split along: ``dim`` when it is ``size`` long there; with
+    ``dim`` 1, dim 0 of a 1-d tensor ``size`` long (a sequence-first batch's labels or
+    lengths: one value per sample); else ``None`` (given whole to every micro-batch)."""
+    if tensor.dim() > dim and tensor.shape[dim] == size:
+        return dim
+    if 0 < tensor.dim() == dim and tensor.shape[0] == size:
+        return 0
+    return None
+
+
 def _holds_rows(obj: Any, size: int, dim: int) -> bool:
     """Whether ``obj`` holds a tensor with ``size`` rows (something split along ``dim``)."""
     return any(
-        isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == size
+        isinstance(leaf, torch.Tensor) and _batch_axis(leaf, size, dim) is not None
         for leaf in _leaves(obj)
     )
 
@@ -106,9 +117,8 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None, dim: int
 
     def split(obj: Any) -> list[Any]:
         if isinstance(obj, torch.Tensor):
-            if obj.dim() > dim and obj.shape[dim] == size:
-                return list(obj.split(sizes, dim))
-            return [obj] * chunks
+            axis = _batch_axis(obj, size, dim)
+            return [obj] * chunks if axis is None else list(obj.split(sizes, axis))
         if isinstance(obj, Mapping):
             parts = {key: split(value) for key, value in obj.items()}
             return [

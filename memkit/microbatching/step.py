@@ -206,9 +206,15 @@ class MicroBatchStep:
         parts = split_batch(batch, chunks, batch_size, self.batch_dim)
         sizes = chunk_sizes(batch_size, chunks)
         if self.weight is None:
-            weights: list[Any] = list(sizes)
+            weights: list[float] = [float(n) for n in sizes]
         else:
-            weights = [self.weight(part) for part in parts]
+            # numbers, read in one go: a tensor weight costs one device sync per batch, not
+            # one per micro-batch, and a zero weight is known before its backward runs
+            found = [self.weight(part) for part in parts]
+            device = next((w.device for w in found if isinstance(w, torch.Tensor)), None)
+            weights = torch.stack(
+                [torch.as_tensor(w, dtype=torch.float64, device=device).reshape(()) for w in found]
+            ).tolist()
         no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
         with self._no_buffer_broadcast():
             return self._micro_steps(parts, weights, no_sync, world)
@@ -230,11 +236,17 @@ class MicroBatchStep:
             setattr(self.model, "require_forward_param_sync", before)  # noqa: B010
 
     def _micro_steps(
-        self, parts: list[Any], weights: list[Any], no_sync: Any, world: int
+        self, parts: list[Any], weights: list[float], no_sync: Any, world: int
     ) -> torch.Tensor:
-        total: Any = sum(weights)
+        total = sum(weights)
+        if total <= 0:  # nothing counted in the whole batch (every label ignored): nothing
+            # to learn, and its loss is a mean over nothing, as the full batch's would be
+            self._zero_grads()
+            return torch.tensor(float("nan"))
         loss_sum: torch.Tensor | None = None
         for part, w in zip(parts, weights, strict=True):
+            if w == 0:  # nothing counted in it: no gradient (its loss is NaN, a mean over
+                continue  # nothing, whose backward can make NaN gradients)
             with no_sync():
                 loss = self.train_step(part)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -247,18 +259,9 @@ class MicroBatchStep:
                             else ""
                         )
                     )
-                # a micro-batch with nothing counted (all its labels ignored) adds nothing:
-                # its loss is NaN (a mean over nothing)
                 share = w / total
-                if isinstance(share, torch.Tensor):  # tested without a device sync
-                    (loss.reshape(()) * (share / world)).backward()
-                    contrib = torch.where(share > 0, loss.detach().reshape(()) * share, 0.0)
-                elif share:
-                    (loss.reshape(()) * (share / world)).backward()
-                    contrib = loss.detach().reshape(()) * share
-                else:
-                    del loss, part
-                    continue
+                (loss.reshape(()) * (share / world)).backward()
+                contrib = loss.detach().reshape(()) * share
                 loss_sum = contrib if loss_sum is None else loss_sum + contrib
             del loss, part
         assert loss_sum is not None
@@ -325,18 +328,12 @@ class MicroBatchStep:
             if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
-                if tried == 1 and ooms and _needs_two_samples(exc):
-                    with torch.no_grad():
-                        for buffer, copy in zip(buffers, saved, strict=True):
-                            buffer.copy_(copy)
-                    self._zero_grads()
-                    raise DoesNotFitError(
-                        f"a batch of {size} ran out of memory at micro-batch size {smallest_oom} "
-                        "and cannot be split further: at micro-batch size 1 the model's "
-                        f"BatchNorm fails ({str(exc).splitlines()[0]}): it needs at least 2 "
-                        "samples per channel in training. Reduce what one sample needs "
-                        "(activation checkpointing, mixed precision) or use a larger device"
-                    ) from exc
+                with torch.no_grad():  # what the failed forwards did to running statistics
+                    for buffer, copy in zip(buffers, saved, strict=True):
+                        buffer.copy_(copy)
+                self._zero_grads()
+                if _needs_two_samples(exc) and chunk_sizes(size, chunks)[-1] == 1:
+                    raise self._one_sample_error(exc, size, chunks, smallest_oom) from exc
                 raise exc  # not an OOM: at once, unchanged, never retried
             if status_all == RankStatus.ERROR:
                 loss = None
@@ -373,6 +370,29 @@ class MicroBatchStep:
         self.policy.on_success(tried)
         self.last = StepInfo(size, chunks, tuple(chunk_sizes(size, chunks)), attempts, ooms)
         return loss
+
+    @staticmethod
+    def _one_sample_error(
+        exc: BaseException, size: int, chunks: int, smallest_oom: int
+    ) -> DoesNotFitError | ConfigError:
+        """BatchNorm cannot train on a micro-batch of one sample: where that was memkit's
+        split, say so instead of BatchNorm's bare error."""
+        why = (
+            f"the model's BatchNorm fails on a micro-batch of 1 sample "
+            f"({str(exc).splitlines()[0]}): in training it needs at least 2 per channel"
+        )
+        if chunks == size:  # micro-batch size 1: size 2 ran out of memory
+            return DoesNotFitError(
+                f"a batch of {size} ran out of memory at micro-batch size {smallest_oom} and "
+                f"cannot be split further: {why}. Reduce what one sample needs (activation "
+                "checkpointing, mixed precision) or use a larger device"
+            )
+        sizes = chunk_sizes(size, chunks)
+        return ConfigError(
+            f"a batch of {size} split into micro-batches of {sizes[0]} leaves one of 1 sample "
+            f"({size} = {sizes.count(sizes[0])} x {sizes[0]} + ...): {why}. Give the batch a "
+            "size that splits evenly (DataLoader(drop_last=True) drops a short last batch)"
+        )
 
     def _agree_on_chunks(self, chunks: int, size: int) -> int:
         """DDP: the largest split count any rank needs (every rank must run as many)."""
