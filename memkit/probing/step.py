@@ -293,7 +293,9 @@ def _shapes(batch: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in _tensors(batch)]
 
 
-def check_batch(batch: Any, batch_size: int, where: str, bigger: Any = None) -> str | None:
+def check_batch(
+    batch: Any, batch_size: int, where: str, bigger: Any = None, *, runs: bool = True
+) -> str | None:
     """Fail clearly when ``make_batch`` returned something a probe cannot use; return a note
     when the batch dimension is not the first.
 
@@ -301,13 +303,15 @@ def check_batch(batch: Any, batch_size: int, where: str, bigger: Any = None) -> 
     for ``batch_size + 1``, the batch dimension is inferred: the one dimension of a tensor that
     grows from ``batch_size`` to ``batch_size + 1`` (dimension 1 for a seq-first ``(seq,
     batch)`` LSTM batch). Without it, a tensor must have ``batch_size`` as its first dimension.
+    ``runs``: a step will run on it (the probe), so meta tensors are refused; the estimate's
+    own batches are meta.
     """
     if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
         raise ModelFileError(
             f"{where} returned {type(batch).__name__}; expected a Tensor, a tuple/list or a "
             "dict of tensors"
         )
-    meta = next((t for t in _tensors(batch) if t.is_meta), None)
+    meta = next((t for t in _tensors(batch) if t.is_meta), None) if runs else None
     if meta is not None:
         raise ModelFileError(
             f"{where} returned a tensor on the meta device (shape {tuple(meta.shape)}): it has "
