@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import re
@@ -13,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from memkit.advice.leaks import graph_retained_advice
 from memkit.tracking import TrackReport, device_set, track
 from memkit.tracking.leaks import GrowthDetector, compare_scans, graph_size, scan_frames
+from memkit.tracking.report import LeakFinding
 
 
 def cnn() -> nn.Module:
@@ -267,12 +270,48 @@ def test_a_hidden_state_never_detached_is_named_with_its_fix():
     leak = report.devices[0].leak
     assert leak is not None
     top = leak.suspects[0]
-    assert top.name == "hidden" and top.growing and not top.scalar
+    assert top.name == "hidden" and top.growing and top.carried
     assert top.code.startswith("output, hidden = rnn(")
     advice = [a for a in report.advice if a.code == "graph-retained"]
     assert advice and "Detach `hidden`" in advice[0].action and ".item()" not in advice[0].action
     healthy = lstm_bptt(9, detach=True)
     assert healthy.leaks == [] and not [a for a in healthy.advice if a.code == "graph-retained"]
+
+
+def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
+    """``total_loss += loss`` then ``logs = {"loss": total_loss / step}``: the suspect is
+    ``total_loss`` (the dict only shows it), with the ``.item()`` fix; a list that grows by
+    ``append(logits)`` gets the append fix, not 'detach a carried state'."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        total_loss = 0
+        all_logits = []
+        for step in range(1, 9):
+            logits = model(torch.randn(32, 64))
+            loss = nn.functional.cross_entropy(logits, torch.randint(0, 10, (32,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total_loss += loss
+            logs = {"train_loss": total_loss / step, "lr": 0.1}
+            all_logits.append(logits)
+    assert logs and all_logits
+    leak = tracker.report().devices[0].leak
+    assert leak is not None
+    names = [s.name for s in leak.suspects]
+    assert names.index("total_loss") < names.index("logs")
+
+    def only(*kept: str) -> LeakFinding:
+        return dataclasses.replace(leak, suspects=tuple(s for s in leak.suspects if s.name in kept))
+
+    assert (
+        "`total_loss += loss.item()`"
+        in graph_retained_advice([only("total_loss", "logs")])[0].action
+    )
+    lists = only("all_logits")
+    assert not lists.suspects[0].carried
+    assert "`all_logits.append(x.item())`" in graph_retained_advice([lists])[0].action
 
 
 def test_no_leak_reported_for_healthy_loop():

@@ -54,7 +54,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
             continue
         top = leak.suspects[0]
         names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
-        if not top.scalar:  # a state the next step builds on: cut its graph at each step
+        if top.carried:  # a state the next step builds on: cut its graph at each step
             action = (
                 f"Detach `{top.name}` where each step begins (`{top.name} = "
                 + (

@@ -172,12 +172,24 @@ class Candidate:
     size: int  # graph nodes (a tensor's; a container's, plus its length)
     code: CodeType  # the frame's code: first_line reads its source only when asked
     scalar: bool = True  # its graphs end in one-element tensors (a loss), not in states
+    length: int = 0  # a container's length
 
     @functools.cached_property
+    def _line(self) -> tuple[int, bool]:
+        return _first_line(self.code, self.frame_line, self.name)
+
+    @property
     def first_line(self) -> int:
         """The line that grows or assigns the variable (reading the source costs more than
         a scan: only suspects need it)."""
-        return _first_line(self.code, self.frame_line, self.name)
+        return self._line[0]
+
+    @property
+    def built_on_itself(self) -> bool:
+        """That line grows it (``+=``, ``.append(``) or builds it from itself
+        (``y, h = model(x, h)``): the variable a growing graph is kept in, not one derived
+        from it (a ``logs`` dict, the ``loss`` computed through an RNN's ``hidden``)."""
+        return self._line[1]
 
 
 def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
@@ -246,14 +258,15 @@ _TO_NUMBER = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\.numpy\(\)|\bflo
 """What makes a line store a number, not a graph (the healthy twin of a leaking line)."""
 
 
-def _first_line(code: CodeType, lineno: int, name: str) -> int:
+def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
     """The line that grows or assigns ``name`` in the function of ``code`` (augmented
     assignment or append preferred, and a line that keeps a tensor over one that stores a
-    number), else the frame's current line ``lineno``."""
+    number), else the frame's current line ``lineno``; and whether that line grows ``name``
+    or builds it from itself."""
     try:
         lines, start = inspect.getsourcelines(code)
     except (OSError, TypeError):
-        return lineno
+        return lineno, False
     if code.co_name == "<module>":
         start = 1
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
@@ -276,7 +289,7 @@ def _first_line(code: CodeType, lineno: int, name: str) -> int:
         # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
         if best is None or rank < best[0] or (rank == best[0] == 2):
             best = (rank, start + i)
-    return lineno if best is None else best[1]
+    return (lineno, False) if best is None else (best[1], best[0] <= 3)
 
 
 def scan_frames(start: FrameType | None = None) -> list[Candidate]:
@@ -322,6 +335,7 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                 kind, size = "container", len(value) + graph_nodes(tensors)
             else:
                 continue
+            length = len(value) if kind == "container" else 0
             out.append(
                 Candidate(
                     name=name,
@@ -332,6 +346,7 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                     size=size,
                     code=frame.f_code,
                     scalar=all(t.numel() == 1 for t in tensors),
+                    length=length,
                 )
             )
     return out
@@ -343,30 +358,45 @@ def _key(c: Candidate) -> tuple[str, str, str]:
 
 def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakSuspect]:
     """Suspects from two scans a step (or more) apart: candidates in ``after`` whose graph or
-    length grew are confirmed (``growing=True``) and listed first; with no ``before`` every
-    candidate is listed, largest first, unconfirmed."""
-    previous = {_key(c): c.size for c in before}
-    suspects: list[LeakSuspect] = []
+    length grew are confirmed (``growing=True``) and listed first, the smallest graph first:
+    the variable the others' graphs were built from (``total_loss``, not a ``logs`` dict made
+    from it; an LSTM's ``hidden``, not the ``loss`` computed through it); with no ``before``
+    every candidate is listed, largest first, unconfirmed."""
+    previous = {_key(c): c for c in before}
+    found: list[tuple[tuple[Any, ...], LeakSuspect]] = []
     for c in after:
-        grew = _key(c) in previous and c.size > previous[_key(c)]
+        last = previous.get(_key(c))
+        grew = last is not None and c.size > last.size
         if before and not grew:
             continue
+        # its graph grew while its length did not (a list that grows is losses kept), and it
+        # ends in tensors of more than one element: a state each step builds on
+        carried = grew and not c.scalar and (last is None or c.length <= last.length)
         code = linecache.getline(c.filename, c.first_line).strip()
-        suspects.append(
-            LeakSuspect(
-                name=c.name,
-                function=c.function,
-                filename=c.filename,
-                line=c.first_line,
-                code=code,
-                kind=c.kind,
-                graph_nodes=c.size,
-                growing=grew,
-                scalar=c.scalar,
-            )
+        suspect = LeakSuspect(
+            name=c.name,
+            function=c.function,
+            filename=c.filename,
+            line=c.first_line,
+            code=code,
+            kind=c.kind,
+            graph_nodes=c.size,
+            growing=grew,
+            carried=carried,
         )
-    suspects.sort(key=lambda s: (not s.growing, s.kind != "container", -s.graph_nodes))
-    return suspects
+        if grew:  # what a line grows or builds on itself first; then the smallest graph (a
+            # container's without its length), containers first
+            order: tuple[Any, ...] = (
+                False,
+                not c.built_on_itself,
+                c.size - c.length,
+                c.kind != "container",
+            )
+        else:  # the largest first, containers first
+            order = (True, c.kind != "container", -c.size)
+        found.append((order, suspect))
+    found.sort(key=lambda pair: pair[0])
+    return [suspect for _, suspect in found]
 
 
 def growth_finding(

@@ -218,8 +218,9 @@ class LeakSuspect:
         graph_nodes: autograd nodes reachable from it (counted up to a bound); for a
             container, from the tensors it shows first and last, plus its length.
         growing: it grew between two inspections (confirmed), else a candidate.
-        scalar: its graphs end in one-element tensors (a loss, summed or listed), not in a
-            state the next step builds on (an RNN's hidden state).
+        carried: its graph grew while it kept its length, through tensors of more than one
+            element: a state each step builds on (an RNN's ``hidden``, never detached), not
+            losses kept (a sum, or a list that grows).
     """
 
     name: str
@@ -230,7 +231,7 @@ class LeakSuspect:
     kind: str
     graph_nodes: int
     growing: bool
-    scalar: bool = True
+    carried: bool = False
 
     @property
     def where(self) -> str:
