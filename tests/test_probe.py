@@ -770,7 +770,7 @@ def test_keep_loss_is_refused_where_the_model_files_train_step_runs():
 def test_the_part_hooks_leave_a_transformer_encoders_fused_inference_path_on():
     """``TransformerEncoderLayer`` runs its fused inference kernel only while no forward hook
     sits on it or inside it: the probe's part hooks must not send it down the op-by-op path
-    (a ViT probed 156 at 32 MiB where its own eval loop fits 480)."""
+    (a ViT probed 156 at 32 MiB where its own eval loop fits 532)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memkit.probing.trials import PartPeaks

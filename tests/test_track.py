@@ -621,9 +621,10 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
 
     def distill(batch: int) -> None:
         x = torch.randn(batch, 256)
-        with torch.no_grad():
+        logits = student(x)
+        with torch.no_grad():  # on the step's training batch
             target = teacher(x).softmax(-1)
-        loss = nn.functional.cross_entropy(student(x), target)
+        loss = nn.functional.cross_entropy(logits, target)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -633,7 +634,7 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
             distill(batch)
     pm = tracker.report().oom
     assert pm is not None and pm.phase == "eval" and pm.step == 2
-    assert pm.frozen_model == ("Sequential", sum(p.numel() * 4 for p in teacher.parameters()))
+    assert pm.frozen_model == ("Sequential#2", sum(p.numel() * 4 for p in teacher.parameters()))
     codes = [a.code for a in pm.advice]
     assert "oom-frozen-model" in codes and "oom-eval" not in codes
 
@@ -644,6 +645,15 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
             student(torch.randn(60_000, 256))  # a validation batch far too large
     pm = tracker.report().oom
     assert pm is not None and pm.phase == "eval" and pm.frozen_model is None
+    assert "oom-eval" in [a.code for a in pm.advice]
+    # a copy no optimizer trains (an EMA model) validated on its own batch size: evaluation
+    ema = copy.deepcopy(student).eval().requires_grad_(False)
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="24MiB") as tracker:
+        distill(16)
+        with torch.no_grad():
+            ema(torch.randn(60_000, 256))
+    pm = tracker.report().oom
+    assert pm is not None and pm.frozen_model is None
     assert "oom-eval" in [a.code for a in pm.advice]
 
 

@@ -127,9 +127,9 @@ class TrackedModels:
         no optimizer trains it (a distillation teacher, a DPO reference model run on each
         training batch), else ``None`` (the trained model's validation). Before an optimizer
         is known, a model none of whose parameters requires grad. Read once per model and
-        number of optimizers known."""
+        number of parameters the optimizers known hold (``add_param_group``)."""
         optimizers = self.all_optimizers()
-        key = (id(module), len(optimizers))
+        key = (id(module), sum(len(g["params"]) for o in optimizers for g in o.param_groups))
         if key in self._frozen:
             return self._frozen[key]
         params = list(module.parameters())

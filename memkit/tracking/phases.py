@@ -103,7 +103,14 @@ class PhaseMachine:
         if not grad or not training or not (root.trainable() or _needs_grad(args)):
             kind = EVAL_PASS
             facts.eval_forwards += 1
-            facts.frozen_model = self.models.frozen_model(module, root)
+            # a teacher or reference model runs on the training batch; a model no optimizer
+            # trains evaluated on another batch size (an EMA copy's validation) is evaluation
+            train = facts.train_input
+            facts.frozen_model = (
+                self.models.frozen_model(module, root)
+                if shape and train and shape[0] == train[0]
+                else None
+            )
             if shape is not None and (
                 facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
             ):
@@ -116,6 +123,7 @@ class PhaseMachine:
         else:
             kind = TRAIN_PASS
             facts.frozen_model = None
+            facts.train_input = shape
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
             if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:

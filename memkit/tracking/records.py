@@ -89,6 +89,7 @@ class RunFacts:
     # the model and its parameter bytes, when that forward was an evaluation pass of a model
     # no optimizer trains (a distillation teacher, a DPO reference model)
     frozen_model: tuple[str, int] | None = None
+    train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept
     param_dtype: str | None = None
@@ -146,24 +147,40 @@ class IgnoredCall:
 class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("_trained_param", "keys", "model", "ref")
+    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref")
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
         self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
         self.model = any(True for _ in module.parameters())  # only these can be trained
         self._trained_param: weakref.ref[torch.Tensor] | None = None
+        self._sample: tuple[weakref.ref[torch.Tensor], ...] = ()
 
     def trainable(self) -> bool:
         """Whether a parameter of the module requires grad now: asked at each forward, as a
         GAN freezes its discriminator for the generator's update and unfreezes it for its own
-        (``requires_grad_(False)``/``(True)``). The parameter found last is asked first."""
+        (``requires_grad_(False)``/``(True)``). The parameter found trainable last is asked
+        first; a module found frozen is asked again through a sample of its parameters (the
+        first, the last and a few between: freezing and unfreezing go by whole modules), not
+        by walking all of them at every forward (a frozen VGG of a perceptual loss)."""
         found = self._trained_param
         param = found() if found is not None else None
         if param is not None and param.requires_grad:
             return True
+        sample = [ref() for ref in self._sample]
+        if sample and all(p is not None for p in sample):
+            for param in sample:
+                if param is not None and param.requires_grad:
+                    self._trained_param = weakref.ref(param)
+                    return True
+            return False
         module = self.ref()
-        for param in module.parameters() if module is not None else ():
+        params = list(module.parameters()) if module is not None else []
+        picked = params[:: max(1, len(params) // 6)]
+        if params and params[-1] is not picked[-1]:
+            picked.append(params[-1])
+        self._sample = tuple(weakref.ref(p) for p in picked)
+        for param in params:
             if param.requires_grad:
                 self._trained_param = weakref.ref(param)
                 return True
