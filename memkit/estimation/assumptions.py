@@ -14,7 +14,11 @@ from memkit.units import format_size
 
 __all__ = ["attention_line", "outcome_lines", "target_lines"]
 
-MAKE_BATCH_ON_META = "make_batch ran under torch.device('meta'): its tensors are shapes only"
+MAKE_BATCH_ON_META = (
+    "make_batch ran under torch.device('meta'): its tensors are shapes only, so an error that "
+    "depends on values (an index out of range from some batch size on) cannot show here; "
+    "`memkit probe` runs the step on real values"
+)
 
 
 def target_lines(
