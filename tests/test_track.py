@@ -604,6 +604,11 @@ def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     assert dev.breakdown is not None and dev.breakdown.phase != "other"
     assert report.eval_forwards == 4  # the teacher's three and the test's one
     assert report.steps == 3
+    # the teacher's row stays in the records (its evaluation calls), not in the table of what
+    # training forwards kept
+    teacher_rows = [m for m in dev.modules if m.path == "Linear"]
+    assert teacher_rows and teacher_rows[0].eval_calls == 3 and teacher_rows[0].calls == 0
+    assert "Linear" not in [m.path for m in dev.top_modules(25)]
     assert outs.requires_grad  # the graph the eval peak holds
 
 

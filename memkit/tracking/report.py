@@ -412,9 +412,11 @@ class DeviceReport:
     setup: TrainingSetup | None = None
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
-        """The ``n`` modules that kept the most activation memory (own, excluding children)."""
+        """The ``n`` modules that kept the most activation memory (own, excluding children),
+        of those that ran in training (a frozen teacher's rows, evaluation only, hold no
+        training numbers)."""
         return sorted(
-            self.modules,
+            (m for m in self.modules if m.calls or m.recompute_calls),
             key=lambda m: (m.self_activation_bytes, m.activation_bytes_per_step or 0),
             reverse=True,
         )[:n]
