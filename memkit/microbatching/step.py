@@ -85,6 +85,13 @@ def _default_batch_dim(model: torch.nn.Module) -> int:
     return 0
 
 
+def _put_back(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    """Undo what a failed attempt's forwards did to the buffers (running statistics)."""
+    with torch.no_grad():
+        for buffer, copy in zip(buffers, saved, strict=True):
+            buffer.copy_(copy)
+
+
 def _needs_two_samples(exc: BaseException) -> bool:
     """BatchNorm's error for a training batch of one sample."""
     return isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc)
@@ -328,9 +335,7 @@ class MicroBatchStep:
             if status == RankStatus.ERROR:
                 loss = None
                 assert exc is not None
-                with torch.no_grad():  # what the failed forwards did to running statistics
-                    for buffer, copy in zip(buffers, saved, strict=True):
-                        buffer.copy_(copy)
+                _put_back(buffers, saved)
                 self._zero_grads()
                 if _needs_two_samples(exc) and chunk_sizes(size, chunks)[-1] == 1:
                     raise self._one_sample_error(exc, size, chunks, smallest_oom) from exc
@@ -348,9 +353,7 @@ class MicroBatchStep:
                 break
             # Some rank (maybe only another one) ran out of memory: recover, then retry.
             loss = None
-            with torch.no_grad():  # undo what the failed forwards did to running statistics
-                for buffer, copy in zip(buffers, saved, strict=True):
-                    buffer.copy_(copy)
+            _put_back(buffers, saved)
             details = parse_oom_message(exc) if exc is not None else None
             message = str(exc) if exc is not None else ""
             if exc is not None:
