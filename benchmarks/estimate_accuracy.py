@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-estimate the cases of a GPU part's --json FILE on CPU and "
                         "compare them with its real peaks (no GPU needed)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.recorded is not None and not args.recorded.is_file():
+        parser.error(f"--recorded {args.recorded}: no such file (expected a GPU part's --json "
+                     "output, e.g. tests/data/estimate_h200_call1.json)")  # fmt: skip
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(MODELS))
     if unknown:

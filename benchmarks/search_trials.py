@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--module", default="memkit.probing.search")
     parser.add_argument("--recorded", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
+    if args.recorded is not None and not args.recorded.is_file():
+        parser.error(f"--recorded {args.recorded}: no such file (expected a probe's --json output, "
+                     "e.g. tests/fixtures/h200_probe_nanogpt_call1.json)")  # fmt: skip
     if args.recorded is not None:
         record = json.loads(args.recorded.read_text())
         trials, answer, sizes = replay(args.recorded, args.module)
