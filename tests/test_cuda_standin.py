@@ -640,3 +640,53 @@ def test_snapshot_files_the_standins_tensors_under_cuda_in_allocator_blocks():
     assert gpu.optimizer_state == blocks(moments)  # Adam's `step` scalars stay on the host
     categorised = gpu.parameters + gpu.buffers + gpu.gradients + gpu.optimizer_state
     assert gpu.other is not None and categorised + gpu.other == allocated
+
+
+@pytest.mark.parametrize("case", ["budget", "budget-oom", "user-cap-oom", "user-empty-cache"])
+def test_the_users_peak_survives_a_block_that_emptied_the_cache(case):
+    """A budget's cap empties the cache when the block begins, an OOM empties it (CUDA's own
+    retry), and so may the user: no cached blocks are left to raise the allocated peak back
+    from. It is raised back anyway (a fresh allocation, given back), past the user's own cap
+    if they set one below their earlier peak; the reserved peak, which cannot be raised back
+    without holding memory, is named in the report's notes."""
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 10))
+    with cuda_standin("256MiB"):
+        model.to("cuda")
+        opt = torch.optim.Adam(model.parameters())
+
+        def step(batch: int) -> None:
+            x = torch.randn(batch, 256).to("cuda")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step(2048)
+        users_peak = torch.cuda.max_memory_allocated()
+        users_reserved_peak = torch.cuda.max_memory_reserved()
+        step(64)
+        budget = "24MiB" if case.startswith("budget") else None
+        if case == "user-cap-oom":
+            torch.cuda.set_per_process_memory_fraction(24 / 256)
+        tracker = memkit.track(model, opt, device="cuda", budget=budget, postmortem=None)
+        try:
+            with tracker:
+                step(1 << 14 if case.endswith("oom") else 64)
+                if case == "user-empty-cache":
+                    torch.cuda.empty_cache()
+        except torch.OutOfMemoryError:
+            assert case.endswith("oom")
+        cap_after = torch.cuda.get_per_process_memory_fraction()
+        after = torch.cuda.max_memory_allocated()
+        reserved_after = torch.cuda.max_memory_reserved()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        report = tracker.report()
+        notes = " ".join(report.notes)
+    if case.endswith("oom"):  # the post-mortem states the cap, not the whole card
+        assert report.oom is not None
+        assert report.oom.capacity == 24 * MIB
+        assert report.oom.free is not None and report.oom.free < 24 * MIB
+    assert users_peak > 20 * MIB  # above the 24 MiB cap's reach from the cache
+    assert after >= users_peak  # as without memkit: the true peak, not what is allocated now
+    assert after < users_peak + 2 * MIB  # and not inflated
+    assert cap_after == pytest.approx(24 / 256 if case == "user-cap-oom" else 1.0)
+    assert ("max_memory_reserved() reads" in notes) == (reserved_after < users_reserved_peak)

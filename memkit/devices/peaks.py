@@ -12,11 +12,14 @@ memkit's last reset. :class:`UserPeaks` keeps what the user would read:
   everything built on it, ``torch.accelerator.memory_stats``) answer the larger of the real
   counter and that view, and ``reset_peak_memory_stats`` resets the view too: the user's own
   resets keep their meaning;
-* when the block ends, the real allocated peak counter is raised back to the view by briefly
-  allocating from the caching allocator's free cached blocks (:func:`plan_pieces`: no new
-  device memory, no synchronisation); the reserved peak is the current reserved bytes unless
-  memory was given back to the driver (``empty_cache``), which no allocation can undo without
-  holding it: :attr:`UserPeaks.shortfall` says so.
+* when the block ends (after a budget's cap is lifted), the real allocated peak counter is
+  raised back to the view by briefly allocating from the caching allocator's free cached blocks
+  (:func:`plan_pieces`: no new device memory, no synchronisation); when the cache no longer
+  holds enough (the budget's cap, an out-of-memory error and the user's ``empty_cache`` all give
+  cached memory back to the driver), by one fresh allocation that is given back at once (a
+  ``cudaMalloc``/``cudaFree`` pair). The reserved peak is the current reserved bytes unless
+  memory was given back to the driver, which no allocation can undo without holding it:
+  :attr:`UserPeaks.shortfall` says so, and the tracker's report carries it as a note.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from memkit.devices import state
+from memkit.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +119,8 @@ class UserPeaks:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[UserPeaks]:
-        """Torch's counter functions answer the user's view for the block; the real counters
-        are put back when it ends."""
+        """Torch's counter functions answer the user's view for the block (the real counters
+        are put back by :meth:`restore`, called once a budget's cap is lifted)."""
         patches = _patches(self)
         saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
         for mod, name, fn in patches:
@@ -126,30 +130,40 @@ class UserPeaks:
         finally:
             for mod, name, fn in saved:
                 setattr(mod, name, fn)
-            try:
-                self.restore()
-            except Exception as exc:  # never the user's problem
-                self.shortfall = f"could not restore the peak counters ({exc})"
-                log.debug("restoring the peak counters failed", exc_info=True)
 
     def restore(self) -> None:
-        """Raise the real counters to the user's view (after the block)."""
-        a, _, p, pr = self._read()
+        """Raise the real counters to the user's view (after the block); never raises: what
+        could not be put back is in :attr:`shortfall`."""
+        try:
+            self._restore()
+        except Exception as exc:  # never the user's problem
+            self.shortfall = f"memkit could not restore the peak counters ({exc})"
+            log.debug("restoring the peak counters failed", exc_info=True)
+
+    def _restore(self) -> None:
+        a, _, p, _ = self._read()
         need = self.allocated - a
         if self.allocated > p and need > 0:
             pieces = plan_pieces(cached_free_blocks(self.index), need)
-            if not pieces:
-                self.shortfall = (
-                    f"max_memory_allocated() reads {p} B, below the block's peak "
-                    f"{self.allocated} B: too little cached memory to restore it"
-                )
-            else:
+            if pieces:
                 held = [empty_on(self.index, n) for n in pieces]
                 del held
+            elif free_on(self.index) > need:
+                _allocate_uncapped(self.index, need)
+            else:
+                self.shortfall = (
+                    f"after the block, torch.cuda.max_memory_allocated() reads {format_size(p)}, "
+                    f"below the block's peak {format_size(self.allocated)}: the device has too "
+                    "little free memory to raise it back"
+                )
+                return
+        _, _, _, pr = self._read()
         if self.reserved > pr:
             self.shortfall = (
-                f"max_memory_reserved() reads {pr} B, below the block's peak {self.reserved} B: "
-                "cached memory was given back to the driver (empty_cache) during the block"
+                f"after the block, torch.cuda.max_memory_reserved() reads {format_size(pr)}, "
+                f"below the block's peak {format_size(self.reserved)}: cached memory was given "
+                "back to the driver during the block (empty_cache, an out-of-memory error or a "
+                "budget's cap), and raising the counter back would mean holding that memory"
             )
 
 
@@ -166,6 +180,29 @@ def cached_free_blocks(index: int) -> list[tuple[int, bool]]:
         small = seg.get("segment_type") == "small"
         out += [(b["size"], small) for b in seg.get("blocks", ()) if b["state"] == "inactive"]
     return out
+
+
+def _allocate_uncapped(index: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` on CUDA device ``index`` past any ``set_per_process_memory_fraction``
+    cap (the user's own cap may be below a peak they reached before setting it), then give the
+    new segment back to the driver and put the cap back."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = getter(index) if getter is not None else 1.0
+    if fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    try:
+        held = [empty_on(index, nbytes)]
+        del held
+    finally:
+        if fraction < 1.0:
+            torch.cuda.set_per_process_memory_fraction(fraction, index)
+    torch.cuda.empty_cache()
+
+
+def free_on(index: int) -> int:
+    """Free device memory on CUDA device ``index`` as the driver reports it
+    (``torch.cuda.mem_get_info``; the CUDA stand-in answers for its device)."""
+    return int(torch.cuda.mem_get_info(index)[0])
 
 
 def empty_on(index: int, nbytes: int) -> torch.Tensor:

@@ -136,6 +136,7 @@ class DeviceSet:
         self._leak_warmup = leak_warmup
         self._leak_window = leak_window
         self._stack: contextlib.ExitStack | None = None
+        self.user_peaks: list[UserPeaks] = []
 
     def open(
         self, backend: Any, vd: VirtualDevices | None, stack: contextlib.ExitStack
@@ -175,11 +176,22 @@ class DeviceSet:
                 peaks = UserPeaks(backend.index, read)
                 if self._stack is not None:
                     self._stack.enter_context(peaks.installed())
+                    self.user_peaks.append(peaks)
             dev = DeviceRecord(label, backend, self._timeline_limit, DEFAULT_STEP_LIMIT, peaks)
             dev.growth = self.growth_detector()
             dev.step_start = dev.baseline
             self.records[key] = dev
             return dev
+
+    def restore_user_peaks(self) -> list[str]:
+        """Put the user's peak counters back on every CUDA device (the block has ended and
+        any budget's cap is lifted); what could not be put back, as report notes."""
+        notes = []
+        for peaks in self.user_peaks:
+            peaks.restore()
+            if peaks.shortfall is not None:
+                notes.append(f"cuda:{peaks.index}: {peaks.shortfall}")
+        return notes
 
     def growth_detector(self) -> GrowthDetector:
         """A fresh growth detector for a device's step boundaries."""

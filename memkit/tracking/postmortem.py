@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memkit.advice.oom import oom_advice
-from memkit.oom import find_oom, oom_source, parse_oom_message
+from memkit.oom import OomDetails, find_oom, oom_source, parse_oom_message
 from memkit.tracking.breakdown import PeakMoment, Persistent, breakdown
 from memkit.tracking.records import DeviceRecord
 from memkit.tracking.report import (
@@ -169,6 +169,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     training, grad_enabled = evidence.last_root if evidence.last_root else (None, None)
     first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else ""
     checkpointed, inside = _checkpointed(evidence.modules)
+    capacity, free = _capacity_and_free(details, evidence.capacity, evidence.free)
     pm = OomPostMortem(
         device=evidence.device,
         step=evidence.step,
@@ -179,8 +180,8 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         exception=f"{type(oom).__name__}: {first_line}",
         source=oom_source(oom),
         tried_to_allocate=details.tried_to_allocate,
-        capacity=details.capacity if details.capacity is not None else evidence.capacity,
-        free=details.free if details.free is not None else evidence.free,
+        capacity=capacity,
+        free=free,
         allocated=a,
         breakdown=parts,
         top_modules=top_activation_modules([m for m in evidence.modules if not inside(m.path)]),
@@ -196,3 +197,19 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
+
+
+def _capacity_and_free(
+    details: OomDetails, capacity: int | None, free: int | None
+) -> tuple[int | None, int | None]:
+    """The capacity and free memory the post-mortem states: under a cap
+    (``set_per_process_memory_fraction``: the message's "N allowed") the cap and what the
+    allocator may still reserve below it, not the whole card's; else the message's, else the
+    device's own readings."""
+    if details.allowed is not None:
+        held = details.reserved_total or details.allocated_by_pytorch or 0
+        return details.allowed, max(0, details.allowed - held)
+    return (
+        details.capacity if details.capacity is not None else capacity,
+        details.free if details.free is not None else free,
+    )

@@ -190,6 +190,8 @@ class Tracker:
         self.backend = backend
         self.history.prepare(backend)  # checked before anything is hooked
         stack = self._stack = contextlib.ExitStack()
+        # last out: the user's peak counters go back once the patches and any cap are gone
+        stack.callback(lambda: self.notes.extend(self.devices.restore_user_peaks()))
         try:
             if vd is not None:
                 if not is_active(vd):
