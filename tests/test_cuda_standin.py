@@ -690,3 +690,35 @@ def test_the_users_peak_survives_a_block_that_emptied_the_cache(case):
     assert after < users_peak + 2 * MIB  # and not inflated
     assert cap_after == pytest.approx(24 / 256 if case == "user-cap-oom" else 1.0)
     assert ("max_memory_reserved() reads" in notes) == (reserved_after < users_reserved_peak)
+
+
+def test_nested_blocks_on_one_gpu_keep_each_others_peaks():
+    """Two blocks on one device (a callback's block inside the user's own) reset the same peak
+    counters: each reset is carried into the other's readings, so both report the phase peaks
+    a block alone reports, and the inner block's end does not disturb the outer's readings."""
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(128, 256).to("cuda")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def phases(tracker: memkit.Tracker) -> dict[str, int | None]:
+        return dict(tracker.report().devices[0].phase_peaks)
+
+    with cuda_standin("256MiB"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)).to("cuda")
+        opt = torch.optim.Adam(model.parameters())
+        train(model, opt, 1)  # Adam's state exists: every step alike
+        with memkit.track(model, opt, device="cuda") as alone:
+            train(model, opt, 3)
+        with memkit.track(model, opt, device="cuda") as outer:
+            train(model, opt, 1)
+            with memkit.track(model, opt, device="cuda") as inner:
+                train(model, opt, 2)
+        single, outer_phases, inner_phases = phases(alone), phases(outer), phases(inner)
+    assert single["optimizer"] is not None and single["optimizer"] > single["forward"]
+    assert inner_phases == single
+    assert outer_phases == single

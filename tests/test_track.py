@@ -9,6 +9,7 @@ import gc
 import json
 import re
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -1016,3 +1017,54 @@ def test_an_oom_in_a_model_checkpointed_whole_names_the_model_as_checkpointed():
     pm = run(int(run(None).devices[0].peak_allocated * 0.9)).oom
     assert pm is not None and pm.checkpointed == ("Sequential",), pm.checkpointed
     assert [path for path, _ in pm.top_modules] in ([], ["Sequential"])
+
+
+def test_blocks_in_two_threads_each_take_their_own_backward_passes():
+    """torch.autograd.backward is wrapped process-wide: with a block in each of two threads,
+    each block counts the backward passes of its own thread only (not one micro-batch too many,
+    not the other thread's forward filed as 'other')."""
+
+    def work(width: int, batch: int, out: dict[int, Any]) -> None:
+        torch.manual_seed(width)
+        model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with track(model, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(3):
+                model(torch.randn(batch, 64)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        out[width] = tracker
+
+    alone: dict[int, Any] = {}
+    work(1024, 256, alone)
+    together: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=work, args=(w, b, together)) for w, b in ((128, 32), (1024, 256))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tracker in together.values():
+        report = tracker.report()
+        assert report.micro_batches == 1
+        assert [s.backward_passes for s in report.devices[0].steps] == [1, 1, 1]
+    big, big_alone = together[1024].report().devices[0], alone[1024].report().devices[0]
+    assert big.phase_peaks == big_alone.phase_peaks
+
+
+def test_blocks_that_end_out_of_order_put_torch_back():
+    """Blocks in two threads can end in any order: the first one out leaves its wrappers dead
+    under the other's, and the last one out puts torch's own functions back."""
+    backward, engine = torch.autograd.backward, torch.autograd._engine_run_backward
+    model = nn.Linear(8, 2)
+    first, second = track(model, device="cpu"), track(model, device="cpu")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    model(torch.randn(4, 8)).sum().backward()
+    second.__exit__(None, None, None)
+    assert torch.autograd.backward is backward
+    assert torch.autograd._engine_run_backward is engine
+    assert first.report().devices[0].steps == ()  # the dead wrapper counted nothing
+    assert second.report().micro_batches == 1

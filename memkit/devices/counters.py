@@ -36,8 +36,9 @@ def counter_reader(
     once (the public ``torch.cuda.memory_allocated`` builds and sorts a flat dict of every
     statistic per call, several times slower) and returns zeros while CUDA is not initialised.
     Neither function synchronises, allocates device memory or spawns a process. With
-    ``peaks`` (CUDA), ``reset_peak`` first folds the peaks read last into the user's view
-    (:mod:`memkit.devices.peaks`): callers read, then reset.
+    ``peaks`` (CUDA), ``reset_peak`` first folds the peaks read last into the user's view and
+    the other running blocks' readings, and ``read`` reports at least what other resets took
+    since this block's last one (:mod:`memkit.devices.peaks`): callers read, then reset.
     """
     if isinstance(backend, SimulatedBackend):
         acct = backend.accountant
@@ -63,22 +64,25 @@ def counter_reader(
         reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
         initialized = torch.cuda.is_initialized
         if stats is not None and reset is not None:
-            last = [0, 0]  # the peaks read last, for ``peaks``
+            last = [0, 0]  # the real peaks read last, for ``peaks``
+            carry = None if peaks is None else peaks.carry  # what other resets took
 
             def read_cuda() -> tuple[int, int, int, int]:
                 if not initialized():
                     return 0, 0, 0, 0
                 s = stats(index)
                 a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-                last[0], last[1] = a["peak"], r["peak"]
-                return a["current"], r["current"], last[0], last[1]
+                p, pr = last[0], last[1] = a["peak"], r["peak"]
+                if carry is not None and carry[0]:
+                    p, pr = max(p, carry[0]), max(pr, carry[1])
+                return a["current"], r["current"], p, pr
 
-            fold = None if peaks is None else peaks.fold
+            resetting = None if peaks is None else peaks.resetting
 
             def reset_cuda() -> None:
                 if initialized():
-                    if fold is not None:
-                        fold(last[0], last[1])
+                    if resetting is not None:
+                        resetting(last[0], last[1])
                     reset(index)
 
             try:

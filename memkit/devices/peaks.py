@@ -7,7 +7,9 @@ transformers' memory metrics, a script's own logging) would then see only the ti
 memkit's last reset. :class:`UserPeaks` keeps what the user would read:
 
 * every peak memkit reads just before it resets is folded into the user's view (memkit's
-  resets go through :meth:`UserPeaks.reset_hook`);
+  resets go through :meth:`UserPeaks.resetting`); with blocks nested (or in two threads) on
+  one device, each block's reset is also carried into the others' readings
+  (:attr:`UserPeaks.carry`), and so is a reset of the user's;
 * during the block, torch's Python functions that read the counters (``memory_stats`` and
   everything built on it, ``torch.accelerator.memory_stats``) answer the larger of the real
   counter and that view, and ``reset_peak_memory_stats`` resets the view too: the user's own
@@ -79,8 +81,26 @@ def plan_pieces(free_blocks: list[tuple[int, bool]], need: int) -> list[int]:
     return pieces if left <= 0 else []
 
 
+_ACTIVE: dict[int, list[UserPeaks]] = {}
+"""The :class:`UserPeaks` of the blocks running now, per CUDA device: nested blocks (or blocks
+in two threads) reset the same counters, so each reset is carried into the others' readings."""
+
+
 class UserPeaks:
-    """The peaks a user of one CUDA device would read had memkit never reset them."""
+    """The peaks a user of one CUDA device would read had memkit never reset them; and, for
+    the block's own readings, the peaks other resets took away since the block's last reset.
+
+    Args:
+        index: the CUDA device.
+        read: reads the real counters (``(allocated, reserved, peak, peak_reserved)``).
+
+    Attributes:
+        allocated, reserved: the user's view of the peaks.
+        carry: ``[peak, peak_reserved]`` that another block's reset (or the user's) took from
+            the counters since this block's last reset; the block's reader reports at least it.
+        shortfall: why the real counters could not be put back after the block, if they could
+            not.
+    """
 
     def __init__(self, index: int, read: Callable[[], tuple[int, int, int, int]]) -> None:
         self.index = index
@@ -88,15 +108,39 @@ class UserPeaks:
         _, _, p, pr = read()
         self.allocated = p  # the user's view: peaks since their last reset
         self.reserved = pr
+        self.carry = [0, 0]
         self.shortfall: str | None = None
-        """Why the real counters could not be put back after the block, if they could not."""
 
     def fold(self, peak: int, peak_reserved: int) -> None:
-        """memkit read these peaks and is about to reset the counters."""
+        """Raise the user's view to these peaks."""
         if peak > self.allocated:
             self.allocated = peak
         if peak_reserved > self.reserved:
             self.reserved = peak_reserved
+
+    def resetting(self, peak: int, peak_reserved: int) -> None:
+        """This block read these real peaks and is about to reset the counters: every running
+        block's user view keeps them, and the other blocks' readings carry them."""
+        self.fold(peak, peak_reserved)
+        for other in _ACTIVE.get(self.index, ()):
+            if other is not self:
+                other.fold(peak, peak_reserved)
+                other._carry(peak, peak_reserved)
+        self.carry[0] = self.carry[1] = 0
+
+    def _carry(self, peak: int, peak_reserved: int) -> None:
+        carry = self.carry
+        if peak > carry[0]:
+            carry[0] = peak
+        if peak_reserved > carry[1]:
+            carry[1] = peak_reserved
+
+    def user_resetting(self) -> None:
+        """The user is about to reset the counters: every running block's readings carry
+        what the counters held."""
+        _, _, p, pr = self._read()
+        for block in _ACTIVE.get(self.index, [self]):
+            block._carry(p, pr)
 
     def view(self, stats: dict[str, Any], flat: bool) -> dict[str, Any]:
         """``stats`` (nested as ``_cuda_memoryStats``, or flat as ``memory_stats``) with the
@@ -125,9 +169,12 @@ class UserPeaks:
         saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
         for mod, name, fn in patches:
             setattr(mod, name, fn)
+        running = _ACTIVE.setdefault(self.index, [])
+        running.append(self)
         try:
             yield self
         finally:
+            running.remove(self)
             for mod, name, fn in saved:
                 setattr(mod, name, fn)
 
@@ -141,6 +188,8 @@ class UserPeaks:
             log.debug("restoring the peak counters failed", exc_info=True)
 
     def _restore(self) -> None:
+        if _ACTIVE.get(self.index):
+            return  # a block still runs on the device: its view has ours, it puts them back
         a, _, p, _ = self._read()
         need = self.allocated - a
         if self.allocated > p and need > 0:
@@ -234,6 +283,8 @@ def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:
         return peaks.view(stats, flat=False) if stats and ours(device) else stats
 
     def reset_peak_memory_stats(device: Any = None) -> None:
+        if ours(device):
+            peaks.user_resetting()
         reset(device)
         if ours(device):
             peaks.user_reset()
@@ -252,6 +303,8 @@ def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:
             return peaks.view(stats, flat=True) if stats and ours(device_index) else stats
 
         def acc_reset_peak(device_index: Any = None, /) -> None:
+            if ours(device_index):
+                peaks.user_resetting()
             acc_reset(device_index)
             if ours(device_index):
                 peaks.user_reset()

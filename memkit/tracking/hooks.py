@@ -32,6 +32,7 @@ of module calls; phases, steps and the evidence are the other parts'.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -72,6 +73,10 @@ _get_ident = threading.get_ident
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+_BLOCK_THREADS: collections.Counter[int] = collections.Counter()
+"""The threads that entered a tracked block now (a block's backward wrappers are process-wide:
+with blocks in two threads, each takes the backward passes of its own thread only)."""
 
 
 class Hooks:
@@ -148,17 +153,21 @@ class Hooks:
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             added = warnings.filters[0]
             self._warning_filter = None if added in before else added  # a user's stays
-        shield = self._shield
+        shield, mine = self._shield, self._mine
+        _BLOCK_THREADS[self._main_thread] += 1
+        h.append(_Leave(self._main_thread))
         h.append(
             wrap_backward(
-                shield(self._begin_backward), shield(self._end_backward), self._backward_failed
+                mine(shield(self._begin_backward)),
+                mine(shield(self._end_backward)),
+                mine(self._backward_failed),
             )
         )
         engine = wrap_engine(
-            self._engine_begins,
+            mine(self._engine_begins),
             shield(self._end_backward),
             self._backward_failed,
-            self._graph_grad,
+            mine(self._graph_grad),
         )
         if engine is not None:
             h.append(engine)
@@ -276,6 +285,20 @@ class Hooks:
                 return None
 
         return shielded
+
+    def _mine(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` for the process-wide wrappers: it runs for calls from this block's thread,
+        or from a thread that entered no tracked block (a background training thread); another
+        block's thread's backward is that block's."""
+        me = self._main_thread
+
+        def for_this_block(*args: Any, **kwargs: Any) -> Any:
+            ident = _get_ident()
+            if ident == me or ident not in _BLOCK_THREADS:
+                return fn(*args, **kwargs)
+            return False  # not a backward of ours (the engine's ``begin`` reads it)
+
+        return for_this_block
 
     def _hook_failed(self, exc: Exception) -> None:
         """A hook of memkit's raised ``exc``: re-raised if it is an out-of-memory error (the
@@ -737,3 +760,15 @@ def _queue_callback(fn: Callable[[], None]) -> bool:
         log.debug("cannot queue an end-of-backward callback: %s", exc)
         return False
     return True
+
+
+class _Leave:
+    """The handle that takes a block's thread off :data:`_BLOCK_THREADS` when it ends."""
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def remove(self) -> None:
+        _BLOCK_THREADS[self.ident] -= 1
+        if _BLOCK_THREADS[self.ident] <= 0:
+            del _BLOCK_THREADS[self.ident]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -25,17 +25,31 @@ log = logging.getLogger(__name__)
 
 
 class Restore:
-    """A removable handle that puts an attribute back (if nobody replaced it since: then
-    theirs stays, and ours is left in their chain)."""
+    """A removable handle that puts an attribute back.
+
+    Blocks in two threads (or a tracker left open) may end out of order: a wrapper removed
+    while another block's wrapper sits on top of it goes dead (``live`` is False: it only
+    calls what it wrapped), and is taken out of the chain when everything above it is gone.
+    An attribute someone else replaced since stays theirs, with ours left in their chain."""
+
+    _chains: ClassVar[dict[tuple[int, str], list[Restore]]] = {}
 
     def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
         self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
+        self.live = True
+        self._chain = Restore._chains.setdefault((id(owner), name), [])
+        self._chain.append(self)
 
     def remove(self) -> None:
-        if getattr(self.owner, self.name) is self.replacement:
-            setattr(self.owner, self.name, self.original)
-        else:
-            log.debug("%s.%s was replaced again; leaving it", self.owner, self.name)
+        self.live = False
+        chain = self._chain
+        while chain and not chain[-1].live:
+            top = chain[-1]
+            if getattr(self.owner, self.name) is not top.replacement:
+                log.debug("%s.%s was replaced again; leaving it", self.owner, self.name)
+                break
+            setattr(self.owner, self.name, top.original)
+            chain.pop()
 
 
 def wrap_backward(
@@ -50,6 +64,8 @@ def wrap_backward(
 
     @functools.wraps(original)
     def backward(*args: Any, **kwargs: Any) -> Any:
+        if not handle.live:
+            return original(*args, **kwargs)
         begin()
         try:
             result = original(*args, **kwargs)
@@ -59,8 +75,9 @@ def wrap_backward(
         end()
         return result
 
+    handle = Restore(autograd, "backward", original, backward)
     autograd.backward = backward
-    return Restore(autograd, "backward", original, backward)
+    return handle
 
 
 def wrap_engine(
@@ -88,6 +105,8 @@ def wrap_engine(
     @functools.wraps(original)
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         # run_backward(outputs, grad_outputs, keep_graph, create_graph, inputs, ...)
+        if not handle.live:
+            return original(*args, **kwargs)
         create_graph = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
         if create_graph and kwargs.get("accumulate_grad", True) is False:
             graph_grad(1)
@@ -105,8 +124,9 @@ def wrap_engine(
         end()
         return result
 
+    handle = Restore(autograd, "_engine_run_backward", original, run_backward)
     autograd._engine_run_backward = run_backward
-    return Restore(autograd, "_engine_run_backward", original, run_backward)
+    return handle
 
 
 def wrap_data_loading(sim: Any) -> Restore:
@@ -119,6 +139,8 @@ def wrap_data_loading(sim: Any) -> Restore:
 
     @functools.wraps(original)
     def fetch(it: Any) -> Any:
+        if not handle.live:
+            return original(it)
         acct = sim.accountant
         if _only_mode(acct):  # the usual case: leave the dispatch mode for the fetch
             with _disable_current_modes():
@@ -132,8 +154,9 @@ def wrap_data_loading(sim: Any) -> Restore:
         finally:
             sim.count_ops(*saved)
 
+    handle = Restore(cls, "__next__", original, fetch)
     cls.__next__ = fetch  # type: ignore[method-assign,assignment]
-    return Restore(cls, "__next__", original, fetch)
+    return handle
 
 
 def wrap_grad_scaler(calls: Callable[[], int], skipped: Callable[[Any], None]) -> Restore:
@@ -147,14 +170,17 @@ def wrap_grad_scaler(calls: Callable[[], int], skipped: Callable[[Any], None]) -
 
     @functools.wraps(original)
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not handle.live:
+            return original(scaler, optimizer, *args, **kwargs)
         before = calls()
         result = original(scaler, optimizer, *args, **kwargs)
         if calls() == before:
             skipped(optimizer)
         return result
 
+    handle = Restore(cls, "step", original, step)
     cls.step = step  # type: ignore[method-assign,assignment]
-    return Restore(cls, "step", original, step)
+    return handle
 
 
 def _mode_active(mode: Any) -> bool:
