@@ -1068,3 +1068,29 @@ def test_blocks_that_end_out_of_order_put_torch_back():
     assert torch.autograd._engine_run_backward is engine
     assert first.report().devices[0].steps == ()  # the dead wrapper counted nothing
     assert second.report().micro_batches == 1
+
+
+def test_a_parametrization_read_outside_a_forward_is_not_a_training_forward():
+    """spectral_norm evaluates its parametrization when it is registered, and a script's
+    logging reads the weight between steps: under `memkit run`'s global hooks neither call is
+    a training forward (it used to start the counting at model build, so the 8 MiB host
+    dataset made next counted as device memory, and the logging read counted as a call)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    with track(device="cpu", budget="256MiB") as tracker:  # no model: global hooks
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        spectral_norm(model[0])
+        data = torch.randn(8192, 256)  # 8 MiB of host data
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            x = data[torch.randint(0, 8192, (64,))]
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _ = model[0].weight.norm().item()  # logging
+    report = tracker.report()
+    assert report.steps == 2
+    assert report.devices[0].peak_allocated < 2 << 20  # the model and its step, not the data
+    linear = next(m for m in report.devices[0].modules if m.path == "0")
+    assert linear.calls == 2

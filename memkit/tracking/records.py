@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch.nn.utils.parametrize import ParametrizationList
 
 from memkit.devices import UserPeaks, counter_reader
 from memkit.tracking import leaks
@@ -152,7 +153,12 @@ class RootInfo:
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
         self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
-        self.model = any(True for _ in module.parameters())  # only these can be trained
+        # only modules with parameters can be trained; a parametrization (weight_norm,
+        # spectral_norm) runs whenever its attribute is read, at registration and by a
+        # script's logging too: it is part of the model that reads it, never a model itself
+        self.model = not isinstance(module, ParametrizationList) and any(
+            True for _ in module.parameters()
+        )
         self._trained_param: weakref.ref[torch.Tensor] | None = None
         self._sample: tuple[weakref.ref[torch.Tensor], ...] = ()
 
