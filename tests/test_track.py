@@ -640,9 +640,11 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
             distill(batch)
     pm = tracker.report().oom
     assert pm is not None and pm.phase == "eval" and pm.step == 2
-    assert pm.frozen_model == ("Sequential#2", sum(p.numel() * 4 for p in teacher.parameters()))
+    size = sum(p.numel() * 4 for p in teacher.parameters())
+    assert pm.frozen_model == ("Sequential#2", size, False)  # not written in place: fixed
     codes = [a.code for a in pm.advice]
     assert "oom-frozen-model" in codes and "oom-eval" not in codes
+    assert "offline" in pm.advice[codes.index("oom-frozen-model")].action
 
     with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="24MiB") as tracker:
         distill(16)
@@ -1094,3 +1096,42 @@ def test_a_parametrization_read_outside_a_forward_is_not_a_training_forward():
     assert report.devices[0].peak_allocated < 2 << 20  # the model and its step, not the data
     linear = next(m for m in report.devices[0].modules if m.path == "0")
     assert linear.calls == 2
+
+
+def test_an_oom_in_a_mean_teachers_forward_is_an_ema_s_and_the_students_activations_count():
+    """A mean teacher (an EMA of the student, updated in place after every step, run under
+    no_grad on the training batch): running out in its forward, the breakdown still counts
+    what the student's forward keeps as activations (the pass inside the step does not start
+    a new forward base), and the advice knows it changes every step: no offline outputs, no
+    bf16 weights (the small updates would be lost), autocast for its forward."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                            nn.Linear(1024, 10))  # fmt: skip
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def step(batch: int) -> None:
+        x = torch.randn(batch, 256)
+        logits = student(x)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = nn.functional.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters(), strict=True):
+                t.mul_(0.99).add_(s, alpha=0.01)
+
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="32MiB") as tracker:
+        for batch in (16, 16, 1024):
+            step(batch)
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.step == 2
+    assert pm.frozen_model is not None and pm.frozen_model[2] is True
+    # the student's forward at 1024 keeps three 1024 x 1024 fp32 outputs for backward (4 MiB
+    # each: Linear, ReLU, Linear; the last ReLU's too) before the teacher's forward begins
+    assert pm.breakdown.activations >= 3 * 4 * 2**20
+    advice = next(a for a in pm.advice if a.code == "oom-frozen-model")
+    assert "EMA" in advice.evidence and "offline" not in advice.action
+    assert "autocast" in advice.action

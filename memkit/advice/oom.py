@@ -121,26 +121,47 @@ def oom_in_evaluation(pm: OomPostMortem) -> Advice:
 def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     """``oom-frozen-model``: the OOM came in the no-grad forward of a model no optimizer
     trains (a distillation teacher, a DPO reference model): it runs on the training batch
-    in every step, so the step's remedies apply, not evaluation's."""
+    in every step, so the step's remedies apply, not evaluation's. An EMA or mean teacher
+    (written in place between its passes) changes every step: no offline outputs, and its
+    weights stay float32 (bf16 would lose the small updates), so autocast for its forward."""
     assert pm.frozen_model is not None
-    name, size = pm.frozen_model
+    name, size, updated = pm.frozen_model
     shape = pm.input_shape
     batch = "" if shape is None else f" on an input of {format_shape(shape)}"
-    half = (
-        f"; hold it in bf16 (`.to(torch.bfloat16)`: its parameters are {format_size(size)}, "
-        "half of that saved)"
-        if pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
-        else ""
+    fp32 = pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
+    accumulate = (
+        "Lower the training micro-batch and keep the effective batch with gradient "
+        "accumulation (its outputs are needed per micro-batch)"
     )
+    if updated:
+        kind = (
+            "an EMA or mean teacher: its parameters are written in place between its "
+            "passes, so it changes with the trained model"
+        )
+        half = (
+            "; run its forward under `torch.autocast(..., dtype=torch.bfloat16)` (its "
+            "activations halve; its weights stay float32 for the update)"
+            if fp32
+            else ""
+        )
+        action = f"{accumulate}{half}."
+    else:
+        kind = "a distillation teacher, a reference model"
+        half = (
+            f"; hold it in bf16 (`.to(torch.bfloat16)`: its parameters are {format_size(size)}, "
+            "half of that saved)"
+            if fp32
+            else ""
+        )
+        offline = "compute its outputs once, offline, and load them with the batch"
+        action = f"{accumulate}{half}; or {offline}."
     return Advice(
         code="oom-frozen-model",
         title=f"out of memory in the forward of `{name}`, a model no optimizer trains",
         evidence=f"It failed at {pm.where}{batch}. No optimizer steps `{name}`'s parameters "
-        "(a distillation teacher, a reference model): its forward runs on the training batch "
-        "in every step, so its memory is the training step's.",
-        action="Lower the training micro-batch and keep the effective batch with gradient "
-        f"accumulation (its outputs are needed per micro-batch){half}; or compute its "
-        "outputs once, offline, and load them with the batch.",
+        f"({kind}): its forward runs on the training batch in every step, so its memory is "
+        "the training step's.",
+        action=action,
         saving_bytes=None,
         severity="critical",
     )

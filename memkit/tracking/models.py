@@ -97,6 +97,8 @@ class TrackedModels:
         self._autocast: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._last_autocast: tuple[weakref.ref[Any], str | None] | None = None
         self._frozen: dict[tuple[int, int], tuple[str, int] | None] = {}
+        self._versions: dict[int, int] = {}  # a frozen model's first parameter's _version
+        self._updated: set[int] = set()  # frozen models seen written in place (an EMA)
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
@@ -122,28 +124,47 @@ class TrackedModels:
         self.seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
         return True
 
-    def frozen_model(self, module: torch.nn.Module, root: RootInfo) -> tuple[str, int] | None:
-        """``(name, parameter bytes)`` of ``module``, a model running an evaluation pass, if
-        no optimizer trains it (a distillation teacher, a DPO reference model run on each
-        training batch), else ``None`` (the trained model's validation). Before an optimizer
-        is known, a model none of whose parameters requires grad. Read once per model and
-        number of parameters the optimizers known hold (``add_param_group``)."""
+    def frozen_model(self, module: torch.nn.Module, root: RootInfo) -> tuple[str, int, bool] | None:
+        """``(name, parameter bytes, updated)`` of ``module``, a model running an evaluation
+        pass, if no optimizer trains it (a distillation teacher, a DPO reference model run on
+        each training batch), else ``None`` (the trained model's validation). Before an
+        optimizer is known, a model none of whose parameters requires grad. ``updated``: its
+        parameters were written in place between its passes (an EMA or mean teacher, updated
+        from the trained model: its outputs cannot be computed once, offline). Read once per
+        model and number of parameters the optimizers known hold (``add_param_group``); the
+        in-place writes by the first parameter's version counter, at every pass."""
+        updated = self._updated_in_place(module)  # at every pass, frozen or not (yet)
         optimizers = self.all_optimizers()
         key = (id(module), sum(len(g["params"]) for o in optimizers for g in o.param_groups))
         if key in self._frozen:
-            return self._frozen[key]
-        params = list(module.parameters())
-        if optimizers:
-            trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
-            frozen = not any(id(p) in trained for p in params)
+            found = self._frozen[key]
         else:
-            frozen = not any(p.requires_grad for p in params)
-        size = sum(p.numel() * p.element_size() for p in params)
-        found = (root.keys.get(id(module)) or type(module).__name__, size) if frozen else None
-        if len(self._frozen) > 256:
-            self._frozen.clear()
-        self._frozen[key] = found
-        return found
+            params = list(module.parameters())
+            if optimizers:
+                trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+                frozen = not any(id(p) in trained for p in params)
+            else:
+                frozen = not any(p.requires_grad for p in params)
+            size = sum(p.numel() * p.element_size() for p in params)
+            found = (root.keys.get(id(module)) or type(module).__name__, size) if frozen else None
+            if len(self._frozen) > 256:
+                self._frozen.clear()
+            self._frozen[key] = found
+        return None if found is None else (*found, updated)
+
+    def _updated_in_place(self, module: torch.nn.Module) -> bool:
+        """Whether ``module``'s first parameter was written in place since an earlier pass
+        (once seen, for good)."""
+        param = next(module.parameters(), None)
+        if param is None:
+            return False
+        version, last = param._version, self._versions.get(id(module))
+        if len(self._versions) > 256:
+            self._versions.clear()
+        self._versions[id(module)] = version
+        if last is not None and last != version:
+            self._updated.add(id(module))
+        return id(module) in self._updated
 
     def forward_autocast(self, module: torch.nn.Module) -> str | None:
         """:func:`forward_autocast` of ``module``, read once per ``forward`` function: a

@@ -187,7 +187,7 @@ class PhaseMachine:
                 # step): back to the step's phase
                 with state.lock:
                     if state.phase == EVAL and not self.eval_hold:
-                        self.transition(self.eval_return)
+                        self.transition(self.eval_return, resumes=True)
             elif sim is not None:
                 # one between steps (a test loop) stays evaluation until training resumes, so
                 # what its outputs hold is its own; what follows the forward is host work to
@@ -270,16 +270,18 @@ class PhaseMachine:
 
     # transitions and step boundaries (under the lock; not per module)
 
-    def transition(self, phase: int) -> None:
+    def transition(self, phase: int, resumes: bool = False) -> None:
         """Close every device's segment in the phase that ends (one device: only it), and start
-        ``phase``."""
+        ``phase``; ``resumes``: the step's phase goes on after an evaluation pass inside it (a
+        teacher's forward after the student's): the forward's base stays the one it began with,
+        so what the student's forward keeps stays its activations."""
         devices, evidence, state = self.devices, self.evidence, self.state
         single = state.single
         if single is not None:
             devices.close_one(single)
         else:
             devices.close_all()
-        forward = phase == FORWARD
+        forward = phase == FORWARD and not resumes
         if forward:
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
             self.grads_none_at_forward = grads_none

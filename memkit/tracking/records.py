@@ -89,7 +89,7 @@ class RunFacts:
     last_root: tuple[bool, bool] | None = None  # (training, grad enabled) of that forward
     # the model and its parameter bytes, when that forward was an evaluation pass of a model
     # no optimizer trains (a distillation teacher, a DPO reference model)
-    frozen_model: tuple[str, int] | None = None
+    frozen_model: tuple[str, int, bool] | None = None
     train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept

@@ -299,9 +299,10 @@ class OomPostMortem(Result):
         setup: the model's and optimizer's facts the advice reads, if seen.
         checkpointed: the outermost modules whose forward ran again in backward (activation
             checkpointing already runs there); ``top_modules`` leaves out what is inside them.
-        frozen_model: ``(name, parameter bytes)`` when the failing pass was an evaluation pass
-            of a model no optimizer trains (a distillation teacher, a DPO reference model),
-            which runs on the training batch in every step.
+        frozen_model: ``(name, parameter bytes, updated)`` when the failing pass was an
+            evaluation pass of a model no optimizer trains (a distillation teacher, a DPO
+            reference model), which runs on the training batch in every step; ``updated``: its
+            parameters are written in place between passes (an EMA or mean teacher).
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -329,7 +330,7 @@ class OomPostMortem(Result):
     micro_batches: int = 1
     setup: TrainingSetup | None = None
     checkpointed: tuple[str, ...] = ()
-    frozen_model: tuple[str, int] | None = None
+    frozen_model: tuple[str, int, bool] | None = None
 
     @property
     def where(self) -> str:
