@@ -185,6 +185,26 @@ def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     assert before - after == param_bytes(module)  # exactly the gradients
 
 
+def test_validate_after_fit_counts_no_optimizer_state():
+    """validate()/test()/predict() set up no optimizers (on a GPU, teardown moved the fit's
+    optimizer state to the CPU): the report of a validate() after fit() holds none, and its
+    eval peak (also in the returned metrics) is what memkit.track around the same validate()
+    counts."""
+    cb, t, module = fit_with_callback()
+    assert cb.report is not None and cb.report.devices[0].breakdown.optimizer_state > 0
+    assert t.optimizers  # still held by the Trainer after fit()
+    metrics = t.validate(module, datamodule=Data(), verbose=False)[0]
+    report = cb.report
+    dev = report.devices[0]
+    assert report.steps == 0 and dev.breakdown is not None
+    assert dev.breakdown.optimizer_state == 0
+    assert dev.breakdown.parameters == param_bytes(module)
+    assert metrics["memkit/eval_peak_mib"] == pytest.approx(dev.phase_peaks["eval"] / MIB)
+    with memkit.track(module, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        trainer().validate(module, datamodule=Data(), verbose=False)
+    assert dev.phase_peaks["eval"] == tracker.report().devices[0].phase_peaks["eval"]
+
+
 def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):
     budget = 200_000  # the parameters, gradients and Adam's state do not all fit
     with pytest.raises(torch.OutOfMemoryError):

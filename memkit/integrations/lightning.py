@@ -34,6 +34,7 @@ from memkit.integrations._common import (
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:
     raise missing("lightning", "memkit.integrations.lightning", "Lightning 2.x", exc) from exc
 
@@ -91,8 +92,12 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         if self._tracker is not None:
             return
         device = self.device if self.device is not None else pl_module.device
-        optimizers = list(getattr(trainer, "optimizers", None) or ()) or None
-        tracker = self._new_tracker(pl_module, optimizers, device)
+        # only fit steps optimizers: a test(), validate() or predict() after fit() sets up
+        # none, and on a GPU Lightning's teardown moved the fit's optimizer state to the CPU
+        # (on the simulated device, tracking them would count that state as device memory)
+        fitting = getattr(trainer.state, "fn", None) == TrainerFn.FITTING
+        optimizers = list(getattr(trainer, "optimizers", None) or ()) if fitting else []
+        tracker = self._new_tracker(pl_module, optimizers or None, device)
         self._tracker, self._report, self._next_step = tracker, None, 0
 
     def _finish(self, exc: BaseException | None) -> None:
