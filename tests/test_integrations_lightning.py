@@ -56,11 +56,13 @@ def _lightning():
     from memkit.integrations.lightning import MemkitCallback, probe_batch_size
 
 
-def fit_with_callback(budget: str | int = "64MiB", zero_after_step: bool = False, **files):
+def fit_with_callback(
+    budget: str | int = "64MiB", zero_after_step: bool = False, accumulate_grad_batches=1, **files
+):
     torch.manual_seed(0)
     module = Net(zero_after_step)
     cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, **files)
-    t = trainer([cb])
+    t = trainer([cb], accumulate_grad_batches=accumulate_grad_batches)
     t.fit(module, datamodule=Data())
     return cb, t, module
 
@@ -99,6 +101,9 @@ def test_callback_gives_the_numbers_of_track_around_the_same_fit(fitted):
     assert dev.modules == ref.modules
     assert same_steps(dev.steps, ref.steps)
     assert report.eval_forwards == tracked.eval_forwards == VAL_BATCHES
+    # the Trainer's accumulate_grad_batches, told to the tracker (memkit.track is not told)
+    assert dev.setup is not None and ref.setup is not None
+    assert (dev.setup.accumulation_steps, ref.setup.accumulation_steps) == (1, None)
     # hand counts from the shapes
     p = param_bytes(module)
     bd = dev.breakdown
@@ -190,8 +195,10 @@ def test_validate_after_fit_counts_no_optimizer_state():
     optimizer state to the CPU): the report of a validate() after fit() holds none, and its
     eval peak (also in the returned metrics) is what memkit.track around the same validate()
     counts."""
-    cb, t, module = fit_with_callback()
-    assert cb.report is not None and cb.report.devices[0].breakdown.optimizer_state > 0
+    cb, t, module = fit_with_callback(accumulate_grad_batches=2)
+    fit = cb.report
+    assert fit is not None and fit.devices[0].breakdown.optimizer_state > 0
+    assert fit.micro_batches == fit.devices[0].setup.accumulation_steps == 2
     assert t.optimizers  # still held by the Trainer after fit()
     metrics = t.validate(module, datamodule=Data(), verbose=False)[0]
     report = cb.report
@@ -199,6 +206,7 @@ def test_validate_after_fit_counts_no_optimizer_state():
     assert report.steps == 0 and dev.breakdown is not None
     assert dev.breakdown.optimizer_state == 0
     assert dev.breakdown.parameters == param_bytes(module)
+    assert dev.setup is not None and dev.setup.accumulation_steps is None  # validate: no steps
     assert metrics["memkit/eval_peak_mib"] == pytest.approx(dev.phase_peaks["eval"] / MIB)
     with memkit.track(module, device="cpu", budget="64MiB", postmortem=None) as tracker:
         trainer().validate(module, datamodule=Data(), verbose=False)

@@ -131,8 +131,17 @@ class TrackingCallback:
         """The live tracker while a run is tracked."""
         return self._tracker
 
-    def _new_tracker(self, model: Any, optimizers: Any, device: Any) -> Tracker:
-        """A tracker with this callback's options, entered."""
+    def _new_tracker(
+        self,
+        model: Any,
+        optimizers: Any,
+        device: Any,
+        *,
+        accumulation_steps: int | None = None,
+        checkpointing: bool | None = None,
+    ) -> Tracker:
+        """A tracker with this callback's options and the trainer's settings
+        (:meth:`Tracker.trainer_settings`), entered."""
         tracker = Tracker(
             model,
             optimizers,
@@ -143,6 +152,7 @@ class TrackingCallback:
             postmortem=self.postmortem,
             timeline_limit=self.timeline_limit,
         )
+        tracker.trainer_settings(accumulation_steps=accumulation_steps, checkpointing=checkpointing)
         tracker.__enter__()
         return tracker
 

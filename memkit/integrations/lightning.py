@@ -97,7 +97,12 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         # (on the simulated device, tracking them would count that state as device memory)
         fitting = getattr(trainer.state, "fn", None) == TrainerFn.FITTING
         optimizers = list(getattr(trainer, "optimizers", None) or ()) if fitting else []
-        tracker = self._new_tracker(pl_module, optimizers or None, device)
+        tracker = self._new_tracker(
+            pl_module,
+            optimizers or None,
+            device,
+            accumulation_steps=trainer.accumulate_grad_batches if fitting else None,
+        )
         self._tracker, self._report, self._next_step = tracker, None, 0
 
     def _finish(self, exc: BaseException | None) -> None:

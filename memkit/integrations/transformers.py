@@ -142,7 +142,13 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             self._finish(None)
         device = self.device if self.device is not None else getattr(args, "device", None)
         raw = unwrap_optimizer(optimizer)
-        tracker = self._new_tracker(model, raw, device)
+        tracker = self._new_tracker(
+            model,
+            raw,
+            device,
+            accumulation_steps=getattr(args, "gradient_accumulation_steps", None),
+            checkpointing=_checkpointing(args, model),
+        )
         if isinstance(tracker.backend, SimulatedBackend) and not self._entered:
             warnings.warn(
                 "memkit: MemkitCallback tracks on the simulated device, which counts every "
@@ -212,6 +218,27 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
         """The evaluation that just ran: the eval peak since the last step boundary."""
         peak = tracker.open_step_peaks().get("eval")
         return {} if peak is None else {"memkit/eval_peak_mib": peak / MIB}
+
+
+def _checkpointing(args: Any, model: Any) -> bool | None:
+    """Whether the Trainer's model checkpoints activations: the model's own flag (the Trainer
+    sets it from ``args`` before ``on_train_begin``; a script may have set it itself), else
+    the arguments' (``activation_checkpointing``, before transformers 5 ``gradient_checkpointing``);
+    ``None``: neither says."""
+    with warnings.catch_warnings():  # is_gradient_checkpointing: a deprecated alias in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                flag = getattr(model, name)
+            except AttributeError:
+                continue
+            if isinstance(flag, bool):
+                return flag
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            value = getattr(args, name, None)
+            if value is not None:
+                return bool(value)
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:
