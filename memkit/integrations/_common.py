@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from memkit.devices import get_backend, parse_device
 from memkit.errors import ConfigError, MissingDependencyError
+from memkit.tracking.options import check_flag, check_track_options
 from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
 from memkit.units import parse_size
@@ -105,8 +106,16 @@ class TrackingCallback:
         timeline_limit: int | None = None,
     ) -> None:
         super().__init__()
-        if postmortem not in ("stderr", None):
-            raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
+        if timeline_limit is None:
+            timeline_limit = DEFAULT_TIMELINE_LIMIT
+        # the tracker's own checks, now rather than when the framework starts training
+        check_track_options(
+            per_module=per_module,
+            module_every=module_every,
+            timeline_limit=timeline_limit,
+            postmortem=postmortem,
+        )
+        check_flag("log_peaks", log_peaks)
         _check_options(device, budget)
         self.device = device
         self.budget = budget
@@ -115,7 +124,7 @@ class TrackingCallback:
         self.log_peaks = log_peaks
         self.files = ReportFiles.checked(text, json, html)
         self.postmortem = postmortem
-        self.timeline_limit = DEFAULT_TIMELINE_LIMIT if timeline_limit is None else timeline_limit
+        self.timeline_limit = timeline_limit
         self.written: list[Path] = []
         self._tracker: Tracker | None = None
         self._report: TrackReport | None = None

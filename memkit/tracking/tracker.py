@@ -45,6 +45,7 @@ from memkit.tracking.fsdp import counting_resizes, find_fsdp_units
 from memkit.tracking.history_file import HistoryFile
 from memkit.tracking.hooks import Hooks
 from memkit.tracking.models import TrackedModels, is_compiled
+from memkit.tracking.options import check_track_options
 from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.postmortem import (
     OomEvidence,
@@ -134,14 +135,12 @@ class Tracker:
         memory_history: str | Path | None = None,
         history_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
-        if postmortem not in ("stderr", None):
-            raise ValueError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
-        if module_every is not None and (
-            not isinstance(module_every, int) or isinstance(module_every, bool) or module_every < 1
-        ):
-            raise ValueError(
-                f"module_every must be a whole number of steps >= 1, found {module_every!r}"
-            )
+        check_track_options(
+            per_module=per_module,
+            module_every=module_every,
+            timeline_limit=timeline_limit,
+            postmortem=postmortem,
+        )
         self.per_module = per_module
         self.module_every = module_every
         self.postmortem = postmortem
