@@ -146,6 +146,26 @@ def test_peaks_are_added_to_the_trainers_logs(trained):
     assert all(("memkit/peak_mib" in h) or ("memkit/eval_peak_mib" in h) for h in history)
 
 
+def test_the_same_callback_passed_twice_gives_the_same_report(trained, tmp_path):
+    """callbacks=[cb, cb]: the Trainer calls each event twice in a row. The second
+    on_train_begin restarted tracking and the doubled on_substep_end made a false note ("the
+    Trainer ran 3 micro-batch(es) but memkit saw 2"); now the report is the one of a single
+    registration."""
+    once = trained[0].report
+    cb = MemkitCallback(device="cpu", budget="256MiB")
+    trainer = make_trainer(tmp_path, [cb, cb])
+    with cb:
+        trainer.train()
+    report = cb.report
+    assert report is not None and not any("micro-batch" in n for n in report.notes)
+    assert (report.steps, report.micro_batches) == (once.steps, once.micro_batches)
+    dev, ref = report.devices[0], once.devices[0]
+    assert dev.phase_peaks == ref.phase_peaks
+    assert [s.peak_allocated for s in dev.steps] == [s.peak_allocated for s in ref.steps]
+    logged = [h["memkit/peak_mib"] for h in trainer.state.log_history if "memkit/peak_mib" in h]
+    assert len(logged) == STEPS // EVAL_STEPS
+
+
 def test_out_of_memory_in_train_gets_a_post_mortem(tmp_path):
     budget = 600_000
     cb = MemkitCallback(device="cpu", budget=budget, postmortem=None)

@@ -91,6 +91,11 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
         self._micro = 0
         self._micro_mismatch: tuple[int, int, int] | None = None
         self._entered = False
+        # the same instance passed twice (callbacks=[cb, cb]) gets each event twice in a row:
+        # the train() whose TrainerState started tracking, and how many times it is registered
+        self._train_state: Any = None
+        self._copies = 1
+        self._ended_step = -1  # the global step whose on_step_end was handled
 
     # -- as a context manager: the exception train() raised ------------------------------
     def __enter__(self) -> MemkitCallback:
@@ -130,11 +135,15 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
                 )
             self._report = tracker.report()
             self.written = self.files.write(self._report)
+            self._train_state = None
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
         **kwargs: Any,
     ) -> None:  # fmt: skip
+        if self._tracker is not None and state is self._train_state:
+            self._copies += 1  # the same train() again: this instance is registered twice
+            return
         if self._tracker is not None:
             # the last train() ended without on_train_end (it raised, or auto_find_batch_size
             # is retrying at a smaller batch): that tracking ends here, without a post-mortem
@@ -161,6 +170,7 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             )
         self._tracker, self._report = tracker, None
         self._logged_step, self._micro, self._micro_mismatch = 0, 0, None
+        self._train_state, self._copies, self._ended_step = state, 1, -1
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish(None)
@@ -174,9 +184,11 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tracker = self._tracker
-        if tracker is None:
+        step = getattr(state, "global_step", None)
+        if tracker is None or step == self._ended_step:  # a second registration's call
             return
-        micro, self._micro = self._micro + 1, 0
+        self._ended_step = -1 if step is None else step
+        micro, self._micro = self._micro // self._copies + 1, 0
         records = tracker.steps_since(tracker.current_step - 1)
         if records and self._micro_mismatch is None and records[-1].backward_passes != micro:
             self._micro_mismatch = (records[-1].step, micro, records[-1].backward_passes)
