@@ -162,19 +162,29 @@ def test_report_files_are_written_at_teardown(fitted):
     assert "<svg" in (folder / "report.html").read_text()
 
 
-def test_eval_peak_advice_names_lightnings_validation_loader(fitted):
+def test_advice_names_lightnings_own_settings():
     """Lightning already validates under inference_mode: the advice says what is left to do,
-    in Lightning's terms; other advice is untouched."""
+    in Lightning's terms, and names the Trainer's settings (a loader's batch_size, precision,
+    accumulate_grad_batches) instead of plain PyTorch's; other advice is untouched."""
     from memkit.advice import Advice
-    from memkit.integrations.lightning import lightning_advice
+    from memkit.advice.lightning import in_lightning_terms
 
-    plain = Advice("eval-peak", "evaluation needs more memory than training", "e",
-                   "... run it under `torch.inference_mode()`.")  # fmt: skip
-    other = Advice("mixed-precision", "t", "e", "a")
-    report = dataclasses.replace(fitted[0].report, advice=(plain, other))
-    said = {a.code: a.action for a in lightning_advice(report).advice}
+    given = (
+        Advice("eval-peak", "t", "e", "... run it under `torch.inference_mode()`."),
+        Advice("oom-eval", "t", "e", "Lower the evaluation batch size (`--test-batch-size`)"),
+        Advice("mixed-precision", "t", "e",
+               "`with torch.autocast('cuda', dtype=torch.bfloat16):` around the forward"),
+        Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients "
+               "over 2 steps; or train in bf16/fp16 autocast."),
+        Advice("optimizer-state", "t", "e", "a"),
+    )  # fmt: skip
+    said = {a.code: a.action for a in in_lightning_terms(given)}
     assert "val_dataloader()" in said["eval-peak"] and "already runs" in said["eval-peak"]
-    assert said["mixed-precision"] == "a"
+    assert "test_dataloader()" in said["oom-eval"] and "--test-batch-size" not in said["oom-eval"]
+    assert 'precision="bf16-mixed"' in said["mixed-precision"]
+    assert said["oom-activations"].startswith(given[3].action)
+    assert "accumulate_grad_batches=N" in said["oom-activations"]
+    assert said["optimizer-state"] == "a"
 
 
 def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):

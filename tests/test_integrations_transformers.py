@@ -198,7 +198,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_checkpointing(
-    tmp_path,
+    tmp_path, capsys
 ):
     """gradient_accumulation_steps=4 and gradient checkpointing on; the OOM comes in the
     first micro-batch's backward, in the LM head, before any optimizer step or recompute has
@@ -215,7 +215,7 @@ def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_che
         max_steps=2, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
         **{name: True},
     )  # fmt: skip
-    cb = MemkitCallback(device="cpu", budget="3500KiB", postmortem=None)
+    cb = MemkitCallback(device="cpu", budget="3500KiB")
     trainer = transformers.Trainer(
         model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Tokens(64),
         callbacks=[cb],
@@ -233,6 +233,44 @@ def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_che
     assert "accumulate over 8" in advice.action
     assert "torch.utils.checkpoint" not in advice.action
     assert "checkpointing is already on" in advice.evidence
+    # in the Trainer's terms, and printed so once (by the callback, not also by the tracker)
+    assert advice.action.endswith(
+        "In TrainingArguments: `per_device_train_batch_size` and `gradient_accumulation_steps`, "
+        "`bf16=True`."
+    )
+    err = capsys.readouterr().err
+    assert err.count("memkit: out of memory") == 1 and "gradient_accumulation_steps`" in err
+
+
+def test_advice_names_the_trainers_own_settings():
+    """In the Trainer, the remedies are TrainingArguments: per_device_eval_batch_size, not
+    plain PyTorch's `--test-batch-size`; bf16=True, not `torch.autocast`; and what it already
+    does (evaluation under no_grad) is not asked for. Other advice is untouched."""
+    from memkit.advice import Advice
+    from memkit.advice.transformers import in_transformers_terms
+
+    given = (
+        Advice("oom-eval", "t", "e", "Lower the evaluation batch size (`--test-batch-size`)"),
+        Advice("eval-peak", "t", "e", "... run it under `torch.inference_mode()`."),
+        Advice("mixed-precision", "t", "e",
+               "`with torch.autocast('cuda', dtype=torch.float16):` around the forward"),
+        Advice("activation-checkpointing", "t", "e", "`torch.utils.checkpoint.checkpoint`"),
+        Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients "
+               "over 2 steps; or checkpoint the largest blocks (`torch.utils.checkpoint`)."),
+        Advice("optimizer-state", "t", "e", "a"),
+    )  # fmt: skip
+    said = {a.code: a for a in in_transformers_terms(given)}
+    assert "per_device_eval_batch_size" in said["oom-eval"].action
+    assert "--test-batch-size" not in said["oom-eval"].action
+    assert "per_device_eval_batch_size" in said["eval-peak"].action
+    assert said["mixed-precision"].action.startswith("`fp16=True` in TrainingArguments")
+    assert "gradient_checkpointing=True" in said["activation-checkpointing"].action
+    assert said["oom-activations"].action == given[4].action + (
+        " In TrainingArguments: `per_device_train_batch_size` and "
+        "`gradient_accumulation_steps`, `gradient_checkpointing=True`."
+    )
+    assert said["optimizer-state"] == given[5]
+    assert all(said[a.code].evidence == a.evidence for a in given)
 
 
 def test_without_with_a_warning_says_how_to_end_tracking_after_an_exception(tmp_path):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,7 @@ from memkit.units import parse_size
 if TYPE_CHECKING:
     import torch
 
+    from memkit.advice.form import Advice
     from memkit.tracking.report import StepRecord, TrackReport
     from memkit.tracking.tracker import Tracker
 
@@ -158,12 +161,29 @@ class TrackingCallback:
             budget=self.budget,
             per_module=self.per_module,
             module_every=self.module_every,
-            postmortem=self.postmortem,
+            postmortem=None,  # printed by _final_report, in the framework's terms
             timeline_limit=self.timeline_limit,
         )
         tracker.trainer_settings(accumulation_steps=accumulation_steps, checkpointing=checkpointing)
         tracker.__enter__()
         return tracker
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        """``advice`` said in the framework's terms (each callback says how)."""
+        return tuple(advice)
+
+    def _final_report(self, tracker: Tracker) -> TrackReport:
+        """The ended tracker's report with its advice, and the post-mortem's, in the
+        framework's terms; the post-mortem printed to stderr if asked."""
+        report = tracker.report()
+        oom = report.oom
+        if oom is not None:
+            oom = dataclasses.replace(oom, advice=self._in_terms(oom.advice))
+        report = dataclasses.replace(report, advice=self._in_terms(report.advice), oom=oom)
+        if oom is not None and self.postmortem == "stderr":
+            sys.stderr.write(str(oom) + "\n")
+            sys.stderr.flush()
+        return report
 
     def _end_tracking(self, exc: BaseException | None) -> Tracker | None:
         """Exit the live tracker (with the exception that ended the run, for its

@@ -17,11 +17,10 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memkit.advice.lightning import in_lightning_terms
@@ -46,8 +45,8 @@ from memkit.errors import ConfigError
 from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_with
 
 if TYPE_CHECKING:
+    from memkit.advice.form import Advice
     from memkit.probing.result import ProbeResult
-    from memkit.tracking.report import TrackReport
 
 __all__ = ["MemkitCallback", "probe_batch_size"]
 
@@ -112,8 +111,11 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         try:
             self._end_tracking(exc)
         finally:
-            self._report = lightning_advice(tracker.report())
+            self._report = self._final_report(tracker)
             self.written = self.files.write(self._report)
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        return in_lightning_terms(advice)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._start(trainer, pl_module)
@@ -189,12 +191,6 @@ class MemkitCallback(TrackingCallback, pl.Callback):
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_eval(pl_module, log_it=False)  # Lightning logs nothing while predicting
-
-
-def lightning_advice(report: TrackReport) -> TrackReport:
-    """The report with its advice in Lightning's terms
-    (:func:`memkit.advice.lightning.in_lightning_terms`)."""
-    return dataclasses.replace(report, advice=in_lightning_terms(report.advice))
 
 
 # -- the exact batch size -------------------------------------------------------------------

@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from memkit.advice.transformers import in_transformers_terms
 from memkit.integrations._common import (
     MIB,
     TrackingCallback,
@@ -45,7 +47,7 @@ from memkit.devices import SimulatedBackend
 from memkit.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    pass
+    from memkit.advice.form import Advice
 
 __all__ = ["MemkitCallback"]
 
@@ -133,9 +135,12 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
                     "training backward pass(es): a backward memkit did not see is not in the "
                     "phases"
                 )
-            self._report = tracker.report()
+            self._report = self._final_report(tracker)
             self.written = self.files.write(self._report)
             self._train_state = None
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        return in_transformers_terms(advice)
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
