@@ -18,7 +18,7 @@ from torch import nn
 from memkit import advice as A
 from memkit.advice.accumulation import exact_split, plan_accumulation
 from memkit.advice.probe import accumulation_advice
-from memkit.advice.track import eval_peak, measured_advice
+from memkit.advice.track import eval_peak, measured_advice, track_advice
 from memkit.oom import parse_oom_message
 from memkit.render.advice import advice_html, advice_text
 from memkit.tracking import track
@@ -137,6 +137,14 @@ def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pres
     # 8 x 2.25 MiB kept - 8 x 1 MiB outputs (conservatively: the largest leaf) - one block,
     # capped by the activations at the peak (in backward, some freed already) less the outputs
     assert 7 * MiB <= adv.saving_bytes <= 7.75 * MiB
+    # where the trainer's settings say checkpointing is on (a framework callback told the
+    # tracker), the rule stays silent: the same measurements, that one fact changed
+    dev = report.devices[0]
+    assert dev.setup is not None and dev.setup.checkpointing is None
+    told = dataclasses.replace(dev, setup=dataclasses.replace(dev.setup, checkpointing=True))
+    assert "activation-checkpointing" not in codes(
+        track_advice(dataclasses.replace(report, devices=(told,)))
+    )
     roomy = mlp_blocks(8, 128)
     big = run_steps(roomy, torch.optim.SGD(roomy.parameters(), lr=0.01), x, 2, budget="1GiB")
     assert "activation-checkpointing" not in codes(big.advice)

@@ -56,11 +56,13 @@ def _lightning():
     from memkit.integrations.lightning import MemkitCallback, probe_batch_size
 
 
-def fit_with_callback(budget: str | int = "64MiB", zero_after_step: bool = False, **files):
+def fit_with_callback(
+    budget: str | int = "64MiB", zero_after_step: bool = False, accumulate_grad_batches=1, **files
+):
     torch.manual_seed(0)
     module = Net(zero_after_step)
     cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, **files)
-    t = trainer([cb])
+    t = trainer([cb], accumulate_grad_batches=accumulate_grad_batches)
     t.fit(module, datamodule=Data())
     return cb, t, module
 
@@ -99,6 +101,9 @@ def test_callback_gives_the_numbers_of_track_around_the_same_fit(fitted):
     assert dev.modules == ref.modules
     assert same_steps(dev.steps, ref.steps)
     assert report.eval_forwards == tracked.eval_forwards == VAL_BATCHES
+    # the Trainer's accumulate_grad_batches, told to the tracker (memkit.track is not told)
+    assert dev.setup is not None and ref.setup is not None
+    assert (dev.setup.accumulation_steps, ref.setup.accumulation_steps) == (1, None)
     # hand counts from the shapes
     p = param_bytes(module)
     bd = dev.breakdown
@@ -157,19 +162,29 @@ def test_report_files_are_written_at_teardown(fitted):
     assert "<svg" in (folder / "report.html").read_text()
 
 
-def test_eval_peak_advice_names_lightnings_validation_loader(fitted):
+def test_advice_names_lightnings_own_settings():
     """Lightning already validates under inference_mode: the advice says what is left to do,
-    in Lightning's terms; other advice is untouched."""
+    in Lightning's terms, and names the Trainer's settings (a loader's batch_size, precision,
+    accumulate_grad_batches) instead of plain PyTorch's; other advice is untouched."""
     from memkit.advice import Advice
-    from memkit.integrations.lightning import lightning_advice
+    from memkit.advice.lightning import in_lightning_terms
 
-    plain = Advice("eval-peak", "evaluation needs more memory than training", "e",
-                   "... run it under `torch.inference_mode()`.")  # fmt: skip
-    other = Advice("mixed-precision", "t", "e", "a")
-    report = dataclasses.replace(fitted[0].report, advice=(plain, other))
-    said = {a.code: a.action for a in lightning_advice(report).advice}
+    given = (
+        Advice("eval-peak", "t", "e", "... run it under `torch.inference_mode()`."),
+        Advice("oom-eval", "t", "e", "Lower the evaluation batch size (`--test-batch-size`)"),
+        Advice("mixed-precision", "t", "e",
+               "`with torch.autocast('cuda', dtype=torch.bfloat16):` around the forward"),
+        Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients "
+               "over 2 steps; or train in bf16/fp16 autocast."),
+        Advice("optimizer-state", "t", "e", "a"),
+    )  # fmt: skip
+    said = {a.code: a.action for a in in_lightning_terms(given)}
     assert "val_dataloader()" in said["eval-peak"] and "already runs" in said["eval-peak"]
-    assert said["mixed-precision"] == "a"
+    assert "test_dataloader()" in said["oom-eval"] and "--test-batch-size" not in said["oom-eval"]
+    assert 'precision="bf16-mixed"' in said["mixed-precision"]
+    assert said["oom-activations"].startswith(given[3].action)
+    assert "accumulate_grad_batches=N" in said["oom-activations"]
+    assert said["optimizer-state"] == "a"
 
 
 def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
@@ -183,6 +198,29 @@ def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     before = cb.report.devices[0].phase_peaks["forward"]
     after = fixed.report.devices[0].phase_peaks["forward"]
     assert before - after == param_bytes(module)  # exactly the gradients
+
+
+def test_validate_after_fit_counts_no_optimizer_state():
+    """validate()/test()/predict() set up no optimizers (on a GPU, teardown moved the fit's
+    optimizer state to the CPU): the report of a validate() after fit() holds none, and its
+    eval peak (also in the returned metrics) is what memkit.track around the same validate()
+    counts."""
+    cb, t, module = fit_with_callback(accumulate_grad_batches=2)
+    fit = cb.report
+    assert fit is not None and fit.devices[0].breakdown.optimizer_state > 0
+    assert fit.micro_batches == fit.devices[0].setup.accumulation_steps == 2
+    assert t.optimizers  # still held by the Trainer after fit()
+    metrics = t.validate(module, datamodule=Data(), verbose=False)[0]
+    report = cb.report
+    dev = report.devices[0]
+    assert report.steps == 0 and dev.breakdown is not None
+    assert dev.breakdown.optimizer_state == 0
+    assert dev.breakdown.parameters == param_bytes(module)
+    assert dev.setup is not None and dev.setup.accumulation_steps is None  # validate: no steps
+    assert metrics["memkit/eval_peak_mib"] == pytest.approx(dev.phase_peaks["eval"] / MIB)
+    with memkit.track(module, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        trainer().validate(module, datamodule=Data(), verbose=False)
+    assert dev.phase_peaks["eval"] == tracker.report().devices[0].phase_peaks["eval"]
 
 
 def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):

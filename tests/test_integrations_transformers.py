@@ -53,7 +53,7 @@ class Recorder(transformers.TrainerCallback):
         self.evaluations.append(dict(metrics))
 
 
-def make_trainer(folder, callbacks=()) -> transformers.Trainer:
+def make_trainer(folder, callbacks=(), **settings) -> transformers.Trainer:
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -63,7 +63,7 @@ def make_trainer(folder, callbacks=()) -> transformers.Trainer:
         output_dir=str(folder), per_device_train_batch_size=BATCH, per_device_eval_batch_size=16,
         gradient_accumulation_steps=ACCUM, max_steps=STEPS, eval_strategy="steps",
         eval_steps=EVAL_STEPS, logging_steps=EVAL_STEPS, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=0, learning_rate=5e-4,
+        use_cpu=True, disable_tqdm=True, seed=0, learning_rate=5e-4, **settings,
     )  # fmt: skip
     return transformers.Trainer(
         model=transformers.BertForSequenceClassification(config), args=args,
@@ -111,6 +111,10 @@ def test_callback_gives_the_numbers_of_track_around_the_same_training(trained):
 
     assert [strip(s) for s in dev.steps] == [strip(s) for s in ref.steps]
     assert not any("micro-batch" in n for n in report.notes)  # the Trainer's count agreed
+    # the Trainer's settings, told to the tracker (memkit.track is not told)
+    assert dev.setup is not None and ref.setup is not None
+    assert (dev.setup.accumulation_steps, dev.setup.checkpointing) == (ACCUM, False)
+    assert (ref.setup.accumulation_steps, ref.setup.checkpointing) == (None, None)
     # hand counts: every parameter trains; AdamW keeps two moments and a 0-dim step each
     params = list(trainer.model.parameters())
     grads = sum(p.numel() * p.element_size() for p in params)
@@ -142,6 +146,26 @@ def test_peaks_are_added_to_the_trainers_logs(trained):
     assert all(("memkit/peak_mib" in h) or ("memkit/eval_peak_mib" in h) for h in history)
 
 
+def test_the_same_callback_passed_twice_gives_the_same_report(trained, tmp_path):
+    """callbacks=[cb, cb]: the Trainer calls each event twice in a row. The second
+    on_train_begin restarted tracking and the doubled on_substep_end made a false note ("the
+    Trainer ran 3 micro-batch(es) but memkit saw 2"); now the report is the one of a single
+    registration."""
+    once = trained[0].report
+    cb = MemkitCallback(device="cpu", budget="256MiB")
+    trainer = make_trainer(tmp_path, [cb, cb])
+    with cb:
+        trainer.train()
+    report = cb.report
+    assert report is not None and not any("micro-batch" in n for n in report.notes)
+    assert (report.steps, report.micro_batches) == (once.steps, once.micro_batches)
+    dev, ref = report.devices[0], once.devices[0]
+    assert dev.phase_peaks == ref.phase_peaks
+    assert [s.peak_allocated for s in dev.steps] == [s.peak_allocated for s in ref.steps]
+    logged = [h["memkit/peak_mib"] for h in trainer.state.log_history if "memkit/peak_mib" in h]
+    assert len(logged) == STEPS // EVAL_STEPS
+
+
 def test_out_of_memory_in_train_gets_a_post_mortem(tmp_path):
     budget = 600_000
     cb = MemkitCallback(device="cpu", budget=budget, postmortem=None)
@@ -158,6 +182,95 @@ def test_out_of_memory_in_train_gets_a_post_mortem(tmp_path):
     oom, ref = cb.report.oom, tracker.report().oom
     assert oom is not None and ref is not None
     assert (oom.where, oom.allocated) == (ref.where, ref.allocated)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences for a causal language model (labels: the inputs)."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 1000, (n, 32), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_checkpointing(
+    tmp_path, capsys
+):
+    """gradient_accumulation_steps=4 and gradient checkpointing on; the OOM comes in the
+    first micro-batch's backward, in the LM head, before any optimizer step or recompute has
+    shown either: the advice builds on both (accumulate over 8; no 'checkpoint the blocks')."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64
+    )
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    # transformers 5 renamed gradient_checkpointing (a deprecated alias there)
+    name = next(n for n in ("activation_checkpointing", "gradient_checkpointing") if n in fields)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=4,
+        max_steps=2, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        **{name: True},
+    )  # fmt: skip
+    cb = MemkitCallback(device="cpu", budget="3500KiB")
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Tokens(64),
+        callbacks=[cb],
+    )  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError), cb:
+        trainer.train()
+    pm = cb.report.oom
+    assert pm is not None and pm.where.startswith("step 0, backward")
+    assert pm.checkpointed == ()  # no recompute had run yet
+    setup = pm.setup
+    assert setup is not None and (setup.accumulation_steps, setup.checkpointing) == (4, True)
+    assert pm.micro_batches == 4
+    advice = {a.code: a for a in pm.advice}["oom-activations"]
+    assert "accumulates gradients over 4 micro-batches" in advice.action
+    assert "accumulate over 8" in advice.action
+    assert "torch.utils.checkpoint" not in advice.action
+    assert "checkpointing is already on" in advice.evidence
+    # in the Trainer's terms, and printed so once (by the callback, not also by the tracker)
+    assert advice.action.endswith(
+        "In TrainingArguments: `per_device_train_batch_size` and `gradient_accumulation_steps`, "
+        "`bf16=True`."
+    )
+    err = capsys.readouterr().err
+    assert err.count("memkit: out of memory") == 1 and "gradient_accumulation_steps`" in err
+
+
+def test_advice_names_the_trainers_own_settings():
+    """In the Trainer, the remedies are TrainingArguments: per_device_eval_batch_size, not
+    plain PyTorch's `--test-batch-size`; bf16=True, not `torch.autocast`; and what it already
+    does (evaluation under no_grad) is not asked for. Other advice is untouched."""
+    from memkit.advice import Advice
+    from memkit.advice.transformers import in_transformers_terms
+
+    given = (
+        Advice("oom-eval", "t", "e", "Lower the evaluation batch size (`--test-batch-size`)"),
+        Advice("eval-peak", "t", "e", "... run it under `torch.inference_mode()`."),
+        Advice("mixed-precision", "t", "e",
+               "`with torch.autocast('cuda', dtype=torch.float16):` around the forward"),
+        Advice("activation-checkpointing", "t", "e", "`torch.utils.checkpoint.checkpoint`"),
+        Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients "
+               "over 2 steps; or checkpoint the largest blocks (`torch.utils.checkpoint`)."),
+        Advice("optimizer-state", "t", "e", "a"),
+    )  # fmt: skip
+    said = {a.code: a for a in in_transformers_terms(given)}
+    assert "per_device_eval_batch_size" in said["oom-eval"].action
+    assert "--test-batch-size" not in said["oom-eval"].action
+    assert "per_device_eval_batch_size" in said["eval-peak"].action
+    assert said["mixed-precision"].action.startswith("`fp16=True` in TrainingArguments")
+    assert "gradient_checkpointing=True" in said["activation-checkpointing"].action
+    assert said["oom-activations"].action == given[4].action + (
+        " In TrainingArguments: `per_device_train_batch_size` and "
+        "`gradient_accumulation_steps`, `gradient_checkpointing=True`."
+    )
+    assert said["optimizer-state"] == given[5]
+    assert all(said[a.code].evidence == a.evidence for a in given)
 
 
 def test_without_with_a_warning_says_how_to_end_tracking_after_an_exception(tmp_path):

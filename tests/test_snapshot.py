@@ -157,6 +157,19 @@ def test_bad_device_argument_is_a_config_error(no_smi):
         snapshot(device=3.5)  # type: ignore[arg-type]
 
 
+def test_an_object_snapshot_cannot_read_is_a_config_error(no_smi):
+    """A string (a label meant as ``label=``) or a number was silently ignored: the snapshot
+    said nothing about it. Inside a dict or a list, other values are still skipped."""
+    with pytest.raises(ConfigError, match=r"objects\[0\]: .* found 'before' \(str\); to name "
+                       r"this moment, pass label='before'"):  # fmt: skip
+        memkit.snapshot("before", device="cpu")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"objects\[1\]: expected a model, .* found 123 \(int\)"):
+        memkit.snapshot(model, 123, device="cpu")
+    snap = memkit.snapshot({"step": 3, "model": model}, device="cpu")
+    assert {t.name for t in snap.tensors} == {"model.weight", "model.bias"}
+
+
 # -- categorising -----------------------------------------------------------------------------
 def test_tied_and_shared_storages_are_counted_once(no_smi):
     model = TiedLM()

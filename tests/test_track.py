@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from memkit.advice.leaks import graph_retained_advice
+from memkit.errors import ConfigError
 from memkit.tracking import TrackReport, device_set, track
 from memkit.tracking.leaks import GrowthDetector, compare_scans, graph_size, scan_frames
 from memkit.tracking.report import LeakFinding
@@ -855,8 +856,6 @@ def test_what_is_not_a_model_or_an_optimizer_is_named_before_the_block(model, op
     """A GAN's ``track([generator, discriminator], [opt_g, opt_d])`` and other wrong arguments
     get an error that says what was expected and what to pass, not an AttributeError from
     inside the tracker's first hook."""
-    from memkit.errors import ConfigError
-
     g, d = nn.Linear(2, 2), nn.Linear(2, 2)
     models = {"pair": [g, d], "one": g, "path": "model.pt"}
     optimizers = {None: None, "adam": "adam", "module": [d]}
@@ -908,6 +907,44 @@ def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
     assert "checkpoint the largest blocks" not in advice.action
     assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence
+
+
+def test_the_trainers_settings_reach_the_advice_before_a_step_shows_them():
+    """A framework callback tells the tracker the trainer's accumulation and checkpointing
+    (``Tracker.trainer_settings``) when training starts. An OOM in the first micro-batch,
+    before an optimizer step or a recompute could show them, then advises on top of them:
+    accumulate over twice the trainer's micro-batches, no 'checkpoint the blocks'. Without
+    them, the same OOM advises both."""
+
+    def oom(**settings: object):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with (
+            pytest.raises(torch.OutOfMemoryError),
+            track(model, opt, device="cpu", budget="3MiB", postmortem=None) as tracker,
+        ):
+            tracker.trainer_settings(**settings)  # type: ignore[arg-type]
+            model(torch.randn(256, 64)).square().mean().backward()
+        report = tracker.report()
+        pm = report.oom
+        assert pm is not None and pm.step == 0 and pm.checkpointed == ()
+        return report, {a.code: a for a in pm.advice}["oom-activations"]
+
+    told, advice = oom(accumulation_steps=4, checkpointing=True)
+    assert told.oom is not None and told.oom.micro_batches == 4
+    setup = told.devices[0].setup
+    assert setup is not None and (setup.accumulation_steps, setup.checkpointing) == (4, True)
+    assert json.loads(told.to_json())["oom"]["setup"]["accumulation_steps"] == 4
+    assert "accumulates gradients over 4 micro-batches" in advice.action
+    assert "accumulate over 8" in advice.action
+    assert "torch.utils.checkpoint" not in advice.action
+    assert "checkpointing is already on" in advice.evidence
+    _, untold = oom()
+    assert "accumulate gradients over 2 steps" in untold.action
+    assert "torch.utils.checkpoint" in untold.action
+    with pytest.raises(ConfigError, match=r"accumulation_steps: expected a whole number >= 1"):
+        track(nn.Linear(2, 2), device="cpu").trainer_settings(accumulation_steps=0)
 
 
 def test_an_ema_copy_updated_between_steps_is_device_memory():

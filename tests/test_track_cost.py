@@ -14,6 +14,7 @@ from torch import nn
 import memkit
 from memkit.devices import SimulatedBackend
 from memkit.devices.peaks import SMALL_REQUEST, plan_pieces
+from memkit.errors import ConfigError
 
 MiB = 1 << 20
 
@@ -73,7 +74,7 @@ def test_module_hooks_are_gone_between_sampled_steps():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_module_every_must_be_a_positive_whole_number(bad):
-    with pytest.raises(ValueError, match="module_every must be a whole number of steps >= 1"):
+    with pytest.raises(ConfigError, match=r"module_every: expected a whole number of steps >= 1"):
         memkit.track(mlp(), module_every=bad)
 
 

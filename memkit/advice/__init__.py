@@ -11,7 +11,8 @@ advice never does. One module per subject:
 * :mod:`memkit.advice.device`: ``fragmentation``, ``other-processes``, ``empty-cache``.
 * :mod:`memkit.advice.distributed`: ``dp-*``, ``ddp-*``, ``switch-to-ddp``;
   :mod:`memkit.advice.sharding`: ``fsdp-gpus``, ``fsdp-saves``, ``fsdp-wrap-unit``.
-* :mod:`memkit.advice.lightning`: advice actions said in Lightning's terms.
+* :mod:`memkit.advice.lightning`, :mod:`memkit.advice.transformers`: advice actions said in
+  the terms of Lightning's and transformers' Trainers (``form.in_terms``).
 * :mod:`memkit.advice.probe`: ``does-not-fit``, ``accumulate``; :mod:`memkit.advice.estimate`:
   an estimate's.
 * :mod:`memkit.advice.track`: the rules fed with a track report; :mod:`memkit.advice.oom`: the

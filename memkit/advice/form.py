@@ -8,6 +8,8 @@ expected ``saving_bytes``. Its text and HTML layout is in :mod:`memkit.render.ad
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,8 @@ __all__ = [
     "SEVERITIES",
     "Advice",
     "MiB",
+    "Phrasing",
+    "in_terms",
     "matters",
     "percent_of",
     "under_pressure",
@@ -110,3 +114,16 @@ def matters(saving: int | None, peak: int, capacity: int | None) -> bool:
     if capacity is None or capacity <= 0 or under_pressure(peak, capacity):
         return True
     return saving is not None and saving >= MATERIAL * capacity
+
+
+Phrasing = Callable[[Advice], str]
+"""An advice's action said in a framework's terms (memkit.advice.lightning, .transformers)."""
+
+
+def in_terms(advice: Iterable[Advice], actions: Mapping[str, Phrasing]) -> tuple[Advice, ...]:
+    """``advice`` with the action of each code in ``actions`` said as it says it; the rest as
+    it was (the evidence and the saving never change)."""
+    return tuple(
+        dataclasses.replace(a, action=actions[a.code](a)) if a.code in actions else a
+        for a in advice
+    )

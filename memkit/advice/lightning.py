@@ -1,13 +1,13 @@
-"""Advice in Lightning's terms, where its training loop differs from a plain one: its closure
-zeroes gradients after the forward, and its validation loop already runs under
-``inference_mode``."""
+"""Advice in Lightning's terms, where its training loop differs from a plain one (its closure
+zeroes gradients after the forward, its evaluation loops already run under
+``inference_mode``) and where the Trainer has a setting for the remedy (``precision``,
+``accumulate_grad_batches``, a loader's ``batch_size``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
-from memkit.advice.form import Advice
+from memkit.advice.form import Advice, Phrasing, in_terms
 
 __all__ = ["LIGHTNING_ACTIONS", "in_lightning_terms"]
 
@@ -26,19 +26,47 @@ EVAL_PEAK_ACTION = (
     "`val_dataloader()`): it needs no gradients, so this does not change training. Lightning "
     "already runs validation under `torch.inference_mode()`."
 )
-LIGHTNING_ACTIONS = {
-    "zero-grad-keeps-grads": ZERO_GRAD_ACTION,
-    "eval-peak": EVAL_PEAK_ACTION,
+OOM_EVAL_ACTION = (
+    "Lower the evaluation batch size (the DataLoader's `batch_size` in `val_dataloader()`, "
+    "`test_dataloader()` or `predict_dataloader()`): it is independent of the training batch. "
+    "Lightning already runs these loops under `torch.inference_mode()` with the module in eval "
+    "mode; move what you keep of their outputs to the CPU."
+)
+
+
+def _mixed_precision(advice: Advice) -> str:
+    fp16 = "torch.float16" in advice.action  # the device has no bf16
+    return (
+        f'`Trainer(precision="{"16" if fp16 else "bf16"}-mixed")`: Lightning runs the forward '
+        "and the loss under autocast (weights and the optimizer stay fp32)"
+        + ("; with 16-mixed it also scales the loss." if fp16 else ".")
+    )
+
+
+def _oom_activations(advice: Advice) -> str:
+    """The remedies as they are, with the Trainer's settings for them."""
+    settings = []
+    if "accumulate" in advice.action:
+        settings.append(
+            "the micro-batch is the DataLoader's `batch_size`, the accumulation "
+            "`Trainer(accumulate_grad_batches=N)`"
+        )
+    if "autocast" in advice.action:
+        settings.append('bf16 is `Trainer(precision="bf16-mixed")`')
+    return advice.action + (f" In Lightning: {'; '.join(settings)}." if settings else "")
+
+
+LIGHTNING_ACTIONS: dict[str, Phrasing] = {
+    "zero-grad-keeps-grads": lambda a: ZERO_GRAD_ACTION,
+    "eval-peak": lambda a: EVAL_PEAK_ACTION,
+    "oom-eval": lambda a: OOM_EVAL_ACTION,
+    "mixed-precision": _mixed_precision,
+    "oom-activations": _oom_activations,
 }
-"""Advice actions said in Lightning's terms where its loop differs from a plain one."""
+"""Advice actions said in Lightning's terms, by code."""
 
 
 def in_lightning_terms(advice: Iterable[Advice]) -> tuple[Advice, ...]:
     """``advice`` with the actions of :data:`LIGHTNING_ACTIONS` said in Lightning's terms; the
     rest as it was."""
-    return tuple(
-        dataclasses.replace(a, action=LIGHTNING_ACTIONS[a.code])
-        if a.code in LIGHTNING_ACTIONS
-        else a
-        for a in advice
-    )
+    return in_terms(advice, LIGHTNING_ACTIONS)

@@ -184,8 +184,9 @@ def _precision_option(pm: OomPostMortem) -> str:
 def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
     """``oom-activations``: activations were at least 40% of the memory (not in evaluation).
 
-    The accumulation it proposes doubles what the script already runs (``micro_batches``),
-    and the precision option fits the model's dtype."""
+    The accumulation it proposes doubles what the script already runs (``micro_batches``:
+    seen, or the trainer's setting), checkpointing is proposed unless it already runs (seen
+    recomputing, or the trainer's setting), and the precision option fits the model's dtype."""
     if share["activations"] < 0.4 or pm.phase == "eval":
         return None
     top = ", ".join(path for path, _ in pm.top_modules[:3])
@@ -212,6 +213,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         blocks = ", ".join(pm.checkpointed[:3]) + (", ..." if len(pm.checkpointed) > 3 else "")
         done = f" Activation checkpointing already runs ({blocks} recomputed in backward)."
         checkpoint = ""
+    elif pm.setup is not None and pm.setup.checkpointing:
+        done, checkpoint = " Activation checkpointing is already on (the trainer's setting).", ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
     if not accumulate:

@@ -178,7 +178,9 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             capacity=dev.capacity,
             device=dev.device,
         ),
-        activation_checkpointing(
+        None
+        if setup is not None and setup.checkpointing  # the trainer's setting: already on
+        else activation_checkpointing(
             activation_bytes=activations,
             peak_bytes=bd.total,
             modules=[

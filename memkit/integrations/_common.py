@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memkit.devices import get_backend, parse_device
 from memkit.errors import ConfigError, MissingDependencyError
+from memkit.tracking.options import check_flag, check_track_options
 from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
 from memkit.units import parse_size
@@ -17,6 +20,7 @@ from memkit.units import parse_size
 if TYPE_CHECKING:
     import torch
 
+    from memkit.advice.form import Advice
     from memkit.tracking.report import StepRecord, TrackReport
     from memkit.tracking.tracker import Tracker
 
@@ -105,8 +109,16 @@ class TrackingCallback:
         timeline_limit: int | None = None,
     ) -> None:
         super().__init__()
-        if postmortem not in ("stderr", None):
-            raise ConfigError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
+        if timeline_limit is None:
+            timeline_limit = DEFAULT_TIMELINE_LIMIT
+        # the tracker's own checks, now rather than when the framework starts training
+        check_track_options(
+            per_module=per_module,
+            module_every=module_every,
+            timeline_limit=timeline_limit,
+            postmortem=postmortem,
+        )
+        check_flag("log_peaks", log_peaks)
         _check_options(device, budget)
         self.device = device
         self.budget = budget
@@ -115,7 +127,7 @@ class TrackingCallback:
         self.log_peaks = log_peaks
         self.files = ReportFiles.checked(text, json, html)
         self.postmortem = postmortem
-        self.timeline_limit = DEFAULT_TIMELINE_LIMIT if timeline_limit is None else timeline_limit
+        self.timeline_limit = timeline_limit
         self.written: list[Path] = []
         self._tracker: Tracker | None = None
         self._report: TrackReport | None = None
@@ -131,8 +143,17 @@ class TrackingCallback:
         """The live tracker while a run is tracked."""
         return self._tracker
 
-    def _new_tracker(self, model: Any, optimizers: Any, device: Any) -> Tracker:
-        """A tracker with this callback's options, entered."""
+    def _new_tracker(
+        self,
+        model: Any,
+        optimizers: Any,
+        device: Any,
+        *,
+        accumulation_steps: int | None = None,
+        checkpointing: bool | None = None,
+    ) -> Tracker:
+        """A tracker with this callback's options and the trainer's settings
+        (:meth:`Tracker.trainer_settings`), entered."""
         tracker = Tracker(
             model,
             optimizers,
@@ -140,11 +161,29 @@ class TrackingCallback:
             budget=self.budget,
             per_module=self.per_module,
             module_every=self.module_every,
-            postmortem=self.postmortem,
+            postmortem=None,  # printed by _final_report, in the framework's terms
             timeline_limit=self.timeline_limit,
         )
+        tracker.trainer_settings(accumulation_steps=accumulation_steps, checkpointing=checkpointing)
         tracker.__enter__()
         return tracker
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        """``advice`` said in the framework's terms (each callback says how)."""
+        return tuple(advice)
+
+    def _final_report(self, tracker: Tracker) -> TrackReport:
+        """The ended tracker's report with its advice, and the post-mortem's, in the
+        framework's terms; the post-mortem printed to stderr if asked."""
+        report = tracker.report()
+        oom = report.oom
+        if oom is not None:
+            oom = dataclasses.replace(oom, advice=self._in_terms(oom.advice))
+        report = dataclasses.replace(report, advice=self._in_terms(report.advice), oom=oom)
+        if oom is not None and self.postmortem == "stderr":
+            sys.stderr.write(str(oom) + "\n")
+            sys.stderr.flush()
+        return report
 
     def _end_tracking(self, exc: BaseException | None) -> Tracker | None:
         """Exit the live tracker (with the exception that ended the run, for its

@@ -17,11 +17,10 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memkit.advice.lightning import in_lightning_terms
@@ -34,6 +33,7 @@ from memkit.integrations._common import (
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:
     raise missing("lightning", "memkit.integrations.lightning", "Lightning 2.x", exc) from exc
 
@@ -45,8 +45,8 @@ from memkit.errors import ConfigError
 from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_with
 
 if TYPE_CHECKING:
+    from memkit.advice.form import Advice
     from memkit.probing.result import ProbeResult
-    from memkit.tracking.report import TrackReport
 
 __all__ = ["MemkitCallback", "probe_batch_size"]
 
@@ -91,8 +91,17 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         if self._tracker is not None:
             return
         device = self.device if self.device is not None else pl_module.device
-        optimizers = list(getattr(trainer, "optimizers", None) or ()) or None
-        tracker = self._new_tracker(pl_module, optimizers, device)
+        # only fit steps optimizers: a test(), validate() or predict() after fit() sets up
+        # none, and on a GPU Lightning's teardown moved the fit's optimizer state to the CPU
+        # (on the simulated device, tracking them would count that state as device memory)
+        fitting = getattr(trainer.state, "fn", None) == TrainerFn.FITTING
+        optimizers = list(getattr(trainer, "optimizers", None) or ()) if fitting else []
+        tracker = self._new_tracker(
+            pl_module,
+            optimizers or None,
+            device,
+            accumulation_steps=trainer.accumulate_grad_batches if fitting else None,
+        )
         self._tracker, self._report, self._next_step = tracker, None, 0
 
     def _finish(self, exc: BaseException | None) -> None:
@@ -102,8 +111,11 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         try:
             self._end_tracking(exc)
         finally:
-            self._report = lightning_advice(tracker.report())
+            self._report = self._final_report(tracker)
             self.written = self.files.write(self._report)
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        return in_lightning_terms(advice)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._start(trainer, pl_module)
@@ -179,12 +191,6 @@ class MemkitCallback(TrackingCallback, pl.Callback):
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_eval(pl_module, log_it=False)  # Lightning logs nothing while predicting
-
-
-def lightning_advice(report: TrackReport) -> TrackReport:
-    """The report with its advice in Lightning's terms
-    (:func:`memkit.advice.lightning.in_lightning_terms`)."""
-    return dataclasses.replace(report, advice=in_lightning_terms(report.advice))
 
 
 # -- the exact batch size -------------------------------------------------------------------

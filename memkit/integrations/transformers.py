@@ -22,9 +22,11 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from memkit.advice.transformers import in_transformers_terms
 from memkit.integrations._common import (
     MIB,
     TrackingCallback,
@@ -45,7 +47,7 @@ from memkit.devices import SimulatedBackend
 from memkit.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    pass
+    from memkit.advice.form import Advice
 
 __all__ = ["MemkitCallback"]
 
@@ -91,6 +93,11 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
         self._micro = 0
         self._micro_mismatch: tuple[int, int, int] | None = None
         self._entered = False
+        # the same instance passed twice (callbacks=[cb, cb]) gets each event twice in a row:
+        # the train() whose TrainerState started tracking, and how many times it is registered
+        self._train_state: Any = None
+        self._copies = 1
+        self._ended_step = -1  # the global step whose on_step_end was handled
 
     # -- as a context manager: the exception train() raised ------------------------------
     def __enter__(self) -> MemkitCallback:
@@ -128,13 +135,20 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
                     "training backward pass(es): a backward memkit did not see is not in the "
                     "phases"
                 )
-            self._report = tracker.report()
+            self._report = self._final_report(tracker)
             self.written = self.files.write(self._report)
+            self._train_state = None
+
+    def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
+        return in_transformers_terms(advice)
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
         **kwargs: Any,
     ) -> None:  # fmt: skip
+        if self._tracker is not None and state is self._train_state:
+            self._copies += 1  # the same train() again: this instance is registered twice
+            return
         if self._tracker is not None:
             # the last train() ended without on_train_end (it raised, or auto_find_batch_size
             # is retrying at a smaller batch): that tracking ends here, without a post-mortem
@@ -142,7 +156,13 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             self._finish(None)
         device = self.device if self.device is not None else getattr(args, "device", None)
         raw = unwrap_optimizer(optimizer)
-        tracker = self._new_tracker(model, raw, device)
+        tracker = self._new_tracker(
+            model,
+            raw,
+            device,
+            accumulation_steps=getattr(args, "gradient_accumulation_steps", None),
+            checkpointing=_checkpointing(args, model),
+        )
         if isinstance(tracker.backend, SimulatedBackend) and not self._entered:
             warnings.warn(
                 "memkit: MemkitCallback tracks on the simulated device, which counts every "
@@ -155,6 +175,7 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             )
         self._tracker, self._report = tracker, None
         self._logged_step, self._micro, self._micro_mismatch = 0, 0, None
+        self._train_state, self._copies, self._ended_step = state, 1, -1
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._finish(None)
@@ -168,9 +189,11 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tracker = self._tracker
-        if tracker is None:
+        step = getattr(state, "global_step", None)
+        if tracker is None or step == self._ended_step:  # a second registration's call
             return
-        micro, self._micro = self._micro + 1, 0
+        self._ended_step = -1 if step is None else step
+        micro, self._micro = self._micro // self._copies + 1, 0
         records = tracker.steps_since(tracker.current_step - 1)
         if records and self._micro_mismatch is None and records[-1].backward_passes != micro:
             self._micro_mismatch = (records[-1].step, micro, records[-1].backward_passes)
@@ -212,6 +235,27 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
         """The evaluation that just ran: the eval peak since the last step boundary."""
         peak = tracker.open_step_peaks().get("eval")
         return {} if peak is None else {"memkit/eval_peak_mib": peak / MIB}
+
+
+def _checkpointing(args: Any, model: Any) -> bool | None:
+    """Whether the Trainer's model checkpoints activations: the model's own flag (the Trainer
+    sets it from ``args`` before ``on_train_begin``; a script may have set it itself), else
+    the arguments' (``activation_checkpointing``, before transformers 5 ``gradient_checkpointing``);
+    ``None``: neither says."""
+    with warnings.catch_warnings():  # is_gradient_checkpointing: a deprecated alias in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                flag = getattr(model, name)
+            except AttributeError:
+                continue
+            if isinstance(flag, bool):
+                return flag
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            value = getattr(args, name, None)
+            if value is not None:
+                return bool(value)
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:

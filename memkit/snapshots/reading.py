@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import reprlib
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -215,7 +216,8 @@ def snapshot(
         A frozen :class:`Snapshot`.
 
     Raises:
-        ConfigError: ``device`` is not something memkit can read.
+        ConfigError: an object is none of those kinds (checked before anything is read), or
+            ``device`` is not something memkit can read.
 
     Examples:
         >>> import torch, memkit
@@ -260,8 +262,26 @@ def snapshot(
     )
 
 
+_OBJECT_KINDS = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, dict, list, tuple, set)
+"""What :func:`snapshot` takes as objects (inside a dict or a list, other values are skipped:
+a checkpoint's ``{"step": 3, "model": ...}``)."""
+
+
+def _checked_objects(objects: Sequence[Any]) -> None:
+    """Each object passed is one :func:`snapshot` can say something about, not silently
+    nothing (``snapshot("before")`` meant ``label="before"``)."""
+    for i, obj in enumerate(objects):
+        if not isinstance(obj, _OBJECT_KINDS):
+            hint = f"; to name this moment, pass label={obj!r}" if isinstance(obj, str) else ""
+            raise ConfigError(
+                f"objects[{i}]: expected a model, an optimizer, a tensor, or a dict, list, tuple "
+                f"or set of them, found {reprlib.repr(obj)} ({type(obj).__name__}){hint}"
+            )
+
+
 def _census_of(objects: Sequence[Any], scan_gc: bool, notes: list[str]) -> Census:
     """The storages of the objects passed (modules first, so parameters get their names)."""
+    _checked_objects(objects)
     census = Census()
     ordered = sorted(
         enumerate(objects),

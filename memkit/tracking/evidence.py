@@ -158,8 +158,18 @@ class Evidence:
         )
         self.walked_dtype = _largest(dtypes)
         if modules or optimizers:
-            dev.setup = _merged(dev.setup, training_setup(modules, optimizers, self.walked_dtype))
+            setup = training_setup(modules, optimizers, self.walked_dtype, self.facts)
+            dev.setup = _merged(dev.setup, setup)
         return sizes
+
+    def trainer_settings(self, accumulation_steps: int | None, checkpointing: bool | None) -> None:
+        """Keep what a framework's trainer is set to do (``None``: not told): the report's
+        setup and the post-mortem carry it from the start, before the first optimizer step
+        shows the accumulation or the first recompute shows the checkpointing."""
+        if accumulation_steps is not None:
+            self.facts.accumulation_steps = accumulation_steps
+        if checkpointing is not None:
+            self.facts.checkpointing = checkpointing
 
     def advice_fields(self, kind: str) -> dict[str, Any]:
         """What the advice rules need that the device records do not hold (``kind``: the
@@ -206,9 +216,11 @@ def training_setup(
     modules: Sequence[torch.nn.Module],
     optimizers: Sequence[Any],
     dtype: str | None,
+    facts: RunFacts | None = None,
 ) -> TrainingSetup | None:
     """The model's and optimizer's facts the advice reads (``None`` when neither exists;
-    ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it)."""
+    ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it), with the
+    trainer's settings ``facts`` holds (:meth:`Evidence.trainer_settings`)."""
     if not modules and not optimizers:
         return None
     history = foreach = None
@@ -224,6 +236,8 @@ def training_setup(
         history_size=history,
         forward_autocast=autocast,
         optimizer_foreach=foreach,
+        accumulation_steps=None if facts is None else facts.accumulation_steps,
+        checkpointing=None if facts is None else facts.checkpointing,
     )
 
 

@@ -194,6 +194,11 @@ class TrainingSetup:
         optimizer_foreach: whether the (first) optimizer steps with the ``foreach``
             implementation: its ``foreach`` setting, else torch's default (on when the
             parameters are on CUDA and it is not ``fused``).
+        accumulation_steps: micro-batches per optimizer step as the trainer is set
+            (transformers' ``gradient_accumulation_steps``, Lightning's
+            ``accumulate_grad_batches``), told by a framework callback; ``None``: not told.
+        checkpointing: whether the trainer is set to checkpoint activations (transformers'
+            ``gradient_checkpointing``), told by a framework callback; ``None``: not told.
     """
 
     param_dtype: str | None = None
@@ -201,6 +206,8 @@ class TrainingSetup:
     history_size: int | None = None
     forward_autocast: str | None = None
     optimizer_foreach: bool | None = None
+    accumulation_steps: int | None = None
+    checkpointing: bool | None = None
 
 
 @dataclass(frozen=True)

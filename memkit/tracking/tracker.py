@@ -33,6 +33,7 @@ import torch
 from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
+from memkit.errors import ConfigError
 from memkit.oom import find_oom
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.simulated.virtual_devices import VirtualDevices, active_virtual_devices, is_active
@@ -44,6 +45,7 @@ from memkit.tracking.fsdp import counting_resizes, find_fsdp_units
 from memkit.tracking.history_file import HistoryFile
 from memkit.tracking.hooks import Hooks
 from memkit.tracking.models import TrackedModels, is_compiled
+from memkit.tracking.options import check_track_options
 from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.postmortem import (
     OomEvidence,
@@ -133,14 +135,12 @@ class Tracker:
         memory_history: str | Path | None = None,
         history_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
-        if postmortem not in ("stderr", None):
-            raise ValueError(f"postmortem must be 'stderr' or None, found {postmortem!r}")
-        if module_every is not None and (
-            not isinstance(module_every, int) or isinstance(module_every, bool) or module_every < 1
-        ):
-            raise ValueError(
-                f"module_every must be a whole number of steps >= 1, found {module_every!r}"
-            )
+        check_track_options(
+            per_module=per_module,
+            module_every=module_every,
+            timeline_limit=timeline_limit,
+            postmortem=postmortem,
+        )
         self.per_module = per_module
         self.module_every = module_every
         self.postmortem = postmortem
@@ -401,7 +401,10 @@ class Tracker:
             last_root=facts.last_root,
             last_input=facts.last_input,
             frozen_model=facts.frozen_model,
-            micro_batches=max((s.backward_passes for s in dev.steps), default=1),
+            micro_batches=max(
+                max((s.backward_passes for s in dev.steps), default=1),
+                facts.accumulation_steps or 1,  # the trainer's setting: before a step ended
+            ),
             setup=dev.setup,
             rank=launched_rank(),
         )
@@ -458,6 +461,31 @@ class Tracker:
         n = max(1, self.state.step)
         sampled = n if n <= 2 else 2 + (n - 1) // every
         return f"per-module on {sampled} sampled step(s): 0, 1, then one in every {every}"
+
+    def trainer_settings(
+        self, *, accumulation_steps: int | None = None, checkpointing: bool | None = None
+    ) -> None:
+        """What the trainer running the block is set to do, for the advice (a framework
+        callback tells it when training starts): ``accumulation_steps`` micro-batches per
+        optimizer step, activation ``checkpointing`` on or off (``None``: not told). Without
+        them the tracker learns accumulation at the first optimizer step and checkpointing at
+        the first recompute, so an OOM in the first micro-batch would advise both.
+
+        Raises:
+            ConfigError: ``accumulation_steps`` is not a whole number >= 1.
+        """
+        if accumulation_steps is not None and (
+            not isinstance(accumulation_steps, int)
+            or isinstance(accumulation_steps, bool)
+            or accumulation_steps < 1
+        ):
+            raise ConfigError(
+                f"accumulation_steps: expected a whole number >= 1, found {accumulation_steps!r}"
+            )
+        with self.state.lock:
+            self.evidence.trainer_settings(
+                accumulation_steps, None if checkpointing is None else bool(checkpointing)
+            )
 
     def step(self) -> None:
         """Mark a step boundary (for loops without an optimizer, or to count steps yourself).

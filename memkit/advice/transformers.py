@@ -1,0 +1,66 @@
+"""Advice in the terms of transformers' ``Trainer``: where ``TrainingArguments`` has a setting
+for the remedy (``per_device_eval_batch_size``, ``bf16``, ``gradient_accumulation_steps``,
+``gradient_checkpointing``), the action names it, and what the Trainer already does
+(evaluation under ``torch.no_grad()``) is not asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from memkit.advice.form import Advice, Phrasing, in_terms
+
+__all__ = ["TRANSFORMERS_ACTIONS", "in_transformers_terms"]
+
+EVAL_PEAK_ACTION = (
+    "Give evaluation its own, smaller batch: `per_device_eval_batch_size` in TrainingArguments "
+    "(it needs no gradients, so this does not change training). The Trainer already evaluates "
+    "under `torch.no_grad()`."
+)
+OOM_EVAL_ACTION = (
+    "Lower `per_device_eval_batch_size` in TrainingArguments: it is independent of the "
+    "training batch. The Trainer already evaluates under `torch.no_grad()` with `model.eval()`; "
+    "set `eval_accumulation_steps` so that the predictions it gathers move to the CPU every few "
+    "batches instead of piling up on the device."
+)
+CHECKPOINTING_ACTION = (
+    "`gradient_checkpointing=True` in TrainingArguments (`activation_checkpointing=True` from "
+    "transformers 5): the model's layers are recomputed in backward, at about one extra forward "
+    "of them per step."
+)
+
+
+def _mixed_precision(advice: Advice) -> str:
+    fp16 = "torch.float16" in advice.action  # the device has no bf16
+    return (
+        f"`{'fp16' if fp16 else 'bf16'}=True` in TrainingArguments: the Trainer runs the forward "
+        "and the loss under autocast (weights and the optimizer stay fp32)"
+        + ("; with fp16 it also scales the loss." if fp16 else ".")
+    )
+
+
+def _oom_activations(advice: Advice) -> str:
+    """The remedies as they are, with the TrainingArguments for them."""
+    settings = []
+    if "accumulate" in advice.action:
+        settings.append("`per_device_train_batch_size` and `gradient_accumulation_steps`")
+    if "torch.utils.checkpoint" in advice.action:
+        settings.append("`gradient_checkpointing=True`")
+    if "autocast" in advice.action:
+        settings.append("`bf16=True`")
+    return advice.action + (f" In TrainingArguments: {', '.join(settings)}." if settings else "")
+
+
+TRANSFORMERS_ACTIONS: dict[str, Phrasing] = {
+    "eval-peak": lambda a: EVAL_PEAK_ACTION,
+    "oom-eval": lambda a: OOM_EVAL_ACTION,
+    "mixed-precision": _mixed_precision,
+    "activation-checkpointing": lambda a: CHECKPOINTING_ACTION,
+    "oom-activations": _oom_activations,
+}
+"""Advice actions said in the Trainer's terms, by code."""
+
+
+def in_transformers_terms(advice: Iterable[Advice]) -> tuple[Advice, ...]:
+    """``advice`` with the actions of :data:`TRANSFORMERS_ACTIONS` said in the Trainer's
+    terms; the rest as it was."""
+    return in_terms(advice, TRANSFORMERS_ACTIONS)
