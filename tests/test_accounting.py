@@ -157,21 +157,60 @@ def test_in_place_growth_is_counted_at_the_new_size():
         assert acct.current == 0
 
 
-def test_only_strided_tensors_on_the_device_count():
+def test_only_tensors_on_the_device_count():
     class Tagged(torch.Tensor):
         """A subclass without a dispatch of its own: its storage counts like any other."""
 
     with simulate(None) as acct:
         on_meta = torch.empty(1000, device="meta")
-        sparse = torch.eye(4).to_sparse()  # the sparse result has no strided storage
         assert acct.current == 0
-        dense = sparse @ torch.ones(4, 2)  # 32 B result (the ones was temporary)
+        dense = torch.ones(4, 4) @ torch.ones(4, 2)  # 32 B result (the ones were temporary)
         assert acct.current == 32
         tagged = torch.ones(10).as_subclass(Tagged) * 2  # 40 B
         assert type(tagged) is Tagged
         assert acct.current == 32 + 40
-        del on_meta, sparse, dense, tagged
+        del on_meta, dense, tagged
         assert acct.current == 0
+
+
+def _part_bytes(*parts: torch.Tensor) -> int:
+    """The independent count: each part's storage once (a CSR's column indices are a view of
+    the 2 x nnz index buffer the conversion made, which stays allocated)."""
+    return sum({id(s): s.nbytes() for p in parts for s in [p.untyped_storage()]}.values())
+
+
+def test_sparse_results_count_their_indices_and_values_until_they_die():
+    dense = torch.randn(300, 200)
+    earlier = torch.eye(50).to_sparse()  # made before the block: its parts count when tracked
+    with simulate(None, track=dense) as acct:
+        start = acct.current
+        coo = dense.to_sparse()  # one kernel: its indices and values are no output of their own
+        made = coo._indices().nbytes + coo._values().nbytes
+        assert acct.current - start == made == dense.numel() * (2 * 8 + 4)  # 2 indices, a value
+        csr = dense.to_sparse_csr()
+        csr_bytes = _part_bytes(csr.crow_indices(), csr.col_indices(), csr.values())
+        assert acct.current - start == made + csr_bytes
+        csc = dense.to_sparse_csc()
+        csc_bytes = _part_bytes(csc.ccol_indices(), csc.row_indices(), csc.values())
+        assert acct.current - start == made + csr_bytes + csc_bytes
+        del coo, csr, csc
+        gc.collect()
+        assert acct.current == start  # a sparse tensor's parts are freed when it dies
+        acct.track(earlier)
+        assert acct.current - start == earlier._indices().nbytes + earlier._values().nbytes
+        del earlier
+        assert acct.current == start
+        emb = torch.nn.Embedding(1000, 16, sparse=True)
+        idx = torch.randint(0, 1000, (64,))
+        acct.track(emb, idx)
+        before = acct.current
+        emb(idx).sum().backward()
+        grad = emb.weight.grad
+        assert grad.layout == torch.sparse_coo
+        assert acct.current - before == grad._indices().nbytes + grad._values().nbytes
+        emb.weight.grad = None
+        del grad
+        assert acct.current == before
 
 
 def test_without_adopting_views_of_host_tensors_are_not_counted():

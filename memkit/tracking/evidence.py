@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memkit.devices import tensor_device
-from memkit.simulated.accountant import storage_of
+from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.fsdp import FsdpUnits
 from memkit.tracking.leaks import LeakWatch
@@ -116,10 +116,10 @@ class Evidence:
             for param in module.parameters():
                 grad = param.grad
                 if grad is not None:
-                    storage = grad.untyped_storage()
-                    if id(storage) not in seen:
-                        seen.add(id(storage))
-                        total += storage.nbytes()
+                    for storage in storages_of(grad):  # a sparse gradient: indices and values
+                        if id(storage) not in seen:
+                            seen.add(id(storage))
+                            total += storage.nbytes()
         return total
 
     def state_empty(self) -> bool:
@@ -313,22 +313,24 @@ def persistent_bytes(
     seen: set[tuple[int, int]] = set()  # storages counted, or found elsewhere
 
     def size(t: torch.Tensor) -> int:
-        storage = storage_of(t)
-        if storage is None:
+        """Bytes of ``t``'s storages (a sparse tensor's indices and values) not counted yet."""
+        storages = storages_of(t)
+        if not storages:
             return 0
-        nbytes = storage.nbytes()
-        key = (storage.data_ptr(), nbytes)
-        if key in seen:
-            return 0
-        seen.add(key)
         if holds is not None:
-            if not holds(t):
-                return 0
-        elif t.device.type != target.type or (
-            target.index is not None and t.device.index not in (None, target.index)
-        ):
-            return 0
-        return int(nbytes)
+            here = holds(t)
+        else:
+            here = t.device.type == target.type and (
+                target.index is None or t.device.index in (None, target.index)
+            )
+        total = 0
+        for storage in storages:
+            nbytes = storage.nbytes()
+            key = (storage.data_ptr(), nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += int(nbytes) if here else 0
+        return total
 
     if fsdp is not None:  # unsharded storages (allocated now) are not this rank's parameters
         seen.update((s.data_ptr(), s.nbytes()) for s in fsdp.unsharded_storages())
