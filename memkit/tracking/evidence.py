@@ -224,14 +224,33 @@ def training_setup(
         history_size=history,
         forward_autocast=autocast,
         optimizer_foreach=foreach,
+        sparse_gradients=_sparse_gradients(modules, optimizers),
     )
 
 
-def _steps_foreach(group: dict[str, Any]) -> bool | None:
+def _sparse_gradients(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> bool | None:
+    """Whether training makes sparse gradients: an embedding with ``sparse=True`` among the
+    modules, or a SparseAdam (``None``: neither seen and no module left to ask)."""
+    if any(type(opt).__name__ == "SparseAdam" for opt in optimizers):
+        return True
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, _SPARSE_CAPABLE) and module.sparse:
+                return True
+    return False if modules else None
+
+
+_SPARSE_CAPABLE = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+"""Modules whose ``sparse=True`` makes their weight's gradient a sparse COO tensor."""
+
+
+def _steps_foreach(group: dict[str, Any]) -> bool:
     """Whether an optimizer's param group steps with ``foreach``: its setting, else torch's
-    default (on where the parameters are on CUDA, unless ``fused``); ``None``: no setting."""
+    default (on where the parameters are on CUDA, unless ``fused``); ``False`` for an
+    optimizer without the option (no ``foreach`` key: SparseAdam, LBFGS, non-torch ones),
+    which ``foreach=False`` would make raise a TypeError."""
     if "foreach" not in group:
-        return None  # not one of torch's foreach optimizers
+        return False
     if group.get("fused"):
         return False
     if group["foreach"] is not None:

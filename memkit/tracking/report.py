@@ -193,7 +193,11 @@ class TrainingSetup:
             entered after the forward pre-hooks, so ``autocast_forwards`` does not count it.
         optimizer_foreach: whether the (first) optimizer steps with the ``foreach``
             implementation: its ``foreach`` setting, else torch's default (on when the
-            parameters are on CUDA and it is not ``fused``).
+            parameters are on CUDA and it is not ``fused``); ``False`` for an optimizer
+            without the option (SparseAdam, non-torch optimizers).
+        sparse_gradients: the model makes sparse gradients (an ``nn.Embedding`` or
+            ``nn.EmbeddingBag`` with ``sparse=True``) or an optimizer is SparseAdam: the
+            advice offers only optimizers that take them.
     """
 
     param_dtype: str | None = None
@@ -201,6 +205,7 @@ class TrainingSetup:
     history_size: int | None = None
     forward_autocast: str | None = None
     optimizer_foreach: bool | None = None
+    sparse_gradients: bool | None = None
 
 
 @dataclass(frozen=True)
