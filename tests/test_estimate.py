@@ -456,6 +456,34 @@ def test_amp_estimate_of_a_bce_model_fails_like_the_gpu_run(tmp_path: Path) -> N
     assert "binary_cross_entropy" in result.output and "BCEWithLogitsLoss" in result.output
 
 
+def test_sparse_embeddings_on_meta_are_a_clear_error_that_names_the_way_out(
+    tmp_path: Path,
+) -> None:
+    """Sweep F: SparseAdam over nn.EmbeddingBag(sparse=True) ended in a NotImplementedError
+    with PyTorch's list of dispatch keys (SparseMeta has no sparse_mask)."""
+    path = tmp_path / "sparse_model.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def build_model():
+                return torch.nn.EmbeddingBag(1000, 8, sparse=True)
+
+            def make_batch(batch_size):
+                return torch.randint(0, 1000, (batch_size, 4))
+
+            def build_optimizer(params):
+                return torch.optim.SparseAdam(params)
+            """
+        )
+    )
+    result = CliRunner().invoke(cli, ["estimate", str(path), "--device-memory", "1GiB"])
+    assert result.exit_code == 3
+    assert "sparse=True" in result.output and "memkit probe FILE --device cpu" in result.output
+    assert "registered at" not in result.output and "\n" not in result.output.strip()
+
+
 def test_allocator_constants_match_the_installed_torch() -> None:
     """kSmallSize and friends, as the installed PyTorch's c10/core/AllocatorConfig.h has them."""
     import re

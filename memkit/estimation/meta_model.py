@@ -38,6 +38,8 @@ def build_target_optimizer(
     """
     optimizer, name = make_optimizer(spec, model)
     impl = "foreach (CUDA default)" if foreach is None else ("foreach" if foreach else "for-loop")
+    if not any("foreach" in group for group in optimizer.param_groups):
+        impl = "its own (no foreach option)"  # SparseAdam, LBFGS
     use = True if foreach is None else foreach
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None:
