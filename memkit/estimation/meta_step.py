@@ -357,12 +357,10 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
         )
         if sparse:
             said += (
-                ". The step makes sparse tensors (an nn.Embedding or nn.EmbeddingBag with "
-                "sparse=True, SparseAdam), and PyTorch has no meta kernels for the sparse ops "
-                "their backward or optimizer step runs, so memkit estimate cannot run it. "
-                "Measure it on the simulated device instead, which counts a sparse tensor's "
-                "indices and values: memkit probe FILE --device cpu --budget <the GPU's memory> "
-                "(or sparse=False, which estimate can run, with dense gradients)."
+                ". The step makes sparse tensors, and PyTorch has no meta kernel for this sparse "
+                "op, so memkit estimate cannot run it. Measure it on the simulated device "
+                "instead, which counts a sparse tensor's indices and values: memkit probe FILE "
+                "--device cpu --budget <the GPU's memory>."
             )
         elif _meta_only(exc):
             said += (
