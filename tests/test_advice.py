@@ -128,6 +128,57 @@ def test_optimizer_state_fires_for_adam_on_a_large_model_and_not_for_sgd():
     assert "optimizer-state" not in codes(sgd.advice)
 
 
+_SPARSE_CAPABLE = {  # how each option the advice may name is built, to run it on sparse grads
+    "SGD with momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "Adagrad": lambda params: torch.optim.Adagrad(params),
+}
+
+
+def test_optimizer_state_for_sparse_embeddings_offers_only_what_takes_sparse_gradients():
+    """Sweep F: SparseAdam's advice opened with `SparseAdam(..., foreach=False)` (a TypeError:
+    it has no such option) and offered Adafactor and 8-bit Adam (neither takes sparse
+    gradients) and FSDP."""
+    emb = nn.EmbeddingBag(20_000, 128, mode="sum", sparse=True)  # 10 MiB; SparseAdam adds 20
+    opt = torch.optim.SparseAdam(emb.parameters())
+    idx = torch.randint(0, 20_000, (64, 8))
+    report = run_steps(emb, opt, idx, budget="40MiB")
+    (adv,) = [a for a in report.advice if a.code == "optimizer-state"]
+    assert "SparseAdam" in adv.evidence
+    for absent in ("foreach", "Adafactor", "8-bit Adam", "or FSDP"):
+        assert absent not in adv.action
+    assert "ZeroRedundancyOptimizer" in adv.action
+    offered = [name for name in _SPARSE_CAPABLE if name in adv.action]
+    assert offered == [o.name for o in A.training.lighter_optimizers(sparse=True)]
+    for name in offered:  # each one offered steps on these sparse gradients
+        other = _SPARSE_CAPABLE[name](list(emb.parameters()))
+        emb(idx).sum().backward()
+        other.step()
+        assert other.state
+    # dense gradients, same optimizer family: the dense options, foreach only where set
+    model = blocks(2, 512)
+    dense = run_steps(
+        model,
+        torch.optim.Adam(model.parameters(), foreach=True),
+        torch.randn(4, 512),
+        budget="16MiB",
+    )
+    (adv,) = [a for a in dense.advice if a.code == "optimizer-state"]
+    assert (
+        "Adafactor" in adv.action and "foreach=False" in adv.action and "Adagrad" not in adv.action
+    )
+
+
+def test_oom_optimizer_state_names_what_takes_sparse_gradients():
+    setup = SimpleNamespace(optimizer="SparseAdam", sparse_gradients=True)
+    bd = Breakdown(100, 30, 0, 60, 10, 0, 1, "optimizer", None)
+    share = {"optimizer state": 0.6}
+    sparse = A.oom.oom_optimizer_state(bd, share, SimpleNamespace(setup=setup))
+    assert "Adagrad" in sparse.action and "Adafactor" not in sparse.action
+    assert "8-bit" not in sparse.action and "or FSDP" not in sparse.action
+    dense = A.oom.oom_optimizer_state(bd, share, SimpleNamespace(setup=None))
+    assert "Adafactor" in dense.action and "FSDP" in dense.action and "Adagrad" not in dense.action
+
+
 def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pressure():
     x = torch.randn(512, 128)  # each block keeps 2.25 MiB: 4x 1 MiB inside, 0.25 MiB out
     model = mlp_blocks(8, 128)

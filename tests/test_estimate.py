@@ -22,6 +22,7 @@ from memkit.estimation.autocast import (
     header_path,
     parse_header,
 )
+from memkit.estimation.meta_step import run_guarded
 from memkit.estimation.result import EstimateSweep
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.simulated.allocator import K_SMALL_BUFFER, CachingAllocatorModel
@@ -454,6 +455,46 @@ def test_amp_estimate_of_a_bce_model_fails_like_the_gpu_run(tmp_path: Path) -> N
                                       "--amp", "fp16"])  # fmt: skip
     assert result.exit_code == 3
     assert "binary_cross_entropy" in result.output and "BCEWithLogitsLoss" in result.output
+
+
+def test_sparse_gradients_cannot_be_estimated_on_meta_and_the_error_says_so(
+    tmp_path: Path,
+) -> None:
+    """Sweep F: on meta an nn.Embedding(sparse=True)'s gradient holds no rows (nnz 0): the
+    estimate ran and counted 0 B of gradients. An EmbeddingBag's ended in PyTorch's list of
+    dispatch keys (SparseMeta has no _coalesce)."""
+    for module, batch in (("Embedding", "(batch_size,)"), ("EmbeddingBag", "(batch_size, 4)")):
+        path = tmp_path / f"sparse_{module}.py"
+        path.write_text(
+            textwrap.dedent(
+                f"""
+                import torch
+
+                def build_model():
+                    return torch.nn.{module}(1000, 8, sparse=True)
+
+                def make_batch(batch_size):
+                    return torch.randint(0, 1000, {batch})
+
+                def build_optimizer(params):
+                    return torch.optim.SparseAdam(params)
+                """
+            )
+        )
+        result = CliRunner().invoke(cli, ["estimate", str(path), "--device-memory", "1GiB"])
+        assert result.exit_code == 2, result.output
+        assert "sparse=True" in result.output and "--device cpu" in result.output
+        assert "registered at" not in result.output
+        infer = ["estimate", str(path), "--device-memory", "1GiB", "--mode", "infer"]
+        assert CliRunner().invoke(cli, infer).exit_code == 0
+
+
+def test_a_sparse_op_without_a_meta_kernel_is_named_not_listed() -> None:
+    with pytest.raises(UserCodeError) as info:
+        run_guarded(lambda: torch.ones(3, device="meta").to_sparse(), 1)
+    message = str(info.value)
+    assert "aten::_to_sparse" in message and "sparse tensors" in message
+    assert "memkit probe FILE --device cpu" in message and "\n" not in message
 
 
 def test_allocator_constants_match_the_installed_torch() -> None:

@@ -210,6 +210,19 @@ def test_largest_tensors_are_named_by_parameter(no_smi):
     assert {"embed.weight.grad", "embed.weight:exp_avg", "embed.weight:exp_avg_sq"} <= set(names)
 
 
+def test_a_sparse_gradient_is_its_indices_and_values(no_smi):
+    emb = torch.nn.Embedding(5000, 32, sparse=True)
+    emb(torch.randint(0, 5000, (300,))).sum().backward()
+    grad = emb.weight.grad
+    assert grad.layout == torch.sparse_coo
+    snap = snapshot(emb, top=3)
+    (cats,) = snap.categories
+    assert cats.gradients == grad._indices().nbytes + grad._values().nbytes == 300 * (8 + 32 * 4)
+    names = {t.name: t for t in snap.tensors}
+    assert names["weight.grad.values"].shape == (300, 32)
+    assert names["weight.grad.indices"].nbytes == 300 * 8
+
+
 def test_dict_keys_name_tensors_and_gc_scan_finds_the_rest(no_smi):
     batch = torch.zeros(1000)
     hidden = torch.zeros(3000)  # noqa: F841 - found by the gc scan only

@@ -577,6 +577,33 @@ def test_a_discriminator_frozen_for_the_generators_update_trains_in_its_own():
     assert peak.gradients == sum(p.numel() * p.element_size() for p in disc.parameters())
 
 
+def test_sparse_gradients_are_gradients_in_the_breakdown():
+    """nn.Embedding(sparse=True) under SparseAdam: its gradient is a sparse COO tensor whose
+    memory is its indices and values (sweep F: the breakdown counted 0 for it and filed it
+    under activations)."""
+    torch.manual_seed(0)
+    emb = nn.EmbeddingBag(20_000, 32, mode="mean", sparse=True)
+    head = nn.Linear(32, 1)
+    sparse_opt = torch.optim.SparseAdam(emb.parameters())
+    dense_opt = torch.optim.Adam(head.parameters())
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            idx = torch.randint(0, 20_000, (256 * 4,))
+            head(emb(idx, torch.arange(0, 256 * 4, 4))).mean().backward()
+            sparse_opt.step()
+            dense_opt.step()
+    grad = emb.weight.grad
+    assert grad is not None and grad.layout == torch.sparse_coo
+    sparse_bytes = grad._indices().nbytes + grad._values().nbytes
+    dense_bytes = sum(p.grad.nbytes for p in head.parameters())
+    peak = tracker.report().devices[0].breakdown
+    assert peak is not None and peak.phase == "optimizer"
+    assert peak.gradients == sparse_bytes + dense_bytes
+    assert sum(v for _, v in peak.parts()) == peak.total
+
+
 def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     """A test loop after training keeps its outputs (here with their graph: no no_grad) while
     it computes its metric: that memory is the evaluation's, so the training peak and its

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from memkit.advice.device import fragmentation, other_processes, processes_in_oom_message
 from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
-from memkit.advice.training import lbfgs_history
+from memkit.advice.training import lbfgs_history, lighter_optimizers, shard_option
 from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
@@ -266,14 +266,17 @@ def oom_optimizer_state(
                 saving_bytes=saving,
                 severity="critical",
             )
+    sparse = setup is not None and (bool(setup.sparse_gradients) or setup.optimizer == "SparseAdam")
+    lighter = ", ".join(o.name for o in lighter_optimizers(sparse))
     return Advice(
         code="oom-optimizer-state",
         title="optimizer state is a large share",
         evidence=f"Optimizer state was {format_size(bd.optimizer_state)} "
         f"({100 * share['optimizer state']:.0f}%), "
         f"{bd.optimizer_state / max(1, bd.parameters):.1f}x the parameters.",
-        action="Use a lighter optimizer state (SGD with momentum, Adafactor, 8-bit "
-        "Adam), or shard it across ranks (ZeroRedundancyOptimizer, FSDP).",
+        action=f"Use a lighter optimizer state ({lighter}"
+        + (", which take sparse gradients" if sparse else "")
+        + f"), or shard it across ranks ({shard_option(sparse)}).",
         saving_bytes=bd.optimizer_state // 2,
         severity="warning",
     )

@@ -201,6 +201,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             device=dev.device,
             history_size=None if setup is None else setup.history_size,
             foreach=None if setup is None else setup.optimizer_foreach,
+            sparse_gradients=setup is not None and bool(setup.sparse_gradients),
         ),
         zero_grad_keeps_grads(
             steps_with_grads=report.steps_with_grads_at_forward,

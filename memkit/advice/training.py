@@ -13,13 +13,16 @@ from memkit.units import format_size
 __all__ = [
     "LIGHTER_OPTIMIZERS",
     "BlockGroup",
+    "LighterOptimizer",
     "ModuleActivation",
     "activation_checkpointing",
     "checkpoint_groups",
     "float64_training",
     "lbfgs_history",
+    "lighter_optimizers",
     "mixed_precision",
     "optimizer_state",
+    "shard_option",
     "zero_grad_keeps_grads",
 ]
 
@@ -293,12 +296,62 @@ def activation_checkpointing(
     )
 
 
+@dataclass(frozen=True)
+class LighterOptimizer:
+    """An optimizer with less state than Adam, as the ``optimizer-state`` advice offers it.
+
+    Attributes:
+        name: how the advice names it (``"Adafactor"``).
+        how: why its state is smaller, for the text.
+        share: the share of Adam's state it saves.
+        sparse: it takes sparse gradients (``nn.Embedding(sparse=True)``): Adam8bit and
+            Adafactor raise on them.
+        sparse_only: offered only for sparse gradients (where the others cannot run).
+    """
+
+    name: str
+    how: str
+    share: float
+    sparse: bool
+    sparse_only: bool = False
+
+
 LIGHTER_OPTIMIZERS = (
-    ("SGD with momentum (one buffer per parameter)", 1 / 2),
-    ("8-bit Adam (bitsandbytes.optim.Adam8bit, ~1/4 of the bytes)", 3 / 4),
-    ("Adafactor (factored second moment, no first moment)", 0.95),
+    LighterOptimizer("SGD with momentum", "one buffer per parameter", 1 / 2, sparse=True),
+    LighterOptimizer(
+        "8-bit Adam", "bitsandbytes.optim.Adam8bit, ~1/4 of the bytes", 3 / 4, sparse=False
+    ),
+    LighterOptimizer("Adafactor", "factored second moment, no first moment", 0.95, sparse=False),
+    LighterOptimizer(
+        "Adagrad", "one accumulator per parameter", 1 / 2, sparse=True, sparse_only=True
+    ),
 )
-"""``(option, share of Adam's state saved)`` for the ``optimizer-state`` advice."""
+"""What the ``optimizer-state`` advice offers instead of Adam (:func:`lighter_optimizers`)."""
+
+
+def lighter_optimizers(sparse: bool) -> tuple[LighterOptimizer, ...]:
+    """The lighter optimizers that can run where the gradients are ``sparse`` (or not).
+
+    Examples:
+        >>> [o.name for o in lighter_optimizers(sparse=True)]
+        ['SGD with momentum', 'Adagrad']
+    """
+    return tuple(o for o in LIGHTER_OPTIMIZERS if (o.sparse if sparse else not o.sparse_only))
+
+
+def shard_option(sparse: bool) -> str:
+    """How optimizer state is sharded across ranks: ZeRO, or FSDP (which also shards weights
+    and gradients) where the gradients are dense; FSDP reduce-scatters gradients through dense
+    flat buffers, so sparse ones get ZeRO only (each rank keeps whole parameters' state)."""
+    if sparse:
+        return (
+            "torch.distributed.optim.ZeroRedundancyOptimizer; not FSDP, whose gradient "
+            "reduce-scatter is dense"
+        )
+    return (
+        "torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP which also shards weights "
+        "and gradients"
+    )
 
 
 def lbfgs_history(
@@ -351,6 +404,7 @@ def optimizer_state(
     min_share: float = 0.3,
     history_size: int | None = None,
     foreach: bool | None = None,
+    sparse_gradients: bool = False,
 ) -> Advice | None:
     """``optimizer-state``: optimizer state dominates the peak; the options and their savings.
 
@@ -367,8 +421,11 @@ def optimizer_state(
         min_share: state must be at least this share of the peak.
         history_size: LBFGS's ``history_size``: its state is a history of parameter copies,
             and a smaller history is the option (:func:`lbfgs_history`).
-        foreach: whether it steps with ``foreach`` (``False``: single-tensor or fused already,
-            so ``foreach=False`` is no option; ``None``: unknown).
+        foreach: whether it steps with ``foreach``: only then is ``foreach=False`` offered
+            (``False``: single-tensor or fused already, or an optimizer without the option,
+            such as SparseAdam; ``None``: unknown).
+        sparse_gradients: some gradients are sparse (``nn.Embedding(sparse=True)``; implied by
+            SparseAdam): only optimizers that take them are offered, and ZeRO, not FSDP.
     """
     if peak_bytes <= 0 or optimizer_state_bytes < min_share * peak_bytes:
         return None
@@ -388,20 +445,19 @@ def optimizer_state(
                 severity="warning",
             )
     name = optimizer or "the optimizer"
+    sparse = sparse_gradients or optimizer == "SparseAdam"
     ratio = optimizer_state_bytes / parameter_bytes if parameter_bytes else 0.0
     options = [
-        f"{opt}: saves ~{format_size(int(optimizer_state_bytes * share))}"
-        for opt, share in LIGHTER_OPTIMIZERS
+        f"{opt.name} ({opt.how}{', takes sparse gradients' if sparse else ''}): saves "
+        f"~{format_size(int(optimizer_state_bytes * opt.share))}"
+        for opt in lighter_optimizers(sparse)
     ]
     shard_ns = [ranks] if ranks and ranks > 1 else [2, 4, 8]
     shards = ", ".join(
         f"{n} ranks save {format_size(optimizer_state_bytes * (n - 1) // n)}" for n in shard_ns
     )
-    options.append(
-        "shard it across ranks (torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP which "
-        f"also shards weights and gradients): {shards} per rank"
-    )
-    if optimizer_transient_bytes and foreach is not False:
+    options.append(f"shard it across ranks ({shard_option(sparse)}): {shards} per rank")
+    if optimizer_transient_bytes and foreach:
         options.insert(
             0,
             f"`{name}(..., foreach=False)`: the step's temporaries "

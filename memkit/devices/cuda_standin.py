@@ -59,7 +59,7 @@ from memkit.simulated.accountant import (
     MemoryAccountant,
     _tensors,
     counted_bytes,
-    storage_of,
+    storages_of,
 )
 from memkit.simulated.allocator import (
     K_MIN_LARGE_ALLOC,
@@ -158,11 +158,11 @@ class StandInAccountant(MemoryAccountant):
         """Count what ops make now even without device inputs (a host-to-device copy)."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage is on the stand-in GPU."""
+        """Whether ``tensor``'s storage (a sparse tensor's: any of its parts') is on the
+        stand-in GPU."""
         if tensor.device.type != "cpu":
             return False
-        storage = storage_of(tensor)
-        return storage is not None and id(storage) in self._live
+        return any(id(storage) in self._live for storage in storages_of(tensor))
 
     @contextlib.contextmanager
     def forced(self, on_device: bool) -> Iterator[None]:
@@ -190,19 +190,13 @@ class StandInAccountant(MemoryAccountant):
         live = self._live
         if not self.forcing:
             for tensor in _tensors(args) + (_tensors(kwargs) if kwargs else []):
-                if tensor.device.type == "cpu":
-                    storage = storage_of(tensor)
-                    if storage is not None and id(storage) in live:
-                        break
+                if tensor.device.type == "cpu" and any(id(s) in live for s in storages_of(tensor)):
+                    break
             else:
                 return out  # no device input: host work
         new: dict[int, tuple[Any, int]] = {}
-        for tensor in _tensors(out):
-            if tensor.device.type != "cpu":
-                continue
-            storage = storage_of(tensor)
-            if storage is None:
-                continue
+        made = [s for t in _tensors(out) if t.device.type == "cpu" for s in storages_of(t)]
+        for storage in made:
             key = id(storage)
             size = counted_bytes(storage.nbytes(), "cuda")
             entry = live.get(key)

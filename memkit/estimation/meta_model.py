@@ -6,10 +6,11 @@ import logging
 
 import torch
 
+from memkit.errors import ConfigError
 from memkit.estimation.meta_step import META
 from memkit.modelfile import ModelSpec, build_model, make_optimizer
 
-__all__ = ["build_meta_model", "build_target_optimizer"]
+__all__ = ["build_meta_model", "build_target_optimizer", "refuse_sparse_gradients"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,33 @@ def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
     return model
 
 
+def refuse_sparse_gradients(model: torch.nn.Module, path: str) -> None:
+    """Stop a training estimate whose model makes sparse gradients: on meta tensors a sparse
+    gradient holds no rows (how many depends on the indices a batch looks up), so it would
+    silently count 0 bytes.
+
+    Raises:
+        ConfigError: an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True`` trains.
+    """
+    sparse = [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and module.sparse
+        and module.weight.requires_grad
+    ]
+    if sparse:
+        raise ConfigError(
+            f"memkit estimate cannot count sparse gradients: {', '.join(sparse[:3])} in {path} "
+            f"{'has' if len(sparse) == 1 else 'have'} sparse=True, and on meta tensors a sparse "
+            "gradient holds no rows (their number depends on the indices a batch looks up), so "
+            "it would count 0 bytes. Measure the step on the simulated device, which counts a "
+            f"sparse tensor's indices and values: memkit probe {path} --device cpu --budget "
+            "<the GPU's memory>; or estimate a copy with sparse=False, whose dense gradients "
+            "take the whole table's bytes. --mode infer needs no gradients and runs."
+        )
+
+
 def build_target_optimizer(
     spec: ModelSpec, model: torch.nn.Module, foreach: bool | None
 ) -> tuple[torch.optim.Optimizer, str]:
@@ -38,6 +66,8 @@ def build_target_optimizer(
     """
     optimizer, name = make_optimizer(spec, model)
     impl = "foreach (CUDA default)" if foreach is None else ("foreach" if foreach else "for-loop")
+    if not any("foreach" in group for group in optimizer.param_groups):
+        impl = "its own (no foreach option)"  # SparseAdam, LBFGS
     use = True if foreach is None else foreach
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None:

@@ -25,7 +25,7 @@ from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user
 from memkit.probing.step import StepPlan, call_model, to_device
-from memkit.simulated.accountant import MemoryAccountant, tensors_of
+from memkit.simulated.accountant import MemoryAccountant, storages_of, tensors_of
 from memkit.simulated.allocator import CachingAllocatorModel
 
 __all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
@@ -171,9 +171,10 @@ class StepRecorder:
     def relabel(self, tensor: torch.Tensor | None, category: str) -> None:
         if tensor is None or tensor.device.type != "meta":
             return
-        serial = self._serials.get(id(tensor.untyped_storage()))
-        if serial is not None:
-            self._storages[serial][0] = category
+        for storage in storages_of(tensor):  # a sparse gradient: its indices and values
+            serial = self._serials.get(id(storage))
+            if serial is not None:
+                self._storages[serial][0] = category
 
     @property
     def peak_parts(self) -> dict[str, int]:
@@ -347,10 +348,21 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
     except MemkitError:
         raise
     except Exception as exc:
-        said = f"the step raised {type(exc).__name__} at batch size {batch_size}: " + str(
-            exc
-        ).rstrip(". ")
-        if _meta_only(exc):
+        text = str(exc)
+        sparse = _sparse_on_meta(exc)
+        if sparse:  # the first sentence names the op; the rest lists dispatch keys
+            text = text.split(". ", 1)[0]
+        said = f"the step raised {type(exc).__name__} at batch size {batch_size}: " + text.rstrip(
+            ". "
+        )
+        if sparse:
+            said += (
+                ". The step makes sparse tensors, and PyTorch has no meta kernel for this sparse "
+                "op, so memkit estimate cannot run it. Measure it on the simulated device "
+                "instead, which counts a sparse tensor's indices and values: memkit probe FILE "
+                "--device cpu --budget <the GPU's memory>."
+            )
+        elif _meta_only(exc):
             said += (
                 ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
                 "data-dependent shapes, .numpy()) cannot run there; move it out of the step or "
@@ -362,6 +374,15 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
                 "(memkit probe FILE --device cpu runs the step for real)."
             )
         raise UserCodeError(said, original=exc) from exc
+
+
+def _sparse_on_meta(exc: BaseException) -> bool:
+    """Whether an error is a sparse op that has no meta kernel (``aten::sparse_mask`` on the
+    ``SparseMeta`` backend, ``aten::_to_sparse`` with meta tensors)."""
+    if not isinstance(exc, NotImplementedError):
+        return False
+    first = str(exc).split(". ", 1)[0]
+    return re.search(r"Sparse\w*Meta|aten::\w*sparse", first) is not None
 
 
 def _meta_only(exc: BaseException) -> bool:

@@ -14,7 +14,11 @@ from memkit.estimation.assumptions import outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
 from memkit.estimation.evidence import advice_for
 from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card
-from memkit.estimation.meta_model import build_meta_model, build_target_optimizer
+from memkit.estimation.meta_model import (
+    build_meta_model,
+    build_target_optimizer,
+    refuse_sparse_gradients,
+)
 from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
@@ -162,6 +166,7 @@ def _start_session(
     mode, low = search_for.mode, search_for.min_batch
     optimizer = None
     if mode == "train":
+        refuse_sparse_gradients(model, spec.path)
         model.train()
         optimizer, optimizer_line = build_target_optimizer(spec, model, foreach)
         assumptions.append(optimizer_line)

@@ -28,6 +28,7 @@ from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, to_device
+from memkit.simulated.accountant import storages_of
 from memkit.units import format_size
 
 __all__ = [
@@ -195,11 +196,13 @@ def _tensor_bytes(obj: Any, seen: set[int]) -> int:
     """Bytes of the distinct tensors in a nest of dicts, lists and tuples (an optimizer's
     state: Adam's moments, LBFGS's direction history)."""
     if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr() if obj.device.type != "meta" else id(obj)
-        if key in seen:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes()
+        total = 0
+        for storage in storages_of(obj):  # a sparse tensor's (SGD's momentum): its parts'
+            key = storage.data_ptr() if obj.device.type != "meta" else id(storage)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -63,7 +63,8 @@ __all__ = [
     "StorageObserver",
     "counted_bytes",
     "cuda_rounded",
-    "storage_of",
+    "storages_of",
+    "strided_parts",
     "tensors_of",
 ]
 
@@ -76,26 +77,85 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types that are never wrapper subclasses (asked first: the check costs more)."""
 
 
-def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage a tensor keeps alive, or ``None`` for one without a strided storage of its
-    own (sparse layouts, storage-less subclasses, functional or fake tensors). A wrapper
-    subclass (``DTensor``) answers its first inner tensor's.
+_SPARSE_PARTS: dict[torch.layout, tuple[tuple[str, Any], ...]] = {
+    torch.sparse_coo: (("indices", torch.Tensor._indices), ("values", torch.Tensor._values)),
+    **{
+        layout: (
+            ("crow_indices", torch.Tensor.crow_indices),
+            ("col_indices", torch.Tensor.col_indices),
+            ("values", torch.Tensor.values),
+        )
+        for layout in (torch.sparse_csr, torch.sparse_bsr)
+    },
+    **{
+        layout: (
+            ("ccol_indices", torch.Tensor.ccol_indices),
+            ("row_indices", torch.Tensor.row_indices),
+            ("values", torch.Tensor.values),
+        )
+        for layout in (torch.sparse_csc, torch.sparse_bsc)
+    },
+}
+"""The strided tensors a sparse layout keeps its memory in: ``(name, getter)`` per part."""
 
-    The one way memkit finds a tensor's storage, so that counts deduplicated by storage (the
-    simulated device, :func:`memkit.snapshot`'s census) agree on what a storage is: views and
-    tied weights share one.
+
+def strided_parts(tensor: torch.Tensor) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The strided tensors whose storages hold a tensor's memory, each with its part's name:
+    ``(("", tensor),)`` for a strided tensor; a sparse COO tensor's indices and values; a
+    CSR/BSR (CSC/BSC) tensor's compressed indices, plain indices and values; a wrapper
+    subclass's (``DTensor``) first inner tensor's parts; none for other layouts (mkldnn).
+
+    The one way memkit finds what memory a tensor holds, so that every count (the simulated
+    device, the tracker's breakdown, :func:`memkit.snapshot`'s census) agrees on it.
+
+    Examples:
+        >>> sparse = torch.eye(3).to_sparse()
+        >>> [(name, tuple(part.shape)) for name, part in strided_parts(sparse)]
+        [('indices', (2, 3)), ('values', (3,))]
     """
     try:
         if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
             # a wrapper (DTensor: a rank's shard in ``_local_tensor``) holds no memory of its
-            # own: the storage is its first inner tensor's
+            # own: its first inner tensor does
             names, _ = tensor.__tensor_flatten__()
             inner = getattr(tensor, names[0], None) if names else None
-            return storage_of(inner) if isinstance(inner, torch.Tensor) else None
-        if tensor.layout != torch.strided:
-            return None
-        return tensor.untyped_storage()
+            return strided_parts(inner) if isinstance(inner, torch.Tensor) else ()
+        layout = tensor.layout
+        if layout == torch.strided:
+            return (("", tensor),)
+        parts = _SPARSE_PARTS.get(layout, ())
+        # reading the parts is no op of the program: no dispatch mode (the simulated device)
+        # must see it
+        with torch._C._DisableTorchDispatch():
+            return tuple((name, get(tensor)) for name, get in parts)
     except Exception:  # storage-less subclasses, functional/fake tensors
+        return ()
+
+
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages a tensor keeps alive (those of its :func:`strided_parts`); none for a
+    tensor without storages of its own (storage-less subclasses, functional or fake tensors).
+
+    Counts deduplicated by storage agree on what a storage is: views and tied weights share
+    one.
+
+    Examples:
+        >>> [s.nbytes() for s in storages_of(torch.eye(3).to_sparse())]
+        [48, 12]
+    """
+    found = []
+    for _, part in strided_parts(tensor):
+        storage = _own_storage(part)
+        if storage is not None:
+            found.append(storage)
+    return found
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """A strided tensor's storage, or ``None`` where it has none of its own."""
+    try:
+        return tensor.untyped_storage()
+    except Exception:  # functorch or functional wrappers, fake tensors
         return None
 
 
@@ -358,13 +418,15 @@ class MemoryAccountant(TorchDispatchMode):
         return self.device.index is None or dev.index is None
 
     def _storage(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        """The storage of ``tensor`` if it is on this device (:func:`storage_of`), else None."""
+        """The storage of a strided ``tensor`` on this device, else None (a sparse or wrapper
+        tensor's memory is in its parts: :meth:`_split`)."""
         kind = type(tensor)
         if kind is not _TENSOR and kind is not _PARAMETER:
-            return storage_of(tensor) if self._matches(tensor) else None
-        # a plain tensor, nearly every tensor of every op: storage_of without its subclass
-        # checks, the device read as one flag where the device is cpu or meta
-        if self._on_cpu:
+            if not self._matches(tensor) or is_traceable_wrapper_subclass(tensor):
+                return None
+        # a plain tensor, nearly every tensor of every op: the device read as one flag where
+        # the device is cpu or meta (building tensor.device costs more than the rest)
+        elif self._on_cpu:
             if not tensor.is_cpu:
                 return None
         elif self._on_meta:
@@ -379,6 +441,23 @@ class MemoryAccountant(TorchDispatchMode):
         except Exception:  # a functorch or functional wrapper: no storage of its own
             return None
 
+    def _split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The strided parts (:func:`strided_parts`) of a sparse or wrapper ``tensor`` on this
+        device, whose storages hold its memory; none for a strided plain tensor."""
+        kind = type(tensor)
+        if (kind is _TENSOR or kind is _PARAMETER) and tensor.layout is _STRIDED:
+            return []
+        if not self._matches(tensor):
+            return []
+        return [part for _, part in strided_parts(tensor) if part is not tensor]
+
+    def _located(self, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.UntypedStorage]]:
+        """Each storage of ``tensor`` on this device, with the strided part that holds it."""
+        storage = self._storage(tensor)
+        if storage is not None:
+            return [(tensor, storage)]
+        return [(part, s) for part in self._split(tensor) if (s := self._storage(part)) is not None]
+
     def track(self, *objects: Any, inputs: bool = False) -> MemoryAccountant:
         """Count the storages of existing objects (modules, optimizers, tensors) from now on;
         ``inputs``: the objects are data reaching the device (a batch), counted as copying
@@ -389,10 +468,11 @@ class MemoryAccountant(TorchDispatchMode):
         pending: dict[int, tuple[Any, int]] = {}
         adopted = self._adopted
         views: set[tuple[Any, ...]] = set()
-        for tensor in tensors_of(objects):
-            storage = self._storage(tensor)
+        for tensor, storage in (
+            located for whole in tensors_of(objects) for located in self._located(whole)
+        ):
             key = id(storage)
-            if storage is None or key in self._live:
+            if key in self._live:
                 continue
             if not inputs:
                 pending[key] = (storage, self._size(storage))
@@ -447,7 +527,9 @@ class MemoryAccountant(TorchDispatchMode):
 
         The per-op cost of the simulated device, so written for speed: one pass over the
         outputs and, while adopting, one over the inputs; a plain tensor's storage read inline
-        (:meth:`_storage` for the rest), where a non-strided layout raises."""
+        (:meth:`_storage` for the rest), where a non-strided layout raises. A sparse result
+        (``to_sparse()``, a sparse gradient) adds the storages of its parts (:meth:`_split`):
+        they are made inside the op, never an output of their own."""
         live = self._live
         plain_cpu = self._on_cpu
         new: dict[int, tuple[Any, int]] | None = None
@@ -455,17 +537,20 @@ class MemoryAccountant(TorchDispatchMode):
         adopting = self.adopting
         read: set[int] | None = None  # storages of the inputs, when not adopting
         storage: torch.UntypedStorage | None
-        for tensor in (out,) if type(out) is _TENSOR else _tensors(out):
+        outputs = [out] if type(out) is _TENSOR else _tensors(out)
+        for tensor in outputs:  # grows by the parts of sparse outputs, visited in turn
             if plain_cpu and type(tensor) is _TENSOR:
                 if not tensor.is_cpu:
                     continue
                 try:
                     storage = tensor.untyped_storage()
-                except Exception:  # sparse, mkldnn: no strided storage
+                except Exception:  # sparse: its parts hold the memory; mkldnn: none
+                    outputs.extend(self._split(tensor))
                     continue
             else:
                 storage = self._storage(tensor)
                 if storage is None:
+                    outputs.extend(self._split(tensor))
                     continue
             key = id(storage)
             entry = live.get(key)
@@ -498,7 +583,8 @@ class MemoryAccountant(TorchDispatchMode):
                     continue
                 try:
                     storage = arg.untyped_storage()
-                except Exception:
+                except Exception:  # sparse: its parts' storages
+                    new = self._adopt([arg], new)
                     continue
                 if id(storage) not in live:
                     new = self._adopt([arg], new)
@@ -512,23 +598,23 @@ class MemoryAccountant(TorchDispatchMode):
         self, tensors: list[torch.Tensor], new: dict[int, tuple[Any, int]] | None
     ) -> dict[int, tuple[Any, int]] | None:
         """``new`` with the storages of ``tensors`` that are not counted yet."""
-        for tensor in tensors:
-            storage = self._storage(tensor)
-            if storage is None or id(storage) in self._live:
-                continue
-            if new is None:
-                new = {}
-            key = id(storage)
-            if key not in new:
-                new[key] = self._input_entry(tensor, storage)
-            if self._adopted is not None:  # only for first-seen storages: no per-op cost
-                self._adopted[key] = _existed(tensor)
+        for whole in tensors:
+            for tensor, storage in self._located(whole):
+                if id(storage) in self._live:
+                    continue
+                if new is None:
+                    new = {}
+                key = id(storage)
+                if key not in new:
+                    new[key] = self._input_entry(tensor, storage)
+                if self._adopted is not None:  # only for first-seen storages: no per-op cost
+                    self._adopted[key] = _existed(whole)
         return new
 
     def _read(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
         """The keys of the storages an op read."""
         inputs = _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
-        return {id(s) for t in inputs if (s := self._storage(t)) is not None}
+        return {id(s) for t in inputs for _, s in self._located(t)}
 
     def _resized(self, key: int, entry: tuple[Any, int], storage: torch.UntypedStorage) -> int:
         """Count a live storage at its new size; the bytes it grew by."""

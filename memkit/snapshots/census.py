@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memkit.devices import tensor_device
-from memkit.simulated.accountant import MemoryAccountant, counted_bytes, storage_of, tensors_of
+from memkit.simulated.accountant import MemoryAccountant, counted_bytes, strided_parts, tensors_of
 from memkit.snapshots.results import CATEGORY_FIELDS, Categories, DeviceSnapshot, TensorInfo
 from memkit.units import format_size
 
@@ -51,8 +51,18 @@ class Census:
         self.param_names: dict[int, str] = {}
 
     def add(self, tensor: torch.Tensor, kind: str, name: str | None) -> None:
-        storage = storage_of(tensor)
-        if storage is None:
+        """Count ``tensor``'s storages: a strided tensor's one, a sparse tensor's parts (its
+        indices and values, each named after the tensor: ``emb.weight.grad.values``)."""
+        for part_name, part in strided_parts(tensor):
+            if part_name and name:
+                self._add(part, kind, f"{name}.{part_name}")
+            else:
+                self._add(part, kind, name)
+
+    def _add(self, tensor: torch.Tensor, kind: str, name: str | None) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except Exception:  # a functional or fake tensor: no storage of its own
             return
         key = id(storage)
         entry = self.entries.get(key)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memkit.devices import tensor_device
-from memkit.simulated.accountant import storage_of
+from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.fsdp import FsdpUnits
 from memkit.tracking.leaks import LeakWatch
@@ -116,10 +116,10 @@ class Evidence:
             for param in module.parameters():
                 grad = param.grad
                 if grad is not None:
-                    storage = grad.untyped_storage()
-                    if id(storage) not in seen:
-                        seen.add(id(storage))
-                        total += storage.nbytes()
+                    for storage in storages_of(grad):  # a sparse gradient: indices and values
+                        if id(storage) not in seen:
+                            seen.add(id(storage))
+                            total += storage.nbytes()
         return total
 
     def state_empty(self) -> bool:
@@ -238,14 +238,33 @@ def training_setup(
         optimizer_foreach=foreach,
         accumulation_steps=None if facts is None else facts.accumulation_steps,
         checkpointing=None if facts is None else facts.checkpointing,
+        sparse_gradients=_sparse_gradients(modules, optimizers),
     )
 
 
-def _steps_foreach(group: dict[str, Any]) -> bool | None:
+def _sparse_gradients(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> bool | None:
+    """Whether training makes sparse gradients: an embedding with ``sparse=True`` among the
+    modules, or a SparseAdam (``None``: neither seen and no module left to ask)."""
+    if any(type(opt).__name__ == "SparseAdam" for opt in optimizers):
+        return True
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, _SPARSE_CAPABLE) and module.sparse:
+                return True
+    return False if modules else None
+
+
+_SPARSE_CAPABLE = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+"""Modules whose ``sparse=True`` makes their weight's gradient a sparse COO tensor."""
+
+
+def _steps_foreach(group: dict[str, Any]) -> bool:
     """Whether an optimizer's param group steps with ``foreach``: its setting, else torch's
-    default (on where the parameters are on CUDA, unless ``fused``); ``None``: no setting."""
+    default (on where the parameters are on CUDA, unless ``fused``); ``False`` for an
+    optimizer without the option (no ``foreach`` key: SparseAdam, LBFGS, non-torch ones),
+    which ``foreach=False`` would make raise a TypeError."""
     if "foreach" not in group:
-        return None  # not one of torch's foreach optimizers
+        return False
     if group.get("fused"):
         return False
     if group["foreach"] is not None:
@@ -327,22 +346,24 @@ def persistent_bytes(
     seen: set[tuple[int, int]] = set()  # storages counted, or found elsewhere
 
     def size(t: torch.Tensor) -> int:
-        storage = storage_of(t)
-        if storage is None:
+        """Bytes of ``t``'s storages (a sparse tensor's indices and values) not counted yet."""
+        storages = storages_of(t)
+        if not storages:
             return 0
-        nbytes = storage.nbytes()
-        key = (storage.data_ptr(), nbytes)
-        if key in seen:
-            return 0
-        seen.add(key)
         if holds is not None:
-            if not holds(t):
-                return 0
-        elif t.device.type != target.type or (
-            target.index is not None and t.device.index not in (None, target.index)
-        ):
-            return 0
-        return int(nbytes)
+            here = holds(t)
+        else:
+            here = t.device.type == target.type and (
+                target.index is None or t.device.index in (None, target.index)
+            )
+        total = 0
+        for storage in storages:
+            nbytes = storage.nbytes()
+            key = (storage.data_ptr(), nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += int(nbytes) if here else 0
+        return total
 
     if fsdp is not None:  # unsharded storages (allocated now) are not this rank's parameters
         seen.update((s.data_ptr(), s.nbytes()) for s in fsdp.unsharded_storages())

@@ -193,12 +193,16 @@ class TrainingSetup:
             entered after the forward pre-hooks, so ``autocast_forwards`` does not count it.
         optimizer_foreach: whether the (first) optimizer steps with the ``foreach``
             implementation: its ``foreach`` setting, else torch's default (on when the
-            parameters are on CUDA and it is not ``fused``).
+            parameters are on CUDA and it is not ``fused``); ``False`` for an optimizer
+            without the option (SparseAdam, non-torch optimizers).
         accumulation_steps: micro-batches per optimizer step as the trainer is set
             (transformers' ``gradient_accumulation_steps``, Lightning's
             ``accumulate_grad_batches``), told by a framework callback; ``None``: not told.
         checkpointing: whether the trainer is set to checkpoint activations (transformers'
             ``gradient_checkpointing``), told by a framework callback; ``None``: not told.
+        sparse_gradients: the model makes sparse gradients (an ``nn.Embedding`` or
+            ``nn.EmbeddingBag`` with ``sparse=True``) or an optimizer is SparseAdam: the
+            advice offers only optimizers that take them.
     """
 
     param_dtype: str | None = None
@@ -208,6 +212,7 @@ class TrainingSetup:
     optimizer_foreach: bool | None = None
     accumulation_steps: int | None = None
     checkpointing: bool | None = None
+    sparse_gradients: bool | None = None
 
 
 @dataclass(frozen=True)
