@@ -316,6 +316,62 @@ def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     assert "`all_logits.append(x.item())`" in graph_retained_advice([lists])[0].action
 
 
+def ppo_style_logging() -> TrackReport:
+    """A PPO-style loop that logs a dict of per-step metric dicts: ``pg`` keeps its graph
+    two levels deep."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics: dict[str, dict[str, Any]] = {}
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for step in range(10):
+            out = model(torch.randn(32, 64))
+            pg = out.logsumexp(-1).mean()
+            vf = out.pow(2).mean()
+            loss = pg + vf
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            metrics[f"step{step}"] = {"pg": pg, "vf": vf.item()}
+    return tracker.report()
+
+
+def test_a_dict_of_per_step_metric_dicts_is_scanned_and_its_fix_fits_a_dict():
+    """The suspect is ``metrics``, at the line that fills it, and the fix is a dict
+    assignment, not ``.append``."""
+    leak = ppo_style_logging().devices[0].leak
+    assert leak is not None
+    top = leak.suspects[0]
+    assert top.name == "metrics" and top.growing
+    assert top.code == 'metrics[f"step{step}"] = {"pg": pg, "vf": vf.item()}'
+    advice = graph_retained_advice([leak])[0]
+    assert advice.code == "graph-retained" and "`metrics[key] = x.item()`" in advice.action
+
+
+def test_growth_from_kept_batches_is_not_blamed_on_the_steps_loss():
+    """A list of batches built before training: on the simulated device each batch counts
+    from the step that first feeds it to the model, so memory climbs batch by batch while no
+    graph grows. The step's ``loss`` held a graph at each boundary but is not the cause:
+    ``memory-growth`` says so and counts the batches still alive; no ``graph-retained``."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(128, 256), torch.randint(0, 10, (128,))) for _ in range(8)]
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for x, y in batches:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    leak = report.devices[0].leak
+    assert leak is not None and not leak.suspects[0].growing
+    assert leak.held_batches >= 6 and leak.held_batch_bytes >= 6 * 128 * 256 * 4
+    codes = [a.code for a in report.advice]
+    assert "graph-retained" not in codes and "memory-growth" in codes
+    growth = report.advice[codes.index("memory-growth")]
+    assert "`loss`" in growth.evidence and "still alive" in growth.evidence
+
+
 def test_no_leak_reported_for_healthy_loop():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from memkit.advice.form import Advice
@@ -38,22 +39,40 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
                 f"per step over {leak.steps} steps (from step {leak.first_step}) without "
                 "coming back down."
             )
-        if not leak.suspects:
+        names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
+        grown = leak.growth_per_step * leak.steps
+        if leak.held_batches > 1 and grown > 0 and leak.held_batch_bytes >= grown:
+            growth += (
+                f" {leak.held_batches} input tensors the model has read are still alive "
+                f"({format_size(leak.held_batch_bytes)}): the simulated device counts a host "
+                "tensor from the step that first feeds it to the model, so batches a script "
+                "keeps (a list built before training) grow here one by one. On a GPU they "
+                "would be there from the start if moved up front, or copied per step."
+            )
+        if not leak.suspects or not leak.suspects[0].growing:
+            # a variable seen holding a graph whose graph never grew is the step's own (its
+            # loss), not shown to be the cause: say what was seen, claim nothing
+            seen = (
+                f" At the end of a step {names} held an autograd graph, but none of their "
+                "graphs grew between two scans: the step's own, most likely, not the cause."
+                if leak.suspects
+                else " No variable of the training thread holds an autograd graph."
+            )
             out.append(
                 Advice(
                     code="memory-growth",
                     title=f"memory grows every step on {leak.device}",
-                    evidence=growth + " No variable of the training thread holds an autograd "
-                    "graph: look for tensors kept in lists, caches or globals.",
+                    evidence=growth + seen + " Look for tensors kept in lists, caches or "
+                    "globals (the scan sees locals, `self`'s attributes and containers two "
+                    "levels deep).",
                     action="Keep only Python numbers across steps (`.item()`), or `.detach()` "
                     "tensors you store; check caches that grow with the step count.",
-                    saving_bytes=leak.growth_per_step,
+                    saving_bytes=leak.growth_per_step or None,
                     severity="warning",
                 )
             )
             continue
         top = leak.suspects[0]
-        names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
         if top.carried:  # a state the next step builds on: cut its graph at each step
             action = (
                 f"Detach `{top.name}` where each step begins (`{top.name} = "
@@ -66,11 +85,12 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
                 "the step; `retain_graph=True` is then no longer needed."
             )
         else:
-            fix = (
-                f"`{top.name}.append(x.item())` (or `x.detach()`)"
-                if top.kind == "container"
-                else f"`{top.name} += loss.item()` (or `loss.detach()`)"
-            )
+            if top.kind != "container":
+                fix = f"`{top.name} += loss.item()` (or `loss.detach()`)"
+            elif re.search(rf"{re.escape(top.name)}\s*\[[^\]]*\]\s*=(?!=)", top.code):
+                fix = f"`{top.name}[key] = x.item()` (or `x.detach()`)"  # a dict it fills
+            else:
+                fix = f"`{top.name}.append(x.item())` (or `x.detach()`)"
             action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
             action += "only logs."
         out.append(
@@ -83,7 +103,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
                 + ". Each step's graph (and whatever tensors it saved) stays alive.",
                 action=action,
                 saving_bytes=leak.growth_per_step or None,
-                severity="critical" if top.growing else "warning",
+                severity="critical",
             )
         )
     return out

@@ -284,6 +284,7 @@ class MemoryAccountant(TorchDispatchMode):
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
         # storages counted as a view's own elements, while that view lives (_input_entry)
         self._partial: set[int] = set()
+        self._inputs: set[int] = set()  # storages counted as batches reaching the model
         self._freed = self._ref_freed  # one bound method for every storage's weak reference
         self._current = 0
         self._peak = 0
@@ -403,6 +404,7 @@ class MemoryAccountant(TorchDispatchMode):
         if self._partial:
             self._partial.discard(key)
         with self._lock:
+            self._inputs.discard(key)
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._current -= entry[1]
@@ -492,7 +494,18 @@ class MemoryAccountant(TorchDispatchMode):
                 adopted[key] = _existed(tensor)
         with self._lock:
             self._register(pending)
+            if inputs:
+                self._inputs.update(pending)
         return self
+
+    def held_input_bytes(self) -> tuple[int, int]:
+        """``(count, bytes)`` of the batches counted when they reached the model
+        (:meth:`track` with ``inputs``) that are still alive: a script that keeps the batches
+        it fed (a list built before training) holds them all."""
+        with self._lock:
+            live = self._live
+            held = [live[k][1] for k in self._inputs if k in live]
+        return len(held), sum(held)
 
     def _register(self, pending: dict[int, tuple[Any, int]]) -> None:
         # caller holds the lock

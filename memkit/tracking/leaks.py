@@ -220,24 +220,31 @@ def _has_graph(value: Any, tensor_type: type) -> bool:
     return isinstance(value, tensor_type) and getattr(value, "grad_fn", None) is not None
 
 
-def _container_graph(value: Any, tensor_type: type) -> list[Any]:
-    """The graph-carrying tensors among a list's, tuple's or dict's first or last few items
-    (none: not such a container)."""
+def _peek(value: Any) -> list[Any] | None:
+    """A list's or tuple's first and last few items, a dict's first few values (``None``:
+    not such a container)."""
     if isinstance(value, (list, tuple)):
         n = len(value)
-        items: list[Any] = [
-            *value[:_CONTAINER_PEEK],
-            *value[max(_CONTAINER_PEEK, n - _CONTAINER_PEEK) :],
-        ]
-    elif isinstance(value, dict):
-        items = []
-        for i, v in enumerate(value.values()):
-            if i >= 2 * _CONTAINER_PEEK:
-                break
-            items.append(v)
-    else:
+        return [*value[:_CONTAINER_PEEK], *value[max(_CONTAINER_PEEK, n - _CONTAINER_PEEK) :]]
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), 2 * _CONTAINER_PEEK))
+    return None
+
+
+def _container_graph(value: Any, tensor_type: type) -> list[Any]:
+    """The graph-carrying tensors among a container's peeked items, and two levels deep (a
+    dict of per-step dicts of metrics, a list of ``(loss, logits)`` pairs); none: not such a
+    container."""
+    items = _peek(value)
+    if items is None:
         return []
-    return [v for v in items if _has_graph(v, tensor_type)]
+    found = []
+    for item in items:
+        if _has_graph(item, tensor_type):
+            found.append(item)
+        elif (inner := _peek(item)) is not None:
+            found += [v for v in inner if _has_graph(v, tensor_type)]
+    return found
 
 
 def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType]:
@@ -277,7 +284,7 @@ def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
         if m is None:
             continue
         rest = text[m.end() :]
-        if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*="):
+        if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") or m.group(1)[0] == "[":
             rank = 0
         elif re.search(rf"(?<![\w.]){re.escape(bare)}\b", rest):
             rank = 2  # built on itself: ``total = total + loss``, ``y, h = model(x, h)``
@@ -295,7 +302,7 @@ def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
 def scan_frames(start: FrameType | None = None) -> list[Candidate]:
     """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
 
-    Looks at each frame's locals (a script's top level: its globals), one level into lists,
+    Looks at each frame's locals (a script's top level: its globals), two levels into lists,
     tuples and dicts, and at the attributes of a local named ``self``. Frames of torch, memkit
     and the standard library are skipped.
     """
@@ -400,12 +407,20 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
 
 
 def growth_finding(
-    device: str, growth: GrowthDetector, suspects: tuple[LeakSuspect, ...], step: int
+    device: str,
+    growth: GrowthDetector,
+    suspects: tuple[LeakSuspect, ...],
+    step: int,
+    held_batches: tuple[int, int] = (0, 0),
 ) -> LeakFinding:
-    """The leak a device's growth detector called (at step ``step``), with ``suspects``."""
+    """The leak a device's growth detector called (at step ``step``), with ``suspects``;
+    ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device)."""
     rate, first, steps = growth.finding or (0, step, 0)
     period = max(1, round(steps / max(1, growth.rises)))
-    return LeakFinding(device, rate, first, steps, suspects, period=period)
+    return LeakFinding(
+        device, rate, first, steps, suspects, period=period,
+        held_batches=held_batches[0], held_batch_bytes=held_batches[1],
+    )  # fmt: skip
 
 
 def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:

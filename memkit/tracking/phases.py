@@ -364,7 +364,9 @@ class PhaseMachine:
             suspects = watch.on_growth(frame, state.step)
             for dev in growing:
                 first_time = dev.leak is None
-                dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step)
+                accountant = getattr(dev.backend, "accountant", None)
+                held = (0, 0) if accountant is None else accountant.held_input_bytes()
+                dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step, held)
                 if first_time:  # the report says it; the log is for those who listen
                     log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
         elif (

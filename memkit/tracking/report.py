@@ -266,6 +266,9 @@ class LeakFinding:
             nodes pile up in host memory).
         period: steps between two rises (1: every step; 20: an evaluation every 20 steps that
             keeps its graph).
+        held_batches, held_batch_bytes: on the simulated device, the batches counted when
+            they reached the model that were still alive when the growth was called, and their
+            bytes (a list of pre-built batches grows there batch by batch).
     """
 
     device: str
@@ -275,6 +278,8 @@ class LeakFinding:
     suspects: tuple[LeakSuspect, ...] = ()
     graph_growth: int = 0
     period: int = 1
+    held_batches: int = 0
+    held_batch_bytes: int = 0
 
     def headline(self) -> str:
         """One line: what grows, by how much."""
