@@ -992,6 +992,49 @@ def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence
 
 
+@pytest.mark.parametrize("region", ["checkpoint", "checkpoint-reentrant", "no_grad"])
+def test_what_a_checkpointed_or_no_grad_region_leaves_inside_is_not_kept_for_backward(region):
+    """Inside a checkpointed block (or an encoder run under ``no_grad``, MoCo's key encoder)
+    autograd saves nothing: the layers' outputs die inside the block. The module table gives
+    those layers no kept bytes (the sweep saw a block's Linear 'keep' 4 MiB while the block
+    kept 1 MiB); the block itself keeps what it returns, and no child keeps more than it."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.h = nn.ModuleList(
+                nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(2)
+            )
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.h:
+                if region == "no_grad":
+                    with torch.no_grad():
+                        x = block(x)
+                else:
+                    x = checkpoint(block, x, use_reentrant=region.endswith("reentrant"))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(torch.randn(256, 64, requires_grad=True)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    output = 256 * 64 * 4
+    for block in ("h.0", "h.1"):
+        assert rows[block].activation_bytes == output  # what it returns
+        for layer in ("0", "1", "2"):
+            inner = rows[f"{block}.{layer}"]
+            assert inner.calls == 2 and inner.activation_bytes == 0
+            assert inner.peak_over_entry >= 256 * 512 * 4 * (layer != "2")  # it did allocate
+
+
 def test_the_trainers_settings_reach_the_advice_before_a_step_shows_them():
     """A framework callback tells the tracker the trainer's accumulation and checkpointing
     (``Tracker.trainer_settings``) when training starts. An OOM in the first micro-batch,

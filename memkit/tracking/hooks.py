@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 _clock = time.perf_counter
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
+_grad_enabled = torch.is_grad_enabled
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -474,6 +476,9 @@ class Hooks:
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
+        if kind == TRAIN_PASS:
+            frame.unsaved = unsaved = not _grad_enabled() or _saved_tensor_hooks(False) is not None
+            frame.keeps_nothing = unsaved and top is not None and top.unsaved
         # (a training pass runs in training mode: no need to read the module again)
         if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():
             frame.eval_grad = True
@@ -521,7 +526,8 @@ class Hooks:
             delta -= dev.gathered - frame.gathered_in
         ms = frame.ms
         step = state.step
-        if kind == TRAIN_PASS:  # what a training forward keeps for backward
+        keeps = kind == TRAIN_PASS and not frame.keeps_nothing
+        if keeps:  # what a training forward keeps for backward
             ms.calls += 1
             if delta > ms.act_max:
                 ms.act_max = delta
@@ -543,13 +549,20 @@ class Hooks:
                 ms.peak = fmax
             if fmax - alloc_in > ms.over_max:
                 ms.over_max = fmax - alloc_in
+        elif kind == TRAIN_PASS:  # inside a checkpointed (or no-grad) region: transient only
+            ms.calls += 1
+            if fmax > ms.peak:
+                ms.peak = fmax
+            if fmax - alloc_in > ms.over_max:
+                ms.over_max = fmax - alloc_in
         elif kind == EVAL_PASS:
             ms.eval_calls += 1
         else:
             ms.recompute_calls += 1
         if stack:
             parent = stack[-1]
-            parent.children += delta
+            if keeps or kind != TRAIN_PASS:
+                parent.children += delta
             if fmax > parent.max:
                 parent.max = fmax
         elif (

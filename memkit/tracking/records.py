@@ -117,11 +117,13 @@ class Frame:
         "dev",
         "eval_grad",
         "gathered_in",
+        "keeps_nothing",
         "kind",
         "max",
         "mid",
         "ms",
         "name",
+        "unsaved",
     )
 
     def __init__(
@@ -137,6 +139,11 @@ class Frame:
         self.eval_grad = False
         self.kind = kind
         self.gathered_in = dev.gathered  # FSDP2's all-gathered bytes at entry
+        # autograd saves nothing on the device in the call (grad off, or saved-tensor hooks:
+        # activation checkpointing, save_on_cpu), and in its caller neither: what it leaves
+        # is transient (its outputs die inside the caller's region), kept by no backward
+        self.unsaved = False
+        self.keeps_nothing = False
 
 
 class IgnoredCall:
