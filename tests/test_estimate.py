@@ -100,6 +100,39 @@ def loss_fn(output, batch):
     return output.float().pow(2).mean()
 """
 
+CKPT_FILE = """
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+REENTRANT = {reentrant}
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    def forward(self, x):
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(x))), 0.1, self.training)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=REENTRANT)
+        return x
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 32, 64, requires_grad=REENTRANT)
+
+def loss_fn(output, batch):
+    return output.float().pow(2).mean()
+"""
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
@@ -112,6 +145,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         path = folder / f"{name}_model.py"
         path.write_text(textwrap.dedent(text))
         out[name] = str(path)
+    for reentrant in (False, True):
+        path = folder / f"ckpt_{reentrant}_model.py"
+        path.write_text(textwrap.dedent(CKPT_FILE.format(reentrant=reentrant)))
+        out[f"ckpt_{reentrant}"] = str(path)
     out["mlp"] = str(EXAMPLES / "mlp.py")
     return out
 
@@ -140,6 +177,8 @@ def _counted(path: str, batch: int, mode: str, seq_len: int | None = None) -> in
         ("gpt2", "infer", 4, 64),
         ("bert", "train", 8, None),  # attention dropout in training: PyTorch runs math on CPU
         ("bert", "infer", 8, None),
+        ("ckpt_False", "train", 8, None),  # checkpointed blocks: recomputed in backward
+        ("ckpt_True", "train", 8, None),
     ],
 )
 def test_meta_estimate_matches_simulated_device(
@@ -204,6 +243,21 @@ def test_amp_cuts_activations_and_keeps_fp32_weights(files: dict[str, str]) -> N
     assert bf16.breakdown.activations < 0.9 * fp32.breakdown.activations
     assert bf16.trials[0].allocated_peak < fp32.trials[0].allocated_peak
     assert any(a.code == "mixed-precision" for a in fp32.advice)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_dropout_model_estimates_with_and_without_amp(
+    files: dict[str, str], reentrant: bool
+) -> None:
+    """The recompute in backward runs CUDA's fused dropout and autocast as the forward did:
+    non-reentrant checkpointing used to stop with CheckpointError (a bool mask saved, a float
+    one recomputed), and under --amp the recompute ran in fp32."""
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    fp32 = estimate(files[f"ckpt_{reentrant}"], **kwargs)
+    bf16 = estimate(files[f"ckpt_{reentrant}"], amp="bf16", **kwargs)
+    assert fp32.breakdown is not None and bf16.breakdown is not None
+    # the peak is in a block's backward, where its recomputed activations live: bf16 halves them
+    assert bf16.breakdown.activations < 0.75 * fp32.breakdown.activations
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:
