@@ -560,6 +560,20 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
         estimate(str(reads_value), device_memory="1GiB")
 
 
+def test_a_float64_model_fed_float32_fails_as_on_a_gpu(tmp_path: Path) -> None:
+    """Meta kernels do not check dtypes; the GPU's (and probe's real run) refuse the mix, so
+    the estimate must fail too (it used to answer, exit 0). The CLI gives exit code 3."""
+    path = tmp_path / "double.py"
+    path.write_text(
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 4).double()\n"
+        "def make_batch(n):\n    return torch.randn(n, 4)\n"
+    )
+    with pytest.raises(UserCodeError, match=r"torch\.float32 and torch\.float64") as err:
+        estimate(str(path), device_memory="1GiB")
+    assert "would stop this step on a GPU" in str(err.value)
+    assert err.value.exit_code == 3
+
+
 def test_the_headline_claims_the_margin_only_where_the_recommended_size_leaves_it(
     files: dict[str, str],
 ) -> None:

@@ -233,3 +233,38 @@ def test_a_recompute_keeps_no_weight_cast_after_its_backward():
             del h
             left = accountant.current
     assert left == 2 * params + 2 * x.numel() * 4
+
+
+@pytest.mark.parametrize(
+    ("call", "low"),
+    [
+        (lambda x, w: F.linear(x, w), torch.float64),
+        (lambda x, w: torch.mm(x, w.t()), torch.float64),
+        (lambda x, w: x @ w.t(), torch.bfloat16),
+        (
+            lambda x, w: torch.addmm(torch.zeros(4, device=x.device), x.to(w.dtype), w.t()),
+            torch.bfloat16,
+        ),
+        (lambda x, w: torch.bmm(x[None], w.t()[None]), torch.float16),
+        (lambda x, w: F.conv1d(x[None], w[:, :, None]), torch.float64),
+    ],
+)
+def test_mixed_floating_dtypes_are_refused_as_cuda_kernels_refuse_them(call, low):  # type: ignore[no-untyped-def]
+    """Meta kernels accept a float32 input with a float64 (or bf16) weight; CUDA's refuse it
+    (as CPU's do: checked below), so the estimate must not report a peak for such a step."""
+    x = torch.randn(8, 3)
+    w = torch.randn(4, 3, dtype=low)
+    with pytest.raises(RuntimeError):
+        call(x, w)  # the real kernels on CPU
+    with TargetMode(None, "auto", 90), pytest.raises(RuntimeError, match=str(low)):
+        call(x.to(META), w.to(META))
+
+
+def test_autocast_casts_before_the_dtype_check_but_not_float64():
+    x = torch.randn(8, 3, device=META)
+    with TargetMode(AutocastPolicy(torch.bfloat16), "auto", 90):
+        assert (
+            F.linear(x, torch.randn(4, 3, device=META, dtype=torch.float16)).dtype == torch.bfloat16
+        )
+        with pytest.raises(RuntimeError, match="autocast does not cast float64"):
+            F.linear(x, torch.randn(4, 3, device=META, dtype=torch.float64))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from memkit.errors import MemkitError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
@@ -96,6 +97,8 @@ class TargetMode(TorchFunctionMode):
                 if result is not NotImplemented:
                     return result
             args, kwargs = self.policy.cast_args(name, args, kwargs)
+        if name in _SAME_DTYPE_OPS:
+            _refuse_mixed_dtypes(name, args, kwargs)
         if name == "scaled_dot_product_attention":
             return self._attention(func, args, kwargs)
         if name == "dropout" and self.attention != "cpu-flash":  # cpu-flash: a CPU target
@@ -162,6 +165,33 @@ class TargetMode(TorchFunctionMode):
         if kernel == "math":
             return func(*args, **kw)
         return fused_attention(query, key, value, kernel, self.sm)
+
+
+_SAME_DTYPE_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "matmul", "__matmul__", "__rmatmul__", "linear",
+     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+     "convolution", "_convolution"}
+)  # fmt: skip
+"""Ops whose CUDA kernels refuse floating inputs of different dtypes (``ADDMM_META``, bmm's and
+baddbmm's checks in ``LinearAlgebra.cpp``; ``check_input_same_type_as_parameters`` in
+``Convolution.cpp``), and whose meta kernels do not check it."""
+
+
+def _refuse_mixed_dtypes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise as the GPU would when an op of :data:`_SAME_DTYPE_OPS` gets floating inputs of
+    different dtypes (after the autocast policy cast them: autocast leaves float64 alone)."""
+    dtypes = {
+        t.dtype
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    }
+    if len(dtypes) > 1:
+        said = " and ".join(sorted(str(d) for d in dtypes))
+        why = " (autocast does not cast float64)" if torch.float64 in dtypes else ""
+        raise RuntimeError(
+            f"{name} got floating-point inputs of different dtypes ({said}), which its CUDA "
+            f"kernel refuses{why}: cast the model and the batch to one dtype"
+        )
 
 
 def _gradient_edges(
