@@ -586,3 +586,45 @@ def test_the_headline_claims_the_margin_only_where_the_recommended_size_leaves_i
     free = 1 - ran.reserved_peak / est.usable_bytes
     assert free < est.margin  # the case this test is for
     assert f"no size leaves 5% free (batch {rec} leaves {free:.1%})" in str(est).splitlines()[0]
+
+
+COMPILED_FILE = """
+import torch
+
+def build_model():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    return {compile}
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 16)
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_a_compiled_model_is_counted_eagerly_and_the_reports_say_so(tmp_path: Path) -> None:
+    """TorchDynamo does not compile under memkit's counting: estimate and probe on the
+    simulated device count the eager model (the same numbers) and say so, text and JSON."""
+    from torch._dynamo.utils import counters
+
+    from memkit import probe_file
+
+    paths = {}
+    for name, wrap in (("eager", "model"), ("compiled", "torch.compile(model)")):
+        paths[name] = tmp_path / f"{name}.py"
+        paths[name].write_text(textwrap.dedent(COMPILED_FILE.format(compile=wrap)))
+    counters.clear()
+    kwargs = {"device_memory": "1GiB", "min_batch": 32, "max_batch": 32}
+    eager, compiled = (estimate(str(paths[n]), **kwargs) for n in ("eager", "compiled"))
+    assert not counters["frames"]  # nothing compiled, the unaccounted warm-up included
+    peaks = [(t.allocated_peak, t.reserved_peak, t.counted_peak) for t in eager.trials]
+    assert [(t.allocated_peak, t.reserved_peak, t.counted_peak) for t in compiled.trials] == peaks
+    notes = [a for a in compiled.assumptions if a.startswith("torch.compile:")]
+    assert len(notes) == 1 and "ran eagerly" in notes[0]
+    assert not any(a.startswith("torch.compile:") for a in eager.assumptions)
+    assert notes[0] in json.loads(compiled.to_json())["assumptions"]
+    probed = probe_file(str(paths["compiled"]), device="cpu", budget="64MiB", max_batch=64)
+    assert any(d.startswith("torch.compile:") for d in probed.defaults)
+    assert any(d.startswith("torch.compile:") for d in json.loads(probed.to_json())["defaults"])
+    assert "torch.compile:" in str(probed)

@@ -355,9 +355,11 @@ class MetaSession:
         return TargetMode(policy, self.attention, self.sm)
 
     def step(self, batch_size: int) -> None:
+        """One step on meta, eager even for a ``torch.compile``'d model: TorchDynamo does not
+        compile under the accountant, and the unaccounted warm-up must run what is counted."""
         mode = self._mode()
         batch = self.batch(batch_size)
-        with mode:
+        with torch.compiler.set_stance("force_eager"), mode:
             if self.plan.mode == "infer":
                 self._infer(batch)
             else:
