@@ -101,6 +101,39 @@ def loss_fn(output, batch):
     return output.float().pow(2).mean()
 """
 
+CKPT_FILE = """
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+REENTRANT = {reentrant}
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    def forward(self, x):
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(x))), 0.1, self.training)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=REENTRANT)
+        return x
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 32, 64, requires_grad=REENTRANT)
+
+def loss_fn(output, batch):
+    return output.float().pow(2).mean()
+"""
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
@@ -113,6 +146,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         path = folder / f"{name}_model.py"
         path.write_text(textwrap.dedent(text))
         out[name] = str(path)
+    for reentrant in (False, True):
+        path = folder / f"ckpt_{reentrant}_model.py"
+        path.write_text(textwrap.dedent(CKPT_FILE.format(reentrant=reentrant)))
+        out[f"ckpt_{reentrant}"] = str(path)
     out["mlp"] = str(EXAMPLES / "mlp.py")
     return out
 
@@ -141,6 +178,8 @@ def _counted(path: str, batch: int, mode: str, seq_len: int | None = None) -> in
         ("gpt2", "infer", 4, 64),
         ("bert", "train", 8, None),  # attention dropout in training: PyTorch runs math on CPU
         ("bert", "infer", 8, None),
+        ("ckpt_False", "train", 8, None),  # checkpointed blocks: recomputed in backward
+        ("ckpt_True", "train", 8, None),
     ],
 )
 def test_meta_estimate_matches_simulated_device(
@@ -205,6 +244,21 @@ def test_amp_cuts_activations_and_keeps_fp32_weights(files: dict[str, str]) -> N
     assert bf16.breakdown.activations < 0.9 * fp32.breakdown.activations
     assert bf16.trials[0].allocated_peak < fp32.trials[0].allocated_peak
     assert any(a.code == "mixed-precision" for a in fp32.advice)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_dropout_model_estimates_with_and_without_amp(
+    files: dict[str, str], reentrant: bool
+) -> None:
+    """The recompute in backward runs CUDA's fused dropout and autocast as the forward did:
+    non-reentrant checkpointing used to stop with CheckpointError (a bool mask saved, a float
+    one recomputed), and under --amp the recompute ran in fp32."""
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    fp32 = estimate(files[f"ckpt_{reentrant}"], **kwargs)
+    bf16 = estimate(files[f"ckpt_{reentrant}"], amp="bf16", **kwargs)
+    assert fp32.breakdown is not None and bf16.breakdown is not None
+    # the peak is in a block's backward, where its recomputed activations live: bf16 halves them
+    assert bf16.breakdown.activations < 0.75 * fp32.breakdown.activations
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:
@@ -547,6 +601,20 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
         estimate(str(reads_value), device_memory="1GiB")
 
 
+def test_a_float64_model_fed_float32_fails_as_on_a_gpu(tmp_path: Path) -> None:
+    """Meta kernels do not check dtypes; the GPU's (and probe's real run) refuse the mix, so
+    the estimate must fail too (it used to answer, exit 0). The CLI gives exit code 3."""
+    path = tmp_path / "double.py"
+    path.write_text(
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 4).double()\n"
+        "def make_batch(n):\n    return torch.randn(n, 4)\n"
+    )
+    with pytest.raises(UserCodeError, match=r"torch\.float32 and torch\.float64") as err:
+        estimate(str(path), device_memory="1GiB")
+    assert "would stop this step on a GPU" in str(err.value)
+    assert err.value.exit_code == 3
+
+
 def test_the_headline_claims_the_margin_only_where_the_recommended_size_leaves_it(
     files: dict[str, str],
 ) -> None:
@@ -559,3 +627,45 @@ def test_the_headline_claims_the_margin_only_where_the_recommended_size_leaves_i
     free = 1 - ran.reserved_peak / est.usable_bytes
     assert free < est.margin  # the case this test is for
     assert f"no size leaves 5% free (batch {rec} leaves {free:.1%})" in str(est).splitlines()[0]
+
+
+COMPILED_FILE = """
+import torch
+
+def build_model():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    return {compile}
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 16)
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_a_compiled_model_is_counted_eagerly_and_the_reports_say_so(tmp_path: Path) -> None:
+    """TorchDynamo does not compile under memkit's counting: estimate and probe on the
+    simulated device count the eager model (the same numbers) and say so, text and JSON."""
+    from torch._dynamo.utils import counters
+
+    from memkit import probe_file
+
+    paths = {}
+    for name, wrap in (("eager", "model"), ("compiled", "torch.compile(model)")):
+        paths[name] = tmp_path / f"{name}.py"
+        paths[name].write_text(textwrap.dedent(COMPILED_FILE.format(compile=wrap)))
+    counters.clear()
+    kwargs = {"device_memory": "1GiB", "min_batch": 32, "max_batch": 32}
+    eager, compiled = (estimate(str(paths[n]), **kwargs) for n in ("eager", "compiled"))
+    assert not counters["frames"]  # nothing compiled, the unaccounted warm-up included
+    peaks = [(t.allocated_peak, t.reserved_peak, t.counted_peak) for t in eager.trials]
+    assert [(t.allocated_peak, t.reserved_peak, t.counted_peak) for t in compiled.trials] == peaks
+    notes = [a for a in compiled.assumptions if a.startswith("torch.compile:")]
+    assert len(notes) == 1 and "ran eagerly" in notes[0]
+    assert not any(a.startswith("torch.compile:") for a in eager.assumptions)
+    assert notes[0] in json.loads(compiled.to_json())["assumptions"]
+    probed = probe_file(str(paths["compiled"]), device="cpu", budget="64MiB", max_batch=64)
+    assert any(d.startswith("torch.compile:") for d in probed.defaults)
+    assert any(d.startswith("torch.compile:") for d in json.loads(probed.to_json())["defaults"])
+    assert "torch.compile:" in str(probed)

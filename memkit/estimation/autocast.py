@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,15 +209,27 @@ class AutocastPolicy:
         self.dtype = dtype
         self.lists = lists or autocast_lists()
         self.enabled = True
+        self.weak = False
+        """The cache holds its casts by weak reference (in backward's recomputes)."""
         self.inference = inference
         """The region runs under ``torch.inference_mode()`` on the GPU (whatever runs on meta):
         autocast then caches no weight cast (``cached_cast``'s ``InferenceMode`` check)."""
         self._cache: dict[int, torch.Tensor] = {}
+        self._held: dict[int, weakref.ref[torch.Tensor]] = {}
         self.num_casts = 0
 
     def clear_cache(self) -> None:
         """Drop the cached weight casts (autocast does so when its region exits)."""
         self._cache.clear()
+
+    def end_region(self) -> None:
+        """The forward's region ends (backward starts): the policy is off and its cached casts
+        dropped. From here it is on only in a checkpoint's recompute, where autocast's cache
+        lasts to the recompute's end: its casts are shared while a tensor holds them (autograd
+        saved them), not kept by the cache, whose end memkit does not see."""
+        self.enabled = False
+        self.clear_cache()
+        self.weak = True
 
     def _cast(self, value: Any, dtype: torch.dtype) -> Any:
         if not isinstance(value, torch.Tensor) or value.dtype not in _CASTABLE:
@@ -230,6 +243,14 @@ class AutocastPolicy:
             and value.requires_grad
             and not (self.inference or torch.is_inference_mode_enabled())
         )
+        if cacheable and self.weak:
+            held = self._held.get(id(value))
+            cached = None if held is None else held()
+            if cached is None:
+                cached = value.to(dtype)
+                self._held[id(value)] = weakref.ref(cached)
+                self.num_casts += 1
+            return cached
         if cacheable:
             cached = self._cache.get(id(value))
             if cached is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from memkit.errors import MemkitError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
@@ -47,6 +48,29 @@ class TargetMode(TorchFunctionMode):
         self.sm = sm
         self.kernels: set[str] = set()
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
+        self._entered = 0
+        self._in_backward = 0
+        self._cpu_dtype = torch.get_autocast_dtype("cpu")
+        self._mark = torch.float16 if self._cpu_dtype != torch.float16 else torch.bfloat16
+
+    def __enter__(self) -> TargetMode:
+        if self._entered == 0 and self.policy is not None:
+            # torch.utils.checkpoint saves the autocast state of a checkpointed forward and
+            # re-enters it around the recompute in backward (_get_autocast_kwargs); for meta
+            # tensors the one state it carries is CPU autocast's. Its dtype says that the
+            # policy is on (CPU autocast itself stays disabled: nothing is cast by it).
+            self._cpu_dtype = torch.get_autocast_dtype("cpu")
+            self._mark = torch.float16 if self._cpu_dtype != torch.float16 else torch.bfloat16
+            torch.set_autocast_dtype("cpu", self._mark)
+        self._entered += 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._entered -= 1
+        if self._entered == 0 and self.policy is not None:
+            torch.set_autocast_dtype("cpu", self._cpu_dtype)
 
     def __torch_function__(
         self,
@@ -57,10 +81,10 @@ class TargetMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or func is torch.autograd.backward:
-            if self.policy is not None:  # the autocast region ends where backward starts
-                self.policy.enabled = False
-                self.policy.clear_cache()
-            return func(*args, **kwargs)
+            return self._backward(func, args, kwargs)
+        if self._in_backward and self.policy is not None:
+            # only a checkpoint's recompute runs under autocast in backward, as its forward did
+            self.policy.enabled = torch.get_autocast_dtype("cpu") == self._mark
         name = getattr(func, "__name__", "")
         if name == "__bool__" and args and _is_meta_bool(args[0]):
             # A data-dependent check on a meta tensor has no value: take it as true, the case
@@ -73,11 +97,38 @@ class TargetMode(TorchFunctionMode):
                 if result is not NotImplemented:
                     return result
             args, kwargs = self.policy.cast_args(name, args, kwargs)
+        if name in _SAME_DTYPE_OPS:
+            _refuse_mixed_dtypes(name, args, kwargs)
         if name == "scaled_dot_product_attention":
             return self._attention(func, args, kwargs)
         if name == "dropout" and self.attention != "cpu-flash":  # cpu-flash: a CPU target
             return self._dropout(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _backward(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """Backward, with this mode active while autograd runs it: the Python code backward
+        calls (a checkpoint's recompute of its forward) runs as the forward ran (dropout,
+        attention, the autocast policy where the forward had it).
+
+        A mode handling a call is off its stack, and ``torch.autograd.backward`` hands any call
+        with tensors to the active modes; called with the outputs' gradient edges (tensors no
+        more), it runs the engine with the mode back on the stack, which the engine keeps.
+        """
+        if self.policy is not None:  # the autocast region ends where backward starts
+            self.policy.end_region()
+            torch.set_autocast_dtype("cpu", self._cpu_dtype)
+        edges = _gradient_edges(func, args, kw)
+        if edges is None:  # what the edges cannot say (inputs=, an implicit non-scalar grad)
+            return func(*args, **kw)
+        self._in_backward += 1
+        try:
+            with self:
+                torch.autograd.backward(*edges)
+        finally:
+            self._in_backward -= 1
+            if self.policy is not None:
+                self.policy.enabled = False  # whatever the last recompute left
+        return None
 
     @staticmethod
     def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -114,6 +165,68 @@ class TargetMode(TorchFunctionMode):
         if kernel == "math":
             return func(*args, **kw)
         return fused_attention(query, key, value, kernel, self.sm)
+
+
+_SAME_DTYPE_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "matmul", "__matmul__", "__rmatmul__", "linear",
+     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+     "convolution", "_convolution"}
+)  # fmt: skip
+"""Ops whose CUDA kernels refuse floating inputs of different dtypes (``ADDMM_META``, bmm's and
+baddbmm's checks in ``LinearAlgebra.cpp``; ``check_input_same_type_as_parameters`` in
+``Convolution.cpp``), and whose meta kernels do not check it."""
+
+
+def _refuse_mixed_dtypes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise as the GPU would when an op of :data:`_SAME_DTYPE_OPS` gets floating inputs of
+    different dtypes (after the autocast policy cast them: autocast leaves float64 alone)."""
+    dtypes = {
+        t.dtype
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    }
+    if len(dtypes) > 1:
+        said = " and ".join(sorted(str(d) for d in dtypes))
+        why = " (autocast does not cast float64)" if torch.float64 in dtypes else ""
+        raise RuntimeError(
+            f"{name} got floating-point inputs of different dtypes ({said}), which its CUDA "
+            f"kernel refuses{why}: cast the model and the batch to one dtype"
+        )
+
+
+def _gradient_edges(
+    func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+) -> tuple[Any, ...] | None:
+    """``torch.autograd.backward``'s arguments with the outputs as gradient edges and their
+    gradients made (a scalar's ones, as ``_make_grads`` makes them), or ``None`` where the
+    call is left as it is: ``inputs=`` given, an output that needs no gradient, or a
+    non-scalar output without a gradient (the error is PyTorch's)."""
+    names: tuple[str, ...]
+    if func is torch.Tensor.backward:
+        names = ("tensors", "gradient", "retain_graph", "create_graph", "inputs")
+    else:
+        names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables",
+                 "inputs")  # fmt: skip
+    bound = dict(zip(names, args, strict=False)) | kw
+    if bound.get("inputs") is not None:
+        return None
+    tensors = bound["tensors"]
+    outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = bound.get("gradient", bound.get("grad_tensors"))
+    grads = (grads,) * len(outputs) if grads is None or isinstance(grads, torch.Tensor) else grads
+    if len(grads) != len(outputs) or any(
+        not isinstance(out, torch.Tensor) or not out.requires_grad for out in outputs
+    ):
+        return None
+    made = []
+    for out, grad in zip(outputs, grads, strict=True):
+        if grad is None:
+            if out.numel() != 1:
+                return None
+            grad = torch.ones_like(out, memory_format=torch.preserve_format)
+        made.append(grad)
+    edges = tuple(torch.autograd.graph.get_gradient_edge(out) for out in outputs)
+    return edges, tuple(made), bound.get("retain_graph"), bool(bound.get("create_graph"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,9 +356,11 @@ class MetaSession:
         return TargetMode(policy, self.attention, self.sm)
 
     def step(self, batch_size: int) -> None:
+        """One step on meta, eager even for a ``torch.compile``'d model: TorchDynamo does not
+        compile under the accountant, and the unaccounted warm-up must run what is counted."""
         mode = self._mode()
         batch = self.batch(batch_size)
-        with mode:
+        with torch.compiler.set_stance("force_eager"), mode:
             if self.plan.mode == "infer":
                 self._infer(batch)
             else:

@@ -25,6 +25,7 @@ from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
 from memkit.probing.search import Trial, search_max_batch
 from memkit.probing.step import StepPlan, check_batch
+from memkit.simulated.eager import eager_note, is_compiled
 
 __all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "estimate"]
 
@@ -93,6 +94,8 @@ def estimate(
     num_params = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     assumptions = target_lines(card, mode, amp, num_params, trainable)
+    if is_compiled(model):
+        assumptions.append(eager_note("the meta step (a TorchDispatchMode)", "on a GPU"))
     session = _start_session(
         spec, model, card, search_for, amp=amp, attention=attention, foreach=foreach,
         assumptions=assumptions, keep_output=keep_output,

@@ -24,7 +24,7 @@ import torch
 from memkit import devices, distributed
 from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
-from memkit.devices import SimulatedBackend, get_backend
+from memkit.devices import SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
 from memkit.modelfile import (
     accepts_seq_len,
@@ -43,6 +43,7 @@ from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, check_batch
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
+from memkit.simulated.eager import eager_note, is_compiled
 from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.units import format_size
 
@@ -211,6 +212,8 @@ def probe_with(
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
+    if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
+        defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
     if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
         defaults.append(
             f"simulated device: {format_size(backend.budget)} (default; --budget to change)"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from memkit.errors import ConfigError
+from memkit.simulated.eager import is_compiled
 from memkit.tracking.fsdp import user_class_name
 from memkit.tracking.records import RootInfo
 
@@ -266,10 +267,3 @@ def forward_autocast(module: torch.nn.Module) -> str | None:
                 return None if dtype is None else str(dtype).replace("torch.", "")
         fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
     return None
-
-
-def is_compiled(module: torch.nn.Module) -> bool:
-    """``torch.compile(model)`` (a wrapper with ``_orig_mod``) or ``model.compile()``."""
-    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) or (
-        getattr(module, "_compiled_call_impl", None) is not None
-    )

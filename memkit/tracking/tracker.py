@@ -35,6 +35,7 @@ from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, 
 from memkit.distributed import launched_rank, world_size
 from memkit.errors import ConfigError
 from memkit.oom import find_oom
+from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.simulated.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 from memkit.tracking import leaks
@@ -323,10 +324,7 @@ class Tracker:
             wrapper = isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
             if wrapper and not any("torch.compile" in n for n in self.notes):
                 self.notes.append(
-                    "torch.compile: TorchDynamo does not compile while the simulated device "
-                    "(a TorchDispatchMode) counts ops, so the compiled model ran eagerly and "
-                    "these are eager PyTorch's numbers; compiled kernels fuse ops and often keep "
-                    "less activation memory (measure the compiled program on a GPU)"
+                    eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
                 )
 
     def _virtual_devices(self) -> VirtualDevices | None:
