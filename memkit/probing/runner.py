@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +26,13 @@ from memkit import devices, distributed
 from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
 from memkit.devices import SimulatedBackend, VirtualDeviceBackend, get_backend
-from memkit.errors import ConfigError, DoesNotFitError, MemkitError, UserCodeError
+from memkit.errors import (
+    ConfigError,
+    DoesNotFitError,
+    MemkitError,
+    ModelFileError,
+    UserCodeError,
+)
 from memkit.modelfile import (
     accepts_seq_len,
     build_model,
@@ -627,6 +634,12 @@ def probe_file(
     if lengths != [None]:
         require_seq_len(spec, "--seq-len")
     model = build_model(spec)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        raise ModelFileError(
+            f"build_model() in {spec.path} returned a model on the meta device: its tensors "
+            "hold no data, so no step can run. Build it on the CPU (memkit moves it to the "
+            "probe's device); `memkit estimate` is the command that runs on meta tensors"
+        )
     model = model.to(get_backend(device, budget).device)
     first_len, low = lengths[0], opts.min_batch
     samples = [
