@@ -205,3 +205,14 @@ def test_a_model_without_parameters_is_the_model_files_problem_not_memkits(tmp_p
     assert result.exit_code == 2, result.output
     assert "returned a ReLU with no parameters" in result.output
     assert "internal error" not in result.output and "Traceback" not in result.output
+
+
+def test_a_train_step_that_never_steps_the_optimizer_is_warned_about():
+    """A train_step without optimizer.step() trains nothing: the answer stands for what the
+    step does, with a warning that a loop that steps (its update, its optimizer state) may fit
+    far less. The default step, which steps, gets no such warning."""
+    forgot = run(str(FILES / "no_optimizer_step.py"), "--device", "cpu", "--budget", "16MiB")
+    assert forgot.exit_code == 0, forgot.output
+    assert "left the parameters unchanged" in forgot.output
+    fine = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "16MiB")
+    assert fine.exit_code == 0 and "unchanged" not in fine.output

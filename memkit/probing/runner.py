@@ -256,6 +256,7 @@ def probe_with(
     del target, sync
     started = None if bar is None else bar.started
     held_after_oom: dict[int, int] = {}
+    untrained: list[int] = []
 
     def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
         runner = TrialRunner(
@@ -270,6 +271,8 @@ def probe_with(
             )  # fmt: skip
         finally:
             held_after_oom.update(runner.held_after_oom)
+            if runner.untrained is not None:
+                untrained.append(runner.untrained)
             del runner  # before the next search and the clean-up
         return found, records
 
@@ -286,6 +289,13 @@ def probe_with(
             held.clear()
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
+    if untrained:
+        defaults.append(
+            f"warning: the training step left the parameters unchanged (batch {untrained[0]}): "
+            "no optimizer step ran (a train_step without optimizer.step(), or without "
+            "backward), so no update and perhaps no gradients or optimizer state were "
+            "counted; a training loop that steps may fit far less"
+        )
     if saved.kept_as_made:
         defaults.append(
             "restored: parameters, gradients, optimizer state, training flags and RNG; left as "

@@ -210,6 +210,11 @@ def _tensor_bytes(obj: Any, seen: set[int]) -> int:
     return 0
 
 
+def _trainable_param(model: torch.nn.Module) -> torch.Tensor | None:
+    """A parameter an optimizer step writes in place (its version counter moves)."""
+    return next((p for p in model.parameters() if p.requires_grad), None)
+
+
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes the optimizer's state holds (``optimizer.state``), each storage counted once."""
     state = getattr(optimizer, "state", None)
@@ -265,6 +270,10 @@ class TrialRunner:
         self.baseline: int | None = None  # allocated between trials, once collected
         self.collections = 0  # gc.collect() calls between trials (not after OOMs)
         self.held_after_oom: dict[int, int] = {}  # batch size -> bytes its OOM left held
+        # training: whether the first trial that ran its steps left the parameters as they
+        # were (no optimizer step ran: a train_step without optimizer.step() or backward)
+        self.untrained: int | None = None  # the batch size of that trial, if it did
+        self._checked_training = self.step.mode != "train"
 
     def _batch(self, batch_size: int) -> Any:
         if self.seq_len is None:
@@ -352,9 +361,15 @@ class TrialRunner:
         split = PartPeaks(self.counters, self.model, self.optimizer)
         kept: Kept | None = None
         started = time.perf_counter()
+        witness = None if self._checked_training else _trainable_param(self.model)
+        version = None if witness is None else witness._version
         try:
             with self.backend.activate():
                 kept = self._run_steps(batch_size)
+            if witness is not None:
+                self._checked_training = True
+                if witness._version == version:
+                    self.untrained = batch_size
         except MemkitError:
             raise
         except Exception as exc:
