@@ -216,3 +216,13 @@ def test_a_train_step_that_never_steps_the_optimizer_is_warned_about():
     assert "left the parameters unchanged" in forgot.output
     fine = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "16MiB")
     assert fine.exit_code == 0 and "unchanged" not in fine.output
+
+
+def test_a_list_batch_for_a_one_input_model_says_how_the_default_step_calls_it():
+    """A DataLoader-style ``[inputs, labels]`` list goes in as ``model(*batch)`` (a list may be
+    the model's one input): the TypeError that follows is the step's (exit 3) and says what to
+    return instead."""
+    result = run(str(FILES / "list_batch.py"), "--device", "cpu", "--budget", "16MiB")
+    assert result.exit_code == 3, result.output
+    assert "forward() takes 2 positional arguments but 3 were given" in result.stderr
+    assert "return a tuple (inputs, labels) from make_batch" in result.stderr

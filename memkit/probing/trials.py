@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -88,6 +89,12 @@ def _hint(exc: BaseException, batch_size: int) -> str:
         return (
             "\nBatchNorm needs at least 2 samples per channel in training: probe from "
             "--min-batch 2 (min_batch=2 in the Python API)."
+        )
+    if isinstance(exc, TypeError) and re.search(r"forward\(\) takes \d+ positional", str(exc)):
+        return (
+            "\nThe default step calls model(*batch) for a list batch, and model(batch[0]) for "
+            "a tuple when forward takes one argument: return a tuple (inputs, labels) from "
+            "make_batch (a DataLoader's batch is a list), or write a train_step."
         )
     return ""
 
