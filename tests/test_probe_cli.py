@@ -105,6 +105,7 @@ def test_step_bug_exits_3_with_its_traceback():
         ("bad_batch.py", ["make_batch(1)", "returned str", "expected a Tensor"]),
         ("meta_batch.py", ["make_batch(1)", "on the meta device", "no data"]),
         ("meta_model.py", ["build_model() in", "on the meta device", "memkit estimate"]),
+        ("small_dataset.py", ["raised ValueError: the dataset has only 100", "--max-batch"]),
         ("ignores_batch_size.py", ["first dimensions [8]", "ignore its batch_size"]),
     ],
 )

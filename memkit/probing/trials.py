@@ -23,7 +23,13 @@ import torch
 from memkit import distributed
 from memkit.devices import CudaBackend, SimulatedBackend, counter_reader, host_memory
 from memkit.distributed import RankStatus
-from memkit.errors import ConfigError, DistributedError, MemkitError, UserCodeError
+from memkit.errors import (
+    ConfigError,
+    DistributedError,
+    MemkitError,
+    ModelFileError,
+    UserCodeError,
+)
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
@@ -283,9 +289,18 @@ class TrialRunner:
         self._checked_training = self.step.mode != "train"
 
     def _batch(self, batch_size: int) -> Any:
-        if self.seq_len is None:
-            return self.make_batch(batch_size)
-        return self.make_batch(batch_size, self.seq_len)
+        args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
+        try:
+            return self.make_batch(*args)
+        except Exception as exc:
+            if is_oom(exc) or isinstance(exc, MemoryError):
+                raise  # a batch made on the device that does not fit: the trial's answer
+            shown = ", ".join(map(str, args))
+            raise ModelFileError(
+                f"make_batch({shown}) raised {type(exc).__name__}: {exc}; if it cannot make "
+                "batches this large, give the largest it can make as --max-batch (max_batch= "
+                "in the Python API)"
+            ) from exc
 
     def _device_batch(self, batch_size: int) -> Any:
         """``make_batch``'s batch on the device. On the simulated device a batch is host
