@@ -796,3 +796,28 @@ def test_the_part_hooks_leave_a_transformer_encoders_fused_inference_path_on():
         parts.close()
     assert "_transformer_encoder_layer_fwd" in ops.names
     assert len(parts.parts) >= 2  # the model's own parts are still cut
+
+
+def test_sparse_gradients_get_a_note_that_the_answer_depends_on_the_batchs_values():
+    """A recommender's sparse embeddings: a sparse gradient holds a row per distinct index a
+    batch looks up, so the same batch size needs more memory for a batch with more distinct
+    indices. The answer stands for make_batch's batches, and the report says so."""
+
+    class Recommender(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.users = torch.nn.Embedding(5000, 32, sparse=True)
+            self.items = torch.nn.Embedding(5000, 32, sparse=True)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.users(ids[:, 0]) * self.items(ids[:, 1])).sum(-1)
+
+    model = Recommender()
+    result = probe(
+        model, lambda n: torch.randint(0, 5000, (n, 2)), device="cpu", budget="4MiB",
+        optimizer=torch.optim.SparseAdam(model.parameters()), max_batch=4096,
+    )  # fmt: skip
+    notes = [d for d in result.defaults if d.startswith("sparse gradients")]
+    assert notes and "users, items" in notes[0]
+    dense = probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    assert not [d for d in dense.defaults if d.startswith("sparse gradients")]

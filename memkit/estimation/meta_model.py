@@ -9,6 +9,7 @@ import torch
 from memkit.errors import ConfigError
 from memkit.estimation.meta_step import META
 from memkit.modelfile import ModelSpec, build_model, make_optimizer
+from memkit.probing.runner import sparse_embeddings
 
 __all__ = ["build_meta_model", "build_target_optimizer", "refuse_sparse_gradients"]
 
@@ -36,13 +37,7 @@ def refuse_sparse_gradients(model: torch.nn.Module, path: str) -> None:
     Raises:
         ConfigError: an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True`` trains.
     """
-    sparse = [
-        name or type(module).__name__
-        for name, module in model.named_modules()
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-        and module.sparse
-        and module.weight.requires_grad
-    ]
+    sparse = sparse_embeddings(model)
     if sparse:
         raise ConfigError(
             f"memkit estimate cannot count sparse gradients: {', '.join(sparse[:3])} in {path} "

@@ -61,6 +61,7 @@ __all__ = [
     "probe",
     "probe_file",
     "probe_with",
+    "sparse_embeddings",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,14 @@ def probe_with(
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
         defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
+    sparse = sparse_embeddings(model) if opts.mode == "train" else []
+    if sparse:
+        defaults.append(
+            f"sparse gradients ({', '.join(sparse[:3])}): their bytes depend on the batch's "
+            "values (a row per distinct index looked up; the optimizer's sparse work too), so "
+            "the answer holds for batches like make_batch's; one that looks up more distinct "
+            "rows needs more: keep the recommended margin"
+        )
     if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
         defaults.append(
             f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
@@ -306,6 +315,18 @@ def probe_with(
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None,
     )  # fmt: skip
+
+
+def sparse_embeddings(model: torch.nn.Module) -> list[str]:
+    """The trainable ``nn.Embedding``/``nn.EmbeddingBag`` modules with ``sparse=True`` (their
+    gradients are sparse), by name."""
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        and module.sparse
+        and module.weight.requires_grad
+    ]
 
 
 def _held_note(batch_size: int, held: int) -> str:
