@@ -221,6 +221,7 @@ def test_validate_after_fit_counts_no_optimizer_state():
     with memkit.track(module, device="cpu", budget="64MiB", postmortem=None) as tracker:
         trainer().validate(module, datamodule=Data(), verbose=False)
     assert dev.phase_peaks["eval"] == tracker.report().devices[0].phase_peaks["eval"]
+    assert "at the peak (" in str(report) and "training peak" not in str(report)  # none ran
 
 
 def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):

@@ -330,7 +330,8 @@ def _device_text(dev: DeviceReport) -> list[str]:
             )
             if x
         )
-        what = "the peak" if bd.phase == "eval" else "the training peak"
+        trained = bd.phase != "eval" and any(s.backward_passes for s in dev.steps)
+        what = "the training peak" if trained else "the peak"
         lines.append(f"at {what} ({where}):")
         lines.extend("  " + line for line in bd.text().splitlines())
     top = dev.top_modules(10)
