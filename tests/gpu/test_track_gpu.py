@@ -78,3 +78,32 @@ def test_data_parallel_records_each_replica_on_its_device():
     d0, d1 = report.device("cuda:0"), report.device("cuda:1")
     assert any(m.path == "module.0" for m in d1.modules)  # replica thread on cuda:1
     assert d0.peak_allocated > d1.peak_allocated  # GPU 0 holds weights, grads, the gather
+
+
+@pytest.mark.parametrize("ends", ["normally", "out-of-memory"])
+def test_the_users_peak_survives_a_capped_block(ends):
+    """A budget's cap empties the cache when the block begins (and an OOM empties it again):
+    after the block, torch.cuda.max_memory_allocated() still reads the user's earlier peak, and
+    the post-mortem states the cap as the capacity."""
+    model = mlp().cuda()
+    opt = torch.optim.Adam(model.parameters())
+
+    def step(batch: int) -> None:
+        model(torch.randn(batch, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(8192)
+    users_peak = torch.cuda.max_memory_allocated()
+    step(64)
+    budget = torch.cuda.memory_allocated() + 64 * MIB
+    tracker = track(model, opt, device="cuda:0", budget=budget, postmortem=None)
+    try:
+        with tracker:
+            step(64 if ends == "normally" else 16384)
+    except torch.OutOfMemoryError:
+        assert ends == "out-of-memory"
+    assert torch.cuda.max_memory_allocated() >= users_peak
+    if ends == "out-of-memory":
+        pm = tracker.report().oom
+        assert pm is not None and pm.capacity is not None and pm.capacity <= budget + 2 * MIB
