@@ -101,14 +101,15 @@ SCENARIO = textwrap.dedent(
                            budget=["300KiB", "2MiB"][rank], max_batch=512, timeout=20)
         results["budgets"] = {"result": res.to_dict(), "text": str(res)}
 
-        # a non-OOM error on rank 1: rank 1 gets UserCodeError, rank 0 DistributedError, no hang
-        def make(n):
-            if rank == 1 and n > 4:
+        # a non-OOM error in rank 1's step: rank 1 gets UserCodeError, rank 0
+        # DistributedError, no hang
+        def loss(output, batch):
+            if rank == 1 and output.shape[0] > 4:
                 raise KeyError("no such column")
-            return torch.randn(n, 32)
+            return output.sum()
         try:
-            memkit.probe(model, make, optimizer=opt, device="cpu", budget="64MiB", max_batch=64,
-                         ddp=True, timeout=20)
+            memkit.probe(model, lambda n: torch.randn(n, 32), optimizer=opt, loss_fn=loss,
+                         device="cpu", budget="64MiB", max_batch=64, ddp=True, timeout=20)
         except MemkitError as exc:
             results["error"] = [type(exc).__name__, exc.exit_code]
 
