@@ -722,3 +722,36 @@ def test_nested_blocks_on_one_gpu_keep_each_others_peaks():
     assert single["optimizer"] is not None and single["optimizer"] > single["forward"]
     assert inner_phases == single
     assert outer_phases == single
+
+
+def test_blocks_ending_out_of_order_on_one_gpu_put_counters_and_torch_back():
+    """Blocks in two threads may end in any order. The first-started block ending first hands
+    its view of the user's peak to the block still running, which puts the real counter back
+    when it ends; and torch's counter functions are torch's own again afterwards."""
+    originals = (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 10))
+    with cuda_standin("256MiB"):
+        model.to("cuda")
+        opt = torch.optim.Adam(model.parameters())
+
+        def step(batch: int) -> None:
+            model(torch.randn(batch, 256).to("cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step(2048)
+        users_peak = torch.cuda.max_memory_allocated()
+        step(64)
+        first = memkit.track(model, opt, device="cuda")
+        second = memkit.track(model, opt, device="cuda")
+        first.__enter__()
+        step(64)
+        second.__enter__()
+        step(64)
+        first.__exit__(None, None, None)
+        step(64)
+        second.__exit__(None, None, None)
+        real_peak = torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["peak"]
+        patched = (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats)
+    assert real_peak >= users_peak
+    assert patched == originals

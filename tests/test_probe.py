@@ -821,3 +821,17 @@ def test_sparse_gradients_get_a_note_that_the_answer_depends_on_the_batchs_value
     assert notes and "users, items" in notes[0]
     dense = probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
     assert not [d for d in dense.defaults if d.startswith("sparse gradients")]
+
+
+def test_a_step_that_trains_only_the_optimizers_parameters_is_not_called_untrained():
+    """A linear probe: the optimizer holds the head alone while the backbone stays
+    requires_grad. The step updates the head, so there is no 'parameters unchanged' warning."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU())
+    head = torch.nn.Linear(256, 10)
+    model = torch.nn.Sequential(backbone, head)
+    result = probe(
+        model, lambda n: torch.randn(n, 64), device="cpu", budget="8MiB", max_batch=256,
+        optimizer=torch.optim.SGD(head.parameters(), lr=0.1),
+    )  # fmt: skip
+    assert not [d for d in result.defaults if "unchanged" in d]

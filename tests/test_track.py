@@ -1035,6 +1035,34 @@ def test_what_a_checkpointed_or_no_grad_region_leaves_inside_is_not_kept_for_bac
             assert inner.peak_over_entry >= 256 * 512 * 4 * (layer != "2")  # it did allocate
 
 
+def test_a_saved_tensor_hook_that_keeps_tensors_leaves_the_module_table_as_it_is():
+    """Only the hooks known to keep nothing on the device (checkpointing's, save_on_cpu's)
+    empty the module table's kept bytes; an identity hook (logging, a compression that stays
+    on the device) keeps what it packs."""
+
+    def run(hooked: bool) -> dict[str, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        region = (
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            if hooked
+            else contextlib.nullcontext()
+        )
+        with track(model, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(2):
+                with region:
+                    loss = model(torch.randn(256, 64)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return {m.path: m.activation_bytes for m in tracker.report().devices[0].modules}
+
+    plain = run(False)
+    assert plain["0"] >= 256 * 512 * 4
+    assert run(True) == plain
+
+
 def test_the_trainers_settings_reach_the_advice_before_a_step_shows_them():
     """A framework callback tells the tracker the trainer's accumulation and checkpointing
     (``Tracker.trainer_settings``) when training starts. An OOM in the first micro-batch,
@@ -1069,7 +1097,7 @@ def test_the_trainers_settings_reach_the_advice_before_a_step_shows_them():
     _, untold = oom()
     assert "accumulate gradients over 2 steps" in untold.action
     assert "torch.utils.checkpoint" in untold.action
-    with pytest.raises(ConfigError, match=r"accumulation_steps: expected a whole number >= 1"):
+    with pytest.raises(ConfigError, match=r"accumulation_steps: expected a whole number of micro"):
         track(nn.Linear(2, 2), device="cpu").trainer_settings(accumulation_steps=0)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from memkit.devices import state
+from memkit.devices.patching import Restore
 from memkit.units import format_size
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class UserPeaks:
         self.reserved = pr
         self.carry = [0, 0]
         self.shortfall: str | None = None
+        self.live = False  # its patches answer the user's view (between install and exit)
 
     def fold(self, peak: int, peak_reserved: int) -> None:
         """Raise the user's view to these peaks."""
@@ -165,18 +167,20 @@ class UserPeaks:
     def installed(self) -> Iterator[UserPeaks]:
         """Torch's counter functions answer the user's view for the block (the real counters
         are put back by :meth:`restore`, called once a budget's cap is lifted)."""
-        patches = _patches(self)
-        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-        for mod, name, fn in patches:
+        handles = []
+        for mod, name, fn in _patches(self):
+            handles.append(Restore(mod, name, getattr(mod, name), fn))
             setattr(mod, name, fn)
         running = _ACTIVE.setdefault(self.index, [])
         running.append(self)
+        self.live = True
         try:
             yield self
         finally:
+            self.live = False  # a later block's patches may still call ours: we pass through
             running.remove(self)
-            for mod, name, fn in saved:
-                setattr(mod, name, fn)
+            for handle in reversed(handles):
+                handle.remove()
 
     def restore(self) -> None:
         """Raise the real counters to the user's view (after the block); never raises: what
@@ -188,8 +192,11 @@ class UserPeaks:
             log.debug("restoring the peak counters failed", exc_info=True)
 
     def _restore(self) -> None:
-        if _ACTIVE.get(self.index):
-            return  # a block still runs on the device: its view has ours, it puts them back
+        running = _ACTIVE.get(self.index)
+        if running:  # a block still runs on the device: it puts the counters back, ours too
+            for block in running:
+                block.fold(self.allocated, self.reserved)
+            return
         a, _, p, _ = self._read()
         need = self.allocated - a
         if self.allocated > p and need > 0:
@@ -280,13 +287,14 @@ def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:
 
     def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
         stats = nested(device=device)
-        return peaks.view(stats, flat=False) if stats and ours(device) else stats
+        return peaks.view(stats, flat=False) if stats and peaks.live and ours(device) else stats
 
     def reset_peak_memory_stats(device: Any = None) -> None:
-        if ours(device):
+        mine = peaks.live and ours(device)
+        if mine:
             peaks.user_resetting()
         reset(device)
-        if ours(device):
+        if mine:
             peaks.user_reset()
 
     for mod in (cuda_memory, torch.cuda):
@@ -300,13 +308,15 @@ def _patches(peaks: UserPeaks) -> list[tuple[Any, str, Callable[..., Any]]]:
 
         def acc_memory_stats(device_index: Any = None, /) -> Any:
             stats = flat_stats(device_index)
-            return peaks.view(stats, flat=True) if stats and ours(device_index) else stats
+            mine = peaks.live and ours(device_index)
+            return peaks.view(stats, flat=True) if stats and mine else stats
 
         def acc_reset_peak(device_index: Any = None, /) -> None:
-            if ours(device_index):
+            mine = peaks.live and ours(device_index)
+            if mine:
                 peaks.user_resetting()
             acc_reset(device_index)
-            if ours(device_index):
+            if mine:
                 peaks.user_reset()
 
         for mod in (acc_memory, acc):

@@ -223,9 +223,13 @@ def _tensor_bytes(obj: Any, seen: set[int]) -> int:
     return 0
 
 
-def _trainable_param(model: torch.nn.Module) -> torch.Tensor | None:
-    """A parameter an optimizer step writes in place (its version counter moves)."""
-    return next((p for p in model.parameters() if p.requires_grad), None)
+def _stepped_params(model: torch.nn.Module, optimizer: Any) -> tuple[torch.Tensor, ...]:
+    """The parameters a training step should write in place (their version counters move):
+    the optimizer's (a linear probe's head, not its frozen-by-omission backbone), else the
+    model's trainable ones."""
+    if optimizer is not None and getattr(optimizer, "param_groups", None):
+        return tuple(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    return tuple(p for p in model.parameters() if p.requires_grad)
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
@@ -383,14 +387,14 @@ class TrialRunner:
         split = PartPeaks(self.counters, self.model, self.optimizer)
         kept: Kept | None = None
         started = time.perf_counter()
-        witness = None if self._checked_training else _trainable_param(self.model)
-        version = None if witness is None else witness._version
+        witnesses = () if self._checked_training else _stepped_params(self.model, self.optimizer)
+        versions = [p._version for p in witnesses]
         try:
             with self.backend.activate():
                 kept = self._run_steps(batch_size)
-            if witness is not None:
+            if witnesses:
                 self._checked_training = True
-                if witness._version == version:
+                if all(p._version == v for p, v in zip(witnesses, versions, strict=True)):
                     self.untrained = batch_size
         except MemkitError:
             raise

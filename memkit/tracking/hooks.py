@@ -73,6 +73,21 @@ _get_ident = threading.get_ident
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager; True while Dynamo traces
 _grad_enabled = torch.is_grad_enabled
 _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_OFF_DEVICE_PACKERS = ("_checkpoint_hook.", "save_on_cpu.")
+"""The saved-tensor hooks known to keep nothing on the device: non-reentrant activation
+checkpointing's (it recomputes) and ``save_on_cpu``'s (it copies to the host). Other hooks
+(logging, compression on the device) may keep tensors there."""
+
+
+def _saves_off_device() -> bool:
+    """A saved-tensor hook that keeps nothing on the device is on (see
+    :data:`_OFF_DEVICE_PACKERS`)."""
+    hooks = _saved_tensor_hooks(False)
+    if hooks is None:
+        return False
+    name = getattr(hooks[0], "__qualname__", "")
+    return name.startswith(_OFF_DEVICE_PACKERS)
+
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
@@ -135,6 +150,7 @@ class Hooks:
         """Install the hooks of the block (and module detail's, if step 0 has it)."""
         from torch.optim import optimizer as optim_module
 
+        self._main_thread = threading.get_ident()  # the thread that enters the block
         h = self._handles
         model = self.models.model
         if model is not None:  # the model's own hooks stay for the block
@@ -477,7 +493,7 @@ class Hooks:
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
-            frame.unsaved = unsaved = not _grad_enabled() or _saved_tensor_hooks(False) is not None
+            frame.unsaved = unsaved = not _grad_enabled() or _saves_off_device()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
         # (a training pass runs in training mode: no need to read the module again)
         if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():

@@ -33,7 +33,6 @@ import torch
 from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
-from memkit.errors import ConfigError
 from memkit.oom import find_oom
 from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
@@ -46,7 +45,7 @@ from memkit.tracking.fsdp import counting_resizes, find_fsdp_units
 from memkit.tracking.history_file import HistoryFile
 from memkit.tracking.hooks import Hooks
 from memkit.tracking.models import TrackedModels, is_compiled
-from memkit.tracking.options import check_track_options
+from memkit.tracking.options import check_track_options, check_whole
 from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.postmortem import (
     OomEvidence,
@@ -472,14 +471,9 @@ class Tracker:
         Raises:
             ConfigError: ``accumulation_steps`` is not a whole number >= 1.
         """
-        if accumulation_steps is not None and (
-            not isinstance(accumulation_steps, int)
-            or isinstance(accumulation_steps, bool)
-            or accumulation_steps < 1
-        ):
-            raise ConfigError(
-                f"accumulation_steps: expected a whole number >= 1, found {accumulation_steps!r}"
-            )
+        check_whole(
+            "accumulation_steps", accumulation_steps, 1, "micro-batches", none_means="not told"
+        )
         with self.state.lock:
             self.evidence.trainer_settings(
                 accumulation_steps, None if checkpointing is None else bool(checkpointing)

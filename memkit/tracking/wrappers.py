@@ -14,42 +14,16 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memkit.devices.patching import Restore
+
 __all__ = ["Restore", "wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
 
 log = logging.getLogger(__name__)
-
-
-class Restore:
-    """A removable handle that puts an attribute back.
-
-    Blocks in two threads (or a tracker left open) may end out of order: a wrapper removed
-    while another block's wrapper sits on top of it goes dead (``live`` is False: it only
-    calls what it wrapped), and is taken out of the chain when everything above it is gone.
-    An attribute someone else replaced since stays theirs, with ours left in their chain."""
-
-    _chains: ClassVar[dict[tuple[int, str], list[Restore]]] = {}
-
-    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
-        self.owner, self.name, self.original, self.replacement = owner, name, original, replacement
-        self.live = True
-        self._chain = Restore._chains.setdefault((id(owner), name), [])
-        self._chain.append(self)
-
-    def remove(self) -> None:
-        self.live = False
-        chain = self._chain
-        while chain and not chain[-1].live:
-            top = chain[-1]
-            if getattr(self.owner, self.name) is not top.replacement:
-                log.debug("%s.%s was replaced again; leaving it", self.owner, self.name)
-                break
-            setattr(self.owner, self.name, top.original)
-            chain.pop()
 
 
 def wrap_backward(
