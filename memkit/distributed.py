@@ -24,6 +24,7 @@ Examples:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -138,6 +139,23 @@ def _collective_device(dist: Any) -> torch.device:
     return collective_device(str(dist.get_backend()))
 
 
+_IN_FLIGHT: collections.deque[Any] = collections.deque(maxlen=16)
+"""The tensors and work objects of memkit's last collectives, kept referenced from Python.
+
+A gloo work object is released by the process group's worker thread once the collective is
+done, and with it the last C++ reference to its tensor; if Python had dropped the tensor
+already, that release needs the GIL. When the group is destroyed right after (memkit gathers
+the ranks' reports inside ``destroy_process_group``; DDP's Reducer destroys the group when the
+model is freed), the main thread joins the worker while holding the GIL and both wait forever
+(seen: rank 0 hung at exit under torchrun, 5 of 7 runs). Kept here, the tensor's last reference
+is Python's, dropped with the GIL held. Only memkit's own small tensors are kept (the
+users' gradients, which the probe reduces, stay the user's)."""
+
+
+def _keep(*objects: Any) -> None:
+    _IN_FLIGHT.extend(objects)
+
+
 def all_max(values: Sequence[int], *, timeout: float | None = None) -> list[int]:
     """Element-wise maximum of ``values`` over all ranks (every rank gets the result).
 
@@ -164,11 +182,13 @@ def all_max(values: Sequence[int], *, timeout: float | None = None) -> list[int]
     # simulated device it must never be the allocation that crosses the budget.
     with torch.no_grad(), _disable_current_modes():
         tensor = torch.tensor(local, dtype=torch.int64, device=device)
+        _keep(tensor)
         try:
             if timeout is None:
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
             else:
                 work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+                _keep(work)
                 work.wait(timeout=timedelta(seconds=timeout))
         except (RuntimeError, ValueError) as exc:
             wait = "the process group's timeout" if timeout is None else f"{timeout:g} s"
@@ -358,6 +378,7 @@ def _gather_bounded(dist: Any, obj: Any, timeout: float) -> list[Any] | None:
             bytearray(data), dtype=torch.uint8
         ).to(device)
         work = dist.all_reduce(flat, op=dist.ReduceOp.MAX, async_op=True)
+        _keep(flat, work)
         _wait_all([work], "gathering objects to rank 0", timeout)
         if me != 0:
             return None
