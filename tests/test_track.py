@@ -372,6 +372,31 @@ def test_growth_from_kept_batches_is_not_blamed_on_the_steps_loss():
     assert "`loss`" in growth.evidence and "still alive" in growth.evidence
 
 
+@pytest.mark.parametrize("schedule", ["curriculum", "length-buckets"])
+def test_a_batch_that_grows_on_schedule_is_no_leak(schedule):
+    """Progressive batch sizes and sorted length buckets: the level at each step boundary
+    rises with the live batch (the loop's ``x``), three rises in a row, yet nothing is kept
+    from step to step. The boundary discounts the last training forward's input while it
+    lives: no leak, no advice about one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 100))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for step in range(16):
+            if schedule == "curriculum":
+                batch, length = 8 * 2 ** (step // 2), 16
+            else:
+                batch, length = 8, 8 * 2 ** (step % 4)
+            x = torch.randint(0, 100, (batch, length))
+            loss = model(x).logsumexp(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    assert report.leaks == []
+    assert not [a for a in report.advice if a.code in ("memory-growth", "graph-retained")]
+
+
 def test_no_leak_reported_for_healthy_loop():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

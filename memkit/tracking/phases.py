@@ -83,6 +83,10 @@ class PhaseMachine:
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self.grads_none_at_forward = True  # no gradients when the last forward began
+        # the last training forward's first input: a step boundary discounts it while it
+        # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
+        # buckets) is no leak
+        self.train_input: weakref.ref[torch.Tensor] | None = None
 
     # root forwards (the hooks call these for a model's own forward)
 
@@ -97,7 +101,8 @@ class PhaseMachine:
         training = module.training
         facts = self.evidence.facts
         facts.last_root = (training, grad)
-        facts.last_input = shape = _input_shape(args)
+        first = _first_tensor(args)
+        facts.last_input = shape = None if first is None else tuple(map(int, first.shape))
         sim = self.devices.sim
         began = False
         if not grad or not training or not (root.trainable() or _needs_grad(args)):
@@ -124,6 +129,7 @@ class PhaseMachine:
             kind = TRAIN_PASS
             facts.frozen_model = None
             facts.train_input = shape
+            self.train_input = None if first is None else weakref.ref(first)
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
             if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:
@@ -332,6 +338,9 @@ class PhaseMachine:
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
+        batch = None if self.train_input is None else self.train_input()
+        batch_bytes = 0 if batch is None else batch.numel() * batch.element_size()
+        del batch
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -349,7 +358,7 @@ class PhaseMachine:
                 devices.remember(dev, sizes or devices.persistent(dev))
                 dev.kept_level = level
                 captured = True
-            if dev.growth.observe(step, level):
+            if dev.growth.observe(step, level - batch_bytes):
                 growing.append(dev)
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
@@ -453,12 +462,12 @@ class PhaseMachine:
         return None if primary is None else primary.eval_window
 
 
-def _input_shape(args: Any) -> tuple[int, ...] | None:
-    """The shape of a forward's first tensor argument (its batch dimension is the model's
-    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
+def _first_tensor(args: Any) -> torch.Tensor | None:
+    """A forward's first tensor argument (its shape's batch dimension is the model's business:
+    ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return tuple(map(int, a.shape))
+            return a
     return None
 
 
