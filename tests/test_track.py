@@ -610,17 +610,23 @@ def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
     assert gan.steps == 4 and gan.micro_batches == 1
     assert "gradient accumulation" not in str(gan)
 
-    model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())  # its first step (state made) is the peak
     with track(model, opt, device="cpu", budget="64MiB") as tracker:
         for _ in range(3):
             for _ in range(4):
-                model(torch.randn(4, 8)).sum().backward()
+                model(torch.randn(4, 64)).sum().backward()
             opt.step()
             opt.zero_grad()
     accumulated = tracker.report()
     assert accumulated.steps == 3 and accumulated.micro_batches == 4
     assert "gradient accumulation: up to 4 micro-batches" in str(accumulated)
+    # the breakdown's step is one of the report's steps (not a micro-batch's number, counted
+    # before the first optimizer step showed they were micro-batches)
+    dev = accumulated.devices[0]
+    assert dev.breakdown is not None
+    assert [s.step for s in dev.steps] == [0, 1, 2]
+    assert dev.breakdown.step in (0, 1, 2)
 
 
 def test_a_discriminator_frozen_for_the_generators_update_trains_in_its_own():

@@ -12,6 +12,7 @@ starts or ends and when an optimizer steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -407,6 +408,11 @@ class PhaseMachine:
         for dev in devices.records.values():
             merge_steps(dev, first)
             dev.growth = devices.growth_detector()
+            # a peak found in a micro-batch belongs to the merged step
+            if dev.pending is not None and (dev.pending.step or 0) > first:
+                dev.pending = dev.pending._replace(step=first)
+            if dev.breakdown is not None and (dev.breakdown.step or 0) > first:
+                dev.breakdown = dataclasses.replace(dev.breakdown, step=first)
         state.step = first + 1
         facts = self.evidence.facts
         facts.grads_checked_step = min(facts.grads_checked_step, state.step)
