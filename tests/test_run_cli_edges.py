@@ -113,3 +113,26 @@ def test_ctrl_c_before_the_first_step_says_so_in_one_line(tmp_path):
         "memkit: interrupted by Ctrl-C before the script's first step (no model forward ran): "
         "nothing to report (exit 130)"
     ], result.stderr
+
+
+def test_the_console_entry_point_words_click_usage_errors_as_one_memkit_line(tmp_path, capsys):
+    """What a user's shell runs (``memkit = memkit.cli:main``): a mistyped option or a missing
+    argument is the one line ``memkit: error: ...``, exit 2, as memkit's own usage errors; a
+    script's argparse error looks different."""
+    from memkit.cli import main
+
+    path, marker = script(tmp_path)
+    for argv, fragment in (
+        (["run", "--budjet", "64MiB", str(path)], "No such option '--budjet'"),
+        (["probe"], "Missing argument 'FILE'"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert err.startswith("memkit: error: ") and fragment in err
+        assert len(err.strip().splitlines()) == 1 and "Usage:" not in err
+    assert not marker.exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0

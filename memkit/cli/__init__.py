@@ -13,6 +13,7 @@ shared option checks in parsing, targets and streams, the exit codes in exits.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import click
@@ -63,10 +64,24 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point. A usage error click finds (a mistyped option, a missing
+    argument) is one line, ``memkit: error: ...``, as memkit's own are: a script's argparse
+    error (the same exit code 2 under ``memkit run``) looks different."""
     # torch warns at import when NumPy is absent; memkit does not need NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    cli.main(args=argv, prog_name="memkit")
+    try:
+        code = cli.main(args=argv, prog_name="memkit", standalone_mode=False)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "memkit"
+        sys.stderr.write(f"memkit: error: {exc.format_message()} (see '{where} --help')\n")
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.stderr.write("Aborted!\n")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 for _command in (
