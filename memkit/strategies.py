@@ -27,11 +27,13 @@ the same answers, to the byte.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -58,6 +60,7 @@ from memkit.simulated.virtual_devices import VirtualDevices
 __all__ = [
     "DEFAULT_STRATEGIES",
     "STRATEGIES",
+    "StepTarget",
     "StrategyComparison",
     "StrategyResult",
     "compare_strategies",
@@ -158,6 +161,27 @@ class StrategyComparison(Result):
         return layout.comparison_html_body(self)
 
 
+class StepTarget(Protocol):
+    """A target GPU's rules for the steps on meta tensors (``memkit estimate --gpus``:
+    :class:`memkit.estimation.target_step.TargetStep`, handed in by the command line)."""
+
+    def optimizer(self, spec: ModelSpec, model: torch.nn.Module) -> Any:
+        """The file's optimizer over ``model`` as the target builds it."""
+        ...
+
+    def step(self) -> AbstractContextManager[Any]:
+        """One training step runs inside (attention kernel, dropout, autocast)."""
+        ...
+
+    def workspaces(self, devices: VirtualDevices) -> AbstractContextManager[Any]:
+        """A trial runs inside: the kernels' workspaces, counted on ``devices``."""
+        ...
+
+    def notes(self) -> tuple[str, ...]:
+        """What the steps assumed of the target."""
+        ...
+
+
 class _Trials:
     def __init__(
         self,
@@ -166,12 +190,14 @@ class _Trials:
         device: str,
         steps: int,
         seq_len: int | None,
+        target: StepTarget | None = None,
     ) -> None:
         self.spec = spec
         self.budgets = list(budgets)
         self.device = device
         self.steps = steps
         self.seq_len = seq_len
+        self.target = target
         with torch.device(device):
             self.model = call_user(spec.build_model, what="build_model()", path=spec.path)
         self.plan = StepPlan("train", loss_fn=spec.loss_fn, train_step=spec.train_step)
@@ -179,7 +205,14 @@ class _Trials:
         self.largest_unit: tuple[str, int] | None = None
 
     def _optimizer(self, model: torch.nn.Module) -> Any:
+        if self.target is not None:
+            return self.target.optimizer(self.spec, model)
         return make_optimizer(self.spec, model)[0]
+
+    def _step(self, model: Any, batch: Any, optimizer: Any) -> None:
+        """One training step, under the target's rules when there is one."""
+        with self.target.step() if self.target is not None else contextlib.nullcontext():
+            self.plan(model, batch, optimizer)
 
     def _batch(self, size: int) -> Any:
         args = (size,) if self.seq_len is None else (size, self.seq_len)
@@ -192,8 +225,9 @@ class _Trials:
         self, body: Callable[[VirtualDevices], None], budgets: Sequence[int | None] | None = None
     ) -> tuple[bool, list[int]]:
         vd = VirtualDevices(self.budgets if budgets is None else budgets, self.device)
+        target = self.target
         try:
-            with vd:
+            with vd, target.workspaces(vd) if target is not None else contextlib.nullcontext():
                 body(vd)
         except Exception as exc:
             if not is_oom(exc):
@@ -228,7 +262,7 @@ class _Trials:
                 full = _nbytes(batch)
                 n = min(len(self.budgets), global_batch)
                 seen["input for the other devices"] = full - full // max(1, n)
-                self.plan(dp, batch, opt)
+                self._step(dp, batch, opt)
                 del batch
             seen["reduced gradients"] = tensor_bytes(
                 [p for p in model.parameters() if p.requires_grad]
@@ -251,7 +285,7 @@ class _Trials:
                 with vd.on(rep.device):
                     for _ in range(self.steps):
                         batch = self._batch(per_rank)
-                        self.plan(rep.model, batch, rep.optimizer)
+                        self._step(rep.model, batch, rep.optimizer)
                         del batch
                     self.plan.release()
 
@@ -264,7 +298,7 @@ class _Trials:
             vd.to(self.model, 0)
             opt = self._optimizer(self.model)
             for _ in range(self.steps):
-                self.plan(self.model, self._batch(batch), opt)
+                self._step(self.model, self._batch(batch), opt)
             self.model.zero_grad(set_to_none=True)
             vd.to(self.model, -1)
 
@@ -281,7 +315,7 @@ class _Trials:
                 with vd.on(rank.device):
                     for _ in range(self.steps):
                         batch = self._batch(per_rank)
-                        self.plan(rank.model, batch, rank.optimizer)
+                        self._step(rank.model, batch, rank.optimizer)
                         del batch
                     self.plan.release()
 
@@ -427,6 +461,7 @@ def compare_strategies(
     steps: int = 2,
     seq_len: int | None = None,
     max_batch: int | None = None,
+    target: StepTarget | None = None,
 ) -> StrategyComparison:
     """Run each strategy's search on ``gpus`` virtual devices of ``budget`` bytes each.
 
@@ -438,6 +473,10 @@ def compare_strategies(
         device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, ``memkit estimate``).
         steps: full steps per trial.
         max_batch: the largest global batch tried (default 65536).
+        target: on meta, the target GPU's rules every step runs under (``memkit estimate``:
+            its attention kernel, dropout, autocast policy, optimizer implementation and
+            cuBLAS workspaces); ``None``: the step as meta runs it, which counts what the
+            simulated cpu device counts.
     """
     if gpus < 2:
         raise ConfigError(f"--gpus must be at least 2 to compare strategies, found {gpus}")
@@ -447,8 +486,10 @@ def compare_strategies(
     budgets = [int(budget)] * gpus if isinstance(budget, int) else [int(b) for b in budget]
     if len(budgets) != gpus:
         raise ConfigError(f"{len(budgets)} budgets given for {gpus} GPUs; give one or {gpus}")
+    if target is not None and device != "meta":
+        raise ConfigError(f"a target GPU's step rules apply on meta tensors, not on {device!r}")
     spec = load_model_file(path)
-    trials = _Trials(spec, budgets, device, steps, seq_len)
+    trials = _Trials(spec, budgets, device, steps, seq_len, target)
     limit = max_batch or MAX_GLOBAL_BATCH
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
     advice: list[Advice] = []
@@ -475,4 +516,6 @@ def compare_strategies(
             advice.insert(0, switch)
     advice += _sharding_advice(trials, results, gpus)
     notes = (FSDP_NOT_COUNTED,) if "fsdp" in strategies else ()
+    if target is not None:
+        notes = (*target.notes(), *notes)
     return StrategyComparison(path, device, gpus, tuple(budgets), results, tuple(advice), notes)
