@@ -202,6 +202,7 @@ class _Trials:
             self.model = call_user(spec.build_model, what="build_model()", path=spec.path)
         self.plan = StepPlan("train", loss_fn=spec.loss_fn, train_step=spec.train_step)
         self.parts: dict[str, int] = {}
+        self.tried: dict[tuple[str, int], tuple[bool, list[int]]] = {}  # (strategy, global)
         self.largest_unit: tuple[str, int] | None = None
 
     def _optimizer(self, model: torch.nn.Module) -> Any:
@@ -357,6 +358,7 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
     def fits(n: int) -> bool:
         size = n if strategy == "dp" else n * gpus
         ok, peaks = getattr(trials, strategy)(n)
+        trials.tried[(strategy, size)] = (ok, peaks)
         record[size] = (ok, peaks, dict(trials.parts) if strategy == "dp" else {})
         order.append((size, ok))
         return ok
@@ -451,6 +453,17 @@ def _sharding_advice(trials: _Trials, results: Sequence[StrategyResult], gpus: i
     return out
 
 
+def _ddp_peak_at(trials: _Trials, global_batch: int | None, gpus: int) -> int | None:
+    """DDP's per-rank peak at ``global_batch`` (each rank ``ceil(global_batch / gpus)``, as
+    ``DistributedSampler`` pads), from the search's trials or one more; ``None`` when it does
+    not fit."""
+    if global_batch is None:
+        return None
+    per_rank = -(-global_batch // gpus)
+    fits, peaks = trials.tried.get(("ddp", per_rank * gpus)) or trials.ddp(per_rank)
+    return max(peaks) if fits and peaks else None
+
+
 def compare_strategies(
     path: str,
     *,
@@ -494,6 +507,11 @@ def compare_strategies(
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
     advice: list[Advice] = []
     dp, ddp = (next((r for r in results if r.strategy == s), None) for s in ("dp", "ddp"))
+    ddp_at_dp = (  # DDP's rank at DataParallel's largest global batch, measured
+        _ddp_peak_at(trials, dp.max_global_batch, gpus)
+        if dp is not None and ddp is not None and len(dp.per_device_peaks) >= 2
+        else None
+    )
     for r in results:  # the tracker's DP rule, on each strategy's per-device peaks
         if len(r.per_device_peaks) >= 2:
             parts = dict(r.excess_parts)
@@ -502,11 +520,13 @@ def compare_strategies(
                 "cuda:0",
                 gradient_bytes=parts.get("reduced gradients", 0),
                 optimizer_state_bytes=parts.get("optimizer state", 0),
+                gathered_output_bytes=parts.get("gathered outputs", 0),
                 largest_batches=(
                     (dp.max_global_batch, ddp.max_global_batch)
                     if dp is not None and ddp is not None
                     else None
                 ),
+                ddp_peak=ddp_at_dp if r.strategy == "dp" else None,
             )
             if a is not None:
                 advice.append(a)

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from memkit.cli import cli
 from memkit.strategies import compare_strategies
+from memkit.units import format_size
 
 FILES = Path(__file__).parent / "modelfiles"
 MiB = 1024**2
@@ -276,3 +277,17 @@ def test_estimate_runs_each_strategys_step_as_the_one_card_estimate_does() -> No
     on_cpu = compare_strategies(path, gpus=2, budget=MiB + MiB // 2, strategies=["ddp"],
                                 max_batch=32)  # fmt: skip
     assert on_meta.results == on_cpu.results
+
+
+def test_dp_to_ddp_quotes_ddps_rank_measured_at_dataparallels_batch() -> None:
+    path = str(FILES / "wide_output.py")
+    result = compare_strategies(path, gpus=4, budget=8 * MiB, device="meta", max_batch=4096)
+    dp = result.result("dp")
+    advice = next(a for a in result.advice if a.code == "dp-to-ddp")
+    assert dp is not None and dp.max_global_batch is not None
+    # DDP alone at DataParallel's global batch, on GPUs too large to run out: its rank peak
+    alone = compare_strategies(path, gpus=4, budget=64 * MiB, strategies=["ddp"], device="meta",
+                               max_batch=dp.max_global_batch).results[0]  # fmt: skip
+    assert alone.max_global_batch == dp.max_global_batch  # (a multiple of 4 here)
+    rank = format_size(max(alone.per_device_peaks))
+    assert f"each rank peaks at {rank} at the same global batch (measured" in advice.evidence

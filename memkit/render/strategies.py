@@ -46,15 +46,18 @@ def _remarks(comparison: StrategyComparison) -> list[str]:
             f"{name or 'the root'} ({format_size(size)} unsharded)"
         )
     dp, ddp = comparison.result("dp"), comparison.result("ddp")
-    if (
-        dp is not None
-        and ddp is not None
-        and dp.max_global_batch is not None
-        and (ddp.max_global_batch or 0) <= dp.max_global_batch
-    ):
+    if dp is None or ddp is None or dp.max_global_batch is None:
+        return lines
+    if (ddp.max_global_batch or 0) < dp.max_global_batch:
         lines.append(
-            "ddp fits no larger global batch here: each rank holds its own gradients, their "
+            "ddp fits a smaller global batch here: each rank holds its own gradients, their "
             "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
+        )
+    elif ddp.max_global_batch == dp.max_global_batch:
+        lines.append(
+            f"ddp and dp fit the same global batch; at it each ddp rank peaks at "
+            f"{format_size(max(ddp.per_device_peaks))}, dp's cuda:0 at "
+            f"{format_size(dp.per_device_peaks[0])}"
         )
     return lines
 
