@@ -110,6 +110,9 @@ class StrategyResult(Record):
         trials: ``(global batch, fits)`` in the order run.
         largest_unit: FSDP only: the unit whose all-gather is the largest (its module path,
             ``""`` for the root) and its unsharded bytes.
+        error: the strategy's step raised an error that is not an out-of-memory error (what,
+            at which global batch, and what to change where memkit knows); its search
+            stopped there and it has no batch. The other strategies' results stand.
     """
 
     strategy: str
@@ -119,6 +122,7 @@ class StrategyResult(Record):
     excess_parts: tuple[tuple[str, int], ...]
     trials: tuple[tuple[int, bool], ...]
     largest_unit: tuple[str, int] | None = None
+    error: str | None = None
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["excess_parts"] = dict(self.excess_parts)
@@ -323,6 +327,10 @@ class _Trials:
         return self._run(body)
 
 
+class _StepFailed(Exception):
+    """A strategy's step raised an error that is not an out-of-memory error."""
+
+
 def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, list[int]]:
     """Largest ``n`` in ``[1, max_size]`` with ``fits(n)`` (doubling, then bisection)."""
     tried: list[int] = []
@@ -351,20 +359,47 @@ def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, lis
     return lo, tried
 
 
+SCALAR_LOSS = "grad can be implicitly created only for scalar outputs"
+"""PyTorch's error for ``backward()`` on a loss that is not a scalar."""
+
+
+def _failure(strategy: str, size: int, exc: UserCodeError, gpus: int) -> str:
+    """What a strategy's failed step says: the error, the strategy and global batch, and the
+    change that fixes it where memkit knows it."""
+    original = exc.original if exc.original is not None else exc
+    said = f"the {strategy} step raised {type(original).__name__} at global batch {size}: "
+    said += str(original).rstrip(". ")
+    if strategy == "dp" and SCALAR_LOSS in str(original):
+        said += (
+            f". DataParallel gathers each replica's outputs, a loss among them: the model's "
+            f"scalar loss arrives as a vector of {gpus}, one per GPU (nn.DataParallel does the "
+            "same); reduce it with `.mean()` in loss_fn or train_step (`return "
+            "output[1].mean()` for a model that returns (logits, loss))"
+        )
+    return said
+
+
 def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> StrategyResult:
     record: dict[int, tuple[bool, list[int], dict[str, int]]] = {}
     order: list[tuple[int, bool]] = []
 
     def fits(n: int) -> bool:
         size = n if strategy == "dp" else n * gpus
-        ok, peaks = getattr(trials, strategy)(n)
+        try:
+            ok, peaks = getattr(trials, strategy)(n)
+        except UserCodeError as exc:
+            raise _StepFailed(_failure(strategy, size, exc, gpus)) from exc
         trials.tried[(strategy, size)] = (ok, peaks)
         record[size] = (ok, peaks, dict(trials.parts) if strategy == "dp" else {})
         order.append((size, ok))
         return ok
 
     limit = max_batch if strategy == "dp" else max(1, max_batch // gpus)
-    best, _ = _search(fits, limit)
+    try:
+        best, _ = _search(fits, limit)
+    except _StepFailed as failed:
+        log.debug("the %s step failed", strategy, exc_info=True)
+        return StrategyResult(strategy, None, (), 0, (), tuple(order), None, str(failed))
     size = None if best is None else (best if strategy == "dp" else best * gpus)
     peaks: list[int] = [] if size is None else record[size][1]
     parts = {} if size is None else record[size][2]
@@ -496,6 +531,8 @@ def compare_strategies(
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise ConfigError(f"expected strategies among dp,ddp,fsdp, found {','.join(strategies)!r}")
+    if len(set(strategies)) != len(strategies):
+        raise ConfigError(f"each strategy once, found {','.join(strategies)!r}")
     budgets = [int(budget)] * gpus if isinstance(budget, int) else [int(b) for b in budget]
     if len(budgets) != gpus:
         raise ConfigError(f"{len(budgets)} budgets given for {gpus} GPUs; give one or {gpus}")
@@ -505,8 +542,11 @@ def compare_strategies(
     trials = _Trials(spec, budgets, device, steps, seq_len, target)
     limit = max_batch or MAX_GLOBAL_BATCH
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
+    if all(r.error is not None for r in results):
+        raise UserCodeError("; ".join(str(r.error) for r in results))
     advice: list[Advice] = []
-    dp, ddp = (next((r for r in results if r.strategy == s), None) for s in ("dp", "ddp"))
+    ran = [r for r in results if r.error is None]  # the rules read the strategies that ran
+    dp, ddp = (next((r for r in ran if r.strategy == s), None) for s in ("dp", "ddp"))
     ddp_at_dp = (  # DDP's rank at DataParallel's largest global batch, measured
         _ddp_peak_at(trials, dp.max_global_batch, gpus)
         if dp is not None and ddp is not None and len(dp.per_device_peaks) >= 2
@@ -534,7 +574,7 @@ def compare_strategies(
         switch = rules.switch_to_ddp(dp, ddp, gpus)
         if switch is not None:
             advice.insert(0, switch)
-    advice += _sharding_advice(trials, results, gpus)
+    advice += _sharding_advice(trials, ran, gpus)
     notes = (FSDP_NOT_COUNTED,) if "fsdp" in strategies else ()
     if target is not None:
         notes = (*target.notes(), *notes)

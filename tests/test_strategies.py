@@ -291,3 +291,33 @@ def test_dp_to_ddp_quotes_ddps_rank_measured_at_dataparallels_batch() -> None:
     assert alone.max_global_batch == dp.max_global_batch  # (a multiple of 4 here)
     rank = format_size(max(alone.per_device_peaks))
     assert f"each rank peaks at {rank} at the same global batch (measured" in advice.evidence
+
+
+def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
+    path = str(FILES / "tuple_loss.py")
+    result = compare_strategies(path, gpus=2, budget=1 * MiB, device="meta", max_batch=64)
+    dp, ddp = result.result("dp"), result.result("ddp")
+    assert dp is not None and ddp is not None
+    # batch 1 runs on one replica (a scalar loss); at 2 DataParallel gathers two losses
+    assert dp.max_global_batch is None and dp.trials == ((1, True),)
+    assert dp.error is not None and dp.error.startswith(
+        "the dp step raised RuntimeError at global batch 2: grad can be implicitly created"
+    )
+    assert "a vector of 2" in dp.error and "`.mean()`" in dp.error
+    assert ddp.error is None and ddp.max_global_batch is not None and ddp.max_global_batch > 2
+    assert not any(a.code in ("switch-to-ddp", "dp-to-ddp", "fsdp-gpus") for a in result.advice)
+    assert json.loads(result.to_json())["strategies"][0]["error"] == dp.error
+    out = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
+                                   "1MiB", "--max-batch", "64"])  # fmt: skip
+    assert out.exit_code == 3, out.output  # a step failed; the table is printed all the same
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["dp"], ["ddp"])}  # fmt: skip
+    assert rows["dp"][1] == "failed" and rows["ddp"][1] == str(ddp.max_global_batch)
+    assert "dp: failed: the dp step raised RuntimeError at global batch 2" in out.stdout
+    # when every strategy fails, the command fails with their errors (exit 3)
+    alone = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
+                                     "1MiB", "--strategies", "dp"])  # fmt: skip
+    assert alone.exit_code == 3 and "the dp step raised RuntimeError" in alone.stderr
+    twice = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2",
+                                     "--budget", "1MiB", "--strategies", "fsdp,fsdp"])  # fmt: skip
+    assert twice.exit_code == 2 and "each strategy once" in twice.stderr

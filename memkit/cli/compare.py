@@ -92,5 +92,7 @@ def _compare(
             "segments (memkit estimate models them for one card)", *result.notes,
         ))  # fmt: skip
     click.echo(result.to_json() if as_json else str(result))
+    if any(r.error is not None for r in result.results):
+        sys.exit(3)  # a strategy's step failed (the others' results are above)
     if any(r.max_global_batch is None for r in result.results):
         sys.exit(1)

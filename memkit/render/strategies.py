@@ -23,7 +23,9 @@ def _header(comparison: StrategyComparison) -> list[str]:
 def _rows(comparison: StrategyComparison) -> list[list[str]]:
     rows = []
     for r in comparison.results:
-        batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
+        batch = (
+            "failed" if r.error else "-" if r.max_global_batch is None else str(r.max_global_batch)
+        )
         peaks = [format_size(p) for p in r.per_device_peaks]
         peaks += ["-"] * (comparison.gpus - len(peaks))  # nothing fit: no peak at any size
         rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
@@ -31,10 +33,12 @@ def _rows(comparison: StrategyComparison) -> list[list[str]]:
 
 
 def _remarks(comparison: StrategyComparison) -> list[str]:
-    """What the table does not say: what lives on cuda:0 only, the largest unit FSDP
-    all-gathers, why DDP fits no larger batch than DataParallel."""
+    """What the table does not say: why a strategy failed, what lives on cuda:0 only, the
+    largest unit FSDP all-gathers, DDP against DataParallel when it fits no larger batch."""
     lines: list[str] = []
     for r in comparison.results:
+        if r.error:
+            lines.append(f"{r.strategy}: failed: {r.error}")
         if r.excess_parts:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
             lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
