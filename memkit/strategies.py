@@ -21,8 +21,11 @@ Each trial runs ``steps`` full steps (the probe's default step or the file's ``t
 size fits when no device ran out. The search doubles, then bisects (global batches for DP,
 per-rank batches for DDP and FSDP). The models' weights change during the trials (optimizer
 steps); sizes do not. Where cpu and meta run the same ops (everything but a few cpu kernels,
-such as oneDNN's LSTM), they create the same storages: the probe and the estimate then give
-the same answers, to the byte.
+such as oneDNN's LSTM), they create the same storages: the comparison gives the same answers
+on both, to the byte. ``memkit estimate`` hands in a :class:`StepTarget`, the target GPU's
+rules each step runs under (its attention kernel, dropout, autocast policy, optimizer
+implementation and cuBLAS workspaces, as for one card); a strategy whose step raises an
+error that is not an out-of-memory error is reported with it, and the others' results stand.
 """
 
 from __future__ import annotations

@@ -267,12 +267,11 @@ def test_dp_to_ddp_estimates_the_rank_peak():
     fits_more = A.dp_to_ddp(heavy, "cuda:0", gradient_bytes=8 * GiB, largest_batches=(64, 96))
     assert fits_more is not None and fits_more.severity == "warning"
     assert "global batch of 96" in fits_more.title
-    # a rank keeps its share of the outputs for its loss (a replica hands it to the gather;
-    # the outputs' gradient reaches the replica under DataParallel too): 1/4 of 4 GiB
+    # the loss on a rank's share of the outputs: the share and its gradient, 2 x 4 GiB / 4
     outputs = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB,
                           gathered_output_bytes=4 * GiB)  # fmt: skip
-    assert outputs is not None and outputs.saving_bytes == 30 * GiB - (12 + 2 + 4 + 1) * GiB
-    assert "its share of the outputs, kept for its loss (1.00 GiB)" in outputs.evidence
+    assert outputs is not None and outputs.saving_bytes == 30 * GiB - (12 + 2 + 4 + 2) * GiB
+    assert "the loss on its share of the outputs (2.00 GiB)" in outputs.evidence
     balanced = {"cuda:0": 13 * GiB, "cuda:1": 12 * GiB}
     assert A.dp_to_ddp(balanced, "cuda:0") is None
     assert A.dp_to_ddp({"cuda:0": 30 * GiB}, "cuda:0") is None

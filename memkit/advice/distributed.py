@@ -47,7 +47,7 @@ class DdpEstimate:
         top: the primary device's peak under DataParallel.
         mean: the mean peak of the other devices (a replica's).
         buckets: DDP's bucket copy of the gradients (0 with ``gradient_as_bucket_view``).
-        loss: the rank's share of the outputs, which it keeps (a heuristic).
+        loss: the loss on the rank's share of the outputs, and its gradient (a heuristic).
         per_device: DDP's per-rank peak: measured at the same global batch when
             ``measured_peak``, else estimated.
         largest_batches: measured largest global batches ``(DataParallel, DDP)``, if any.
@@ -116,12 +116,13 @@ def dp_to_ddp(
             comparison runs it); it replaces the estimate.
 
     DDP's per-rank peak is estimated as the larger of a replica's peak (its weight copy, its
-    share of the activations, and its gradients and its outputs' gradient in backward, before
-    the reduction) plus DDP's buckets, the optimizer state and the rank's share of the outputs
-    (``gathered_output_bytes / N``, which a replica hands to the gather while a rank keeps it
-    for its loss: a heuristic), and parameters + gradients + buckets + optimizer state (the
-    optimizer step). Measured largest batches, when given, decide whether DDP fits more; at
-    the same largest batch, the lower peak per device decides. The rule advises DDP for memory
+    share of the activations and its gradients before the reduction) plus DDP's buckets, the
+    optimizer state and the loss on the rank's share of the outputs (that share and its
+    gradient, twice ``gathered_output_bytes / N``: a heuristic, right where the loss runs
+    outside the model; where the model computes it, the share is kept once), and parameters +
+    gradients + buckets + optimizer state (the optimizer step); ``ddp_peak`` replaces it.
+    Measured largest batches, when given, decide whether DDP fits more; at the same largest
+    batch, the lower peak per device decides. The rule advises DDP for memory
     only when that estimate (or the measurement) says it saves memory.
 
         >>> a = dp_to_ddp({"cuda:0": 50 * MiB, "cuda:1": 40 * MiB}, "cuda:0",
@@ -137,7 +138,7 @@ def dp_to_ddp(
         return None
     buckets = 0 if gradient_as_bucket_view else gradient_bytes
     fixed = buckets + optimizer_state_bytes
-    loss = gathered_output_bytes // len(peaks)
+    loss = 2 * gathered_output_bytes // len(peaks)
     ddp = max(int(mean) + fixed + loss, parameter_bytes + gradient_bytes + fixed)
     if ddp_peak is not None:
         ddp = ddp_peak
@@ -167,8 +168,7 @@ def _dp_evidence(
         else f"Under DDP each rank would peak near {format_size(ddp)} (estimated: a replica's "
         f"{format_size(int(est.mean))} + DDP's bucket copy of the gradients "
         f"({format_size(est.buckets)}) + the optimizer state ({format_size(optimizer_state_bytes)})"
-        f" + its share of the outputs, kept for its loss ({format_size(est.loss)}), on every "
-        "device)"
+        f" + the loss on its share of the outputs ({format_size(est.loss)}), on every device)"
     )
     if est.measured:
         estimate += (
