@@ -21,17 +21,22 @@ Each trial runs ``steps`` full steps (the probe's default step or the file's ``t
 size fits when no device ran out. The search doubles, then bisects (global batches for DP,
 per-rank batches for DDP and FSDP). The models' weights change during the trials (optimizer
 steps); sizes do not. Where cpu and meta run the same ops (everything but a few cpu kernels,
-such as oneDNN's LSTM), they create the same storages: the probe and the estimate then give
-the same answers, to the byte.
+such as oneDNN's LSTM), they create the same storages: the comparison gives the same answers
+on both, to the byte. ``memkit estimate`` hands in a :class:`StepTarget`, the target GPU's
+rules each step runs under (its attention kernel, dropout, autocast policy, optimizer
+implementation and cuBLAS workspaces, as for one card); a strategy whose step raises an
+error that is not an out-of-memory error is reported with it, and the others' results stand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -58,6 +63,7 @@ from memkit.simulated.virtual_devices import VirtualDevices
 __all__ = [
     "DEFAULT_STRATEGIES",
     "STRATEGIES",
+    "StepTarget",
     "StrategyComparison",
     "StrategyResult",
     "compare_strategies",
@@ -107,6 +113,9 @@ class StrategyResult(Record):
         trials: ``(global batch, fits)`` in the order run.
         largest_unit: FSDP only: the unit whose all-gather is the largest (its module path,
             ``""`` for the root) and its unsharded bytes.
+        error: the strategy's step raised an error that is not an out-of-memory error (what,
+            at which global batch, and what to change where memkit knows); its search
+            stopped there and it has no batch. The other strategies' results stand.
     """
 
     strategy: str
@@ -116,6 +125,7 @@ class StrategyResult(Record):
     excess_parts: tuple[tuple[str, int], ...]
     trials: tuple[tuple[int, bool], ...]
     largest_unit: tuple[str, int] | None = None
+    error: str | None = None
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["excess_parts"] = dict(self.excess_parts)
@@ -158,6 +168,27 @@ class StrategyComparison(Result):
         return layout.comparison_html_body(self)
 
 
+class StepTarget(Protocol):
+    """A target GPU's rules for the steps on meta tensors (``memkit estimate --gpus``:
+    :class:`memkit.estimation.target_step.TargetStep`, handed in by the command line)."""
+
+    def optimizer(self, spec: ModelSpec, model: torch.nn.Module) -> Any:
+        """The file's optimizer over ``model`` as the target builds it."""
+        ...
+
+    def step(self) -> AbstractContextManager[Any]:
+        """One training step runs inside (attention kernel, dropout, autocast)."""
+        ...
+
+    def workspaces(self, devices: VirtualDevices) -> AbstractContextManager[Any]:
+        """A trial runs inside: the kernels' workspaces, counted on ``devices``."""
+        ...
+
+    def notes(self) -> tuple[str, ...]:
+        """What the steps assumed of the target."""
+        ...
+
+
 class _Trials:
     def __init__(
         self,
@@ -166,20 +197,30 @@ class _Trials:
         device: str,
         steps: int,
         seq_len: int | None,
+        target: StepTarget | None = None,
     ) -> None:
         self.spec = spec
         self.budgets = list(budgets)
         self.device = device
         self.steps = steps
         self.seq_len = seq_len
+        self.target = target
         with torch.device(device):
             self.model = call_user(spec.build_model, what="build_model()", path=spec.path)
         self.plan = StepPlan("train", loss_fn=spec.loss_fn, train_step=spec.train_step)
         self.parts: dict[str, int] = {}
+        self.tried: dict[tuple[str, int], tuple[bool, list[int]]] = {}  # (strategy, global)
         self.largest_unit: tuple[str, int] | None = None
 
     def _optimizer(self, model: torch.nn.Module) -> Any:
+        if self.target is not None:
+            return self.target.optimizer(self.spec, model)
         return make_optimizer(self.spec, model)[0]
+
+    def _step(self, model: Any, batch: Any, optimizer: Any) -> None:
+        """One training step, under the target's rules when there is one."""
+        with self.target.step() if self.target is not None else contextlib.nullcontext():
+            self.plan(model, batch, optimizer)
 
     def _batch(self, size: int) -> Any:
         args = (size,) if self.seq_len is None else (size, self.seq_len)
@@ -192,8 +233,9 @@ class _Trials:
         self, body: Callable[[VirtualDevices], None], budgets: Sequence[int | None] | None = None
     ) -> tuple[bool, list[int]]:
         vd = VirtualDevices(self.budgets if budgets is None else budgets, self.device)
+        target = self.target
         try:
-            with vd:
+            with vd, target.workspaces(vd) if target is not None else contextlib.nullcontext():
                 body(vd)
         except Exception as exc:
             if not is_oom(exc):
@@ -228,7 +270,7 @@ class _Trials:
                 full = _nbytes(batch)
                 n = min(len(self.budgets), global_batch)
                 seen["input for the other devices"] = full - full // max(1, n)
-                self.plan(dp, batch, opt)
+                self._step(dp, batch, opt)
                 del batch
             seen["reduced gradients"] = tensor_bytes(
                 [p for p in model.parameters() if p.requires_grad]
@@ -251,7 +293,7 @@ class _Trials:
                 with vd.on(rep.device):
                     for _ in range(self.steps):
                         batch = self._batch(per_rank)
-                        self.plan(rep.model, batch, rep.optimizer)
+                        self._step(rep.model, batch, rep.optimizer)
                         del batch
                     self.plan.release()
 
@@ -264,7 +306,7 @@ class _Trials:
             vd.to(self.model, 0)
             opt = self._optimizer(self.model)
             for _ in range(self.steps):
-                self.plan(self.model, self._batch(batch), opt)
+                self._step(self.model, self._batch(batch), opt)
             self.model.zero_grad(set_to_none=True)
             vd.to(self.model, -1)
 
@@ -281,11 +323,15 @@ class _Trials:
                 with vd.on(rank.device):
                     for _ in range(self.steps):
                         batch = self._batch(per_rank)
-                        self.plan(rank.model, batch, rank.optimizer)
+                        self._step(rank.model, batch, rank.optimizer)
                         del batch
                     self.plan.release()
 
         return self._run(body)
+
+
+class _StepFailed(Exception):
+    """A strategy's step raised an error that is not an out-of-memory error."""
 
 
 def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, list[int]]:
@@ -316,19 +362,47 @@ def _search(fits: Callable[[int], bool], max_size: int) -> tuple[int | None, lis
     return lo, tried
 
 
+SCALAR_LOSS = "grad can be implicitly created only for scalar outputs"
+"""PyTorch's error for ``backward()`` on a loss that is not a scalar."""
+
+
+def _failure(strategy: str, size: int, exc: UserCodeError, gpus: int) -> str:
+    """What a strategy's failed step says: the error, the strategy and global batch, and the
+    change that fixes it where memkit knows it."""
+    original = exc.original if exc.original is not None else exc
+    said = f"the {strategy} step raised {type(original).__name__} at global batch {size}: "
+    said += str(original).rstrip(". ")
+    if strategy == "dp" and SCALAR_LOSS in str(original):
+        said += (
+            f". DataParallel gathers each replica's outputs, a loss among them: the model's "
+            f"scalar loss arrives as a vector of {gpus}, one per GPU (nn.DataParallel does the "
+            "same); reduce it with `.mean()` in loss_fn or train_step (`return "
+            "output[1].mean()` for a model that returns (logits, loss))"
+        )
+    return said
+
+
 def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> StrategyResult:
     record: dict[int, tuple[bool, list[int], dict[str, int]]] = {}
     order: list[tuple[int, bool]] = []
 
     def fits(n: int) -> bool:
         size = n if strategy == "dp" else n * gpus
-        ok, peaks = getattr(trials, strategy)(n)
+        try:
+            ok, peaks = getattr(trials, strategy)(n)
+        except UserCodeError as exc:
+            raise _StepFailed(_failure(strategy, size, exc, gpus)) from exc
+        trials.tried[(strategy, size)] = (ok, peaks)
         record[size] = (ok, peaks, dict(trials.parts) if strategy == "dp" else {})
         order.append((size, ok))
         return ok
 
     limit = max_batch if strategy == "dp" else max(1, max_batch // gpus)
-    best, _ = _search(fits, limit)
+    try:
+        best, _ = _search(fits, limit)
+    except _StepFailed as failed:
+        log.debug("the %s step failed", strategy, exc_info=True)
+        return StrategyResult(strategy, None, (), 0, (), tuple(order), None, str(failed))
     size = None if best is None else (best if strategy == "dp" else best * gpus)
     peaks: list[int] = [] if size is None else record[size][1]
     parts = {} if size is None else record[size][2]
@@ -417,6 +491,17 @@ def _sharding_advice(trials: _Trials, results: Sequence[StrategyResult], gpus: i
     return out
 
 
+def _ddp_peak_at(trials: _Trials, global_batch: int | None, gpus: int) -> int | None:
+    """DDP's per-rank peak at ``global_batch`` (each rank ``ceil(global_batch / gpus)``, as
+    ``DistributedSampler`` pads), from the search's trials or one more; ``None`` when it does
+    not fit."""
+    if global_batch is None:
+        return None
+    per_rank = -(-global_batch // gpus)
+    fits, peaks = trials.tried.get(("ddp", per_rank * gpus)) or trials.ddp(per_rank)
+    return max(peaks) if fits and peaks else None
+
+
 def compare_strategies(
     path: str,
     *,
@@ -427,6 +512,7 @@ def compare_strategies(
     steps: int = 2,
     seq_len: int | None = None,
     max_batch: int | None = None,
+    target: StepTarget | None = None,
 ) -> StrategyComparison:
     """Run each strategy's search on ``gpus`` virtual devices of ``budget`` bytes each.
 
@@ -438,21 +524,37 @@ def compare_strategies(
         device: ``"cpu"`` (real compute) or ``"meta"`` (shapes only, ``memkit estimate``).
         steps: full steps per trial.
         max_batch: the largest global batch tried (default 65536).
+        target: on meta, the target GPU's rules every step runs under (``memkit estimate``:
+            its attention kernel, dropout, autocast policy, optimizer implementation and
+            cuBLAS workspaces); ``None``: the step as meta runs it, which counts what the
+            simulated cpu device counts.
     """
     if gpus < 2:
         raise ConfigError(f"--gpus must be at least 2 to compare strategies, found {gpus}")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise ConfigError(f"expected strategies among dp,ddp,fsdp, found {','.join(strategies)!r}")
+    if len(set(strategies)) != len(strategies):
+        raise ConfigError(f"each strategy once, found {','.join(strategies)!r}")
     budgets = [int(budget)] * gpus if isinstance(budget, int) else [int(b) for b in budget]
     if len(budgets) != gpus:
         raise ConfigError(f"{len(budgets)} budgets given for {gpus} GPUs; give one or {gpus}")
+    if target is not None and device != "meta":
+        raise ConfigError(f"a target GPU's step rules apply on meta tensors, not on {device!r}")
     spec = load_model_file(path)
-    trials = _Trials(spec, budgets, device, steps, seq_len)
+    trials = _Trials(spec, budgets, device, steps, seq_len, target)
     limit = max_batch or MAX_GLOBAL_BATCH
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)
+    if all(r.error is not None for r in results):
+        raise UserCodeError("; ".join(str(r.error) for r in results))
     advice: list[Advice] = []
-    dp, ddp = (next((r for r in results if r.strategy == s), None) for s in ("dp", "ddp"))
+    ran = [r for r in results if r.error is None]  # the rules read the strategies that ran
+    dp, ddp = (next((r for r in ran if r.strategy == s), None) for s in ("dp", "ddp"))
+    ddp_at_dp = (  # DDP's rank at DataParallel's largest global batch, measured
+        _ddp_peak_at(trials, dp.max_global_batch, gpus)
+        if dp is not None and ddp is not None and len(dp.per_device_peaks) >= 2
+        else None
+    )
     for r in results:  # the tracker's DP rule, on each strategy's per-device peaks
         if len(r.per_device_peaks) >= 2:
             parts = dict(r.excess_parts)
@@ -461,11 +563,13 @@ def compare_strategies(
                 "cuda:0",
                 gradient_bytes=parts.get("reduced gradients", 0),
                 optimizer_state_bytes=parts.get("optimizer state", 0),
+                gathered_output_bytes=parts.get("gathered outputs", 0),
                 largest_batches=(
                     (dp.max_global_batch, ddp.max_global_batch)
                     if dp is not None and ddp is not None
                     else None
                 ),
+                ddp_peak=ddp_at_dp if r.strategy == "dp" else None,
             )
             if a is not None:
                 advice.append(a)
@@ -473,6 +577,8 @@ def compare_strategies(
         switch = rules.switch_to_ddp(dp, ddp, gpus)
         if switch is not None:
             advice.insert(0, switch)
-    advice += _sharding_advice(trials, results, gpus)
+    advice += _sharding_advice(trials, ran, gpus)
     notes = (FSDP_NOT_COUNTED,) if "fsdp" in strategies else ()
+    if target is not None:
+        notes = (*target.notes(), *notes)
     return StrategyComparison(path, device, gpus, tuple(budgets), results, tuple(advice), notes)

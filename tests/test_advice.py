@@ -267,9 +267,31 @@ def test_dp_to_ddp_estimates_the_rank_peak():
     fits_more = A.dp_to_ddp(heavy, "cuda:0", gradient_bytes=8 * GiB, largest_batches=(64, 96))
     assert fits_more is not None and fits_more.severity == "warning"
     assert "global batch of 96" in fits_more.title
+    # the loss on a rank's share of the outputs: the share and its gradient, 2 x 4 GiB / 4
+    outputs = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB,
+                          gathered_output_bytes=4 * GiB)  # fmt: skip
+    assert outputs is not None and outputs.saving_bytes == 30 * GiB - (12 + 2 + 4 + 2) * GiB
+    assert "the loss on its share of the outputs (2.00 GiB)" in outputs.evidence
     balanced = {"cuda:0": 13 * GiB, "cuda:1": 12 * GiB}
     assert A.dp_to_ddp(balanced, "cuda:0") is None
     assert A.dp_to_ddp({"cuda:0": 30 * GiB}, "cuda:0") is None
+
+
+def test_dp_to_ddp_takes_a_measured_rank_peak_and_words_a_tie_in_batch_as_a_tie():
+    peaks = {"cuda:0": 30 * GiB, "cuda:1": 12 * GiB}
+    # the comparison ran DDP at the same global batch: its peak, not the estimate
+    lower = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, largest_batches=(8, 8),
+                        ddp_peak=25 * GiB)  # fmt: skip
+    assert lower is not None and lower.severity == "warning"
+    assert "DDP fits the same global batch (8) at 25.00 GiB per device" in lower.title
+    assert "smaller" not in lower.title and "Use DistributedDataParallel" in lower.action
+    assert lower.saving_bytes == 5 * GiB
+    assert "each rank peaks at 25.00 GiB at the same global batch (measured" in lower.evidence
+    higher = A.dp_to_ddp(peaks, "cuda:0", largest_batches=(8, 8), ddp_peak=31 * GiB)
+    assert higher is not None and higher.severity == "info" and higher.saving_bytes is None
+    assert "same global batch here (8) at no lower peak" in higher.title
+    smaller = A.dp_to_ddp(peaks, "cuda:0", largest_batches=(8, 6), ddp_peak=25 * GiB)
+    assert smaller is not None and "smaller global batch here (6 vs 8)" in smaller.title
 
 
 def test_dp_loss_on_replicas():

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from memkit.cli import cli
 from memkit.strategies import compare_strategies
+from memkit.units import format_size
 
 FILES = Path(__file__).parent / "modelfiles"
 MiB = 1024**2
@@ -48,22 +49,35 @@ def test_dp_gathering_wide_outputs_loses_to_ddp_and_the_advice_says_by_how_much(
     assert "<table" in html and "switch-to-ddp" in html and str(y) in html
 
 
+WORKSPACES = 2 * 8_519_680 + MiB
+"""An ampere card's cuBLAS workspaces in a training step (forward, autograd's thread) and the
+cuBLASLt one of a Linear with a bias (forward)."""
+
+
 def test_cli_probe_and_estimate_compare_strategies() -> None:
+    from memkit.estimation.target_step import TargetStep
+
     runner = CliRunner()
     args = [str(FILES / "wide_mlp.py"), "--gpus", "2", "--strategies", "dp,ddp", "--json"]
-    est = runner.invoke(cli, ["estimate", *args, "--device-memory", "504MiB", "--context",
-                              "500MiB", "--max-batch", "256"])  # fmt: skip
+    usable = 4 * MiB + WORKSPACES
+    est = runner.invoke(cli, ["estimate", *args, "--device-memory", str(500 * MiB + usable),
+                              "--context", "500MiB", "--max-batch", "256"])  # fmt: skip
     assert est.exit_code == 0, est.output
-    got = json.loads(est.output)  # 4 MiB per GPU for PyTorch after the CUDA context
-    assert got["device"] == "meta" and got["gpus"] == 2 and got["budgets"] == [4 * MiB] * 2
+    got = json.loads(est.output)  # what PyTorch may use on each GPU after the CUDA context
+    assert got["device"] == "meta" and got["gpus"] == 2 and got["budgets"] == [usable] * 2
+    # the estimate runs the target card's step: the comparison on meta with its rules
+    on_card = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=usable,
+                                 device="meta", max_batch=256,
+                                 target=TargetStep(_card(usable)))  # fmt: skip
+    assert got["strategies"] == json.loads(on_card.to_json())["strategies"]
     probe = runner.invoke(cli, ["probe", *args, "--device", "cpu", "--budget", "4MiB",
                                 "--max-batch", "256"])  # fmt: skip
     assert probe.exit_code == 0, probe.output
     on_cpu = json.loads(probe.output)
     # real compute and meta tensors count the same storages: the same answers
-    assert [s["max_global_batch"] for s in on_cpu["strategies"]] == [
-        s["max_global_batch"] for s in got["strategies"]
-    ]
+    on_meta = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=4 * MiB,
+                                 device="meta", max_batch=256)  # fmt: skip
+    assert on_cpu["strategies"] == json.loads(on_meta.to_json())["strategies"]
     bad = runner.invoke(cli, ["probe", str(FILES / "wide_mlp.py"), "--strategies", "dp"])
     assert bad.exit_code == 2
 
@@ -87,7 +101,7 @@ def test_nothing_fits_is_exit_1_with_a_table_not_a_crash() -> None:
         (["probe", "--device", "cpu", "--gpus", "4", "--budget", "8MiB,8MiB"], "4 sizes"),
         (["probe", "--device", "cpu", "--gpus", "2", "--budget", "8MiB", "--seq-len", "8,16"],
          "one --seq-len"),
-        (["estimate", "--device-memory", "2GiB", "--gpus", "2", "--amp", "bf16"], "--amp: not"),
+        (["estimate", "--device-memory", "2GiB", "--gpus", "2", "--mode", "infer"], "--mode: not"),
         (["estimate", "--device-memory", "256MiB", "--gpus", "2"], "CUDA context"),
     ],
 )  # fmt: skip
@@ -99,14 +113,17 @@ def test_options_the_comparison_cannot_honour_are_refused(args, message) -> None
 
 
 def test_estimate_comparison_takes_the_cuda_context_off_every_gpu() -> None:
+    from memkit.estimation.target_step import TargetStep
+
     common = [str(FILES / "wide_mlp.py"), "--gpus", "2", "--strategies", "ddp", "--json"]
-    small = CliRunner().invoke(cli, ["estimate", *common, "--device-memory", "520MiB",
+    small = CliRunner().invoke(cli, ["estimate", *common, "--device-memory", "540MiB",
                                      "--context", "500MiB"])  # fmt: skip
-    alone = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=20 * MiB,
-                               strategies=["ddp"], device="meta")  # fmt: skip
+    alone = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=40 * MiB,
+                               strategies=["ddp"], device="meta",
+                               target=TargetStep(_card(40 * MiB)))  # fmt: skip
     assert small.exit_code == 0, small.output
     data = json.loads(small.stdout)
-    assert data["budgets"] == [20 * MiB, 20 * MiB]  # what the allocator may use on each
+    assert data["budgets"] == [40 * MiB, 40 * MiB]  # what the allocator may use on each
     assert data["strategies"][0]["max_global_batch"] == alone.results[0].max_global_batch
     assert "500.00 MiB CUDA context" in data["notes"][0]
 
@@ -126,20 +143,22 @@ def test_fsdp_shards_what_ddp_replicates() -> None:
     assert json.loads(on_cpu.to_json())["strategies"][1]["largest_unit"] == ["0", 266240]
 
 
-def test_estimate_fsdp_agrees_with_probe_on_cpu_to_the_byte() -> None:
+def test_fsdp_on_meta_agrees_with_probe_on_cpu_to_the_byte() -> None:
     # 3 GPUs: uneven shards (1024 rows -> 342, 342, 340; 64 -> 22, 22, 20) and padding rows.
-    # The comparison counts tensor bytes on both (no allocator rounding, no workspaces):
-    # estimate's GPUs of --device-memory less --context are probe's --budget.
-    budget, context = 1_655_000, 500 * MiB
+    # Meta runs the step under a cpu target's rules (the optimizer's for-loop, no
+    # workspaces): it counts the storages the probe counts on cpu.
+    from memkit.estimation.target_step import TargetStep
+
+    budget = 1_655_000
     common = [str(FILES / "wide_mlp.py"), "--gpus", "3", "--strategies", "fsdp",
               "--max-batch", "24", "--json"]  # fmt: skip
-    runner = CliRunner()
-    est = runner.invoke(cli, ["estimate", *common, "--device-memory", str(budget + context),
-                              "--context", "500MiB"])  # fmt: skip
-    probe = runner.invoke(cli, ["probe", *common, "--device", "cpu", "--budget", str(budget)])
-    assert est.exit_code == 0, est.output
+    probe = CliRunner().invoke(cli, ["probe", *common, "--device", "cpu", "--budget", str(budget)])
     assert probe.exit_code == 0, probe.output
-    on_meta, on_cpu = json.loads(est.stdout), json.loads(probe.stdout)
+    cpu_target = TargetStep(_card(budget, workspace=0), "cpu-flash", foreach=False)
+    result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=3, budget=budget,
+                                strategies=["fsdp"], device="meta", max_batch=24,
+                                target=cpu_target)  # fmt: skip
+    on_meta, on_cpu = json.loads(result.to_json()), json.loads(probe.stdout)
     assert on_meta["device"] == "meta" and on_meta["budgets"] == on_cpu["budgets"] == [budget] * 3
     fsdp = on_meta["strategies"][0]
     # the same search, trial for trial, and the same peak on every GPU, to the byte
@@ -153,12 +172,15 @@ def test_estimate_fsdp_agrees_with_probe_on_cpu_to_the_byte() -> None:
     assert peaks[0] - peaks[2] == 2 * 2 * rows
     assert fsdp["largest_unit"] == ["2", 3 * 22 * (1024 + 1) * 4]  # padded to 66 rows
     assert any("NCCL" in note for note in on_meta["notes"])
-    assert any("CUDA context" in note for note in on_meta["notes"])
 
 
 def test_estimate_shows_fsdp_in_text_json_and_html_with_its_advice() -> None:
-    # wide_mlp: 2.02 MiB of state with AdamW, more than a 2 MiB GPU: DDP fits nothing
-    args = ["estimate", str(FILES / "wide_mlp.py"), "--device-memory", f"{500 * MiB + 2 * MiB}",
+    # wide_mlp: 2.02 MiB of state with AdamW, more than the 2 MiB a GPU leaves next to its
+    # workspaces: DDP fits nothing
+    from memkit.estimation.target_step import TargetStep
+
+    usable = 2 * MiB + WORKSPACES
+    args = ["estimate", str(FILES / "wide_mlp.py"), "--device-memory", f"{500 * MiB + usable}",
             "--context", "500MiB", "--gpus", "2", "--strategies", "ddp,fsdp",
             "--max-batch", "64"]  # fmt: skip
     out = CliRunner().invoke(cli, args)
@@ -168,9 +190,9 @@ def test_estimate_shows_fsdp_in_text_json_and_html_with_its_advice() -> None:
     assert rows["ddp"][1] == "-" and rows["fsdp"][1].isdigit()
     assert "the largest unit all-gathered: 0" in out.stdout and "[fsdp-gpus]" in out.stdout
     assert "NCCL" in out.stdout
-    result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=2 * MiB,
-                                strategies=["ddp", "fsdp"], device="meta",
-                                max_batch=64)  # fmt: skip
+    result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=usable,
+                                strategies=["ddp", "fsdp"], device="meta", max_batch=64,
+                                target=TargetStep(_card(usable)))  # fmt: skip
     fsdp = result.result("fsdp")
     assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][1]
     payload = json.loads(result.to_json())
@@ -209,3 +231,93 @@ def test_fsdp_names_the_unit_that_sets_its_peak_and_what_it_saves_against_ddp() 
     saves = advice["fsdp-saves"]
     assert "global batch of 8 on 2 GPUs (DDP 8)" in saves.title and "1.5x" in saves.title
     assert "[fsdp-wrap-unit]" in str(result)
+
+
+def _card(usable: int, workspace: int | None = None):
+    from memkit.estimation.families import target_card
+
+    return target_card("ampere", 500 * MiB + usable, 500 * MiB, workspace)
+
+
+def test_estimate_runs_each_strategys_step_as_the_one_card_estimate_does() -> None:
+    # meta alone runs SDPA's math path (the L x L matrix kept for backward); on an sm80 card
+    # PyTorch runs the memory-efficient kernel, which the one-card estimate counts
+    from memkit.estimation import estimate
+    from memkit.estimation.target_step import TargetStep
+
+    path, usable = str(FILES / "tiny_attention.py"), 24 * MiB
+    out = CliRunner().invoke(cli, ["estimate", path, "--device-memory", f"{500 * MiB + usable}",
+                                   "--context", "500MiB", "--gpus", "2", "--strategies",
+                                   "dp,ddp", "--max-batch", "64", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.stdout)
+    assert any("attention: efficient kernel" in note for note in got["notes"])
+    dp, ddp = got["strategies"]
+    workspaces = 2 * 8_519_680 + MiB  # 2 cuBLAS (forward, backward), 1 cuBLASLt (forward)
+    plain = compare_strategies(path, gpus=2, budget=usable - workspaces, strategies=["ddp"],
+                               device="meta", max_batch=64).results[0]  # fmt: skip
+    assert plain.max_global_batch is not None  # the math path keeps the L x L matrix
+    assert ddp["max_global_batch"] > 2 * plain.max_global_batch
+    # a DDP rank is the one-card step at the per-rank batch plus DDP's bucket copy of the
+    # gradients; the one-card estimate rounds each tensor to 512 bytes, the comparison not
+    per_rank = ddp["max_global_batch"] // 2
+    one = estimate(path, device_memory=500 * MiB + usable, context="500MiB",
+                   min_batch=per_rank, max_batch=per_rank)  # fmt: skip
+    buckets = (64 * 32 + 32 * 96 + 96 + 32 * 64 + 64) * 4  # fp32 gradients
+    rank = ddp["per_device_peaks"][0] - buckets
+    assert one.breakdown.workspace == workspaces
+    assert 0 <= one.trials[0].allocated_peak - rank < 0.001 * rank
+    # under DP each GPU has its own workspaces: cuda:1 ran its replica's matmuls
+    assert min(dp["per_device_peaks"]) > one.breakdown.workspace
+    # the rules are the estimate's: a cpu target (cpu flash attention, dropout's noise tensor,
+    # the optimizer's for-loop, no workspaces) counts on meta what the cpu probe counts
+    cpu_target = TargetStep(_card(MiB + MiB // 2, workspace=0), "cpu-flash", foreach=False)
+    on_meta = compare_strategies(path, gpus=2, budget=MiB + MiB // 2, strategies=["ddp"],
+                                 device="meta", max_batch=32, target=cpu_target)  # fmt: skip
+    on_cpu = compare_strategies(path, gpus=2, budget=MiB + MiB // 2, strategies=["ddp"],
+                                max_batch=32)  # fmt: skip
+    assert on_meta.results == on_cpu.results
+
+
+def test_dp_to_ddp_quotes_ddps_rank_measured_at_dataparallels_batch() -> None:
+    path = str(FILES / "wide_output.py")
+    result = compare_strategies(path, gpus=4, budget=8 * MiB, device="meta", max_batch=4096)
+    dp = result.result("dp")
+    advice = next(a for a in result.advice if a.code == "dp-to-ddp")
+    assert dp is not None and dp.max_global_batch is not None
+    # DDP alone at DataParallel's global batch, on GPUs too large to run out: its rank peak
+    alone = compare_strategies(path, gpus=4, budget=64 * MiB, strategies=["ddp"], device="meta",
+                               max_batch=dp.max_global_batch).results[0]  # fmt: skip
+    assert alone.max_global_batch == dp.max_global_batch  # (a multiple of 4 here)
+    rank = format_size(max(alone.per_device_peaks))
+    assert f"each rank peaks at {rank} at the same global batch (measured" in advice.evidence
+
+
+def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
+    path = str(FILES / "tuple_loss.py")
+    result = compare_strategies(path, gpus=2, budget=1 * MiB, device="meta", max_batch=64)
+    dp, ddp = result.result("dp"), result.result("ddp")
+    assert dp is not None and ddp is not None
+    # batch 1 runs on one replica (a scalar loss); at 2 DataParallel gathers two losses
+    assert dp.max_global_batch is None and dp.trials == ((1, True),)
+    assert dp.error is not None and dp.error.startswith(
+        "the dp step raised RuntimeError at global batch 2: grad can be implicitly created"
+    )
+    assert "a vector of 2" in dp.error and "`.mean()`" in dp.error
+    assert ddp.error is None and ddp.max_global_batch is not None and ddp.max_global_batch > 2
+    assert not any(a.code in ("switch-to-ddp", "dp-to-ddp", "fsdp-gpus") for a in result.advice)
+    assert json.loads(result.to_json())["strategies"][0]["error"] == dp.error
+    out = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
+                                   "1MiB", "--max-batch", "64"])  # fmt: skip
+    assert out.exit_code == 3, out.output  # a step failed; the table is printed all the same
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["dp"], ["ddp"])}  # fmt: skip
+    assert rows["dp"][1] == "failed" and rows["ddp"][1] == str(ddp.max_global_batch)
+    assert "dp: failed: the dp step raised RuntimeError at global batch 2" in out.stdout
+    # when every strategy fails, the command fails with their errors (exit 3)
+    alone = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
+                                     "1MiB", "--strategies", "dp"])  # fmt: skip
+    assert alone.exit_code == 3 and "the dp step raised RuntimeError" in alone.stderr
+    twice = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2",
+                                     "--budget", "1MiB", "--strategies", "fsdp,fsdp"])  # fmt: skip
+    assert twice.exit_code == 2 and "each strategy once" in twice.stderr

@@ -47,9 +47,11 @@ class DdpEstimate:
         top: the primary device's peak under DataParallel.
         mean: the mean peak of the other devices (a replica's).
         buckets: DDP's bucket copy of the gradients (0 with ``gradient_as_bucket_view``).
-        loss: the loss on a rank's share of the outputs, and its gradient (a heuristic).
-        per_device: DDP's estimated per-rank peak.
+        loss: the loss on the rank's share of the outputs, and its gradient (a heuristic).
+        per_device: DDP's per-rank peak: measured at the same global batch when
+            ``measured_peak``, else estimated.
         largest_batches: measured largest global batches ``(DataParallel, DDP)``, if any.
+        measured_peak: whether ``per_device`` was measured (DDP run on the same devices).
     """
 
     top: int
@@ -58,6 +60,7 @@ class DdpEstimate:
     loss: int
     per_device: int
     largest_batches: tuple[int | None, int | None] | None
+    measured_peak: bool = False
 
     @property
     def measured(self) -> bool:
@@ -65,15 +68,24 @@ class DdpEstimate:
         dp_b, ddp_b = self.largest_batches or (None, None)
         return dp_b is not None or ddp_b is not None
 
+    @property
+    def tie(self) -> bool:
+        """Whether DDP and DataParallel fit the same largest global batch (measured)."""
+        dp_b, ddp_b = self.largest_batches or (None, None)
+        return self.measured and dp_b == ddp_b
+
     def imbalance(self, primary: str) -> str:
         """How much more ``primary`` holds than the others, for the titles."""
         return f"DataParallel puts {self.top / self.mean:.1f}x the memory on {primary}"
 
     @property
     def saves(self) -> bool:
-        """Whether DDP saves memory: fits a larger global batch, else a lower estimated peak."""
+        """Whether DDP saves memory: fits a larger global batch, or the same one (or, with no
+        measured batches, any) at a lower peak per device than the primary's."""
         dp_b, ddp_b = self.largest_batches or (None, None)
-        return (ddp_b or 0) > (dp_b or 0) if self.measured else self.per_device < self.top
+        if self.measured and not self.tie:
+            return (ddp_b or 0) > (dp_b or 0)
+        return self.per_device < self.top
 
 
 def dp_to_ddp(
@@ -86,6 +98,7 @@ def dp_to_ddp(
     parameter_bytes: int = 0,
     gathered_output_bytes: int = 0,
     largest_batches: tuple[int | None, int | None] | None = None,
+    ddp_peak: int | None = None,
 ) -> Advice | None:
     """``dp-to-ddp``: under ``nn.DataParallel`` the primary device holds far more than the rest,
     and what DDP would cost instead.
@@ -99,14 +112,18 @@ def dp_to_ddp(
         parameter_bytes: the parameters (for DDP's optimizer-step floor).
         gathered_output_bytes: the outputs DataParallel gathers on ``primary`` per forward.
         largest_batches: measured largest global batches ``(DataParallel, DDP)``, when known.
+        ddp_peak: DDP's per-rank peak measured at the same global batch (the strategy
+            comparison runs it); it replaces the estimate.
 
     DDP's per-rank peak is estimated as the larger of a replica's peak (its weight copy, its
     share of the activations and its gradients before the reduction) plus DDP's buckets, the
     optimizer state and the loss on the rank's share of the outputs (that share and its
-    gradient, twice ``gathered_output_bytes / N``: a heuristic), and parameters + gradients +
-    buckets + optimizer state (the optimizer step). Measured largest batches, when given,
-    decide whether DDP fits more. The rule advises DDP for memory only when that estimate (or
-    the measurement) says it saves memory.
+    gradient, twice ``gathered_output_bytes / N``: a heuristic, right where the loss runs
+    outside the model; where the model computes it, the share is kept once), and parameters +
+    gradients + buckets + optimizer state (the optimizer step); ``ddp_peak`` replaces it.
+    Measured largest batches, when given, decide whether DDP fits more; at the same largest
+    batch, the lower peak per device decides. The rule advises DDP for memory
+    only when that estimate (or the measurement) says it saves memory.
 
         >>> a = dp_to_ddp({"cuda:0": 50 * MiB, "cuda:1": 40 * MiB}, "cuda:0",
         ...               gradient_bytes=8 * MiB, optimizer_state_bytes=8 * MiB)
@@ -123,7 +140,9 @@ def dp_to_ddp(
     fixed = buckets + optimizer_state_bytes
     loss = 2 * gathered_output_bytes // len(peaks)
     ddp = max(int(mean) + fixed + loss, parameter_bytes + gradient_bytes + fixed)
-    est = DdpEstimate(top, mean, buckets, loss, ddp, largest_batches)
+    if ddp_peak is not None:
+        ddp = ddp_peak
+    est = DdpEstimate(top, mean, buckets, loss, ddp, largest_batches, ddp_peak is not None)
     evidence = _dp_evidence(peaks, primary, est, gradient_bytes, optimizer_state_bytes)
     if not est.saves:
         return _keep_data_parallel(est, primary, len(peaks), evidence)
@@ -143,7 +162,10 @@ def _dp_evidence(
     others = len(peaks) - 1
     table = ", ".join(f"{k} {format_size(v)}" for k, v in peaks.items())
     estimate = (
-        f"Under DDP each rank would peak near {format_size(ddp)} (estimated: a replica's "
+        f"Under DDP each rank peaks at {format_size(ddp)} at the same global batch (measured "
+        "on these devices: its replica, gradients, their bucket copy and the optimizer state)"
+        if est.measured_peak
+        else f"Under DDP each rank would peak near {format_size(ddp)} (estimated: a replica's "
         f"{format_size(int(est.mean))} + DDP's bucket copy of the gradients "
         f"({format_size(est.buckets)}) + the optimizer state ({format_size(optimizer_state_bytes)})"
         f" + the loss on its share of the outputs ({format_size(est.loss)}), on every device)"
@@ -171,6 +193,10 @@ def _keep_data_parallel(est: DdpEstimate, primary: str, n: int, evidence: str) -
             f"{est.imbalance(primary)}, but DDP would not "
             f"save memory here (about {format_size(ddp)} per device vs {format_size(top)})"
             if not est.measured
+            else f"{est.imbalance(primary)}, but DDP fits the same global batch here "
+            f"({dp_b or '-'}) at no lower peak ({format_size(ddp)} per device vs "
+            f"{format_size(top)})"
+            if est.tie
             else f"{est.imbalance(primary)}, but DDP "
             f"fits a smaller global batch here ({ddp_b or '-'} vs {dp_b or '-'})"
         ),
@@ -196,6 +222,9 @@ def _switch_to_ddp(est: DdpEstimate, primary: str, n: int, evidence: str) -> Adv
         title=(
             f"{est.imbalance(primary)}; DDP would peak near {format_size(ddp)} per device"
             if not est.measured
+            else f"{est.imbalance(primary)}; DDP fits the same global batch ({dp_b}) at "
+            f"{format_size(ddp)} per device against {format_size(top)} on {primary}"
+            if est.tie
             else f"{est.imbalance(primary)}; DDP fits a "
             f"global batch of {ddp_b} (DataParallel {dp_b or '-'})"
         ),

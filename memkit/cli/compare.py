@@ -4,11 +4,15 @@ DataParallel, DDP and FSDP2 on N virtual devices (:mod:`memkit.strategies`)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from memkit.cli.streams import _user_output_to_stderr
 from memkit.cli.targets import _budget_bytes, _check_host_backs
+
+if TYPE_CHECKING:
+    from memkit.strategies import StepTarget
 
 
 def _compare(
@@ -24,13 +28,15 @@ def _compare(
     steps: int = 2,
     ignored: dict[str, bool],
     context: int = 0,
+    target: StepTarget | None = None,
 ) -> None:
     """``--gpus N [--strategies dp,ddp,fsdp]``: the strategies on N virtual devices
     (memkit.strategies).
 
     ``ignored``: the command's options the comparison does not use, and whether each was
     given (a given one is refused, never silently dropped). ``context``: bytes each device
-    loses to the CUDA context before PyTorch allocates (``memkit estimate`` on meta).
+    loses to the CUDA context before PyTorch allocates and ``target`` the GPU's step rules
+    (``memkit estimate`` on meta).
     """
     import dataclasses
 
@@ -77,14 +83,16 @@ def _compare(
         result = compare_strategies(
             file, gpus=gpus, budget=[size - context for size in sizes] if len(sizes) > 1
             else sizes[0] - context, strategies=names, device=device, steps=steps,
-            seq_len=seq_len[0] if seq_len else None, max_batch=max_batch,
+            seq_len=seq_len[0] if seq_len else None, max_batch=max_batch, target=target,
         )  # fmt: skip
     if context:
         result = dataclasses.replace(result, notes=(
             f"meta tensors: each GPU's memory less a {format_size(context)} CUDA context; "
-            "tensor bytes, without the caching allocator's rounding or cuBLAS's workspace "
-            "(memkit estimate models both for one card)", *result.notes,
+            "tensor bytes and workspaces, without the caching allocator's rounding and "
+            "segments (memkit estimate models them for one card)", *result.notes,
         ))  # fmt: skip
     click.echo(result.to_json() if as_json else str(result))
+    if any(r.error is not None for r in result.results):
+        sys.exit(3)  # a strategy's step failed (the others' results are above)
     if any(r.max_global_batch is None for r in result.results):
         sys.exit(1)

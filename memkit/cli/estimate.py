@@ -83,15 +83,18 @@ def estimate_command(
     memkit estimate examples/gpt2_small.py --device-memory 24GiB --seq-len 1024 --amp bf16
     """
     if gpus is not None or strategies is not None:
-        from memkit.estimation import DEVICE_FAMILIES
+        from memkit.estimation import AMP_DTYPES
+        from memkit.estimation.families import target_card
+        from memkit.estimation.target_step import TargetStep
 
+        card = target_card(arch, device_memory, context, None)
+        target = TargetStep(card, attention, None if amp is None else AMP_DTYPES[amp])
         _compare(
             file, gpus, strategies, device_memory, device="meta", max_batch=max_batch,
             seq_len=seq_len, as_json=as_json,
-            ignored={"--mode": mode != "train", "--amp": amp is not None,
-                     "--attention": attention != "auto", "--min-batch": min_batch != 1,
+            ignored={"--mode": mode != "train", "--min-batch": min_batch != 1,
                      "--margin": margin is not None},
-            context=DEVICE_FAMILIES[arch].context_bytes if context is None else context,
+            context=card.context_bytes, target=target,
         )  # fmt: skip
         return
     from memkit.estimation import DEFAULT_MARGIN, estimate

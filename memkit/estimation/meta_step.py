@@ -29,7 +29,16 @@ from memkit.probing.step import StepPlan, call_model, to_device
 from memkit.simulated.accountant import MemoryAccountant, storages_of, tensors_of
 from memkit.simulated.allocator import CachingAllocatorModel
 
-__all__ = ["META", "MetaSession", "StepRecorder", "TargetMode", "TrialPeaks", "run_guarded"]
+__all__ = [
+    "META",
+    "MetaSession",
+    "StepRecorder",
+    "TargetMode",
+    "TrialPeaks",
+    "run_guarded",
+    "target_mode",
+    "target_rules_on",
+]
 
 META = torch.device("meta")
 
@@ -165,6 +174,24 @@ class TargetMode(TorchFunctionMode):
         if kernel == "math":
             return func(*args, **kw)
         return fused_attention(query, key, value, kernel, self.sm)
+
+
+def target_mode(
+    policy_dtype: torch.dtype | None, attention: str, sm: int, *, inference: bool = False
+) -> TargetMode:
+    """A fresh :class:`TargetMode` for one step: autocast's policy for ``policy_dtype`` (none
+    for fp32), the attention kernel request and the target's compute capability."""
+    policy = None if policy_dtype is None else AutocastPolicy(policy_dtype, inference=inference)
+    return TargetMode(policy, attention, sm)
+
+
+@contextlib.contextmanager
+def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
+    """Run the block as the target runs a step: ``mode``'s rules above autograd, and eager even
+    for a ``torch.compile``'d model (TorchDynamo does not compile under the accountant, and the
+    unaccounted warm-up must run what is counted)."""
+    with torch.compiler.set_stance("force_eager"), mode:
+        yield mode
 
 
 _SAME_DTYPE_OPS = frozenset(
@@ -348,19 +375,13 @@ class MetaSession:
 
     def _mode(self) -> TargetMode:
         inference = self.plan.mode == "infer"
-        policy = (
-            None
-            if self.policy_dtype is None
-            else AutocastPolicy(self.policy_dtype, inference=inference)
-        )
-        return TargetMode(policy, self.attention, self.sm)
+        return target_mode(self.policy_dtype, self.attention, self.sm, inference=inference)
 
     def step(self, batch_size: int) -> None:
-        """One step on meta, eager even for a ``torch.compile``'d model: TorchDynamo does not
-        compile under the accountant, and the unaccounted warm-up must run what is counted."""
+        """One step on meta under the target's rules (:func:`target_rules_on`)."""
         mode = self._mode()
         batch = self.batch(batch_size)
-        with torch.compiler.set_stance("force_eager"), mode:
+        with target_rules_on(mode):
             if self.plan.mode == "infer":
                 self._infer(batch)
             else:

@@ -13,7 +13,9 @@ allocates a second, separate workspace per (handle, stream) of ``CUBLASLT_WORKSP
 1024 by default (capped at the cuBLAS workspace). 1 MiB is a small-pool request.
 
 :class:`KernelWorkspaces` watches the aten ops of a meta step and allocates each workspace in
-the allocator model the first time its thread would create it.
+the allocator model the first time its thread would create it. Given ``device_of``, it keeps
+them per device as well (the handles are per device and thread): the ``--gpus`` comparison of
+``memkit estimate`` gives each virtual GPU its own.
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ class KernelWorkspaces(TorchDispatchMode):
         allocate: ``allocate(key, nbytes)``, the allocator model's ``malloc``.
         cublas_bytes: one cuBLAS workspace (``0``: no workspaces at all).
         cublaslt_bytes: one cuBLASLt workspace (capped at ``cublas_bytes``, as PyTorch does).
+        device_of: the device an op ran on, from its output (``None``: one device); the
+            workspaces are then keyed by it too, and ``allocate`` gets it as the key's last item.
 
     Attributes:
         allocated: bytes of the workspaces created so far.
-        created: their keys, ``("cublas" | "cublaslt", "forward" | "backward")``.
+        created: their keys, ``("cublas" | "cublaslt", "forward" | "backward")`` (and the
+            device, with ``device_of``).
     """
 
     def __init__(
@@ -76,16 +81,17 @@ class KernelWorkspaces(TorchDispatchMode):
         allocate: Callable[[Hashable, int], None],
         cublas_bytes: int,
         cublaslt_bytes: int = CUBLASLT_WORKSPACE_BYTES,
+        device_of: Callable[[Any], Hashable] | None = None,
     ) -> None:
         super().__init__()
         self._allocate = allocate
         self.cublas_bytes = cublas_bytes
         self.cublaslt_bytes = min(cublaslt_bytes, cublas_bytes)
+        self._device_of = device_of
         self.allocated = 0
-        self.created: list[tuple[str, str]] = []
+        self.created: list[tuple[Hashable, ...]] = []
 
-    def _ensure(self, kind: str, thread: str, nbytes: int) -> None:
-        key = (kind, thread)
+    def _ensure(self, key: tuple[Hashable, ...], nbytes: int) -> None:
         if nbytes <= 0 or key in self.created:
             return
         self.created.append(key)
@@ -99,7 +105,8 @@ class KernelWorkspaces(TorchDispatchMode):
         if name in CUBLAS_OPS and self.cublas_bytes:
             # autograd's engine runs backward on its own thread on a GPU (here: a node is set)
             thread = "forward" if torch._C._current_autograd_node() is None else "backward"
-            self._ensure("cublas", thread, self.cublas_bytes)
+            where = () if self._device_of is None else (self._device_of(out),)
+            self._ensure(("cublas", thread, *where), self.cublas_bytes)
             if uses_cublaslt(name, args, kwargs):
-                self._ensure("cublaslt", thread, self.cublaslt_bytes)
+                self._ensure(("cublaslt", thread, *where), self.cublaslt_bytes)
         return out

@@ -23,7 +23,9 @@ def _header(comparison: StrategyComparison) -> list[str]:
 def _rows(comparison: StrategyComparison) -> list[list[str]]:
     rows = []
     for r in comparison.results:
-        batch = "-" if r.max_global_batch is None else str(r.max_global_batch)
+        batch = (
+            "failed" if r.error else "-" if r.max_global_batch is None else str(r.max_global_batch)
+        )
         peaks = [format_size(p) for p in r.per_device_peaks]
         peaks += ["-"] * (comparison.gpus - len(peaks))  # nothing fit: no peak at any size
         rows.append([r.strategy, batch, *peaks, format_size(r.excess_bytes)])
@@ -31,10 +33,12 @@ def _rows(comparison: StrategyComparison) -> list[list[str]]:
 
 
 def _remarks(comparison: StrategyComparison) -> list[str]:
-    """What the table does not say: what lives on cuda:0 only, the largest unit FSDP
-    all-gathers, why DDP fits no larger batch than DataParallel."""
+    """What the table does not say: why a strategy failed, what lives on cuda:0 only, the
+    largest unit FSDP all-gathers, DDP against DataParallel when it fits no larger batch."""
     lines: list[str] = []
     for r in comparison.results:
+        if r.error:
+            lines.append(f"{r.strategy}: failed: {r.error}")
         if r.excess_parts:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
             lines.append(f"{r.strategy}: on cuda:0 only: {parts}")
@@ -46,15 +50,18 @@ def _remarks(comparison: StrategyComparison) -> list[str]:
             f"{name or 'the root'} ({format_size(size)} unsharded)"
         )
     dp, ddp = comparison.result("dp"), comparison.result("ddp")
-    if (
-        dp is not None
-        and ddp is not None
-        and dp.max_global_batch is not None
-        and (ddp.max_global_batch or 0) <= dp.max_global_batch
-    ):
+    if dp is None or ddp is None or dp.max_global_batch is None:
+        return lines
+    if (ddp.max_global_batch or 0) < dp.max_global_batch:
         lines.append(
-            "ddp fits no larger global batch here: each rank holds its own gradients, their "
+            "ddp fits a smaller global batch here: each rank holds its own gradients, their "
             "bucket copy and optimizer state, which DataParallel keeps on cuda:0 only"
+        )
+    elif ddp.max_global_batch == dp.max_global_batch:
+        lines.append(
+            f"ddp and dp fit the same global batch; at it each ddp rank peaks at "
+            f"{format_size(max(ddp.per_device_peaks))}, dp's cuda:0 at "
+            f"{format_size(dp.per_device_peaks[0])}"
         )
     return lines
 

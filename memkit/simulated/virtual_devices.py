@@ -223,6 +223,23 @@ class VirtualDevices(MemoryAccountant):
             self._place(list(tensors_of(objects)), index)
         return self
 
+    def hold(self, index: int, nbytes: int) -> None:
+        """Count ``nbytes`` that no tensor holds on device ``index`` until the block ends (a
+        kernel's workspace, which PyTorch keeps once made); past the budget it raises
+        ``torch.OutOfMemoryError`` as an allocation would."""
+        self._check_index(index)
+        if index == HOST or nbytes <= 0:
+            return
+        with self._lock:
+            budget = self.budgets[index]
+            if budget is not None and self._cur[index] + nbytes > budget:
+                self.num_ooms += 1
+                raise torch.OutOfMemoryError(self._oom_on(index, nbytes))
+            self._cur[index] += nbytes
+            self._current += nbytes
+            self.num_allocs += 1
+            self._raise_peaks(index)
+
     def _register_on(self, pending: dict[int, tuple[Any, int]], index: int) -> None:
         # caller holds the lock
         for key, (storage, nbytes) in pending.items():
@@ -233,6 +250,10 @@ class VirtualDevices(MemoryAccountant):
             self._cur[index] += nbytes
             self._current += nbytes
             self.num_allocs += 1
+        self._raise_peaks(index)
+
+    def _raise_peaks(self, index: int) -> None:
+        # caller holds the lock
         if self._cur[index] > self._peaks[index]:
             self._peaks[index] = self._cur[index]
         if self._cur[index] > self._windows[index]:
