@@ -287,8 +287,10 @@ def test_attention_kernel_assumption_changes_long_sequence_peak(files: dict[str,
     assert any("cuDNN attention" in a for a in hopper.assumptions)
 
 
-def _qkv(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    shapes = ((2, heads, 64, dim), (2, kv_heads, 64, dim), (2, kv_heads, 64, dim))
+def _qkv(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, keys: int = 64
+) -> list[torch.Tensor]:
+    shapes = ((2, heads, 64, dim), (2, kv_heads, keys, dim), (2, kv_heads, keys, dim))
     return [torch.empty(s, device="meta", dtype=dtype, requires_grad=True) for s in shapes]
 
 
@@ -304,6 +306,34 @@ def test_attention_kernel_choice_follows_sdp_utils() -> None:
     assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 80) == "math"  # not 4-aligned
     assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 75) == "efficient"
     assert choose_kernel("flash", *_qkv(8, 8, 64, fp32), None, 80) == "efficient"
+    # is_causal, key and query lengths differ: no flash (check_flash_causal_non_square_seqlens)
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16, keys=32), None, 80, 0.0, True) == (
+        "efficient"
+    )
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16, keys=32), None, 80, 0.0, False) == "flash"
+
+
+def test_efficient_alignment_is_sdp_utils_minimum_gemm_alignment() -> None:
+    fp16, fp32 = torch.float16, torch.float32
+    # sm70 runs fp16 on tensor cores: head dims must be multiples of 8, as from sm75
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 70) == "math"
+    assert choose_kernel("auto", *_qkv(4, 4, 16, fp16), None, 70) == "efficient"
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 75) == "math"
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 60) == "efficient"  # no tensor cores
+    assert choose_kernel("auto", *_qkv(4, 4, 6, fp32), None, 70) == "efficient"  # fp32, < sm80: 1
+
+
+def test_flash_on_sm86_to_89_refuses_training_head_dims_over_192() -> None:
+    bf16 = torch.bfloat16
+    for sm in (86, 89):
+        assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.1) == "efficient"
+        assert choose_kernel("auto", *_qkv(2, 2, 208, bf16), None, sm, 0.0) == "efficient"
+        assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.0) == "flash"
+        assert choose_kernel("auto", *_qkv(2, 2, 192, bf16), None, sm, 0.1) == "flash"
+        with torch.no_grad():  # no gradient: flash's forward takes any head dim up to 256
+            assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.1) == "flash"
+    assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, 80, 0.1) == "flash"
+    assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, 90, 0.1) == "flash"
 
 
 def test_flash_footprint_pads_odd_heads_and_expands_grouped_query_grads() -> None:

@@ -51,7 +51,10 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
     for f in (
         DeviceFamily("volta", 70, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "V100"),
         DeviceFamily("turing", 75, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "T4, RTX 2080"),
-        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A100, A10, RTX 3090"),
+        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A100, A30"),
+        DeviceFamily(
+            "ampere-sm86", 86, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A10, A40, RTX 3090, RTX A6000"
+        ),
         DeviceFamily("ada", 89, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "L4, L40S, RTX 4090"),
         DeviceFamily("hopper", 90, 600 * _MIB, _HOPPER_WORKSPACE, "H100, H200"),
         DeviceFamily("blackwell", 100, 700 * _MIB, _HOPPER_WORKSPACE, "B200"),
