@@ -699,3 +699,26 @@ def test_a_compiled_model_is_counted_eagerly_and_the_reports_say_so(tmp_path: Pa
     assert any(d.startswith("torch.compile:") for d in probed.defaults)
     assert any(d.startswith("torch.compile:") for d in json.loads(probed.to_json())["defaults"])
     assert "torch.compile:" in str(probed)
+
+
+def test_a_spec_returning_a_live_model_leaves_it_in_place_and_copies_no_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from memkit.modelfile import ModelSpec
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model.register_buffer("scale", torch.ones(4))
+    model[0].weight.requires_grad_(False)  # frozen: the copy has no gradient for it either
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+
+    def no_tensor_copies(self: torch.Tensor, memo: dict[int, object]) -> torch.Tensor:
+        raise AssertionError("a tensor's data was deep-copied")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", no_tensor_copies)
+    spec = ModelSpec("notebook", lambda: model, lambda n: torch.randn(n, 16))
+    est = estimate(spec, device_memory="1GiB", max_batch=64)
+    assert est.max_batch_size == 64
+    assert (est.num_parameters, est.trainable_parameters) == (16 * 32 + 32 + 32 * 4 + 4, 32 + 132)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert not model[0].weight.requires_grad and model[2].weight.requires_grad
