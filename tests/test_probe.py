@@ -821,3 +821,37 @@ def test_sparse_gradients_get_a_note_that_the_answer_depends_on_the_batchs_value
     assert notes and "users, items" in notes[0]
     dense = probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
     assert not [d for d in dense.defaults if d.startswith("sparse gradients")]
+
+
+def test_the_python_api_refuses_a_make_batch_that_ignores_its_batch_size():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    with pytest.raises(ConfigError, match="ignore its batch_size"):
+        probe(model, lambda n: torch.randn(4, 32), device="cpu", budget="16MiB")
+
+
+def test_the_python_api_takes_any_batch_that_grows_and_leaves_the_rng_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def sequence_first(n: int) -> torch.Tensor:
+        return torch.randn(5, n, 32)  # (seq, batch, features): the batch on dimension 1
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    result = probe(model, sequence_first, device="cpu", budget="16MiB", max_batch=8)
+    assert torch.equal(torch.rand(3), expected)
+    assert "batch dimension: 1 (inferred from make_batch(1) and make_batch(2))" in result.defaults
+    # a list of one tensor a sample: the count grows, no dimension does; the step is the caller's
+    listed = probe(
+        model, lambda n: [torch.randn(32) for _ in range(n)], device="cpu", budget="16MiB",
+        max_batch=4, train_step=lambda m, batch, opt: m(torch.stack(batch)).sum().backward(),
+    )  # fmt: skip
+    assert listed.max_batch_size == 4
+
+
+def test_a_make_batch_that_cannot_take_the_batch_size_is_a_config_error():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"make_batch\(batch_size\): its signature is \(\)"):
+        probe(model, lambda: torch.randn(2, 4), device="cpu", budget="16MiB")
+    with pytest.raises(ConfigError, match="must be a function"):
+        probe(model, 32, device="cpu", budget="16MiB")  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import itertools
 import logging
 import warnings
@@ -47,7 +48,7 @@ from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.state import SavedState
-from memkit.probing.step import StepPlan, check_batch
+from memkit.probing.step import StepPlan, check_batch, check_batch_grows
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
 from memkit.simulated.eager import eager_note, is_compiled
@@ -213,12 +214,20 @@ def probe_with(
     progress: bool = False,
     defaults: Sequence[str] = (),
     step_label: str | None = None,
+    model_file: str | None = None,
 ) -> ProbeResult:
     """:func:`probe` with its search and trials as one :class:`ProbeOptions` (what the command
-    line and Lightning's ``probe_batch_size`` build); the other arguments as in :func:`probe`."""
+    line and Lightning's ``probe_batch_size`` build); the other arguments as in :func:`probe`.
+
+    Before any trial, the batches for ``min_batch`` and ``min_batch + 1`` are made (the RNG
+    left as it was) and checked: with ``model_file`` (the file ``make_batch`` comes from), as
+    the model-file protocol asks (:func:`~memkit.probing.step.check_batch`); without it, only
+    that they differ (:func:`~memkit.probing.step.check_batch_grows`)."""
     opts = options
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
+    layout = _check_batches(make_batch, opts, model_file)
+    defaults = list(defaults) if layout is None else [layout, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
         defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
@@ -384,13 +393,64 @@ def _without_accumulation(best: int, records: dict[int, ProbeTrial]) -> str:
 
 
 def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> None:
-    """The :class:`ConfigError` when a sequence length is given to a ``make_batch`` that takes
-    none."""
+    """The :class:`ConfigError` when ``make_batch`` is not a function of the batch size (and
+    of the sequence length, when one is given)."""
+    if not callable(make_batch):
+        raise ConfigError(
+            f"make_batch must be a function make_batch(batch_size) -> batch, found "
+            f"{type(make_batch).__name__}"
+        )
     if seq_len is not None and not accepts_seq_len(make_batch):
         raise ConfigError(
             f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
             "define make_batch(batch_size, seq_len)"
         )
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):  # a builtin without one: its call will tell
+        return
+    try:
+        signature.bind(1, *([] if seq_len is None else [seq_len]))
+    except TypeError as error:
+        call = "make_batch(batch_size)" if seq_len is None else "make_batch(batch_size, seq_len)"
+        raise ConfigError(
+            f"make_batch cannot be called as {call}: its signature is {signature} ({error}); "
+            "define make_batch(batch_size) or make_batch(batch_size, seq_len) (then pass "
+            "seq_len=)"
+        ) from error
+
+
+def _check_batches(
+    make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
+) -> str | None:
+    """Make the batches for ``min_batch`` and ``min_batch + 1`` (the RNG states as they were
+    after) and check them; the note for a batch dimension that is not the first."""
+    low, where = opts.min_batch, f"make_batch({opts.min_batch})"
+    rng = devices.rng_state()
+    try:
+        small, big = (
+            _sample_batch(make_batch, n, opts.seq_len, model_file) for n in (low, low + 1)
+        )
+    finally:
+        devices.restore_rng_state(rng)
+    if model_file is not None:
+        return check_batch(small, low, f"{where} in {model_file}", bigger=big)
+    return check_batch_grows(small, big, low, where)
+
+
+def _sample_batch(
+    make_batch: Callable[..., Any], batch_size: int, seq_len: int | None, model_file: str | None
+) -> Any:
+    args = (batch_size,) if seq_len is None else (batch_size, seq_len)
+    what = f"make_batch({', '.join(map(str, args))})"
+    if model_file is not None:
+        return call_user(make_batch, *args, what=what, path=model_file)
+    try:
+        return make_batch(*args)
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        raise UserCodeError(f"{what} raised {type(exc).__name__}: {exc}", exc) from exc
 
 
 def _has_batch_norm(model: torch.nn.Module) -> bool:
@@ -672,18 +732,8 @@ def probe_file(
             "probe's device); `memkit estimate` is the command that runs on meta tensors"
         )
     model = model.to(get_backend(device, budget).device)
-    first_len, low = lengths[0], opts.min_batch
-    samples = [
-        call_user(
-            spec.make_batch, *([n] if first_len is None else [n, first_len]),
-            what=f"make_batch({n})", path=spec.path,
-        )
-        for n in (low, low + 1)
-    ]  # fmt: skip
-    layout = check_batch(samples[0], low, f"make_batch({low}) in {spec.path}", bigger=samples[1])
-    del samples
     optimizer = None
-    defaults: list[str] = [] if layout is None else [layout]
+    defaults: list[str] = []
     if opts.mode == "train":
         optimizer, name = make_optimizer(spec, model)
         defaults.append(f"optimizer: {name}")
@@ -700,6 +750,7 @@ def probe_file(
             on_trial=on_trial,
             progress=progress,
             defaults=defaults,
+            model_file=spec.path,
         )
         for length in lengths
     ]
