@@ -308,10 +308,14 @@ def test_max_batch_cap_is_reported_as_such():
     assert result.trial(20).fits
 
 
-def test_model_on_another_device_is_a_clear_error():
+def test_a_model_on_meta_or_device_meta_is_refused_with_a_way_that_works():
     model = small_mlp().to("meta")
-    with pytest.raises(ConfigError, match="model is on meta"):
-        probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    for device in ("cpu", None):
+        with pytest.raises(ConfigError, match="model is on the meta device") as error:
+            probe(model, lambda n: torch.randn(n, 256), device=device, budget="8MiB")
+        assert "memkit.estimate" in str(error.value) and ".to(" not in str(error.value)
+    with pytest.raises(ConfigError, match="device='meta': probe runs real steps"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), device="meta", budget="8MiB")
 
 
 def test_call_model_by_batch_type():

@@ -76,6 +76,20 @@ def _resolve_backend(
     if device is None and model_device is not None and model_device.type not in ("cpu", "meta"):
         device = model_device
     backend = get_backend(device, budget)
+    if backend.device.type == "meta":
+        raise ConfigError(
+            "device='meta': probe runs real steps and measures them; meta tensors hold no "
+            "data. Use memkit.estimate (memkit estimate FILE --device-memory SIZE) for "
+            "meta-device estimates, or device='cpu', budget=SIZE for a simulated device that "
+            "runs the steps"
+        )
+    if model_device is not None and model_device.type == "meta":
+        raise ConfigError(
+            "the model is on the meta device: its tensors hold no data, so no step can run, "
+            "and it cannot be moved (there is nothing to copy). Build it on the CPU or the GPU "
+            "(device='cpu', budget=SIZE simulates a GPU of that size); memkit.estimate "
+            "(memkit estimate) is the tool that runs on meta tensors"
+        )
     if model_device is not None and model_device.type != backend.device.type:
         raise ConfigError(
             f"the model is on {model_device} but the probe runs on {backend.device}; move it "
@@ -146,7 +160,8 @@ def probe(
             sum of the output.
         train_step: ``train_step(model, batch, optimizer)`` replacing the default step.
         mode: ``"train"`` or ``"infer"`` (forward under ``torch.no_grad()``).
-        device: default: the model's accelerator, else the current one, else simulated cpu.
+        device: default: the model's accelerator, else the current one, else simulated cpu
+            (not ``"meta"``: the steps run; :func:`memkit.estimate` is the meta tool).
         budget: cap on the device's memory (on cpu: the simulated device's size).
         min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).
         steps: full steps per trial (2: optimizer state appears on the first).
