@@ -362,6 +362,11 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
         estimate(files["mlp"], device_memory="8GiB", arch="pascal")
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+    with pytest.raises(ConfigError, match="found Sequential; to estimate a model object"):
+        estimate(torch.nn.Sequential(), device_memory="8GiB")  # type: ignore[arg-type]
+    for lengths in ([64, 128], "128"):
+        with pytest.raises(ConfigError, match="seq_len must be a whole number"):
+            estimate(files["gpt2"], device_memory="8GiB", seq_len=lengths)  # type: ignore[arg-type]
 
 
 def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:

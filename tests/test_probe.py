@@ -859,3 +859,25 @@ def test_a_make_batch_that_cannot_take_the_batch_size_is_a_config_error():
         probe(model, lambda: torch.randn(2, 4), device="cpu", budget="16MiB")
     with pytest.raises(ConfigError, match="must be a function"):
         probe(model, 32, device="cpu", budget="16MiB")  # type: ignore[arg-type]
+
+
+def test_api_arguments_of_the_wrong_kind_are_config_errors_naming_them():
+    model, batch = small_mlp(), lambda n: torch.randn(n, 256)
+    with pytest.raises(ConfigError, match=r"min_batch must be a whole number, found 2.5 \(float\)"):
+        probe(model, batch, device="cpu", budget="8MiB", min_batch=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"model must be a torch\.nn\.Module, found function"):
+        probe(lambda x: x, batch, device="cpu", budget="8MiB")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="one probe per mode"):
+        ProbeOptions(mode="train,infer")
+    with pytest.raises(ConfigError, match=r"seq_len must be a whole number, found \[64, 128\]"):
+        ProbeOptions(seq_len=[64, 128])  # type: ignore[arg-type]
+
+
+def test_a_simulated_cpu_budget_above_the_available_ram_is_refused(monkeypatch):
+    from memkit.devices.host import HostMemory
+
+    monkeypatch.setattr(
+        memkit.devices, "host_memory", lambda: HostMemory(None, 64 << 20, 128 << 20)
+    )
+    with pytest.raises(ConfigError, match=r"budget=.1TiB.*available: 64\.00 MiB"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="1TiB")

@@ -90,6 +90,14 @@ def _resolve_backend(
             "(device='cpu', budget=SIZE simulates a GPU of that size); memkit.estimate "
             "(memkit estimate) is the tool that runs on meta tensors"
         )
+    if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
+        host = devices.host_memory()
+        if host.available is not None and backend.budget > host.available:
+            raise ConfigError(
+                f"budget={budget!r}: the simulated cpu device holds real tensors, so it can be "
+                f"at most the RAM this machine has available: {format_size(host.available)}; "
+                "give a smaller budget (or free some RAM), or use a real GPU (device='cuda')"
+            )
     if model_device is not None and model_device.type != backend.device.type:
         raise ConfigError(
             f"the model is on {model_device} but the probe runs on {backend.device}; move it "
@@ -239,6 +247,12 @@ def probe_with(
     the model-file protocol asks (:func:`~memkit.probing.step.check_batch`); without it, only
     that they differ (:func:`~memkit.probing.step.check_batch_grows`)."""
     opts = options
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"model must be a torch.nn.Module, found {type(model).__name__}: the probe saves "
+            "and restores its parameters, buffers and training flags around the trials; pass "
+            "the module (a plain function can be wrapped in one)"
+        )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
     layout = _check_batches(make_batch, opts, model_file)
