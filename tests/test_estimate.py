@@ -362,6 +362,9 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
         estimate(files["mlp"], device_memory="8GiB", arch="pascal")
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+    for context in (500, "500"):  # bytes: a unit left out
+        with pytest.raises(ConfigError, match=r"CUDA context of 500 B .* unit mistake"):
+            estimate(files["mlp"], device_memory="8GiB", context=context)
     with pytest.raises(ConfigError, match="found Sequential; to estimate a model object"):
         estimate(torch.nn.Sequential(), device_memory="8GiB")  # type: ignore[arg-type]
     for lengths in ([64, 128], "128"):

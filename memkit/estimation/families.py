@@ -116,11 +116,18 @@ def target_card(
     """The card of :func:`memkit.estimation.estimate`'s arguments (family defaults filled in).
 
     Raises:
-        ConfigError: an unknown family, or a card no larger than its CUDA context.
+        ConfigError: an unknown family, a card no larger than its CUDA context, or a context
+            below 1 MiB but not 0 (a size given without its unit).
     """
     family = family_of(device)
     total = parse_size(device_memory)
     context_bytes = family.context_bytes if context is None else parse_size(context)
+    if 0 < context_bytes < _MIB:
+        raise ConfigError(
+            f"a CUDA context of {format_size(context_bytes)} ({context!r}) is surely a unit "
+            "mistake: contexts take hundreds of MiB, and a size without a unit is bytes; give "
+            "one, e.g. 500MiB (0 for none)"
+        )
     if total <= context_bytes:
         raise ConfigError(
             f"device memory {format_size(total)} is not larger than the CUDA context "

@@ -91,8 +91,8 @@ def _resolve_backend(
             "(memkit estimate) is the tool that runs on meta tensors"
         )
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
-        host = devices.host_memory()
-        if host.available is not None and backend.budget > host.available:
+        host, size = devices.host_memory(), backend.budget
+        if host.available is not None and size is not None and size > host.available:
             raise ConfigError(
                 f"budget={budget!r}: the simulated cpu device holds real tensors, so it can be "
                 f"at most the RAM this machine has available: {format_size(host.available)}; "
