@@ -287,8 +287,10 @@ def test_attention_kernel_assumption_changes_long_sequence_peak(files: dict[str,
     assert any("cuDNN attention" in a for a in hopper.assumptions)
 
 
-def _qkv(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    shapes = ((2, heads, 64, dim), (2, kv_heads, 64, dim), (2, kv_heads, 64, dim))
+def _qkv(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, keys: int = 64
+) -> list[torch.Tensor]:
+    shapes = ((2, heads, 64, dim), (2, kv_heads, keys, dim), (2, kv_heads, keys, dim))
     return [torch.empty(s, device="meta", dtype=dtype, requires_grad=True) for s in shapes]
 
 
@@ -304,6 +306,34 @@ def test_attention_kernel_choice_follows_sdp_utils() -> None:
     assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 80) == "math"  # not 4-aligned
     assert choose_kernel("auto", *_qkv(8, 8, 6, fp32), None, 75) == "efficient"
     assert choose_kernel("flash", *_qkv(8, 8, 64, fp32), None, 80) == "efficient"
+    # is_causal, key and query lengths differ: no flash (check_flash_causal_non_square_seqlens)
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16, keys=32), None, 80, 0.0, True) == (
+        "efficient"
+    )
+    assert choose_kernel("auto", *_qkv(8, 8, 64, bf16, keys=32), None, 80, 0.0, False) == "flash"
+
+
+def test_efficient_alignment_is_sdp_utils_minimum_gemm_alignment() -> None:
+    fp16, fp32 = torch.float16, torch.float32
+    # sm70 runs fp16 on tensor cores: head dims must be multiples of 8, as from sm75
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 70) == "math"
+    assert choose_kernel("auto", *_qkv(4, 4, 16, fp16), None, 70) == "efficient"
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 75) == "math"
+    assert choose_kernel("auto", *_qkv(4, 4, 12, fp16), None, 60) == "efficient"  # no tensor cores
+    assert choose_kernel("auto", *_qkv(4, 4, 6, fp32), None, 70) == "efficient"  # fp32, < sm80: 1
+
+
+def test_flash_on_sm86_to_89_refuses_training_head_dims_over_192() -> None:
+    bf16 = torch.bfloat16
+    for sm in (86, 89):
+        assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.1) == "efficient"
+        assert choose_kernel("auto", *_qkv(2, 2, 208, bf16), None, sm, 0.0) == "efficient"
+        assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.0) == "flash"
+        assert choose_kernel("auto", *_qkv(2, 2, 192, bf16), None, sm, 0.1) == "flash"
+        with torch.no_grad():  # no gradient: flash's forward takes any head dim up to 256
+            assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, sm, 0.1) == "flash"
+    assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, 80, 0.1) == "flash"
+    assert choose_kernel("auto", *_qkv(2, 2, 256, bf16), None, 90, 0.1) == "flash"
 
 
 def test_flash_footprint_pads_odd_heads_and_expands_grouped_query_grads() -> None:
@@ -332,6 +362,14 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
         estimate(files["mlp"], device_memory="8GiB", arch="pascal")
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+    for context in (500, "500"):  # bytes: a unit left out
+        with pytest.raises(ConfigError, match=r"CUDA context of 500 B .* unit mistake"):
+            estimate(files["mlp"], device_memory="8GiB", context=context)
+    with pytest.raises(ConfigError, match="found Sequential; to estimate a model object"):
+        estimate(torch.nn.Sequential(), device_memory="8GiB")  # type: ignore[arg-type]
+    for lengths in ([64, 128], "128"):
+        with pytest.raises(ConfigError, match="seq_len must be a whole number"):
+            estimate(files["gpt2"], device_memory="8GiB", seq_len=lengths)  # type: ignore[arg-type]
 
 
 def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
@@ -669,3 +707,26 @@ def test_a_compiled_model_is_counted_eagerly_and_the_reports_say_so(tmp_path: Pa
     assert any(d.startswith("torch.compile:") for d in probed.defaults)
     assert any(d.startswith("torch.compile:") for d in json.loads(probed.to_json())["defaults"])
     assert "torch.compile:" in str(probed)
+
+
+def test_a_spec_returning_a_live_model_leaves_it_in_place_and_copies_no_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from memkit.modelfile import ModelSpec
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model.register_buffer("scale", torch.ones(4))
+    model[0].weight.requires_grad_(False)  # frozen: the copy has no gradient for it either
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+
+    def no_tensor_copies(self: torch.Tensor, memo: dict[int, object]) -> torch.Tensor:
+        raise AssertionError("a tensor's data was deep-copied")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", no_tensor_copies)
+    spec = ModelSpec("notebook", lambda: model, lambda n: torch.randn(n, 16))
+    est = estimate(spec, device_memory="1GiB", max_batch=64)
+    assert est.max_batch_size == 64
+    assert (est.num_parameters, est.trainable_parameters) == (16 * 32 + 32 + 32 * 4 + 4, 32 + 132)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert not model[0].weight.requires_grad and model[2].weight.requires_grad

@@ -308,10 +308,14 @@ def test_max_batch_cap_is_reported_as_such():
     assert result.trial(20).fits
 
 
-def test_model_on_another_device_is_a_clear_error():
+def test_a_model_on_meta_or_device_meta_is_refused_with_a_way_that_works():
     model = small_mlp().to("meta")
-    with pytest.raises(ConfigError, match="model is on meta"):
-        probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    for device in ("cpu", None):
+        with pytest.raises(ConfigError, match="model is on the meta device") as error:
+            probe(model, lambda n: torch.randn(n, 256), device=device, budget="8MiB")
+        assert "memkit.estimate" in str(error.value) and ".to(" not in str(error.value)
+    with pytest.raises(ConfigError, match="device='meta': probe runs real steps"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), device="meta", budget="8MiB")
 
 
 def test_call_model_by_batch_type():
@@ -835,3 +839,59 @@ def test_a_step_that_trains_only_the_optimizers_parameters_is_not_called_untrain
         optimizer=torch.optim.SGD(head.parameters(), lr=0.1),
     )  # fmt: skip
     assert not [d for d in result.defaults if "unchanged" in d]
+
+
+def test_the_python_api_refuses_a_make_batch_that_ignores_its_batch_size():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    with pytest.raises(ConfigError, match="ignore its batch_size"):
+        probe(model, lambda n: torch.randn(4, 32), device="cpu", budget="16MiB")
+
+
+def test_the_python_api_takes_any_batch_that_grows_and_leaves_the_rng_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def sequence_first(n: int) -> torch.Tensor:
+        return torch.randn(5, n, 32)  # (seq, batch, features): the batch on dimension 1
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    result = probe(model, sequence_first, device="cpu", budget="16MiB", max_batch=8)
+    assert torch.equal(torch.rand(3), expected)
+    assert "batch dimension: 1 (inferred from make_batch(1) and make_batch(2))" in result.defaults
+    # a list of one tensor a sample: the count grows, no dimension does; the step is the caller's
+    listed = probe(
+        model, lambda n: [torch.randn(32) for _ in range(n)], device="cpu", budget="16MiB",
+        max_batch=4, train_step=lambda m, batch, opt: m(torch.stack(batch)).sum().backward(),
+    )  # fmt: skip
+    assert listed.max_batch_size == 4
+
+
+def test_a_make_batch_that_cannot_take_the_batch_size_is_a_config_error():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"make_batch\(batch_size\): its signature is \(\)"):
+        probe(model, lambda: torch.randn(2, 4), device="cpu", budget="16MiB")
+    with pytest.raises(ConfigError, match="must be a function"):
+        probe(model, 32, device="cpu", budget="16MiB")  # type: ignore[arg-type]
+
+
+def test_api_arguments_of_the_wrong_kind_are_config_errors_naming_them():
+    model, batch = small_mlp(), lambda n: torch.randn(n, 256)
+    with pytest.raises(ConfigError, match=r"min_batch must be a whole number, found 2.5 \(float\)"):
+        probe(model, batch, device="cpu", budget="8MiB", min_batch=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"model must be a torch\.nn\.Module, found function"):
+        probe(lambda x: x, batch, device="cpu", budget="8MiB")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="one probe per mode"):
+        ProbeOptions(mode="train,infer")
+    with pytest.raises(ConfigError, match=r"seq_len must be a whole number, found \[64, 128\]"):
+        ProbeOptions(seq_len=[64, 128])  # type: ignore[arg-type]
+
+
+def test_a_simulated_cpu_budget_above_the_available_ram_is_refused(monkeypatch):
+    from memkit.devices.host import HostMemory
+
+    monkeypatch.setattr(
+        memkit.devices, "host_memory", lambda: HostMemory(None, 64 << 20, 128 << 20)
+    )
+    with pytest.raises(ConfigError, match=r"budget=.1TiB.*available: 64\.00 MiB"):
+        probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="1TiB")

@@ -123,6 +123,7 @@ def test_bad_model_files_exit_2_with_a_clear_error(name, expected):
     [
         (["--budget", "lots"], "lots"),
         (["--margin", "150"], "percentage"),
+        (["--margin", "0.05"], "margin=0.05 is 5%): write 5 or 5%"),
         (["--seq-len", "a,b"], "--seq-len"),
         (["--min-batch", "8", "--max-batch", "4"], "--max-batch"),
         (["--device", "gpu0"], "expected a device"),
@@ -134,6 +135,13 @@ def test_bad_options_exit_2(args, fragment):
     result = run(str(FILES / "ok_mlp.py"), *args)
     assert result.exit_code == 2
     assert fragment in result.output
+
+
+def test_a_margin_below_one_percent_needs_its_percent_sign():
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "8MiB",
+                 "--max-batch", "4", "--margin", "0.5%", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert '"margin": 0.005' in result.stdout
 
 
 def test_seq_len_needs_make_batch_with_seq_len():

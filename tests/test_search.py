@@ -170,6 +170,20 @@ def test_recommended_leaves_the_margin_in_bytes():
     assert result.margin_met
 
 
+def test_the_recommendation_has_no_smaller_size_that_needed_more_than_the_margin():
+    # reserved peaks need not grow with the batch (allocator rounding, a kernel changing with
+    # the shape): here size 4 peaks above the margin and the larger sizes below it again
+    def bumpy(b: int) -> float:
+        return 960 if b == 4 else 100 * b
+
+    fits, calls = oracle(bumpy, 10)
+    result = search_max_batch(fits, capacity_bytes=1000, margin=0.05)
+    assert result.max_batch_size == 10 and 4 in calls and 8 in calls  # 8 measured 800 <= 950
+    rec = result.recommended_batch_size
+    assert rec is not None and rec < 4 and result.margin_met
+    assert all(bumpy(t.batch_size) <= 950 for t in result.trials if t.fits and t.batch_size <= rec)
+
+
 def test_capacity_unknown_falls_back_to_doubling_bisection():
     fits, calls = oracle(linear, 123)
     result = search_max_batch(fits, capacity_bytes=None)

@@ -19,6 +19,12 @@ def _parse_margin(_ctx: click.Context, _param: click.Parameter, value: str | Non
         ) from None
     if not 0 <= pct < 100:
         raise click.BadParameter(f"expected a percentage in [0, 100), found {value!r}")
+    if 0 < pct < 1 and not value.strip().endswith("%"):
+        raise click.BadParameter(
+            f"{value!r} is a percentage here ({pct}%), and reads like a fraction (the Python "
+            f"API's margin={value} is {pct * 100:g}%): write {pct * 100:g} or {pct * 100:g}% "
+            f"for that, or {value}% for a margin below 1%"
+        )
     return pct / 100
 
 

@@ -34,11 +34,13 @@ Gradients of ``q``, ``k``, ``v`` have their shapes and dtypes. The numbers follo
 Choice (``"auto"``), for a target of compute capability ``sm`` (PyTorch's ``sdp_utils.cpp``):
 
 * **flash** when ``sm >= 80``, the inputs are fp16/bf16 and 4-D, the head dims agree and are at
-  most 256, there is no ``attn_mask``, and key/value have as many heads as the query or divide
-  them (grouped-query attention);
+  most 256, there is no ``attn_mask``, key/value have as many heads as the query or divide
+  them (grouped-query attention), ``is_causal`` comes with as many keys as queries, and, on
+  sm86-sm89 when a gradient is needed, the head dim is at most 192 (or over 224 without
+  dropout): flash's backward there takes no other;
 * else **memory-efficient** when ``sm >= 50``, the inputs are 4-D fp16/fp32 (bf16 from sm80),
-  and the head dim is a multiple of the kernel's alignment (8 for fp16/bf16 from sm75, 4 for
-  fp32 from sm80);
+  and the head dim is a multiple of ``minimum_gemm_alignment``: 8 for fp16/bf16 from sm70
+  (tensor cores), 4 for fp32 from sm80, 1 otherwise;
 * else **math**.
 
 On sm90/sm100, PyTorch builds with cuDNN newer than 9.15 try **cuDNN attention** first. Its
@@ -66,7 +68,13 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _flash_ok(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, sm: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    sm: int,
+    dropout_p: float,
+    is_causal: bool,
 ) -> bool:
     if sm < 80 or query.dtype not in _HALF or not _four_d(query, key, value):
         return False
@@ -77,20 +85,46 @@ def _flash_ok(
         and head <= 256
         and heads_kv == value.shape[1]
         and heads_q % heads_kv == 0
+        and not (is_causal and query.shape[-2] != key.shape[-2])
+        and _flash_trains_head_dim(query, key, value, sm, dropout_p)
     )
+
+
+def _flash_trains_head_dim(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm: int, dropout_p: float
+) -> bool:
+    """sdp_utils.cpp's ``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``:
+    on sm86-sm89 and sm120-sm121, flash's backward takes no head dim in (192, 224], nor one in
+    (224, 256] with dropout, so PyTorch does not pick flash when a gradient is needed."""
+    if not (86 <= sm <= 89 or 120 <= sm <= 121) or not _needs_grad(query, key, value):
+        return True
+    head = query.shape[-1]
+    return head <= 192 or (dropout_p == 0.0 and head > 224)
+
+
+def _needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
 
 def _efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm: int) -> bool:
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if sm >= 80 else ())
     if sm < 50 or query.dtype not in dtypes or not _four_d(query, key, value):
         return False
-    half_align, fp32_align = (8 if sm >= 75 else 1), (4 if sm >= 80 else 1)
-    align = half_align if query.dtype in _HALF else fp32_align
+    align = _gemm_alignment(query.dtype, sm)
     return (
         key.shape[-1] == query.shape[-1]
         and query.shape[-1] % align == 0
         and value.shape[-1] % align == 0
     )
+
+
+def _gemm_alignment(dtype: torch.dtype, sm: int) -> int:
+    """sdp_utils.cpp's ``minimum_gemm_alignment``: 4 from sm80 (1 before), raised to 128 bits
+    (8 halves, 4 floats) where tensor cores run: sm80+, and fp16/bf16 on sm70-sm75."""
+    half = dtype in _HALF
+    tensor_cores = sm >= 80 or (sm >= 70 and half)
+    align = 4 if sm >= 80 else 1
+    return max(align, 128 // (16 if half else 32)) if tensor_cores else align
 
 
 def _four_d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -106,12 +140,13 @@ def choose_kernel(
     attn_mask: torch.Tensor | None,
     sm: int,
     dropout_p: float = 0.0,
+    is_causal: bool = False,
 ) -> str:
     """The kernel that runs: ``requested`` unless it is ``"auto"`` or cannot take the inputs.
 
     PyTorch's CPU flash kernel takes no dropout (``torch._fused_sdp_choice`` on CPU answers
     MATH for ``dropout_p > 0``); the CUDA flash and memory-efficient kernels do."""
-    flash_ok = _flash_ok(query, key, value, attn_mask, sm)
+    flash_ok = _flash_ok(query, key, value, attn_mask, sm, dropout_p, is_causal)
     efficient_ok = _efficient_ok(query, key, value, sm)
     if requested == "cpu-flash":
         return "cpu-flash" if _four_d(query, key, value) and dropout_p == 0.0 else "math"
@@ -204,7 +239,7 @@ def fused_attention(
     """
     if kernel not in ("flash", "efficient", "cpu-flash"):
         raise ValueError(f"kernel must be 'flash', 'efficient' or 'cpu-flash', found {kernel!r}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = _needs_grad(query, key, value)
     out = _FusedAttention.apply(query, key, value, kernel, needs_grad, sm)
     assert isinstance(out, torch.Tensor)
     return out

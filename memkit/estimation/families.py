@@ -51,7 +51,10 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
     for f in (
         DeviceFamily("volta", 70, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "V100"),
         DeviceFamily("turing", 75, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "T4, RTX 2080"),
-        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A100, A10, RTX 3090"),
+        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A100, A30"),
+        DeviceFamily(
+            "ampere-sm86", 86, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A10, A40, RTX 3090, RTX A6000"
+        ),
         DeviceFamily("ada", 89, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "L4, L40S, RTX 4090"),
         DeviceFamily("hopper", 90, 600 * _MIB, _HOPPER_WORKSPACE, "H100, H200"),
         DeviceFamily("blackwell", 100, 700 * _MIB, _HOPPER_WORKSPACE, "B200"),
@@ -113,11 +116,18 @@ def target_card(
     """The card of :func:`memkit.estimation.estimate`'s arguments (family defaults filled in).
 
     Raises:
-        ConfigError: an unknown family, or a card no larger than its CUDA context.
+        ConfigError: an unknown family, a card no larger than its CUDA context, or a context
+            below 1 MiB but not 0 (a size given without its unit).
     """
     family = family_of(device)
     total = parse_size(device_memory)
     context_bytes = family.context_bytes if context is None else parse_size(context)
+    if 0 < context_bytes < _MIB:
+        raise ConfigError(
+            f"a CUDA context of {format_size(context_bytes)} ({context!r}) is surely a unit "
+            "mistake: contexts take hundreds of MiB, and a size without a unit is bytes; give "
+            "one, e.g. 500MiB (0 for none)"
+        )
     if total <= context_bytes:
         raise ConfigError(
             f"device memory {format_size(total)} is not larger than the CUDA context "

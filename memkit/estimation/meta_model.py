@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -11,22 +12,54 @@ from memkit.estimation.meta_step import META
 from memkit.modelfile import ModelSpec, build_model, make_optimizer
 from memkit.probing.runner import sparse_embeddings
 
-__all__ = ["build_meta_model", "build_target_optimizer", "refuse_sparse_gradients"]
+__all__ = [
+    "build_meta_model",
+    "build_target_optimizer",
+    "meta_copy",
+    "refuse_sparse_gradients",
+]
 
 log = logging.getLogger(__name__)
 
 
 def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
-    """``build_model()`` under ``torch.device("meta")``; tensors it put elsewhere move to meta."""
+    """``build_model()`` under ``torch.device("meta")``. When it put tensors elsewhere (or
+    returned a model that already existed, as a notebook's :class:`ModelSpec` may), a copy
+    on meta is estimated: the returned module itself is left as it was."""
     with torch.device(META):
         model = build_model(spec)
     off_meta = [
         t.device for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"
     ]
     if off_meta:
-        log.info("build_model() put tensors on %s; moving them to meta", off_meta[0])
-        model = model.to(META)
+        log.info("build_model() put tensors on %s; estimating a copy on meta", off_meta[0])
+        model = meta_copy(model, spec.path)
     return model
+
+
+def meta_copy(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same
+    shape, dtype and ``requires_grad``; no tensor data is copied and ``model`` is untouched.
+
+    Raises:
+        ConfigError: the model cannot be deep-copied.
+    """
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = torch.nn.Parameter(
+            torch.empty_like(param, device=META), requires_grad=param.requires_grad
+        )
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device=META)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as error:
+        raise ConfigError(
+            f"build_model() in {path} returned a {type(model).__name__} with tensors off meta, "
+            f"and memkit estimate could not copy it to meta without moving yours "
+            f"({type(error).__name__}: {error}); build it inside build_model() (memkit runs "
+            "that under torch.device('meta'))"
+        ) from error
 
 
 def refuse_sparse_gradients(model: torch.nn.Module, path: str) -> None:

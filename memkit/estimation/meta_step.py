@@ -169,7 +169,8 @@ class TargetMode(TorchFunctionMode):
         query, key, value = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
         dropout = float(bound.get("dropout_p") or 0.0)
-        kernel = choose_kernel(self.attention, query, key, value, mask, self.sm, dropout)
+        causal = bool(bound.get("is_causal", False))
+        kernel = choose_kernel(self.attention, query, key, value, mask, self.sm, dropout, causal)
         self.kernels.add(kernel)
         if kernel == "math":
             return func(*args, **kw)

@@ -86,7 +86,7 @@ def estimate(
     )
     _check_target_step(amp, attention)
     card = target_card(DEFAULT_FAMILY if arch is None else arch, device_memory, context, workspace)
-    spec = model_file if isinstance(model_file, ModelSpec) else load_model_file(model_file)
+    spec = _spec_of(model_file)
     if seq_len is not None:
         require_seq_len(spec, f"a sequence length ({seq_len})")
     model = build_meta_model(spec)
@@ -139,6 +139,29 @@ def estimate(
         advice=tuple(advice_for(search, session, breakdown, amp, mode, card)),
         seconds=time.perf_counter() - started,
     )
+
+
+def _spec_of(model_file: str | Path | ModelSpec) -> ModelSpec:
+    """The :class:`ModelSpec` of ``estimate``'s first argument.
+
+    Raises:
+        ConfigError: it is neither a path nor a ``ModelSpec`` (a model object, say).
+    """
+    if isinstance(model_file, ModelSpec):
+        return model_file
+    if not isinstance(model_file, str | Path):
+        hint = (
+            "; to estimate a model object, wrap it: ModelSpec('name', lambda: model, "
+            "make_batch) from memkit.modelfile (memkit estimates a meta copy and leaves the "
+            "model as it is)"
+            if isinstance(model_file, torch.nn.Module)
+            else ""
+        )
+        raise ConfigError(
+            "estimate's first argument must be a model file's path or a ModelSpec, found "
+            f"{type(model_file).__name__}{hint}"
+        )
+    return load_model_file(model_file)
 
 
 def _check_target_step(amp: str | None, attention: str) -> None:

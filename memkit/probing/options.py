@@ -10,6 +10,7 @@ search, the ranks' agreement and the results read them. No torch.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,10 @@ class SearchOptions:
         Traceback (most recent call last):
         ...
         memkit.errors.ConfigError: mode must be 'train' or 'infer', found 'eval'
+        >>> SearchOptions(min_batch=2.5)
+        Traceback (most recent call last):
+        ...
+        memkit.errors.ConfigError: min_batch must be a whole number, found 2.5 (float)
     """
 
     mode: str = "train"
@@ -58,7 +63,23 @@ class SearchOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "infer"):
-            raise ConfigError(f"mode must be 'train' or 'infer', found {self.mode!r}")
+            both = (
+                "; for both, run one probe per mode (memkit probe --mode train,infer does, and "
+                "puts the two results in a ProbeModes)"
+                if isinstance(self.mode, str) and "," in self.mode
+                else ""
+            )
+            raise ConfigError(f"mode must be 'train' or 'infer', found {self.mode!r}{both}")
+        _whole("min_batch", self.min_batch)
+        if self.max_batch is not None:
+            _whole("max_batch", self.max_batch)
+        if self.seq_len is not None:
+            _whole(
+                "seq_len", self.seq_len, "one length; for several, run one search per length, as "
+                "the command line's --seq-len L1,L2 does",
+            )  # fmt: skip
+            if self.seq_len < 1:
+                raise ConfigError(f"seq_len must be at least 1, found {self.seq_len}")
         check_bounds(self.min_batch, self.max_batch, self.margin)
 
     @property
@@ -69,6 +90,15 @@ class SearchOptions:
     def for_length(self, seq_len: int | None) -> Self:
         """The same options at another sequence length (one search of a sweep)."""
         return dataclasses.replace(self, seq_len=seq_len)
+
+
+def _whole(name: str, value: object, expected: str = "") -> None:
+    """The :class:`ConfigError` unless ``value`` is a whole number (``bool`` is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        more = f": {expected}" if expected else ""
+        raise ConfigError(
+            f"{name} must be a whole number, found {value!r} ({type(value).__name__}){more}"
+        )
 
 
 @dataclass(frozen=True)

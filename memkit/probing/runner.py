@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import itertools
 import logging
 import warnings
@@ -47,7 +48,7 @@ from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.state import SavedState
-from memkit.probing.step import StepPlan, check_batch
+from memkit.probing.step import StepPlan, check_batch, check_batch_grows
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
 from memkit.simulated.eager import eager_note, is_compiled
@@ -75,6 +76,28 @@ def _resolve_backend(
     if device is None and model_device is not None and model_device.type not in ("cpu", "meta"):
         device = model_device
     backend = get_backend(device, budget)
+    if backend.device.type == "meta":
+        raise ConfigError(
+            "device='meta': probe runs real steps and measures them; meta tensors hold no "
+            "data. Use memkit.estimate (memkit estimate FILE --device-memory SIZE) for "
+            "meta-device estimates, or device='cpu', budget=SIZE for a simulated device that "
+            "runs the steps"
+        )
+    if model_device is not None and model_device.type == "meta":
+        raise ConfigError(
+            "the model is on the meta device: its tensors hold no data, so no step can run, "
+            "and it cannot be moved (there is nothing to copy). Build it on the CPU or the GPU "
+            "(device='cpu', budget=SIZE simulates a GPU of that size); memkit.estimate "
+            "(memkit estimate) is the tool that runs on meta tensors"
+        )
+    if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
+        host, size = devices.host_memory(), backend.budget
+        if host.available is not None and size is not None and size > host.available:
+            raise ConfigError(
+                f"budget={budget!r}: the simulated cpu device holds real tensors, so it can be "
+                f"at most the RAM this machine has available: {format_size(host.available)}; "
+                "give a smaller budget (or free some RAM), or use a real GPU (device='cuda')"
+            )
     if model_device is not None and model_device.type != backend.device.type:
         raise ConfigError(
             f"the model is on {model_device} but the probe runs on {backend.device}; move it "
@@ -145,7 +168,8 @@ def probe(
             sum of the output.
         train_step: ``train_step(model, batch, optimizer)`` replacing the default step.
         mode: ``"train"`` or ``"infer"`` (forward under ``torch.no_grad()``).
-        device: default: the model's accelerator, else the current one, else simulated cpu.
+        device: default: the model's accelerator, else the current one, else simulated cpu
+            (not ``"meta"``: the steps run; :func:`memkit.estimate` is the meta tool).
         budget: cap on the device's memory (on cpu: the simulated device's size).
         min_batch, max_batch: bounds of the search (``max_batch`` defaults to 2**20).
         steps: full steps per trial (2: optimizer state appears on the first).
@@ -213,12 +237,26 @@ def probe_with(
     progress: bool = False,
     defaults: Sequence[str] = (),
     step_label: str | None = None,
+    model_file: str | None = None,
 ) -> ProbeResult:
     """:func:`probe` with its search and trials as one :class:`ProbeOptions` (what the command
-    line and Lightning's ``probe_batch_size`` build); the other arguments as in :func:`probe`."""
+    line and Lightning's ``probe_batch_size`` build); the other arguments as in :func:`probe`.
+
+    Before any trial, the batches for ``min_batch`` and ``min_batch + 1`` are made (the RNG
+    left as it was) and checked: with ``model_file`` (the file ``make_batch`` comes from), as
+    the model-file protocol asks (:func:`~memkit.probing.step.check_batch`); without it, only
+    that they differ (:func:`~memkit.probing.step.check_batch_grows`)."""
     opts = options
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"model must be a torch.nn.Module, found {type(model).__name__}: the probe saves "
+            "and restores its parameters, buffers and training flags around the trials; pass "
+            "the module (a plain function can be wrapped in one)"
+        )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
+    layout = _check_batches(make_batch, opts, model_file)
+    defaults = list(defaults) if layout is None else [layout, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
         defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
@@ -384,13 +422,64 @@ def _without_accumulation(best: int, records: dict[int, ProbeTrial]) -> str:
 
 
 def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> None:
-    """The :class:`ConfigError` when a sequence length is given to a ``make_batch`` that takes
-    none."""
+    """The :class:`ConfigError` when ``make_batch`` is not a function of the batch size (and
+    of the sequence length, when one is given)."""
+    if not callable(make_batch):
+        raise ConfigError(
+            f"make_batch must be a function make_batch(batch_size) -> batch, found "
+            f"{type(make_batch).__name__}"
+        )
     if seq_len is not None and not accepts_seq_len(make_batch):
         raise ConfigError(
             f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
             "define make_batch(batch_size, seq_len)"
         )
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):  # a builtin without one: its call will tell
+        return
+    try:
+        signature.bind(1, *([] if seq_len is None else [seq_len]))
+    except TypeError as error:
+        call = "make_batch(batch_size)" if seq_len is None else "make_batch(batch_size, seq_len)"
+        raise ConfigError(
+            f"make_batch cannot be called as {call}: its signature is {signature} ({error}); "
+            "define make_batch(batch_size) or make_batch(batch_size, seq_len) (then pass "
+            "seq_len=)"
+        ) from error
+
+
+def _check_batches(
+    make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
+) -> str | None:
+    """Make the batches for ``min_batch`` and ``min_batch + 1`` (the RNG states as they were
+    after) and check them; the note for a batch dimension that is not the first."""
+    low, where = opts.min_batch, f"make_batch({opts.min_batch})"
+    rng = devices.rng_state()
+    try:
+        small, big = (
+            _sample_batch(make_batch, n, opts.seq_len, model_file) for n in (low, low + 1)
+        )
+    finally:
+        devices.restore_rng_state(rng)
+    if model_file is not None:
+        return check_batch(small, low, f"{where} in {model_file}", bigger=big)
+    return check_batch_grows(small, big, low, where)
+
+
+def _sample_batch(
+    make_batch: Callable[..., Any], batch_size: int, seq_len: int | None, model_file: str | None
+) -> Any:
+    args = (batch_size,) if seq_len is None else (batch_size, seq_len)
+    what = f"make_batch({', '.join(map(str, args))})"
+    if model_file is not None:
+        return call_user(make_batch, *args, what=what, path=model_file)
+    try:
+        return make_batch(*args)
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        raise UserCodeError(f"{what} raised {type(exc).__name__}: {exc}", exc) from exc
 
 
 def _has_batch_norm(model: torch.nn.Module) -> bool:
@@ -672,18 +761,8 @@ def probe_file(
             "probe's device); `memkit estimate` is the command that runs on meta tensors"
         )
     model = model.to(get_backend(device, budget).device)
-    first_len, low = lengths[0], opts.min_batch
-    samples = [
-        call_user(
-            spec.make_batch, *([n] if first_len is None else [n, first_len]),
-            what=f"make_batch({n})", path=spec.path,
-        )
-        for n in (low, low + 1)
-    ]  # fmt: skip
-    layout = check_batch(samples[0], low, f"make_batch({low}) in {spec.path}", bigger=samples[1])
-    del samples
     optimizer = None
-    defaults: list[str] = [] if layout is None else [layout]
+    defaults: list[str] = []
     if opts.mode == "train":
         optimizer, name = make_optimizer(spec, model)
         defaults.append(f"optimizer: {name}")
@@ -700,6 +779,7 @@ def probe_file(
             on_trial=on_trial,
             progress=progress,
             defaults=defaults,
+            model_file=spec.path,
         )
         for length in lengths
     ]

@@ -86,6 +86,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -177,9 +178,10 @@ class SearchResult(Record):
             ``None`` with fewer than two of them.
         hit_max_batch: ``True`` when ``max_batch_size == max_batch``: the upper bound was
             reached, not a memory limit.
-        margin_met: ``True`` when the recommendation's peak is within ``(1 - margin) *
-            capacity_bytes``; ``False`` when no size that fit is, and the smallest size that
-            fit is recommended anyway; ``None`` when the capacity is unknown or nothing fit.
+        margin_met: ``True`` when the recommendation's peak, and every smaller measured
+            size's, is within ``(1 - margin) * capacity_bytes``; ``False`` when no size that
+            fit is, and the smallest size that fit is recommended anyway; ``None`` when the
+            capacity is unknown or nothing fit.
         recommended_measured: ``True`` when the recommended size was run (its peak is a
             measurement); ``False`` when it was interpolated between two sizes that were run.
         strategy: ``"model"`` or ``"doubling"``: how the sizes were chosen.
@@ -259,12 +261,15 @@ def _new_search(
 def _recommend(s: Bracket, budget: float) -> tuple[int, bool, bool]:
     """``(size, margin_met, measured)``: the largest size known to keep the peak in budget.
 
-    The largest size that fit with a measured peak within ``budget``; raised, when the next
-    larger size that fit measured above budget, to where the straight line between the two
-    measurements crosses the budget (below a size that fit, so it fits; interpolated, never
-    extrapolated). With no size within budget, the smallest size that fit.
+    Peaks are read as their envelope, the largest peak measured at this size or any smaller
+    one: a peak need not grow with the batch (allocator rounding, a kernel that changes with
+    the shape), and a recommendation with a smaller size that needed more than the budget has
+    no real headroom. The largest size whose envelope is within ``budget``; raised, when the
+    next larger size that fit measured above budget, to where the straight line between the two
+    crosses the budget (below a size that fit, so it fits; interpolated, never extrapolated).
+    With no size within budget, the smallest size that fit.
     """
-    points = s.fitting_points()
+    points = _envelope(s.fitting_points())
     within = [(b, p) for b, p in points if p <= budget]
     if not within:
         return min(t.batch_size for t in s.trials if t.fits), False, True
@@ -277,6 +282,17 @@ def _recommend(s: Bracket, budget: float) -> tuple[int, bool, bool]:
             if b1 < b < b2:
                 return b, True, False
     return b1, True, True
+
+
+def _envelope(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(size, the largest peak at this size or below)`` of size-ordered points.
+
+    Examples:
+        >>> _envelope([(1, 10), (2, 30), (3, 20), (4, 40)])
+        [(1, 10), (2, 30), (3, 30), (4, 40)]
+    """
+    peaks = itertools.accumulate((p for _, p in points), max)
+    return list(zip([b for b, _ in points], peaks, strict=True))
 
 
 def _result(s: Bracket, *, capacity: int | None, margin: float, strategy: str) -> SearchResult:
@@ -364,7 +380,8 @@ def search_max_batch(
 
     Returns:
         The result. ``recommended_batch_size`` is the largest size that fit with a measured
-        peak within ``(1 - margin) * capacity_bytes``, raised to where the straight line
+        peak within ``(1 - margin) * capacity_bytes``, as no smaller size measured above it
+        (peaks read as their running maximum over sizes), raised to where the straight line
         between that measurement and the next larger one crosses that budget
         (``recommended_measured=False``); with no size within the margin, the smallest size
         that fit (``margin_met=False``).

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from memkit.errors import ModelFileError
+from memkit.errors import ConfigError, ModelFileError
 
 __all__ = [
     "DeferredOptimizer",
@@ -44,6 +44,7 @@ __all__ = [
     "batch_leading_dims",
     "call_model",
     "check_batch",
+    "check_batch_grows",
     "resolve_loss",
     "to_device",
 ]
@@ -326,16 +327,53 @@ def check_batch(
         )
     batch_dims = _batch_dims(batch, bigger, batch_size) if bigger is not None else set()
     if batch_dims:
-        return None if batch_dims == {0} else (
-            f"batch dimension: {', '.join(str(d) for d in sorted(batch_dims))} (inferred from "
-            f"make_batch({batch_size}) and make_batch({batch_size + 1}))"
-        )  # fmt: skip
+        return _layout_note(batch_dims, batch_size)
     if bigger is None and batch_size in dims:
         return None
     raise ModelFileError(
         f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
         f"{batch_size} (the batch size) in one dimension of at least one tensor, growing with "
-        "it. Does make_batch ignore its batch_size argument?"
+        f"it. {_IGNORES_SIZE}"
+    )
+
+
+_IGNORES_SIZE = "Does make_batch ignore its batch_size argument?"
+
+
+def check_batch_grows(batch: Any, bigger: Any, batch_size: int, where: str) -> str | None:
+    """:func:`check_batch` for batches that need not follow the model-file protocol (the
+    Python API's, Lightning's: the step is the caller's, any type may do): fail only when
+    ``make_batch`` plainly ignores its batch size, its batches for ``batch_size`` and
+    ``batch_size + 1`` holding tensors of the same shapes, where every trial would run the
+    same batch; a note when the batch dimension is inferred and is not the first.
+
+    Raises:
+        ConfigError: the two batches hold tensors of the same shapes.
+
+    Examples:
+        >>> check_batch_grows(torch.zeros(1, 3), torch.zeros(2, 3), 1, "make_batch(1)") is None
+        True
+        >>> check_batch_grows(torch.zeros(3, 1), torch.zeros(3, 2), 1, "make_batch(1)")
+        'batch dimension: 1 (inferred from make_batch(1) and make_batch(2))'
+    """
+    shapes = _shapes(batch)
+    if shapes and shapes == _shapes(bigger):
+        shown = ", ".join(str(list(s)) for s in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+        raise ConfigError(
+            f"{where} and make_batch({batch_size + 1}) returned tensors of the same shapes "
+            f"({shown}): every trial would run the same batch, so the answer would mean "
+            f"nothing. {_IGNORES_SIZE} Make a batch of batch_size samples"
+        )
+    return _layout_note(_batch_dims(batch, bigger, batch_size), batch_size)
+
+
+def _layout_note(batch_dims: set[int], batch_size: int) -> str | None:
+    """The note for an inferred batch dimension that is not the first (``None`` otherwise)."""
+    if not batch_dims or batch_dims == {0}:
+        return None
+    return (
+        f"batch dimension: {', '.join(str(d) for d in sorted(batch_dims))} (inferred from "
+        f"make_batch({batch_size}) and make_batch({batch_size + 1}))"
     )
 
 
