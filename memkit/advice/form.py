@@ -9,7 +9,7 @@ expected ``saving_bytes``. Its text and HTML layout is in :mod:`memkit.render.ad
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,12 @@ __all__ = [
     "Advice",
     "MiB",
     "Phrasing",
+    "autocast_setting",
     "in_terms",
     "matters",
     "percent_of",
     "under_pressure",
+    "with_settings",
 ]
 
 SEVERITIES = ("info", "warning", "critical")
@@ -127,3 +129,30 @@ def in_terms(advice: Iterable[Advice], actions: Mapping[str, Phrasing]) -> tuple
         dataclasses.replace(a, action=actions[a.code](a)) if a.code in actions else a
         for a in advice
     )
+
+
+def autocast_setting(setting: Callable[[bool], str], runner: str, fp16_name: str) -> Phrasing:
+    """A ``mixed-precision`` phrasing naming a framework's setting: ``setting(fp16)`` (fp16 when
+    the advice chose it: the device has no bf16), what ``runner`` then does, and that with
+    ``fp16_name`` it also scales the loss."""
+
+    def phrase(advice: Advice) -> str:
+        fp16 = "torch.float16" in advice.action
+        return (
+            f"{setting(fp16)}: {runner} runs the forward and the loss under autocast (weights "
+            "and the optimizer stay fp32)"
+            + (f"; with {fp16_name} it also scales the loss." if fp16 else ".")
+        )
+
+    return phrase
+
+
+def with_settings(lead: str, settings: Sequence[tuple[str, str]], sep: str = ", ") -> Phrasing:
+    """A phrasing that keeps the action and adds, after ``lead``, the framework's settings
+    for the remedies it names (``settings``: a word of the action, the setting)."""
+
+    def phrase(advice: Advice) -> str:
+        found = [setting for word, setting in settings if word in advice.action]
+        return advice.action + (f" {lead}: {sep.join(found)}." if found else "")
+
+    return phrase

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memkit.advice.form import Advice, Phrasing, in_terms
+from memkit.advice.form import Advice, Phrasing, autocast_setting, in_terms, with_settings
 
 __all__ = ["LIGHTNING_ACTIONS", "in_lightning_terms"]
 
@@ -34,34 +34,27 @@ OOM_EVAL_ACTION = (
 )
 
 
-def _mixed_precision(advice: Advice) -> str:
-    fp16 = "torch.float16" in advice.action  # the device has no bf16
-    return (
-        f'`Trainer(precision="{"16" if fp16 else "bf16"}-mixed")`: Lightning runs the forward '
-        "and the loss under autocast (weights and the optimizer stay fp32)"
-        + ("; with 16-mixed it also scales the loss." if fp16 else ".")
-    )
-
-
-def _oom_activations(advice: Advice) -> str:
-    """The remedies as they are, with the Trainer's settings for them."""
-    settings = []
-    if "accumulate" in advice.action:
-        settings.append(
-            "the micro-batch is the DataLoader's `batch_size`, the accumulation "
-            "`Trainer(accumulate_grad_batches=N)`"
-        )
-    if "autocast" in advice.action:
-        settings.append('bf16 is `Trainer(precision="bf16-mixed")`')
-    return advice.action + (f" In Lightning: {'; '.join(settings)}." if settings else "")
-
-
 LIGHTNING_ACTIONS: dict[str, Phrasing] = {
     "zero-grad-keeps-grads": lambda a: ZERO_GRAD_ACTION,
     "eval-peak": lambda a: EVAL_PEAK_ACTION,
     "oom-eval": lambda a: OOM_EVAL_ACTION,
-    "mixed-precision": _mixed_precision,
-    "oom-activations": _oom_activations,
+    "mixed-precision": autocast_setting(
+        lambda fp16: f'`Trainer(precision="{"16" if fp16 else "bf16"}-mixed")`',
+        "Lightning",
+        "16-mixed",
+    ),
+    "oom-activations": with_settings(
+        "In Lightning",
+        [
+            (
+                "accumulate",
+                "the micro-batch is the DataLoader's `batch_size`, the accumulation "
+                "`Trainer(accumulate_grad_batches=N)`",
+            ),
+            ("autocast", 'bf16 is `Trainer(precision="bf16-mixed")`'),
+        ],
+        sep="; ",
+    ),
 }
 """Advice actions said in Lightning's terms, by code."""
 

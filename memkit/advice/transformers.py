@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memkit.advice.form import Advice, Phrasing, in_terms
+from memkit.advice.form import Advice, Phrasing, autocast_setting, in_terms, with_settings
 
 __all__ = ["TRANSFORMERS_ACTIONS", "in_transformers_terms"]
 
@@ -29,33 +29,23 @@ CHECKPOINTING_ACTION = (
 )
 
 
-def _mixed_precision(advice: Advice) -> str:
-    fp16 = "torch.float16" in advice.action  # the device has no bf16
-    return (
-        f"`{'fp16' if fp16 else 'bf16'}=True` in TrainingArguments: the Trainer runs the forward "
-        "and the loss under autocast (weights and the optimizer stay fp32)"
-        + ("; with fp16 it also scales the loss." if fp16 else ".")
-    )
-
-
-def _oom_activations(advice: Advice) -> str:
-    """The remedies as they are, with the TrainingArguments for them."""
-    settings = []
-    if "accumulate" in advice.action:
-        settings.append("`per_device_train_batch_size` and `gradient_accumulation_steps`")
-    if "torch.utils.checkpoint" in advice.action:
-        settings.append("`gradient_checkpointing=True`")
-    if "autocast" in advice.action:
-        settings.append("`bf16=True`")
-    return advice.action + (f" In TrainingArguments: {', '.join(settings)}." if settings else "")
-
-
 TRANSFORMERS_ACTIONS: dict[str, Phrasing] = {
     "eval-peak": lambda a: EVAL_PEAK_ACTION,
     "oom-eval": lambda a: OOM_EVAL_ACTION,
-    "mixed-precision": _mixed_precision,
+    "mixed-precision": autocast_setting(
+        lambda fp16: f"`{'fp16' if fp16 else 'bf16'}=True` in TrainingArguments",
+        "the Trainer",
+        "fp16",
+    ),
     "activation-checkpointing": lambda a: CHECKPOINTING_ACTION,
-    "oom-activations": _oom_activations,
+    "oom-activations": with_settings(
+        "In TrainingArguments",
+        [
+            ("accumulate", "`per_device_train_batch_size` and `gradient_accumulation_steps`"),
+            ("torch.utils.checkpoint", "`gradient_checkpointing=True`"),
+            ("autocast", "`bf16=True`"),
+        ],
+    ),
 }
 """Advice actions said in the Trainer's terms, by code."""
 
