@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.devices.patching import Restore
 
-__all__ = ["Restore", "wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
-
-log = logging.getLogger(__name__)
+__all__ = ["wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
 
 
 def wrap_backward(
