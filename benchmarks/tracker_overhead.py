@@ -331,17 +331,40 @@ HOOK_ENTRIES = (
 def hook_timer() -> Iterator[list[float]]:
     """Time spent inside the tracker's hooks (outermost calls only), and inside the counter
     calls they make (the stand-in's, slower than CUDA's), in seconds of this thread's CPU time
-    (a machine shared with other processes would otherwise charge their time to the hooks)."""
+    (a machine shared with other processes would otherwise charge their time to the hooks).
+
+    ``spent``: [inside the hooks, inside the counter calls, hook calls, counter calls]. The
+    timer's own cost that lands inside a hook's time (``time.thread_time`` is a system call,
+    about 1.7 us here; two per timed call) is measured by :func:`timer_cost` and taken off by
+    the caller."""
     from memkit.tracking.hooks import Hooks
 
-    spent = [0.0, 0.0]  # inside the hooks; inside the counter calls they make
-    depth = [0]
+    spent = [0.0, 0.0, 0, 0]
     originals = {name: getattr(Hooks, name) for name in HOOK_ENTRIES}
     counter_calls = {
         name: getattr(torch._C, name)
         for name in ("_cuda_memoryStats", "_cuda_resetPeakMemoryStats")
         if hasattr(torch._C, name)
     }
+    timed, timed_counter = _timers(spent)
+    for name, fn in originals.items():
+        setattr(Hooks, name, timed(fn))
+    for name, fn in counter_calls.items():
+        setattr(torch._C, name, timed_counter(fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in originals.items():
+            setattr(Hooks, name, fn)
+        for name, fn in counter_calls.items():
+            setattr(torch._C, name, fn)
+
+
+def _timers(
+    spent: list[Any],
+) -> tuple[Callable[[Callable[..., Any]], Any], Callable[[Callable[..., Any]], Any]]:
+    """``(timed, timed_counter)``: wrappers adding to ``spent`` (see :func:`hook_timer`)."""
+    depth = [0]
 
     def timed_counter(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any) -> Any:
@@ -350,6 +373,7 @@ def hook_timer() -> Iterator[list[float]]:
                 return fn(*args)
             finally:
                 spent[1] += time.thread_time() - t0
+                spent[3] += 1
 
         return wrapper
 
@@ -363,21 +387,40 @@ def hook_timer() -> Iterator[list[float]]:
                 return fn(*args, **kwargs)
             finally:
                 spent[0] += time.thread_time() - t0
+                spent[2] += 1
                 depth[0] = 0
 
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(Hooks, name, timed(fn))
-    for name, fn in counter_calls.items():
-        setattr(torch._C, name, timed_counter(fn))
-    try:
-        yield spent
-    finally:
-        for name, fn in originals.items():
-            setattr(Hooks, name, fn)
-        for name, fn in counter_calls.items():
-            setattr(torch._C, name, fn)
+    return timed, timed_counter
+
+
+def timer_cost(n: int = 20000) -> tuple[float, float]:
+    """``(per hook call, per counter call)``: seconds of the timer's own work that
+    :func:`hook_timer` counts as the hooks' (a hook that does nothing, and one more counter
+    call inside a hook that does nothing), fastest of five loops."""
+    def noop(*args: Any) -> None:
+        return None
+
+    def cost(calls_inside: int) -> float:
+        best = float("inf")
+        for _ in range(5):
+            spent = [0.0, 0.0, 0, 0]
+            timed, timed_counter = _timers(spent)
+            counter = timed_counter(noop)
+
+            def hook() -> None:
+                for _ in range(calls_inside):
+                    counter()
+
+            entry = timed(hook)
+            for _ in range(n):
+                entry()
+            best = min(best, (spent[0] - spent[1]) / n)
+        return best
+
+    per_hook = cost(0)
+    return per_hook, max(0.0, (cost(4) - per_hook) / 4)
 
 
 def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
@@ -412,9 +455,10 @@ def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
         handle.remove()
         per_step = calls[0]
         train(2)  # warm-up: optimizer state, allocator segments
+        per_hook, per_counter = timer_cost()
         rows = []
         for every in (None, 1):
-            best = (float("inf"), 0.0)
+            best = float("inf")
             for _ in range(rounds):
                 r0, z0 = gpu.stat_reads, gpu.peak_resets
                 gc.collect()
@@ -425,12 +469,14 @@ def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
                         train(steps)
                 finally:
                     gc.enable()
-                best = min(best, (spent[0] - spent[1], spent[1]))
+                timer = spent[2] * per_hook + spent[3] * per_counter
+                best = min(best, spent[0] - spent[1] - timer)
             reads, resets = gpu.stat_reads - r0, gpu.peak_resets - z0
-            rows.append((tracker.report().mode, reads / steps, resets / steps, best[0]))
+            rows.append((tracker.report().mode, reads / steps, resets / steps, best))
     print(f"transformer (GPT-2, 2 layers): {per_step} module calls a step, {steps} steps, on "
           f"the CUDA stand-in; time inside the hooks less the stand-in's counter calls (on a "
-          f"GPU add about 18 us a read), fastest of {rounds}")  # fmt: skip
+          f"GPU add about 18 us a read) and less the timer's own cost ({per_hook * 1e6:.2f} us "
+          f"a hook call, {per_counter * 1e6:.2f} us a counter call), fastest of {rounds}")  # fmt: skip
     for mode, reads, resets, spent in rows:
         print(f"  {mode}: {reads:.2f} reads, {resets:.2f} resets a step; hooks "
               f"{spent / steps * 1e6:.0f} us a step, {spent / (steps * per_step) * 1e6:.2f} us "
