@@ -895,3 +895,47 @@ def test_a_simulated_cpu_budget_above_the_available_ram_is_refused(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"budget=.1TiB.*available: 64\.00 MiB"):
         probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="1TiB")
+
+
+def test_the_learning_rate_schedulers_a_train_step_advances_are_put_back():
+    """A train_step that steps the script's schedulers (a warm-up, then a plateau rule) moves
+    them once per probe step; afterwards the schedule goes on from where it was, as if the
+    probe had not run: the next learning rates are those of an unprobed twin."""
+
+    def setup():
+        torch.manual_seed(0)
+        model = small_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=50)
+        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        return model, opt, (warmup, decay, plateau)
+
+    def schedule(opt, schedulers, steps):
+        lrs = []
+        for i in range(steps):
+            opt.step()
+            schedulers[0].step()
+            schedulers[1].step()
+            schedulers[2].step(1.0 / (i + 1))
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    model, opt, schedulers = setup()
+    _, twin_opt, twin_schedulers = setup()
+    schedule(opt, schedulers, 2)
+    schedule(twin_opt, twin_schedulers, 2)
+
+    def step(model, batch, optimizer):
+        optimizer.zero_grad()
+        model(batch).sum().backward()
+        optimizer.step()
+        for s in schedulers[:2]:
+            s.step()
+        schedulers[2].step(100.0)  # no improvement: the plateau rule cuts the rate
+
+    result = probe(model, lambda n: torch.randn(n, 256), optimizer=opt, train_step=step,
+                   device="cpu", budget="8MiB")  # fmt: skip
+    assert result.max_batch_size is not None
+    assert schedulers[0].last_epoch == twin_schedulers[0].last_epoch == 2
+    assert schedule(opt, schedulers, 6) == schedule(twin_opt, twin_schedulers, 6)

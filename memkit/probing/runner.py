@@ -345,8 +345,8 @@ def probe_with(
         )
     if saved.kept_as_made:
         defaults.append(
-            "restored: parameters, gradients, optimizer state, training flags and RNG; left as "
-            f"the model remade them (another shape): {', '.join(saved.kept_as_made)}"
+            "restored: parameters, gradients, optimizer state and schedulers, training flags and "
+            f"RNG; left as the model remade them (another shape): {', '.join(saved.kept_as_made)}"
         )
     return _build_result(
         search, records, backend, plan, opts, defaults, capacities,

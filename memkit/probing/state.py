@@ -1,5 +1,6 @@
 """Leave the user's objects exactly as they were: parameters, buffers, gradients, optimizer
-state, ``training`` flags and RNG states, also after an error or Ctrl-C.
+state, the learning-rate schedulers stepping that optimizer, ``training`` flags and RNG states,
+also after an error or Ctrl-C.
 
 Copies are kept in host memory (never on the device being probed, where they would distort
 what is measured), and restored in place with ``copy_`` so parameter identity, and with it the
@@ -9,13 +10,48 @@ optimizer's references, survive.
 from __future__ import annotations
 
 import copy
+import gc
+import logging
 from typing import Any
 
 import torch
 
 from memkit.devices import restore_rng_state, rng_state
 
-__all__ = ["SavedState"]
+__all__ = ["SavedState", "schedulers_of"]
+
+log = logging.getLogger(__name__)
+
+
+def schedulers_of(optimizer: Any) -> list[Any]:
+    """The learning-rate schedulers of ``optimizer``: a scheduler holds its optimizer and the
+    optimizer knows nothing of it, so they are found among the collector's objects (one
+    scan, tens of milliseconds)."""
+    from torch.optim import lr_scheduler
+
+    kinds = tuple(
+        k for k in (getattr(lr_scheduler, n, None) for n in ("LRScheduler", "ReduceLROnPlateau"))
+        if isinstance(k, type)
+    )  # fmt: skip
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, kinds) and getattr(o, "optimizer", None) is optimizer
+    ]
+
+
+def _scheduler_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """Each scheduler of ``optimizer`` with a copy of its state (one whose state cannot be
+    copied is left out: best effort, as restoring it is)."""
+    if optimizer is None:
+        return []
+    out = []
+    for scheduler in schedulers_of(optimizer):
+        try:
+            out.append((scheduler, copy.deepcopy(scheduler.state_dict())))
+        except Exception:  # a user scheduler with uncopyable state
+            log.debug("scheduler state not copied", exc_info=True)
+    return out
 
 
 def _to_host(obj: Any) -> Any:
@@ -55,6 +91,7 @@ class SavedState:
         }
         self._training = {name: m.training for name, m in model.named_modules()}
         self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
+        self._schedulers = _scheduler_states(optimizer)
         self._rng = rng_state()
         self.kept_as_made: list[str] = []
         """Buffers :meth:`restore` left as the model remade them (another shape or dtype)."""
@@ -94,4 +131,6 @@ class SavedState:
             if name in self._training:
                 module.training = self._training[name]
         self.reset_optimizer()
+        for scheduler, state in self._schedulers:  # after the optimizer: its lr is theirs
+            scheduler.load_state_dict(copy.deepcopy(state))
         restore_rng_state(self._rng)
