@@ -399,6 +399,7 @@ def timer_cost(n: int = 20000) -> tuple[float, float]:
     """``(per hook call, per counter call)``: seconds of the timer's own work that
     :func:`hook_timer` counts as the hooks' (a hook that does nothing, and one more counter
     call inside a hook that does nothing), fastest of five loops."""
+
     def noop(*args: Any) -> None:
         return None
 
@@ -409,7 +410,7 @@ def timer_cost(n: int = 20000) -> tuple[float, float]:
             timed, timed_counter = _timers(spent)
             counter = timed_counter(noop)
 
-            def hook() -> None:
+            def hook(counter: Callable[[], None] = counter) -> None:
                 for _ in range(calls_inside):
                     counter()
 
@@ -475,8 +476,9 @@ def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
             rows.append((tracker.report().mode, reads / steps, resets / steps, best))
     print(f"transformer (GPT-2, 2 layers): {per_step} module calls a step, {steps} steps, on "
           f"the CUDA stand-in; time inside the hooks less the stand-in's counter calls (on a "
-          f"GPU add about 18 us a read) and less the timer's own cost ({per_hook * 1e6:.2f} us "
-          f"a hook call, {per_counter * 1e6:.2f} us a counter call), fastest of {rounds}")  # fmt: skip
+          f"GPU add about 18 us a read) and less the timer's own cost "
+          f"({per_hook * 1e6:.2f} us a hook call, {per_counter * 1e6:.2f} us a counter call), "
+          f"fastest of {rounds}")  # fmt: skip
     for mode, reads, resets, spent in rows:
         print(f"  {mode}: {reads:.2f} reads, {resets:.2f} resets a step; hooks "
               f"{spent / steps * 1e6:.0f} us a step, {spent / (steps * per_step) * 1e6:.2f} us "
