@@ -1023,19 +1023,30 @@ def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence
 
 
-@pytest.mark.parametrize("region", ["checkpoint", "checkpoint-reentrant", "no_grad"])
+@pytest.mark.parametrize(
+    "region", ["checkpoint", "checkpoint-reentrant", "no_grad", "checkpointed-forward"]
+)
 def test_what_a_checkpointed_or_no_grad_region_leaves_inside_is_not_kept_for_backward(region):
     """Inside a checkpointed block (or an encoder run under ``no_grad``, MoCo's key encoder)
     autograd saves nothing: the layers' outputs die inside the block. The module table gives
     those layers no kept bytes (the sweep saw a block's Linear 'keep' 4 MiB while the block
-    kept 1 MiB); the block itself keeps what it returns, and no child keeps more than it."""
+    kept 1 MiB); the block itself keeps what it returns, and no child keeps more than it.
+    ``checkpointed-forward``: the block checkpoints its own ``forward``, not its call
+    (transformers' ``gradient_checkpointing_enable()``): its hooks run outside the region and
+    its layers share one region inside it (each 'kept' its output before)."""
     from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if region == "checkpointed-forward":
+                return checkpoint(super().forward, x, use_reentrant=False)
+            return super().forward(x)
 
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.h = nn.ModuleList(
-                nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(2)
+                Block(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(2)
             )
             self.head = nn.Linear(64, 10)
 
@@ -1044,8 +1055,10 @@ def test_what_a_checkpointed_or_no_grad_region_leaves_inside_is_not_kept_for_bac
                 if region == "no_grad":
                     with torch.no_grad():
                         x = block(x)
-                else:
+                elif region.startswith("checkpoint-") or region == "checkpoint":
                     x = checkpoint(block, x, use_reentrant=region.endswith("reentrant"))
+                else:
+                    x = block(x)
             return self.head(x)
 
     torch.manual_seed(0)
@@ -1064,6 +1077,112 @@ def test_what_a_checkpointed_or_no_grad_region_leaves_inside_is_not_kept_for_bac
             inner = rows[f"{block}.{layer}"]
             assert inner.calls == 2 and inner.activation_bytes == 0
             assert inner.peak_over_entry >= 256 * 512 * 4 * (layer != "2")  # it did allocate
+
+
+def test_no_checkpointing_advice_where_layers_checkpoint_their_own_forward():
+    """transformers' ``gradient_checkpointing_enable()`` checkpoints each layer's ``forward``:
+    the layers' children are what backward recomputes. Checkpointing runs already: no advice
+    to turn it on (given once the children no longer each 'kept' their outputs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(super().forward, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[Block(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64)) for _ in range(4)]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="17MiB") as tracker:  # activations 74%
+        for _ in range(2):
+            model(torch.randn(1024, 64, requires_grad=True)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert any(m.recompute_calls for m in report.devices[0].modules)
+    assert "activation-checkpointing" not in [a.code for a in report.advice]
+
+
+def test_layers_checkpointed_one_by_one_each_keep_what_they_return():
+    """``x = checkpoint(layer, x)`` for each layer of a block: every layer is its own region's
+    outermost call, and what it returns is saved by the next region: each keeps its output."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(self.up, x, use_reentrant=False)
+            return checkpoint(self.down, x, use_reentrant=False)
+
+    model = nn.Sequential(Block(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for _ in range(2):
+            model(torch.randn(256, 64, requires_grad=True)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert rows["0.up"].activation_bytes == 256 * 512 * 4
+    assert rows["0.down"].activation_bytes == 256 * 64 * 4
+    assert rows["0"].activation_bytes == 256 * 512 * 4 + 256 * 64 * 4
+
+
+def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retry():
+    """A script that catches an OOM and halves the batch: the failed forwards' calls kept what
+    they kept at the time, but the pass was given up; the retry's kept bytes start again, so no
+    row exceeds the device's peak and the model's row is one pass at the batch that fitted (the
+    sweep saw 96 MiB kept a step on an 88 MiB peak)."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())])
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, batch: int) -> tuple[int, int]:
+        failures = 0
+        while True:
+            try:
+                model(torch.randn(batch, 256)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return failures, batch
+            except torch.OutOfMemoryError:
+                failures += 1
+                opt.zero_grad(set_to_none=True)
+                batch //= 2
+
+    model, opt = make()
+    with track(model, opt, device="cpu", budget="16MiB", module_every=1) as tracker:
+        failures, fitted = train(model, opt, 8192)
+    assert failures >= 2  # 8192 and 4096 run out in the forward
+    retried = tracker.report().devices[0]
+    model, opt = make()
+    with track(model, opt, device="cpu", budget="16MiB", module_every=1) as tracker:
+        assert train(model, opt, fitted) == (0, fitted)
+    clean = tracker.report().devices[0]
+    rows = {m.path: m for m in retried.modules}
+    assert all(m.activation_bytes_per_step <= retried.peak_allocated for m in retried.modules)
+    clean_model = next(m for m in clean.modules if m.path == "Sequential")
+    assert rows["Sequential"].activation_bytes_per_step == clean_model.activation_bytes_per_step
+    assert rows["Sequential"].activation_bytes_per_step >= 4 * fitted * 256 * 4  # ReLUs' outputs
+
+
+def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_device():
+    """On the simulated device the batch is counted when it reaches the model, after the
+    transition's reading: the model's row kept it as its own (4 MiB for a Linear keeping 2)."""
+    model = nn.Sequential(nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(torch.randn(1024, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert rows["Sequential"].activation_bytes == rows["0"].activation_bytes == 1024 * 512 * 4
 
 
 def test_a_saved_tensor_hook_that_keeps_tensors_leaves_the_module_table_as_it_is():

@@ -179,7 +179,10 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             device=dev.device,
         ),
         None
-        if setup is not None and setup.checkpointing  # the trainer's setting: already on
+        # already on: the trainer's setting, or layers recomputed in backward (transformers'
+        # checkpointing recomputes a layer's forward: its children are the ones recomputed)
+        if (setup is not None and setup.checkpointing)
+        or any(m.recompute_calls for m in dev.modules)
         else activation_checkpointing(
             activation_bytes=activations,
             peak_bytes=bd.total,

@@ -79,14 +79,14 @@ checkpointing's (it recomputes) and ``save_on_cpu``'s (it copies to the host). O
 (logging, compression on the device) may keep tensors there."""
 
 
-def _saves_off_device() -> bool:
-    """A saved-tensor hook that keeps nothing on the device is on (see
-    :data:`_OFF_DEVICE_PACKERS`)."""
+def _off_device_region() -> int | None:
+    """The saved-tensor hook that keeps nothing on the device, if one is on (see
+    :data:`_OFF_DEVICE_PACKERS`), by identity: one per checkpoint region (``None``: none)."""
     hooks = _saved_tensor_hooks(False)
     if hooks is None:
-        return False
-    name = getattr(hooks[0], "__qualname__", "")
-    return name.startswith(_OFF_DEVICE_PACKERS)
+        return None
+    pack = hooks[0]
+    return id(pack) if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
@@ -145,6 +145,9 @@ class Hooks:
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._warning_filter: Any = None
+        # training forwards that raised (a script that catches an OOM and retries smaller):
+        # what their calls kept is not added to the retry's
+        self._failed_passes = 0
 
     def install(self) -> None:
         """Install the hooks of the block (and module detail's, if step 0 has it)."""
@@ -477,8 +480,9 @@ class Hooks:
         else:
             events = dev.events
             kind = self.phases.root_pre(module, args, root)
-            if dev.events != events:  # a transition read, reset and closed just now
-                a, r = dev.last
+            if dev.events != events:  # a transition read, reset and closed just now (on
+                # the simulated device, before root_pre counted the batch: no activation)
+                a, r = dev.last if self.devices.sim is None else dev.read()[:2]
             else:
                 a, r, p, pr = dev.read()
                 if p > a:
@@ -493,7 +497,8 @@ class Hooks:
             ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
-            frame.unsaved = unsaved = not _grad_enabled() or _saves_off_device()
+            frame.region = region = _off_device_region()
+            frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
         # (a training pass runs in training mode: no need to read the module again)
         if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():
@@ -531,10 +536,12 @@ class Hooks:
         name = frame.name
         self._close(dev, p, pr, name)
         fmax = frame.max if frame.max > p else p
+        raised = False
         if output is None:
             exc = sys.exc_info()[1]
+            raised = exc is not None
             failed = self.evidence.failed_call
-            if exc is not None and (failed is None or failed[0] != id(exc)):
+            if raised and (failed is None or failed[0] != id(exc)):
                 self.evidence.failed_call = (id(exc), dev, state.phase, state.step, name)
         alloc_in = frame.alloc_in
         delta = a - alloc_in
@@ -542,41 +549,36 @@ class Hooks:
             delta -= dev.gathered - frame.gathered_in
         ms = frame.ms
         step = state.step
-        keeps = kind == TRAIN_PASS and not frame.keeps_nothing
-        if keeps:  # what a training forward keeps for backward
-            ms.calls += 1
-            if delta > ms.act_max:
-                ms.act_max = delta
-            own = delta - frame.children
-            if own > ms.self_max:
-                ms.self_max = own
-            # a module's calls add up until the next backward frees what they keep (a shared
-            # block called twice in one forward; two forwards before one backward); the next
-            # pass starts again: micro-batches, the passes of an optimizer's closure (LBFGS)
-            key = (step << 20) | state.backwards
-            if ms.step_id != key:
-                ms.step_id = key
-                ms.step_sum = delta
-            else:
-                ms.step_sum += delta
-            if ms.step_sum > ms.step_max:
-                ms.step_max = ms.step_sum
-            if fmax > ms.peak:
-                ms.peak = fmax
-            if fmax - alloc_in > ms.over_max:
-                ms.over_max = fmax - alloc_in
-        elif kind == TRAIN_PASS:  # inside a checkpointed (or no-grad) region: transient only
+        keeps = kind == TRAIN_PASS and not frame.keeps_nothing and not raised
+        if frame.region_children:  # its children's region ended inside it: they kept alone
+            self._settle_region(frame, None)
+        if kind == TRAIN_PASS:  # a call that raised keeps nothing: its pass is given up
             ms.calls += 1
             if fmax > ms.peak:
                 ms.peak = fmax
             if fmax - alloc_in > ms.over_max:
                 ms.over_max = fmax - alloc_in
+            if raised and not stack:
+                self._failed_passes += 1
         elif kind == EVAL_PASS:
             ms.eval_calls += 1
         else:
             ms.recompute_calls += 1
-        if stack:
-            parent = stack[-1]
+        parent = stack[-1] if stack else None
+        if keeps and frame.region is not None and parent is not None and not parent.unsaved:
+            # the outermost call in a checkpoint region: it keeps what it returns, unless the
+            # region began in its caller and its siblings share it (then only what the caller
+            # returns is kept); a sibling or the caller's end tells which
+            keeps = self._settle_region(parent, frame.region)
+            if keeps:
+                entries = parent.region_children
+                if entries is None:
+                    entries = parent.region_children = []
+                entries.append((frame.region, ms, delta, delta - frame.children))
+                keeps = False  # kept when settled
+        if keeps:  # what a training forward keeps for backward
+            self._keep(ms, delta, delta - frame.children)
+        if parent is not None:
             if keeps or kind != TRAIN_PASS:
                 parent.children += delta
             if fmax > parent.max:
@@ -604,6 +606,43 @@ class Hooks:
                     calls.hooked = weakref.ref(t)
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
+
+    def _keep(self, ms: ModuleStat, delta: int, own: int) -> None:
+        """A training call kept ``delta`` bytes for backward (``own``: less its children's)."""
+        if delta > ms.act_max:
+            ms.act_max = delta
+        if own > ms.self_max:
+            ms.self_max = own
+        # a module's calls add up until the next backward frees what they keep (a shared
+        # block called twice in one forward; two forwards before one backward); the next
+        # pass starts again: micro-batches, the passes of an optimizer's closure (LBFGS), a
+        # retry after a forward that raised
+        key = (self._failed_passes << 40) | (self.state.step << 20) | self.state.backwards
+        if ms.step_id != key:
+            ms.step_id = key
+            ms.step_sum = delta
+        else:
+            ms.step_sum += delta
+        if ms.step_sum > ms.step_max:
+            ms.step_max = ms.step_sum
+
+    def _settle_region(self, parent: Frame, region: int | None) -> bool:
+        """A child of ``parent`` ended in checkpoint region ``region`` (``None``: ``parent``
+        ends): the children left waiting in other regions were each their region's outermost
+        call and keep what they returned; those in ``region`` shared it with this one, inside
+        ``parent``'s forward, and keep nothing. Whether this one may keep."""
+        entries = parent.region_children or []
+        shared = parent.region is not None and parent.region == region
+        for entry in entries:
+            if entry[0] == region:
+                shared = True
+            else:
+                self._keep(entry[1], entry[2], entry[3])
+                parent.children += entry[2]
+        parent.region_children = None
+        if shared:
+            parent.region = region  # later children in it keep nothing either
+        return not shared
 
     def _bw(self, name: str, grads: Any) -> None:
         """Backward reached module ``name``'s output (``grads``: its gradient, or the

@@ -123,6 +123,8 @@ class Frame:
         "mid",
         "ms",
         "name",
+        "region",
+        "region_children",
         "unsaved",
     )
 
@@ -144,6 +146,12 @@ class Frame:
         # is transient (its outputs die inside the caller's region), kept by no backward
         self.unsaved = False
         self.keeps_nothing = False
+        # the saved-tensor hook active at entry (``None``: none): one non-reentrant checkpoint
+        # region; in a caller outside any region, what its children left in one region
+        # (transformers checkpoints a layer's ``forward``, not its call: the layer's children
+        # then share the region, and only what the layer returns is kept)
+        self.region: int | None = None
+        self.region_children: list[tuple[int, ModuleStat, int, int]] | None = None
 
 
 class IgnoredCall:
