@@ -33,10 +33,12 @@ def schedulers_of(optimizer: Any) -> list[Any]:
         k for k in (getattr(lr_scheduler, n, None) for n in ("LRScheduler", "ReduceLROnPlateau"))
         if isinstance(k, type)
     )  # fmt: skip
+    # type(), not isinstance(): the latter reads ``__class__``, which some module-level
+    # objects turn into a deprecation warning
     return [
         o
         for o in gc.get_objects()
-        if isinstance(o, kinds) and getattr(o, "optimizer", None) is optimizer
+        if issubclass(type(o), kinds) and getattr(o, "optimizer", None) is optimizer
     ]
 
 
