@@ -42,7 +42,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -156,7 +156,12 @@ class Hooks:
         self._main_thread = threading.get_ident()  # the thread that enters the block
         h = self._handles
         model = self.models.model
-        if model is not None:  # the model's own hooks stay for the block
+        if model is not None and getattr(model, "_compiled_call_impl", None) is not None:
+            # ``model.compile()``: Dynamo traces the module's hooks into its graph, where they
+            # do nothing; around the compiled call they run as Python, the graph untouched
+            leaf = not any(True for _ in model.children())
+            h.append(_AroundCompiledCall(model, self._make_root_pre(leaf), self._make_post()))
+        elif model is not None:  # the model's own hooks stay for the block
             leaf = not any(True for _ in model.children())
             h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
@@ -840,3 +845,35 @@ class _Leave:
         _BLOCK_THREADS[self.ident] -= 1
         if _BLOCK_THREADS[self.ident] <= 0:
             del _BLOCK_THREADS[self.ident]
+
+
+class _AroundCompiledCall:
+    """The model's own hooks around the call ``model.compile()`` made (``pre(module, args,
+    kwargs)`` before, ``post(module, args, output)`` after: ``output`` ``None`` while its
+    exception is raised), until :meth:`remove` puts the compiled call back."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pre: Callable[[Any, Any, Any], None],
+        post: Callable[[Any, Any, Any], None],
+    ) -> None:
+        self.model = model
+        self.compiled = compiled = cast(Callable[..., Any], model._compiled_call_impl)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre(model, args, kwargs)
+            try:
+                output = compiled(*args, **kwargs)
+            except BaseException:
+                post(model, args, None)
+                raise
+            post(model, args, output)
+            return output
+
+        self.call = call
+        model._compiled_call_impl = call
+
+    def remove(self) -> None:
+        if self.model._compiled_call_impl is self.call:
+            self.model._compiled_call_impl = self.compiled

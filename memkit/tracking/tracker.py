@@ -320,8 +320,7 @@ class Tracker:
             self.state.fsdp = find_fsdp_units(models.root_modules())
         if sim is not None:
             sim.track(module)  # the model lives on the device
-            wrapper = isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
-            if wrapper and not any("torch.compile" in n for n in self.notes):
+            if is_compiled(module) and not any("torch.compile" in n for n in self.notes):
                 self.notes.append(
                     eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
                 )
