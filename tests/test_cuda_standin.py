@@ -755,3 +755,20 @@ def test_blocks_ending_out_of_order_on_one_gpu_put_counters_and_torch_back():
         patched = (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats)
     assert real_peak >= users_peak
     assert patched == originals
+
+
+def test_a_report_asked_after_the_block_shows_the_capacity_the_block_ran_under():
+    """The report's capacity and device name are read as the block ends, under its cap: a
+    report asked later (after the stand-in, or the cap, is gone) neither fails nor shows the
+    whole card."""
+    with cuda_standin("1GiB"):
+        model = nn.Linear(64, 64).to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with memkit.track(model, opt, device="cuda", budget="256MiB") as tracker:
+            for _ in range(2):
+                model(torch.randn(8, 64).to("cuda")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    dev = tracker.report().devices[0]
+    assert dev.capacity == 256 * 2**20
+    assert dev.name.startswith("Stand-in")

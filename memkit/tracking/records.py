@@ -267,6 +267,7 @@ class DeviceRecord:
         a, r, _, _ = self.read()
         self.reset()
         self.baseline = a
+        self.info: tuple[Any, str] | None = None  # (capacity, name), kept as the block ends
         self.timeline: deque[tuple[float, int, int, str | None, int, int]] = deque(
             maxlen=timeline_limit
         )
@@ -422,6 +423,12 @@ def current_leak(dev: DeviceRecord) -> LeakFinding | None:
     return None if dev.growth.stopped else leak
 
 
+def device_info(backend: Any) -> tuple[Any, str]:
+    """``backend``'s capacity and name, as the report shows them: read before the block's end
+    lifts its cap and while the device is there (a report asked for later reads these)."""
+    return backend.capacity(), backend.name()
+
+
 def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
     """``dev``'s records as the report shows them (module keys through ``display``)."""
     phase_peaks: dict[str, int | None] = {}
@@ -431,10 +438,10 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
     timeline = tuple(
         TimelinePoint(t, s, PHASES[ph], display(m), a, r) for t, s, ph, m, a, r in dev.timeline
     )
-    cap = dev.backend.capacity()
+    cap, name = dev.info or device_info(dev.backend)
     return DeviceReport(
         device=dev.key,
-        name=dev.backend.name(),
+        name=name,
         accounting=dev.backend.accounting,
         capacity=cap.total,
         baseline_allocated=dev.baseline,

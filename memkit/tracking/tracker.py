@@ -57,6 +57,7 @@ from memkit.tracking.rank_gather import GATHER_TIMEOUT, RankWatch
 from memkit.tracking.records import (
     DEFAULT_TIMELINE_LIMIT,
     current_leak,
+    device_info,
     device_report,
     display_names,
     module_records,
@@ -287,6 +288,8 @@ class Tracker:
                 devices.close_all()
                 for dev in devices.records.values():
                     devices.resolve_pending(dev)
+                    with contextlib.suppress(Exception):  # else read when the report is made
+                        dev.info = device_info(dev.backend)
             if exc is not None and find_oom(exc) is not None:
                 try:
                     self._oom = build_postmortem(exc, self._oom_evidence(exc, tb))
