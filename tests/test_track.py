@@ -1160,6 +1160,7 @@ def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retr
         failures, fitted = train(model, opt, 8192)
     assert failures >= 2  # 8192 and 4096 run out in the forward
     retried = tracker.report().devices[0]
+    tracker_notes = tracker.report().notes
     model, opt = make()
     with track(model, opt, device="cpu", budget="16MiB", module_every=1) as tracker:
         assert train(model, opt, fitted) == (0, fitted)
@@ -1169,6 +1170,10 @@ def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retr
     clean_model = next(m for m in clean.modules if m.path == "Sequential")
     assert rows["Sequential"].activation_bytes_per_step == clean_model.activation_bytes_per_step
     assert rows["Sequential"].activation_bytes_per_step >= 4 * fitted * 256 * 4  # ReLUs' outputs
+    # the OOMs the script caught are said, not hidden: nothing else in the report shows them
+    (note,) = [n for n in tracker_notes if "ran out of memory" in n]
+    assert note.startswith(f"cpu ran out of memory {failures} times and the script caught it")
+    assert not [n for n in tracker.report().notes if "ran out of memory" in n]  # clean run
 
 
 def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_device():

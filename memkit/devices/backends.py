@@ -125,6 +125,10 @@ class CudaBackend:
     def reset_peak(self) -> None:
         self._mod.reset_peak_memory_stats(self.index)
 
+    def ooms(self) -> int:
+        """Allocations the caching allocator refused so far (its ``num_ooms``)."""
+        return int(self._mod.memory_stats(self.index).get("num_ooms", 0))
+
     def device_wide(self) -> tuple[int, int] | None:
         """``(free, total)`` for the whole device, as the driver sees it (all processes)."""
         try:
@@ -236,6 +240,10 @@ class SimulatedBackend:
 
     def reset_peak(self) -> None:
         self.accountant.reset_peak()
+
+    def ooms(self) -> int:
+        """Allocations refused so far (the budget was reached)."""
+        return int(self.accountant.num_ooms)
 
     def capacity(self) -> Capacity:
         if self.budget is None:

@@ -268,6 +268,8 @@ class DeviceRecord:
         self.reset()
         self.baseline = a
         self.info: tuple[Any, str] | None = None  # (capacity, name), kept as the block ends
+        ooms = getattr(backend, "ooms", None)  # allocations refused so far, where counted
+        self.ooms_at_start: int | None = ooms() if ooms is not None else None
         self.timeline: deque[tuple[float, int, int, str | None, int, int]] = deque(
             maxlen=timeline_limit
         )

@@ -56,6 +56,7 @@ from memkit.tracking.postmortem import (
 from memkit.tracking.rank_gather import GATHER_TIMEOUT, RankWatch
 from memkit.tracking.records import (
     DEFAULT_TIMELINE_LIMIT,
+    DeviceRecord,
     current_leak,
     device_info,
     device_report,
@@ -290,6 +291,7 @@ class Tracker:
                     devices.resolve_pending(dev)
                     with contextlib.suppress(Exception):  # else read when the report is made
                         dev.info = device_info(dev.backend)
+                    self._note_caught_ooms(dev, exc)
             if exc is not None and find_oom(exc) is not None:
                 try:
                     self._oom = build_postmortem(exc, self._oom_evidence(exc, tb))
@@ -308,6 +310,25 @@ class Tracker:
             if self._stack is not None:
                 self._stack.close()
         return False
+
+    def _note_caught_ooms(self, dev: DeviceRecord, exc: BaseException | None) -> None:
+        """A note when ``dev`` ran out of memory during the block and the script went on (an
+        OOM handler that retries with a smaller batch or skips one): nothing else would say."""
+        if dev.ooms_at_start is None:
+            return
+        try:
+            caught = dev.backend.ooms() - dev.ooms_at_start
+        except Exception:
+            return
+        if exc is not None and find_oom(exc) is not None:
+            caught -= 1  # the one the block ends with: the post-mortem's
+        if caught > 0:
+            times = "once" if caught == 1 else f"{caught} times"
+            self.notes.append(
+                f"{dev.key} ran out of memory {times} and the script caught it and went on (an "
+                "OOM handler retrying with a smaller batch, or skipping one): the peaks are of "
+                "what ran, the failed allocations are not in them"
+            )
 
     # ------------------------------------------------------------------------------------
     # wiring: a model found running, the backend's devices
