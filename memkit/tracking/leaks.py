@@ -10,7 +10,9 @@ held by a live variable: ``running_loss += loss`` (with ``retain_graph=True`` or
 backward the graph keeps its saved activations), ``history.append(logits)``. :func:`scan_frames`
 walks the frames of the training thread (the thread that runs the step boundary) and finds
 locals that are such tensors, or shallow containers of them, or attributes of ``self``. Two scans
-a step apart tell a growing graph (a suspect) from the step's own ``loss`` (same size each time).
+a step apart tell a growing graph (a suspect) from the step's own ``loss``: a graph that grows
+still holds a root the earlier scan saw; a ``loss`` built afresh holds none, even when it is
+larger (progressive unfreezing).
 
 It runs only when growth is detected, never on every step: frame inspection costs tens of
 microseconds and would not be free to leave on.
@@ -34,6 +36,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from memkit.tracking.report import LeakFinding, LeakSuspect
+from memkit.units import format_size
 
 __all__ = [
     "GRAPH_NODE_LIMIT",
@@ -41,6 +44,7 @@ __all__ = [
     "GrowthDetector",
     "LeakWatch",
     "compare_scans",
+    "explained_growth_note",
     "graph_size",
     "growth_finding",
     "scan_frames",
@@ -101,12 +105,20 @@ class GrowthDetector:
     every step (``running_loss += loss`` with its graph), or every N steps (an evaluation every
     N steps that keeps its loss with the graph). The detector follows the boundary levels since
     they last came down and calls it a leak at the ``window``-th rise; any fall starts over.
+    The climb starts at the level just before its first rise: its numbers describe the rises
+    (for a staircase, the bytes of a rise and the steps between two rises).
 
     Growth that stops is not a leak: an optimizer whose history fills up (LBFGS keeps
     ``history_size`` entries), a cache that reaches its size. After a leak was called,
     :attr:`stopped` says the level has not risen for ``max(window, 2 * period)`` boundaries
     (``period``: the steps between two rises of the climb), so a leak that rises every N
     steps is not taken for a plateau between its rises.
+
+    Nor is growth of the persistent bytes (parameters, gradients, optimizer state): parameters
+    made trainable mid-run (progressive unfreezing) get gradients and optimizer state. A rise
+    observed with ``persistent`` bytes that grew since the last ones given is :attr:`explained`
+    by as much (all of it when at most an eighth is left: the allocator rounds new tensors
+    up); only the rest counts.
 
     Args:
         warmup: step boundaries ignored at the start (gradients and optimizer state appear).
@@ -118,14 +130,22 @@ class GrowthDetector:
         self.warmup = warmup
         self.window = window
         self.min_growth = min_growth
-        self._start: tuple[int, int] | None = None  # (step, allocated) where the climb began
+        self._start: tuple[int, int] | None = None  # (step, allocated) just before the climb
         self._last = 0
-        self.rises = 0
+        self._rise_steps: list[int] = []  # the steps of the climb's rises
+        self._explained_in_climb = 0  # bytes of the climb's rises that persistent bytes explain
+        self._persistent: int | None = None  # the last persistent bytes given
         self._seen = 0
         self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
         self.period = 1  # steps between two rises of the climb that was called a leak
         self.last_rise = -1  # the step of the last rise of that climb
         self.last_step = -1  # the last boundary observed
+        self.explained: list[tuple[int, int]] = []  # (step, bytes): rises of persistent bytes
+
+    @property
+    def rises(self) -> int:
+        """Rises of the current climb."""
+        return len(self._rise_steps)
 
     @property
     def stopped(self) -> bool:
@@ -135,29 +155,74 @@ class GrowthDetector:
             return False
         return self.last_step - self.last_rise >= max(self.window, 2 * self.period)
 
-    def observe(self, step: int, allocated: int) -> bool:
-        """Record a boundary level; return True at the ``window``-th rise of a climb (and at
-        every further rise)."""
+    def wants_persistent(self, allocated: int) -> bool:
+        """Whether :meth:`observe` at ``allocated`` would use the persistent bytes: a rise
+        after the warm-up, or the first boundary after it (the bytes a rise is compared to).
+        Measuring them walks the parameters and optimizer state: only then."""
+        if self._seen + 1 <= self.warmup:
+            return False
+        if self._persistent is None:
+            return True
+        return self._start is not None and allocated - self._last >= self.min_growth
+
+    def observe(self, step: int, allocated: int, persistent: int | None = None) -> bool:
+        """Record a boundary level (``persistent``: the bytes of parameters, gradients and
+        optimizer state now, if measured); return True at the ``window``-th rise of a climb
+        (and at every further rise)."""
         self._seen += 1
         self.last_step = step
+        before = self._persistent
+        if persistent is not None:
+            self._persistent = persistent
         if self._seen <= self.warmup:
             return False
         if self._start is None or allocated < self._last:
-            self._start, self._last, self.rises = (step, allocated), allocated, 0
+            self._start, self._last = (step, allocated), allocated
+            self._rise_steps, self._explained_in_climb = [], 0
             return False
-        rose = allocated - self._last >= self.min_growth
+        rise = allocated - self._last
         self._last = allocated
-        if not rose:
+        explained = 0
+        if persistent is not None and before is not None and rise >= self.min_growth:
+            explained = max(0, min(rise, persistent - before))
+            if (rise - explained) * 8 <= rise:  # the rest: the allocator rounding new tensors
+                explained = rise
+        if explained:
+            self.explained.append((step, explained))
+            self._explained_in_climb += explained
+        if rise - explained < self.min_growth:
+            if not self._rise_steps:  # the climb has not begun: it would begin here
+                self._start, self._explained_in_climb = (step, allocated), 0
             return False
-        self.rises += 1
-        if self.rises < self.window:
+        rises = self._rise_steps
+        rises.append(step)
+        if len(rises) < self.window:
             return False
         first_step, first = self._start
+        grown = allocated - first - self._explained_in_climb
         steps = step - first_step
-        self.finding = ((allocated - first) // steps, first_step, steps)
-        self.period = max(1, round(steps / self.rises))
+        period = max(1, round((rises[-1] - rises[0]) / (len(rises) - 1)))
+        # steady growth: the average over the steps; a staircase: a rise over its period
+        per_step = grown // steps if period == 1 else grown // (len(rises) * period)
+        self.finding = (per_step, first_step, steps)
+        self.period = period
         self.last_rise = step
         return True
+
+
+def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
+    """A note for rises of ``device``'s level that new parameters, gradients or optimizer
+    state account for (parameters made trainable mid-run), if any."""
+    if not growth.explained:
+        return None
+    total = sum(b for _, b in growth.explained)
+    steps = ", ".join(str(s) for s, _ in growth.explained[:8])
+    more = ", ..." if len(growth.explained) > 8 else ""
+    return (
+        f"{device}: memory rose by {format_size(total)} at step(s) {steps}{more}, all of it "
+        "parameters, gradients and optimizer state (parameters made trainable mid-run, e.g. "
+        "progressive unfreezing, or new parameter groups): not a leak"
+    )
 
 
 @dataclass
@@ -173,6 +238,8 @@ class Candidate:
     code: CodeType  # the frame's code: first_line reads its source only when asked
     scalar: bool = True  # its graphs end in one-element tensors (a loss), not in states
     length: int = 0  # a container's length
+    roots: frozenset[NodeKey] = frozenset()  # its tensors' ``grad_fn`` (:func:`node_key`)
+    carries: bool | None = None  # its graph holds a root of the scan it was compared to
 
     @functools.cached_property
     def _line(self) -> tuple[int, bool]:
@@ -192,6 +259,19 @@ class Candidate:
         return self._line[1]
 
 
+NodeKey = tuple[int, int]
+"""An autograd node's identity across scans: its ``id`` and its sequence number."""
+
+
+def node_key(node: Any) -> NodeKey:
+    """``node``'s :data:`NodeKey`. The sequence number counts the nodes a thread creates: two
+    nodes of the training thread never share one, so a dead node's address taken by a new
+    node does not pass for it (other threads count on their own, from 0 in each new one:
+    DataParallel's replicas; their nodes are never a variable's root)."""
+    seq = getattr(node, "_sequence_nr", None)
+    return id(node), (seq() if seq is not None else -1)
+
+
 def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
     """Autograd nodes reachable from ``tensor.grad_fn``, counted up to ``limit``."""
     return graph_nodes([tensor], limit)
@@ -200,20 +280,32 @@ def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
 def graph_nodes(tensors: Iterable[Any], limit: int = GRAPH_NODE_LIMIT) -> int:
     """Autograd nodes reachable from the ``grad_fn`` of any of ``tensors`` (each once),
     counted up to ``limit``."""
+    return _walk(tensors, limit, frozenset())[0]
+
+
+def _walk(tensors: Iterable[Any], limit: int, roots: frozenset[NodeKey]) -> tuple[int, bool]:
+    """Autograd nodes reachable from the ``grad_fn`` of any of ``tensors`` (each once, up to
+    ``limit``), and whether one of them is one of ``roots``: the graph extends a graph seen
+    before (the roots of an earlier scan's variables), it is not a new one."""
     seen: set[int] = set()
+    ids = {i for i, _ in roots}
+    reached = False
     stack = []
     for tensor in tensors:
         root = getattr(tensor, "grad_fn", None)
         if root is not None and id(root) not in seen:
             seen.add(id(root))
             stack.append(root)
+            reached = reached or (id(root) in ids and node_key(root) in roots)
     while stack and len(seen) < limit:
         node = stack.pop()
         for nxt, _ in getattr(node, "next_functions", ()):
-            if nxt is not None and id(nxt) not in seen:
-                seen.add(id(nxt))
+            if nxt is not None and (i := id(nxt)) not in seen:
+                seen.add(i)
                 stack.append(nxt)
-    return len(seen)
+                if i in ids and not reached:
+                    reached = node_key(nxt) in roots
+    return len(seen), reached
 
 
 def _has_graph(value: Any, tensor_type: type) -> bool:
@@ -299,12 +391,15 @@ def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
     return (lineno, False) if best is None else (best[1], best[0] <= 3)
 
 
-def scan_frames(start: FrameType | None = None) -> list[Candidate]:
+def scan_frames(
+    start: FrameType | None = None, since: list[Candidate] | None = None
+) -> list[Candidate]:
     """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
 
     Looks at each frame's locals (a script's top level: its globals), two levels into lists,
     tuples and dicts, and at the attributes of a local named ``self``. Frames of torch, memkit
-    and the standard library are skipped.
+    and the standard library are skipped. ``since``: an earlier scan; each candidate's
+    ``carries`` says whether its graph holds the root of one of that scan's graphs.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -313,6 +408,7 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
     if start is None:
         start = sys._getframe(1)
     out: list[Candidate] = []
+    earlier = frozenset() if since is None else frozenset().union(*(c.roots for c in since))
     for frame in _user_frames(start):
         try:
             snapshot = frame.f_locals
@@ -335,14 +431,16 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                 items.extend((f"self.{k}", v) for k, v in vars(owner).items())
         for name, value in items:
             if _has_graph(value, tensor_type):
-                kind, size, tensors = "tensor", graph_size(value), [value]
+                kind, tensors = "tensor", [value]
             elif tensors := _container_graph(value, tensor_type):
-                # a list that grows (``losses.append(loss)``) grows in length; a state carried
-                # from step to step (an RNN's ``hidden`` tuple, never detached) in its graph
-                kind, size = "container", len(value) + graph_nodes(tensors)
+                kind = "container"
             else:
                 continue
+            nodes, reached = _walk(tensors, GRAPH_NODE_LIMIT, earlier)
+            # a list that grows (``losses.append(loss)``) grows in length; a state carried
+            # from step to step (an RNN's ``hidden`` tuple, never detached) in its graph
             length = len(value) if kind == "container" else 0
+            size = length + nodes
             out.append(
                 Candidate(
                     name=name,
@@ -354,6 +452,8 @@ def scan_frames(start: FrameType | None = None) -> list[Candidate]:
                     code=frame.f_code,
                     scalar=all(t.numel() == 1 for t in tensors),
                     length=length,
+                    roots=frozenset(node_key(t.grad_fn) for t in tensors),
+                    carries=None if since is None else reached,
                 )
             )
     return out
@@ -363,9 +463,18 @@ def _key(c: Candidate) -> tuple[str, str, str]:
     return (c.filename, c.function, c.name)
 
 
+def _grew(c: Candidate, last: Candidate | None) -> bool:
+    """``c`` holds more than ``last`` (the same variable in an earlier scan) by building on
+    it: a graph that grows keeps the earlier nodes, so it holds an earlier root (``carries``;
+    ``None``: not scanned against the earlier scan, size alone). A graph built afresh each
+    step that is larger than before (more parameters made trainable) does not grow."""
+    return last is not None and c.size > last.size and c.carries is not False
+
+
 def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakSuspect]:
-    """Suspects from two scans a step (or more) apart: candidates in ``after`` whose graph or
-    length grew are confirmed (``growing=True``) and listed first, the smallest graph first:
+    """Suspects from two scans a step (or more) apart (``after`` scanned ``since=before``):
+    candidates in ``after`` whose graph or length grew (:func:`_grew`) are confirmed
+    (``growing=True``) and listed first, the smallest graph first:
     the variable the others' graphs were built from (``total_loss``, not a ``logs`` dict made
     from it; an LSTM's ``hidden``, not the ``loss`` computed through it); with no ``before``
     every candidate is listed, largest first, unconfirmed."""
@@ -373,7 +482,7 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
     found: list[tuple[tuple[Any, ...], LeakSuspect]] = []
     for c in after:
         last = previous.get(_key(c))
-        grew = last is not None and c.size > last.size
+        grew = _grew(c, last)
         if before and not grew:
             continue
         # its graph grew while its length did not (a list that grows is losses kept), and it
@@ -416,7 +525,7 @@ def growth_finding(
     """The leak a device's growth detector called (at step ``step``), with ``suspects``;
     ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device)."""
     rate, first, steps = growth.finding or (0, step, 0)
-    period = max(1, round(steps / max(1, growth.rises)))
+    period = growth.period
     return LeakFinding(
         device, rate, first, steps, suspects, period=period,
         held_batches=held_batches[0], held_batch_bytes=held_batches[1],
@@ -429,14 +538,14 @@ def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:
     A healthy loop's ``loss`` holds a graph of the same size each step; ``running_loss`` that
     adds each step's loss with its graph holds a graph that grows every step.
     """
-    sizes: dict[tuple[str, str, str], list[int]] = {}
+    seen: dict[tuple[str, str, str], list[Candidate]] = {}
     for scan in scans:
         for c in scan:
-            sizes.setdefault(_key(c), []).append(c.size)
+            seen.setdefault(_key(c), []).append(c)
     grew = {
         key
-        for key, seq in sizes.items()
-        if len(seq) == len(scans) and all(b > a for a, b in itertools.pairwise(seq))
+        for key, seq in seen.items()
+        if len(seq) == len(scans) and all(_grew(b, a) for a, b in itertools.pairwise(seq))
     }
     return [s for s in compare_scans(scans[-2], scans[-1]) if (s.filename, s.function, s.name)
             in grew]  # fmt: skip
@@ -475,12 +584,12 @@ class LeakWatch:
         if not self.due(step):
             return None
         offset = step - self.warmup
+        scans = self.graph_scans if offset % self.period else []
         try:
-            current = scan_frames(frame)
+            current = scan_frames(frame, since=scans[-1] if scans else None)
         except Exception:  # inspection must never break training
             log.debug("graph scan failed", exc_info=True)
             return None
-        scans = self.graph_scans if offset % self.period else []
         scans.append(current)
         self.graph_scans = scans
         if len(scans) < 3:
@@ -502,7 +611,7 @@ class LeakWatch:
         scan_now = self.scan is None or (not self.confirmed and step > self.scan_step)
         if scan_now:
             try:
-                current = scan_frames(frame)
+                current = scan_frames(frame, since=self.scan)
             except Exception:  # inspection must never break training
                 log.debug("leak scan failed", exc_info=True)
                 current = []
@@ -525,7 +634,8 @@ class LeakWatch:
         while inner.tb_next is not None:
             inner = inner.tb_next
         with contextlib.suppress(Exception):
-            suspects = compare_scans(self.scan or [], scan_frames(inner.tb_frame))
+            later = scan_frames(inner.tb_frame, since=self.scan)
+            suspects = compare_scans(self.scan or [], later)
             if any(s.growing for s in suspects):
                 return dataclasses.replace(leak, suspects=tuple(suspects))
         return leak
