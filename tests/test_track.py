@@ -20,6 +20,7 @@ from memkit.errors import ConfigError
 from memkit.tracking import TrackReport, device_set, track
 from memkit.tracking.leaks import GrowthDetector, compare_scans, graph_size, scan_frames
 from memkit.tracking.report import LeakFinding
+from memkit.units import format_size
 
 
 def cnn() -> nn.Module:
@@ -429,6 +430,12 @@ def test_progressive_unfreezing_is_not_blamed_on_the_steps_loss():
     assert len(report.devices[0].steps) == 20
     assert "graph-retained" not in [a.code for a in report.advice]
     assert not [s for leak in report.leaks for s in leak.suspects if s.growing]
+    # and the rises are the new layers' gradients and AdamW moments: no leak at all, a note
+    assert report.leaks == []
+    layer = (64 * 64 + 64) * 4  # a Linear(64, 64)'s weight and bias
+    per_layer = 3 * layer + 2 * 4  # its gradients, two moments, AdamW's two step counters
+    (note,) = [n for n in report.notes if "not a leak" in n]
+    assert note.startswith(f"cpu: memory rose by {format_size(4 * per_layer)} at step(s) 4, 8, ")
 
 
 def test_growth_every_n_steps_is_described_by_its_rises():

@@ -359,7 +359,11 @@ class PhaseMachine:
                 devices.remember(dev, sizes or devices.persistent(dev))
                 dev.kept_level = level
                 captured = True
-            if dev.growth.observe(step, level - batch_bytes):
+            persistent = None  # rises that new trainable parameters explain are no leak
+            if dev.growth.wants_persistent(level - batch_bytes):
+                sizes = sizes or devices.persistent(dev)
+                persistent = sum(sizes)
+            if dev.growth.observe(step, level - batch_bytes, persistent):
                 growing.append(dev)
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it

@@ -445,6 +445,11 @@ class Tracker:
                 dev = records[key]
                 devices.resolve_pending(dev)
                 rows.append(device_report(dev, display))
+            explained = [
+                note
+                for dev in records.values()
+                if (note := leaks.explained_growth_note(dev.key, dev.growth)) is not None
+            ]
         end = self._t_end if self._t_end is not None else time.perf_counter()
         rank = launched_rank()
         world = None if rank is None else world_size()
@@ -460,7 +465,7 @@ class Tracker:
             step_rule=self.phases.step_rule(),
             rank=rank,
             world_size=world,
-            notes=tuple(self.notes),
+            notes=(*self.notes, *explained),
             ranks=None if self._ranks_watch is None else self._ranks_watch.report,
             **self.evidence.advice_fields(devices.kind),
         )
