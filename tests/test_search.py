@@ -8,6 +8,7 @@ curve, so the search's model sees realistic numbers.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -41,6 +42,7 @@ def rounded(b: int) -> float:  # 2 MiB allocator segments
     return math.ceil(linear(b) / (2 * MIB)) * 2 * MIB
 
 
+@functools.cache  # the same value for b every time; a Random per call cost seconds here
 def noisy(b: int) -> float:
     return linear(b) * (1 + 0.02 * random.Random(b).uniform(-1, 1))
 

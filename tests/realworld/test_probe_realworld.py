@@ -105,7 +105,7 @@ def test_an_accumulating_script_trains_at_the_probes_answer_and_not_above(script
     (about 9 MiB a sample, gradients about 10 MB)."""
     import accelerate_clm as script
 
-    budget = "122MiB"
+    budget = "80MiB"
 
     def loop(batch: int, accumulation: int) -> bool:
         model = script.build_model()

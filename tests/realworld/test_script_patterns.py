@@ -136,8 +136,10 @@ def run_clm(*args: str, budget: str) -> RunOutcome:
 
 
 def test_accelerate_mixed_precision_gets_no_autocast_advice():
-    fp32 = run_clm("--mixed_precision", "no", budget="40MiB").report
-    bf16 = run_clm("--mixed_precision", "bf16", budget="40MiB").report
+    # half the script's width (bf16 matmuls are slow on a CPU); activations are still over
+    # the rule's share of the bf16 peak, so the rule would fire there if the wrapper were missed
+    fp32 = run_clm("--mixed_precision", "no", "--n_embd", "64", budget="40MiB").report
+    bf16 = run_clm("--mixed_precision", "bf16", "--n_embd", "64", budget="40MiB").report
     assert fp32.steps == bf16.steps == 3
     assert fp32.micro_batches == bf16.micro_batches == 4
     assert fp32.devices[0].setup.forward_autocast is None

@@ -19,7 +19,7 @@ A small GPT-like model on random tokens (no downloads); runs on a CPU in seconds
 gradient accumulation keeps the gradients of the first micro-batch alive through the forwards of
 micro-batches 2..k, so a probe that frees gradients before every forward answers a size that fits
 only without accumulation. ``memkit probe tests/realworld/scripts/accelerate_clm.py --device cpu
---budget 122MiB --target-batch 64``.
+--budget 80MiB --target-batch 64``.
 """
 
 from __future__ import annotations
