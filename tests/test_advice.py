@@ -22,7 +22,7 @@ from memkit.advice.track import eval_peak, measured_advice, track_advice
 from memkit.oom import parse_oom_message
 from memkit.render.advice import advice_html, advice_text
 from memkit.tracking import track
-from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
+from memkit.tracking.report import Breakdown, DeviceReport, TrackReport, TrainingSetup
 from memkit.units import format_size
 
 MiB = 1024**2
@@ -169,7 +169,7 @@ def test_optimizer_state_for_sparse_embeddings_offers_only_what_takes_sparse_gra
 
 
 def test_oom_optimizer_state_names_what_takes_sparse_gradients():
-    setup = SimpleNamespace(optimizer="SparseAdam", sparse_gradients=True)
+    setup = TrainingSetup(optimizer="SparseAdam", sparse_gradients=True)
     bd = Breakdown(100, 30, 0, 60, 10, 0, 1, "optimizer", None)
     share = {"optimizer state": 0.6}
     sparse = A.oom.oom_optimizer_state(bd, share, SimpleNamespace(setup=setup))

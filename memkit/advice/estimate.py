@@ -45,7 +45,8 @@ def estimate_advice(
             only when ``mixed-precision`` may fire (``None`` if that trial fails).
         units: the units FSDP would shard (``memkit.simulated.fsdp.unit_sizes``), for
             ``fsdp-gpus`` when nothing fits in training.
-        trainable_bytes: the trainable parameters' bytes (the gradients FSDP shards).
+        trainable_bytes: the trainable parameters' bytes (the gradients FSDP shards; what the
+            optimizer's state is per parameter of).
     """
     advice: list[Advice] = []
     focus = breakdown.batch_size
@@ -93,6 +94,7 @@ def estimate_advice(
             peak_bytes=breakdown.total,
             capacity=None,  # an estimate asks "would it fit": always relevant
             device=f"the estimated card, batch {focus}",
+            optimized_bytes=trainable_bytes or None,
         )
         if opt is not None:
             advice.append(opt)

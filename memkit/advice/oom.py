@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING
 from memkit.advice.device import fragmentation, other_processes, processes_in_oom_message
 from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
-from memkit.advice.training import lbfgs_history, lighter_optimizers, shard_option
+from memkit.advice.training import (
+    lbfgs_history,
+    lighter_options,
+    shard_option,
+    state_per_parameter,
+)
 from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
@@ -169,13 +174,20 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
 
 def _precision_option(pm: OomPostMortem) -> str:
     """The precision remedy that fits the model: float32 for a float64 model, autocast for a
-    float32 one not already under it, nothing for a half-precision one."""
+    float32 one not already under it (no forward seen under ``torch.autocast``, no autocast
+    wrapping the forward), nothing for a half-precision one or one whose weights are mostly
+    16-bit or narrower (a bf16 or int8 frozen base: see ``mixed_precision``)."""
     setup = pm.setup
     dtype = None if setup is None else setup.param_dtype
     if dtype == "float64":
         return "; or train in float32 (`model.float()`, float32 inputs): it halves every tensor"
+    if pm.autocast_forwards > 0:
+        return ""  # a training forward ran under torch.autocast: mixed precision already
     if setup is not None and setup.forward_autocast is not None:
         return ""  # the forward already runs under autocast (accelerate's mixed precision)
+    narrow = 0 if setup is None else setup.narrow_weight_bytes or 0
+    if pm.breakdown is not None and 2 * narrow > pm.breakdown.parameters:
+        return ""  # mostly bf16/int8 weights (a LoRA base): low precision already
     if dtype in (None, "float32"):
         return "; or train in bf16/fp16 autocast"
     return ""
@@ -267,17 +279,31 @@ def oom_optimizer_state(
                 severity="critical",
             )
     sparse = setup is not None and (bool(setup.sparse_gradients) or setup.optimizer == "SparseAdam")
-    lighter = ", ".join(o.name for o in lighter_optimizers(sparse))
+    stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
+    offered = lighter_options(
+        bd.optimizer_state,
+        stepped,
+        optimizer=None if setup is None else setup.optimizer,
+        param_dtype=None if setup is None else setup.param_dtype,
+        sparse=sparse,
+    )
+    lighter = "; ".join(f"{o.name}: saves ~{format_size(saving)}" for o, saving in offered)
+    takes = ", which take sparse gradients" if sparse else ""
+    shard = f"shard it across ranks ({shard_option(sparse)})"
+    name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
+    per_parameter = state_per_parameter(bd.optimizer_state, stepped)
     return Advice(
         code="oom-optimizer-state",
         title="optimizer state is a large share",
-        evidence=f"Optimizer state was {format_size(bd.optimizer_state)} "
-        f"({100 * share['optimizer state']:.0f}%), "
-        f"{bd.optimizer_state / max(1, bd.parameters):.1f}x the parameters.",
-        action=f"Use a lighter optimizer state ({lighter}"
-        + (", which take sparse gradients" if sparse else "")
-        + f"), or shard it across ranks ({shard_option(sparse)}).",
-        saving_bytes=bd.optimizer_state // 2,
+        evidence=f"{name} state was {format_size(bd.optimizer_state)} "
+        f"({100 * share['optimizer state']:.0f}%): {per_parameter}.",
+        action=(
+            f"Use a lighter optimizer state ({lighter}{takes}), or {shard}."
+            if offered
+            else f"{shard[0].upper()}{shard[1:]}: 2 ranks save "
+            f"{format_size(bd.optimizer_state // 2)} per rank."
+        ),
+        saving_bytes=min(s for _, s in offered) if offered else bd.optimizer_state // 2,
         severity="warning",
     )
 

@@ -167,6 +167,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             device=dev.device,
             min_share=0.3,
             capacity=dev.capacity,
+            narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
         ),
         float64_training(
             param_dtype=report.param_dtype,
@@ -205,6 +206,8 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             history_size=None if setup is None else setup.history_size,
             foreach=None if setup is None else setup.optimizer_foreach,
             sparse_gradients=setup is not None and bool(setup.sparse_gradients),
+            optimized_bytes=None if setup is None else setup.optimized_bytes,
+            param_dtype=report.param_dtype,
         ),
         zero_grad_keeps_grads(
             steps_with_grads=report.steps_with_grads_at_forward,

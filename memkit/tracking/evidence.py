@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import astuple
+from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Evidence",
+    "WeightCensus",
     "gradient_witnesses",
     "param_dtype",
     "persistent_bytes",
@@ -152,13 +153,13 @@ class Evidence:
         records the training setup on ``dev`` while the objects are alive."""
         models = self.models
         modules, optimizers = models.root_modules(), models.all_optimizers()
-        dtypes: dict[str, int] = {}
+        census = WeightCensus()
         sizes = persistent_bytes(
-            dev, modules, optimizers, models.model, primary, self._state.fsdp, dtypes
+            dev, modules, optimizers, models.model, primary, self._state.fsdp, census
         )
-        self.walked_dtype = _largest(dtypes)
+        self.walked_dtype = _largest(census.trainable_dtypes)
         if modules or optimizers:
-            setup = training_setup(modules, optimizers, self.walked_dtype, self.facts)
+            setup = training_setup(modules, optimizers, self.walked_dtype, self.facts, census)
             dev.setup = _merged(dev.setup, setup)
         return sizes
 
@@ -212,15 +213,39 @@ def _largest(sizes: dict[str, int]) -> str | None:
     return max(sizes, key=lambda k: sizes[k]) if sizes else None
 
 
+@dataclass
+class WeightCensus:
+    """What :func:`persistent_bytes` finds of the weights in its walk, beside the totals.
+
+    Attributes:
+        trainable_dtypes: bytes of the trainable floating parameters by dtype (what
+            :func:`param_dtype` counts).
+        optimized: bytes of the parameters the optimizers step, on the device.
+        narrow: bytes of the parameters and buffers (trainable or frozen) on the device held
+            in 16 bits or fewer: a bf16 or int8 frozen base.
+    """
+
+    trainable_dtypes: dict[str, int] = field(default_factory=dict)
+    optimized: int = 0
+    narrow: int = 0
+
+    def add(self, t: torch.Tensor, nbytes: int) -> None:
+        """Count ``nbytes`` of weight ``t`` (0 where counted already, or on another device)."""
+        if t.dtype != torch.bool and t.element_size() <= 2:
+            self.narrow += nbytes
+
+
 def training_setup(
     modules: Sequence[torch.nn.Module],
     optimizers: Sequence[Any],
     dtype: str | None,
     facts: RunFacts | None = None,
+    census: WeightCensus | None = None,
 ) -> TrainingSetup | None:
     """The model's and optimizer's facts the advice reads (``None`` when neither exists;
     ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it), with the
-    trainer's settings ``facts`` holds (:meth:`Evidence.trainer_settings`)."""
+    trainer's settings ``facts`` holds (:meth:`Evidence.trainer_settings`) and the weights'
+    sizes the caller's walk counted (``census``)."""
     if not modules and not optimizers:
         return None
     history = foreach = None
@@ -239,6 +264,8 @@ def training_setup(
         accumulation_steps=None if facts is None else facts.accumulation_steps,
         checkpointing=None if facts is None else facts.checkpointing,
         sparse_gradients=_sparse_gradients(modules, optimizers),
+        optimized_bytes=census.optimized if census is not None and optimizers else None,
+        narrow_weight_bytes=census.narrow if census is not None and modules else None,
     )
 
 
@@ -329,7 +356,7 @@ def persistent_bytes(
     model: torch.nn.Module | None,
     primary: bool,
     fsdp: FsdpUnits | None = None,
-    dtypes: dict[str, int] | None = None,
+    census: WeightCensus | None = None,
 ) -> Persistent:
     """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
 
@@ -339,7 +366,7 @@ def persistent_bytes(
     dicts. Under FSDP2 (``fsdp``) the parameters are the rank's shards, whatever the modules
     hold now: their unsharded parameters are all-gathered ones, counted apart. With neither
     modules nor optimizers left, the parameters are the most ``dev`` saw (``params_full``).
-    ``dtypes``: filled as :func:`param_dtype` counts, in the same walk of the modules.
+    ``census``: filled in the same walk (:class:`WeightCensus`).
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
@@ -375,16 +402,26 @@ def persistent_bytes(
     for mod in modules:
         for param in mod.parameters():
             unique[id(param)] = param
-            if dtypes is not None:
-                _count_dtype(param, dtypes)
+            if census is not None:
+                _count_dtype(param, census.trainable_dtypes)
         for b in mod.buffers():
-            params += size(b)
+            n = size(b)
+            params += n
+            if census is not None:
+                census.add(b, n)
+    optimized: set[int] = set()
     for opt in optimizers:
         for group in opt.param_groups:
             unique.update((id(p), p) for p in group["params"])
+            optimized.update(id(p) for p in group["params"])
     all_params = list(unique.values())
     for p in all_params:
-        params += size(p)
+        n = size(p)
+        params += n
+        if census is not None:
+            census.add(p, n)
+            if id(p) in optimized:
+                census.optimized += n
     for p in all_params:
         if p.grad is not None:
             grads += size(p.grad)

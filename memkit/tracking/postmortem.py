@@ -85,6 +85,7 @@ class OomEvidence:
         micro_batches: the most backward passes one step used.
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.
+        autocast_forwards: training forwards run under ``torch.autocast`` so far.
     """
 
     device: str
@@ -104,6 +105,7 @@ class OomEvidence:
     micro_batches: int
     setup: TrainingSetup | None
     rank: int | None
+    autocast_forwards: int = 0
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -194,6 +196,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         setup=evidence.setup,
         checkpointed=checkpointed,
         frozen_model=evidence.frozen_model,
+        autocast_forwards=evidence.autocast_forwards,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

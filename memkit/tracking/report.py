@@ -203,6 +203,11 @@ class TrainingSetup:
         sparse_gradients: the model makes sparse gradients (an ``nn.Embedding`` or
             ``nn.EmbeddingBag`` with ``sparse=True``) or an optimizer is SparseAdam: the
             advice offers only optimizers that take them.
+        optimized_bytes: bytes of the parameters the optimizers step, on the device (each
+            storage once): the optimizer state's buffers per parameter are its bytes over these.
+        narrow_weight_bytes: bytes of the model's parameters and buffers, trainable or frozen,
+            held in 16 bits or fewer (a bf16 or int8 frozen base): autocast neither halves
+            their layers' work nor copies them.
     """
 
     param_dtype: str | None = None
@@ -213,6 +218,8 @@ class TrainingSetup:
     accumulation_steps: int | None = None
     checkpointing: bool | None = None
     sparse_gradients: bool | None = None
+    optimized_bytes: int | None = None
+    narrow_weight_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +327,8 @@ class OomPostMortem(Result):
             evaluation pass of a model no optimizer trains (a distillation teacher, a DPO
             reference model), which runs on the training batch in every step; ``updated``: its
             parameters are written in place between passes (an EMA or mean teacher).
+        autocast_forwards: training forwards that had run under ``torch.autocast`` (the
+            failing one included): the forward is mixed precision already.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -348,6 +357,7 @@ class OomPostMortem(Result):
     setup: TrainingSetup | None = None
     checkpointed: tuple[str, ...] = ()
     frozen_model: tuple[str, int, bool] | None = None
+    autocast_forwards: int = 0
 
     @property
     def where(self) -> str:

@@ -427,6 +427,7 @@ class Tracker:
             ),
             setup=dev.setup,
             rank=launched_rank(),
+            autocast_forwards=facts.autocast_forwards,
         )
 
     # ------------------------------------------------------------------------------------
