@@ -422,6 +422,37 @@ def progressive_unfreezing(epochs: int, steps: int) -> TrackReport:
     return tracker.report()
 
 
+def test_a_state_a_module_keeps_undetached_makes_the_steps_loss_a_growing_graph():
+    """Truncated backprop with the state inside the model: ``self.h`` is never detached, so
+    each step's ``loss`` (a new root) reaches every earlier step's nodes. It is the leak
+    (graph-retained), not generic memory growth."""
+
+    class Stateful(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.Linear(64, 64)
+            self.h = torch.zeros(32, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.h = torch.tanh(self.cell(x + self.h))  # never detached
+            return self.h
+
+    torch.manual_seed(0)
+    model = Stateful()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(12):
+            loss = model(torch.randn(32, 64)).pow(2).mean()
+            for p in model.parameters():
+                p.grad = None
+            loss.backward(retain_graph=True)
+            for p in model.parameters():  # .data: the retained graph's versions stay
+                p.data.add_(p.grad, alpha=-0.01)
+    report = tracker.report()
+    leak = report.devices[0].leak
+    assert leak is not None and [(s.name, s.growing) for s in leak.suspects][:1] == [("loss", True)]
+    assert "graph-retained" in [a.code for a in report.advice]
+
+
 def test_progressive_unfreezing_is_not_blamed_on_the_steps_loss():
     """``loss``'s graph is larger at each scan, but built afresh each step: it holds none of
     the nodes an earlier scan saw, so it did not grow and is no suspect (``graph-retained``

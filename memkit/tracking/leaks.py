@@ -238,8 +238,9 @@ class Candidate:
     code: CodeType  # the frame's code: first_line reads its source only when asked
     scalar: bool = True  # its graphs end in one-element tensors (a loss), not in states
     length: int = 0  # a container's length
-    roots: frozenset[NodeKey] = frozenset()  # its tensors' ``grad_fn`` (:func:`node_key`)
-    carries: bool | None = None  # its graph holds a root of the scan it was compared to
+    nodes: frozenset[NodeKey] = frozenset()  # its graph's nodes (:func:`node_key`), but
+    # the parameters' AccumulateGrad nodes (every step's graph shares them)
+    carries: bool | None = None  # its graph holds a node of the scan it was compared to
 
     @functools.cached_property
     def _line(self) -> tuple[int, bool]:
@@ -280,32 +281,36 @@ def graph_size(tensor: Any, limit: int = GRAPH_NODE_LIMIT) -> int:
 def graph_nodes(tensors: Iterable[Any], limit: int = GRAPH_NODE_LIMIT) -> int:
     """Autograd nodes reachable from the ``grad_fn`` of any of ``tensors`` (each once),
     counted up to ``limit``."""
-    return _walk(tensors, limit, frozenset())[0]
+    return len(_walk(tensors, limit))
 
 
-def _walk(tensors: Iterable[Any], limit: int, roots: frozenset[NodeKey]) -> tuple[int, bool]:
+_SHARED_SEQUENCE_NR = 2**64 - 1
+"""The sequence number of AccumulateGrad nodes: a parameter's, in every step's graph."""
+
+
+def _walk(tensors: Iterable[Any], limit: int) -> dict[int, Any]:
     """Autograd nodes reachable from the ``grad_fn`` of any of ``tensors`` (each once, up to
-    ``limit``), and whether one of them is one of ``roots``: the graph extends a graph seen
-    before (the roots of an earlier scan's variables), it is not a new one."""
-    seen: set[int] = set()
-    ids = {i for i, _ in roots}
-    reached = False
+    ``limit``), by ``id``."""
+    seen: dict[int, Any] = {}
     stack = []
     for tensor in tensors:
         root = getattr(tensor, "grad_fn", None)
         if root is not None and id(root) not in seen:
-            seen.add(id(root))
+            seen[id(root)] = root
             stack.append(root)
-            reached = reached or (id(root) in ids and node_key(root) in roots)
     while stack and len(seen) < limit:
         node = stack.pop()
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None and (i := id(nxt)) not in seen:
-                seen.add(i)
+                seen[i] = nxt
                 stack.append(nxt)
-                if i in ids and not reached:
-                    reached = node_key(nxt) in roots
-    return len(seen), reached
+    return seen
+
+
+def _own_nodes(nodes: dict[int, Any]) -> frozenset[NodeKey]:
+    """The keys of ``nodes`` but the parameters' AccumulateGrad nodes."""
+    keys = (node_key(n) for n in nodes.values())
+    return frozenset(k for k in keys if k[1] != _SHARED_SEQUENCE_NR)
 
 
 def _has_graph(value: Any, tensor_type: type) -> bool:
@@ -399,7 +404,7 @@ def scan_frames(
     Looks at each frame's locals (a script's top level: its globals), two levels into lists,
     tuples and dicts, and at the attributes of a local named ``self``. Frames of torch, memkit
     and the standard library are skipped. ``since``: an earlier scan; each candidate's
-    ``carries`` says whether its graph holds the root of one of that scan's graphs.
+    ``carries`` says whether its graph holds a node one of that scan's graphs held.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -408,7 +413,8 @@ def scan_frames(
     if start is None:
         start = sys._getframe(1)
     out: list[Candidate] = []
-    earlier = frozenset() if since is None else frozenset().union(*(c.roots for c in since))
+    earlier = frozenset() if since is None else frozenset().union(*(c.nodes for c in since))
+    earlier_ids = {i for i, _ in earlier}
     for frame in _user_frames(start):
         try:
             snapshot = frame.f_locals
@@ -436,7 +442,10 @@ def scan_frames(
                 kind = "container"
             else:
                 continue
-            nodes, reached = _walk(tensors, GRAPH_NODE_LIMIT, earlier)
+            walked = _walk(tensors, GRAPH_NODE_LIMIT)
+            nodes = len(walked)
+            keys = _own_nodes(walked)
+            reached = bool(earlier_ids.intersection(walked)) and not earlier.isdisjoint(keys)
             # a list that grows (``losses.append(loss)``) grows in length; a state carried
             # from step to step (an RNN's ``hidden`` tuple, never detached) in its graph
             length = len(value) if kind == "container" else 0
@@ -452,7 +461,7 @@ def scan_frames(
                     code=frame.f_code,
                     scalar=all(t.numel() == 1 for t in tensors),
                     length=length,
-                    roots=frozenset(node_key(t.grad_fn) for t in tensors),
+                    nodes=keys,
                     carries=None if since is None else reached,
                 )
             )
