@@ -1270,6 +1270,37 @@ def test_layers_checkpointed_one_by_one_each_keep_what_they_return():
     assert rows["0"].activation_bytes == 256 * 512 * 4 + 256 * 64 * 4
 
 
+def test_two_sibling_regions_are_two_even_when_the_first_saves_nothing():
+    """A frozen block's checkpoint region saves nothing and frees its hook; the next region's
+    hook may take its address. Regions are told apart by the hook itself, not its ``id``:
+    each block keeps its output and their caller keeps nothing of its own (review finding)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Sequential(nn.Linear(256, 256), nn.ReLU())
+            self.trained = nn.Sequential(nn.Linear(256, 256), nn.ReLU())
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.frozen, x, use_reentrant=False)
+            return checkpoint(self.trained, h, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pair(), nn.Linear(256, 1))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with track(model, opt, device="cpu", budget="256MiB", module_every=1) as tracker:
+        for _ in range(3):
+            model(torch.randn(1024, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    output = 1024 * 256 * 4
+    assert rows["0.frozen"].activation_bytes == rows["0.trained"].activation_bytes == output
+    assert rows["0"].self_activation_bytes == 0 and rows["0"].activation_bytes == 2 * output
+
+
 def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retry():
     """A script that catches an OOM and halves the batch: the failed forwards' calls kept what
     they kept at the time, but the pass was given up; the retry's kept bytes start again, so no

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 def schedulers_of(optimizer: Any) -> list[Any]:
     """The learning-rate schedulers of ``optimizer``: a scheduler holds its optimizer and the
     optimizer knows nothing of it, so they are found among the collector's objects (one
-    scan, tens of milliseconds)."""
+    scan: tens of milliseconds, about a second with millions of live objects). Schedulers
+    that are no ``LRScheduler`` (timm's), or that hold an optimizer the probe was given
+    wrapped (accelerate's), are not found."""
     from torch.optim import lr_scheduler
 
     kinds = tuple(

@@ -79,14 +79,16 @@ checkpointing's (it recomputes) and ``save_on_cpu``'s (it copies to the host). O
 (logging, compression on the device) may keep tensors there."""
 
 
-def _off_device_region() -> int | None:
+def _off_device_region() -> object | None:
     """The saved-tensor hook that keeps nothing on the device, if one is on (see
-    :data:`_OFF_DEVICE_PACKERS`), by identity: one per checkpoint region (``None``: none)."""
+    :data:`_OFF_DEVICE_PACKERS`): one per checkpoint region, told apart by identity (the
+    object itself, held: a region that saved nothing frees its hook, and the next region's
+    could take its address) (``None``: none)."""
     hooks = _saved_tensor_hooks(False)
     if hooks is None:
         return None
     pack = hooks[0]
-    return id(pack) if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
+    return pack if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
@@ -631,15 +633,15 @@ class Hooks:
         if ms.step_sum > ms.step_max:
             ms.step_max = ms.step_sum
 
-    def _settle_region(self, parent: Frame, region: int | None) -> bool:
+    def _settle_region(self, parent: Frame, region: object | None) -> bool:
         """A child of ``parent`` ended in checkpoint region ``region`` (``None``: ``parent``
         ends): the children left waiting in other regions were each their region's outermost
         call and keep what they returned; those in ``region`` shared it with this one, inside
         ``parent``'s forward, and keep nothing. Whether this one may keep."""
         entries = parent.region_children or []
-        shared = parent.region is not None and parent.region == region
+        shared = parent.region is not None and parent.region is region
         for entry in entries:
-            if entry[0] == region:
+            if entry[0] is region:
                 shared = True
             else:
                 self._keep(entry[1], entry[2], entry[3])

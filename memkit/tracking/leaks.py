@@ -185,8 +185,8 @@ class GrowthDetector:
         explained = 0
         if persistent is not None and before is not None and rise >= self.min_growth:
             explained = max(0, min(rise, persistent - before))
-            if (rise - explained) * 8 <= rise:  # the rest: the allocator rounding new tensors
-                explained = rise
+            if (rise - explained) * 8 <= explained:  # the rest: rounding the new tensors (a
+                explained = rise  # leak in the same step beyond an eighth of them still counts)
         if explained:
             self.explained.append((step, explained))
             self._explained_in_climb += explained

@@ -150,8 +150,8 @@ class Frame:
         # region; in a caller outside any region, what its children left in one region
         # (transformers checkpoints a layer's ``forward``, not its call: the layer's children
         # then share the region, and only what the layer returns is kept)
-        self.region: int | None = None
-        self.region_children: list[tuple[int, ModuleStat, int, int]] | None = None
+        self.region: object | None = None
+        self.region_children: list[tuple[object, ModuleStat, int, int]] | None = None
 
 
 class IgnoredCall:

@@ -291,7 +291,6 @@ class Tracker:
                     devices.resolve_pending(dev)
                     with contextlib.suppress(Exception):  # else read when the report is made
                         dev.info = device_info(dev.backend)
-                    self._note_caught_ooms(dev, exc)
             if exc is not None and find_oom(exc) is not None:
                 try:
                     self._oom = build_postmortem(exc, self._oom_evidence(exc, tb))
@@ -302,6 +301,8 @@ class Tracker:
                     if self.postmortem == "stderr":
                         sys.stderr.write(str(self._oom) + "\n")
                         sys.stderr.flush()
+            for dev in devices.records.values():
+                self._note_caught_ooms(dev)
             if self._ranks_watch is not None:
                 self._ranks_watch.remove()
                 self._ranks_watch.finish(exc is None)
@@ -311,7 +312,7 @@ class Tracker:
                 self._stack.close()
         return False
 
-    def _note_caught_ooms(self, dev: DeviceRecord, exc: BaseException | None) -> None:
+    def _note_caught_ooms(self, dev: DeviceRecord) -> None:
         """A note when ``dev`` ran out of memory during the block and the script went on (an
         OOM handler that retries with a smaller batch or skips one): nothing else would say."""
         if dev.ooms_at_start is None:
@@ -320,7 +321,7 @@ class Tracker:
             caught = dev.backend.ooms() - dev.ooms_at_start
         except Exception:
             return
-        if exc is not None and find_oom(exc) is not None:
+        if self._oom is not None and self._oom.device == dev.key:
             caught -= 1  # the one the block ends with: the post-mortem's
         if caught > 0:
             times = "once" if caught == 1 else f"{caught} times"
