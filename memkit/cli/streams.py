@@ -1,12 +1,47 @@
-"""The standard streams while a command runs: the user's output kept off stdout, and whether
-a person watches stderr."""
+"""The standard streams while a command runs: the user's output kept off stdout, memkit's log
+records kept out of the user's logging, and whether a person watches stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a test runner's, a
+    redirect's), not to the stream of when it was made."""
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def memkit_logs_to_stderr() -> Iterator[None]:
+    """While a command runs, memkit's log records (the ``memkit`` logger) do not reach the
+    handlers of the user's code (``logging.basicConfig(stream=sys.stdout)`` in a script or a
+    model file): the command prints what memkit has to say itself, and its warnings go to
+    stderr, one line each. Restored after (the Python API leaves memkit's records to the
+    application's logging)."""
+    logger = logging.getLogger("memkit")
+    handler = _StderrHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved
 
 
 @contextlib.contextmanager
