@@ -328,3 +328,24 @@ def test_python_dash_m_modules_are_refused_with_what_to_give(tmp_path):
         result.stderr
     )
     assert "No such option" not in result.stderr
+
+
+def test_a_compiled_script_and_a_zip_application_still_run(tmp_path):
+    """What `python FILE` runs besides a source file, memkit run runs too (a .pyc through
+    memkit's own loader, a zip application through runpy)."""
+    import py_compile
+    import zipapp
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import torch\nm = torch.nn.Linear(4, 4)\nm(torch.randn(2, 4)).sum().backward()\n"
+        "print('ran', __name__)\n"
+    )
+    compiled = tmp_path / "train.pyc"
+    py_compile.compile(str(app / "__main__.py"), cfile=str(compiled), doraise=True)
+    zipapp.create_archive(app, tmp_path / "app.pyz")
+    for path in (compiled, tmp_path / "app.pyz"):
+        result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
+        assert result.exit_code == 0, result.output
+        assert "ran __main__" in result.stdout and "memkit track: 1 step(s)" in result.stderr
