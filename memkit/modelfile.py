@@ -9,12 +9,16 @@ A model file is a Python file that defines::
     def train_step(model, batch, optimizer) -> None: ...           # optional: replaces the step
 
 Loading a file runs it once as a module (its directory is put on ``sys.path`` so it can import
-its neighbours). Every way a file can be unusable becomes a :class:`ModelFileError` that says
-what was expected, what was found and where.
+its neighbours, and ``sys.argv`` is ``[path]``: an ``argparse`` at import sees no memkit option).
+Every way a file can be unusable becomes a :class:`ModelFileError` that says what was expected,
+what was found and where; a ``sys.exit`` while it loads is one too. A ``sys.exit`` in one of its
+functions becomes :class:`SysExitCalled`, an error of that function like any other (memkit runs
+them many times: they return or raise, they do not end the process).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import sys
@@ -30,6 +34,7 @@ from memkit.errors import ModelFileError
 __all__ = [
     "EXPECTED_SIGNATURES",
     "ModelSpec",
+    "SysExitCalled",
     "build_model",
     "call_user",
     "load_model_file",
@@ -46,6 +51,29 @@ EXPECTED_SIGNATURES = """\
 
 _REQUIRED = ("build_model", "make_batch")
 _OPTIONAL = ("build_optimizer", "loss_fn", "train_step")
+
+
+class SysExitCalled(Exception):
+    """A model file's function called ``sys.exit`` (raised ``SystemExit``): an error of that
+    function, handled where it was called as any other (``SystemExit`` would end memkit with
+    the file's exit code and no report). The ``SystemExit`` is its ``__cause__``."""
+
+
+def _exit_is_an_error(func: Callable[..., Any], name: str, path: str) -> Callable[..., Any]:
+    """``func`` (the model file's ``name``), raising :class:`SysExitCalled` where it calls
+    ``sys.exit``; its signature is ``func``'s (``__wrapped__``)."""
+
+    @functools.wraps(func)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except SystemExit as exc:
+            raise SysExitCalled(
+                f"{name}() in {path} called sys.exit({exc.code!r}); memkit calls a model "
+                "file's functions many times: return, or raise an error, instead"
+            ) from exc
+
+    return call
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,8 @@ def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any
     """Call a model-file function; a failure becomes a ModelFileError with its traceback."""
     try:
         return func(*args)
+    except SysExitCalled as exc:  # its message names the function; the traceback is the exit's
+        raise ModelFileError(f"{exc}\n{_user_traceback(exc.__cause__ or exc, path)}") from exc
     except Exception as exc:
         raise ModelFileError(
             f"{what} in {path} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, path)}"
@@ -131,11 +161,11 @@ def load_model_file(path: str | Path) -> ModelSpec:
         value = getattr(module, name, None)
         if value is not None and not callable(value):
             raise ModelFileError(f"{path}: {name} is a {type(value).__name__}, expected a function")
-        optional[name] = value
+        optional[name] = None if value is None else _exit_is_an_error(value, name, resolved)
     return ModelSpec(
         path=resolved,
-        build_model=module.build_model,
-        make_batch=module.make_batch,
+        build_model=_exit_is_an_error(module.build_model, "build_model", resolved),
+        make_batch=_exit_is_an_error(module.make_batch, "make_batch", resolved),
         **optional,
     )
 
@@ -150,8 +180,17 @@ def _execute(file: Path, resolved: str) -> ModuleType:
     if folder not in sys.path:  # like running a script: its folder's modules are importable
         sys.path.insert(0, folder)
     sys.modules[name] = module
+    saved_argv, sys.argv = sys.argv, [resolved]  # not memkit's options: the file's argparse
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        sys.modules.pop(name, None)
+        raise ModelFileError(
+            f"loading {file} called sys.exit({exc.code!r}): a model file defines functions "
+            "for memkit to call, it does not end the process while it loads (put a script's "
+            "own code under if __name__ == '__main__':)\n"
+            f"{_user_traceback(exc, resolved)}"
+        ) from None
     except SyntaxError as exc:
         sys.modules.pop(name, None)
         raise ModelFileError(
@@ -163,6 +202,8 @@ def _execute(file: Path, resolved: str) -> ModuleType:
         raise ModelFileError(
             f"loading {file} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, resolved)}"
         ) from exc
+    finally:
+        sys.argv = saved_argv
     return module
 
 

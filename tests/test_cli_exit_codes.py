@@ -228,3 +228,36 @@ def test_probe_without_budget_says_the_default(monkeypatch):
     result = invoke("probe", str(FILES / "ok_mlp.py"), "--device", "cpu", "--max-batch", "4")
     assert result.exit_code == 0, result.output
     assert "simulated device: 1.00 GiB (default; --budget to change)" in result.stdout
+
+
+EXIT_PRINTS = """import atexit, os, weakref
+import torch
+atexit.register(lambda: print("atexit: bye from the model file"))
+atexit.register(os.write, 1, b"native at exit\\n")  # below Python's sys.stdout
+class Cache:
+    pass
+CACHE = Cache()
+weakref.finalize(CACHE, print, "finalize: flushed")
+def build_model(): return torch.nn.Linear(16, 2)
+def make_batch(batch_size): return torch.randn(batch_size, 16)
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["probe", "--device", "cpu", "--budget", "8MiB"], ["estimate", "--device-memory", "1GiB"]],
+)
+def test_json_stays_json_when_the_model_file_prints_at_interpreter_exit(tmp_path, command):
+    """Sweep L: what a model file prints at exit (atexit, weakref.finalize) came after
+    the JSON on stdout (json.tool: "Extra data"): stdout was given back before shutdown."""
+    model = tmp_path / "model.py"
+    model.write_text(EXIT_PRINTS)
+    done = subprocess.run(
+        warm([sys.executable, "-m", "memkit", command[0], str(model), *command[1:],
+              "--max-batch", "8", "--json"]),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_batch_size"] == 8  # one object, nothing after it
+    for printed in ("atexit: bye", "native at exit", "finalize: flushed"):
+        assert printed in done.stderr, done.stderr

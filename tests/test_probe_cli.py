@@ -235,3 +235,72 @@ def test_a_list_batch_for_a_one_input_model_says_how_the_default_step_calls_it()
     assert result.exit_code == 3, result.output
     assert "forward() takes 2 positional arguments but 3 were given" in result.stderr
     assert "return a tuple (inputs, labels) from make_batch" in result.stderr
+
+
+# -- a model file that calls sys.exit (sweep L) ---------------------------------------------------
+EXITING = {
+    "load": "import sys, torch\nsys.exit('no GPU found, aborting')\n"
+    "def build_model(): return torch.nn.Linear(16, 2)\n"
+    "def make_batch(batch_size): return torch.randn(batch_size, 16)\n",
+    "build_model": "import sys, torch\ndef build_model(): sys.exit('no GPU found')\n"
+    "def make_batch(batch_size): return torch.randn(batch_size, 16)\n",
+    "make_batch": "import torch\ndef build_model(): return torch.nn.Linear(16, 2)\n"
+    "def make_batch(batch_size):\n    if batch_size > 8: raise SystemExit(0)\n"
+    "    return torch.randn(batch_size, 16)\n",
+    "train_step": "import sys, torch\ndef build_model(): return torch.nn.Linear(16, 2)\n"
+    "def make_batch(batch_size): return torch.randn(batch_size, 16)\n"
+    "def train_step(model, batch, optimizer):\n    loss = model(batch).sum()\n"
+    "    if batch.shape[0] > 8: sys.exit(0)  # early stopping\n"
+    "    loss.backward(); optimizer.step(); optimizer.zero_grad()\n",
+    "forward": "import sys, torch\nclass Net(torch.nn.Linear):\n"
+    "    def forward(self, x):\n        if x.shape[0] > 8: sys.exit(1)\n"
+    "        return super().forward(x)\n"
+    "def build_model(): return Net(16, 2)\n"
+    "def make_batch(batch_size): return torch.randn(batch_size, 16)\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("where", "code", "fragment"),
+    [
+        ("load", 2, "model.py called sys.exit('no GPU found, aborting')"),
+        ("build_model", 2, "build_model() in"),
+        ("make_batch", 2, "make_batch() in"),
+        ("train_step", 3, "train_step() in"),
+        ("forward", 3, "the model file's code called sys.exit(1) while memkit ran it"),
+    ],
+)
+def test_a_model_file_calling_sys_exit_is_an_error_not_the_end(tmp_path, where, code, fragment):
+    """Sweep L: sys.exit in a model file ended the probe with the file's code and no report:
+    exit 1 (memkit's "does not fit") from build_model, exit 0 with nothing printed from the
+    step or make_batch, even with --json. Now: an error of the place it was called from (a
+    model-file error while loading or making the model or a batch, exit 2; the step's, 3)."""
+    path = tmp_path / "model.py"
+    path.write_text(EXITING[where])
+    result = run(str(path), "--device", "cpu", "--budget", "8MiB", "--max-batch", "64", "--json")
+    assert result.exit_code == code, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("memkit: error: ") and "sys.exit(" in result.stderr
+    assert fragment in result.stderr, result.stderr
+
+
+def test_a_model_file_parsing_argv_at_import_does_not_see_memkits(tmp_path):
+    """Sweep L: argparse at import saw `probe model.py --device cpu ...` and exited 2."""
+    import sys
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import argparse, sys, torch\nparser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--hidden', type=int, default=4)\nargs = parser.parse_args()\n"
+        "SEEN = sys.argv[:]\n"
+        "def build_model(): return torch.nn.Linear(16, args.hidden)\n"
+        "def make_batch(batch_size): return torch.randn(batch_size, 16)\n"
+    )
+    argv = sys.argv[:]
+    result = run(str(path), "--device", "cpu", "--budget", "8MiB", "--max-batch", "4")
+    assert result.exit_code == 0, result.output
+    assert sys.argv == argv  # restored
+    from memkit.modelfile import load_model_file
+
+    seen = sys.modules[load_model_file(path).build_model.__module__].SEEN
+    assert seen == [str(path.resolve())]

@@ -136,3 +136,216 @@ def test_the_console_entry_point_words_click_usage_errors_as_one_memkit_line(tmp
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
+
+
+# -- the script as Python runs it (sweep L) ------------------------------------------------------
+CHDIR_SCRIPT = """import os, sys
+import torch
+print("file", __file__)
+print("argv0", sys.argv[0])
+print("package", __package__, "spec", __spec__)
+print("main", sys.modules["__main__"].__file__ == __file__)
+HERE = os.path.dirname(__file__)
+os.chdir(os.path.join(HERE, "outputs"))  # as hydra.job.chdir=True does
+print("cfg", open(os.path.join(os.path.dirname(__file__), "conf.txt")).read())
+model = torch.nn.Linear(8, 8)
+model(torch.randn(4, 8)).sum().backward()
+if sys.argv[1:] == ["fail"]:
+    raise ValueError("after the chdir")
+if sys.argv[1:] == ["stop"]:
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("typed", ["proj/train.py", "./proj/train.py"])
+def test_the_script_gets_an_absolute_file_as_python_gives_it(tmp_path, monkeypatch, typed):
+    """Sweep L: a script run as `memkit run proj/train.py` got __file__ 'proj/train.py', so
+    after changing directory it could not find its own config (FileNotFoundError, exit 3);
+    `python proj/train.py` gives an absolute __file__ (Python 3.9+), argv[0] as typed and
+    __package__ None."""
+    project = tmp_path / "proj"
+    (project / "outputs").mkdir(parents=True)
+    (project / "conf.txt").write_text("lr=0.1")
+    (project / "train.py").write_text(CHDIR_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", typed)
+    assert result.exit_code == 0, result.output
+    out = result.stdout.splitlines()
+    assert f"file {project / 'train.py'}" in out
+    assert f"argv0 {typed}" in out
+    assert "package None spec None" in out and "main True" in out and "cfg lr=0.1" in out
+
+
+def test_after_a_chdir_the_traceback_and_the_ctrl_c_line_still_find_the_script(
+    tmp_path, monkeypatch
+):
+    project = tmp_path / "proj"
+    (project / "outputs").mkdir(parents=True)
+    (project / "conf.txt").write_text("lr=0.1")
+    (project / "train.py").write_text(CHDIR_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    failed = invoke("run", "--device", "cpu", "--budget", "8MiB", "proj/train.py", "fail")
+    assert failed.exit_code == 3, failed.output
+    trace = failed.stderr[failed.stderr.index("Traceback") :]
+    frames = [line for line in trace.splitlines() if line.startswith("  File ")]
+    # trimmed to the script's frames: memkit's own are left out
+    assert frames and all(f'"{project / "train.py"}"' in line for line in frames), frames
+    monkeypatch.chdir(tmp_path)  # the script changed this process's directory
+    stopped = invoke("run", "--device", "cpu", "--budget", "8MiB", "proj/train.py", "stop")
+    assert stopped.exit_code == 130
+    assert "(train.py line 15, in <module>)" in stopped.stderr, stopped.stderr
+
+
+# -- how the script ended, in the report ----------------------------------------------------------
+ENDINGS = """import sys
+import torch
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(4, 8)).sum().backward()
+opt.step()
+END
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "code", "note"),
+    [
+        ("raise ValueError('bad value mid-training')", 3,
+         "the script raised ValueError: bad value mid-training (exit 3: memkit's code for an "
+         "error the script raised)"),
+        ("sys.exit(3)", 3, "the script exited with code 3 (sys.exit)"),
+        ("sys.exit('bye')", 1, "the script exited with sys.exit('bye') (exit 1)"),
+        ("sys.exit(0)", 0, None),
+        ("pass", 0, None),
+    ],
+)  # fmt: skip
+def test_the_json_report_says_how_the_script_ended(tmp_path, end, code, note):
+    """Sweep L: a ValueError mid-run, sys.exit(3) and sys.exit("msg") all gave a JSON report
+    that read as a clean run (`oom: null`, no note)."""
+    import json
+
+    path = tmp_path / "train.py"
+    path.write_text(ENDINGS.replace("END", end))
+    out = tmp_path / "r.json"
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", "--json", str(out), str(path))
+    assert result.exit_code == code, result.output
+    report = json.loads(out.read_text())
+    endings = [n for n in report["notes"] if n.startswith("the script ")]
+    assert endings == ([note] if note else []) and report["oom"] is None
+    if note:
+        assert note in result.stderr  # the text report's notes too
+
+
+def test_an_error_before_the_first_step_is_not_called_the_scripts_exit_code(tmp_path):
+    """Sweep L: "the script exited with code 3 ... The exit code is the script's own" for a
+    script that raised: Python exits 1 there, 3 is memkit's code for an error it raised."""
+    path = tmp_path / "train.py"
+    path.write_text("open('no/such/config.txt')\n")
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
+    assert result.exit_code == 3
+    lines = [line for line in result.stderr.splitlines() if line.startswith("memkit:")]
+    assert lines == [
+        "memkit: the script raised FileNotFoundError: [Errno 2] No such file or directory: "
+        "'no/such/config.txt' (exit 3: memkit's code for an error the script raised), before "
+        "its first step (no model forward ran): nothing to report."
+    ], result.stderr
+
+
+# -- memkit's log records and the script's logging ------------------------------------------------
+@pytest.fixture
+def restore_logging():
+    import logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def test_memkits_log_records_stay_out_of_the_scripts_handlers(tmp_path, restore_logging):
+    """Sweep L: a script logging to stdout (transformers' run_clm.py does) got memkit's whole OOM
+    post-mortem on ITS stdout (and a second copy on stderr), and its train.log memkit's INFO."""
+    import logging
+
+    path = tmp_path / "train.py"
+    path.write_text(
+        "import logging, sys\nimport torch\n"
+        "root = logging.getLogger()  # logging.basicConfig(stream=sys.stdout), which pytest's\n"
+        "out = logging.StreamHandler(sys.stdout)  # handlers on the root would turn off\n"
+        "out.setFormatter(logging.Formatter('[%(name)s] %(message)s'))\n"
+        "root.addHandler(out); root.setLevel(logging.INFO)\n"
+        "root.addHandler(logging.FileHandler(sys.argv[1]))\n"
+        "logging.info('user line')\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.Linear(4096, 10))\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "for bs in (16, 64, 1024):\n"
+        "    model(torch.randn(bs, 256)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    log_file = tmp_path / "train.log"
+    result = invoke("run", "--device", "cpu", "--budget", "24MiB", str(path), str(log_file))
+    logging.getLogger().handlers[-1].close()
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines() == ["[root] user line"]
+    assert log_file.read_text().splitlines() == ["user line"]
+    assert result.stderr.count("memkit: out of memory on cpu") == 1
+    assert logging.getLogger("memkit").propagate  # restored after the command
+
+
+def test_memkits_warnings_still_reach_stderr_under_a_command(capsys, caplog):
+    import logging
+
+    from memkit.cli.streams import memkit_logs_to_stderr
+
+    with caplog.at_level(logging.INFO):
+        with memkit_logs_to_stderr():
+            logging.getLogger("memkit.tracking.hooks").warning("memkit: a hook failed")
+            logging.getLogger("memkit.tracking.leaks").info("memory grows (a passing guess)")
+        assert capsys.readouterr().err == "memkit: a hook failed\n"
+        assert caplog.records == []  # the root's handlers (the user's) saw neither
+        logging.getLogger("memkit.x").info("after")
+    assert [r.getMessage() for r in caplog.records] == ["after"]  # the API's: propagated
+
+
+# -- memkit's options after SCRIPT, and python -m ------------------------------------------------
+def test_memkit_options_after_the_script_get_a_hint_when_the_script_refuses_them(tmp_path):
+    path, marker = script(tmp_path)
+    result = invoke("run", "--device", "cpu", str(path), "--budget", "16MiB")
+    assert result.exit_code == 2 and not marker.exists()
+    assert "unrecognized arguments: --budget 16MiB" in result.stderr
+    assert (
+        "The script was given --budget, which memkit run has too: memkit's options go before "
+        "SCRIPT (memkit run [OPTIONS] SCRIPT [ARGS]...)" in result.stderr
+    )
+    other = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path), "--stepz", "1")
+    assert other.exit_code == 2 and "memkit's options go before SCRIPT" not in other.stderr
+
+
+def test_python_dash_m_modules_are_refused_with_what_to_give(tmp_path):
+    result = invoke("run", "--device", "cpu", "-m", "train")
+    assert result.exit_code == 2
+    assert "memkit run takes a script file; modules (python -m NAME) are not supported" in (
+        result.stderr
+    )
+    assert "No such option" not in result.stderr
+
+
+def test_a_compiled_script_and_a_zip_application_still_run(tmp_path):
+    """What `python FILE` runs besides a source file, memkit run runs too (a .pyc through
+    memkit's own loader, a zip application through runpy)."""
+    import py_compile
+    import zipapp
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import torch\nm = torch.nn.Linear(4, 4)\nm(torch.randn(2, 4)).sum().backward()\n"
+        "print('ran', __name__)\n"
+    )
+    compiled = tmp_path / "train.pyc"
+    py_compile.compile(str(app / "__main__.py"), cfile=str(compiled), doraise=True)
+    zipapp.create_archive(app, tmp_path / "app.pyz")
+    for path in (compiled, tmp_path / "app.pyz"):
+        result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
+        assert result.exit_code == 0, result.output
+        assert "ran __main__" in result.stdout and "memkit track: 1 step(s)" in result.stderr

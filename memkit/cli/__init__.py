@@ -5,6 +5,8 @@ error; 3 the user's code raised an error that is not an OOM, or memkit itself fa
 distributed failure; 130 interrupted (Ctrl-C). A :class:`~memkit.errors.MemkitError` becomes one
 line on stderr (``memkit: error: ...``); any other exception escaping a command is memkit's own
 failure: one line naming it (``memkit: internal error: ...``), exit 3, never 1 ("does not fit").
+While a command runs, memkit's log records stay out of the user's logging handlers (its
+warnings go to stderr).
 torch is imported inside command bodies only, so ``memkit --help`` stays fast.
 
 One module per command (probe, run, estimate, snapshot, inspect; ``--gpus`` in compare), the
@@ -25,7 +27,11 @@ from memkit.cli.exits import EXIT_INTERNAL, EXIT_INTERRUPTED, handle_errors
 from memkit.cli.inspect import inspect_command
 from memkit.cli.run import run_command
 from memkit.cli.snapshot import _stdout_is_tty, snapshot_command
-from memkit.cli.streams import _stderr_is_terminal, _user_output_to_stderr
+from memkit.cli.streams import (
+    _stderr_is_terminal,
+    _user_output_to_stderr,
+    memkit_logs_to_stderr,
+)
 from memkit.cli.targets import _check_host_backs, _check_target, _host_budgets, _rank_budget
 
 __all__ = [
@@ -61,6 +67,8 @@ def cli() -> None:
     memkit estimate model.py   will it fit on a GPU you do not have?
     memkit inspect mem.pickle  memkit's view of a PyTorch memory snapshot
     """
+    # memkit prints its own report: its log records stay out of the user's logging handlers
+    click.get_current_context().with_resource(memkit_logs_to_stderr())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-import click
-
+from memkit.cli.exits import model_code_cannot_exit
 from memkit.cli.streams import _user_output_to_stderr
 from memkit.cli.targets import _budget_bytes, _check_host_backs
 
@@ -79,7 +78,7 @@ def _compare(
         )
     chosen = strategies or ",".join(DEFAULT_STRATEGIES)
     names = [n.strip() for n in chosen.split(",") if n.strip()]
-    with _user_output_to_stderr():
+    with _user_output_to_stderr() as echo, model_code_cannot_exit():
         result = compare_strategies(
             file, gpus=gpus, budget=[size - context for size in sizes] if len(sizes) > 1
             else sizes[0] - context, strategies=names, device=device, steps=steps,
@@ -91,7 +90,7 @@ def _compare(
             "tensor bytes and workspaces, without the caching allocator's rounding and "
             "segments (memkit estimate models them for one card)", *result.notes,
         ))  # fmt: skip
-    click.echo(result.to_json() if as_json else str(result))
+    echo(result.to_json() if as_json else str(result))
     if any(r.error is not None for r in result.results):
         sys.exit(3)  # a strategy's step failed (the others' results are above)
     if any(r.max_global_batch is None for r in result.results):

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from memkit.cli.compare import _compare
-from memkit.cli.exits import handle_errors
+from memkit.cli.exits import handle_errors, model_code_cannot_exit
 from memkit.cli.parsing import (
     _parse_margin,
     _parse_seq_lens,
@@ -108,9 +108,9 @@ def estimate_command(
     from memkit.estimation.result import EstimateSweep
 
     lengths: list[int | None] = list(seq_len) if seq_len else [None]
-    with _user_output_to_stderr():
+    with _user_output_to_stderr() as echo, model_code_cannot_exit():
         results = [estimate(file, seq_len=length, **options) for length in lengths]
     result = results[0] if len(results) == 1 else EstimateSweep(tuple(results))
-    click.echo(result.to_json() if as_json else str(result))
+    echo(result.to_json() if as_json else str(result))
     if not result.fits:
         sys.exit(1)

@@ -3,16 +3,17 @@ stderr and the documented exit code (see :mod:`memkit.cli`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
 
-from memkit.errors import MemkitError
+from memkit.errors import MemkitError, UserCodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,3 +55,21 @@ def handle_errors(func: F) -> F:
             sys.exit(EXIT_INTERNAL)
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def model_code_cannot_exit() -> Iterator[None]:
+    """While memkit runs a model file's code: a ``SystemExit`` from it (``sys.exit`` in a
+    model's ``forward``, say) is a :class:`UserCodeError` (exit 3, one line), not the end of
+    memkit with the file's exit code and no report. (Its functions' ``sys.exit`` is caught
+    where they are called, :class:`memkit.modelfile.SysExitCalled`; loading it is exit 2.)"""
+    try:
+        yield
+    except SystemExit as exc:
+        where = "".join(traceback.format_tb(exc.__traceback__)[-1:]).rstrip()
+        raise UserCodeError(
+            f"the model file's code called sys.exit({exc.code!r}) while memkit ran it; memkit "
+            "runs its code many times: return, or raise an error, instead"
+            + (f"\n{where}" if where else ""),
+            original=exc,
+        ) from exc

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from memkit.cli.compare import _compare
-from memkit.cli.exits import handle_errors
+from memkit.cli.exits import handle_errors, model_code_cannot_exit
 from memkit.cli.parsing import (
     _parse_margin,
     _parse_modes,
@@ -126,7 +126,8 @@ def probe(
     wait = timeout if timeout is not None else (1800.0 if world > 1 else None)
     with (
         distributed.process_group_from_env(rank_device, backend=dist_backend, timeout=wait),
-        _user_output_to_stderr(),
+        _user_output_to_stderr() as echo,
+        model_code_cannot_exit(),
     ):
         options = ProbeOptions(
             min_batch=min_batch, max_batch=max_batch, steps=steps,
@@ -146,7 +147,7 @@ def probe(
         ]
     result = per_mode[0] if len(per_mode) == 1 else ProbeModes(tuple(per_mode))
     if me == 0:
-        click.echo(result.to_json() if as_json else str(result))
+        echo(result.to_json() if as_json else str(result))
     results = [
         r for one in per_mode for r in ([one] if isinstance(one, ProbeResult) else one.results)
     ]

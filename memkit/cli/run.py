@@ -4,6 +4,7 @@ engine is :func:`memkit.tracking.run.run_script`)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,14 @@ def run_command(
     from memkit.tracking.outputs import rank_path
     from memkit.tracking.run import SignalGuard, run_script
 
-    reject_mistyped_option(click.get_current_context(), script)
+    ctx = click.get_current_context()
+    if script == "-m":
+        raise click.UsageError(
+            "memkit run takes a script file; modules (python -m NAME) are not supported: give "
+            "the module's file instead, memkit run [OPTIONS] path/to/train.py [ARGS]...",
+            ctx,
+        )
+    reject_mistyped_option(ctx, script)
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
@@ -97,8 +105,17 @@ def run_command(
                        err=True)  # fmt: skip
         elif outcome.history_file is not None:
             written.append(outcome.history_file)
-        _print_outcome(outcome, written)
+        _print_outcome(outcome, written, _misplaced_options(ctx, args))
     sys.exit(outcome.exit_code)
+
+
+def _misplaced_options(ctx: click.Context, args: tuple[str, ...]) -> list[str]:
+    """memkit run's own options among the script's ARGS (``memkit run train.py --budget
+    16MiB`` gives ``--budget`` to the script, as documented): named in a hint when the script
+    then exits 2 (its argparse refusing them) before its first step."""
+    names = {o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)}
+    names -= {"-h", "--help"}
+    return list(dict.fromkeys(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in names))
 
 
 def _check_run_options(
@@ -165,9 +182,12 @@ def _write_reports(report: TrackReport, outputs: list[tuple[str, Path]]) -> list
     return written
 
 
-def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
+def _print_outcome(
+    outcome: RunOutcome, written: list[str | Path], misplaced: Sequence[str] = ()
+) -> None:
     """The script's traceback, then the report on stderr: in full on rank 0 (or without
-    torchrun), one summary line on the other ranks (with the OOM post-mortem only they know)."""
+    torchrun), one summary line on the other ranks (with the OOM post-mortem only they know).
+    ``misplaced``: memkit's options the script was given (:func:`_misplaced_options`)."""
     from memkit import distributed
     from memkit.tracking.run import rank_prefix, summary_line
 
@@ -190,7 +210,13 @@ def _print_outcome(outcome: RunOutcome, written: list[str | Path]) -> None:
         )
         interrupted = False
     else:
-        text = before_first_step(outcome.exit_code)
+        text = before_first_step(outcome.exit_code, outcome.ended)
+        if outcome.exit_code == 2 and misplaced:
+            text += (
+                f" The script was given {', '.join(misplaced)}, which memkit run has too: "
+                "memkit's options go before SCRIPT (memkit run [OPTIONS] SCRIPT [ARGS]...); "
+                "what follows SCRIPT is the script's."
+            )
     if interrupted:
         note = next(n for n in report.notes if n.startswith("interrupted by "))
         text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
@@ -208,9 +234,13 @@ def ran_anything(report: TrackReport) -> bool:
     )
 
 
-def before_first_step(exit_code: int) -> str:
+def before_first_step(exit_code: int, ended: str | None = None) -> str:
     """The one line for a script that ended before any model forward ran (its own argparse
-    rejecting an option, ``--help``): its exit code is its own, not memkit's."""
+    rejecting an option, ``--help``, an error it raised); ``ended`` is how it ended
+    (:attr:`RunOutcome.ended`). A ``sys.exit`` code is the script's own, not memkit's; an
+    error it raised exits 3, memkit's code for it."""
+    if ended is not None and not ended.startswith("the script exited"):
+        return f"memkit: {ended}, before its first step (no model forward ran): nothing to report."
     how = "ended" if exit_code == 0 else f"exited with code {exit_code}"
     return (
         f"memkit: the script {how} before its first step (no model forward ran): nothing to "

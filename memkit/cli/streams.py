@@ -1,38 +1,86 @@
-"""The standard streams while a command runs: the user's output kept off stdout, and whether
-a person watches stderr."""
+"""The standard streams while a command runs: the user's output kept off stdout, memkit's log
+records kept out of the user's logging, and whether a person watches stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import click
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a test runner's, a
+    redirect's), not to the stream of when it was made."""
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
 
 
 @contextlib.contextmanager
-def _user_output_to_stderr() -> Iterator[None]:
+def memkit_logs_to_stderr() -> Iterator[None]:
+    """While a command runs, memkit's log records (the ``memkit`` logger) do not reach the
+    handlers of the user's code (``logging.basicConfig(stream=sys.stdout)`` in a script or a
+    model file): the command prints what memkit has to say itself, and its warnings go to
+    stderr, one line each. Restored after (the Python API leaves memkit's records to the
+    application's logging)."""
+    logger = logging.getLogger("memkit")
+    handler = _StderrHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved
+
+
+@contextlib.contextmanager
+def _user_output_to_stderr() -> Iterator[Callable[[str], None]]:
     """While the model file runs, what it writes to standard output goes to standard error:
     Python's prints and what native code writes to file descriptor 1 alike, so that with
-    ``--json`` stdout is one JSON object."""
+    ``--json`` stdout is one JSON object. Yields ``echo``, which writes memkit's own output
+    (the report, the JSON) to the real standard output.
+
+    Descriptor 1 stays on stderr after the block, until the process ends: what the model file
+    prints at interpreter exit (``atexit``, ``__del__``, ``weakref.finalize``) cannot follow
+    the JSON either; ``echo`` writes to a duplicate of the original descriptor. Without a
+    descriptor (a test runner, a notebook) only ``sys.stdout`` is redirected, for the block.
+    """
     stdout = sys.stdout
+    saved: int | None = None
     try:
-        real = stdout.fileno() == 1
-    except (AttributeError, OSError, ValueError):  # no descriptor (a test runner, a notebook)
-        real = False
-    with contextlib.ExitStack() as stack:
-        if real:
+        if stdout.fileno() == 1:
             stdout.flush()
             saved = os.dup(1)
-            os.dup2(2, 1)
+    except (AttributeError, OSError, ValueError):  # no descriptor, or a closed one
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)  # for good: the original is `saved`, echo's
+    encoding = getattr(stdout, "encoding", None) or "utf-8"
 
-            def restore() -> None:
-                stdout.flush()
-                os.dup2(saved, 1)
-                os.close(saved)
+    def echo(text: str) -> None:
+        if saved is None:
+            click.echo(text, file=stdout)
+            return
+        with open(saved, "w", encoding=encoding, errors="replace", closefd=False) as out:
+            out.write(text + "\n")
 
-            stack.callback(restore)
-        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
-        yield
+    with contextlib.redirect_stdout(sys.stderr):
+        yield echo
+    if saved is not None:
+        stdout.flush()  # what the file printed, buffered: to stderr, where fd 1 now goes
 
 
 def _stderr_is_terminal() -> bool:

@@ -1,19 +1,27 @@
 """``memkit run``: run a training script as ``__main__`` under global tracking.
 
-The script gets its own ``sys.argv`` (``[script, *args]``) and ``sys.path[0]`` (its directory),
-exactly as ``python script.py args`` would give it. Every module and every optimizer is tracked
-through torch's global hooks, so no line of the script changes. The exit code is the script's:
+The script gets its own ``sys.argv`` (``[script, *args]``, ``script`` as typed), ``sys.path[0]``
+(its directory), an absolute ``__file__`` and code file name (a script that changes directory
+still finds its neighbours, and its frames are found in a traceback), ``__package__`` ``None``
+and ``sys.modules["__main__"]``, as ``python script.py args`` (Python 3.9+) gives them. Every
+module and every optimizer is tracked through torch's global hooks, so no line of the script
+changes. The exit code is the script's:
 
-* ``0`` when it returns, the ``SystemExit`` code when it calls ``sys.exit``;
+* ``0`` when it returns, the ``SystemExit`` code when it calls ``sys.exit`` (``1`` for
+  ``sys.exit("message")``, the message printed);
 * ``1`` when an out-of-memory error escapes it (what Python itself exits with; also memkit's
   "does not fit");
-* ``3`` when any other exception escapes it (memkit's "your code raised");
+* ``3`` when any other exception escapes it (memkit's "your code raised"; Python exits 1);
 * ``130`` on ``KeyboardInterrupt`` (Ctrl-C): as for SIGTERM, the report notes ``interrupted
   by Ctrl-C at step N`` and names the script's line, without a traceback;
 * ``143`` (128 + 15) when ``SIGTERM`` stopped it (under :class:`SignalGuard`, which ``memkit
   run`` installs): the report is still built, with the note ``interrupted by SIGTERM at step
   N``, and its files are still written. torchrun sends SIGTERM to the other ranks when one
   fails.
+
+An error that is not an OOM and a non-zero ``sys.exit`` are notes of the report too (``the
+script raised ValueError: ... (exit 3: ...)``, ``the script exited with code 3 (sys.exit)``),
+so a JSON report tells a failed run from a clean one (an OOM is ``report.oom``).
 
 Under ``torchrun`` (``RANK``/``LOCAL_RANK`` set), each rank tracks ``cuda:LOCAL_RANK`` unless
 ``--device`` says otherwise, its output lines start with ``[rank N]`` and its files are
@@ -23,15 +31,21 @@ written as ``NAME.rankN.EXT``; rank 0 prints the full report, the others one lin
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import gc
+import importlib.machinery
+import io
 import os
+import pkgutil
 import runpy
 import signal
 import sys
 import threading
 import traceback
+import types
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,6 +237,9 @@ class RunOutcome:
             script's own frames on, else ``None``.
         oom: an out-of-memory error ended the script.
         interrupted: what stopped the script (``"SIGTERM"``, ``"Ctrl-C"``), else ``None``.
+        ended: how the script ended when it raised an error that is not an OOM or exited
+            with a code other than 0 (``"the script exited with code 3 (sys.exit)"``), also
+            a note of the report; else ``None``.
         history_file: where the memory history was written (``--memory-history``), else
             ``None``.
         history_error: why it could not be written, else ``None``.
@@ -233,6 +250,7 @@ class RunOutcome:
     traceback: str | None
     oom: bool
     interrupted: str | None = None
+    ended: str | None = None
     history_file: Path | None = None
     history_error: str | None = None
 
@@ -278,27 +296,26 @@ def default_device(device: str | None) -> str | None:
     return str(visible[local % len(visible)])
 
 
-def _script_traceback(exc: BaseException, script: Path) -> str:
-    """The exception formatted from the script's first frame on (memkit's frames left out)."""
+def _script_traceback(exc: BaseException, main_file: str) -> str:
+    """The exception formatted from the script's first frame on (memkit's frames left out);
+    ``main_file`` is the script's absolute path, its code's file name."""
     tb: TracebackType | None = exc.__traceback__
-    target = str(script.resolve())
     start = tb
     while start is not None:
-        if os.path.abspath(start.tb_frame.f_code.co_filename) == target:
+        if start.tb_frame.f_code.co_filename == main_file:
             break
         start = start.tb_next
     return "".join(traceback.format_exception(type(exc), exc, start or tb))
 
 
-def _script_line(exc: BaseException, script: Path) -> str | None:
+def _script_line(exc: BaseException, main_file: str) -> str | None:
     """``train.py line 42, in train``: the script's innermost frame in the traceback."""
-    target = str(script.resolve())
     found = None
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if os.path.abspath(code.co_filename) == target:
-            found = f"{script.name} line {tb.tb_lineno}, in {code.co_name}"
+        if code.co_filename == main_file:
+            found = f"{os.path.basename(main_file)} line {tb.tb_lineno}, in {code.co_name}"
         tb = tb.tb_next
     return found
 
@@ -326,6 +343,7 @@ def run_script(
         ConfigError: the script does not exist or is not a file.
     """
     path = _script_file(script)
+    main_file = os.path.abspath(path)  # now: the script may change directory
     tracker = Tracker(
         None,
         None,
@@ -338,8 +356,8 @@ def run_script(
         history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
     )
     armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
-    with _as_main(path, args):
-        ending = _run_tracked(path, tracker, armed)
+    with _as_main(os.fspath(script), path, args):
+        ending = _run_tracked(main_file, tracker, armed)
     if ending.failed is not None:
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, ending.failed)
@@ -357,12 +375,15 @@ def run_script(
             "what ran until then"
         )
         report = dataclasses.replace(report, notes=(*report.notes, note))
+    elif ending.ended is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, ending.ended))
     return RunOutcome(
         exit_code=ending.exit_code,
         report=report,
         traceback=ending.traceback,
         oom=ending.oom,
         interrupted=ending.interrupted,
+        ended=ending.ended,
         history_file=tracker.history_file,
         history_error=tracker.history_error,
     )
@@ -380,10 +401,11 @@ def _script_file(script: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def _as_main(path: Path, args: Sequence[str]) -> Iterator[None]:
-    """``sys.argv`` and ``sys.path[0]`` as ``python script.py args`` sets them, restored after."""
+def _as_main(typed: str, path: Path, args: Sequence[str]) -> Iterator[None]:
+    """``sys.argv`` (``typed``: the script as given) and ``sys.path[0]`` as ``python script.py
+    args`` sets them, restored after."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
-    sys.argv = [str(path), *args]
+    sys.argv = [typed, *args]
     script_dir = str(path.resolve().parent)
     if sys.path:
         sys.path[0] = script_dir
@@ -407,10 +429,43 @@ class _ScriptEnding:
     oom: bool = False
     interrupted: str | None = None
     where: str | None = None
+    ended: str | None = None
+
+
+def _exec_as_main(main_file: str) -> dict[str, Any]:
+    """Run the script at ``main_file`` (absolute) as ``sys.modules["__main__"]``; its globals.
+
+    As Python runs a script: ``__file__`` and the code's file name absolute, ``__package__``
+    and ``__spec__`` ``None``; a compiled ``.pyc`` runs too. A zip application goes to
+    :func:`runpy.run_path` (which runs its ``__main__.py``)."""
+    if zipfile.is_zipfile(main_file):
+        return runpy.run_path(main_file, run_name="__main__")
+    with io.open_code(main_file) as file:
+        code = pkgutil.read_code(file)  # a .pyc file's code, else None
+    if code is None:
+        with io.open_code(main_file) as file:
+            code = compile(file.read(), main_file, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=main_file,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", main_file),
+        __builtins__=builtins,
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # pickle and multiprocessing find the script's classes
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+    return module.__dict__
 
 
 def _run_tracked(
-    path: Path, tracker: Tracker, armed: contextlib.AbstractContextManager[Any]
+    main_file: str, tracker: Tracker, armed: contextlib.AbstractContextManager[Any]
 ) -> _ScriptEnding:
     """Run the script under ``tracker`` (and the armed SIGTERM guard); how it ended, with its
     exit code (see the module docstring). Whatever escapes the script is caught here."""
@@ -420,28 +475,44 @@ def _run_tracked(
         with tracker, armed:
             # kept until the tracker has exited: its end (and the memory history's) is the
             # script's end, with what its globals still hold, whether or not they are in a cycle
-            script_globals = runpy.run_path(str(path), run_name="__main__")
+            script_globals = _exec_as_main(main_file)
     except SystemExit as exc:
         code = exc.code
         if code is None:
             ending.exit_code = 0
         elif isinstance(code, int):
-            ending.exit_code = code
-        else:
+            ending.exit_code = int(code)
+            if code:
+                ending.ended = f"the script exited with code {int(code)} (sys.exit)"
+        else:  # printed, exit 1: as Python does
             ending.traceback = str(code)
             ending.exit_code = 1
+            ending.ended = f"the script exited with sys.exit({_shorten(str(code))!r}) (exit 1)"
     except KeyboardInterrupt as exc:  # like SIGTERM: where it was, not a traceback
         ending.exit_code = EXIT_INTERRUPTED
-        ending.where = _script_line(exc, path)
+        ending.where = _script_line(exc, main_file)
         ending.interrupted = "Ctrl-C"
     except Terminated as exc:  # not an error of the script: where it was, not a traceback
         ending.exit_code = 128 + exc.signum
-        ending.where = _script_line(exc, path)
+        ending.where = _script_line(exc, main_file)
         ending.interrupted = exc.signame
     except BaseException as exc:
-        ending.traceback = _script_traceback(exc, path)
+        ending.traceback = _script_traceback(exc, main_file)
         ending.oom = find_oom(exc) is not None
         ending.exit_code = EXIT_OOM if ending.oom else EXIT_USER_ERROR
         ending.failed = exc
+        if not ending.oom:  # an OOM is the report's own (report.oom)
+            message = _shorten(str(exc))
+            ending.ended = (
+                f"the script raised {type(exc).__name__}{': ' + message if message else ''} "
+                f"(exit {EXIT_USER_ERROR}: memkit's code for an error the script raised)"
+            )
     del script_globals  # the script's objects can go now
     return ending
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    """The first line of ``text``, at most ``limit`` characters (for a note)."""
+    lines = text.strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 3] + "..."
