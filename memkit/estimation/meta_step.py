@@ -203,7 +203,7 @@ class TargetMode(TorchFunctionMode):
         self.kernels.add(kernel)
         if kernel == "math":
             return func(*args, **kw)
-        return fused_attention(query, key, value, kernel, self.sm)
+        return fused_attention(query, key, value, kernel, self.sm, mask)
 
 
 def target_mode(
