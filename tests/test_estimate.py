@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from memkit.cli import _ESTIMATE_ARCHS, cli
 from memkit.errors import ConfigError, UserCodeError
 from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
-from memkit.estimation.attention import choose_kernel, fused_attention
+from memkit.estimation.attention import choose_kernel, fused_attention, kernel_mask
 from memkit.estimation.autocast import (
     BUILTIN_LISTS,
     AutocastPolicy,
@@ -22,7 +22,7 @@ from memkit.estimation.autocast import (
     header_path,
     parse_header,
 )
-from memkit.estimation.meta_step import run_guarded
+from memkit.estimation.meta_step import run_guarded, target_mode, target_rules_on
 from memkit.estimation.result import EstimateSweep
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.simulated.allocator import K_SMALL_BUFFER, CachingAllocatorModel
@@ -135,6 +135,40 @@ def loss_fn(output, batch):
 """
 
 
+MHA_FILE = """
+import torch
+
+NEED_WEIGHTS, LAYER = {need_weights}, {layer!r}
+D, H, T = 64, 4, 64
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        if LAYER == "mha":
+            layers = [torch.nn.MultiheadAttention(D, H, batch_first=True) for _ in range(2)]
+        else:
+            layers = [torch.nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0) for _ in range(2)]
+        self.layers = torch.nn.ModuleList(layers)
+    def forward(self, x):
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        batch = x.shape[0 if LAYER == "mha" else 1]
+        padding = torch.zeros(batch, T, dtype=torch.bool, device=x.device)
+        for layer in self.layers:
+            if LAYER == "mha":  # both masks: one B*H x T x T float mask, kept for backward
+                masks = {{"attn_mask": causal, "key_padding_mask": padding}}
+                x = x + layer(x, x, x, need_weights=NEED_WEIGHTS, **masks)[0]
+            else:
+                x = layer(x, src_mask=causal, src_key_padding_mask=padding)
+        return x
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, T, D) if LAYER == "mha" else torch.randn(T, batch_size, D)
+"""
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("estimate_models")
@@ -150,6 +184,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         path = folder / f"ckpt_{reentrant}_model.py"
         path.write_text(textwrap.dedent(CKPT_FILE.format(reentrant=reentrant)))
         out[f"ckpt_{reentrant}"] = str(path)
+    for name, need_weights, layer in (
+        ("mha", False, "mha"), ("mha_weights", True, "mha"), ("encoder", False, "encoder")
+    ):  # fmt: skip
+        path = folder / f"{name}_model.py"
+        path.write_text(textwrap.dedent(MHA_FILE.format(need_weights=need_weights, layer=layer)))
+        out[name] = str(path)
     out["mlp"] = str(EXAMPLES / "mlp.py")
     return out
 
@@ -180,6 +220,10 @@ def _counted(path: str, batch: int, mode: str, seq_len: int | None = None) -> in
         ("bert", "infer", 8, None),
         ("ckpt_False", "train", 8, None),  # checkpointed blocks: recomputed in backward
         ("ckpt_True", "train", 8, None),
+        # SDPA inside F.multi_head_attention_forward, with a float mask the kernel keeps
+        ("mha", "train", 4, None),
+        ("mha_weights", "train", 4, None),  # need_weights: the explicit B*H x T x T path
+        ("encoder", "train", 4, None),  # batch_first=False; no fast path in training
     ],
 )
 def test_meta_estimate_matches_simulated_device(
@@ -731,3 +775,67 @@ def test_a_spec_returning_a_live_model_leaves_it_in_place_and_copies_no_data(
     assert all(t.device.type == "cpu" for t in model.state_dict().values())
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     assert not model[0].weight.requires_grad and model[2].weight.requires_grad
+
+
+def test_attention_inside_a_python_function_gets_the_target_kernel() -> None:
+    """F.multi_head_attention_forward calls SDPA inside: the mode sees it (not the math path)."""
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, device="meta")
+    x = torch.randn(2, 128, 64, device="meta")
+
+    def peak(attention: str) -> tuple[int, set[str]]:
+        mode = target_mode(None, attention, 80)
+        with target_rules_on(mode), MemoryAccountant(torch.device("meta"), None) as acc:
+            mha(x, x, x, need_weights=False)[0].sum().backward()
+        return acc.peak, mode.kernels
+
+    fused, kernels = peak("auto")
+    math, _ = peak("math")
+    assert kernels == {"efficient"}
+    assert math - fused >= 2 * 4 * 128 * 128 * 4  # at least the B x H x L x L fp32 scores
+
+
+def test_autocast_policy_reaches_the_linears_inside_multi_head_attention() -> None:
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True, device="meta")
+    x = torch.randn(2, 16, 64, device="meta")
+    mode = target_mode(torch.bfloat16, "auto", 80)
+    with target_rules_on(mode):
+        out = mha(x, x, x, need_weights=False)[0]
+    assert out.dtype == torch.bfloat16  # the out projection ran on the cast weight
+    assert mode.kernels == {"flash"}  # bf16 queries, no mask
+
+
+def test_fused_kernels_keep_the_mask_they_run_on_for_backward() -> None:
+    q, k, v = _qkv(4, 4, 64, torch.float32)
+    length = q.shape[-2]
+
+    def alive_after_forward(dtype: torch.dtype | None, kernel: str) -> int:
+        with MemoryAccountant(torch.device("meta"), None) as acc:
+            shape = (length, length)
+            mask = None if dtype is None else torch.zeros(shape, dtype=dtype, device="meta")
+            out = fused_attention(q, k, v, kernel, 80, mask)
+            del mask  # the caller's reference: what stays is what the kernel keeps
+            alive = acc.current
+            out.sum().backward()
+        return alive
+
+    additive = length * length * 4
+    for kernel in ("efficient", "cpu-flash"):
+        unmasked = alive_after_forward(None, kernel)
+        assert alive_after_forward(torch.float32, kernel) - unmasked == additive
+        # a boolean mask runs (and is kept) as an additive copy in the query's dtype
+        assert alive_after_forward(torch.bool, kernel) - unmasked == additive
+    # memory-efficient: a last dim that is not a multiple of 8 is padded (by 8 - S % 8)
+    odd = torch.zeros(length, 60, device="meta")
+    padded = kernel_mask(odd, torch.float32, "efficient")
+    assert padded.shape == odd.shape and padded.untyped_storage().nbytes() == length * 64 * 4
+    assert kernel_mask(odd, torch.float32, "cpu-flash") is odd
+
+
+def test_flash_output_follows_the_query_layout_efficient_does_not() -> None:
+    batch, heads, length, dim = 2, 4, 32, 64
+    base = torch.empty(length, batch, heads, dim, device="meta", dtype=torch.bfloat16)
+    q = base.permute(1, 2, 0, 3)  # B x H x L x D laid out as L x B x H x D (nn.MultiheadAttention)
+    for kernel in ("flash", "cpu-flash"):
+        assert fused_attention(q, q, q, kernel).stride() == q.stride()
+    out = fused_attention(q, q, q, "efficient")
+    assert out.transpose(1, 2).is_contiguous()  # B x L x H x D

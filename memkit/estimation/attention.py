@@ -23,13 +23,21 @@ kernel         forward (kept for backward)                             backward 
                dropout mask) is run unchanged
 =============  ======================================================  ========================
 
+The output is laid out as the query is (``empty_like``, dense layouts kept) by the flash
+kernels, CUDA's and CPU's, and as ``B x L x H x D`` by the memory-efficient kernel: it decides
+whether a later ``transpose(1, 2).reshape(...)`` copies.
+
 ``L128``/``D32``: rounded up to 128 / 32 (64 above 128), as flash-attention's backward does.
 Gradients of ``q``, ``k``, ``v`` have their shapes and dtypes. The numbers follow PyTorch's
 ``aten/src/ATen/native/transformers/cuda`` (``flash_attn/flash_api.cpp`` ``mha_fwd``/``mha_bwd``,
 ``attention.cu``/``attention_backward.cu`` and the CUTLASS memory-efficient kernel's
 ``kernel_forward.h``/``kernel_backward.h``). Not modelled: flash's split-KV accumulators
 (small inference batches only), the memory-efficient kernel's key/value gradient accumulators
-(bounded in recent releases), an attention mask's padded copy.
+(bounded in recent releases).
+
+An ``attn_mask`` is kept for backward by the fused kernels (their backward takes it), as the
+kernel gets it: a boolean mask as an additive copy in the query's dtype, and for the
+memory-efficient kernel a mask with unaligned strides as a padded copy (:func:`kernel_mask`).
 
 Choice (``"auto"``), for a target of compute capability ``sm`` (PyTorch's ``sdp_utils.cpp``):
 
@@ -54,7 +62,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTENTION_KERNELS", "choose_kernel", "fused_attention"]
+__all__ = ["ATTENTION_KERNELS", "choose_kernel", "fused_attention", "kernel_mask"]
 
 ATTENTION_KERNELS = ("auto", "math", "efficient", "flash", "cpu-flash")
 """Accepted requests. ``"cpu-flash"`` is PyTorch's CPU flash kernel (output and logsumexp, no
@@ -175,6 +183,7 @@ class _FusedAttention(torch.autograd.Function):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        mask: torch.Tensor | None,
         kernel: str,
         needs_grad: bool,
         sm: int,
@@ -183,7 +192,10 @@ class _FusedAttention(torch.autograd.Function):
         saved: tuple[torch.Tensor, ...] = (query, key, value)
         if kernel == "flash" and dim % 8:  # padded copies; the kernel runs (and saves) those
             saved = tuple(t.new_empty((*t.shape[:-1], _round_up(t.shape[-1], 8))) for t in saved)
-        out = _blhd(query, value.shape[-1])
+        if kernel != "efficient" and value.shape[-1] == dim:
+            out = torch.empty_like(saved[0])  # flash: empty_like(q) keeps the query's layout
+        else:
+            out = _blhd(query, value.shape[-1])  # efficient: B x L x H x D whatever q's
         lse: torch.Tensor | None = None
         if kernel in ("flash", "cpu-flash") or needs_grad:
             lse_len = length if kernel != "efficient" else _round_up(length, 32)
@@ -194,8 +206,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.kernel = kernel
         ctx.sm = sm
         ctx.dims = (dim, key.shape[-1], value.shape[-1])
-        if needs_grad:
-            ctx.save_for_backward(*saved, out, lse)
+        if needs_grad:  # the kernel's backward takes the mask (attn_bias) too
+            ctx.save_for_backward(*saved, out, lse, mask)
         else:
             del lse
         del saved
@@ -203,7 +215,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        query, key, value, _out, _lse = ctx.saved_tensors  # padded for flash when dim % 8
+        query, key, value, _out, _lse, mask = ctx.saved_tensors  # padded: flash, dim % 8
         batch, heads, length, dim = query.shape
         grad_q, grad_k, grad_v = (
             _blhd(t, d) for t, d in zip((query, key, value), ctx.dims, strict=True)
@@ -226,20 +238,52 @@ class _FusedAttention(torch.autograd.Function):
             needs_accum = ctx.sm >= 70 or query.dtype in _HALF
             accum = query.new_empty(query.shape, dtype=torch.float32) if needs_accum else None
             del delta, accum
-        return grad_q, grad_k, grad_v, None, None, None
+        grad_mask = mask.new_empty(mask.shape) if ctx.needs_input_grad[3] else None
+        return grad_q, grad_k, grad_v, grad_mask, None, None, None
 
 
 def fused_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: str, sm: int = 80
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel: str,
+    sm: int = 80,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The output of a fused attention kernel (``"flash"`` or ``"efficient"``), on meta.
 
     Grouped-query attention (fewer key/value heads) is handled: the output and the forward
     temporaries follow ``query``'s heads; flash's backward expands ``dk``/``dv`` to them.
+    An ``attn_mask`` is kept for backward as the kernel gets it (:func:`kernel_mask`).
     """
     if kernel not in ("flash", "efficient", "cpu-flash"):
         raise ValueError(f"kernel must be 'flash', 'efficient' or 'cpu-flash', found {kernel!r}")
     needs_grad = _needs_grad(query, key, value)
-    out = _FusedAttention.apply(query, key, value, kernel, needs_grad, sm)
+    mask = None if attn_mask is None else kernel_mask(attn_mask, query.dtype, kernel)
+    out = _FusedAttention.apply(query, key, value, mask, kernel, needs_grad, sm)
     assert isinstance(out, torch.Tensor)
     return out
+
+
+_MASK_ALIGNMENT = 8
+"""``mem_eff_alignment`` of ``preprocess_mask`` (``attention.cpp``)."""
+
+
+def kernel_mask(mask: torch.Tensor, dtype: torch.dtype, kernel: str) -> torch.Tensor:
+    """The mask a fused kernel runs on (and its backward keeps), as ``attention.cpp``'s
+    ``scaled_dot_product_attention`` makes it: a boolean mask becomes an additive one of the
+    query's dtype (``convert_boolean_attn_mask``, a new tensor of the mask's shape); for the
+    memory-efficient kernel, a mask whose strides are not multiples of 8 elements (or whose
+    last stride is not 1) is copied into one whose last dim is padded by
+    ``8 - S % 8`` and sliced back (``preprocess_mask``/``pad_bias``), then broadcast (a view).
+    """
+    if mask.dtype == torch.bool:
+        mask = torch.zeros_like(mask, dtype=dtype)
+    if kernel != "efficient":
+        return mask
+    strides = mask.stride()
+    if strides[-1] == 1 and all(s % _MASK_ALIGNMENT == 0 for s in strides[:-1]):
+        return mask
+    last = mask.shape[-1]
+    pad = _MASK_ALIGNMENT - last % _MASK_ALIGNMENT
+    return torch.nn.functional.pad(mask, (0, pad))[..., :last]

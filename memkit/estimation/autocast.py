@@ -24,12 +24,13 @@ is used; :attr:`AutocastLists.source` says which. Ops are matched by the Python 
 function or ``Tensor`` method that was called (``__matmul__`` as ``matmul``, ``grid_sample`` as
 ``grid_sampler``, ``interpolate`` as the upsampling op it runs).
 
-Limits: Python functions that are not on a list but call listed ops internally are seen as one
-call (the mode is not re-entered while it handles a call); ``F.cross_entropy`` runs as
-PyTorch's composite kernel does under autocast (:meth:`AutocastPolicy.cross_entropy`), and
-``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) as lower-precision as a whole.
-Ops reached only from C++ (inside another op) are not seen, but those run inside one listed op
-anyway.
+Python functions (``F.multi_head_attention_forward``, ``F.layer_norm``...) run with the mode
+back on (``torch.overrides.redispatch_function``), so the ops they call get the policy one by
+one, as autocast casts them at the aten level; on a PyTorch without it they are one call, and
+``F.multi_head_attention_forward`` is then taken as lower-precision as a whole.
+``F.cross_entropy`` runs as PyTorch's composite kernel does under autocast
+(:meth:`AutocastPolicy.cross_entropy`). Ops reached only from C++ (inside another op) are not
+seen, but those run inside one listed op anyway.
 """
 
 from __future__ import annotations
@@ -176,9 +177,13 @@ _ALIASES = {
     "__ipow__": "pow",
     "grid_sample": "grid_sampler",
     "cross_entropy": "nll_loss",  # only where cross_entropy() below does not apply
-    "multi_head_attention_forward": "scaled_dot_product_attention",
 }
 """Python names of functions and methods that run (or stand for) a listed aten op."""
+
+if not hasattr(torch.overrides, "redispatch_function"):
+    # The estimate's mode cannot see the calls inside a Python function on this PyTorch
+    # (meta_step.TargetMode._call): nn.MultiheadAttention's linears and SDPA are one call.
+    _ALIASES["multi_head_attention_forward"] = "scaled_dot_product_attention"
 
 _INTERPOLATE = {
     "nearest": "upsample_nearest2d",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,11 @@ __all__ = [
 
 META = torch.device("meta")
 
+_REDISPATCH: Callable[..., Any] | None = getattr(torch.overrides, "redispatch_function", None)
+"""``torch.overrides.redispatch_function`` where the installed PyTorch has it (2.13 does):
+runs a Python function's body past its own ``__torch_function__`` check, so a mode back on its
+stack sees the calls inside."""
+
 
 def _is_meta_bool(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta and value.numel() == 1
@@ -59,6 +65,7 @@ class TargetMode(TorchFunctionMode):
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
         self._entered = 0
         self._in_backward = 0
+        self._bodies: list[Callable[..., Any]] = []  # Python functions running with the mode on
         self._cpu_dtype = torch.get_autocast_dtype("cpu")
         self._mark = torch.float16 if self._cpu_dtype != torch.float16 else torch.bfloat16
 
@@ -112,7 +119,29 @@ class TargetMode(TorchFunctionMode):
             return self._attention(func, args, kwargs)
         if name == "dropout" and self.attention != "cpu-flash":  # cpu-flash: a CPU target
             return self._dropout(func, args, kwargs)
-        return func(*args, **kwargs)
+        return self._call(func, types, args, kwargs)
+
+    def _call(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        """Run ``func``; a Python function (``F.multi_head_attention_forward``,
+        ``F.layer_norm``, a ``Tensor`` method written in Python) with this mode back on, so the
+        torch calls inside it get the target's rules too (the SDPA call inside
+        ``nn.MultiheadAttention``, the autocast policy of its linears). A mode handling a call
+        is off its stack; builtins have no torch calls inside that it would miss. Without
+        :data:`_REDISPATCH` (an older PyTorch) the body runs without the mode, as one call.
+
+        A ``Tensor`` method written in Python that calls its C namesake (``Tensor.unflatten``'s
+        ``super().unflatten``) gets the Python method back as ``func`` from the C call: inside
+        its own body it runs as one call, the builtin it stands for."""
+        if _REDISPATCH is None or not inspect.isfunction(func) or func in self._bodies:
+            return func(*args, **kw)
+        self._bodies.append(func)
+        try:
+            with self:
+                return _REDISPATCH(func, types, args, kw)
+        finally:
+            self._bodies.pop()
 
     def _backward(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         """Backward, with this mode active while autograd runs it: the Python code backward
@@ -174,7 +203,7 @@ class TargetMode(TorchFunctionMode):
         self.kernels.add(kernel)
         if kernel == "math":
             return func(*args, **kw)
-        return fused_attention(query, key, value, kernel, self.sm)
+        return fused_attention(query, key, value, kernel, self.sm, mask)
 
 
 def target_mode(
