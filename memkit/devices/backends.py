@@ -141,6 +141,14 @@ class CudaBackend:
             return None
         return int(free), int(total)
 
+    def _current(self) -> tuple[int, int]:
+        """``(allocated, reserved)`` now, from one read of the allocator's statistics."""
+        stats = self._mod.memory_stats(self.index)
+        return (
+            int(stats.get("allocated_bytes.all.current", 0)),
+            int(stats.get("reserved_bytes.all.current", 0)),
+        )
+
     def capacity(self) -> Capacity:
         info = self.device_wide()
         if info is None:
@@ -150,10 +158,11 @@ class CudaBackend:
                 )
             return Capacity(self.budget, self.budget - self.reserved(), "budget")
         free, total = info
+        allocated, reserved = self._current()
         # What this process can still get: the driver's free memory plus its own cached blocks.
-        own_free = free + self.reserved() - self.allocated()
+        own_free = free + reserved - allocated
         if self.budget is not None and self.budget < total:
-            return Capacity(self.budget, min(own_free, self.budget - self.allocated()), "budget")
+            return Capacity(self.budget, min(own_free, self.budget - allocated), "budget")
         return Capacity(total, own_free, "cudaMemGetInfo")
 
     def holds(self, tensor: torch.Tensor) -> bool:

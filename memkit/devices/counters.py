@@ -26,6 +26,17 @@ class PeakResetter(Protocol):
     def __call__(self) -> None: ...
 
 
+_FAST_STATS: set[Any] = set()
+"""The kinds of ``_cuda_memoryStats`` function (:func:`_function_kind`) whose nested dict was
+read as :func:`counter_reader` reads it (torch's, or a stand-in's)."""
+
+
+def _function_kind(fn: Any) -> tuple[Any, Any]:
+    """``fn``'s class of owner and function: the same for every stand-in's bound method, and
+    holding no instance."""
+    return type(getattr(fn, "__self__", None)), getattr(fn, "__func__", fn)
+
+
 def counter_reader(
     backend: Any, peaks: UserPeaks | None = None
 ) -> tuple[CounterReader, PeakResetter]:
@@ -85,11 +96,16 @@ def counter_reader(
                         resetting(last[0], last[1])
                     reset(index)
 
+            kind = _function_kind(stats)
+            if kind in _FAST_STATS:  # checked once per kind of counter function (a read each)
+                return read_cuda, reset_cuda
             try:
                 read_cuda()
             except (KeyError, TypeError, RuntimeError) as exc:  # pragma: no cover - torch drift
                 log.debug("fast CUDA counters unavailable (%s); using memory_stats", exc)
             else:
+                if initialized():
+                    _FAST_STATS.add(kind)
                 return read_cuda, reset_cuda
 
     def read_generic() -> tuple[int, int, int, int]:
