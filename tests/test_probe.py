@@ -939,3 +939,43 @@ def test_the_learning_rate_schedulers_a_train_step_advances_are_put_back():
     assert result.max_batch_size is not None
     assert schedulers[0].last_epoch == twin_schedulers[0].last_epoch == 2
     assert schedule(opt, schedulers, 6) == schedule(twin_opt, twin_schedulers, 6)
+
+
+def test_schedulers_of_a_wrapped_optimizer_and_of_other_libraries_are_put_back_too():
+    """accelerate's optimizer wrapper holds the real optimizer as ``.optimizer`` (its scheduler
+    steps the inner one); timm's schedulers are no ``LRScheduler``, but ``...Scheduler``
+    classes with ``state_dict``/``load_state_dict``."""
+
+    class Wrapped:  # the shape of accelerate's AcceleratedOptimizer
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def __getattr__(self, name: str):
+            return getattr(self.optimizer, name)
+
+    class CosineScheduler:  # the shape of timm's schedulers
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer, self.updates = optimizer, 0
+
+        def step_update(self) -> None:
+            self.updates += 1
+
+        def state_dict(self) -> dict:
+            return {"updates": self.updates}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.updates = state["updates"]
+
+    from memkit.probing.state import SavedState
+
+    model = small_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    torch_scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    timm_like = CosineScheduler(inner)
+    saved = SavedState(model, Wrapped(inner))
+    for _ in range(3):
+        inner.step()
+        torch_scheduler.step()
+        timm_like.step_update()
+    saved.restore()
+    assert torch_scheduler.last_epoch == 0 and timm_like.updates == 0

@@ -26,22 +26,41 @@ log = logging.getLogger(__name__)
 def schedulers_of(optimizer: Any) -> list[Any]:
     """The learning-rate schedulers of ``optimizer``: a scheduler holds its optimizer and the
     optimizer knows nothing of it, so they are found among the collector's objects (one
-    scan: tens of milliseconds, about a second with millions of live objects). Schedulers
-    that are no ``LRScheduler`` (timm's), or that hold an optimizer the probe was given
-    wrapped (accelerate's), are not found."""
+    scan: tens of milliseconds, about a second with millions of live objects). A scheduler
+    is torch's (``LRScheduler``, ``ReduceLROnPlateau``) or a class named ``...Scheduler``
+    with ``state_dict``/``load_state_dict`` (timm's); its optimizer is ``optimizer`` or the
+    one ``optimizer`` wraps (accelerate's ``AcceleratedOptimizer`` holds it as
+    ``.optimizer``)."""
     from torch.optim import lr_scheduler
 
     kinds = tuple(
         k for k in (getattr(lr_scheduler, n, None) for n in ("LRScheduler", "ReduceLROnPlateau"))
         if isinstance(k, type)
     )  # fmt: skip
-    # type(), not isinstance(): the latter reads ``__class__``, which some module-level
-    # objects turn into a deprecation warning
-    return [
-        o
-        for o in gc.get_objects()
-        if issubclass(type(o), kinds) and getattr(o, "optimizer", None) is optimizer
-    ]
+    targets = {id(optimizer)}
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None:
+        targets.add(id(inner))
+
+    def is_scheduler(kind: type) -> bool:
+        # type(), not isinstance(): the latter reads ``__class__``, which some module-level
+        # objects turn into a deprecation warning
+        return issubclass(kind, kinds) or (
+            kind.__name__.endswith("Scheduler")
+            and callable(getattr(kind, "state_dict", None))
+            and callable(getattr(kind, "load_state_dict", None))
+        )
+
+    verdicts: dict[type, bool] = {}
+    found = []
+    for o in gc.get_objects():
+        kind = type(o)
+        verdict = verdicts.get(kind)
+        if verdict is None:
+            verdict = verdicts[kind] = is_scheduler(kind)
+        if verdict and id(getattr(o, "optimizer", None)) in targets:
+            found.append(o)
+    return found
 
 
 def _scheduler_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
