@@ -158,13 +158,12 @@ class Hooks:
         self._main_thread = threading.get_ident()  # the thread that enters the block
         h = self._handles
         model = self.models.model
+        leaf = model is not None and not any(True for _ in model.children())
         if model is not None and getattr(model, "_compiled_call_impl", None) is not None:
             # ``model.compile()``: Dynamo traces the module's hooks into its graph, where they
             # do nothing; around the compiled call they run as Python, the graph untouched
-            leaf = not any(True for _ in model.children())
             h.append(_AroundCompiledCall(model, self._make_root_pre(leaf), self._make_post()))
         elif model is not None:  # the model's own hooks stay for the block
-            leaf = not any(True for _ in model.children())
             h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
