@@ -158,9 +158,13 @@ class Evidence:
             dev, modules, optimizers, models.model, primary, self._state.fsdp, census
         )
         self.walked_dtype = _largest(census.trainable_dtypes)
-        if modules or optimizers:
-            setup = training_setup(modules, optimizers, self.walked_dtype, self.facts, census)
+        facts = self.facts
+        # once a step is enough (and when a trainer's settings arrive)
+        key = (self._state.step, facts.accumulation_steps, facts.checkpointing)
+        if (modules or optimizers) and dev.setup_key != key:
+            setup = training_setup(modules, optimizers, self.walked_dtype, facts, census)
             dev.setup = _merged(dev.setup, setup)
+            dev.setup_key = key
         return sizes
 
     def trainer_settings(self, accumulation_steps: int | None, checkpointing: bool | None) -> None:
