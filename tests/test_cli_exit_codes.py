@@ -46,6 +46,17 @@ def test_ctrl_c_in_probe_exits_130_with_one_line():
     assert "Traceback" not in result.stderr and "Aborted" not in result.output
 
 
+def test_a_ctrl_c_python_drops_still_stops_the_probe_with_130():
+    """A Ctrl-C landing in a weakref callback or ``__del__`` is dropped by Python ("Exception
+    ignored"): the probe ran on with a free the simulated device never counted and answered a
+    wrong size with exit 0 (sweep P). It is sent again, or raised when the command ends."""
+    result = invoke("probe", str(FILES / "interrupt_dropped.py"), "--device", "cpu",
+                    "--budget", "64MiB")  # fmt: skip
+    assert result.exit_code == 130, result.output
+    assert result.stderr.rstrip().endswith("memkit: interrupted")
+    assert "Largest batch" not in result.output
+
+
 def test_ctrl_c_in_probe_restores_the_model():
     from memkit.modelfile import load_model_file
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -32,7 +34,8 @@ def handle_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            with interrupts_kept():
+                return func(*args, **kwargs)
         except MemkitError as exc:
             click.echo(f"memkit: error: {exc}", err=True)
             sys.exit(exc.exit_code)
@@ -55,6 +58,46 @@ def handle_errors(func: F) -> F:
             sys.exit(EXIT_INTERNAL)
 
     return wrapper  # type: ignore[return-value]
+
+
+RESEND_SECONDS = 0.2
+"""How soon a Ctrl-C Python dropped is sent again (:func:`interrupts_kept`)."""
+
+
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """No Ctrl-C is lost: Python runs its handler between any two bytecodes, also inside a
+    weakref callback (the simulated device's free hook) or a ``__del__``, where the
+    ``KeyboardInterrupt`` is printed as "Exception ignored" and dropped, and the command ran on
+    with a free it never counted (a probe then answered a wrong size with exit 0). A dropped
+    one is sent again after :data:`RESEND_SECONDS`, until it lands where it stops the
+    command, and raised at the block's end if the block ends first. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = sys.unraisablehook
+    dropped: list[threading.Timer] = []
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+            return
+        if not dropped or not dropped[-1].is_alive():
+            timer = threading.Timer(RESEND_SECONDS, os.kill, (os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
+            dropped.append(timer)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        for timer in dropped:
+            timer.cancel()
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+    if dropped:  # the block ended before a Ctrl-C sent again stopped it
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
