@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "parse_size": "memkit.units",
     "format_size": "memkit.units",
     "MemkitError": "memkit.errors",
+    "ConfigError": "memkit.errors",
     "probe": "memkit.probing.runner",
     "probe_file": "memkit.probing.runner",
     "ProbeResult": "memkit.probing.result",
@@ -45,6 +46,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "ConfigError",
     "Estimate",
     "MemkitError",
     "MemoryAccountant",
@@ -75,7 +77,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from memkit.devices import get_backend
-    from memkit.errors import MemkitError
+    from memkit.errors import ConfigError, MemkitError
     from memkit.estimation import Estimate, estimate
     from memkit.inspection import SnapshotInspection, inspect_snapshot
     from memkit.microbatching import MicroBatchStep, microbatch
