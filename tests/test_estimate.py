@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from memkit.cli import _ESTIMATE_ARCHS, cli
@@ -169,6 +170,21 @@ def make_batch(batch_size):
 """
 
 
+LOSS_FILE = """
+import torch
+import torch.nn.functional as F
+
+def build_model():  # an upsampling decoder trained with a reduced pixel loss
+    return torch.nn.Sequential(torch.nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 16, 32, 32), torch.randn(batch_size, 8, 64, 64)
+
+def loss_fn(output, batch):
+    return F.{loss}(output, batch[1])
+"""
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("estimate_models")
@@ -190,6 +206,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         path = folder / f"{name}_model.py"
         path.write_text(textwrap.dedent(MHA_FILE.format(need_weights=need_weights, layer=layer)))
         out[name] = str(path)
+    for loss in ("mse_loss", "smooth_l1_loss", "soft_margin_loss"):
+        path = folder / f"{loss}_model.py"
+        path.write_text(textwrap.dedent(LOSS_FILE.format(loss=loss)))
+        out[loss] = str(path)
     out["mlp"] = str(EXAMPLES / "mlp.py")
     return out
 
@@ -224,6 +244,10 @@ def _counted(path: str, batch: int, mode: str, seq_len: int | None = None) -> in
         ("mha", "train", 4, None),
         ("mha_weights", "train", 4, None),  # need_weights: the explicit B*H x T x T path
         ("encoder", "train", 4, None),  # batch_first=False; no fast path in training
+        # a reduced loss keeps an input-sized storage under its 0-d value (Loss.cpp)
+        ("mse_loss", "train", 4, None),
+        ("smooth_l1_loss", "train", 4, None),
+        ("soft_margin_loss", "train", 4, None),
     ],
 )
 def test_meta_estimate_matches_simulated_device(
@@ -634,6 +658,20 @@ def test_a_sparse_op_without_a_meta_kernel_is_named_not_listed() -> None:
     assert "memkit probe FILE --device cpu" in message and "\n" not in message
 
 
+def test_an_op_without_a_meta_kernel_is_named_with_the_way_out() -> None:
+    """CTC loss has no meta kernel: the estimate said to move "code that reads values" out of
+    the step, which the user cannot do for a torch op (sweep O)."""
+    log_probs = torch.randn(50, 2, 20, device="meta").log_softmax(-1)
+    targets = torch.ones(2, 10, dtype=torch.long, device="meta")
+    lengths = torch.full((2,), 50, dtype=torch.long, device="meta")
+    target_lengths = torch.full((2,), 10, dtype=torch.long, device="meta")
+    with pytest.raises(UserCodeError) as info:
+        run_guarded(lambda: F.ctc_loss(log_probs, targets, lengths, target_lengths), 1)
+    message = str(info.value)
+    assert "no meta kernel for aten::_ctc_loss" in message
+    assert "memkit probe FILE --device cpu" in message and "move it out" not in message
+
+
 def test_allocator_constants_match_the_installed_torch() -> None:
     """kSmallSize and friends, as the installed PyTorch's c10/core/AllocatorConfig.h has them."""
     import re
@@ -839,3 +877,40 @@ def test_flash_output_follows_the_query_layout_efficient_does_not() -> None:
         assert fused_attention(q, q, q, kernel).stride() == q.stride()
     out = fused_attention(q, q, q, "efficient")
     assert out.transpose(1, 2).is_contiguous()  # B x L x H x D
+
+
+def test_inference_of_a_transformer_encoder_with_a_padding_mask_is_estimated(
+    tmp_path: Path,
+) -> None:
+    """``nn.TransformerEncoder`` in eval checks its padding mask's values for the fused path
+    (``_nested_tensor_from_mask_left_aligned``, no meta kernel) before it looks at where the
+    tensors are: the estimate crashed with exit 3 (sweep O). The fused path is off in the meta
+    step; the estimate counts the Python path, at least what the fused one keeps."""
+    path = tmp_path / "encoder_model.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class Net(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+                    self.enc = torch.nn.TransformerEncoder(layer, 2)
+
+                def forward(self, x, pad):
+                    return self.enc(x, src_key_padding_mask=pad)[:, 0]
+
+            def build_model():
+                return Net()
+
+            def make_batch(batch_size):
+                pad = torch.zeros(batch_size, 32, dtype=torch.bool)
+                pad[:, -8:] = True
+                return torch.randn(batch_size, 32, 64), pad
+            """
+        )
+    )
+    est = estimate(str(path), device_memory="1GiB", mode="infer", min_batch=4, max_batch=4)
+    assert est.max_batch_size == 4
+    assert torch.backends.mha.get_fastpath_enabled()  # put back after the step

@@ -12,7 +12,15 @@ from memkit.estimation.autocast import autocast_lists
 from memkit.estimation.families import DeviceFamily, TargetCard
 from memkit.units import format_size
 
-__all__ = ["attention_line", "outcome_lines", "target_lines"]
+__all__ = ["RNN_NOTE", "attention_line", "outcome_lines", "target_lines"]
+
+RNN_NOTE = (
+    "recurrent layers ({layers}): meta runs them a time step at a time (in float32 also "
+    "under --amp), where a GPU runs cuDNN's fused RNN kernels (their own workspace and "
+    "reserve; half precision under autocast): their activations may be off by tens of "
+    "percent either way; measure with `memkit probe` on the GPU"
+)
+"""A model with ``nn.LSTM``/``GRU``/``RNN`` layers: what the estimate does not model."""
 
 MAKE_BATCH_ON_META = (
     "make_batch ran under torch.device('meta'): its tensors are shapes only, so an error that "

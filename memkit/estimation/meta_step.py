@@ -219,9 +219,17 @@ def target_mode(
 def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
     """Run the block as the target runs a step: ``mode``'s rules above autograd, and eager even
     for a ``torch.compile``'d model (TorchDynamo does not compile under the accountant, and the
-    unaccounted warm-up must run what is counted)."""
-    with torch.compiler.set_stance("force_eager"), mode:
-        yield mode
+    unaccounted warm-up must run what is counted). The fused inference path of
+    ``nn.TransformerEncoder``/``MultiheadAttention`` is off, as meta tensors would have it: its
+    checks read the padding mask's values first (``_nested_tensor_from_mask_left_aligned`` has
+    no meta kernel), and the estimate does not model that path (docs/estimate.md)."""
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.compiler.set_stance("force_eager"), mode:
+            yield mode
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 _SAME_DTYPE_OPS = frozenset(
@@ -516,7 +524,8 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
     except Exception as exc:
         text = str(exc)
         sparse = _sparse_on_meta(exc)
-        if sparse:  # the first sentence names the op; the rest lists dispatch keys
+        missing = None if sparse else _no_meta_kernel(exc)
+        if sparse or missing:  # the first sentence names the op; the rest lists dispatch keys
             text = text.split(". ", 1)[0]
         said = f"the step raised {type(exc).__name__} at batch size {batch_size}: " + text.rstrip(
             ". "
@@ -526,6 +535,13 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
                 ". The step makes sparse tensors, and PyTorch has no meta kernel for this sparse "
                 "op, so memkit estimate cannot run it. Measure it on the simulated device "
                 "instead, which counts a sparse tensor's indices and values: memkit probe FILE "
+                "--device cpu --budget <the GPU's memory>."
+            )
+        elif missing:
+            said += (
+                f". PyTorch has no meta kernel for {missing} (a torch op, not your code: CTC "
+                "loss, some sparse or fused kernels), so memkit estimate cannot run this step. "
+                "Measure it on the simulated device instead, which runs it: memkit probe FILE "
                 "--device cpu --budget <the GPU's memory>."
             )
         elif _meta_only(exc):
@@ -549,6 +565,18 @@ def _sparse_on_meta(exc: BaseException) -> bool:
         return False
     first = str(exc).split(". ", 1)[0]
     return re.search(r"Sparse\w*Meta|aten::\w*sparse", first) is not None
+
+
+def _no_meta_kernel(exc: BaseException) -> str | None:
+    """The op an error says has no meta kernel (``aten::_ctc_loss.Tensor: attempted to run this
+    operator with Meta tensors``, or older torch's ``Could not run '...' with arguments from the
+    'Meta' backend``), if it says that."""
+    if not isinstance(exc, NotImplementedError):
+        return None
+    text = str(exc)
+    found = re.search(r"Could not run '([\w:.]+)' with arguments from the 'Meta' backend", text)
+    found = found or re.match(r"([\w:.]+): attempted to run this operator with Meta tensors", text)
+    return found.group(1) if found else None
 
 
 def _meta_only(exc: BaseException) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from memkit.errors import ConfigError
-from memkit.estimation.assumptions import outcome_lines, target_lines
+from memkit.estimation.assumptions import RNN_NOTE, outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
 from memkit.estimation.evidence import advice_for
 from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card
@@ -96,6 +96,9 @@ def estimate(
     assumptions = target_lines(card, mode, amp, num_params, trainable)
     if is_compiled(model):
         assumptions.append(eager_note("the meta step (a TorchDispatchMode)", "on a GPU"))
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RNNBase)})
+    if rnns:
+        assumptions.append(RNN_NOTE.format(layers=", ".join(rnns)))
     session = _start_session(
         spec, model, card, search_for, amp=amp, attention=attention, foreach=foreach,
         assumptions=assumptions, keep_output=keep_output,

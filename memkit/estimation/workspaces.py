@@ -7,6 +7,14 @@ Handles are per thread: the forward runs on the Python thread, backward on autog
 thread, so a training step holds two. Its size is ``CUBLAS_WORKSPACE_CONFIG``'s, by default
 ``:4096:2:16:8`` (8.125 MiB), 32 MiB on sm90 (the family's ``cublas_workspace_bytes``).
 
+A reduced ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` or ``binary_cross_entropy``
+is 0-d but keeps an input-sized storage on every device: ``Loss.cpp``'s structured meta
+functions build the unreduced output and ``resize_({})`` it (mse, smooth L1; CPU and CUDA share
+them), ``soft_margin_loss`` reduces into its ``neg_out`` output the same way, and CUDA's
+``binary_cross_entropy_out_cuda`` ``resize_as_``-es its ``empty_like(input)`` loss. The meta
+kernels return a fresh 0-d tensor instead, so :class:`KernelWorkspaces` gives such a loss its
+input-sized storage (the loss is kept through backward: a step's peak may hold it).
+
 ``addmm`` with a 1-D bias (``nn.Linear`` with a bias) runs through cuBLASLt (``Blas.cpp``:
 ``useLtInterface``). Unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, ``getCUDABlasLtWorkspace``
 allocates a second, separate workspace per (handle, stream) of ``CUBLASLT_WORKSPACE_SIZE`` KiB,
@@ -36,6 +44,26 @@ CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv"
 """aten ops whose CUDA kernels call cuBLAS through the current thread's handle."""
 
 _LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_REDUCED_LOSSES = {"mse_loss": 2, "smooth_l1_loss": 2, "soft_margin_loss": 2,
+                   "binary_cross_entropy": 3}  # fmt: skip
+"""Losses whose reduced (0-d) result keeps an input-sized storage: the position of their
+``reduction`` argument (see the module docstring)."""
+
+
+def _input_sized_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """``out`` as the kernel leaves it: for a reduced loss of :data:`_REDUCED_LOSSES`, the same
+    0-d value on a storage the size of its (broadcast) inputs; else ``out`` itself."""
+    where = _REDUCED_LOSSES.get(name)
+    if where is None or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return out
+    reduction = kwargs.get("reduction", args[where] if len(args) > where else 1)
+    inputs = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if reduction == 0 or len(inputs) < 2:
+        return out
+    shape = torch.broadcast_shapes(inputs[0].shape, inputs[1].shape)
+    full = torch.empty(shape, dtype=out.dtype, device=out.device)
+    return full.as_strided((), ())
 
 
 def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -102,6 +130,8 @@ class KernelWorkspaces(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if name in _REDUCED_LOSSES:
+            return _input_sized_loss(name, args, kwargs, out)
         if name in CUBLAS_OPS and self.cublas_bytes:
             # autograd's engine runs backward on its own thread on a GPU (here: a node is set)
             thread = "forward" if torch._C._current_autograd_node() is None else "backward"
