@@ -8,6 +8,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,18 @@ def test_json_stays_json_when_the_model_file_prints_at_interpreter_exit(tmp_path
     assert json.loads(done.stdout)["max_batch_size"] == 8  # one object, nothing after it
     for printed in ("atexit: bye", "native at exit", "finalize: flushed"):
         assert printed in done.stderr, done.stderr
+
+
+def test_a_dropped_ctrl_c_is_not_lost_when_the_command_exits_first():
+    """A command that ends with ``sys.exit`` (probe's "nothing fits", exit 1) within the resend
+    delay still ends as interrupted; and nothing is sent after the block (review finding)."""
+    from memkit.cli.exits import RESEND_SECONDS, interrupts_kept
+
+    class FreedDuringCtrlC:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), interrupts_kept():
+        FreedDuringCtrlC()  # dropped by Python: "Exception ignored"
+        sys.exit(1)
+    time.sleep(2 * RESEND_SECONDS)  # a SIGINT sent now would interrupt this test

@@ -71,32 +71,48 @@ def interrupts_kept() -> Iterator[None]:
     ``KeyboardInterrupt`` is printed as "Exception ignored" and dropped, and the command ran on
     with a free it never counted (a probe then answered a wrong size with exit 0). A dropped
     one is sent again after :data:`RESEND_SECONDS`, until it lands where it stops the
-    command, and raised at the block's end if the block ends first. Main thread only."""
+    command, and raised at the block's end if the block ends first (also by ``sys.exit``).
+    Nothing is sent once the block has ended. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = sys.unraisablehook
-    dropped: list[threading.Timer] = []
+    lock = threading.Lock()
+    state = {"dropped": False, "pending": False, "open": True}
+
+    def resend() -> None:
+        with lock:
+            if not state["open"]:
+                return
+            state["pending"] = False
+        os.kill(os.getpid(), signal.SIGINT)
 
     def hook(unraisable: Any) -> None:
         if not isinstance(unraisable.exc_value, KeyboardInterrupt):
             previous(unraisable)
             return
-        if not dropped or not dropped[-1].is_alive():
-            timer = threading.Timer(RESEND_SECONDS, os.kill, (os.getpid(), signal.SIGINT))
-            timer.daemon = True
-            timer.start()
-            dropped.append(timer)
+        with lock:
+            state["dropped"] = True
+            if state["pending"] or not state["open"]:
+                return
+            state["pending"] = True
+        timer = threading.Timer(RESEND_SECONDS, resend)
+        timer.daemon = True
+        timer.start()
 
     sys.unraisablehook = hook
     try:
         yield
+    except SystemExit:
+        if state["dropped"]:  # the command ended before the Ctrl-C sent again stopped it
+            raise KeyboardInterrupt from None
+        raise
     finally:
-        for timer in dropped:
-            timer.cancel()
+        with lock:
+            state["open"] = False
         if sys.unraisablehook is hook:
             sys.unraisablehook = previous
-    if dropped:  # the block ended before a Ctrl-C sent again stopped it
+    if state["dropped"]:  # the block ended before a Ctrl-C sent again stopped it
         raise KeyboardInterrupt
 
 

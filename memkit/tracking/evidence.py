@@ -159,8 +159,12 @@ class Evidence:
         )
         self.walked_dtype = _largest(census.trainable_dtypes)
         facts = self.facts
-        # once a step is enough (and when a trainer's settings arrive)
-        key = (self._state.step, facts.accumulation_steps, facts.checkpointing)
+        # once a step is enough (and when a model or optimizer is found, or a trainer's
+        # settings arrive)
+        key = (
+            self._state.step, len(modules), len(optimizers),
+            facts.accumulation_steps, facts.checkpointing,
+        )  # fmt: skip
         if (modules or optimizers) and dev.setup_key != key:
             setup = training_setup(modules, optimizers, self.walked_dtype, facts, census)
             dev.setup = _merged(dev.setup, setup)

@@ -303,7 +303,7 @@ class DeviceRecord:
         self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
         self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
         self.setup: TrainingSetup | None = None  # the model's facts (evidence.py reads them)
-        self.setup_key: tuple[int, int | None, bool | None] | None = None  # when read last
+        self.setup_key: tuple[int, int, int, int | None, bool | None] | None = None  # read last
 
 
 def display_names(records: Iterable[DeviceRecord]) -> Namer:
