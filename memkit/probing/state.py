@@ -18,12 +18,12 @@ import torch
 
 from memkit.devices import restore_rng_state, rng_state
 
-__all__ = ["SavedState", "schedulers_of"]
+__all__ = ["SavedState"]
 
 log = logging.getLogger(__name__)
 
 
-def schedulers_of(optimizer: Any) -> list[Any]:
+def _schedulers_of(optimizer: Any) -> list[Any]:
     """The learning-rate schedulers of ``optimizer``: a scheduler holds its optimizer and the
     optimizer knows nothing of it, so they are found among the collector's objects (one
     scan: tens of milliseconds, about a second with millions of live objects). A scheduler
@@ -69,7 +69,7 @@ def _scheduler_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     if optimizer is None:
         return []
     out = []
-    for scheduler in schedulers_of(optimizer):
+    for scheduler in _schedulers_of(optimizer):
         try:
             out.append((scheduler, copy.deepcopy(scheduler.state_dict())))
         except Exception:  # a user scheduler with uncopyable state
