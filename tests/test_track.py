@@ -111,6 +111,25 @@ def test_json_text_and_html_render():
     assert "Memory over time" in page and "<table>" in report._repr_html_()
 
 
+def test_a_tracker_kept_for_its_report_does_not_keep_the_model_alive():
+    # a notebook keeps `tracker` in its globals: `del model, opt` must free the weights
+    import weakref
+
+    model = cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with track(model, opt, device="cpu", budget="128MiB") as tracker:
+        train(model, opt, 3)
+    held = [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters()))]
+    before = tracker.report()
+    breakdown = before.devices[0].breakdown
+    assert breakdown is not None and breakdown.parameters >= params
+    del model, opt
+    gc.collect()
+    assert [r() for r in held] == [None, None, None]
+    assert tracker.report().to_json() == before.to_json()  # what was seen while they lived
+
+
 def test_hooks_removed_and_training_flag_kept_on_exception():
     model = cnn().eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

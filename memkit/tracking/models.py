@@ -86,8 +86,11 @@ class TrackedModels:
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         lock: threading.RLock,
     ) -> None:
-        self.model = _checked_model(model)
-        self.optimizers: list[torch.optim.Optimizer] = _checked_optimizers(optimizer)
+        checked, optimizers = _checked_model(model), _checked_optimizers(optimizer)
+        self._model_ref = None if checked is None else weakref.ref(checked)
+        self._optimizer_refs = [weakref.ref(o) for o in optimizers]
+        # strong references while the block runs (dropped when it ends)
+        self._held: tuple[torch.nn.Module | None, list[Any]] | None = (checked, optimizers)
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
@@ -101,10 +104,32 @@ class TrackedModels:
         self._versions: dict[int, int] = {}  # a frozen model's first parameter's _version
         self._updated: set[int] = set()  # frozen models seen written in place (an EMA)
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model given to ``track()`` (``None``: none given, or freed after the block)."""
+        if self._held is not None:
+            return self._held[0]
+        ref = self._model_ref
+        return None if ref is None else ref()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers given to ``track()`` (after the block: those still alive)."""
+        if self._held is not None:
+            return self._held[1]
+        return [o for o in (r() for r in self._optimizer_refs) if o is not None]
+
+    def release(self) -> None:
+        """The block ended: hold the given model and optimizers no more, so that a tracker
+        kept for its report (a notebook's ``tracker``) does not keep them alive after ``del``
+        (the report reads them while they live, else what it remembered)."""
+        self._held = None
+
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
-        if self.model is not None:
-            return [self.model]
+        model = self.model
+        if model is not None:
+            return [model]
         out = []
         for root in self.roots.values():
             mod = root.ref()
@@ -114,8 +139,9 @@ class TrackedModels:
 
     def all_optimizers(self) -> list[Any]:
         """The optimizers given, or else those seen stepping that are still alive."""
-        if self.optimizers:
-            return list(self.optimizers)
+        optimizers = self.optimizers
+        if optimizers:
+            return list(optimizers)
         return [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
 
     def see_optimizer(self, optimizer: Any) -> bool:

@@ -308,6 +308,7 @@ class Tracker:
                 self._ranks_watch.finish(exc is None)
         finally:
             self.evidence.release()  # keep no reference to the model's tensors
+            self.models.release()  # nor to the model and optimizers
             if self._stack is not None:
                 self._stack.close()
         return False
