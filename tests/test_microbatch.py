@@ -363,6 +363,26 @@ def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
     assert_params_close(gpt2, expected)
 
 
+def test_the_default_weight_returns_no_nan_for_a_micro_batch_with_every_label_ignored():
+    """Sorted or packed data puts all-ignored rows together: with the default (sample) weight
+    that micro-batch's cross-entropy is NaN and its gradient zero. The loss returned is the
+    others' mean, not NaN; NaN everywhere is still NaN."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, y = mlp_batch(64)
+    y[:16] = -100  # the first micro-batch of four counts nothing
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 16
+    with torch.no_grad():
+        per_part = [mlp_loss(model, part).item() for part in split_batch((x, y), 4)]
+    loss = step((x, y))
+    assert step.last is not None and step.last.chunks == 4
+    assert loss.item() == pytest.approx(sum(per_part[1:]) / 3, rel=1e-6)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.isnan(step((x, torch.full_like(y, -100))))
+
+
 def test_a_hand_written_masked_mean_over_nothing_leaves_no_nan_in_the_weights():
     """``(per * m).sum() / m.sum()`` over a micro-batch with no counted sample is 0/0: its
     backward would put NaN in every gradient. Such a micro-batch is skipped; a batch with

@@ -251,6 +251,12 @@ class MicroBatchStep:
             self._zero_grads()
             return torch.tensor(float("nan"))
         loss_sum: torch.Tensor | None = None
+        # sample-count weights (the default) cannot see a micro-batch whose labels are all
+        # ignored: its loss is NaN (a mean over nothing) and its gradient zero. The loss
+        # returned is the mean over the others, as the full batch's would be (on the device:
+        # no sync); a batch whose every micro-batch is NaN still returns NaN
+        counted: torch.Tensor | None = None
+        mask_nan = self.weight is None and len(parts) > 1
         for part, w in zip(parts, weights, strict=True):
             if w == 0:  # nothing counted in it: no gradient (its loss is NaN, a mean over
                 continue  # nothing, whose backward can make NaN gradients)
@@ -268,11 +274,17 @@ class MicroBatchStep:
                     )
                 share = w / total
                 (loss.reshape(()) * (share / world)).backward()
-                contrib = loss.detach().reshape(()) * share
+                value = loss.detach().reshape(())
+                if mask_nan:
+                    finite = ~torch.isnan(value)
+                    part_share = finite * share
+                    counted = part_share if counted is None else counted + part_share
+                    value = torch.where(finite, value, 0.0)
+                contrib = value * share
                 loss_sum = contrib if loss_sum is None else loss_sum + contrib
             del loss, part
         assert loss_sum is not None
-        return loss_sum
+        return loss_sum if counted is None else loss_sum / counted
 
     def _trained(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
