@@ -422,6 +422,15 @@ def test_flash_footprint_pads_odd_heads_and_expands_grouped_query_grads() -> Non
     assert counted(8, 2, 64) >= inputs + out + lse + grads + dq_accum + softmax_d + expanded
 
 
+def test_a_card_name_is_its_family_and_an_unknown_one_lists_the_cards() -> None:
+    from memkit.estimation.families import family_of
+
+    assert family_of("H100").name == family_of("hopper").name == "hopper"
+    assert family_of("rtx-4090").name == "ada" and family_of("A100").name == "ampere"
+    with pytest.raises(ConfigError, match=r"pascal.*hopper \(H100, H200\)"):
+        family_of("pascal")
+
+
 def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="lots")
@@ -464,6 +473,8 @@ def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
     nofile = runner.invoke(cli, ["estimate", "nope.py", "--device-memory", "8GiB"])
     assert nofile.exit_code == 2 and "not found" in nofile.output
     assert sorted(_ESTIMATE_ARCHS) == sorted(DEVICE_FAMILIES)
+    arch = runner.invoke(cli, ["estimate", files["mlp"], "--device-memory", "8GiB", "--arch", "x"])
+    assert arch.exit_code == 2 and "hopper (H100, H200)" in arch.output
 
 
 def test_cli_seq_lens_are_one_sweep_result(files: dict[str, str]) -> None:

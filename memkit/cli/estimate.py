@@ -17,6 +17,7 @@ from memkit.cli.parsing import (
     check_batch_range,
 )
 from memkit.cli.streams import _user_output_to_stderr
+from memkit.errors import ConfigError
 
 
 def _estimate_archs() -> list[str]:
@@ -27,6 +28,16 @@ def _estimate_archs() -> list[str]:
 
 _ESTIMATE_ARCHS = _estimate_archs()
 """The keys of memkit.estimation.DEVICE_FAMILIES (listed here so --help needs no torch)."""
+
+
+def _parse_arch(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A family (``hopper``) or a card of one (``H100``): the family's name."""
+    from memkit.estimation.families import family_of  # torch-free: --help stays light
+
+    try:
+        return family_of(value).name
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.command("estimate")
@@ -41,8 +52,9 @@ _ESTIMATE_ARCHS = _estimate_archs()
 @click.option("--attention", type=click.Choice(["auto", "math", "efficient", "flash"]),
               default="auto", show_default=True,
               help="SDPA kernel on the target (auto: what PyTorch would pick).")  # fmt: skip
-@click.option("--arch", type=click.Choice(_ESTIMATE_ARCHS), default="ampere", show_default=True,
-              help="GPU family: CUDA context, cuBLAS workspace, attention kernels.")  # fmt: skip
+@click.option("--arch", callback=_parse_arch, default="ampere", show_default=True,
+              help=f"GPU family ({', '.join(_ESTIMATE_ARCHS)}) or a card of one (H100, A100, "
+              "RTX 4090): CUDA context, cuBLAS workspace, attention kernels.")  # fmt: skip
 @click.option("--context", callback=_parse_size_option, default=None,
               help="CUDA context size [default: the family's, see docs/estimate.md].")  # fmt: skip
 @click.option("--min-batch", type=click.IntRange(min=1), default=1, show_default=True)

@@ -71,14 +71,26 @@ they vary by driver and CUDA version, so ``--context`` overrides them and
 DEFAULT_FAMILY = "ampere"
 
 
+def _card_key(name: str) -> str:
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+_CARDS: dict[str, DeviceFamily] = {
+    _card_key(card): f for f in DEVICE_FAMILIES.values() for card in f.examples.split(", ")
+}
+"""A card named in a family's examples (``H100``, ``rtx 4090``) -> its family."""
+
+
 def family_of(device: str | DeviceFamily) -> DeviceFamily:
-    """The family named ``device`` (any case), or ``device`` itself when it is one."""
+    """The family named ``device`` (any case), or the family of a card it names (``"H100"``:
+    hopper), or ``device`` itself when it is one."""
     if isinstance(device, DeviceFamily):
         return device
-    family = DEVICE_FAMILIES.get(device.lower())
+    family = DEVICE_FAMILIES.get(device.lower()) or _CARDS.get(_card_key(device))
     if family is None:
+        cards = "; ".join(f"{f.name} ({f.examples})" for f in DEVICE_FAMILIES.values())
         raise ConfigError(
-            f"unknown device family {device!r}; expected one of {', '.join(DEVICE_FAMILIES)}"
+            f"unknown device family {device!r}; expected a family or one of its cards: {cards}"
         )
     return family
 
