@@ -383,6 +383,31 @@ def test_the_default_weight_returns_no_nan_for_a_micro_batch_with_every_label_ig
     assert torch.isnan(step((x, torch.full_like(y, -100))))
 
 
+def test_under_track_a_failed_attempts_backward_is_no_micro_batch():
+    """A split that runs out of memory after its first micro-batch's backward is retried
+    smaller: the tracker counts the micro-batches of the split that trained, not the
+    abandoned backward."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    backwards = [0]
+    model[0].weight.register_hook(lambda g: backwards.__setitem__(0, backwards[0] + 1))
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    batches = [mlp_batch(512) for _ in range(3)]
+    with memkit.track(model, opt, device="cpu", budget="1600KiB", postmortem=None) as tracker:
+        for batch in batches:
+            step(batch)
+    assert step.last is not None
+    chunks = step.last.chunks
+    assert backwards[0] > 3 * chunks  # the precondition: an attempt ran a backward and failed
+    report = tracker.report()
+    assert [s.backward_passes for s in report.devices[0].steps] == [chunks] * 3
+    assert report.micro_batches == chunks
+
+
 def test_a_hand_written_masked_mean_over_nothing_leaves_no_nan_in_the_weights():
     """``(per * m).sum() / m.sum()`` over a micro-batch with no counted sample is 0/0: its
     backward would put NaN in every gradient. Such a micro-batch is skipped; a batch with

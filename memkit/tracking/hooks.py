@@ -566,6 +566,7 @@ class Hooks:
                 ms.over_max = fmax - alloc_in
             if raised and not stack:
                 self._failed_passes += 1
+                self.phases.attempt_failed()
         elif kind == EVAL_PASS:
             ms.eval_calls += 1
         else:

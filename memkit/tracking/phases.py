@@ -78,7 +78,9 @@ class PhaseMachine:
         self.step_owner: weakref.ref[Any] | None = None  # the optimizer whose steps count
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
+        self.backward_raised = False  # the last backward raised (its phase stays till the next)
         self.backward_steps = 0  # steps counted from backward passes, not yet confirmed
+        self.abandoned_steps = 0  # of those, the ones before an attempt that raised
         self.backwards_at_optimizer = 0  # state.backwards at the last optimizer step
         self.micro_batches = 0  # the most backward passes one optimizer step used, this step
         self.eval_return = OTHER
@@ -94,8 +96,8 @@ class PhaseMachine:
     def root_pre(self, module: torch.nn.Module, args: Any, root: RootInfo | None) -> int:
         """A forward of the model begins: which pass it is, and the phase it starts."""
         state = self.state
-        if state.phase == BACKWARD:  # a checkpointed forward recomputed inside backward
-            return RECOMPUTE
+        if state.phase == BACKWARD and not self.backward_raised:  # a checkpointed forward
+            return RECOMPUTE  # recomputed inside backward
         if root is None:
             root = self.models.root_info(module)
         grad = torch.is_grad_enabled()
@@ -240,8 +242,18 @@ class PhaseMachine:
             self.transition(OTHER)
 
     def backward_failed(self) -> None:
-        """``torch.autograd.backward`` raised (the phase stays: a post-mortem reads it)."""
+        """``torch.autograd.backward`` raised (the phase stays: a post-mortem reads it; a
+        forward after it, in a script that caught the error, is a new pass, no recompute)."""
         self.backward_depth = max(0, self.backward_depth - 1)
+        self.backward_raised = self.backward_depth == 0
+        self.attempt_failed()
+
+    def attempt_failed(self) -> None:
+        """A training forward or backward raised, and the script may go on (an OOM handler
+        that zeroes the gradients and retries smaller, as ``memkit.microbatch`` does): the
+        backward passes before it are no micro-batches of the optimizer step that follows."""
+        self.backwards_at_optimizer = self.state.backwards
+        self.abandoned_steps = self.backward_steps
 
     def optimizer_called(self, optimizer: Any) -> None:
         """``optimizer.step()`` was called (before any closure it was given runs)."""
@@ -303,6 +315,7 @@ class PhaseMachine:
             if phase != BACKWARD:
                 dev.bw_module = None
         state.phase = phase
+        self.backward_raised = False
         sim = devices.sim
         if sim is not None:  # device memory is what the step's phases create
             sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
@@ -409,8 +422,9 @@ class PhaseMachine:
         state, devices = self.state, self.devices
         n, self.backward_steps = self.backward_steps, 0
         first = state.step - 1 - n
+        counted_from, self.abandoned_steps = first + self.abandoned_steps, 0
         for dev in devices.records.values():
-            merge_steps(dev, first)
+            merge_steps(dev, first, counted_from)
             dev.growth = devices.growth_detector()
             # a peak found in a micro-batch belongs to the merged step
             if dev.pending is not None and (dev.pending.step or 0) > first:

@@ -382,9 +382,11 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
     dev.base_gathered = dev.gathered
 
 
-def merge_steps(dev: DeviceRecord, first: int) -> None:
+def merge_steps(dev: DeviceRecord, first: int, counted_from: int) -> None:
     """Merge the records of steps ``first`` and later into one step ``first`` (the
-    micro-batches of one step, counted from backward passes before an optimizer stepped)."""
+    micro-batches of one step, counted from backward passes before an optimizer stepped);
+    its backward passes are those of steps ``counted_from`` and later (the earlier ones were
+    an attempt that raised and was retried)."""
     parts = [s for s in dev.steps if s.step >= first]
     kept = [s for s in dev.steps if s.step < first]
     if parts:
@@ -401,7 +403,7 @@ def merge_steps(dev: DeviceRecord, first: int) -> None:
                 max(s.peak_reserved for s in parts),
                 phases,
                 sum(s.duration_s for s in parts),
-                sum(s.backward_passes for s in parts),
+                sum(s.backward_passes for s in parts if s.step >= counted_from),
             )
         )
     dev.steps.clear()
