@@ -941,6 +941,80 @@ def test_the_learning_rate_schedulers_a_train_step_advances_are_put_back():
     assert schedule(opt, schedulers, 6) == schedule(twin_opt, twin_schedulers, 6)
 
 
+def test_existing_optimizer_state_is_put_back_in_place_and_counted_once():
+    """A script probed after some steps holds its momentum buffers elsewhere too (a checkpoint
+    dict's ``optimizer.state_dict()``): the probe writes the saved values back into the same
+    tensors, so each trial counts them once and the user's references stay true."""
+
+    def trained():
+        torch.manual_seed(0)
+        model = small_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model, opt
+
+    def batch(n):
+        return torch.randn(n, 256)
+
+    model, opt = trained()
+    alone = probe(model, batch, optimizer=opt, device="cpu", budget="6MiB")
+    model, opt = trained()
+    checkpoint = {"optimizer": opt.state_dict()}  # references to the live buffers
+    buffers = [s["momentum_buffer"] for s in opt.state.values()]
+    values = [b.clone() for b in buffers]
+    held = probe(model, batch, optimizer=opt, device="cpu", budget="6MiB")
+    assert alone.max_batch_size is not None
+    assert held.max_batch_size == alone.max_batch_size
+    after = [s["momentum_buffer"] for s in opt.state.values()]
+    assert all(a is b for a, b in zip(after, buffers, strict=True))
+    assert all(torch.equal(b, v) for b, v in zip(buffers, values, strict=True))
+    assert checkpoint["optimizer"]["state"][0]["momentum_buffer"] is buffers[0]
+
+
+def test_one_step_per_trial_still_meets_the_optimizer_state_the_first_step_made():
+    """``steps=1`` with Adam: the state its first step creates is in memory from the second
+    step's forward on, so each trial runs that second step and the answer is steps=2's."""
+
+    def answer(steps: int):
+        torch.manual_seed(0)
+        model = small_mlp()
+        opt = torch.optim.Adam(model.parameters())
+        return probe(model, lambda n: torch.randn(n, 256), optimizer=opt, steps=steps,
+                     device="cpu", budget="8MiB")  # fmt: skip
+
+    one, two = answer(1), answer(2)
+    assert one.max_batch_size is not None and one.max_batch_size == two.max_batch_size
+    assert any(d.startswith("steps: 2 per trial (--steps 1)") for d in one.defaults)
+
+
+def test_a_model_with_uninitialised_lazy_modules_is_a_clear_error():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    with pytest.raises(ConfigError, match=r"lazy modules .*0 \(LazyLinear\).*Run one forward"):
+        probe(model, lambda n: torch.randn(n, 32), device="cpu", budget="8MiB")
+    model(torch.randn(1, 32))  # initialised: probed as any model
+    assert probe(model, lambda n: torch.randn(n, 32), device="cpu",
+                 budget="8MiB").max_batch_size  # fmt: skip
+
+
+def test_a_gradient_scalers_state_is_put_back():
+    from memkit.probing.state import SavedState
+
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=100)
+    saved = SavedState(model, opt)
+    for _ in range(3):
+        scaler.scale(model(torch.randn(2, 256)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.state_dict()["_growth_tracker"] == 3
+    saved.restore()
+    assert scaler.state_dict()["_growth_tracker"] == 0
+
+
 def test_schedulers_of_a_wrapped_optimizer_and_of_other_libraries_are_put_back_too():
     """accelerate's optimizer wrapper holds the real optimizer as ``.optimizer`` (its scheduler
     steps the inner one); timm's schedulers are no ``LRScheduler``, but ``...Scheduler``

@@ -68,6 +68,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _uninitialized_lazy_modules(model: torch.nn.Module) -> list[str]:
+    """``name (LazyLinear)`` of each lazy module whose parameters are not materialised."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return [
+        f"{name or 'the model'} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()  # type: ignore[misc]
+    ]
+
+
 def _resolve_backend(
     model: torch.nn.Module, device: str | torch.device | None, budget: int | str | None
 ) -> Backend:
@@ -89,6 +100,14 @@ def _resolve_backend(
             "and it cannot be moved (there is nothing to copy). Build it on the CPU or the GPU "
             "(device='cpu', budget=SIZE simulates a GPU of that size); memkit.estimate "
             "(memkit estimate) is the tool that runs on meta tensors"
+        )
+    lazy = _uninitialized_lazy_modules(model)
+    if lazy:
+        raise ConfigError(
+            f"the model has lazy modules with no parameters yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): their weights get a shape at the first "
+            "forward, so there is nothing to measure or restore. Run one forward before "
+            "probing (in build_model: `model(make_batch(1)[0])`, or your batch's inputs)"
         )
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
         host, size = devices.host_memory(), backend.budget
@@ -702,6 +721,12 @@ def _kept_growth(
         return [], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
     most = max(t.steps_run or 0 for t in longer)
+    if most == 2 and steps == 1 and not at.kept_growth_bytes:
+        line = (
+            "steps: 2 per trial (--steps 1): the first step created the optimizer's state, "
+            "which is in memory from the second step's forward on"
+        )
+        return [line], None
     grew = format_size(at.kept_growth_bytes or 0)
     state = format_size(at.optimizer_growth_bytes or 0)
     line = (

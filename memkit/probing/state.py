@@ -23,14 +23,17 @@ __all__ = ["SavedState"]
 log = logging.getLogger(__name__)
 
 
-def _schedulers_of(optimizer: Any) -> list[Any]:
-    """The learning-rate schedulers of ``optimizer``: a scheduler holds its optimizer and the
-    optimizer knows nothing of it, so they are found among the collector's objects (one
-    scan: tens of milliseconds, about a second with millions of live objects). A scheduler
-    is torch's (``LRScheduler``, ``ReduceLROnPlateau``) or a class named ``...Scheduler``
-    with ``state_dict``/``load_state_dict`` (timm's); its optimizer is ``optimizer`` or the
-    one ``optimizer`` wraps (accelerate's ``AcceleratedOptimizer`` holds it as
-    ``.optimizer``)."""
+def _stateful_of(optimizer: Any) -> list[Any]:
+    """The learning-rate schedulers of ``optimizer`` and the AMP gradient scalers alive: a
+    scheduler holds its optimizer and the optimizer knows nothing of it, and a scaler is
+    given the optimizer only at each ``step``, so they are found among the collector's
+    objects (one scan: tens of milliseconds, about a second with millions of live objects).
+    A scheduler is torch's (``LRScheduler``, ``ReduceLROnPlateau``) or a class named
+    ``...Scheduler`` with ``state_dict``/``load_state_dict`` (timm's); its optimizer is
+    ``optimizer`` or the one ``optimizer`` wraps (accelerate's ``AcceleratedOptimizer``
+    holds it as ``.optimizer``). A scaler is ``torch.amp.GradScaler`` (its growth tracker
+    moves with each step a trial runs)."""
+    from torch.amp import GradScaler
     from torch.optim import lr_scheduler
 
     kinds = tuple(
@@ -42,38 +45,44 @@ def _schedulers_of(optimizer: Any) -> list[Any]:
     if inner is not None:
         targets.add(id(inner))
 
-    def is_scheduler(kind: type) -> bool:
-        # type(), not isinstance(): the latter reads ``__class__``, which some module-level
-        # objects turn into a deprecation warning
-        return issubclass(kind, kinds) or (
-            kind.__name__.endswith("Scheduler")
-            and callable(getattr(kind, "state_dict", None))
-            and callable(getattr(kind, "load_state_dict", None))
+    def verdict_of(kind: type) -> int:
+        """1: a scheduler, 2: a scaler, 0: neither."""
+        # issubclass on type(o), not isinstance(o): the latter reads ``__class__``, which
+        # some module-level objects turn into a deprecation warning
+        if issubclass(kind, GradScaler):
+            return 2
+        return int(
+            issubclass(kind, kinds)
+            or (
+                kind.__name__.endswith("Scheduler")
+                and callable(getattr(kind, "state_dict", None))
+                and callable(getattr(kind, "load_state_dict", None))
+            )
         )
 
-    verdicts: dict[type, bool] = {}
+    verdicts: dict[type, int] = {}
     found = []
     for o in gc.get_objects():
         kind = type(o)
         verdict = verdicts.get(kind)
         if verdict is None:
-            verdict = verdicts[kind] = is_scheduler(kind)
-        if verdict and id(getattr(o, "optimizer", None)) in targets:
+            verdict = verdicts[kind] = verdict_of(kind)
+        if verdict == 2 or (verdict == 1 and id(getattr(o, "optimizer", None)) in targets):
             found.append(o)
     return found
 
 
-def _scheduler_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
-    """Each scheduler of ``optimizer`` with a copy of its state (one whose state cannot be
-    copied is left out: best effort, as restoring it is)."""
+def _stateful_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """Each scheduler of ``optimizer`` and each gradient scaler with a copy of its state (one
+    whose state cannot be copied is left out: best effort, as restoring it is)."""
     if optimizer is None:
         return []
     out = []
-    for scheduler in _schedulers_of(optimizer):
+    for obj in _stateful_of(optimizer):
         try:
-            out.append((scheduler, copy.deepcopy(scheduler.state_dict())))
+            out.append((obj, copy.deepcopy(obj.state_dict())))
         except Exception:  # a user scheduler with uncopyable state
-            log.debug("scheduler state not copied", exc_info=True)
+            log.debug("state of %s not copied", type(obj).__name__, exc_info=True)
     return out
 
 
@@ -87,6 +96,52 @@ def _to_host(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_to_host(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _restore_in_place(optimizer: Any, saved: dict[str, Any]) -> bool:
+    """Write ``saved`` (a host copy of ``optimizer.state_dict()``) into the optimizer's live
+    state tensors and hyperparameters; ``False`` (nothing changed) where a tensor is missing
+    or has another shape or dtype, for ``load_state_dict`` to rebuild."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        return False
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    entries: dict[Any, dict[str, Any]] = {}
+    for index, entry in saved["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            return False
+        live = optimizer.state.get(params[index])
+        if not isinstance(live, dict):
+            return False
+        values = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                target = live.get(key)
+                if not (
+                    isinstance(target, torch.Tensor)
+                    and target.shape == value.shape
+                    and target.dtype == value.dtype
+                ):
+                    return False
+                writes.append((target, value))
+                values[key] = target
+            else:
+                values[key] = copy.deepcopy(value)
+        entries[params[index]] = values
+    with torch.no_grad():
+        for target, value in writes:
+            target.copy_(value)
+    for param in list(optimizer.state):  # state the trials created: gone, as before them
+        if param not in entries:
+            del optimizer.state[param]
+    for param, values in entries.items():
+        live = optimizer.state[param]
+        live.clear()
+        live.update(values)
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
+    return True
 
 
 class SavedState:
@@ -114,20 +169,23 @@ class SavedState:
         }
         self._training = {name: m.training for name, m in model.named_modules()}
         self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
-        self._schedulers = _scheduler_states(optimizer)
+        self._stateful = _stateful_states(optimizer)  # schedulers, gradient scalers
         self._rng = rng_state()
         self.kept_as_made: list[str] = []
         """Buffers :meth:`restore` left as the model remade them (another shape or dtype)."""
 
     def reset_optimizer(self) -> None:
-        """Put the optimizer's state back (cheap when it was empty, the usual case)."""
-        if self.optimizer is None or self._optimizer_state is None:
+        """Put the optimizer's state back (cheap when it was empty, the usual case). Existing
+        state tensors are written in place: a reference the user holds to them (a checkpoint
+        dict, a list of momentum buffers) stays true and keeps no second copy alive."""
+        optimizer, saved = self.optimizer, self._optimizer_state
+        if optimizer is None or saved is None:
             return
-        if not self._optimizer_state["state"]:
-            self.optimizer.state.clear()
-            self.optimizer.load_state_dict(self._optimizer_state)
-        else:
-            self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_state))
+        if not saved["state"]:
+            optimizer.state.clear()
+            optimizer.load_state_dict(saved)
+        elif not _restore_in_place(optimizer, saved):
+            optimizer.load_state_dict(copy.deepcopy(saved))
 
     def restore(self) -> None:
         """Copy everything back into the live objects.
@@ -154,6 +212,6 @@ class SavedState:
             if name in self._training:
                 module.training = self._training[name]
         self.reset_optimizer()
-        for scheduler, state in self._schedulers:  # after the optimizer: its lr is theirs
-            scheduler.load_state_dict(copy.deepcopy(state))
+        for obj, state in self._stateful:  # after the optimizer: its lr is the schedulers'
+            obj.load_state_dict(copy.deepcopy(state))
         restore_rng_state(self._rng)

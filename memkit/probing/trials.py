@@ -355,6 +355,7 @@ class TrialRunner:
         steps = steps or self.steps
         kept: list[int] = []
         state: list[int] = []
+        state_before = optimizer_state_bytes(self.optimizer)
         try:
             while True:
                 micro = self.step.micro_batches
@@ -367,7 +368,10 @@ class TrialRunner:
                 kept.append(read()[0])
                 state.append(optimizer_state_bytes(self.optimizer))
                 done = len(kept) >= steps
-                growing = extend and len(kept) >= 2 and kept[-1] > kept[-2]
+                # a first step that created the optimizer's state (Adam's) is followed by one
+                # whose forward meets it, also with steps=1
+                growing = extend and (kept[-1] > kept[-2] if len(kept) >= 2 else
+                                      state[0] > state_before)  # fmt: skip
                 if (done and not growing) or len(kept) >= max(steps, MAX_STEPS):
                     break
         finally:
