@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from memkit.cli import cli
@@ -107,6 +108,8 @@ def test_step_bug_exits_3_with_its_traceback():
         ("meta_model.py", ["build_model() in", "on the meta device", "memkit estimate"]),
         ("small_dataset.py", ["raised ValueError: the dataset has only 100", "--max-batch"]),
         ("ignores_batch_size.py", ["first dimensions [8]", "ignore its batch_size"]),
+        ("padded_to_longest.py", ["shapes [1, 8] and [2, 11]", "pad to a fixed length"]),
+        ("one_row_extra.py", ["first dimension went from 2 to 3", "n samples"]),
     ],
 )
 def test_bad_model_files_exit_2_with_a_clear_error(name, expected):
@@ -184,6 +187,14 @@ def test_seq_first_batches_are_probed_with_their_inferred_batch_dimension():
     assert data["max_batch_size"] == 64 and data["hit_max_batch"]
     assert any("batch dimension: 1 (inferred from make_batch(1) and make_batch(2))" in line
                for line in data["defaults"])  # fmt: skip
+
+
+def test_a_batch_of_two_views_per_sample_is_probed_in_samples():
+    """SimCLR-like: make_batch(n) returns 2n rows (two augmented views of each sample)."""
+    from memkit.probing.step import check_batch
+
+    assert check_batch(torch.zeros(2, 3), 1, "make_batch(1)", torch.zeros(4, 3)) is None
+    assert check_batch(torch.zeros(6, 3), 3, "make_batch(3)", torch.zeros(8, 3)) is None
 
 
 def test_train_and_infer_in_one_run():

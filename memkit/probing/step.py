@@ -331,10 +331,43 @@ def check_batch(
     if bigger is None and batch_size in dims:
         return None
     raise ModelFileError(
-        f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
+        _why_no_batch_dim(batch, bigger, batch_size)
+        or f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
         f"{batch_size} (the batch size) in one dimension of at least one tensor, growing with "
         f"it. {_IGNORES_SIZE}"
     )
+
+
+def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
+    """What is wrong when no dimension grows from ``batch_size`` to ``batch_size + 1`` between
+    two batches, where it can be told: several dimensions change (a length that varies from
+    batch to batch), or the first grows by another step (``batch_size + 1`` rows)."""
+    if big is None:
+        return None
+    before, after = _shapes(small), _shapes(big)
+    if len(before) != len(after):
+        return None
+    pairs = [(a, b) for a, b in zip(before, after, strict=True) if len(a) == len(b)]
+    made = f"make_batch({batch_size}) and make_batch({batch_size + 1})"
+    for a, b in pairs:
+        changed = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if len(changed) > 1:
+            return (
+                f"{made} returned tensors of shapes {list(a)} and {list(b)}: besides the batch, "
+                "another dimension changed (a length padded to the longest sample of each "
+                "batch?). A probe compares batch sizes at one shape: pad to a fixed length in "
+                "make_batch (the longest your data has: the worst case, which is what must "
+                "fit), or give it as seq_len (--seq-len)"
+            )
+    for a, b in pairs:
+        if a and b and b[0] != a[0]:
+            return (
+                f"{made} returned tensors whose first dimension went from {a[0]} to {b[0]}; "
+                f"expected {batch_size} and {batch_size + 1}, or a whole multiple of them (k "
+                f"rows per sample: {batch_size * 2} and {(batch_size + 1) * 2} for two views). "
+                "make_batch(n) must return n samples"
+            )
+    return None
 
 
 _IGNORES_SIZE = "Does make_batch ignore its batch_size argument?"
@@ -387,6 +420,10 @@ def _batch_dims(small: Any, big: Any, batch_size: int) -> set[int]:
         if len(a) != len(b):
             continue
         grew = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-        if len(grew) == 1 and (a[grew[0]], b[grew[0]]) == (batch_size, batch_size + 1):
+        if len(grew) != 1:
+            continue
+        x, y = a[grew[0]], b[grew[0]]
+        # one row per sample, or k (two augmented views per sample: k = 2)
+        if x % batch_size == 0 and x // batch_size * (batch_size + 1) == y:
             found.add(grew[0])
     return found
