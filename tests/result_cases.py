@@ -6,6 +6,7 @@ Nothing here varies between runs or machines: no clock, no host name, a fixed ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from memkit.advice import Advice
@@ -140,13 +141,21 @@ def track_report() -> TrackReport:
 
 
 def snapshot(allocated: int, label: str) -> Snapshot:
+    """``before``: fc.weight; later (the diff's rows): the same storage, now unnamed, and two
+    new unnamed tensors of one shape (one row with their count)."""
     device = DeviceSnapshot("cpu", "simulated cpu", "simulated", "simulated", 64 * MIB,
                             allocated, "budget", allocated, allocated,
                             missing=(("utilization", "simulated"),))  # fmt: skip
+    weight = TensorInfo("fc.weight", "parameter", (4, 4), "float32", "cpu", 64, storage_id=1)
+    tensors = (weight,)
+    if label != "before":
+        tensors = (
+            dataclasses.replace(weight, name=None, kind="tensor"),
+            *(dataclasses.replace(weight, name=None, kind="tensor", storage_id=i) for i in (2, 3)),
+        )
     return Snapshot(
         1.0 if label == "before" else 2.0, (device,), HostSnapshot(MIB, 8 * MIB, 16 * MIB),
-        (Categories("cpu", parameters=MIB, other=0, other_how="gc"),),
-        (TensorInfo("fc.weight", "parameter", (4, 4), "float32", "cpu", 64),),
+        (Categories("cpu", parameters=MIB, other=0, other_how="gc"),), tensors,
         advice=ADVICE, label=label, pid=4242,
     )  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import json
 import sys
@@ -472,3 +473,143 @@ def test_cuda_row_without_nvidia_smi_says_why_used_is_missing(monkeypatch):
     assert row.allocated == 0 and row.name == "Fake GPU"
     explicit = snapshot(device=idle).devices[0]  # named explicitly: read it anyway
     assert explicit.used == 10 * 2**30 and idle.wide_calls == 1
+
+
+# -- diffs of the largest tensors: matched by storage, then by name ---------------------------
+BIG = 100_000  # a top that lists every tensor, so that the rows must add up to the categories
+
+
+def _tensor_rows(diff) -> dict[str, object]:
+    return {c.what: c for c in diff.changes if c.where == "tensor"}
+
+
+def _category_delta(diff, device: str = "cpu") -> int:
+    return sum(c.delta or 0 for c in diff.changes if c.where == f"{device} holds")
+
+
+def _row_delta(diff) -> int:
+    """Bytes the tensor rows add up to: new rows count their after, gone rows their before."""
+    rows = [c for c in diff.changes if c.where == "tensor"]
+    return sum((c.after or 0) - (c.before or 0) for c in rows if not c.note.startswith("still"))
+
+
+def test_diff_after_del_keeps_live_storages_and_says_they_lost_their_names(no_smi):
+    """The sweep's finding: `del model` while something else holds it. The weights are not
+    gone (their storages live on); the gc scan finds them unnamed, and the diff says so."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = {id(p.untyped_storage()): p.untyped_storage().nbytes() for p in model.parameters()}
+    state = {
+        id(v.untyped_storage()): v.untyped_storage().nbytes()
+        for st in opt.state.values()
+        for v in st.values()
+    }
+    mine = sum(params.values()) + sum(state.values())  # 2 x 2 moments + 2 steps
+    gc.collect()
+    s2 = snapshot(model, opt, label="trained", scan_gc=True, top=BIG)
+    keep = [model, opt]  # noqa: F841 - what still holds the model after `del`
+    del model, opt
+    gc.collect()
+    s3 = snapshot(label="deleted", scan_gc=True, top=BIG)
+    diff = s3 - s2
+    whats = {(c.where, c.what): c for c in diff.changes}
+    assert whats[("cpu holds", "parameters")].delta == -sum(params.values())
+    assert whats[("cpu holds", "optimizer state")].delta == -sum(state.values())
+    assert whats[("cpu holds", "other")].delta == mine
+    rows = _tensor_rows(diff)
+    named = {"weight", "bias", *(f"{p}:{k}" for p in ("weight", "bias")
+                                   for k in ("exp_avg", "exp_avg_sq", "step"))}  # fmt: skip
+    assert {w for w, c in rows.items() if c.note == "now unnamed"} == named
+    assert all(rows[w].before == rows[w].after for w in named)
+    assert sum(rows[w].before for w in named) == mine
+    assert not [c for c in rows.values() if c.format_delta() in ("new", "gone")]
+    assert _row_delta(diff) == _category_delta(diff) == 0
+    text, html = str(diff), diff._repr_html_()
+    assert "now unnamed" in text and "now unnamed" in html and " gone" not in text
+    data = json.loads(diff.to_json())
+    assert {c["what"] for c in data["changes"] if c["note"] == "now unnamed"} == named
+
+
+def test_unnamed_tensors_of_one_shape_are_one_row_with_their_count(no_smi):
+    anchor = {"anchor": torch.zeros(1)}  # tensors are compared when both snapshots list some
+    gc.collect()
+    s1 = snapshot(anchor, scan_gc=True, top=BIG)
+    made = [torch.zeros(48, 48) for _ in range(3)]
+    s2 = snapshot(anchor, scan_gc=True, top=BIG)
+    diff = s2 - s1
+    row = _tensor_rows(diff)["float32[48, 48]@cpu"]
+    assert (row.before, row.count, row.format_delta()) == (None, 3, "new")
+    assert row.after == sum(t.untyped_storage().nbytes() for t in made) == 3 * 48 * 48 * 4
+    assert _row_delta(diff) == _category_delta(diff)
+    assert "float32[48, 48]@cpu (3 tensors)" in str(diff)
+    assert "float32[48, 48]@cpu (3 tensors)" in diff._repr_html_()
+    (data,) = [c for c in json.loads(diff.to_json())["changes"] if c["what"] == row.what]
+    assert (data["count"], data["after"]) == (3, 3 * 48 * 48 * 4)
+
+
+def test_a_freed_tensor_is_gone_and_one_still_alive_elsewhere_is_not(no_smi):
+    kept, freed = torch.zeros(300), torch.zeros(200)
+    s1 = snapshot({"kept": kept, "freed": freed}, top=BIG)
+    del freed
+    s2 = snapshot({"other": torch.zeros(10)}, top=BIG)  # looks at neither
+    rows = _tensor_rows(s2 - s1)
+    assert (rows["freed"].before, rows["freed"].after, rows["freed"].format_delta()) == (
+        800, None, "gone",
+    )  # fmt: skip
+    assert rows["kept"].format_delta() == "still alive, not in the later snapshot"
+    assert (rows["other"].before, rows["other"].after) == (None, 40)
+    assert kept.untyped_storage().nbytes() == rows["kept"].before == 1200
+
+
+def test_a_new_storage_at_a_freed_ones_address_is_not_the_same_tensor(no_smi):
+    """Same data pointer, same size, another storage: `a` went and `b` came, not a rename."""
+    buffer = bytearray(4096)
+    a = torch.frombuffer(buffer, dtype=torch.float32)
+    address = a.data_ptr()
+    s1 = snapshot({"a": a}, top=BIG)
+    del a
+    gc.collect()
+    b = torch.frombuffer(buffer, dtype=torch.float32)
+    assert b.data_ptr() == address and b.untyped_storage().nbytes() == 4096
+    s2 = snapshot({"b": b}, top=BIG)
+    assert s2.tensors[0].storage_id != s1.tensors[0].storage_id
+    rows = _tensor_rows(s2 - s1)
+    assert {w: c.format_delta() for w, c in rows.items()} == {"a": "gone", "b": "new"}
+    # the same storage under another key is a rename, not a new tensor
+    s3 = snapshot({"c": b}, top=BIG)
+    assert [(c.what, c.format_delta()) for c in (s3 - s2).changes if c.where == "tensor"] == [
+        ("b", "renamed to c")
+    ]
+
+
+def test_without_storage_identities_tensors_are_matched_by_name_and_shape():
+    """Another process's snapshot (or records built by hand): names and shapes are all there is;
+    tensors of one shape are counted, not merged into one."""
+    info = snapshot_module.TensorInfo
+
+    def snap(*tensors: object) -> Snapshot:
+        return Snapshot(0, (_fake(),), snapshot_module.HostSnapshot(1, 1, 1), tensors=tensors)
+
+    x = info(None, "tensor", (8,), "float32", "cpu", 32)
+    w = info("w", "parameter", (8,), "float32", "cpu", 32)
+    before = snap(w, x)
+    after = snap(dataclasses.replace(w, nbytes=64), x, x, x)
+    rows = [(c.what, c.before, c.after, c.count) for c in (after - before).changes]
+    assert rows == [("w", 32, 64, 1), ("float32[8]@cpu", None, 64, 2)]
+
+
+def test_a_storage_keeps_its_number_while_only_a_view_holds_it(no_smi):
+    """What storage_id rests on: torch keeps a storage's Python object while the storage lives,
+    so dropping every Python reference but a view's does not make it another storage."""
+    a = torch.zeros(100)
+    s1 = snapshot({"a": a})
+    view = a[10:]
+    del a
+    gc.collect()
+    s2 = snapshot({"view": view})
+    assert s1.tensors[0].storage_id == s2.tensors[0].storage_id is not None
+    assert [(c.what, c.before, c.after, c.note) for c in (s2 - s1).changes
+            if c.where == "tensor"] == [("a", 400, 400, "renamed to view")]  # fmt: skip

@@ -316,7 +316,7 @@ def diff_text(diff: SnapshotDiff) -> str:
     if not diff.changes:
         return f"{diff_title(diff)}\nno changes"
     rows = [
-        [c.where, c.what, c.format_value(c.before), c.format_value(c.after), c.format_delta()]
+        [c.where, c.label, c.format_value(c.before), c.format_value(c.after), c.format_delta()]
         for c in diff.changes
     ]
     return text.table(_DIFF_HEADERS, rows, align="llrrr", title=diff_title(diff))
@@ -336,7 +336,7 @@ def diff_html(diff: SnapshotDiff) -> str:
         rows.append(
             [
                 c.where,
-                c.what,
+                c.label,
                 c.format_value(c.before),
                 c.format_value(c.after),
                 h.Raw(f'<b style="color:{color}">{h.escape(c.format_delta())}</b>'),

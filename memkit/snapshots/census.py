@@ -15,6 +15,7 @@ import torch
 
 from memkit.devices import tensor_device
 from memkit.simulated.accountant import MemoryAccountant, counted_bytes, strided_parts, tensors_of
+from memkit.snapshots.identity import storage_serial
 from memkit.snapshots.results import CATEGORY_FIELDS, Categories, DeviceSnapshot, TensorInfo
 from memkit.units import format_size
 
@@ -238,7 +239,8 @@ def categorise(
 
 
 def largest(census: Census, top: int) -> tuple[TensorInfo, ...]:
-    """The ``top`` largest storages, largest first, with their names and aliases."""
+    """The ``top`` largest storages, largest first, with their names, aliases and the number
+    that says which storage each is (:func:`~memkit.snapshots.identity.storage_serial`)."""
     entries = sorted(census.entries.values(), key=lambda e: -e.nbytes)[: max(0, top)]
     out = []
     for e in entries:
@@ -252,6 +254,7 @@ def largest(census: Census, top: int) -> tuple[TensorInfo, ...]:
                 device=e.device,
                 nbytes=e.nbytes,
                 aliases=tuple(e.names[1:]),
+                storage_id=storage_serial(e.storage),
             )
         )
     return tuple(out)

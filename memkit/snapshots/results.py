@@ -18,6 +18,7 @@ from memkit.render import plot
 from memkit.render import snapshots as layout
 from memkit.render.snapshots import BAR_LABELS, FREE_COLOR
 from memkit.results import Record, Result
+from memkit.snapshots.identity import still_holds
 from memkit.units import format_size
 
 __all__ = [
@@ -207,6 +208,9 @@ class TensorInfo(Record):
         device: e.g. ``"cuda:0"``.
         nbytes: bytes of its storage (a view reports the storage it keeps alive).
         aliases: other names of the same storage (tied weights).
+        storage_id: which storage it is: two snapshots of one process give the same number to
+            the same live storage, and a storage made later at the same address gets another
+            (``None``: unknown). Diffs match tensors by it before they match names.
     """
 
     name: str | None
@@ -216,6 +220,7 @@ class TensorInfo(Record):
     device: str
     nbytes: int
     aliases: tuple[str, ...] = ()
+    storage_id: int | None = None
 
     @property
     def label(self) -> str:
@@ -351,10 +356,17 @@ class Change(Record):
 
     Attributes:
         where: ``"cuda:0"``, ``"host"``, ``"cuda:0 holds"`` (categories) or ``"tensor"``.
-        what: the field (``"allocated"``) or, for tensors, the tensor's name.
-        before: the earlier value (``None``: absent or unreadable).
+        what: the field (``"allocated"``) or, for tensors, the tensor's name (its earlier one
+            when it changed), or ``dtype[shape]@device`` for an unnamed tensor.
+        before: the earlier value (``None``: absent or unreadable); for tensors, bytes summed
+            over the ``count`` tensors of the row.
         after: the later value.
         unit: ``"bytes"``, ``"%"``, ``"°C"`` or ``""`` (text).
+        count: how many tensors the row stands for (tensors of one name, or unnamed ones of
+            one shape, that appeared or went together), else 1.
+        note: what happened when the value alone does not say it: ``"now unnamed"``,
+            ``"now named X"``, ``"renamed to X"`` (the same storage in both snapshots), or
+            ``"still alive, not in the later snapshot"``; else ``""``.
     """
 
     where: str
@@ -362,6 +374,13 @@ class Change(Record):
     before: Any
     after: Any
     unit: str = "bytes"
+    count: int = 1
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        """``what``, with the number of tensors when the row stands for several."""
+        return f"{self.what} ({self.count} tensors)" if self.count > 1 else self.what
 
     @property
     def delta(self) -> int | float | None:
@@ -383,8 +402,12 @@ class Change(Record):
         return str(value)
 
     def format_delta(self) -> str:
-        """The signed change, or ``"new"``/``"gone"``/``"changed"``."""
+        """The signed change, or ``"new"``/``"gone"``/``"changed"``, or the note."""
         delta = self.delta
+        if self.note:
+            if not delta:
+                return self.note
+            return f"{format_size(delta, signed=True)}, {self.note}"
         if delta is None:
             if self.before is None:
                 return "new"
@@ -416,29 +439,121 @@ _DEVICE_DIFF_FIELDS: tuple[tuple[str, str], ...] = (
 _HOST_DIFF_FIELDS = (("process_rss", "process RSS"), ("available", "available"), ("total", "total"))
 
 
+def _off_list(snap: Snapshot, nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` could be alive yet missing from ``snap``'s full list (it
+    is no larger than everything on it)."""
+    full = len(snap.tensors) >= snap.top
+    return full and nbytes <= min(t.nbytes for t in snap.tensors)
+
+
+def _grouped(tensors: list[TensorInfo]) -> dict[str, list[TensorInfo]]:
+    """The tensors by key, in the order their keys first appear."""
+    out: dict[str, list[TensorInfo]] = {}
+    for t in tensors:
+        out.setdefault(t.key, []).append(t)
+    return out
+
+
+_Pairs = list[tuple[TensorInfo, TensorInfo]]
+
+
+def _pair_by_storage(
+    old: list[TensorInfo], new: list[TensorInfo]
+) -> tuple[_Pairs, list[TensorInfo], list[TensorInfo]]:
+    """Earlier and later entries of the same storage; then the entries left on each side."""
+    by_id = {t.storage_id: i for i, t in enumerate(old) if t.storage_id is not None}
+    pairs: _Pairs = []
+    paired: set[int] = set()
+    new_rest = []
+    for nt in new:
+        i = by_id.pop(nt.storage_id, None) if nt.storage_id is not None else None
+        if i is None:
+            new_rest.append(nt)
+        else:
+            pairs.append((old[i], nt))
+            paired.add(i)
+    return pairs, [t for i, t in enumerate(old) if i not in paired], new_rest
+
+
+def _pair_by_key(
+    old: list[TensorInfo], new: list[TensorInfo]
+) -> tuple[_Pairs, list[TensorInfo], list[TensorInfo]]:
+    """Entries of one key on both sides, largest with largest; then the entries left."""
+    pairs: _Pairs = []
+    old_rest: list[TensorInfo] = []
+    new_rest: list[TensorInfo] = []
+    old_by_key = _grouped(old)
+    new_by_key = _grouped(new)
+    for key in [*new_by_key, *(k for k in old_by_key if k not in new_by_key)]:
+        ots = sorted(old_by_key.get(key, ()), key=lambda t: -t.nbytes)
+        nts = sorted(new_by_key.get(key, ()), key=lambda t: -t.nbytes)
+        pairs.extend(zip(ots, nts, strict=False))
+        old_rest.extend(ots[len(nts) :])
+        new_rest.extend(nts[len(ots) :])
+    return pairs, old_rest, new_rest
+
+
+def _pair_change(old: TensorInfo, new: TensorInfo) -> Change | None:
+    """The row for one tensor in both snapshots: its size or its name changed, or nothing."""
+    note = ""
+    if old.name != new.name:  # only a storage match pairs different names
+        if new.name is None:
+            note = "now unnamed"
+        elif old.name is None:
+            note = f"now named {new.name}"
+        else:
+            note = f"renamed to {new.name}"
+    if not note and old.nbytes == new.nbytes:
+        return None
+    return Change("tensor", old.key, old.nbytes, new.nbytes, note=note)
+
+
 def _tensor_changes(before: Snapshot, after: Snapshot) -> list[Change]:
-    """Tensors whose size changed, that appeared or that went, among the largest lists.
+    """Tensors that appeared, went, or changed size or name, among the largest lists.
+
+    Tensors are matched by storage first (:attr:`TensorInfo.storage_id`, in one process): one
+    storage is one tensor whatever its names in each snapshot, and a storage freed and another
+    made at its address are two. Named tensors left over are then matched by name (a batch
+    replaced by the next one under one key); unnamed ones (the gc scan's) by ``dtype[shape]``
+    only where storages are unknown (another process, records built by hand). Tensors left
+    over that share a key are one row, with their count and summed bytes.
 
     A tensor missing from a full list that is smaller than everything on it may still be
-    alive (it only fell out of the top), so it is not reported.
+    alive (it only fell out of the top), so it is not reported; one whose storage is still
+    alive with the same bytes is not gone either (the later snapshot did not look at it).
     """
+    same_process = before.pid == after.pid
+    if same_process:
+        pairs, old_rest, new_rest = _pair_by_storage(list(before.tensors), list(after.tensors))
+    else:
+        pairs, old_rest, new_rest = [], list(before.tensors), list(after.tensors)
 
-    def off_list(snap: Snapshot, nbytes: int) -> bool:
-        full = len(snap.tensors) >= snap.top
-        return full and nbytes <= min(t.nbytes for t in snap.tensors)
+    def by_key(t: TensorInfo) -> bool:
+        return t.name is not None or not same_process or t.storage_id is None
 
-    old_t = {t.key: t for t in before.tensors}
-    new_t = {t.key: t for t in after.tensors}
-    out = []
-    for key, nt in new_t.items():
-        ot = old_t.get(key)
-        if ot is None and off_list(before, nt.nbytes):
-            continue
-        if ot is None or ot.nbytes != nt.nbytes:
-            out.append(Change("tensor", key, None if ot is None else ot.nbytes, nt.nbytes))
-    for key, ot in old_t.items():
-        if key not in new_t and not off_list(after, ot.nbytes):
-            out.append(Change("tensor", key, ot.nbytes, None))
+    more, old_left, new_left = _pair_by_key(
+        [t for t in old_rest if by_key(t)], [t for t in new_rest if by_key(t)]
+    )
+    old_rest = [t for t in old_rest if not by_key(t)] + old_left
+    new_rest = [t for t in new_rest if not by_key(t)] + new_left
+    out = [c for ot, nt in [*pairs, *more] if (c := _pair_change(ot, nt)) is not None]
+
+    appeared = [t for t in new_rest if not _off_list(before, t.nbytes)]
+    for key, ts in _grouped(appeared).items():
+        out.append(Change("tensor", key, None, sum(t.nbytes for t in ts), count=len(ts)))
+
+    def still_alive(t: TensorInfo) -> bool:
+        return (
+            before.pid == os.getpid()
+            and t.storage_id is not None
+            and still_holds(t.storage_id, t.nbytes)
+        )
+
+    went = [t for t in old_rest if not _off_list(after, t.nbytes)]
+    for alive, note in ((False, ""), (True, "still alive, not in the later snapshot")):
+        for key, ts in _grouped([t for t in went if still_alive(t) == alive]).items():
+            nbytes = sum(t.nbytes for t in ts)
+            out.append(Change("tensor", key, nbytes, None, count=len(ts), note=note))
     return out
 
 
