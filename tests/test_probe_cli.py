@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import memkit
 from memkit.cli import cli
 
 FILES = Path(__file__).parent / "modelfiles"
@@ -203,11 +204,32 @@ def test_train_and_infer_in_one_run():
     assert both.exit_code == 0, both.output
     data = json.loads(both.stdout)["modes"]
     assert set(data) == {"train", "infer"}
-    # each answer is the one a single-mode run gives; evaluation fits more (no grads, no state)
-    for mode in ("train", "infer"):
-        alone = json.loads(run(*args, "--mode", mode, "--json").stdout)
-        assert data[mode]["max_batch_size"] == alone["max_batch_size"]
-    assert data["infer"]["max_batch_size"] > data["train"]["max_batch_size"]
+    train = json.loads(run(*args, "--mode", "train", "--json").stdout)
+    assert data["train"]["max_batch_size"] == train["max_batch_size"]
+    # evaluation fits more (no activations kept for a backward, no gradients); inside training
+    # it runs next to AdamW's state, which an evaluation-only script (--mode infer) has not
+    alone = json.loads(run(*args, "--mode", "infer", "--json").stdout)["max_batch_size"]
+    inside = data["infer"]["max_batch_size"]
+    assert data["train"]["max_batch_size"] < inside < alone
+
+    def evaluates(batch_size: int) -> bool:  # an eval loop in the middle of training
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)
+        )
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 128)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        try:
+            with memkit.simulate("12MiB", track=(model, opt)), torch.no_grad():
+                for _ in range(2):
+                    out = model(torch.randn(batch_size, 128))  # noqa: F841
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert evaluates(inside) and not evaluates(inside + 1)
     # the text of the same run is test_golden's probe_train_infer
     assert run(*args, "--mode", "train,eval").exit_code == 2
 

@@ -137,7 +137,7 @@ def probe(
         per_mode = [
             probe_file(
                 file,
-                _in_mode(options, one),
+                _in_mode(options, one, training="train" in mode),
                 seq_len=seq_len,
                 device=device,
                 budget=budget,
@@ -155,13 +155,16 @@ def probe(
         sys.exit(1)
 
 
-def _in_mode(options: Any, mode: str) -> Any:
-    """``options`` for one ``--mode``: target batch and accumulation are training's."""
+def _in_mode(options: Any, mode: str, *, training: bool) -> Any:
+    """``options`` for one ``--mode``: target batch and accumulation are training's; with
+    training in the same run (``train,infer``), evaluation holds training's optimizer state."""
     import dataclasses
 
     if mode == "train":
         return options
-    return dataclasses.replace(options, mode=mode, target_batch=None, accumulation=None)
+    return dataclasses.replace(
+        options, mode=mode, target_batch=None, accumulation=None, training_state=training
+    )
 
 
 def _probe_target(device: str | None, budget: str | None) -> tuple[str | None, str | None, Any]:

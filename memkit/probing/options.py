@@ -116,6 +116,8 @@ class ProbeOptions(SearchOptions):
             transformers' ``Trainer`` does), for a larger answer where the script drops it.
         timeout: seconds to wait for the other ranks at each agreement (``None``: the process
             group's).
+        training_state: infer mode from a model file: the trials hold the optimizer state a
+            training run keeps (an evaluation inside training: ``--mode train,infer``).
 
     Raises:
         ConfigError: a value the probe cannot run with (exit code 2 on the command line).
@@ -133,6 +135,7 @@ class ProbeOptions(SearchOptions):
     ddp: bool = False
     timeout: float | None = None
     keep_output: bool = True
+    training_state: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

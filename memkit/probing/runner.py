@@ -505,14 +505,35 @@ def _has_batch_norm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def with_optimizer_state(optimizer: Any) -> None:
+    """Give ``optimizer`` the state its first step creates (Adam's moments, a momentum
+    buffer) without moving the weights: one step on zero gradients at a learning rate of 0,
+    then the gradients go."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    rates = [g.get("lr") for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if isinstance(group.get("lr"), float | int):
+            group["lr"] = 0.0
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
 def _resolve_optimizer(
     model: torch.nn.Module, optimizer: Any, mode: str, defaults: Sequence[str]
 ) -> tuple[Any, list[str]]:
-    """The optimizer the trials step (``None`` in infer mode; a default AdamW when none is
-    given) and the report's ``defaults`` with a line naming it."""
+    """The optimizer the trials step (a default AdamW when none is given; in infer mode none
+    is stepped, and one given stays for its state) and the report's ``defaults`` with a line
+    naming it."""
     defaults = list(defaults)
     if mode == "infer":
-        optimizer = None
+        pass
     elif optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters())
         defaults.append("optimizer: AdamW (default)")
@@ -791,6 +812,13 @@ def probe_file(
     if opts.mode == "train":
         optimizer, name = make_optimizer(spec, model)
         defaults.append(f"optimizer: {name}")
+    elif opts.training_state:
+        optimizer, name = make_optimizer(spec, model)
+        with_optimizer_state(optimizer)
+        defaults.append(
+            f"optimizer state: {name}'s, held through the trials, as during an evaluation "
+            "inside training (--mode infer alone: an evaluation-only script, without it)"
+        )
     results = [
         probe_with(
             model,
