@@ -261,11 +261,16 @@ class StepPlan:
                 "through every later one's"
             ]
         if self.train_step is not None:
-            default = "step: train_step(model, batch, optimizer) from the model file"
+            default = (
+                "step: train_step(model, batch, optimizer) from the model file (what a loop "
+                "around it keeps between calls, such as an `out` it returns, is not counted)"
+            )
             return [self.step_label or default, *accumulating]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
         return [
-            "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True))",
+            "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True)"
+            ": no forward meets the last step's gradients; a loop calling zero_grad() after "
+            "its forward keeps them through it and fits less: write that as a train_step)",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
             kept + ", and the loss through optimizer.step() (`loss = ...`)",
             *accumulating,
