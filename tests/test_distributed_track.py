@@ -34,9 +34,11 @@ NET = textwrap.dedent(
             self.body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU())
             self.head = torch.nn.Linear(128, 8)
             self.aux_head = torch.nn.Linear(128, 8)  # never used in forward
+            self.branch = torch.nn.Linear(128, 128)  # used on some steps only
 
-        def forward(self, x):
-            return self.head(self.body(x))
+        def forward(self, x, use_branch=False):
+            h = self.body(x)
+            return self.head(self.branch(h) if use_branch else h)
 
     def build(rank, find_unused_parameters):
         torch.manual_seed(0)
@@ -47,8 +49,8 @@ NET = textwrap.dedent(
 
     def train(model, opt, rank):
         batch = 64 if rank == 0 else 512  # rank 1 holds far more activations
-        for _ in range(3):
-            model(torch.randn(batch, 64)).sum().backward()
+        for step in range(3):
+            model(torch.randn(batch, 64), use_branch=step == 1).sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     """
@@ -133,6 +135,10 @@ def test_ddp_ranks_are_gathered_to_rank0_with_imbalance_and_unused_parameters(
         and "find_unused_parameters=True is on" in unused["evidence"]
     )
     assert unused["saving_bytes"] == 2 * (128 * 8 + 8) * 4  # aux_head and its bucket slots
+    # `branch` had no gradient at step 0 and one at step 1: needed, not unused
+    assert "branch" not in unused["evidence"] and "1 parameter(s)" not in unused["title"]
+    assert [r["unused_parameters"] for r in ranks["ranks"]] == [["module.aux_head.bias",
+            "module.aux_head.weight"]] * 2  # fmt: skip
     assert "ddp-gpu0-context" not in codes  # no CUDA here
     assert "2 ranks; imbalance between ranks" in r0["text"] and "tightest" in r0["text"]
     assert "memkit track rank 0/2: 3 step(s)" in r0["text"]

@@ -216,18 +216,22 @@ def gather(summary: RankSummary, timeout: float = GATHER_TIMEOUT) -> RanksReport
 class RankWatch:
     """What a :class:`~memkit.tracking.tracker.Tracker` does under a process group.
 
-    Records trainable parameters without a gradient at the first optimizer steps, wraps
-    ``torch.distributed.destroy_process_group`` for the block (so the summaries are gathered
-    while the group still exists) and gathers at the end of the block otherwise.
+    Records trainable parameters without a gradient at the first optimizer steps (and drops
+    any that gets one later: a module used on some steps only is what
+    ``find_unused_parameters=True`` is for), wraps ``torch.distributed.destroy_process_group``
+    for the block (so the summaries are gathered while the group still exists) and gathers at
+    the end of the block otherwise.
     """
 
     CHECKED_STEPS = 3
-    """Optimizer steps at which unused parameters are looked for (bounded overhead)."""
+    """Optimizer steps at which every parameter is looked at (bounded overhead); later steps
+    look only at those still without a gradient."""
 
     def __init__(self, tracker: Any, timeout: float = GATHER_TIMEOUT) -> None:
         self.tracker = tracker
         self.timeout = timeout
         self.unused: dict[str, int] = {}
+        """Trainable parameters with no gradient at every step looked at, with their bytes."""
         self.find_unused: bool | None = None
         self.checked = 0
         self.done = False
@@ -235,6 +239,8 @@ class RankWatch:
         self.report: RanksReport | None = None
         """Rank 0's report of all ranks, once gathered (the tracker's report shows it)."""
         self._restore: Restore | None = None
+        self._candidates: dict[str, Any] = {}  # name -> parameter, while in self.unused
+        self._used: set[str] = set()
 
     @staticmethod
     def wanted() -> bool:
@@ -242,8 +248,12 @@ class RankWatch:
         return distributed.is_distributed() or distributed.world_size() > 1
 
     def on_step(self, optimizer: Any) -> None:
-        """At an optimizer step (before it): note trainable parameters with no gradient."""
+        """At an optimizer step (before it): note trainable parameters with no gradient, and
+        forget those that have one now."""
         if self.checked >= self.CHECKED_STEPS:
+            for name, param in list(self._candidates.items()):
+                if param.grad is not None:
+                    self._got_gradient(name)
             return
         self.checked += 1
         names: dict[int, str] = {}
@@ -258,11 +268,21 @@ class RankWatch:
                     in_ddp.add(id(param))
         for group in optimizer.param_groups:
             for i, param in enumerate(group["params"]):
-                if param.requires_grad and param.grad is None:
-                    name = names.get(id(param), f"param_groups[...][{i}]")
+                if not param.requires_grad:
+                    continue
+                name = names.get(id(param), f"param_groups[...][{i}]")
+                if param.grad is not None:
+                    self._got_gradient(name)
+                elif name not in self._used:
                     nbytes = param.numel() * param.element_size()
                     # DDP's gradient buckets keep a slot for it as well
                     self.unused[name] = 2 * nbytes if id(param) in in_ddp else nbytes
+                    self._candidates[name] = param
+
+    def _got_gradient(self, name: str) -> None:
+        self._used.add(name)
+        self.unused.pop(name, None)
+        self._candidates.pop(name, None)
 
     def install(self) -> None:
         """Wrap ``torch.distributed.destroy_process_group`` for the block."""
@@ -302,6 +322,7 @@ class RankWatch:
     def finish(self, clean: bool) -> None:
         """At the end of the block: gather if not done yet (not after an exception: the other
         ranks may be stuck in the user's collectives; the exception must propagate now)."""
+        self._candidates.clear()  # no reference to the model's parameters after the block
         if self.done:
             return
         if not clean:
