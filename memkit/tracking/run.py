@@ -57,6 +57,7 @@ from memkit.distributed import launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
+from memkit.tracking.rank_gather import SENT_AFTER_ERROR
 from memkit.tracking.report import TrackReport
 from memkit.tracking.tracker import Tracker
 from memkit.units import format_size
@@ -273,8 +274,11 @@ def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
     if report.oom is not None:
         parts.append(f"out of memory at {report.oom.where}")
     parts.extend(n.split(";")[0] for n in report.notes if n.startswith("interrupted by "))
-    gathered = not any(n.startswith("ranks not gathered") for n in report.notes)
-    rest = "full report on rank 0" if gathered else "not gathered into rank 0's report"
+    rest = "full report on rank 0"
+    if any(n.startswith("ranks not gathered") for n in report.notes):
+        rest = "not gathered into rank 0's report"
+    elif any(n.startswith(SENT_AFTER_ERROR) for n in report.notes):
+        rest = "summary sent to rank 0 (in its report if rank 0 ended normally)"
     if files:
         rest += " (this rank's: " + ", ".join(str(f) for f in files) + ")"
     return "; ".join([*parts, rest])
