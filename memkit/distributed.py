@@ -32,6 +32,7 @@ import contextlib
 import enum
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ __all__ = [
     "broadcast_",
     "fill_missing_grads",
     "gather_to_rank0",
+    "give_up_waiting",
     "is_distributed",
     "launched_rank",
     "local_rank",
@@ -349,10 +351,27 @@ class Gathered:
     Attributes:
         objects: by rank, the objects that arrived (rank 0's own included).
         missing: the ranks whose object did not arrive within the timeout.
+        gave_up: rank 0 stopped waiting before the timeout (:func:`give_up_waiting`).
     """
 
     objects: dict[int, Any]
     missing: tuple[int, ...] = ()
+    gave_up: bool = False
+
+
+_GIVE_UP = threading.Event()
+"""Set while the job is being stopped (``memkit run``'s SIGTERM outside the script's run, see
+:func:`give_up_waiting`): rank 0 stops waiting for the other ranks' objects at once."""
+
+
+def give_up_waiting(give_up: bool = True) -> None:
+    """Make :func:`gather_to_rank0` on rank 0 stop waiting (now and until called with
+    ``False``): the job is being stopped, and a rank that died would cost the full timeout,
+    after which torchrun's SIGKILL takes the report with it."""
+    if give_up:
+        _GIVE_UP.set()
+    else:
+        _GIVE_UP.clear()
 
 
 _POLL = (0.01, 0.5)
@@ -378,10 +397,11 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
     ``get``, never a collective): a :class:`Gathered` on rank 0, ``None`` elsewhere.
 
     The other ranks set their key and return at once; rank 0 waits up to ``timeout`` seconds
-    for the others' keys, reads and deletes them, and names the ranks that did not send as
-    ``missing``. Nothing here takes part in the process group's collectives, so it cannot be
-    matched against the user's (a rank that raised and went on to a ``barrier()`` while
-    another gathers) and a rank that never sends costs rank 0 ``timeout``, never a hang.
+    for the others' keys (not at all after :func:`give_up_waiting`), reads and deletes them,
+    and names the ranks that did not send as ``missing``. Nothing here takes part in the
+    process group's collectives, so it cannot be matched against the user's (a rank that
+    raised and went on to a ``barrier()`` while another gathers) and a rank that never sends
+    costs rank 0 ``timeout``, never a hang.
     ``key`` names the exchange: every rank must pass the same one, and each exchange its own
     (an object left by a rank rank 0 gave up on stays behind under it). Without a process
     group (or with one rank) it returns ``Gathered({0: obj})``. Meant for small objects such
@@ -392,7 +412,7 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
 
     Examples:
         >>> gather_to_rank0({"peak": 1}, "example", timeout=1.0)
-        Gathered(objects={0: {'peak': 1}}, missing=())
+        Gathered(objects={0: {'peak': 1}}, missing=(), gave_up=False)
     """
     import pickle
 
@@ -414,7 +434,7 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
                 objects[r] = pickle.loads(store.get(names[r]))
                 store.delete_key(names[r])
                 pending.remove(r)
-            if not pending or time.monotonic() >= deadline:
+            if not pending or time.monotonic() >= deadline or _GIVE_UP.is_set():
                 break
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, _POLL[1])
@@ -423,7 +443,7 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
             f"rank {me} of {size}: exchanging objects through the process group's store "
             f"failed ({exc}); the store's host (torchrun's agent, or rank 0) may be gone"
         ) from exc
-    return Gathered(objects, tuple(pending))
+    return Gathered(objects, tuple(pending), bool(pending) and _GIVE_UP.is_set())
 
 
 def _default_backend(device_type: str) -> str:

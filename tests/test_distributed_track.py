@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import textwrap
 from pathlib import Path
 
@@ -212,6 +213,20 @@ def test_a_rank_whose_block_raised_and_went_on_sends_its_summary_without_a_hang(
     assert "rank(s) 1 sent no summary within 0.3 s" in r0["rank1_late"]["text"]
     for r in (r0, r1):
         assert all(r[case]["barrier_s"] < 5 for case in r), r
+
+
+def test_a_sigterm_outside_the_scripts_run_makes_rank0_stop_waiting_for_the_ranks() -> None:
+    """memkit run gathers at the block's end, after the script's run: a SIGTERM there (torchrun
+    stopping the job as a rank died) is held, and rank 0 must not wait the gather's timeout for
+    the dead rank, past torchrun's grace period (its SIGKILL would lose the report)."""
+    from memkit.distributed import _GIVE_UP
+    from memkit.tracking.run import SignalGuard
+
+    with SignalGuard() as guard:
+        assert not _GIVE_UP.is_set()
+        guard._handle(signal.SIGTERM, None)  # not armed: held
+        assert guard.pending == signal.SIGTERM and _GIVE_UP.is_set()
+    assert not _GIVE_UP.is_set()
 
 
 def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> None:

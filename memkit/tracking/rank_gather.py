@@ -110,7 +110,8 @@ class RanksReport(Result):
         advice: the DDP rules over them.
         missing: ranks that sent no summary within ``timeout`` seconds (stopped, stuck, or
             not running the block); the imbalance and the tightest rank leave them out.
-        timeout: how long rank 0 waited for them.
+        timeout: how long rank 0 waited for them (``None``: it stopped waiting early, the
+            job being stopped).
     """
 
     SCHEMA: ClassVar[str] = "memkit.RanksReport/1"
@@ -381,13 +382,18 @@ class RankWatch:
             return
         assert got is not None  # rank 0
         ranks = tuple(sorted(got.objects.values(), key=lambda r: r.rank))
-        self.report = RanksReport(ranks, tuple(rank_advice(ranks)), got.missing, self.timeout)
+        waited = None if got.gave_up else self.timeout
+        self.report = RanksReport(ranks, tuple(rank_advice(ranks)), got.missing, waited)
         self.gathered = True
         if got.missing:
+            within = (
+                "before rank 0 stopped waiting (the job was being stopped: SIGTERM)"
+                if got.gave_up
+                else f"within {self.timeout:g} s (stopped, stuck, or not running this block)"
+            )
             self.tracker.notes.append(
-                f"rank(s) {', '.join(map(str, got.missing))} sent no summary within "
-                f"{self.timeout:g} s (stopped, stuck, or not running this block): missing "
-                "from the ranks table"
+                f"rank(s) {', '.join(map(str, got.missing))} sent no summary {within}: "
+                "missing from the ranks table"
             )
 
     def _grouped(self) -> bool:
