@@ -1,5 +1,8 @@
 """Rank, world size, and the few collectives memkit needs; no-ops without a process group.
 
+:func:`gather_to_rank0` is no collective: it sends objects to rank 0 through the process
+group's store, so it never meets the script's own collectives.
+
 Every function here works in a single process: without an initialised ``torch.distributed``
 process group (or with a world of one) the collectives return their local input unchanged and
 :func:`rank`, :func:`local_rank` and :func:`world_size` fall back to torchrun's environment
@@ -29,7 +32,10 @@ import contextlib
 import enum
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +61,7 @@ class RankStatus(enum.IntEnum):
 
 
 __all__ = [
+    "Gathered",
     "all_gather_ints",
     "all_max",
     "all_reduce_sum_",
@@ -62,6 +69,7 @@ __all__ = [
     "broadcast_",
     "fill_missing_grads",
     "gather_to_rank0",
+    "give_up_waiting",
     "is_distributed",
     "launched_rank",
     "local_rank",
@@ -144,10 +152,11 @@ _IN_FLIGHT: collections.deque[Any] = collections.deque(maxlen=16)
 
 A gloo work object is released by the process group's worker thread once the collective is
 done, and with it the last C++ reference to its tensor; if Python had dropped the tensor
-already, that release needs the GIL. When the group is destroyed right after (memkit gathers
-the ranks' reports inside ``destroy_process_group``; DDP's Reducer destroys the group when the
-model is freed), the main thread joins the worker while holding the GIL and both wait forever
-(seen: rank 0 hung at exit under torchrun, 5 of 7 runs). Kept here, the tensor's last reference
+already, that release needs the GIL. When the group is destroyed right after (a probe's last
+agreement before the script's ``destroy_process_group``; DDP's Reducer destroys the group when
+the model is freed), the main thread joins the worker while holding the GIL and both wait
+forever (seen: rank 0 hung at exit under torchrun, 5 of 7 runs, when the tracker still gathered
+with a collective inside ``destroy_process_group``). Kept here, the tensor's last reference
 is Python's, dropped with the GIL held. Only memkit's own small tensors are kept (the
 users' gradients, which the probe reduces, stay the user's)."""
 
@@ -335,55 +344,106 @@ def broadcast_(
     _wait_all(works, f"a broadcast of {len(works)} tensor(s) from rank {src}", timeout)
 
 
-def gather_to_rank0(obj: Any, *, timeout: float | None = None) -> list[Any] | None:
-    """Collect a picklable ``obj`` from every rank: a list (by rank) on rank 0, ``None`` elsewhere.
+@dataclass(frozen=True)
+class Gathered:
+    """What rank 0 collected with :func:`gather_to_rank0`.
 
-    Without a process group it returns ``[obj]``. With NCCL, the current cuda device must be set
-    (``torch.cuda.set_device(local_rank)``), as for every object collective. With ``timeout``
-    the objects travel as pickled bytes in two bounded all-reduces (a rank that never arrives
-    becomes a :class:`DistributedError` after ``timeout`` seconds, not a hang); meant for
-    small objects such as per-rank summaries.
+    Attributes:
+        objects: by rank, the objects that arrived (rank 0's own included).
+        missing: the ranks whose object did not arrive within the timeout.
+        gave_up: rank 0 stopped waiting before the timeout (:func:`give_up_waiting`).
+    """
+
+    objects: dict[int, Any]
+    missing: tuple[int, ...] = ()
+    gave_up: bool = False
+
+
+_GIVE_UP = threading.Event()
+"""Set while the job is being stopped (``memkit run``'s SIGTERM outside the script's run, see
+:func:`give_up_waiting`): rank 0 stops waiting for the other ranks' objects at once."""
+
+
+def give_up_waiting(give_up: bool = True) -> None:
+    """Make :func:`gather_to_rank0` on rank 0 stop waiting (now and until called with
+    ``False``): the job is being stopped, and a rank that died would cost the full timeout,
+    after which torchrun's SIGKILL takes the report with it."""
+    if give_up:
+        _GIVE_UP.set()
+    else:
+        _GIVE_UP.clear()
+
+
+_POLL = (0.01, 0.5)
+"""Rank 0 looks for the other ranks' keys every 10 ms at first, backing off to 500 ms; between
+looks Python runs its signal handlers (``memkit run``'s SIGTERM), which a blocking wait in
+C++ would hold off until it returns."""
+
+
+def _store(dist: Any) -> Any:
+    """The default process group's store (what ``init_process_group`` rendezvoused through)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, AttributeError, RuntimeError, ValueError) as exc:
+        raise DistributedError(
+            f"rank {rank()}: the process group's store is not reachable ({exc})"
+        ) from exc
+
+
+def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
+    """Send a picklable ``obj`` to rank 0 through the process group's store (c10d ``set`` and
+    ``get``, never a collective): a :class:`Gathered` on rank 0, ``None`` elsewhere.
+
+    The other ranks set their key and return at once; rank 0 waits up to ``timeout`` seconds
+    for the others' keys (not at all after :func:`give_up_waiting`), reads and deletes them,
+    and names the ranks that did not send as ``missing``. Nothing here takes part in the
+    process group's collectives, so it cannot be matched against the user's (a rank that
+    raised and went on to a ``barrier()`` while another gathers) and a rank that never sends
+    costs rank 0 ``timeout``, never a hang.
+    ``key`` names the exchange: every rank must pass the same one, and each exchange its own
+    (an object left by a rank rank 0 gave up on stays behind under it). Without a process
+    group (or with one rank) it returns ``Gathered({0: obj})``. Meant for small objects such
+    as per-rank summaries.
 
     Raises:
-        DistributedError: the gather failed or timed out.
+        DistributedError: the store could not be reached or written.
 
     Examples:
-        >>> gather_to_rank0({"peak": 1})
-        [{'peak': 1}]
+        >>> gather_to_rank0({"peak": 1}, "example", timeout=1.0)
+        Gathered(objects={0: {'peak': 1}}, missing=(), gave_up=False)
     """
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return [obj]
-    me = dist.get_rank()
-    if timeout is not None:
-        return _gather_bounded(dist, obj, timeout)
-    out: list[Any] | None = [None] * dist.get_world_size() if me == 0 else None
-    try:
-        dist.gather_object(obj, out, dst=0)
-    except (RuntimeError, ValueError) as exc:
-        raise DistributedError(f"rank {me}: gathering to rank 0 failed ({exc})") from exc
-    return out
-
-
-def _gather_bounded(dist: Any, obj: Any, timeout: float) -> list[Any] | None:
     import pickle
 
-    data = pickle.dumps(obj)
-    lengths = [row[0] or 0 for row in all_gather_ints([len(data)], timeout=timeout)]
-    size, me, longest = dist.get_world_size(), dist.get_rank(), max(lengths)
-    device = _collective_device(dist)
-    with torch.no_grad(), _disable_current_modes():
-        flat = torch.zeros(size * longest, dtype=torch.uint8, device=device)
-        flat[me * longest : me * longest + len(data)] = torch.frombuffer(
-            bytearray(data), dtype=torch.uint8
-        ).to(device)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.MAX, async_op=True)
-        _keep(flat, work)
-        _wait_all([work], "gathering objects to rank 0", timeout)
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return Gathered({0: obj})
+    me, size = dist.get_rank(), dist.get_world_size()
+    store = _store(dist)
+    names = {r: f"memkit/{key}/{r}" for r in range(size)}
+    try:
         if me != 0:
+            store.set(names[me], pickle.dumps(obj))
             return None
-        raw = bytes(flat.cpu().tolist())
-    return [pickle.loads(raw[r * longest : r * longest + lengths[r]]) for r in range(size)]
+        objects: dict[int, Any] = {0: obj}
+        pending = [r for r in range(1, size)]
+        deadline, pause = time.monotonic() + timeout, _POLL[0]
+        while pending:
+            for r in [r for r in pending if store.check([names[r]])]:
+                objects[r] = pickle.loads(store.get(names[r]))
+                store.delete_key(names[r])
+                pending.remove(r)
+            if not pending or time.monotonic() >= deadline or _GIVE_UP.is_set():
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, _POLL[1])
+    except (RuntimeError, ValueError, pickle.UnpicklingError) as exc:  # DistStoreError too
+        raise DistributedError(
+            f"rank {me} of {size}: exchanging objects through the process group's store "
+            f"failed ({exc}); the store's host (torchrun's agent, or rank 0) may be gone"
+        ) from exc
+    return Gathered(objects, tuple(pending), bool(pending) and _GIVE_UP.is_set())
 
 
 def _default_backend(device_type: str) -> str:

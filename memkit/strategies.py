@@ -564,6 +564,7 @@ def compare_strategies(
                 gradient_bytes=parts.get("reduced gradients", 0),
                 optimizer_state_bytes=parts.get("optimizer state", 0),
                 gathered_output_bytes=parts.get("gathered outputs", 0),
+                parameter_bytes=tensor_bytes([*trials.model.parameters(), *trials.model.buffers()]),
                 largest_batches=(
                     (dp.max_global_batch, ddp.max_global_batch)
                     if dp is not None and ddp is not None

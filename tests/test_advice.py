@@ -258,7 +258,21 @@ def test_dp_to_ddp_estimates_the_rank_peak():
     info = A.dp_to_ddp(heavy, "cuda:0", gradient_bytes=8 * GiB, optimizer_state_bytes=8 * GiB,
                        parameter_bytes=4 * GiB)  # fmt: skip
     assert info is not None and info.severity == "info" and info.saving_bytes is None
-    assert "would not save memory" in info.title and "28.00 GiB per device" in info.title
+    assert "would not save memory" in info.title and "28.00 GiB to 32.00 GiB per" in info.title
+    # a replica may have freed its weights by its peak, a DDP rank keeps them: up to 4 GiB
+    # more (12 + 2 + 4 = 18 to 22 GiB); against 20 GiB on cuda:0 only measuring DDP tells
+    unsure = A.dp_to_ddp({"cuda:0": 20 * GiB, "cuda:1": 12 * GiB}, "cuda:0",
+                         gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB,
+                         parameter_bytes=4 * GiB)  # fmt: skip
+    assert unsure is not None and unsure.severity == "info" and unsure.saving_bytes is None
+    assert "DDP may not save memory here (18.00 GiB to 22.00 GiB per device" in unsure.title
+    assert "up to its weights (4.00 GiB)" in unsure.evidence
+    assert "--strategies dp,ddp" in unsure.action and "DistributedSampler" not in unsure.action
+    surely = A.dp_to_ddp({"cuda:0": 23 * GiB, "cuda:1": 12 * GiB}, "cuda:0",
+                         gradient_bytes=2 * GiB, optimizer_state_bytes=4 * GiB,
+                         parameter_bytes=4 * GiB)  # fmt: skip
+    assert surely is not None and surely.severity == "warning"
+    assert surely.saving_bytes == 1 * GiB  # against the high end
     assert "Keep DataParallel" in info.action and "DistributedSampler" not in info.action
     # measured batches decide over the estimate
     fits_less = A.dp_to_ddp(peaks, "cuda:0", gradient_bytes=2 * GiB, largest_batches=(104, 84))

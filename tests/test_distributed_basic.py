@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 SCENARIO = textwrap.dedent(
     """
+    import time
     import torch, torch.nn.functional as F
     import memkit
     from memkit import distributed
@@ -34,7 +35,16 @@ SCENARIO = textwrap.dedent(
                   "is": distributed.is_distributed()}
         result["any"] = [distributed.any_true(rank == 1), distributed.any_true(False)]
         result["max"] = distributed.all_max([10 * rank + 3])[0]
-        result["gathered"] = distributed.gather_to_rank0({"r": rank})
+        got = distributed.gather_to_rank0({"r": rank}, "test-basic", timeout=30)
+        result["gathered"] = None if got is None else [got.objects, list(got.missing)]
+        if rank == 0:  # rank 1 never sends under this key: missing after the timeout
+            alone = distributed.gather_to_rank0("r0", "test-basic-alone", timeout=0.2)
+            result["alone"] = [alone.objects, list(alone.missing), alone.gave_up]
+            distributed.give_up_waiting()  # the job is being stopped: no wait at all
+            t0 = time.monotonic()
+            stopped = distributed.gather_to_rank0("r0", "test-basic-stopped", timeout=30)
+            result["stopped"] = [list(stopped.missing), stopped.gave_up, time.monotonic() - t0]
+            distributed.give_up_waiting(False)
 
         torch.manual_seed(0)
         L, R = torch.nn.Linear, torch.nn.ReLU
@@ -142,7 +152,7 @@ def test_without_a_process_group_everything_is_local(monkeypatch):
     assert (distributed.rank(), distributed.local_rank(), distributed.world_size()) == (3, 1, 4)
     assert distributed.any_true(True) and not distributed.any_true(False, timeout=1)
     assert distributed.all_max([7]) == [7] and distributed.all_max([1, -2]) == [1, -2]
-    assert distributed.gather_to_rank0("x") == ["x"]
+    assert distributed.gather_to_rank0("x", "k", timeout=1) == distributed.Gathered({0: "x"})
     t = torch.ones(2)
     distributed.all_reduce_sum_([t])
     distributed.broadcast_([t])
@@ -157,7 +167,9 @@ def test_ddp_oom_on_one_rank_recovers_on_both_and_matches_the_reference(gloo_ran
     assert r0["world"] == 2 and r0["is"] is True
     assert r0["any"] == r1["any"] == [True, False]
     assert r0["max"] == r1["max"] == 13
-    assert r0["gathered"] == [{"r": 0}, {"r": 1}] and r1["gathered"] is None
+    assert r0["gathered"] == [{"0": {"r": 0}, "1": {"r": 1}}, []] and r1["gathered"] is None
+    assert r0["alone"] == [{"0": "r0"}, [1], False]
+    assert r0["stopped"][:2] == [[1], True] and r0["stopped"][2] < 5
     # one optimizer step per batch on each rank; the split agreed and then reused
     assert r0["steps"] == r1["steps"] == 3 == r0["step_steps"]
     assert r0["flags"] == r1["flags"] == [True, True]  # DDP's buffer-broadcast flag put back

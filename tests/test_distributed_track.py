@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import textwrap
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from conftest import torchrun
 from rank_processes import rank_scenario
 
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
-from memkit.tracking.rank_gather import RanksReport, RankSummary, rank_advice
+from memkit.tracking.rank_gather import SENT_AFTER_ERROR, RanksReport, RankSummary, rank_advice
 
 NET = textwrap.dedent(
     """
@@ -34,9 +35,11 @@ NET = textwrap.dedent(
             self.body = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU())
             self.head = torch.nn.Linear(128, 8)
             self.aux_head = torch.nn.Linear(128, 8)  # never used in forward
+            self.branch = torch.nn.Linear(128, 128)  # used on some steps only
 
-        def forward(self, x):
-            return self.head(self.body(x))
+        def forward(self, x, use_branch=False):
+            h = self.body(x)
+            return self.head(self.branch(h) if use_branch else h)
 
     def build(rank, find_unused_parameters):
         torch.manual_seed(0)
@@ -47,8 +50,8 @@ NET = textwrap.dedent(
 
     def train(model, opt, rank):
         batch = 64 if rank == 0 else 512  # rank 1 holds far more activations
-        for _ in range(3):
-            model(torch.randn(batch, 64)).sum().backward()
+        for step in range(3):
+            model(torch.randn(batch, 64), use_branch=step == 1).sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     """
@@ -68,6 +71,49 @@ TRACKED = textwrap.dedent(
 )
 
 rank_scenario("ddp-gather", TRACKED, files={"ddp_net.py": NET})
+
+CAUGHT = textwrap.dedent(
+    """
+    import time
+    import torch, torch.distributed as dist
+    import memkit
+
+    def block(rank, raising_rank, seconds=0.0, gather_timeout=60):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracker = memkit.track(model, opt, device="cpu", budget="64MiB",
+                               gather_timeout=gather_timeout)
+        try:
+            with tracker:
+                for step in range(3):
+                    if rank == raising_rank and step == 1:
+                        raise ValueError("corrupt batch")
+                    with model.no_sync():  # no collective inside the block
+                        model(torch.randn(8, 32)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                time.sleep(seconds)
+        except ValueError:
+            pass
+        t0 = time.monotonic()
+        dist.barrier()  # the script's own collective, after the block, on every rank
+        report = tracker.report()
+        return {"barrier_s": time.monotonic() - t0, "notes": report.notes,
+                "ranks": None if report.ranks is None else report.ranks.to_dict(),
+                "text": str(report)}
+
+    def run(rank, args):
+        return {
+            "rank1_raises": block(rank, raising_rank=1),
+            "rank0_raises": block(rank, raising_rank=0),
+            # rank 1 ends its block after rank 0 stopped waiting for it
+            "rank1_late": block(rank, None, seconds=2.0 if rank == 1 else 0.0, gather_timeout=0.3),
+        }
+    """
+)
+
+rank_scenario("ddp-caught-error", CAUGHT)
 
 UNUSED_STOPS_DDP = textwrap.dedent(
     """
@@ -133,9 +179,54 @@ def test_ddp_ranks_are_gathered_to_rank0_with_imbalance_and_unused_parameters(
         and "find_unused_parameters=True is on" in unused["evidence"]
     )
     assert unused["saving_bytes"] == 2 * (128 * 8 + 8) * 4  # aux_head and its bucket slots
+    # `branch` had no gradient at step 0 and one at step 1: needed, not unused
+    assert "branch" not in unused["evidence"] and "1 parameter(s)" not in unused["title"]
+    assert [r["unused_parameters"] for r in ranks["ranks"]] == [["module.aux_head.bias",
+            "module.aux_head.weight"]] * 2  # fmt: skip
     assert "ddp-gpu0-context" not in codes  # no CUDA here
     assert "2 ranks; imbalance between ranks" in r0["text"] and "tightest" in r0["text"]
     assert "memkit track rank 0/2: 3 step(s)" in r0["text"]
+
+
+def test_a_rank_whose_block_raised_and_went_on_sends_its_summary_without_a_hang(
+    gloo_ranks,
+) -> None:
+    """A script catches an error one rank's block raised and goes on to `dist.barrier()`:
+    the summaries travel through the store, so no collective of memkit's meets the barrier
+    (before: rank 0's gather all-reduce met it, and both waited for the group's timeout)."""
+    r0, r1 = gloo_ranks("ddp-caught-error").checked().results
+    raised = r0["rank1_raises"]["ranks"]
+    assert [r["rank"] for r in raised["ranks"]] == [0, 1] and raised["missing"] == []
+    assert [r["error"] for r in raised["ranks"]] == [None, "ValueError: corrupt batch"]
+    assert [r["steps"] for r in raised["ranks"]] == [3, 1]
+    assert "raised ValueError" in r0["rank1_raises"]["text"]
+    assert any(n.startswith(SENT_AFTER_ERROR) for n in r1["rank1_raises"]["notes"])
+    # rank 0 raised: it does not wait (its exception goes on), rank 1 sends and goes on
+    assert r0["rank0_raises"]["ranks"] is None and r1["rank0_raises"]["ranks"] is None
+    not_gathered = "ranks not gathered: this rank's block ended with an exception"
+    assert not_gathered in r0["rank0_raises"]["notes"]
+    assert "this rank's summary was sent to rank 0's report" in r1["rank0_raises"]["notes"]
+    # a rank that sends nothing within the timeout is missing, not a hang
+    late = r0["rank1_late"]["ranks"]
+    assert [r["rank"] for r in late["ranks"]] == [0] and late["missing"] == [1]
+    assert late["world_size"] == 2 and late["timeout"] == 0.3
+    assert "rank(s) 1 sent no summary within 0.3 s" in r0["rank1_late"]["text"]
+    for r in (r0, r1):
+        assert all(r[case]["barrier_s"] < 5 for case in r), r
+
+
+def test_a_sigterm_outside_the_scripts_run_makes_rank0_stop_waiting_for_the_ranks() -> None:
+    """memkit run gathers at the block's end, after the script's run: a SIGTERM there (torchrun
+    stopping the job as a rank died) is held, and rank 0 must not wait the gather's timeout for
+    the dead rank, past torchrun's grace period (its SIGKILL would lose the report)."""
+    from memkit.distributed import _GIVE_UP
+    from memkit.tracking.run import SignalGuard
+
+    with SignalGuard() as guard:
+        assert not _GIVE_UP.is_set()
+        guard._handle(signal.SIGTERM, None)  # not armed: held
+        assert guard.pending == signal.SIGTERM and _GIVE_UP.is_set()
+    assert not _GIVE_UP.is_set()
 
 
 def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> None:
@@ -160,9 +251,9 @@ def test_rank_stopped_by_torchrun_still_writes_its_report(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_unused_parameters_that_stop_ddp_are_advised_on_each_failed_rank(tmp_path: Path) -> None:
     """Without find_unused_parameters, the unused module makes DDP fail at the next step
-    ('Expected to have finished reduction'): the ranks end with that error and are not
-    gathered, so each rank's own report must say why, and its line must not send the reader
-    to rank 0's report."""
+    ('Expected to have finished reduction'): the ranks end with that error; rank 0 does not
+    wait for the others (rank 1 sends its summary all the same), so each rank's own report
+    must say why, and rank 1's line must not promise rank 0's report."""
     (tmp_path / "ddp_net.py").write_text(NET)
     code, err = _torchrun(tmp_path, UNUSED_STOPS_DDP, "--device", "cpu", "--budget", "256MiB",
                           "--json", "r.json")  # fmt: skip
@@ -171,9 +262,11 @@ def test_unused_parameters_that_stop_ddp_are_advised_on_each_failed_rank(tmp_pat
         data = json.loads((tmp_path / f"r.rank{rank}.json").read_text())
         advice = {a["code"]: a for a in data["advice"]}
         assert "aux_head" in advice["ddp-unused-parameters"]["evidence"], data["advice"]
-        assert any(n.startswith("ranks not gathered") for n in data["notes"])
+        start = "ranks not gathered" if rank == 0 else SENT_AFTER_ERROR
+        assert any(n.startswith(start) for n in data["notes"]), data["notes"]
     rank1 = [line for line in err.splitlines() if line.startswith("[rank 1] memkit: ")]
-    assert rank1 and "not gathered into rank 0's report" in rank1[0], err[-4000:]
+    sent = "summary sent to rank 0 (in its report if rank 0 ended normally)"
+    assert rank1 and sent in rank1[0], err[-4000:]
 
 
 def _summary(rank: int, peak: int, capacity: int | None = 1000, **kw) -> RankSummary:

@@ -49,9 +49,12 @@ class DdpEstimate:
         buckets: DDP's bucket copy of the gradients (0 with ``gradient_as_bucket_view``).
         loss: the loss on the rank's share of the outputs, and its gradient (a heuristic).
         per_device: DDP's per-rank peak: measured at the same global batch when
-            ``measured_peak``, else estimated.
+            ``measured_peak``, else the high end of the estimate.
         largest_batches: measured largest global batches ``(DataParallel, DDP)``, if any.
         measured_peak: whether ``per_device`` was measured (DDP run on the same devices).
+        low: the low end of the estimate (``per_device`` when measured or when the weights'
+            size is unknown).
+        weights: the weights a DDP rank keeps through backward where a replica may not.
     """
 
     top: int
@@ -61,6 +64,20 @@ class DdpEstimate:
     per_device: int
     largest_batches: tuple[int | None, int | None] | None
     measured_peak: bool = False
+    low: int | None = None
+    weights: int = 0
+
+    @property
+    def lowest(self) -> int:
+        """The low end of DDP's per-rank peak (``per_device`` when it is one number)."""
+        return self.per_device if self.low is None else self.low
+
+    @property
+    def span(self) -> str:
+        """DDP's per-rank peak as text: one size, or the estimate's range."""
+        if self.lowest >= self.per_device:
+            return format_size(self.per_device)
+        return f"{format_size(self.lowest)} to {format_size(self.per_device)}"
 
     @property
     def measured(self) -> bool:
@@ -86,6 +103,12 @@ class DdpEstimate:
         if self.measured and not self.tie:
             return (ddp_b or 0) > (dp_b or 0)
         return self.per_device < self.top
+
+    @property
+    def unsure(self) -> bool:
+        """Whether the estimate's range straddles the primary's peak: DDP may or may not
+        save memory (only measuring DDP tells; not when batches or the peak were measured)."""
+        return not self.measured and self.lowest < self.top <= self.per_device
 
 
 def dp_to_ddp(
@@ -115,15 +138,22 @@ def dp_to_ddp(
         ddp_peak: DDP's per-rank peak measured at the same global batch (the strategy
             comparison runs it); it replaces the estimate.
 
-    DDP's per-rank peak is estimated as the larger of a replica's peak (its weight copy, its
-    share of the activations and its gradients before the reduction) plus DDP's buckets, the
-    optimizer state and the loss on the rank's share of the outputs (that share and its
-    gradient, twice ``gathered_output_bytes / N``: a heuristic, right where the loss runs
-    outside the model; where the model computes it, the share is kept once), and parameters +
-    gradients + buckets + optimizer state (the optimizer step); ``ddp_peak`` replaces it.
+    DDP's per-rank peak is estimated as a range. Its low end is the larger of a replica's
+    peak (its weight copy, its share of the activations and its gradients before the
+    reduction) plus DDP's buckets, the optimizer state and the loss on the rank's share of the
+    outputs (that share and its gradient, twice ``gathered_output_bytes / N``: a heuristic,
+    right where the loss runs outside the model; where the model computes it, the share is
+    kept once), and parameters + gradients + buckets + optimizer state (the optimizer step).
+    Its high end adds ``parameter_bytes`` to the first: a replica's weights are broadcast
+    copies that DataParallel frees during backward once no layer's backward needs them (a
+    first ``Linear`` whose input needs no gradient saves no weight), so a replica's peak may
+    not hold them when a DDP rank's, which keeps its weights all step, does (a 64-1024-64
+    MLP with AdamW on 2 GPUs: the replica's peak 1.82 MiB + the rest 1.57 MiB = 3.39 MiB, a
+    real DDP rank 3.86 MiB, the high end 3.90 MiB). ``ddp_peak`` replaces both.
     Measured largest batches, when given, decide whether DDP fits more; at the same largest
-    batch, the lower peak per device decides. The rule advises DDP for memory
-    only when that estimate (or the measurement) says it saves memory.
+    batch, the lower peak per device decides. The rule advises DDP for memory only when the
+    measurement, or the estimate's high end, says it saves memory; when the range straddles
+    the primary's peak it says that only measuring DDP tells.
 
         >>> a = dp_to_ddp({"cuda:0": 50 * MiB, "cuda:1": 40 * MiB}, "cuda:0",
         ...               gradient_bytes=8 * MiB, optimizer_state_bytes=8 * MiB)
@@ -139,11 +169,17 @@ def dp_to_ddp(
     buckets = 0 if gradient_as_bucket_view else gradient_bytes
     fixed = buckets + optimizer_state_bytes
     loss = 2 * gathered_output_bytes // len(peaks)
-    ddp = max(int(mean) + fixed + loss, parameter_bytes + gradient_bytes + fixed)
+    step = parameter_bytes + gradient_bytes + fixed
+    low = max(int(mean) + fixed + loss, step)
+    high = max(int(mean) + parameter_bytes + fixed + loss, step)
     if ddp_peak is not None:
-        ddp = ddp_peak
-    est = DdpEstimate(top, mean, buckets, loss, ddp, largest_batches, ddp_peak is not None)
+        low = high = ddp_peak
+    est = DdpEstimate(
+        top, mean, buckets, loss, high, largest_batches, ddp_peak is not None, low, parameter_bytes
+    )
     evidence = _dp_evidence(peaks, primary, est, gradient_bytes, optimizer_state_bytes)
+    if est.unsure:
+        return _measure_ddp_first(est, primary, len(peaks), evidence)
     if not est.saves:
         return _keep_data_parallel(est, primary, len(peaks), evidence)
     return _switch_to_ddp(est, primary, len(peaks), evidence)
@@ -165,10 +201,17 @@ def _dp_evidence(
         f"Under DDP each rank peaks at {format_size(ddp)} at the same global batch (measured "
         "on these devices: its replica, gradients, their bucket copy and the optimizer state)"
         if est.measured_peak
-        else f"Under DDP each rank would peak near {format_size(ddp)} (estimated: a replica's "
+        else f"Under DDP each rank would peak near {est.span} (estimated: a replica's "
         f"{format_size(int(est.mean))} + DDP's bucket copy of the gradients "
         f"({format_size(est.buckets)}) + the optimizer state ({format_size(optimizer_state_bytes)})"
-        f" + the loss on its share of the outputs ({format_size(est.loss)}), on every device)"
+        f" + the loss on its share of the outputs ({format_size(est.loss)})"
+        + (
+            f", + up to its weights ({format_size(est.weights)}), which a DDP rank keeps "
+            "through backward while a replica's broadcast copy is freed once no layer needs it"
+            if est.lowest < ddp
+            else ""
+        )
+        + ", on every device)"
     )
     if est.measured:
         estimate += (
@@ -191,7 +234,7 @@ def _keep_data_parallel(est: DdpEstimate, primary: str, n: int, evidence: str) -
         code="dp-to-ddp",
         title=(
             f"{est.imbalance(primary)}, but DDP would not "
-            f"save memory here (about {format_size(ddp)} per device vs {format_size(top)})"
+            f"save memory here (about {est.span} per device vs {format_size(top)})"
             if not est.measured
             else f"{est.imbalance(primary)}, but DDP fits the same global batch here "
             f"({dp_b or '-'}) at no lower peak ({format_size(ddp)} per device vs "
@@ -213,6 +256,28 @@ def _keep_data_parallel(est: DdpEstimate, primary: str, n: int, evidence: str) -
     )
 
 
+def _measure_ddp_first(est: DdpEstimate, primary: str, n: int, evidence: str) -> Advice:
+    """``dp-to-ddp`` (info) when DDP's estimated range straddles the primary's peak."""
+    return Advice(
+        code="dp-to-ddp",
+        title=(
+            f"{est.imbalance(primary)}; DDP may not save memory here ({est.span} per device "
+            f"vs {format_size(est.top)}): measure it before switching"
+        ),
+        evidence=evidence,
+        action=(
+            f"Measure DDP on the same devices before switching for memory: `memkit probe "
+            f"model.py --device cpu --gpus {n} --budget SIZE --strategies dp,ddp` runs both "
+            f"and compares their largest global batches. To relieve {primary} meanwhile, "
+            "compute the loss inside the replicas (dp-loss-on-replicas) or give it a smaller "
+            "share with `output_device`. DDP is faster either way (no weight broadcast per "
+            "step, one process per GPU)."
+        ),
+        saving_bytes=None,
+        severity="info",
+    )
+
+
 def _switch_to_ddp(est: DdpEstimate, primary: str, n: int, evidence: str) -> Advice:
     """``dp-to-ddp`` (warning) when DDP saves memory: how to switch."""
     top, ddp = est.top, est.per_device
@@ -220,7 +285,7 @@ def _switch_to_ddp(est: DdpEstimate, primary: str, n: int, evidence: str) -> Adv
     return Advice(
         code="dp-to-ddp",
         title=(
-            f"{est.imbalance(primary)}; DDP would peak near {format_size(ddp)} per device"
+            f"{est.imbalance(primary)}; DDP would peak near {est.span} per device"
             if not est.measured
             else f"{est.imbalance(primary)}; DDP fits the same global batch ({dp_b}) at "
             f"{format_size(ddp)} per device against {format_size(top)} on {primary}"

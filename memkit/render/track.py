@@ -240,18 +240,29 @@ def rank_rows(ranks: RanksReport) -> list[list[object]]:
             "" if r.used_share is None else f"{r.used_share:.0%}",
             r.peak_phase or "",
             "" if r.peak_step is None else r.peak_step,
-            ("OOM " + r.oom) if r.oom else ("tightest" if r.rank == tight else ""),
+            ("OOM " + r.oom)
+            if r.oom
+            else ("raised " + r.error.split(":")[0])
+            if r.error
+            else ("tightest" if r.rank == tight else ""),
         ]
         for r in ranks.ranks
     ]
 
 
 def ranks_headline(ranks: RanksReport) -> str:
-    """The imbalance and the rank closest to its capacity, in one line."""
+    """The imbalance and the rank closest to its capacity, in one line (and the ranks that
+    sent no summary)."""
+    missing = ""
+    if ranks.missing:
+        wait = "" if ranks.timeout is None else f" within {ranks.timeout:g} s"
+        missing = (
+            f"; rank(s) {', '.join(map(str, ranks.missing))} sent no summary{wait} and are left out"
+        )
     return (
-        f"{ranks.world_size} ranks; imbalance between ranks {ranks.imbalance:.0%} of the "
-        f"largest peak; rank {ranks.tightest_rank} is the closest to its capacity (the first to "
-        "run out as the batch grows)"
+        f"{ranks.world_size} ranks{missing}; imbalance between ranks {ranks.imbalance:.0%} of "
+        f"the largest peak; rank {ranks.tightest_rank} is the closest to its capacity (the "
+        "first to run out as the batch grows)"
     )
 
 

@@ -1,19 +1,26 @@
 """Tracking across ranks: each rank's summary gathered to rank 0, compared, and advised on.
 
-Under an initialised process group, :class:`memkit.tracking.tracker.Tracker` gathers one
+Under an initialised process group, :class:`memkit.tracking.tracker.Tracker` sends one
 :class:`RankSummary` per rank to rank 0 when the block ends, or just before the script calls
 ``torch.distributed.destroy_process_group()`` (the usual end of a torchrun script, after which
-nothing can be gathered). Rank 0's report then carries a :class:`RanksReport`: a per-rank table
-(peak, phase and step of the peak, capacity), the imbalance between ranks, the rank closest to
-its capacity (the first to run out when the batch grows: the "slowest to fit"), and the DDP
-advice (``ddp-unused-parameters``, ``ddp-gpu0-context``). The gather is bounded by a timeout;
-when it fails, the report says so in a note instead of raising.
+the group's store is gone). The summaries travel through the process group's store
+(:func:`memkit.distributed.gather_to_rank0`), never in a collective, so they cannot meet the
+script's own collectives: a rank whose block ended with an exception that the script caught
+sends its summary too and goes on (to a ``barrier()``, say) while rank 0 collects. Rank 0
+waits for the others up to a timeout and names the ranks that did not send as missing; rank 0
+itself does not wait when its own block ended with an exception (that exception must go on
+now). Rank 0's report then carries a :class:`RanksReport`: a per-rank table (peak, phase and
+step of the peak, capacity, how a rank's block ended), the imbalance between ranks, the rank
+closest to its capacity (the first to run out when the batch grows: the "slowest to fit"),
+and the DDP advice (``ddp-unused-parameters``, ``ddp-gpu0-context``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,10 +35,10 @@ from memkit.results import Result
 
 __all__ = [
     "GATHER_TIMEOUT",
+    "SENT_AFTER_ERROR",
     "RankSummary",
     "RankWatch",
     "RanksReport",
-    "gather",
     "rank_advice",
     "summarize",
 ]
@@ -39,7 +46,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GATHER_TIMEOUT = 300.0
-"""Seconds rank 0 waits for the other ranks' summaries before giving up (with a note)."""
+"""Seconds rank 0 waits for the other ranks' summaries; those that did not come are missing."""
+
+SENT_AFTER_ERROR = "this rank's block ended with an exception; its summary was sent to rank 0"
+"""The note of a rank other than 0 whose block raised: rank 0's report has its summary if
+rank 0's own block ended normally (rank 0 does not wait otherwise)."""
+
+_BLOCKS = itertools.count()
+"""Numbers this process's tracked blocks under a process group, in the order they start: the
+n-th block of every rank exchanges its summaries under the same store keys."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,8 @@ class RankSummary:
         peak_phase, peak_step: where the peak happened (``None`` if unknown).
         steps: steps completed.
         oom: ``"step N, phase of module"`` when an OOM ended the block on this rank.
+        error: the exception that ended the block on this rank, if any (``"ValueError:
+            bad batch"``), an OOM's too.
         unused_parameters: trainable parameters with no gradient at an optimizer step.
         unused_bytes: their bytes, with their slots in DDP's gradient buckets.
         find_unused_parameters: the DDP model's setting, if a DDP model was tracked.
@@ -71,6 +88,7 @@ class RankSummary:
     peak_step: int | None
     steps: int
     oom: str | None = None
+    error: str | None = None
     unused_parameters: tuple[str, ...] = ()
     unused_bytes: int = 0
     find_unused_parameters: bool | None = None
@@ -85,7 +103,16 @@ class RankSummary:
 
 @dataclass(frozen=True)
 class RanksReport(Result):
-    """Every rank's summary, on rank 0 (layout: :mod:`memkit.render.track`)."""
+    """Every rank's summary, on rank 0 (layout: :mod:`memkit.render.track`).
+
+    Attributes:
+        ranks: the summaries that arrived, by rank.
+        advice: the DDP rules over them.
+        missing: ranks that sent no summary within ``timeout`` seconds (stopped, stuck, or
+            not running the block); the imbalance and the tightest rank leave them out.
+        timeout: how long rank 0 waited for them (``None``: it stopped waiting early, the
+            job being stopped).
+    """
 
     SCHEMA: ClassVar[str] = "memkit.RanksReport/1"
     HTML_TITLE: ClassVar[str] = "memkit track: ranks"
@@ -94,10 +121,12 @@ class RanksReport(Result):
 
     ranks: tuple[RankSummary, ...]
     advice: tuple[Advice, ...] = ()
+    missing: tuple[int, ...] = ()
+    timeout: float | None = None
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) + len(self.missing)
 
     @property
     def imbalance(self) -> float:
@@ -200,34 +229,26 @@ def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
     )
 
 
-def gather(summary: RankSummary, timeout: float = GATHER_TIMEOUT) -> RanksReport | None:
-    """Gather every rank's summary: a :class:`RanksReport` on rank 0, ``None`` elsewhere.
-
-    Raises:
-        DistributedError: a rank did not send its summary within ``timeout`` seconds.
-    """
-    gathered = distributed.gather_to_rank0(summary, timeout=timeout)
-    if gathered is None:
-        return None
-    ranks = tuple(sorted(gathered, key=lambda r: r.rank))
-    return RanksReport(ranks, tuple(rank_advice(ranks)))
-
-
 class RankWatch:
     """What a :class:`~memkit.tracking.tracker.Tracker` does under a process group.
 
-    Records trainable parameters without a gradient at the first optimizer steps, wraps
-    ``torch.distributed.destroy_process_group`` for the block (so the summaries are gathered
-    while the group still exists) and gathers at the end of the block otherwise.
+    Records trainable parameters without a gradient at the first optimizer steps (and drops
+    any that gets one later: a module used on some steps only is what
+    ``find_unused_parameters=True`` is for), wraps ``torch.distributed.destroy_process_group``
+    for the block (so the summaries are sent while the group's store still exists) and sends
+    them at the end of the block otherwise.
     """
 
     CHECKED_STEPS = 3
-    """Optimizer steps at which unused parameters are looked for (bounded overhead)."""
+    """Optimizer steps at which every parameter is looked at (bounded overhead); later steps
+    look only at those still without a gradient."""
 
     def __init__(self, tracker: Any, timeout: float = GATHER_TIMEOUT) -> None:
         self.tracker = tracker
         self.timeout = timeout
+        self.block = next(_BLOCKS)
         self.unused: dict[str, int] = {}
+        """Trainable parameters with no gradient at every step looked at, with their bytes."""
         self.find_unused: bool | None = None
         self.checked = 0
         self.done = False
@@ -235,6 +256,8 @@ class RankWatch:
         self.report: RanksReport | None = None
         """Rank 0's report of all ranks, once gathered (the tracker's report shows it)."""
         self._restore: Restore | None = None
+        self._candidates: dict[str, Any] = {}  # name -> parameter, while in self.unused
+        self._used: set[str] = set()
 
     @staticmethod
     def wanted() -> bool:
@@ -242,8 +265,12 @@ class RankWatch:
         return distributed.is_distributed() or distributed.world_size() > 1
 
     def on_step(self, optimizer: Any) -> None:
-        """At an optimizer step (before it): note trainable parameters with no gradient."""
+        """At an optimizer step (before it): note trainable parameters with no gradient, and
+        forget those that have one now."""
         if self.checked >= self.CHECKED_STEPS:
+            for name, param in list(self._candidates.items()):
+                if param.grad is not None:
+                    self._got_gradient(name)
             return
         self.checked += 1
         names: dict[int, str] = {}
@@ -258,11 +285,21 @@ class RankWatch:
                     in_ddp.add(id(param))
         for group in optimizer.param_groups:
             for i, param in enumerate(group["params"]):
-                if param.requires_grad and param.grad is None:
-                    name = names.get(id(param), f"param_groups[...][{i}]")
+                if not param.requires_grad:
+                    continue
+                name = names.get(id(param), f"param_groups[...][{i}]")
+                if param.grad is not None:
+                    self._got_gradient(name)
+                elif name not in self._used:
                     nbytes = param.numel() * param.element_size()
                     # DDP's gradient buckets keep a slot for it as well
                     self.unused[name] = 2 * nbytes if id(param) in in_ddp else nbytes
+                    self._candidates[name] = param
+
+    def _got_gradient(self, name: str) -> None:
+        self._used.add(name)
+        self.unused.pop(name, None)
+        self._candidates.pop(name, None)
 
     def install(self) -> None:
         """Wrap ``torch.distributed.destroy_process_group`` for the block."""
@@ -288,7 +325,7 @@ class RankWatch:
     def local_advice(self) -> list[Advice]:
         """What this rank alone can advise when the ranks were not gathered (its block ended
         with an exception, such as DDP's 'Expected to have finished reduction' that unused
-        parameters cause): rank 0's report will not have it."""
+        parameters cause): rank 0's report may not have it."""
         if self.gathered or not self.unused or self.find_unused is not False:
             return []  # gathered, nothing unused, or no DDP model that waits for them
         rank = distributed.rank()
@@ -299,41 +336,94 @@ class RankWatch:
         )
         return [] if advice is None else [advice]
 
-    def finish(self, clean: bool) -> None:
-        """At the end of the block: gather if not done yet (not after an exception: the other
-        ranks may be stuck in the user's collectives; the exception must propagate now)."""
+    def finish(self, clean: bool, error: BaseException | None = None) -> None:
+        """At the end of the block: send or gather if not done yet. After an exception
+        (``error``; else the one being handled) a rank other than 0 still sends its summary,
+        which cannot block it, and rank 0 does not wait for the others: its exception must go
+        on now, and the others may be stuck in a collective it will never join."""
+        self._candidates.clear()  # no reference to the model's parameters after the block
         if self.done:
             return
-        if not clean:
+        if clean:
+            self.gather_now()
+            return
+        self.done = True
+        if distributed.rank() == 0:
             self.tracker.notes.append(
                 "ranks not gathered: this rank's block ended with an exception"
             )
-            self.done = True
             return
-        self.gather_now()
+        if not self._grouped():
+            return
+        if error is None:
+            error = sys.exc_info()[1]
+        what = "an exception" if error is None else f"{type(error).__name__}: {error}"
+        if self._send(what[:200]):
+            self.tracker.notes.append(
+                f"{SENT_AFTER_ERROR} (in rank 0's report if rank 0's block ended normally)"
+            )
 
     def gather_now(self) -> None:
+        """Send this rank's summary; on rank 0, collect every rank's into :attr:`report`."""
         self.done = True
-        if not (distributed.is_distributed() and distributed.world_size() > 1):
-            if distributed.world_size() > 1:  # launched with ranks, no group (never, or gone)
-                self.tracker.notes.append(
-                    "ranks not gathered: no process group when the block ended"
-                )
+        if not self._grouped():
             return
+        if distributed.rank() != 0:
+            if self._send(None):
+                self.gathered = True
+                self.tracker.notes.append("this rank's summary was sent to rank 0's report")
+            return
+        try:
+            got = distributed.gather_to_rank0(
+                self._summary(None), f"track/{self.block}", timeout=self.timeout
+            )
+        except DistributedError as exc:
+            self._failed(exc)
+            return
+        assert got is not None  # rank 0
+        ranks = tuple(sorted(got.objects.values(), key=lambda r: r.rank))
+        waited = None if got.gave_up else self.timeout
+        self.report = RanksReport(ranks, tuple(rank_advice(ranks)), got.missing, waited)
+        self.gathered = True
+        if got.missing:
+            within = (
+                "before rank 0 stopped waiting (the job was being stopped: SIGTERM)"
+                if got.gave_up
+                else f"within {self.timeout:g} s (stopped, stuck, or not running this block)"
+            )
+            self.tracker.notes.append(
+                f"rank(s) {', '.join(map(str, got.missing))} sent no summary {within}: "
+                "missing from the ranks table"
+            )
+
+    def _grouped(self) -> bool:
+        """Whether there are ranks to gather (a note when launched with ranks but no group)."""
+        if distributed.is_distributed() and distributed.world_size() > 1:
+            return True
+        if distributed.world_size() > 1:  # launched with ranks, no group (never, or gone)
+            self.tracker.notes.append("ranks not gathered: no process group when the block ended")
+        return False
+
+    def _summary(self, error: str | None) -> RankSummary:
         extra = {
             "unused_parameters": tuple(sorted(self.unused)),
             "unused_bytes": sum(self.unused.values()),
             "find_unused_parameters": self.find_unused,
+            "error": error,
         }
+        return summarize(self.tracker.report(), extra)
 
+    def _send(self, error: str | None) -> bool:
+        """Send this rank's summary to rank 0 (a rank other than 0); whether it went."""
         try:
-            summary = summarize(self.tracker.report(), extra)
-            report = gather(summary, self.timeout)
+            distributed.gather_to_rank0(
+                self._summary(error), f"track/{self.block}", timeout=self.timeout
+            )
         except DistributedError as exc:
-            log.warning("memkit: could not gather the ranks' summaries: %s", exc)
-            self.tracker.notes.append(f"ranks not gathered: {exc}")
-            return
-        self.report = report
-        self.gathered = True
-        if report is None:
-            self.tracker.notes.append("this rank's summary was sent to rank 0's report")
+            self._failed(exc)
+            return False
+        return True
+
+    def _failed(self, exc: DistributedError) -> None:
+        log.warning("memkit: could not gather the ranks' summaries: %s", exc)
+        self.tracker.notes.append(f"ranks not gathered: {exc}")

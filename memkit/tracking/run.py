@@ -53,10 +53,11 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from memkit.devices import visible_devices
-from memkit.distributed import launched_rank, local_rank
+from memkit.distributed import give_up_waiting, launched_rank, local_rank
 from memkit.errors import ConfigError
 from memkit.oom import find_oom, recover
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
+from memkit.tracking.rank_gather import SENT_AFTER_ERROR
 from memkit.tracking.report import TrackReport
 from memkit.tracking.tracker import Tracker
 from memkit.units import format_size
@@ -108,7 +109,10 @@ class SignalGuard:
     there; elsewhere it does nothing) and restores the previous handler on exit. Inside
     :meth:`armed` (the script's run) the first SIGTERM raises :class:`Terminated`; a SIGTERM
     before that is raised as soon as the script starts, and any later one is ignored until
-    the guard exits, so the report is printed and written in full. A :class:`Terminated` that
+    the guard exits, so the report is printed and written in full; either makes rank 0 stop
+    waiting for the other ranks' summaries (:func:`memkit.distributed.give_up_waiting`, until
+    the guard exits): the job is being stopped, and a dead rank would cost the whole gather
+    timeout, past torchrun's grace period. A :class:`Terminated` that
     Python drops (see :meth:`_retry_later`) is not printed as "Exception ignored": it is sent
     again instead, and raised when the script ends first. Ctrl-C is left to Python's own
     handler, but a ``KeyboardInterrupt`` dropped the same way is treated alike: not printed,
@@ -141,6 +145,7 @@ class SignalGuard:
         if self._installed:
             previous = signal.SIG_DFL if self._previous is None else self._previous
             signal.signal(signal.SIGTERM, previous)
+            give_up_waiting(False)
             if sys.unraisablehook == self._unraisable:  # not replaced since: put back
                 sys.unraisablehook = self._previous_unraisable
             self._installed = False
@@ -154,6 +159,7 @@ class SignalGuard:
             self._retry_later(signum)
             raise Terminated(signum)
         self.pending = signum
+        give_up_waiting()  # the job is being stopped: rank 0 waits for no dead rank now
 
     def _unraisable(self, unraisable: Any) -> None:
         exc = unraisable.exc_value
@@ -273,8 +279,11 @@ def summary_line(report: TrackReport, files: Sequence[str | Path] = ()) -> str:
     if report.oom is not None:
         parts.append(f"out of memory at {report.oom.where}")
     parts.extend(n.split(";")[0] for n in report.notes if n.startswith("interrupted by "))
-    gathered = not any(n.startswith("ranks not gathered") for n in report.notes)
-    rest = "full report on rank 0" if gathered else "not gathered into rank 0's report"
+    rest = "full report on rank 0"
+    if any(n.startswith("ranks not gathered") for n in report.notes):
+        rest = "not gathered into rank 0's report"
+    elif any(n.startswith(SENT_AFTER_ERROR) for n in report.notes):
+        rest = "summary sent to rank 0 (in its report if rank 0 ended normally)"
     if files:
         rest += " (this rank's: " + ", ".join(str(f) for f in files) + ")"
     return "; ".join([*parts, rest])
