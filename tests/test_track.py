@@ -130,6 +130,40 @@ def test_a_tracker_kept_for_its_report_does_not_keep_the_model_alive():
     assert tracker.report().to_json() == before.to_json()  # what was seen while they lived
 
 
+def test_a_caught_error_that_is_no_oom_leaves_the_micro_batch_count_alone():
+    """A loop that skips a bad sample's micro-batch (ValueError in the forward) keeps the
+    gradients of the others: they are the step's micro-batches (an OOM's retry is not)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.isnan(x).any():
+                raise ValueError("bad sample")
+            return self.fc(x)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(3):
+            for micro in range(4):
+                x = torch.randn(8, 16)
+                if micro == 2:
+                    x[0, 0] = float("nan")
+                try:
+                    loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (8,)))
+                except ValueError:
+                    continue
+                (loss / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert [s.backward_passes for s in report.devices[0].steps] == [3, 3, 3]
+    assert report.micro_batches == 3
+
+
 def test_hooks_removed_and_training_flag_kept_on_exception():
     model = cnn().eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -566,7 +566,7 @@ class Hooks:
                 ms.over_max = fmax - alloc_in
             if raised and not stack:
                 self._failed_passes += 1
-                self.phases.attempt_failed()
+                self.phases.attempt_failed(sys.exc_info()[1])
         elif kind == EVAL_PASS:
             ms.eval_calls += 1
         else:

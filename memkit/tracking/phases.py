@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding
@@ -246,12 +247,15 @@ class PhaseMachine:
         forward after it, in a script that caught the error, is a new pass, no recompute)."""
         self.backward_depth = max(0, self.backward_depth - 1)
         self.backward_raised = self.backward_depth == 0
-        self.attempt_failed()
+        self.attempt_failed(sys.exc_info()[1])  # called while the error propagates
 
-    def attempt_failed(self) -> None:
-        """A training forward or backward raised, and the script may go on (an OOM handler
-        that zeroes the gradients and retries smaller, as ``memkit.microbatch`` does): the
-        backward passes before it are no micro-batches of the optimizer step that follows."""
+    def attempt_failed(self, exc: BaseException | None) -> None:
+        """A training forward or backward raised ``exc``, and the script may go on. After an
+        OOM, an OOM handler zeroes the gradients and retries smaller (as ``memkit.microbatch``
+        does): the backward passes before it are no micro-batches of the optimizer step that
+        follows. Another error (a bad sample skipped) leaves the count alone."""
+        if exc is None or not is_oom(exc):
+            return
         self.backwards_at_optimizer = self.state.backwards
         self.abandoned_steps = self.backward_steps
 
