@@ -381,6 +381,8 @@ def test_the_default_weight_returns_no_nan_for_a_micro_batch_with_every_label_ig
     assert loss.item() == pytest.approx(sum(per_part[1:]) / 3, rel=1e-6)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert torch.isnan(step((x, torch.full_like(y, -100))))
+    x[20, 0] = float("nan")  # corrupt data: NaN gradients, the step diverged, and says so
+    assert torch.isnan(step((x, y)))
 
 
 def test_under_track_a_failed_attempts_backward_is_no_micro_batch():

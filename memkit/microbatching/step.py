@@ -252,9 +252,10 @@ class MicroBatchStep:
             return torch.tensor(float("nan"))
         loss_sum: torch.Tensor | None = None
         # sample-count weights (the default) cannot see a micro-batch whose labels are all
-        # ignored: its loss is NaN (a mean over nothing) and its gradient zero. The loss
-        # returned is the mean over the others, as the full batch's would be (on the device:
-        # no sync); a batch whose every micro-batch is NaN still returns NaN
+        # ignored: its loss is NaN (a mean over nothing) and its gradient zero. While the
+        # gradients stay finite, the loss returned is the mean over the others, as the full
+        # batch's would be (on the device: no sync); NaN gradients (a real divergence) or
+        # every micro-batch NaN still return NaN
         counted: torch.Tensor | None = None
         mask_nan = self.weight is None and len(parts) > 1
         for part, w in zip(parts, weights, strict=True):
@@ -277,14 +278,18 @@ class MicroBatchStep:
                 value = loss.detach().reshape(())
                 if mask_nan:
                     finite = ~torch.isnan(value)
-                    part_share = finite * share
+                    part_share = finite.to(value.dtype) * share
                     counted = part_share if counted is None else counted + part_share
                     value = torch.where(finite, value, 0.0)
                 contrib = value * share
                 loss_sum = contrib if loss_sum is None else loss_sum + contrib
             del loss, part
         assert loss_sum is not None
-        return loss_sum if counted is None else loss_sum / counted
+        if counted is None:
+            return loss_sum
+        grads = [p.grad for p in self._trained() if p.grad is not None]
+        finite = torch.nn.utils.get_total_norm(grads).isfinite() if grads else True
+        return torch.where(finite, loss_sum / counted, float("nan")).to(loss_sum.dtype)
 
     def _trained(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
