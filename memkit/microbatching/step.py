@@ -288,8 +288,10 @@ class MicroBatchStep:
         if counted is None:
             return loss_sum
         grads = [p.grad for p in self._trained() if p.grad is not None]
-        finite = torch.nn.utils.get_total_norm(grads).isfinite() if grads else True
-        return torch.where(finite, loss_sum / counted, float("nan")).to(loss_sum.dtype)
+        if not grads:
+            return loss_sum / counted
+        healthy = torch.nn.utils.get_total_norm(grads).isfinite()
+        return torch.where(healthy, loss_sum / counted, float("nan")).to(loss_sum.dtype)
 
     def _trained(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
