@@ -999,6 +999,25 @@ def test_a_model_with_uninitialised_lazy_modules_is_a_clear_error():
                  budget="8MiB").max_batch_size  # fmt: skip
 
 
+def test_optimizer_state_for_evaluation_trials_is_made_without_moving_the_weights():
+    """``--mode train,infer``'s evaluation holds training's optimizer state, made by one step
+    at a learning rate of 0 (a tensor rate too); LBFGS needs a closure; an optimizer that
+    refuses dense gradients says why it has none."""
+    from memkit.probing.runner import with_optimizer_state
+
+    model = small_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    adamw = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1), weight_decay=0.5)
+    assert with_optimizer_state(adamw) is None
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert len(adamw.state) == 4 and adamw.param_groups[0]["lr"].item() == pytest.approx(0.1)
+    assert all(p.grad is None for p in model.parameters())
+    assert with_optimizer_state(torch.optim.LBFGS(model.parameters())) is None
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    refused = with_optimizer_state(torch.optim.SparseAdam(embedding.parameters()))
+    assert refused is not None and "dense gradients" in refused
+
+
 def test_a_gradient_scalers_state_is_put_back():
     from memkit.probing.state import SavedState
 

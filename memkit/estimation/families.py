@@ -30,14 +30,20 @@ class DeviceFamily:
         sm: compute capability times ten (80), for the attention-kernel choice.
         context_bytes: device memory the CUDA context takes before PyTorch allocates anything.
         cublas_workspace_bytes: one cuBLAS workspace (PyTorch's default for the family).
-        examples: cards of the family.
+        cards: cards of the family (``--arch`` takes their names too); the first few are
+            its :attr:`examples`.
     """
 
     name: str
     sm: int
     context_bytes: int
     cublas_workspace_bytes: int
-    examples: str
+    cards: tuple[str, ...]
+
+    @property
+    def examples(self) -> str:
+        """The family's best-known cards, for reports."""
+        return ", ".join(self.cards[:4])
 
 
 _MIB = 1 << 20
@@ -49,15 +55,57 @@ _HOPPER_WORKSPACE = 32 * _MIB
 DEVICE_FAMILIES: dict[str, DeviceFamily] = {
     f.name: f
     for f in (
-        DeviceFamily("volta", 70, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "V100"),
-        DeviceFamily("turing", 75, 400 * _MIB, _PRE_HOPPER_WORKSPACE, "T4, RTX 2080"),
-        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A100, A30"),
+        DeviceFamily("volta", 70, 400 * _MIB, _PRE_HOPPER_WORKSPACE, ("V100", "Titan V")),
         DeviceFamily(
-            "ampere-sm86", 86, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "A10, A40, RTX 3090, RTX A6000"
+            "turing",
+            75,
+            400 * _MIB,
+            _PRE_HOPPER_WORKSPACE,
+            (
+                "T4",
+                "RTX 2080",
+                "RTX 2080 Ti",
+                "RTX 2070",
+                "RTX 2060",
+                "Titan RTX",
+                "Quadro RTX 8000",
+                "Quadro RTX 6000",
+            ),
         ),
-        DeviceFamily("ada", 89, 500 * _MIB, _PRE_HOPPER_WORKSPACE, "L4, L40S, RTX 4090"),
-        DeviceFamily("hopper", 90, 600 * _MIB, _HOPPER_WORKSPACE, "H100, H200"),
-        DeviceFamily("blackwell", 100, 700 * _MIB, _HOPPER_WORKSPACE, "B200"),
+        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, ("A100", "A30", "A800")),
+        DeviceFamily(
+            "ampere-sm86",
+            86,
+            500 * _MIB,
+            _PRE_HOPPER_WORKSPACE,
+            (
+                "A10",
+                "A40",
+                "RTX 3090",
+                "RTX A6000",
+                "A10G",
+                "A16",
+                "A2",
+                "RTX 3080",
+                "RTX 3070",
+                "RTX 3060",
+                "RTX A5000",
+                "RTX A4000",
+                "A6000",
+                "A5000",
+            ),
+        ),
+        DeviceFamily(
+            "ada",
+            89,
+            500 * _MIB,
+            _PRE_HOPPER_WORKSPACE,
+            ("L4", "L40S", "RTX 4090", "L40", "RTX 4080", "RTX 4070", "RTX 6000 Ada", "L20"),
+        ),
+        DeviceFamily(
+            "hopper", 90, 600 * _MIB, _HOPPER_WORKSPACE, ("H100", "H200", "GH200", "H800", "H20")
+        ),
+        DeviceFamily("blackwell", 100, 700 * _MIB, _HOPPER_WORKSPACE, ("B200", "GB200", "B100")),
     )
 }
 """CUDA context and cuBLAS workspace per family (CUDA 12, lazy module loading, the default).
@@ -72,13 +120,24 @@ DEFAULT_FAMILY = "ampere"
 
 
 def _card_key(name: str) -> str:
-    return "".join(c for c in name.lower() if c.isalnum())
+    key = "".join(c for c in name.lower() if c.isalnum())
+    for prefix in ("nvidia", "geforce", "tesla"):
+        key = key.removeprefix(prefix)
+    return key
 
 
-_CARDS: dict[str, DeviceFamily] = {
-    _card_key(card): f for f in DEVICE_FAMILIES.values() for card in f.examples.split(", ")
-}
-"""A card named in a family's examples (``H100``, ``rtx 4090``) -> its family."""
+_CARDS: list[tuple[str, DeviceFamily]] = sorted(
+    ((_card_key(card), f) for f in DEVICE_FAMILIES.values() for card in f.cards),
+    key=lambda item: -len(item[0]),
+)
+"""(card key, family), longest first: a card name is matched by its longest known prefix."""
+
+
+def _card_family(name: str) -> DeviceFamily | None:
+    """The family of a card named as people and ``torch.cuda.get_device_name()`` write it
+    (``"H100"``, ``"rtx 4090"``, ``"NVIDIA A100-SXM4-80GB"``, ``"Tesla V100-PCIE-32GB"``)."""
+    key = _card_key(name)
+    return next((f for card, f in _CARDS if key.startswith(card)), None)
 
 
 def family_of(device: str | DeviceFamily) -> DeviceFamily:
@@ -86,7 +145,7 @@ def family_of(device: str | DeviceFamily) -> DeviceFamily:
     hopper), or ``device`` itself when it is one."""
     if isinstance(device, DeviceFamily):
         return device
-    family = DEVICE_FAMILIES.get(device.lower()) or _CARDS.get(_card_key(device))
+    family = DEVICE_FAMILIES.get(device.lower()) or _card_family(device)
     if family is None:
         cards = "; ".join(f"{f.name} ({f.examples})" for f in DEVICE_FAMILIES.values())
         raise ConfigError(

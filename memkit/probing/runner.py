@@ -310,7 +310,8 @@ def probe_with(
         opts.mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
         accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
     )  # fmt: skip
-    saved = SavedState(model, optimizer)
+    # an infer trial never steps the optimizer: its state is held, not saved and put back
+    saved = SavedState(model, optimizer if opts.mode == "train" else None)
     target = _wrap_agreed(model, backend, opts.timeout) if opts.ddp and not is_ddp(model) else model
     ranked_ddp = capacities is not None and is_ddp(target)
     sync = RankSync(target, optimizer, opts.timeout) if ranked_ddp else None
@@ -505,24 +506,34 @@ def _has_batch_norm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def with_optimizer_state(optimizer: Any) -> None:
+def with_optimizer_state(optimizer: Any) -> str | None:
     """Give ``optimizer`` the state its first step creates (Adam's moments, a momentum
-    buffer) without moving the weights: one step on zero gradients at a learning rate of 0,
-    then the gradients go."""
+    buffer): one step on zero gradients at a learning rate of 0 (the weights stay, except
+    where an optimizer ignores the rate: Adafactor's relative step moves the probe's own
+    copy a little, which changes no memory), then the gradients go. Returns why no state
+    could be made (an optimizer that refuses dense gradients), else ``None``."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     rates = [g.get("lr") for g in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        if isinstance(group.get("lr"), float | int):
+    for group, lr in zip(optimizer.param_groups, rates, strict=True):
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = torch.zeros_like(lr)
+        elif isinstance(lr, float | int):
             group["lr"] = 0.0
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        optimizer.step()
+        try:
+            optimizer.step()
+        except TypeError:  # LBFGS: a closure is required
+            optimizer.step(lambda: torch.zeros(()))
+    except Exception as exc:  # best effort: the trials then hold what state there is
+        return f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         for group, lr in zip(optimizer.param_groups, rates, strict=True):
             group["lr"] = lr
         for p in params:
             p.grad = None
+    return None
 
 
 def _resolve_optimizer(
@@ -814,10 +825,13 @@ def probe_file(
         defaults.append(f"optimizer: {name}")
     elif opts.training_state:
         optimizer, name = make_optimizer(spec, model)
-        with_optimizer_state(optimizer)
+        failed = with_optimizer_state(optimizer)
         defaults.append(
             f"optimizer state: {name}'s, held through the trials, as during an evaluation "
             "inside training (--mode infer alone: an evaluation-only script, without it)"
+            if failed is None
+            else f"optimizer state: none, {name} could not make it on zero gradients "
+            f"({failed}): an evaluation inside training also holds it"
         )
     results = [
         probe_with(

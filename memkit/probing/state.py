@@ -126,6 +126,8 @@ def _restore_in_place(optimizer: Any, saved: dict[str, Any]) -> bool:
                     return False
                 writes.append((target, value))
                 values[key] = target
+            elif _holds_tensor(value):  # LBFGS's history lists: load_state_dict casts them
+                return False
             else:
                 values[key] = copy.deepcopy(value)
         entries[params[index]] = values
@@ -142,6 +144,16 @@ def _restore_in_place(optimizer: Any, saved: dict[str, Any]) -> bool:
     for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
         group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
     return True
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 class SavedState:
