@@ -101,14 +101,6 @@ def _resolve_backend(
             "(device='cpu', budget=SIZE simulates a GPU of that size); memkit.estimate "
             "(memkit estimate) is the tool that runs on meta tensors"
         )
-    lazy = _uninitialized_lazy_modules(model)
-    if lazy:
-        raise ConfigError(
-            f"the model has lazy modules with no parameters yet ({', '.join(lazy[:3])}"
-            f"{', ...' if len(lazy) > 3 else ''}): their weights get a shape at the first "
-            "forward, so there is nothing to measure or restore. Run one forward before "
-            "probing (in build_model: `model(make_batch(1)[0])`, or your batch's inputs)"
-        )
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
         host, size = devices.host_memory(), backend.budget
         if host.available is not None and size is not None and size > host.available:
@@ -271,6 +263,14 @@ def probe_with(
             f"model must be a torch.nn.Module, found {type(model).__name__}: the probe saves "
             "and restores its parameters, buffers and training flags around the trials; pass "
             "the module (a plain function can be wrapped in one)"
+        )
+    lazy = _uninitialized_lazy_modules(model)
+    if lazy:
+        raise ConfigError(
+            f"the model has lazy modules with no parameters yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): their weights get a shape at the first "
+            "forward, so there is nothing to measure or restore. Run one forward on a batch "
+            "before probing (in a model file: at the end of build_model)"
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
