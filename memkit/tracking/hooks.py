@@ -39,6 +39,7 @@ import logging
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -440,6 +441,11 @@ class Hooks:
                     stack.append(IgnoredCall(id(module)))
                     return
             keys = calls.keys = root.keys
+            # a model's call: its keyword tensors are inputs too (``model(im_q=..., im_k=...)``),
+            # which torch's global pre-hooks are not given
+            kwargs = _call_kwargs(module)
+            if kwargs:
+                args = (*args, *kwargs.values())
         key = keys.get(id(module), "")
         if key is None:  # torch.compile's wrapped module: its wrapper stands for it
             return
@@ -810,6 +816,33 @@ class _ThreadCalls:
 def _model_name(model: torch.nn.Module | None) -> str:
     """A model's class name as the user wrote it (:func:`user_class_name`)."""
     return "NoneType" if model is None else user_class_name(model)
+
+
+def _call_codes() -> frozenset[types.CodeType]:
+    """The code of ``Module._call_impl`` and of the closures in it (``inner``, where torch
+    2.x calls the forward pre-hooks)."""
+    code = torch.nn.Module._call_impl.__code__
+    return frozenset({code, *(c for c in code.co_consts if isinstance(c, types.CodeType))})
+
+
+_CALL_CODES = _call_codes()
+
+
+def _call_kwargs(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The keyword arguments of ``module``'s call in progress, read from torch's
+    ``Module._call_impl`` frame (torch gives its global forward pre-hooks the positional
+    ones only); ``None`` where that frame is not found. Asked once per model call."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code in _CALL_CODES:
+            local = frame.f_locals
+            if local.get("self") is module:
+                kwargs = local.get("kwargs")
+                return kwargs if isinstance(kwargs, dict) else None
+        frame = frame.f_back
+    return None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
