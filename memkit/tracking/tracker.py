@@ -84,7 +84,8 @@ class Tracker:
     Args:
         model: the model (its submodules get hooks), or ``None`` for every module (global
             hooks). ``nn.DataParallel`` works: replicas share the hooks, and each record goes to
-            the device its tensors are on.
+            the device its tensors are on. On the simulated device other models that run (a
+            distillation teacher, an EMA copy) are found and counted too, as on a GPU.
         optimizer: an optimizer, several, or ``None`` for every optimizer (global hooks). Steps
             are counted from its ``step()`` (the first optimizer seen, with global hooks).
         device: the device to track (``"cuda:0"``, ``"cpu"`` for the simulated device); ``None``:
@@ -345,7 +346,14 @@ class Tracker:
         if models.model is None:  # a model found running: its FSDP2 units, if any
             self.state.fsdp = find_fsdp_units(models.root_modules())
         if sim is not None:
+            before = sim.allocated()
             sim.track(module)  # the model lives on the device
+            added = sim.allocated() - before
+            dev = self.devices.primary
+            if added and dev is not None and dev.forward_base is not None:
+                # on a GPU it was there before the forward began: no activation of a forward
+                # running now (a teacher found inside the student's step)
+                dev.forward_base += added
             if is_compiled(module) and not any("torch.compile" in n for n in self.notes):
                 self.notes.append(
                     eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
