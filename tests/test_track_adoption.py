@@ -1,6 +1,6 @@
 """memkit.track on the simulated device: models and tensors beside the tracked model are device
-memory (a distillation teacher, an EMA copy), and a model called with keyword tensors. Each
-number is checked against bytes summed here from ``nbytes``."""
+memory (a distillation teacher, an EMA copy), a model called with keyword tensors, and tensors
+counted past the budget. Each number is checked against bytes summed here from ``nbytes``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkit.tracking import TrackReport, track
+from memkit.units import format_size
 
 B, D, H, C = 32, 64, 1024, 10  # batch, features, the teacher's width, classes
 
@@ -87,6 +88,25 @@ def test_a_distillation_teacher_beside_the_tracked_student_is_device_memory(
     # what memkit run (every model found) counts
     found, *_ = distill(False, teacher_first)
     assert found.devices[0].peak_allocated == report.devices[0].peak_allocated
+
+
+@pytest.mark.parametrize("student_model", [True, False])
+def test_a_teacher_counted_past_the_budget_says_why_in_use_exceeds_it(student_model: bool) -> None:
+    """A teacher larger than the budget: counting a model found running never raises (it
+    existed before), the next allocation does. The OOM message and the report say why in use
+    is above the capacity (on a GPU, ``teacher.to(device)`` would have failed: "7.88 MiB in use
+    ... capacity 6.00 MiB" said nothing); the excess is the student, the teacher and the batch
+    less the budget."""
+    _, student, teacher, batch, _ = distill(student_model, teacher_first=True)
+    budget = student + teacher // 2
+    report, *_, oom = distill(student_model, teacher_first=True, budget=budget)
+    assert oom is not None and "counted past it when first used" in oom, oom
+    assert report.oom is not None and report.devices[0].peak_allocated > budget
+    excess = format_size(student + teacher + batch - budget)
+    assert any(f"took it {excess} past its" in note for note in report.notes), report.notes
+    # within the budget nothing is said
+    fits, *_, oom = distill(student_model, teacher_first=True, budget=2 * (student + teacher))
+    assert oom is None and not any("past its" in note for note in fits.notes)
 
 
 class ModelEmaV2(nn.Module):

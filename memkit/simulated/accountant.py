@@ -305,6 +305,9 @@ class MemoryAccountant(TorchDispatchMode):
         # (device_work): not counted, but a write from one is device work
         self._derived: dict[int, _StorageRef] = {}
         self._derived_freed = self._ref_derived_freed
+        self.adopted_past_budget = 0
+        """The most bytes by which tensors made before and counted by :meth:`track` (a model,
+        a batch: it never raises) took ``current`` past the budget; 0 if they never did."""
         _ACCOUNTANTS.add(self)
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
@@ -471,7 +474,9 @@ class MemoryAccountant(TorchDispatchMode):
         ``inputs``: the objects are data reaching the device (a batch), counted as copying
         them there would allocate (:meth:`_input_entry`).
 
-        Tracking never raises an OOM: the objects already exist.
+        Tracking never raises an OOM: the objects already exist. Past the budget the excess is
+        kept in :attr:`adopted_past_budget`, and the next OOM message says why in use exceeds
+        the budget.
         """
         pending: dict[int, tuple[Any, int]] = {}
         adopted = self._adopted
@@ -502,6 +507,7 @@ class MemoryAccountant(TorchDispatchMode):
             self._register(pending)
             if inputs:
                 self._inputs.update(pending)
+            self._note_past_budget()
         return self
 
     def held_input_bytes(self) -> tuple[int, int]:
@@ -533,6 +539,11 @@ class MemoryAccountant(TorchDispatchMode):
                 observer.allocated(key, nbytes, requested, existed)
         if self._current > self._peak:
             self._peak = self._current
+
+    def _note_past_budget(self) -> None:
+        # caller holds the lock; after counting tensors that existed before, which never raises
+        if self.budget is not None and self._current - self.budget > self.adopted_past_budget:
+            self.adopted_past_budget = self._current - self.budget
 
     def _ref_freed(self, ref: _StorageRef) -> None:
         self._on_free(ref.key)
@@ -719,6 +730,7 @@ class MemoryAccountant(TorchDispatchMode):
             if pending:
                 with self._lock:
                     self._register(pending)
+                    self._note_past_budget()
                 for key in pending:
                     derived.pop(key, None)
             return
@@ -739,7 +751,8 @@ class MemoryAccountant(TorchDispatchMode):
             f"Tried to allocate {format_size(tried)}. {format_size(budget)} budget, "
             f"{format_size(self._current)} in use by tensors memkit counts, "
             f"{format_size(free)} free. "
-            "[memkit.simulate: worded like 'CUDA out of memory.' so OOM handlers recognise it]"
+            + (_PAST_BUDGET if self._current > budget else "")
+            + "[memkit.simulate: worded like 'CUDA out of memory.' so OOM handlers recognise it]"
         )
 
     def __repr__(self) -> str:
@@ -749,6 +762,14 @@ class MemoryAccountant(TorchDispatchMode):
             f"peak {format_size(self._peak)})"
         )
 
+
+_PAST_BUDGET = (
+    "In use exceeds the budget because tensors made before were counted past it when first "
+    "used (a model, a batch; counting them never raises): on a GPU of this size moving them "
+    "there (`.to(device)`) would have failed. "
+)
+"""Said in an OOM message when ``current`` is above the budget (:meth:`MemoryAccountant.track`
+counted existing tensors past it)."""
 
 _WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 """op -> the positions and keyword names of the arguments its schema writes into."""

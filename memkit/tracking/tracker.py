@@ -456,11 +456,14 @@ class Tracker:
                 dev = records[key]
                 devices.resolve_pending(dev)
                 rows.append(device_report(dev, display))
-            explained = [
+            later_notes = [
                 note
                 for dev in records.values()
                 if (note := leaks.explained_growth_note(dev.key, dev.growth)) is not None
             ]
+            past = self._past_budget_note()
+            if past is not None:
+                later_notes.append(past)
         end = self._t_end if self._t_end is not None else time.perf_counter()
         rank = launched_rank()
         world = None if rank is None else world_size()
@@ -476,7 +479,7 @@ class Tracker:
             step_rule=self.phases.step_rule(),
             rank=rank,
             world_size=world,
-            notes=(*self.notes, *explained),
+            notes=(*self.notes, *later_notes),
             ranks=None if self._ranks_watch is None else self._ranks_watch.report,
             **self.evidence.advice_fields(devices.kind),
         )
@@ -484,6 +487,24 @@ class Tracker:
         if self._ranks_watch is not None:
             advice = [*self._ranks_watch.local_advice(), *advice]
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
+
+    def _past_budget_note(self) -> str | None:
+        """Why the simulated device's peak is above its budget, where it is: tensors that
+        existed before were counted past it (a model found running, a batch), which never
+        raises."""
+        sim = self.devices.sim
+        if sim is None:
+            return None
+        acct = sim.accountant
+        if not acct.adopted_past_budget or acct.budget is None:
+            return None
+        return (
+            f"{sim.device}: tensors made before they were counted (a model found running, a "
+            f"batch) took it {format_size(acct.adopted_past_budget)} past its "
+            f"{format_size(acct.budget)} budget, so the peak is above it: counting them never "
+            "raises (an allocation after it does); on a GPU of this size moving them there "
+            "(`.to(device)`) would have failed"
+        )
 
     def _mode(self) -> str:
         """The report's mode: what the module rows cover."""
