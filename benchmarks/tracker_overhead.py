@@ -105,9 +105,29 @@ def constant_counters() -> Iterator[None]:
     original = SimulatedBackend.activate
     SimulatedBackend.activate = lambda self: contextlib.nullcontext()  # type: ignore[method-assign]
     try:
-        yield
+        with without_model_finder():  # the simulated device's own hook: none on a GPU
+            yield
     finally:
         SimulatedBackend.activate = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def without_model_finder() -> Iterator[None]:
+    """No global hook finding the other models that run (the simulated device installs one
+    beside a given model: ``Hooks._find_other_models``)."""
+    from memkit.tracking.hooks import Hooks
+
+    original = Hooks._find_other_models
+    Hooks._find_other_models = lambda self, model: _NoHandle()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Hooks._find_other_models = original  # type: ignore[method-assign]
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        """Nothing was installed."""
 
 
 def configurations(device: str) -> dict[str, tuple[Callable[..., Any], str]]:
@@ -318,6 +338,23 @@ def micro(device: str, clock: Callable[[], float], sync: Callable[[], None]) -> 
         f"(forward pre/post + backward); steps-only adds "
         f"{(min(steps_only) - base) * 1e6:.0f} us per step (min over rounds)"
     )
+    if device == "cpu":  # the simulated device's model finder, with its counting on
+        timed: dict[tuple[bool, bool], list[float]] = {}
+        for _ in range(5):
+            for per in (False, True):
+                with without_model_finder():
+                    ctx = track(model, device="cpu", per_module=per)
+                    timed.setdefault((per, False), []).append(measure(ctx))
+                ctx = track(model, device="cpu", per_module=per)
+                timed.setdefault((per, True), []).append(measure(ctx))
+        for per in (False, True):
+            without, found = min(timed[(per, False)]), min(timed[(per, True)])
+            print(
+                f"micro: simulated device, {'per-module' if per else 'steps-only'}: finding "
+                f"other models (a global pre-hook beside a given model) adds "
+                f"{(found - without) / n * 1e6:.1f} us per module call to a "
+                f"{without * 1e6:.0f} us step ({found / without:.3f}x, min over rounds)"
+            )
 
 
 HOOK_ENTRIES = (

@@ -266,3 +266,29 @@ def test_public_face():
     assert acct.peak == 1024
     assert "budget 512.00 MiB" in repr(acct)
     del t
+
+
+def test_between_steps_a_write_from_device_derived_tensors_adopts_what_it_writes():
+    """With counting off and ``device_work`` on (a tracker between steps): a new tensor
+    computed from counted ones is not counted, but a write from it into an uncounted tensor
+    adopts that tensor (``ema.copy_(d * ema + (1 - d) * p)``, timm's ModelEmaV2), and only
+    that one; a write from host tensors alone adopts nothing; a freed derived tensor is
+    forgotten."""
+    param = torch.randn(256, 256)  # 256 KiB, counted
+    ema = param.clone()  # the copy, not counted
+    host = torch.randn(256, 256)
+    acct = MemoryAccountant("cpu")
+    acct.track(param)
+    acct.counting = acct.adopting = False
+    acct.device_work = True
+    with acct:
+        host.mul_(2).add_(torch.ones(256, 256))  # host work
+        assert acct.current == param.nbytes
+        mixed = 0.9 * ema + 0.1 * param  # device-derived, not counted
+        assert acct.current == param.nbytes and len(acct._derived) >= 1
+        ema.copy_(mixed)
+        assert acct.current == param.nbytes + ema.nbytes
+        del mixed
+        assert not acct._derived  # the temporaries were freed: forgotten
+        host.copy_(host * 0.5)
+    assert acct.current == param.nbytes + ema.nbytes

@@ -296,9 +296,18 @@ class MemoryAccountant(TorchDispatchMode):
         """Adopt storages that existed before and that an op reads for the first time."""
         self.device_work = False
         """While ``counting`` is off (between a tracker's steps): an op that writes into
-        tensors not counted yet, reading counted ones, adopts what it writes (an EMA's
-        ``lerp_`` from the model's parameters: on a GPU both sides are device tensors). New
-        tensors stay host work (a host snapshot of the weights, a metric)."""
+        tensors not counted yet, reading counted or device-derived ones, adopts what it writes
+        (an EMA's ``lerp_`` from the model's parameters, or its ``copy_`` of ``d * e + (1 - d)
+        * m``: on a GPU both sides are device tensors). New tensors stay host work (a host
+        snapshot of the weights, a metric), but those computed from counted or device-derived
+        ones are remembered as *device-derived* (weakly, not counted) for that rule."""
+        # id(storage) -> weak reference, for storages made between steps from device memory
+        # (device_work): not counted, but a write from one is device work
+        self._derived: dict[int, _StorageRef] = {}
+        self._derived_freed = self._ref_derived_freed
+        self.adopted_past_budget = 0
+        """The most bytes by which tensors made before and counted by :meth:`track` (a model,
+        a batch: it never raises) took ``current`` past the budget; 0 if they never did."""
         _ACCOUNTANTS.add(self)
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
@@ -465,7 +474,9 @@ class MemoryAccountant(TorchDispatchMode):
         ``inputs``: the objects are data reaching the device (a batch), counted as copying
         them there would allocate (:meth:`_input_entry`).
 
-        Tracking never raises an OOM: the objects already exist.
+        Tracking never raises an OOM: the objects already exist. Past the budget the excess is
+        kept in :attr:`adopted_past_budget`, and the next OOM message says why in use exceeds
+        the budget.
         """
         pending: dict[int, tuple[Any, int]] = {}
         adopted = self._adopted
@@ -496,6 +507,7 @@ class MemoryAccountant(TorchDispatchMode):
             self._register(pending)
             if inputs:
                 self._inputs.update(pending)
+            self._note_past_budget()
         return self
 
     def held_input_bytes(self) -> tuple[int, int]:
@@ -528,8 +540,18 @@ class MemoryAccountant(TorchDispatchMode):
         if self._current > self._peak:
             self._peak = self._current
 
+    def _note_past_budget(self) -> None:
+        # caller holds the lock; after counting tensors that existed before, which never raises
+        if self.budget is not None and self._current - self.budget > self.adopted_past_budget:
+            self.adopted_past_budget = self._current - self.budget
+
     def _ref_freed(self, ref: _StorageRef) -> None:
         self._on_free(ref.key)
+
+    def _ref_derived_freed(self, ref: _StorageRef) -> None:
+        derived = self._derived
+        if derived.get(ref.key) is ref:
+            del derived[ref.key]
 
     # -- the dispatch hook ------------------------------------------------------------------
     def _scan(
@@ -656,7 +678,7 @@ class MemoryAccountant(TorchDispatchMode):
         out = run(*args, **kwargs) if kwargs else run(*args)
         if not self.counting:
             if self.device_work:
-                self._device_write(func, args, kwargs)
+                self._device_write(func, args, kwargs, out)
             return out
         new, grown = self._scan(out, args, kwargs)
         if new is None and grown == 0:
@@ -693,20 +715,33 @@ class MemoryAccountant(TorchDispatchMode):
         return out
 
     def _device_write(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, out: Any
     ) -> None:
-        """Between steps (:attr:`device_work`): adopt the tensors ``func`` wrote into when it
-        read a counted storage (a view's partial count is host data, not device memory)."""
+        """Between steps (:attr:`device_work`), for an op that read counted or device-derived
+        storages (a view's partial count is host data, not device memory): adopt the tensors
+        it wrote into; or remember the new storages it returned as device-derived."""
+        live, partial, derived = self._live, self._partial, self._derived
+        read = self._read(args, kwargs)
+        if not any((k in live and k not in partial) or k in derived for k in read):
+            return
         written = _written(func, args, kwargs)
-        if not written:
+        if written:
+            pending = self._adopt(written, None)
+            if pending:
+                with self._lock:
+                    self._register(pending)
+                    self._note_past_budget()
+                for key in pending:
+                    derived.pop(key, None)
             return
-        live, partial = self._live, self._partial
-        if not any(k in live and k not in partial for k in self._read(args, kwargs)):
-            return
-        pending = self._adopt(written, None)
-        if pending:
-            with self._lock:
-                self._register(pending)
+        for whole in _tensors(out):
+            for _, storage in self._located(whole):
+                key = id(storage)
+                if key in live or key in derived or key in read:
+                    continue  # counted, known, or a view of what it read
+                ref = _StorageRef(storage, self._derived_freed)
+                ref.key = key
+                derived[key] = ref
 
     def _oom_message(self, tried: int) -> str:
         budget = self.budget or 0
@@ -716,7 +751,8 @@ class MemoryAccountant(TorchDispatchMode):
             f"Tried to allocate {format_size(tried)}. {format_size(budget)} budget, "
             f"{format_size(self._current)} in use by tensors memkit counts, "
             f"{format_size(free)} free. "
-            "[memkit.simulate: worded like 'CUDA out of memory.' so OOM handlers recognise it]"
+            + (_PAST_BUDGET if self._current > budget else "")
+            + "[memkit.simulate: worded like 'CUDA out of memory.' so OOM handlers recognise it]"
         )
 
     def __repr__(self) -> str:
@@ -726,6 +762,14 @@ class MemoryAccountant(TorchDispatchMode):
             f"peak {format_size(self._peak)})"
         )
 
+
+_PAST_BUDGET = (
+    "In use exceeds the budget because tensors made before were counted past it when first "
+    "used (a model, a batch; counting them never raises): on a GPU of this size moving them "
+    "there (`.to(device)`) would have failed. "
+)
+"""Said in an OOM message when ``current`` is above the budget (:meth:`MemoryAccountant.track`
+counted existing tensors past it)."""
 
 _WRITES: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
 """op -> the positions and keyword names of the arguments its schema writes into."""

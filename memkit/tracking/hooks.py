@@ -8,7 +8,9 @@ are in memkit/tracking/wrappers.py).
   steps that have module detail (``per_module``: steps 0, 1, then every ``module_every``-th;
   removed in between); with no model, torch's global module hooks
   (``register_module_forward_pre_hook``/``register_module_forward_hook``) on those steps and on
-  step 0, hooks on the models found in between; none inside a ``torch.compile`` graph;
+  step 0, hooks on the models found in between; none inside a ``torch.compile`` graph; on the
+  simulated device with a model given, a global pre-hook that finds the other models that run
+  (a distillation teacher: counted, and its forwards count as the given model's do);
 * a pre-hook on the autograd node of each module's output (registered by the forward post
   hook): it fires
   when backward reaches that module, which marks the start of the module's backward. The first
@@ -39,6 +41,7 @@ import logging
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -173,13 +176,15 @@ class Hooks:
             )
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
                 h.append(model.register_forward_hook(self._make_dp_output()))
-        else:
+        if model is None or self.devices.sim is not None:
             # torch warns once per call site that global hooks also fire for torch.compile's
             # wrapper; memkit expects that and keeps the user's stderr quiet
             before = list(warnings.filters)
             warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             added = warnings.filters[0]
             self._warning_filter = None if added in before else added  # a user's stays
+        if model is not None and self.devices.sim is not None:
+            h.append(self._find_other_models(model))
         shield, mine = self._shield, self._mine
         _BLOCK_THREADS[self._main_thread] += 1
         h.append(_Leave(self._main_thread))
@@ -440,12 +445,97 @@ class Hooks:
                     stack.append(IgnoredCall(id(module)))
                     return
             keys = calls.keys = root.keys
+            # a model's call: its keyword tensors are inputs too (``model(im_q=..., im_k=...)``),
+            # which torch's global pre-hooks are not given
+            kwargs = _call_kwargs(module)
+            if kwargs:
+                args = (*args, *kwargs.values())
         key = keys.get(id(module), "")
         if key is None:  # torch.compile's wrapped module: its wrapper stands for it
             return
         if not key:
             key = f"{next(iter(keys.values()))}.{type(module).__name__}"
         self._pre(key, not module._modules, module, args, root)
+
+    def _find_other_models(self, model: torch.nn.Module) -> Any:
+        """On the simulated device, with ``model`` given: a torch global forward pre-hook that
+        finds the other models that run in the block (a distillation teacher, an EMA copy
+        evaluated, a GAN's discriminator). On a GPU they are on the device, so here a model's
+        parameters and buffers are counted when it first runs (``models.root_info`` tells the
+        tracker, which counts them), and what its forwards create and read counts as in the
+        given model's forward (:meth:`_counting_hooks`); phases stay as on a GPU, where
+        nothing hooks it. The hook's cost, a dictionary lookup per module call (and torch's
+        slower call path for every module once a global hook exists), is paid on the
+        simulated device only, whose per-op counting costs far more; the handle removes it."""
+        from torch.nn.modules import module as nn_module
+
+        state, models = self.state, self.models
+        main, failed, handles = self._main_thread, self._hook_failed, self._handles
+        known: dict[int, weakref.ref[torch.nn.Module]] = {}
+        hooks: list[tuple[Callable[..., None], Callable[..., None]]] = []  # made once
+
+        def see(module: torch.nn.Module) -> None:
+            if len(known) > 4096:  # modules made and dropped (a loss module made per step)
+                for key in [k for k, ref in known.items() if ref() is None]:
+                    del known[key]
+            for sub in module.modules():
+                known[id(sub)] = weakref.ref(sub)
+
+        def found(module: torch.nn.Module, args: Any) -> None:
+            see(module)
+            if not models.root_info(module).model:  # a loss module, a data transform
+                return
+            if not hooks:
+                hooks.append(self._counting_hooks())
+            begin, end = hooks[0]
+            handles.append(module.register_forward_pre_hook(begin, with_kwargs=True))
+            handles.append(module.register_forward_hook(end, always_call=True))
+            # this call's pre-hooks were gathered before it was hooked: it begins here
+            begin(module, args, _call_kwargs(module) or {})
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            entry = known.get(id(module))
+            if entry is not None and entry() is module:
+                return  # a module of the given model, or of one found: the usual case
+            if _compiling() or not state.active or _get_ident() != main:
+                return
+            try:
+                found(module, args)
+            except Exception as exc:
+                failed(exc)
+
+        see(model)
+        return nn_module.register_module_forward_pre_hook(pre)
+
+    def _counting_hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
+        """The simulated device's pre- and post-hook for a model found beside the given one:
+        a forward of it outside the given model's counts what it creates and the tensors it
+        reads (its batch: counted as the given model's is), as the given model's forward
+        does, and the counting goes back to what it was when it returns (a teacher's forward
+        at a step's start: its activations and logits count; the host work after it does
+        not). Inside the given model's forward they change nothing."""
+        state, sim, calls, main = self.state, self.devices.sim, self._main_calls, self._main_thread
+        assert sim is not None
+        acct = sim.accountant
+        # (the module, the counting before its forward), innermost last
+        saved: list[tuple[int, tuple[bool, bool]]] = []
+        failed = self._hook_failed
+
+        def begin(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if calls.stack or not state.active or _compiling() or _get_ident() != main:
+                return
+            try:
+                saved.append((id(module), (acct.counting, acct.adopting)))
+                sim.count_ops(True, True)
+                sim.track((*args, *kwargs.values()) if kwargs else args, inputs=True)
+            except Exception as exc:
+                failed(exc)
+
+        def end(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if saved and saved[-1][0] == id(module) and _get_ident() == main:
+                sim.count_ops(*saved.pop()[1])
+
+        return begin, end
 
     def _other_calls(self) -> _ThreadCalls:
         """The module calls of a thread other than the block's."""
@@ -810,6 +900,33 @@ class _ThreadCalls:
 def _model_name(model: torch.nn.Module | None) -> str:
     """A model's class name as the user wrote it (:func:`user_class_name`)."""
     return "NoneType" if model is None else user_class_name(model)
+
+
+def _call_codes() -> frozenset[types.CodeType]:
+    """The code of ``Module._call_impl`` and of the closures in it (``inner``, where torch
+    2.x calls the forward pre-hooks)."""
+    code = torch.nn.Module._call_impl.__code__
+    return frozenset({code, *(c for c in code.co_consts if isinstance(c, types.CodeType))})
+
+
+_CALL_CODES = _call_codes()
+
+
+def _call_kwargs(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The keyword arguments of ``module``'s call in progress, read from torch's
+    ``Module._call_impl`` frame (torch gives its global forward pre-hooks the positional
+    ones only); ``None`` where that frame is not found. Asked once per model call."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code in _CALL_CODES:
+            local = frame.f_locals
+            if local.get("self") is module:
+                kwargs = local.get("kwargs")
+                return kwargs if isinstance(kwargs, dict) else None
+        frame = frame.f_back
+    return None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -253,8 +253,9 @@ class TrackedModels:
         if not root.model:
             return root
         # module hooks inside a compiled graph would break it or make TorchDynamo recompile:
-        # from now on, hooks on the models alone (steps and phases stay exact)
-        newly_compiled = not self.compiled and is_compiled(module)
+        # from now on, hooks on the models alone (steps and phases stay exact); another model
+        # found beside a given one (a compiled teacher) changes nothing of the given one's
+        newly_compiled = self.model is None and not self.compiled and is_compiled(module)
         if newly_compiled:
             self.compiled = True
         for sub_id in keys:

@@ -84,7 +84,8 @@ class Tracker:
     Args:
         model: the model (its submodules get hooks), or ``None`` for every module (global
             hooks). ``nn.DataParallel`` works: replicas share the hooks, and each record goes to
-            the device its tensors are on.
+            the device its tensors are on. On the simulated device other models that run (a
+            distillation teacher, an EMA copy) are found and counted too, as on a GPU.
         optimizer: an optimizer, several, or ``None`` for every optimizer (global hooks). Steps
             are counted from its ``step()`` (the first optimizer seen, with global hooks).
         device: the device to track (``"cuda:0"``, ``"cpu"`` for the simulated device); ``None``:
@@ -345,7 +346,14 @@ class Tracker:
         if models.model is None:  # a model found running: its FSDP2 units, if any
             self.state.fsdp = find_fsdp_units(models.root_modules())
         if sim is not None:
+            before = sim.allocated()
             sim.track(module)  # the model lives on the device
+            added = sim.allocated() - before
+            dev = self.devices.primary
+            if added and dev is not None and dev.forward_base is not None:
+                # on a GPU it was there before the forward began: no activation of a forward
+                # running now (a teacher found inside the student's step)
+                dev.forward_base += added
             if is_compiled(module) and not any("torch.compile" in n for n in self.notes):
                 self.notes.append(
                     eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
@@ -448,11 +456,14 @@ class Tracker:
                 dev = records[key]
                 devices.resolve_pending(dev)
                 rows.append(device_report(dev, display))
-            explained = [
+            later_notes = [
                 note
                 for dev in records.values()
                 if (note := leaks.explained_growth_note(dev.key, dev.growth)) is not None
             ]
+            past = self._past_budget_note()
+            if past is not None:
+                later_notes.append(past)
         end = self._t_end if self._t_end is not None else time.perf_counter()
         rank = launched_rank()
         world = None if rank is None else world_size()
@@ -468,7 +479,7 @@ class Tracker:
             step_rule=self.phases.step_rule(),
             rank=rank,
             world_size=world,
-            notes=(*self.notes, *explained),
+            notes=(*self.notes, *later_notes),
             ranks=None if self._ranks_watch is None else self._ranks_watch.report,
             **self.evidence.advice_fields(devices.kind),
         )
@@ -476,6 +487,24 @@ class Tracker:
         if self._ranks_watch is not None:
             advice = [*self._ranks_watch.local_advice(), *advice]
         return TrackReport(**{**report.__dict__, "advice": tuple(advice)})
+
+    def _past_budget_note(self) -> str | None:
+        """Why the simulated device's peak is above its budget, where it is: tensors that
+        existed before were counted past it (a model found running, a batch), which never
+        raises."""
+        sim = self.devices.sim
+        if sim is None:
+            return None
+        acct = sim.accountant
+        if not acct.adopted_past_budget or acct.budget is None:
+            return None
+        return (
+            f"{sim.device}: tensors made before they were counted (a model found running, a "
+            f"batch) took it {format_size(acct.adopted_past_budget)} past its "
+            f"{format_size(acct.budget)} budget, so the peak is above it: counting them never "
+            "raises (an allocation after it does); on a GPU of this size moving them there "
+            "(`.to(device)`) would have failed"
+        )
 
     def _mode(self) -> str:
         """The report's mode: what the module rows cover."""
