@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -303,7 +304,8 @@ def test_a_hidden_state_never_detached_is_named_with_its_fix():
 def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     """``total_loss += loss`` then ``logs = {"loss": total_loss / step}``: the suspect is
     ``total_loss`` (the dict only shows it), with the ``.item()`` fix; a list that grows by
-    ``append(logits)`` gets the append fix, not 'detach a carried state'."""
+    ``append(logits)`` gets the append fix for tensors of their own size (``.detach().cpu()``,
+    never ``.item()``), not 'detach a carried state'."""
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with track(model, opt, device="cpu", budget="64MiB") as tracker:
@@ -333,7 +335,9 @@ def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     )
     lists = only("all_logits")
     assert not lists.suspects[0].carried
-    assert "`all_logits.append(x.item())`" in graph_retained_advice([lists])[0].action
+    # (32, 10) logits: `.item()` would raise; detached, their own bytes stay: off the device
+    action = graph_retained_advice([lists])[0].action
+    assert "`all_logits.append(x.detach().cpu())`" in action and ".item()" not in action
 
 
 def ppo_style_logging() -> TrackReport:
@@ -517,6 +521,151 @@ def test_no_leak_reported_for_healthy_loop():
         train(model, opt, 7)
     report = tracker.report()
     assert report.leaks == [] and not [a for a in report.advice if a.code == "graph-retained"]
+
+
+def dcgan_keeping_fakes(keep: str, steps: int = 8) -> tuple[TrackReport, list[torch.Tensor]]:
+    """pytorch/examples' DCGAN loop (D's update, then G's), with the generated batch kept
+    every step by a nested ``train()`` closing over ``fakes``: with its graph (``"fake"``),
+    detached (``"detach"``); ``D_losses`` keeps D's loss with its graph."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 3 * 16 * 16), nn.Tanh(), nn.Unflatten(1, (3, 16, 16)))
+    disc = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 1), nn.Sigmoid())
+    opt_d, opt_g = torch.optim.Adam(disc.parameters()), torch.optim.Adam(gen.parameters())
+    bce = nn.BCELoss()
+    fakes: list[torch.Tensor] = []
+    D_losses: list[Any] = []
+
+    def train() -> None:
+        for _ in range(steps):
+            real, ones, zeros = torch.randn(8, 3, 16, 16), torch.ones(8), torch.zeros(8)
+            opt_d.zero_grad()
+            fake = gen(torch.randn(8, 16))
+            err_d = bce(disc(real).squeeze(1), ones) + bce(disc(fake.detach()).squeeze(1), zeros)
+            err_d.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(disc(fake).squeeze(1), ones).backward()
+            opt_g.step()
+            D_losses.append(err_d if keep == "errD" else err_d.item())
+            if keep == "fake":
+                fakes.append(fake)
+            if keep == "detach":
+                fakes.append(fake.detach())
+
+    with track(device="cpu", budget="64MiB") as tracker:
+        train()
+    return tracker.report(), fakes
+
+
+def test_a_list_of_detached_device_tensors_that_grows_is_named():
+    """``fakes.append(fake.detach())``: no graph, but the images stay on the device, one
+    batch a step. The list is named at its line (once, though ``main`` holds it too), with
+    the bytes a step adds (an image batch, counted here), and the fix moves them off the
+    device (detaching alone is what the script does already)."""
+    report, fakes = dcgan_keeping_fakes("detach")
+    batch = fakes[0].numel() * fakes[0].element_size()
+    leak = report.devices[0].leak
+    assert leak is not None and leak.growth_per_step == batch
+    top = leak.suspects[0]
+    assert (top.name, top.graph, top.growing) == ("fakes", False, True)
+    assert top.code == "fakes.append(fake.detach())" and top.function == "train"
+    assert top.item_bytes == batch and top.bytes_per_step == batch
+    assert top.item_shape == (8, 3, 16, 16) and top.tensor_bytes == top.length * batch
+    assert top.length < len(fakes)  # scanned when the growth was confirmed, not at the end
+    assert [s.name for s in leak.suspects].count("fakes") == 1
+    codes = [a.code for a in report.advice]
+    assert "tensors-kept" in codes and "memory-growth" not in codes
+    advice = report.advice[codes.index("tensors-kept")]
+    assert "`fakes.append(x.detach().cpu())`" in advice.action
+    assert advice.saving_bytes == batch
+
+
+def test_a_kept_image_batch_with_its_graph_gets_a_fix_that_fits_its_shape():
+    """``fakes.append(fake)`` keeps (8, 3, 16, 16) images with their graph: ``.item()`` would
+    raise, and ``.detach()`` keeps the images' bytes; backward freed the graph's saved
+    tensors, so detaching saves nothing on the device: what the detached twin grows by."""
+    report, _ = dcgan_keeping_fakes("fake")
+    leak = report.devices[0].leak
+    assert leak is not None and leak.suspects[0].name == "fakes" and leak.suspects[0].graph
+    advice = next(a for a in report.advice if a.code == "graph-retained")
+    assert ".item()" not in advice.action and "`fakes.append(x.detach().cpu())`" in advice.action
+    detached, _ = dcgan_keeping_fakes("detach")
+    twin = detached.devices[0].leak
+    assert twin is not None
+    saved_by_detach = leak.growth_per_step - twin.growth_per_step
+    assert f"({format_size(saved_by_detach)} a step here" in advice.action
+    assert advice.saving_bytes == leak.growth_per_step  # `.cpu()` frees all of it
+
+
+def test_a_list_a_nested_function_closes_over_is_named_once():
+    report, _ = dcgan_keeping_fakes("errD")
+    leak = report.devices[0].leak
+    assert leak is not None
+    names = [s.name for s in leak.suspects]
+    assert names[0] == "D_losses" and names.count("D_losses") == 1
+    advice = next(a for a in report.advice if a.code == "graph-retained")
+    assert advice.evidence.count("`D_losses`") == 1
+
+
+class ReplayMemory:
+    """The DQN tutorial's replay memory: a deque with a capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.memory: collections.deque[tuple[torch.Tensor, ...]]
+        self.memory = collections.deque(maxlen=capacity)
+
+    def push(self, *transition: torch.Tensor) -> None:
+        self.memory.append(transition)
+
+
+def test_a_replay_memory_filling_up_is_named_and_said_to_level_off():
+    """DQN: each step's state is made then (on a GPU too) and pushed into the replay memory,
+    a deque with a maxlen: memory grows while it fills, then levels off. The deque is named
+    (an attribute of the script's object, at the method that grows it) with where it stops;
+    not explained as batches the simulated device counts late."""
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Flatten(), nn.Linear(4 * 12 * 12, 4))
+    opt = torch.optim.AdamW(policy.parameters())
+    memory = ReplayMemory(40)
+    with track(policy, opt, device="cpu", budget="64MiB") as tracker:
+        state = torch.randn(1, 4, 12, 12)
+        for _ in range(12):
+            with torch.no_grad():
+                action = policy(state).argmax(1, keepdim=True)
+            next_state = torch.randn(1, 4, 12, 12)
+            memory.push(state, action, next_state, torch.ones(1))
+            state = next_state
+            batch = torch.cat([t[0] for t in list(memory.memory)[-4:]])
+            loss = policy(batch).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    leak = report.devices[0].leak
+    assert leak is not None
+    top = leak.suspects[0]
+    assert (top.name, top.function, top.maxlen, top.graph) == (
+        "memory.memory",
+        "ReplayMemory.push",
+        40,
+        False,
+    )
+    assert top.code == "self.memory.append(transition)"
+    # one more transition: a new state (the last one's next_state), an action and a reward
+    state_bytes = 4 * 12 * 12 * 4
+    assert top.item_bytes == state_bytes + 8 + 4
+    # what the deque held when scanned, each storage once (its first transition's two states)
+    held = list(memory.memory)[: top.length]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for tr in held
+                for t in tr}  # fmt: skip
+    assert top.tensor_bytes == sum(storages.values())
+    codes = [a.code for a in report.advice]
+    assert "tensors-kept" in codes and "memory-growth" not in codes
+    advice = report.advice[codes.index("tensors-kept")]
+    assert advice.severity == "info" and "maxlen=40" in advice.evidence
+    # full: 40 transitions hold 41 states, 40 actions and 40 rewards
+    assert f"about {format_size(41 * state_bytes + 40 * 12)}" in advice.evidence
+    assert "simulated device counts" not in advice.evidence
 
 
 def test_growth_detector_and_scan_helpers():

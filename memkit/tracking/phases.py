@@ -388,7 +388,7 @@ class PhaseMachine:
             devices.sim.count_ops(False, False)
         watch = evidence.leak_watch
         if growing:
-            suspects = watch.on_growth(frame, state.step)
+            suspects = watch.on_growth(frame, state.step, _on_devices(growing))
             for dev in growing:
                 first_time = dev.leak is None
                 accountant = getattr(dev.backend, "accountant", None)
@@ -484,6 +484,24 @@ class PhaseMachine:
             dev.eval_window = window
         primary = self.devices.primary
         return None if primary is None else primary.eval_window
+
+
+def _on_devices(records: list[DeviceRecord]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor lives on one of the devices of ``records`` (the backend says, where
+    it can: a virtual device, the CUDA stand-in; else its device type and index)."""
+    checks = []
+    for dev in records:
+        holds = getattr(dev.backend, "holds", None)
+        if holds is None:
+            target = dev.backend.device
+
+            def holds(t: torch.Tensor, target: torch.device = target) -> bool:
+                return t.device.type == target.type and (
+                    target.index is None or t.device.index in (None, target.index)
+                )
+
+        checks.append(holds)
+    return lambda t: any(check(t) for check in checks)
 
 
 def _first_tensor(args: Any) -> torch.Tensor | None:

@@ -224,7 +224,8 @@ class TrainingSetup:
 
 @dataclass(frozen=True)
 class LeakSuspect:
-    """A live variable of the training thread that holds an autograd graph.
+    """A live variable of the training thread that holds an autograd graph, or a container
+    of device tensors that grows.
 
     Attributes:
         name: the variable (``running_loss``, ``self.history``, ``losses[...]``).
@@ -233,13 +234,23 @@ class LeakSuspect:
         line: the line that assigns or grows it, if found in the source, else the frame's
             current line.
         code: that line's text.
-        kind: ``"tensor"`` or ``"container"`` (a list, tuple or dict of such tensors).
+        kind: ``"tensor"`` or ``"container"`` (a list, tuple, deque or dict of such
+            tensors).
         graph_nodes: autograd nodes reachable from it (counted up to a bound); for a
             container, from the tensors it shows first and last, plus its length.
         growing: it grew between two inspections (confirmed), else a candidate.
         carried: its graph grew while it kept its length, through tensors of more than one
             element: a state each step builds on (an RNN's ``hidden``, never detached), not
             losses kept (a sum, or a list that grows).
+        graph: it holds an autograd graph (else a container of tensors without one).
+        length: a container's length.
+        maxlen: a deque's ``maxlen`` (it stops growing there).
+        item_shape: the shape of its last item's tensor (a tensor's own).
+        item_bytes: what one more item of a container holds on the device (the storages it
+            adds to those of the items before it), estimated from its last items.
+        tensor_bytes: what a container holds on the device (its first item's bytes, and
+            ``item_bytes`` for each other one).
+        bytes_per_step: how much ``tensor_bytes`` grew per step between two inspections.
     """
 
     name: str
@@ -251,6 +262,13 @@ class LeakSuspect:
     graph_nodes: int
     growing: bool
     carried: bool = False
+    graph: bool = True
+    length: int = 0
+    maxlen: int | None = None
+    item_shape: tuple[int, ...] | None = None
+    item_bytes: int = 0
+    tensor_bytes: int = 0
+    bytes_per_step: int = 0
 
     @property
     def where(self) -> str:
