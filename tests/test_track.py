@@ -1087,6 +1087,101 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
     assert "oom-eval" in [a.code for a in pm.advice]
 
 
+def test_a_teacher_called_first_that_runs_out_in_step_0_is_the_steps_not_evaluation():
+    """The tutorials' order: the teacher's forward first, then the student's. Running out in
+    the teacher in step 0, before any training forward, is the training step's problem; its
+    module is named in the teacher's terms (the model seen second would make it so). A model
+    with no trainable parameter in a script with no optimizer (inference) stays evaluation."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10)).eval()
+    teacher.requires_grad_(False)
+    student = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(student.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="4MiB") as tracker:
+        x = torch.randn(256, 256)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = nn.functional.cross_entropy(student(x), target)
+        loss.backward()
+        opt.step()
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.step == 0
+    size = sum(p.numel() * 4 for p in teacher.parameters())
+    assert pm.frozen_model == ("Sequential", size, False)
+    assert pm.module is not None and pm.module.startswith("Sequential.")
+    codes = [a.code for a in pm.advice]
+    assert "oom-frozen-model" in codes and "oom-eval" not in codes
+
+    def infer() -> None:  # a script with no optimizer in reach
+        with torch.no_grad():
+            teacher(torch.randn(256, 256))
+
+    del opt
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="4MiB") as tracker:
+        infer()
+    pm = tracker.report().oom
+    assert pm is not None and pm.frozen_model is None
+    assert "oom-eval" in [a.code for a in pm.advice]
+
+
+def kd_run(teacher: nn.Module, steps: int = 4, eval_batch: int = 16) -> TrackReport:
+    """The distillation tutorial's loop: the teacher's forward on the training batch first,
+    the student's, one optimizer step; a validation pass of the student after each step."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(student.parameters())
+    dtype = next(teacher.parameters()).dtype
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(steps):
+            x = torch.randn(128, 256)
+            with torch.no_grad():
+                target = teacher(x.to(dtype)).float().softmax(-1)
+            loss = nn.functional.cross_entropy(student(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            student.eval()
+            with torch.no_grad():
+                student(torch.randn(eval_batch, 256))
+            student.train()
+    return tracker.report()
+
+
+def test_a_teachers_forward_that_sets_the_peak_is_the_steps_not_evaluations():
+    """The teacher's forwards on the training batch are evaluation passes (the eval column)
+    and peak above training: that is the step's memory, not evaluation's, whose own batch is
+    small. The advice names the teacher, not a smaller evaluation batch; its bf16 saving is
+    what the same loop with a bf16 teacher saves."""
+    teacher = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10)).eval()
+    teacher.requires_grad_(False)
+    report = kd_run(teacher)
+    dev = report.devices[0]
+    assert report.frozen_forwards == 4 and report.frozen_input_shape == (128, 256)
+    assert report.eval_input_shape == (16, 256) and report.eval_forwards == 8
+    # the teacher's peak: its weights, the batch, its hidden layer and the ReLU's output, on
+    # top of the student's weights, gradients and AdamW's two moments (and a few scalars)
+    frozen = report.frozen_peaks["cpu"]
+    assert frozen == dev.phase_peaks["eval"]
+    student = (256 * 64 + 64 + 64 * 10 + 10) * 4
+    held = sum(p.numel() * 4 for p in teacher.parameters()) + 128 * 256 * 4 + 4 * student
+    assert held + 2 * 128 * 2048 * 4 <= frozen <= held + 2 * 128 * 2048 * 4 + 8 * 1024
+    codes = [a.code for a in report.advice]
+    assert "frozen-model-peak" in codes and "eval-peak" not in codes
+    advice = report.advice[codes.index("frozen-model-peak")]
+    assert "`Sequential`" in advice.title and "(128, 256)" in advice.evidence
+    assert "bfloat16" in advice.action and advice.saving_bytes is not None
+    half = kd_run(teacher.to(torch.bfloat16))
+    saved = report.peak_allocated - half.peak_allocated
+    assert advice.saving_bytes <= saved  # the claim is the weights' half; activations add
+    assert "evaluation: 8 forward pass(es), 4 of them by `Sequential`" in str(report)
+    # evaluation on a batch of its own far larger than the step: eval-peak, with its shape
+    small = nn.Sequential(nn.Linear(256, 10)).eval().requires_grad_(False)
+    report = kd_run(small, eval_batch=4096)
+    codes = [a.code for a in report.advice]
+    assert "eval-peak" in codes and "frozen-model-peak" not in codes
+    assert "(4096, 256)" in report.advice[codes.index("eval-peak")].evidence
+
+
 def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
     """At an Adam step's peak, what the breakdown calls activations is the optimizer's
     temporaries (backward has freed the graph): autocast would not shrink them, so the

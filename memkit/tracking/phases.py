@@ -25,7 +25,7 @@ import torch
 
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.leaks import growth_finding
+from memkit.tracking.leaks import growth_finding, optimizer_in_frames
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
 from memkit.tracking.state import (
@@ -90,6 +90,9 @@ class PhaseMachine:
         # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
         # buckets) is no leak
         self.train_input: weakref.ref[torch.Tensor] | None = None
+        self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
+        self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
+        self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
 
@@ -112,22 +115,38 @@ class PhaseMachine:
             kind = EVAL_PASS
             facts.eval_forwards += 1
             # a teacher or reference model runs on the training batch; a model no optimizer
-            # trains evaluated on another batch size (an EMA copy's validation) is evaluation
+            # trains evaluated on another batch size (an EMA copy's validation) is evaluation.
+            # Before any training forward (a teacher called first in step 0) there is no batch
+            # to compare with: where an optimizer is at hand, it is a teacher; in a script
+            # with none (inference alone) it is evaluation
             train = facts.train_input
             facts.frozen_model = (
                 self.models.frozen_model(module, root)
-                if shape and train and shape[0] == train[0]
+                if shape and (shape[0] == train[0] if train is not None else self._training_ahead())
                 else None
             )
-            if shape is not None and (
-                facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
-            ):
-                facts.eval_input = shape
+            frozen = facts.frozen_model is not None
+            if frozen:  # the step's own work, counted apart from evaluation's
+                facts.frozen_forwards += 1
+                facts.frozen_seen = facts.frozen_model
+            largest = facts.frozen_input if frozen else facts.eval_input
+            if shape is not None and (largest is None or math.prod(shape) > math.prod(largest)):
+                if frozen:
+                    facts.frozen_input = shape
+                else:
+                    facts.eval_input = shape
             if state.phase != EVAL:
                 with state.lock:
                     if state.phase != EVAL:
                         self.eval_return = state.phase
                         self.transition(EVAL)
+                        if frozen:
+                            self._frozen_segment_begins()
+            elif frozen != self.frozen_segment:  # evaluation, then a teacher (or the reverse)
+                with state.lock:  # in one eval phase: each its own segment
+                    self._close_segment()
+                    if frozen:
+                        self._frozen_segment_begins()
         else:
             kind = TRAIN_PASS
             facts.frozen_model = None
@@ -150,6 +169,23 @@ class PhaseMachine:
                 for dev in self.devices.records.values():
                     dev.forward_base = dev.read()[0]
         return kind
+
+    def _training_ahead(self) -> bool:
+        """Whether training is at hand though no training forward ran yet, in step 0 before
+        any backward: an optimizer is known, or one is in the user's frames (looked for once:
+        an inference script pays one frame scan, a training loop that calls its teacher
+        first none after its first training forward)."""
+        if self.state.step or self.state.backwards:  # a step ran without a training forward
+            return False
+        if self.models.all_optimizers():
+            return True
+        if self.optimizer_near is None:
+            try:
+                self.optimizer_near = optimizer_in_frames(sys._getframe(1))
+            except Exception:  # inspection must never break training
+                log.debug("optimizer search failed", exc_info=True)
+                self.optimizer_near = False
+        return self.optimizer_near
 
     def _training_forward_begins(self, frame: Any) -> None:
         state, facts = self.state, self.evidence.facts
@@ -296,10 +332,7 @@ class PhaseMachine:
         so what the student's forward keeps stays its activations."""
         devices, evidence, state = self.devices, self.evidence, self.state
         single = state.single
-        if single is not None:
-            devices.close_one(single)
-        else:
-            devices.close_all()
+        self._close_segment()
         forward = phase == FORWARD and not resumes
         if forward:
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
@@ -320,15 +353,44 @@ class PhaseMachine:
         if sim is not None:  # device memory is what the step's phases create
             sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
 
+    def _close_segment(self) -> None:
+        """Close every device's segment (one device: only it); a segment of a frozen model's
+        forwards (a teacher's, :meth:`_frozen_segment_begins`) also keeps its peak apart, per
+        device, in the run's facts."""
+        devices, single = self.devices, self.state.single
+        if single is not None:
+            devices.close_one(single)
+        else:
+            devices.close_all()
+        if not self.frozen_segment:
+            return
+        self.frozen_segment = False
+        peaks = self.evidence.facts.frozen_peaks
+        for dev, earlier in self._eval_before:
+            peak = dev.step_phase[EVAL]
+            if peak is not None and peak > peaks.get(dev.key, -1):
+                peaks[dev.key] = peak
+            if earlier is not None and (peak is None or earlier > peak):
+                dev.step_phase[EVAL] = earlier
+        self._eval_before = ()
+
+    def _frozen_segment_begins(self) -> None:
+        """The eval segment that begins now is a frozen model's forward: its devices' eval
+        peak starts afresh (what the segment's closes write there is its own peak) and is
+        put back when it ends."""
+        single = self.state.single
+        records = (single,) if single is not None else tuple(self.devices.records.values())
+        self._eval_before = tuple((dev, dev.step_phase[EVAL]) for dev in records)
+        for dev in records:
+            dev.step_phase[EVAL] = None
+        self.frozen_segment = True
+
     def boundary(self, frame: Any) -> None:
         """A step ends (``frame``: the caller's, where the leak search starts; ``None``: no
         search)."""
         state, devices, evidence, models = self.state, self.devices, self.evidence, self.models
         single = state.single
-        if single is not None:
-            devices.close_one(single)
-        else:
-            devices.close_all()
+        self._close_segment()
         primary = devices.primary
         if (
             models.model is not None
@@ -446,6 +508,8 @@ class PhaseMachine:
         """The block ends normally: the last step of a loop without an optimizer ends too."""
         if self.state.backwards and self.step_rule() == "backward":
             self.boundary(None)
+        elif self.frozen_segment:  # a frozen model's forward was the last thing to run
+            self._close_segment()
 
     # evaluation windows (a framework's validation loop)
 

@@ -176,7 +176,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         device=evidence.device,
         step=evidence.step,
         phase=PHASES[moment.phase],
-        module=moment.module,
+        module=_in_frozen_model(moment.module, evidence.frozen_model),
         training=training,
         grad_enabled=grad_enabled,
         exception=f"{type(oom).__name__}: {first_line}",
@@ -200,6 +200,16 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
+
+
+def _in_frozen_model(module: str | None, frozen: tuple[str, int, bool] | None) -> str | None:
+    """``module``'s name with the frozen model's in front, where the failing pass was a frozen
+    model's (a teacher run before any trained model was seen is the one model known, so its
+    modules' keys come bare: ``net.1``, named ``Teacher.net.1`` once the student runs)."""
+    if module is None or frozen is None:
+        return module
+    name = frozen[0]
+    return module if module == name or module.startswith(name + ".") else f"{name}.{module}"
 
 
 def _capacity_and_free(

@@ -486,7 +486,8 @@ class TrackReport(Result):
         eval_grad_forwards: forward passes run in eval mode with autograd recording.
         eval_forwards: evaluation passes (model forwards under ``no_grad``/``inference_mode``,
             in eval mode, or unable to build a graph); their peak is ``phase_peaks["eval"]``.
-        eval_input_shape: the largest first tensor input of an evaluation pass (its shape).
+        eval_input_shape: the largest first tensor input of an evaluation pass (its shape),
+            but a frozen model's.
         step_rule: what counted steps: ``"optimizer"`` (``optimizer.step()``), ``"backward"``
             (no optimizer stepped: a training forward after a backward starts a step) or
             ``"manual"`` (``Tracker.step()``).
@@ -503,6 +504,12 @@ class TrackReport(Result):
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
+        frozen_model: ``(name, parameter bytes, updated)`` of a model no optimizer trains that
+            ran on the training batch (a distillation teacher, a DPO reference model; updated:
+            written in place between its passes, an EMA teacher), if any.
+        frozen_forwards: its forwards (evaluation passes, counted in ``eval_forwards`` too).
+        frozen_input_shape: the largest first tensor input of those forwards.
+        frozen_peaks: device -> the peak of those forwards (in ``phase_peaks["eval"]`` too).
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
@@ -537,6 +544,10 @@ class TrackReport(Result):
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
+    frozen_model: tuple[str, int, bool] | None = None
+    frozen_forwards: int = 0
+    frozen_input_shape: tuple[int, ...] | None = None
+    frozen_peaks: dict[str, int] = field(default_factory=dict)
     ranks: RanksReport | None = None
 
     # -- access ---------------------------------------------------------------------------
