@@ -1182,6 +1182,79 @@ def test_a_teachers_forward_that_sets_the_peak_is_the_steps_not_evaluations():
     assert "(4096, 256)" in report.advice[codes.index("eval-peak")].evidence
 
 
+def test_one_oversized_batch_is_the_steps_own_not_memory_kept_across_steps():
+    """A giant batch (a long-sequence or bucketed one) after small ones: it is allocated
+    before the forward, so the breakdown files it under "other"; it is the step's own batch,
+    not kept memory (no ``oom-other``): ``oom-batch`` gives its bytes and what the step asked
+    for. Outputs a script does keep across steps still get ``oom-other``, the batch left out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="64MiB") as tracker:
+        for batch in (64, 64, 50_000):
+            x, y = torch.randn(batch, 128), torch.randint(0, 10, (batch,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    pm = tracker.report().oom
+    assert pm is not None and pm.step == 2 and pm.phase == "forward"
+    assert pm.batch_bytes == 50_000 * 128 * 4
+    codes = [a.code for a in pm.advice]
+    assert "oom-batch" in codes and "oom-other" not in codes
+    said = pm.advice[codes.index("oom-batch")].evidence
+    assert "(50000, 128)" in said and format_size(50_000 * 128 * 4) in said
+    assert format_size(50_000 * 512 * 4) in said  # the first layer's output it asked for
+
+    wide = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    kept: list[torch.Tensor] = []
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="17MiB") as tracker:
+        for _ in range(8):
+            hidden = wide[:2](torch.randn(128, 256))
+            loss = wide[2](hidden).logsumexp(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            kept.append(hidden.detach())
+    pm = tracker.report().oom
+    assert pm is not None and pm.leak is None and pm.batch_bytes == 128 * 256 * 4
+    codes = [a.code for a in pm.advice]
+    assert "oom-other" in codes and "oom-batch" not in codes
+    # what was kept: the outputs, and the last step's loss (a scalar)
+    assert (
+        pm.advice[codes.index("oom-other")].saving_bytes
+        == sum(t.numel() * t.element_size() for t in kept) + loss.numel() * loss.element_size()
+    )
+
+
+def test_an_oom_in_the_first_optimizer_step_after_accumulation_is_that_steps():
+    """Two micro-batches, then the first ``optimizer.step()`` runs out while it creates
+    AdamW's state: step 0 with 2 micro-batches (the steps counted from backward passes fold
+    into it when the optimizer step begins), and the state is said to be partial, priced as
+    it will be (two buffers of the parameters' size)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="5MiB") as tracker:
+        for i in range(8):
+            x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+            (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    report = tracker.report()
+    pm = report.oom
+    assert pm is not None and pm.phase == "optimizer"
+    assert (pm.step, pm.micro_batches, report.steps) == (0, 2, 0)
+    assert pm.optimizer_state_partial
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert pm.breakdown is not None and 0 < pm.breakdown.optimizer_state < 2 * params
+    state = next(a for a in pm.advice if a.code == "oom-optimizer-state")
+    assert "partial" in state.evidence and format_size(2 * params) in state.evidence
+    assert "1.2x" not in state.evidence
+
+
 def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():
     """At an Adam step's peak, what the breakdown calls activations is the optimizer's
     temporaries (backward has freed the graph): autocast would not shrink them, so the

@@ -27,7 +27,7 @@ from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding, optimizer_in_frames
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
+from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, fold_steps
 from memkit.tracking.state import (
     BACKWARD,
     EVAL,
@@ -303,6 +303,8 @@ class PhaseMachine:
 
     def optimizer_begins(self) -> None:
         """The optimizer's own work starts (its step, after any closure it was given)."""
+        if self.backward_steps and not self.manual_steps:
+            self._fold_backward_steps()
         # micro-batches: backward passes this optimizer step is the first to use (a GAN's
         # two optimizers, each after its own backward, are no gradient accumulation)
         backwards = self.state.backwards
@@ -318,8 +320,6 @@ class PhaseMachine:
         owner = self.step_owner() if self.step_owner is not None else None
         if not self.manual_steps and (owner is None or owner is optimizer):
             self.boundary(frame)
-            if self.backward_steps:
-                self._merge_backward_steps()
         else:
             self.transition(OTHER)
 
@@ -414,9 +414,7 @@ class PhaseMachine:
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
-        batch = None if self.train_input is None else self.train_input()
-        batch_bytes = 0 if batch is None else batch.numel() * batch.element_size()
-        del batch
+        batch_bytes = self.batch_bytes()
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -471,6 +469,11 @@ class PhaseMachine:
             dev.leak = watch.scan_graphs(step, frame, dev.key)
         self.on_step()
 
+    def batch_bytes(self) -> int:
+        """The bytes of the last training forward's first input while it lives (0: none)."""
+        batch = None if self.train_input is None else self.train_input()
+        return 0 if batch is None else int(batch.numel() * batch.element_size())
+
     def step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
         optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
@@ -478,26 +481,30 @@ class PhaseMachine:
             return "manual"
         return "optimizer" if self.models.seen_optimizers else "backward"
 
-    def _merge_backward_steps(self) -> None:
-        """The first optimizer step came after steps counted from backward passes: they were
-        the micro-batches of one step (gradient accumulation). Merge their records."""
+    def _fold_backward_steps(self) -> None:
+        """The first optimizer step begins after steps counted from backward passes: they
+        were the micro-batches of the step it ends (gradient accumulation). Their records fold
+        into the step in progress, which takes the first one's number and their backward
+        passes: an OOM in this optimizer step is in that step, with its micro-batches."""
         state, devices = self.state, self.devices
         n, self.backward_steps = self.backward_steps, 0
-        first = state.step - 1 - n
+        first = state.step - n
         counted_from, self.abandoned_steps = first + self.abandoned_steps, 0
+        passes, duration = 0, 0.0
         for dev in devices.records.values():
-            merge_steps(dev, first, counted_from)
+            passes, duration = fold_steps(dev, first, counted_from)
             dev.growth = devices.growth_detector()
-            # a peak found in a micro-batch belongs to the merged step
+            # a peak found in a micro-batch belongs to the folded step
             if dev.pending is not None and (dev.pending.step or 0) > first:
                 dev.pending = dev.pending._replace(step=first)
             if dev.breakdown is not None and (dev.breakdown.step or 0) > first:
                 dev.breakdown = dataclasses.replace(dev.breakdown, step=first)
-        state.step = first + 1
+        state.step = first
+        state.backwards += passes
+        self.step_t0 -= duration
         facts = self.evidence.facts
-        facts.grads_checked_step = min(facts.grads_checked_step, state.step)
+        facts.grads_checked_step = min(facts.grads_checked_step, first + 1)
         self.evidence.leak_watch.graph_scans = []
-        self.on_step()
 
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are."""

@@ -86,6 +86,7 @@ class OomEvidence:
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.
         autocast_forwards: training forwards run under ``torch.autocast`` so far.
+        batch_bytes: the bytes of the last training forward's first input, if it is alive.
     """
 
     device: str
@@ -106,6 +107,7 @@ class OomEvidence:
     setup: TrainingSetup | None
     rank: int | None
     autocast_forwards: int = 0
+    batch_bytes: int = 0
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -197,6 +199,14 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         checkpointed=checkpointed,
         frozen_model=evidence.frozen_model,
         autocast_forwards=evidence.autocast_forwards,
+        # the first optimizer step (no state when the step began) was creating it
+        optimizer_state_partial=(
+            PHASES[moment.phase] == "optimizer"
+            and moment.state_empty
+            and parts is not None
+            and parts.optimizer_state > 0
+        ),
+        batch_bytes=evidence.batch_bytes,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

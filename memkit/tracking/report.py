@@ -347,6 +347,10 @@ class OomPostMortem(Result):
             parameters are written in place between passes (an EMA or mean teacher).
         autocast_forwards: training forwards that had run under ``torch.autocast`` (the
             failing one included): the forward is mixed precision already.
+        optimizer_state_partial: it failed in an optimizer step that began with no optimizer
+            state: the state in the breakdown is the part that step had created.
+        batch_bytes: the bytes of the training batch alive when it failed (the last training
+            forward's first input; 0: none, or gone), part of ``other`` in the breakdown.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -376,6 +380,8 @@ class OomPostMortem(Result):
     checkpointed: tuple[str, ...] = ()
     frozen_model: tuple[str, int, bool] | None = None
     autocast_forwards: int = 0
+    optimizer_state_partial: bool = False
+    batch_bytes: int = 0
 
     @property
     def where(self) -> str:
