@@ -109,7 +109,7 @@ def test_optimizer_state_never_offers_the_optimizer_in_use():
 def _post_mortem(setup):
     from types import SimpleNamespace
 
-    return SimpleNamespace(setup=setup)
+    return SimpleNamespace(setup=setup, optimizer_state_partial=False)
 
 
 def test_adafactor_saving_is_no_more_than_running_it_saves():

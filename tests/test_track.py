@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -337,7 +338,8 @@ def test_a_hidden_state_never_detached_is_named_with_its_fix():
 def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     """``total_loss += loss`` then ``logs = {"loss": total_loss / step}``: the suspect is
     ``total_loss`` (the dict only shows it), with the ``.item()`` fix; a list that grows by
-    ``append(logits)`` gets the append fix, not 'detach a carried state'."""
+    ``append(logits)`` gets the append fix for tensors of their own size (``.detach().cpu()``,
+    never ``.item()``), not 'detach a carried state'."""
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with track(model, opt, device="cpu", budget="64MiB") as tracker:
@@ -367,7 +369,9 @@ def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     )
     lists = only("all_logits")
     assert not lists.suspects[0].carried
-    assert "`all_logits.append(x.item())`" in graph_retained_advice([lists])[0].action
+    # (32, 10) logits: `.item()` would raise; detached, their own bytes stay: off the device
+    action = graph_retained_advice([lists])[0].action
+    assert "`all_logits.append(x.detach().cpu())`" in action and ".item()" not in action
 
 
 def ppo_style_logging() -> TrackReport:
@@ -551,6 +555,151 @@ def test_no_leak_reported_for_healthy_loop():
         train(model, opt, 7)
     report = tracker.report()
     assert report.leaks == [] and not [a for a in report.advice if a.code == "graph-retained"]
+
+
+def dcgan_keeping_fakes(keep: str, steps: int = 8) -> tuple[TrackReport, list[torch.Tensor]]:
+    """pytorch/examples' DCGAN loop (D's update, then G's), with the generated batch kept
+    every step by a nested ``train()`` closing over ``fakes``: with its graph (``"fake"``),
+    detached (``"detach"``); ``D_losses`` keeps D's loss with its graph."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 3 * 16 * 16), nn.Tanh(), nn.Unflatten(1, (3, 16, 16)))
+    disc = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 1), nn.Sigmoid())
+    opt_d, opt_g = torch.optim.Adam(disc.parameters()), torch.optim.Adam(gen.parameters())
+    bce = nn.BCELoss()
+    fakes: list[torch.Tensor] = []
+    D_losses: list[Any] = []
+
+    def train() -> None:
+        for _ in range(steps):
+            real, ones, zeros = torch.randn(8, 3, 16, 16), torch.ones(8), torch.zeros(8)
+            opt_d.zero_grad()
+            fake = gen(torch.randn(8, 16))
+            err_d = bce(disc(real).squeeze(1), ones) + bce(disc(fake.detach()).squeeze(1), zeros)
+            err_d.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(disc(fake).squeeze(1), ones).backward()
+            opt_g.step()
+            D_losses.append(err_d if keep == "errD" else err_d.item())
+            if keep == "fake":
+                fakes.append(fake)
+            if keep == "detach":
+                fakes.append(fake.detach())
+
+    with track(device="cpu", budget="64MiB") as tracker:
+        train()
+    return tracker.report(), fakes
+
+
+def test_a_list_of_detached_device_tensors_that_grows_is_named():
+    """``fakes.append(fake.detach())``: no graph, but the images stay on the device, one
+    batch a step. The list is named at its line (once, though ``main`` holds it too), with
+    the bytes a step adds (an image batch, counted here), and the fix moves them off the
+    device (detaching alone is what the script does already)."""
+    report, fakes = dcgan_keeping_fakes("detach")
+    batch = fakes[0].numel() * fakes[0].element_size()
+    leak = report.devices[0].leak
+    assert leak is not None and leak.growth_per_step == batch
+    top = leak.suspects[0]
+    assert (top.name, top.graph, top.growing) == ("fakes", False, True)
+    assert top.code == "fakes.append(fake.detach())" and top.function == "train"
+    assert top.item_bytes == batch and top.bytes_per_step == batch
+    assert top.item_shape == (8, 3, 16, 16) and top.tensor_bytes == top.length * batch
+    assert top.length < len(fakes)  # scanned when the growth was confirmed, not at the end
+    assert [s.name for s in leak.suspects].count("fakes") == 1
+    codes = [a.code for a in report.advice]
+    assert "tensors-kept" in codes and "memory-growth" not in codes
+    advice = report.advice[codes.index("tensors-kept")]
+    assert "`fakes.append(x.detach().cpu())`" in advice.action
+    assert advice.saving_bytes == batch
+
+
+def test_a_kept_image_batch_with_its_graph_gets_a_fix_that_fits_its_shape():
+    """``fakes.append(fake)`` keeps (8, 3, 16, 16) images with their graph: ``.item()`` would
+    raise, and ``.detach()`` keeps the images' bytes; backward freed the graph's saved
+    tensors, so detaching saves nothing on the device: what the detached twin grows by."""
+    report, _ = dcgan_keeping_fakes("fake")
+    leak = report.devices[0].leak
+    assert leak is not None and leak.suspects[0].name == "fakes" and leak.suspects[0].graph
+    advice = next(a for a in report.advice if a.code == "graph-retained")
+    assert ".item()" not in advice.action and "`fakes.append(x.detach().cpu())`" in advice.action
+    detached, _ = dcgan_keeping_fakes("detach")
+    twin = detached.devices[0].leak
+    assert twin is not None
+    saved_by_detach = leak.growth_per_step - twin.growth_per_step
+    assert f"({format_size(saved_by_detach)} a step here" in advice.action
+    assert advice.saving_bytes == leak.growth_per_step  # `.cpu()` frees all of it
+
+
+def test_a_list_a_nested_function_closes_over_is_named_once():
+    report, _ = dcgan_keeping_fakes("errD")
+    leak = report.devices[0].leak
+    assert leak is not None
+    names = [s.name for s in leak.suspects]
+    assert names[0] == "D_losses" and names.count("D_losses") == 1
+    advice = next(a for a in report.advice if a.code == "graph-retained")
+    assert advice.evidence.count("`D_losses`") == 1
+
+
+class ReplayMemory:
+    """The DQN tutorial's replay memory: a deque with a capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.memory: collections.deque[tuple[torch.Tensor, ...]]
+        self.memory = collections.deque(maxlen=capacity)
+
+    def push(self, *transition: torch.Tensor) -> None:
+        self.memory.append(transition)
+
+
+def test_a_replay_memory_filling_up_is_named_and_said_to_level_off():
+    """DQN: each step's state is made then (on a GPU too) and pushed into the replay memory,
+    a deque with a maxlen: memory grows while it fills, then levels off. The deque is named
+    (an attribute of the script's object, at the method that grows it) with where it stops;
+    not explained as batches the simulated device counts late."""
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Flatten(), nn.Linear(4 * 12 * 12, 4))
+    opt = torch.optim.AdamW(policy.parameters())
+    memory = ReplayMemory(40)
+    with track(policy, opt, device="cpu", budget="64MiB") as tracker:
+        state = torch.randn(1, 4, 12, 12)
+        for _ in range(12):
+            with torch.no_grad():
+                action = policy(state).argmax(1, keepdim=True)
+            next_state = torch.randn(1, 4, 12, 12)
+            memory.push(state, action, next_state, torch.ones(1))
+            state = next_state
+            batch = torch.cat([t[0] for t in list(memory.memory)[-4:]])
+            loss = policy(batch).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    leak = report.devices[0].leak
+    assert leak is not None
+    top = leak.suspects[0]
+    assert (top.name, top.function, top.maxlen, top.graph) == (
+        "memory.memory",
+        "ReplayMemory.push",
+        40,
+        False,
+    )
+    assert top.code == "self.memory.append(transition)"
+    # one more transition: a new state (the last one's next_state), an action and a reward
+    state_bytes = 4 * 12 * 12 * 4
+    assert top.item_bytes == state_bytes + 8 + 4
+    # what the deque held when scanned, each storage once (its first transition's two states)
+    held = list(memory.memory)[: top.length]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for tr in held
+                for t in tr}  # fmt: skip
+    assert top.tensor_bytes == sum(storages.values())
+    codes = [a.code for a in report.advice]
+    assert "tensors-kept" in codes and "memory-growth" not in codes
+    advice = report.advice[codes.index("tensors-kept")]
+    assert advice.severity == "info" and "maxlen=40" in advice.evidence
+    # full: 40 transitions hold 41 states, 40 actions and 40 rewards
+    assert f"about {format_size(41 * state_bytes + 40 * 12)}" in advice.evidence
+    assert "simulated device counts" not in advice.evidence
 
 
 def test_growth_detector_and_scan_helpers():
@@ -970,6 +1119,174 @@ def test_an_oom_in_a_teachers_forward_gets_the_steps_remedies_not_evaluations():
     pm = tracker.report().oom
     assert pm is not None and pm.frozen_model is None
     assert "oom-eval" in [a.code for a in pm.advice]
+
+
+def test_a_teacher_called_first_that_runs_out_in_step_0_is_the_steps_not_evaluation():
+    """The tutorials' order: the teacher's forward first, then the student's. Running out in
+    the teacher in step 0, before any training forward, is the training step's problem; its
+    module is named in the teacher's terms (the model seen second would make it so). A model
+    with no trainable parameter in a script with no optimizer (inference) stays evaluation."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10)).eval()
+    teacher.requires_grad_(False)
+    student = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(student.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="4MiB") as tracker:
+        x = torch.randn(256, 256)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = nn.functional.cross_entropy(student(x), target)
+        loss.backward()
+        opt.step()
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.step == 0
+    size = sum(p.numel() * 4 for p in teacher.parameters())
+    assert pm.frozen_model == ("Sequential", size, False)
+    assert pm.module is not None and pm.module.startswith("Sequential.")
+    codes = [a.code for a in pm.advice]
+    assert "oom-frozen-model" in codes and "oom-eval" not in codes
+
+    def infer() -> None:  # a script with no optimizer in reach
+        with torch.no_grad():
+            teacher(torch.randn(256, 256))
+
+    del opt
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="4MiB") as tracker:
+        infer()
+    pm = tracker.report().oom
+    assert pm is not None and pm.frozen_model is None
+    assert "oom-eval" in [a.code for a in pm.advice]
+
+
+def kd_run(teacher: nn.Module, steps: int = 4, eval_batch: int = 16) -> TrackReport:
+    """The distillation tutorial's loop: the teacher's forward on the training batch first,
+    the student's, one optimizer step; a validation pass of the student after each step."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(student.parameters())
+    dtype = next(teacher.parameters()).dtype
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(steps):
+            x = torch.randn(128, 256)
+            with torch.no_grad():
+                target = teacher(x.to(dtype)).float().softmax(-1)
+            loss = nn.functional.cross_entropy(student(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            student.eval()
+            with torch.no_grad():
+                student(torch.randn(eval_batch, 256))
+            student.train()
+    return tracker.report()
+
+
+def test_a_teachers_forward_that_sets_the_peak_is_the_steps_not_evaluations():
+    """The teacher's forwards on the training batch are evaluation passes (the eval column)
+    and peak above training: that is the step's memory, not evaluation's, whose own batch is
+    small. The advice names the teacher, not a smaller evaluation batch; its bf16 saving is
+    what the same loop with a bf16 teacher saves."""
+    teacher = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 10)).eval()
+    teacher.requires_grad_(False)
+    report = kd_run(teacher)
+    dev = report.devices[0]
+    assert report.frozen_forwards == 4 and report.frozen_input_shape == (128, 256)
+    assert report.eval_input_shape == (16, 256) and report.eval_forwards == 8
+    # the teacher's peak: its weights, the batch, its hidden layer and the ReLU's output, on
+    # top of the student's weights, gradients and AdamW's two moments (and a few scalars)
+    frozen = report.frozen_peaks["cpu"]
+    assert frozen == dev.phase_peaks["eval"]
+    student = (256 * 64 + 64 + 64 * 10 + 10) * 4
+    held = sum(p.numel() * 4 for p in teacher.parameters()) + 128 * 256 * 4 + 4 * student
+    assert held + 2 * 128 * 2048 * 4 <= frozen <= held + 2 * 128 * 2048 * 4 + 8 * 1024
+    codes = [a.code for a in report.advice]
+    assert "frozen-model-peak" in codes and "eval-peak" not in codes
+    advice = report.advice[codes.index("frozen-model-peak")]
+    assert "`Sequential`" in advice.title and "(128, 256)" in advice.evidence
+    assert "bfloat16" in advice.action and advice.saving_bytes is not None
+    half = kd_run(teacher.to(torch.bfloat16))
+    saved = report.peak_allocated - half.peak_allocated
+    assert advice.saving_bytes <= saved  # the claim is the weights' half; activations add
+    assert "evaluation: 8 forward pass(es), 4 of them by `Sequential`" in str(report)
+    # evaluation on a batch of its own far larger than the step: eval-peak, with its shape
+    small = nn.Sequential(nn.Linear(256, 10)).eval().requires_grad_(False)
+    report = kd_run(small, eval_batch=4096)
+    codes = [a.code for a in report.advice]
+    assert "eval-peak" in codes and "frozen-model-peak" not in codes
+    assert "(4096, 256)" in report.advice[codes.index("eval-peak")].evidence
+
+
+def test_one_oversized_batch_is_the_steps_own_not_memory_kept_across_steps():
+    """A giant batch (a long-sequence or bucketed one) after small ones: it is allocated
+    before the forward, so the breakdown files it under "other"; it is the step's own batch,
+    not kept memory (no ``oom-other``): ``oom-batch`` gives its bytes and what the step asked
+    for. Outputs a script does keep across steps still get ``oom-other``, the batch left out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="64MiB") as tracker:
+        for batch in (64, 64, 50_000):
+            x, y = torch.randn(batch, 128), torch.randint(0, 10, (batch,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    pm = tracker.report().oom
+    assert pm is not None and pm.step == 2 and pm.phase == "forward"
+    assert pm.batch_bytes == 50_000 * 128 * 4
+    codes = [a.code for a in pm.advice]
+    assert "oom-batch" in codes and "oom-other" not in codes
+    said = pm.advice[codes.index("oom-batch")].evidence
+    assert "(50000, 128)" in said and format_size(50_000 * 128 * 4) in said
+    assert format_size(50_000 * 512 * 4) in said  # the first layer's output it asked for
+
+    wide = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    kept: list[torch.Tensor] = []
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="17MiB") as tracker:
+        for _ in range(8):
+            hidden = wide[:2](torch.randn(128, 256))
+            loss = wide[2](hidden).logsumexp(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            kept.append(hidden.detach())
+    pm = tracker.report().oom
+    assert pm is not None and pm.leak is None and pm.batch_bytes == 128 * 256 * 4
+    codes = [a.code for a in pm.advice]
+    assert "oom-other" in codes and "oom-batch" not in codes
+    # what was kept: the outputs, and the last step's loss (a scalar)
+    assert (
+        pm.advice[codes.index("oom-other")].saving_bytes
+        == sum(t.numel() * t.element_size() for t in kept) + loss.numel() * loss.element_size()
+    )
+
+
+def test_an_oom_in_the_first_optimizer_step_after_accumulation_is_that_steps():
+    """Two micro-batches, then the first ``optimizer.step()`` runs out while it creates
+    AdamW's state: step 0 with 2 micro-batches (the steps counted from backward passes fold
+    into it when the optimizer step begins), and the state is said to be partial, priced as
+    it will be (two buffers of the parameters' size)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="5MiB") as tracker:
+        for i in range(8):
+            x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+            (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    report = tracker.report()
+    pm = report.oom
+    assert pm is not None and pm.phase == "optimizer"
+    assert (pm.step, pm.micro_batches, report.steps) == (0, 2, 0)
+    assert pm.optimizer_state_partial
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert pm.breakdown is not None and 0 < pm.breakdown.optimizer_state < 2 * params
+    state = next(a for a in pm.advice if a.code == "oom-optimizer-state")
+    assert "partial" in state.evidence and format_size(2 * params) in state.evidence
+    assert "1.2x" not in state.evidence
 
 
 def test_a_peak_inside_the_optimizer_step_advises_no_mixed_precision():

@@ -1,109 +1,224 @@
-"""Leak advice: ``graph-retained`` (a live variable holds a growing autograd graph) and
-``memory-growth`` (memory grows and no variable is named), from the tracker's leak findings
-(:mod:`memkit.tracking.leaks` finds them)."""
+"""Leak advice: ``graph-retained`` (a live variable holds a growing autograd graph),
+``tensors-kept`` (a container of device tensors without a graph grows; a deque with a
+``maxlen`` says where it levels off) and ``memory-growth`` (memory grows and no variable is
+named), from the tracker's leak findings (:mod:`memkit.tracking.leaks` finds them)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
 from memkit.advice.form import Advice
-from memkit.units import format_size
+from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import LeakFinding
+    from memkit.tracking.report import LeakFinding, LeakSuspect
 
 __all__ = ["graph_retained_advice"]
 
 
 def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
-    """``graph-retained``: memory grows each step and a live variable holds an autograd graph."""
+    """``graph-retained``: memory grows each step and a live variable holds an autograd
+    graph; ``tensors-kept``: a container of device tensors grows; ``memory-growth``: memory
+    grows and neither is found."""
     out: list[Advice] = []
     for leak in leaks:
-        if leak.period > 1:
-            growth = (
-                f"Allocated memory on {leak.device} grew by "
-                f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
-                f"over {leak.steps} steps (from step {leak.first_step}) without coming back down."
-            )
-        elif leak.graph_growth and leak.growth_per_step <= 0:
-            growth = (
-                f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
-                f"{leak.first_step}); device memory on {leak.device} stayed flat because "
-                "backward freed the saved tensors, but every step's graph nodes stay alive in "
-                "host memory, and anything that still holds tensors keeps them on the device."
-            )
-        else:
-            growth = (
-                f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
-                f"per step over {leak.steps} steps (from step {leak.first_step}) without "
-                "coming back down."
-            )
+        growth = _growth(leak)
         names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
-        grown = leak.growth_per_step * leak.steps
-        if leak.held_batches > 1 and grown > 0 and leak.held_batch_bytes >= grown:
-            growth += (
-                f" {leak.held_batches} input tensors the model has read are still alive "
-                f"({format_size(leak.held_batch_bytes)}): the simulated device counts a host "
-                "tensor from the step that first feeds it to the model, so batches a script "
-                "keeps (a list built before training) grow here one by one. On a GPU they "
-                "would be there from the start if moved up front, or copied per step."
-            )
-        if not leak.suspects or not leak.suspects[0].growing:
-            # a variable seen holding a graph whose graph never grew is the step's own (its
-            # loss), not shown to be the cause: say what was seen, claim nothing
-            seen = (
-                f" At the end of a step {names} held an autograd graph, but none of their "
-                "graphs grew between two scans: the step's own, most likely, not the cause."
-                if leak.suspects
-                else " No variable of the training thread holds an autograd graph."
-            )
-            out.append(
-                Advice(
-                    code="memory-growth",
-                    title=f"memory grows every step on {leak.device}",
-                    evidence=growth + seen + " Look for tensors kept in lists, caches or "
-                    "globals (the scan sees locals, `self`'s attributes and containers two "
-                    "levels deep).",
-                    action="Keep only Python numbers across steps (`.item()`), or `.detach()` "
-                    "tensors you store; check caches that grow with the step count.",
-                    saving_bytes=leak.growth_per_step or None,
-                    severity="warning",
-                )
-            )
-            continue
-        top = leak.suspects[0]
-        if top.carried:  # a state the next step builds on: cut its graph at each step
-            action = (
-                f"Detach `{top.name}` where each step begins (`{top.name} = "
-                + (
-                    f"tuple(h.detach() for h in {top.name})`"
-                    if top.kind == "container"
-                    else f"{top.name}.detach()`"
-                )
-                + ", as truncated backpropagation through time does), so backward stops at "
-                "the step; `retain_graph=True` is then no longer needed."
-            )
+        top = leak.suspects[0] if leak.suspects else None
+        if top is None or not top.growing:
+            out.append(_memory_growth(leak, growth + _held_batches(leak), names))
+        elif not top.graph:
+            out.append(_tensors_kept(leak, top, growth))
         else:
-            if top.kind != "container":
-                fix = f"`{top.name} += loss.item()` (or `loss.detach()`)"
-            elif re.search(rf"{re.escape(top.name)}\s*\[[^\]]*\]\s*=(?!=)", top.code):
-                fix = f"`{top.name}[key] = x.item()` (or `x.detach()`)"  # a dict it fills
-            else:
-                fix = f"`{top.name}.append(x.item())` (or `x.detach()`)"
-            action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
-            action += "only logs."
-        out.append(
-            Advice(
-                code="graph-retained",
-                title=f"`{top.name}` keeps an autograd graph alive across steps",
-                evidence=growth
-                + f" Still holding a graph at the end of a step: {names}"
-                + (f"; line: `{top.code}`" if top.code else "")
-                + ". Each step's graph (and whatever tensors it saved) stays alive.",
-                action=action,
-                saving_bytes=leak.growth_per_step or None,
-                severity="critical",
-            )
-        )
+            out.append(_graph_retained(leak, top, growth, names))
     return out
+
+
+def _growth(leak: LeakFinding) -> str:
+    """The evidence's first sentence: how the memory (or a graph) grew."""
+    if leak.period > 1:
+        return (
+            f"Allocated memory on {leak.device} grew by "
+            f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
+            f"over {leak.steps} steps (from step {leak.first_step}) without coming back down."
+        )
+    if leak.graph_growth and leak.growth_per_step <= 0:
+        return (
+            f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
+            f"{leak.first_step}); device memory on {leak.device} stayed flat because "
+            "backward freed the saved tensors, but every step's graph nodes stay alive in "
+            "host memory, and anything that still holds tensors keeps them on the device."
+        )
+    return (
+        f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
+        f"per step over {leak.steps} steps (from step {leak.first_step}) without "
+        "coming back down."
+    )
+
+
+def _held_batches(leak: LeakFinding) -> str:
+    """On the simulated device, the batches the model read that are still alive, when they
+    account for the growth (a list of batches built before training counts there batch by
+    batch); nothing where no container was seen growing."""
+    grown = leak.growth_per_step * leak.steps
+    if not (leak.held_batches > 1 and grown > 0 and leak.held_batch_bytes >= grown):
+        return ""
+    return (
+        f" {leak.held_batches} input tensors the model has read are still alive "
+        f"({format_size(leak.held_batch_bytes)}): the simulated device counts a host "
+        "tensor from the step that first feeds it to the model, so batches a script "
+        "keeps (a list built before training) grow here one by one. On a GPU they "
+        "would be there from the start if moved up front, or copied per step."
+    )
+
+
+def _memory_growth(leak: LeakFinding, growth: str, names: str) -> Advice:
+    """``memory-growth``: no variable was seen growing; those seen holding a graph are the
+    step's own (its loss), not shown to be the cause: say what was seen, claim nothing."""
+    seen = (
+        f" At the end of a step {names} held an autograd graph, but none of their "
+        "graphs grew between two scans: the step's own, most likely, not the cause."
+        if leak.suspects
+        else " No variable of the training thread holds an autograd graph."
+    )
+    return Advice(
+        code="memory-growth",
+        title=f"memory grows every step on {leak.device}",
+        evidence=growth + seen + " Look for tensors kept in caches or globals, or deeper "
+        "than the scan looks (it sees locals, the attributes of `self` and of the script's "
+        "own objects, and containers two levels deep).",
+        action="Keep only Python numbers across steps (`.item()`); move tensors you store to "
+        "the CPU (`.detach().cpu()`: detaching alone keeps their bytes on the device); bound "
+        "what grows with the step count (`collections.deque(maxlen=N)`).",
+        saving_bytes=leak.growth_per_step or None,
+        severity="warning",
+    )
+
+
+def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
+    """``tensors-kept``: a container of device tensors without a graph grows (detached
+    outputs kept in a list; a replay buffer filling up). A deque with a ``maxlen`` levels off
+    at ``maxlen`` items: said, with the bytes it will hold."""
+    shape = "" if top.item_shape is None else f" (the last a {format_shape(top.item_shape)} tensor)"
+    line = f"; line: `{top.code}`" if top.code else ""
+    held = (
+        f" `{top.name}` ({top.where}{line}) held {top.length} item(s) when scanned, about "
+        f"{format_size(top.item_bytes)} each on {leak.device}{shape}: "
+        f"{format_size(top.tensor_bytes)}"
+        + (
+            f", and grew by {format_size(top.bytes_per_step)} per step between two scans"
+            if top.bytes_per_step
+            else ""
+        )
+        + ": its tensors carry no graph; their own bytes are what stays."
+    )
+    if top.maxlen is not None and top.maxlen > top.length:
+        full = top.tensor_bytes + (top.maxlen - top.length) * top.item_bytes
+        return Advice(
+            code="tensors-kept",
+            title=f"`{top.name}` fills up to its maxlen ({top.maxlen}) on {leak.device}",
+            evidence=growth + held + f" It is a deque with maxlen={top.maxlen}: it stops "
+            f"growing at {top.maxlen} items, about {format_size(full)} "
+            f"({top.maxlen - top.length} more than when scanned). A buffer with a capacity, "
+            "not a leak: the growth levels off there.",
+            action=f"Nothing to fix if {format_size(full)} fits beside the step; to hold "
+            "less, lower the capacity, or keep the items on the CPU and move each sampled "
+            "batch to the device.",
+            saving_bytes=None,
+            severity="info",
+        )
+    numbers = top.item_shape is not None and math.prod(top.item_shape) == 1
+    item = "`x.item()`" if numbers else "`x.detach().cpu()`"
+    store = _store(top, item)
+    return Advice(
+        code="tensors-kept",
+        title=f"`{top.name}` keeps device tensors across steps on {leak.device}",
+        evidence=growth + held,
+        action=f"Keep them off the device: {store}"
+        + ("" if numbers else " (detaching alone keeps their bytes)")
+        + "; or keep only the last N (`collections.deque(maxlen=N)`), or none.",
+        saving_bytes=leak.growth_per_step or top.bytes_per_step or None,
+        severity="warning",
+    )
+
+
+def _store(top: LeakSuspect, item: str) -> str:
+    """How ``top`` would store ``item`` instead: in a dict it fills, or appended."""
+    if re.search(rf"{re.escape(top.name.rsplit('.', 1)[-1])}\s*\[[^\]]*\]\s*=(?!=)", top.code):
+        return f"`{top.name}[key] = {item.strip('`')}`"
+    return f"`{top.name}.append({item.strip('`')})`"
+
+
+def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str) -> Advice:
+    """``graph-retained``: the fix fits what is kept. A state the next step builds on: detach
+    it where each step begins. One-element tensors (losses): ``.item()``. Larger tensors (a
+    batch of generated images): ``.detach()`` frees only the graph's saved tensors, their own
+    bytes stay on the device unless moved with ``.cpu()``; the saving is what each frees."""
+    rate = leak.growth_per_step
+    own = ""
+    if top.carried:  # a state the next step builds on: cut its graph at each step
+        action = (
+            f"Detach `{top.name}` where each step begins (`{top.name} = "
+            + (
+                f"tuple(h.detach() for h in {top.name})`"
+                if top.kind == "container"
+                else f"{top.name}.detach()`"
+            )
+            + ", as truncated backpropagation through time does), so backward stops at "
+            "the step; `retain_graph=True` is then no longer needed."
+        )
+        saving = rate or None
+    elif top.kind != "container":
+        scalar = top.item_shape is None or math.prod(top.item_shape) == 1
+        fix = (
+            f"`{top.name} += loss.item()` (or `loss.detach()`)"
+            if scalar
+            else f"`{top.name} += x.detach()` (its size stays; only the graph went on growing)"
+        )
+        action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
+        action += "only logs."
+        saving = rate or None
+    elif top.item_shape is None or math.prod(top.item_shape) == 1:  # losses kept in a list
+        action = f"Store numbers, not graphs: {_store(top, '`x.item()`')} (or `x.detach()`). "
+        action += "Use `torch.no_grad()` for code that only logs."
+        saving = rate or None
+    else:  # tensors of their own size: detaching keeps their bytes
+        tensors = top.bytes_per_step
+        graph = max(0, rate - tensors) if tensors else None
+        shape = format_shape(top.item_shape)
+        own = (
+            f" The {shape} tensors themselves are {format_size(tensors)} of each step's "
+            f"{format_size(rate)}."
+            if tensors
+            else ""
+        )
+        detach = (
+            "`x.detach()` alone frees only the graph's saved tensors"
+            + (
+                f" ({format_size(graph)} a step here"
+                + (": backward had freed them already)" if graph == 0 else ")")
+                if graph is not None
+                else ""
+            )
+            + ", not the tensors' own bytes"
+        )
+        action = (
+            f"Keep them without their graph and off {leak.device}: "
+            f"{_store(top, '`x.detach().cpu()`')} frees all of it; {detach}; or do not keep "
+            "them. Use `torch.no_grad()` for code that only logs."
+        )
+        saving = rate or None
+    return Advice(
+        code="graph-retained",
+        title=f"`{top.name}` keeps an autograd graph alive across steps",
+        evidence=growth
+        + f" Still holding a graph at the end of a step: {names}"
+        + (f"; line: `{top.code}`" if top.code else "")
+        + ". Each step's graph (and whatever tensors it saved) stays alive."
+        + own,
+        action=action,
+        saving_bytes=saving,
+        severity="critical",
+    )

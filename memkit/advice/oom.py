@@ -1,5 +1,5 @@
 """The OOM post-mortem's advice: rules of the breakdown at the failure (``oom-activations``,
-``oom-optimizer-state``, ``oom-parameters``, ``oom-other``), of the pass it failed in
+``oom-optimizer-state``, ``oom-parameters``, ``oom-batch``, ``oom-other``), of the pass it failed in
 (``oom-eval``, ``eval-grad-enabled``), of a leak that ran out (``graph-retained``), and of the
 CUDA message (``fragmentation``, ``other-processes``). Each is a function of the
 :class:`~memkit.tracking.report.OomPostMortem` (and the parsed message); none measures."""
@@ -12,6 +12,7 @@ from memkit.advice.device import fragmentation, other_processes, processes_in_oo
 from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
 from memkit.advice.training import (
+    STATE_BUFFERS,
     lbfgs_history,
     lighter_options,
     shard_option,
@@ -29,6 +30,7 @@ __all__ = [
     "message_advice",
     "oom_activations",
     "oom_advice",
+    "oom_batch",
     "oom_in_evaluation",
     "oom_in_frozen_model",
     "oom_optimizer_state",
@@ -58,6 +60,7 @@ def oom_advice(
             oom_activations(pm, bd, share),
             oom_optimizer_state(bd, share, pm),
             oom_parameters(bd, share),
+            oom_batch(pm, bd),
             oom_other(pm, bd, share),
         )
         out.extend(a for a in found if a is not None)
@@ -280,8 +283,24 @@ def oom_optimizer_state(
             )
     sparse = setup is not None and (bool(setup.sparse_gradients) or setup.optimizer == "SparseAdam")
     stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
+    name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
+    state, sep = bd.optimizer_state, ": "
+    if pm is not None and pm.optimizer_state_partial:
+        # its first step was creating the state: priced as it will be once complete
+        buffers = STATE_BUFFERS.get(name)
+        complete = buffers * stepped if buffers else None
+        amsgrad = " (3 with `amsgrad=True`)" if name in ("Adam", "AdamW") else ""
+        per_parameter = "partial: the optimizer step that failed was creating it" + (
+            f". Complete, {name} keeps {buffers} buffers of the parameters' size{amsgrad}: "
+            f"{format_size(complete)} for the {format_size(stepped)} of parameters it steps"
+            if complete
+            else ""
+        )
+        state, sep = max(state, complete or 0), ", "
+    else:
+        per_parameter = state_per_parameter(state, stepped)
     offered = lighter_options(
-        bd.optimizer_state,
+        state,
         stepped,
         optimizer=None if setup is None else setup.optimizer,
         param_dtype=None if setup is None else setup.param_dtype,
@@ -290,20 +309,17 @@ def oom_optimizer_state(
     lighter = "; ".join(f"{o.name}: saves ~{format_size(saving)}" for o, saving in offered)
     takes = ", which take sparse gradients" if sparse else ""
     shard = f"shard it across ranks ({shard_option(sparse)})"
-    name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
-    per_parameter = state_per_parameter(bd.optimizer_state, stepped)
     return Advice(
         code="oom-optimizer-state",
         title="optimizer state is a large share",
         evidence=f"{name} state was {format_size(bd.optimizer_state)} "
-        f"({100 * share['optimizer state']:.0f}%): {per_parameter}.",
+        f"({100 * share['optimizer state']:.0f}%){sep}{per_parameter}.",
         action=(
             f"Use a lighter optimizer state ({lighter}{takes}), or {shard}."
             if offered
-            else f"{shard[0].upper()}{shard[1:]}: 2 ranks save "
-            f"{format_size(bd.optimizer_state // 2)} per rank."
+            else f"{shard[0].upper()}{shard[1:]}: 2 ranks save {format_size(state // 2)} per rank."
         ),
-        saving_bytes=min(s for _, s in offered) if offered else bd.optimizer_state // 2,
+        saving_bytes=min(s for _, s in offered) if offered else state // 2,
         severity="warning",
     )
 
@@ -323,20 +339,56 @@ def oom_parameters(bd: Breakdown, share: dict[str, float]) -> Advice | None:
 
 
 def oom_other(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
-    """``oom-other``: at least 30% was none of the model's (and no leak explains it)."""
-    if share["other"] < 0.3 or pm.leak is not None:
+    """``oom-other``: at least 30% was none of the model's, the live training batch left out
+    (the step needs it: ``oom-batch`` speaks of it), and no leak explains it."""
+    batch = min(pm.batch_bytes, bd.other)
+    kept = bd.other - batch
+    if kept < 0.3 * bd.total or pm.leak is not None:
         return None
+    besides = f", besides the step's training batch ({format_size(batch)})" if batch > 0 else ""
     return Advice(
         code="oom-other",
         title="much of the memory is not the model's",
-        evidence=f"{format_size(bd.other)} ({100 * share['other']:.0f}%) was "
+        evidence=f"{format_size(kept)} ({100 * kept / bd.total:.0f}%) was "
         "allocated before the step's forward and is neither parameters, gradients "
-        "nor optimizer state: batches, cached tensors, outputs kept from earlier "
+        f"nor optimizer state{besides}: batches, cached tensors, outputs kept from earlier "
         "steps.",
         action="Free what you keep across steps (`del`, `.item()`, `.detach()`), "
         "move stored tensors to CPU.",
-        saving_bytes=bd.other,
+        saving_bytes=kept,
         severity="warning",
+    )
+
+
+def oom_batch(pm: OomPostMortem, bd: Breakdown) -> Advice | None:
+    """``oom-batch``: the step's own training batch (the forward's first input, alive) was at
+    least 30% of the memory when a forward or backward ran out: nothing kept across steps,
+    the batch is too large for the device (one oversized batch among smaller ones, or all)."""
+    batch = min(pm.batch_bytes, bd.other)
+    if batch < 0.3 * bd.total or pm.phase not in ("forward", "backward"):
+        return None
+    shape = "" if pm.input_shape is None else f" {format_shape(pm.input_shape)}"
+    tried = pm.tried_to_allocate or 0
+    asked = (
+        f"; it then asked for {format_size(tried)} more (an activation of that batch)"
+        if tried
+        else ""
+    )
+    room = "" if pm.capacity is None else f", on a device of {format_size(pm.capacity)}"
+    return Advice(
+        code="oom-batch",
+        title="the training batch is too large for the device",
+        evidence=f"The step's training batch{shape} was {format_size(batch)} "
+        f"({100 * batch / bd.total:.0f}% of the {format_size(bd.total)} allocated) when it "
+        f"failed at {pm.where}{asked}: at this batch size the step needs at least "
+        f"{format_size(bd.total + tried)}{room}. It is this step's own batch, not memory kept "
+        "from earlier steps.",
+        action="Lower the batch size (the batch and every activation scale with it) and keep "
+        "the effective batch with gradient accumulation; where one batch among smaller ones "
+        "is oversized (length buckets, a last giant batch), cap batches by their size "
+        "(samples or tokens per batch).",
+        saving_bytes=None,
+        severity="critical",
     )
 
 

@@ -2,7 +2,8 @@
 
 * ``graph-retained`` / ``memory-growth``: memory grows every step (:mod:`memkit.advice.leaks`).
 * ``eval-grad-enabled``: forward passes in eval mode with autograd recording keep activations
-  that nothing will use; ``eval-peak``: evaluation, not training, sets the peak.
+  that nothing will use; ``eval-peak``: evaluation, not training, sets the peak;
+  ``frozen-model-peak``: a teacher's forward on the training batch does.
 * :func:`measured_advice` feeds the rules of plain numbers this report's numbers:
   ``mixed-precision``, ``float64``, ``activation-checkpointing``, ``optimizer-state``,
   ``zero-grad-keeps-grads`` (:mod:`memkit.advice.training`), ``fragmentation``, ``empty-cache``
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "eval_grad_enabled",
     "eval_peak",
+    "frozen_model_peak",
     "graph_retained",
     "measured_advice",
     "oom_advice",
@@ -77,7 +79,9 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
 
 
 def eval_peak(report: TrackReport) -> list[Advice]:
-    """``eval-peak``: an evaluation pass, not training, sets the device's peak."""
+    """``eval-peak``: an evaluation pass, not training, sets the device's peak; where the
+    eval column's peak is a frozen model's forward on the training batch (a distillation
+    teacher), ``frozen-model-peak`` instead: that is the training step's memory."""
     out = []
     for dev in report.devices:
         evaluation = dev.phase_peaks.get("eval")
@@ -85,7 +89,16 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             (v for p in ("forward", "backward", "optimizer") if (v := dev.phase_peaks.get(p))),
             default=None,
         )
-        if evaluation is None or training is None or evaluation <= training * 1.1:
+        if evaluation is None or training is None:
+            continue
+        frozen = report.frozen_peaks.get(dev.device)
+        if frozen is not None and frozen >= evaluation:
+            # the teacher's forwards set the eval column's peak: evaluation's own is lower
+            # (not known apart), and what is high is the step's
+            found = frozen_model_peak(report, dev.device, frozen, training)
+            out.extend([found] if found is not None else [])
+            continue
+        if evaluation <= training * 1.1:
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
@@ -108,6 +121,52 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             )
         )
     return out
+
+
+def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int) -> Advice | None:
+    """``frozen-model-peak``: the forward of a model no optimizer trains (a distillation
+    teacher, a reference model), run on the training batch in every step, peaks above the
+    training phases on ``device``: the step's memory is highest there. A fixed model can be
+    held in bf16 (half its parameters saved) or have its outputs computed offline; an EMA
+    teacher changes every step (its forward under bf16 autocast)."""
+    if report.frozen_model is None or peak <= training * 1.1:
+        return None
+    name, size, updated = report.frozen_model
+    shape = report.frozen_input_shape
+    batch = "" if shape is None else f" on inputs of {format_shape(shape)}"
+    fp32 = report.param_dtype in (None, "float32", "float64")
+    if updated:
+        action = (
+            f"`{name}` is written in place between its passes (an EMA or mean teacher): run "
+            "its forward under `torch.autocast(..., dtype=torch.bfloat16)` (its activations "
+            "halve; its weights stay float32 for the update), or lower the training "
+            "micro-batch and keep the effective batch with gradient accumulation."
+        )
+        saving = None
+    else:
+        half = (
+            f"Hold it in bf16 (`.to(torch.bfloat16)`: half of its {format_size(size)} of "
+            "parameters saved), or compute"
+            if fp32
+            else "Compute"
+        )
+        action = (
+            f"{half} its outputs once, offline, and load them with the batch; a smaller "
+            "training micro-batch with gradient accumulation lowers its forward too."
+        )
+        saving = size // 2 if fp32 else None
+    return Advice(
+        code="frozen-model-peak",
+        title=f"the forward of `{name}`, a model no optimizer trains, sets the peak on {device}",
+        evidence=f"{report.frozen_forwards} forward(s) of `{name}`{batch}, the training "
+        f"batch, peaked at {format_size(peak)}; the training phases peaked at "
+        f"{format_size(training)}. It runs in every step (the eval column counts it, "
+        "evaluation's own passes are no higher): a larger batch runs out there first, and a "
+        "smaller evaluation batch would not help.",
+        action=action,
+        saving_bytes=saving,
+        severity="info",
+    )
 
 
 def track_advice(report: TrackReport, *, eval_grad_bytes: int = 0) -> list[Advice]:

@@ -12,6 +12,7 @@ from memkit.units import format_size
 
 __all__ = [
     "LIGHTER_OPTIMIZERS",
+    "STATE_BUFFERS",
     "BlockGroup",
     "LighterOptimizer",
     "ModuleActivation",
@@ -585,6 +586,19 @@ def optimizer_state(
         else _shard_saving(optimizer_state_bytes, ranks),
         severity="warning",
     )
+
+
+STATE_BUFFERS = {
+    "Adam": 2,  # exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,  # exp_avg, exp_inf
+    "Adadelta": 2,  # square_avg, acc_delta
+    "Adagrad": 1,  # sum
+}
+"""Buffers of the parameters' size that torch's optimizers keep per parameter whatever their
+settings (but ``amsgrad``): what a state still being created will be (torch/optim sources)."""
 
 
 def state_per_parameter(state_bytes: int, optimized_bytes: int) -> str:

@@ -304,6 +304,15 @@ def report_text(report: TrackReport) -> str:
             if report.eval_input_shape is None
             else f", largest input {format_shape(report.eval_input_shape)}"
         )
+        frozen = report.frozen_model
+        if frozen is not None and report.frozen_forwards:
+            shape = report.frozen_input_shape
+            on = "" if shape is None else f" {format_shape(shape)}"
+            others = "" if not batch else f"; the others'{batch.removeprefix(',')}"
+            batch = (
+                f", {report.frozen_forwards} of them by `{frozen[0]}` (a model no optimizer "
+                f"trains) on the training batch{on}{others}"
+            )
         lines.append(
             f"evaluation: {report.eval_forwards} forward pass(es){batch}, reported apart "
             "from training (the eval column); module bytes are training forwards only"

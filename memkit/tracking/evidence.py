@@ -192,6 +192,10 @@ class Evidence:
             "steps_with_grads_at_forward": facts.grads_steps,
             "grads_at_forward_bytes": facts.grads_at_forward_bytes,
             "dp_output_bytes": facts.dp_output_bytes,
+            "frozen_model": facts.frozen_seen,
+            "frozen_forwards": facts.frozen_forwards,
+            "frozen_input_shape": facts.frozen_input,
+            "frozen_peaks": dict(facts.frozen_peaks),
         }
         model = self.models.model
         if isinstance(model, torch.nn.DataParallel) and model.device_ids:

@@ -20,6 +20,7 @@ microseconds and would not be free to leave on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -27,10 +28,11 @@ import inspect
 import itertools
 import linecache
 import logging
+import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
@@ -227,7 +229,8 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
 
 @dataclass
 class Candidate:
-    """One variable found holding an autograd graph in one scan."""
+    """One variable found holding an autograd graph in one scan, or (scans for holders) a
+    container holding device tensors."""
 
     name: str
     function: str
@@ -241,23 +244,41 @@ class Candidate:
     nodes: frozenset[NodeKey] = frozenset()  # its graph's nodes (:func:`node_key`), but
     # the parameters' AccumulateGrad nodes (every step's graph shares them)
     carries: bool | None = None  # its graph holds a node of the scan it was compared to
+    graph: bool = True  # it holds an autograd graph (else: a container of device tensors)
+    nbytes: int = 0  # a container's device tensors, estimated (its first item's, and
+    # item_bytes for each other one)
+    item_bytes: int = 0  # what one more item of it holds on the device (storages new to it)
+    item_shape: tuple[int, ...] | None = None  # its last item's (or its own) tensor's shape
+    maxlen: int | None = None  # a deque's
+    owner: type | None = None  # an object's attribute: the class whose methods grow it
 
     @functools.cached_property
-    def _line(self) -> tuple[int, bool]:
-        return _first_line(self.code, self.frame_line, self.name)
+    def _line(self) -> tuple[str, str, int, bool]:
+        if self.owner is not None:
+            found = _line_in_class(self.owner, self.name.rsplit(".", 1)[1], self.graph)
+            if found is not None:
+                return found
+        line, built = _first_line(self.code, self.frame_line, self.name, self.graph)
+        return self.filename, self.function, line, built
 
     @property
     def first_line(self) -> int:
         """The line that grows or assigns the variable (reading the source costs more than
         a scan: only suspects need it)."""
-        return self._line[0]
+        return self._line[2]
+
+    @property
+    def place(self) -> tuple[str, str]:
+        """The file and function of :attr:`first_line` (an object's attribute: its class's
+        method that grows it, ``ReplayMemory.push``)."""
+        return self._line[0], self._line[1]
 
     @property
     def built_on_itself(self) -> bool:
         """That line grows it (``+=``, ``.append(``) or builds it from itself
         (``y, h = model(x, h)``): the variable a growing graph is kept in, not one derived
         from it (a ``logs`` dict, the ``loss`` computed through an RNN's ``hidden``)."""
-        return self._line[1]
+        return self._line[3]
 
 
 NodeKey = tuple[int, int]
@@ -318,14 +339,85 @@ def _has_graph(value: Any, tensor_type: type) -> bool:
 
 
 def _peek(value: Any) -> list[Any] | None:
-    """A list's or tuple's first and last few items, a dict's first few values (``None``:
-    not such a container)."""
+    """A list's, tuple's or deque's first and last few items, a dict's first few values
+    (``None``: not such a container)."""
     if isinstance(value, (list, tuple)):
         n = len(value)
         return [*value[:_CONTAINER_PEEK], *value[max(_CONTAINER_PEEK, n - _CONTAINER_PEEK) :]]
+    if isinstance(value, collections.deque):
+        return [*itertools.islice(value, _CONTAINER_PEEK), *_tail(value)]
     if isinstance(value, dict):
         return list(itertools.islice(value.values(), 2 * _CONTAINER_PEEK))
     return None
+
+
+def _tail(value: Any) -> list[Any]:
+    """A list's, tuple's, deque's or dict's last few items (values), oldest first, past its
+    first few (``[]`` when it holds no more than those)."""
+    n = len(value)
+    if n <= _CONTAINER_PEEK:
+        return []
+    if isinstance(value, dict):
+        items = list(itertools.islice(reversed(value.values()), _CONTAINER_PEEK))
+        return items[: n - _CONTAINER_PEEK][::-1]
+    return [value[i] for i in range(max(_CONTAINER_PEEK, n - _CONTAINER_PEEK), n)]
+
+
+def _item_tensors(item: Any, tensor_type: type) -> list[Any]:
+    """The tensors of one container item: itself, or inside it and one level deeper (a
+    ``(state, action, reward)`` transition, a dict of outputs)."""
+    if isinstance(item, tensor_type):
+        return [item]
+    found = []
+    for inner in _peek(item) or ():
+        if isinstance(inner, tensor_type):
+            found.append(inner)
+        else:
+            found += [v for v in _peek(inner) or () if isinstance(v, tensor_type)]
+    return found
+
+
+def _storages(tensors: list[Any], counts: Callable[[Any], bool]) -> dict[tuple[int, int], int]:
+    """The storages of ``tensors`` on the device ``counts`` says: ``(address, bytes)`` ->
+    bytes (a sparse tensor, or one without storage, adds nothing)."""
+    out = {}
+    for t in tensors:
+        with contextlib.suppress(Exception):
+            if counts(t):
+                storage = t.untyped_storage()
+                nbytes = int(storage.nbytes())
+                out[(storage.data_ptr(), nbytes)] = nbytes
+    return out
+
+
+def _held_bytes(
+    value: Any, tensor_type: type, counts: Callable[[Any], bool]
+) -> tuple[int, int, tuple[int, ...] | None]:
+    """What the container ``value`` holds on the device: ``(item bytes, total bytes, last
+    item's tensor shape)``. The item bytes are what one more item adds, from its last few
+    items: the storages each adds to those before it (a transition's ``next_state`` is the
+    next one's ``state``: counted once); the total, its first item's and as much for each
+    other one."""
+    head = _peek(value) or []
+    tail = _tail(value) or head[-_CONTAINER_PEEK:]
+    if not tail:
+        return 0, 0, None
+    parts = [_item_tensors(item, tensor_type) for item in tail]
+    last = parts[-1][0] if parts[-1] else None
+    shape = None if last is None else tuple(map(int, last.shape))
+    seen = _storages(parts[0], counts)
+    if len(parts) == 1:
+        item = sum(seen.values())
+    else:
+        added = 0
+        for tensors in parts[1:]:
+            for key, nbytes in _storages(tensors, counts).items():
+                if key not in seen:
+                    seen[key] = nbytes
+                    added += nbytes
+        item = added // (len(parts) - 1)
+    first = sum(_storages(_item_tensors(head[0], tensor_type), counts).values())
+    return item, first + item * (len(value) - 1), shape
 
 
 def _container_graph(value: Any, tensor_type: type) -> list[Any]:
@@ -355,27 +447,83 @@ def _user_frames(start: FrameType | None, limit: int = 30) -> Iterator[FrameType
         depth += 1
 
 
+def _frame_locals(frame: FrameType) -> dict[str, Any]:
+    """A copy of ``frame``'s locals (a script's top level: its globals; ``{}`` for an exotic
+    frame)."""
+    try:
+        snapshot = frame.f_locals
+        names = dict(snapshot)
+    except Exception:  # exotic frames
+        return {}
+    if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
+        # A function's f_locals is a dict cached on the frame until Python 3.13: left
+        # filled, it would keep this step's tensors alive into the next (the loop's `x`
+        # after it is reassigned). Emptied, the frame's own variables are untouched.
+        snapshot.clear()
+    return names
+
+
+def optimizer_in_frames(start: FrameType | None) -> bool:
+    """Whether a ``torch.optim.Optimizer`` is a local of a user frame from ``start`` outwards
+    (a script's top level: its globals), or an attribute of a local ``self``: the script
+    trains, though it may not have run a training forward yet."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    optimizer = torch.optim.Optimizer
+    for frame in _user_frames(start):
+        names = _frame_locals(frame)
+        values = list(names.values())
+        owner = names.get("self")
+        if owner is not None and hasattr(owner, "__dict__"):
+            with contextlib.suppress(TypeError):
+                values += list(vars(owner).values())
+        if any(isinstance(v, optimizer) for v in values):
+            return True
+    return False
+
+
 _ASSIGN = r"(?<![\w.])(?:self\.)?{name}\s*(\+=|-=|\*=|=(?!=)|\.append\(|\.extend\(|\[[^\]]*\]\s*=)"
 
+
+_ASSIGN_ATTR = r"(?<![\w.])self\.{name}\s*(\+=|-=|\*=|=(?!=)|\.append\(|\.extend\(|\[[^\]]*\]\s*=)"
+"""A method's line that grows or assigns an attribute of ``self`` (``self.memory.append(``)."""
 
 _TO_NUMBER = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
 """What makes a line store a number, not a graph (the healthy twin of a leaking line)."""
 
+_NUMBER = re.compile(r"\.item\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
+"""What makes a line store a number, not a tensor."""
 
-def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
+
+def _first_line(code: CodeType, lineno: int, name: str, graph: bool = True) -> tuple[int, bool]:
     """The line that grows or assigns ``name`` in the function of ``code`` (augmented
     assignment or append preferred, and a line that keeps a tensor over one that stores a
-    number), else the frame's current line ``lineno``; and whether that line grows ``name``
-    or builds it from itself."""
-    try:
-        lines, start = inspect.getsourcelines(code)
-    except (OSError, TypeError):
-        return lineno, False
-    if code.co_name == "<module>":
-        start = 1
+    number; ``graph``: it holds a graph, else tensors without one, and a line that detaches
+    is preferred), else the frame's current line ``lineno``; and whether that line grows
+    ``name`` or builds it from itself."""
+    if code.co_name == "<module>":  # a script's top level: all of its file
+        lines, start = linecache.getlines(code.co_filename), 1
+    else:
+        try:
+            lines, start = inspect.getsourcelines(code)
+        except (OSError, TypeError):
+            return lineno, False
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
-    pattern = re.compile(_ASSIGN.format(name=re.escape(bare)))
-    best: tuple[int, int] | None = None
+    best = _best_line(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
+    return (lineno, False) if best is None else (best[1], best[0] <= 3)
+
+
+def _best_line(
+    lines: list[str], start: int, assign: str, bare: str, graph: bool = True
+) -> tuple[int, int] | None:
+    """``(rank, line number)`` of the line of ``lines`` (the first numbered ``start``) that
+    ``assign`` matches best: growing it ranks 0, building it on itself 2, assigning it 4, and
+    one more where the line stores a number (``graph``: what it holds has a graph; else
+    tensors without one, and of two lines that rank alike, one that detaches comes first:
+    ``fakes.append(fake.detach())``); ``None``: no line matches."""
+    pattern = re.compile(assign)
+    best: tuple[int, bool, int] | None = None
     for i, text in enumerate(lines):
         m = pattern.search(text)
         if m is None:
@@ -387,24 +535,58 @@ def _first_line(code: CodeType, lineno: int, name: str) -> tuple[int, bool]:
             rank = 2  # built on itself: ``total = total + loss``, ``y, h = model(x, h)``
         else:
             rank = 4
-        if _TO_NUMBER.search(rest):
+        if (_TO_NUMBER if graph else _NUMBER).search(rest):
             rank += 1
+        kept = graph or ".detach()" not in rest  # tensors without a graph: detached there
         # of the lines that build it on itself, the last: a detaching helper comes before
         # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
-        if best is None or rank < best[0] or (rank == best[0] == 2):
-            best = (rank, start + i)
-    return (lineno, False) if best is None else (best[1], best[0] <= 3)
+        if best is None or (rank, kept) < best[:2] or (rank == best[0] == 2):
+            best = (rank, kept, start + i)
+    return None if best is None else (best[0], best[2])
+
+
+def _line_in_class(cls: type, attr: str, graph: bool = True) -> tuple[str, str, int, bool] | None:
+    """Where a method of ``cls`` (or of a base class of the user's) grows or assigns
+    ``self.<attr>``: ``(file, "Class.method", line, grows it)``, the line that grows it
+    preferred (``ReplayMemory.push``'s ``self.memory.append(...)`` over ``__init__``'s
+    ``self.memory = deque(...)``); ``None``: none found."""
+    assign = _ASSIGN_ATTR.format(name=re.escape(attr))
+    best: tuple[int, int, str, str] | None = None
+    for klass in cls.__mro__[:-1]:  # not ``object``
+        for fn_name, fn in vars(klass).items():
+            code = getattr(fn, "__code__", None)
+            if code is None or not _is_user_file(code.co_filename, _library_dirs()):
+                continue
+            try:
+                lines, start = inspect.getsourcelines(code)
+            except (OSError, TypeError):
+                continue
+            found = _best_line(lines, start, assign, "self." + attr, graph)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (*found, code.co_filename, f"{klass.__name__}.{fn_name}")
+    if best is None:
+        return None
+    rank, line, filename, function = best
+    return filename, function, line, rank <= 3
 
 
 def scan_frames(
-    start: FrameType | None = None, since: list[Candidate] | None = None
+    start: FrameType | None = None,
+    since: list[Candidate] | None = None,
+    holders: Callable[[Any], bool] | None = None,
 ) -> list[Candidate]:
     """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
 
     Looks at each frame's locals (a script's top level: its globals), two levels into lists,
-    tuples and dicts, and at the attributes of a local named ``self``. Frames of torch, memkit
-    and the standard library are skipped. ``since``: an earlier scan; each candidate's
-    ``carries`` says whether its graph holds a node one of that scan's graphs held.
+    tuples, deques and dicts, at the attributes of a local named ``self`` and, with
+    ``holders``, at those of the user's other objects there (``memory.memory``: a replay
+    buffer's deque). Frames of torch,
+    memkit and the standard library are skipped; an object seen in several frames (a list a
+    nested function closes over) is one variable, named in the innermost. ``since``: an
+    earlier scan; each candidate's ``carries`` says whether its graph holds a node one of that
+    scan's graphs held. ``holders``: whether a tensor is on the device that grows; given, the
+    containers of such tensors without a graph are candidates too (``fakes.append(
+    fake.detach())``), with the bytes they hold.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -415,33 +597,27 @@ def scan_frames(
     out: list[Candidate] = []
     earlier = frozenset() if since is None else frozenset().union(*(c.nodes for c in since))
     earlier_ids = {i for i, _ in earlier}
+    seen: set[int] = set()  # the objects named already (in an inner frame)
     for frame in _user_frames(start):
-        try:
-            snapshot = frame.f_locals
-            names = dict(snapshot)
-        except Exception:  # exotic frames
-            continue
-        if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
-            # A function's f_locals is a dict cached on the frame until Python 3.13: left
-            # filled, it would keep this step's tensors alive into the next (the loop's `x`
-            # after it is reassigned). Emptied, the frame's own variables are untouched.
-            snapshot.clear()
-        items: list[tuple[str, Any]] = [(k, v) for k, v in names.items() if not k.startswith("__")]
-        owner = names.get("self")
-        if (
-            owner is not None
-            and hasattr(owner, "__dict__")
-            and not isinstance(owner, torch.nn.Module)
-        ):
-            with contextlib.suppress(TypeError):
-                items.extend((f"self.{k}", v) for k, v in vars(owner).items())
-        for name, value in items:
+        for name, value, owner in _frame_values(frame, torch, objects=holders is not None):
+            if id(value) in seen:
+                continue
+            graph = True
             if _has_graph(value, tensor_type):
                 kind, tensors = "tensor", [value]
             elif tensors := _container_graph(value, tensor_type):
                 kind = "container"
+            elif holders is not None and _peek(value):
+                kind, graph = "container", False
             else:
                 continue
+            nbytes = item_bytes = 0
+            shape = tuple(map(int, value.shape)) if kind == "tensor" else None
+            if kind == "container" and holders is not None:
+                item_bytes, nbytes, shape = _held_bytes(value, tensor_type, holders)
+                if not graph and nbytes <= 0:
+                    continue  # no device tensor in it
+            seen.add(id(value))
             walked = _walk(tensors, GRAPH_NODE_LIMIT)
             nodes = len(walked)
             keys = _own_nodes(walked)
@@ -459,13 +635,71 @@ def scan_frames(
                     kind=kind,
                     size=size,
                     code=frame.f_code,
-                    scalar=all(t.numel() == 1 for t in tensors),
+                    scalar=all(t.numel() == 1 for t in tensors)
+                    if graph
+                    else shape is not None and math.prod(shape) == 1,
                     length=length,
                     nodes=keys,
-                    carries=None if since is None else reached,
+                    carries=None if since is None or not graph else reached,
+                    graph=graph,
+                    nbytes=nbytes,
+                    item_bytes=item_bytes,
+                    item_shape=shape,
+                    maxlen=getattr(value, "maxlen", None),
+                    owner=owner,
                 )
             )
     return out
+
+
+def _frame_values(
+    frame: FrameType, torch: Any, objects: bool = True
+) -> list[tuple[str, Any, type | None]]:
+    """``(name, value, owner)`` of what a scan looks at in ``frame``: its locals, the
+    attributes of ``self`` (``self.history``) and, with ``objects``, of the user's other
+    objects among them (``memory.memory``, with the object's class as ``owner``)."""
+    names = _frame_locals(frame)
+    out: list[tuple[str, Any, type | None]] = []
+    for key, value in names.items():
+        if key.startswith("__"):
+            continue
+        out.append((key, value, None))
+        if objects and key != "self" and _user_object(value, torch):
+            with contextlib.suppress(TypeError):
+                out.extend((f"{key}.{k}", v, type(value)) for k, v in vars(value).items())
+    owner = names.get("self")
+    if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, torch.nn.Module):
+        with contextlib.suppress(TypeError):
+            out.extend((f"self.{k}", v, None) for k, v in vars(owner).items())
+    return out
+
+
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+"""Where installed packages live: their objects are no script's own (a trainer, a loader)."""
+
+_USER_TYPES: dict[type, bool] = {}
+"""Classes -> whether their instances are the user's objects (:func:`_user_object`)."""
+
+
+def _user_object(value: Any, torch: Any) -> bool:
+    """Whether ``value`` is an instance of a class the user wrote (its module is a user file,
+    not an installed package's), with attributes: not a model, a tensor, a class, a function,
+    or a library's object."""
+    cls = type(value)
+    known = _USER_TYPES.get(cls)
+    if known is None:
+        module = sys.modules.get(cls.__module__)
+        filename = getattr(module, "__file__", None)
+        known = (
+            isinstance(filename, str)
+            and not issubclass(cls, (torch.nn.Module, torch.Tensor, type))
+            and _is_user_file(filename, _library_dirs())
+            and not any(part in filename for part in _INSTALLED)
+        )
+        if len(_USER_TYPES) > 1024:
+            _USER_TYPES.clear()
+        _USER_TYPES[cls] = known
+    return known and hasattr(value, "__dict__")
 
 
 def _key(c: Candidate) -> tuple[str, str, str]:
@@ -480,8 +714,10 @@ def _grew(c: Candidate, last: Candidate | None) -> bool:
     return last is not None and c.size > last.size and c.carries is not False
 
 
-def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakSuspect]:
-    """Suspects from two scans a step (or more) apart (``after`` scanned ``since=before``):
+def compare_scans(
+    before: list[Candidate], after: list[Candidate], steps: int = 1
+) -> list[LeakSuspect]:
+    """Suspects from two scans ``steps`` steps apart (``after`` scanned ``since=before``):
     candidates in ``after`` whose graph or length grew (:func:`_grew`) are confirmed
     (``growing=True``) and listed first, the smallest graph first:
     the variable the others' graphs were built from (``total_loss``, not a ``logs`` dict made
@@ -496,18 +732,27 @@ def compare_scans(before: list[Candidate], after: list[Candidate]) -> list[LeakS
             continue
         # its graph grew while its length did not (a list that grows is losses kept), and it
         # ends in tensors of more than one element: a state each step builds on
-        carried = grew and not c.scalar and (last is None or c.length <= last.length)
-        code = linecache.getline(c.filename, c.first_line).strip()
+        carried = grew and c.graph and not c.scalar and (last is None or c.length <= last.length)
+        filename, function = c.place
+        code = linecache.getline(filename, c.first_line).strip()
+        added = 0 if last is None else max(0, c.nbytes - last.nbytes) // max(1, steps)
         suspect = LeakSuspect(
             name=c.name,
-            function=c.function,
-            filename=c.filename,
+            function=function,
+            filename=filename,
             line=c.first_line,
             code=code,
             kind=c.kind,
             graph_nodes=c.size,
             growing=grew,
             carried=carried,
+            graph=c.graph,
+            length=c.length,
+            maxlen=c.maxlen,
+            item_shape=c.item_shape,
+            item_bytes=c.item_bytes,
+            tensor_bytes=c.nbytes,
+            bytes_per_step=added,
         )
         if grew:  # what a line grows or builds on itself first; then the smallest graph (a
             # container's without its length), containers first
@@ -556,8 +801,7 @@ def growing_in_all(scans: list[list[Candidate]]) -> list[LeakSuspect]:
         for key, seq in seen.items()
         if len(seq) == len(scans) and all(_grew(b, a) for a, b in itertools.pairwise(seq))
     }
-    return [s for s in compare_scans(scans[-2], scans[-1]) if (s.filename, s.function, s.name)
-            in grew]  # fmt: skip
+    return compare_scans(scans[-2], [c for c in scans[-1] if _key(c) in grew])
 
 
 class LeakWatch:
@@ -579,6 +823,7 @@ class LeakWatch:
         self.scan_step = -1
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
+        self.holders: Callable[[Any], bool] | None = None  # the last on_growth's
 
     def due(self, step: int) -> bool:
         """Whether the step boundary after step ``step`` scans (:meth:`scan_graphs`)."""
@@ -614,17 +859,21 @@ class LeakWatch:
         log.info("memkit: %s at %s", leak.headline(), suspects[0].where)
         return leak
 
-    def on_growth(self, frame: Any, step: int) -> tuple[LeakSuspect, ...]:
+    def on_growth(
+        self, frame: Any, step: int, holders: Callable[[Any], bool] | None = None
+    ) -> tuple[LeakSuspect, ...]:
         """A device grew over its growth window (at step ``step``): the variables behind it,
-        from a scan of the frames (once until a suspect is confirmed)."""
+        from a scan of the frames (once until a suspect is confirmed); ``holders``: whether
+        a tensor is on a device that grows (containers of such tensors are suspects too)."""
+        self.holders = holders
         scan_now = self.scan is None or (not self.confirmed and step > self.scan_step)
         if scan_now:
             try:
-                current = scan_frames(frame, since=self.scan)
+                current = scan_frames(frame, since=self.scan, holders=holders)
             except Exception:  # inspection must never break training
                 log.debug("leak scan failed", exc_info=True)
                 current = []
-            suspects = compare_scans(self.scan or [], current)
+            suspects = compare_scans(self.scan or [], current, step - self.scan_step)
             if self.scan is not None and not any(s.growing for s in suspects):
                 suspects = compare_scans([], current)
             else:
@@ -643,7 +892,7 @@ class LeakWatch:
         while inner.tb_next is not None:
             inner = inner.tb_next
         with contextlib.suppress(Exception):
-            later = scan_frames(inner.tb_frame, since=self.scan)
+            later = scan_frames(inner.tb_frame, since=self.scan, holders=self.holders)
             suspects = compare_scans(self.scan or [], later)
             if any(s.growing for s in suspects):
                 return dataclasses.replace(leak, suspects=tuple(suspects))

@@ -26,9 +26,9 @@ import torch
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.leaks import growth_finding
+from memkit.tracking.leaks import growth_finding, optimizer_in_frames
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, merge_steps
+from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, fold_steps
 from memkit.tracking.state import (
     BACKWARD,
     EVAL,
@@ -91,6 +91,9 @@ class PhaseMachine:
         # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
         # buckets) is no leak
         self.train_input: weakref.ref[torch.Tensor] | None = None
+        self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
+        self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
+        self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
 
@@ -113,22 +116,38 @@ class PhaseMachine:
             kind = EVAL_PASS
             facts.eval_forwards += 1
             # a teacher or reference model runs on the training batch; a model no optimizer
-            # trains evaluated on another batch size (an EMA copy's validation) is evaluation
+            # trains evaluated on another batch size (an EMA copy's validation) is evaluation.
+            # Before any training forward (a teacher called first in step 0) there is no batch
+            # to compare with: where an optimizer is at hand, it is a teacher; in a script
+            # with none (inference alone) it is evaluation
             train = facts.train_input
             facts.frozen_model = (
                 self.models.frozen_model(module, root)
-                if shape and train and shape[0] == train[0]
+                if shape and (shape[0] == train[0] if train is not None else self._training_ahead())
                 else None
             )
-            if shape is not None and (
-                facts.eval_input is None or math.prod(shape) > math.prod(facts.eval_input)
-            ):
-                facts.eval_input = shape
+            frozen = facts.frozen_model is not None
+            if frozen:  # the step's own work, counted apart from evaluation's
+                facts.frozen_forwards += 1
+                facts.frozen_seen = facts.frozen_model
+            largest = facts.frozen_input if frozen else facts.eval_input
+            if shape is not None and (largest is None or math.prod(shape) > math.prod(largest)):
+                if frozen:
+                    facts.frozen_input = shape
+                else:
+                    facts.eval_input = shape
             if state.phase != EVAL:
                 with state.lock:
                     if state.phase != EVAL:
                         self.eval_return = state.phase
                         self.transition(EVAL)
+                        if frozen:
+                            self._frozen_segment_begins()
+            elif frozen != self.frozen_segment:  # evaluation, then a teacher (or the reverse)
+                with state.lock:  # in one eval phase: each its own segment
+                    self._close_segment()
+                    if frozen:
+                        self._frozen_segment_begins()
         else:
             kind = TRAIN_PASS
             facts.frozen_model = None
@@ -151,6 +170,23 @@ class PhaseMachine:
                 for dev in self.devices.records.values():
                     dev.forward_base = dev.read()[0]
         return kind
+
+    def _training_ahead(self) -> bool:
+        """Whether training is at hand though no training forward ran yet, in step 0 before
+        any backward: an optimizer is known, or one is in the user's frames (looked for once:
+        an inference script pays one frame scan, a training loop that calls its teacher
+        first none after its first training forward)."""
+        if self.state.step or self.state.backwards:  # a step ran without a training forward
+            return False
+        if self.models.all_optimizers():
+            return True
+        if self.optimizer_near is None:
+            try:
+                self.optimizer_near = optimizer_in_frames(sys._getframe(1))
+            except Exception:  # inspection must never break training
+                log.debug("optimizer search failed", exc_info=True)
+                self.optimizer_near = False
+        return self.optimizer_near
 
     def _training_forward_begins(self, frame: Any) -> None:
         state, facts = self.state, self.evidence.facts
@@ -271,6 +307,8 @@ class PhaseMachine:
 
     def optimizer_begins(self) -> None:
         """The optimizer's own work starts (its step, after any closure it was given)."""
+        if self.backward_steps and not self.manual_steps:
+            self._fold_backward_steps()
         # micro-batches: backward passes this optimizer step is the first to use (a GAN's
         # two optimizers, each after its own backward, are no gradient accumulation)
         backwards = self.state.backwards
@@ -286,8 +324,6 @@ class PhaseMachine:
         owner = self.step_owner() if self.step_owner is not None else None
         if not self.manual_steps and (owner is None or owner is optimizer):
             self.boundary(frame)
-            if self.backward_steps:
-                self._merge_backward_steps()
         else:
             self.transition(OTHER)
 
@@ -300,10 +336,7 @@ class PhaseMachine:
         so what the student's forward keeps stays its activations."""
         devices, evidence, state = self.devices, self.evidence, self.state
         single = state.single
-        if single is not None:
-            devices.close_one(single)
-        else:
-            devices.close_all()
+        self._close_segment()
         forward = phase == FORWARD and not resumes
         if forward:
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
@@ -324,15 +357,44 @@ class PhaseMachine:
         if sim is not None:  # device memory is what the step's phases create
             sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
 
+    def _close_segment(self) -> None:
+        """Close every device's segment (one device: only it); a segment of a frozen model's
+        forwards (a teacher's, :meth:`_frozen_segment_begins`) also keeps its peak apart, per
+        device, in the run's facts."""
+        devices, single = self.devices, self.state.single
+        if single is not None:
+            devices.close_one(single)
+        else:
+            devices.close_all()
+        if not self.frozen_segment:
+            return
+        self.frozen_segment = False
+        peaks = self.evidence.facts.frozen_peaks
+        for dev, earlier in self._eval_before:
+            peak = dev.step_phase[EVAL]
+            if peak is not None and peak > peaks.get(dev.key, -1):
+                peaks[dev.key] = peak
+            if earlier is not None and (peak is None or earlier > peak):
+                dev.step_phase[EVAL] = earlier
+        self._eval_before = ()
+
+    def _frozen_segment_begins(self) -> None:
+        """The eval segment that begins now is a frozen model's forward: its devices' eval
+        peak starts afresh (what the segment's closes write there is its own peak) and is
+        put back when it ends."""
+        single = self.state.single
+        records = (single,) if single is not None else tuple(self.devices.records.values())
+        self._eval_before = tuple((dev, dev.step_phase[EVAL]) for dev in records)
+        for dev in records:
+            dev.step_phase[EVAL] = None
+        self.frozen_segment = True
+
     def boundary(self, frame: Any) -> None:
         """A step ends (``frame``: the caller's, where the leak search starts; ``None``: no
         search)."""
         state, devices, evidence, models = self.state, self.devices, self.evidence, self.models
         single = state.single
-        if single is not None:
-            devices.close_one(single)
-        else:
-            devices.close_all()
+        self._close_segment()
         primary = devices.primary
         if (
             models.model is not None
@@ -356,9 +418,7 @@ class PhaseMachine:
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
-        batch = None if self.train_input is None else self.train_input()
-        batch_bytes = 0 if batch is None else batch.numel() * batch.element_size()
-        del batch
+        batch_bytes = self.batch_bytes()
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -392,7 +452,7 @@ class PhaseMachine:
             devices.sim.count_ops(False, False)
         watch = evidence.leak_watch
         if growing:
-            suspects = watch.on_growth(frame, state.step)
+            suspects = watch.on_growth(frame, state.step, _on_devices(growing))
             for dev in growing:
                 first_time = dev.leak is None
                 accountant = getattr(dev.backend, "accountant", None)
@@ -413,6 +473,11 @@ class PhaseMachine:
             dev.leak = watch.scan_graphs(step, frame, dev.key)
         self.on_step()
 
+    def batch_bytes(self) -> int:
+        """The bytes of the last training forward's first input while it lives (0: none)."""
+        batch = None if self.train_input is None else self.train_input()
+        return 0 if batch is None else int(batch.numel() * batch.element_size())
+
     def step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
         optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
@@ -420,26 +485,30 @@ class PhaseMachine:
             return "manual"
         return "optimizer" if self.models.seen_optimizers else "backward"
 
-    def _merge_backward_steps(self) -> None:
-        """The first optimizer step came after steps counted from backward passes: they were
-        the micro-batches of one step (gradient accumulation). Merge their records."""
+    def _fold_backward_steps(self) -> None:
+        """The first optimizer step begins after steps counted from backward passes: they
+        were the micro-batches of the step it ends (gradient accumulation). Their records fold
+        into the step in progress, which takes the first one's number and their backward
+        passes: an OOM in this optimizer step is in that step, with its micro-batches."""
         state, devices = self.state, self.devices
         n, self.backward_steps = self.backward_steps, 0
-        first = state.step - 1 - n
+        first = state.step - n
         counted_from, self.abandoned_steps = first + self.abandoned_steps, 0
+        passes, duration = 0, 0.0
         for dev in devices.records.values():
-            merge_steps(dev, first, counted_from)
+            passes, duration = fold_steps(dev, first, counted_from)
             dev.growth = devices.growth_detector()
-            # a peak found in a micro-batch belongs to the merged step
+            # a peak found in a micro-batch belongs to the folded step
             if dev.pending is not None and (dev.pending.step or 0) > first:
                 dev.pending = dev.pending._replace(step=first)
             if dev.breakdown is not None and (dev.breakdown.step or 0) > first:
                 dev.breakdown = dataclasses.replace(dev.breakdown, step=first)
-        state.step = first + 1
+        state.step = first
+        state.backwards += passes
+        self.step_t0 -= duration
         facts = self.evidence.facts
-        facts.grads_checked_step = min(facts.grads_checked_step, state.step)
+        facts.grads_checked_step = min(facts.grads_checked_step, first + 1)
         self.evidence.leak_watch.graph_scans = []
-        self.on_step()
 
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are."""
@@ -450,6 +519,8 @@ class PhaseMachine:
         """The block ends normally: the last step of a loop without an optimizer ends too."""
         if self.state.backwards and self.step_rule() == "backward":
             self.boundary(None)
+        elif self.frozen_segment:  # a frozen model's forward was the last thing to run
+            self._close_segment()
 
     # evaluation windows (a framework's validation loop)
 
@@ -488,6 +559,24 @@ class PhaseMachine:
             dev.eval_window = window
         primary = self.devices.primary
         return None if primary is None else primary.eval_window
+
+
+def _on_devices(records: list[DeviceRecord]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor lives on one of the devices of ``records`` (the backend says, where
+    it can: a virtual device, the CUDA stand-in; else its device type and index)."""
+    checks = []
+    for dev in records:
+        holds = getattr(dev.backend, "holds", None)
+        if holds is None:
+            target = dev.backend.device
+
+            def holds(t: torch.Tensor, target: torch.device = target) -> bool:
+                return t.device.type == target.type and (
+                    target.index is None or t.device.index in (None, target.index)
+                )
+
+        checks.append(holds)
+    return lambda t: any(check(t) for check in checks)
 
 
 def _first_tensor(args: Any) -> torch.Tensor | None:

@@ -86,6 +86,7 @@ class OomEvidence:
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.
         autocast_forwards: training forwards run under ``torch.autocast`` so far.
+        batch_bytes: the bytes of the last training forward's first input, if it is alive.
     """
 
     device: str
@@ -106,6 +107,7 @@ class OomEvidence:
     setup: TrainingSetup | None
     rank: int | None
     autocast_forwards: int = 0
+    batch_bytes: int = 0
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -176,7 +178,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         device=evidence.device,
         step=evidence.step,
         phase=PHASES[moment.phase],
-        module=moment.module,
+        module=_in_frozen_model(moment.module, evidence.frozen_model),
         training=training,
         grad_enabled=grad_enabled,
         exception=f"{type(oom).__name__}: {first_line}",
@@ -197,9 +199,27 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         checkpointed=checkpointed,
         frozen_model=evidence.frozen_model,
         autocast_forwards=evidence.autocast_forwards,
+        # the first optimizer step (no state when the step began) was creating it
+        optimizer_state_partial=(
+            PHASES[moment.phase] == "optimizer"
+            and moment.state_empty
+            and parts is not None
+            and parts.optimizer_state > 0
+        ),
+        batch_bytes=evidence.batch_bytes,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
+
+
+def _in_frozen_model(module: str | None, frozen: tuple[str, int, bool] | None) -> str | None:
+    """``module``'s name with the frozen model's in front, where the failing pass was a frozen
+    model's (a teacher run before any trained model was seen is the one model known, so its
+    modules' keys come bare: ``net.1``, named ``Teacher.net.1`` once the student runs)."""
+    if module is None or frozen is None:
+        return module
+    name = frozen[0]
+    return module if module == name or module.startswith(name + ".") else f"{name}.{module}"
 
 
 def _capacity_and_free(

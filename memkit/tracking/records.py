@@ -48,7 +48,7 @@ __all__ = [
     "current_leak",
     "device_report",
     "display_names",
-    "merge_steps",
+    "fold_steps",
     "module_records",
     "step_record",
 ]
@@ -90,6 +90,12 @@ class RunFacts:
     # the model and its parameter bytes, when that forward was an evaluation pass of a model
     # no optimizer trains (a distillation teacher, a DPO reference model)
     frozen_model: tuple[str, int, bool] | None = None
+    # the forwards of such models on the training batch (a teacher's in every step): how many,
+    # the last such model, its largest input, and their peak per device (in the eval column)
+    frozen_forwards: int = 0
+    frozen_seen: tuple[str, int, bool] | None = None
+    frozen_input: tuple[int, ...] | None = None
+    frozen_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
     train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept
@@ -382,40 +388,32 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
     dev.base_gathered = dev.gathered
 
 
-def merge_steps(dev: DeviceRecord, first: int, counted_from: int) -> None:
-    """Merge the records of steps ``first`` and later into one step ``first`` (the
-    micro-batches of one step, counted from backward passes before an optimizer stepped);
-    its backward passes are those of steps ``counted_from`` and later (the earlier ones were
-    an attempt that raised and was retried)."""
-    parts = [s for s in dev.steps if s.step >= first]
-    kept = [s for s in dev.steps if s.step < first]
+def fold_steps(dev: DeviceRecord, first: int, counted_from: int) -> tuple[int, float]:
+    """Fold the records of steps ``first`` and later into the step in progress, which becomes
+    step ``first`` (the micro-batches of one step, counted from backward passes before an
+    optimizer stepped). Returns the backward passes of the steps folded from ``counted_from``
+    on (the earlier ones were an attempt that raised and was retried) and their duration."""
+    parts: list[StepRow] = []
+    while dev.steps and dev.steps[-1].step >= first:
+        parts.insert(0, dev.steps.pop())
     if parts:
-        phases = tuple(
-            max((v for s in parts if (v := s.phases[i]) is not None), default=None)
-            for i in range(len(PHASES))
-        )
-        kept.append(
-            StepRow(
-                first,
-                parts[0].start,
-                parts[-1].end,
-                max(s.peak for s in parts),
-                max(s.peak_reserved for s in parts),
-                phases,
-                sum(s.duration_s for s in parts),
-                sum(s.backward_passes for s in parts if s.step >= counted_from),
-            )
-        )
-    dev.steps.clear()
-    dev.steps.extend(kept)
+        dev.step_start = parts[0].start
+        dev.step_peak = max(dev.step_peak, *(s.peak for s in parts))
+        dev.step_peak_res = max(dev.step_peak_res, *(s.peak_reserved for s in parts))
+        sp = dev.step_phase
+        for i in range(len(PHASES)):
+            values = [v for v in (sp[i], *(s.phases[i] for s in parts)) if v is not None]
+            sp[i] = max(values) if values else None
     timeline = dev.timeline
     i = len(timeline) - 1
-    while i >= 0 and timeline[i][1] >= first:  # readings of the merged micro-batches
+    while i >= 0 and timeline[i][1] >= first:  # readings of the folded micro-batches
         t, _, *rest = timeline[i]
         timeline[i] = (t, first, *rest)  # type: ignore[assignment]
         i -= 1
     for ms in dev.modules.values():
         ms.step_id = -1
+    passes = sum(s.backward_passes for s in parts if s.step >= counted_from)
+    return passes, sum(s.duration_s for s in parts)
 
 
 def current_leak(dev: DeviceRecord) -> LeakFinding | None:

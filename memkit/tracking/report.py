@@ -224,7 +224,8 @@ class TrainingSetup:
 
 @dataclass(frozen=True)
 class LeakSuspect:
-    """A live variable of the training thread that holds an autograd graph.
+    """A live variable of the training thread that holds an autograd graph, or a container
+    of device tensors that grows.
 
     Attributes:
         name: the variable (``running_loss``, ``self.history``, ``losses[...]``).
@@ -233,13 +234,23 @@ class LeakSuspect:
         line: the line that assigns or grows it, if found in the source, else the frame's
             current line.
         code: that line's text.
-        kind: ``"tensor"`` or ``"container"`` (a list, tuple or dict of such tensors).
+        kind: ``"tensor"`` or ``"container"`` (a list, tuple, deque or dict of such
+            tensors).
         graph_nodes: autograd nodes reachable from it (counted up to a bound); for a
             container, from the tensors it shows first and last, plus its length.
         growing: it grew between two inspections (confirmed), else a candidate.
         carried: its graph grew while it kept its length, through tensors of more than one
             element: a state each step builds on (an RNN's ``hidden``, never detached), not
             losses kept (a sum, or a list that grows).
+        graph: it holds an autograd graph (else a container of tensors without one).
+        length: a container's length.
+        maxlen: a deque's ``maxlen`` (it stops growing there).
+        item_shape: the shape of its last item's tensor (a tensor's own).
+        item_bytes: what one more item of a container holds on the device (the storages it
+            adds to those of the items before it), estimated from its last items.
+        tensor_bytes: what a container holds on the device (its first item's bytes, and
+            ``item_bytes`` for each other one).
+        bytes_per_step: how much ``tensor_bytes`` grew per step between two inspections.
     """
 
     name: str
@@ -251,6 +262,13 @@ class LeakSuspect:
     graph_nodes: int
     growing: bool
     carried: bool = False
+    graph: bool = True
+    length: int = 0
+    maxlen: int | None = None
+    item_shape: tuple[int, ...] | None = None
+    item_bytes: int = 0
+    tensor_bytes: int = 0
+    bytes_per_step: int = 0
 
     @property
     def where(self) -> str:
@@ -329,6 +347,10 @@ class OomPostMortem(Result):
             parameters are written in place between passes (an EMA or mean teacher).
         autocast_forwards: training forwards that had run under ``torch.autocast`` (the
             failing one included): the forward is mixed precision already.
+        optimizer_state_partial: it failed in an optimizer step that began with no optimizer
+            state: the state in the breakdown is the part that step had created.
+        batch_bytes: the bytes of the training batch alive when it failed (the last training
+            forward's first input; 0: none, or gone), part of ``other`` in the breakdown.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -358,6 +380,8 @@ class OomPostMortem(Result):
     checkpointed: tuple[str, ...] = ()
     frozen_model: tuple[str, int, bool] | None = None
     autocast_forwards: int = 0
+    optimizer_state_partial: bool = False
+    batch_bytes: int = 0
 
     @property
     def where(self) -> str:
@@ -468,7 +492,8 @@ class TrackReport(Result):
         eval_grad_forwards: forward passes run in eval mode with autograd recording.
         eval_forwards: evaluation passes (model forwards under ``no_grad``/``inference_mode``,
             in eval mode, or unable to build a graph); their peak is ``phase_peaks["eval"]``.
-        eval_input_shape: the largest first tensor input of an evaluation pass (its shape).
+        eval_input_shape: the largest first tensor input of an evaluation pass (its shape),
+            but a frozen model's.
         step_rule: what counted steps: ``"optimizer"`` (``optimizer.step()``), ``"backward"``
             (no optimizer stepped: a training forward after a backward starts a step) or
             ``"manual"`` (``Tracker.step()``).
@@ -485,6 +510,12 @@ class TrackReport(Result):
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
+        frozen_model: ``(name, parameter bytes, updated)`` of a model no optimizer trains that
+            ran on the training batch (a distillation teacher, a DPO reference model; updated:
+            written in place between its passes, an EMA teacher), if any.
+        frozen_forwards: its forwards (evaluation passes, counted in ``eval_forwards`` too).
+        frozen_input_shape: the largest first tensor input of those forwards.
+        frozen_peaks: device -> the peak of those forwards (in ``phase_peaks["eval"]`` too).
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
@@ -519,6 +550,10 @@ class TrackReport(Result):
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
+    frozen_model: tuple[str, int, bool] | None = None
+    frozen_forwards: int = 0
+    frozen_input_shape: tuple[int, ...] | None = None
+    frozen_peaks: dict[str, int] = field(default_factory=dict)
     ranks: RanksReport | None = None
 
     # -- access ---------------------------------------------------------------------------

@@ -434,10 +434,12 @@ class Tracker:
             micro_batches=max(
                 max((s.backward_passes for s in dev.steps), default=1),
                 facts.accumulation_steps or 1,  # the trainer's setting: before a step ended
+                self.phases.micro_batches,  # an optimizer step that failed: its own
             ),
             setup=dev.setup,
             rank=launched_rank(),
             autocast_forwards=facts.autocast_forwards,
+            batch_bytes=self.phases.batch_bytes(),
         )
 
     # ------------------------------------------------------------------------------------
