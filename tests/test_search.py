@@ -83,8 +83,9 @@ def check(result, calls, limit, *, min_batch=1, max_batch=None) -> None:
 
 def limits_to_check() -> list[int]:
     rng = random.Random(7)
-    dense = list(range(1, 2049))
-    special = [4095, 4096, 4097, 5000, 6143, 6144, 7000, 8191, 8192, 8193, 65536, 99999, 100000]
+    dense = list(range(1, 1025))  # every small limit: where off-by-ones live
+    special = [1535, 1536, 1537, 2047, 2048, 2049, 4095, 4096, 4097, 5000, 6143, 6144, 7000,
+               8191, 8192, 8193, 65536, 99999, 100000]  # fmt: skip
     sample = rng.sample(range(2049, 100_001), 400)
     return dense + special + sample
 
@@ -111,6 +112,22 @@ def test_exact_and_compared_with_doubling_bisection(name):
             bound = math.ceil(math.log2(limit)) + 3 if limit > 1 else 1
             assert len(calls) <= max(bound, 5), (name, limit, calls)
     assert ours_total <= reference_total
+
+
+@pytest.mark.xfail(strict=True, reason="known: an aimed trial just below a failed one fails "
+                   "again and again on these curves (2026-11-27), still exact")  # fmt: skip
+@pytest.mark.parametrize(("name", "limit"), [("piecewise", 16372), ("noisy", 14418)])
+def test_limits_where_the_search_pays_more_than_its_bound(name, limit):
+    """Found by a wider sample of limits: piecewise at 16372 takes 22 trials (bound 17,
+    aiming at 16383, 16382, 16381... between bisection steps), noisy at 14418 takes 29
+    (doubling + bisection: 28). Exact in both."""
+    curve = CURVES[name]
+    fits, calls = oracle(curve, limit)
+    check(search_max_batch(fits, capacity_bytes=capacity_for(curve, limit)), calls, limit)
+    ref_fits, ref_calls = oracle(curve, limit)
+    doubling_bisection(ref_fits)
+    bound = max(math.ceil(math.log2(limit)) + 3, 5) if name in TYPICAL[:2] else len(ref_calls)
+    assert len(calls) <= min(bound, len(ref_calls))
 
 
 def test_linear_curves_take_few_trials_whatever_the_limit():
