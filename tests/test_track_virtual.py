@@ -3,6 +3,7 @@ the dp-to-ddp rule against what DDP measures on the same devices."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -48,6 +49,29 @@ def _ddp_peak(model: nn.Module, batch, gpus: int = GPUS, optimizer=_sgd, step=tr
 
 def _cnn_batch(n: int):
     return lambda: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
+
+
+def test_a_dataparallel_report_made_after_the_model_is_gone_keeps_its_advice() -> None:
+    """A notebook cell's DataParallel model goes out of scope; the tracker, kept for its
+    report, holds it weakly: the report still knows its devices and keeps dp-to-ddp."""
+
+    def cell():
+        torch.manual_seed(0)
+        with memkit.simulate("64MiB", devices=GPUS) as vd:
+            model = SmallCNN()
+            vd.to(model, 0)
+            opt = _sgd(model)
+            dp = DataParallel(model)
+            with memkit.track(dp, opt) as tracker:
+                for _ in range(2):
+                    train_step(dp, _cnn_batch(32)(), opt)
+            return tracker, tracker.report()
+
+    tracker, inside = cell()
+    gc.collect()
+    after = tracker.report()
+    assert "dp-to-ddp" in [a.code for a in inside.advice]
+    assert after.to_json() == inside.to_json() and after.dp_output_device == "cuda:0"
 
 
 def test_track_gives_each_virtual_device_its_peak_and_dp_to_ddp_says_ddp_costs_more() -> None:

@@ -146,6 +146,10 @@ class Evidence:
         opts = self.models.all_optimizers()
         if opts and self.facts.optimizer_name is None:
             self.facts.optimizer_name = type(opts[0]).__name__
+        model = self.models.model  # kept: the model may be gone when the report is made
+        if isinstance(model, torch.nn.DataParallel) and model.device_ids:
+            ids = tuple(int(getattr(d, "index", d)) for d in model.device_ids)
+            self.facts.dp_layout = (ids, int(getattr(model, "output_device", ids[0])))
 
     def persistent(self, dev: DeviceRecord, primary: bool) -> Persistent:
         """Bytes of parameters (and buffers), gradients and optimizer state on ``dev`` now
@@ -197,11 +201,10 @@ class Evidence:
             "frozen_input_shape": facts.frozen_input,
             "frozen_peaks": dict(facts.frozen_peaks),
         }
-        model = self.models.model
-        if isinstance(model, torch.nn.DataParallel) and model.device_ids:
-            ids = tuple(int(getattr(d, "index", d)) for d in model.device_ids)
+        if facts.dp_layout is not None:
+            ids, output = facts.dp_layout
             out["dp_device_ids"] = ids
-            out["dp_output_device"] = f"{kind}:{int(getattr(model, 'output_device', ids[0]))}"
+            out["dp_output_device"] = f"{kind}:{output}"
         return out
 
 

@@ -108,6 +108,7 @@ class RunFacts:
     grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
     grads_checked_step: int = 0
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
+    dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before
     # the first step: known before the first optimizer step or recompute shows them
     accumulation_steps: int | None = None

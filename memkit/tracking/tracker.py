@@ -309,6 +309,8 @@ class Tracker:
                 self._ranks_watch.finish(exc is None)
         finally:
             self.evidence.release()  # keep no reference to the model's tensors
+            with contextlib.suppress(Exception):  # what the report reads of the model
+                self.evidence.capture()
             self.models.release()  # nor to the model and optimizers
             if self._stack is not None:
                 self._stack.close()
