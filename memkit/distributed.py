@@ -392,7 +392,23 @@ def _store(dist: Any) -> Any:
         ) from exc
 
 
-def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
+def announce(key: str) -> bool:
+    """Say in the process group's store that this rank runs the exchange ``key`` (a tracked
+    block it entered), so that rank 0 waits only for the ranks that run it (see
+    :func:`gather_to_rank0`'s ``only_announced``); whether it was said (a group, a store)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return False
+    try:
+        _store(dist).set(f"memkit/{key}/entered/{dist.get_rank()}", b"1")
+    except (DistributedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def gather_to_rank0(
+    obj: Any, key: str, *, timeout: float, only_announced: bool = False
+) -> Gathered | None:
     """Send a picklable ``obj`` to rank 0 through the process group's store (c10d ``set`` and
     ``get``, never a collective): a :class:`Gathered` on rank 0, ``None`` elsewhere.
 
@@ -403,8 +419,10 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
     raised and went on to a ``barrier()`` while another gathers) and a rank that never sends
     costs rank 0 ``timeout``, never a hang.
     ``key`` names the exchange: every rank must pass the same one, and each exchange its own
-    (an object left by a rank rank 0 gave up on stays behind under it). Without a process
-    group (or with one rank) it returns ``Gathered({0: obj})``. Meant for small objects such
+    (an object left by a rank rank 0 gave up on stays behind under it). ``only_announced``:
+    rank 0 waits only for the ranks that announced ``key`` (:func:`announce`) by now (a block
+    only rank 0 runs, a validation, costs no wait); the others are ``missing`` at once. Without a
+    process group (or with one rank) it returns ``Gathered({0: obj})``. Meant for small objects such
     as per-rank summaries.
 
     Raises:
@@ -428,6 +446,10 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
             return None
         objects: dict[int, Any] = {0: obj}
         pending = [r for r in range(1, size)]
+        absent: list[int] = []
+        if only_announced:
+            absent = [r for r in pending if not store.check([f"memkit/{key}/entered/{r}"])]
+            pending = [r for r in pending if r not in absent]
         deadline, pause = time.monotonic() + timeout, _POLL[0]
         while pending:
             for r in [r for r in pending if store.check([names[r]])]:
@@ -443,7 +465,12 @@ def gather_to_rank0(obj: Any, key: str, *, timeout: float) -> Gathered | None:
             f"rank {me} of {size}: exchanging objects through the process group's store "
             f"failed ({exc}); the store's host (torchrun's agent, or rank 0) may be gone"
         ) from exc
-    return Gathered(objects, tuple(pending), bool(pending) and _GIVE_UP.is_set())
+    for r in range(1, size):  # the ranks' announcements of this exchange are spent
+        if r not in absent:
+            with contextlib.suppress(RuntimeError, ValueError):
+                store.delete_key(f"memkit/{key}/entered/{r}")
+    missing = tuple(sorted([*pending, *absent]))
+    return Gathered(objects, missing, bool(pending) and _GIVE_UP.is_set())
 
 
 def _default_backend(device_type: str) -> str:

@@ -103,8 +103,19 @@ CAUGHT = textwrap.dedent(
                 "ranks": None if report.ranks is None else report.ranks.to_dict(),
                 "text": str(report)}
 
+    def validate(model):  # `if rank == 0: validate()`: a tracked block rank 0 alone runs
+        t0 = time.monotonic()
+        with memkit.track(model, device="cpu", budget="64MiB", gather_timeout=60) as tracker:
+            with torch.no_grad():
+                model(torch.randn(8, 32))
+        return {"seconds": time.monotonic() - t0,
+                "ranks": tracker.report().ranks.to_dict()}
+
     def run(rank, args):
+        only0 = validate(torch.nn.Linear(32, 32)) if rank == 0 else None
         return {
+            "rank0_alone": only0,
+            "after_rank0_alone": block(rank, None),
             "rank1_raises": block(rank, raising_rank=1),
             "rank0_raises": block(rank, raising_rank=0),
             # rank 1 ends its block after rank 0 stopped waiting for it
@@ -212,7 +223,13 @@ def test_a_rank_whose_block_raised_and_went_on_sends_its_summary_without_a_hang(
     assert late["world_size"] == 2 and late["timeout"] == 0.3
     assert "rank(s) 1 sent no summary within 0.3 s" in r0["rank1_late"]["text"]
     for r in (r0, r1):
-        assert all(r[case]["barrier_s"] < 5 for case in r), r
+        assert all(r[case]["barrier_s"] < 5 for case in r if case != "rank0_alone"), r
+    # a block rank 0 alone runs (a validation) waits for no one, and the next block both
+    # ranks run still pairs up (the exchanges are named by call site)
+    alone = r0["rank0_alone"]
+    assert alone["seconds"] < 5 and alone["ranks"]["missing"] == [1]
+    after = r0["after_rank0_alone"]["ranks"]
+    assert [r["rank"] for r in after["ranks"]] == [0, 1] and after["missing"] == []
 
 
 def test_a_sigterm_outside_the_scripts_run_makes_rank0_stop_waiting_for_the_ranks() -> None:

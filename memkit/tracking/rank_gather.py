@@ -17,8 +17,9 @@ and the DDP advice (``ddp-unused-parameters``, ``ddp-gpu0-context``).
 
 from __future__ import annotations
 
-import itertools
+import collections
 import logging
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -52,9 +53,23 @@ SENT_AFTER_ERROR = "this rank's block ended with an exception; its summary was s
 """The note of a rank other than 0 whose block raised: rank 0's report has its summary if
 rank 0's own block ended normally (rank 0 does not wait otherwise)."""
 
-_BLOCKS = itertools.count()
-"""Numbers this process's tracked blocks under a process group, in the order they start: the
-n-th block of every rank exchanges its summaries under the same store keys."""
+_BLOCKS: collections.Counter[str] = collections.Counter()
+"""Tracked blocks under a process group started so far, per call site: the n-th block of a
+call site on every rank exchanges its summaries under the same store keys (a block only rank 0
+runs, at a call site of its own, shifts no other's numbers)."""
+
+
+def _call_site() -> str:
+    """``file:line`` of the first caller outside memkit and contextlib (the user's ``with
+    memkit.track(...)``; memkit's own for ``memkit run``): the same on every rank."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(package) or name.endswith("contextlib.py")):
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "memkit"
 
 
 @dataclass(frozen=True)
@@ -246,7 +261,14 @@ class RankWatch:
     def __init__(self, tracker: Any, timeout: float = GATHER_TIMEOUT) -> None:
         self.tracker = tracker
         self.timeout = timeout
-        self.block = next(_BLOCKS)
+        site = _call_site()
+        self.block = f"{site}/{_BLOCKS[site]}"
+        _BLOCKS[site] += 1
+        # ranks say they run the block (where the group exists already: not under `memkit
+        # run`, whose block begins before the script makes it, and which every rank runs)
+        self.announced = distributed.is_distributed() and distributed.announce(
+            f"track/{self.block}"
+        )
         self.unused: dict[str, int] = {}
         """Trainable parameters with no gradient at every step looked at, with their bytes."""
         self.find_unused: bool | None = None
@@ -375,8 +397,9 @@ class RankWatch:
             return
         try:
             got = distributed.gather_to_rank0(
-                self._summary(None), f"track/{self.block}", timeout=self.timeout
-            )
+                self._summary(None), f"track/{self.block}", timeout=self.timeout,
+                only_announced=self.announced,
+            )  # fmt: skip
         except DistributedError as exc:
             self._failed(exc)
             return
