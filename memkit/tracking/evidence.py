@@ -146,7 +146,12 @@ class Evidence:
         opts = self.models.all_optimizers()
         if opts and self.facts.optimizer_name is None:
             self.facts.optimizer_name = type(opts[0]).__name__
-        model = self.models.model  # kept: the model may be gone when the report is made
+        self.keep_layout()
+
+    def keep_layout(self) -> None:
+        """Keep a DataParallel model's devices (the tracker calls it as the block ends, before
+        letting go of the model: a report made later still knows them)."""
+        model = self.models.model
         if isinstance(model, torch.nn.DataParallel) and model.device_ids:
             ids = tuple(int(getattr(d, "index", d)) for d in model.device_ids)
             self.facts.dp_layout = (ids, int(getattr(model, "output_device", ids[0])))
