@@ -28,7 +28,8 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
         names = ", ".join(f"`{s.name}` ({s.where})" for s in leak.suspects[:3])
         top = leak.suspects[0] if leak.suspects else None
         if top is None or not top.growing:
-            out.append(_memory_growth(leak, growth + _held_batches(leak), names))
+            held = _held_batches(leak)
+            out.append(_memory_growth(leak, growth + held, names, counted_late=bool(held)))
         elif not top.graph:
             out.append(_tensors_kept(leak, top, growth))
         else:
@@ -74,9 +75,25 @@ def _held_batches(leak: LeakFinding) -> str:
     )
 
 
-def _memory_growth(leak: LeakFinding, growth: str, names: str) -> Advice:
+def _memory_growth(
+    leak: LeakFinding, growth: str, names: str, *, counted_late: bool = False
+) -> Advice:
     """``memory-growth``: no variable was seen growing; those seen holding a graph are the
-    step's own (its loss), not shown to be the cause: say what was seen, claim nothing."""
+    step's own (its loss), not shown to be the cause: say what was seen, claim nothing.
+    ``counted_late``: the batches the script keeps explain the growth (the simulated device
+    counts each from its first step): information, no leak on a GPU and nothing to save."""
+    if counted_late:
+        return Advice(
+            code="memory-growth",
+            title=f"memory on {leak.device} grows by the batches the script keeps: the "
+            "simulated device's count, no leak",
+            evidence=growth,
+            action="Nothing to fix for a GPU run, unless the script keeps the batches on the "
+            "GPU (a list moved up front: there from the first step, so the peak is the one "
+            "of the last steps here); to see the steady state on the simulated device, run "
+            "more steps than the list holds.",
+            severity="info",
+        )
     seen = (
         f" At the end of a step {names} held an autograd graph, but none of their "
         "graphs grew between two scans: the step's own, most likely, not the cause."
