@@ -91,6 +91,15 @@ def _steady(points: Sequence[tuple[int, int]]) -> bool:
     return below > 0 and top > 0 and abs(top - below) <= STEADY * max(top, below)
 
 
+def _scatter(points: Sequence[tuple[int, int]]) -> float:
+    """How far, in samples at the last secant's slope, the middle of the last three points
+    lies off the line through the outer two: noise and kinks, where the free memory
+    measured at the largest fit is only as exact as this."""
+    (b0, p0), (b1, p1), (b2, p2) = points[-3], points[-2], points[-1]
+    on_line = p0 + (p2 - p0) * (b1 - b0) / (b2 - b0)
+    return abs(p1 - on_line) / _local_slope(points)
+
+
 def _headroom(s: Bracket, capacity: int, points: Sequence[tuple[int, int]]) -> float | None:
     """Samples that still fit above the largest fit by the measured free memory, under both
     the last secant and the wide slope (the larger of the two estimates); ``None`` when a
@@ -185,7 +194,9 @@ class ModelStrategy:
         as is, whatever doubling or the bisection window would do. ``None`` when the last
         three peaks are not steady (``_steady``), when the peaks move in steps as large as
         half a sample (the allocator's rounding without a smooth measure: free memory then
-        says little), once a size said not to fit has fit, and after a near step from the
+        says little), when the middle one lies more than a sample off the line through the
+        other two (``_scatter``: noise, the free memory no measurement at a sample's
+        resolution), once a size said not to fit has fit, and after a near step from the
         same largest fit (it failed: the other rules take over)."""
         last = s.trials[-1]
         if last.fits and last.batch_size == self.verified:
@@ -196,6 +207,8 @@ class ModelStrategy:
         if predicted is None or room is None or room >= NEAR or not _steady(points):
             return None
         if _quantum(points) * 2 > _local_slope(points):
+            return None
+        if _scatter(points) > 1:
             return None
         lo, hi = s.lo, (NO_LIMIT if s.hi is None else s.hi)
         self.near_lo = lo
@@ -221,12 +234,14 @@ class ModelStrategy:
         fitted = len(points)
         if not trusted and predicted is not None and not _convex_consistent(points):
             predicted = None  # flatter than the whole curve: not the convex shape, noise
-        if predicted is None or fitted == self.aimed_with:
-            # No line, or the last aim failed and no new point has moved the line since
-            # (aiming again would creep down one size at a time): bisect.
+        if predicted is None or fitted == self.aimed_with or predicted >= hi + 1:
+            # No line; or the last aim failed and no new point has moved the line since; or
+            # the line says hi + 1 fits, where hi already failed: the failure refutes it by
+            # more than a sample (a flat part's line, refuted again after every bisection,
+            # would creep down from hi one size at a time): bisect.
             return (lo + hi) // 2
         self.aimed_with = fitted
-        return math.floor(min(predicted, hi))
+        return min(math.floor(predicted), hi - 1)
 
     def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
         if predicted is None:

@@ -27,10 +27,13 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      untrusted one, which on a convex curve overshoots, is approached halfway. When the model
      keeps predicting "just above" and is wrong (noise, rounding), the steps gallop (2, 4, 8,
      ... sizes);
-  3. once a size has failed, the prediction is clamped into the bracket (an untrusted one only
+  3. once a size has failed, the prediction is run inside the bracket (an untrusted one only
      when the last secant is at least as steep as the whole curve, as a convex curve's is),
      once per new point: an aim that failed is followed by a bisection, not a second aim with
-     the same line, and so is any trial that did not halve the bracket;
+     the same line, and so is any trial that did not halve the bracket. A line refuted by the
+     failure, one that says the smallest failed size plus one would fit, is not aimed with
+     but bisected: points from a flat part keep predicting far past the limit, and aiming
+     with them would creep down from the failure one size a trial;
   4. near the limit the measured free memory decides (``aiming.NEAR``): once a new largest
      fit leaves less than ``NEAR`` samples' worth free (by the last secant and by a wide one,
      the last three points growing with slopes within ``aiming.STEADY``), the predicted limit
@@ -38,7 +41,8 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      verification. Doubling's grid and the bisection window are skipped for that step: they
      would pay for sizes the free memory already rules out (x-transformers' copy task: 32 26
      23 21 all ran out after 20 fit with 2.8 MiB free at 10.8 MiB a sample). Off once a size
-     said not to fit has fit, and where the peaks move in steps of half a sample or more.
+     said not to fit has fit, where the peaks move in steps of half a sample or more, and
+     where the last three peaks lie more than a sample off one line (noise).
 
   The oracle may report a second, smooth measure of each peak (``aim_bytes``: on CUDA the
   allocated peak, where the reserved peak that decides the fit moves in 2 and 20 MiB allocator
@@ -46,11 +50,10 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   the two measured at the largest fit, and decides with the other.
 
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
-  limit, one more), 7 up to 2**20. The tests run every limit from 1 to 2048 and a sample up
-  to 100 000 on linear, piecewise, quadratic, allocator-rounded and noisy curves: never more
-  trials than doubling + bisection (mean 6.0, 6.4, 11.4, 20.0 and 21.8 trials against 21.9),
-  and on linear and
-  piecewise curves at most ``ceil(log2 B) + 3``.
+  limit, one more), 7 up to 2**20. The tests run every limit from 1 to 1024, 19 chosen ones
+  and 400 sampled up to 100 000 on linear, piecewise, quadratic, allocator-rounded and noisy
+  curves: never more trials than doubling + bisection (mean 6.1, 6.6, 10.4, 19.4 and 21.6
+  trials against 21.9), and on linear and piecewise curves at most ``ceil(log2 B) + 3``.
 
 Never worse than doubling + bisection, by construction where it matters: the reference
 (:class:`memkit.probing.reference.Reference`) knows, for every limit, how many trials doubling
