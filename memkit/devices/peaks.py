@@ -123,12 +123,19 @@ class UserPeaks:
     def resetting(self, peak: int, peak_reserved: int) -> None:
         """This block read these real peaks and is about to reset the counters: every running
         block's user view keeps them, and the other blocks' readings carry them."""
-        self.fold(peak, peak_reserved)
-        for other in _ACTIVE.get(self.index, ()):
-            if other is not self:
-                other.fold(peak, peak_reserved)
-                other._carry(peak, peak_reserved)
-        self.carry[0] = self.carry[1] = 0
+        if peak > self.allocated:  # (fold, inline: once per segment of every step)
+            self.allocated = peak
+        if peak_reserved > self.reserved:
+            self.reserved = peak_reserved
+        running = _ACTIVE.get(self.index)
+        if running and (len(running) > 1 or running[0] is not self):  # other blocks
+            for other in running:
+                if other is not self:
+                    other.fold(peak, peak_reserved)
+                    other._carry(peak, peak_reserved)
+        carry = self.carry
+        if carry[0] or carry[1]:
+            carry[0] = carry[1] = 0
 
     def _carry(self, peak: int, peak_reserved: int) -> None:
         carry = self.carry

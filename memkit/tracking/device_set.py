@@ -43,6 +43,8 @@ __all__ = ["DeviceSet", "SegmentCloser", "segment_closer"]
 
 log = logging.getLogger(__name__)
 
+_clock = time.perf_counter
+
 SegmentCloser = Callable[[DeviceRecord, int, int, "str | None"], None]
 """``close(dev, peak, peak_reserved, module)``: attribute a segment's peaks."""
 
@@ -57,27 +59,26 @@ def segment_closer(state: TrackState, evidence: Evidence) -> SegmentCloser:
     """
 
     def close(dev: DeviceRecord, p: int, pr: int, owner: str | None) -> None:
+        # nested: a device's peak is at least its step's, the step's at least each phase's
         ph = state.phase
         sp = dev.step_phase
         cur = sp[ph]
         if cur is None or p > cur:
             sp[ph] = p
-        if p > dev.step_peak:
-            dev.step_peak = p
+            if p > dev.step_peak:
+                dev.step_peak = p
+                if p > dev.peak:
+                    dev.peak = p
         if pr > dev.step_peak_res:
             dev.step_peak_res = pr
-        if pr > dev.peak_res:
-            dev.peak_res = pr
-        if p > dev.peak:
-            dev.peak = p
-        fsdp = state.fsdp
-        if fsdp is not None:
+            if pr > dev.peak_res:
+                dev.peak_res = pr
+        gathered = 0
+        if state.fsdp is not None:
             # FSDP2's all-gathered parameters during the segment: read at both of its ends
             # (a unit's all-gather and reshard sit between memkit's hooks, see fsdp.py)
-            start, dev.gathered = dev.gathered, fsdp.gathered()
+            start, dev.gathered = dev.gathered, state.fsdp.gathered()
             gathered = start if start > dev.gathered else dev.gathered
-        else:
-            gathered = 0
         if p > dev.train_peak and (ph != EVAL or not state.trained) and not state.failed:
             dev.train_peak = p
             dev.pending = PeakMoment(
@@ -237,7 +238,7 @@ class DeviceSet:
             dev.reset()
         self.close(dev, p, pr, dev.bw_module)
         state = self.state
-        dev.timeline.append((time.perf_counter() - state.t0, state.step, state.phase, None, a, r))
+        dev.timeline.append((_clock() - state.t0, state.step, state.phase, None, a, r))
         dev.events += 1
         dev.last = (a, r)
 

@@ -334,28 +334,27 @@ class PhaseMachine:
         ``phase``; ``resumes``: the step's phase goes on after an evaluation pass inside it (a
         teacher's forward after the student's): the forward's base stays the one it began with,
         so what the student's forward keeps stays its activations."""
-        devices, evidence, state = self.devices, self.evidence, self.state
+        devices, state = self.devices, self.state
         single = state.single
         self._close_segment()
-        forward = phase == FORWARD and not resumes
-        if forward:
-            grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
-            self.grads_none_at_forward = grads_none
         for dev in (single,) if single is not None else devices.records.values():
             if dev.pending is not None:
                 devices.resolve_pending(dev)
-            if forward:
+            if phase != BACKWARD:
+                dev.bw_module = None
+        if phase == FORWARD and not resumes:
+            evidence = self.evidence
+            grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
+            self.grads_none_at_forward = grads_none
+            for dev in (single,) if single is not None else devices.records.values():
                 dev.forward_base = dev.last[0]
                 dev.base_gathered = dev.gathered
                 dev.base_grads_none = grads_none
                 dev.base_state_empty = state_empty
-            if phase != BACKWARD:
-                dev.bw_module = None
         state.phase = phase
         self.backward_raised = False
-        sim = devices.sim
-        if sim is not None:  # device memory is what the step's phases create
-            sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
+        if devices.sim is not None:  # device memory is what the step's phases create
+            devices.sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
 
     def _close_segment(self) -> None:
         """Close every device's segment (one device: only it); a segment of a frozen model's

@@ -376,12 +376,10 @@ def close_step(dev: DeviceRecord, step: int, duration_s: float, backward_passes:
         StepRow(step, dev.step_start, a, dev.step_peak, dev.step_peak_res, tuple(sp), duration_s,
                 backward_passes)
     )  # fmt: skip
-    pp = dev.phase_peak
-    for i, v in enumerate(sp):
-        if v is not None:
-            cur = pp[i]
-            if cur is None or v > cur:
-                pp[i] = v
+    dev.phase_peak = [
+        v if c is None or (v is not None and v > c) else c
+        for c, v in zip(dev.phase_peak, sp, strict=True)
+    ]
     dev.step_phase = [None] * len(PHASES)
     dev.step_peak, dev.step_peak_res = a, r
     dev.step_start = a
