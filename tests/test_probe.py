@@ -1034,6 +1034,31 @@ def test_a_gradient_scalers_state_is_put_back():
     assert scaler.state_dict()["_growth_tracker"] == 0
 
 
+def test_a_step_that_runs_out_between_unscale_and_update_leaves_the_next_trial_a_ready_scaler():
+    """fp16 training: ``scaler.unscale_(opt)``, clipping, ``scaler.step(opt)`` (where a first
+    step creates Adam's state), ``scaler.update()``. An OOM after ``unscale_`` left the scaler
+    waiting for ``update``: the next trial's ``unscale_`` raised "unscale_() has already been
+    called on this optimizer since the last update()", and the probe stopped on it."""
+    model = small_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+
+    def train_step(model, batch, optimizer):
+        out = model(batch)
+        scaler.scale(out.float().pow(2).mean()).backward()
+        scaler.unscale_(optimizer)
+        spare = out.detach().repeat(40, 1)  # a batch-sized temporary after unscale_  # noqa: F841
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = probe(model, lambda n: torch.randn(n, 256), optimizer=opt, train_step=train_step,
+                   device="cpu", budget="24MiB")  # fmt: skip
+    assert result.max_batch_size is not None
+    assert any(not t.fits for t in result.trials)
+    scaler.unscale_(opt)  # ready, as before the probe (it would raise otherwise)
+
+
 def test_schedulers_of_a_wrapped_optimizer_and_of_other_libraries_are_put_back_too():
     """accelerate's optimizer wrapper holds the real optimizer as ``.optimizer`` (its scheduler
     steps the inner one); timm's schedulers are no ``LRScheduler``, but ``...Scheduler``

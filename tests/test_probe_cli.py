@@ -190,12 +190,43 @@ def test_seq_first_batches_are_probed_with_their_inferred_batch_dimension():
                for line in data["defaults"])  # fmt: skip
 
 
-def test_a_batch_of_two_views_per_sample_is_probed_in_samples():
-    """SimCLR-like: make_batch(n) returns 2n rows (two augmented views of each sample)."""
-    from memkit.probing.step import check_batch
+def test_a_batch_of_two_views_per_sample_is_probed_in_samples(tmp_path: Path):
+    """SimCLR-like: make_batch(n) returns 2n rows (two augmented views of each sample). The
+    answer counts samples, the report says so, and the loop trains 2N rows, not 2(N+1)."""
+    path = tmp_path / "two_views.py"
+    path.write_text(
+        "import torch\n\n\n"
+        "def build_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(512, 256))\n\n\n"
+        "def make_batch(batch_size):\n"
+        "    return torch.randn(2 * batch_size, 256)  # two views of each sample\n"
+    )
+    result = run(str(path), "--device", "cpu", "--budget", "12MiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    best = data["max_batch_size"]
+    assert any("make_batch(n) returns 2 rows per sample" in line for line in data["defaults"])
 
-    assert check_batch(torch.zeros(2, 3), 1, "make_batch(1)", torch.zeros(4, 3)) is None
-    assert check_batch(torch.zeros(6, 3), 3, "make_batch(3)", torch.zeros(8, 3)) is None
+    def loop_fits(samples: int) -> bool:  # the default step, as its report line says
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)
+        )
+        opt = torch.optim.AdamW(model.parameters())
+        try:
+            with memkit.simulate("12MiB", track=[model]):
+                for _ in range(2):
+                    out = model(torch.randn(2 * samples, 256))
+                    loss = out.sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert loop_fits(best) and not loop_fits(best + 1)
 
 
 def test_train_and_infer_in_one_run():

@@ -80,10 +80,29 @@ def _stateful_states(optimizer: Any) -> list[tuple[Any, dict[str, Any]]]:
     out = []
     for obj in _stateful_of(optimizer):
         try:
-            out.append((obj, copy.deepcopy(obj.state_dict())))
+            state = copy.deepcopy(obj.state_dict())
+            stages = getattr(obj, "_per_optimizer_states", None)  # a GradScaler's
+            if stages is not None:
+                state = {_STAGES: copy.deepcopy(stages), **state}
+            out.append((obj, state))
         except Exception:  # a user scheduler with uncopyable state
             log.debug("state of %s not copied", type(obj).__name__, exc_info=True)
     return out
+
+
+_STAGES = "memkit: per-optimizer stages"
+"""Where a gradient scaler's per-optimizer stages (``unscale_`` called, stepped) are kept with
+its state: ``state_dict`` leaves them out, and a step that ran out of memory between
+``unscale_`` and ``update`` leaves them waiting for an ``update`` (the next ``unscale_``
+raises "unscale_() has already been called on this optimizer since the last update()")."""
+
+
+def _load(obj: Any, state: dict[str, Any]) -> None:
+    """Put ``state`` (from :func:`_stateful_states`) back into ``obj``."""
+    if _STAGES in state:
+        obj._per_optimizer_states = copy.deepcopy(state[_STAGES])
+        state = {k: v for k, v in state.items() if k != _STAGES}
+    obj.load_state_dict(copy.deepcopy(state))
 
 
 def _to_host(obj: Any) -> Any:
@@ -187,9 +206,10 @@ class SavedState:
         """Buffers :meth:`restore` left as the model remade them (another shape or dtype)."""
 
     def reset_optimizer(self) -> None:
-        """Put the optimizer's state back (cheap when it was empty, the usual case). Existing
-        state tensors are written in place: a reference the user holds to them (a checkpoint
-        dict, a list of momentum buffers) stays true and keeps no second copy alive."""
+        """Put the optimizer's state back (cheap when it was empty, the usual case), and the
+        gradient scalers' (:meth:`reset_scalers`). Existing state tensors are written in place: a
+        reference the user holds to them (a checkpoint dict, a list of momentum buffers)
+        stays true and keeps no second copy alive."""
         optimizer, saved = self.optimizer, self._optimizer_state
         if optimizer is None or saved is None:
             return
@@ -198,6 +218,14 @@ class SavedState:
             optimizer.load_state_dict(saved)
         elif not _restore_in_place(optimizer, saved):
             optimizer.load_state_dict(copy.deepcopy(saved))
+        self.reset_scalers()
+
+    def reset_scalers(self) -> None:
+        """Put the gradient scalers' scale and per-optimizer stages back (:data:`_STAGES`):
+        each trial starts from them, as does the step run after an out-of-memory error."""
+        for obj, state in self._stateful:
+            if _STAGES in state:
+                _load(obj, state)
 
     def restore(self) -> None:
         """Copy everything back into the live objects.
@@ -225,5 +253,5 @@ class SavedState:
                 module.training = self._training[name]
         self.reset_optimizer()
         for obj, state in self._stateful:  # after the optimizer: its lr is the schedulers'
-            obj.load_state_dict(copy.deepcopy(state))
+            _load(obj, state)
         restore_rng_state(self._rng)

@@ -330,7 +330,7 @@ def check_batch(
             f"{where} returned a {type(batch).__name__} with no tensor of dimension >= 1; "
             "expected tensors with a batch dimension"
         )
-    batch_dims = _batch_dims(batch, bigger, batch_size) if bigger is not None else set()
+    batch_dims = _batch_dims(batch, bigger, batch_size) if bigger is not None else {}
     if batch_dims:
         return _layout_note(batch_dims, batch_size)
     if bigger is None and batch_size in dims:
@@ -405,22 +405,41 @@ def check_batch_grows(batch: Any, bigger: Any, batch_size: int, where: str) -> s
     return _layout_note(_batch_dims(batch, bigger, batch_size), batch_size)
 
 
-def _layout_note(batch_dims: set[int], batch_size: int) -> str | None:
-    """The note for an inferred batch dimension that is not the first (``None`` otherwise)."""
-    if not batch_dims or batch_dims == {0}:
-        return None
-    return (
-        f"batch dimension: {', '.join(str(d) for d in sorted(batch_dims))} (inferred from "
-        f"make_batch({batch_size}) and make_batch({batch_size + 1}))"
-    )
+def _layout_note(batch_dims: dict[int, int], batch_size: int) -> str | None:
+    """The note for an inferred batch dimension that is not the first, or for k rows per
+    sample (``None``: one row per sample in the first dimension)."""
+    notes = []
+    if batch_dims and set(batch_dims) != {0}:
+        notes.append(
+            f"batch dimension: {', '.join(str(d) for d in sorted(batch_dims))} (inferred from "
+            f"make_batch({batch_size}) and make_batch({batch_size + 1}))"
+        )
+    rows = max(batch_dims.values(), default=1)
+    if rows > 1:
+        notes.append(
+            f"make_batch(n) returns {rows} rows per sample ({rows}n rows): batch sizes "
+            "here count samples, as make_batch's argument does"
+        )
+    return "; ".join(notes) or None
 
 
-def _batch_dims(small: Any, big: Any, batch_size: int) -> set[int]:
-    """The dimensions that grow from ``batch_size`` to ``batch_size + 1`` between two batches."""
-    found: set[int] = set()
+def _batch_dims(small: Any, big: Any, batch_size: int) -> dict[int, int]:
+    """The dimensions that grow from ``batch_size`` to ``batch_size + 1`` between two
+    batches, each with its rows per sample (1, or k: two augmented views per sample)."""
+    found: dict[int, int] = {}
     before, after = _shapes(small), _shapes(big)
     if len(before) != len(after):
         return found
+    for a, b in zip(before, after, strict=True):
+        if len(a) != len(b):
+            continue
+        grew = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if len(grew) != 1:
+            continue
+        x, y = a[grew[0]], b[grew[0]]
+        if x % batch_size == 0 and x // batch_size * (batch_size + 1) == y:
+            found[grew[0]] = max(found.get(grew[0], 1), x // batch_size)
+    return found
     for a, b in zip(before, after, strict=True):
         if len(a) != len(b):
             continue
