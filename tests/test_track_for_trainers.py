@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -176,3 +177,33 @@ def test_steps_since_and_open_step_peaks():
     report = tracker.report()
     assert list(tracker.steps_since(0)) == list(report.devices[0].steps)
     assert report.devices[0].phase_peaks["eval"] == open_step["eval"]
+
+
+def test_accelerates_accumulation_reaches_an_oom_in_the_first_micro_batch():
+    """``Accelerator(gradient_accumulation_steps=4)`` with ``accelerator.accumulate``: an OOM
+    in step 0's first forward, before any optimizer step shows the accumulation, proposed
+    accumulating over 2 (the effective batch divided by 4). accelerate's shared
+    ``GradientState`` says 4: the advice doubles it."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)
+        model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 256))
+        opt = torch.optim.AdamW(model.parameters())
+        model, opt = accelerator.prepare(model, opt)
+        with (
+            pytest.raises(torch.OutOfMemoryError),
+            track(model, device="cpu", budget="12MiB") as tracker,
+            accelerator.accumulate(model),
+        ):
+            accelerator.backward(model(torch.randn(512, 256)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        report = tracker.report()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert report.devices[0].setup.accumulation_steps == 4
+    advice = {a.code: a for a in report.oom.advice}
+    assert "accumulate over 8" in advice["oom-activations"].action

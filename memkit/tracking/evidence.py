@@ -11,6 +11,7 @@ training setup.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, field
@@ -168,6 +169,8 @@ class Evidence:
         )
         self.walked_dtype = _largest(census.trainable_dtypes)
         facts = self.facts
+        if facts.accumulation_steps is None:  # no framework callback told it
+            facts.accumulation_steps = accelerate_accumulation()
         # once a step is enough (and when a model or optimizer is found, or a trainer's
         # settings arrive)
         key = (
@@ -287,6 +290,20 @@ def training_setup(
         optimized_bytes=census.optimized if census is not None and optimizers else None,
         narrow_weight_bytes=census.narrow if census is not None and modules else None,
     )
+
+
+def accelerate_accumulation() -> int | None:
+    """The micro-batches per optimizer step of a Hugging Face ``Accelerator`` made in this
+    process (``Accelerator(gradient_accumulation_steps=4)`` with ``accelerator.accumulate``),
+    read from accelerate's shared ``GradientState`` without creating it (``None``: accelerate
+    not imported, or no ``Accelerator`` made)."""
+    module = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(module, "GradientState", None), "_shared_state", None)
+    if not isinstance(shared, dict):
+        return None
+    kwargs = shared.get("plugin_kwargs")
+    steps = kwargs.get("num_steps") if isinstance(kwargs, dict) else None
+    return steps if isinstance(steps, int) and steps >= 1 else None
 
 
 def _sparse_gradients(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> bool | None:
