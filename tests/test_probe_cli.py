@@ -249,9 +249,9 @@ def test_train_and_infer_in_one_run():
             torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)
         )
         opt = torch.optim.AdamW(model.parameters())
+        opt.zero_grad()  # pytorch/examples' order: the last step's gradients live on
         model(torch.randn(4, 128)).sum().backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         try:
             with memkit.simulate("12MiB", track=(model, opt)), torch.no_grad():
                 for _ in range(2):

@@ -826,12 +826,22 @@ def probe_file(
     elif opts.training_state:
         optimizer, name = make_optimizer(spec, model)
         failed = with_optimizer_state(optimizer)
+        # the last step's gradients too: a loop that zeroes them before its forward
+        # (pytorch/examples, Lightning's closure) evaluates with them alive
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        held = f"{name}'s state and the gradients" if failed is None else "the gradients"
         defaults.append(
-            f"optimizer state: {name}'s, held through the trials, as during an evaluation "
-            "inside training (--mode infer alone: an evaluation-only script, without it)"
-            if failed is None
-            else f"optimizer state: none, {name} could not make it on zero gradients "
-            f"({failed}): an evaluation inside training also holds it"
+            f"held through the trials: {held}, as during an evaluation inside training that "
+            "a loop reaches with the last step's gradients alive (zero_grad() before the "
+            "forward; --mode infer alone: an evaluation-only script, without either)"
+            + (
+                ""
+                if failed is None
+                else f"; no optimizer state: {name} could not make it on zero gradients "
+                f"({failed}), an evaluation inside training also holds it"
+            )
         )
     results = [
         probe_with(

@@ -334,7 +334,8 @@ class TrialRunner:
         (about 100,000 objects with fused AdamW and autocast on nanoGPT) made every later
         collection cost 50-120 ms on the H200 machine; frozen, a collection walks only the
         trial's own objects. Reference counting still frees them; the probe's end unfreezes."""
-        self.model.zero_grad(set_to_none=True)
+        if self.step.mode == "train":  # (an evaluation's trials keep what training left)
+            self.model.zero_grad(set_to_none=True)
         self.saved.reset_optimizer()
         read = self.counters[0]
         if self.baseline is None or read()[0] > self.baseline:
