@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from memkit.errors import ConfigError
 
-__all__ = ["format_shape", "format_size", "parse_size"]
+__all__ = ["format_shape", "format_size", "parse_size", "size_option"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -95,6 +95,15 @@ def format_size(n: int | float | None, *, signed: bool = False) -> str:
         if value < 1024 or unit == "TiB":
             return f"{sign}{value:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def size_option(n: int) -> str:
+    """``n`` bytes as a command-line size that means exactly ``n``: the largest binary unit
+    that divides it (``size_option(8 << 20) == '8MiB'``), else bytes (``'1000'``)."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
 
 
 def format_shape(shape: Sequence[int]) -> str:

@@ -1,7 +1,7 @@
 import pytest
 
 from memkit.errors import ConfigError
-from memkit.units import format_size, parse_size
+from memkit.units import format_size, parse_size, size_option
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,12 @@ def test_format_size_signed_and_roundtrip():
     assert format_size(2048, signed=True) == "+2.00 KiB"
     assert format_size(-2048, signed=True) == "-2.00 KiB"
     assert parse_size(format_size(5 * 1024**2).replace(" ", "")) == 5 * 1024**2
+
+
+@pytest.mark.parametrize(
+    ("n", "text"), [(8 << 20, "8MiB"), (3 << 30, "3GiB"), (1536, "1536"), (0, "0"), (999, "999")]
+)
+def test_size_option_is_exact_and_reads_back(n, text):
+    """What advice puts in a command (``--budget 8MiB``, not ``--budget 8388608``)."""
+    assert size_option(n) == text
+    assert parse_size(size_option(n)) == n

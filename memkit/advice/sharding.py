@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memkit.advice.form import Advice
-from memkit.units import format_size
+from memkit.units import format_size, size_option
 
 __all__ = [
     "MAX_GPUS",
@@ -155,9 +155,9 @@ def fsdp_gpus_needed(
             f"`torchrun --nproc-per-node {gpus} train.py`; in it, `fully_shard(block)` for each "
             "block (a transformer layer), then `fully_shard(model)`, the optimizer built after; "
             f"check with `memkit probe FILE --device cpu --gpus {gpus} --budget "
-            f"{capacity_bytes} --strategies fsdp`, or without running the steps (meta tensors, "
-            f"faster for a large model) `memkit estimate FILE --gpus {gpus} --strategies fsdp "
-            "--device-memory CARD`."
+            f"{size_option(capacity_bytes)} --strategies fsdp`, or without running the steps "
+            f"(meta tensors, faster for a large model) `memkit estimate FILE --gpus {gpus} "
+            "--strategies fsdp --device-memory CARD`."
         ),
         saving_bytes=state - shard,
         severity="critical",
