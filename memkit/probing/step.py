@@ -267,9 +267,15 @@ class StepPlan:
             )
             return [self.step_label or default, *accumulating]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
+        first = (
+            "no forward meets the last step's gradients"
+            if self.micro_batches == 1
+            else "the first micro-batch's forward meets no gradients, the later ones' meet "
+            "those accumulated so far"
+        )
         return [
             "step: default (forward, loss, backward, optimizer.step, zero_grad(set_to_none=True)"
-            ": no forward meets the last step's gradients; a loop calling zero_grad() after "
+            f": {first}; a loop calling zero_grad() after "
             "its forward keeps them through it and fits less: write that as a train_step)",
             f"loss: {loss}" + ("" if self.loss_fn else " (default)"),
             kept + ", and the loss through optimizer.step() (`loss = ...`)",

@@ -128,6 +128,8 @@ def test_an_accumulating_script_trains_at_the_probes_answer_and_not_above(script
 
     explicit = probe("accelerate_clm.py", budget, accumulation=4)
     assert explicit.max_batch_size == best and not explicit.trial(best + 1).fits
+    (step,) = [d for d in explicit.defaults if d.startswith("step:")]
+    assert "the later ones' meet those accumulated so far" in step  # not "no forward meets"
 
 
 # -- a large cost per sample, a fit close to the limit -------------------------------------
