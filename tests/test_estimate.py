@@ -737,6 +737,17 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
         estimate(str(reads_value), device_memory="1GiB")
 
 
+def test_a_cpu_tensor_made_in_the_forward_is_named_as_a_gpu_would_fail_on_it() -> None:
+    """``pos = torch.arange(x.shape[1])`` in a forward (no device=): on meta torch says
+    "Tensor on device meta is not on the expected device cpu!", which memkit called a
+    meta-only problem ("code that reads them cannot run there"); a GPU fails the same way."""
+    with pytest.raises(UserCodeError) as info:
+        run_guarded(lambda: torch.ones(3, device="meta") + torch.arange(3), 1)
+    said = str(info.value)
+    assert "made a tensor on the CPU" in said and "device=x.device" in said
+    assert "hold no values" not in said and "cpu!." not in said
+
+
 def test_a_float64_model_fed_float32_fails_as_on_a_gpu(tmp_path: Path) -> None:
     """Meta kernels do not check dtypes; the GPU's (and probe's real run) refuse the mix, so
     the estimate must fail too (it used to answer, exit 0). The CLI gives exit code 3."""

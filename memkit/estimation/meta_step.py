@@ -528,7 +528,7 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
         if sparse or missing:  # the first sentence names the op; the rest lists dispatch keys
             text = text.split(". ", 1)[0]
         said = f"the step raised {type(exc).__name__} at batch size {batch_size}: " + text.rstrip(
-            ". "
+            ".! "
         )
         if sparse:
             said += (
@@ -543,6 +543,13 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
                 "loss, some sparse or fused kernels), so memkit estimate cannot run this step. "
                 "Measure it on the simulated device instead, which runs it: memkit probe FILE "
                 "--device cpu --budget <the GPU's memory>."
+            )
+        elif _host_tensor_met(exc):
+            said += (
+                ". The step made a tensor on the CPU (a torch.arange, zeros or ones without "
+                "device=, or a buffer kept out of the model) and used it with the model's "
+                "tensors: on a GPU it fails the same way ('Expected all tensors to be on the "
+                "same device'). Make it on the input's device (device=x.device)."
             )
         elif _meta_only(exc):
             said += (
@@ -577,6 +584,14 @@ def _no_meta_kernel(exc: BaseException) -> str | None:
     found = re.search(r"Could not run '([\w:.]+)' with arguments from the 'Meta' backend", text)
     found = found or re.match(r"([\w:.]+): attempted to run this operator with Meta tensors", text)
     return found.group(1) if found else None
+
+
+def _host_tensor_met(exc: BaseException) -> bool:
+    """Whether an error is a CPU tensor meeting the model's meta tensors in one op (torch's
+    "Tensor on device meta is not on the expected device cpu!", "Expected all tensors to be on
+    the same device, but found at least two devices, meta and cpu!")."""
+    text = str(exc)
+    return "meta" in text and "cpu" in text and ("expected device" in text or "same device" in text)
 
 
 def _meta_only(exc: BaseException) -> bool:

@@ -43,7 +43,7 @@ class Attend(nn.Module):
             sim = sim.masked_fill(~mask[:, None, None, :], -torch.finfo(sim.dtype).max)
         if self.causal:
             i, j = sim.shape[-2:]
-            causal = torch.ones(i, j, dtype=torch.bool).triu(j - i + 1)
+            causal = torch.ones(i, j, dtype=torch.bool, device=sim.device).triu(j - i + 1)
             sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
         attn = sim.softmax(dim=-1)
         attn = self.attn_dropout(attn)
@@ -144,7 +144,7 @@ class TransformerWrapper(nn.Module):
         self.to_logits = nn.Linear(dim, num_tokens)
 
     def forward(self, x, return_embeddings=False, mask=None, **kwargs):
-        pos = torch.arange(x.shape[1])
+        pos = torch.arange(x.shape[1], device=x.device)
         x = self.emb_dropout(self.token_emb(x) + self.pos_emb(pos))
         x = self.attn_layers(x, mask=mask, **kwargs)
         return x if return_embeddings else self.to_logits(x)
