@@ -368,3 +368,25 @@ def test_a_model_file_parsing_argv_at_import_does_not_see_memkits(tmp_path):
 
     seen = sys.modules[load_model_file(path).build_model.__module__].SEEN
     assert seen == [str(path.resolve())]
+
+
+def test_memkits_own_ceiling_is_no_answer_but_a_bound(tmp_path: Path, monkeypatch):
+    """A model that never runs out (Linear(2, 1) on 256 MiB) reached memkit's search ceiling
+    (2**20 samples): the report said "Largest batch ... 1048576; recommended 1048576 (leaves
+    5% free)" with 94% free and ``hit_max_batch`` false. It is a bound, and says so."""
+    monkeypatch.setattr("memkit.probing.options.MAX_BATCH_CEILING", 4096)
+    path = tmp_path / "tiny.py"
+    path.write_text(
+        "import torch\n\n\ndef build_model():\n    return torch.nn.Linear(2, 1)\n\n\n"
+        "def make_batch(batch_size):\n    return torch.randn(batch_size, 2)\n"
+    )
+    result = run(str(path), "--device", "cpu", "--budget", "64MiB")
+    assert result.exit_code == 0, result.output
+    headline = result.stdout.splitlines()[0]
+    assert "at least 4096 (memkit's search ceiling, not a memory limit: it leaves" in headline
+    assert "--max-batch to search higher" in headline and "recommended" not in headline
+    data = json.loads(run(str(path), "--device", "cpu", "--budget", "64MiB", "--json").stdout)
+    assert data["max_batch_size"] == 4096 and data["hit_max_batch"]
+    estimate = CliRunner().invoke(cli, ["estimate", str(path), "--device-memory", "8GiB"])
+    assert estimate.exit_code == 0, estimate.output
+    assert "at least 4096 (memkit's search ceiling" in estimate.stdout.splitlines()[0]

@@ -128,7 +128,7 @@ def estimate(
         margin=margin,
         min_batch=min_batch,
         max_batch=max_batch,
-        hit_max_batch=search.hit_max_batch and max_batch is not None,
+        hit_max_batch=search.hit_max_batch,
         seq_len=seq_len,
         amp=amp,
         attention=attention,

@@ -729,7 +729,7 @@ def _build_result(
         margin=opts.margin,
         min_batch=opts.min_batch,
         max_batch=opts.max_batch,
-        hit_max_batch=search.hit_max_batch and search.max_batch_size == opts.max_batch,
+        hit_max_batch=search.hit_max_batch and search.max_batch_size == opts.ceiling,
         seq_len=opts.seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,

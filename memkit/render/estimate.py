@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import recommended_words, section, table
+from memkit.render.text import bound_words, recommended_words, section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -46,14 +46,24 @@ def estimate_headline(est: Estimate) -> str:
             f"Estimated not to fit: batch {est.min_batch} ({est.mode}{seq}{amp}) needs "
             f"{format_size(need)} reserved on a {card} ({usable})."
         )
-    bound = " (the --max-batch limit, not a memory limit)" if est.hit_max_batch else ""
     rec = est.recommended_batch_size
     ran = next((t for t in est.trials if t.batch_size == rec), None)
     peak = None if ran is None else ran.reserved_peak
     words = recommended_words(rec, est.margin, peak, est.usable_bytes)
+    if est.hit_max_batch:  # no memory limit found: the bound, and what it left free
+        top = next((t for t in est.trials if t.batch_size == est.max_batch_size), None)
+        bound = bound_words(
+            est.max_batch, None if top is None else top.reserved_peak, est.usable_bytes
+        )
+        return (
+            f"Estimated largest batch ({est.mode}{seq}{amp}) on a {card} ({usable}): at least "
+            f"{est.max_batch_size}{bound}"
+            + ("" if rec == est.max_batch_size else f"; {words}")
+            + "."
+        )
     return (
         f"Estimated largest batch ({est.mode}{seq}{amp}) on a {card} ({usable}): "
-        f"{est.max_batch_size}{bound}; {words}."
+        f"{est.max_batch_size}; {words}."
     )
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import recommended_words, section, table
+from memkit.render.text import bound_words, recommended_words, section, table
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -89,10 +89,20 @@ def probe_headline(result: ProbeResult) -> str:
             f"Does not fit: batch {result.min_batch} ({result.mode}{seq}) needs more than the "
             f"{cap} of {where}."
         )
-    bound = " (the --max-batch limit, not a memory limit)" if result.hit_max_batch else ""
+    words = _recommended_words(result)
+    if result.hit_max_batch:  # no memory limit found: the bound, and what it left free
+        top = result.trial(result.max_batch_size)
+        peak = None if top is None else top.peak_bytes
+        bound = bound_words(result.max_batch, peak, result.capacity_bytes)
+        return (
+            f"Largest batch that fits ({result.mode}{seq}) on {where}, capacity {cap}: at least "
+            f"{result.max_batch_size}{bound}"
+            + ("" if result.recommended_batch_size == result.max_batch_size else f"; {words}")
+            + "."
+        )
     return (
         f"Largest batch that fits ({result.mode}{seq}) on {where}, capacity {cap}: "
-        f"{result.max_batch_size}{bound}; {_recommended_words(result)}."
+        f"{result.max_batch_size}; {words}."
     )
 
 

@@ -65,6 +65,23 @@ def section(heading: str, body: str | Iterable[str]) -> list[str]:
     return ["", heading, *lines] if lines else []
 
 
+def bound_words(max_batch: int | None, peak: int | None, capacity: int | None) -> str:
+    """What stopped a search that never ran out: the ``--max-batch`` given, or (``max_batch``
+    ``None``) memkit's own ceiling; with how much of the capacity the size left free.
+
+    Examples:
+        >>> bound_words(64, 500, 1000)
+        ' (the --max-batch limit, not a memory limit: it leaves 50% free)'
+        >>> bound_words(None, None, None)
+        " (memkit's search ceiling, not a memory limit: --max-batch to search higher)"
+    """
+    free = f": it leaves {1 - peak / capacity:.0%} free" if peak is not None and capacity else ""
+    if max_batch is not None:
+        return f" (the --max-batch limit, not a memory limit{free})"
+    more = "; --max-batch to search higher" if free else ": --max-batch to search higher"
+    return f" (memkit's search ceiling, not a memory limit{free}{more})"
+
+
 def recommended_words(
     rec: int | None, margin: float, peak: int | None, capacity: int | None
 ) -> str:
