@@ -47,6 +47,7 @@ def test_gpus_needed_is_the_fewest_whose_shard_fits_next_to_the_unsharded_part()
     assert a is not None and a.saving_bytes == state - math.ceil(state / expected)
     assert "--nproc-per-node 2" in a.action and "fully_shard(model)" in a.action
     assert "--budget 80GiB --strategies fsdp" in a.action  # a size as the option takes it
+    assert "--device-memory SIZE --arch CARD" in a.action  # (--device-memory H100 is refused)
     assert "3 x the largest, model.layers.0" in a.evidence
     # a card a quarter the size needs more GPUs, by the same arithmetic
     small = {**big, "capacity_bytes": cap // 4}

@@ -157,7 +157,7 @@ def fsdp_gpus_needed(
             f"check with `memkit probe FILE --device cpu --gpus {gpus} --budget "
             f"{size_option(capacity_bytes)} --strategies fsdp`, or without running the steps "
             f"(meta tensors, faster for a large model) `memkit estimate FILE --gpus {gpus} "
-            "--strategies fsdp --device-memory CARD`."
+            "--strategies fsdp --device-memory SIZE --arch CARD`."
         ),
         saving_bytes=state - shard,
         severity="critical",
