@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -110,6 +111,26 @@ def _user_traceback(exc: BaseException, path: str) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     start = next((i for i, f in enumerate(frames) if f.filename == path), 0)
     lines = traceback.format_list(frames[start:])
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines).rstrip()
+
+
+_MEMKIT_DIR = os.path.dirname(os.path.abspath(__file__))
+_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def step_traceback(exc: BaseException) -> str:
+    """The traceback of an error the user's step raised, without memkit's own frames and
+    torch's module-call plumbing (``Module.__call__``): the frames of the model file, the
+    model and the torch functions it called."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(_MEMKIT_DIR) and not f.filename.endswith(_MODULE_CALL)
+    ]
+    lines = (
+        ["Traceback (most recent call last):\n", *traceback.format_list(frames)] if frames else []
+    )
     lines += traceback.format_exception_only(type(exc), exc)
     return "".join(lines).rstrip()
 

@@ -390,3 +390,24 @@ def test_memkits_own_ceiling_is_no_answer_but_a_bound(tmp_path: Path, monkeypatc
     estimate = CliRunner().invoke(cli, ["estimate", str(path), "--device-memory", "8GiB"])
     assert estimate.exit_code == 0, estimate.output
     assert "at least 4096 (memkit's search ceiling" in estimate.stdout.splitlines()[0]
+
+
+def test_a_step_error_shows_the_users_frames_and_what_the_default_step_did(tmp_path: Path):
+    """A dict batch whose keys forward does not take: exit 3 with 25 lines of memkit's and
+    torch's call plumbing (trials.py, step.py, Module._call_impl) and no word of model(**batch).
+    """
+    path = tmp_path / "wrong_keys.py"
+    path.write_text(
+        "import torch\n\n\nclass M(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(64, 10)\n\n"
+        "    def forward(self, x):\n        return self.fc(x)\n\n\n"
+        "def build_model():\n    return M()\n\n\n"
+        "def make_batch(n):\n"
+        "    return {'input_ids': torch.randn(n, 64), 'labels': torch.randint(0, 10, (n,))}\n"
+    )
+    result = run(str(path), "--device", "cpu", "--budget", "64MiB")
+    assert result.exit_code == 3, result.output
+    assert "got an unexpected keyword argument 'input_ids'" in result.stderr
+    assert "calls model(**batch) for a dict batch" in result.stderr
+    assert "memkit/probing" not in result.stderr and "_call_impl" not in result.stderr

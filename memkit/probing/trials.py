@@ -13,7 +13,6 @@ import contextlib
 import gc
 import re
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from memkit.errors import (
     ModelFileError,
     UserCodeError,
 )
+from memkit.modelfile import step_traceback
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
@@ -95,6 +95,13 @@ def _hint(exc: BaseException, batch_size: int) -> str:
         return (
             "\nBatchNorm needs at least 2 samples per channel in training: probe from "
             "--min-batch 2 (min_batch=2 in the Python API)."
+        )
+    if isinstance(exc, TypeError) and "got an unexpected keyword argument" in str(exc):
+        return (
+            "\nThe default step calls model(**batch) for a dict batch: its keys must be the "
+            "names of forward's parameters (input_ids, attention_mask, labels for a "
+            "transformers model). Return a tensor or a tuple (inputs, labels) from make_batch "
+            "for a forward(x), or write a train_step."
         )
     if isinstance(exc, TypeError) and re.search(r"forward\(\) takes \d+ positional", str(exc)):
         return (
@@ -412,7 +419,7 @@ class TrialRunner:
                 raise UserCodeError(
                     f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
                     "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + "".join(traceback.format_exception(exc)).rstrip()
+                    + step_traceback(exc)
                     + _hint(exc, batch_size),
                     original=exc,
                 ) from exc
@@ -476,8 +483,7 @@ class TrialRunner:
                 raise UserCodeError(
                     f"the training step raised {type(exc).__name__} at batch size "
                     f"{min(fitted)}, which had fit before; this is not an out-of-memory "
-                    "error, so memkit stopped:\n"
-                    + "".join(traceback.format_exception(exc)).rstrip(),
+                    "error, so memkit stopped:\n" + step_traceback(exc),
                     original=exc,
                 ) from exc
             recover(self.backend, exc)
@@ -518,7 +524,7 @@ class TrialRunner:
                     f"rank {distributed.rank()}: the training step raised "
                     f"{type(caught).__name__} at batch size {batch_size}; this is not an "
                     "out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + "".join(traceback.format_exception(caught)).rstrip(),
+                    + step_traceback(caught),
                     original=caught,
                 )
                 local_error.__cause__ = caught
