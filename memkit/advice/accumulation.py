@@ -36,9 +36,10 @@ def plan_accumulation(
 
     Steps are ``ceil(target / (max_micro_batch * world_size))``. If the target divides evenly
     by ``steps * world_size``, the micro batch is that quotient (at most ``max_micro_batch``).
-    Otherwise up to 25% more steps are tried for an exact split; failing that, the smallest
-    micro batch that reaches the target at the first step count is used, and the effective batch
-    overshoots the target by less than ``steps * world_size`` (the plan says so).
+    Otherwise up to a quarter more steps (at least one more) are tried for an exact split;
+    failing that, the smallest micro batch that reaches the target at the first step count is
+    used, and the effective batch overshoots the target by less than ``steps * world_size``
+    (the plan says so).
 
     Examples:
         >>> plan_accumulation(256, 48)
