@@ -31,6 +31,8 @@ class EstimateTrial(Record):
             allocator's block slack and the cuBLAS workspace: what the simulated device counts.
         fits: the reserved peak is within the usable memory.
         seconds: wall time of the trial.
+        ran_out: the allocator model ran out of the usable memory during the step: the peaks
+            are those reached when it failed, so the step needs more than them.
     """
 
     batch_size: int
@@ -39,6 +41,7 @@ class EstimateTrial(Record):
     counted_peak: int
     fits: bool
     seconds: float
+    ran_out: bool = False
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = round(self.seconds, 6)

@@ -256,5 +256,6 @@ def _breakdown(session: MetaSession, batch_size: int) -> EstimateBreakdown:
 def _trial(trial: Trial, session: MetaSession) -> EstimateTrial:
     peaks = session.cache[trial.batch_size]
     return EstimateTrial(
-        trial.batch_size, peaks.allocated, peaks.reserved, peaks.counted, trial.fits, peaks.seconds
-    )
+        trial.batch_size, peaks.allocated, peaks.reserved, peaks.counted, trial.fits,
+        peaks.seconds, ran_out=peaks.ooms > 0,
+    )  # fmt: skip

@@ -72,8 +72,8 @@ def _trial_rows(est: Estimate) -> list[list[object]]:
         [
             t.batch_size,
             "yes" if t.fits else "no",
-            format_size(t.allocated_peak),
-            format_size(t.reserved_peak),
+            (">= " if t.ran_out else "") + format_size(t.allocated_peak),
+            (">= " if t.ran_out else "") + format_size(t.reserved_peak),
         ]
         for t in sorted(est.trials, key=lambda t: t.batch_size)
     ]
