@@ -105,10 +105,14 @@ class GrowthDetector:
 
     A healthy loop comes back to the same level at every boundary. A leak climbs a staircase:
     every step (``running_loss += loss`` with its graph), or every N steps (an evaluation every
-    N steps that keeps its loss with the graph). The detector follows the boundary levels since
-    they last came down and calls it a leak at the ``window``-th rise; any fall starts over.
-    The climb starts at the level just before its first rise: its numbers describe the rises
-    (for a staircase, the bytes of a rise and the steps between two rises).
+    N steps that keeps its loss with the graph). Its memory never comes back, so each of its
+    rises takes the level above the highest it has been since the warm-up (the high-water
+    mark): a rise counts only above that mark. Levels that go up and down (batches or
+    episodes of varying length, an evaluation's drop and the rise back to where the level was)
+    stay below it. The detector follows the levels since they last came down and calls it a
+    leak at the ``window``-th rise; any fall starts over (the mark stays). The climb starts
+    at the mark just before its first rise: its numbers describe the rises (for a staircase,
+    the bytes of a rise and the steps between two rises).
 
     Growth that stops is not a leak: an optimizer whose history fills up (LBFGS keeps
     ``history_size`` entries), a cache that reaches its size. After a leak was called,
@@ -132,8 +136,9 @@ class GrowthDetector:
         self.warmup = warmup
         self.window = window
         self.min_growth = min_growth
-        self._start: tuple[int, int] | None = None  # (step, allocated) just before the climb
+        self._start: tuple[int, int] | None = None  # (step, high-water mark) before the climb
         self._last = 0
+        self._high: int | None = None  # the highest level observed after the warm-up
         self._rise_steps: list[int] = []  # the steps of the climb's rises
         self._explained_in_climb = 0  # bytes of the climb's rises that persistent bytes explain
         self._persistent: int | None = None  # the last persistent bytes given
@@ -165,7 +170,7 @@ class GrowthDetector:
             return False
         if self._persistent is None:
             return True
-        return self._start is not None and allocated - self._last >= self.min_growth
+        return self._high is not None and allocated - self._high >= self.min_growth
 
     def observe(self, step: int, allocated: int, persistent: int | None = None) -> bool:
         """Record a boundary level (``persistent``: the bytes of parameters, gradients and
@@ -178,11 +183,13 @@ class GrowthDetector:
             self._persistent = persistent
         if self._seen <= self.warmup:
             return False
-        if self._start is None or allocated < self._last:
-            self._start, self._last = (step, allocated), allocated
+        high = self._high
+        self._high = allocated if high is None else max(high, allocated)
+        if high is None or allocated < self._last:
+            self._start, self._last = (step, self._high), allocated
             self._rise_steps, self._explained_in_climb = [], 0
             return False
-        rise = allocated - self._last
+        rise = allocated - high  # above the mark: memory the device never held before
         self._last = allocated
         explained = 0
         if persistent is not None and before is not None and rise >= self.min_growth:
@@ -194,13 +201,13 @@ class GrowthDetector:
             self._explained_in_climb += explained
         if rise - explained < self.min_growth:
             if not self._rise_steps:  # the climb has not begun: it would begin here
-                self._start, self._explained_in_climb = (step, allocated), 0
+                self._start, self._explained_in_climb = (step, self._high), 0
             return False
         rises = self._rise_steps
         rises.append(step)
         if len(rises) < self.window:
             return False
-        first_step, first = self._start
+        first_step, first = self._start or (step, high)  # set with the mark
         grown = allocated - first - self._explained_in_climb
         steps = step - first_step
         period = max(1, round((rises[-1] - rises[0]) / (len(rises) - 1)))
@@ -775,13 +782,20 @@ def growth_finding(
     suspects: tuple[LeakSuspect, ...],
     step: int,
     held_batches: tuple[int, int] = (0, 0),
+    graph: LeakFinding | None = None,
 ) -> LeakFinding:
     """The leak a device's growth detector called (at step ``step``), with ``suspects``;
-    ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device)."""
+    ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device);
+    ``graph``: a graph the graph scans saw growing before: its ``graph_growth`` is kept, and
+    its suspects where none of ``suspects`` was seen growing."""
     rate, first, steps = growth.finding or (0, step, 0)
-    period = growth.period
+    graph_growth = 0
+    if graph is not None:
+        graph_growth = graph.graph_growth
+        if not (suspects and suspects[0].growing):
+            suspects = graph.suspects
     return LeakFinding(
-        device, rate, first, steps, suspects, period=period,
+        device, rate, first, steps, suspects, graph_growth=graph_growth, period=growth.period,
         held_batches=held_batches[0], held_batch_bytes=held_batches[1],
     )  # fmt: skip
 
