@@ -133,3 +133,50 @@ def test_a_graph_leak_outlives_growth_that_stops():
     (leak,) = tracker.report().leaks
     assert leak.growth_per_step == 0 and leak.graph_growth > 0
     assert leak.suspects[0].name == "total"
+
+
+class AverageMeter:
+    """imagenet's main.py: computes and stores the average and current value."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reset()
+
+    def reset(self) -> None:
+        self.val = 0
+        self.avg = 0
+        self.sum = 0
+        self.count = 0
+
+    def update(self, val: torch.Tensor, n: int = 1) -> None:
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+def test_a_graph_kept_in_an_attribute_of_the_scripts_own_object_is_named():
+    """imagenet's ``losses.update(loss, n)`` fed the loss tensor: ``self.sum += val * n``
+    keeps every step's graph in ``losses.sum`` (device memory flat). The graph scans never
+    looked into the script's own objects: nothing was reported."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps: int) -> None:
+        losses = AverageMeter("Loss")
+        for _ in range(steps):
+            x = torch.randn(8, 16)
+            loss = model(x).square().mean()
+            losses.update(loss, x.size(0))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with track(model, opt, device="cpu", budget="16MiB") as tracker:
+        train(8)
+    (leak,) = tracker.report().leaks
+    top = leak.suspects[0]
+    assert (top.name, top.function, top.code) == (
+        "losses.sum", "AverageMeter.update", "self.sum += val * n"
+    )  # fmt: skip
+    assert leak.graph_growth > 0 and top.growing

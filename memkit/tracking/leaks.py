@@ -63,6 +63,12 @@ SCAN_PERIOD = 25
 _CONTAINER_PEEK = 3
 """Elements looked at from each end of a list/tuple (and values of a dict)."""
 
+_OBJECTS = 16
+"""The user's objects (not ``self``) whose attributes a scan looks at, per frame."""
+
+_OBJECT_ATTRS = 32
+"""The attributes a scan looks at per object (the first assigned: ``AverageMeter.sum``)."""
+
 _MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -585,10 +591,11 @@ def scan_frames(
     """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
 
     Looks at each frame's locals (a script's top level: its globals), two levels into lists,
-    tuples, deques and dicts, at the attributes of a local named ``self`` and, with
-    ``holders``, at those of the user's other objects there (``memory.memory``: a replay
-    buffer's deque). Frames of torch,
-    memkit and the standard library are skipped; an object seen in several frames (a list a
+    tuples, deques and dicts, at the attributes of a local named ``self`` and at those of the
+    user's other objects there (``memory.memory``: a replay buffer's deque; ``losses.sum``: an
+    ``AverageMeter`` fed the loss), :data:`_OBJECT_ATTRS` of each of the first
+    :data:`_OBJECTS` objects of a frame. Frames of torch, memkit and the standard library are
+    skipped; an object seen in several frames (a list a
     nested function closes over) is one variable, named in the innermost. ``since``: an
     earlier scan; each candidate's ``carries`` says whether its graph holds a node one of that
     scan's graphs held. ``holders``: whether a tensor is on the device that grows; given, the
@@ -606,7 +613,7 @@ def scan_frames(
     earlier_ids = {i for i, _ in earlier}
     seen: set[int] = set()  # the objects named already (in an inner frame)
     for frame in _user_frames(start):
-        for name, value, owner in _frame_values(frame, torch, objects=holders is not None):
+        for name, value, owner in _frame_values(frame, torch):
             if id(value) in seen:
                 continue
             graph = True
@@ -659,21 +666,23 @@ def scan_frames(
     return out
 
 
-def _frame_values(
-    frame: FrameType, torch: Any, objects: bool = True
-) -> list[tuple[str, Any, type | None]]:
+def _frame_values(frame: FrameType, torch: Any) -> list[tuple[str, Any, type | None]]:
     """``(name, value, owner)`` of what a scan looks at in ``frame``: its locals, the
-    attributes of ``self`` (``self.history``) and, with ``objects``, of the user's other
-    objects among them (``memory.memory``, with the object's class as ``owner``)."""
+    attributes of ``self`` (``self.history``) and of the user's other objects among them
+    (``memory.memory``, with the object's class as ``owner``; the first :data:`_OBJECT_ATTRS`
+    of each of the first :data:`_OBJECTS`)."""
     names = _frame_locals(frame)
     out: list[tuple[str, Any, type | None]] = []
+    objects = 0
     for key, value in names.items():
         if key.startswith("__"):
             continue
         out.append((key, value, None))
-        if objects and key != "self" and _user_object(value, torch):
+        if objects < _OBJECTS and key != "self" and _user_object(value, torch):
+            objects += 1
             with contextlib.suppress(TypeError):
-                out.extend((f"{key}.{k}", v, type(value)) for k, v in vars(value).items())
+                attrs = itertools.islice(vars(value).items(), _OBJECT_ATTRS)
+                out.extend((f"{key}.{k}", v, type(value)) for k, v in attrs)
     owner = names.get("self")
     if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, torch.nn.Module):
         with contextlib.suppress(TypeError):
