@@ -4,11 +4,15 @@ found stays named, and the variable and line named are the ones that grow."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from memkit.tracking import TrackReport, track
+from memkit.tracking.run import run_script
 
 
 def actor_critic(episodes: tuple[int, ...], kept: list[torch.Tensor] | None) -> TrackReport:
@@ -180,3 +184,45 @@ def test_a_graph_kept_in_an_attribute_of_the_scripts_own_object_is_named():
         "losses.sum", "AverageMeter.update", "self.sum += val * n"
     )  # fmt: skip
     assert leak.graph_growth > 0 and top.growing
+
+
+LIST_LEAK = """\
+import sys, torch
+from torch import nn
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+all_losses = []
+INSIDE = sys.argv[1:] == ["inside"]
+
+
+def finish(loss):
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if INSIDE:
+        all_losses.append(loss)
+
+
+for step in range(8):
+    loss = model(torch.randn(4, 8)).square().mean()
+    finish(loss)
+    if not INSIDE:
+        all_losses.append(loss)
+"""
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage) is set: not traced")
+@pytest.mark.parametrize(("args", "function", "after"), [
+    ((), "<module>", "    if not INSIDE:"), (("inside",), "finish", "    if INSIDE:"),
+])  # fmt: skip
+def test_a_global_list_is_named_at_the_line_that_appends_to_it(tmp_path, args, function, after):
+    """A script's global list has two lines that append to it, in branches of which one
+    runs: it named the first in the file (inside ``finish``, which never ran) and called its
+    function ``<module>``; now the line that ran, in its function."""
+    script = tmp_path / "list_leak.py"
+    script.write_text(LIST_LEAK)
+    line = LIST_LEAK.splitlines().index(after) + 2
+    (leak,) = run_script(script, args, device="cpu", budget="16MiB").report.leaks
+    top = leak.suspects[0]
+    assert (top.name, top.where) == ("all_losses", f"list_leak.py:{function}():{line}")
+    assert sys.gettrace() is None  # the trace is gone

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
+from memkit.tracking.line_trace import LineTrace
 from memkit.tracking.report import LeakFinding, LeakSuspect
 from memkit.units import format_size
 
@@ -271,8 +272,25 @@ class Candidate:
             found = _line_in_class(self.owner, self.name.rsplit(".", 1)[1], self.graph)
             if found is not None:
                 return found
-        line, built = _first_line(self.code, self.frame_line, self.name, self.graph)
-        return self.filename, self.function, line, built
+        line, built, _ = self._lines
+        return self.filename, _code_at(self.code, line).co_name, line, built
+
+    @functools.cached_property
+    def _lines(self) -> tuple[int, bool, tuple[int, ...]]:
+        return _first_line(self.code, self.frame_line, self.name, self.graph)
+
+    @property
+    def ties(self) -> dict[CodeType, frozenset[int]]:
+        """Where the lines that grow it alike are, when there are several (a global list
+        appended at the top level and in a function, in branches of which one runs): the
+        source cannot tell which runs (:mod:`memkit.tracking.line_trace` sees it)."""
+        if self.owner is not None:
+            return {}
+        _, _, lines = self._lines
+        out: dict[CodeType, set[int]] = {}
+        for line in lines:
+            out.setdefault(_code_at(self.code, line), set()).add(line)
+        return {code: frozenset(found) for code, found in out.items()}
 
     @property
     def first_line(self) -> int:
@@ -282,8 +300,9 @@ class Candidate:
 
     @property
     def place(self) -> tuple[str, str]:
-        """The file and function of :attr:`first_line` (an object's attribute: its class's
-        method that grows it, ``ReplayMemory.push``)."""
+        """The file and function of :attr:`first_line` (a script's global: the function the
+        line is in; an object's attribute: its class's method that grows it,
+        ``ReplayMemory.push``)."""
         return self._line[0], self._line[1]
 
     @property
@@ -509,34 +528,54 @@ _NUMBER = re.compile(r"\.item\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
 """What makes a line store a number, not a tensor."""
 
 
-def _first_line(code: CodeType, lineno: int, name: str, graph: bool = True) -> tuple[int, bool]:
+def _first_line(
+    code: CodeType, lineno: int, name: str, graph: bool = True
+) -> tuple[int, bool, tuple[int, ...]]:
     """The line that grows or assigns ``name`` in the function of ``code`` (augmented
     assignment or append preferred, and a line that keeps a tensor over one that stores a
     number; ``graph``: it holds a graph, else tensors without one, and a line that detaches
-    is preferred), else the frame's current line ``lineno``; and whether that line grows
-    ``name`` or builds it from itself."""
+    is preferred), else the frame's current line ``lineno``; whether that line grows
+    ``name`` or builds it from itself; and the lines that grow it as well as that one does
+    (itself included), when there are several."""
     if code.co_name == "<module>":  # a script's top level: all of its file
         lines, start = linecache.getlines(code.co_filename), 1
     else:
         try:
             lines, start = inspect.getsourcelines(code)
         except (OSError, TypeError):
-            return lineno, False
+            return lineno, False, ()
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
-    best = _best_line(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
-    return (lineno, False) if best is None else (best[1], best[0] <= 3)
+    best = _best_lines(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
+    if best is None:
+        return lineno, False, ()
+    rank, found = best
+    return found[0], rank <= 3, tuple(found) if rank <= 1 and len(found) > 1 else ()
 
 
-def _best_line(
+def _code_at(code: CodeType, line: int) -> CodeType:
+    """The innermost function of ``code`` (itself, or one defined in it) that ``line`` is
+    in: a script's top level names the function a line of its file is in (not lambdas or
+    comprehensions: the function they are in)."""
+    for const in code.co_consts:
+        if isinstance(const, CodeType) and not const.co_name.startswith("<"):
+            found = _code_at(const, line)
+            if found is not const or any(n == line for _, _, n in const.co_lines()):
+                return found
+    return code
+
+
+def _best_lines(
     lines: list[str], start: int, assign: str, bare: str, graph: bool = True
-) -> tuple[int, int] | None:
-    """``(rank, line number)`` of the line of ``lines`` (the first numbered ``start``) that
-    ``assign`` matches best: growing it ranks 0, building it on itself 2, assigning it 4, and
-    one more where the line stores a number (``graph``: what it holds has a graph; else
-    tensors without one, and of two lines that rank alike, one that detaches comes first:
-    ``fakes.append(fake.detach())``); ``None``: no line matches."""
+) -> tuple[int, list[int]] | None:
+    """``(rank, line numbers)`` of the lines of ``lines`` (the first numbered ``start``) that
+    ``assign`` matches best, the one to name first: growing it ranks 0, building it on
+    itself 2, assigning it 4, and one more where the line stores a number (``graph``: what
+    it holds has a graph; else tensors without one, and of two lines that rank alike, one
+    that detaches comes first: ``fakes.append(fake.detach())``); of the lines that build it
+    on itself, only the last; ``None``: no line matches."""
     pattern = re.compile(assign)
-    best: tuple[int, bool, int] | None = None
+    best: tuple[int, bool] | None = None
+    found: list[int] = []
     for i, text in enumerate(lines):
         m = pattern.search(text)
         if m is None:
@@ -553,9 +592,11 @@ def _best_line(
         kept = graph or ".detach()" not in rest  # tensors without a graph: detached there
         # of the lines that build it on itself, the last: a detaching helper comes before
         # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
-        if best is None or (rank, kept) < best[:2] or (rank == best[0] == 2):
-            best = (rank, kept, start + i)
-    return None if best is None else (best[0], best[2])
+        if best is None or (rank, kept) < best or (rank == best[0] == 2):
+            best, found = (rank, kept), [start + i]
+        elif (rank, kept) == best:
+            found.append(start + i)
+    return None if best is None else (best[0], found)
 
 
 def _line_in_class(cls: type, attr: str, graph: bool = True) -> tuple[str, str, int, bool] | None:
@@ -574,9 +615,9 @@ def _line_in_class(cls: type, attr: str, graph: bool = True) -> tuple[str, str, 
                 lines, start = inspect.getsourcelines(code)
             except (OSError, TypeError):
                 continue
-            found = _best_line(lines, start, assign, "self." + attr, graph)
+            found = _best_lines(lines, start, assign, "self." + attr, graph)
             if found is not None and (best is None or found[0] < best[0]):
-                best = (*found, code.co_filename, f"{klass.__name__}.{fn_name}")
+                best = (found[0], found[1][0], code.co_filename, f"{klass.__name__}.{fn_name}")
     if best is None:
         return None
     rank, line, filename, function = best
@@ -847,6 +888,11 @@ class LeakWatch:
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
         self.holders: Callable[[Any], bool] | None = None  # the last on_growth's
+        self.trace: LineTrace | None = None  # the line trace of the first suspect found
+        self._traced: tuple[str, str, int] | None = None  # its (name, file, line) as named
+        # from the source, while the trace has not settled
+        self.moved: dict[tuple[str, str, int], tuple[str, str, int, str]] = {}  # suspects
+        # (name, file, line) -> (file, function, line, code) where the trace saw them grow
 
     def due(self, step: int) -> bool:
         """Whether the step boundary after step ``step`` scans (:meth:`scan_graphs`)."""
@@ -874,6 +920,7 @@ class LeakWatch:
         suspects = growing_in_all(scans)
         if not suspects:
             return None
+        self._trace_lines(current, suspects[0], frame)
         nodes = suspects[0].graph_nodes
         start = next(c.size for c in scans[0] if c.name == suspects[0].name)
         leak = LeakFinding(
@@ -901,10 +948,65 @@ class LeakWatch:
                 suspects = compare_scans([], current)
             else:
                 self.confirmed = self.confirmed or any(s.growing for s in suspects)
+                if suspects and suspects[0].growing:
+                    self._trace_lines(current, suspects[0], frame)
             self.scan = current
             self.scan_step = step
             self.suspects = tuple(suspects)
         return self.suspects
+
+    def _trace_lines(self, scan: list[Candidate], top: LeakSuspect, frame: Any) -> None:
+        """When ``top`` (of ``scan``) has several lines that grow it alike, trace from
+        ``frame`` on which of them runs (once per block: the first suspect found)."""
+        if self.trace is not None:
+            return
+        for c in scan:
+            if c.name == top.name and c.place[0] == top.filename and c.first_line == top.line:
+                ties = c.ties
+                if sum(map(len, ties.values())) > 1:
+                    self.trace = LineTrace(ties)
+                    with contextlib.suppress(Exception):  # inspection must never break training
+                        if self.trace.start(frame):
+                            self._traced = (top.name, top.filename, top.line)
+                return
+
+    def settle(self, end: bool = False) -> bool:
+        """A step boundary (``end``: the block's end, which stops the trace): whether the line
+        trace saw one of its lines run now, which :meth:`placed` names from then on."""
+        trace, traced = self.trace, self._traced
+        if trace is None or traced is None:
+            return False
+        if trace.hit is None:
+            if end:
+                trace.stop()
+            elif trace.active:
+                trace.tick()
+            if trace.active:
+                return False
+            self._traced = None  # none ran: the line named from the source stays
+            return False
+        code, line = trace.hit
+        text = linecache.getline(code.co_filename, line).strip()
+        self.moved[traced] = (code.co_filename, code.co_name, line, text)
+        self._traced = None
+        return True
+
+    def placed(self, leak: LeakFinding | None) -> LeakFinding | None:
+        """``leak`` with its suspects named where the line trace saw them grow."""
+        moved = self.moved
+        if leak is None or not moved:
+            return leak
+        suspects = list(leak.suspects)
+        for i, s in enumerate(suspects):
+            to = moved.get((s.name, s.filename, s.line))
+            if to is not None:
+                filename, function, line, code = to
+                suspects[i] = dataclasses.replace(
+                    s, filename=filename, function=function, line=line, code=code
+                )
+        if suspects == list(leak.suspects):
+            return leak
+        return dataclasses.replace(leak, suspects=tuple(suspects))
 
     def suspects_at_failure(self, leak: LeakFinding, tb: Any) -> LeakFinding:
         """``leak`` with the suspects of a last scan at the failure (``tb``: its traceback),

@@ -492,6 +492,7 @@ class PhaseMachine:
         if devices.sim is not None:
             devices.sim.count_ops(False, False)
         watch = evidence.leak_watch
+        watch.settle()
         if growing:
             self._growth_found(growing, frame)
         elif (
@@ -505,7 +506,15 @@ class PhaseMachine:
         ):
             dev = primary or next(iter(devices.records.values()))
             dev.graph_leak = watch.scan_graphs(step, frame, dev.key)
+        if watch.moved:
+            self._place_suspects()
         self.on_step()
+
+    def _place_suspects(self) -> None:
+        """The findings' suspects named where the line trace saw them grow."""
+        placed = self.evidence.leak_watch.placed
+        for dev in self.devices.records.values():
+            dev.leak, dev.graph_leak = placed(dev.leak), placed(dev.graph_leak)
 
     def _growth_found(self, growing: list[DeviceRecord], frame: Any) -> None:
         """The growth detectors of ``growing`` called a leak: their findings, with the
@@ -522,10 +531,12 @@ class PhaseMachine:
             if first_time:  # the report says it; the log is for those who listen
                 log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
 
-    def flush_growth(self) -> None:
+    def block_ends(self) -> None:
         """The block ends: the last step boundary's level to the growth detectors, where a
-        training forward began after it (the step an OOM ended); else no step followed to
-        read what the last one left behind, and it is not read."""
+        training forward began after it (the step an OOM ended; else no step followed to
+        read what the last one left behind, and it is not read); the line trace stops."""
+        watch = self.evidence.leak_watch
+        watch.settle(end=True)
         growing = []
         for dev in self.devices.records.values():
             pending, dev.growth_pending = dev.growth_pending, None
@@ -536,6 +547,9 @@ class PhaseMachine:
                 growing.append(dev)
         if growing:
             self._growth_found(growing, None)
+        watch.settle(end=True)  # a trace the growth found just now: not begun, stopped
+        if watch.moved:
+            self._place_suspects()
 
     def batch_bytes(self) -> int:
         """The bytes of the last training forward's first input while it lives (0: none)."""

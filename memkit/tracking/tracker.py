@@ -282,7 +282,7 @@ class Tracker:
             with state.lock:
                 if exc is None:
                     self.phases.finish()
-                self.phases.flush_growth()
+                self.phases.block_ends()
             state.active = False
             self._t_end = time.perf_counter()
             self.hooks.remove()
