@@ -1,20 +1,22 @@
 """Leaks: memory that grows from one step boundary to the next, and the variable behind it.
 
-At each step boundary a healthy training loop is back at the same level: activations are
-freed, gradients and optimizer state are reused. :class:`GrowthDetector` watches those levels
-and flags growth that persists for ``window`` consecutive steps (after ``warmup`` steps, while
-gradients and optimizer state are created).
+A healthy training loop leaves each step at the same level: activations are freed, gradients
+and optimizer state are reused. :class:`GrowthDetector` watches those levels and flags growth
+above their high-water mark that persists for ``window`` rises without a fall (after
+``warmup`` steps, while gradients and optimizer state are created).
 
 The classic cause is a tensor that still carries an autograd graph after the optimizer step,
 held by a live variable: ``running_loss += loss`` (with ``retain_graph=True`` or without a
 backward the graph keeps its saved activations), ``history.append(logits)``. :func:`scan_frames`
 walks the frames of the training thread (the thread that runs the step boundary) and finds
-locals that are such tensors, or shallow containers of them, or attributes of ``self``. Two scans
+locals that are such tensors, or shallow containers of them, or attributes of ``self`` or of the
+script's own objects (``losses.sum``). Two scans
 a step apart tell a growing graph (a suspect) from the step's own ``loss``: a graph that grows
 still holds a root the earlier scan saw; a ``loss`` built afresh holds none, even when it is
 larger (progressive unfreezing).
 
-It runs only when growth is detected, never on every step: frame inspection costs tens of
+It runs only when growth is detected, and in rounds of three graph scans every
+:data:`SCAN_PERIOD` steps, never on every step: frame inspection costs tens to hundreds of
 microseconds and would not be free to leave on.
 """
 
