@@ -1,20 +1,22 @@
 """Leaks: memory that grows from one step boundary to the next, and the variable behind it.
 
-At each step boundary a healthy training loop is back at the same level: activations are
-freed, gradients and optimizer state are reused. :class:`GrowthDetector` watches those levels
-and flags growth that persists for ``window`` consecutive steps (after ``warmup`` steps, while
-gradients and optimizer state are created).
+A healthy training loop leaves each step at the same level: activations are freed, gradients
+and optimizer state are reused. :class:`GrowthDetector` watches those levels and flags growth
+above their high-water mark that persists for ``window`` rises without a fall (after
+``warmup`` steps, while gradients and optimizer state are created).
 
 The classic cause is a tensor that still carries an autograd graph after the optimizer step,
 held by a live variable: ``running_loss += loss`` (with ``retain_graph=True`` or without a
 backward the graph keeps its saved activations), ``history.append(logits)``. :func:`scan_frames`
 walks the frames of the training thread (the thread that runs the step boundary) and finds
-locals that are such tensors, or shallow containers of them, or attributes of ``self``. Two scans
+locals that are such tensors, or shallow containers of them, or attributes of ``self`` or of the
+script's own objects (``losses.sum``). Two scans
 a step apart tell a growing graph (a suspect) from the step's own ``loss``: a graph that grows
 still holds a root the earlier scan saw; a ``loss`` built afresh holds none, even when it is
 larger (progressive unfreezing).
 
-It runs only when growth is detected, never on every step: frame inspection costs tens of
+It runs only when growth is detected, and in rounds of three graph scans every
+:data:`SCAN_PERIOD` steps, never on every step: frame inspection costs tens to hundreds of
 microseconds and would not be free to leave on.
 """
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
+from memkit.tracking.line_trace import LineTrace
 from memkit.tracking.report import LeakFinding, LeakSuspect
 from memkit.units import format_size
 
@@ -62,6 +65,12 @@ SCAN_PERIOD = 25
 
 _CONTAINER_PEEK = 3
 """Elements looked at from each end of a list/tuple (and values of a dict)."""
+
+_OBJECTS = 16
+"""The user's objects (not ``self``) whose attributes a scan looks at, per frame."""
+
+_OBJECT_ATTRS = 32
+"""The attributes a scan looks at per object (the first assigned: ``AverageMeter.sum``)."""
 
 _MEMKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -105,10 +114,14 @@ class GrowthDetector:
 
     A healthy loop comes back to the same level at every boundary. A leak climbs a staircase:
     every step (``running_loss += loss`` with its graph), or every N steps (an evaluation every
-    N steps that keeps its loss with the graph). The detector follows the boundary levels since
-    they last came down and calls it a leak at the ``window``-th rise; any fall starts over.
-    The climb starts at the level just before its first rise: its numbers describe the rises
-    (for a staircase, the bytes of a rise and the steps between two rises).
+    N steps that keeps its loss with the graph). Its memory never comes back, so each of its
+    rises takes the level above the highest it has been since the warm-up (the high-water
+    mark): a rise counts only above that mark. Levels that go up and down (batches or
+    episodes of varying length, an evaluation's drop and the rise back to where the level was)
+    stay below it. The detector follows the levels since they last came down and calls it a
+    leak at the ``window``-th rise; any fall starts over (the mark stays). The climb starts
+    at the mark just before its first rise: its numbers describe the rises (for a staircase,
+    the bytes of a rise and the steps between two rises).
 
     Growth that stops is not a leak: an optimizer whose history fills up (LBFGS keeps
     ``history_size`` entries), a cache that reaches its size. After a leak was called,
@@ -132,8 +145,9 @@ class GrowthDetector:
         self.warmup = warmup
         self.window = window
         self.min_growth = min_growth
-        self._start: tuple[int, int] | None = None  # (step, allocated) just before the climb
+        self._start: tuple[int, int] | None = None  # (step, high-water mark) before the climb
         self._last = 0
+        self._high: int | None = None  # the highest level observed after the warm-up
         self._rise_steps: list[int] = []  # the steps of the climb's rises
         self._explained_in_climb = 0  # bytes of the climb's rises that persistent bytes explain
         self._persistent: int | None = None  # the last persistent bytes given
@@ -165,7 +179,7 @@ class GrowthDetector:
             return False
         if self._persistent is None:
             return True
-        return self._start is not None and allocated - self._last >= self.min_growth
+        return self._high is not None and allocated - self._high >= self.min_growth
 
     def observe(self, step: int, allocated: int, persistent: int | None = None) -> bool:
         """Record a boundary level (``persistent``: the bytes of parameters, gradients and
@@ -178,11 +192,13 @@ class GrowthDetector:
             self._persistent = persistent
         if self._seen <= self.warmup:
             return False
-        if self._start is None or allocated < self._last:
-            self._start, self._last = (step, allocated), allocated
+        high = self._high
+        self._high = allocated if high is None else max(high, allocated)
+        if high is None or allocated < self._last:
+            self._start, self._last = (step, self._high), allocated
             self._rise_steps, self._explained_in_climb = [], 0
             return False
-        rise = allocated - self._last
+        rise = allocated - high  # above the mark: memory the device never held before
         self._last = allocated
         explained = 0
         if persistent is not None and before is not None and rise >= self.min_growth:
@@ -194,13 +210,13 @@ class GrowthDetector:
             self._explained_in_climb += explained
         if rise - explained < self.min_growth:
             if not self._rise_steps:  # the climb has not begun: it would begin here
-                self._start, self._explained_in_climb = (step, allocated), 0
+                self._start, self._explained_in_climb = (step, self._high), 0
             return False
         rises = self._rise_steps
         rises.append(step)
         if len(rises) < self.window:
             return False
-        first_step, first = self._start
+        first_step, first = self._start or (step, high)  # set with the mark
         grown = allocated - first - self._explained_in_climb
         steps = step - first_step
         period = max(1, round((rises[-1] - rises[0]) / (len(rises) - 1)))
@@ -258,8 +274,25 @@ class Candidate:
             found = _line_in_class(self.owner, self.name.rsplit(".", 1)[1], self.graph)
             if found is not None:
                 return found
-        line, built = _first_line(self.code, self.frame_line, self.name, self.graph)
-        return self.filename, self.function, line, built
+        line, built, _ = self._lines
+        return self.filename, _code_at(self.code, line).co_name, line, built
+
+    @functools.cached_property
+    def _lines(self) -> tuple[int, bool, tuple[int, ...]]:
+        return _first_line(self.code, self.frame_line, self.name, self.graph)
+
+    @property
+    def ties(self) -> dict[CodeType, frozenset[int]]:
+        """Where the lines that grow it alike are, when there are several (a global list
+        appended at the top level and in a function, in branches of which one runs): the
+        source cannot tell which runs (:mod:`memkit.tracking.line_trace` sees it)."""
+        if self.owner is not None:
+            return {}
+        _, _, lines = self._lines
+        out: dict[CodeType, set[int]] = {}
+        for line in lines:
+            out.setdefault(_code_at(self.code, line), set()).add(line)
+        return {code: frozenset(found) for code, found in out.items()}
 
     @property
     def first_line(self) -> int:
@@ -269,8 +302,9 @@ class Candidate:
 
     @property
     def place(self) -> tuple[str, str]:
-        """The file and function of :attr:`first_line` (an object's attribute: its class's
-        method that grows it, ``ReplayMemory.push``)."""
+        """The file and function of :attr:`first_line` (a script's global: the function the
+        line is in; an object's attribute: its class's method that grows it,
+        ``ReplayMemory.push``)."""
         return self._line[0], self._line[1]
 
     @property
@@ -496,34 +530,54 @@ _NUMBER = re.compile(r"\.item\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
 """What makes a line store a number, not a tensor."""
 
 
-def _first_line(code: CodeType, lineno: int, name: str, graph: bool = True) -> tuple[int, bool]:
+def _first_line(
+    code: CodeType, lineno: int, name: str, graph: bool = True
+) -> tuple[int, bool, tuple[int, ...]]:
     """The line that grows or assigns ``name`` in the function of ``code`` (augmented
     assignment or append preferred, and a line that keeps a tensor over one that stores a
     number; ``graph``: it holds a graph, else tensors without one, and a line that detaches
-    is preferred), else the frame's current line ``lineno``; and whether that line grows
-    ``name`` or builds it from itself."""
+    is preferred), else the frame's current line ``lineno``; whether that line grows
+    ``name`` or builds it from itself; and the lines that grow it as well as that one does
+    (itself included), when there are several."""
     if code.co_name == "<module>":  # a script's top level: all of its file
         lines, start = linecache.getlines(code.co_filename), 1
     else:
         try:
             lines, start = inspect.getsourcelines(code)
         except (OSError, TypeError):
-            return lineno, False
+            return lineno, False, ()
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
-    best = _best_line(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
-    return (lineno, False) if best is None else (best[1], best[0] <= 3)
+    best = _best_lines(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
+    if best is None:
+        return lineno, False, ()
+    rank, found = best
+    return found[0], rank <= 3, tuple(found) if rank <= 1 and len(found) > 1 else ()
 
 
-def _best_line(
+def _code_at(code: CodeType, line: int) -> CodeType:
+    """The innermost function of ``code`` (itself, or one defined in it) that ``line`` is
+    in: a script's top level names the function a line of its file is in (not lambdas or
+    comprehensions: the function they are in)."""
+    for const in code.co_consts:
+        if isinstance(const, CodeType) and not const.co_name.startswith("<"):
+            found = _code_at(const, line)
+            if found is not const or any(n == line for _, _, n in const.co_lines()):
+                return found
+    return code
+
+
+def _best_lines(
     lines: list[str], start: int, assign: str, bare: str, graph: bool = True
-) -> tuple[int, int] | None:
-    """``(rank, line number)`` of the line of ``lines`` (the first numbered ``start``) that
-    ``assign`` matches best: growing it ranks 0, building it on itself 2, assigning it 4, and
-    one more where the line stores a number (``graph``: what it holds has a graph; else
-    tensors without one, and of two lines that rank alike, one that detaches comes first:
-    ``fakes.append(fake.detach())``); ``None``: no line matches."""
+) -> tuple[int, list[int]] | None:
+    """``(rank, line numbers)`` of the lines of ``lines`` (the first numbered ``start``) that
+    ``assign`` matches best, the one to name first: growing it ranks 0, building it on
+    itself 2, assigning it 4, and one more where the line stores a number (``graph``: what
+    it holds has a graph; else tensors without one, and of two lines that rank alike, one
+    that detaches comes first: ``fakes.append(fake.detach())``); of the lines that build it
+    on itself, only the last; ``None``: no line matches."""
     pattern = re.compile(assign)
-    best: tuple[int, bool, int] | None = None
+    best: tuple[int, bool] | None = None
+    found: list[int] = []
     for i, text in enumerate(lines):
         m = pattern.search(text)
         if m is None:
@@ -540,9 +594,11 @@ def _best_line(
         kept = graph or ".detach()" not in rest  # tensors without a graph: detached there
         # of the lines that build it on itself, the last: a detaching helper comes before
         # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
-        if best is None or (rank, kept) < best[:2] or (rank == best[0] == 2):
-            best = (rank, kept, start + i)
-    return None if best is None else (best[0], best[2])
+        if best is None or (rank, kept) < best or (rank == best[0] == 2):
+            best, found = (rank, kept), [start + i]
+        elif (rank, kept) == best:
+            found.append(start + i)
+    return None if best is None else (best[0], found)
 
 
 def _line_in_class(cls: type, attr: str, graph: bool = True) -> tuple[str, str, int, bool] | None:
@@ -561,9 +617,9 @@ def _line_in_class(cls: type, attr: str, graph: bool = True) -> tuple[str, str, 
                 lines, start = inspect.getsourcelines(code)
             except (OSError, TypeError):
                 continue
-            found = _best_line(lines, start, assign, "self." + attr, graph)
+            found = _best_lines(lines, start, assign, "self." + attr, graph)
             if found is not None and (best is None or found[0] < best[0]):
-                best = (*found, code.co_filename, f"{klass.__name__}.{fn_name}")
+                best = (found[0], found[1][0], code.co_filename, f"{klass.__name__}.{fn_name}")
     if best is None:
         return None
     rank, line, filename, function = best
@@ -578,10 +634,11 @@ def scan_frames(
     """Find variables in the user frames from ``start`` outwards that hold autograd graphs.
 
     Looks at each frame's locals (a script's top level: its globals), two levels into lists,
-    tuples, deques and dicts, at the attributes of a local named ``self`` and, with
-    ``holders``, at those of the user's other objects there (``memory.memory``: a replay
-    buffer's deque). Frames of torch,
-    memkit and the standard library are skipped; an object seen in several frames (a list a
+    tuples, deques and dicts, at the attributes of a local named ``self`` and at those of the
+    user's other objects there (``memory.memory``: a replay buffer's deque; ``losses.sum``: an
+    ``AverageMeter`` fed the loss), :data:`_OBJECT_ATTRS` of each of the first
+    :data:`_OBJECTS` objects of a frame. Frames of torch, memkit and the standard library are
+    skipped; an object seen in several frames (a list a
     nested function closes over) is one variable, named in the innermost. ``since``: an
     earlier scan; each candidate's ``carries`` says whether its graph holds a node one of that
     scan's graphs held. ``holders``: whether a tensor is on the device that grows; given, the
@@ -599,7 +656,7 @@ def scan_frames(
     earlier_ids = {i for i, _ in earlier}
     seen: set[int] = set()  # the objects named already (in an inner frame)
     for frame in _user_frames(start):
-        for name, value, owner in _frame_values(frame, torch, objects=holders is not None):
+        for name, value, owner in _frame_values(frame, torch):
             if id(value) in seen:
                 continue
             graph = True
@@ -652,21 +709,23 @@ def scan_frames(
     return out
 
 
-def _frame_values(
-    frame: FrameType, torch: Any, objects: bool = True
-) -> list[tuple[str, Any, type | None]]:
+def _frame_values(frame: FrameType, torch: Any) -> list[tuple[str, Any, type | None]]:
     """``(name, value, owner)`` of what a scan looks at in ``frame``: its locals, the
-    attributes of ``self`` (``self.history``) and, with ``objects``, of the user's other
-    objects among them (``memory.memory``, with the object's class as ``owner``)."""
+    attributes of ``self`` (``self.history``) and of the user's other objects among them
+    (``memory.memory``, with the object's class as ``owner``; the first :data:`_OBJECT_ATTRS`
+    of each of the first :data:`_OBJECTS`)."""
     names = _frame_locals(frame)
     out: list[tuple[str, Any, type | None]] = []
+    objects = 0
     for key, value in names.items():
         if key.startswith("__"):
             continue
         out.append((key, value, None))
-        if objects and key != "self" and _user_object(value, torch):
+        if objects < _OBJECTS and key != "self" and _user_object(value, torch):
+            objects += 1
             with contextlib.suppress(TypeError):
-                out.extend((f"{key}.{k}", v, type(value)) for k, v in vars(value).items())
+                attrs = itertools.islice(vars(value).items(), _OBJECT_ATTRS)
+                out.extend((f"{key}.{k}", v, type(value)) for k, v in attrs)
     owner = names.get("self")
     if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, torch.nn.Module):
         with contextlib.suppress(TypeError):
@@ -775,13 +834,20 @@ def growth_finding(
     suspects: tuple[LeakSuspect, ...],
     step: int,
     held_batches: tuple[int, int] = (0, 0),
+    graph: LeakFinding | None = None,
 ) -> LeakFinding:
     """The leak a device's growth detector called (at step ``step``), with ``suspects``;
-    ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device)."""
+    ``held_batches``: ``(count, bytes)`` of the batches still alive (simulated device);
+    ``graph``: a graph the graph scans saw growing before: its ``graph_growth`` is kept, and
+    its suspects where none of ``suspects`` was seen growing."""
     rate, first, steps = growth.finding or (0, step, 0)
-    period = growth.period
+    graph_growth = 0
+    if graph is not None:
+        graph_growth = graph.graph_growth
+        if not (suspects and suspects[0].growing):
+            suspects = graph.suspects
     return LeakFinding(
-        device, rate, first, steps, suspects, period=period,
+        device, rate, first, steps, suspects, graph_growth=graph_growth, period=growth.period,
         held_batches=held_batches[0], held_batch_bytes=held_batches[1],
     )  # fmt: skip
 
@@ -824,6 +890,11 @@ class LeakWatch:
         self.confirmed = False
         self.suspects: tuple[LeakSuspect, ...] = ()
         self.holders: Callable[[Any], bool] | None = None  # the last on_growth's
+        self.trace: LineTrace | None = None  # the line trace of the first suspect found
+        self._traced: tuple[str, str, int] | None = None  # its (name, file, line) as named
+        # from the source, while the trace has not settled
+        self.moved: dict[tuple[str, str, int], tuple[str, str, int, str]] = {}  # suspects
+        # (name, file, line) -> (file, function, line, code) where the trace saw them grow
 
     def due(self, step: int) -> bool:
         """Whether the step boundary after step ``step`` scans (:meth:`scan_graphs`)."""
@@ -851,6 +922,7 @@ class LeakWatch:
         suspects = growing_in_all(scans)
         if not suspects:
             return None
+        self._trace_lines(current, suspects[0], frame)
         nodes = suspects[0].graph_nodes
         start = next(c.size for c in scans[0] if c.name == suspects[0].name)
         leak = LeakFinding(
@@ -878,10 +950,65 @@ class LeakWatch:
                 suspects = compare_scans([], current)
             else:
                 self.confirmed = self.confirmed or any(s.growing for s in suspects)
+                if suspects and suspects[0].growing:
+                    self._trace_lines(current, suspects[0], frame)
             self.scan = current
             self.scan_step = step
             self.suspects = tuple(suspects)
         return self.suspects
+
+    def _trace_lines(self, scan: list[Candidate], top: LeakSuspect, frame: Any) -> None:
+        """When ``top`` (of ``scan``) has several lines that grow it alike, trace from
+        ``frame`` on which of them runs (once per block: the first suspect found)."""
+        if self.trace is not None:
+            return
+        for c in scan:
+            if c.name == top.name and c.place[0] == top.filename and c.first_line == top.line:
+                ties = c.ties
+                if sum(map(len, ties.values())) > 1:
+                    self.trace = LineTrace(ties)
+                    with contextlib.suppress(Exception):  # inspection must never break training
+                        if self.trace.start(frame):
+                            self._traced = (top.name, top.filename, top.line)
+                return
+
+    def settle(self, end: bool = False) -> bool:
+        """A step boundary (``end``: the block's end, which stops the trace): whether the line
+        trace saw one of its lines run now, which :meth:`placed` names from then on."""
+        trace, traced = self.trace, self._traced
+        if trace is None or traced is None:
+            return False
+        if trace.hit is None:
+            if end:
+                trace.stop()
+            elif trace.active:
+                trace.tick()
+            if trace.active:
+                return False
+            self._traced = None  # none ran: the line named from the source stays
+            return False
+        code, line = trace.hit
+        text = linecache.getline(code.co_filename, line).strip()
+        self.moved[traced] = (code.co_filename, code.co_name, line, text)
+        self._traced = None
+        return True
+
+    def placed(self, leak: LeakFinding | None) -> LeakFinding | None:
+        """``leak`` with its suspects named where the line trace saw them grow."""
+        moved = self.moved
+        if leak is None or not moved:
+            return leak
+        suspects = list(leak.suspects)
+        for i, s in enumerate(suspects):
+            to = moved.get((s.name, s.filename, s.line))
+            if to is not None:
+                filename, function, line, code = to
+                suspects[i] = dataclasses.replace(
+                    s, filename=filename, function=function, line=line, code=code
+                )
+        if suspects == list(leak.suspects):
+            return leak
+        return dataclasses.replace(leak, suspects=tuple(suspects))
 
     def suspects_at_failure(self, leak: LeakFinding, tb: Any) -> LeakFinding:
         """``leak`` with the suspects of a last scan at the failure (``tb``: its traceback),

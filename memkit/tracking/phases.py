@@ -28,7 +28,14 @@ from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding, optimizer_in_frames
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.records import DeviceRecord, Frame, RootInfo, close_step, fold_steps
+from memkit.tracking.records import (
+    DeviceRecord,
+    Frame,
+    RootInfo,
+    close_step,
+    current_leak,
+    fold_steps,
+)
 from memkit.tracking.state import (
     BACKWARD,
     EVAL,
@@ -91,6 +98,8 @@ class PhaseMachine:
         # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
         # buckets) is no leak
         self.train_input: weakref.ref[torch.Tensor] | None = None
+        self.fed: dict[int, weakref.ref[torch.Tensor]] = {}  # the first inputs of the
+        # training forwards that began a phase, by id (and the dead ones' till pruned)
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
@@ -169,7 +178,33 @@ class PhaseMachine:
                 # breakdown's "other", as on a GPU, not activations
                 for dev in self.devices.records.values():
                     dev.forward_base = dev.read()[0]
+        if began:
+            self._forward_floor()
         return kind
+
+    def _forward_floor(self) -> None:
+        """A training forward began: the level it began at, less its batch, is as low as the
+        last step's memory came back to (the episode's lists freed after the optimizer step
+        that ended it); the growth detector takes the lowest (:meth:`boundary`). A batch
+        fed before stays in (a validation set each evaluation feeds): it is kept, not new."""
+        batch = None if self.train_input is None else self.train_input()
+        nbytes = 0
+        if batch is not None:
+            fed = self.fed
+            seen = fed.get(id(batch))
+            if seen is None or seen() is not batch:  # new (tensors: compared by identity)
+                if len(fed) >= 64:  # those still alive, if few
+                    self.fed = fed = {k: r for k, r in fed.items() if r() is not None}
+                    if len(fed) >= 64:
+                        fed.clear()
+                fed[id(batch)] = weakref.ref(batch)
+                nbytes = int(batch.numel() * batch.element_size())
+        single = self.state.single
+        for dev in (single,) if single is not None else self.devices.records.values():
+            if dev.forward_base is not None:
+                level = dev.forward_base - nbytes
+                if dev.step_floor is None or level < dev.step_floor:
+                    dev.step_floor = level
 
     def _training_ahead(self) -> bool:
         """Whether training is at hand though no training forward ran yet, in step 0 before
@@ -435,12 +470,19 @@ class PhaseMachine:
                 devices.remember(dev, sizes or devices.persistent(dev))
                 dev.kept_level = level
                 captured = True
+            # the last step's level, now that this step's forwards began: what it left
+            pending, floor = dev.growth_pending, dev.step_floor
+            if pending is not None:
+                last_step, last_level, last_persistent = pending
+                if floor is not None and floor < last_level:
+                    last_level = floor
+                if dev.growth.observe(last_step, last_level, last_persistent):
+                    growing.append(dev)
             persistent = None  # rises that new trainable parameters explain are no leak
             if dev.growth.wants_persistent(level - batch_bytes):
                 sizes = sizes or devices.persistent(dev)
                 persistent = sum(sizes)
-            if dev.growth.observe(step, level - batch_bytes, persistent):
-                growing.append(dev)
+            dev.growth_pending, dev.step_floor = (step, level - batch_bytes, persistent), None
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
@@ -450,27 +492,64 @@ class PhaseMachine:
         if devices.sim is not None:
             devices.sim.count_ops(False, False)
         watch = evidence.leak_watch
+        watch.settle()
         if growing:
-            suspects = watch.on_growth(frame, state.step, _on_devices(growing))
-            for dev in growing:
-                first_time = dev.leak is None
-                accountant = getattr(dev.backend, "accountant", None)
-                held = (0, 0) if accountant is None else accountant.held_input_bytes()
-                dev.leak = growth_finding(dev.key, dev.growth, suspects, state.step, held)
-                if first_time:  # the report says it; the log is for those who listen
-                    log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
+            self._growth_found(growing, frame)
         elif (
             frame is not None
             and watch.due(step)
             and (
-                single.leak is None
+                current_leak(single) is None
                 if single is not None
-                else not any(d.leak is not None for d in devices.records.values())
+                else not any(current_leak(d) is not None for d in devices.records.values())
             )
         ):
             dev = primary or next(iter(devices.records.values()))
-            dev.leak = watch.scan_graphs(step, frame, dev.key)
+            dev.graph_leak = watch.scan_graphs(step, frame, dev.key)
+        if watch.moved:
+            self._place_suspects()
         self.on_step()
+
+    def _place_suspects(self) -> None:
+        """The findings' suspects named where the line trace saw them grow."""
+        placed = self.evidence.leak_watch.placed
+        for dev in self.devices.records.values():
+            dev.leak, dev.graph_leak = placed(dev.leak), placed(dev.graph_leak)
+
+    def _growth_found(self, growing: list[DeviceRecord], frame: Any) -> None:
+        """The growth detectors of ``growing`` called a leak: their findings, with the
+        variables behind it (a scan of the frames from ``frame``), and a graph the graph
+        scans saw growing kept in them."""
+        suspects = self.evidence.leak_watch.on_growth(frame, self.state.step, _on_devices(growing))
+        for dev in growing:
+            first_time = dev.leak is None
+            accountant = getattr(dev.backend, "accountant", None)
+            held = (0, 0) if accountant is None else accountant.held_input_bytes()
+            dev.leak = growth_finding(
+                dev.key, dev.growth, suspects, self.state.step, held, dev.graph_leak
+            )
+            if first_time:  # the report says it; the log is for those who listen
+                log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
+
+    def block_ends(self) -> None:
+        """The block ends: the last step boundary's level to the growth detectors, where a
+        training forward began after it (the step an OOM ended; else no step followed to
+        read what the last one left behind, and it is not read); the line trace stops."""
+        watch = self.evidence.leak_watch
+        watch.settle(end=True)
+        growing = []
+        for dev in self.devices.records.values():
+            pending, dev.growth_pending = dev.growth_pending, None
+            if pending is None or dev.step_floor is None:
+                continue
+            step, level, persistent = pending
+            if dev.growth.observe(step, min(level, dev.step_floor), persistent):
+                growing.append(dev)
+        if growing:
+            self._growth_found(growing, None)
+        watch.settle(end=True)  # a trace the growth found just now: not begun, stopped
+        if watch.moved:
+            self._place_suspects()
 
     def batch_bytes(self) -> int:
         """The bytes of the last training forward's first input while it lives (0: none)."""
@@ -496,7 +575,7 @@ class PhaseMachine:
         passes, duration = 0, 0.0
         for dev in devices.records.values():
             passes, duration = fold_steps(dev, first, counted_from)
-            dev.growth = devices.growth_detector()
+            dev.growth, dev.growth_pending = devices.growth_detector(), None
             # a peak found in a micro-batch belongs to the folded step
             if dev.pending is not None and (dev.pending.step or 0) > first:
                 dev.pending = dev.pending._replace(step=first)

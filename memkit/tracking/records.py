@@ -306,7 +306,16 @@ class DeviceRecord:
         self.state_full = 0
         self.backwards = 0  # training backward passes in the current step
         self.growth = leaks.GrowthDetector()
-        self.leak: LeakFinding | None = None
+        # the growth detector sees a step's level once the next step's forwards began: the
+        # lowest of the level at the step's end and those the next step's training forwards
+        # began at (less their new batch), what the step left behind once its own tensors
+        # were freed
+        self.growth_pending: tuple[int, int, int | None] | None = None  # (step, level,
+        # persistent bytes) at the last step boundary, not yet given to the detector
+        self.step_floor: int | None = None  # the lowest level a training forward began at
+        # since that boundary, less its batch
+        self.leak: LeakFinding | None = None  # the growth detector's
+        self.graph_leak: LeakFinding | None = None  # the graph scans' (host memory)
         self.eval_saved: int | None = None  # the step's eval peak before begin_eval()
         self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
         self.setup: TrainingSetup | None = None  # the model's facts (evidence.py reads them)
@@ -416,13 +425,13 @@ def fold_steps(dev: DeviceRecord, first: int, counted_from: int) -> tuple[int, f
 
 
 def current_leak(dev: DeviceRecord) -> LeakFinding | None:
-    """``dev``'s leak finding, unless it is growth of device memory that has since stopped
-    (:attr:`~memkit.tracking.leaks.GrowthDetector.stopped`): a plateau is not a leak. A graph
-    that grows in host memory (``graph_growth`` with flat device memory) stays."""
-    leak = dev.leak
-    if leak is None or (leak.graph_growth and leak.growth_per_step <= 0):
-        return leak
-    return None if dev.growth.stopped else leak
+    """``dev``'s leak finding: growth of device memory, unless it has since stopped
+    (:attr:`~memkit.tracking.leaks.GrowthDetector.stopped`): a plateau is not a leak; else
+    a graph the graph scans saw growing in host memory, which stays (growth found after it
+    keeps it)."""
+    if dev.leak is not None and not dev.growth.stopped:
+        return dev.leak
+    return dev.graph_leak
 
 
 def device_info(backend: Any) -> tuple[Any, str]:

@@ -287,8 +287,8 @@ class LeakFinding:
         steps: the steps over which it grew (without ever coming back down).
         suspects: variables holding autograd graphs (the classic cause), most likely first.
         graph_growth: autograd nodes added per step to a graph a variable holds; set when
-            the graph grows although device memory does not (backward freed its tensors, its
-            nodes pile up in host memory).
+            the graph scans saw it grow, device memory flat (backward freed its tensors, its
+            nodes pile up in host memory), and kept on growth of device memory found later.
         period: steps between two rises (1: every step; 20: an evaluation every 20 steps that
             keeps its graph).
         held_batches, held_batch_bytes: on the simulated device, the batches counted when

@@ -279,9 +279,10 @@ class Tracker:
             note = self.history.write()  # first: after an OOM, the failed step's tensors live
             if note is not None:
                 self.notes.append(note)
-            if exc is None:
-                with state.lock:
+            with state.lock:
+                if exc is None:
                     self.phases.finish()
+                self.phases.block_ends()
             state.active = False
             self._t_end = time.perf_counter()
             self.hooks.remove()
@@ -414,7 +415,7 @@ class Tracker:
             dev.base_gathered,
         )
         leak = current_leak(dev)  # growth that had stopped did not run out
-        if leak is not None:
+        if leak is not None and leak is dev.leak:
             leak = dev.leak = evidence.leak_watch.suspects_at_failure(leak, tb)
         cap = dev.backend.capacity()
         facts = evidence.facts

@@ -1,0 +1,77 @@
+"""Which of a leaking variable's lines runs: a short line trace of the training thread.
+
+A variable can have several lines that grow it alike: a script's global list appended at its
+top level and in a function, in branches of which only one runs. The source cannot tell which;
+:class:`LineTrace` watches the lines run, in the code objects that hold them only, from a step
+boundary until one of them runs or a few boundaries pass. It runs once per leak found, never
+while another tracer (a debugger, coverage) is set, and leaves the thread untraced.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import CodeType, FrameType
+from typing import Any
+
+__all__ = ["LineTrace"]
+
+
+class LineTrace:
+    """Traces ``lines`` (code object -> line numbers) in the calling thread.
+
+    Args:
+        lines: the candidate lines, by the code object they are in.
+        limit: step boundaries (:meth:`tick`) after which it stops without a hit.
+
+    Attributes:
+        hit: the code object and line that ran first, once one did.
+    """
+
+    def __init__(self, lines: dict[CodeType, frozenset[int]], limit: int = 2) -> None:
+        self.lines = lines
+        self.limit = limit
+        self.hit: tuple[CodeType, int] | None = None
+        self.active = False
+        self._tracer = self._call  # one bound method: what sys.gettrace() gives back
+
+    def start(self, frame: FrameType | None) -> bool:
+        """Trace from now on: the frames from ``frame`` outwards that run candidate code (the
+        loop that called the step's end), and every call into such code. Whether it started
+        (not where a tracer is set already)."""
+        if sys.gettrace() is not None:
+            return False
+        while frame is not None:
+            if frame.f_code in self.lines:
+                frame.f_trace = self._line
+            frame = frame.f_back
+        self.active = True
+        sys.settrace(self._tracer)
+        return True
+
+    def tick(self) -> None:
+        """A step boundary passed: stop after ``limit`` of them."""
+        self.limit -= 1
+        if self.limit <= 0:
+            self.stop()
+
+    def stop(self) -> None:
+        """Trace no more (the frames given a trace function call it once more, and drop it)."""
+        if self.active:
+            self.active = False
+            if sys.gettrace() == self._tracer:
+                sys.settrace(None)
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if not self.active:  # stopped from another thread
+            sys.settrace(None)
+            return None
+        return self._line if frame.f_code in self.lines else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if not self.active:
+            return None
+        if event == "line" and frame.f_lineno in self.lines.get(frame.f_code, ()):
+            self.hit = (frame.f_code, frame.f_lineno)
+            self.stop()
+            return None
+        return self._line

@@ -1,0 +1,228 @@
+"""Leak findings in loops shaped like real scripts (pytorch/examples' actor-critic and
+word_language_model, imagenet's AverageMeter): level noise is no leak, a graph the scans
+found stays named, and the variable and line named are the ones that grow."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memkit.tracking import TrackReport, track
+from memkit.tracking.run import run_script
+
+
+def actor_critic(episodes: tuple[int, ...], kept: list[torch.Tensor] | None) -> TrackReport:
+    """actor_critic.py: each timestep's log-probability (with its graph) is saved; the
+    optimizer steps inside ``finish_episode`` while the episode's lists are alive; ``kept``:
+    each episode's loss appended with its graph (the leak), else nothing kept."""
+    torch.manual_seed(0)
+    policy = nn.Linear(4, 2)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    saved: list[torch.Tensor] = []
+
+    def finish_episode() -> None:
+        loss = -torch.stack(saved).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if kept is not None:
+            kept.append(loss)
+        del saved[:]
+
+    with track(policy, opt, device="cpu", budget="16MiB") as tracker:
+        for length in episodes:
+            for _ in range(length):
+                saved.append(policy(torch.randn(4)).log_softmax(-1)[0])
+            finish_episode()
+    return tracker.report()
+
+
+def test_longer_episodes_in_a_row_are_no_leak():
+    """The level at ``optimizer.step()`` holds the episode's per-timestep tensors: episodes
+    that grow longer (an agent learning) raise it step after step, but the next episode's
+    forward begins with them freed. It said "memory grows by 186 B per step"."""
+    report = actor_critic((2, 3, 4, 6, 8, 10, 12, 14), None)
+    assert report.leaks == []
+    assert not {"memory-growth", "graph-retained"} & {a.code for a in report.advice}
+
+
+def test_losses_kept_with_their_graphs_are_still_a_leak_among_longer_episodes():
+    kept: list[torch.Tensor] = []
+    report = actor_critic((2, 3, 4, 6, 8, 10, 12, 14, 16, 18), kept)
+    (leak,) = report.leaks
+    assert leak.suspects[0].name == "kept" and leak.suspects[0].growing
+    assert "graph-retained" in {a.code for a in report.advice}
+
+
+def word_language_model(epochs: int) -> TrackReport:
+    """word_language_model's main.py with ``total_loss += loss`` (the leak: a graph in host
+    memory, device memory flat): no optimizer (SGD by hand, steps counted at the next training
+    forward, after ``model.zero_grad()``), a shorter last bptt batch, an evaluation under
+    ``no_grad`` after each epoch."""
+    torch.manual_seed(0)
+    bptt, ntokens = 4, 20
+    model = nn.Sequential(nn.Embedding(ntokens, 8), nn.Linear(8, ntokens))
+    data = torch.randint(0, ntokens, (6 * bptt + 3,))
+
+    def evaluate() -> float:
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for i in range(0, len(data) - 1, bptt):
+                x, y = data[i : i + bptt], data[i + 1 : i + 1 + bptt]
+                total += F.cross_entropy(model(x[: len(y)]), y).item()
+        return total
+
+    def train() -> None:
+        model.train()
+        total_loss = 0.0
+        for i in range(0, len(data) - 1, bptt):
+            x, y = data[i : i + bptt], data[i + 1 : i + 1 + bptt]
+            model.zero_grad()
+            loss = F.cross_entropy(model(x[: len(y)]), y)
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            total_loss += loss  # keeps every step's graph
+
+    with track(model, device="cpu", budget="16MiB") as tracker:
+        for _ in range(epochs):
+            train()
+            evaluate()
+    return tracker.report()
+
+
+def test_an_evaluations_drop_and_the_rise_back_do_not_replace_a_graph_leak():
+    """The levels each step leaves are the same every epoch: the drop after evaluation and
+    the rise back, with a few bytes more for the shorter last batch, made "memory grows by
+    ... every 7 steps", which replaced the graph-retained finding (`total_loss`) the graph
+    scans had made, and called it the step's own."""
+    report = word_language_model(3)
+    (leak,) = report.leaks
+    assert leak.growth_per_step == 0 and leak.graph_growth > 0
+    assert leak.suspects[0].name == "total_loss" and leak.suspects[0].code == (
+        "total_loss += loss  # keeps every step's graph"
+    )
+    codes = {a.code for a in report.advice}
+    assert "graph-retained" in codes and "memory-growth" not in codes
+
+
+def test_a_graph_leak_outlives_growth_that_stops():
+    """The graph scans name `total` (a graph growing in host memory, device memory flat);
+    then a cache fills for a few steps and stops (a plateau: no leak). The growth finding
+    that replaced the graph's was dropped when it stopped, and with it the real leak."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cache: list[torch.Tensor] = []
+    total = torch.zeros(())
+    with track(model, opt, device="cpu", budget="16MiB") as tracker:
+        for step in range(16):
+            out = model(torch.randn(4, 8))
+            if 5 <= step < 9:
+                cache.append(out.detach().repeat(16, 1))  # fills, then stays
+            loss = out.square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total = total + loss  # the leak: every step's graph
+            if step == 10:
+                during = tracker.report()
+    (grew,) = during.leaks  # while the cache grew: its growth, the graph's rate kept
+    assert grew.growth_per_step > 0 and grew.graph_growth > 0
+    (leak,) = tracker.report().leaks
+    assert leak.growth_per_step == 0 and leak.graph_growth > 0
+    assert leak.suspects[0].name == "total"
+
+
+class AverageMeter:
+    """imagenet's main.py: computes and stores the average and current value."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reset()
+
+    def reset(self) -> None:
+        self.val = 0
+        self.avg = 0
+        self.sum = 0
+        self.count = 0
+
+    def update(self, val: torch.Tensor, n: int = 1) -> None:
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+def test_a_graph_kept_in_an_attribute_of_the_scripts_own_object_is_named():
+    """imagenet's ``losses.update(loss, n)`` fed the loss tensor: ``self.sum += val * n``
+    keeps every step's graph in ``losses.sum`` (device memory flat). The graph scans never
+    looked into the script's own objects: nothing was reported."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps: int) -> None:
+        losses = AverageMeter("Loss")
+        for _ in range(steps):
+            x = torch.randn(8, 16)
+            loss = model(x).square().mean()
+            losses.update(loss, x.size(0))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with track(model, opt, device="cpu", budget="16MiB") as tracker:
+        train(8)
+    (leak,) = tracker.report().leaks
+    top = leak.suspects[0]
+    assert (top.name, top.function, top.code) == (
+        "losses.sum", "AverageMeter.update", "self.sum += val * n"
+    )  # fmt: skip
+    assert leak.graph_growth > 0 and top.growing
+
+
+LIST_LEAK = """\
+import sys, torch
+from torch import nn
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+all_losses = []
+INSIDE = sys.argv[1:] == ["inside"]
+
+
+def finish(loss):
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if INSIDE:
+        all_losses.append(loss)
+
+
+for step in range(8):
+    loss = model(torch.randn(4, 8)).square().mean()
+    finish(loss)
+    if not INSIDE:
+        all_losses.append(loss)
+"""
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage) is set: not traced")
+@pytest.mark.parametrize(("args", "function", "after"), [
+    ((), "<module>", "    if not INSIDE:"), (("inside",), "finish", "    if INSIDE:"),
+])  # fmt: skip
+def test_a_global_list_is_named_at_the_line_that_appends_to_it(tmp_path, args, function, after):
+    """A script's global list has two lines that append to it, in branches of which one
+    runs: it named the first in the file (inside ``finish``, which never ran) and called its
+    function ``<module>``; now the line that ran, in its function."""
+    script = tmp_path / "list_leak.py"
+    script.write_text(LIST_LEAK)
+    line = LIST_LEAK.splitlines().index(after) + 2
+    (leak,) = run_script(script, args, device="cpu", budget="16MiB").report.leaks
+    top = leak.suspects[0]
+    assert (top.name, top.where) == ("all_losses", f"list_leak.py:{function}():{line}")
+    assert sys.gettrace() is None  # the trace is gone
