@@ -226,3 +226,22 @@ def test_a_global_list_is_named_at_the_line_that_appends_to_it(tmp_path, args, f
     top = leak.suspects[0]
     assert (top.name, top.where) == ("all_losses", f"list_leak.py:{function}():{line}")
     assert sys.gettrace() is None  # the trace is gone
+
+
+def test_the_line_trace_stays_off_once_torch_compile_made_graphs(monkeypatch) -> None:
+    """memkit must cause no recompilation: a trace function set while compiled code runs
+    could change what Dynamo does, so the line trace does not start after torch.compile."""
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    from memkit.tracking.line_trace import LineTrace
+
+    code = test_the_line_trace_stays_off_once_torch_compile_made_graphs.__code__
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 1)
+    trace = LineTrace({code: frozenset({1})})
+    assert not trace.start(sys._getframe()) and sys.gettrace() is None
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 0)
+    assert trace.start(sys._getframe()) and sys.gettrace() is not None
+    trace.stop()
+    assert sys.gettrace() is None

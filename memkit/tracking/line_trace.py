@@ -4,7 +4,8 @@ A variable can have several lines that grow it alike: a script's global list app
 top level and in a function, in branches of which only one runs. The source cannot tell which;
 :class:`LineTrace` watches the lines run, in the code objects that hold them only, from a step
 boundary until one of them runs or a few boundaries pass. It runs once per leak found, never
-while another tracer (a debugger, coverage) is set, and leaves the thread untraced.
+while another tracer (a debugger, coverage) is set or after torch.compile made graphs, and
+leaves the thread untraced.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class LineTrace:
         """Trace from now on: the frames from ``frame`` outwards that run candidate code (the
         loop that called the step's end), and every call into such code. Whether it started
         (not where a tracer is set already)."""
-        if sys.gettrace() is not None:
+        if sys.gettrace() is not None or _compiled_graphs():
             return False
         while frame is not None:
             if frame.f_code in self.lines:
@@ -75,3 +76,15 @@ class LineTrace:
             self.stop()
             return None
         return self._line
+
+
+def _compiled_graphs() -> bool:
+    """Whether torch.compile made graphs in this process: a trace function set while compiled
+    code runs could change what Dynamo does (its frames are evaluated by its own hook), so
+    memkit, which must cause no recompilation, traces nothing then."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(dynamo, "counters", None)
+    try:
+        return bool(counters is not None and counters["stats"]["unique_graphs"])
+    except Exception:  # a torch whose counters differ: do not trace
+        return True
