@@ -296,14 +296,15 @@ def accelerate_accumulation() -> int | None:
     """The micro-batches per optimizer step of a Hugging Face ``Accelerator`` made in this
     process (``Accelerator(gradient_accumulation_steps=4)`` with ``accelerator.accumulate``),
     read from accelerate's shared ``GradientState`` without creating it (``None``: accelerate
-    not imported, or no ``Accelerator`` made)."""
+    not imported, no ``Accelerator`` made, or one that does not accumulate: transformers'
+    ``Trainer`` makes one with 1 and accumulates on its own)."""
     module = sys.modules.get("accelerate.state")
     shared = getattr(getattr(module, "GradientState", None), "_shared_state", None)
     if not isinstance(shared, dict):
         return None
     kwargs = shared.get("plugin_kwargs")
     steps = kwargs.get("num_steps") if isinstance(kwargs, dict) else None
-    return steps if isinstance(steps, int) and steps >= 1 else None
+    return steps if isinstance(steps, int) and steps > 1 else None
 
 
 def _sparse_gradients(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> bool | None:
