@@ -172,13 +172,13 @@ def _training_only(mode: list[str], target_batch: int | None, accumulate: int | 
         if value is not None
     ]
     if given and "train" not in mode:
-        they = "they apply" if len(given) > 1 else "it applies"
+        they, them = ("they apply", "them") if len(given) > 1 else ("it applies", "it")
         raise ConfigError(
             f"{' and '.join(given)} with --mode infer: {they} to training (gradient "
             "accumulation over optimizer steps), and --mode infer probes evaluation, a forward "
-            "under no_grad with no gradients and no optimizer step. Drop "
-            f"{'them' if len(given) > 1 else 'it'}, or probe training with --mode train "
-            "(--mode train,infer: the train probe takes them, the infer probe does not)"
+            f"under no_grad with no gradients and no optimizer step. Drop {them}, or probe "
+            f"training with --mode train (--mode train,infer: the train probe takes {them}, the "
+            "infer probe does not)"
         )
     return " and ".join(given)
 
