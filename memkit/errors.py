@@ -17,6 +17,10 @@ class                       exit code  meaning
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 __all__ = [
     "ConfigError",
     "DistributedError",
@@ -25,7 +29,27 @@ __all__ = [
     "MissingDependencyError",
     "ModelFileError",
     "UserCodeError",
+    "on_command_line",
+    "spelled",
 ]
+
+_ON_COMMAND_LINE = contextvars.ContextVar("memkit_on_command_line", default=False)
+
+
+@contextlib.contextmanager
+def on_command_line() -> Iterator[None]:
+    """While a ``memkit`` command runs: :func:`spelled` names what to give as its options."""
+    token = _ON_COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _ON_COMMAND_LINE.reset(token)
+
+
+def spelled(option: str, keyword: str) -> str:
+    """What a message tells the user to give: ``option`` (``--seq-len N``) under a ``memkit``
+    command, ``keyword`` (``seq_len=N``) in the Python API."""
+    return option if _ON_COMMAND_LINE.get() else keyword
 
 
 class MemkitError(RuntimeError):

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from memkit.errors import ModelFileError
+from memkit.errors import ModelFileError, spelled
 
 __all__ = [
     "EXPECTED_SIGNATURES",
@@ -38,9 +38,11 @@ __all__ = [
     "SysExitCalled",
     "build_model",
     "call_user",
+    "check_seq_len",
     "load_model_file",
     "make_optimizer",
-    "require_seq_len",
+    "needs_seq_len",
+    "seq_len_missing",
 ]
 
 EXPECTED_SIGNATURES = """\
@@ -228,14 +230,43 @@ def _execute(file: Path, resolved: str) -> ModuleType:
     return module
 
 
-def require_seq_len(spec: ModelSpec, given: str) -> None:
-    """A sequence length was given (``given`` says how, for the message): ``make_batch`` must
-    take one, or this is a :class:`ModelFileError`."""
-    if not spec.takes_seq_len:
+def check_seq_len(spec: ModelSpec, seq_len: int | None) -> None:
+    """``make_batch`` takes the sequence length given, and needs none when none is: else a
+    :class:`ModelFileError` that says what to give (as the command line or the Python API
+    spells it)."""
+    if seq_len is not None and not spec.takes_seq_len:
+        given = spelled(f"--seq-len {seq_len}", f"seq_len={seq_len}")
         raise ModelFileError(
-            f"{given} was given but make_batch in {spec.path} takes no seq_len; "
-            "define make_batch(batch_size, seq_len)"
+            f"{given} was given but make_batch in {spec.path} takes no seq_len; define "
+            "make_batch(batch_size, seq_len), or leave the sequence length out"
         )
+    if seq_len is None and needs_seq_len(spec.make_batch):
+        raise ModelFileError(f"make_batch in {spec.path} {seq_len_missing(spec.make_batch)}")
+
+
+def needs_seq_len(make_batch: Callable[..., Any]) -> bool:
+    """True when ``make_batch`` cannot be called with the batch size alone, but can with a
+    sequence length after it."""
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):
+        return False
+    for args, fits in (((1,), False), ((1, 1), True)):
+        try:
+            signature.bind(*args)
+        except TypeError:
+            continue
+        return fits
+    return False
+
+
+def seq_len_missing(make_batch: Callable[..., Any]) -> str:
+    """What to do when ``make_batch`` needs a sequence length and none was given."""
+    return (
+        f"needs a sequence length (its signature is {inspect.signature(make_batch)}) and none "
+        f"was given: give one with {spelled('--seq-len N', 'seq_len=N')}, or give seq_len a "
+        "default"
+    )
 
 
 def build_model(spec: ModelSpec) -> Any:

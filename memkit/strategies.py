@@ -44,7 +44,7 @@ from memkit import advice as rules
 from memkit.advice import Advice
 from memkit.advice.sharding import fsdp_gpus_needed, fsdp_saves, fsdp_wrap_unit
 from memkit.errors import ConfigError, UserCodeError
-from memkit.modelfile import ModelSpec, call_user, load_model_file, make_optimizer
+from memkit.modelfile import ModelSpec, call_user, check_seq_len, load_model_file, make_optimizer
 from memkit.oom import is_oom
 from memkit.probing.step import StepPlan
 from memkit.render import strategies as layout
@@ -542,6 +542,7 @@ def compare_strategies(
     if target is not None and device != "meta":
         raise ConfigError(f"a target GPU's step rules apply on meta tensors, not on {device!r}")
     spec = load_model_file(path)
+    check_seq_len(spec, seq_len)
     trials = _Trials(spec, budgets, device, steps, seq_len, target)
     limit = max_batch or MAX_GLOBAL_BATCH
     results = tuple(_strategy(trials, s, gpus, limit) for s in strategies)

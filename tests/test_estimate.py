@@ -481,6 +481,16 @@ def test_cli_json_and_exit_codes(files: dict[str, str]) -> None:
     assert arch.exit_code == 2 and "hopper (H100, H200" in arch.output
 
 
+def test_cli_amp_takes_fp32_its_default_and_any_case(files: dict[str, str]) -> None:
+    """Sweep W: --help says "[default: fp32]" but --amp fp32 was refused, and --amp BF16."""
+    runner = CliRunner()
+    for given, precision in (("FP32", "fp32"), ("BF16", "bf16 autocast")):
+        result = runner.invoke(cli, ["estimate", files["mlp"], "--device-memory", "2GiB",
+                                     "--max-batch", "2", "--amp", given])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert result.stdout.startswith(f"Estimated largest batch (train, {precision}) on")
+
+
 def test_cli_seq_lens_are_one_sweep_result(files: dict[str, str]) -> None:
     """``--seq-len 16,100000``: one estimate per length in an EstimateSweep (JSON, text); the
     longer length does not fit in the 100 MiB left after the context, so the exit code is 1."""

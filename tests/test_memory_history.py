@@ -562,6 +562,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert missing.exit_code == 2 and "no such file" in missing.stderr
     nowhere = invoke("inspect", str(tmp_path / "c.pickle"), "--html", str(tmp_path / "x" / "v"))
     assert nowhere.exit_code == 2 and "--html" in nowhere.stderr
+    # sweep W: `--html -` wrote a file named '-' (memkit run refuses it)
+    dash = invoke("inspect", str(tmp_path / "c.pickle"), "--html", "-")
+    assert dash.exit_code == 2 and dash.stderr.startswith("memkit: error: --html '-': expected ")
 
 
 def test_protocol_5_is_read_and_told_apart_without_torch(tmp_path):

@@ -411,3 +411,64 @@ def test_a_step_error_shows_the_users_frames_and_what_the_default_step_did(tmp_p
     assert "got an unexpected keyword argument 'input_ids'" in result.stderr
     assert "calls model(**batch) for a dict batch" in result.stderr
     assert "memkit/probing" not in result.stderr and "_call_impl" not in result.stderr
+
+
+# -- sweep W: what the command line says, and what it refuses ----------------------------------
+SEQ_LEN_FILE = """import torch
+def build_model():
+    return torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 16))
+def make_batch(batch_size, seq_len):
+    return torch.randint(0, 16, (batch_size, seq_len))
+"""
+
+
+def test_a_make_batch_that_needs_a_seq_len_is_told_how_to_give_one(tmp_path):
+    """Sweep W: it said "define make_batch(batch_size) or make_batch(batch_size, seq_len)
+    (then pass seq_len=)" to a make_batch(batch_size, seq_len) on the command line."""
+    path = tmp_path / "seq.py"
+    path.write_text(SEQ_LEN_FILE)
+    for command in (["probe", str(path), "--device", "cpu", "--budget", "8MiB"],
+                    ["estimate", str(path), "--device-memory", "1GiB"]):  # fmt: skip
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.splitlines()
+        assert "needs a sequence length" in line and "give one with --seq-len N" in line
+        assert "seq_len=" not in line and "define make_batch" not in line
+    with pytest.raises(memkit.errors.ModelFileError, match="give one with seq_len=N"):
+        memkit.probe_file(str(path), device="cpu", budget="8MiB")
+
+
+@pytest.mark.parametrize("option", [["--target-batch", "64"], ["--accumulate", "4"]])
+def test_training_options_are_refused_for_inference_alone(option):
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "8MiB",
+                 "--mode", "infer", *option)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"memkit: error: {' '.join(option)} with --mode infer: it applies to ")
+    assert "give --mode train" not in line and "--mode train,infer" in line
+
+
+def test_with_train_and_infer_the_evaluation_report_says_they_went_to_training():
+    result = run(str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "8MiB", "--max-batch",
+                 "2", "--steps", "1", "--mode", "train,infer", "--target-batch", "8",
+                 "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.stdout)["modes"]
+    line = "--target-batch 8: applied to the train probe only"
+    assert any(d.startswith(line) for d in modes["infer"]["defaults"])
+    assert not any(d.startswith(line) for d in modes["train"]["defaults"])
+
+
+def test_a_sequence_length_given_twice_is_refused():
+    result = run(str(FILES / "ok_mlp.py"), "--seq-len", "16,8,16")
+    assert result.exit_code == 2
+    assert "each length once, found '16,8,16' (16 more than once): give 16,8" in result.stderr
+
+
+def test_a_device_this_machine_lacks_lists_only_what_probe_takes(monkeypatch):
+    monkeypatch.setattr("memkit.devices.backends.current_accelerator", lambda: None)
+    result = run(str(FILES / "ok_mlp.py"), "--device", "mps")
+    assert result.exit_code == 2
+    assert "device mps is not available here; this machine has 'cpu' (simulated)\n" in (
+        result.stderr
+    )

@@ -215,6 +215,8 @@ END
          "error the script raised)"),
         ("sys.exit(3)", 3, "the script exited with code 3 (sys.exit)"),
         ("sys.exit('bye')", 1, "the script exited with sys.exit('bye') (exit 1)"),
+        ("sys.exit(256)", 0, "the script exited with sys.exit(256) (exit 0)"),
+        ("sys.exit([1, 2])", 1, "the script exited with sys.exit([1, 2]) (exit 1)"),
         ("sys.exit(0)", 0, None),
         ("pass", 0, None),
     ],
@@ -319,6 +321,27 @@ def test_memkit_options_after_the_script_get_a_hint_when_the_script_refuses_them
     )
     other = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path), "--stepz", "1")
     assert other.exit_code == 2 and "memkit's options go before SCRIPT" not in other.stderr
+
+
+def test_the_hint_names_only_the_options_the_script_refused(tmp_path):
+    """Sweep W: the script took --device (its own) and refused --module-every; the hint named
+    both."""
+    path = tmp_path / "train.py"
+    path.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--device')\n"
+                    "p.parse_args()\n")  # fmt: skip
+    result = invoke("run", "--device", "cpu", str(path), "--module-every", "3", "--device", "cpu")
+    assert result.exit_code == 2
+    assert "The script was given --module-every, which memkit run has too" in result.stderr
+
+
+def test_a_syntax_error_shows_the_scripts_line_not_memkits_frames(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import torch\ndef f(:\n    pass\n")
+    result = invoke("run", "--device", "cpu", str(path))
+    assert result.exit_code == 3
+    assert result.stderr.startswith(f'  File "{path}", line 2\n    def f(:\n          ^\n'
+                                    "SyntaxError: invalid syntax\n")  # fmt: skip
+    assert "memkit" not in result.stderr.split("SyntaxError")[0]
 
 
 def test_python_dash_m_modules_are_refused_with_what_to_give(tmp_path):

@@ -40,6 +40,11 @@ def _parse_arch(ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from None
 
 
+def _parse_amp(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--amp``'s dtype for autocast: ``None`` for fp32 (no autocast)."""
+    return None if value == "fp32" else value
+
+
 @click.command("estimate")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--device-memory", required=True, callback=_parse_size_option,
@@ -47,10 +52,11 @@ def _parse_arch(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
 @click.option("--seq-len", callback=_parse_seq_lens, default=None,
               help="Sequence length(s) for make_batch(batch_size, seq_len): 512,1024.")  # fmt: skip
-@click.option("--amp", type=click.Choice(["bf16", "fp16"]), default=None,
-              help="Model torch.autocast (fp32 master weights) [default: fp32].")  # fmt: skip
-@click.option("--attention", type=click.Choice(["auto", "math", "efficient", "flash"]),
-              default="auto", show_default=True,
+@click.option("--amp", type=click.Choice(["fp32", "bf16", "fp16"], case_sensitive=False),
+              default=None, callback=_parse_amp, help="Model torch.autocast in bf16 or fp16 "
+              "(fp32 master weights); fp32: no autocast [default: fp32].")  # fmt: skip
+@click.option("--attention", type=click.Choice(["auto", "math", "efficient", "flash"],
+              case_sensitive=False), default="auto", show_default=True,
               help="SDPA kernel on the target (auto: what PyTorch would pick).")  # fmt: skip
 @click.option("--arch", callback=_parse_arch, default="ampere", show_default=True,
               help=f"GPU family ({', '.join(_ESTIMATE_ARCHS)}) or a card of one (H100, A100, "

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from memkit.errors import MemkitError, UserCodeError
+from memkit.errors import MemkitError, UserCodeError, on_command_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,12 +29,13 @@ def handle_errors(func: F) -> F:
     """Turn a MemkitError into one line on stderr and its exit code; Ctrl-C into exit 130
     (``memkit: interrupted``); any other exception into one line naming it and exit 3 (set
     ``MEMKIT_TRACEBACK=1`` for its traceback). Never exit 1 for these: 1 means "does not fit".
+    Its messages name options as the command line spells them (:func:`memkit.errors.spelled`).
     """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with interrupts_kept():
+            with interrupts_kept(), on_command_line():
                 return func(*args, **kwargs)
         except MemkitError as exc:
             click.echo(f"memkit: error: {exc}", err=True)

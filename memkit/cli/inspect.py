@@ -36,6 +36,12 @@ def inspect_command(file: str, as_json: bool, html_path: str | None, top: int) -
     from memkit.errors import ConfigError
     from memkit.inspection import inspect_snapshot
 
+    if html_path == "-":
+        raise ConfigError(
+            "--html '-': expected a file name; stdout has the text view (or --json's object), "
+            "so the page cannot go there, and '-' is not written as a file. Give a file "
+            "(--html view.html)"
+        )
     page = Path(html_path) if html_path else None
     if page is not None and not page.parent.is_dir():  # before reading a large file
         raise ConfigError(

@@ -50,6 +50,13 @@ def _parse_seq_lens(
         raise click.BadParameter(f"expected L or L1,L2,... (integers), found {value!r}") from None
     if not lengths or any(n < 1 for n in lengths):
         raise click.BadParameter(f"expected positive sequence lengths, found {value!r}")
+    once = list(dict.fromkeys(lengths))
+    if len(once) != len(lengths):
+        twice = sorted({n for n in lengths if lengths.count(n) > 1})
+        raise click.BadParameter(
+            f"each length once, found {value!r} ({', '.join(map(str, twice))} more than once): "
+            f"give {','.join(map(str, once))}"
+        )
     return lengths
 
 

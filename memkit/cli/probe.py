@@ -120,6 +120,7 @@ def probe(
     from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_file
 
     check_batch_range(min_batch, max_batch)
+    training_only = _training_only(mode, target_batch, accumulate)
     device, budget, backend = _probe_target(device, budget)
     world, me = distributed.world_size(), distributed.rank()
     rank_device = backend.device if world > 1 else "cpu"
@@ -145,6 +146,10 @@ def probe(
             )
             for one in mode
         ]
+    if training_only and "infer" in mode:  # train,infer: --mode infer alone refused them
+        at = mode.index("infer")
+        per_mode[at] = _with_line(per_mode[at], f"{training_only}: applied to the train probe "
+                                  "only (evaluation has no gradients to accumulate)")  # fmt: skip
     result = per_mode[0] if len(per_mode) == 1 else ProbeModes(tuple(per_mode))
     if me == 0:
         echo(result.to_json() if as_json else str(result))
@@ -153,6 +158,41 @@ def probe(
     ]
     if any(r.max_batch_size is None for r in results):
         sys.exit(1)
+
+
+def _training_only(mode: list[str], target_batch: int | None, accumulate: int | None) -> str:
+    """The options given that are training's (``--target-batch``, ``--accumulate``), as
+    typed: refused with ``--mode infer`` alone (exit 2); with ``train,infer`` the evaluation
+    report says they went to training only."""
+    from memkit.errors import ConfigError
+
+    given = [
+        f"{name} {value}"
+        for name, value in (("--target-batch", target_batch), ("--accumulate", accumulate))
+        if value is not None
+    ]
+    if given and "train" not in mode:
+        they, them = ("they apply", "them") if len(given) > 1 else ("it applies", "it")
+        raise ConfigError(
+            f"{' and '.join(given)} with --mode infer: {they} to training (gradient "
+            "accumulation over optimizer steps), and --mode infer probes evaluation, a forward "
+            f"under no_grad with no gradients and no optimizer step. Drop {them}, or probe "
+            f"training with --mode train (--mode train,infer: the train probe takes {them}, the "
+            "infer probe does not)"
+        )
+    return " and ".join(given)
+
+
+def _with_line(result: Any, line: str) -> Any:
+    """``result`` (a probe, or one per sequence length) with ``line`` among its report's
+    lines (``defaults``)."""
+    import dataclasses
+
+    from memkit.probing.result import ProbeResult
+
+    if isinstance(result, ProbeResult):
+        return dataclasses.replace(result, defaults=(*result.defaults, line))
+    return dataclasses.replace(result, results=tuple(_with_line(r, line) for r in result.results))
 
 
 def _in_mode(options: Any, mode: str, *, training: bool) -> Any:

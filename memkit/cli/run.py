@@ -105,17 +105,26 @@ def run_command(
                        err=True)  # fmt: skip
         elif outcome.history_file is not None:
             written.append(outcome.history_file)
-        _print_outcome(outcome, written, _misplaced_options(ctx, args))
+        _print_outcome(outcome, written, _misplaced_options(ctx, args, outcome.refused))
     sys.exit(outcome.exit_code)
 
 
-def _misplaced_options(ctx: click.Context, args: tuple[str, ...]) -> list[str]:
+def _misplaced_options(
+    ctx: click.Context, args: tuple[str, ...], refused: str | None = None
+) -> list[str]:
     """memkit run's own options among the script's ARGS (``memkit run train.py --budget
     16MiB`` gives ``--budget`` to the script, as documented): named in a hint when the script
-    then exits 2 (its argparse refusing them) before its first step."""
+    then exits 2 (its argparse refusing them) before its first step. With the argparse
+    message (``refused``), only those it names: the ones the script took are not the
+    problem."""
+    import re
+
     names = {o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)}
     names -= {"-h", "--help"}
-    return list(dict.fromkeys(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in names))
+    given = dict.fromkeys(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in names)
+    if refused is None:
+        return list(given)
+    return [n for n in given if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", refused)]
 
 
 def _check_run_options(

@@ -82,12 +82,11 @@ def _check_target(device: str | None, budget: str | None, on_host: list[str]) ->
     ``--device`` (exit 2), and so are simulated cpu devices larger, together, than the RAM
     this machine has available (their tensors are real; ``on_host`` are the budgets of the
     ranks on this machine). Shared by ``memkit probe`` and ``memkit run``."""
-    from memkit.devices import SimulatedBackend, get_backend, parse_device
+    from memkit.devices import SimulatedBackend, get_backend
     from memkit.errors import ConfigError
 
     try:
-        parse_device(device, meta=False)  # an unknown device: the forms probe and run take
-        backend = get_backend(device, budget)
+        backend = get_backend(device, budget, meta=False)  # the forms probe and run take
     except ConfigError as exc:
         raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:

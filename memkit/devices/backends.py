@@ -393,6 +393,7 @@ def get_backend(
     budget: int | str | None = None,
     *,
     rounding: str = "none",
+    meta: bool = True,
 ) -> CudaBackend | SimulatedBackend:
     """Pick the backend for a device.
 
@@ -403,11 +404,13 @@ def get_backend(
             (default on cpu: 1 GiB, or half the available RAM if less; unlimited on meta); on
             a GPU it caps the capacity below the real one.
         rounding: simulated devices only: ``"none"`` or ``"cuda"``.
+        meta: whether the caller takes ``meta``, for the messages (``False``: the commands
+            that run real steps list the devices without it).
 
     Raises:
         ConfigError: unknown device string, or an accelerator that this machine does not have.
     """
-    dev = parse_device(device)
+    dev = parse_device(device, meta=meta)
     size = None if budget is None else parse_size(budget)
     if size is not None and size <= 0:
         raise ConfigError(
@@ -438,10 +441,20 @@ def get_backend(
     acc = current_accelerator()
     if acc is None or acc.type != dev.type or not hasattr(torch.accelerator, "memory_allocated"):
         raise ConfigError(
-            f"device {dev} is not available here; expected one of {_DEVICE_FORMS} "
-            "for a device this machine has"
+            f"device {dev} is not available here; this machine has {_devices_here(meta)}"
         )
     return CudaBackend(torch.device(dev.type, dev.index or 0), size)
+
+
+def _devices_here(meta: bool) -> str:
+    """The devices this machine has, as ``--device`` takes them (``meta`` too when taken)."""
+    forms = ["'cpu' (simulated)", *(["'meta' (simulated, no compute)"] if meta else [])]
+    visible = visible_devices()
+    if visible:
+        kind = visible[0].type
+        last = f", ..., '{visible[-1]}'" if len(visible) > 1 else ""
+        forms.append(f"'{kind}', '{visible[0]}'{last}")
+    return ", ".join(forms)
 
 
 def visible_devices() -> list[torch.device]:

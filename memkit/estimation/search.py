@@ -21,7 +21,7 @@ from memkit.estimation.meta_model import (
 )
 from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
-from memkit.modelfile import ModelSpec, load_model_file, require_seq_len
+from memkit.modelfile import ModelSpec, check_seq_len, load_model_file
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
 from memkit.probing.search import Trial, search_max_batch
 from memkit.probing.step import StepPlan, check_batch
@@ -87,8 +87,7 @@ def estimate(
     _check_target_step(amp, attention)
     card = target_card(DEFAULT_FAMILY if arch is None else arch, device_memory, context, workspace)
     spec = _spec_of(model_file)
-    if seq_len is not None:
-        require_seq_len(spec, f"a sequence length ({seq_len})")
+    check_seq_len(spec, seq_len)
     model = build_meta_model(spec)
     params = list(model.parameters())
     num_params = sum(p.numel() for p in params)

@@ -33,14 +33,17 @@ from memkit.errors import (
     MemkitError,
     ModelFileError,
     UserCodeError,
+    spelled,
 )
 from memkit.modelfile import (
     accepts_seq_len,
     build_model,
     call_user,
+    check_seq_len,
     load_model_file,
     make_optimizer,
-    require_seq_len,
+    needs_seq_len,
+    seq_len_missing,
 )
 from memkit.oom import is_oom, recover
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
@@ -451,9 +454,11 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
         )
     if seq_len is not None and not accepts_seq_len(make_batch):
         raise ConfigError(
-            f"a sequence length ({seq_len}) was given but make_batch takes no seq_len argument; "
-            "define make_batch(batch_size, seq_len)"
+            f"{spelled(f'--seq-len {seq_len}', f'seq_len={seq_len}')} was given but make_batch "
+            "takes no seq_len argument; define make_batch(batch_size, seq_len)"
         )
+    if seq_len is None and needs_seq_len(make_batch):
+        raise ConfigError(f"make_batch {seq_len_missing(make_batch)}")
     try:
         signature = inspect.signature(make_batch)
     except (TypeError, ValueError):  # a builtin without one: its call will tell
@@ -462,10 +467,14 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
         signature.bind(1, *([] if seq_len is None else [seq_len]))
     except TypeError as error:
         call = "make_batch(batch_size)" if seq_len is None else "make_batch(batch_size, seq_len)"
+        other = (
+            f", or make_batch(batch_size, seq_len) and give {spelled('--seq-len N', 'seq_len=N')}"
+            if seq_len is None
+            else ""
+        )
         raise ConfigError(
             f"make_batch cannot be called as {call}: its signature is {signature} ({error}); "
-            "define make_batch(batch_size) or make_batch(batch_size, seq_len) (then pass "
-            "seq_len=)"
+            f"define {call}{other}"
         ) from error
 
 
@@ -808,8 +817,7 @@ def probe_file(
     opts = dataclasses.replace(options or ProbeOptions(), **option_values)
     spec = load_model_file(path)
     lengths = [seq_len] if isinstance(seq_len, int) or seq_len is None else list(seq_len)
-    if lengths != [None]:
-        require_seq_len(spec, "--seq-len")
+    check_seq_len(spec, lengths[0] if lengths else None)
     model = build_model(spec)
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         raise ModelFileError(

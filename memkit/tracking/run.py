@@ -7,8 +7,8 @@ and ``sys.modules["__main__"]``, as ``python script.py args`` (Python 3.9+) give
 module and every optimizer is tracked through torch's global hooks, so no line of the script
 changes. The exit code is the script's:
 
-* ``0`` when it returns, the ``SystemExit`` code when it calls ``sys.exit`` (``1`` for
-  ``sys.exit("message")``, the message printed);
+* ``0`` when it returns, the ``SystemExit`` code when it calls ``sys.exit`` as the system keeps
+  it (``sys.exit(256)``: 0 on POSIX), ``1`` for ``sys.exit("message")``, the message printed;
 * ``1`` when an out-of-memory error escapes it (what Python itself exits with; also memkit's
   "does not fit");
 * ``3`` when any other exception escapes it (memkit's "your code raised"; Python exits 1);
@@ -249,6 +249,8 @@ class RunOutcome:
         history_file: where the memory history was written (``--memory-history``), else
             ``None``.
         history_error: why it could not be written, else ``None``.
+        refused: the message of the script's argparse when it refused its arguments
+            (``"unrecognized arguments: --module-every 3"``), else ``None``.
     """
 
     exit_code: int
@@ -259,6 +261,7 @@ class RunOutcome:
     ended: str | None = None
     history_file: Path | None = None
     history_error: str | None = None
+    refused: str | None = None
 
 
 def rank_prefix() -> str:
@@ -307,13 +310,16 @@ def default_device(device: str | None) -> str | None:
 
 def _script_traceback(exc: BaseException, main_file: str) -> str:
     """The exception formatted from the script's first frame on (memkit's frames left out);
-    ``main_file`` is the script's absolute path, its code's file name."""
+    ``main_file`` is the script's absolute path, its code's file name. A syntax error of the
+    script itself (no frame of it ran) is its file, line and caret, as Python prints it."""
     tb: TracebackType | None = exc.__traceback__
     start = tb
     while start is not None:
         if start.tb_frame.f_code.co_filename == main_file:
             break
         start = start.tb_next
+    if start is None and isinstance(exc, SyntaxError) and exc.filename == main_file:
+        return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, start or tb))
 
 
@@ -395,6 +401,7 @@ def run_script(
         ended=ending.ended,
         history_file=tracker.history_file,
         history_error=tracker.history_error,
+        refused=ending.refused,
     )
 
 
@@ -439,6 +446,7 @@ class _ScriptEnding:
     interrupted: str | None = None
     where: str | None = None
     ended: str | None = None
+    refused: str | None = None
 
 
 def _exec_as_main(main_file: str) -> dict[str, Any]:
@@ -486,17 +494,7 @@ def _run_tracked(
             # script's end, with what its globals still hold, whether or not they are in a cycle
             script_globals = _exec_as_main(main_file)
     except SystemExit as exc:
-        code = exc.code
-        if code is None:
-            ending.exit_code = 0
-        elif isinstance(code, int):
-            ending.exit_code = int(code)
-            if code:
-                ending.ended = f"the script exited with code {int(code)} (sys.exit)"
-        else:  # printed, exit 1: as Python does
-            ending.traceback = str(code)
-            ending.exit_code = 1
-            ending.ended = f"the script exited with sys.exit({_shorten(str(code))!r}) (exit 1)"
+        _script_exited(exc, ending)
     except KeyboardInterrupt as exc:  # like SIGTERM: where it was, not a traceback
         ending.exit_code = EXIT_INTERRUPTED
         ending.where = _script_line(exc, main_file)
@@ -518,6 +516,40 @@ def _run_tracked(
             )
     del script_globals  # the script's objects can go now
     return ending
+
+
+def _script_exited(exc: SystemExit, ending: _ScriptEnding) -> None:
+    """How a ``SystemExit`` ends the script, as Python ends it: an int is the status the
+    system keeps (its low 8 bits on POSIX: ``sys.exit(256)`` exits 0), any other object is
+    printed (its ``str``) and exits 1. A code other than 0 is a note."""
+    code = exc.code
+    ending.refused = _argparse_refusal(exc)
+    if code is None:
+        return
+    if isinstance(code, int):
+        status = code & 0xFF if os.name == "posix" else int(code)
+        ending.exit_code = status
+        if code != status:
+            ending.ended = f"the script exited with sys.exit({int(code)}) (exit {status})"
+        elif code:
+            ending.ended = f"the script exited with code {status} (sys.exit)"
+        return
+    ending.traceback = str(code)
+    ending.exit_code = 1
+    ending.ended = f"the script exited with sys.exit({_shorten(repr(code))}) (exit 1)"
+
+
+def _argparse_refusal(exc: SystemExit) -> str | None:
+    """The message of ``argparse.ArgumentParser.error`` when it raised ``exc`` (its frame is
+    in the traceback), else ``None``."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "error" and frame.f_globals.get("__name__") == "argparse":
+            message = frame.f_locals.get("message")
+            return message if isinstance(message, str) else None
+        tb = tb.tb_next
+    return None
 
 
 def _shorten(text: str, limit: int = 200) -> str:
