@@ -170,7 +170,7 @@ class Evidence:
         self.walked_dtype = _largest(census.trainable_dtypes)
         facts = self.facts
         if facts.accumulation_steps is None:  # no framework callback told it
-            facts.accumulation_steps = accelerate_accumulation()
+            facts.accumulation_steps = accelerate_accumulation(modules)
         # once a step is enough (and when a model or optimizer is found, or a trainer's
         # settings arrive)
         key = (
@@ -292,12 +292,16 @@ def training_setup(
     )
 
 
-def accelerate_accumulation() -> int | None:
-    """The micro-batches per optimizer step of a Hugging Face ``Accelerator`` made in this
-    process (``Accelerator(gradient_accumulation_steps=4)`` with ``accelerator.accumulate``),
-    read from accelerate's shared ``GradientState`` without creating it (``None``: accelerate
-    not imported, no ``Accelerator`` made, or one that does not accumulate: transformers'
-    ``Trainer`` makes one with 1 and accumulates on its own)."""
+def accelerate_accumulation(modules: Sequence[torch.nn.Module]) -> int | None:
+    """The micro-batches per optimizer step of the Hugging Face ``Accelerator`` that prepared
+    one of ``modules`` (``Accelerator(gradient_accumulation_steps=4)`` with
+    ``accelerator.accumulate``), read from accelerate's shared ``GradientState`` without
+    creating it (``None``: no module prepared by accelerate, or an ``Accelerator`` that does not
+    accumulate: transformers' ``Trainer`` makes one with 1 and accumulates on its own). The
+    state is process-wide and outlives the ``Accelerator``: a model accelerate did not prepare
+    is not read by it."""
+    if not any(getattr(m, "_is_accelerate_prepared", False) for m in modules):
+        return None
     module = sys.modules.get("accelerate.state")
     shared = getattr(getattr(module, "GradientState", None), "_shared_state", None)
     if not isinstance(shared, dict):
