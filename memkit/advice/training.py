@@ -4,7 +4,7 @@ torch); the track report and the estimate feed them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from memkit.advice.form import Advice, matters, percent_of, under_pressure
@@ -25,6 +25,7 @@ __all__ = [
     "mixed_precision",
     "optimizer_state",
     "shard_option",
+    "state_buffers",
     "state_per_parameter",
     "zero_grad_keeps_grads",
 ]
@@ -599,6 +600,28 @@ STATE_BUFFERS = {
 }
 """Buffers of the parameters' size that torch's optimizers keep per parameter whatever their
 settings (but ``amsgrad``): what a state still being created will be (torch/optim sources)."""
+
+
+def state_buffers(optimizer: str | None, group: Mapping[str, object]) -> int | None:
+    """Buffers of the parameters' size a torch optimizer's state holds per parameter once it
+    has stepped, read from its class and its param group's settings (``None``: an optimizer
+    it does not know): what the first ``optimizer.step()`` will add.
+
+    Examples:
+        >>> state_buffers("AdamW", {"amsgrad": False}), state_buffers("SGD", {"momentum": 0})
+        (2, 0)
+        >>> state_buffers("RMSprop", {"momentum": 0.9, "centered": True})
+        3
+    """
+    if optimizer in ("Adam", "AdamW"):
+        return 2 + bool(group.get("amsgrad"))
+    if optimizer in STATE_BUFFERS:
+        return STATE_BUFFERS[optimizer]
+    if optimizer == "SGD":
+        return int(bool(group.get("momentum")))  # the momentum buffer, with momentum only
+    if optimizer == "RMSprop":  # square_avg, momentum_buffer, grad_avg (centered)
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+    return None
 
 
 def state_per_parameter(state_bytes: int, optimized_bytes: int) -> str:
