@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
+import memkit
 from memkit.advice.oom import oom_optimizer_state
 from memkit.advice.track import track_advice
 from memkit.advice.training import mixed_precision
@@ -225,3 +227,99 @@ def test_oom_under_autocast_does_not_offer_autocast():
     assert plain is not None and plain.autocast_forwards == 0
     (adv,) = [a for a in plain.advice if a.code == "oom-activations"]
     assert "or train in bf16/fp16 autocast" in adv.action
+
+
+# -- a tiny language model: checkpointing, mixed precision, the OOM's micro-batch (sweep V) ----
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: it keeps 4x its output inside, returns x + f(x)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, residual blocks, a final norm, a vocabulary head and the loss computed in
+    float32 in the forward, as a Hugging Face causal LM; ``checkpointed``: each block under
+    ``torch.utils.checkpoint`` (what the advice proposes)."""
+
+    def __init__(self, width: int = 64, vocab: int = 1024, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(4))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.checkpointed = checkpointed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
+def lm_steps(
+    model: nn.Module,
+    batch: int = 8,
+    micro: int = 1,
+    *,
+    budget: str | None = None,
+    amp: bool = False,
+    tracked: bool = True,
+) -> TrackReport | int | None:
+    """Two AdamW steps of ``batch`` sequences in ``micro`` micro-batches: the track report
+    (its post-mortem on an OOM), or, untracked, the simulated device's peak (the independent
+    count; ``None`` on an OOM)."""
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    vocab = model.head.out_features  # type: ignore[union-attr]
+    block = (
+        track(model, opt, device="cpu", budget=budget, postmortem=None)
+        if tracked
+        else memkit.simulate(budget or "1GiB", device="cpu")
+    )
+    try:
+        with block as counted:
+            for _ in range(2):
+                for _ in range(micro):
+                    ids = torch.randint(0, vocab, (batch // micro, 64))
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        loss = model(ids) / micro
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+    except torch.OutOfMemoryError:
+        if not tracked:
+            return None
+    return counted.report() if tracked else counted.peak
+
+
+def test_checkpointing_saving_is_what_checkpointing_the_blocks_saves():
+    """Sweep V: "saving ~4.89 MiB" where checkpointing GPT-2's blocks saved 26.43 MiB: each
+    block's output was taken as its largest leaf's (a GELU's 4 MiB, not the 256 KiB the block
+    returns). A block's output is what its last leaf kept; backward frees the head before the
+    last block is recomputed."""
+    report = lm_steps(TinyLM(), budget="16MiB")
+    assert isinstance(report, TrackReport)
+    (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
+    assert "checkpoint 4 blocks" in adv.title
+    output = 8 * 64 * 64 * 4  # each block returns a (8, 64, 64) float32 tensor
+    assert f"their outputs (kept when checkpointed) are about {format_size(4 * output)}" in (
+        adv.evidence
+    )
+    plain = lm_steps(TinyLM(), tracked=False)
+    applied = lm_steps(TinyLM(checkpointed=True), tracked=False)
+    assert isinstance(plain, int) and isinstance(applied, int)
+    assert plain == report.devices[0].peak_allocated
+    assert adv.saving_bytes is not None and 0.9 * (plain - applied) <= adv.saving_bytes
+    assert adv.saving_bytes <= plain - applied

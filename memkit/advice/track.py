@@ -247,7 +247,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             activation_bytes=activations,
             peak_bytes=bd.total,
             modules=[
-                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name)
+                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call)
                 for m in dev.modules
             ],
             capacity=dev.capacity,

@@ -159,12 +159,16 @@ def float64_training(
 
 @dataclass(frozen=True)
 class ModuleActivation:
-    """What :func:`activation_checkpointing` needs of a module (a ``ModuleRecord`` has it)."""
+    """What :func:`activation_checkpointing` needs of a module (a ``ModuleRecord`` has it).
+
+    ``first_call``: its place in the order the modules were first called (``None``: not
+    known; a block whose modules' order is unknown is priced as keeping all it keeps)."""
 
     path: str
     activation_bytes: int
     leaf: bool
     type_name: str | None = None
+    first_call: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,12 +211,30 @@ def _inside(path: str, block: str) -> bool:
     return block == "" or path == block or path.startswith(block + ".")
 
 
+def _block_output(block: str, kept: int, modules: Sequence[ModuleActivation]) -> int:
+    """What ``block`` keeps when checkpointed: its output (the next block's input, which
+    checkpointing saves). Measured as what the last leaf its forward called kept, of those
+    that kept anything: a block ends in a layer whose output is the block's output, or is
+    added to the block's input (a residual sum of that size); that leaf's bytes may hold a
+    little more (a norm's statistics, a dropout's mask). An in-place or pass-through leaf
+    (``ReLU(inplace=True)``, ``Dropout(p=0)``, ``Identity``) keeps nothing and is skipped.
+    Without the call order (or a leaf that kept anything): ``kept``, all of it."""
+    leaves = [
+        m for m in modules
+        if m.leaf and m.path != block and _inside(m.path, block) and m.activation_bytes > 0
+    ]  # fmt: skip
+    if not leaves or any(m.first_call is None for m in leaves):
+        return kept
+    last = max(leaves, key=lambda m: m.first_call or 0)
+    return min(kept, last.activation_bytes)
+
+
 def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
     """The outermost groups of repeated blocks: indexed children (``ModuleList``,
     ``Sequential``) of one parent, of one type where their types are known, none a leaf, and
     none inside a block of another group (so no byte counts twice). A block's kept bytes are
     its own record's, else the sum of its outermost recorded descendants'; its output (kept
-    when checkpointed) is estimated as its largest leaf descendant's."""
+    when checkpointed) is what its last leaf kept (:func:`_block_output`)."""
     by_path = {m.path: m for m in modules}
     members: dict[str, set[str]] = {}
     for m in modules:
@@ -243,9 +265,8 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
         ordered = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
         blocks = []
         for p in ordered:
-            leaves = [m.activation_bytes for m in modules if m.leaf and _inside(m.path, p)
-                      and m.path != p]  # fmt: skip
-            blocks.append((p, kept(p), max(leaves, default=0)))
+            k = kept(p)
+            blocks.append((p, k, _block_output(p, k, modules)))
         groups.append(BlockGroup(parent, tuple(blocks)))
     outermost = [
         g for g in groups
@@ -265,6 +286,25 @@ def _ancestors_between(path: str, block: str) -> list[str]:
     return out
 
 
+def _kept_after(blocks: Sequence[str], modules: Sequence[ModuleActivation]) -> int:
+    """What the modules first called after every module of ``blocks`` kept (the outermost of
+    them: a head, a final norm): backward frees it before it reaches the blocks. 0 where the
+    call order is not known."""
+    inside = [m.first_call for m in modules if any(_inside(m.path, b) for b in blocks)]
+    if not inside or any(c is None for c in inside):
+        return 0
+    last = max(c for c in inside if c is not None)
+    after = [m for m in modules if m.first_call is not None and m.first_call > last]
+    paths = {m.path for m in after}
+    return sum(m.activation_bytes for m in after if not any(p in paths for p in _ancestors(m.path)))
+
+
+def _ancestors(path: str) -> list[str]:
+    """Every proper prefix of ``path`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def activation_checkpointing(
     *,
     activation_bytes: int,
@@ -278,10 +318,14 @@ def activation_checkpointing(
 
     The blocks are the outermost repeated blocks (:func:`checkpoint_groups`: a transformer's
     layers, a ResNet stage's blocks), never the model itself and never a block inside
-    another. Checkpointing them keeps each one's output and, during backward, recomputes one
-    block at a time: saving ~ sum(kept) - sum(outputs) - max(kept), at most the activations
-    at the peak. Fires when activations are at least ``min_share`` of the peak and memory is
-    short (:data:`PRESSURE`).
+    another. Checkpointed, each keeps only its output (the next block's input); in backward
+    one block at a time is recomputed, re-creating what it kept besides its output
+    (``recompute``: the most of any block). The last block is recomputed after backward has
+    freed what the modules called after the blocks kept (a head: ``after``), the first near
+    backward's end, when the gradients are allocated (the breakdown counts them beside the
+    activations at the peak). Saving ~ min(sum(kept) - sum(outputs) - max(0, recompute -
+    after), activations at the peak - sum(outputs) - recompute). Fires when activations are
+    at least ``min_share`` of the peak and memory is short (:data:`PRESSURE`).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
@@ -293,13 +337,20 @@ def activation_checkpointing(
         return None
     kept = sum(b[1] for b in blocks)
     outputs = sum(b[2] for b in blocks)
-    saving = min(kept - outputs - max(b[1] for b in blocks), activation_bytes - outputs)
+    recompute = max(b[1] - b[2] for b in blocks)
+    after = _kept_after([b[0] for b in blocks], modules)
+    saving = min(kept - outputs - max(0, recompute - after), activation_bytes - outputs - recompute)
     if saving <= 0:
         return None
     names = "; ".join(g.describe() for g in groups[:3])
     more = f"; and {len(groups) - 3} more groups" if len(groups) > 3 else ""
     cap = "" if not capacity else f" (capacity {format_size(capacity)})"
     first = blocks[0][0]
+    freed = (
+        f", after backward has freed the {format_size(after)} the modules called after them kept"
+        if after > 0
+        else ""
+    )
     return Advice(
         code="activation-checkpointing",
         title=f"activations are {percent_of(activation_bytes, peak_bytes)} of the peak: checkpoint "
@@ -308,7 +359,8 @@ def activation_checkpointing(
             f"Activations were {format_size(activation_bytes)} of the {format_size(peak_bytes)} "
             f"peak on {device}{cap}. The repeated blocks: {names}{more}; together "
             f"{format_size(kept)}, of which their outputs (kept when checkpointed) are about "
-            f"{format_size(outputs)}."
+            f"{format_size(outputs)}. Recomputing one block in backward re-creates up to "
+            f"{format_size(recompute)}{freed}."
         ),
         action=(
             "Recompute those blocks in backward: in the parent's forward, `x = torch.utils."
