@@ -17,6 +17,7 @@ __all__ = [
     "LighterOptimizer",
     "ModuleActivation",
     "activation_checkpointing",
+    "autocast_keeps_float32",
     "checkpoint_groups",
     "float64_training",
     "lbfgs_history",
@@ -29,6 +30,36 @@ __all__ = [
     "state_per_parameter",
     "zero_grad_keeps_grads",
 ]
+
+
+_FLOAT32_LAYERS = (
+    "LayerNorm", "GroupNorm", "RMSNorm", "Softmax", "LogSoftmax", "Softmin", "Softplus",
+    "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "CosineSimilarity", "Embedding",
+    "EmbeddingBag",
+)  # fmt: skip
+"""Layers whose output ``torch.autocast`` keeps in float32 on CUDA (the device its advice
+names): those that run ops of its float32 lists (``layer_norm``, ``group_norm``,
+``rms_norm``, ``softmax``, ``log_softmax``, ``softplus``, ``upsample_*``, ``cosine_similarity``:
+ATen/autocast_mode.h's ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``),
+and embeddings, which no autocast list casts (their float32 weight makes a float32 output).
+Losses (``*Loss``) are float32 on CUDA and CPU alike. CPU autocast keeps norms, softmax and
+upsampling in their input's dtype (float32 after an embedding or a residual sum, half after
+a convolution), so on CPU a norm after a half layer halves after all."""
+
+
+def autocast_keeps_float32(type_name: str | None) -> bool:
+    """Whether autocast keeps a layer of class ``type_name`` float32 (:data:`_FLOAT32_LAYERS`,
+    a norm of any library by its name's end, a loss).
+
+    Examples:
+        >>> [autocast_keeps_float32(t) for t in ("LlamaRMSNorm", "CrossEntropyLoss", "Linear")]
+        [True, True, False]
+    """
+    if not type_name:
+        return False
+    return type_name in _FLOAT32_LAYERS or type_name.endswith(
+        ("LayerNorm", "RMSNorm", "GroupNorm", "Loss")
+    )
 
 
 def mixed_precision(
@@ -44,6 +75,8 @@ def mixed_precision(
     min_share: float = 0.2,
     capacity: int | None = None,
     narrow_weight_bytes: int = 0,
+    float32_bytes: int = 0,
+    temporary_bytes: int = 0,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training whose activations are a large share of the peak.
 
@@ -65,10 +98,17 @@ def mixed_precision(
             undo: with most weights narrow the rule is silent (a LoRA sweep measured 0.22 MiB
             saved where 1.13 MiB was claimed); else the estimate counts only the float32
             weights' share of the activations.
+        float32_bytes: of ``activation_bytes``, what the forward kept that stays float32
+            under autocast: the outputs of the layers it runs in float32
+            (:func:`autocast_keeps_float32`), what the model's own code kept around its layers
+            (a Hugging Face model's loss), and the last layer's output, which the loss reads
+            in float32 (a float32 copy of it replaces the half one).
+        temporary_bytes: of ``activation_bytes``, what no forward kept: at a peak in backward,
+            the gradients of the loss math, float32 under autocast too.
 
-    The estimate is ``activations * share / 2 - float32 weights / 2`` (``share``: the float32
-    weights' share of the weights; 1 without narrow ones). float64 models get ``float64``
-    (:func:`float64_training`) instead.
+    The estimate is ``(activations - float32 - temporaries) * share / 2 - float32 weights /
+    2`` (``share``: the float32 weights' share of the weights; 1 without narrow ones); silent
+    unless positive. float64 models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
         return None
@@ -79,14 +119,23 @@ def mixed_precision(
     if share < 0.5:
         return None
     bound = ""
+    kept32 = ""
     if saving_bytes is None:
-        saving_bytes = max(0, int(activation_bytes * share) // 2 - wide // 2) or None
+        halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
+        saving_bytes = int(halved * share) // 2 - wide // 2
+        if float32_bytes + temporary_bytes > 0:
+            kept32 = (
+                f" Of them, {format_size(float32_bytes + temporary_bytes)} stay float32 under "
+                "autocast: the outputs of norms, embeddings and losses, what the model's own "
+                "code kept around its layers, the last layer's output (the loss reads it in "
+                "float32) and the loss's gradients at the peak."
+            )
         bound = (
-            " The saving is an estimate, off either way: what autocast runs in float32 (layer "
-            "norm, softmax, the loss) keeps its bytes; half-precision temporaries in backward "
-            "save more. Rerun under autocast to measure it."
+            " The saving is an estimate: layers fed float32 (a dropout after a norm) keep "
+            "float32; half-precision temporaries in backward save more. Rerun under autocast "
+            "to measure it."
         )
-    if not matters(saving_bytes, peak_bytes, capacity):
+    if saving_bytes <= 0 or not matters(saving_bytes, peak_bytes, capacity):
         return None
     narrow = (
         f" {format_size(narrow_weight_bytes)} of the {format_size(parameter_bytes)} of weights "
@@ -108,7 +157,7 @@ def mixed_precision(
             f"activations were {format_size(activation_bytes)} "
             f"({percent_of(activation_bytes, peak_bytes)}) of the {format_size(peak_bytes)} "
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
-            f"a half copy of the weights it casts).{narrow}{bound}"
+            f"a half copy of the weights it casts).{kept32}{narrow}{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
