@@ -344,3 +344,9 @@ def test_mixed_precision_counts_what_autocast_keeps_in_float32():
     assert "mixed-precision" not in [a.code for a in ckpt.advice]
     applied = lm_steps(TinyLM(checkpointed=True), tracked=False, amp=True)
     assert isinstance(applied, int) and applied >= ckpt.devices[0].peak_allocated - (64 << 10)
+    # the report says checkpointing ran (the text's setup lines)
+    assert "activation checkpointing: 4 module(s) recomputed their forward in backward " in (
+        str(ckpt)
+    )
+    assert "(blocks.0 ... blocks.3)" in str(ckpt)
+    assert "activation checkpointing" not in str(report).split("\n\n")[0]
