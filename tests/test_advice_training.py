@@ -350,3 +350,39 @@ def test_mixed_precision_counts_what_autocast_keeps_in_float32():
     )
     assert "(blocks.0 ... blocks.3)" in str(ckpt)
     assert "activation checkpointing" not in str(report).split("\n\n")[0]
+
+
+def test_the_oom_micro_batch_leaves_room_for_the_gradients_and_state_to_come():
+    """Sweep V: an OOM in step 0's forward, before any gradient or optimizer state existed,
+    was told "halve the micro-batch": applied, step 1 ran out with AdamW's state and the
+    gradients. The cut now fits beside them: quarter it here, where half does not fit."""
+    model = TinyLM(width=128, vocab=2048)
+    report = lm_steps(model, 16, budget="36MiB")
+    assert isinstance(report, TrackReport)
+    pm = report.oom
+    assert pm is not None and pm.step == 0 and pm.phase == "forward" and pm.breakdown
+    assert pm.breakdown.gradients == pm.breakdown.optimizer_state == 0
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    trained = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert "Quarter the micro-batch (16 -> 4) and accumulate gradients over 4 steps" in adv.action
+    assert f"({format_size(trained)})" in adv.evidence  # the gradients to come
+    assert f"AdamW's state (2 buffers of their size), {format_size(2 * trained)}" in adv.evidence
+    assert lm_steps(TinyLM(128, 2048), 16, 4, budget="36MiB", tracked=False) is not None
+    assert lm_steps(TinyLM(128, 2048), 16, 2, budget="36MiB", tracked=False) is None
+
+
+def test_the_oom_gradients_to_come_are_the_trained_parameters_only():
+    """Sweep V: a LoRA whose adapters train (96 KiB) was told the first micro-batch's gradients
+    would be "up to 4.18 MiB", every parameter's."""
+    model = TinyLM(width=128, vocab=2048)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("down.bias"))
+    report = lm_steps(model, 16, budget="24MiB")
+    assert isinstance(report, TrackReport)
+    pm = report.oom
+    assert pm is not None and pm.phase == "forward"
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert trained == 4 * 128 * 4
+    assert f"the gradients of the parameters it trains ({format_size(trained)})" in adv.evidence
+    assert lm_steps(model, 16, 2, budget="24MiB", tracked=False) is not None  # halved, it fits
