@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -386,3 +387,52 @@ def test_the_oom_gradients_to_come_are_the_trained_parameters_only():
     assert trained == 4 * 128 * 4
     assert f"the gradients of the parameters it trains ({format_size(trained)})" in adv.evidence
     assert lm_steps(model, 16, 2, budget="24MiB", tracked=False) is not None  # halved, it fits
+
+
+def reference_steps(batch: int, budget: str, tracked: bool = True) -> TrackReport | int | None:
+    """DPO's shape: a large frozen reference model's forward under ``no_grad`` on the training
+    batch, then the small policy's; the models found by the global hooks (``memkit run``)."""
+    reference = TinyLM(width=256, vocab=2048).eval().requires_grad_(False)
+    policy = TinyLM(width=32, vocab=2048)
+    opt = torch.optim.AdamW(policy.parameters())
+    block = (
+        track(None, opt, device="cpu", budget=budget, postmortem=None)
+        if tracked
+        else memkit.simulate(budget, device="cpu")
+    )
+    try:
+        with block as counted:
+            for _ in range(2):
+                ids = torch.randint(0, 2048, (batch, 64))
+                with torch.no_grad():
+                    reference_loss = reference(ids)
+                (policy(ids) - reference_loss).backward()
+                opt.step()
+                opt.zero_grad()
+    except torch.OutOfMemoryError:
+        if not tracked:
+            return None
+    return counted.report() if tracked else counted.peak
+
+
+def test_oom_parameters_says_a_smaller_batch_helps_where_it_can():
+    """Sweep V: a DPO reference model's forward ran out with the parameters 54% of the memory:
+    ``oom-parameters`` said a smaller batch would not help much while ``oom-frozen-model``
+    said to lower it, and a quarter of the batch fitted. Now the activations decide: more
+    than the failure lacked, a smaller batch may fit; less, none does, and neither says so."""
+
+    def advice(budget: str) -> dict[str, Any]:
+        report = reference_steps(16, budget)
+        assert isinstance(report, TrackReport) and report.oom is not None
+        assert report.oom.phase == "eval" and report.oom.frozen_model is not None
+        return {a.code: a for a in report.oom.advice}
+
+    helps = advice("24MiB")
+    assert "may make up for it" in helps["oom-parameters"].evidence
+    assert "cannot" not in helps["oom-parameters"].action
+    assert "Lower the training micro-batch" in helps["oom-frozen-model"].action
+    assert reference_steps(4, "24MiB", tracked=False) is not None
+    hopeless = advice("13MiB")  # the weights and one sample's forward exceed it
+    assert "no smaller batch makes it fit" in hopeless["oom-parameters"].evidence
+    assert "Lower the training micro-batch" not in hopeless["oom-frozen-model"].action
+    assert reference_steps(1, "13MiB", tracked=False) is None

@@ -59,7 +59,7 @@ def oom_advice(
         found = (
             oom_activations(pm, bd, share),
             oom_optimizer_state(bd, share, pm),
-            oom_parameters(bd, share),
+            oom_parameters(pm, bd, share),
             oom_batch(pm, bd),
             oom_other(pm, bd, share),
         )
@@ -138,7 +138,10 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     batch = "" if shape is None else f" on an input of {format_shape(shape)}"
     fp32 = pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
     accumulate = (
-        "Lower the training micro-batch and keep the effective batch with gradient "
+        "No smaller batch makes it fit: the activations held were less than what it lacked "
+        "(see oom-parameters)"
+        if _batch_cannot_fit(pm)
+        else "Lower the training micro-batch and keep the effective batch with gradient "
         "accumulation (its outputs are needed per micro-batch)"
     )
     if updated:
@@ -410,16 +413,61 @@ def oom_optimizer_state(
     )
 
 
-def oom_parameters(bd: Breakdown, share: dict[str, float]) -> Advice | None:
-    """``oom-parameters``: the parameters were at least half of the memory."""
+def _lacked(pm: OomPostMortem, bd: Breakdown) -> int | None:
+    """What the failure lacked: what was allocated and the failed request, over the capacity
+    (``None`` where the capacity is not known)."""
+    if pm.capacity is None:
+        return None
+    return bd.total + (pm.tried_to_allocate or 0) - pm.capacity
+
+
+def _batch_cannot_fit(pm: OomPostMortem) -> bool:
+    """No smaller batch makes the failing step fit: a smaller batch frees activations only,
+    and they were less than what the failure lacked (:func:`_lacked`)."""
+    bd = pm.breakdown
+    lacked = None if bd is None else _lacked(pm, bd)
+    return bd is not None and lacked is not None and bd.activations < lacked
+
+
+def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-parameters``: the parameters were at least half of the memory. Whether a smaller
+    batch helps is read from the numbers: it frees activations only, so it cannot make the
+    step fit where they are less than what the failure lacked (:func:`_batch_cannot_fit`,
+    and ``oom-frozen-model`` then proposes no smaller batch either); else it may, as the
+    rules proposing a smaller micro-batch (``oom-activations``, ``oom-frozen-model``,
+    ``oom-batch``) say."""
     if share["parameters"] < 0.5:
         return None
+    lacked = _lacked(pm, bd)
+    activations = (
+        f"activations were {format_size(bd.activations)} ({100 * share['activations']:.0f}%)"
+    )
+    if lacked is not None and _batch_cannot_fit(pm):
+        batch = (
+            f"; {activations}, less than the {format_size(lacked)} it lacked: no smaller "
+            "batch makes it fit"
+        )
+        action = "Keep weights in bf16, or shard them (FSDP); a smaller batch cannot fit."
+    elif lacked is not None:
+        batch = (
+            f"; {activations}, more than the {format_size(max(0, lacked))} it lacked at that "
+            "point: a smaller batch, which frees activations, may make up for it"
+        )
+        action = (
+            "Keep weights in bf16, or shard them (FSDP): their share stays at any batch; or "
+            "lower the batch, which frees activations only."
+        )
+    else:
+        batch = f"; {activations}: a smaller batch frees part of them, never the parameters"
+        action = (
+            "Keep weights in bf16, or shard them (FSDP); a smaller batch frees activations only."
+        )
     return Advice(
         code="oom-parameters",
         title="the weights alone take most of the device",
         evidence=f"Parameters were {format_size(bd.parameters)} "
-        f"({100 * share['parameters']:.0f}% of what was allocated).",
-        action="Keep weights in bf16, or shard them (FSDP); a smaller batch will not help much.",
+        f"({100 * share['parameters']:.0f}% of what was allocated){batch}.",
+        action=action,
         severity="warning",
     )
 
