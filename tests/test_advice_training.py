@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
+import memkit
 from memkit.advice.oom import oom_optimizer_state
 from memkit.advice.track import track_advice
 from memkit.advice.training import mixed_precision
@@ -225,3 +228,211 @@ def test_oom_under_autocast_does_not_offer_autocast():
     assert plain is not None and plain.autocast_forwards == 0
     (adv,) = [a for a in plain.advice if a.code == "oom-activations"]
     assert "or train in bf16/fp16 autocast" in adv.action
+
+
+# -- a tiny language model: checkpointing, mixed precision, the OOM's micro-batch (sweep V) ----
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: it keeps 4x its output inside, returns x + f(x)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, residual blocks, a final norm, a vocabulary head and the loss computed in
+    float32 in the forward, as a Hugging Face causal LM; ``checkpointed``: each block under
+    ``torch.utils.checkpoint`` (what the advice proposes)."""
+
+    def __init__(self, width: int = 64, vocab: int = 1024, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(4))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.checkpointed = checkpointed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
+def lm_steps(
+    model: nn.Module,
+    batch: int = 8,
+    micro: int = 1,
+    *,
+    budget: str | None = None,
+    amp: bool = False,
+    tracked: bool = True,
+) -> TrackReport | int | None:
+    """Two AdamW steps of ``batch`` sequences in ``micro`` micro-batches: the track report
+    (its post-mortem on an OOM), or, untracked, the simulated device's peak (the independent
+    count; ``None`` on an OOM)."""
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    vocab = model.head.out_features  # type: ignore[union-attr]
+    block = (
+        track(model, opt, device="cpu", budget=budget, postmortem=None)
+        if tracked
+        else memkit.simulate(budget or "1GiB", device="cpu")
+    )
+    try:
+        with block as counted:
+            for _ in range(2):
+                for _ in range(micro):
+                    ids = torch.randint(0, vocab, (batch // micro, 64))
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        loss = model(ids) / micro
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+    except torch.OutOfMemoryError:
+        if not tracked:
+            return None
+    return counted.report() if tracked else counted.peak
+
+
+def test_checkpointing_saving_is_what_checkpointing_the_blocks_saves():
+    """Sweep V: "saving ~4.89 MiB" where checkpointing GPT-2's blocks saved 26.43 MiB: each
+    block's output was taken as its largest leaf's (a GELU's 4 MiB, not the 256 KiB the block
+    returns). A block's output is what its last leaf kept; backward frees the head before the
+    last block is recomputed."""
+    report = lm_steps(TinyLM(), budget="16MiB")
+    assert isinstance(report, TrackReport)
+    (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
+    assert "checkpoint 4 blocks" in adv.title
+    output = 8 * 64 * 64 * 4  # each block returns a (8, 64, 64) float32 tensor
+    assert f"their outputs (kept when checkpointed) are about {format_size(4 * output)}" in (
+        adv.evidence
+    )
+    plain = lm_steps(TinyLM(), tracked=False)
+    applied = lm_steps(TinyLM(checkpointed=True), tracked=False)
+    assert isinstance(plain, int) and isinstance(applied, int)
+    assert plain == report.devices[0].peak_allocated
+    assert adv.saving_bytes is not None and 0.9 * (plain - applied) <= adv.saving_bytes
+    assert adv.saving_bytes <= plain - applied
+
+
+def test_mixed_precision_counts_what_autocast_keeps_in_float32():
+    """Sweep V: "saving ~17.83 MiB" where CPU bf16 autocast saved 10.61 MiB on a GPT-2 LM, and
+    4.41 MiB promised to a checkpointed one whose peak autocast raised: norms and embeddings
+    stay float32, and the loss reads the logits in float32 (a float32 copy replaces the half
+    one)."""
+    report = lm_steps(TinyLM(), budget="16MiB")
+    assert isinstance(report, TrackReport)
+    (adv,) = [a for a in report.advice if a.code == "mixed-precision"]
+    plain = lm_steps(TinyLM(), tracked=False)
+    under = lm_steps(TinyLM(), tracked=False, amp=True)
+    assert isinstance(plain, int) and isinstance(under, int)
+    assert adv.saving_bytes is not None and "stay float32 under autocast" in adv.evidence
+    assert 0.8 * (plain - under) <= adv.saving_bytes <= 1.05 * (plain - under)
+    # checkpointed, what is left is mostly float32: autocast saves nothing, the rule is silent
+    ckpt = lm_steps(TinyLM(checkpointed=True), budget="8MiB")
+    assert isinstance(ckpt, TrackReport)
+    assert "mixed-precision" not in [a.code for a in ckpt.advice]
+    applied = lm_steps(TinyLM(checkpointed=True), tracked=False, amp=True)
+    assert isinstance(applied, int) and applied >= ckpt.devices[0].peak_allocated - (64 << 10)
+    # the report says checkpointing ran (the text's setup lines)
+    assert "activation checkpointing: 4 module(s) recomputed their forward in backward " in (
+        str(ckpt)
+    )
+    assert "(blocks.0 ... blocks.3)" in str(ckpt)
+    assert "activation checkpointing" not in str(report).split("\n\n")[0]
+
+
+def test_the_oom_micro_batch_leaves_room_for_the_gradients_and_state_to_come():
+    """Sweep V: an OOM in step 0's forward, before any gradient or optimizer state existed,
+    was told "halve the micro-batch": applied, step 1 ran out with AdamW's state and the
+    gradients. The cut now fits beside them: quarter it here, where half does not fit."""
+    model = TinyLM(width=128, vocab=2048)
+    report = lm_steps(model, 16, budget="36MiB")
+    assert isinstance(report, TrackReport)
+    pm = report.oom
+    assert pm is not None and pm.step == 0 and pm.phase == "forward" and pm.breakdown
+    assert pm.breakdown.gradients == pm.breakdown.optimizer_state == 0
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    trained = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert "Quarter the micro-batch (16 -> 4) and accumulate gradients over 4 steps" in adv.action
+    assert f"({format_size(trained)})" in adv.evidence  # the gradients to come
+    assert f"AdamW's state (2 buffers of their size), {format_size(2 * trained)}" in adv.evidence
+    assert lm_steps(TinyLM(128, 2048), 16, 4, budget="36MiB", tracked=False) is not None
+    assert lm_steps(TinyLM(128, 2048), 16, 2, budget="36MiB", tracked=False) is None
+
+
+def test_the_oom_gradients_to_come_are_the_trained_parameters_only():
+    """Sweep V: a LoRA whose adapters train (96 KiB) was told the first micro-batch's gradients
+    would be "up to 4.18 MiB", every parameter's."""
+    model = TinyLM(width=128, vocab=2048)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("down.bias"))
+    report = lm_steps(model, 16, budget="24MiB")
+    assert isinstance(report, TrackReport)
+    pm = report.oom
+    assert pm is not None and pm.phase == "forward"
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert trained == 4 * 128 * 4
+    assert f"the gradients of the parameters it trains ({format_size(trained)})" in adv.evidence
+    assert lm_steps(model, 16, 2, budget="24MiB", tracked=False) is not None  # halved, it fits
+
+
+def reference_steps(batch: int, budget: str, tracked: bool = True) -> TrackReport | int | None:
+    """DPO's shape: a large frozen reference model's forward under ``no_grad`` on the training
+    batch, then the small policy's; the models found by the global hooks (``memkit run``)."""
+    reference = TinyLM(width=256, vocab=2048).eval().requires_grad_(False)
+    policy = TinyLM(width=32, vocab=2048)
+    opt = torch.optim.AdamW(policy.parameters())
+    block = (
+        track(None, opt, device="cpu", budget=budget, postmortem=None)
+        if tracked
+        else memkit.simulate(budget, device="cpu")
+    )
+    try:
+        with block as counted:
+            for _ in range(2):
+                ids = torch.randint(0, 2048, (batch, 64))
+                with torch.no_grad():
+                    reference_loss = reference(ids)
+                (policy(ids) - reference_loss).backward()
+                opt.step()
+                opt.zero_grad()
+    except torch.OutOfMemoryError:
+        if not tracked:
+            return None
+    return counted.report() if tracked else counted.peak
+
+
+def test_oom_parameters_says_a_smaller_batch_helps_where_it_can():
+    """Sweep V: a DPO reference model's forward ran out with the parameters 54% of the memory:
+    ``oom-parameters`` said a smaller batch would not help much while ``oom-frozen-model``
+    said to lower it, and a quarter of the batch fitted. Now the activations decide: more
+    than the failure lacked, a smaller batch may fit; less, none does, and neither says so."""
+
+    def advice(budget: str) -> dict[str, Any]:
+        report = reference_steps(16, budget)
+        assert isinstance(report, TrackReport) and report.oom is not None
+        assert report.oom.phase == "eval" and report.oom.frozen_model is not None
+        return {a.code: a for a in report.oom.advice}
+
+    helps = advice("24MiB")
+    assert "may make up for it" in helps["oom-parameters"].evidence
+    assert "cannot" not in helps["oom-parameters"].action
+    assert "Lower the training micro-batch" in helps["oom-frozen-model"].action
+    assert reference_steps(4, "24MiB", tracked=False) is not None
+    hopeless = advice("13MiB")  # the weights and one sample's forward exceed it
+    assert "no smaller batch makes it fit" in hopeless["oom-parameters"].evidence
+    assert "Lower the training micro-batch" not in hopeless["oom-frozen-model"].action
+    assert reference_steps(1, "13MiB", tracked=False) is None

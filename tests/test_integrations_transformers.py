@@ -202,7 +202,8 @@ def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_che
 ):
     """gradient_accumulation_steps=4 and gradient checkpointing on; the OOM comes in the
     first micro-batch's backward, in the LM head, before any optimizer step or recompute has
-    shown either: the advice builds on both (accumulate over 8; no 'checkpoint the blocks')."""
+    shown either: the advice builds on both (accumulate over a multiple of 4; no 'checkpoint
+    the blocks')."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64
@@ -230,7 +231,9 @@ def test_an_oom_in_the_first_micro_batch_knows_the_trainers_accumulation_and_che
     assert pm.micro_batches == 4
     advice = {a.code: a for a in pm.advice}["oom-activations"]
     assert "accumulates gradients over 4 micro-batches" in advice.action
-    assert "accumulate over 8" in advice.action
+    # a multiple of the trainer's 4: the cut beside the gradients and AdamW's state to come
+    # (quarter here; the cut is a lower bound: run here, 2 x 16 still peaks at 3.58 MiB)
+    assert "accumulate over 16" in advice.action
     assert "torch.utils.checkpoint" not in advice.action
     assert "checkpointing is already on" in advice.evidence
     # in the Trainer's terms, and printed so once (by the callback, not also by the tracker)

@@ -59,7 +59,7 @@ def oom_advice(
         found = (
             oom_activations(pm, bd, share),
             oom_optimizer_state(bd, share, pm),
-            oom_parameters(bd, share),
+            oom_parameters(pm, bd, share),
             oom_batch(pm, bd),
             oom_other(pm, bd, share),
         )
@@ -138,7 +138,10 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     batch = "" if shape is None else f" on an input of {format_shape(shape)}"
     fp32 = pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
     accumulate = (
-        "Lower the training micro-batch and keep the effective batch with gradient "
+        "No smaller batch makes it fit: the activations held were less than what it lacked "
+        "(see oom-parameters)"
+        if _batch_cannot_fit(pm)
+        else "Lower the training micro-batch and keep the effective batch with gradient "
         "accumulation (its outputs are needed per micro-batch)"
     )
     if updated:
@@ -196,31 +199,110 @@ def _precision_option(pm: OomPostMortem) -> str:
     return ""
 
 
+def _state_to_come(pm: OomPostMortem, bd: Breakdown) -> tuple[int, int, str]:
+    """What training adds that the failure did not hold yet: ``(gradients, optimizer state,
+    what the state is)``. The gradients of the parameters trained (those the optimizer steps,
+    else those that require grad, else every parameter) arrive in the step's backward and
+    stay through accumulation; the state arrives at the first ``optimizer.step()`` (the
+    buffers per parameter its class and settings keep: the setup's ``state_buffers``; 0 for
+    an optimizer not known)."""
+    setup = pm.setup
+    trained = (
+        None if setup is None else setup.optimized_bytes or setup.trainable_bytes
+    ) or bd.parameters
+    gradients = max(0, trained - bd.gradients)
+    name = None if setup is None else setup.optimizer
+    buffers = (None if setup is None else setup.state_buffers) or 0
+    state = max(0, buffers * trained - bd.optimizer_state)
+    what = f"{name}'s state ({buffers} buffer{'s' if buffers != 1 else ''} of their size)"
+    return gradients, state, what
+
+
+def _fitting_cut(fixed: int, scaled: int, capacity: int | None, samples: int | None) -> int:
+    """The smallest cut ``k`` (2, 4, 8 ...) of the micro-batch at which ``fixed + scaled / k``
+    fits ``capacity`` (2 where it is not known); 0 where none does down to one sample of
+    ``samples`` (or to 1/1024 when the batch size is not known).
+
+    Examples:
+        >>> _fitting_cut(10, 80, 40, 32), _fitting_cut(10, 80, 40, 2), _fitting_cut(10, 80, None, 2)
+        (4, 0, 2)
+    """
+    if capacity is None:
+        return 2
+    k = 2
+    while fixed + scaled // k > capacity:
+        k *= 2
+        if k > (samples or 1024):
+            return 0
+    return k
+
+
+def _cut_words(k: int, samples: int | None) -> str:
+    """``halve the micro-batch (32 -> 16)``, ``quarter ...``, ``cut the micro-batch to 1/8``."""
+    sizes = f" ({samples} -> {samples // k})" if samples and samples >= k else ""
+    if k in (2, 4):
+        return f"{'halve' if k == 2 else 'quarter'} the micro-batch{sizes}"
+    return f"cut the micro-batch to 1/{k}{sizes}"
+
+
 def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
     """``oom-activations``: activations were at least 40% of the memory (not in evaluation).
 
-    The accumulation it proposes doubles what the script already runs (``micro_batches``:
-    seen, or the trainer's setting), checkpointing is proposed unless it already runs (seen
-    recomputing, or the trainer's setting), and the precision option fits the model's dtype."""
+    The accumulation it proposes multiplies what the script already runs (``micro_batches``:
+    seen, or the trainer's setting) by the cut of the micro-batch whose step fits the device
+    (:func:`_fitting_cut`): beside what does not scale with the batch and what training adds
+    (:func:`_state_to_come`), the step's activations over the cut. Those are at least the
+    ones held at the failure and the allocation that failed; a forward that failed will, in
+    backward, hold that activation and its gradient together (as large again).
+    Checkpointing is proposed unless it already runs (seen recomputing, or the trainer's
+    setting), and the precision option fits the model's dtype."""
     if share["activations"] < 0.4 or pm.phase == "eval":
         return None
     top = ", ".join(path for path, _ in pm.top_modules[:3])
     micro = max(1, pm.micro_batches)
-    # halving the micro-batch halves the activations; without accumulation so far, the first
-    # micro-batch's gradients then stay allocated through the second's forward and backward
-    # (as many bytes as the trainable parameters: bounded here by the parameters)
-    grads_added = 0 if micro > 1 else max(0, bd.parameters - bd.gradients)
-    saving = bd.activations // 2 - grads_added
-    if micro > 1:
-        accumulate = (
-            f"The script already accumulates gradients over {micro} micro-batches: halve the "
-            f"micro-batch and accumulate over {2 * micro} (same effective batch)"
+    gradients, state, what = _state_to_come(pm, bd)
+    added = gradients + state
+    tried = pm.tried_to_allocate or 0
+    scaled = bd.activations + tried + (tried if pm.phase == "forward" else 0)
+    fixed = bd.total - bd.activations + added
+    samples = pm.input_shape[0] if pm.input_shape else None
+    k = _fitting_cut(fixed, scaled, pm.capacity, samples)
+    # what the memory held at the failure loses: the activations' cut, less what training adds
+    saving = bd.activations - bd.activations // max(1, k) - added
+    adds = "; ".join(
+        part
+        for part in (
+            f"the gradients of the parameters it trains ({format_size(gradients)})"
+            if gradients
+            else "",
+            f"{what}, {format_size(state)}, from the first optimizer step" if state else "",
         )
-    elif saving > 0:
+        if part
+    )
+    room = (
+        f" Besides its activations, the step will hold what training adds: {adds}." if adds else ""
+    )
+    gradient = ", and in backward its gradient" if pm.phase == "forward" else ""
+    if k > 2 and pm.capacity is not None:
+        room += (
+            f" At 1/{k // 2} of the micro-batch the step would need about "
+            f"{format_size(fixed + scaled * 2 // k)} of the {format_size(pm.capacity)} (the "
+            f"activations held and the allocation that failed{gradient}); at 1/{k}, about "
+            f"{format_size(fixed + scaled // k)}."
+        )
+    # a cut that fits the known capacity is the remedy even where the memory held at the
+    # failure would not fall (it held no gradients or state yet); else it must save
+    offered = bool(k) and (pm.capacity is not None or saving > 0)
+    if offered and micro > 1:
         accumulate = (
-            "Halve the micro-batch and accumulate gradients over 2 steps (same effective "
-            f"batch; the first micro-batch's gradients, up to {format_size(grads_added)}, "
-            "stay allocated through the second)"
+            f"The script already accumulates gradients over {micro} micro-batches: "
+            f"{_cut_words(k, samples)} and accumulate over {k * micro} (same effective batch)"
+        )
+    elif offered:
+        cut = _cut_words(k, samples)
+        accumulate = (
+            f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps (same "
+            "effective batch)"
         )
     else:
         accumulate = ""
@@ -232,11 +314,18 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         done, checkpoint = " Activation checkpointing is already on (the trainer's setting).", ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
-    if not accumulate:
+    if not accumulate and not k:
         done += (
-            f" Halving the micro-batch with accumulation would save little: the first "
-            f"micro-batch's gradients ({format_size(grads_added)}) would stay allocated through "
-            f"the second, against half the activations ({format_size(bd.activations // 2)})."
+            " A smaller micro-batch with accumulation would not fit: what does not scale with "
+            f"the batch and what training adds come to {format_size(fixed)} of the "
+            f"{format_size(pm.capacity or 0)}, and the step's activations at one sample add "
+            "to it."
+        )
+    elif not accumulate:
+        done += (
+            f" Cutting the micro-batch with accumulation would save little: what training "
+            f"adds ({format_size(added)}) would stay allocated, against the activations' cut "
+            f"({format_size(bd.activations - bd.activations // k)})."
         )
     options = "; or ".join(
         part.removeprefix("; or ")
@@ -248,9 +337,9 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         title="activations fill the device",
         evidence=f"Activations were {format_size(bd.activations)} "
         f"({100 * share['activations']:.0f}% of {format_size(bd.total)}) when it "
-        f"failed at {pm.where}" + (f"; the largest come from {top}." if top else ".") + done,
+        f"failed at {pm.where}" + (f"; the largest come from {top}." if top else ".") + done + room,
         action=(options[:1].upper() + options[1:] + ".") if options else "Reduce the batch.",
-        saving_bytes=saving if accumulate else None,
+        saving_bytes=saving if accumulate and saving > 0 else None,
         severity="critical",
     )
 
@@ -324,16 +413,61 @@ def oom_optimizer_state(
     )
 
 
-def oom_parameters(bd: Breakdown, share: dict[str, float]) -> Advice | None:
-    """``oom-parameters``: the parameters were at least half of the memory."""
+def _lacked(pm: OomPostMortem, bd: Breakdown) -> int | None:
+    """What the failure lacked: what was allocated and the failed request, over the capacity
+    (``None`` where the capacity is not known)."""
+    if pm.capacity is None:
+        return None
+    return bd.total + (pm.tried_to_allocate or 0) - pm.capacity
+
+
+def _batch_cannot_fit(pm: OomPostMortem) -> bool:
+    """No smaller batch makes the failing step fit: a smaller batch frees activations only,
+    and they were less than what the failure lacked (:func:`_lacked`)."""
+    bd = pm.breakdown
+    lacked = None if bd is None else _lacked(pm, bd)
+    return bd is not None and lacked is not None and bd.activations < lacked
+
+
+def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
+    """``oom-parameters``: the parameters were at least half of the memory. Whether a smaller
+    batch helps is read from the numbers: it frees activations only, so it cannot make the
+    step fit where they are less than what the failure lacked (:func:`_batch_cannot_fit`,
+    and ``oom-frozen-model`` then proposes no smaller batch either); else it may, as the
+    rules proposing a smaller micro-batch (``oom-activations``, ``oom-frozen-model``,
+    ``oom-batch``) say."""
     if share["parameters"] < 0.5:
         return None
+    lacked = _lacked(pm, bd)
+    activations = (
+        f"activations were {format_size(bd.activations)} ({100 * share['activations']:.0f}%)"
+    )
+    if lacked is not None and _batch_cannot_fit(pm):
+        batch = (
+            f"; {activations}, less than the {format_size(lacked)} it lacked: no smaller "
+            "batch makes it fit"
+        )
+        action = "Keep weights in bf16, or shard them (FSDP); a smaller batch cannot fit."
+    elif lacked is not None:
+        batch = (
+            f"; {activations}, more than the {format_size(max(0, lacked))} it lacked at that "
+            "point: a smaller batch, which frees activations, may make up for it"
+        )
+        action = (
+            "Keep weights in bf16, or shard them (FSDP): their share stays at any batch; or "
+            "lower the batch, which frees activations only."
+        )
+    else:
+        batch = f"; {activations}: a smaller batch frees part of them, never the parameters"
+        action = (
+            "Keep weights in bf16, or shard them (FSDP); a smaller batch frees activations only."
+        )
     return Advice(
         code="oom-parameters",
         title="the weights alone take most of the device",
         evidence=f"Parameters were {format_size(bd.parameters)} "
-        f"({100 * share['parameters']:.0f}% of what was allocated).",
-        action="Keep weights in bf16, or shard them (FSDP); a smaller batch will not help much.",
+        f"({100 * share['parameters']:.0f}% of what was allocated){batch}.",
+        action=action,
         severity="warning",
     )
 

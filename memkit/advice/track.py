@@ -27,6 +27,7 @@ from memkit.advice.oom import oom_advice
 from memkit.advice.training import (
     ModuleActivation,
     activation_checkpointing,
+    autocast_keeps_float32,
     float64_training,
     mixed_precision,
     optimizer_state,
@@ -204,6 +205,34 @@ def _optimizer_transient(dev: DeviceReport) -> int:
     )
 
 
+def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
+    """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
+    temporaries)``. Kept: what the layers autocast runs in float32 kept
+    (:func:`~memkit.advice.training.autocast_keeps_float32`, the outermost of them), what the
+    last layer called kept (the loss reads its output in float32: `logits.float()`, or
+    autocast's float32 loss ops, keep a float32 copy in its place), and what each model's own
+    code kept around its layers (its row's own bytes: a Hugging Face model computes its
+    float32 loss there). Temporaries: the activations beyond what the models' forwards kept
+    (at a peak in backward, the gradients of the loss math)."""
+    roots = [m for m in dev.modules if m.path == m.type_name and "." not in m.path]
+    typed = [m for m in dev.modules if autocast_keeps_float32(m.type_name) and m not in roots]
+    called = [
+        m for m in dev.modules if m.leaf and m.activation_bytes > 0 and m.first_call is not None
+    ]
+    last = max(called, key=lambda m: m.first_call or 0, default=None)
+    if last is not None and last not in typed:
+        typed.append(last)
+    paths = {m.path for m in typed}
+    layers = sum(
+        m.activation_bytes for m in typed if not any(m.path.startswith(p + ".") for p in paths)
+    )
+    if not roots:
+        return min(activations, layers), 0
+    kept = sum(m.activation_bytes for m in roots)
+    own = sum(m.self_activation_bytes for m in roots)
+    return min(activations, layers + own), max(0, activations - kept)
+
+
 def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[Advice | None]:
     """What a training step held at ``dev``'s peak: precision, checkpointing, optimizer,
     gradients kept through the forward."""
@@ -216,6 +245,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     # an autocast wrapping the model's forward (accelerate's mixed precision) is entered
     # after the hooks, which then count no autocast forward: the wrapper says it ran
     wrapped = setup is not None and setup.forward_autocast is not None
+    float32, temporaries = _float32_activations(dev, activations)
     return [
         mixed_precision(
             param_dtype=report.param_dtype,
@@ -227,6 +257,8 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             min_share=0.3,
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
+            float32_bytes=float32,
+            temporary_bytes=temporaries,
         ),
         float64_training(
             param_dtype=report.param_dtype,
@@ -247,7 +279,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             activation_bytes=activations,
             peak_bytes=bd.total,
             modules=[
-                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name)
+                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call)
                 for m in dev.modules
             ],
             capacity=dev.capacity,

@@ -4,7 +4,7 @@ torch); the track report and the estimate feed them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from memkit.advice.form import Advice, matters, percent_of, under_pressure
@@ -17,6 +17,7 @@ __all__ = [
     "LighterOptimizer",
     "ModuleActivation",
     "activation_checkpointing",
+    "autocast_keeps_float32",
     "checkpoint_groups",
     "float64_training",
     "lbfgs_history",
@@ -25,9 +26,40 @@ __all__ = [
     "mixed_precision",
     "optimizer_state",
     "shard_option",
+    "state_buffers",
     "state_per_parameter",
     "zero_grad_keeps_grads",
 ]
+
+
+_FLOAT32_LAYERS = (
+    "LayerNorm", "GroupNorm", "RMSNorm", "Softmax", "LogSoftmax", "Softmin", "Softplus",
+    "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "CosineSimilarity", "Embedding",
+    "EmbeddingBag",
+)  # fmt: skip
+"""Layers whose output ``torch.autocast`` keeps in float32 on CUDA (the device its advice
+names): those that run ops of its float32 lists (``layer_norm``, ``group_norm``,
+``rms_norm``, ``softmax``, ``log_softmax``, ``softplus``, ``upsample_*``, ``cosine_similarity``:
+ATen/autocast_mode.h's ``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``),
+and embeddings, which no autocast list casts (their float32 weight makes a float32 output).
+Losses (``*Loss``) are float32 on CUDA and CPU alike. CPU autocast keeps norms, softmax and
+upsampling in their input's dtype (float32 after an embedding or a residual sum, half after
+a convolution), so on CPU a norm after a half layer halves after all."""
+
+
+def autocast_keeps_float32(type_name: str | None) -> bool:
+    """Whether autocast keeps a layer of class ``type_name`` float32 (:data:`_FLOAT32_LAYERS`,
+    a norm of any library by its name's end, a loss).
+
+    Examples:
+        >>> [autocast_keeps_float32(t) for t in ("LlamaRMSNorm", "CrossEntropyLoss", "Linear")]
+        [True, True, False]
+    """
+    if not type_name:
+        return False
+    return type_name in _FLOAT32_LAYERS or type_name.endswith(
+        ("LayerNorm", "RMSNorm", "GroupNorm", "Loss")
+    )
 
 
 def mixed_precision(
@@ -43,6 +75,8 @@ def mixed_precision(
     min_share: float = 0.2,
     capacity: int | None = None,
     narrow_weight_bytes: int = 0,
+    float32_bytes: int = 0,
+    temporary_bytes: int = 0,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training whose activations are a large share of the peak.
 
@@ -64,10 +98,17 @@ def mixed_precision(
             undo: with most weights narrow the rule is silent (a LoRA sweep measured 0.22 MiB
             saved where 1.13 MiB was claimed); else the estimate counts only the float32
             weights' share of the activations.
+        float32_bytes: of ``activation_bytes``, what the forward kept that stays float32
+            under autocast: the outputs of the layers it runs in float32
+            (:func:`autocast_keeps_float32`), what the model's own code kept around its layers
+            (a Hugging Face model's loss), and the last layer's output, which the loss reads
+            in float32 (a float32 copy of it replaces the half one).
+        temporary_bytes: of ``activation_bytes``, what no forward kept: at a peak in backward,
+            the gradients of the loss math, float32 under autocast too.
 
-    The estimate is ``activations * share / 2 - float32 weights / 2`` (``share``: the float32
-    weights' share of the weights; 1 without narrow ones). float64 models get ``float64``
-    (:func:`float64_training`) instead.
+    The estimate is ``(activations - float32 - temporaries) * share / 2 - float32 weights /
+    2`` (``share``: the float32 weights' share of the weights; 1 without narrow ones); silent
+    unless positive. float64 models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
         return None
@@ -78,14 +119,23 @@ def mixed_precision(
     if share < 0.5:
         return None
     bound = ""
+    kept32 = ""
     if saving_bytes is None:
-        saving_bytes = max(0, int(activation_bytes * share) // 2 - wide // 2) or None
+        halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
+        saving_bytes = int(halved * share) // 2 - wide // 2
+        if float32_bytes + temporary_bytes > 0:
+            kept32 = (
+                f" Of them, {format_size(float32_bytes + temporary_bytes)} stay float32 under "
+                "autocast: the outputs of norms, embeddings and losses, what the model's own "
+                "code kept around its layers, the last layer's output (the loss reads it in "
+                "float32) and the loss's gradients at the peak."
+            )
         bound = (
-            " The saving is an estimate, off either way: what autocast runs in float32 (layer "
-            "norm, softmax, the loss) keeps its bytes; half-precision temporaries in backward "
-            "save more. Rerun under autocast to measure it."
+            " The saving is an estimate: layers fed float32 (a dropout after a norm) keep "
+            "float32; half-precision temporaries in backward save more. Rerun under autocast "
+            "to measure it."
         )
-    if not matters(saving_bytes, peak_bytes, capacity):
+    if saving_bytes <= 0 or not matters(saving_bytes, peak_bytes, capacity):
         return None
     narrow = (
         f" {format_size(narrow_weight_bytes)} of the {format_size(parameter_bytes)} of weights "
@@ -107,7 +157,7 @@ def mixed_precision(
             f"activations were {format_size(activation_bytes)} "
             f"({percent_of(activation_bytes, peak_bytes)}) of the {format_size(peak_bytes)} "
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
-            f"a half copy of the weights it casts).{narrow}{bound}"
+            f"a half copy of the weights it casts).{kept32}{narrow}{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
@@ -158,12 +208,16 @@ def float64_training(
 
 @dataclass(frozen=True)
 class ModuleActivation:
-    """What :func:`activation_checkpointing` needs of a module (a ``ModuleRecord`` has it)."""
+    """What :func:`activation_checkpointing` needs of a module (a ``ModuleRecord`` has it).
+
+    ``first_call``: its place in the order the modules were first called (``None``: not
+    known; a block whose modules' order is unknown is priced as keeping all it keeps)."""
 
     path: str
     activation_bytes: int
     leaf: bool
     type_name: str | None = None
+    first_call: int | None = None
 
 
 @dataclass(frozen=True)
@@ -206,12 +260,30 @@ def _inside(path: str, block: str) -> bool:
     return block == "" or path == block or path.startswith(block + ".")
 
 
+def _block_output(block: str, kept: int, modules: Sequence[ModuleActivation]) -> int:
+    """What ``block`` keeps when checkpointed: its output (the next block's input, which
+    checkpointing saves). Measured as what the last leaf its forward called kept, of those
+    that kept anything: a block ends in a layer whose output is the block's output, or is
+    added to the block's input (a residual sum of that size); that leaf's bytes may hold a
+    little more (a norm's statistics, a dropout's mask). An in-place or pass-through leaf
+    (``ReLU(inplace=True)``, ``Dropout(p=0)``, ``Identity``) keeps nothing and is skipped.
+    Without the call order (or a leaf that kept anything): ``kept``, all of it."""
+    leaves = [
+        m for m in modules
+        if m.leaf and m.path != block and _inside(m.path, block) and m.activation_bytes > 0
+    ]  # fmt: skip
+    if not leaves or any(m.first_call is None for m in leaves):
+        return kept
+    last = max(leaves, key=lambda m: m.first_call or 0)
+    return min(kept, last.activation_bytes)
+
+
 def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
     """The outermost groups of repeated blocks: indexed children (``ModuleList``,
     ``Sequential``) of one parent, of one type where their types are known, none a leaf, and
     none inside a block of another group (so no byte counts twice). A block's kept bytes are
     its own record's, else the sum of its outermost recorded descendants'; its output (kept
-    when checkpointed) is estimated as its largest leaf descendant's."""
+    when checkpointed) is what its last leaf kept (:func:`_block_output`)."""
     by_path = {m.path: m for m in modules}
     members: dict[str, set[str]] = {}
     for m in modules:
@@ -242,9 +314,8 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
         ordered = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
         blocks = []
         for p in ordered:
-            leaves = [m.activation_bytes for m in modules if m.leaf and _inside(m.path, p)
-                      and m.path != p]  # fmt: skip
-            blocks.append((p, kept(p), max(leaves, default=0)))
+            k = kept(p)
+            blocks.append((p, k, _block_output(p, k, modules)))
         groups.append(BlockGroup(parent, tuple(blocks)))
     outermost = [
         g for g in groups
@@ -264,6 +335,25 @@ def _ancestors_between(path: str, block: str) -> list[str]:
     return out
 
 
+def _kept_after(blocks: Sequence[str], modules: Sequence[ModuleActivation]) -> int:
+    """What the modules first called after every module of ``blocks`` kept (the outermost of
+    them: a head, a final norm): backward frees it before it reaches the blocks. 0 where the
+    call order is not known."""
+    inside = [m.first_call for m in modules if any(_inside(m.path, b) for b in blocks)]
+    if not inside or any(c is None for c in inside):
+        return 0
+    last = max(c for c in inside if c is not None)
+    after = [m for m in modules if m.first_call is not None and m.first_call > last]
+    paths = {m.path for m in after}
+    return sum(m.activation_bytes for m in after if not any(p in paths for p in _ancestors(m.path)))
+
+
+def _ancestors(path: str) -> list[str]:
+    """Every proper prefix of ``path`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def activation_checkpointing(
     *,
     activation_bytes: int,
@@ -277,10 +367,14 @@ def activation_checkpointing(
 
     The blocks are the outermost repeated blocks (:func:`checkpoint_groups`: a transformer's
     layers, a ResNet stage's blocks), never the model itself and never a block inside
-    another. Checkpointing them keeps each one's output and, during backward, recomputes one
-    block at a time: saving ~ sum(kept) - sum(outputs) - max(kept), at most the activations
-    at the peak. Fires when activations are at least ``min_share`` of the peak and memory is
-    short (:data:`PRESSURE`).
+    another. Checkpointed, each keeps only its output (the next block's input); in backward
+    one block at a time is recomputed, re-creating what it kept besides its output
+    (``recompute``: the most of any block). The last block is recomputed after backward has
+    freed what the modules called after the blocks kept (a head: ``after``), the first near
+    backward's end, when the gradients are allocated (the breakdown counts them beside the
+    activations at the peak). Saving ~ min(sum(kept) - sum(outputs) - max(0, recompute -
+    after), activations at the peak - sum(outputs) - recompute). Fires when activations are
+    at least ``min_share`` of the peak and memory is short (:data:`PRESSURE`).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
@@ -292,13 +386,20 @@ def activation_checkpointing(
         return None
     kept = sum(b[1] for b in blocks)
     outputs = sum(b[2] for b in blocks)
-    saving = min(kept - outputs - max(b[1] for b in blocks), activation_bytes - outputs)
+    recompute = max(b[1] - b[2] for b in blocks)
+    after = _kept_after([b[0] for b in blocks], modules)
+    saving = min(kept - outputs - max(0, recompute - after), activation_bytes - outputs - recompute)
     if saving <= 0:
         return None
     names = "; ".join(g.describe() for g in groups[:3])
     more = f"; and {len(groups) - 3} more groups" if len(groups) > 3 else ""
     cap = "" if not capacity else f" (capacity {format_size(capacity)})"
     first = blocks[0][0]
+    freed = (
+        f", after backward has freed the {format_size(after)} the modules called after them kept"
+        if after > 0
+        else ""
+    )
     return Advice(
         code="activation-checkpointing",
         title=f"activations are {percent_of(activation_bytes, peak_bytes)} of the peak: checkpoint "
@@ -307,7 +408,8 @@ def activation_checkpointing(
             f"Activations were {format_size(activation_bytes)} of the {format_size(peak_bytes)} "
             f"peak on {device}{cap}. The repeated blocks: {names}{more}; together "
             f"{format_size(kept)}, of which their outputs (kept when checkpointed) are about "
-            f"{format_size(outputs)}."
+            f"{format_size(outputs)}. Recomputing one block in backward re-creates up to "
+            f"{format_size(recompute)}{freed}."
         ),
         action=(
             "Recompute those blocks in backward: in the parent's forward, `x = torch.utils."
@@ -599,6 +701,28 @@ STATE_BUFFERS = {
 }
 """Buffers of the parameters' size that torch's optimizers keep per parameter whatever their
 settings (but ``amsgrad``): what a state still being created will be (torch/optim sources)."""
+
+
+def state_buffers(optimizer: str | None, group: Mapping[str, object]) -> int | None:
+    """Buffers of the parameters' size a torch optimizer's state holds per parameter once it
+    has stepped, read from its class and its param group's settings (``None``: an optimizer
+    it does not know): what the first ``optimizer.step()`` will add.
+
+    Examples:
+        >>> state_buffers("AdamW", {"amsgrad": False}), state_buffers("SGD", {"momentum": 0})
+        (2, 0)
+        >>> state_buffers("RMSprop", {"momentum": 0.9, "centered": True})
+        3
+    """
+    if optimizer in ("Adam", "AdamW"):
+        return 2 + bool(group.get("amsgrad"))
+    if optimizer in STATE_BUFFERS:
+        return STATE_BUFFERS[optimizer]
+    if optimizer == "SGD":
+        return int(bool(group.get("momentum")))  # the momentum buffer, with momentum only
+    if optimizer == "RMSprop":  # square_avg, momentum_buffer, grad_avg (centered)
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+    return None
 
 
 def state_per_parameter(state_bytes: int, optimized_bytes: int) -> str:

@@ -298,6 +298,9 @@ def report_text(report: TrackReport) -> str:
             f"gradient accumulation: up to {report.micro_batches} micro-batches per step; "
             "kept/step is one micro-batch's (each backward frees its own)"
         )
+    checkpointing = _checkpointing_line(report)
+    if checkpointing:
+        lines.append(checkpointing)
     if report.eval_forwards:
         batch = (
             ""
@@ -335,6 +338,25 @@ def report_text(report: TrackReport) -> str:
     if report.oom is not None:
         lines.extend(["", str(report.oom)])
     return "\n".join(lines)
+
+
+def _checkpointing_line(report: TrackReport) -> str | None:
+    """``activation checkpointing: on (the trainer's setting); ... recomputed in backward``
+    where the trainer says it is on or a forward was seen recomputed; else ``None``."""
+    told = any(d.setup is not None and d.setup.checkpointing for d in report.devices)
+    recomputed = [m for d in report.devices for m in d.modules if m.recompute_calls]
+    paths = [m.path for m in sorted(recomputed, key=lambda m: m.first_call or 0)]
+    outer = [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
+    if not told and not outer:
+        return None
+    setting = " on (the trainer's setting);" if told else ""
+    if not outer:
+        return f"activation checkpointing:{setting} no forward seen recomputed in backward"
+    span = outer[0] if len(outer) == 1 else f"{outer[0]} ... {outer[-1]}"
+    return (
+        f"activation checkpointing:{setting} {len(outer)} module(s) recomputed their forward in "
+        f"backward ({span})"
+    )
 
 
 def _device_text(dev: DeviceReport) -> list[str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memkit.advice.training import state_buffers
 from memkit.devices import tensor_device
 from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
@@ -271,12 +272,13 @@ def training_setup(
     sizes the caller's walk counted (``census``)."""
     if not modules and not optimizers:
         return None
-    history = foreach = None
+    history = foreach = buffers = None
     if optimizers:
         group = optimizers[0].param_groups[0] if optimizers[0].param_groups else {}
         size = group.get("history_size")
         history = size if isinstance(size, int) else None
         foreach = _steps_foreach(group)
+        buffers = state_buffers(type(optimizers[0]).__name__, group)
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
     return TrainingSetup(
         param_dtype=dtype,
@@ -289,6 +291,10 @@ def training_setup(
         sparse_gradients=_sparse_gradients(modules, optimizers),
         optimized_bytes=census.optimized if census is not None and optimizers else None,
         narrow_weight_bytes=census.narrow if census is not None and modules else None,
+        trainable_bytes=sum(census.trainable_dtypes.values())
+        if census is not None and modules
+        else None,
+        state_buffers=buffers,
     )
 
 

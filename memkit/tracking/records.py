@@ -339,7 +339,7 @@ def display_names(records: Iterable[DeviceRecord]) -> Namer:
 def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
     """The report's per-module records of ``dev``, largest own activations first."""
     out = []
-    for name, ms in dev.modules.items():
+    for first_call, (name, ms) in enumerate(dev.modules.items()):  # kept in first-call order
         if ms.calls + ms.eval_calls + ms.recompute_calls == 0:
             continue
         out.append(
@@ -356,6 +356,7 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
                 eval_calls=ms.eval_calls,
                 recompute_calls=ms.recompute_calls,
                 type_name=ms.type_name,
+                first_call=first_call,
             )
         )
     out.sort(key=lambda m: m.self_activation_bytes, reverse=True)

@@ -120,6 +120,9 @@ class ModuleRecord:
         recompute_calls: forwards recomputed inside backward (gradient checkpointing).
         type_name: the module's class name (``Linear``), shown beside the path as
             ``0 (Linear)``; ``None`` when not recorded (then the path alone is shown).
+        first_call: its place in the order the device's modules were first called (0 for the
+            first; a parent comes before its children, a block's modules in the order its
+            forward runs them); ``None`` when not recorded.
     """
 
     path: str
@@ -134,6 +137,7 @@ class ModuleRecord:
     eval_calls: int = 0
     recompute_calls: int = 0
     type_name: str | None = None
+    first_call: int | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,12 @@ class TrainingSetup:
         narrow_weight_bytes: bytes of the model's parameters and buffers, trainable or frozen,
             held in 16 bits or fewer (a bf16 or int8 frozen base): autocast neither halves
             their layers' work nor copies them.
+        trainable_bytes: bytes of the model's floating parameters that require grad: the
+            gradients backward will make, known before an optimizer has stepped (a LoRA's
+            adapters, not its frozen base).
+        state_buffers: buffers of the parameters' size the (first) optimizer's state holds
+            per parameter once it has stepped, from its class and settings (AdamW 2, SGD 1
+            with momentum and 0 without); ``None``: an optimizer not known.
     """
 
     param_dtype: str | None = None
@@ -220,6 +230,8 @@ class TrainingSetup:
     sparse_gradients: bool | None = None
     optimized_bytes: int | None = None
     narrow_weight_bytes: int | None = None
+    trainable_bytes: int | None = None
+    state_buffers: int | None = None
 
 
 @dataclass(frozen=True)
