@@ -64,6 +64,15 @@ def handle_errors(func: F) -> F:
 RESEND_SECONDS = 0.2
 """How soon a Ctrl-C Python dropped is sent again (:func:`interrupts_kept`)."""
 
+_DROPPED = threading.Event()  # a Ctrl-C Python dropped in the command that runs now
+
+
+def raise_if_interrupted() -> None:
+    """Stop before a result is written when a Ctrl-C was dropped and not sent again yet (a
+    command that ends within :data:`RESEND_SECONDS` of it would print its answer first)."""
+    if _DROPPED.is_set():
+        raise KeyboardInterrupt
+
 
 @contextlib.contextmanager
 def interrupts_kept() -> Iterator[None]:
@@ -94,6 +103,7 @@ def interrupts_kept() -> Iterator[None]:
             return
         with lock:
             state["dropped"] = True
+            _DROPPED.set()
             if state["pending"] or not state["open"]:
                 return
             state["pending"] = True
@@ -102,6 +112,7 @@ def interrupts_kept() -> Iterator[None]:
         timer.start()
 
     sys.unraisablehook = hook
+    _DROPPED.clear()
     try:
         yield
     except SystemExit:
@@ -111,6 +122,7 @@ def interrupts_kept() -> Iterator[None]:
     finally:
         with lock:
             state["open"] = False
+            _DROPPED.clear()
         if sys.unraisablehook is hook:
             sys.unraisablehook = previous
     if state["dropped"]:  # the block ended before a Ctrl-C sent again stopped it

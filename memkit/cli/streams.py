@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 
 import click
 
+from memkit.cli.exits import raise_if_interrupted
+
 
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is when a record comes (a test runner's, a
@@ -71,6 +73,7 @@ def _user_output_to_stderr() -> Iterator[Callable[[str], None]]:
     encoding = getattr(stdout, "encoding", None) or "utf-8"
 
     def echo(text: str) -> None:
+        raise_if_interrupted()  # no answer after a Ctrl-C (memkit: interrupted, exit 130)
         if saved is None:
             click.echo(text, file=stdout)
             return
