@@ -37,9 +37,11 @@ _ON_COMMAND_LINE = contextvars.ContextVar("memkit_on_command_line", default=Fals
 
 
 @contextlib.contextmanager
-def on_command_line() -> Iterator[None]:
-    """While a ``memkit`` command runs: :func:`spelled` names what to give as its options."""
-    token = _ON_COMMAND_LINE.set(True)
+def on_command_line(on: bool = True) -> Iterator[None]:
+    """While a ``memkit`` command runs: :func:`spelled` names what to give as its options
+    (``on=False``: while ``memkit run`` runs the user's script, whose own calls of memkit's
+    Python API are told its keywords)."""
+    token = _ON_COMMAND_LINE.set(on)
     try:
         yield
     finally:

@@ -122,19 +122,26 @@ _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
 def step_traceback(exc: BaseException) -> str:
-    """The traceback of an error the user's step raised, without memkit's own frames and
-    torch's module-call plumbing (``Module.__call__``): the frames of the model file, the
-    model and the torch functions it called."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith(_MEMKIT_DIR) and not f.filename.endswith(_MODULE_CALL)
+    """The traceback of an error the user's step raised, with its causes (``raise ... from``)
+    and contexts, without memkit's own frames and torch's module-call plumbing
+    (``Module.__call__``): the frames of the model file, the model and the torch functions it
+    called. ``MEMKIT_TRACEBACK=1`` keeps every frame (a bug in memkit's default step)."""
+
+    def frame_file(text: str) -> str | None:
+        return text.split('"', 2)[1] if text.lstrip().startswith('File "') else None
+
+    whole = os.environ.get("MEMKIT_TRACEBACK") == "1"
+    out = [
+        text
+        for text in traceback.TracebackException.from_exception(exc).format()
+        if whole
+        or (name := frame_file(text)) is None
+        or not (name.startswith(_MEMKIT_DIR) or name.endswith(_MODULE_CALL))
     ]
-    lines = (
-        ["Traceback (most recent call last):\n", *traceback.format_list(frames)] if frames else []
-    )
-    lines += traceback.format_exception_only(type(exc), exc)
-    return "".join(lines).rstrip()
+    header = "Traceback (most recent call last):\n"  # dropped where no frame is left under it
+    after = [*out[1:], ""]
+    kept = [t for t, a in zip(out, after, strict=True) if t != header or frame_file(a)]
+    return "".join(kept).rstrip()
 
 
 def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any:

@@ -58,6 +58,16 @@ def test_a_ctrl_c_python_drops_still_stops_the_probe_with_130():
     assert "Largest batch" not in result.output
 
 
+def test_a_dropped_ctrl_c_stops_the_answer_even_before_it_is_sent_again(monkeypatch):
+    """A probe that ends before the dropped Ctrl-C is sent again printed its answer, then
+    'memkit: interrupted' (the search got fast enough to end within 0.2 s of it)."""
+    monkeypatch.setattr("memkit.cli.exits.RESEND_SECONDS", 30.0)
+    result = invoke("probe", str(FILES / "interrupt_dropped.py"), "--device", "cpu",
+                    "--budget", "64MiB")  # fmt: skip
+    assert result.exit_code == 130, result.output
+    assert "Largest batch" not in result.output
+
+
 def test_ctrl_c_in_probe_restores_the_model():
     from memkit.modelfile import load_model_file
 

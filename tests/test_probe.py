@@ -1097,3 +1097,37 @@ def test_schedulers_of_a_wrapped_optimizer_and_of_other_libraries_are_put_back_t
         timm_like.step_update()
     saved.restore()
     assert torch_scheduler.last_epoch == 0 and timm_like.updates == 0
+
+
+def test_a_step_errors_traceback_keeps_its_cause_and_drops_memkits_frames(monkeypatch):
+    from memkit.modelfile import step_traceback
+
+    def lookup(batch):
+        try:
+            return {}["input_ids"]
+        except KeyError as exc:
+            raise ValueError("the batch has no input_ids") from exc
+
+    try:
+        lookup(None)
+    except ValueError as exc:
+        caught = exc
+    text = step_traceback(caught)
+    assert "KeyError: 'input_ids'" in text and "direct cause" in text
+    assert text.endswith("ValueError: the batch has no input_ids")
+    monkeypatch.setenv("MEMKIT_TRACEBACK", "1")
+    assert step_traceback(caught).count('File "') >= text.count('File "')
+
+
+def test_infer_probes_of_a_model_with_gradients_hold_them_and_say_so():
+    model = small_mlp()
+    model(torch.randn(2, 256)).sum().backward()  # mid-training: the last step's gradients
+    result = probe(model, lambda n: torch.randn(n, 256), mode="infer", device="cpu",
+                   budget="4MiB")  # fmt: skip
+    assert any(d.startswith("held through the trials: the gradients") for d in result.defaults)
+    assert all(p.grad is not None for p in model.parameters())  # put back as they were
+    model.zero_grad(set_to_none=True)
+    freed = probe(model, lambda n: torch.randn(n, 256), mode="infer", device="cpu",
+                  budget="4MiB")  # fmt: skip
+    assert not any(d.startswith("held through") for d in freed.defaults)
+    assert freed.max_batch_size > result.max_batch_size

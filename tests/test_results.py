@@ -54,3 +54,19 @@ def test_to_json_passes_its_options_to_to_dict():
     assert full["devices"][0]["timeline"] and "timeline" not in lean["devices"][0]
     assert json.loads(track_report().to_json(timeline=False)) == lean
     assert "\n" not in track_report().to_json(indent=None)
+
+
+def test_a_size_that_ran_out_in_the_allocator_model_is_a_lower_bound() -> None:
+    """The estimate's peaks of a step that ran out are where it failed: the table says '>='
+    and the does-not-fit headline 'more than' (they read as the step's whole need)."""
+    import dataclasses
+
+    from result_cases import estimate_does_not_fit
+
+    from memkit.render.estimate import estimate_headline, estimate_text
+
+    est = estimate_does_not_fit(128)
+    ran_out = dataclasses.replace(est, trials=(dataclasses.replace(est.trials[0], ran_out=True),))
+    assert "needs 31.00 GiB reserved" in estimate_headline(est)
+    assert "needs more than 31.00 GiB reserved" in estimate_headline(ran_out)
+    assert ">= 31.00 GiB" in estimate_text(ran_out) and ">=" not in estimate_text(est)

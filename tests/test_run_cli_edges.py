@@ -372,3 +372,21 @@ def test_a_compiled_script_and_a_zip_application_still_run(tmp_path):
         result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
         assert result.exit_code == 0, result.output
         assert "ran __main__" in result.stdout and "memkit track: 1 step(s)" in result.stderr
+
+
+def test_the_scripts_own_memkit_calls_are_told_keywords_not_memkits_options(tmp_path):
+    """Under `memkit run`, a script calling ``memkit.probe(..., seq_len=8)`` is the Python
+    API's user: its errors name ``seq_len=``, not the command line's ``--seq-len``."""
+    path = tmp_path / "api_in_script.py"
+    path.write_text(
+        "import torch\nimport memkit\n\n"
+        "try:\n"
+        "    memkit.probe(torch.nn.Linear(8, 8), lambda n: torch.randn(n, 8), seq_len=8,\n"
+        "                 device='cpu', budget='8MiB')\n"
+        "except memkit.errors.MemkitError as exc:\n"
+        "    print('ERR', exc)\n"
+    )
+    result = invoke("run", "--device", "cpu", str(path))
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("ERR")]
+    assert "seq_len=8 was given" in line and "--seq-len" not in line

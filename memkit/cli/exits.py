@@ -103,7 +103,8 @@ def interrupts_kept() -> Iterator[None]:
             return
         with lock:
             state["dropped"] = True
-            _DROPPED.set()
+            if state["open"]:  # (a hook left installed after its command sets nothing)
+                _DROPPED.set()
             if state["pending"] or not state["open"]:
                 return
             state["pending"] = True

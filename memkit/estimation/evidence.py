@@ -4,6 +4,7 @@ re-run of that batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from memkit.advice import Advice
 from memkit.advice.estimate import estimate_advice
 from memkit.estimation.families import TargetCard
-from memkit.estimation.meta_step import MetaSession
+from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import EstimateBreakdown
 from memkit.probing.search import SearchResult
 from memkit.simulated.fsdp import unit_sizes
@@ -37,13 +38,23 @@ def advice_for(
         mode=mode,
         amp=amp,
         fits=search.max_batch_size is not None,
-        need_bytes=session.cache[focus].reserved,
+        need_bytes=need_bytes(session, focus),
         bf16_saving=lambda: bf16_saving(session, focus),
         units=unit_sizes(session.model),
         trainable_bytes=sum(
             p.numel() * p.element_size() for p in session.model.parameters() if p.requires_grad
         ),
     )
+
+
+def need_bytes(session: MetaSession, batch_size: int) -> int:
+    """The reserved peak ``batch_size``'s step needs: its trial's, or, where the allocator
+    model ran out of the usable memory (its peaks are where it failed), a trial with no limit."""
+    peaks = session.cache[batch_size]
+    if peaks.ooms == 0:
+        return peaks.reserved
+    unlimited = dataclasses.replace(session, usable=1 << 62, cache={})
+    return run_guarded(lambda: unlimited.run(batch_size), batch_size).reserved
 
 
 def bf16_saving(session: MetaSession, batch_size: int) -> int | None:

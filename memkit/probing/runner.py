@@ -280,6 +280,13 @@ def probe_with(
     layout = _check_batches(make_batch, opts, model_file)
     defaults = list(defaults) if layout is None else [layout, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
+    said = any(d.startswith("held through the trials") for d in defaults)
+    if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
+        defaults.append(
+            "held through the trials: the gradients the model has, as during an evaluation "
+            "inside training (model.zero_grad(set_to_none=True) before probing: the answer "
+            "of an evaluation without them)"
+        )
     if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
         defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
     sparse = sparse_embeddings(model) if opts.mode == "train" else []

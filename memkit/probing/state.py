@@ -253,5 +253,6 @@ class SavedState:
                 module.training = self._training[name]
         self.reset_optimizer()
         for obj, state in self._stateful:  # after the optimizer: its lr is the schedulers'
-            _load(obj, state)
+            if _STAGES not in state:  # (the scalers: put back with the optimizer just now)
+                _load(obj, state)
         restore_rng_state(self._rng)

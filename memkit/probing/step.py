@@ -446,14 +446,3 @@ def _batch_dims(small: Any, big: Any, batch_size: int) -> dict[int, int]:
         if x % batch_size == 0 and x // batch_size * (batch_size + 1) == y:
             found[grew[0]] = max(found.get(grew[0], 1), x // batch_size)
     return found
-    for a, b in zip(before, after, strict=True):
-        if len(a) != len(b):
-            continue
-        grew = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-        if len(grew) != 1:
-            continue
-        x, y = a[grew[0]], b[grew[0]]
-        # one row per sample, or k (two augmented views per sample: k = 2)
-        if x % batch_size == 0 and x // batch_size * (batch_size + 1) == y:
-            found.add(grew[0])
-    return found

@@ -96,7 +96,7 @@ def _hint(exc: BaseException, batch_size: int) -> str:
             "\nBatchNorm needs at least 2 samples per channel in training: probe from "
             "--min-batch 2 (min_batch=2 in the Python API)."
         )
-    if isinstance(exc, TypeError) and "got an unexpected keyword argument" in str(exc):
+    if isinstance(exc, TypeError) and re.search(r"forward\(\) got an unexpected keyword", str(exc)):
         return (
             "\nThe default step calls model(**batch) for a dict batch: its keys must be the "
             "names of forward's parameters (input_ids, attention_mask, labels for a "

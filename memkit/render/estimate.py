@@ -41,10 +41,12 @@ def estimate_headline(est: Estimate) -> str:
         f"{format_size(est.context_bytes)} CUDA context"
     )
     if est.max_batch_size is None:
-        need = est.trials[0].reserved_peak if est.trials else None
+        first = est.trials[0] if est.trials else None
+        need = format_size(None if first is None else first.reserved_peak)
         return (
             f"Estimated not to fit: batch {est.min_batch} ({est.mode}{seq}{amp}) needs "
-            f"{format_size(need)} reserved on a {card} ({usable})."
+            f"{'more than ' if first is not None and first.ran_out else ''}{need} reserved on "
+            f"a {card} ({usable})."
         )
     rec = est.recommended_batch_size
     ran = next((t for t in est.trials if t.batch_size == rec), None)
@@ -142,7 +144,7 @@ def _sweep_rows(sweep: EstimateSweep) -> list[list[object]]:
         rows.append(
             [
                 est.seq_len,
-                est.max_batch_size,
+                f">={est.max_batch_size}" if est.hit_max_batch else est.max_batch_size,
                 est.recommended_batch_size,
                 None if largest is None else format_size(largest.reserved_peak),
                 None if est.per_sample_bytes is None else format_size(est.per_sample_bytes),

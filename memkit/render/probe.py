@@ -141,7 +141,7 @@ def _sweep_rows(sweep: ProbeSweep) -> list[list[object]]:
     return [
         [
             r.seq_len,
-            r.max_batch_size,
+            f">={r.max_batch_size}" if r.hit_max_batch else r.max_batch_size,  # a bound
             r.recommended_batch_size,
             len(r.trials),
             format_size(max((t.peak_bytes or 0 for t in r.trials if t.fits), default=None)),
@@ -158,12 +158,14 @@ def sweep_text(sweep: ProbeSweep) -> str:
         f"[{first.device}], capacity {format_size(first.capacity_bytes)}:"
     )
     body = table(_SWEEP_HEAD, _sweep_rows(sweep))
+    shared = [d for d in first.defaults if all(d in r.defaults for r in sweep.results[1:])]
     advice = advice_text(
         dataclasses.replace(a, title=f"seq_len {r.seq_len}: {a.title}")  # whose it is
         for r in sweep.results
         for a in r.advice
     )
-    return "\n".join([head, "", body, *section("advice:", advice)])
+    lines = ["", *shared] if shared else []  # the report lines every length shares
+    return "\n".join([head, "", body, *lines, *section("advice:", advice)])
 
 
 def sweep_html_body(sweep: ProbeSweep) -> str:

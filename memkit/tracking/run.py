@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from memkit.devices import visible_devices
 from memkit.distributed import give_up_waiting, launched_rank, local_rank
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, on_command_line
 from memkit.oom import find_oom, recover
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.tracking.rank_gather import SENT_AFTER_ERROR
@@ -489,7 +489,8 @@ def _run_tracked(
     ending = _ScriptEnding()
     script_globals: dict[str, Any] | None = None
     try:
-        with tracker, armed:
+        # the script's own calls of memkit's API are told its keywords, not memkit's options
+        with tracker, armed, on_command_line(False):
             # kept until the tracker has exited: its end (and the memory history's) is the
             # script's end, with what its globals still hold, whether or not they are in a cycle
             script_globals = _exec_as_main(main_file)
