@@ -567,3 +567,42 @@ def test_the_oom_accumulation_saving_holds_when_the_advice_is_applied():
     assert adv.saving_bytes < pm.breakdown.activations // 2  # the gradients counted
     applied = peak(2048, 2, None).devices[0].peak_allocated
     assert full - applied >= adv.saving_bytes
+
+
+def test_a_failed_request_that_grows_with_the_batch_is_something_a_smaller_batch_frees():
+    """Weights filling 94% of the device and a forward whose failed request (a pairwise
+    product, as an LM's logits or attention scores) grows with the batch: 'no smaller batch
+    makes it fit' compared the activations held (512 KiB) alone with the 9 MiB lacked, and
+    batch 8 fits."""
+    from memkit.tracking import track
+
+    class Pairwise(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(2048, 2048).requires_grad_(False)
+            self.bias = torch.nn.Parameter(torch.zeros(2048))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = (self.body(x) + self.bias)[:, :256]
+            return (h.unsqueeze(2) * h.unsqueeze(1)).mean()
+
+    def run(batch: int) -> Any:
+        torch.manual_seed(0)
+        model = Pairwise()
+        opt = torch.optim.SGD([model.bias], lr=0.01)
+        tracker = track(model, opt, device="cpu", budget="24MiB")
+        try:
+            with tracker:
+                for _ in range(2):
+                    model(torch.randn(batch, 2048)).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except torch.OutOfMemoryError:
+            pass
+        return tracker.report()
+
+    failed = run(64)
+    assert failed.oom is not None
+    (params,) = [a for a in failed.oom.advice if a.code == "oom-parameters"]
+    assert "no smaller batch" not in params.evidence and "may make up for it" in params.evidence
+    assert run(8).oom is None  # a smaller batch fits

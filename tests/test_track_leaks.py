@@ -245,3 +245,28 @@ def test_the_line_trace_stays_off_once_torch_compile_made_graphs(monkeypatch) ->
     assert trace.start(sys._getframe()) and sys.gettrace() is not None
     trace.stop()
     assert sys.gettrace() is None
+
+
+def test_a_process_forked_while_the_line_trace_is_on_is_not_traced(monkeypatch) -> None:
+    """A DataLoader's workers forked during the two traced steps ran all their Python under
+    the tracer, which no step boundary of theirs would stop."""
+    import os
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    from memkit.tracking.line_trace import LineTrace
+
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 0)
+    code = test_a_process_forked_while_the_line_trace_is_on_is_not_traced.__code__
+    trace = LineTrace({code: frozenset({1})})
+    assert trace.start(sys._getframe())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 if untraced
+            os._exit(0 if sys.gettrace() is None else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert sys.gettrace() is not None  # the parent's trace goes on
+    finally:
+        trace.stop()

@@ -421,12 +421,21 @@ def _lacked(pm: OomPostMortem, bd: Breakdown) -> int | None:
     return bd.total + (pm.tried_to_allocate or 0) - pm.capacity
 
 
+def _batch_freeable(pm: OomPostMortem, bd: Breakdown) -> int:
+    """What a smaller batch can free: the activations, and the failed request itself where a
+    forward or backward made it (an LM's logits, attention scores grow with the batch; an
+    optimizer step's state does not)."""
+    request = pm.tried_to_allocate or 0 if pm.phase in ("forward", "backward", "eval") else 0
+    return bd.activations + request
+
+
 def _batch_cannot_fit(pm: OomPostMortem) -> bool:
-    """No smaller batch makes the failing step fit: a smaller batch frees activations only,
-    and they were less than what the failure lacked (:func:`_lacked`)."""
+    """No smaller batch makes the failing step fit: a smaller batch frees what
+    :func:`_batch_freeable` counts, and that was less than what the failure lacked
+    (:func:`_lacked`)."""
     bd = pm.breakdown
     lacked = None if bd is None else _lacked(pm, bd)
-    return bd is not None and lacked is not None and bd.activations < lacked
+    return bd is not None and lacked is not None and _batch_freeable(pm, bd) < lacked
 
 
 def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
@@ -444,14 +453,16 @@ def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) ->
     )
     if lacked is not None and _batch_cannot_fit(pm):
         batch = (
-            f"; {activations}, less than the {format_size(lacked)} it lacked: no smaller "
-            "batch makes it fit"
+            f"; {activations}, with the failed request less than the {format_size(lacked)} it "
+            "lacked: no smaller batch makes it fit"
         )
         action = "Keep weights in bf16, or shard them (FSDP); a smaller batch cannot fit."
     elif lacked is not None:
+        request = _batch_freeable(pm, bd) - bd.activations
+        also = f" and the failed request of {format_size(request)}" if request else ""
         batch = (
-            f"; {activations}, more than the {format_size(max(0, lacked))} it lacked at that "
-            "point: a smaller batch, which frees activations, may make up for it"
+            f"; {activations}{also}, more than the {format_size(max(0, lacked))} it lacked at "
+            "that point: a smaller batch, which frees them, may make up for it"
         )
         action = (
             "Keep weights in bf16, or shard them (FSDP): their share stays at any batch; or "

@@ -10,11 +10,25 @@ leaves the thread untraced.
 
 from __future__ import annotations
 
+import os
 import sys
 from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["LineTrace"]
+
+_RUNNING: list[LineTrace] = []
+"""The traces on now: a process forked while one is on (a DataLoader's workers) stops it in the
+child, where no step boundary would ever stop it."""
+
+
+def _stop_in_child() -> None:
+    for trace in list(_RUNNING):
+        trace.stop()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_in_child)
 
 
 class LineTrace:
@@ -46,6 +60,7 @@ class LineTrace:
                 frame.f_trace = self._line
             frame = frame.f_back
         self.active = True
+        _RUNNING.append(self)
         sys.settrace(self._tracer)
         return True
 
@@ -59,6 +74,8 @@ class LineTrace:
         """Trace no more (the frames given a trace function call it once more, and drop it)."""
         if self.active:
             self.active = False
+            if self in _RUNNING:
+                _RUNNING.remove(self)
             if sys.gettrace() == self._tracer:
                 sys.settrace(None)
 

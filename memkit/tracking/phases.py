@@ -186,7 +186,7 @@ class PhaseMachine:
         """A training forward began: the level it began at, less its batch, is as low as the
         last step's memory came back to (the episode's lists freed after the optimizer step
         that ended it); the growth detector takes the lowest (:meth:`boundary`). A batch
-        fed before stays in (a validation set each evaluation feeds): it is kept, not new."""
+        fed before stays in (a fixed batch the loop feeds again): it is kept, not new."""
         batch = None if self.train_input is None else self.train_input()
         nbytes = 0
         if batch is not None:
@@ -205,6 +205,11 @@ class PhaseMachine:
                 level = dev.forward_base - nbytes
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
+                    dev.floor_persistent = (
+                        sum(self.devices.persistent(dev))
+                        if dev.growth.wants_persistent(level)
+                        else None
+                    )
 
     def _training_ahead(self) -> bool:
         """Whether training is at hand though no training forward ran yet, in step 0 before
@@ -471,18 +476,22 @@ class PhaseMachine:
                 dev.kept_level = level
                 captured = True
             # the last step's level, now that this step's forwards began: what it left
+            # (persistent bytes: rises that new trainable parameters explain are no leak)
             pending, floor = dev.growth_pending, dev.step_floor
             if pending is not None:
-                last_step, last_level, last_persistent = pending
-                if floor is not None and floor < last_level:
+                last_step, last_level = pending
+                persistent = dev.floor_persistent
+                if floor is None or last_level <= floor:  # the boundary's level is the lower:
+                    persistent = None  # its bytes, where needed, as they are now
+                    if dev.growth.wants_persistent(last_level):
+                        sizes = sizes or devices.persistent(dev)
+                        persistent = sum(sizes)
+                else:
                     last_level = floor
-                if dev.growth.observe(last_step, last_level, last_persistent):
+                if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
-            persistent = None  # rises that new trainable parameters explain are no leak
-            if dev.growth.wants_persistent(level - batch_bytes):
-                sizes = sizes or devices.persistent(dev)
-                persistent = sum(sizes)
-            dev.growth_pending, dev.step_floor = (step, level - batch_bytes, persistent), None
+            dev.growth_pending = (step, level - batch_bytes)
+            dev.step_floor = dev.floor_persistent = None
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
@@ -492,7 +501,7 @@ class PhaseMachine:
         if devices.sim is not None:
             devices.sim.count_ops(False, False)
         watch = evidence.leak_watch
-        watch.settle()
+        changed = watch.settle() or bool(growing)  # (the findings' suspects to place anew)
         if growing:
             self._growth_found(growing, frame)
         elif (
@@ -506,7 +515,8 @@ class PhaseMachine:
         ):
             dev = primary or next(iter(devices.records.values()))
             dev.graph_leak = watch.scan_graphs(step, frame, dev.key)
-        if watch.moved:
+            changed = True
+        if changed and watch.moved:
             self._place_suspects()
         self.on_step()
 
@@ -542,8 +552,10 @@ class PhaseMachine:
             pending, dev.growth_pending = dev.growth_pending, None
             if pending is None or dev.step_floor is None:
                 continue
-            step, level, persistent = pending
-            if dev.growth.observe(step, min(level, dev.step_floor), persistent):
+            step, level = pending
+            floor = dev.step_floor
+            persistent = dev.floor_persistent if floor < level else None
+            if dev.growth.observe(step, min(level, floor), persistent):
                 growing.append(dev)
         if growing:
             self._growth_found(growing, None)

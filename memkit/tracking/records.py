@@ -310,10 +310,12 @@ class DeviceRecord:
         # lowest of the level at the step's end and those the next step's training forwards
         # began at (less their new batch), what the step left behind once its own tensors
         # were freed
-        self.growth_pending: tuple[int, int, int | None] | None = None  # (step, level,
-        # persistent bytes) at the last step boundary, not yet given to the detector
+        self.growth_pending: tuple[int, int] | None = None  # (step, level) at the last step
+        # boundary, not yet given to the detector
         self.step_floor: int | None = None  # the lowest level a training forward began at
         # since that boundary, less its batch
+        self.floor_persistent: int | None = None  # the persistent bytes there, measured only
+        # where the detector would compare them (a rise): a walk of the parameters and state
         self.leak: LeakFinding | None = None  # the growth detector's
         self.graph_leak: LeakFinding | None = None  # the graph scans' (host memory)
         self.eval_saved: int | None = None  # the step's eval peak before begin_eval()

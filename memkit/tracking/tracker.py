@@ -309,6 +309,8 @@ class Tracker:
                 self._ranks_watch.remove()
                 self._ranks_watch.finish(exc is None)
         finally:
+            with contextlib.suppress(Exception):  # the line trace never outlives the block
+                self.evidence.leak_watch.settle(end=True)
             self.evidence.release()  # keep no reference to the model's tensors
             with contextlib.suppress(Exception):  # what the report reads of the model
                 self.evidence.keep_layout()
