@@ -283,12 +283,20 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         f" Besides its activations, the step will hold what training adds: {adds}." if adds else ""
     )
     gradient = ", and in backward its gradient" if pm.phase == "forward" else ""
+    # a forward that failed part way held the activations of the modules that ran only
+    about = "at least" if pm.phase == "forward" else "about"
     if k > 2 and pm.capacity is not None:
         room += (
-            f" At 1/{k // 2} of the micro-batch the step would need about "
+            f" At 1/{k // 2} of the micro-batch the step would need {about} "
             f"{format_size(fixed + scaled * 2 // k)} of the {format_size(pm.capacity)} (the "
-            f"activations held and the allocation that failed{gradient}); at 1/{k}, about "
+            f"activations held and the allocation that failed{gradient}); at 1/{k}, {about} "
             f"{format_size(fixed + scaled // k)}."
+        )
+    if k and pm.phase == "forward":
+        room += (
+            " The forward stopped part way: the modules after it add activations these "
+            "figures leave out, so the cut is the least that can fit (`memkit probe` finds the "
+            "largest batch that does)."
         )
     # a cut that fits the known capacity is the remedy even where the memory held at the
     # failure would not fall (it held no gradients or state yet); else it must save
