@@ -219,3 +219,37 @@ def test_an_out_of_memory_error_inside_a_hook_is_still_the_users():
         memkit.track(model, opt, device="cpu", budget="2MiB", postmortem=None),
     ):
         model(torch.randn(4096, 64)).sum().backward()
+
+
+@pytest.mark.parametrize("zero_grad", ["start", "between", "end"])
+def test_the_walk_of_parameters_and_state_is_not_a_per_step_cost(monkeypatch, zero_grad):
+    """The leak detector compares a rise with the bytes of parameters, gradients and optimizer
+    state, a walk over every tensor: measured at the first steps and at rises only. Reading a
+    step's level where the next forward begins made it walk at every step of a loop whose
+    ``zero_grad`` runs at the step's start (review), then of one that reuses its batch."""
+    from memkit.tracking.evidence import Evidence
+
+    walks = [0]
+    original = Evidence.persistent
+
+    def counted(self, *args, **kwargs):
+        walks[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Evidence, "persistent", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(16, 64)  # one batch, fed every step
+    with memkit.track(model, opt, device="cpu", budget="64MiB"):
+        for _ in range(40):
+            if zero_grad == "start":
+                opt.zero_grad(set_to_none=True)
+            out = model(x).sum()
+            if zero_grad == "between":
+                opt.zero_grad(set_to_none=True)
+            out.backward()
+            opt.step()
+            if zero_grad == "end":
+                opt.zero_grad(set_to_none=True)
+    assert walks[0] <= 8, walks[0]

@@ -205,9 +205,13 @@ class PhaseMachine:
                 level = dev.forward_base - nbytes
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
+                    # the detector takes the lower of it and the boundary's level: the bytes
+                    # it compares a rise with are measured here only where it takes this one
+                    pending = dev.growth_pending
+                    taken = pending is None or level < pending[1]
                     dev.floor_persistent = (
                         sum(self.devices.persistent(dev))
-                        if dev.growth.wants_persistent(level)
+                        if taken and dev.growth.wants_persistent(level)
                         else None
                     )
 
