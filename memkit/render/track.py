@@ -345,7 +345,8 @@ def _checkpointing_line(report: TrackReport) -> str | None:
     where the trainer says it is on or a forward was seen recomputed; else ``None``."""
     told = any(d.setup is not None and d.setup.checkpointing for d in report.devices)
     recomputed = [m for d in report.devices for m in d.modules if m.recompute_calls]
-    paths = [m.path for m in sorted(recomputed, key=lambda m: m.first_call or 0)]
+    ordered = sorted(recomputed, key=lambda m: m.first_call or 0)
+    paths = list(dict.fromkeys(m.path for m in ordered))  # once, whatever the devices
     outer = [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
     if not told and not outer:
         return None
