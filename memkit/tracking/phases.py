@@ -202,7 +202,12 @@ class PhaseMachine:
         single = self.state.single
         for dev in (single,) if single is not None else self.devices.records.values():
             if dev.forward_base is not None:
-                level = dev.forward_base - nbytes
+                held = (
+                    batch is not None
+                    and nbytes
+                    and (single is not None or _on_devices([dev])(batch))
+                )
+                level = dev.forward_base - (nbytes if held else 0)  # on its own device only
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
                     # the detector takes the lower of it and the boundary's level: the bytes
