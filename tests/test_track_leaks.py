@@ -186,6 +186,38 @@ def test_a_graph_kept_in_an_attribute_of_the_scripts_own_object_is_named():
     assert leak.graph_growth > 0 and top.growing
 
 
+class Stats:
+    """A script's class used as a namespace: its class attributes are its running totals."""
+
+    total: object = 0
+    count = 0
+
+
+def test_a_graph_kept_in_a_class_attribute_of_the_scripts_own_class_is_named():
+    """``Stats.total += loss`` (a class used as a namespace): the scans looked into the
+    script's own objects, never its classes: nothing was reported (sweep X)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = Stats  # the loop's frame sees the class, as a script's globals do
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            loss = model(torch.randn(8, 16)).square().mean()
+            stats.total += loss
+            stats.count += 1
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    try:
+        with track(model, opt, device="cpu", budget="16MiB") as tracker:
+            train(8)
+    finally:
+        Stats.total, Stats.count = 0, 0
+    (leak,) = tracker.report().leaks
+    assert leak.suspects[0].name.endswith(".total") and leak.graph_growth > 0
+
+
 LIST_LEAK = """\
 import sys, torch
 from torch import nn

@@ -721,11 +721,17 @@ def _frame_values(frame: FrameType, torch: Any) -> list[tuple[str, Any, type | N
         if key.startswith("__"):
             continue
         out.append((key, value, None))
-        if objects < _OBJECTS and key != "self" and _user_object(value, torch):
+        if objects >= _OBJECTS or key == "self":
+            continue
+        # the script's own objects, and its own classes (``Stats.total += loss``)
+        owner = value if _user_class(value, torch) else type(value)
+        if owner is value or _user_object(value, torch):
             objects += 1
             with contextlib.suppress(TypeError):
-                attrs = itertools.islice(vars(value).items(), _OBJECT_ATTRS)
-                out.extend((f"{key}.{k}", v, type(value)) for k, v in attrs)
+                attrs = (kv for kv in vars(value).items() if not kv[0].startswith("__"))
+                out.extend(
+                    (f"{key}.{k}", v, owner) for k, v in itertools.islice(attrs, _OBJECT_ATTRS)
+                )
     owner = names.get("self")
     if owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, torch.nn.Module):
         with contextlib.suppress(TypeError):
@@ -740,6 +746,26 @@ _USER_TYPES: dict[type, bool] = {}
 """Classes -> whether their instances are the user's objects (:func:`_user_object`)."""
 
 
+def _user_class(value: Any, torch: Any) -> bool:
+    """Whether ``value`` is a class the user wrote (not a model's): its class attributes are
+    the script's state too."""
+    return (
+        isinstance(value, type)
+        and not issubclass(value, torch.nn.Module)
+        and _user_file(sys.modules.get(value.__module__))
+    )
+
+
+def _user_file(module: Any) -> bool:
+    """Whether ``module`` is one of the user's files, not an installed package's."""
+    filename = getattr(module, "__file__", None)
+    return (
+        isinstance(filename, str)
+        and _is_user_file(filename, _library_dirs())
+        and not any(part in filename for part in _INSTALLED)
+    )
+
+
 def _user_object(value: Any, torch: Any) -> bool:
     """Whether ``value`` is an instance of a class the user wrote (its module is a user file,
     not an installed package's), with attributes: not a model, a tensor, a class, a function,
@@ -747,13 +773,8 @@ def _user_object(value: Any, torch: Any) -> bool:
     cls = type(value)
     known = _USER_TYPES.get(cls)
     if known is None:
-        module = sys.modules.get(cls.__module__)
-        filename = getattr(module, "__file__", None)
-        known = (
-            isinstance(filename, str)
-            and not issubclass(cls, (torch.nn.Module, torch.Tensor, type))
-            and _is_user_file(filename, _library_dirs())
-            and not any(part in filename for part in _INSTALLED)
+        known = not issubclass(cls, (torch.nn.Module, torch.Tensor, type)) and _user_file(
+            sys.modules.get(cls.__module__)
         )
         if len(_USER_TYPES) > 1024:
             _USER_TYPES.clear()
