@@ -662,6 +662,8 @@ class Hooks:
         else:
             ms.recompute_calls += 1
         parent = stack[-1] if stack else None
+        if parent is None and kind == TRAIN_PASS and not raised:
+            self.phases.note_output(output)  # the growth detector's levels leave it out
         if keeps and frame.region is not None and parent is not None and not parent.unsaved:
             # the outermost call in a checkpoint region: it keeps what it returns, unless the
             # region began in its caller and its siblings share it (then only what the caller

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -98,6 +98,9 @@ class PhaseMachine:
         # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
         # buckets) is no leak
         self.train_input: weakref.ref[torch.Tensor] | None = None
+        # the last training forward's largest output while it lives (a loop's `logits`, kept
+        # into the next step's forward): its bytes follow the batch's shape, as the batch's do
+        self.train_output: weakref.ref[torch.Tensor] | None = None
         self.fed: dict[int, weakref.ref[torch.Tensor]] = {}  # the first inputs of the
         # training forwards that began a phase, by id (and the dead ones' till pruned)
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
@@ -199,6 +202,7 @@ class PhaseMachine:
                         fed.clear()
                 fed[id(batch)] = weakref.ref(batch)
                 nbytes = int(batch.numel() * batch.element_size())
+        output = self.output_bytes()
         single = self.state.single
         for dev in (single,) if single is not None else self.devices.records.values():
             if dev.forward_base is not None:
@@ -207,7 +211,8 @@ class PhaseMachine:
                     and nbytes
                     and (single is not None or _on_devices([dev])(batch))
                 )
-                level = dev.forward_base - (nbytes if held else 0)  # on its own device only
+                # (a new batch on its own device only; the last step's output, if it lives)
+                level = dev.forward_base - (nbytes if held else 0) - output
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
                     # the detector takes the lower of it and the boundary's level: the bytes
@@ -466,7 +471,7 @@ class PhaseMachine:
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
-        batch_bytes = self.batch_bytes()
+        batch_bytes, output_bytes = self.batch_bytes(), self.output_bytes()
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -499,7 +504,7 @@ class PhaseMachine:
                     last_level = floor
                 if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
-            dev.growth_pending = (step, level - batch_bytes)
+            dev.growth_pending = (step, level - batch_bytes - output_bytes)
             dev.step_floor = dev.floor_persistent = None
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
@@ -576,6 +581,19 @@ class PhaseMachine:
         """The bytes of the last training forward's first input while it lives (0: none)."""
         batch = None if self.train_input is None else self.train_input()
         return 0 if batch is None else int(batch.numel() * batch.element_size())
+
+    def note_output(self, output: Any) -> None:
+        """A training forward of the model returned ``output``: its largest tensor is held
+        weakly (:meth:`output_bytes`)."""
+        largest = _largest_tensor(output)
+        self.train_output = None if largest is None else weakref.ref(largest)
+
+    def output_bytes(self) -> int:
+        """The bytes of the last training forward's largest output while it lives (0: none):
+        a level the growth detector reads leaves them out, as it leaves out the batch, so that
+        batches whose shape grows on schedule (sorted lengths, a curriculum) are no leak."""
+        out = None if self.train_output is None else self.train_output()
+        return 0 if out is None else int(out.numel() * out.element_size())
 
     def step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
@@ -685,6 +703,21 @@ def _first_tensor(args: Any) -> torch.Tensor | None:
         if isinstance(a, torch.Tensor):
             return a
     return None
+
+
+def _largest_tensor(output: Any) -> torch.Tensor | None:
+    """A forward's output tensor, or the largest of a tuple's, list's or mapping's (a Hugging
+    Face ``ModelOutput``: the logits, not the loss) (``None``: none)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        values: Any = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        return None
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
 
 
 def _needs_grad(args: Any) -> bool:
