@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -284,25 +285,42 @@ def lm_steps(
     torch.manual_seed(1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     vocab = model.head.out_features  # type: ignore[union-attr]
+
+    def steps() -> None:
+        for _ in range(2):
+            for _ in range(micro):
+                ids = torch.randint(0, vocab, (batch // micro, 64))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = model(ids) / micro
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return counted(steps, model, opt, budget, tracked)
+
+
+def counted(
+    steps: Callable[[], None],
+    model: nn.Module | None,
+    opt: torch.optim.Optimizer,
+    budget: str | None,
+    tracked: bool,
+) -> TrackReport | int | None:
+    """``steps`` under ``memkit.track`` (its report, with the post-mortem of an OOM), or,
+    untracked, on the simulated device alone (its peak: the independent count; ``None`` on an
+    OOM)."""
     block = (
         track(model, opt, device="cpu", budget=budget, postmortem=None)
         if tracked
         else memkit.simulate(budget or "1GiB", device="cpu")
     )
     try:
-        with block as counted:
-            for _ in range(2):
-                for _ in range(micro):
-                    ids = torch.randint(0, vocab, (batch // micro, 64))
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                        loss = model(ids) / micro
-                    loss.backward()
-                opt.step()
-                opt.zero_grad()
+        with block as run:
+            steps()
     except torch.OutOfMemoryError:
         if not tracked:
             return None
-    return counted.report() if tracked else counted.peak
+    return run.report() if tracked else run.peak
 
 
 def test_checkpointing_saving_is_what_checkpointing_the_blocks_saves():
@@ -395,24 +413,17 @@ def reference_steps(batch: int, budget: str, tracked: bool = True) -> TrackRepor
     reference = TinyLM(width=256, vocab=2048).eval().requires_grad_(False)
     policy = TinyLM(width=32, vocab=2048)
     opt = torch.optim.AdamW(policy.parameters())
-    block = (
-        track(None, opt, device="cpu", budget=budget, postmortem=None)
-        if tracked
-        else memkit.simulate(budget, device="cpu")
-    )
-    try:
-        with block as counted:
-            for _ in range(2):
-                ids = torch.randint(0, 2048, (batch, 64))
-                with torch.no_grad():
-                    reference_loss = reference(ids)
-                (policy(ids) - reference_loss).backward()
-                opt.step()
-                opt.zero_grad()
-    except torch.OutOfMemoryError:
-        if not tracked:
-            return None
-    return counted.report() if tracked else counted.peak
+
+    def steps() -> None:
+        for _ in range(2):
+            ids = torch.randint(0, 2048, (batch, 64))
+            with torch.no_grad():
+                reference_loss = reference(ids)
+            (policy(ids) - reference_loss).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return counted(steps, None, opt, budget, tracked)
 
 
 def test_oom_parameters_says_a_smaller_batch_helps_where_it_can():
