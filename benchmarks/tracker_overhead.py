@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -461,6 +463,36 @@ def timer_cost(n: int = 20000) -> tuple[float, float]:
     return per_hook, max(0.0, (cost(4) - per_hook) / 4)
 
 
+def traced_work(run: Callable[[], None]) -> tuple[int, int]:
+    """``(lines, calls)`` of memkit's own code (the CUDA stand-in and the simulated device
+    left out) while ``run`` runs: the hooks' work counted without a timer, the same on any
+    machine."""
+    import memkit
+
+    root = os.path.dirname(memkit.__file__)
+    skip = (os.path.join(root, "devices", "cuda_standin.py"), os.path.join(root, "simulated"))
+    counted = [0, 0]
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            counted[0] += 1
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        if not name.startswith(root) or name.startswith(skip):
+            return None
+        counted[1] += 1
+        return line
+
+    sys.settrace(call)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return counted[0], counted[1]
+
+
 def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
     """The default tracking mode on the CUDA stand-in (memkit's CUDA code paths): counter
     reads and peak resets a step, and the time inside the hooks per module call (timed at the
@@ -511,6 +543,9 @@ def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
                 best = min(best, spent[0] - spent[1] - timer)
             reads, resets = gpu.stat_reads - r0, gpu.peak_resets - z0
             rows.append((tracker.report().mode, reads / steps, resets / steps, best))
+        with track(model, opt, device="cuda"):
+            train(5)  # past the sampled steps 0 and 1
+            lines, calls = traced_work(lambda: train(20))
     print(f"transformer (GPT-2, 2 layers): {per_step} module calls a step, {steps} steps, on "
           f"the CUDA stand-in; time inside the hooks less the stand-in's counter calls (on a "
           f"GPU add about 18 us a read) and less the timer's own cost "
@@ -520,6 +555,8 @@ def counters(steps: int, rounds: int, clock: Callable[[], float]) -> None:
         print(f"  {mode}: {reads:.2f} reads, {resets:.2f} resets a step; hooks "
               f"{spent / steps * 1e6:.0f} us a step, {spent / (steps * per_step) * 1e6:.2f} us "
               "per module call")  # fmt: skip
+    print(f"  memkit's own code a step between sampled steps (sys.settrace, 20 steps): "
+          f"{lines / 20:.0f} lines, {calls / 20:.0f} calls")  # fmt: skip
     _, reads, _, spent = rows[0]
     print(f"counter reads per step: {reads:.2f}")
     print(f"hook us per module call: {spent / (steps * per_step) * 1e6:.2f}")
