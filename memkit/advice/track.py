@@ -279,7 +279,9 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             activation_bytes=activations,
             peak_bytes=bd.total,
             modules=[
-                ModuleActivation(m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call)
+                ModuleActivation(
+                    m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call, m.output_bytes
+                )
                 for m in dev.modules
             ],
             capacity=dev.capacity,

@@ -211,13 +211,15 @@ class ModuleActivation:
     """What :func:`activation_checkpointing` needs of a module (a ``ModuleRecord`` has it).
 
     ``first_call``: its place in the order the modules were first called (``None``: not
-    known; a block whose modules' order is unknown is priced as keeping all it keeps)."""
+    known; a block whose modules' order is unknown is priced as keeping all it keeps);
+    ``output_bytes``: what its training forward returned (``None``: not measured)."""
 
     path: str
     activation_bytes: int
     leaf: bool
     type_name: str | None = None
     first_call: int | None = None
+    output_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -262,12 +264,16 @@ def _inside(path: str, block: str) -> bool:
 
 def _block_output(block: str, kept: int, modules: Sequence[ModuleActivation]) -> int:
     """What ``block`` keeps when checkpointed: its output (the next block's input, which
-    checkpointing saves). Measured as what the last leaf its forward called kept, of those
-    that kept anything: a block ends in a layer whose output is the block's output, or is
-    added to the block's input (a residual sum of that size); that leaf's bytes may hold a
-    little more (a norm's statistics, a dropout's mask). An in-place or pass-through leaf
-    (``ReLU(inplace=True)``, ``Dropout(p=0)``, ``Identity``) keeps nothing and is skipped.
-    Without the call order (or a leaf that kept anything): ``kept``, all of it."""
+    checkpointing saves), as its forward returned it where the tracker measured that.
+    Otherwise what the last leaf its forward called kept, of those that kept anything: a
+    block ends in a layer whose output is the block's output, or is added to the block's
+    input (a residual sum of that size); that leaf's bytes may hold a little more (a norm's
+    statistics, a dropout's mask). An in-place or pass-through leaf (``ReLU(inplace=True)``,
+    ``Dropout(p=0)``, ``Identity``) keeps nothing and is skipped. Without the call order (or
+    a leaf that kept anything): ``kept``, all of it."""
+    own = next((m.output_bytes for m in modules if m.path == block), None)
+    if own:
+        return min(kept, own)
     leaves = [
         m for m in modules
         if m.leaf and m.path != block and _inside(m.path, block) and m.activation_bytes > 0
@@ -283,7 +289,7 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
     ``Sequential``) of one parent, of one type where their types are known, none a leaf, and
     none inside a block of another group (so no byte counts twice). A block's kept bytes are
     its own record's, else the sum of its outermost recorded descendants'; its output (kept
-    when checkpointed) is what its last leaf kept (:func:`_block_output`)."""
+    when checkpointed) is what its forward returned (:func:`_block_output`)."""
     by_path = {m.path: m for m in modules}
     members: dict[str, set[str]] = {}
     for m in modules:

@@ -654,6 +654,10 @@ class Hooks:
                 ms.peak = fmax
             if fmax - alloc_in > ms.over_max:
                 ms.over_max = fmax - alloc_in
+            if not ms.leaf and not raised:  # a block: what checkpointing it would keep
+                t = output if type(output) is torch.Tensor else _first_tensor(output)
+                if t is not None and t.numel() * t.element_size() > ms.out_max:
+                    ms.out_max = t.numel() * t.element_size()
             if raised and not stack:
                 self._failed_passes += 1
                 self.phases.attempt_failed(sys.exc_info()[1])

@@ -228,6 +228,7 @@ class ModuleStat:
         "calls",
         "eval_calls",
         "leaf",
+        "out_max",
         "over_max",
         "peak",
         "recompute_calls",
@@ -253,6 +254,7 @@ class ModuleStat:
         self.step_max = 0
         self.peak = 0
         self.over_max = 0
+        self.out_max = 0  # a container's largest training output (checkpointing keeps it)
         self.leaf = leaf
 
 
@@ -359,6 +361,7 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
                 recompute_calls=ms.recompute_calls,
                 type_name=ms.type_name,
                 first_call=first_call,
+                output_bytes=None if ms.leaf else ms.out_max,
             )
         )
     out.sort(key=lambda m: m.self_activation_bytes, reverse=True)

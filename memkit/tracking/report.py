@@ -123,6 +123,9 @@ class ModuleRecord:
         first_call: its place in the order the device's modules were first called (0 for the
             first; a parent comes before its children, a block's modules in the order its
             forward runs them); ``None`` when not recorded.
+        output_bytes: for a module with children, the bytes of the largest tensor a training
+            call returned (its first tensor: a block's hidden states), what checkpointing the
+            module keeps in its place; ``None`` for a leaf or when not recorded.
     """
 
     path: str
@@ -138,6 +141,7 @@ class ModuleRecord:
     recompute_calls: int = 0
     type_name: str | None = None
     first_call: int | None = None
+    output_bytes: int | None = None
 
 
 @dataclass(frozen=True)
