@@ -1131,3 +1131,42 @@ def test_infer_probes_of_a_model_with_gradients_hold_them_and_say_so():
                   budget="4MiB")  # fmt: skip
     assert not any(d.startswith("held through") for d in freed.defaults)
     assert freed.max_batch_size > result.max_batch_size
+
+
+def test_infer_with_a_loss_fn_takes_the_loss_as_an_eval_loop_does():
+    """An evaluation loop takes its loss: ``logits = model(x)`` then ``total +=
+    F.cross_entropy(logits.float(), y).item()`` under ``no_grad``, the float32 copy of a
+    bfloat16 model's logits and its log-probabilities larger than the forward's own peak.
+    An evaluation probe that ran the forward alone answered far above what that loop fits
+    (sweep U's VAE: 435 against 431). With ``loss_fn`` in the model file, the evaluation step
+    takes the loss too."""
+
+    def classifier() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 4096)).to(torch.bfloat16)  # fmt: skip
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64, dtype=torch.bfloat16), torch.randint(0, 4096, (n,))
+
+    def loss_fn(logits: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), b[1])
+
+    def eval_loop_fits(n: int) -> bool:
+        model = classifier().eval()
+        try:
+            with memkit.simulate("8MiB", track=[model]), torch.no_grad():
+                total = 0.0
+                for _ in range(2):
+                    x, y = batch(n)
+                    logits = model(x)
+                    total += loss_fn(logits, (x, y)).item()
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    result = probe(classifier(), batch, loss_fn=loss_fn, device="cpu", budget="8MiB",
+                   mode="infer")  # fmt: skip
+    best = result.max_batch_size
+    assert best is not None and eval_loop_fits(best) and not eval_loop_fits(best + 1)
+    assert any("loss_fn(output, batch) under torch.no_grad()" in d for d in result.defaults)

@@ -203,8 +203,10 @@ class StepPlan:
         if self.mode == "infer":
             with torch.no_grad():
                 output = call_model(model, batch)
-            # the previous output lived until this forward returned
-            self._kept = output if self.keep_output else None
+                # the previous output lived until this forward returned
+                self._kept = output if self.keep_output else None
+                if self.loss_fn is not None:  # an eval loop's `test_loss += loss_fn(...).item()`
+                    self.loss_fn(output, batch)
             return
         if self.train_step is not None:
             if self.micro_batches == 1:
@@ -252,6 +254,12 @@ class StepPlan:
             kept = "kept: the loss only (`loss = model(x).loss`): the output is dropped once "
             kept += "the loss is taken" if self.mode == "train" else "it returns"
         if self.mode == "infer":
+            if self.loss_fn is not None:
+                return [
+                    "step: forward and loss_fn(output, batch) under torch.no_grad() "
+                    "(evaluation, as a test loop takes its loss)",
+                    kept,
+                ]
             return ["step: forward under torch.no_grad() (inference)", kept]
         accumulating = []
         if self.micro_batches > 1:
