@@ -166,6 +166,22 @@ def test_rounded_and_noisy_curves_pay_no_more_than_before_the_parabola(name, bef
     assert ooms <= before[0] and trials <= before[1], (ooms, trials)
 
 
+def test_a_level_pair_after_the_predicted_limit_fit_gallops_on():
+    """A B x B curve with peaks rounded to 2 MiB: the parabola puts 25447 just under the limit,
+    25447 and 25448 fit with the same rounded peak, and their level secant gives no line.
+    Doubling's grid then paid 12 OOM trials down from 32768 (``25448 32768x 29108x ... 25450x
+    25449``); the limit is still just above, so the steps gallop from the largest fit."""
+    limit = 25449
+
+    def peak(b: int) -> int:
+        return math.ceil(quadratic(b) / (2 * MIB)) * 2 * MIB
+
+    fits, calls = oracle(peak, limit)
+    result = search_max_batch(fits, capacity_bytes=peak(limit))
+    check(result, calls, limit)
+    assert sum(not t.fits for t in result.trials) <= 2, _sizes(result)
+
+
 def test_linear_curves_take_few_trials_whatever_the_limit():
     for limit in (7, 100, 1000, 4097, 6000, 8191, 100_000, 1_000_000):
         fits, calls = oracle(linear, limit)

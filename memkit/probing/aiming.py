@@ -298,6 +298,12 @@ class ModelStrategy:
         return min(math.floor(predicted), hi - 1)
 
     def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
+        if predicted is None and self.said_limit:
+            # The model said "the limit is here", that size fit, and the last two peaks are
+            # level (rounded alike): no line, but the limit is still just above: gallop.
+            proposal = lo + self.gallop
+            self.gallop *= 2
+            return proposal
         if predicted is None:
             return lo * GROWTH
         limit = math.floor(predicted)

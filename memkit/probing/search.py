@@ -32,7 +32,8 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      activations), rounding and noise do not bend four points alike. A trusted prediction is
      run directly (at most ``aiming.TRUSTED_GROWTH`` times the largest fit); an untrusted
      one, which on a convex curve overshoots, is approached halfway. When the model keeps
-     predicting "just above" and is wrong (noise, rounding), the steps gallop (2, 4, 8, ...
+     predicting "just above" and is wrong (noise, rounding), or right after it said so
+     has no line (the last two peaks level, rounded alike), the steps gallop (2, 4, 8, ...
      sizes);
   3. once a size has failed, the prediction is run inside the bracket (an untrusted one only
      when the last secant is at least as steep as the whole curve, as a convex curve's is),
@@ -59,7 +60,7 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
   limit, one more), 7 up to 2**20. The tests run every limit from 1 to 1024, 19 chosen ones
   and 400 sampled up to 100 000 on linear, piecewise, quadratic, allocator-rounded and noisy
-  curves: never more trials than doubling + bisection (mean 6.1, 6.6, 6.3, 19.4 and 21.6
+  curves: never more trials than doubling + bisection (mean 6.1, 6.6, 6.3, 19.3 and 21.6
   trials against 21.9; quadratic 10.4 before the parabola, with 556 of the 1443 searches
   paying more than 2 OOM trials, none since), and on linear and piecewise curves at most
   ``ceil(log2 B) + 3``.
