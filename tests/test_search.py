@@ -133,6 +133,55 @@ def test_limits_where_the_search_once_paid_more_than_its_bound(name, limit):
         assert sum(not t.fits for t in result.trials) <= 2, _sizes(result)
 
 
+def _oom_counts(name: str, limits: list[int]) -> tuple[int, int, int]:
+    """(searches with more than 2 OOM trials, OOM trials, trials) over ``limits``."""
+    over = ooms = trials = 0
+    for limit in limits:
+        fits, calls = oracle(CURVES[name], limit)
+        result = search_max_batch(fits, capacity_bytes=capacity_for(CURVES[name], limit))
+        check(result, calls, limit)
+        failed = sum(not t.fits for t in result.trials)
+        over, ooms, trials = over + (failed > 2), ooms + failed, trials + len(calls)
+    return over, ooms, trials
+
+
+OOM_SAMPLE = random.Random(24).sample(range(1, 100_001), 100)
+
+
+def test_a_convex_curve_is_aimed_at_with_the_parabola_its_fits_bend_along():
+    """Issue 24: secants of a convex curve (a contrastive loss's B x B similarity matrix)
+    overshoot, and the search alternated overshooting aims and bisections (30 of these 100
+    searches paid more than 2 OOM trials, 233 OOM trials in all: ``1 2 4 256 6743x 3499 5121x
+    4310 5048x ...``). Four fits that bend alike are aimed at with the parabola through the
+    last three: none pays more than 2, 100 in all."""
+    over, ooms, _ = _oom_counts("quadratic", OOM_SAMPLE)
+    assert over <= 3 and ooms <= 110, (over, ooms)
+
+
+@pytest.mark.parametrize(("name", "before"), [("rounded", (587, 2321)), ("noisy", (812, 3089))])
+def test_rounded_and_noisy_curves_pay_no_more_than_before_the_parabola(name, before):
+    """Their peaks bend by noise or by rounding, not alike: the parabola must stay off. The
+    OOM trials and trials over the same sample before it, as ceilings."""
+    _, ooms, trials = _oom_counts(name, OOM_SAMPLE)
+    assert ooms <= before[0] and trials <= before[1], (ooms, trials)
+
+
+def test_a_level_pair_after_the_predicted_limit_fit_gallops_on():
+    """A B x B curve with peaks rounded to 2 MiB: the parabola puts 25447 just under the limit,
+    25447 and 25448 fit with the same rounded peak, and their level secant gives no line.
+    Doubling's grid then paid 12 OOM trials down from 32768 (``25448 32768x 29108x ... 25450x
+    25449``); the limit is still just above, so the steps gallop from the largest fit."""
+    limit = 25449
+
+    def peak(b: int) -> int:
+        return math.ceil(quadratic(b) / (2 * MIB)) * 2 * MIB
+
+    fits, calls = oracle(peak, limit)
+    result = search_max_batch(fits, capacity_bytes=peak(limit))
+    check(result, calls, limit)
+    assert sum(not t.fits for t in result.trials) <= 2, _sizes(result)
+
+
 def test_linear_curves_take_few_trials_whatever_the_limit():
     for limit in (7, 100, 1000, 4097, 6000, 8191, 100_000, 1_000_000):
         fits, calls = oracle(linear, limit)

@@ -1,9 +1,9 @@
 """The model-guided strategy of :func:`memkit.probing.search.search_max_batch`.
 
-It aims each next size where a line through the measured peaks crosses the capacity (the
-module docs of :mod:`memkit.probing.search` explain the steps and the guarantees), and never
-pays more trials than doubling + bisection would where a wrong aim could cost more
-(:class:`memkit.probing.reference.Reference`). Torch-free.
+It aims each next size where a line (or, where four fits bend alike, a parabola) through the
+measured peaks crosses the capacity (the module docs of :mod:`memkit.probing.search` explain
+the steps and the guarantees), and never pays more trials than doubling + bisection would where
+a wrong aim could cost more (:class:`memkit.probing.reference.Reference`). Torch-free.
 """
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from memkit.probing.bracket import NO_LIMIT, Bracket, plain_next
 from memkit.probing.reference import Reference
 
-__all__ = ["GROWTH", "NEAR", "SLOPE_TOLERANCE", "STEADY", "TRUSTED_GROWTH", "ModelStrategy"]
+__all__ = [
+    "BEND_QUANTA",
+    "CURVATURE_TOLERANCE",
+    "GROWTH",
+    "NEAR",
+    "SLOPE_TOLERANCE",
+    "STEADY",
+    "TRUSTED_GROWTH",
+    "ModelStrategy",
+]
 
 GROWTH = 2
 """Growth factor while no line can be trusted."""
@@ -27,6 +36,10 @@ NEAR = 8
 as is, rounded to the nearest size (the limit L and L + 1 each settle it in two trials)."""
 STEADY = 0.15
 """Those near steps need the last two secants to agree within this relative difference."""
+CURVATURE_TOLERANCE = 0.25
+"""Two curvatures (of the last two triples of fits) agree within this relative difference."""
+BEND_QUANTA = 4
+"""A triple bends when its middle point lies this many of the peaks' steps below the chord."""
 
 
 def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | None, bool]:
@@ -46,14 +59,55 @@ def _secant(points: Sequence[tuple[int, int]], capacity: int) -> tuple[float | N
     return predicted, abs(slope - below) <= SLOPE_TOLERANCE * slope
 
 
+def _curvature(points: Sequence[tuple[int, int]]) -> float:
+    """The second divided difference of three points: half the second derivative of the
+    parabola through them."""
+    (b0, p0), (b1, p1), (b2, p2) = points
+    return ((p2 - p1) / (b2 - b1) - (p1 - p0) / (b1 - b0)) / (b2 - b0)
+
+
+def _bend(points: Sequence[tuple[int, int]]) -> float:
+    """How far, in bytes, the middle of three points lies below the chord of the outer two."""
+    (b0, p0), (b1, p1), (b2, p2) = points
+    return p0 + (p2 - p0) * (b1 - b0) / (b2 - b0) - p1
+
+
+def _bends(points: Sequence[tuple[int, int]], least: float) -> bool:
+    """Whether three points grow and their middle lies more than ``least`` bytes below the
+    chord of the outer two: convex, beyond the peaks' rounding."""
+    return _local_slope(points[:2]) > 0 and _bend(points) > least
+
+
+def _parabola(points: Sequence[tuple[int, int]], capacity: int) -> float | None:
+    """Where the parabola through the three largest fits crosses ``capacity``, when the four
+    largest bend alike: both triples bend (``_bends``, by more than ``BEND_QUANTA`` of the
+    peaks' step) with curvatures within ``CURVATURE_TOLERANCE`` of each other (one parabola:
+    not a kink between two lines, not noise). ``None`` otherwise."""
+    if len(points) < 4:
+        return None
+    last, below = points[-3:], points[-4:-1]
+    least = BEND_QUANTA * _quantum(points)
+    if not (_bends(last, least) and _bends(below, least)):
+        return None
+    c, c_below = _curvature(last), _curvature(below)
+    room = capacity - last[2][1]
+    if abs(c - c_below) > CURVATURE_TOLERANCE * max(c, c_below) or room < 0:
+        return None
+    (b1, _), (b2, _) = last[1], last[2]
+    slope = _local_slope(last) + c * (b2 - b1)  # the parabola's slope at b2
+    return b2 + 2 * room / (slope + math.sqrt(slope * slope + 4 * c * room))
+
+
 def _aim(s: Bracket, capacity: int) -> tuple[float | None, bool, Sequence[tuple[int, int]]]:
-    """The secant prediction of the part of the step that reaches ``capacity`` first, whether
-    it is trusted, and that part's points (the whole peaks when no parts were reported)."""
+    """The prediction of the part of the step that reaches ``capacity`` first, whether it is
+    trusted, and that part's points (the whole peaks when no parts were reported). The
+    prediction is the parabola's where the points bend alike (trusted), else the secant's."""
     series = s.part_points()
     capacity -= s.gap()  # the smooth peaks aim where the peak that decides the fit ends
     best: tuple[float | None, bool, Sequence[tuple[int, int]]] = (None, False, series[0])
     for points in series:
-        predicted, trusted = _secant(points, capacity)
+        bent = _parabola(points, capacity)
+        predicted, trusted = (bent, True) if bent is not None else _secant(points, capacity)
         if predicted is not None and (best[0] is None or predicted < best[0]):
             best = (predicted, trusted, points)
     return best
@@ -137,8 +191,8 @@ def _collinear(points: Sequence[tuple[int, int]]) -> bool:
 
 
 class ModelStrategy:
-    """Secant prediction with trust, halfway steps, near-limit steps from the measured free
-    memory and a bisection safeguard."""
+    """Secant (or parabola) prediction with trust, halfway steps, near-limit steps from the
+    measured free memory and a bisection safeguard."""
 
     def __init__(self, capacity: int, base: int = 1, max_batch: int = NO_LIMIT) -> None:
         self.capacity = capacity
@@ -244,6 +298,12 @@ class ModelStrategy:
         return min(math.floor(predicted), hi - 1)
 
     def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
+        if predicted is None and self.said_limit:
+            # The model said "the limit is here", that size fit, and the last two peaks are
+            # level (rounded alike): no line, but the limit is still just above: gallop.
+            proposal = lo + self.gallop
+            self.gallop *= 2
+            return proposal
         if predicted is None:
             return lo * GROWTH
         limit = math.floor(predicted)

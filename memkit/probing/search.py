@@ -22,11 +22,19 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      doubling would) while it has no line to aim with;
   2. predicts the limit where the secant of the two largest sizes that fit crosses the
      capacity. The line is *trusted* when the pair below has the same slope (within
-     ``aiming.SLOPE_TOLERANCE``: three collinear points, i.e. past the flat part). A trusted
-     prediction is run directly (at most ``aiming.TRUSTED_GROWTH`` times the largest fit); an
-     untrusted one, which on a convex curve overshoots, is approached halfway. When the model
-     keeps predicting "just above" and is wrong (noise, rounding), the steps gallop (2, 4, 8,
-     ... sizes);
+     ``aiming.SLOPE_TOLERANCE``: three collinear points, i.e. past the flat part). Where the
+     four largest fits bend alike (each triple's middle point below its chord by more than
+     ``aiming.BEND_QUANTA`` of the peaks' rounding, the two curvatures within
+     ``aiming.CURVATURE_TOLERANCE``), the prediction is where the parabola through the last
+     three crosses the capacity, trusted: a secant of a convex curve overshoots, and a memory
+     term in B x B (a contrastive loss's similarity matrix, CLIP or SimCLR; attention across
+     the batch) bends the curve exactly so; a kink between two lines (a flat part, then
+     activations), rounding and noise do not bend four points alike. A trusted prediction is
+     run directly (at most ``aiming.TRUSTED_GROWTH`` times the largest fit); an untrusted
+     one, which on a convex curve overshoots, is approached halfway. When the model keeps
+     predicting "just above" and is wrong (noise, rounding), or right after it said so
+     has no line (the last two peaks level, rounded alike), the steps gallop (2, 4, 8, ...
+     sizes);
   3. once a size has failed, the prediction is run inside the bracket (an untrusted one only
      when the last secant is at least as steep as the whole curve, as a convex curve's is),
      once per new point: an aim that failed is followed by a bisection, not a second aim with
@@ -52,8 +60,10 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
   limit, one more), 7 up to 2**20. The tests run every limit from 1 to 1024, 19 chosen ones
   and 400 sampled up to 100 000 on linear, piecewise, quadratic, allocator-rounded and noisy
-  curves: never more trials than doubling + bisection (mean 6.1, 6.6, 10.4, 19.4 and 21.6
-  trials against 21.9), and on linear and piecewise curves at most ``ceil(log2 B) + 3``.
+  curves: never more trials than doubling + bisection (mean 6.1, 6.6, 6.3, 19.3 and 21.6
+  trials against 21.9; quadratic 10.4 before the parabola, with 556 of the 1443 searches
+  paying more than 2 OOM trials, none since), and on linear and piecewise curves at most
+  ``ceil(log2 B) + 3``.
 
 Never worse than doubling + bisection, by construction where it matters: the reference
 (:class:`memkit.probing.reference.Reference`) knows, for every limit, how many trials doubling
