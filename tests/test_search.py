@@ -8,6 +8,7 @@ curve, so the search's model sees realistic numbers.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib.util
 import json
@@ -443,3 +444,47 @@ def test_the_replay_oracle_interpolates_and_rounds_as_the_allocator_reserves():
     assert ok and reserved % (2 * MIB) == 0 and allocated <= reserved
     assert 2545942528 < reserved < 2973761536 and 2535764480 < allocated < 2947731968
     assert oracle(123)[0] is False and oracle(1000)[:2] == (False, None)
+
+
+def test_a_step_with_linear_parts_and_a_convex_one_pays_at_most_two_oom_trials():
+    """CLIP's step on the simulated device (its parts' peaks recorded by a real probe, each
+    part through the recorded points: the three largest sizes' parabola above them): most
+    parts grow linearly with the batch, the B x B logits' part bends up and runs out first.
+    A linear part's line, trusted, said the size that had just failed would fit (1750.6 after
+    1750 failed, at 64 MiB): the search aimed at 1749 and failed again, although the failure
+    had needed far more than a sample beyond the capacity. Near the limit the convex part's
+    secants disagree (not steady), so the free memory went unused: at 256 MiB 3637 fit with
+    1.2 samples free, then 3884 and 3638 ran out. Failures report what they needed at least
+    (in use plus the request)."""
+    recorded = json.loads((FIXTURES / "clip_probe_parts.json").read_text())["parts_by_batch"]
+    sizes = sorted(int(b) for b in recorded)
+    top = sizes[-4], sizes[-2], sizes[-1]
+
+    def part(i: int, b: int) -> float:
+        if str(b) in recorded:
+            return recorded[str(b)][i]
+        (x0, x1, x2), (y0, y1, y2) = top, [recorded[str(x)][i] for x in top]
+        return (y0 * (b - x1) * (b - x2) / ((x0 - x1) * (x0 - x2))
+                + y1 * (b - x0) * (b - x2) / ((x1 - x0) * (x1 - x2))
+                + y2 * (b - x0) * (b - x1) / ((x2 - x0) * (x2 - x1)))  # fmt: skip
+
+    def parts(b: int) -> tuple[int, ...]:
+        return tuple(int(part(i, b)) for i in range(len(recorded["1"])))
+
+    ooms = []
+    for capacity_mib in (32, 64, 128, 256, 512):
+        capacity = capacity_mib * MIB
+        limit = bisect.bisect_right(range(1, 8192), capacity, key=lambda b: max(parts(b)))
+        calls: list[int] = []
+
+        def fits(b: int, capacity: int = capacity, calls: list[int] = calls):
+            calls.append(b)
+            peaks = parts(b)
+            if max(peaks) > capacity:
+                return False, capacity + (max(peaks) - capacity) // 2  # a lower bound
+            return True, max(peaks), peaks
+
+        result = search_max_batch(fits, capacity_bytes=capacity)
+        check(result, calls, limit)
+        ooms.append(sum(not t.fits for t in result.trials))
+    assert max(ooms) <= 2, ooms

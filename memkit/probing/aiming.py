@@ -8,6 +8,7 @@ a wrong aim could cost more (:class:`memkit.probing.reference.Reference`). Torch
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -83,8 +84,8 @@ def _parabola(points: Sequence[tuple[int, int]], capacity: int) -> float | None:
     largest bend alike: both triples bend (``_bends``, by more than ``BEND_QUANTA`` of the
     peaks' step) with curvatures within ``CURVATURE_TOLERANCE`` of each other (one parabola:
     not a kink between two lines, not noise). ``None`` otherwise."""
-    if len(points) < 4:
-        return None
+    if len(points) < 4 or not all(a[1] < b[1] for a, b in itertools.pairwise(points[-4:])):
+        return None  # (peaks that do not grow all the way: noise, not a curve)
     last, below = points[-3:], points[-4:-1]
     least = BEND_QUANTA * _quantum(points)
     if not (_bends(last, least) and _bends(below, least)):
@@ -250,26 +251,36 @@ class ModelStrategy:
         half a sample (the allocator's rounding without a smooth measure: free memory then
         says little), when the middle one lies more than a sample off the line through the
         other two (``_scatter``: noise, the free memory no measurement at a sample's
-        resolution), once a size said not to fit has fit, and after a near step from the
-        same largest fit (it failed: the other rules take over)."""
+        resolution) unless the last four bend alike (``_parabola``: a convex curve, whose
+        predicted limit then bounds the room), once a size said not to fit has fit, and after
+        a near step from the same largest fit (it failed: the other rules take over)."""
         last = s.trials[-1]
         if last.fits and last.batch_size == self.verified:
             self.near_missed = True  # it was said not to fit, and it fit
         if self.near_missed or s.lo is None or s.lo == self.near_lo:
             return None
         room = _headroom(s, self.capacity, points)
-        if predicted is None or room is None or room >= NEAR or not _steady(points):
+        # four fits bending alike (a convex curve, not noise): the parabola's limit is the
+        # room, which the secant's slope overestimates
+        bent = predicted is not None and _parabola(points, self.capacity - s.gap()) is not None
+        if bent and room is not None and predicted is not None:
+            room = min(room, predicted - s.lo)
+        if predicted is None or room is None or room >= NEAR:
+            return None
+        if not bent and (not _steady(points) or _scatter(points) > 1):
             return None
         if _quantum(points) * 2 > _local_slope(points):
             return None
-        if _scatter(points) > 1:
-            return None
         lo, hi = s.lo, (NO_LIMIT if s.hi is None else s.hi)
+        step = lo + 1 if room < 1 else min(max(math.floor(predicted + 0.5), lo + 1), hi - 1)
+        if bent and s.hi is not None:  # a bend is read from few points: within the reference
+            window = self.reference.window(lo, hi, len(s.trials))
+            if window is not None and not window[0] <= step <= window[1]:
+                return None
         self.near_lo = lo
         if room < 1:
             self.verified = lo + 1
-            return lo + 1
-        return min(max(math.floor(predicted + 0.5), lo + 1), hi - 1)
+        return step
 
     def _bracketed(
         self,
@@ -288,14 +299,30 @@ class ModelStrategy:
         fitted = len(points)
         if not trusted and predicted is not None and not _convex_consistent(points):
             predicted = None  # flatter than the whole curve: not the convex shape, noise
-        if predicted is None or fitted == self.aimed_with or predicted >= hi + 1:
+        if (
+            predicted is None
+            or fitted == self.aimed_with
+            or predicted >= hi + 1
+            or (predicted >= hi and self._overshot(s, hi, points))
+        ):
             # No line; or the last aim failed and no new point has moved the line since; or
             # the line says hi + 1 fits, where hi already failed: the failure refutes it by
             # more than a sample (a flat part's line, refuted again after every bisection,
-            # would creep down from hi one size at a time): bisect.
+            # would creep down from hi one size at a time); or it says hi fits, and hi needed
+            # more than a sample beyond the capacity (a line of one part, where another part
+            # bends up and ran out first: CLIP's B x B logits): bisect.
             return (lo + hi) // 2
         self.aimed_with = fitted
         return min(math.floor(predicted), hi - 1)
+
+    def _overshot(self, s: Bracket, hi: int, points: Sequence[tuple[int, int]]) -> bool:
+        """Whether the failure at ``hi`` needed more than a sample's worth (the line's slope)
+        beyond the capacity: its bytes (in use plus the request that failed) are a lower
+        bound of its peak."""
+        failed = next((t for t in s.trials if t.batch_size == hi and not t.fits), None)
+        if failed is None or failed.peak_bytes is None or len(points) < 2:
+            return False
+        return failed.peak_bytes - self.capacity > _local_slope(points)
 
     def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
         if predicted is None and self.said_limit:

@@ -41,7 +41,10 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      the same line, and so is any trial that did not halve the bracket. A line refuted by the
      failure, one that says the smallest failed size plus one would fit, is not aimed with
      but bisected: points from a flat part keep predicting far past the limit, and aiming
-     with them would creep down from the failure one size a trial;
+     with them would creep down from the failure one size a trial; so is one that says the
+     failed size itself fits where that failure needed more than a sample's worth beyond
+     the capacity (a linear part's line, where a part bending up ran out first: CLIP's
+     B x B logits);
   4. near the limit the measured free memory decides (``aiming.NEAR``): once a new largest
      fit leaves less than ``NEAR`` samples' worth free (by the last secant and by a wide one,
      the last three points growing with slopes within ``aiming.STEADY``), the predicted limit
@@ -50,7 +53,9 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      would pay for sizes the free memory already rules out (x-transformers' copy task: 32 26
      23 21 all ran out after 20 fit with 2.8 MiB free at 10.8 MiB a sample). Off once a size
      said not to fit has fit, where the peaks move in steps of half a sample or more, and
-     where the last three peaks lie more than a sample off one line (noise).
+     where the last three peaks lie more than a sample off one line (noise), unless the last
+     four bend alike (a convex curve: the parabola's limit bounds the room, and the step
+     stays inside the reference's window).
 
   The oracle may report a second, smooth measure of each peak (``aim_bytes``: on CUDA the
   allocated peak, where the reserved peak that decides the fit moves in 2 and 20 MiB allocator
