@@ -18,7 +18,7 @@ from memkit.devices import (
     host_memory,
     nvidia_smi_stats,
 )
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, on_command_line
 
 
 def test_cpu_backend_is_simulated_with_budget():
@@ -74,7 +74,11 @@ def test_bad_device_string_is_a_config_error(bad):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_gpu_says_what_to_do():
-    with pytest.raises(ConfigError, match="--device cpu --budget"):
+    """In the words of the caller: a command's options, the Python API's keywords."""
+    with pytest.raises(ConfigError) as api:
+        get_backend("cuda:0")
+    assert 'memkit.simulate("SIZE")' in str(api.value) and "--device" not in str(api.value)
+    with on_command_line(), pytest.raises(ConfigError, match="--device cpu --budget SIZE"):
         get_backend("cuda:0")
 
 

@@ -2,7 +2,9 @@
 
 In the launch the suite's 2-rank tests share (tests/rank_processes.py: torchrun's environment,
 without its start-up), each rank runs ``fully_shard`` (every layer, then the model) with AdamW
-on its own ``memkit.simulate`` device, FSDP2's storage resizes counted, and reports its peak.
+on its own plain ``memkit.simulate`` device (which counts FSDP2's storage resizes itself: its
+frees of the unsharded parameters once stayed counted, the whole parameter set too many bytes),
+and reports its peak.
 The same model, per-rank batch and optimizer run through ``fsdp_ranks`` on
 ``memkit.simulate(devices=2)``. Equal to the byte but for what the simulated cpu device counts
 and CUDA would not: AdamW's ``step`` scalars (host tensors beside CUDA parameters, 4 B per
@@ -45,7 +47,6 @@ SCENARIO = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     import memkit
-    from memkit.tracking.fsdp import counting_resizes
     from fidelity_fsdp_model import build, step
 
     def run(rank, args):
@@ -54,7 +55,7 @@ SCENARIO = textwrap.dedent(
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
-        with memkit.simulate(None) as sim, counting_resizes():
+        with memkit.simulate(None) as sim:
             sim.track(model)
             opt = torch.optim.AdamW(model.parameters())
             for _ in range(steps):

@@ -449,6 +449,31 @@ def test_cached_empty_segments_are_not_fragmentation():
     assert "fragmentation 1%" in text
 
 
+def test_fragmentation_advice_leaves_out_cached_empty_segments():
+    """No trace, 2 GiB of whole empty segments and a used one with a 512 MiB free tail: the
+    advice's unusable bytes are the tail (the fragmentation line's), not reserved - allocated,
+    and it says the end state is all that is known."""
+    live = {"size": GIB, "state": "active_allocated", "requested_size": GIB, "frames": FORWARD}
+    used = {"device": 0, "address": 0, "total_size": 1536 * MIB, "stream": 0,
+            "segment_type": "large",
+            "blocks": [live, {"size": 512 * MIB, "state": "inactive"}]}  # fmt: skip
+    empty = [{"device": 0, "address": (i + 2) * 2 * GIB, "total_size": GIB, "stream": 0,
+              "segment_type": "large", "blocks": [{"size": GIB, "state": "inactive"}]}
+             for i in range(2)]  # fmt: skip
+    view = inspect_snapshot({"segments": [used, *empty], "device_traces": [[]]})
+    dev = view.device(0)
+    assert dev.unusable_free == 512 * MIB and dev.empty_segments == 2 * GIB
+    (frag,) = view.advice
+    assert frag.saving_bytes == dev.unusable_free  # was reserved - allocated: 2.50 GiB
+    assert "512.00 MiB reserved but unusable" in frag.title
+    assert "the peak is unknown" in frag.evidence and "most ever" not in frag.evidence
+    # without the empty segments' share the free tail is too small a part to advise on
+    roomy = {**used, "total_size": 9 * GIB + 512 * MIB,
+             "blocks": [{**live, "size": 9 * GIB, "requested_size": 9 * GIB},
+                       {"size": 512 * MIB, "state": "inactive"}]}  # fmt: skip
+    assert not inspect_snapshot({"segments": [roomy, *empty], "device_traces": [[]]}).advice
+
+
 def test_gradients_at_the_peak_are_bounded_by_the_parameters():
     """Backward's allocations are gradients only as far as parameters of their size exist:
     a 4 KiB parameter's gradient, not backward's three 64 KiB temporaries."""

@@ -7,6 +7,7 @@ float32 tolerance ``rtol=1e-5, atol=1e-6``: micro-batching changes only the summ
 from __future__ import annotations
 
 import copy
+import json
 from collections import UserDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -120,6 +121,9 @@ def test_full_batch_that_ooms_trains_with_the_full_batch_gradient():
     assert steps[0] == 1 and step.steps == 1
     assert step.last is not None and step.last.ooms >= 1 and step.last.chunks >= 2
     assert step.micro_batch_size is not None and step.micro_batch_size <= 128
+    info = json.loads(json.dumps(step.last.to_dict()))  # a JSON-ready record
+    assert info["batch_size"] == 256 and info["chunk_sizes"] == list(step.last.chunk_sizes)
+    assert info["micro_batch_size"] == step.last.micro_batch_size
     assert all(p.grad is None for p in model.parameters())
     assert_params_close(model, expected)
     full_loss = mlp_loss(copy.deepcopy(model), batch)  # sanity: a finite mean loss came back

@@ -303,6 +303,22 @@ def test_diff_matches_devices_by_uuid_and_reports_added_and_gone():
     assert gone == [("cuda:0", "device", "gone")]
 
 
+def test_diff_notes_when_the_sides_read_different_devices():
+    def simulated(budget: int) -> DeviceSnapshot:
+        return _fake(device="cpu", name=f"simulated cpu ({budget >> 20} MiB)", kind="simulated",
+                     uuid=None, total=budget)  # fmt: skip
+
+    small, large = _snap(simulated(8 * 2**20)), _snap(simulated(16 * 2**20))
+    (note,) = (large - small).notes
+    assert "cpu is not one device over time" in note and "8.00 MiB" in note
+    assert note in str(large - small) and "note:" not in str(small - small)
+    host = _snap(_fake(device="none", name="no accelerator visible", kind="none", uuid=None))
+    (kinds,) = (large - host).notes
+    assert "different kinds of device" in kinds and "no accelerator visible" in kinds
+    assert not (small - small).notes and json.loads((large - host).to_json())["notes"] == [kinds]
+    assert "different kinds of device" in (large - host)._repr_html_()
+
+
 def test_diff_of_real_snapshots_across_a_train_step(no_smi):
     model = TiedLM()
     opt = torch.optim.Adam(model.parameters())

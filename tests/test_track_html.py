@@ -70,8 +70,15 @@ def test_axis_ticks_are_round_and_inside_the_range():
 
 
 def test_report_charts_have_size_and_time_ticks():
-    page = tracked_report(steps=5).to_html()
+    report = tracked_report(steps=5)
+    page = report.to_html()
     svgs = re.findall(r"<svg.*?</svg>", page)
+    # the reported peak is on the memory chart (its readings, at hooks, may stay below it:
+    # an optimizer's temporaries come and go between them), and the y axis reaches it
+    peak = report.devices[0].peak_allocated
+    (level,) = re.findall(r'<text class="level"[^>]*>([^<]*)<', svgs[0])
+    assert level.startswith(f"peak allocated {format_size(peak)}"), level
+    assert parse_size(ticks(svgs[0], "y")[-1].replace(" ", "")) >= peak
     assert len(svgs) == 2  # memory over time, peak per step
     for svg in svgs:
         ys, xs = ticks(svg, "y"), ticks(svg, "x")

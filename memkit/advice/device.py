@@ -26,6 +26,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_FRAGMENTATION_FIX = (
+    "Start the process with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (segments "
+    "grow instead of splitting; set before CUDA initialises); inputs of varying shapes "
+    "fragment most: pad them to a few fixed sizes."
+)
+
 
 def fragmentation(
     *,
@@ -72,11 +78,7 @@ def fragmentation(
         code="fragmentation",
         title=f"{format_size(saving)} reserved but unusable (fragmentation)",
         evidence=evidence,
-        action=(
-            "Start the process with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (segments "
-            "grow instead of splitting; set before CUDA initialises); inputs of varying shapes "
-            "fragment most: pad them to a few fixed sizes."
-        ),
+        action=_FRAGMENTATION_FIX,
         saving_bytes=saving,
         severity=severity,
     )
@@ -287,10 +289,43 @@ def snapshot_fragmentation(
                 tried_to_allocate=last.size,
             )
         else:
-            peak = max(d.allocated, d.peak_allocated or 0)
-            found = fragmentation(
-                reserved=d.reserved, allocated=d.allocated, device=name, peak_allocated=peak
-            )
+            found = _split_blocks(d, name)
         if found is not None:
             out.append(found)
     return out, notes
+
+
+def _split_blocks(d: DeviceInspection, name: str) -> Advice | None:
+    """``fragmentation`` of a snapshot not dumped at an OOM: the free bytes in segments with
+    live blocks that cannot serve the reference request (``unusable_free``, the fragmentation
+    line's bytes), no more than reserved minus whole empty segments (cache: ``empty_cache()``
+    or the allocator itself returns them) minus the most allocated at once. Fires at 256 MiB
+    and 20% of the reserved bytes outside empty segments."""
+    in_use = d.reserved - d.empty_segments  # segments holding live blocks
+    most = max(d.allocated, d.peak_allocated or 0)
+    unusable = max(0, min(d.unusable_free, in_use - most))
+    if unusable < 256 * MiB or unusable < 0.2 * in_use:
+        return None
+    known = (
+        f"the most allocated at once is {format_size(most)}"
+        if d.peak_allocated is not None
+        else f"{format_size(d.allocated)} is allocated at the end (no trace: the peak is unknown)"
+    )
+    cache = (
+        f", {format_size(d.empty_segments)} of it in whole empty segments (cache, not "
+        "fragmentation: empty_cache() or the allocator itself returns it)"
+        if d.empty_segments
+        else ""
+    )
+    return Advice(
+        code="fragmentation",
+        title=f"{format_size(unusable)} reserved but unusable (fragmentation)",
+        evidence=(
+            f"{name} has {format_size(d.reserved)} reserved{cache}; {known}: "
+            f"{format_size(unusable)} free in segments that also hold live blocks cannot serve "
+            f"a {format_size(d.reference_request)} request, {d.reference_request_how}."
+        ),
+        action=_FRAGMENTATION_FIX,
+        saving_bytes=unusable,
+        severity="info",
+    )

@@ -30,7 +30,7 @@ import torch
 
 from memkit.devices.host import default_cpu_budget
 from memkit.devices.state import current_accelerator, tensor_device
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, spelled
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.units import format_size, parse_size
 
@@ -428,14 +428,14 @@ def get_backend(
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"device {dev} was asked for, but this torch ({torch.__version__}) sees no CUDA "
-                "device; use --device cpu --budget SIZE to simulate a GPU of that size"
+                f"device; use {_how_to_simulate()} to simulate a GPU of that size"
             )
         count = torch.cuda.device_count()
         if (dev.index or 0) >= count:
             raise ConfigError(
                 f"device {dev} was asked for, but only {count} CUDA device(s) are visible "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                f"give cuda:0 to cuda:{count - 1}, or --device cpu --budget SIZE to simulate one"
+                f"give cuda:0 to cuda:{count - 1}, or {_how_to_simulate()} to simulate one"
             )
         return CudaBackend(torch.device("cuda", dev.index or 0), size)
     acc = current_accelerator()
@@ -444,6 +444,16 @@ def get_backend(
             f"device {dev} is not available here; this machine has {_devices_here(meta)}"
         )
     return CudaBackend(torch.device(dev.type, dev.index or 0), size)
+
+
+def _how_to_simulate() -> str:
+    """How to ask for the simulated device instead: a ``memkit`` command's options, else the
+    Python API's."""
+    return spelled(
+        "--device cpu --budget SIZE",
+        'device="cpu" with budget="SIZE" (memkit.probe, memkit.track) or a '
+        'memkit.simulate("SIZE") block',
+    )
 
 
 def _devices_here(meta: bool) -> str:

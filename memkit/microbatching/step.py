@@ -19,6 +19,7 @@ from memkit.errors import ConfigError, DistributedError, DoesNotFitError
 from memkit.microbatching.policy import SplitPolicy, oom_size_bound
 from memkit.microbatching.splitting import batch_size_of, chunk_sizes, split_batch
 from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
+from memkit.results import Record
 from memkit.units import format_size
 
 __all__ = ["MicroBatchStep", "StepInfo", "Weight", "microbatch"]
@@ -30,8 +31,8 @@ Weight = Callable[[Any], "float | int | torch.Tensor"]
 
 
 @dataclass(frozen=True)
-class StepInfo:
-    """What happened to one batch.
+class StepInfo(Record):
+    """What happened to one batch; ``to_dict()`` is JSON-ready (``micro_batch_size`` added).
 
     Attributes:
         batch_size: samples in the batch (1 when it has no batch dimension).
@@ -51,6 +52,10 @@ class StepInfo:
     def micro_batch_size(self) -> int:
         """The largest micro-batch that ran."""
         return self.chunk_sizes[0]
+
+    def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
+        out["micro_batch_size"] = self.micro_batch_size
+        return out
 
 
 def _guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:

@@ -146,6 +146,7 @@ def line_plot(
     x_format: Callable[[float], str] | None = None,
     x_integer: bool = False,
     markers: bool = False,
+    levels: Sequence[tuple[str, float]] = (),
 ) -> str:
     """An inline SVG line plot of named series of ``(x, y)`` points, with ticks on both axes.
 
@@ -163,6 +164,8 @@ def line_plot(
             tick step needs).
         x_integer: x values are counts (steps): integer ticks only.
         markers: mark every point (with its values on hover), for series of few points.
+        levels: ``(label, y)`` per dashed horizontal line across the plot, labelled on it (a
+            peak the readings do not reach); the y axis reaches them.
     """
     points = [p for _, pts in series for p in pts]
     if not points:
@@ -170,7 +173,7 @@ def line_plot(
     x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
     if x1 <= x0:  # one x value: centre it
         x0, x1 = (x0 - 0.5, x0 + 0.5) if x_integer else (x0, x0 + 1)
-    y_max = max(p[1] for p in points)
+    y_max = max([p[1] for p in points] + [y for _, y in levels])
     y_ticks = axis_ticks(0.0, y_max if y_max > 0 else 1.0, 4, binary=y_bytes)
     y_step = y_ticks[1] - y_ticks[0] if len(y_ticks) > 1 else 1.0
     if y_ticks[-1] < y_max * (1 - 1e-9):
@@ -229,6 +232,14 @@ def line_plot(
                 f"<title>{escape(name)}: {escape(x_fmt(x))}, {escape(y_fmt(y))}</title></circle>"
                 for x, y in pts
             )
+    for label, value in levels:
+        y = sy(value)
+        parts.append(
+            f'<line class="level" x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" '
+            f'stroke="#c0392b" stroke-dasharray="5,3"><title>{escape(label)}</title></line>'
+            f'<text class="level" x="{left + pw - 4}" y="{y - 4:.1f}" font-size="10" '
+            f'fill="#c0392b" text-anchor="end">{escape(label)}</text>'
+        )
     parts.append(
         f'<text x="{left + pw / 2}" y="{height - 4}" font-size="11" text-anchor="middle">'
         f"{escape(x_label)}</text>"

@@ -313,18 +313,22 @@ def diff_title(diff: SnapshotDiff) -> str:
 
 def diff_text(diff: SnapshotDiff) -> str:
     """The diff as a text table (or ``no changes``)."""
+    notes = "".join(f"\nnote: {n}" for n in diff.notes)
     if not diff.changes:
-        return f"{diff_title(diff)}\nno changes"
+        return f"{diff_title(diff)}{notes}\nno changes"
     rows = [
         [c.where, c.label, c.format_value(c.before), c.format_value(c.after), c.format_delta()]
         for c in diff.changes
     ]
-    return text.table(_DIFF_HEADERS, rows, align="llrrr", title=diff_title(diff))
+    return text.table(_DIFF_HEADERS, rows, align="llrrr", title=diff_title(diff)) + notes
 
 
 def diff_html(diff: SnapshotDiff) -> str:
     """The diff as an HTML fragment; growth red, shrinkage green (more available is good)."""
     title = f"<h3>{h.escape(diff_title(diff))}</h3>"
+    if diff.notes:
+        items = "".join(f"<li>{h.escape(n)}</li>" for n in diff.notes)
+        title += f'<ul class="note notes">{items}</ul>'
     if not diff.changes:
         return f'<div class="memkit-diff">{title}<p class="note">no changes</p></div>'
     rows: list[list[object]] = []

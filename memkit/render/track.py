@@ -446,7 +446,9 @@ def _device_html(dev: DeviceReport) -> list[str]:
 
 def _memory_plot(dev: DeviceReport) -> list[str]:
     """The readings over time (allocated, reserved where it differs, the capacity when it
-    fits the chart), then a note on the capacity when it does not."""
+    fits the chart) and the reported peak as a labelled line (readings are taken at hooks, so
+    a peak between them, an optimizer's temporaries, is above every reading), then a note on
+    the capacity when it does not fit."""
     pts = _downsample(dev.timeline, MAX_PLOT_POINTS)
     series = [("allocated", [(p.t, float(p.allocated)) for p in pts])]
     if any(p.reserved != p.allocated for p in pts):
@@ -463,6 +465,8 @@ def _memory_plot(dev: DeviceReport) -> list[str]:
             f"this chart: the peak, {h.escape(format_size(highest))}, is "
             f"{100 * highest / dev.capacity:.0f}% of it.</p>"
         )
+    between = bool(pts) and dev.peak_allocated > max(p.allocated for p in pts)
+    peak = f"peak allocated {format_size(dev.peak_allocated)}"
     plot = h.line_plot(
         series,
         width=900,
@@ -470,5 +474,6 @@ def _memory_plot(dev: DeviceReport) -> list[str]:
         x_label="seconds since the start",
         y_label="memory",
         y_bytes=True,
+        levels=[(f"{peak}, between readings" if between else peak, float(dev.peak_allocated))],
     )
     return [plot, capacity_note]

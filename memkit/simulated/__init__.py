@@ -12,6 +12,8 @@ A CPU has no memory budget to run out of and no caching allocator to read. memki
 * :mod:`~memkit.simulated.parallel`: ``nn.DataParallel`` (scatter, replicate, gather,
   reduce-add) and DDP replicas with their gradient buckets on virtual devices;
 * :mod:`~memkit.simulated.fsdp`: FSDP2's shards, all-gathers and reduce-scatters per rank;
+* :mod:`~memkit.simulated.storage_resizes`: real FSDP2's storage resizes (its frees of
+  unsharded parameters) made visible to the count;
 * :mod:`~memkit.simulated.history`: PyTorch's memory-snapshot format, recorded from the
   accountant so a trace taken without a GPU opens in memory_viz.
 

@@ -46,6 +46,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -56,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from memkit.simulated.allocator import round_size
+from memkit.simulated.storage_resizes import counting_resizes, fsdp2_loaded
 from memkit.units import format_size, parse_size
 
 __all__ = [
@@ -317,6 +319,8 @@ class MemoryAccountant(TorchDispatchMode):
         # it existed before (an op read it for the first time, or track() was given it). None
         # while nobody observes: nothing is noted (no cost).
         self._adopted: dict[int, str] | None = None
+        # per entry of the block: FSDP2's storage resizes made visible (storage_resizes)
+        self._resizes: list[contextlib.ExitStack] = []
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -342,6 +346,28 @@ class MemoryAccountant(TorchDispatchMode):
         """Set the peak to the current bytes."""
         with self._lock:
             self._peak = self._current
+
+    # -- entering ---------------------------------------------------------------------------
+    def __enter__(self) -> MemoryAccountant:
+        """Count ops in this thread; FSDP2's storage resizes too when FSDP2 is imported (its
+        unsharded parameters are freed by resizing, which no op shows)."""
+        resizes = contextlib.ExitStack()
+        if fsdp2_loaded():
+            resizes.enter_context(counting_resizes())
+        self._resizes.append(resizes)
+        try:
+            super().__enter__()
+        except BaseException:
+            self._resizes.pop().close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._resizes:
+                self._resizes.pop().close()
 
     # -- observing --------------------------------------------------------------------------
     @property

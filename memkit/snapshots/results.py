@@ -557,6 +557,38 @@ def _tensor_changes(before: Snapshot, after: Snapshot) -> list[Change]:
     return out
 
 
+def _device_words(dev: DeviceSnapshot) -> str:
+    """``cpu: simulated cpu (8.00 MiB)``, ``cuda:0: NVIDIA H100 (79.19 GiB)``."""
+    if dev.kind == "none":
+        return dev.name
+    size = "" if dev.total is None else format_size(dev.total)
+    shown = f" ({size})" if size and size not in dev.name else ""
+    return f"{dev.device}: {dev.name}{shown}"
+
+
+def _different_devices(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
+    """Notes where the two sides did not read the same devices: a device matched by its key
+    whose kind or size differs, or sides whose kinds of device differ."""
+    notes = []
+    old = {d.key: d for d in before.devices}
+    for dev in after.devices:
+        was = old.get(dev.key)
+        if was is not None and (was.kind, was.total) != (dev.kind, dev.total):
+            notes.append(
+                f"{dev.device} is not one device over time: {_device_words(was)} before, "
+                f"{_device_words(dev)} after; its rows compare two devices"
+            )
+    kinds = [sorted({d.kind for d in snap.devices}) for snap in (before, after)]
+    if kinds[0] != kinds[1]:
+        sides = ["; ".join(_device_words(d) for d in snap.devices) for snap in (before, after)]
+        notes.append(
+            f"the snapshots read different kinds of device (before: {sides[0] or 'none'}; "
+            f"after: {sides[1] or 'none'}): rows of the same name ('cpu holds') count "
+            "different memory"
+        )
+    return tuple(notes)
+
+
 @dataclass(frozen=True)
 class SnapshotDiff(Result):
     """What changed between two snapshots: only the values that differ.
@@ -571,6 +603,8 @@ class SnapshotDiff(Result):
             largest tensors (compared only when both snapshots list tensors).
         before_label: the earlier snapshot's label.
         after_label: the later snapshot's label.
+        notes: remarks on the comparison: the two sides read different devices (a host
+            snapshot and a simulated one, two simulated devices of different budgets).
     """
 
     SCHEMA: ClassVar[str] = "memkit.snapshot-diff/1"
@@ -581,6 +615,7 @@ class SnapshotDiff(Result):
     changes: tuple[Change, ...]
     before_label: str | None = None
     after_label: str | None = None
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def between(cls, before: Snapshot, after: Snapshot) -> SnapshotDiff:
@@ -621,6 +656,7 @@ class SnapshotDiff(Result):
             tuple(changes),
             before.label,
             after.label,
+            _different_devices(before, after),
         )
 
     @property

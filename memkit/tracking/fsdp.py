@@ -20,19 +20,20 @@ counts as parameters, gradients and optimizer state). Around each unit's (each
 :class:`FsdpUnits` sums what of that is allocated now (cheap: one storage size read per unit
 and the pending flat buffers), which the hooks read at every segment boundary. The simulated
 device counts storages created by ops; a storage *resized* outside any op (FSDP's
-``alloc_storage``/``free_storage``) it would not see: :func:`counting_resizes` makes each
-resize followed by a no-op view the device does see (an ``alias`` of the tensor, which the
-simulated device reads as the storage's new size).
+``alloc_storage``/``free_storage``) it would not see: :func:`counting_resizes`
+(:mod:`memkit.simulated.storage_resizes`, here for the tracker, which enters it even when FSDP2
+is imported only inside its block) makes each resize followed by a no-op view the device does
+see; a simulated device entered after FSDP2 was imported enters it itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from memkit.simulated.storage_resizes import counting_resizes
 
 __all__ = [
     "FsdpUnits",
@@ -167,37 +168,3 @@ def find_fsdp_units(modules: Iterable[torch.nn.Module]) -> FsdpUnits | None:
                     if getattr(group, "fsdp_params", None):
                         groups.setdefault(id(group), group)
     return FsdpUnits(list(groups.values())) if groups else None
-
-
-def _seen_by_the_device(resize: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    @functools.wraps(resize)
-    def resized(tensor: torch.Tensor) -> None:
-        resize(tensor)
-        torch.ops.aten.alias.default(tensor)  # an op on the storage: its new size is read
-
-    resized.__memkit_wrapped__ = resize  # type: ignore[attr-defined]
-    return resized
-
-
-@contextlib.contextmanager
-def counting_resizes() -> Iterator[None]:
-    """While the block runs, FSDP2's storage resizes are followed by an op the simulated
-    device sees (see the module docstring). A torch whose FSDP2 has no such functions is left
-    as it is."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-    except ImportError:
-        yield
-        return
-    patched: list[tuple[Any, str, Any]] = []
-    for mod in (_fsdp_param, _fsdp_param_group):
-        for name in ("alloc_storage", "free_storage"):
-            fn = getattr(mod, name, None)
-            if callable(fn) and not hasattr(fn, "__memkit_wrapped__"):
-                patched.append((mod, name, fn))
-                setattr(mod, name, _seen_by_the_device(fn))
-    try:
-        yield
-    finally:
-        for mod, name, fn in reversed(patched):
-            setattr(mod, name, fn)
