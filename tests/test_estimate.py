@@ -758,6 +758,22 @@ def test_a_cpu_tensor_made_in_the_forward_is_named_as_a_gpu_would_fail_on_it() -
     assert "hold no values" not in said and "cpu!." not in said
 
 
+def test_a_models_own_data_dependent_routing_is_sent_to_the_simulated_device() -> None:
+    """A mixture of experts routes tokens with ``nonzero`` (top-k routing): the shape depends
+    on values, which meta tensors lack. "Move it out of the step" cannot be done where the
+    routing is the model; the error names the run that works (sweep Z)."""
+
+    def route() -> torch.Tensor:
+        scores = torch.randn(8, 4, device="meta")
+        return torch.nonzero(scores.argmax(-1) == 0)
+
+    with pytest.raises(UserCodeError) as info:
+        run_guarded(route, 8)
+    said = str(info.value)
+    assert "hold no values" in said and "routing" in said
+    assert "memkit probe FILE --device cpu --budget <the GPU's memory>" in said
+
+
 def test_a_float64_model_fed_float32_fails_as_on_a_gpu(tmp_path: Path) -> None:
     """Meta kernels do not check dtypes; the GPU's (and probe's real run) refuse the mix, so
     the estimate must fail too (it used to answer, exit 0). The CLI gives exit code 3."""

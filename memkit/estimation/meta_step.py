@@ -554,8 +554,11 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
         elif _meta_only(exc):
             said += (
                 ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
-                "data-dependent shapes, .numpy()) cannot run there; move it out of the step or "
-                "define train_step without it."
+                "data-dependent shapes such as nonzero or a mixture of experts' top-k routing, "
+                ".numpy()) cannot run there. Where that code is in the step only, move it out or "
+                "define train_step without it; where it is the model's own (routing), measure it "
+                "on the simulated device instead, which runs it: memkit probe FILE --device cpu "
+                "--budget <the GPU's memory>."
             )
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (
