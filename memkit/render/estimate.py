@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import bound_words, recommended_words, section, table
+from memkit.render.text import (
+    bound_words,
+    memory_model_words,
+    recommended_words,
+    section,
+    table,
+)
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -106,10 +112,9 @@ def estimate_text(est: Estimate) -> str:
                 title=f"breakdown at batch {est.breakdown.batch_size}:",
             ),
         ]
-    if est.per_sample_bytes is not None:
+    if est.per_sample_bytes is not None and est.fixed_bytes is not None:
         parts.append(
-            f"\nmemory model: {format_size(est.fixed_bytes)} + "
-            f"{format_size(est.per_sample_bytes)} per sample (reserved)"
+            "\n" + memory_model_words(est.fixed_bytes, est.per_sample_bytes, " (reserved)")
         )
     parts.append("assumptions:")
     parts.extend(f"  {a}" for a in est.assumptions)

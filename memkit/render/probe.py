@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import bound_words, recommended_words, section, table
+from memkit.render.text import (
+    bound_words,
+    memory_model_words,
+    recommended_words,
+    section,
+    table,
+)
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -113,11 +119,8 @@ def probe_text(result: ProbeResult) -> str:
     if _shows_ranks(result):
         parts.append(f"\nper rank at batch {result.max_batch_size} (every rank runs that batch):")
         parts.append(table(_RANK_HEAD, _rank_rows(result), align="rrrrrl"))
-    if result.per_sample_bytes is not None:
-        parts.append(
-            f"\nmemory model: {format_size(result.fixed_bytes)} + "
-            f"{format_size(result.per_sample_bytes)} per sample"
-        )
+    if result.per_sample_bytes is not None and result.fixed_bytes is not None:
+        parts.append("\n" + memory_model_words(result.fixed_bytes, result.per_sample_bytes))
     parts.append(f"accounting: {result.accounting}")
     parts.extend(result.defaults)
     parts += section("advice:", advice_text(result.advice))
