@@ -48,10 +48,20 @@ def _quiet_lightning():
 def _lightning():
     """Lightning (about 4 s to import) only when these tests run, not when they are collected:
     the module's names below are bound here."""
-    global pl, Net, Data, RankNet, trainer, MemkitCallback, probe_batch_size
+    global pl, Net, ManualNet, Data, RankNet, trainer, MemkitCallback, probe_batch_size
     global B, STEPS, HIDDEN, VAL_BATCHES
     import lightning.pytorch as pl
-    from lightning_models import HIDDEN, STEPS, VAL_BATCHES, B, Data, Net, RankNet, trainer
+    from lightning_models import (
+        HIDDEN,
+        STEPS,
+        VAL_BATCHES,
+        B,
+        Data,
+        ManualNet,
+        Net,
+        RankNet,
+        trainer,
+    )
 
     from memkit.integrations.lightning import MemkitCallback, probe_batch_size
 
@@ -198,6 +208,24 @@ def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     before = cb.report.devices[0].phase_peaks["forward"]
     after = fixed.report.devices[0].phase_peaks["forward"]
     assert before - after == param_bytes(module)  # exactly the gradients
+
+
+def test_zero_grad_advice_with_manual_optimization_names_the_users_own_step():
+    """With manual optimization Lightning calls no optimizer_step (the advice's override for
+    automatic optimization would never run): the action is about the module's own zero_grad,
+    and accumulation is not Trainer(accumulate_grad_batches=N), which Lightning refuses."""
+    from memkit.advice import Advice
+    from memkit.advice.lightning import in_lightning_terms
+
+    torch.manual_seed(0)
+    cb = MemkitCallback(device="cpu", budget="64MiB", postmortem=None, log_peaks=False)
+    trainer([cb], max_steps=3, limit_val_batches=0).fit(ManualNet(), datamodule=Data())
+    action = {a.code: a.action for a in cb.report.advice}["zero-grad-keeps-grads"]
+    assert "optimizer_step(" not in action
+    assert "right after each `opt.step()`" in action and "manual_backward" in action
+    oom = Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients.")
+    (said,) = in_lightning_terms([oom], manual_optimization=True)
+    assert "accumulate_grad_batches=N" not in said.action and "every N batches" in said.action
 
 
 def test_validate_after_fit_counts_no_optimizer_state():

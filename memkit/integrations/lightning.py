@@ -86,6 +86,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._next_step = 0
+        self._manual = False  # the module's manual optimization: advice in its terms
 
     # -- starting and ending --------------------------------------------------------------
     def _start(self, trainer: Any, pl_module: Any) -> None:
@@ -104,6 +105,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
             accumulation_steps=trainer.accumulate_grad_batches if fitting else None,
         )
         self._tracker, self._report, self._next_step = tracker, None, 0
+        self._manual = not pl_module.automatic_optimization
 
     def _finish(self, exc: BaseException | None) -> None:
         tracker = self._tracker
@@ -116,7 +118,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
             self.written = self.files.write(self._report)
 
     def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
-        return in_lightning_terms(advice)
+        return in_lightning_terms(advice, manual_optimization=self._manual)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._start(trainer, pl_module)
