@@ -210,6 +210,23 @@ def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     assert before - after == param_bytes(module)  # exactly the gradients
 
 
+def test_zero_grad_advice_counts_no_micro_batch_of_the_first_step():
+    """Accumulating, the later micro-batches of step 0 meet the earlier ones' gradients, as
+    they must (the last runs inside optimizer.step(closure), after the optimizer was seen):
+    with the fix no step began with the previous step's; without it, steps 1.. did."""
+
+    def advice(zero_after_step: bool) -> dict:
+        torch.manual_seed(0)
+        cb = MemkitCallback(device="cpu", budget="64MiB", postmortem=None, log_peaks=False)
+        run = trainer([cb], accumulate_grad_batches=4, limit_val_batches=0)
+        run.fit(Net(zero_after_step), datamodule=Data(samples=4 * B * STEPS))  # one epoch
+        return {a.code: a for a in cb.report.advice}
+
+    assert "zero-grad-keeps-grads" not in advice(zero_after_step=True)
+    evidence = advice(zero_after_step=False)["zero-grad-keeps-grads"].evidence
+    assert f"{STEPS - 1} step(s) began their forward" in evidence
+
+
 def test_zero_grad_advice_with_manual_optimization_names_the_users_own_step():
     """With manual optimization Lightning calls no optimizer_step (the advice's override for
     automatic optimization would never run): the action is about the module's own zero_grad,

@@ -255,8 +255,10 @@ class PhaseMachine:
                 dev.train_peak, dev.pending, dev.breakdown = 0, None, None
         # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
         # are counted from backward passes, where the next micro-batch's forward rightly finds
-        # the accumulating gradients)
-        if state.step > facts.grads_checked_step and self.models.seen_optimizers:
+        # the accumulating gradients: also when the optimizer was seen stepping before the
+        # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it)
+        seen = self.models.seen_optimizers
+        if state.step > facts.grads_checked_step and seen and not self.backward_steps:
             facts.grads_checked_step = state.step
             if not self.grads_none_at_forward:  # read by the transition just now
                 facts.grads_steps += 1
