@@ -291,6 +291,20 @@ def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):
     assert [a["code"] for a in written["oom"]["advice"]] == [a.code for a in ref.advice]
 
 
+def test_out_of_memory_in_a_later_micro_batch_is_in_its_optimizer_step():
+    """accumulate_grad_batches=4, out of memory in the second micro-batch's forward (its
+    gradients and the first's): Lightning's global_step is 0, and so is memkit's step."""
+    torch.manual_seed(0)
+    cb = MemkitCallback(device="cpu", budget=120_000, postmortem=None, log_peaks=False)
+    run = trainer([cb], accumulate_grad_batches=4, limit_val_batches=0)
+    with pytest.raises(torch.OutOfMemoryError):
+        run.fit(Net(), datamodule=Data())
+    oom = cb.report.oom
+    assert run.global_step == 0 and oom is not None
+    assert oom.step == 0 and oom.where.startswith("step 0, forward")
+    assert oom.breakdown.gradients == param_bytes(Net())  # the first micro-batch's
+
+
 @pytest.mark.parametrize("accumulate", [1, 4])
 def test_probe_batch_size_is_the_size_a_real_fit_trains_at(accumulate):
     """Also accumulating: the later micro-batches meet the gradients of the earlier ones (and

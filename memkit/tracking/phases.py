@@ -604,6 +604,17 @@ class PhaseMachine:
             return "manual"
         return "optimizer" if self.models.seen_optimizers else "backward"
 
+    def optimizer_step_of(self, step: int) -> int:
+        """The optimizer step that ``step`` is in: while steps are counted from backward
+        passes and the trainer said it accumulates (``accumulation_steps`` told), those steps
+        are micro-batches of the optimizer step that began them, as
+        :meth:`_fold_backward_steps` will fold them (an OOM in step 0's second micro-batch is
+        in step 0); else ``step``."""
+        n = self.backward_steps
+        if not n or self.manual_steps or (self.evidence.facts.accumulation_steps or 1) < 2:
+            return step
+        return min(step, self.state.step - n)
+
     def _fold_backward_steps(self) -> None:
         """The first optimizer step begins after steps counted from backward passes: they
         were the micro-batches of the step it ends (gradient accumulation). Their records fold
