@@ -41,6 +41,22 @@ class Net(pl.LightningModule):
             optimizer.zero_grad(set_to_none=True)
 
 
+class ManualNet(Net):
+    """``Net`` with manual optimization, zeroing the gradients between forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
 class Data(pl.LightningDataModule):
     def __init__(self, batch_size: int = B, samples: int = B * STEPS) -> None:
         super().__init__()

@@ -48,10 +48,20 @@ def _quiet_lightning():
 def _lightning():
     """Lightning (about 4 s to import) only when these tests run, not when they are collected:
     the module's names below are bound here."""
-    global pl, Net, Data, RankNet, trainer, MemkitCallback, probe_batch_size
+    global pl, Net, ManualNet, Data, RankNet, trainer, MemkitCallback, probe_batch_size
     global B, STEPS, HIDDEN, VAL_BATCHES
     import lightning.pytorch as pl
-    from lightning_models import HIDDEN, STEPS, VAL_BATCHES, B, Data, Net, RankNet, trainer
+    from lightning_models import (
+        HIDDEN,
+        STEPS,
+        VAL_BATCHES,
+        B,
+        Data,
+        ManualNet,
+        Net,
+        RankNet,
+        trainer,
+    )
 
     from memkit.integrations.lightning import MemkitCallback, probe_batch_size
 
@@ -200,6 +210,41 @@ def test_zero_grad_advice_speaks_lightning_and_its_fix_works(fitted):
     assert before - after == param_bytes(module)  # exactly the gradients
 
 
+def test_zero_grad_advice_counts_no_micro_batch_of_the_first_step():
+    """Accumulating, the later micro-batches of step 0 meet the earlier ones' gradients, as
+    they must (the last runs inside optimizer.step(closure), after the optimizer was seen):
+    with the fix no step began with the previous step's; without it, steps 1.. did."""
+
+    def advice(zero_after_step: bool) -> dict:
+        torch.manual_seed(0)
+        cb = MemkitCallback(device="cpu", budget="64MiB", postmortem=None, log_peaks=False)
+        run = trainer([cb], accumulate_grad_batches=4, limit_val_batches=0)
+        run.fit(Net(zero_after_step), datamodule=Data(samples=4 * B * STEPS))  # one epoch
+        return {a.code: a for a in cb.report.advice}
+
+    assert "zero-grad-keeps-grads" not in advice(zero_after_step=True)
+    evidence = advice(zero_after_step=False)["zero-grad-keeps-grads"].evidence
+    assert f"{STEPS - 1} step(s) began their forward" in evidence
+
+
+def test_zero_grad_advice_with_manual_optimization_names_the_users_own_step():
+    """With manual optimization Lightning calls no optimizer_step (the advice's override for
+    automatic optimization would never run): the action is about the module's own zero_grad,
+    and accumulation is not Trainer(accumulate_grad_batches=N), which Lightning refuses."""
+    from memkit.advice import Advice
+    from memkit.advice.lightning import in_lightning_terms
+
+    torch.manual_seed(0)
+    cb = MemkitCallback(device="cpu", budget="64MiB", postmortem=None, log_peaks=False)
+    trainer([cb], max_steps=3, limit_val_batches=0).fit(ManualNet(), datamodule=Data())
+    action = {a.code: a.action for a in cb.report.advice}["zero-grad-keeps-grads"]
+    assert "optimizer_step(" not in action
+    assert "right after each `opt.step()`" in action and "manual_backward" in action
+    oom = Advice("oom-activations", "t", "e", "Halve the micro-batch and accumulate gradients.")
+    (said,) = in_lightning_terms([oom], manual_optimization=True)
+    assert "accumulate_grad_batches=N" not in said.action and "every N batches" in said.action
+
+
 def test_validate_after_fit_counts_no_optimizer_state():
     """validate()/test()/predict() set up no optimizers (on a GPU, teardown moved the fit's
     optimizer state to the CPU): the report of a validate() after fit() holds none, and its
@@ -246,12 +291,31 @@ def test_out_of_memory_gets_a_post_mortem_from_on_exception(tmp_path):
     assert [a["code"] for a in written["oom"]["advice"]] == [a.code for a in ref.advice]
 
 
-def test_probe_batch_size_is_the_size_a_real_fit_trains_at():
+def test_out_of_memory_in_a_later_micro_batch_is_in_its_optimizer_step():
+    """accumulate_grad_batches=4, out of memory in the second micro-batch's forward (its
+    gradients and the first's): Lightning's global_step is 0, and so is memkit's step."""
+    torch.manual_seed(0)
+    cb = MemkitCallback(device="cpu", budget=120_000, postmortem=None, log_peaks=False)
+    run = trainer([cb], accumulate_grad_batches=4, limit_val_batches=0)
+    with pytest.raises(torch.OutOfMemoryError):
+        run.fit(Net(), datamodule=Data())
+    oom = cb.report.oom
+    assert run.global_step == 0 and oom is not None
+    assert oom.step == 0 and oom.where.startswith("step 0, forward")
+    assert oom.breakdown.gradients == param_bytes(Net())  # the first micro-batch's
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_probe_batch_size_is_the_size_a_real_fit_trains_at(accumulate):
+    """Also accumulating: the later micro-batches meet the gradients of the earlier ones (and
+    their backward adds to them), so fewer fit than without (271 against 282 here)."""
     torch.manual_seed(0)
     module, data = Net(), Data()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     budget = "1MiB"
-    result = probe_batch_size(module, data, device="cpu", budget=budget, steps=2)
+    result = probe_batch_size(
+        module, data, device="cpu", budget=budget, steps=2, accumulate_grad_batches=accumulate
+    )
     assert data.setups == 1
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     assert any("configure_optimizers" in d for d in result.defaults)
@@ -263,8 +327,10 @@ def test_probe_batch_size_is_the_size_a_real_fit_trains_at():
         torch.manual_seed(0)
         cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, log_peaks=False)
         try:
-            run = trainer([cb], max_steps=2, limit_val_batches=0)
-            run.fit(Net(), datamodule=Data(batch_size, samples=4 * batch_size))
+            run = trainer(
+                [cb], max_steps=2, limit_val_batches=0, accumulate_grad_batches=accumulate
+            )
+            run.fit(Net(), datamodule=Data(batch_size, samples=2 * accumulate * batch_size))
         except torch.OutOfMemoryError:
             return False
         return True

@@ -1,7 +1,10 @@
 """Advice in Lightning's terms, where its training loop differs from a plain one (its closure
 zeroes gradients after the forward, its evaluation loops already run under
 ``inference_mode``) and where the Trainer has a setting for the remedy (``precision``,
-``accumulate_grad_batches``, a loader's ``batch_size``)."""
+``accumulate_grad_batches``, a loader's ``batch_size``). With manual optimization
+(``automatic_optimization = False``) the module's ``training_step`` zeroes and steps the
+optimizers itself: Lightning calls neither ``optimizer_step`` nor ``optimizer_zero_grad`` and
+refuses ``accumulate_grad_batches``, so those remedies are said in the step's own terms."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections.abc import Iterable
 
 from memkit.advice.form import Advice, Phrasing, autocast_setting, in_terms, with_settings
 
-__all__ = ["LIGHTNING_ACTIONS", "in_lightning_terms"]
+__all__ = ["LIGHTNING_ACTIONS", "MANUAL_ACTIONS", "in_lightning_terms"]
 
 ZERO_GRAD_ACTION = (
     "Lightning zeroes gradients inside its closure, after `training_step` and before the "
@@ -20,6 +23,21 @@ ZERO_GRAD_ACTION = (
     "free)."
 )
 
+MANUAL_ZERO_GRAD_ACTION = (
+    "With manual optimization Lightning never zeroes gradients (nor calls `optimizer_step`): "
+    "your `training_step` does. Call `opt.zero_grad(set_to_none=True)` right after each "
+    "`opt.step()` instead of between the forward and `self.manual_backward(loss)`, so that no "
+    "gradients are allocated when the next forward begins. A backward that also reaches "
+    "another optimizer's parameters (a GAN's generator loss through the discriminator) fills "
+    "their gradients too: zero that optimizer again after it."
+)
+MANUAL_ACCUMULATE = (
+    "accumulate",
+    "with manual optimization the accumulation is your `training_step`'s (Lightning refuses "
+    "`accumulate_grad_batches`): call `opt.step()` and `opt.zero_grad()` every N batches, "
+    "the loss divided by N",
+)
+AUTOCAST_SETTING = ("autocast", 'bf16 is `Trainer(precision="bf16-mixed")`')
 
 EVAL_PEAK_ACTION = (
     "Give validation its own, smaller batch size (its DataLoader's `batch_size` in "
@@ -51,15 +69,27 @@ LIGHTNING_ACTIONS: dict[str, Phrasing] = {
                 "the micro-batch is the DataLoader's `batch_size`, the accumulation "
                 "`Trainer(accumulate_grad_batches=N)`",
             ),
-            ("autocast", 'bf16 is `Trainer(precision="bf16-mixed")`'),
+            AUTOCAST_SETTING,
         ],
         sep="; ",
     ),
 }
 """Advice actions said in Lightning's terms, by code."""
 
+MANUAL_ACTIONS: dict[str, Phrasing] = {
+    **LIGHTNING_ACTIONS,
+    "zero-grad-keeps-grads": lambda a: MANUAL_ZERO_GRAD_ACTION,
+    "oom-activations": with_settings(
+        "In Lightning", [MANUAL_ACCUMULATE, AUTOCAST_SETTING], sep="; "
+    ),
+}
+""":data:`LIGHTNING_ACTIONS` for a module with manual optimization."""
 
-def in_lightning_terms(advice: Iterable[Advice]) -> tuple[Advice, ...]:
-    """``advice`` with the actions of :data:`LIGHTNING_ACTIONS` said in Lightning's terms; the
-    rest as it was."""
-    return in_terms(advice, LIGHTNING_ACTIONS)
+
+def in_lightning_terms(
+    advice: Iterable[Advice], *, manual_optimization: bool = False
+) -> tuple[Advice, ...]:
+    """``advice`` with the actions of :data:`LIGHTNING_ACTIONS` (:data:`MANUAL_ACTIONS` for a
+    module with ``automatic_optimization = False``) said in Lightning's terms; the rest as it
+    was."""
+    return in_terms(advice, MANUAL_ACTIONS if manual_optimization else LIGHTNING_ACTIONS)

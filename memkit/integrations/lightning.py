@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memkit.devices import get_backend
 from memkit.errors import ConfigError
 from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_with
+from memkit.probing.step import DeferredOptimizer
 
 if TYPE_CHECKING:
     from memkit.advice.form import Advice
@@ -85,6 +86,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._next_step = 0
+        self._manual = False  # the module's manual optimization: advice in its terms
 
     # -- starting and ending --------------------------------------------------------------
     def _start(self, trainer: Any, pl_module: Any) -> None:
@@ -103,6 +105,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
             accumulation_steps=trainer.accumulate_grad_batches if fitting else None,
         )
         self._tracker, self._report, self._next_step = tracker, None, 0
+        self._manual = not pl_module.automatic_optimization
 
     def _finish(self, exc: BaseException | None) -> None:
         tracker = self._tracker
@@ -115,7 +118,7 @@ class MemkitCallback(TrackingCallback, pl.Callback):
             self.written = self.files.write(self._report)
 
     def _in_terms(self, advice: Iterable[Advice]) -> tuple[Advice, ...]:
-        return in_lightning_terms(advice)
+        return in_lightning_terms(advice, manual_optimization=self._manual)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._start(trainer, pl_module)
@@ -218,9 +221,14 @@ def probe_batch_size(
     Every trial runs ``steps`` steps the way Lightning's automatic optimization runs one:
     ``training_step(batch, i)``, the loss divided by ``accumulate_grad_batches``,
     ``optimizer_zero_grad``, backward, ``optimizer.step()``, on the first optimizer
-    ``configure_optimizers`` returns (a fresh one: Lightning makes its own in ``fit``). As in
-    :func:`memkit.probe`, the size reported ran and fit and the next one ran and did not,
-    and the module (weights, ``training`` flags, RNG) is left as it was.
+    ``configure_optimizers`` returns (a fresh one: Lightning makes its own in ``fit``). With
+    ``accumulate_grad_batches=k >= 2`` a step is micro-batches as in ``fit``: only the first
+    calls ``optimizer_zero_grad`` (after its ``training_step``), only the last steps, so the
+    later ones run their forward and backward with the gradients accumulated so far; they all
+    hold the same memory, so two run per step (as :func:`memkit.probe` with
+    ``accumulation``). As in :func:`memkit.probe`, the size reported ran and fit and the
+    next one ran and did not, and the module (weights, ``training`` flags, RNG) is left as it
+    was.
 
     Batches: ``make_batch(n)`` if given; else ``n`` samples of the training dataloader's
     dataset (``datamodule.train_dataloader()``, else ``module.train_dataloader()``) put together
@@ -236,8 +244,8 @@ def probe_batch_size(
             cpu device); the module is moved there for the probe and moved back after.
         budget, min_batch, max_batch, steps, margin, target_batch, on_trial: as in
             :func:`memkit.probe`.
-        accumulate_grad_batches: the Trainer's setting (it divides the loss, as Lightning
-            does; the batch that fits does not depend on it otherwise).
+        accumulate_grad_batches: the Trainer's setting: the loss is divided by it and the
+            step accumulates gradients over micro-batches, as in ``fit`` (it fits less).
 
     Returns:
         A :class:`~memkit.probing.result.ProbeResult`; set ``module.batch_size`` (or your
@@ -282,6 +290,7 @@ def probe_batch_size(
             steps=steps,
             margin=DEFAULT_MARGIN if margin is None else margin,
             target_batch=target_batch,
+            accumulation=accumulate_grad_batches,
         )
         return probe_with(
             module,
@@ -295,7 +304,13 @@ def probe_batch_size(
             defaults=[f"optimizer: {type(optimizer).__name__} (configure_optimizers)"],
             step_label=(
                 "step: Lightning's automatic optimization (training_step, loss / "
-                f"{accumulate_grad_batches}, optimizer_zero_grad, backward, optimizer.step)"
+                f"{accumulate_grad_batches}, optimizer_zero_grad, backward, optimizer.step"
+                + (
+                    "; accumulating: optimizer_zero_grad in the first micro-batch only, "
+                    "optimizer.step in the last)"
+                    if accumulate_grad_batches > 1
+                    else ")"
+                )
             ),
         )
     finally:
@@ -304,7 +319,9 @@ def probe_batch_size(
 
 
 class _LightningStep:
-    """One automatic-optimization step, outside a Trainer."""
+    """One automatic-optimization micro-batch, outside a Trainer. Accumulating, the probe
+    passes a :class:`DeferredOptimizer` that steps on the last of the two micro-batches it
+    runs per optimizer step; the other is the first, the one that zeroes the gradients."""
 
     def __init__(self, module: Any, accumulate: int) -> None:
         self.module = module
@@ -329,7 +346,10 @@ class _LightningStep:
             )  # fmt: skip
         loss = loss / self.accumulate  # Lightning backpropagates this copy
         del output
-        module.optimizer_zero_grad(0, i, optimizer)
+        if not isinstance(optimizer, DeferredOptimizer):
+            module.optimizer_zero_grad(0, i, optimizer)
+        elif not optimizer.active:  # the first micro-batch: the others keep its gradients
+            module.optimizer_zero_grad(0, i, optimizer.wrapped)
         loss.backward()
         del loss
         optimizer.step()

@@ -154,6 +154,11 @@ class DeferredOptimizer:
         self._optimizer = optimizer
         self.active = False
 
+    @property
+    def wrapped(self) -> Any:
+        """The optimizer itself (its ``zero_grad()`` acts on every micro-batch)."""
+        return self._optimizer
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if self.active:
             return self._optimizer.step(closure) if closure is not None else self._optimizer.step()

@@ -255,8 +255,10 @@ class PhaseMachine:
                 dev.train_peak, dev.pending, dev.breakdown = 0, None, None
         # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
         # are counted from backward passes, where the next micro-batch's forward rightly finds
-        # the accumulating gradients)
-        if state.step > facts.grads_checked_step and self.models.seen_optimizers:
+        # the accumulating gradients: also when the optimizer was seen stepping before the
+        # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it)
+        seen = self.models.seen_optimizers
+        if state.step > facts.grads_checked_step and seen and not self.backward_steps:
             facts.grads_checked_step = state.step
             if not self.grads_none_at_forward:  # read by the transition just now
                 facts.grads_steps += 1
@@ -601,6 +603,17 @@ class PhaseMachine:
         if self.manual_steps:
             return "manual"
         return "optimizer" if self.models.seen_optimizers else "backward"
+
+    def optimizer_step_of(self, step: int) -> int:
+        """The optimizer step that ``step`` is in: while steps are counted from backward
+        passes and the trainer said it accumulates (``accumulation_steps`` told), those steps
+        are micro-batches of the optimizer step that began them, as
+        :meth:`_fold_backward_steps` will fold them (an OOM in step 0's second micro-batch is
+        in step 0); else ``step``."""
+        n = self.backward_steps
+        if not n or self.manual_steps or (self.evidence.facts.accumulation_steps or 1) < 2:
+            return step
+        return min(step, self.state.step - n)
 
     def _fold_backward_steps(self) -> None:
         """The first optimizer step begins after steps counted from backward passes: they

@@ -396,6 +396,7 @@ class Tracker:
             phase = state.phase
             place = (dev, phase, state.step, dev.bw_module if phase == BACKWARD else None)
         dev, phase, step, key = place
+        step = self.phases.optimizer_step_of(step)
         display = display_names(devices.records.values())
         stat = None if key is None else dev.modules.get(key)
         index = oom_device_index(exc)
