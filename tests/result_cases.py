@@ -86,7 +86,7 @@ def postmortem() -> OomPostMortem:
     breakdown = Breakdown(60 * MIB, 20 * MIB, 20 * MIB, 0, 20 * MIB, 0, 1, "backward", None)
     suspect = LeakSuspect("losses", "train", "train.py", 12, "losses.append(loss)", "container",
                           3, True)  # fmt: skip
-    leak = LeakFinding("cpu", MIB, 1, 3, (suspect,))
+    leak = LeakFinding("cpu", MIB, 1, 3, (suspect,), grown_bytes=3 * MIB)
     return OomPostMortem(
         "cpu", 2, "backward", "fc", True, True, "OutOfMemoryError: out of memory", "CPU",
         4 * MIB, 64 * MIB, 0, 60 * MIB, breakdown, (("fc", 8 * MIB),), leak, ADVICE,

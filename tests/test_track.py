@@ -618,7 +618,8 @@ def test_a_list_of_detached_device_tensors_that_grows_is_named():
     assert "tensors-kept" in codes and "memory-growth" not in codes
     advice = report.advice[codes.index("tensors-kept")]
     assert "`fakes.append(x.detach().cpu())`" in advice.action
-    assert advice.saving_bytes == batch
+    # the growth measured over the climb, not a step's: what the fix frees by its end
+    assert advice.saving_bytes == leak.grown_bytes == batch * leak.steps
 
 
 def test_a_kept_image_batch_with_its_graph_gets_a_fix_that_fits_its_shape():
@@ -634,8 +635,8 @@ def test_a_kept_image_batch_with_its_graph_gets_a_fix_that_fits_its_shape():
     twin = detached.devices[0].leak
     assert twin is not None
     saved_by_detach = leak.growth_per_step - twin.growth_per_step
-    assert f"({format_size(saved_by_detach)} a step here" in advice.action
-    assert advice.saving_bytes == leak.growth_per_step  # `.cpu()` frees all of it
+    assert f"({format_size(saved_by_detach)} per step here" in advice.action
+    assert advice.saving_bytes == leak.grown_bytes  # `.cpu()` frees all of it
 
 
 def test_a_list_a_nested_function_closes_over_is_named_once():

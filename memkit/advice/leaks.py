@@ -38,12 +38,14 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
 
 
 def _growth(leak: LeakFinding) -> str:
-    """The evidence's first sentence: how the memory (or a graph) grew."""
+    """The evidence's first sentences: how the memory (or a graph) grew, and by how much in
+    all (the saving)."""
     if leak.period > 1:
         return (
             f"Allocated memory on {leak.device} grew by "
             f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
-            f"over {leak.steps} steps (from step {leak.first_step}) without coming back down."
+            f"over {leak.steps} steps (from step {leak.first_step}) without coming back down"
+            + _in_all(leak)
         )
     if leak.graph_growth and leak.growth_per_step <= 0:
         return (
@@ -55,7 +57,20 @@ def _growth(leak: LeakFinding) -> str:
     return (
         f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
         f"per step over {leak.steps} steps (from step {leak.first_step}) without "
-        "coming back down."
+        "coming back down" + _in_all(leak)
+    )
+
+
+def _in_all(leak: LeakFinding) -> str:
+    """The end of :func:`_growth`'s sentence: the bytes grown over the climb, as measured
+    (the saving: what fixing it frees at least; growth before the climb's start and after
+    the last step read is not in it)."""
+    if leak.grown_bytes <= 0:
+        return "."
+    last = leak.first_step + leak.steps
+    return (
+        f": {format_size(leak.grown_bytes)} in all from step {leak.first_step} to step "
+        f"{last}, the least that fixing it saves (a longer run keeps more)."
     )
 
 
@@ -109,7 +124,7 @@ def _memory_growth(
         action="Keep only Python numbers across steps (`.item()`); move tensors you store to "
         "the CPU (`.detach().cpu()`: detaching alone keeps their bytes on the device); bound "
         "what grows with the step count (`collections.deque(maxlen=N)`).",
-        saving_bytes=leak.growth_per_step or None,
+        saving_bytes=leak.grown_bytes or None,
         severity="warning",
     )
 
@@ -156,7 +171,7 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
         action=f"Keep them off the device: {store}"
         + ("" if numbers else " (detaching alone keeps their bytes)")
         + "; or keep only the last N (`collections.deque(maxlen=N)`), or none.",
-        saving_bytes=leak.growth_per_step or top.bytes_per_step or None,
+        saving_bytes=leak.grown_bytes or top.tensor_bytes or None,
         severity="warning",
     )
 
@@ -172,7 +187,8 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
     """``graph-retained``: the fix fits what is kept. A state the next step builds on: detach
     it where each step begins. One-element tensors (losses): ``.item()``. Larger tensors (a
     batch of generated images): ``.detach()`` frees only the graph's saved tensors, their own
-    bytes stay on the device unless moved with ``.cpu()``; the saving is what each frees."""
+    bytes stay on the device unless moved with ``.cpu()``. The saving: what the fix frees of
+    the growth measured (``.detach().cpu()``, all of it)."""
     rate = leak.growth_per_step
     own = ""
     if top.carried:  # a state the next step builds on: cut its graph at each step
@@ -186,7 +202,6 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
             + ", as truncated backpropagation through time does), so backward stops at "
             "the step; `retain_graph=True` is then no longer needed."
         )
-        saving = rate or None
     elif top.kind != "container":
         scalar = top.item_shape is None or math.prod(top.item_shape) == 1
         fix = (
@@ -196,25 +211,23 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
         )
         action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
         action += "only logs."
-        saving = rate or None
     elif top.item_shape is None or math.prod(top.item_shape) == 1:  # losses kept in a list
         action = f"Store numbers, not graphs: {_store(top, '`x.item()`')} (or `x.detach()`). "
         action += "Use `torch.no_grad()` for code that only logs."
-        saving = rate or None
     else:  # tensors of their own size: detaching keeps their bytes
         tensors = top.bytes_per_step
         graph = max(0, rate - tensors) if tensors else None
         shape = format_shape(top.item_shape)
         own = (
-            f" The {shape} tensors themselves are {format_size(tensors)} of each step's "
-            f"{format_size(rate)}."
+            f" The {shape} tensors themselves are {format_size(tensors)} of the "
+            f"{format_size(rate)} it grew by per step."
             if tensors
             else ""
         )
         detach = (
             "`x.detach()` alone frees only the graph's saved tensors"
             + (
-                f" ({format_size(graph)} a step here"
+                f" ({format_size(graph)} per step here"
                 + (": backward had freed them already)" if graph == 0 else ")")
                 if graph is not None
                 else ""
@@ -226,7 +239,6 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
             f"{_store(top, '`x.detach().cpu()`')} frees all of it; {detach}; or do not keep "
             "them. Use `torch.no_grad()` for code that only logs."
         )
-        saving = rate or None
     return Advice(
         code="graph-retained",
         title=f"`{top.name}` keeps an autograd graph alive across steps",
@@ -236,6 +248,6 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
         + ". Each step's graph (and whatever tensors it saved) stays alive."
         + own,
         action=action,
-        saving_bytes=saving,
+        saving_bytes=leak.grown_bytes or None,
         severity="critical",
     )

@@ -153,6 +153,7 @@ class GrowthDetector:
         self._persistent: int | None = None  # the last persistent bytes given
         self._seen = 0
         self.finding: tuple[int, int, int] | None = None  # (growth/step, first step, steps)
+        self.grown = 0  # the bytes that climb grew by, first step to the last (less explained)
         self.period = 1  # steps between two rises of the climb that was called a leak
         self.last_rise = -1  # the step of the last rise of that climb
         self.last_step = -1  # the last boundary observed
@@ -223,6 +224,7 @@ class GrowthDetector:
         # steady growth: the average over the steps; a staircase: a rise over its period
         per_step = grown // steps if period == 1 else grown // (len(rises) * period)
         self.finding = (per_step, first_step, steps)
+        self.grown = grown
         self.period = period
         self.last_rise = step
         return True
@@ -870,6 +872,7 @@ def growth_finding(
     return LeakFinding(
         device, rate, first, steps, suspects, graph_growth=graph_growth, period=growth.period,
         held_batches=held_batches[0], held_batch_bytes=held_batches[1],
+        grown_bytes=growth.grown if growth.finding else 0,
     )  # fmt: skip
 
 

@@ -474,6 +474,7 @@ class PhaseMachine:
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
         batch_bytes, output_bytes = self.batch_bytes(), self.output_bytes()
+        by_backward = self.step_rule() == "backward"
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -495,18 +496,25 @@ class PhaseMachine:
             # (persistent bytes: rises that new trainable parameters explain are no leak)
             pending, floor = dev.growth_pending, dev.step_floor
             if pending is not None:
-                last_step, last_level = pending
-                persistent = dev.floor_persistent
+                last_step, last_level, persistent = pending
                 if floor is None or last_level <= floor:  # the boundary's level is the lower:
-                    persistent = None  # its bytes, where needed, as they are now
-                    if dev.growth.wants_persistent(last_level):
-                        sizes = sizes or devices.persistent(dev)
-                        persistent = sum(sizes)
+                    if persistent is None and dev.growth.wants_persistent(last_level):
+                        sizes = sizes or devices.persistent(dev)  # its bytes, where needed,
+                        persistent = sum(sizes)  # as they are now
                 else:
-                    last_level = floor
+                    last_level, persistent = floor, dev.floor_persistent
                 if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
-            dev.growth_pending = (step, level - batch_bytes - output_bytes)
+            left = level - batch_bytes - output_bytes
+            # steps counted from backward passes: this boundary is a training forward's start
+            # (or the block's end), and so may not be the next: the bytes a rise is compared
+            # with are measured with its level (the last step's gradients, alive at the
+            # block's end, were no parameters made trainable)
+            known = None
+            if by_backward and dev.growth.wants_persistent(left):
+                sizes = sizes or devices.persistent(dev)
+                known = sum(sizes)
+            dev.growth_pending = (step, left, known)
             dev.step_floor = dev.floor_persistent = None
         if captured or evidence.facts.param_dtype is None:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
@@ -568,9 +576,9 @@ class PhaseMachine:
             pending, dev.growth_pending = dev.growth_pending, None
             if pending is None or dev.step_floor is None:
                 continue
-            step, level = pending
+            step, level, known = pending
             floor = dev.step_floor
-            persistent = dev.floor_persistent if floor < level else None
+            persistent = dev.floor_persistent if floor < level else known
             if dev.growth.observe(step, min(level, floor), persistent):
                 growing.append(dev)
         if growing:

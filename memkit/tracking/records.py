@@ -312,8 +312,9 @@ class DeviceRecord:
         # lowest of the level at the step's end and those the next step's training forwards
         # began at (less their new batch), what the step left behind once its own tensors
         # were freed
-        self.growth_pending: tuple[int, int] | None = None  # (step, level) at the last step
-        # boundary, not yet given to the detector
+        self.growth_pending: tuple[int, int, int | None] | None = None  # (step, level,
+        # persistent bytes measured with it, or None) at the last step boundary, not yet
+        # given to the detector
         self.step_floor: int | None = None  # the lowest level a training forward began at
         # since that boundary, less its batch
         self.floor_persistent: int | None = None  # the persistent bytes there, measured only

@@ -310,6 +310,8 @@ class LeakFinding:
         held_batches, held_batch_bytes: on the simulated device, the batches counted when
             they reached the model that were still alive when the growth was called, and their
             bytes (a list of pre-built batches grows there batch by batch).
+        grown_bytes: what it grew by over ``steps``, as measured (the last level read, less
+            the climb's start): what fixing it frees by then.
     """
 
     device: str
@@ -321,6 +323,7 @@ class LeakFinding:
     period: int = 1
     held_batches: int = 0
     held_batch_bytes: int = 0
+    grown_bytes: int = 0
 
     def headline(self) -> str:
         """One line: what grows, by how much."""
