@@ -5,6 +5,7 @@ phases, compiled models left uncompiled-around, the user's peak counters (docs/t
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -70,6 +71,32 @@ def test_module_hooks_are_gone_between_sampled_steps():
     # steps 1..9 begin after steps 0..8: detail on steps 1, 4, 8 only
     assert hooked == [True, False, False, True, False, False, False, True, False]
     assert not model[0]._forward_pre_hooks and not model._forward_pre_hooks  # all removed
+
+
+@pytest.mark.parametrize("per_module", [True, False])
+def test_a_step_between_sampled_ones_reads_the_counters_at_its_phase_boundaries_only(per_module):
+    """On a GPU every counter read is a C call that builds CUDA's statistics (about 18 us on
+    an H200). A step between sampled ones reads them where a phase begins (forward, backward,
+    the rest, optimizer) and at the step's end: 5 reads. The model's own forward hook read
+    them too (6), only to feed the model's row, which is sampled like the other rows (in
+    steps-only mode, where it is the only row, as well)."""
+    from memkit.devices.cuda_standin import cuda_standin
+
+    with cuda_standin("1GiB") as gpu:
+        model = mlp().to("cuda")
+        opt = torch.optim.AdamW(model.parameters())
+        reads = []
+        with memkit.track(model, opt, device="cuda", per_module=per_module, module_every=5) as t:
+            for _ in range(12):
+                reads.append(gpu.stat_reads)
+                model(torch.randn(32, 64).to("cuda")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    steady = {b - a for a, b in itertools.pairwise(reads[6:10])}  # steps 6-8: not sampled
+    assert steady == {5}
+    rows = {m.path: m.calls for m in t.report().devices[0].modules}
+    assert rows["Sequential"] == 4  # steps 0, 1, 5 and 10
+    assert ("0" in rows) == per_module
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

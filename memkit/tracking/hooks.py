@@ -149,6 +149,7 @@ class Hooks:
         self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._engine_wrapped = False  # backward found at the autograd engine's entry
+        self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
         # training forwards that raised (a script that catches an OOM and retries smaller):
         # what their calls kept is not added to the retry's
@@ -283,17 +284,21 @@ class Hooks:
         """Whether global hooks look for models on step ``step`` (no model given)."""
         return not self.models.compiled and step % self.module_every == 0
 
-    def _wants_detail(self, step: int) -> bool:
-        """Whether step ``step`` gets module detail: the first two steps (the first makes the
-        optimizer state, the second is the steady state), then every ``module_every``-th; never
-        for a compiled model (hooks inside its graph would break it)."""
-        if not self.per_module or self.models.compiled:
-            return False
+    def _sampled(self, step: int) -> bool:
+        """Whether step ``step`` is sampled: the first two steps (the first makes the
+        optimizer state, the second is the steady state), then every ``module_every``-th."""
         every = self.module_every
         return every <= 1 or step < 2 or step % every == 0
 
+    def _wants_detail(self, step: int) -> bool:
+        """Whether step ``step`` gets module detail: a sampled step (never for a compiled
+        model: hooks inside its graph would break it)."""
+        return self.per_module and not self.models.compiled and self._sampled(step)
+
     def schedule_detail(self) -> None:
-        """At a step boundary: module detail for the step that begins, or not."""
+        """At a step boundary: module detail for the step that begins, or not; the model's own
+        row measured on that step, or not (``_row_on``)."""
+        self._row_on = self._sampled(self.state.step)
         on = self._wants_detail(self.state.step)
         if self.models.model is not None and self._layout == (on, False):
             return  # as it is (the usual case: set_detail would find the same)
@@ -626,6 +631,23 @@ class Hooks:
         if kind < 0:
             return
         dev = frame.dev
+        if (
+            not stack
+            and kind == TRAIN_PASS
+            and not self._row_on
+            and output is not None
+            and self._engine_wrapped
+            and dev.pending is None
+            and self.devices.sim is None
+            and state.fsdp is None
+            and not frame.region_children
+        ):
+            # a training forward of the model between sampled steps: its segment goes on
+            # into the loss (the forward phase either way) and closes where backward begins;
+            # a read here would only feed the model's own row, sampled like the others (also
+            # in steps-only mode and for a compiled model, where it is the only row)
+            self.phases.note_output(output)
+            return
         a, r, p, pr = dev.read()
         if p > a:
             dev.reset()
@@ -654,7 +676,8 @@ class Hooks:
                 ms.peak = fmax
             if fmax - alloc_in > ms.over_max:
                 ms.over_max = fmax - alloc_in
-            if not ms.leaf and not raised:  # a block: what checkpointing it would keep
+            if not ms.leaf and not raised and state.detail_on:  # a block (sampled steps, with
+                # module detail): what checkpointing it would keep
                 t = output if type(output) is torch.Tensor else _first_tensor(output)
                 if t is not None and t.numel() * t.element_size() > ms.out_max:
                     ms.out_max = t.numel() * t.element_size()
