@@ -95,6 +95,31 @@ def test_phases_steps_modules_and_breakdown():
     assert model.training and no_hooks_left(model)
 
 
+def test_a_users_own_pre_hook_is_inside_its_modules_forward():
+    """``spectral_norm`` computes the layer's weight in a forward pre-hook the user's code
+    registered first. With the model given, memkit's pre-hook ran after it: the 1 MiB weight
+    landed in the parent's row. torch's global hooks (no model given) run before every
+    module hook and saw it in the layer's: both must say the same."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(),
+                             nn.utils.spectral_norm(nn.Linear(512, 512)))  # fmt: skip
+
+    kept = []
+    for given in (True, False):
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with track(model if given else None, opt, device="cpu", budget="64MiB") as t:
+            for _ in range(2):
+                model(torch.randn(64, 256)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        rows = {m.path: m.activation_bytes for m in t.report().devices[0].modules}
+        kept.append(rows["2"])
+    assert kept[0] == kept[1] >= 512 * 512 * 4  # the weight spectral_norm made in the layer
+
+
 def test_json_text_and_html_render():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

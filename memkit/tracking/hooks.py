@@ -168,7 +168,11 @@ class Hooks:
             # do nothing; around the compiled call they run as Python, the graph untouched
             h.append(_AroundCompiledCall(model, self._make_root_pre(leaf), self._make_post()))
         elif model is not None:  # the model's own hooks stay for the block
-            h.append(model.register_forward_pre_hook(self._make_root_pre(leaf), with_kwargs=True))
+            h.append(
+                model.register_forward_pre_hook(
+                    self._make_root_pre(leaf), with_kwargs=True, prepend=not is_fsdp_unit(model)
+                )
+            )
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
                 model.register_forward_hook(
@@ -254,8 +258,10 @@ class Hooks:
                 pre = made.get(key)
                 if pre is None:
                     pre = made[key] = self._make_pre(name, leaf, root_name)
-                h.append(mod.register_forward_pre_hook(pre))
                 fsdp = is_fsdp_unit(mod)
+                # first of its pre-hooks: what the user's own do (spectral_norm computes the
+                # weight in one) is the module's forward, as torch's global hooks see it
+                h.append(mod.register_forward_pre_hook(pre, prepend=not fsdp))
                 h.append(mod.register_forward_hook(post, always_call=True, prepend=fsdp))
             return
         from torch.nn.modules import module as nn_module
@@ -277,7 +283,11 @@ class Hooks:
         for root in list(self.models.roots.values()):
             mod = root.ref()
             if mod is not None and root.model:
-                h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True))
+                h.append(
+                    mod.register_forward_pre_hook(
+                        root_pre, with_kwargs=True, prepend=not is_fsdp_unit(mod)
+                    )
+                )
                 h.append(mod.register_forward_hook(post, always_call=True))
 
     def _looks_for_models(self, step: int) -> bool:
