@@ -120,6 +120,25 @@ def test_a_users_own_pre_hook_is_inside_its_modules_forward():
     assert kept[0] == kept[1] >= 512 * 512 * 4  # the weight spectral_norm made in the layer
 
 
+def test_an_oom_after_more_backward_passes_than_the_trainer_accumulates_stays_in_its_step():
+    """A trainer said it accumulates over 4, yet no optimizer ever steps (manual SGD): an OOM
+    at the 8th pass is in step 7, not folded into step 0 as a micro-batch would be."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    tracker = track(model, device="cpu", budget="4MiB", postmortem=None)
+    tracker.trainer_settings(accumulation_steps=4)
+    with pytest.raises(torch.OutOfMemoryError), tracker:
+        for i in range(10):
+            loss = model(torch.randn(32 if i < 7 else 4096, 64)).pow(2).mean()
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+    oom = tracker.report().oom
+    assert oom is not None and oom.step == 7
+
+
 def test_json_text_and_html_render():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

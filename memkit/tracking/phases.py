@@ -257,8 +257,11 @@ class PhaseMachine:
         # are counted from backward passes, where the next micro-batch's forward rightly finds
         # the accumulating gradients: also when the optimizer was seen stepping before the
         # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it)
-        seen = self.models.seen_optimizers
-        if state.step > facts.grads_checked_step and seen and not self.backward_steps:
+        if (
+            state.step > facts.grads_checked_step
+            and self.models.seen_optimizers
+            and not self.backward_steps
+        ):
             facts.grads_checked_step = state.step
             if not self.grads_none_at_forward:  # read by the transition just now
                 facts.grads_steps += 1
@@ -474,7 +477,7 @@ class PhaseMachine:
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
         batch_bytes, output_bytes = self.batch_bytes(), self.output_bytes()
-        by_backward = self.step_rule() == "backward"
+        by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -614,12 +617,13 @@ class PhaseMachine:
 
     def optimizer_step_of(self, step: int) -> int:
         """The optimizer step that ``step`` is in: while steps are counted from backward
-        passes and the trainer said it accumulates (``accumulation_steps`` told), those steps
-        are micro-batches of the optimizer step that began them, as
+        passes and the trainer said it accumulates (``accumulation_steps`` told), fewer of
+        them than it accumulates are micro-batches of the optimizer step that began them, as
         :meth:`_fold_backward_steps` will fold them (an OOM in step 0's second micro-batch is
         in step 0); else ``step``."""
         n = self.backward_steps
-        if not n or self.manual_steps or (self.evidence.facts.accumulation_steps or 1) < 2:
+        k = self.evidence.facts.accumulation_steps or 1
+        if not n or self.manual_steps or k < 2 or n >= k:  # (k or more: no optimizer steps)
             return step
         return min(step, self.state.step - n)
 

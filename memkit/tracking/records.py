@@ -362,7 +362,7 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
                 recompute_calls=ms.recompute_calls,
                 type_name=ms.type_name,
                 first_call=first_call,
-                output_bytes=None if ms.leaf else ms.out_max,
+                output_bytes=None if ms.leaf or not ms.out_max else ms.out_max,
             )
         )
     out.sort(key=lambda m: m.self_activation_bytes, reverse=True)
