@@ -317,6 +317,11 @@ def test_diff_notes_when_the_sides_read_different_devices():
     assert "different kinds of device" in kinds and "no accelerator visible" in kinds
     assert not (small - small).notes and json.loads((large - host).to_json())["notes"] == [kinds]
     assert "different kinds of device" in (large - host)._repr_html_()
+    # one GPU whose total came from nvidia-smi before CUDA was used, from cudaMemGetInfo
+    # after (or was unknown before): the same device, no note
+    smi = _snap(_fake(total=81559 * 2**20, reserved=0, allocated=0))
+    used = _snap(_fake(total=85_029_158_912, used_source="cudaMemGetInfo"), 3.0)
+    assert not (used - smi).notes and not (used - _snap(_fake(total=None))).notes
 
 
 def test_diff_of_real_snapshots_across_a_train_step(no_smi):

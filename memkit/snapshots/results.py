@@ -566,14 +566,26 @@ def _device_words(dev: DeviceSnapshot) -> str:
     return f"{dev.device}: {dev.name}{shown}"
 
 
+def _same_device(was: DeviceSnapshot, now: DeviceSnapshot) -> bool:
+    """Whether two readings matched by key are one device: the same kind; for a simulated
+    device the same budget; for GPUs the same UUID where both are known (a GPU's total is no
+    identity: nvidia-smi's before CUDA is used, cudaMemGetInfo's after, differ)."""
+    if was.kind != now.kind:
+        return False
+    if now.kind == "simulated":
+        return was.total == now.total
+    return was.uuid is None or now.uuid is None or was.uuid == now.uuid
+
+
 def _different_devices(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
     """Notes where the two sides did not read the same devices: a device matched by its key
-    whose kind or size differs, or sides whose kinds of device differ."""
+    that is not the same device (:func:`_same_device`), or sides whose kinds of device
+    differ."""
     notes = []
     old = {d.key: d for d in before.devices}
     for dev in after.devices:
         was = old.get(dev.key)
-        if was is not None and (was.kind, was.total) != (dev.kind, dev.total):
+        if was is not None and not _same_device(was, dev):
             notes.append(
                 f"{dev.device} is not one device over time: {_device_words(was)} before, "
                 f"{_device_words(dev)} after; its rows compare two devices"
