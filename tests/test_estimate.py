@@ -774,6 +774,34 @@ def test_a_models_own_data_dependent_routing_is_sent_to_the_simulated_device() -
     assert "memkit probe FILE --device cpu --budget <the GPU's memory>" in said
 
 
+def test_infer_takes_the_files_loss_as_probes_evaluation_step_does(tmp_path: Path) -> None:
+    """``memkit probe --mode infer`` takes the file's ``loss_fn`` after the forward (an eval
+    loop's ``test_loss += loss_fn(...).item()``); the estimate ran the forward alone and
+    answered for a step the loop does not run (a bfloat16 classifier's float32 loss: 2560
+    where the loss-taking step fits 896 on a 564 MiB ampere)."""
+    body = (
+        "import torch\n"
+        "def build_model():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(64, 4096)).to(torch.bfloat16)\n"
+        "def make_batch(n):\n"
+        "    return torch.randn(n, 64, dtype=torch.bfloat16), torch.randint(0, 4096, (n,))\n"
+    )
+    loss = (
+        "def loss_fn(logits, batch):\n"
+        "    return torch.nn.functional.cross_entropy(logits.float(), batch[1])\n"
+    )
+    answers = []
+    for text in (body, body + loss):
+        path = tmp_path / f"cls{len(answers)}.py"
+        path.write_text(text)
+        answers.append(estimate(str(path), device_memory="564MiB", mode="infer").max_batch_size)
+    forward_only, with_loss = answers
+    assert forward_only is not None and with_loss is not None
+    assert with_loss < 0.5 * forward_only  # float32 logits and log-probabilities: 10 B a logit
+
+
 def test_a_float64_model_fed_float32_fails_as_on_a_gpu(tmp_path: Path) -> None:
     """Meta kernels do not check dtypes; the GPU's (and probe's real run) refuse the mix, so
     the estimate must fail too (it used to answer, exit 0). The CLI gives exit code 3."""

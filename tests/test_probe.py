@@ -1138,8 +1138,8 @@ def test_infer_with_a_loss_fn_takes_the_loss_as_an_eval_loop_does():
     F.cross_entropy(logits.float(), y).item()`` under ``no_grad``, the float32 copy of a
     bfloat16 model's logits and its log-probabilities larger than the forward's own peak.
     An evaluation probe that ran the forward alone answered far above what that loop fits
-    (sweep U's VAE: 435 against 431). With ``loss_fn`` in the model file, the evaluation step
-    takes the loss too."""
+    (471 where it fits 190). With ``loss_fn`` in the model file, the evaluation step takes
+    the loss too."""
 
     def classifier() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -442,12 +442,15 @@ class MetaSession:
         ``linear`` on 3-D inputs...) reaches the accountant as one call, whose inner ops'
         temporaries (``cross_entropy``'s log-probabilities) are never counted; on a GPU they
         are allocated all the same. ``no_grad`` keeps the autograd keys, where those ops
-        decompose above the accountant, as they run on CUDA.
+        decompose above the accountant, as they run on CUDA. With the file's ``loss_fn``, the
+        loss follows the forward, as in ``memkit probe``'s evaluation step.
         """
         with torch.no_grad():
             output = call_model(self.model, batch)
-        if self.keep_output:
-            self.plan.hold(output)  # the previous output lived until this forward returned
+            if self.keep_output:
+                self.plan.hold(output)  # the previous output lived until this forward returned
+            if self.plan.loss_fn is not None:  # an eval loop's `loss_fn(...).item()`
+                self.plan.loss_fn(output, batch)
         del output
 
     def run(self, batch_size: int) -> TrialPeaks:
