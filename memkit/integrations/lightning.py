@@ -303,8 +303,9 @@ def probe_batch_size(
             on_trial=on_trial,
             defaults=[f"optimizer: {type(optimizer).__name__} (configure_optimizers)"],
             step_label=(
-                "step: Lightning's automatic optimization (training_step, loss / "
-                f"{accumulate_grad_batches}, optimizer_zero_grad, backward, optimizer.step"
+                "step: Lightning's automatic optimization (training_step, "
+                + (f"loss / {accumulate_grad_batches}, " if accumulate_grad_batches > 1 else "")
+                + "optimizer_zero_grad, backward, optimizer.step"
                 + (
                     "; accumulating: optimizer_zero_grad in the first micro-batch only, "
                     "optimizer.step in the last)"
