@@ -771,7 +771,7 @@ def test_a_models_own_data_dependent_routing_is_sent_to_the_simulated_device() -
         run_guarded(route, 8)
     said = str(info.value)
     assert "hold no values" in said and "routing" in said
-    assert "memkit probe FILE --device cpu --budget <the GPU's memory>" in said
+    assert "--device cpu --budget <the GPU's memory less its CUDA context>" in said
 
 
 def test_infer_takes_the_files_loss_as_probes_evaluation_step_does(tmp_path: Path) -> None:

@@ -78,8 +78,9 @@ def refuse_sparse_gradients(model: torch.nn.Module, path: str) -> None:
             "gradient holds no rows (their number depends on the indices a batch looks up), so "
             "it would count 0 bytes. Measure the step on the simulated device, which counts a "
             f"sparse tensor's indices and values: memkit probe {path} --device cpu --budget "
-            "<the GPU's memory>; or estimate a copy with sparse=False, whose dense gradients "
-            "take the whole table's bytes. --mode infer needs no gradients and runs."
+            "<the GPU's memory less its CUDA context>; or estimate a copy with sparse=False, "
+            "whose dense gradients take the whole table's bytes. --mode infer needs no "
+            "gradients and runs."
         )
 
 

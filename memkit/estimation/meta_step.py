@@ -43,6 +43,9 @@ __all__ = [
 
 META = torch.device("meta")
 
+_SIMULATED_RUN = "memkit probe FILE --device cpu --budget <the GPU's memory less its CUDA context>"
+"""The run that measures a step the estimate cannot run on meta, on the simulated device."""
+
 _REDISPATCH: Callable[..., Any] | None = getattr(torch.overrides, "redispatch_function", None)
 """``torch.overrides.redispatch_function`` where the installed PyTorch has it (2.13 does):
 runs a Python function's body past its own ``__torch_function__`` check, so a mode back on its
@@ -537,15 +540,13 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
             said += (
                 ". The step makes sparse tensors, and PyTorch has no meta kernel for this sparse "
                 "op, so memkit estimate cannot run it. Measure it on the simulated device "
-                "instead, which counts a sparse tensor's indices and values: memkit probe FILE "
-                "--device cpu --budget <the GPU's memory>."
+                f"instead, which counts a sparse tensor's indices and values: {_SIMULATED_RUN}."
             )
         elif missing:
             said += (
                 f". PyTorch has no meta kernel for {missing} (a torch op, not your code: CTC "
                 "loss, some sparse or fused kernels), so memkit estimate cannot run this step. "
-                "Measure it on the simulated device instead, which runs it: memkit probe FILE "
-                "--device cpu --budget <the GPU's memory>."
+                f"Measure it on the simulated device instead, which runs it: {_SIMULATED_RUN}."
             )
         elif _host_tensor_met(exc):
             said += (
@@ -560,8 +561,7 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
                 "data-dependent shapes such as nonzero or a mixture of experts' top-k routing, "
                 ".numpy()) cannot run there. Where that code is in the step only, move it out or "
                 "define train_step without it; where it is the model's own (routing), measure it "
-                "on the simulated device instead, which runs it: memkit probe FILE --device cpu "
-                "--budget <the GPU's memory>."
+                f"on the simulated device instead, which runs it: {_SIMULATED_RUN}."
             )
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (
