@@ -109,18 +109,19 @@ def recommended_words(
 def memory_model_words(fixed: float, per_sample: float, what: str = "") -> str:
     """The reported line ``fixed + per_sample per sample`` (``what``: ``" (reserved)"``). A
     negative fixed part is the chord of peaks that grow faster than the batch (a B x B term:
-    a contrastive loss's logits): the line says so rather than read as a fixed cost.
+    a contrastive loss's logits), or that scatter: the line says so rather than read as a
+    fixed cost.
 
     Examples:
         >>> memory_model_words(1 << 20, 1 << 10)
         'memory model: 1.00 MiB + 1.00 KiB per sample'
-        >>> memory_model_words(-(1 << 20), 1 << 10).endswith("not to extrapolate)")
+        >>> memory_model_words(-(1 << 20), 1 << 10).endswith("do not extrapolate it)")
         True
     """
     line = f"memory model: {format_size(fixed)} + {format_size(per_sample)} per sample{what}"
     if fixed < 0:
         line += (
-            " (a line through the largest sizes; the peaks grow faster than the batch, so "
-            "the fixed part is no cost and the line is not to extrapolate)"
+            " (a chord through the largest sizes, not a fixed cost: the peaks grow faster "
+            "than the batch there, or scatter; do not extrapolate it)"
         )
     return line
