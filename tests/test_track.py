@@ -721,6 +721,12 @@ def test_growth_detector_and_scan_helpers():
     levels = [5, 10, 10, 10, 20, 20, 20, 30, 30, 30, 40]
     flags = [det.observe(i, level) for i, level in enumerate(levels)]
     assert flags.index(True) == 10 and det.finding == (3, 3, 7) and det.period == 3
+    # a staircase of 1000 bytes every 4 steps, with a 1-byte bump a step before each stair:
+    # the bumps count as rises but do not set the period (old: every 2 steps)
+    det = GrowthDetector(warmup=1, window=3)
+    levels = [0, 0, 0, 1, 1001, 1001, 1001, 1002, 2002, 2002, 2002, 2003, 3003]
+    assert [det.observe(i, level) for i, level in enumerate(levels)].count(True) == 4
+    assert det.period == 4 and det.finding == (250, 2, 10)  # a typical rise of 1000 per 4
     # healthy noise: levels that come back down never add up to a leak
     det = GrowthDetector(warmup=1, window=3)
     levels = [5, 10, 12, 10, 14, 11, 16, 10, 18, 12, 20]
