@@ -564,6 +564,10 @@ _NUMBER = re.compile(r"\.item\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
 """What makes a line store a number, not a tensor."""
 
 
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?![\w(])")
+"""A variable's name in an expression (not an attribute, not a call)."""
+
+
 def _first_line(
     code: CodeType, lineno: int, name: str, graph: bool = True
 ) -> tuple[int, bool, tuple[int, ...]]:
@@ -1022,11 +1026,30 @@ class LeakWatch:
             if c.name == top.name and c.place[0] == top.filename and c.first_line == top.line:
                 ties = c.ties
                 if sum(map(len, ties.values())) > 1:
+                    self._guess_line(scan, c, top)
                     self.trace = LineTrace(ties)
                     with contextlib.suppress(Exception):  # inspection must never break training
                         if self.trace.start(frame):
                             self._traced = (top.name, top.filename, top.line)
                 return
+
+    def _guess_line(self, scan: list[Candidate], c: Candidate, top: LeakSuspect) -> None:
+        """Until the trace sees one run (an evaluation every N steps may not run while it
+        traces), name the first of ``c``'s lines that grows it with a variable the scan
+        saw holding a graph in its frame (``val_losses.append(vloss)``, not the branch
+        that never ran: ``val_losses.append(tot / 3)``), if not the first line itself."""
+        graphs = {o.name for o in scan if o.code is c.code and o.graph and o.kind == "tensor"}
+        assign = re.compile(_ASSIGN.format(name=re.escape(c.name.removeprefix("self."))))
+        for code, lines in c.ties.items():
+            for line in sorted(lines):
+                text = linecache.getline(code.co_filename, line)
+                m = assign.search(text)
+                if m is not None and graphs.intersection(_NAME.findall(text[m.end() :])):
+                    if line != top.line:
+                        self.moved[(top.name, top.filename, top.line)] = (
+                            code.co_filename, code.co_name, line, text.strip(),
+                        )  # fmt: skip
+                    return
 
     def settle(self, end: bool = False) -> bool:
         """A step boundary (``end``: the block's end, which stops the trace): whether the line
