@@ -2035,3 +2035,25 @@ def test_an_oom_in_a_mean_teachers_forward_is_an_ema_s_and_the_students_activati
     advice = next(a for a in pm.advice if a.code == "oom-frozen-model")
     assert "EMA" in advice.evidence and "offline" not in advice.action
     assert "autocast" in advice.action
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_tensors_a_line_moves_to_the_cpu_are_the_simulated_devices_count(device):
+    """``features.append(out.detach().cpu())`` frees a GPU; on the simulated device (the
+    CPU) ``.cpu()`` keeps the same tensor: it proposed that very line as the fix. Where the
+    device is a GPU's, the container's tensors were seen there: still a leak."""
+    from memkit.advice.leaks import graph_retained_advice
+    from memkit.tracking.report import LeakFinding, LeakSuspect
+
+    code = "features.append(out.detach().cpu())"
+    top = LeakSuspect("features", "hook", "h.py", 11, code, "container", 8, True,
+                      graph=False, length=8, item_shape=(64, 512), item_bytes=1 << 17,
+                      tensor_bytes=1 << 20)  # fmt: skip
+    leak = LeakFinding(device, 1 << 17, 2, 8, (top,), grown_bytes=1 << 20)
+    (advice,) = graph_retained_advice([leak])
+    assert advice.code == "tensors-kept"
+    if device == "cpu":
+        assert advice.severity == "info" and advice.saving_bytes is None
+        assert "simulated device" in advice.title and "x.detach().cpu()" not in advice.action
+    else:
+        assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
