@@ -2057,3 +2057,33 @@ def test_tensors_a_line_moves_to_the_cpu_are_the_simulated_devices_count(device)
         assert "simulated device" in advice.title and "x.detach().cpu()" not in advice.action
     else:
         assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
+
+
+def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak():
+    """The segment an OOM ends is the post-mortem's, not the breakdown's: the breakdown is
+    the highest moment before it (a forward), below the backward peak the table shows; its
+    heading said "at the training peak"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="4MiB") as tr,
+    ):
+        for step in range(4):
+            x, y = torch.randn(128 << step, 64), torch.randint(0, 10, (128 << step,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    report = tr.report()
+    dev = report.devices[0]
+    assert report.oom is not None and report.oom.phase == "backward"
+    assert dev.breakdown is not None and dev.breakdown.phase == "forward"
+    backward = dev.phase_peaks["backward"]
+    assert backward is not None and backward > dev.breakdown.total
+    text = str(report)
+    assert "at the training peak" not in text
+    assert "at the highest training moment measured before the error (step 1, forward" in text
+    assert f"the backward peak, {format_size(backward)}, was where it failed" in text
