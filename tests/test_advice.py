@@ -23,7 +23,14 @@ from memkit.advice.track import eval_peak, measured_advice, track_advice
 from memkit.oom import parse_oom_message
 from memkit.render.advice import advice_html, advice_text
 from memkit.tracking import track
-from memkit.tracking.report import Breakdown, DeviceReport, TrackReport, TrainingSetup
+from memkit.tracking.report import (
+    Breakdown,
+    DeviceReport,
+    LeakFinding,
+    StepRecord,
+    TrackReport,
+    TrainingSetup,
+)
 from memkit.units import format_size
 
 MiB = 1024**2
@@ -532,6 +539,33 @@ def test_eval_peak_asks_for_inference_mode_only_where_autograd_ran():
     assert "inference_mode" not in no_grad.action
     grad = dataclasses.replace(report, eval_grad_forwards=3)
     assert "`torch.inference_mode()`" in eval_peak(grad)[0].action
+
+
+def test_eval_peak_claims_no_saving_where_the_leak_grown_in_evaluation_is_the_gap():
+    """An evaluation every 4 steps keeps its losses with their graphs: the eval/training gap
+    is the newest evaluation's graphs on top of the kept ones. "Give evaluation its own,
+    smaller batch size ... saving ~7.25 MiB" claimed what fixing the leak frees; where the
+    leak grew in training steps instead, the gap is evaluation's own (the old advice)."""
+
+    def step(i: int, rise: int, evaluated: bool) -> StepRecord:
+        start = 10 * MiB + 6 * MiB * (i // 4)
+        peaks = {"forward": start + MiB, "eval": start + rise + MiB if evaluated else None}
+        return StepRecord(i, start, start + rise, start + MiB, start + MiB, peaks, 0.1)
+
+    steps = [step(i, 6 * MiB if i % 4 == 3 else 0, i % 4 == 3) for i in range(12)]
+    phases = {"forward": 23 * MiB, "backward": 22 * MiB, "eval": 29 * MiB}
+    leak = LeakFinding("cpu", 6 * MiB // 4, 2, 9, (), period=4, grown_bytes=18 * MiB)
+    dev = DeviceReport("cpu", "cpu", "sim", 256 * MiB, 0, 0, 29 * MiB, 29 * MiB, phases,
+                       steps=tuple(steps), leak=leak)  # fmt: skip
+    report = TrackReport(devices=(dev,), steps=12, mode="per-module", duration_s=1.0)
+    (advice,) = eval_peak(report)
+    assert advice.saving_bytes is None and "leak" in advice.title
+    assert "smaller batch size" not in advice.action
+    in_training = [dataclasses.replace(s, phase_peaks={**s.phase_peaks, "eval": None})
+                   for s in steps]  # fmt: skip
+    moved = dataclasses.replace(dev, steps=(*in_training[:-1], steps[-1]))
+    (own,) = eval_peak(dataclasses.replace(report, devices=(moved,)))
+    assert own.saving_bytes == 6 * MiB and "smaller batch size" in own.action
 
 
 def test_the_oom_accumulation_saving_holds_when_the_advice_is_applied():

@@ -765,6 +765,12 @@ def test_growth_detector_and_scan_helpers():
     levels = [5, 10, 10, 10, 20, 20, 20, 30, 30, 30, 40]
     flags = [det.observe(i, level) for i, level in enumerate(levels)]
     assert flags.index(True) == 10 and det.finding == (3, 3, 7) and det.period == 3
+    # a staircase of 1000 bytes every 4 steps, with a 1-byte bump a step before each stair:
+    # the bumps count as rises but do not set the period (old: every 2 steps)
+    det = GrowthDetector(warmup=1, window=3)
+    levels = [0, 0, 0, 1, 1001, 1001, 1001, 1002, 2002, 2002, 2002, 2003, 3003]
+    assert [det.observe(i, level) for i, level in enumerate(levels)].count(True) == 4
+    assert det.period == 4 and det.finding == (250, 2, 10)  # a typical rise of 1000 per 4
     # healthy noise: levels that come back down never add up to a leak
     det = GrowthDetector(warmup=1, window=3)
     levels = [5, 10, 12, 10, 14, 11, 16, 10, 18, 12, 20]
@@ -2073,3 +2079,55 @@ def test_an_oom_in_a_mean_teachers_forward_is_an_ema_s_and_the_students_activati
     advice = next(a for a in pm.advice if a.code == "oom-frozen-model")
     assert "EMA" in advice.evidence and "offline" not in advice.action
     assert "autocast" in advice.action
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_tensors_a_line_moves_to_the_cpu_are_the_simulated_devices_count(device):
+    """``features.append(out.detach().cpu())`` frees a GPU; on the simulated device (the
+    CPU) ``.cpu()`` keeps the same tensor: it proposed that very line as the fix. Where the
+    device is a GPU's, the container's tensors were seen there: still a leak."""
+    from memkit.advice.leaks import graph_retained_advice
+    from memkit.tracking.report import LeakFinding, LeakSuspect
+
+    code = "features.append(out.detach().cpu())"
+    top = LeakSuspect("features", "hook", "h.py", 11, code, "container", 8, True,
+                      graph=False, length=8, item_shape=(64, 512), item_bytes=1 << 17,
+                      tensor_bytes=1 << 20)  # fmt: skip
+    leak = LeakFinding(device, 1 << 17, 2, 8, (top,), grown_bytes=1 << 20)
+    (advice,) = graph_retained_advice([leak])
+    assert advice.code == "tensors-kept"
+    if device == "cpu":
+        assert advice.severity == "info" and advice.saving_bytes is None
+        assert "simulated device" in advice.title and "x.detach().cpu()" not in advice.action
+    else:
+        assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
+
+
+def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak():
+    """The segment an OOM ends is the post-mortem's, not the breakdown's: the breakdown is
+    the highest moment before it (a forward), below the backward peak the table shows; its
+    heading said "at the training peak"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="4MiB") as tr,
+    ):
+        for step in range(4):
+            x, y = torch.randn(128 << step, 64), torch.randint(0, 10, (128 << step,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    report = tr.report()
+    dev = report.devices[0]
+    assert report.oom is not None and report.oom.phase == "backward"
+    assert dev.breakdown is not None and dev.breakdown.phase == "forward"
+    backward = dev.phase_peaks["backward"]
+    assert backward is not None and backward > dev.breakdown.total
+    text = str(report)
+    assert "at the training peak" not in text
+    assert "at the highest training moment measured before the error (step 1, forward" in text
+    assert f"the backward peak, {format_size(backward)}, was where it failed" in text

@@ -261,6 +261,40 @@ def test_a_global_list_is_named_at_the_line_that_appends_to_it(tmp_path, args, f
     assert sys.gettrace() is None  # the trace is gone
 
 
+EVAL_LEAK = """\
+import sys, torch
+from torch import nn
+model = nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+xv = torch.randn(64, 8)
+val_losses = []
+for step in range(1, 21):
+    loss = model(torch.randn(4, 8)).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step % 4 == 0:
+        if sys.argv[1:] == ["good"]:
+            with torch.no_grad():
+                tot = model(xv).square().mean().item()
+            val_losses.append(tot / 3)
+        else:
+            vloss = model(xv).square().mean()
+            val_losses.append(vloss)
+"""
+
+
+def test_a_line_the_trace_did_not_see_run_is_the_one_appending_a_graph(tmp_path):
+    """An evaluation every 4 steps keeps its loss with its graph; the line trace (2 steps)
+    sees neither append run. It named the first in the file, ``val_losses.append(tot / 3)``
+    in the branch that never runs; now the line appending a variable that holds a graph."""
+    script = tmp_path / "eval_leak.py"
+    script.write_text(EVAL_LEAK)
+    (leak,) = run_script(script, (), device="cpu", budget="16MiB").report.leaks
+    top = leak.suspects[0]
+    line = EVAL_LEAK.splitlines().index("            val_losses.append(vloss)") + 1
+    assert (top.name, top.line, top.code) == ("val_losses", line, "val_losses.append(vloss)")
+    assert leak.period == 4
+
+
 def test_the_line_trace_stays_off_once_torch_compile_made_graphs(monkeypatch) -> None:
     """memkit must cause no recompilation: a trace function set while compiled code runs
     could change what Dynamo does, so the line trace does not start after torch.compile."""

@@ -37,15 +37,15 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
     return out
 
 
-def _growth(leak: LeakFinding) -> str:
+def _growth(leak: LeakFinding, saving: bool = True) -> str:
     """The evidence's first sentences: how the memory (or a graph) grew, and by how much in
-    all (the saving)."""
+    all (``saving``: said to be the saving)."""
     if leak.period > 1:
         return (
             f"Allocated memory on {leak.device} grew by "
             f"{format_size(leak.growth_per_step * leak.period)} every {leak.period} steps "
             f"over {leak.steps} steps (from step {leak.first_step}) without coming back down"
-            + _in_all(leak)
+            + _in_all(leak, saving)
         )
     if leak.graph_growth and leak.growth_per_step <= 0:
         return (
@@ -57,20 +57,20 @@ def _growth(leak: LeakFinding) -> str:
     return (
         f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "
         f"per step over {leak.steps} steps (from step {leak.first_step}) without "
-        "coming back down" + _in_all(leak)
+        "coming back down" + _in_all(leak, saving)
     )
 
 
-def _in_all(leak: LeakFinding) -> str:
+def _in_all(leak: LeakFinding, saving: bool = True) -> str:
     """The end of :func:`_growth`'s sentence: the bytes grown over the climb, as measured
-    (the saving: what fixing it frees at least; growth before the climb's start and after
-    the last step read is not in it)."""
+    (``saving``: said to be what fixing it frees at least; growth before the climb's start
+    and after the last step read is not in it)."""
     if leak.grown_bytes <= 0:
         return "."
     last = leak.first_step + leak.steps
     return (
-        f": {format_size(leak.grown_bytes)} in all from step {leak.first_step} to step "
-        f"{last}, the least that fixing it saves (a longer run keeps more)."
+        f": {format_size(leak.grown_bytes)} in all from step {leak.first_step} to step {last}"
+        + (", the least that fixing it saves (a longer run keeps more)." if saving else ".")
     )
 
 
@@ -132,7 +132,8 @@ def _memory_growth(
 def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
     """``tensors-kept``: a container of device tensors without a graph grows (detached
     outputs kept in a list; a replay buffer filling up). A deque with a ``maxlen`` levels off
-    at ``maxlen`` items: said, with the bytes it will hold."""
+    at ``maxlen`` items: said, with the bytes it will hold. On the simulated device, tensors
+    the line moves off the device (``.detach().cpu()``) stay counted: said, no leak."""
     shape = "" if top.item_shape is None else f" (the last a {format_shape(top.item_shape)} tensor)"
     line = f"; line: `{top.code}`" if top.code else ""
     held = (
@@ -161,6 +162,22 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
             saving_bytes=None,
             severity="info",
         )
+    moved = _OFF_DEVICE.search(top.code)
+    if leak.device == "cpu" and moved is not None:  # the simulated device: `.cpu()` is a no-op
+        return Advice(
+            code="tensors-kept",
+            title=f"`{top.name}` keeps tensors its line moves off the device: the simulated "
+            "device's count, no leak",
+            evidence=_growth(leak, saving=False)
+            + held
+            + f" Its line moves them off the device (`{moved[0]}`): "
+            "on a GPU it frees the device; the simulated device runs on the CPU, where "
+            f"`{moved[0]}` keeps the same tensor, so their bytes stay counted here.",
+            action="Nothing to fix for the device; they still take host memory: keep only "
+            "the last N (`collections.deque(maxlen=N)`), or none, if that matters.",
+            saving_bytes=None,
+            severity="info",
+        )
     numbers = top.item_shape is not None and math.prod(top.item_shape) == 1
     item = "`x.item()`" if numbers else "`x.detach().cpu()`"
     store = _store(top, item)
@@ -174,6 +191,12 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
         saving_bytes=leak.grown_bytes or top.tensor_bytes or None,
         severity="warning",
     )
+
+
+_OFF_DEVICE = re.compile(
+    r"\.cpu\(\)|\.to\(\s*(?:device\s*=\s*)?['\"]cpu['\"]|\.numpy\(\)|\.item\(\)|\.tolist\(\)"
+)
+"""What moves a tensor off the device (a no-op on the simulated device, which is the CPU)."""
 
 
 def _store(top: LeakSuspect, item: str) -> str:

@@ -103,6 +103,24 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
+        leaked = _grown_evaluating(dev)
+        if leaked >= evaluation - training:
+            out.append(
+                Advice(
+                    code="eval-peak",
+                    title=f"evaluation peaks above training on {dev.device}: what the leak keeps",
+                    evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training "
+                    f"peaked at {format_size(training)}. The {format_size(evaluation - training)}"
+                    " between them is within what memory grew by in the steps that evaluate "
+                    f"({format_size(leaked)}, the leak found there): evaluation holds what it "
+                    "makes on top of what earlier evaluations kept, so the gap is the leak's "
+                    "until it is fixed, and no saving is claimed for a smaller evaluation batch.",
+                    action="Fix the leak first (its advice above), then track again: "
+                    "evaluation's own peak says whether it needs a smaller batch.",
+                    severity="info",
+                )
+            )
+            continue
         autograd = (
             "and run it under `torch.inference_mode()`"
             if report.eval_grad_forwards > 0
@@ -122,6 +140,20 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             )
         )
     return out
+
+
+def _grown_evaluating(dev: DeviceReport) -> int:
+    """What ``dev``'s leak grew by in the steps that ran an evaluation, when most of its
+    growth was there (an evaluation keeping its losses with their graphs); else 0."""
+    if dev.leak is None:
+        return 0
+    rises = [
+        (s.end_allocated - s.start_allocated, s.phase_peaks.get("eval") is not None)
+        for s in dev.steps
+        if s.step >= dev.leak.first_step and s.end_allocated > s.start_allocated
+    ]
+    evaluating = sum(rise for rise, evaluated in rises if evaluated)
+    return evaluating if 2 * evaluating > sum(rise for rise, _ in rises) else 0
 
 
 def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int) -> Advice | None:

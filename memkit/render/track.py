@@ -375,6 +375,11 @@ def _device_text(dev: DeviceReport) -> list[str]:
         )
         trained = bd.phase != "eval" and any(s.backward_passes for s in dev.steps)
         what = "the training peak" if trained else "the peak"
+        peaks = {p: v for p, v in dev.phase_peaks.items() if v is not None and p != "eval"}
+        highest = max(peaks, key=lambda p: peaks[p], default=None)
+        if highest is not None and peaks[highest] > bd.total:  # in the segment that failed
+            what = f"the highest {'training ' if trained else ''}moment measured before the error"
+            where += f"; the {highest} peak, {format_size(peaks[highest])}, was where it failed"
         lines.append(f"at {what} ({where}):")
         lines.extend("  " + line for line in bd.text().splitlines())
     top = dev.top_modules(10)

@@ -121,7 +121,9 @@ class GrowthDetector:
     stay below it. The detector follows the levels since they last came down and calls it a
     leak at the ``window``-th rise; any fall starts over (the mark stays). The climb starts
     at the mark just before its first rise: its numbers describe the rises (for a staircase,
-    the bytes of a rise and the steps between two rises).
+    the bytes of its typical rise and the steps between two rises). Rises far smaller than
+    the typical one (a few hundred bytes a step before each evaluation) count as rises but
+    do not set the steps between two rises.
 
     Growth that stops is not a leak: an optimizer whose history fills up (LBFGS keeps
     ``history_size`` entries), a cache that reaches its size. After a leak was called,
@@ -149,6 +151,7 @@ class GrowthDetector:
         self._last = 0
         self._high: int | None = None  # the highest level observed after the warm-up
         self._rise_steps: list[int] = []  # the steps of the climb's rises
+        self._rise_bytes: list[int] = []  # and their bytes (less explained)
         self._explained_in_climb = 0  # bytes of the climb's rises that persistent bytes explain
         self._persistent: int | None = None  # the last persistent bytes given
         self._seen = 0
@@ -197,7 +200,7 @@ class GrowthDetector:
         self._high = allocated if high is None else max(high, allocated)
         if high is None or allocated < self._last:
             self._start, self._last = (step, self._high), allocated
-            self._rise_steps, self._explained_in_climb = [], 0
+            self._rise_steps, self._rise_bytes, self._explained_in_climb = [], [], 0
             return False
         rise = allocated - high  # above the mark: memory the device never held before
         self._last = allocated
@@ -215,19 +218,48 @@ class GrowthDetector:
             return False
         rises = self._rise_steps
         rises.append(step)
+        self._rise_bytes.append(rise - explained)
         if len(rises) < self.window:
             return False
         first_step, first = self._start or (step, high)  # set with the mark
         grown = allocated - first - self._explained_in_climb
         steps = step - first_step
-        period = max(1, round((rises[-1] - rises[0]) / (len(rises) - 1)))
-        # steady growth: the average over the steps; a staircase: a rise over its period
-        per_step = grown // steps if period == 1 else grown // (len(rises) * period)
+        carrying = _carrying(self._rise_bytes)
+        stairs = [s for s, b in zip(rises, self._rise_bytes, strict=True) if b >= carrying]
+        if len(stairs) < 2:  # one rise carries the growth: no spacing yet, all rises give it
+            stairs = rises
+        period = max(1, round((stairs[-1] - stairs[0]) / (len(stairs) - 1)))
+        # steady growth: the average over the steps; a staircase: its typical rise (the
+        # first can carry one-off allocations too) over its period
+        per_step = grown // steps if period == 1 else _typical(self._rise_bytes) // period
         self.finding = (per_step, first_step, steps)
         self.grown = grown
         self.period = period
         self.last_rise = step
         return True
+
+
+_ALLOCATOR_BUMP = 16
+"""A rise this many times smaller than the climb's typical rise does not carry its growth
+(an allocator-sized bump a step before each evaluation that keeps its graph)."""
+
+
+def _typical(rises: list[int]) -> int:
+    """The rise that carries a climb's growth: the smallest rise such that the rises at
+    least as large carry half the bytes (a median weighted by bytes: small bumps weigh
+    nothing, however many)."""
+    ordered = sorted(rises, reverse=True)
+    half, carried = sum(ordered) / 2, 0
+    for rise in ordered:
+        carried += rise
+        if carried >= half:
+            return rise
+    return ordered[-1]
+
+
+def _carrying(rises: list[int]) -> int:
+    """The least bytes of a rise that carries the climb's growth (its steps set the period)."""
+    return _typical(rises) // _ALLOCATOR_BUMP
 
 
 def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
@@ -530,6 +562,10 @@ _TO_NUMBER = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\.numpy\(\)|\bflo
 
 _NUMBER = re.compile(r"\.item\(\)|\.tolist\(\)|\.numpy\(\)|\bfloat\(|\bint\(")
 """What makes a line store a number, not a tensor."""
+
+
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?![\w(])")
+"""A variable's name in an expression (not an attribute, not a call)."""
 
 
 def _first_line(
@@ -990,11 +1026,30 @@ class LeakWatch:
             if c.name == top.name and c.place[0] == top.filename and c.first_line == top.line:
                 ties = c.ties
                 if sum(map(len, ties.values())) > 1:
+                    self._guess_line(scan, c, top)
                     self.trace = LineTrace(ties)
                     with contextlib.suppress(Exception):  # inspection must never break training
                         if self.trace.start(frame):
                             self._traced = (top.name, top.filename, top.line)
                 return
+
+    def _guess_line(self, scan: list[Candidate], c: Candidate, top: LeakSuspect) -> None:
+        """Until the trace sees one run (an evaluation every N steps may not run while it
+        traces), name the first of ``c``'s lines that grows it with a variable the scan
+        saw holding a graph in its frame (``val_losses.append(vloss)``, not the branch
+        that never ran: ``val_losses.append(tot / 3)``), if not the first line itself."""
+        graphs = {o.name for o in scan if o.code is c.code and o.graph and o.kind == "tensor"}
+        assign = re.compile(_ASSIGN.format(name=re.escape(c.name.removeprefix("self."))))
+        for code, lines in c.ties.items():
+            for line in sorted(lines):
+                text = linecache.getline(code.co_filename, line)
+                m = assign.search(text)
+                if m is not None and graphs.intersection(_NAME.findall(text[m.end() :])):
+                    if line != top.line:
+                        self.moved[(top.name, top.filename, top.line)] = (
+                            code.co_filename, code.co_name, line, text.strip(),
+                        )  # fmt: skip
+                    return
 
     def settle(self, end: bool = False) -> bool:
         """A step boundary (``end``: the block's end, which stops the trace): whether the line
