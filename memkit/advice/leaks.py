@@ -181,6 +181,14 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
     numbers = top.item_shape is not None and math.prod(top.item_shape) == 1
     item = "`x.item()`" if numbers else "`x.detach().cpu()`"
     store = _store(top, item)
+    saving = leak.grown_bytes
+    rate = leak.growth_per_step
+    if saving and top.bytes_per_step and rate and top.bytes_per_step < rate:  # a part of it
+        saving = saving * top.bytes_per_step // rate
+        growth = _growth(leak, saving=False) + (
+            f" `{top.name}` grew by {format_size(top.bytes_per_step)} of each step's "
+            f"{format_size(rate)}: fixing it saves about {format_size(saving)} of that."
+        )
     return Advice(
         code="tensors-kept",
         title=f"`{top.name}` keeps device tensors across steps on {leak.device}",
@@ -188,7 +196,7 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
         action=f"Keep them off the device: {store}"
         + ("" if numbers else " (detaching alone keeps their bytes)")
         + "; or keep only the last N (`collections.deque(maxlen=N)`), or none.",
-        saving_bytes=leak.grown_bytes or top.tensor_bytes or None,
+        saving_bytes=saving or top.tensor_bytes or None,
         severity="warning",
     )
 

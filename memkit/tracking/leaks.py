@@ -873,11 +873,13 @@ def compare_scans(
             bytes_per_step=added,
         )
         if grew:  # what a line grows or builds on itself first; then the smallest graph (a
-            # container's without its length), containers first
+            # container's without its length), of graphless ones the fastest growing,
+            # containers first
             order: tuple[Any, ...] = (
                 False,
                 not c.built_on_itself,
                 c.size - c.length,
+                0 if c.graph else -added,
                 c.kind != "container",
             )
         else:  # the largest first, containers first
