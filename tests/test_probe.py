@@ -674,6 +674,39 @@ def test_a_cache_buffer_the_model_regrows_is_left_as_made_and_everything_else_re
     model(torch.randn(2, 64, 16))  # still consistent
 
 
+def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
+    """A replay buffer on the model (``self.history = deque(maxlen=3)``, each step appends the
+    batch's detached features) was carried from one trial to the next: the answer's trial
+    started with an earlier trial's entries (the sweep's grow_replay.py: memkit 679, its loop
+    fits 666), and grew "0 B after step 2". Each trial now starts from the deque as it was
+    (empty, the same object: the script's reference stays true), and so does the model after
+    the probe; a features attribute and a counter beside it go back too."""
+    from collections import deque
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    history = model.history = deque(maxlen=3)
+    model.last, model.seen = None, 0
+
+    def train_step(m, batch, optimizer):
+        h = m[0](batch[0])
+        torch.nn.functional.cross_entropy(m[1](h), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        m.history.append(h.detach())
+        m.last, m.seen = h.detach(), m.seen + 1
+
+    result = probe(model, lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+                   train_step=train_step, optimizer=torch.optim.SGD(model.parameters()),
+                   device="cpu", budget="2MiB")  # fmt: skip
+    assert_exact(result)
+    for trial in result.trials:
+        if trial.fits and trial.batch_size > 1:  # entries 1 (step 1) to 3 (steps 3 and 4)
+            entry = trial.batch_size * 16 * 4
+            assert (trial.steps_run, trial.kept_growth_bytes) == (4, 2 * entry), trial
+    assert model.history is history and not history and history.maxlen == 3
+    assert model.last is None and model.seen == 0
+
+
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
     """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
     examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3

@@ -331,10 +331,11 @@ class TrialRunner:
         return batch
 
     def _clean(self) -> None:
-        """Back to the state before any trial: no gradients, the optimizer's state as saved,
-        an empty cache and fresh peaks. ``gc.collect()`` only before the first trial and when
-        more is allocated than after the last collection (reference cycles keeping tensors
-        alive); after an OOM, :func:`memkit.oom.recover` has collected already.
+        """Back to the state before any trial: no gradients, the modules' plain attributes and
+        the optimizer's state as saved, an empty cache and fresh peaks. ``gc.collect()`` only
+        before the first trial and when more is allocated than after the last collection
+        (reference cycles keeping tensors alive); after an OOM, :func:`memkit.oom.recover` has
+        collected already.
 
         What survives a collection is frozen (as the probe froze what was alive before it, and
         unfreezes at its end): the modules and caches a first CUDA step creates lazily
@@ -343,6 +344,7 @@ class TrialRunner:
         trial's own objects. Reference counting still frees them; the probe's end unfreezes."""
         if self.step.mode == "train":  # (an evaluation's trials keep what training left)
             self.model.zero_grad(set_to_none=True)
+        self.saved.reset_attributes()  # a history the steps append to: not the next trial's
         self.saved.reset_optimizer()
         read = self.counters[0]
         if self.baseline is None or read()[0] > self.baseline:
