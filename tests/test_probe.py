@@ -707,6 +707,33 @@ def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
     assert model.last is None and model.seen == 0
 
 
+def test_a_fitting_trial_still_growing_at_the_step_limit_is_said_when_the_answers_is_not():
+    """The report's ``steps:`` line looked only at the answer's trial: trials still growing
+    when the step limit stopped them (the sweep's 512, 673 and 677) went unsaid. Here the step
+    keeps every batch's features while the batch is small: the answer's trial is stable, the
+    small ones still grow at step 16, and the line says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    model.kept = []
+
+    def train_step(m, batch, optimizer):
+        h = m[0](batch[0])
+        torch.nn.functional.cross_entropy(m[1](h), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if len(h) < 8:
+            m.kept.append(h.detach())
+
+    result = probe(model, lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+                   train_step=train_step, optimizer=torch.optim.SGD(model.parameters()),
+                   device="cpu", budget="2MiB")  # fmt: skip
+    assert_exact(result)
+    assert not result.trial(result.max_batch_size).still_growing
+    growing = max(t.batch_size for t in result.trials if t.still_growing)
+    assert growing < 8 and result.trial(growing).steps_run == 16
+    (line,) = [d for d in result.defaults if d.startswith("steps:")]
+    assert f"; but at batch {growing} still growing at step 16 (" in line, line
+
+
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
     """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
     examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3
