@@ -734,6 +734,58 @@ def test_a_fitting_trial_still_growing_at_the_step_limit_is_said_when_the_answer
     assert f"; but at batch {growing} still growing at step 16 (" in line, line
 
 
+class _MomentsFromStepThree(torch.optim.Optimizer):
+    """Plain SGD for two steps, then Adam-like moments: state that appears at step 3."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 1e-3})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                if state["n"] >= 3:
+                    state.setdefault("m", torch.zeros_like(p)).add_(p.grad)
+                    state.setdefault("v", torch.zeros_like(p)).addcmul_(p.grad, p.grad)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
+    """An optimizer whose per-parameter state holds only a counter for its first steps (the
+    sweep's grow_lazyopt.py: memkit 1924, its loop fits 1238 over 5 steps) ended each trial
+    after 2 steps, nothing having grown. The first trial that completes now steps on while
+    that state holds no tensor, and the trials run as many steps as it took to appear: the
+    answer trains for 5 steps and one more does not."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
+    optimizer = _MomentsFromStepThree(model.parameters())
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randint(0, 2, (n,))
+
+    def trains(n: int) -> bool:
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
+        opt = _MomentsFromStepThree(fresh.parameters())
+        try:
+            with memkit.simulate("1MiB", track=(fresh, opt)):
+                for _ in range(5):
+                    x, y = batch(n)
+                    torch.nn.functional.cross_entropy(fresh(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    del x, y
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    result = probe(model, batch, optimizer=optimizer, device="cpu", budget="1MiB")
+    best = result.max_batch_size
+    assert_exact(result)
+    assert result.trial(best).steps_run == 4 and result.trial(best).optimizer_growth_bytes
+    assert trains(best) and not trains(best + 1)
+
+
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
     """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
     examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3

@@ -720,7 +720,7 @@ def _build_result(
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
-    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps)
+    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps, opts.mode)
     advice = probe_advice(
         search,
         backend.name(),
@@ -759,16 +759,23 @@ def _build_result(
 
 
 def _kept_growth(
-    trials: tuple[ProbeTrial, ...], best: int | None, steps: int
+    trials: tuple[ProbeTrial, ...], best: int | None, steps: int, mode: str = "train"
 ) -> tuple[list[str], tuple[int, int, int] | None]:
-    """The report's line when trials stepped on past ``steps`` because the memory kept
-    between steps grew (naming the fitting trial nearest the answer that was still growing
-    when the step limit stopped it, when the answer's own trial was not), and ``(steps, grown,
-    of it optimizer state)`` for the advice when the answer's trial was still growing at its
-    last step."""
+    """The report's ``steps:`` line: for how many steps the answer holds; when trials stepped
+    on past ``steps`` because the memory kept between steps grew, how far and what grew
+    (naming the fitting trial nearest the answer that was still growing when the step limit
+    stopped it, when the answer's own trial was not). Also ``(steps, grown, of it optimizer
+    state)`` for the advice when the answer's trial was still growing at its last step."""
     longer = [t for t in trials if t.fits and ((t.steps_run or 0) > steps or t.still_growing)]
     if not longer:
-        return [], None
+        if mode != "train" or best is None:
+            return [], None
+        line = (
+            f"steps: {steps} per trial (--steps {steps}), the memory kept between them stable: "
+            "memory made at a later step (an optimizer that makes its state then, SWA from an "
+            "epoch on) is not seen: --steps N measures N steps"
+        )
+        return [line], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
     most = max(t.steps_run or 0 for t in longer)
     if most == 2 and steps == 1 and not at.kept_growth_bytes:
