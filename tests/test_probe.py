@@ -674,6 +674,118 @@ def test_a_cache_buffer_the_model_regrows_is_left_as_made_and_everything_else_re
     model(torch.randn(2, 64, 16))  # still consistent
 
 
+def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
+    """A replay buffer on the model (``self.history = deque(maxlen=3)``, each step appends the
+    batch's detached features) was carried from one trial to the next: the answer's trial
+    started with an earlier trial's entries (the sweep's grow_replay.py: memkit 679, its loop
+    fits 666), and grew "0 B after step 2". Each trial now starts from the deque as it was
+    (empty, the same object: the script's reference stays true), and so does the model after
+    the probe; a features attribute and a counter beside it go back too."""
+    from collections import deque
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    history = model.history = deque(maxlen=3)
+    model.last, model.seen = None, 0
+
+    def train_step(m, batch, optimizer):
+        h = m[0](batch[0])
+        torch.nn.functional.cross_entropy(m[1](h), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        m.history.append(h.detach())
+        m.last, m.seen = h.detach(), m.seen + 1
+
+    result = probe(model, lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+                   train_step=train_step, optimizer=torch.optim.SGD(model.parameters()),
+                   device="cpu", budget="2MiB")  # fmt: skip
+    assert_exact(result)
+    for trial in result.trials:
+        if trial.fits and trial.batch_size > 1:  # entries 1 (step 1) to 3 (steps 3 and 4)
+            entry = trial.batch_size * 16 * 4
+            assert (trial.steps_run, trial.kept_growth_bytes) == (4, 2 * entry), trial
+    assert model.history is history and not history and history.maxlen == 3
+    assert model.last is None and model.seen == 0
+
+
+def test_a_fitting_trial_still_growing_at_the_step_limit_is_said_when_the_answers_is_not():
+    """The report's ``steps:`` line looked only at the answer's trial: trials still growing
+    when the step limit stopped them (the sweep's 512, 673 and 677) went unsaid. Here the step
+    keeps every batch's features while the batch is small: the answer's trial is stable, the
+    small ones still grow at step 16, and the line says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    model.kept = []
+
+    def train_step(m, batch, optimizer):
+        h = m[0](batch[0])
+        torch.nn.functional.cross_entropy(m[1](h), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if len(h) < 8:
+            m.kept.append(h.detach())
+
+    result = probe(model, lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+                   train_step=train_step, optimizer=torch.optim.SGD(model.parameters()),
+                   device="cpu", budget="2MiB")  # fmt: skip
+    assert_exact(result)
+    assert not result.trial(result.max_batch_size).still_growing
+    growing = max(t.batch_size for t in result.trials if t.still_growing)
+    assert growing < 8 and result.trial(growing).steps_run == 16
+    (line,) = [d for d in result.defaults if d.startswith("steps:")]
+    assert f"; but at batch {growing} still growing at step 16 (" in line, line
+
+
+class _MomentsFromStepThree(torch.optim.Optimizer):
+    """Plain SGD for two steps, then Adam-like moments: state that appears at step 3."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 1e-3})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                if state["n"] >= 3:
+                    state.setdefault("m", torch.zeros_like(p)).add_(p.grad)
+                    state.setdefault("v", torch.zeros_like(p)).addcmul_(p.grad, p.grad)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
+    """An optimizer whose per-parameter state holds only a counter for its first steps (the
+    sweep's grow_lazyopt.py: memkit 1924, its loop fits 1238 over 5 steps) ended each trial
+    after 2 steps, nothing having grown. The first trial that completes now steps on while
+    that state holds no tensor, and the trials run as many steps as it took to appear: the
+    answer trains for 5 steps and one more does not."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
+    optimizer = _MomentsFromStepThree(model.parameters())
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randint(0, 2, (n,))
+
+    def trains(n: int) -> bool:
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
+        opt = _MomentsFromStepThree(fresh.parameters())
+        try:
+            with memkit.simulate("1MiB", track=(fresh, opt)):
+                for _ in range(5):
+                    x, y = batch(n)
+                    torch.nn.functional.cross_entropy(fresh(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    del x, y
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    result = probe(model, batch, optimizer=optimizer, device="cpu", budget="1MiB")
+    best = result.max_batch_size
+    assert_exact(result)
+    assert result.trial(best).steps_run == 4 and result.trial(best).optimizer_growth_bytes
+    assert trains(best) and not trains(best + 1)
+
+
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
     """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
     examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3

@@ -720,7 +720,7 @@ def _build_result(
 ) -> ProbeResult:
     trials = tuple(_merge(t, records) for t in search.trials)
     world = 1 if capacities is None else len(capacities)
-    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps)
+    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps, opts.mode)
     advice = probe_advice(
         search,
         backend.name(),
@@ -759,14 +759,23 @@ def _build_result(
 
 
 def _kept_growth(
-    trials: tuple[ProbeTrial, ...], best: int | None, steps: int
+    trials: tuple[ProbeTrial, ...], best: int | None, steps: int, mode: str = "train"
 ) -> tuple[list[str], tuple[int, int, int] | None]:
-    """The report's line when trials stepped on past ``steps`` because the memory kept
-    between steps grew, and ``(steps, grown, of it optimizer state)`` for the advice when the
-    answer's trial was still growing at its last step."""
-    longer = [t for t in trials if t.fits and (t.steps_run or 0) > steps]
+    """The report's ``steps:`` line: for how many steps the answer holds; when trials stepped
+    on past ``steps`` because the memory kept between steps grew, how far and what grew
+    (naming the fitting trial nearest the answer that was still growing when the step limit
+    stopped it, when the answer's own trial was not). Also ``(steps, grown, of it optimizer
+    state)`` for the advice when the answer's trial was still growing at its last step."""
+    longer = [t for t in trials if t.fits and ((t.steps_run or 0) > steps or t.still_growing)]
     if not longer:
-        return [], None
+        if mode != "train" or best is None:
+            return [], None
+        line = (
+            f"steps: {steps} per trial (--steps {steps}), the memory kept between them stable: "
+            "memory made at a later step (an optimizer that makes its state then, SWA from an "
+            "epoch on) is not seen: --steps N measures N steps"
+        )
+        return [line], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
     most = max(t.steps_run or 0 for t in longer)
     if most == 2 and steps == 1 and not at.kept_growth_bytes:
@@ -783,6 +792,14 @@ def _kept_growth(
         f"step 1, {state} of it the optimizer's state"
         + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
     )
+    others = [t for t in longer if t.still_growing and t is not at]
+    if others and not at.still_growing:
+        near = min(others, key=lambda t: abs(t.batch_size - at.batch_size))
+        line += (
+            f"; but at batch {near.batch_size} still growing at step {near.steps_run} "
+            f"({format_size(near.kept_growth_bytes or 0)} more than after step 1), where the "
+            "probe stops stepping: what a longer run keeps was not measured"
+        )
     growing = None
     if at.still_growing and at.steps_run is not None:
         growing = (at.steps_run, at.kept_growth_bytes or 0, at.optimizer_growth_bytes or 0)

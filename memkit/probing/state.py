@@ -1,6 +1,6 @@
 """Leave the user's objects exactly as they were: parameters, buffers, gradients, optimizer
-state, the learning-rate schedulers stepping that optimizer, ``training`` flags and RNG states,
-also after an error or Ctrl-C.
+state, the learning-rate schedulers stepping that optimizer, ``training`` flags, the modules'
+plain attributes (:class:`ModuleAttributes`) and RNG states, also after an error or Ctrl-C.
 
 Copies are kept in host memory (never on the device being probed, where they would distort
 what is measured), and restored in place with ``copy_`` so parameter identity, and with it the
@@ -9,6 +9,7 @@ optimizer's references, survive.
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import logging
@@ -18,7 +19,7 @@ import torch
 
 from memkit.devices import restore_rng_state, rng_state
 
-__all__ = ["SavedState"]
+__all__ = ["ModuleAttributes", "SavedState"]
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,135 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"_compiled_call_impl"}
+"""``nn.Module``'s own attributes (parameters, buffers, submodules, hooks, ``training``):
+handled elsewhere, never by :class:`ModuleAttributes`."""
+_NOT_THE_SCRIPTS = ("torch.nn.parallel", "torch.distributed", "torch._dynamo")
+"""Where the wrappers whose attributes are their own bookkeeping come from (DDP rebuilds its
+buckets once, after a first step; FSDP's and ``torch.compile``'s wrappers): left alone."""
+_LARGEST_CONTAINER = 10_000
+"""A container with more items than this at the probe's start is left alone (its copy and the
+comparison before each trial are bounded by it)."""
+_SCALARS = (type(None), bool, int, float)
+_MISSING = object()
+_CONTAINERS = (list, collections.deque, dict, set)
+
+
+def _is_tensors(value: Any) -> bool:
+    """A tensor, or a tuple or list of tensors (a replay entry ``(x, y)``), no parameter."""
+    if isinstance(value, (tuple, list)):
+        return all(_is_tensors(v) and not isinstance(v, (tuple, list)) for v in value)
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+
+
+def _of_tensors(container: Any) -> bool:
+    """Whether ``container`` (empty, or up to :data:`_LARGEST_CONTAINER` items) holds only
+    tensors or ``None`` (a dict: as values)."""
+    if len(container) > _LARGEST_CONTAINER:
+        return False
+    items = container.values() if isinstance(container, dict) else container
+    return all(v is None or _is_tensors(v) for v in items)
+
+
+def _restorable(value: Any) -> bool:
+    """What :class:`ModuleAttributes` puts back or removes: a scalar, tensors, a container."""
+    return isinstance(value, _SCALARS + _CONTAINERS) or _is_tensors(value)
+
+
+def _same_contents(container: Any, saved: Any) -> bool:
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, dict):
+        missing = object()
+        return all(container.get(k, missing) is v for k, v in saved.items())
+    if isinstance(container, set):
+        return container == saved
+    return all(a is b for a, b in zip(container, saved, strict=True))
+
+
+def _put_back(container: Any, saved: Any) -> None:
+    """``container``'s contents as ``saved`` (a shallow copy), in place: the script's own
+    references to the container stay true."""
+    if isinstance(container, list):
+        container[:] = saved
+    elif isinstance(container, dict):
+        container.clear()
+        container.update(saved)
+    else:  # a deque (its maxlen kept) or a set
+        container.clear()
+        if isinstance(container, set):
+            container.update(saved)
+        else:
+            container.extend(saved)
+
+
+class ModuleAttributes:
+    """The modules' plain attributes (in ``__dict__``, outside parameters, buffers, submodules
+    and hooks) as they were at the start, put back before each trial and at the end.
+
+    A replay or history buffer the step appends to (``self.history = deque(maxlen=K)``), the
+    last batch's features (``self.h = out.detach()``) would otherwise carry one trial's
+    tensors into the next: the next trial starts with them held, and its buffer is never its
+    own. In a module where a tensor, ``None`` or container attribute changed (or one was
+    added): ``None``, numbers and tensors are rebound to their start value (a cache's length
+    goes back with its tensor); a list, deque, dict or set that held only tensors (or was
+    empty) gets its contents back in place (the script may hold the container itself);
+    attributes of those kinds that the trials added are removed. Strings, other objects and
+    larger containers are left alone, and so are the attributes of DDP's, FSDP's and
+    ``torch.compile``'s wrappers.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        # each module, the attributes put back and the names it had at the start
+        self._start: list[tuple[torch.nn.Module, dict[str, Any], frozenset[str]]] = []
+        self._contents: dict[int, Any] = {}  # id(container) -> a shallow copy of its items
+        for module in model.modules():
+            if type(module).__module__.startswith(_NOT_THE_SCRIPTS):
+                continue
+            start: dict[str, Any] = {}
+            for name, value in vars(module).items():
+                if name in _MODULE_INTERNALS:
+                    continue
+                if isinstance(value, _CONTAINERS):
+                    if _of_tensors(value):
+                        start[name] = value
+                        self._contents[id(value)] = copy.copy(value)
+                elif isinstance(value, _SCALARS) or _is_tensors(value):
+                    start[name] = value
+            self._start.append((module, start, frozenset(vars(module))))
+
+    def restore(self) -> None:
+        """Each module's attributes as they were at the start (see the class)."""
+        for module, start, names in self._start:
+            attributes = vars(module)
+            added = [
+                name
+                for name, value in attributes.items()
+                if name not in names and name not in _MODULE_INTERNALS and _restorable(value)
+            ]
+            tensors_added = any(not isinstance(attributes[name], _SCALARS) for name in added)
+            if not tensors_added and not any(
+                self._moved(attributes, name, value) for name, value in start.items()
+            ):
+                continue  # its numbers too: a counter alone is the module's own business
+            for name in added:
+                del attributes[name]
+            for name, value in start.items():
+                saved = self._contents.get(id(value))
+                if saved is not None and not _same_contents(value, saved):
+                    _put_back(value, saved)
+                attributes[name] = value
+
+    def _moved(self, attributes: dict[str, Any], name: str, value: Any) -> bool:
+        """Whether a tensor, ``None`` or container attribute is not as it was at the start."""
+        if isinstance(value, _SCALARS) and value is not None:
+            return False
+        if attributes.get(name, _MISSING) is not value:
+            return True
+        saved = self._contents.get(id(value))
+        return saved is not None and not _same_contents(value, saved)
+
+
 class SavedState:
     """A host-memory copy of a model's and optimizer's state, restorable bit for bit.
 
@@ -199,6 +329,7 @@ class SavedState:
             for name, p in model.named_parameters()
         }
         self._training = {name: m.training for name, m in model.named_modules()}
+        self._attributes = ModuleAttributes(model)
         self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
         self._stateful = _stateful_states(optimizer)  # schedulers, gradient scalers
         self._rng = rng_state()
@@ -219,6 +350,11 @@ class SavedState:
         elif not _restore_in_place(optimizer, saved):
             optimizer.load_state_dict(copy.deepcopy(saved))
         self.reset_scalers()
+
+    def reset_attributes(self) -> None:
+        """Put the modules' plain attributes back (:class:`ModuleAttributes`): each trial
+        starts from them, not from what the previous trial's steps appended."""
+        self._attributes.restore()
 
     def reset_scalers(self) -> None:
         """Put the gradient scalers' scale and per-optimizer stages back (:data:`_STAGES`):
@@ -251,6 +387,7 @@ class SavedState:
         for name, module in self.model.named_modules():
             if name in self._training:
                 module.training = self._training[name]
+        self.reset_attributes()
         self.reset_optimizer()
         for obj, state in self._stateful:  # after the optimizer: its lr is the schedulers'
             if _STAGES not in state:  # (the scalers: put back with the optimizer just now)

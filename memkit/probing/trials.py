@@ -49,6 +49,7 @@ __all__ = [
     "first_line",
     "host_failure",
     "optimizer_state_bytes",
+    "state_without_tensors",
 ]
 
 Backend = CudaBackend | SimulatedBackend
@@ -239,6 +240,21 @@ def _stepped_params(model: torch.nn.Module, optimizer: Any) -> tuple[torch.Tenso
     return tuple(p for p in model.parameters() if p.requires_grad)
 
 
+def state_without_tensors(optimizer: Any) -> bool:
+    """Whether the optimizer keeps per-parameter state that holds no tensor of more than one
+    element (a step counter alone): state an optimizer may make at a later step (one that
+    switches to Adam's moments at its third step)."""
+    state = getattr(optimizer, "state", None)
+    if not state:
+        return False
+    return not any(
+        isinstance(value, torch.Tensor) and value.numel() > 1
+        for entry in list(state.values())
+        if isinstance(entry, dict)
+        for value in entry.values()
+    )
+
+
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes the optimizer's state holds (``optimizer.state``), each storage counted once."""
     state = getattr(optimizer, "state", None)
@@ -294,6 +310,11 @@ class TrialRunner:
         self.baseline: int | None = None  # allocated between trials, once collected
         self.collections = 0  # gc.collect() calls between trials (not after OOMs)
         self.held_after_oom: dict[int, int] = {}  # batch size -> bytes its OOM left held
+        # training: the first trial that completes, when the optimizer's state holds no tensor
+        # yet (state_without_tensors), steps on until it does (up to MAX_STEPS); the trials
+        # then run at least as many steps as that took
+        self._awaiting_state = self.step.mode == "train" and self.optimizer is not None
+        self.state_appeared_at: int | None = None  # the step that made it, if one did
         # training: whether the first trial that ran its steps left the parameters as they
         # were (no optimizer step ran: a train_step without optimizer.step() or backward)
         self.untrained: int | None = None  # the batch size of that trial, if it did
@@ -331,10 +352,11 @@ class TrialRunner:
         return batch
 
     def _clean(self) -> None:
-        """Back to the state before any trial: no gradients, the optimizer's state as saved,
-        an empty cache and fresh peaks. ``gc.collect()`` only before the first trial and when
-        more is allocated than after the last collection (reference cycles keeping tensors
-        alive); after an OOM, :func:`memkit.oom.recover` has collected already.
+        """Back to the state before any trial: no gradients, the modules' plain attributes and
+        the optimizer's state as saved, an empty cache and fresh peaks. ``gc.collect()`` only
+        before the first trial and when more is allocated than after the last collection
+        (reference cycles keeping tensors alive); after an OOM, :func:`memkit.oom.recover` has
+        collected already.
 
         What survives a collection is frozen (as the probe froze what was alive before it, and
         unfreezes at its end): the modules and caches a first CUDA step creates lazily
@@ -343,6 +365,7 @@ class TrialRunner:
         trial's own objects. Reference counting still frees them; the probe's end unfreezes."""
         if self.step.mode == "train":  # (an evaluation's trials keep what training left)
             self.model.zero_grad(set_to_none=True)
+        self.saved.reset_attributes()  # a history the steps append to: not the next trial's
         self.saved.reset_optimizer()
         read = self.counters[0]
         if self.baseline is None or read()[0] > self.baseline:
@@ -380,7 +403,12 @@ class TrialRunner:
                 # whose forward meets it, also with steps=1
                 growing = extend and (kept[-1] > kept[-2] if len(kept) >= 2 else
                                       state[0] > state_before)  # fmt: skip
-                if (done and not growing) or len(kept) >= max(steps, MAX_STEPS):
+                awaiting = extend and self._awaiting_state
+                if awaiting and not state_without_tensors(self.optimizer):
+                    if self.state_appeared_at is None and len(kept) > steps:
+                        self.state_appeared_at = len(kept)
+                    awaiting = False
+                if (done and not growing and not awaiting) or len(kept) >= max(steps, MAX_STEPS):
                     break
         finally:
             self.step.release()  # the trial's loop is over: its last output goes too
@@ -404,6 +432,9 @@ class TrialRunner:
         try:
             with self.backend.activate():
                 kept = self._run_steps(batch_size)
+            if self._awaiting_state:  # the first trial that completed has looked
+                self._awaiting_state = False
+                self.steps = max(self.steps, self.state_appeared_at or 0)
             if witnesses:
                 self._checked_training = True
                 if all(p._version == v for p, v in zip(witnesses, versions, strict=True)):
