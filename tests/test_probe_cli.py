@@ -229,6 +229,33 @@ def test_a_batch_of_two_views_per_sample_is_probed_in_samples(tmp_path: Path):
     assert loop_fits(best) and not loop_fits(best + 1)
 
 
+def test_a_detection_batch_of_per_image_target_dicts_is_probed(tmp_path: Path):
+    """torchvision-style detection: stacked images and a list of per-image dicts whose boxes
+    differ in number. The CLI refused it ("first dimensions [1, 3]; expected 1 ... Does
+    make_batch ignore its batch_size argument?"): the list has one item per sample, and the
+    Python API probed it all along (sweep EE: 131 fits, 132 runs out)."""
+    path = tmp_path / "detect.py"
+    path.write_text(
+        "import torch\n\n\n"
+        "class Det(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 8))\n\n"
+        "    def forward(self, images, targets):\n"
+        "        out = self.net(images)\n"
+        "        return sum((out[i, : len(t['labels'])] - t['labels']).pow(2).sum()\n"
+        "                   for i, t in enumerate(targets))\n\n\n"
+        "def build_model():\n"
+        "    return Det()\n\n\n"
+        "def make_batch(n):\n"
+        "    targets = [{'labels': torch.ones(1 + i % 3)} for i in range(n)]\n"
+        "    return torch.randn(n, 3, 4, 4), targets\n"
+    )
+    result = run(str(path), "--device", "cpu", "--budget", "4MiB", "--max-batch", "64", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["max_batch_size"] == 64
+
+
 def test_train_and_infer_in_one_run():
     args = [str(FILES / "ok_mlp.py"), "--device", "cpu", "--budget", "12MiB"]
     both = run(*args, "--mode", "train,infer", "--json")

@@ -354,6 +354,8 @@ def check_batch(
         return _layout_note(batch_dims, batch_size)
     if bigger is None and batch_size in dims:
         return None
+    if bigger is not None and _grown_list(batch, bigger, batch_size):
+        return None  # a list of one item per sample (a detection model's images, targets)
     raise ModelFileError(
         _why_no_batch_dim(batch, bigger, batch_size)
         or f"{where} returned tensors with first dimensions {sorted(set(dims))}; expected "
@@ -392,6 +394,20 @@ def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
                 "make_batch(n) must return n samples"
             )
     return None
+
+
+def _grown_list(small: Any, big: Any, batch_size: int) -> bool:
+    """Whether a list or tuple in the batch holds ``batch_size`` items in ``small`` and one
+    more in ``big``, at the same place: a batch of one item per sample (a detection model's
+    list of images, of per-image target dicts, whose shapes differ from image to image)."""
+    if isinstance(small, Mapping) and isinstance(big, Mapping):
+        return any(_grown_list(small[k], big[k], batch_size) for k in small if k in big)
+    if isinstance(small, (list, tuple)) and isinstance(big, (list, tuple)):
+        if len(small) == batch_size and len(big) == batch_size + 1:
+            return True
+        if len(small) == len(big):
+            return any(_grown_list(a, b, batch_size) for a, b in zip(small, big, strict=True))
+    return False
 
 
 _IGNORES_SIZE = "Does make_batch ignore its batch_size argument?"
