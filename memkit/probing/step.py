@@ -391,7 +391,11 @@ def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
                 f"{made} returned tensors whose first dimension went from {a[0]} to {b[0]}; "
                 f"expected {batch_size} and {batch_size + 1}, or a whole multiple of them (k "
                 f"rows per sample: {batch_size * 2} and {(batch_size + 1) * 2} for two views). "
-                "make_batch(n) must return n samples"
+                "make_batch(n) must return n samples. Samples of different sizes concatenated "
+                "(a GNN's graphs: nodes and edges of all graphs in one tensor) have no such "
+                "dimension: make every sample the same size in make_batch, or probe with "
+                "memkit.probe(model, make_batch, ...) in Python, which takes any batch its "
+                "step runs"
             )
     return None
 
