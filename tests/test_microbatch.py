@@ -347,6 +347,29 @@ def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
     assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
 
 
+def test_a_batch_with_num_items_in_batch_sums_its_micro_batches_losses(gpt2):
+    """transformers' Trainer convention: ``num_items_in_batch`` (the whole batch's token
+    count) is passed to the model, whose loss is a token sum divided by it. Every micro-batch
+    gets the whole batch's count, so their losses add up to the full batch's: weighting them
+    too made the gradient 4x too small with 4 micro-batches."""
+    ids = torch.randint(0, 256, (8, 16))
+    labels = ids.clone()
+    for row in range(8):  # ragged: a sample weight would be wrong as well
+        labels[row, 4 + row :] = -100
+    batch = {"input_ids": ids, "labels": labels, "num_items_in_batch": counted_tokens(
+        {"labels": labels})}  # fmt: skip
+    expected = reference_step(gpt2, gpt2_loss, batch)
+    full = gpt2_loss(copy.deepcopy(gpt2), batch).item()
+    model = copy.deepcopy(gpt2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: gpt2_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 2
+    loss = step(batch)
+    assert step.last is not None and step.last.chunk_sizes == (2, 2, 2, 2)
+    assert loss.item() == pytest.approx(full, rel=1e-5)
+    assert_params_close(model, expected)
+
+
 def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
     """Samples whose labels are all ignored (-100) make a micro-batch whose token-mean loss is
     NaN (a mean over nothing): with the token weight it adds nothing, and the step's loss is

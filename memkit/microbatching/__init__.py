@@ -23,7 +23,10 @@ back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of sam
 The accumulated gradient then equals the full-batch gradient whenever the full-batch loss is the
 mean over samples of per-sample losses. For a token-mean loss (language models) that holds only
 if every sample has the same number of counted tokens; otherwise pass ``weight=`` returning the
-number of tokens the micro-batch's loss averages over, and it is exact again.
+number of tokens the micro-batch's loss averages over, and it is exact again. A batch holding a
+mapping with ``num_items_in_batch`` (transformers' Trainer convention: the loss is a sum divided
+by the whole batch's count, which every micro-batch receives) has its micro-batches' losses
+summed, unweighted, unless ``weight=`` is given.
 
 Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
 training mode, anything using in-batch negatives) see micro-batches, as with any gradient
