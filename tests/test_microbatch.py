@@ -745,3 +745,9 @@ def test_the_batch_size_is_the_per_sample_data_not_a_shared_tensor_of_another_le
     first, second = split_batch((images, targets), 2)
     assert [len(t["boxes"]) for t in first[1]] == [2, 2]
     assert [len(t["boxes"]) for t in second[1]] == [1, 4]
+
+
+def test_a_sequence_first_batch_splits_a_batch_first_mask_along_its_batch():
+    x, mask, y = torch.randn(30, 10, 4), torch.ones(10, 30), torch.zeros(30, 10)
+    parts = split_batch((x, mask, y), 2, dim=1)
+    assert [tuple(t.shape) for t in parts[1]] == [(30, 5, 4), (5, 30), (30, 5)]

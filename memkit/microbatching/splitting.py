@@ -49,11 +49,12 @@ def batch_size_of(batch: Any, dim: int = 0) -> int | None:
 
 def _batch_axis(tensor: torch.Tensor, size: int, dim: int) -> int | None:
     """The dim ``tensor`` is split along: ``dim`` when it is ``size`` long there; with
-    ``dim`` 1, dim 0 of a 1-d tensor ``size`` long (a sequence-first batch's labels or
-    lengths: one value per sample); else ``None`` (given whole to every micro-batch)."""
+    ``dim`` 1, else dim 0 when that is ``size`` long (a sequence-first batch's labels or
+    lengths, or a batch-first ``(B, T)`` padding mask); else ``None`` (given whole to every
+    micro-batch)."""
     if tensor.dim() > dim and tensor.shape[dim] == size:
         return dim
-    if 0 < tensor.dim() == dim and tensor.shape[0] == size:
+    if dim == 1 and tensor.dim() > 0 and tensor.shape[0] == size:
         return 0
     return None
 
