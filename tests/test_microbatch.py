@@ -747,6 +747,48 @@ def test_the_batch_size_is_the_per_sample_data_not_a_shared_tensor_of_another_le
     assert [len(t["boxes"]) for t in second[1]] == [1, 4]
 
 
+def graph_batch(graphs: int = 6, nodes: int = 4) -> dict[str, torch.Tensor]:
+    """PyG-like: node features of every graph stacked, a sorted graph id per node."""
+    x = torch.randn(graphs * nodes, 3)
+    edge_index = torch.randint(0, nodes, (2, 3 * graphs)) + torch.arange(graphs).repeat(3) * nodes
+    edge_index[0, 0] = graphs * nodes - 1
+    batch = torch.arange(graphs).repeat_interleave(nodes)
+    return {"x": x, "edge_index": edge_index, "batch": batch, "y": torch.randint(0, 2, (graphs,))}
+
+
+def test_a_graph_batch_is_refused_not_split_along_its_nodes():
+    """Split along the nodes, ``edge_index`` (given whole) indexed rows a micro-batch lacks
+    (IndexError), and without it pooling to ``num_graphs`` gave a silently wrong gradient."""
+    batch = graph_batch()
+    with pytest.raises(ConfigError, match=r"'edge_index'\] holds indices into the 24 rows"):
+        split_batch(batch, 2)
+    pooled_only = {"x": batch["x"], "batch": batch["batch"], "y": batch["y"], "num_graphs": 6}
+    with pytest.raises(ConfigError, match=r"assigns the 24 rows to 6 samples"):
+        split_batch(pooled_only, 2)
+    # the way out the error names: one dict per graph, split per graph
+    graphs = [{"x": torch.randn(4, 3), "edge_index": torch.randint(0, 4, (2, 5)),
+               "y": torch.tensor([i % 2])} for i in range(6)]  # fmt: skip
+    assert batch_size_of(graphs) == 6
+    parts = split_batch(graphs, 2)
+    assert [len(p) for p in parts] == [3, 3] and parts[1][0] is graphs[3]
+    # batched dicts (default_collate of samples that are pairs of dicts) stay columns
+    pair = [{"ids": torch.zeros(8, 5)}, {"ids": torch.zeros(8, 7)}]
+    assert batch_size_of(pair) == 8 and split_batch(pair, 2)[0][1]["ids"].shape == (4, 7)
+
+
+def test_a_list_of_images_is_split_per_image_or_refused():
+    """torchvision detection takes a list of (3, H, W) images: their dim 0 (channels) was
+    taken for the batch and every image was split along its channels."""
+    images = [torch.randn(3, 8, 8) for _ in range(6)]
+    targets = [{"boxes": torch.rand(1 + i % 3, 4), "labels": torch.ones(1 + i % 3)}
+               for i in range(6)]  # fmt: skip
+    assert batch_size_of((images, targets)) == 6
+    first, _ = split_batch((images, targets), 2)
+    assert first[0] == images[:3] and first[1] == targets[:3]
+    with pytest.raises(ConfigError, match="list of 6 tensors"):
+        split_batch((images, torch.zeros(6, dtype=torch.long)), 2)
+
+
 def test_a_sequence_first_batch_splits_a_batch_first_mask_along_its_batch():
     x, mask, y = torch.randn(30, 10, 4), torch.ones(10, 30), torch.zeros(30, 10)
     parts = split_batch((x, mask, y), 2, dim=1)
