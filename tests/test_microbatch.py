@@ -347,6 +347,29 @@ def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
     assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
 
 
+def test_a_batch_with_num_items_in_batch_sums_its_micro_batches_losses(gpt2):
+    """transformers' Trainer convention: ``num_items_in_batch`` (the whole batch's token
+    count) is passed to the model, whose loss is a token sum divided by it. Every micro-batch
+    gets the whole batch's count, so their losses add up to the full batch's: weighting them
+    too made the gradient 4x too small with 4 micro-batches."""
+    ids = torch.randint(0, 256, (8, 16))
+    labels = ids.clone()
+    for row in range(8):  # ragged: a sample weight would be wrong as well
+        labels[row, 4 + row :] = -100
+    batch = {"input_ids": ids, "labels": labels, "num_items_in_batch": counted_tokens(
+        {"labels": labels})}  # fmt: skip
+    expected = reference_step(gpt2, gpt2_loss, batch)
+    full = gpt2_loss(copy.deepcopy(gpt2), batch).item()
+    model = copy.deepcopy(gpt2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: gpt2_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 2
+    loss = step(batch)
+    assert step.last is not None and step.last.chunk_sizes == (2, 2, 2, 2)
+    assert loss.item() == pytest.approx(full, rel=1e-5)
+    assert_params_close(model, expected)
+
+
 def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
     """Samples whose labels are all ignored (-100) make a micro-batch whose token-mean loss is
     NaN (a mean over nothing): with the token weight it adds nothing, and the step's loss is
@@ -722,3 +745,51 @@ def test_the_batch_size_is_the_per_sample_data_not_a_shared_tensor_of_another_le
     first, second = split_batch((images, targets), 2)
     assert [len(t["boxes"]) for t in first[1]] == [2, 2]
     assert [len(t["boxes"]) for t in second[1]] == [1, 4]
+
+
+def graph_batch(graphs: int = 6, nodes: int = 4) -> dict[str, torch.Tensor]:
+    """PyG-like: node features of every graph stacked, a sorted graph id per node."""
+    x = torch.randn(graphs * nodes, 3)
+    edge_index = torch.randint(0, nodes, (2, 3 * graphs)) + torch.arange(graphs).repeat(3) * nodes
+    edge_index[0, 0] = graphs * nodes - 1
+    batch = torch.arange(graphs).repeat_interleave(nodes)
+    return {"x": x, "edge_index": edge_index, "batch": batch, "y": torch.randint(0, 2, (graphs,))}
+
+
+def test_a_graph_batch_is_refused_not_split_along_its_nodes():
+    """Split along the nodes, ``edge_index`` (given whole) indexed rows a micro-batch lacks
+    (IndexError), and without it pooling to ``num_graphs`` gave a silently wrong gradient."""
+    batch = graph_batch()
+    with pytest.raises(ConfigError, match=r"'edge_index'\] holds indices into the 24 rows"):
+        split_batch(batch, 2)
+    pooled_only = {"x": batch["x"], "batch": batch["batch"], "y": batch["y"], "num_graphs": 6}
+    with pytest.raises(ConfigError, match=r"assigns the 24 rows to 6 samples"):
+        split_batch(pooled_only, 2)
+    # the way out the error names: one dict per graph, split per graph
+    graphs = [{"x": torch.randn(4, 3), "edge_index": torch.randint(0, 4, (2, 5)),
+               "y": torch.tensor([i % 2])} for i in range(6)]  # fmt: skip
+    assert batch_size_of(graphs) == 6
+    parts = split_batch(graphs, 2)
+    assert [len(p) for p in parts] == [3, 3] and parts[1][0] is graphs[3]
+    # batched dicts (default_collate of samples that are pairs of dicts) stay columns
+    pair = [{"ids": torch.zeros(8, 5)}, {"ids": torch.zeros(8, 7)}]
+    assert batch_size_of(pair) == 8 and split_batch(pair, 2)[0][1]["ids"].shape == (4, 7)
+
+
+def test_a_list_of_images_is_split_per_image_or_refused():
+    """torchvision detection takes a list of (3, H, W) images: their dim 0 (channels) was
+    taken for the batch and every image was split along its channels."""
+    images = [torch.randn(3, 8, 8) for _ in range(6)]
+    targets = [{"boxes": torch.rand(1 + i % 3, 4), "labels": torch.ones(1 + i % 3)}
+               for i in range(6)]  # fmt: skip
+    assert batch_size_of((images, targets)) == 6
+    first, _ = split_batch((images, targets), 2)
+    assert first[0] == images[:3] and first[1] == targets[:3]
+    with pytest.raises(ConfigError, match="list of 6 tensors"):
+        split_batch((images, torch.zeros(6, dtype=torch.long)), 2)
+
+
+def test_a_sequence_first_batch_splits_a_batch_first_mask_along_its_batch():
+    x, mask, y = torch.randn(30, 10, 4), torch.ones(10, 30), torch.zeros(30, 10)
+    parts = split_batch((x, mask, y), 2, dim=1)
+    assert [tuple(t.shape) for t in parts[1]] == [(30, 5, 4), (5, 30), (30, 5)]

@@ -12,18 +12,23 @@ What gets split (see :func:`split_batch`): the batch size ``B`` is the dim 0 alo
 batch's tensors hold the most bytes (:func:`batch_size_of`). Every tensor whose dim 0 is ``B``
 is cut into ``n`` contiguous views along dim 0 (sizes differ by at most one, larger first); a
 list of ``B`` per-sample items, not all of them such tensors or holding one (a detection
-batch's target dicts, captions), is sliced the same way; dicts/mappings, tuples, named tuples
-and other lists are walked and rebuilt. Anything else is given unchanged to every
-micro-batch: Python scalars and strings, 0-d tensors, tensors whose dim 0 is not ``B``,
-``None``. "Dim 0" is ``batch_dim``: 1 for sequence-first batches, which a model with
-sequence-first layers must say (it is refused otherwise).
+batch's target dicts, captions), is sliced the same way, and a list of per-sample records (dicts
+of tensors of differing lengths: one per graph) sets ``B`` to its length; batches whose samples
+are groups of rows (PyG-style graph batches) are refused with a ``ConfigError``;
+dicts/mappings, tuples, named tuples and other lists are walked and rebuilt. Anything else is
+given unchanged to every micro-batch: Python scalars and strings, 0-d tensors, tensors whose
+dim 0 is not ``B``, ``None``. "Dim 0" is ``batch_dim``: 1 for sequence-first batches, which a
+model with sequence-first layers must say (it is refused otherwise).
 
 Loss scaling: ``train_step`` returns the mean loss over its micro-batch; micro-batch ``i`` is
 back-propagated with weight ``w_i / sum(w)``, where ``w_i`` is its number of samples by default.
 The accumulated gradient then equals the full-batch gradient whenever the full-batch loss is the
 mean over samples of per-sample losses. For a token-mean loss (language models) that holds only
 if every sample has the same number of counted tokens; otherwise pass ``weight=`` returning the
-number of tokens the micro-batch's loss averages over, and it is exact again.
+number of tokens the micro-batch's loss averages over, and it is exact again. A batch holding a
+mapping with ``num_items_in_batch`` (transformers' Trainer convention: the loss is a sum divided
+by the whole batch's count, which every micro-batch receives) has its micro-batches' losses
+summed, unweighted, unless ``weight=`` is given.
 
 Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
 training mode, anything using in-batch negatives) see micro-batches, as with any gradient

@@ -24,11 +24,36 @@ def _leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
+def _is_records(obj: Any, dim: int = 0) -> bool:
+    """Whether ``obj`` is a list of per-sample records: two or more mappings holding tensors
+    whose lengths differ (a graph's nodes and edges, an image's boxes). A list of batched
+    dicts (``default_collate`` of samples that are tuples of dicts) has one length throughout."""
+    if not isinstance(obj, list) or len(obj) < 2 or not all(isinstance(i, Mapping) for i in obj):
+        return False
+    lengths = {
+        int(leaf.shape[dim] if leaf.dim() > dim else leaf.shape[0])
+        for leaf in _leaves(obj)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    }
+    return len(lengths) > 1
+
+
+def _records_lengths(obj: Any, dim: int) -> list[int]:
+    """The lengths of the lists of per-sample records in ``obj``."""
+    if _is_records(obj, dim):
+        return [len(obj)]
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    if isinstance(obj, (Mapping, tuple, list)):
+        return [n for value in values for n in _records_lengths(value, dim)]
+    return []
+
+
 def batch_size_of(batch: Any, dim: int = 0) -> int | None:
     """The batch size: the size of dim ``dim`` (0; 1 for sequence-first batches) that the
     batch's tensors (with that dim) hold the most bytes along, the per-sample data (a shared
     ``positions`` tensor of another length is not it); among equals, the first found depth
-    first. ``None`` if no such tensor.
+    first. ``None`` if no such tensor. A list of per-sample records (dicts of tensors of
+    differing lengths: one per graph, per image's boxes) sets it: its length.
 
     Examples:
         >>> import torch
@@ -38,7 +63,17 @@ def batch_size_of(batch: Any, dim: int = 0) -> int | None:
         2000
         >>> batch_size_of(3) is None
         True
+        >>> batch_size_of([{"x": torch.zeros(12, 8), "y": torch.zeros(1)}] * 5)
+        5
     """
+    records = sorted(set(_records_lengths(batch, dim)))
+    if len(records) > 1:
+        raise ConfigError(
+            f"the batch holds lists of per-sample records of different lengths {records}: "
+            "each should have one item per sample"
+        )
+    if records:
+        return records[0]
     weight: dict[int, int] = {}
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
@@ -49,11 +84,12 @@ def batch_size_of(batch: Any, dim: int = 0) -> int | None:
 
 def _batch_axis(tensor: torch.Tensor, size: int, dim: int) -> int | None:
     """The dim ``tensor`` is split along: ``dim`` when it is ``size`` long there; with
-    ``dim`` 1, dim 0 of a 1-d tensor ``size`` long (a sequence-first batch's labels or
-    lengths: one value per sample); else ``None`` (given whole to every micro-batch)."""
+    ``dim`` 1, else dim 0 when that is ``size`` long (a sequence-first batch's labels or
+    lengths, or a batch-first ``(B, T)`` padding mask); else ``None`` (given whole to every
+    micro-batch)."""
     if tensor.dim() > dim and tensor.shape[dim] == size:
         return dim
-    if 0 < tensor.dim() == dim and tensor.shape[0] == size:
+    if dim == 1 and tensor.dim() > 0 and tensor.shape[0] == size:
         return 0
     return None
 
@@ -63,6 +99,81 @@ def _holds_rows(obj: Any, size: int, dim: int) -> bool:
     return any(
         isinstance(leaf, torch.Tensor) and _batch_axis(leaf, size, dim) is not None
         for leaf in _leaves(obj)
+    )
+
+
+def _named_leaves(obj: Any, path: str = "batch", lists: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(path, leaf)`` pairs (``batch["x"]``, ``batch[0]``); records lists are leaves; with
+    ``lists``, the lists and tuples are given too."""
+    if lists and isinstance(obj, (tuple, list)):
+        yield path, obj
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _named_leaves(value, f"{path}[{key!r}]", lists)
+    elif isinstance(obj, (tuple, list)) and not _is_records(obj):
+        for i, value in enumerate(obj):
+            yield from _named_leaves(value, f"{path}[{i}]", lists)
+    else:
+        yield path, obj
+
+
+_INTEGER = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _why_unsplittable(batch: Any, size: int, dim: int) -> str | None:
+    """Why splitting ``batch`` into groups of its ``size`` rows would cut samples apart, or
+    ``None``: a sorted id vector grouping the rows into samples that another value counts (PyG's
+    ``batch`` with per-graph labels), an index tensor into the rows (``edge_index``), or a list
+    of per-sample tensors whose own dim 0 was taken for the batch (images: their channels)."""
+    leaves = list(_named_leaves(batch))
+    tensors = [(n, t) for n, t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+    whole = [(n, t) for n, t in tensors if _batch_axis(t, size, dim) is None]
+    counts = {int(t.shape[0]) for _, t in whole} | {
+        v for _, v in leaves if isinstance(v, int) and not isinstance(v, bool)
+    }
+    for name, t in tensors:
+        if t.dtype not in _INTEGER or t.numel() == 0:
+            continue
+        low, high = int(t.min()), int(t.max())
+        split = _batch_axis(t, size, dim) is not None
+        grouped = split and t.dim() == 1 and low == 0 and 1 < high + 1 < size
+        if grouped and high + 1 in counts and bool((t[1:] >= t[:-1]).all()):
+            return (
+                f"{name} assigns the {size} rows to {high + 1} samples (sorted ids "
+                f"0..{high}), and {high + 1} is also counted elsewhere in the batch: a sample "
+                "is a group of rows, which a split of the rows would cut apart"
+            )
+        if not split and t.dim() > 1 and t.shape[0] > 1 and low >= 0 and size // 2 <= high < size:
+            return (
+                f"{name} holds indices into the {size} rows (0..{high}); each micro-batch would "
+                "hold some of the rows but get every index"
+            )
+    for name, obj in _named_leaves(batch, lists=True):
+        counted = isinstance(obj, (tuple, list)) and 1 < len(obj) != size and len(obj) in counts
+        if counted and all(
+            isinstance(i, torch.Tensor) and _batch_axis(i, size, dim) == dim for i in obj
+        ):
+            return (
+                f"{name} is a list of {len(obj)} tensors, as many as the samples counted "
+                f"elsewhere in the batch, but their own dim {dim} ({size}: an image's "
+                "channels?) was taken for the batch"
+            )
+    return None
+
+
+def _refuse_unsplittable(batch: Any, size: int, dim: int) -> None:
+    why = _why_unsplittable(batch, size, dim)
+    if why is None:
+        return
+    shapes = [
+        f"{n} {tuple(t.shape)}" for n, t in _named_leaves(batch) if isinstance(t, torch.Tensor)
+    ]
+    raise ConfigError(
+        f"memkit cannot split this batch into micro-batches: its batch size was taken as {size} "
+        f"(dim {dim} of {', '.join(shapes[:8])}{', ...' if len(shapes) > 8 else ''}), but {why}. "
+        "Pass a batch that splits per sample: a list of per-sample items (one dict per graph or "
+        "image) that your train_step collates, or tensors whose dim "
+        f"{dim} is the sample (stack the images)"
     )
 
 
@@ -96,7 +207,9 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None, dim: int
     long as the batch, and not every item a tensor, or holding one, of that many rows: a
     detection batch's target dicts, one of which may hold as many boxes as the batch has
     images) is sliced; mappings, tuples (named tuples too) and other lists are rebuilt around their
-    split items; everything else is passed unchanged to every micro-batch.
+    split items; everything else is passed unchanged to every micro-batch. A batch whose samples
+    are groups of rows (graphs: node features with a sorted graph-id vector, an ``edge_index``
+    into the rows) or a list of per-sample tensors mistaken for columns is refused.
 
     Args:
         batch: a tensor, or a mapping/tuple/list (nested) of tensors and other values.
@@ -109,11 +222,15 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None, dim: int
         >>> parts = split_batch({"x": torch.arange(5), "k": 2}, 2)
         >>> [p["x"].tolist() for p in parts], parts[1]["k"]
         ([[0, 1, 2], [3, 4]], 2)
+
+    Raises:
+        ConfigError: the batch cannot be split per sample (see above).
     """
     size = batch_size if batch_size is not None else batch_size_of(batch, dim)
     if size is None or chunks == 1:
         return [batch]
     sizes = chunk_sizes(size, chunks)
+    _refuse_unsplittable(batch, size, dim)
 
     def split(obj: Any) -> list[Any]:
         if isinstance(obj, torch.Tensor):
@@ -132,7 +249,8 @@ def split_batch(batch: Any, chunks: int, batch_size: int | None = None, dim: int
                 return [type(obj)(*row) for row in rows]
             return [tuple(row) for row in rows]
         if isinstance(obj, list):
-            if len(obj) == size and size > 1 and not all(_holds_rows(i, size, dim) for i in obj):
+            per_sample = _is_records(obj, dim) or not all(_holds_rows(i, size, dim) for i in obj)
+            if len(obj) == size and size > 1 and per_sample:
                 # one item per sample (a detection batch's target dicts, captions): sliced
                 starts = [sum(sizes[:i]) for i in range(chunks)]
                 return [obj[start : start + n] for start, n in zip(starts, sizes, strict=True)]

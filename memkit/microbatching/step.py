@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -100,6 +100,19 @@ def _put_back(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
 def _needs_two_samples(exc: BaseException) -> bool:
     """BatchNorm's error for a training batch of one sample."""
     return isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc)
+
+
+ITEM_COUNT_KEY = "num_items_in_batch"
+
+
+def _carries_item_count(batch: Any) -> bool:
+    """Whether ``batch`` is, or holds, a mapping with ``num_items_in_batch`` (transformers'
+    Trainer convention: the loss is a sum over the batch's items divided by that count)."""
+    if isinstance(batch, Mapping):
+        return ITEM_COUNT_KEY in batch or any(_carries_item_count(v) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return any(_carries_item_count(v) for v in batch)
+    return False
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
@@ -217,8 +230,13 @@ class MicroBatchStep:
         self._zero_grads()
         parts = split_batch(batch, chunks, batch_size, self.batch_dim)
         sizes = chunk_sizes(batch_size, chunks)
-        if self.weight is None:
-            weights: list[float] = [float(n) for n in sizes]
+        # each micro-batch's loss is already divided by the whole batch's num_items_in_batch
+        # (given unchanged to every micro-batch): their sum is the full batch's loss
+        summed = self.weight is None and chunks > 1 and _carries_item_count(batch)
+        if summed:
+            weights: list[float] = [1.0] * chunks
+        elif self.weight is None:
+            weights = [float(n) for n in sizes]
         else:
             # numbers, read in one go: a tensor weight costs one device sync per batch, not
             # one per micro-batch, and a zero weight is known before its backward runs
@@ -229,7 +247,7 @@ class MicroBatchStep:
             ).tolist()
         no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
         with self._no_buffer_broadcast():
-            return self._micro_steps(parts, weights, no_sync, world)
+            return self._micro_steps(parts, weights, summed, no_sync, world)
 
     @contextlib.contextmanager
     def _no_buffer_broadcast(self) -> Iterator[None]:
@@ -248,9 +266,11 @@ class MicroBatchStep:
             setattr(self.model, "require_forward_param_sync", before)  # noqa: B010
 
     def _micro_steps(
-        self, parts: list[Any], weights: list[float], no_sync: Any, world: int
+        self, parts: list[Any], weights: list[float], summed: bool, no_sync: Any, world: int
     ) -> torch.Tensor:
-        total = sum(weights)
+        """Micro-batch ``i``'s loss is back-propagated with weight ``weights[i] / sum(weights)``,
+        or 1 when the losses are ``summed`` (each already divided by the whole batch's count)."""
+        total = 1.0 if summed else sum(weights)
         if total <= 0:  # nothing counted in the whole batch (every label ignored): nothing
             # to learn, and its loss is a mean over nothing, as the full batch's would be
             self._zero_grads()
@@ -262,7 +282,7 @@ class MicroBatchStep:
         # batch's would be (on the device: no sync); NaN gradients (a real divergence) or
         # every micro-batch NaN still return NaN
         counted: torch.Tensor | None = None
-        mask_nan = self.weight is None and len(parts) > 1
+        mask_nan = self.weight is None and len(parts) > 1 and not summed
         for part, w in zip(parts, weights, strict=True):
             if w == 0:  # nothing counted in it: no gradient (its loss is NaN, a mean over
                 continue  # nothing, whose backward can make NaN gradients)
@@ -611,7 +631,8 @@ def microbatch(
 
     Args:
         train_step: ``train_step(batch) -> loss``: forward and loss of one (micro-)batch, the
-            loss a mean over it. memkit does ``backward``, accumulation, ``optimizer.step()``
+            loss a mean over it (or a sum divided by the batch's ``num_items_in_batch``,
+            transformers' convention). memkit does ``backward``, accumulation, ``optimizer.step()``
             and ``zero_grad(set_to_none=True)``. Omit it to use ``microbatch`` as a decorator.
         model: the model (``DistributedDataParallel`` is recognised and coordinated).
         optimizer: the optimizer; it steps once per batch.
