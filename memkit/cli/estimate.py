@@ -68,8 +68,9 @@ def _parse_amp(_ctx: click.Context, _param: click.Parameter, value: str | None) 
 @click.option("--margin", callback=_parse_margin, default=None,
               help="Memory the recommended batch leaves free, percent [default: 5].")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
-              "this many GPUs of --device-memory each.")  # fmt: skip
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="Compare "
+              "strategies (--strategies, default dp,ddp) on this many GPUs of --device-memory "
+              "each.")  # fmt: skip
 @click.option("--strategies", default=None, metavar="dp,ddp,fsdp", help="Compare "
               "DataParallel, DDP and FSDP2 (default dp,ddp) on --gpus GPUs, on meta tensors "
               "(docs/distributed.md).")  # fmt: skip
@@ -98,7 +99,9 @@ def estimate_command(
     estimated not to fit, 2 usage or model-file error, 3 the step failed on meta tensors.
 
     \b
+    memkit estimate examples/mlp.py --device-memory 24GiB --amp bf16
     memkit estimate examples/gpt2_small.py --device-memory 24GiB --seq-len 1024 --amp bf16
+      (GPT-2 small needs: pip install -e ".[transformers]")
     """
     if gpus is not None or strategies is not None:
         from memkit.estimation import AMP_DTYPES

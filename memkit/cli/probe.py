@@ -25,8 +25,10 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--mode", callback=_parse_modes, default="train", show_default=True,
-              help="train, infer, or train,infer for both in one run (evaluation has no "
-              "gradients or optimizer state, so its batch can be larger).")  # fmt: skip
+              help="train, infer, or train,infer for both in one run (evaluation keeps no "
+              "activations for a backward, so its batch can be larger; with train,infer its "
+              "trials hold training's optimizer state and gradients, as an evaluation inside "
+              "training does).")  # fmt: skip
 @click.option("--device", default=None, help="cuda, cuda:N, cpu (simulated)... [default: the "
               "current accelerator, else cpu]")  # fmt: skip
 @click.option("--budget", default=None, help="Memory cap, e.g. 8GiB. On cpu: the simulated "
@@ -62,8 +64,9 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
 @click.option("--dist-backend", default=None, metavar="NAME", help="Under torchrun: the "
               "process group's backend [default: nccl on cuda, else gloo; gloo puts several "
               "ranks on one GPU].")  # fmt: skip
-@click.option("--gpus", type=click.IntRange(min=2), default=None, help="With --strategies: "
-              "this many virtual GPUs of --budget each (--device cpu).")  # fmt: skip
+@click.option("--gpus", type=click.IntRange(min=2), default=None, help="Compare "
+              "strategies (--strategies, default dp,ddp) on this many virtual GPUs of --budget "
+              "each (--device cpu).")  # fmt: skip
 @click.option("--strategies", default=None, metavar="dp,ddp,fsdp", help="Compare "
               "DataParallel, DDP and FSDP2 (default dp,ddp) on --gpus virtual GPUs: largest "
               "global batch and per-device peaks "
