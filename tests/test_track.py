@@ -2131,3 +2131,5 @@ def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak(
     assert "at the training peak" not in text
     assert "at the highest training moment measured before the error (step 1, forward" in text
     assert f"the backward peak, {format_size(backward)}, was where it failed" in text
+    page = report._repr_html_()  # the HTML heading says the same
+    assert "At the highest training moment measured before the error" in page

@@ -130,18 +130,20 @@ def breakdown_text(bd: Breakdown) -> str:
     return text + f"\nnote: {bd.note}" if bd.note else text
 
 
-def breakdown_html(bd: Breakdown, title: str = "At the peak") -> str:
-    """A section: the categories as a stacked bar, a legend and a table."""
+def breakdown_html(bd: Breakdown, title: str = "At the peak", where: str | None = None) -> str:
+    """A section: the categories as a stacked bar, a legend and a table (``where``: the
+    moment's place, else its step, phase and module)."""
     parts = [(f"{name}: {format_size(v)}", float(v)) for name, v in bd.parts()]
-    where = ", ".join(
-        x
-        for x in (
-            None if bd.step is None else f"step {bd.step}",
-            bd.phase,
-            None if bd.module is None else bd.module,
+    if where is None:
+        where = ", ".join(
+            x
+            for x in (
+                None if bd.step is None else f"step {bd.step}",
+                bd.phase,
+                None if bd.module is None else bd.module,
+            )
+            if x
         )
-        if x
-    )
     rows = [[name, format_size(v)] for name, v in bd.parts()]
     note = f'<p class="note">{h.escape(bd.note)}</p>' if bd.note else ""
     return (
@@ -360,28 +362,36 @@ def _checkpointing_line(report: TrackReport) -> str | None:
     )
 
 
+def _breakdown_place(dev: DeviceReport, bd: Breakdown) -> tuple[str, str]:
+    """What the device's breakdown is of (``the training peak``) and where it was (``step 5,
+    forward, Net``); after an error that ended a part of a step higher than it (its segment
+    belongs to the post-mortem), the highest moment measured before the error, and where the
+    higher peak was."""
+    where = ", ".join(
+        x
+        for x in (
+            None if bd.step is None else f"step {bd.step}",
+            bd.phase,
+            next((module_label(m) for m in dev.modules if m.path == bd.module), bd.module),
+        )
+        if x
+    )
+    trained = bd.phase != "eval" and any(s.backward_passes for s in dev.steps)
+    what = "the training peak" if trained else "the peak"
+    peaks = {p: v for p, v in dev.phase_peaks.items() if v is not None and p != "eval"}
+    highest = max(peaks, key=lambda p: peaks[p], default=None)
+    if highest is not None and peaks[highest] > bd.total:  # in the segment that failed
+        what = f"the highest {'training ' if trained else ''}moment measured before the error"
+        where += f"; the {highest} peak, {format_size(peaks[highest])}, was where it failed"
+    return what, where
+
+
 def _device_text(dev: DeviceReport) -> list[str]:
     lines = [f"{dev.device}: {dev.accounting}"]
     if dev.breakdown is not None:
-        bd = dev.breakdown
-        where = ", ".join(
-            x
-            for x in (
-                None if bd.step is None else f"step {bd.step}",
-                bd.phase,
-                next((module_label(m) for m in dev.modules if m.path == bd.module), bd.module),
-            )
-            if x
-        )
-        trained = bd.phase != "eval" and any(s.backward_passes for s in dev.steps)
-        what = "the training peak" if trained else "the peak"
-        peaks = {p: v for p, v in dev.phase_peaks.items() if v is not None and p != "eval"}
-        highest = max(peaks, key=lambda p: peaks[p], default=None)
-        if highest is not None and peaks[highest] > bd.total:  # in the segment that failed
-            what = f"the highest {'training ' if trained else ''}moment measured before the error"
-            where += f"; the {highest} peak, {format_size(peaks[highest])}, was where it failed"
+        what, where = _breakdown_place(dev, dev.breakdown)
         lines.append(f"at {what} ({where}):")
-        lines.extend("  " + line for line in bd.text().splitlines())
+        lines.extend("  " + line for line in dev.breakdown.text().splitlines())
     top = dev.top_modules(10)
     if top:
         lines.append(table(MODULE_HEADERS, [_module_row(m) for m in top], title="top modules"))
@@ -441,7 +451,8 @@ def _device_html(dev: DeviceReport) -> list[str]:
             )
         )
     if dev.breakdown is not None:
-        body.append(breakdown_html(dev.breakdown))
+        what, where = _breakdown_place(dev, dev.breakdown)
+        body.append(breakdown_html(dev.breakdown, f"At {what}", where))
     top = dev.top_modules(25)
     if top:
         body.append("<h3>Modules (largest activations first)</h3>")
