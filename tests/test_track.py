@@ -2101,6 +2101,10 @@ def test_tensors_a_line_moves_to_the_cpu_are_the_simulated_devices_count(device)
         assert "simulated device" in advice.title and "x.detach().cpu()" not in advice.action
     else:
         assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
+    # a line that keeps a device tensor beside a number it takes (`.item()`) keeps the tensor
+    kept = dataclasses.replace(top, code="hist.append((out.detach(), loss.item()))")
+    (advice,) = graph_retained_advice([dataclasses.replace(leak, suspects=(kept,))])
+    assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
 
 
 def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak():

@@ -170,9 +170,9 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
             "device's count, no leak",
             evidence=_growth(leak, saving=False)
             + held
-            + f" Its line moves them off the device (`{moved[0]}`): "
+            + f" Its line moves them off the device (`{moved[1]}`): "
             "on a GPU it frees the device; the simulated device runs on the CPU, where "
-            f"`{moved[0]}` keeps the same tensor, so their bytes stay counted here.",
+            f"`{moved[1]}` keeps the same tensor, so their bytes stay counted here.",
             action="Nothing to fix for the device; they still take host memory: keep only "
             "the last N (`collections.deque(maxlen=N)`), or none, if that matters.",
             saving_bytes=None,
@@ -202,9 +202,12 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
 
 
 _OFF_DEVICE = re.compile(
-    r"\.cpu\(\)|\.to\(\s*(?:device\s*=\s*)?['\"]cpu['\"]|\.numpy\(\)|\.item\(\)|\.tolist\(\)"
+    r"(\.cpu\(\)|\.to\(\s*(?:device\s*=\s*)?['\"]cpu['\"]\s*\)|\.numpy\(\))"
+    r"(?:\.(?:detach|clone|float|double|half|contiguous)\(\))*\s*\)?\s*(?:#.*)?$"
 )
-"""What moves a tensor off the device (a no-op on the simulated device, which is the CPU)."""
+"""A line whose stored expression ends by moving its tensor off the device (a no-op on the
+simulated device, which is the CPU): ``features.append(out.detach().cpu())``, ``d[k] =
+x.cpu()``; not ``hist.append((out.detach(), loss.item()))``, which keeps ``out``."""
 
 
 def _store(top: LeakSuspect, item: str) -> str:
