@@ -368,6 +368,16 @@ def test_a_batch_with_num_items_in_batch_sums_its_micro_batches_losses(gpt2):
     assert step.last is not None and step.last.chunk_sizes == (2, 2, 2, 2)
     assert loss.item() == pytest.approx(full, rel=1e-5)
     assert_params_close(model, expected)
+    # num_items_in_batch=None: transformers' models take the mean, and so the micro-batches
+    # are weighted as usual (summing doubled the gradient; review)
+    none = {"input_ids": ids, "labels": ids.clone(), "num_items_in_batch": None}  # not ragged
+    expected = reference_step(gpt2, gpt2_loss, none)
+    model = copy.deepcopy(gpt2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: gpt2_loss(model, b), model=model, optimizer=opt)
+    step.policy.micro_size = 4
+    step(none)
+    assert_params_close(model, expected)
 
 
 def test_a_micro_batch_with_no_counted_token_adds_nothing_and_no_nan(gpt2):
@@ -758,13 +768,17 @@ def graph_batch(graphs: int = 6, nodes: int = 4) -> dict[str, torch.Tensor]:
 
 def test_a_graph_batch_is_refused_not_split_along_its_nodes():
     """Split along the nodes, ``edge_index`` (given whole) indexed rows a micro-batch lacks
-    (IndexError), and without it pooling to ``num_graphs`` gave a silently wrong gradient."""
+    (IndexError), or, pooled to ``num_graphs``, gave a silently wrong gradient."""
     batch = graph_batch()
     with pytest.raises(ConfigError, match=r"'edge_index'\] holds indices into the 24 rows"):
         split_batch(batch, 2)
-    pooled_only = {"x": batch["x"], "batch": batch["batch"], "y": batch["y"], "num_graphs": 6}
-    with pytest.raises(ConfigError, match=r"assigns the 24 rows to 6 samples"):
-        split_batch(pooled_only, 2)
+    # ordinary batches are no graphs: sorted labels beside a class count, a whole 0/1 mask
+    # with a batch of 2 (review: both were refused)
+    labels = {"x": torch.randn(12, 4), "y": torch.arange(12) // 4, "num_classes": 3}
+    halves = [p["y"].tolist() for p in split_batch(labels, 2)]
+    assert halves == [[0, 0, 0, 0, 1, 1], [1, 1, 2, 2, 2, 2]]
+    causal = {"ids": torch.randint(0, 9, (2, 6)), "mask": torch.ones(6, 6, dtype=torch.uint8)}
+    assert [p["ids"].shape[0] for p in split_batch(causal, 2)] == [1, 1]
     # the way out the error names: one dict per graph, split per graph
     graphs = [{"x": torch.randn(4, 3), "edge_index": torch.randint(0, 4, (2, 5)),
                "y": torch.tensor([i % 2])} for i in range(6)]  # fmt: skip
@@ -774,6 +788,9 @@ def test_a_graph_batch_is_refused_not_split_along_its_nodes():
     # batched dicts (default_collate of samples that are pairs of dicts) stay columns
     pair = [{"ids": torch.zeros(8, 5)}, {"ids": torch.zeros(8, 7)}]
     assert batch_size_of(pair) == 8 and split_batch(pair, 2)[0][1]["ids"].shape == (4, 7)
+    # a labelled and an unlabelled batch of two sizes (Lightning's CombinedLoader): no records
+    mixed = [{"x": torch.zeros(4, 8), "y": torch.zeros(4)}, {"x": torch.zeros(12, 8)}]
+    assert batch_size_of(mixed) == 12
 
 
 def test_a_list_of_images_is_split_per_image_or_refused():

@@ -25,17 +25,24 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 
 def _is_records(obj: Any, dim: int = 0) -> bool:
-    """Whether ``obj`` is a list of per-sample records: two or more mappings holding tensors
-    whose lengths differ (a graph's nodes and edges, an image's boxes). A list of batched
-    dicts (``default_collate`` of samples that are tuples of dicts) has one length throughout."""
+    """Whether ``obj`` is a list of per-sample records: mappings holding tensors whose lengths
+    differ inside one of them (a graph's nodes and edges), or, three or more of them, from
+    one to the next (an image's boxes). A list of batched dicts (``default_collate`` of
+    samples that are tuples of dicts) has one length throughout; two batched dicts of two
+    sizes (a labelled and an unlabelled batch, Lightning's CombinedLoader) are no records."""
     if not isinstance(obj, list) or len(obj) < 2 or not all(isinstance(i, Mapping) for i in obj):
         return False
-    lengths = {
-        int(leaf.shape[dim] if leaf.dim() > dim else leaf.shape[0])
-        for leaf in _leaves(obj)
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-    }
-    return len(lengths) > 1
+    per_item = [
+        {
+            int(leaf.shape[dim] if leaf.dim() > dim else leaf.shape[0])
+            for leaf in _leaves(item)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+        }
+        for item in obj
+    ]
+    if any(len(lengths) > 1 for lengths in per_item):
+        return True
+    return len(obj) > 2 and len(set().union(*per_item)) > 1
 
 
 def _records_lengths(obj: Any, dim: int) -> list[int]:
@@ -128,28 +135,31 @@ def _why_unsplittable(batch: Any, size: int, dim: int) -> str | None:
     leaves = list(_named_leaves(batch))
     tensors = [(n, t) for n, t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
     whole = [(n, t) for n, t in tensors if _batch_axis(t, size, dim) is None]
-    counts = {int(t.shape[0]) for _, t in whole} | {
-        v for _, v in leaves if isinstance(v, int) and not isinstance(v, bool)
-    }
-    for name, t in tensors:
-        if t.dtype not in _INTEGER or t.numel() == 0:
-            continue
+    # an index tensor into the rows, (2, E) as PyG's edge_index (a whole 0/1 mask is none)
+    index = next(
+        (
+            (name, t)
+            for name, t in tensors
+            if t.dtype in _INTEGER
+            and t.dim() == 2
+            and t.shape[0] == 2
+            and t.numel() > 0
+            and _batch_axis(t, size, dim) is None
+        ),
+        None,
+    )
+    if index is not None:
+        name, t = index
         low, high = int(t.min()), int(t.max())
-        split = _batch_axis(t, size, dim) is not None
-        grouped = split and t.dim() == 1 and low == 0 and 1 < high + 1 < size
-        if grouped and high + 1 in counts and bool((t[1:] >= t[:-1]).all()):
-            return (
-                f"{name} assigns the {size} rows to {high + 1} samples (sorted ids "
-                f"0..{high}), and {high + 1} is also counted elsewhere in the batch: a sample "
-                "is a group of rows, which a split of the rows would cut apart"
-            )
-        if not split and t.dim() > 1 and t.shape[0] > 1 and low >= 0 and size // 2 <= high < size:
+        if low >= 0 and 2 <= high < size and size // 2 <= high:
             return (
                 f"{name} holds indices into the {size} rows (0..{high}); each micro-batch would "
-                "hold some of the rows but get every index"
+                "hold some of the rows but get every index (rows grouped into graphs: "
+                "PyG's edge_index)"
             )
+    counted_by = {int(t.shape[0]) for _, t in whole}  # (an int counts too little: a views count)
     for name, obj in _named_leaves(batch, lists=True):
-        counted = isinstance(obj, (tuple, list)) and 1 < len(obj) != size and len(obj) in counts
+        counted = isinstance(obj, (tuple, list)) and 1 < len(obj) != size and len(obj) in counted_by
         if counted and all(
             isinstance(i, torch.Tensor) and _batch_axis(i, size, dim) == dim for i in obj
         ):

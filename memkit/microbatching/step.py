@@ -106,10 +106,13 @@ ITEM_COUNT_KEY = "num_items_in_batch"
 
 
 def _carries_item_count(batch: Any) -> bool:
-    """Whether ``batch`` is, or holds, a mapping with ``num_items_in_batch`` (transformers'
-    Trainer convention: the loss is a sum over the batch's items divided by that count)."""
+    """Whether ``batch`` is, or holds, a mapping with a ``num_items_in_batch`` count (an int or
+    a tensor: transformers' Trainer convention, the loss is a sum over the batch's items
+    divided by that count)."""
     if isinstance(batch, Mapping):
-        return ITEM_COUNT_KEY in batch or any(_carries_item_count(v) for v in batch.values())
+        count = batch.get(ITEM_COUNT_KEY)  # (None: transformers' models then take a mean)
+        counted = isinstance(count, (int, torch.Tensor)) and not isinstance(count, bool)
+        return counted or any(_carries_item_count(v) for v in batch.values())
     if isinstance(batch, (tuple, list)):
         return any(_carries_item_count(v) for v in batch)
     return False
