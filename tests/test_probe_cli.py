@@ -254,6 +254,17 @@ def test_a_detection_batch_of_per_image_target_dicts_is_probed(tmp_path: Path):
     result = run(str(path), "--device", "cpu", "--budget", "4MiB", "--max-batch", "64", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["max_batch_size"] == 64
+    # a list of n ids beside tensors that ignore n is no batch of n samples
+    ignores = tmp_path / "ignores.py"
+    ignores.write_text(
+        "import torch\n\n\n"
+        "def build_model():\n"
+        "    return torch.nn.Linear(10, 2)\n\n\n"
+        "def make_batch(n):\n"
+        "    return {'input': torch.randn(32, 10), 'ids': list(range(n))}\n"
+    )
+    refused = run(str(ignores), "--device", "cpu", "--budget", "4MiB")
+    assert refused.exit_code == 2 and "ignore its batch_size" in refused.stderr
 
 
 def test_train_and_infer_in_one_run():

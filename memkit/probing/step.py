@@ -407,8 +407,8 @@ def _grown_list(small: Any, big: Any, batch_size: int) -> bool:
     if isinstance(small, Mapping) and isinstance(big, Mapping):
         return any(_grown_list(small[k], big[k], batch_size) for k in small if k in big)
     if isinstance(small, (list, tuple)) and isinstance(big, (list, tuple)):
-        if len(small) == batch_size and len(big) == batch_size + 1:
-            return True
+        if len(small) == batch_size and len(big) == batch_size + 1:  # of items holding tensors
+            return all(next(_tensors(item), None) is not None for item in big)
         if len(small) == len(big):
             return any(_grown_list(a, b, batch_size) for a, b in zip(small, big, strict=True))
     return False
