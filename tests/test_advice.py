@@ -566,6 +566,25 @@ def test_eval_peak_claims_no_saving_where_the_leak_grown_in_evaluation_is_the_ga
     moved = dataclasses.replace(dev, steps=(*in_training[:-1], steps[-1]))
     (own,) = eval_peak(dataclasses.replace(report, devices=(moved,)))
     assert own.saving_bytes == 6 * MiB and "smaller batch size" in own.action
+    # a small leak in evaluation over a long run, beside an evaluation batch whose own peak is
+    # far above training's: the run's whole growth (4 MiB) exceeds the gap (3 MiB), but the
+    # device kept only one evaluation's 256 KiB more when evaluation peaked (review)
+
+    def long(i: int) -> StepRecord:
+        start = 10 * MiB + (MiB // 4) * (i // 4)
+        evaluated = i % 4 == 3
+        rise = MiB // 4 if evaluated else 0
+        peaks = {"forward": start + MiB, "eval": start + 4 * MiB if evaluated else None}
+        return StepRecord(i, start, start + rise, start + MiB, start + MiB, peaks, 0.1)
+
+    runs = tuple(long(i) for i in range(64))
+    top = runs[-1].start_allocated
+    phases = {"forward": top + MiB, "eval": runs[-1].phase_peaks["eval"]}
+    leak = dataclasses.replace(leak, grown_bytes=4 * MiB)
+    longer = DeviceReport("cpu", "cpu", "sim", 256 * MiB, 0, 0, top + 4 * MiB, top + 4 * MiB,
+                          phases, steps=runs, leak=leak)  # fmt: skip
+    (kept,) = eval_peak(dataclasses.replace(report, devices=(longer,)))
+    assert kept.saving_bytes == 3 * MiB and "smaller batch size" in kept.action
 
 
 def test_the_oom_accumulation_saving_holds_when_the_advice_is_applied():

@@ -36,7 +36,7 @@ from memkit.advice.training import (
 from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import Breakdown, DeviceReport, TrackReport
+    from memkit.tracking.report import Breakdown, DeviceReport, StepRecord, TrackReport
 
 __all__ = [
     "eval_grad_enabled",
@@ -111,8 +111,9 @@ def eval_peak(report: TrackReport) -> list[Advice]:
                     title=f"evaluation peaks above training on {dev.device}: what the leak keeps",
                     evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training "
                     f"peaked at {format_size(training)}. The {format_size(evaluation - training)}"
-                    " between them is within what memory grew by in the steps that evaluate "
-                    f"({format_size(leaked)}, the leak found there): evaluation holds what it "
+                    " between them is within what the device kept more after the evaluation "
+                    f"that peaked than when training peaked ({format_size(leaked)}; the leak "
+                    "grows in the steps that evaluate): evaluation holds what it "
                     "makes on top of what earlier evaluations kept, so the gap is the leak's "
                     "until it is fixed, and no saving is claimed for a smaller evaluation batch.",
                     action="Fix the leak first (its advice above), then track again: "
@@ -143,8 +144,11 @@ def eval_peak(report: TrackReport) -> list[Advice]:
 
 
 def _grown_evaluating(dev: DeviceReport) -> int:
-    """What ``dev``'s leak grew by in the steps that ran an evaluation, when most of its
-    growth was there (an evaluation keeping its losses with their graphs); else 0."""
+    """What ``dev`` kept more, once the step whose evaluation peaked ended, than when the step
+    of the training peak began, where a leak grew mostly in the steps that evaluate (an
+    evaluation keeping its losses with their graphs); else 0. The gap between the two peaks
+    is then the leak's up to that much; a run's whole growth would explain any gap once the
+    run is long enough."""
     if dev.leak is None:
         return 0
     rises = [
@@ -153,7 +157,18 @@ def _grown_evaluating(dev: DeviceReport) -> int:
         if s.step >= dev.leak.first_step and s.end_allocated > s.start_allocated
     ]
     evaluating = sum(rise for rise, evaluated in rises if evaluated)
-    return evaluating if 2 * evaluating > sum(rise for rise, _ in rises) else 0
+    if 2 * evaluating <= sum(rise for rise, _ in rises):
+        return 0
+
+    def training_peak(step: StepRecord) -> int:
+        return max((v for p, v in step.phase_peaks.items() if p != "eval" and v), default=0)
+
+    evaluated = [s for s in dev.steps if s.phase_peaks.get("eval") is not None]
+    if not evaluated or not dev.steps:
+        return 0
+    peak_eval = max(evaluated, key=lambda s: s.phase_peaks.get("eval") or 0)
+    peak_train = max(dev.steps, key=training_peak)
+    return max(0, peak_eval.end_allocated - peak_train.start_allocated)
 
 
 def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int) -> Advice | None:
