@@ -707,6 +707,27 @@ def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
     assert model.last is None and model.seen == 0
 
 
+def test_a_number_that_became_a_tensor_is_put_back_after_the_probe():
+    """transformers' dynamic RoPE grows its cache past ``max_position_embeddings``:
+    ``max_seq_len_cached`` goes from the int 16 to a tensor, and its ``inv_freq`` buffer is
+    rewritten. The probe put the buffer back but left the tensor, a module changed in numbers
+    only (review: a 40-token forward then used the original frequencies with a grown length)."""
+
+    class Rope(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 2)
+            self.max_seq_len_cached = 16
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > self.max_seq_len_cached:
+                self.max_seq_len_cached = torch.tensor(x.shape[0])
+            return super().forward(x)
+
+    model = Rope()
+    probe(model, lambda n: torch.randn(n, 8), device="cpu", budget="1MiB", max_batch=64)
+    assert model.max_seq_len_cached == 16 and isinstance(model.max_seq_len_cached, int)
+
+
 def test_a_fitting_trial_still_growing_at_the_step_limit_is_said_when_the_answers_is_not():
     """The report's ``steps:`` line looked only at the answer's trial: trials still growing
     when the step limit stopped them (the sweep's 512, 673 and 677) went unsaid. Here the step

@@ -296,9 +296,11 @@ class ModuleAttributes:
                 attributes[name] = value
 
     def _moved(self, attributes: dict[str, Any], name: str, value: Any) -> bool:
-        """Whether a tensor, ``None`` or container attribute is not as it was at the start."""
+        """Whether a tensor, ``None`` or container attribute is not as it was at the start, or
+        a number is now something else (transformers' dynamic RoPE: ``max_seq_len_cached``
+        becomes a tensor as it grows its cache)."""
         if isinstance(value, _SCALARS) and value is not None:
-            return False
+            return not isinstance(attributes.get(name, value), _SCALARS)
         if attributes.get(name, _MISSING) is not value:
             return True
         saved = self._contents.get(id(value))
