@@ -215,8 +215,7 @@ def _same_contents(container: Any, saved: Any) -> bool:
     if len(container) != len(saved):
         return False
     if isinstance(container, dict):
-        missing = object()
-        return all(container.get(k, missing) is v for k, v in saved.items())
+        return all(container.get(k, _MISSING) is v for k, v in saved.items())
     if isinstance(container, set):
         return container == saved
     return all(a is b for a, b in zip(container, saved, strict=True))

@@ -49,7 +49,6 @@ __all__ = [
     "first_line",
     "host_failure",
     "optimizer_state_bytes",
-    "state_without_tensors",
 ]
 
 Backend = CudaBackend | SimulatedBackend
@@ -240,7 +239,7 @@ def _stepped_params(model: torch.nn.Module, optimizer: Any) -> tuple[torch.Tenso
     return tuple(p for p in model.parameters() if p.requires_grad)
 
 
-def state_without_tensors(optimizer: Any) -> bool:
+def _state_without_tensors(optimizer: Any) -> bool:
     """Whether the optimizer keeps per-parameter state that holds no tensor of more than one
     element (a step counter alone): state an optimizer may make at a later step (one that
     switches to Adam's moments at its third step)."""
@@ -311,7 +310,7 @@ class TrialRunner:
         self.collections = 0  # gc.collect() calls between trials (not after OOMs)
         self.held_after_oom: dict[int, int] = {}  # batch size -> bytes its OOM left held
         # training: the first trial that completes, when the optimizer's state holds no tensor
-        # yet (state_without_tensors), steps on until it does (up to MAX_STEPS); the trials
+        # yet (_state_without_tensors), steps on until it does (up to MAX_STEPS); the trials
         # then run at least as many steps as that took
         self._awaiting_state = self.step.mode == "train" and self.optimizer is not None
         self.state_appeared_at: int | None = None  # the step that made it, if one did
@@ -404,7 +403,7 @@ class TrialRunner:
                 growing = extend and (kept[-1] > kept[-2] if len(kept) >= 2 else
                                       state[0] > state_before)  # fmt: skip
                 awaiting = extend and self._awaiting_state
-                if awaiting and not state_without_tensors(self.optimizer):
+                if awaiting and not _state_without_tensors(self.optimizer):
                     if self.state_appeared_at is None and len(kept) > steps:
                         self.state_appeared_at = len(kept)
                     awaiting = False
