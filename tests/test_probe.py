@@ -807,6 +807,32 @@ def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
     assert trains(best) and not trains(best + 1)
 
 
+class _SignSGD(torch.optim.Optimizer):
+    """A step counter and no tensor state, ever."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 1e-3})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_a_wait_for_optimizer_state_that_never_comes_is_no_longer_run():
+    """An optimizer whose state is a counter only makes the first trial step on, waiting for
+    tensors that never come: the report said "up to 16 per trial ... 0 B more ... then
+    stable" (review). Nothing grew: the answer holds for the steps asked."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
+    result = probe(model, lambda n: torch.randn(n, 64), optimizer=_SignSGD(model.parameters()),
+                   device="cpu", budget="1MiB")  # fmt: skip
+    assert_exact(result)
+    (line,) = [d for d in result.defaults if d.startswith("steps:")]
+    assert line.startswith("steps: 2 per trial (--steps 2), the memory kept between them stable")
+
+
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
     """docs/probe.md's ``(inputs, labels)`` batch with a ``loss_fn``, and ``--mode infer`` of
     examples/cnn.py: ``model(*batch)`` raised "forward() takes 2 positional arguments but 3

@@ -766,14 +766,25 @@ def _kept_growth(
     (naming the fitting trial nearest the answer that was still growing when the step limit
     stopped it, when the answer's own trial was not). Also ``(steps, grown, of it optimizer
     state)`` for the advice when the answer's trial was still growing at its last step."""
-    longer = [t for t in trials if t.fits and ((t.steps_run or 0) > steps or t.still_growing)]
+    # (a trial that stepped on only to wait for an optimizer's state that never came kept
+    # nothing more: it does not count as a longer run; --steps 1's second step does)
+    longer = [
+        t
+        for t in trials
+        if t.fits
+        and (
+            ((t.steps_run or 0) > steps and (t.kept_growth_bytes or t.steps_run == 2))
+            or t.still_growing
+        )
+    ]
     if not longer:
         if mode != "train" or best is None:
             return [], None
+        kept = "" if steps == 1 else ", the memory kept between them stable"
         line = (
-            f"steps: {steps} per trial (--steps {steps}), the memory kept between them stable: "
-            "memory made at a later step (an optimizer that makes its state then, SWA from an "
-            "epoch on) is not seen: --steps N measures N steps"
+            f"steps: {steps} per trial (--steps {steps}){kept}: memory made at a later step (an "
+            "optimizer that makes its state then, SWA from an epoch on) is not seen: --steps N "
+            "measures N steps"
         )
         return [line], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
