@@ -374,6 +374,12 @@ def give_up_waiting(give_up: bool = True) -> None:
         _GIVE_UP.clear()
 
 
+ANNOUNCE_GRACE = 0.5
+"""Seconds rank 0 still looks for a rank's announcement of an exchange it had not made yet
+(:func:`gather_to_rank0`'s ``only_announced``): ranks leave a ``barrier()`` together, and a
+rank that enters the next block a few milliseconds after rank 0 finished its own is late,
+not absent. A block rank 0 alone runs costs this much wait."""
+
 _POLL = (0.01, 0.5)
 """Rank 0 looks for the other ranks' keys every 10 ms at first, backing off to 500 ms; between
 looks Python runs its signal handlers (``memkit run``'s SIGTERM), which a blocking wait in
@@ -420,8 +426,9 @@ def gather_to_rank0(
     costs rank 0 ``timeout``, never a hang.
     ``key`` names the exchange: every rank must pass the same one, and each exchange its own
     (an object left by a rank rank 0 gave up on stays behind under it). ``only_announced``:
-    rank 0 waits only for the ranks that announced ``key`` (:func:`announce`) by now (a block
-    only rank 0 runs, a validation, costs no wait); the others are ``missing`` at once. Without a
+    rank 0 waits only for the ranks that announced ``key`` (:func:`announce`) by now or within
+    :data:`ANNOUNCE_GRACE` (a block only rank 0 runs, a validation, costs that much wait); the
+    others are ``missing``. Without a
     process group (or with one rank) it returns ``Gathered({0: obj})``. Meant for small objects such
     as per-rank summaries.
 
@@ -448,7 +455,7 @@ def gather_to_rank0(
         pending = [r for r in range(1, size)]
         absent: list[int] = []
         if only_announced:
-            absent = [r for r in pending if not store.check([f"memkit/{key}/entered/{r}"])]
+            absent = _unannounced(store, key, pending, min(timeout, ANNOUNCE_GRACE))
             pending = [r for r in pending if r not in absent]
         deadline, pause = time.monotonic() + timeout, _POLL[0]
         while pending:
@@ -471,6 +478,17 @@ def gather_to_rank0(
                 store.delete_key(f"memkit/{key}/entered/{r}")
     missing = tuple(sorted([*pending, *absent]))
     return Gathered(objects, missing, bool(pending) and _GIVE_UP.is_set())
+
+
+def _unannounced(store: Any, key: str, ranks: list[int], grace: float) -> list[int]:
+    """Of ``ranks``, those that have not announced ``key`` (:func:`announce`) within ``grace``
+    seconds (looked for every 10 ms; not after :func:`give_up_waiting`)."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = [r for r in ranks if not store.check([f"memkit/{key}/entered/{r}"])]
+        if not left or time.monotonic() >= deadline or _GIVE_UP.is_set():
+            return left
+        time.sleep(_POLL[0])
 
 
 def _default_backend(device_type: str) -> str:
