@@ -755,11 +755,13 @@ def test_a_fitting_trial_still_growing_at_the_step_limit_is_said_when_the_answer
     assert f"; but at batch {growing} still growing at step 16 (" in line, line
 
 
-class _MomentsFromStepThree(torch.optim.Optimizer):
-    """Plain SGD for two steps, then Adam-like moments: state that appears at step 3."""
+class _MomentsFrom(torch.optim.Optimizer):
+    """Plain SGD with a step counter, then Adam-like moments from step ``first`` on (``None``:
+    never, the state a counter only)."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, first: int | None = 3) -> None:
         super().__init__(params, {"lr": 1e-3})
+        self.first = first
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -767,7 +769,7 @@ class _MomentsFromStepThree(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state[p]
                 state["n"] = state.get("n", 0) + 1
-                if state["n"] >= 3:
+                if self.first is not None and state["n"] >= self.first:
                     state.setdefault("m", torch.zeros_like(p)).add_(p.grad)
                     state.setdefault("v", torch.zeros_like(p)).addcmul_(p.grad, p.grad)
                 p.add_(p.grad, alpha=-group["lr"])
@@ -780,14 +782,14 @@ def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
     that state holds no tensor, and the trials run as many steps as it took to appear: the
     answer trains for 5 steps and one more does not."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
-    optimizer = _MomentsFromStepThree(model.parameters())
+    optimizer = _MomentsFrom(model.parameters())
 
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 64), torch.randint(0, 2, (n,))
 
     def trains(n: int) -> bool:
         fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
-        opt = _MomentsFromStepThree(fresh.parameters())
+        opt = _MomentsFrom(fresh.parameters())
         try:
             with memkit.simulate("1MiB", track=(fresh, opt)):
                 for _ in range(5):
@@ -807,27 +809,14 @@ def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
     assert trains(best) and not trains(best + 1)
 
 
-class _SignSGD(torch.optim.Optimizer):
-    """A step counter and no tensor state, ever."""
-
-    def __init__(self, params) -> None:
-        super().__init__(params, {"lr": 1e-3})
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
-                p.add_(p.grad.sign(), alpha=-group["lr"])
-
-
 def test_a_wait_for_optimizer_state_that_never_comes_is_no_longer_run():
     """An optimizer whose state is a counter only makes the first trial step on, waiting for
     tensors that never come: the report said "up to 16 per trial ... 0 B more ... then
     stable" (review). Nothing grew: the answer holds for the steps asked."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 2))
-    result = probe(model, lambda n: torch.randn(n, 64), optimizer=_SignSGD(model.parameters()),
-                   device="cpu", budget="1MiB")  # fmt: skip
+    counter_only = _MomentsFrom(model.parameters(), None)
+    result = probe(model, lambda n: torch.randn(n, 64), optimizer=counter_only, device="cpu",
+                   budget="1MiB")  # fmt: skip
     assert_exact(result)
     (line,) = [d for d in result.defaults if d.startswith("steps:")]
     assert line.startswith("steps: 2 per trial (--steps 2), the memory kept between them stable")
