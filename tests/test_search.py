@@ -447,9 +447,11 @@ def test_the_replay_oracle_interpolates_and_rounds_as_the_allocator_reserves():
 
 
 def test_a_step_with_linear_parts_and_a_convex_one_pays_at_most_two_oom_trials():
-    """CLIP's step on the simulated device (its parts' peaks recorded by a real probe, each
-    part through the recorded points: the three largest sizes' parabola above them): most
-    parts grow linearly with the batch, the B x B logits' part bends up and runs out first.
+    """CLIP's step on the simulated device: each part's peaks as a real probe at 512 MiB
+    recorded them at its sizes (1, 2, 4, 256, 3175, 4635, 5340), and elsewhere the parabola
+    through three of the largest of them (so every part bends a little here, its linear ones
+    too; the real linear parts were straighter): most parts grow about linearly with the
+    batch, the B x B logits' part bends up and runs out first.
     A linear part's line, trusted, said the size that had just failed would fit (1750.6 after
     1750 failed, at 64 MiB): the search aimed at 1749 and failed again, although the failure
     had needed far more than a sample beyond the capacity. Near the limit the convex part's
