@@ -262,10 +262,12 @@ class ModelStrategy:
         room = _headroom(s, self.capacity, points)
         # four fits bending alike (a convex curve, not noise): the parabola's limit is the
         # room, which the secant's slope overestimates
-        bent = predicted is not None and _parabola(points, self.capacity - s.gap()) is not None
-        if bent and room is not None and predicted is not None:
+        if predicted is None or room is None:
+            return None
+        bent = _parabola(points, self.capacity - s.gap()) is not None
+        if bent:
             room = min(room, predicted - s.lo)
-        if predicted is None or room is None or room >= NEAR:
+        if room >= NEAR:
             return None
         if not bent and (not _steady(points) or _scatter(points) > 1):
             return None
