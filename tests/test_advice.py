@@ -568,7 +568,8 @@ def test_eval_peak_claims_no_saving_where_the_leak_grown_in_evaluation_is_the_ga
     assert own.saving_bytes == 6 * MiB and "smaller batch size" in own.action
     # a small leak in evaluation over a long run, beside an evaluation batch whose own peak is
     # far above training's: the run's whole growth (4 MiB) exceeds the gap (3 MiB), but the
-    # device kept only one evaluation's 256 KiB more when evaluation peaked (review)
+    # device kept only one evaluation's 256 KiB more when evaluation peaked (review): the
+    # saving is the gap less that
 
     def long(i: int) -> StepRecord:
         start = 10 * MiB + (MiB // 4) * (i // 4)
@@ -583,8 +584,16 @@ def test_eval_peak_claims_no_saving_where_the_leak_grown_in_evaluation_is_the_ga
     leak = dataclasses.replace(leak, grown_bytes=4 * MiB)
     longer = DeviceReport("cpu", "cpu", "sim", 256 * MiB, 0, 0, top + 4 * MiB, top + 4 * MiB,
                           phases, steps=runs, leak=leak)  # fmt: skip
+    # the evaluation that peaked ran after the last step's end (the block ended before another
+    # step closed): what the device held as the block ended is what it kept by then
+    tail = dataclasses.replace(
+        dev, steps=tuple(steps[:11]), final_allocated=steps[11].end_allocated
+    )
+    (untracked,) = eval_peak(dataclasses.replace(report, devices=(tail,)))
+    assert untracked.saving_bytes is None and "leak" in untracked.title
     (kept,) = eval_peak(dataclasses.replace(report, devices=(longer,)))
-    assert kept.saving_bytes == 3 * MiB and "smaller batch size" in kept.action
+    assert kept.saving_bytes == 3 * MiB - MiB // 4 and "smaller batch size" in kept.action
+    assert "256.00 KiB of the gap is what the leak kept by then" in kept.evidence
 
 
 def test_the_oom_accumulation_saving_holds_when_the_advice_is_applied():

@@ -127,16 +127,22 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             if report.eval_grad_forwards > 0
             else "it already runs without autograd, so its batch is what sets its peak"
         )
+        kept = (
+            f" {format_size(leaked)} of the gap is what the leak kept by then (its advice "
+            "above), which a smaller evaluation batch does not free."
+            if leaked
+            else ""
+        )
         out.append(
             Advice(
                 code="eval-peak",
                 title=f"evaluation needs more memory than training on {dev.device}",
                 evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training "
                 f"peaked at {format_size(training)}. A larger batch or model will run out in "
-                "evaluation first.",
+                f"evaluation first.{kept}",
                 action="Give evaluation its own, smaller batch size (it needs no gradients, so "
                 f"it does not change training); {autograd}.",
-                saving_bytes=evaluation - training,
+                saving_bytes=evaluation - training - leaked,
                 severity="info",
             )
         )
@@ -168,7 +174,10 @@ def _grown_evaluating(dev: DeviceReport) -> int:
         return 0
     peak_eval = max(evaluated, key=lambda s: s.phase_peaks.get("eval") or 0)
     peak_train = max(dev.steps, key=training_peak)
-    return max(0, peak_eval.end_allocated - peak_train.start_allocated)
+    after = peak_eval.end_allocated
+    if (dev.phase_peaks.get("eval") or 0) > (peak_eval.phase_peaks.get("eval") or 0):
+        after = dev.final_allocated  # it peaked after the last step's end, as the block ended
+    return max(0, after - peak_train.start_allocated)
 
 
 def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int) -> Advice | None:
