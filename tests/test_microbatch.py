@@ -791,6 +791,10 @@ def test_a_graph_batch_is_refused_not_split_along_its_nodes():
     # a labelled and an unlabelled batch of two sizes (Lightning's CombinedLoader): no records
     mixed = [{"x": torch.zeros(4, 8), "y": torch.zeros(4)}, {"x": torch.zeros(12, 8)}]
     assert batch_size_of(mixed) == 12
+    # two images' target dicts (one length inside each, the same keys) are records (review)
+    targets = [{"boxes": torch.zeros(k, 4), "labels": torch.zeros(k)} for k in (3, 5)]
+    parts = split_batch(([torch.zeros(3, 8, 8)] * 2, targets), 2)
+    assert [p[1][0]["boxes"].shape[0] for p in parts] == [3, 5]
 
 
 def test_a_list_of_images_is_split_per_image_or_refused():

@@ -42,7 +42,11 @@ def _is_records(obj: Any, dim: int = 0) -> bool:
     ]
     if any(len(lengths) > 1 for lengths in per_item):
         return True
-    return len(obj) > 2 and len(set().union(*per_item)) > 1
+    if len(set().union(*per_item)) < 2:
+        return False
+    # lengths that differ from one dict to the next: records when three or more, or two of
+    # the same keys (two images' boxes); two of different keys are two batches (columns)
+    return len(obj) > 2 or len({frozenset(item) for item in obj}) == 1
 
 
 def _records_lengths(obj: Any, dim: int) -> list[int]:
