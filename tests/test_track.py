@@ -2105,6 +2105,16 @@ def test_tensors_a_line_moves_to_the_cpu_are_the_simulated_devices_count(device)
     kept = dataclasses.replace(top, code="hist.append((out.detach(), loss.item()))")
     (advice,) = graph_retained_advice([dataclasses.replace(leak, suspects=(kept,))])
     assert advice.severity == "warning" and advice.saving_bytes == 1 << 20
+    # lines that end in the move, however they close (review)
+    for code in (
+        "buf.append((x.cpu(), y.cpu()))",
+        "feats += [f.cpu()]",
+        "out2 = out.to('cpu', non_blocking=True)",
+        "o.append(out.detach().cpu()[:, 0])",
+    ):
+        moved = dataclasses.replace(top, code=code)
+        (advice,) = graph_retained_advice([dataclasses.replace(leak, suspects=(moved,))])
+        assert (advice.severity == "info") == (device == "cpu"), code
 
 
 def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak():

@@ -202,8 +202,9 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
 
 
 _OFF_DEVICE = re.compile(
-    r"(\.cpu\(\)|\.to\(\s*(?:device\s*=\s*)?['\"]cpu['\"]\s*\)|\.numpy\(\))"
-    r"(?:\.(?:detach|clone|float|double|half|contiguous)\(\))*\s*\)?\s*(?:#.*)?$"
+    r"(\.cpu\(\)|\.numpy\(\)|\.to\(\s*(?:device\s*=\s*)?"
+    r"(?:['\"]cpu['\"]|torch\.device\(\s*['\"]cpu['\"]\s*\))[^()]*\))"
+    r"(?:\.(?:detach|clone|float|double|half|contiguous)\(\)|\[[^\]]*\])*[\s)\],]*(?:#.*)?$"
 )
 """A line whose stored expression ends by moving its tensor off the device (a no-op on the
 simulated device, which is the CPU): ``features.append(out.detach().cpu())``, ``d[k] =
