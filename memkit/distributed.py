@@ -352,11 +352,14 @@ class Gathered:
         objects: by rank, the objects that arrived (rank 0's own included).
         missing: the ranks whose object did not arrive within the timeout.
         gave_up: rank 0 stopped waiting before the timeout (:func:`give_up_waiting`).
+        absent: of ``missing``, those that never announced the exchange (``only_announced``):
+            not waited for.
     """
 
     objects: dict[int, Any]
     missing: tuple[int, ...] = ()
     gave_up: bool = False
+    absent: tuple[int, ...] = ()
 
 
 _GIVE_UP = threading.Event()
@@ -477,7 +480,7 @@ def gather_to_rank0(
             with contextlib.suppress(RuntimeError, ValueError):
                 store.delete_key(f"memkit/{key}/entered/{r}")
     missing = tuple(sorted([*pending, *absent]))
-    return Gathered(objects, missing, bool(pending) and _GIVE_UP.is_set())
+    return Gathered(objects, missing, bool(pending) and _GIVE_UP.is_set(), tuple(sorted(absent)))
 
 
 def _unannounced(store: Any, key: str, ranks: list[int], grace: float) -> list[int]:

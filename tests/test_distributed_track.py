@@ -108,7 +108,7 @@ CAUGHT = textwrap.dedent(
         with memkit.track(model, device="cpu", budget="64MiB", gather_timeout=60) as tracker:
             with torch.no_grad():
                 model(torch.randn(8, 32))
-        return {"seconds": time.monotonic() - t0,
+        return {"seconds": time.monotonic() - t0, "notes": tracker.report().notes,
                 "ranks": tracker.report().ranks.to_dict()}
 
     def run(rank, args):
@@ -228,6 +228,8 @@ def test_a_rank_whose_block_raised_and_went_on_sends_its_summary_without_a_hang(
     # ranks run still pairs up (the exchanges are named by call site)
     alone = r0["rank0_alone"]
     assert alone["seconds"] < 5 and alone["ranks"]["missing"] == [1]
+    assert any(n.startswith("rank(s) 1 did not enter this block") for n in alone["notes"])
+    assert not any("sent no summary" in n for n in alone["notes"])
     after = r0["after_rank0_alone"]["ranks"]
     assert [r["rank"] for r in after["ranks"]] == [0, 1] and after["missing"] == []
 

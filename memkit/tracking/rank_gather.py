@@ -408,15 +408,22 @@ class RankWatch:
         waited = None if got.gave_up else self.timeout
         self.report = RanksReport(ranks, tuple(rank_advice(ranks)), got.missing, waited)
         self.gathered = True
-        if got.missing:
+        late = [r for r in got.missing if r not in got.absent]
+        if late:
             within = (
                 "before rank 0 stopped waiting (the job was being stopped: SIGTERM)"
                 if got.gave_up
                 else f"within {self.timeout:g} s (stopped, stuck, or not running this block)"
             )
             self.tracker.notes.append(
-                f"rank(s) {', '.join(map(str, got.missing))} sent no summary {within}: "
+                f"rank(s) {', '.join(map(str, late))} sent no summary {within}: "
                 "missing from the ranks table"
+            )
+        if got.absent:
+            self.tracker.notes.append(
+                f"rank(s) {', '.join(map(str, got.absent))} did not enter this block (not "
+                f"within {distributed.ANNOUNCE_GRACE:g} s of rank 0's end: a block rank 0 "
+                "alone runs?): missing from the ranks table"
             )
 
     def _grouped(self) -> bool:
