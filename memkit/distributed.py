@@ -440,7 +440,7 @@ def gather_to_rank0(
 
     Examples:
         >>> gather_to_rank0({"peak": 1}, "example", timeout=1.0)
-        Gathered(objects={0: {'peak': 1}}, missing=(), gave_up=False)
+        Gathered(objects={0: {'peak': 1}}, missing=(), gave_up=False, absent=())
     """
     import pickle
 
