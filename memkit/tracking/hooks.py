@@ -680,6 +680,7 @@ class Hooks:
         keeps = kind == TRAIN_PASS and not frame.keeps_nothing and not raised
         if frame.region_children:  # its children's region ended inside it: they kept alone
             self._settle_region(frame, None)
+        t: torch.Tensor | None = None  # the output's first tensor, found once where needed
         if kind == TRAIN_PASS:  # a call that raised keeps nothing: its pass is given up
             ms.calls += 1
             if fmax > ms.peak:
@@ -689,8 +690,9 @@ class Hooks:
             if not ms.leaf and not raised and state.detail_on:  # a block (sampled steps, with
                 # module detail): what checkpointing it would keep
                 t = output if type(output) is torch.Tensor else _first_tensor(output)
-                if t is not None and t.numel() * t.element_size() > ms.out_max:
-                    ms.out_max = t.numel() * t.element_size()
+                out_bytes = 0 if t is None else t.numel() * t.element_size()
+                if out_bytes > ms.out_max:
+                    ms.out_max = out_bytes
             if raised and not stack:
                 self._failed_passes += 1
                 self.phases.attempt_failed(sys.exc_info()[1])
@@ -730,7 +732,8 @@ class Hooks:
         # off the sampled steps the model's own gradient hook would only find a backward that
         # bypassed torch.autograd.backward: the engine's wrapper finds those (wrap_engine)
         if bw is not None and kind == TRAIN_PASS and (state.detail_on or not self._engine_wrapped):
-            t = output if type(output) is torch.Tensor else _first_tensor(output)
+            if t is None:  # (a block's found it above)
+                t = output if type(output) is torch.Tensor else _first_tensor(output)
             if t is not None and t.requires_grad:
                 last = calls.hooked
                 if last is None or last() is not t:
