@@ -196,6 +196,23 @@ def test_after_a_chdir_the_traceback_and_the_ctrl_c_line_still_find_the_script(
     assert "(train.py line 15, in <module>)" in stopped.stderr, stopped.stderr
 
 
+def test_relative_report_paths_mean_the_directory_memkit_started_in(tmp_path, monkeypatch):
+    """Sweep HH: the paths were checked against the starting directory but written after the
+    script's chdir: into outputs/reports/ when that existed too, else not at all."""
+    project = tmp_path / "proj"
+    (project / "outputs" / "reports").mkdir(parents=True)
+    (project / "conf.txt").write_text("lr=0.1")
+    (project / "train.py").write_text(CHDIR_SCRIPT)
+    (tmp_path / "reports").mkdir()
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", "--json", "reports/r.json",
+                    "--html", "reports/r.html", "proj/train.py")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "reports" / "r.json").is_file()
+    assert (tmp_path / "reports" / "r.html").is_file()
+    assert not list((project / "outputs" / "reports").iterdir())
+
+
 # -- how the script ended, in the report ----------------------------------------------------------
 ENDINGS = """import sys
 import torch

@@ -3,6 +3,7 @@ engine is :func:`memkit.tracking.run.run_script`)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,6 +84,11 @@ def run_command(
             ctx,
         )
     reject_mistyped_option(ctx, script)
+    # the files are written after the script ran, and a script may change directory (hydra's
+    # job.chdir): a relative path means the directory memkit was started in
+    json_path, html_path, history_path = (
+        os.path.abspath(p) if p and p != "-" else p for p in (json_path, html_path, history_path)
+    )
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
