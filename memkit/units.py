@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from memkit.errors import ConfigError
 
-__all__ = ["format_shape", "format_size", "parse_size", "size_option"]
+__all__ = ["format_percent", "format_shape", "format_size", "parse_size", "size_option"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -104,6 +104,19 @@ def size_option(n: int) -> str:
         if n and n % factor == 0:
             return f"{n // factor}{unit}"
     return str(n)
+
+
+def format_percent(fraction: float) -> str:
+    """``fraction`` as a percentage: whole above 10%, one decimal below, never a false 0%.
+
+    Examples:
+        >>> format_percent(0.4512), format_percent(0.0034), format_percent(0.00001)
+        ('45%', '0.3%', 'under 0.1%')
+    """
+    percent = 100.0 * fraction
+    if 0 < percent < 0.05:
+        return "under 0.1%"
+    return f"{percent:.0f}%" if percent >= 9.95 else f"{percent:.1f}%"
 
 
 def format_shape(shape: Sequence[int]) -> str:

@@ -155,3 +155,37 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0 and shot.stat().st_size > 10_000
+
+
+def test_a_long_timeline_keeps_each_steps_swing_when_thinned():
+    """Sweep HH: past MAX_PLOT_POINTS the chart kept each bucket's highest reading only, so a
+    5000-step run whose every step swings between 3.2 and 5.85 KiB drew a flat line."""
+    from memkit.render.track import MAX_PLOT_POINTS, _downsample
+    from memkit.tracking.report import TimelinePoint
+
+    points = [
+        TimelinePoint(
+            t=i * 0.01,
+            step=i // 3,
+            phase="forward",
+            module=None,
+            allocated=5990 if i % 3 == 1 else 3277,
+            reserved=0,
+        )
+        for i in range(15000)
+    ]
+    kept = _downsample(points, MAX_PLOT_POINTS)
+    assert len(kept) <= MAX_PLOT_POINTS
+    assert [p.t for p in kept] == sorted(p.t for p in kept)
+    assert {p.allocated for p in kept} == {3277, 5990}
+    assert sum(p.allocated == 5990 for p in kept) >= len(kept) // 3
+
+
+def test_a_small_share_of_the_capacity_is_not_written_as_zero_percent():
+    """Sweep HH: 'the peak, 222.43 KiB, is 0% of it' for a 0.3% share."""
+    report = tracked_report(steps=1)
+    dev = report.devices[0]
+    assert dev.capacity and dev.peak_allocated / dev.capacity < 0.05
+    page = report.to_html()
+    assert " is 0% of it" not in page
+    assert re.search(r"is (\d\.\d%|under 0\.1%) of it", page), page[:2000]

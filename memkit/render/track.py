@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
 from memkit.render.text import section, table
-from memkit.units import format_shape, format_size
+from memkit.units import format_percent, format_shape, format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.rank_gather import RanksReport
@@ -105,13 +105,17 @@ def _module_row(m: ModuleRecord) -> list[object]:
 
 
 def _downsample(points: Sequence[TimelinePoint], limit: int) -> list[TimelinePoint]:
-    """At most ``limit`` points, keeping each bucket's highest reading (peaks survive)."""
+    """At most ``limit`` points: each bucket's lowest and highest readings, in time order
+    (peaks survive, and so does the swing of every step within a bucket)."""
     if len(points) <= limit:
         return list(points)
-    bucket = -(-len(points) // limit)
+    bucket = -(-len(points) // max(1, limit // 2))
     out = []
     for i in range(0, len(points), bucket):
-        out.append(max(points[i : i + bucket], key=lambda p: p.allocated))
+        chunk = points[i : i + bucket]
+        low = min(chunk, key=lambda p: p.allocated)
+        high = max(chunk, key=lambda p: p.allocated)
+        out.extend(sorted({id(low): low, id(high): high}.values(), key=lambda p: p.t))
     return out
 
 
@@ -479,7 +483,7 @@ def _memory_plot(dev: DeviceReport) -> list[str]:
         capacity_note = (
             f'<p class="note">capacity {h.escape(format_size(dev.capacity))} is above '
             f"this chart: the peak, {h.escape(format_size(highest))}, is "
-            f"{100 * highest / dev.capacity:.0f}% of it.</p>"
+            f"{format_percent(highest / dev.capacity)} of it.</p>"
         )
     between = bool(pts) and dev.peak_allocated > max(p.allocated for p in pts)
     peak = f"peak allocated {format_size(dev.peak_allocated)}"
