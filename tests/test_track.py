@@ -415,7 +415,7 @@ def test_the_leak_named_is_the_variable_kept_not_what_is_derived_from_it():
     assert not lists.suspects[0].carried
     # (32, 10) logits: `.item()` would raise; detached, their own bytes stay: off the device
     action = graph_retained_advice([lists])[0].action
-    assert "`all_logits.append(x.detach().cpu())`" in action and ".item()" not in action
+    assert "`all_logits.append(logits.detach().cpu())`" in action and ".item()" not in action
 
 
 def ppo_style_logging() -> TrackReport:
@@ -2079,6 +2079,28 @@ def test_an_oom_in_a_mean_teachers_forward_is_an_ema_s_and_the_students_activati
     advice = next(a for a in pm.advice if a.code == "oom-frozen-model")
     assert "EMA" in advice.evidence and "offline" not in advice.action
     assert "autocast" in advice.action
+
+
+@pytest.mark.parametrize(
+    ("code", "fix"),
+    [
+        ("history.append(logits.detach())", "`history.append(logits.detach().cpu())`"),
+        ("history[step] = out.hidden", "`history[key] = out.hidden.detach().cpu()`"),
+        ("history.append((a, b))", "`history.append(x.detach().cpu())`"),
+    ],
+)
+def test_the_fix_names_the_tensor_the_line_keeps(code, fix):
+    """Sweep HH: the fix said `history.append(x.detach().cpu())` for the line
+    `history.append(logits.detach())`, whose `x` was the input batch: copied, it kept the
+    wrong tensor. A line too complex to read keeps the placeholder."""
+    from memkit.advice.leaks import graph_retained_advice
+    from memkit.tracking.report import LeakFinding, LeakSuspect
+
+    top = LeakSuspect("history", "train", "t.py", 11, code, "container", 8, True,
+                      graph=False, length=8, item_shape=(64, 512), item_bytes=1 << 17,
+                      tensor_bytes=1 << 20)  # fmt: skip
+    (advice,) = graph_retained_advice([LeakFinding("cuda:0", 1 << 17, 2, 8, (top,))])
+    assert fix in advice.action, advice.action
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])

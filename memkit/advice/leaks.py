@@ -179,7 +179,8 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
             severity="info",
         )
     numbers = top.item_shape is not None and math.prod(top.item_shape) == 1
-    item = "`x.item()`" if numbers else "`x.detach().cpu()`"
+    stored = _stored(top)
+    item = f"`{stored}.item()`" if numbers else f"`{stored}.detach().cpu()`"
     store = _store(top, item)
     saving = leak.grown_bytes
     rate = leak.growth_per_step
@@ -211,6 +212,23 @@ simulated device, which is the CPU): ``features.append(out.detach().cpu())``, ``
 x.cpu()``; not ``hist.append((out.detach(), loss.item()))``, which keeps ``out``."""
 
 
+def _stored(top: LeakSuspect) -> str:
+    """The tensor ``top``'s line stores, when the line says it simply (``logits`` in
+    ``history.append(logits.detach())``, ``loss`` in ``total += loss``), its moves and
+    copies taken off; else ``x``."""
+    name = re.escape(top.name.rsplit(".", 1)[-1])
+    found = re.search(
+        rf"{name}\s*(?:\.append\((?P<arg>.*)\)|\[[^\]]*\]\s*=(?!=)(?P<value>.*)|\+=(?P<sum>.*))",
+        top.code.split("#", 1)[0].strip(),
+    )
+    if found is None:
+        return "x"
+    expr = next(g for g in found.groups() if g is not None).strip()
+    if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\(\))?", expr):
+        return "x"
+    return re.sub(r"(?:\.(?:detach|clone|cpu)\(\))+$", "", expr) or "x"
+
+
 def _store(top: LeakSuspect, item: str) -> str:
     """How ``top`` would store ``item`` instead: in a dict it fills, or appended."""
     if re.search(rf"{re.escape(top.name.rsplit('.', 1)[-1])}\s*\[[^\]]*\]\s*=(?!=)", top.code):
@@ -226,6 +244,7 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
     the growth measured (``.detach().cpu()``, all of it)."""
     rate = leak.growth_per_step
     own = ""
+    x = _stored(top)
     if top.carried:  # a state the next step builds on: cut its graph at each step
         action = (
             f"Detach `{top.name}` where each step begins (`{top.name} = "
@@ -242,12 +261,12 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
         fix = (
             f"`{top.name} += loss.item()` (or `loss.detach()`)"
             if scalar
-            else f"`{top.name} += x.detach()` (its size stays; only the graph went on growing)"
+            else f"`{top.name} += {x}.detach()` (its size stays; only the graph went on growing)"
         )
         action = f"Store numbers, not graphs: {fix}. Use `torch.no_grad()` for code that "
         action += "only logs."
     elif top.item_shape is None or math.prod(top.item_shape) == 1:  # losses kept in a list
-        action = f"Store numbers, not graphs: {_store(top, '`x.item()`')} (or `x.detach()`). "
+        action = f"Store numbers, not graphs: {_store(top, f'`{x}.item()`')} (or `{x}.detach()`). "
         action += "Use `torch.no_grad()` for code that only logs."
     else:  # tensors of their own size: detaching keeps their bytes
         tensors = top.bytes_per_step
@@ -260,7 +279,7 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
             else ""
         )
         detach = (
-            "`x.detach()` alone frees only the graph's saved tensors"
+            f"`{x}.detach()` alone frees only the graph's saved tensors"
             + (
                 f" ({format_size(graph)} per step here"
                 + (": backward had freed them already)" if graph == 0 else ")")
@@ -271,7 +290,7 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
         )
         action = (
             f"Keep them without their graph and off {leak.device}: "
-            f"{_store(top, '`x.detach().cpu()`')} frees all of it; {detach}; or do not keep "
+            f"{_store(top, f'`{x}.detach().cpu()`')} frees all of it; {detach}; or do not keep "
             "them. Use `torch.no_grad()` for code that only logs."
         )
     return Advice(
