@@ -292,3 +292,36 @@ def test_between_steps_a_write_from_device_derived_tensors_adopts_what_it_writes
         assert not acct._derived  # the temporaries were freed: forgotten
         host.copy_(host * 0.5)
     assert acct.current == param.nbytes + ema.nbytes
+
+
+def test_a_tensor_only_a_reference_cycle_holds_is_counted_freed_by_a_collection_mid_count():
+    """Sweep FF: a garbage collection run inside the accountant's locked section (any
+    allocation there can start one) freed a tensor only a cycle held (`ctx.out = out` in an
+    autograd.Function); its storage's callback took the same lock: the thread hung."""
+    import gc
+    import threading
+
+    class Holder:
+        pass
+
+    result: list[int] = []
+
+    def work() -> None:
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)  # a collection at nearly every allocation, inside the lock too
+        try:
+            with memkit.simulate("1GiB") as acct:
+                for _ in range(300):
+                    holder = Holder()
+                    holder.me = holder
+                    holder.t = torch.ones(16) * 2
+                del holder
+                gc.collect()
+                result.append(acct.current)
+        finally:
+            gc.set_threshold(*threshold)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert result == [0], "the count hung or kept freed tensors"

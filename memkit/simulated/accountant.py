@@ -282,7 +282,10 @@ class MemoryAccountant(TorchDispatchMode):
         self._on_cpu = self.device.type == "cpu"
         self._on_meta = self.device.type == "meta"
         self.name = name or f"simulated {self.device}"
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection can run inside a locked section (any allocation, a
+        # weak reference made) and free a tensor only a reference cycle held: its storage's
+        # callback takes the lock again on the same thread
+        self._lock = threading.RLock()
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
         # storages counted as a view's own elements, while that view lives (_input_entry)
         self._partial: set[int] = set()
@@ -387,7 +390,7 @@ class MemoryAccountant(TorchDispatchMode):
             if self._observer is not None:
                 raise RuntimeError("another observer already records this accountant")
             live = []
-            for key, (ref, counted) in self._live.items():
+            for key, (ref, counted) in list(self._live.items()):  # a collection may free
                 storage = self._stored(ref)
                 if storage is not None:
                     alive.append(storage)
