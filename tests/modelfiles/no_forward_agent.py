@@ -16,7 +16,8 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x: torch.Tensor):
         hidden = self.body(x)
-        probs = torch.distributions.Categorical(logits=self.actor(hidden))
+        # (validate_args: checked whatever another test left as the default)
+        probs = torch.distributions.Categorical(logits=self.actor(hidden), validate_args=True)
         action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
