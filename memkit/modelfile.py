@@ -7,6 +7,7 @@ A model file is a Python file that defines::
     def build_optimizer(params) -> torch.optim.Optimizer: ...      # optional, default AdamW
     def loss_fn(output, batch) -> Tensor: ...                      # optional
     def train_step(model, batch, optimizer) -> None: ...           # optional: replaces the step
+    def eval_step(model, batch) -> Any: ...                        # optional: --mode infer's step
 
 Loading a file runs it once as a module (its directory is put on ``sys.path`` so it can import
 its neighbours, and ``sys.argv`` is ``[path]``: an ``argparse`` at import sees no memkit option).
@@ -50,10 +51,11 @@ EXPECTED_SIGNATURES = """\
     def make_batch(batch_size[, seq_len]) -> Tensor | tuple | dict   (required)
     def build_optimizer(params) -> torch.optim.Optimizer  (optional, default AdamW)
     def loss_fn(output, batch) -> Tensor                  (optional)
-    def train_step(model, batch, optimizer) -> None       (optional)"""
+    def train_step(model, batch, optimizer) -> None       (optional)
+    def eval_step(model, batch) -> Any                    (optional, --mode infer)"""
 
 _REQUIRED = ("build_model", "make_batch")
-_OPTIONAL = ("build_optimizer", "loss_fn", "train_step")
+_OPTIONAL = ("build_optimizer", "loss_fn", "train_step", "eval_step")
 
 
 class SysExitCalled(Exception):
@@ -89,6 +91,7 @@ class ModelSpec:
     build_optimizer: Callable[[Any], Any] | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
     train_step: Callable[[Any, Any, Any], Any] | None = None
+    eval_step: Callable[[Any, Any], Any] | None = None
 
     @property
     def takes_seq_len(self) -> bool:

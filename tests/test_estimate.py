@@ -994,3 +994,21 @@ def test_inference_of_a_transformer_encoder_with_a_padding_mask_is_estimated(
     est = estimate(str(path), device_memory="1GiB", mode="infer", min_batch=4, max_batch=4)
     assert est.max_batch_size == 4
     assert torch.backends.mha.get_fastpath_enabled()  # put back after the step
+
+
+def test_infer_runs_the_files_eval_step_as_probes_evaluation_step_does(tmp_path: Path) -> None:
+    """A ``forward(x, t)`` model: ``memkit estimate --mode infer`` called ``model(batch)``
+    (a TypeError, exit 3) where the file's ``eval_step`` says how its evaluation calls it; the
+    estimate runs it, as ``memkit probe --mode infer`` does, and its report says so."""
+    source = Path(__file__).parent / "modelfiles" / "timestep_model.py"
+    path = tmp_path / "denoiser.py"
+    path.write_text(source.read_text())
+    with pytest.raises(UserCodeError, match="missing 1 required positional argument: 't'"):
+        estimate(str(path), device_memory="1GiB", mode="infer", max_batch=8)
+    path.write_text(
+        source.read_text() + "def eval_step(model, x):\n"
+        "    return model(x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device))\n"
+    )
+    est = estimate(str(path), device_memory="1GiB", mode="infer", max_batch=8)
+    assert est.max_batch_size == 8
+    assert any(line.startswith("step: eval_step(model, batch)") for line in est.assumptions)

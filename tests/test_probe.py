@@ -1318,3 +1318,60 @@ def test_infer_with_a_loss_fn_takes_the_loss_as_an_eval_loop_does():
     best = result.max_batch_size
     assert best is not None and eval_loop_fits(best) and not eval_loop_fits(best + 1)
     assert any("loss_fn(output, batch) under torch.no_grad()" in d for d in result.defaults)
+
+
+def test_eval_step_runs_as_an_evaluation_loop_and_drops_what_it_returns():
+    """``eval_step=`` replaces infer mode's forward: under ``torch.no_grad()``, what it returns
+    dropped as an evaluation loop drops it, so an ``eval_step`` returning the output answers
+    as the default step that keeps only the loss (``keep_output=False``), above the one that
+    holds the output into the next forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2048))
+    grad_seen: list[bool] = []
+
+    def eval_step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        grad_seen.append(torch.is_grad_enabled())
+        return m(x)
+
+    def answer(**kw: object) -> int | None:
+        kw = {"mode": "infer", "device": "cpu", "budget": "2MiB", **kw}
+        return probe(model, lambda n: torch.randn(n, 64), **kw).max_batch_size  # type: ignore[arg-type]
+
+    dropped, kept = answer(keep_output=False), answer()
+    assert dropped is not None and kept is not None and dropped > kept
+    assert answer(eval_step=eval_step) == dropped
+    assert grad_seen and not any(grad_seen)
+
+
+def test_the_default_call_hints_only_for_the_default_steps_own_call():
+    """The "takes N positional arguments" line says how the default step called the model; a
+    model calling its own inner module wrongly got it too, though the step's call was fine.
+    And the batch-1 line needs batch size 1 and a statistic in the message: a NaN at batch 4,
+    or a C++ ``std::`` at batch 1, gets none."""
+    from memkit.probing.hints import step_hint
+    from memkit.probing.step import StepPlan
+
+    class Inner(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    class CallsInnerWrongly(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x, x)
+
+    plan = StepPlan("train")
+    with pytest.raises(TypeError, match=r"forward\(\) takes 2 positional") as inside:
+        call_model(CallsInnerWrongly(), torch.randn(2, 4))
+    assert step_hint(inside.value, 2, plan) == ""
+    with pytest.raises(TypeError, match=r"forward\(\) takes 2 positional") as outside:
+        call_model(Inner(), [torch.randn(2, 4), torch.randn(2, 4)])
+    assert "The default step calls model(*batch) for a list batch" in step_hint(
+        outside.value, 2, plan
+    )
+    nan = ValueError("found invalid values: tensor([[nan, nan]])")
+    assert "probe from min_batch=2" in step_hint(nan, 1, plan)  # (the Python API's spelling)
+    assert step_hint(nan, 4, plan) == ""
+    assert step_hint(RuntimeError("c10::Error at std::string const&"), 1, plan) == ""

@@ -510,3 +510,91 @@ def test_a_device_this_machine_lacks_lists_only_what_probe_takes(monkeypatch):
     assert "device mps is not available here; this machine has 'cpu' (simulated)\n" in (
         result.stderr
     )
+
+
+# -- the evaluation step: its errors, eval_step, and train,infer that fails half-way -------------
+EVAL_STEP = """
+def eval_step(model, x):
+    assert not torch.is_grad_enabled() and not model.training
+    t = torch.randint(0, 10, (x.shape[0],), device=x.device)
+    return model(x, t)
+"""
+
+
+def test_an_evaluation_error_names_the_evaluation_step_and_says_to_write_eval_step():
+    """A forward(x, t) model whose file has a train_step: --mode infer calls model(batch) (it
+    never runs train_step), and the TypeError was reported as "the training step raised", with
+    no word of what --mode infer calls."""
+    result = run(str(FILES / "timestep_model.py"), "--device", "cpu", "--budget", "16MiB",
+                 "--mode", "infer")  # fmt: skip
+    assert result.exit_code == 3, result.output
+    assert "memkit: error: the evaluation step raised TypeError at batch size 1" in result.stderr
+    assert "forward() missing 1 required positional argument: 't'" in result.stderr
+    assert "--mode infer runs no train_step (that is training's)" in result.stderr
+    assert "or write an eval_step(model, batch)" in result.stderr
+    assert "training step" not in result.stderr
+
+
+def test_train_then_a_failing_infer_keeps_the_train_answer_and_exits_with_the_error():
+    """--mode train,infer whose evaluation step fails: the train probe's answer was thrown away
+    (exit 3, nothing on stdout); it is the run's result now, and the error follows on stderr."""
+    args = [str(FILES / "timestep_model.py"), "--device", "cpu", "--budget", "16MiB",
+            "--max-batch", "8", "--mode", "train,infer"]  # fmt: skip
+    text = run(*args)
+    assert text.exit_code == 3, text.output
+    assert text.stdout.startswith("Largest batch per mode: train 8\n")
+    assert "Largest batch that fits (train)" in text.stdout and "(infer)" not in text.stdout
+    assert "memkit: --mode train finished, its report is on stdout; --mode infer stopped:\n" \
+        "memkit: error: the evaluation step raised TypeError" in text.stderr  # fmt: skip
+    as_json = run(*args, "--json")
+    assert as_json.exit_code == 3, as_json.output
+    modes = json.loads(as_json.stdout)["modes"]
+    assert list(modes) == ["train"] and modes["train"]["max_batch_size"] == 8
+
+
+def test_eval_step_is_the_evaluation_step(tmp_path: Path):
+    """eval_step(model, batch) runs under torch.no_grad() with the model in eval mode (it
+    asserts both) in --mode infer, and the report says so; --keep loss, which changes only the
+    default step, is refused with it, as with a train_step."""
+    path = tmp_path / "denoiser.py"
+    path.write_text((FILES / "timestep_model.py").read_text() + EVAL_STEP)
+    args = [str(path), "--device", "cpu", "--budget", "16MiB", "--max-batch", "8"]
+    result = run(*args, "--mode", "train,infer", "--json")
+    assert result.exit_code == 0, result.output
+    infer = json.loads(result.stdout)["modes"]["infer"]
+    assert infer["max_batch_size"] == 8
+    assert any(d.startswith("step: eval_step(model, batch) under torch.no_grad()")
+               for d in infer["defaults"])  # fmt: skip
+    refused = run(*args, "--mode", "infer", "--keep", "loss")
+    assert refused.exit_code == 2, refused.output
+    assert "runs the model file's eval_step" in refused.stderr
+
+
+def test_a_model_without_forward_is_told_to_write_its_steps():
+    """cleanRL's Agent has get_value and get_action_and_value, no forward: torch's "missing the
+    required forward" came with no word of what to do."""
+    model = str(FILES / "no_forward_agent.py")
+    train = run(model, "--device", "cpu", "--budget", "16MiB")
+    assert train.exit_code == 3, train.output
+    assert 'is missing the required "forward" function' in train.stderr
+    assert "write a train_step(model, batch, optimizer) that calls its methods" in train.stderr
+    infer = run(model, "--device", "cpu", "--budget", "16MiB", "--mode", "infer")
+    assert infer.exit_code == 3, infer.output
+    assert "the evaluation step raised NotImplementedError" in infer.stderr
+    assert "write an eval_step(model, batch)" in infer.stderr
+    assert "train_step" not in infer.stderr  # (this file has none to mention)
+
+
+@pytest.mark.filterwarnings(r"ignore:std\(\)")
+def test_a_nan_from_a_statistic_over_a_batch_of_one_says_to_start_at_2():
+    """A PPO step normalising its advantages: their std at batch 1 is NaN, and the next step's
+    Categorical raises a ValueError on NaN logits, which had no hint; from --min-batch 2 it
+    runs."""
+    model = str(FILES / "normalised_advantages.py")
+    result = run(model, "--device", "cpu", "--budget", "16MiB")
+    assert result.exit_code == 3, result.output
+    assert "the training step raised ValueError at batch size 1" in result.stderr
+    assert "its std or var is NaN" in result.stderr and "probe from --min-batch 2" in result.stderr
+    started = run(model, "--device", "cpu", "--budget", "16MiB", "--min-batch", "2",
+                  "--max-batch", "4")  # fmt: skip
+    assert started.exit_code == 0, started.output

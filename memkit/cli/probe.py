@@ -95,10 +95,12 @@ def probe(
     """Find the largest batch size of a model file that fits, exactly.
 
     FILE defines build_model() and make_batch(batch_size), and optionally build_optimizer,
-    loss_fn and train_step (see docs/probe.md). Exit codes: 0 found, 1 even --min-batch does
-    not fit, 2 usage or model-file error, 3 the step raised an error that is not an OOM (or
-    memkit failed), 4 a rank failed or timed out, 130 interrupted. With --json, stdout is one
-    JSON object: what the model file prints goes to stderr.
+    loss_fn, train_step and eval_step (--mode infer's; see docs/probe.md). Exit codes: 0 found,
+    1 even --min-batch does not fit, 2 usage or model-file error, 3 the step raised an error
+    that is not an OOM (or memkit failed), 4 a rank failed or timed out, 130 interrupted; with
+    train,infer, an error in the second mode prints the first mode's report, then exits with
+    the error's code. With --json, stdout is one JSON object: what the model file prints goes
+    to stderr.
 
     \b
     Under torchrun every rank probes its own device (cuda:LOCAL_RANK, or a simulated cpu
@@ -119,6 +121,7 @@ def probe(
         )  # fmt: skip
         return
     from memkit import distributed
+    from memkit.errors import MemkitError
     from memkit.probing.result import ProbeModes, ProbeResult
     from memkit.probing.runner import DEFAULT_MARGIN, ProbeOptions, probe_file
 
@@ -138,24 +141,33 @@ def probe(
             margin=DEFAULT_MARGIN if margin is None else margin, target_batch=target_batch,
             accumulation=accumulate, ddp=ddp, timeout=wait, keep_output=keep == "output",
         )  # fmt: skip
-        per_mode = [
-            probe_file(
-                file,
-                _in_mode(options, one, training="train" in mode),
-                seq_len=seq_len,
-                device=device,
-                budget=budget,
-                progress=me == 0 and not as_json and _stderr_is_terminal(),
-            )
-            for one in mode
-        ]
-    if training_only and "infer" in mode:  # train,infer: --mode infer alone refused them
+        per_mode: list[Any] = []
+        stopped: MemkitError | None = None
+        for one in mode:
+            try:
+                per_mode.append(probe_file(
+                    file, _in_mode(options, one, training="train" in mode), seq_len=seq_len,
+                    device=device, budget=budget,
+                    progress=me == 0 and not as_json and _stderr_is_terminal(),
+                ))  # fmt: skip
+            except MemkitError as exc:
+                if not per_mode:
+                    raise
+                stopped = exc  # the modes probed before it keep their answers
+                break
+    if training_only and "infer" in mode[: len(per_mode)]:  # --mode infer alone refused them
         at = mode.index("infer")
         per_mode[at] = _with_line(per_mode[at], f"{training_only}: applied to the train probe "
                                   "only (evaluation has no gradients to accumulate)")  # fmt: skip
-    result = per_mode[0] if len(per_mode) == 1 else ProbeModes(tuple(per_mode))
+    result = per_mode[0] if len(mode) == 1 else ProbeModes(tuple(per_mode))
     if me == 0:
         echo(result.to_json() if as_json else str(result))
+    if stopped is not None:
+        done = ",".join(mode[: len(per_mode)])
+        if me == 0:
+            click.echo(f"memkit: --mode {done} finished, its report is on stdout; "
+                       f"--mode {mode[len(per_mode)]} stopped:", err=True)  # fmt: skip
+        raise stopped
     results = [
         r for one in per_mode for r in ([one] if isinstance(one, ProbeResult) else one.results)
     ]

@@ -446,9 +446,13 @@ class MetaSession:
         temporaries (``cross_entropy``'s log-probabilities) are never counted; on a GPU they
         are allocated all the same. ``no_grad`` keeps the autograd keys, where those ops
         decompose above the accountant, as they run on CUDA. With the file's ``loss_fn``, the
-        loss follows the forward, as in ``memkit probe``'s evaluation step.
+        loss follows the forward, as in ``memkit probe``'s evaluation step; the file's
+        ``eval_step`` replaces both.
         """
         with torch.no_grad():
+            if self.plan.eval_step is not None:
+                self.plan.eval_step(self.model, batch)  # what it returns, an eval loop drops
+                return
             output = call_model(self.model, batch)
             if self.keep_output:
                 self.plan.hold(output)  # the previous output lived until this forward returned

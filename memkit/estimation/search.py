@@ -222,7 +222,10 @@ def _plan(spec: ModelSpec, mode: str, keep_output: bool) -> StepPlan:
     """Probe's step, or (``keep_output=False``, training, no ``train_step`` in the file) the
     default step that drops the output once the loss is taken."""
     keep = keep_output or mode != "train" or spec.train_step is not None
-    return StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step, keep_output=keep)
+    return StepPlan(
+        mode, loss_fn=spec.loss_fn, train_step=spec.train_step, eval_step=spec.eval_step,
+        keep_output=keep,
+    )  # fmt: skip
 
 
 def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None, int]]:

@@ -37,7 +37,9 @@ def simulated_peak(
         optimizer, _ = make_optimizer(spec, model)
     else:
         model.eval()
-    plan = StepPlan(mode, loss_fn=spec.loss_fn, train_step=spec.train_step)
+    plan = StepPlan(
+        mode, loss_fn=spec.loss_fn, train_step=spec.train_step, eval_step=spec.eval_step
+    )
     cpu = torch.device("cpu")
     accountant = MemoryAccountant(cpu, None, rounding="cuda")
     accountant.track(model, optimizer)

@@ -33,7 +33,8 @@ class SearchOptions:
     """What a batch-size search looks for.
 
     Attributes:
-        mode: ``"train"`` (full steps) or ``"infer"`` (forward under ``no_grad``).
+        mode: ``"train"`` (full steps) or ``"infer"`` (forward, or the model file's
+            ``eval_step``, under ``no_grad``).
         seq_len: passed to ``make_batch`` as its second argument.
         min_batch, max_batch: bounds of the search (``max_batch``: :data:`MAX_BATCH_CEILING`
             when ``None``).

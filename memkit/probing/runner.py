@@ -140,6 +140,7 @@ def probe(
     optimizer: Any = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
     train_step: Callable[[Any, Any, Any], Any] | None = None,
+    eval_step: Callable[[Any, Any], Any] | None = None,
     mode: str = "train",
     device: str | torch.device | None = None,
     budget: int | str | None = None,
@@ -181,7 +182,10 @@ def probe(
         loss_fn: ``loss_fn(output, batch)``; default: ``output.loss``, a scalar output, or the
             sum of the output.
         train_step: ``train_step(model, batch, optimizer)`` replacing the default step.
-        mode: ``"train"`` or ``"infer"`` (forward under ``torch.no_grad()``).
+        eval_step: ``eval_step(model, batch)`` replacing the forward in ``"infer"`` mode (run
+            under ``torch.no_grad()``, what it returns dropped); ``train_step`` is not run there.
+        mode: ``"train"`` or ``"infer"`` (forward, or ``eval_step``, under
+            ``torch.no_grad()``).
         device: default: the model's accelerator, else the current one, else simulated cpu
             (not ``"meta"``: the steps run; :func:`memkit.estimate` is the meta tool).
         budget: cap on the device's memory (on cpu: the simulated device's size).
@@ -232,8 +236,8 @@ def probe(
     )  # fmt: skip
     return probe_with(
         model, make_batch, options, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step,
-        device=device, budget=budget, on_trial=on_trial, progress=progress, defaults=defaults,
-        step_label=step_label,
+        eval_step=eval_step, device=device, budget=budget, on_trial=on_trial, progress=progress,
+        defaults=defaults, step_label=step_label,
     )  # fmt: skip
 
 
@@ -245,6 +249,7 @@ def probe_with(
     optimizer: Any = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
     train_step: Callable[[Any, Any, Any], Any] | None = None,
+    eval_step: Callable[[Any, Any], Any] | None = None,
     device: str | torch.device | None = None,
     budget: int | str | None = None,
     on_trial: TrialCallback | None = None,
@@ -310,16 +315,17 @@ def probe_with(
             "gradient accumulation is not probed across ranks yet; probe one rank's step "
             "without a process group"
         )
-    if not opts.keep_output and train_step is not None and opts.mode == "train":
+    plan = StepPlan(
+        opts.mode, loss_fn=loss_fn, train_step=train_step, eval_step=eval_step,
+        step_label=step_label, accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
+    )  # fmt: skip
+    own = plan.user_step
+    if not opts.keep_output and own is not None:
         raise ConfigError(
             "--keep loss (keep_output=False) changes what the default step keeps; this probe "
-            "runs the model file's train_step, which keeps what its own code keeps: leave "
-            "--keep out, or drop the output inside train_step"
+            f"runs the model file's {own}, which keeps what its own code keeps: leave "
+            f"--keep out, or drop the output inside {own}"
         )
-    plan = StepPlan(
-        opts.mode, loss_fn=loss_fn, train_step=train_step, step_label=step_label,
-        accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
-    )  # fmt: skip
     # an infer trial never steps the optimizer: its state is held, not saved and put back
     saved = SavedState(model, optimizer if opts.mode == "train" else None)
     target = _wrap_agreed(model, backend, opts.timeout) if opts.ddp and not is_ddp(model) else model
@@ -894,6 +900,7 @@ def probe_file(
             optimizer=optimizer,
             loss_fn=spec.loss_fn,
             train_step=spec.train_step,
+            eval_step=spec.eval_step,
             device=device,
             budget=budget,
             on_trial=on_trial,

@@ -4,10 +4,11 @@ Default step: call the model by the batch's type (tensor: ``model(b)``, tuple/li
 ``model(*b)``, dict: ``model(**b)``); loss = ``loss_fn(output, batch)`` if given, else
 ``output.loss`` if present (transformers models), else the output if it is a scalar, else the
 sum of every floating-point tensor in the output; backward; optimizer step;
-``zero_grad(set_to_none=True)``. Inference runs the forward under ``torch.no_grad()``: it
-allocates what ``torch.inference_mode()`` does on a GPU, and on the simulated device the
-temporaries inside composite ops (``cross_entropy``'s log-probabilities) reach the counting
-mode only outside inference mode, whose dispatch skips the keys where they decompose.
+``zero_grad(set_to_none=True)``. Inference runs the forward (or the model file's
+``eval_step(model, batch)``, never ``train_step``) under ``torch.no_grad()``: it allocates what
+``torch.inference_mode()`` does on a GPU, and on the simulated device the temporaries inside
+composite ops (``cross_entropy``'s log-probabilities) reach the counting mode only outside
+inference mode, whose dispatch skips the keys where they decompose.
 
 Like a training loop's ``out = model(x)`` (or nanoGPT's ``logits, loss = model(X, Y)``), the
 step keeps the model's output alive through backward and the optimizer step, until the next
@@ -183,11 +184,15 @@ class StepPlan:
     ``keep_output``: the default step keeps the model's output as a loop's ``out = model(x)``
     does (until the next forward has returned); ``False``: as ``loss = model(x).loss``, the
     output is dropped once the loss is taken (transformers' ``Trainer``).
+    ``eval_step``: ``eval_step(model, batch)`` replacing the inference step's forward (run
+    under ``torch.no_grad()``, its return value dropped, as an evaluation loop drops it);
+    ``train_step`` is training's only.
     """
 
     mode: str
     loss_fn: Callable[[Any, Any], Any] | None = None
     train_step: Callable[[Any, Any, Any], Any] | None = None
+    eval_step: Callable[[Any, Any], Any] | None = None
     step_label: str | None = None
     accumulation: int = 1
     keep_output: bool = True
@@ -201,12 +206,28 @@ class StepPlan:
         (micro-batches 2..k hold the same memory)."""
         return 1 if self.mode == "infer" or self.accumulation < 2 else 2
 
+    @property
+    def name(self) -> str:
+        """``"training step"`` or ``"evaluation step"``: what an error names."""
+        return "evaluation step" if self.mode == "infer" else "training step"
+
+    @property
+    def user_step(self) -> str | None:
+        """The name of the model file's function this mode runs (``train_step``,
+        ``eval_step``), or ``None`` for the default step."""
+        if self.mode == "infer":
+            return None if self.eval_step is None else "eval_step"
+        return None if self.train_step is None else "train_step"
+
     def __call__(
         self, model: torch.nn.Module, batch: Any, optimizer: Any, *, last: bool = True
     ) -> None:
         """One micro-batch; ``last``: the one that ends an optimizer step."""
         if self.mode == "infer":
             with torch.no_grad():
+                if self.eval_step is not None:
+                    self.eval_step(model, batch)  # what it returns, an eval loop drops
+                    return
                 output = call_model(model, batch)
                 # the previous output lived until this forward returned
                 self._kept = output if self.keep_output else None
@@ -259,13 +280,24 @@ class StepPlan:
             kept = "kept: the loss only (`loss = model(x).loss`): the output is dropped once "
             kept += "the loss is taken" if self.mode == "train" else "it returns"
         if self.mode == "infer":
+            if self.eval_step is not None:
+                return [
+                    "step: eval_step(model, batch) under torch.no_grad() (evaluation; what it "
+                    "returns is dropped, as an evaluation loop drops it)"
+                ]
+            ignored = (
+                "; train_step is training's, not run here: an eval_step(model, batch) "
+                "runs your evaluation instead"
+                if self.train_step is not None
+                else ""
+            )
             if self.loss_fn is not None:
                 return [
                     "step: forward and loss_fn(output, batch) under torch.no_grad() "
-                    "(evaluation, as a test loop takes its loss)",
+                    f"(evaluation, as a test loop takes its loss){ignored}",
                     kept,
                 ]
-            return ["step: forward under torch.no_grad() (inference)", kept]
+            return [f"step: forward under torch.no_grad() (inference){ignored}", kept]
         accumulating = []
         if self.micro_batches > 1:
             accumulating = [

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from memkit.errors import (
 )
 from memkit.modelfile import step_traceback
 from memkit.oom import is_oom, parse_oom_message, recover
+from memkit.probing.hints import step_hint
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.state import SavedState
@@ -87,29 +87,6 @@ def host_failure(exc: BaseException, backend: Backend, batch_size: int) -> Confi
         f"'does not fit'. Give a smaller --budget that this machine can back{have}, or free "
         "some RAM"
     )
-
-
-def _hint(exc: BaseException, batch_size: int) -> str:
-    """What to do about a step error that a known model property explains."""
-    if batch_size == 1 and "Expected more than 1 value per channel" in str(exc):
-        return (
-            "\nBatchNorm needs at least 2 samples per channel in training: probe from "
-            "--min-batch 2 (min_batch=2 in the Python API)."
-        )
-    if isinstance(exc, TypeError) and re.search(r"forward\(\) got an unexpected keyword", str(exc)):
-        return (
-            "\nThe default step calls model(**batch) for a dict batch: its keys must be the "
-            "names of forward's parameters (input_ids, attention_mask, labels for a "
-            "transformers model). Return a tensor or a tuple (inputs, labels) from make_batch "
-            "for a forward(x), or write a train_step."
-        )
-    if isinstance(exc, TypeError) and re.search(r"forward\(\) takes \d+ positional", str(exc)):
-        return (
-            "\nThe default step calls model(*batch) for a list batch, and model(batch[0]) for "
-            "a tuple when forward takes one argument: return a tuple (inputs, labels) from "
-            "make_batch (a DataLoader's batch is a list), or write a train_step."
-        )
-    return ""
 
 
 PART_MODULES = 48
@@ -447,10 +424,11 @@ class TrialRunner:
                 raise host from None
             if not is_oom(exc):
                 raise UserCodeError(
-                    f"the training step raised {type(exc).__name__} at batch size {batch_size}; "
-                    "this is not an out-of-memory error, so memkit stopped instead of retrying:\n"
+                    f"the {self.step.name} raised {type(exc).__name__} at batch size "
+                    f"{batch_size}; this is not an out-of-memory error, so memkit stopped "
+                    "instead of retrying:\n"
                     + step_traceback(exc)
-                    + _hint(exc, batch_size),
+                    + step_hint(exc, batch_size, self.step),
                     original=exc,
                 ) from exc
             failed = exc
@@ -511,7 +489,7 @@ class TrialRunner:
         except Exception as exc:
             if not is_oom(exc):
                 raise UserCodeError(
-                    f"the training step raised {type(exc).__name__} at batch size "
+                    f"the {self.step.name} raised {type(exc).__name__} at batch size "
                     f"{min(fitted)}, which had fit before; this is not an out-of-memory "
                     "error, so memkit stopped:\n" + step_traceback(exc),
                     original=exc,
@@ -551,10 +529,11 @@ class TrialRunner:
             elif not is_oom(caught):
                 status = RankStatus.ERROR
                 local_error = UserCodeError(
-                    f"rank {distributed.rank()}: the training step raised "
+                    f"rank {distributed.rank()}: the {self.step.name} raised "
                     f"{type(caught).__name__} at batch size {batch_size}; this is not an "
                     "out-of-memory error, so memkit stopped instead of retrying:\n"
-                    + step_traceback(caught),
+                    + step_traceback(caught)
+                    + step_hint(caught, batch_size, self.step),
                     original=caught,
                 )
                 local_error.__cause__ = caught
