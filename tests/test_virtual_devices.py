@@ -40,6 +40,25 @@ def test_ops_follow_their_inputs_and_mixing_devices_fails_like_cuda() -> None:
             assert vd.where(torch.zeros(3)) == 1
 
 
+def test_a_model_split_over_two_devices_trains_both_halves() -> None:
+    """Sweep FF: the tutorial's model parallel (net1 on cuda:0, net2 on cuda:1, the
+    activation moved between them) got no gradient for net1: `acct.to` copied the activation
+    detached, where `.to("cuda:1")` keeps the graph and copies the gradient back."""
+    with memkit.simulate(None, devices=2) as vd:
+        net1 = to_virtual(torch.nn.Linear(100, 200), 0)
+        net2 = to_virtual(torch.nn.Linear(200, 5), 1)
+        x = to_virtual(torch.randn(8, 100), 0)
+        h = torch.relu(net1(x))
+        moved = to_virtual(h, 1)
+        assert vd.where(moved) == 1 and moved.grad_fn is not None
+        net2(moved).sum().backward()
+        assert net1.weight.grad is not None and vd.where(net1.weight.grad) == 0
+        assert moved.grad is None  # not a leaf: no gradient of its own kept on cuda:1
+        # cuda:0: net1 and its gradients, x, h (saved by relu's backward) and the gradient
+        # copied back to it; cuda:1 holds net2's, the moved copy and what backward made there
+        assert vd.peak_of(0) >= 2 * (200 * 100 + 200) * F + 8 * 100 * F + 2 * 8 * 200 * F
+
+
 def test_each_device_has_its_own_budget() -> None:
     with memkit.simulate(["1MiB", "64KiB"]) as vd:
         torch.empty(200_000, dtype=torch.uint8)  # fits on cuda:0

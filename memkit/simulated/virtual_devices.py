@@ -181,16 +181,19 @@ class VirtualDevices(MemoryAccountant):
         """
         self._check_index(index)
         if isinstance(obj, torch.Tensor):
-            if self.where(obj) == index:
+            source = self.where(obj)
+            if source == index:
                 return obj
-            with self.paused():
-                copy = obj.detach().clone()
-            if obj.requires_grad and torch.is_grad_enabled():
-                copy.requires_grad_(obj.requires_grad)
-            self._place([copy], index)
-            return copy
+            return _Copied.apply(obj, self, source, index)
         self._place(list(tensors_of(obj)), index)
         return obj
+
+    def _copy_to(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """A copy of ``tensor`` on ``index``, counted there only."""
+        with self.paused():
+            copy = tensor.detach().clone()
+        self._place([copy], index)
+        return copy
 
     def _place(self, tensors: list[torch.Tensor], index: int) -> None:
         """Tag the storages of ``tensors`` as living on ``index`` (bytes move with them)."""
@@ -382,3 +385,20 @@ def to_virtual(obj: Any, index: int) -> Any:
             "memkit.to_virtual needs a `with memkit.simulate(..., devices=N):` block around it"
         )
     return vd.to(obj, index)
+
+
+class _Copied(torch.autograd.Function):
+    """``tensor.to("cuda:i")`` between virtual devices, with its backward as on a GPU
+    (``ToCopyBackward``): the gradient comes back as a copy on the source device, and the
+    source keeps its graph (a model split over two devices trains its first half)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, acct: VirtualDevices, source: int, index: int
+    ) -> Any:
+        ctx.acct, ctx.source = acct, source
+        return acct._copy_to(tensor, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return ctx.acct._copy_to(grad, ctx.source), None, None, None
