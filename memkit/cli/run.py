@@ -86,6 +86,7 @@ def run_command(
     reject_mistyped_option(ctx, script)
     # the files are written after the script ran, and a script may change directory (hydra's
     # job.chdir): a relative path means the directory memkit was started in
+    start = Path.cwd()
     json_path, html_path, history_path = (
         os.path.abspath(p) if p and p != "-" else p for p in (json_path, html_path, history_path)
     )
@@ -111,7 +112,10 @@ def run_command(
                        err=True)  # fmt: skip
         elif outcome.history_file is not None:
             written.append(outcome.history_file)
-        _print_outcome(outcome, written, _misplaced_options(ctx, args, outcome.refused))
+        shown = [
+            Path(f).relative_to(start) if Path(f).is_relative_to(start) else f for f in written
+        ]
+        _print_outcome(outcome, shown, _misplaced_options(ctx, args, outcome.refused))
     sys.exit(outcome.exit_code)
 
 
