@@ -661,7 +661,7 @@ def test_a_list_of_detached_device_tensors_that_grows_is_named():
     codes = [a.code for a in report.advice]
     assert "tensors-kept" in codes and "memory-growth" not in codes
     advice = report.advice[codes.index("tensors-kept")]
-    assert "`fakes.append(x.detach().cpu())`" in advice.action
+    assert "`fakes.append(fake.detach().cpu())`" in advice.action
     # the growth measured over the climb, not a step's: what the fix frees by its end
     assert advice.saving_bytes == leak.grown_bytes == batch * leak.steps
 
@@ -674,7 +674,7 @@ def test_a_kept_image_batch_with_its_graph_gets_a_fix_that_fits_its_shape():
     leak = report.devices[0].leak
     assert leak is not None and leak.suspects[0].name == "fakes" and leak.suspects[0].graph
     advice = next(a for a in report.advice if a.code == "graph-retained")
-    assert ".item()" not in advice.action and "`fakes.append(x.detach().cpu())`" in advice.action
+    assert ".item()" not in advice.action and "`fakes.append(fake.detach().cpu())`" in advice.action
     detached, _ = dcgan_keeping_fakes("detach")
     twin = detached.devices[0].leak
     assert twin is not None
