@@ -1774,6 +1774,43 @@ def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retr
     assert not [n for n in tracker.report().notes if "ran out of memory" in n]  # clean run
 
 
+def dqn_rows(acting: int, keep_q: bool) -> tuple[int, dict[str, tuple[int, int]]]:
+    """cleanRL's DQN, tiny: every env step acts with ``q_network(obs).argmax()`` with grad on
+    (no backward), every few steps one training forward and backward. The peak, and each
+    row's (calls, kept/step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for _ in range(2):
+            for _ in range(acting):
+                if keep_q:  # `q_values = q_network(obs)`: bound until the next acting forward
+                    q_values = model(torch.randn(16, 64))
+                    q_values.argmax(1)
+                else:
+                    model(torch.randn(16, 64)).argmax(1)
+            loss = model(torch.randn(128, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    dev = tracker.report().devices[0]
+    return dev.peak_allocated, {m.path: (m.calls, m.activation_bytes_per_step) for m in dev.modules}
+
+
+def test_acting_forwards_with_grad_that_never_run_backward_add_nothing_to_kept_per_step():
+    """A DQN's acting forwards keep a graph no backward frees: it dies with their output.
+    kept/step summed every forward since the last backward (sweep GG: 7.95 MiB on an
+    841.65 KiB peak); now a pass counts while its graph lives: none when the output is dropped
+    at once, one acting pass when the loop's `q_values` still holds the last one."""
+    acting_peak, dropped = dqn_rows(8, False)
+    kept_peak, kept = dqn_rows(8, True)
+    training_pass = 128 * (256 + 4) * 4  # what a forward keeps: the ReLU's and last output
+    assert dropped["Sequential"] == (18, training_pass)  # the acting calls still count
+    assert kept["Sequential"] == (18, training_pass + 16 * (256 + 4) * 4)
+    assert all(k <= acting_peak for _, k in dropped.values())
+    assert all(k <= kept_peak for _, k in kept.values())
+
+
 def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_device():
     """On the simulated device the batch is counted when it reaches the model, after the
     transition's reading: the model's row kept it as its own (4 MiB for a Linear keeping 2)."""
