@@ -451,6 +451,9 @@ class Hooks:
         stack = calls.stack
         root: RootInfo | None = None
         if stack:
+            if self._reentered(stack, module) and self._unwind_stale(stack, module):
+                self._global_pre(module, args)  # as a call on what is left of the stack
+                return
             if stack[-1].kind < 0 or not state.detail_on:
                 stack.append(IgnoredCall(id(module)))
                 return
@@ -575,6 +578,9 @@ class Hooks:
         stack = calls.stack
         top = stack[-1] if stack else None
         if top is not None:
+            if stack[0].mid == id(module) and self._unwind_stale(stack, module):
+                self._pre(name, leaf, module, args, root)  # as a call on what is left
+                return
             if top.kind < 0:  # inside a module that is not the model
                 stack.append(IgnoredCall(id(module)))
                 return
@@ -621,6 +627,39 @@ class Hooks:
         stack.append(frame)
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))
         dev.events += 1
+
+    def _reentered(self, stack: list[Any], module: torch.nn.Module) -> bool:
+        """Whether ``module`` (global hooks) may be entered on a stack that no forward runs
+        any more: it is the stack's first call, or a model entered inside a module that is
+        not one (a loss module)."""
+        if stack[0].mid == id(module):
+            return True
+        if stack[0].kind >= 0:
+            return False
+        root = self.models.roots.get(id(module))
+        return root is not None and root.model and root.ref() is module
+
+    def _unwind_stale(self, stack: list[Any], module: torch.nn.Module) -> bool:
+        """``module`` is entered while ``stack`` begins with a call of it, or of a module that
+        is not the model: the calls whose forward no longer runs are dropped. A
+        ``KeyboardInterrupt`` (any ``BaseException``) raised in a forward skips torch's
+        always-call hooks, so their post-hooks never ran; the script caught it and goes on
+        (saves, evaluates). A training pass dropped is given up, as one that raised. Whether
+        any call was dropped (a model that calls itself drops none)."""
+        running = _running_calls(sys._getframe(2))
+        running[id(module)] -= 1  # this call's own
+        for i, frame in enumerate(stack):
+            if running[frame.mid] > 0:
+                running[frame.mid] -= 1
+                continue
+            if i == 0 and frame.kind == TRAIN_PASS:
+                self._failed_passes += 1
+            for dropped in stack[i:]:  # counted as calls that raised are
+                if dropped.kind == TRAIN_PASS:
+                    dropped.ms.calls += 1
+            del stack[i:]
+            return True
+        return False
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         state = self.state
@@ -1009,6 +1048,20 @@ def _call_kwargs(module: torch.nn.Module) -> dict[str, Any] | None:
                 return kwargs if isinstance(kwargs, dict) else None
         frame = frame.f_back
     return None
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _running_calls(frame: types.FrameType | None) -> collections.Counter[int]:
+    """The modules whose call runs on this thread's Python stack from ``frame`` up: their
+    ids, with how many of their calls are in progress."""
+    running: collections.Counter[int] = collections.Counter()
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            running[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    return running
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
