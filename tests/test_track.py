@@ -1774,6 +1774,129 @@ def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retr
     assert not [n for n in tracker.report().notes if "ran out of memory" in n]  # clean run
 
 
+def dqn_rows(acting: int, keep_q: bool) -> tuple[int, dict[str, tuple[int, int]]]:
+    """cleanRL's DQN, tiny: every env step acts with ``q_network(obs).argmax()`` with grad on
+    (no backward), every few steps one training forward and backward. The peak, and each
+    row's (calls, kept/step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for _ in range(2):
+            for _ in range(acting):
+                if keep_q:  # `q_values = q_network(obs)`: bound until the next acting forward
+                    q_values = model(torch.randn(16, 64))
+                    q_values.argmax(1)
+                else:
+                    model(torch.randn(16, 64)).argmax(1)
+            loss = model(torch.randn(128, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    dev = tracker.report().devices[0]
+    return dev.peak_allocated, {m.path: (m.calls, m.activation_bytes_per_step) for m in dev.modules}
+
+
+def test_acting_forwards_with_grad_that_never_run_backward_add_nothing_to_kept_per_step():
+    """A DQN's acting forwards keep a graph no backward frees: it dies with their output.
+    kept/step summed every forward since the last backward (sweep GG: 7.95 MiB on an
+    841.65 KiB peak); now a pass counts while its graph lives: none when the output is dropped
+    at once, one acting pass when the loop's `q_values` still holds the last one."""
+    acting_peak, dropped = dqn_rows(8, False)
+    kept_peak, kept = dqn_rows(8, True)
+    training_pass = 128 * (256 + 4) * 4  # what a forward keeps: the ReLU's and last output
+    assert dropped["Sequential"] == (18, training_pass)  # the acting calls still count
+    assert kept["Sequential"] == (18, training_pass + 16 * (256 + 4) * 4)
+    assert all(k <= acting_peak for _, k in dropped.values())
+    assert all(k <= kept_peak for _, k in kept.values())
+
+
+class RaisesOnce(nn.Module):
+    """A layer whose forward raises ``error`` once when armed (Ctrl-C landing in it)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 64)
+        self.error: BaseException | None = None
+        self.armed_error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self.linear(x)
+
+
+def interrupted_then_evaluated(error: BaseException, given: bool) -> TrackReport:
+    """catch_kbi.py's shape: the script catches the error raised in the model's forward in its
+    third step, then runs one evaluation forward under ``no_grad`` (``given``: the model
+    passed to track(), else global hooks)."""
+    torch.manual_seed(0)
+    layer = RaisesOnce(error)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), layer, nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model if given else None, opt, device="cpu", budget="64MiB") as tracker:
+        try:
+            for step in range(4):
+                layer.error = layer.armed_error if step == 2 else None
+                model(torch.randn(32, 64)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        except (KeyboardInterrupt, ValueError):
+            pass
+        with torch.no_grad():
+            model.eval()
+            model(torch.randn(256, 64))
+    return tracker.report()
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["model", "global-hooks"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), ValueError("bad batch")], ids=repr)
+def test_a_forward_interrupted_and_caught_leaves_no_call_running(
+    error: BaseException, given: bool
+) -> None:
+    """torch runs always-call forward hooks for an ``Exception`` only: Ctrl-C in a forward left
+    the model's call on memkit's stack, so the evaluation forward the script ran after catching
+    it was taken as nested in it: "eval_forwards 0" and the training peak put at the
+    evaluation's (sweep HH). The model's next forward drops the calls no longer running, as
+    the post-hooks of an ``Exception`` (a bad batch skipped) do."""
+    report = interrupted_then_evaluated(error, given)
+    dev = report.devices[0]
+    assert report.eval_forwards == 1 and report.steps == 2
+    assert dev.phase_peaks["eval"] is not None and dev.phase_peaks["eval"] == dev.peak_allocated
+    assert dev.breakdown is not None and dev.breakdown.phase != "forward"  # training's: smaller
+    rows = {m.path: m for m in dev.modules}
+    assert (rows["Sequential"].calls, rows["Sequential"].eval_calls) == (3, 1)
+
+
+def test_a_model_entered_after_ctrl_c_in_a_loss_module_is_tracked_again() -> None:
+    """Global hooks: Ctrl-C in a loss module's forward (not the model: its call is ignored,
+    and so was everything after it, forever); the model's next forward drops that call."""
+
+    class InterruptedLoss(nn.Module):
+        armed = False
+
+        def forward(self, out: torch.Tensor) -> torch.Tensor:
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return out.square().mean()
+
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(nn.Linear(64, 32), nn.ReLU()), InterruptedLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(None, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for step in range(5):
+            loss_fn.armed = step == 1
+            with contextlib.suppress(KeyboardInterrupt):
+                loss_fn(model(torch.randn(8, 64))).backward()
+                opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert report.steps == 4
+    assert {m.path: m.calls for m in report.devices[0].modules}["Sequential"] == 5
+
+
 def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_device():
     """On the simulated device the batch is counted when it reaches the model, after the
     transition's reading: the model's row kept it as its own (4 MiB for a Linear keeping 2)."""

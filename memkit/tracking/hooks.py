@@ -154,6 +154,10 @@ class Hooks:
         # training forwards that raised (a script that catches an OOM and retries smaller):
         # what their calls kept is not added to the retry's
         self._failed_passes = 0
+        # the model's training passes that kept bytes, numbered; for each, weak references to
+        # the pre-hook dicts of its outputs' autograd nodes: gone once its graph is freed
+        self._pass_no = 0
+        self._pass_graphs: dict[int, tuple[weakref.ref[Any], ...]] = {}
 
     def install(self) -> None:
         """Install the hooks of the block (and module detail's, if step 0 has it)."""
@@ -447,6 +451,9 @@ class Hooks:
         stack = calls.stack
         root: RootInfo | None = None
         if stack:
+            if self._reentered(stack, module) and self._unwind_stale(stack, module):
+                self._global_pre(module, args)  # as a call on what is left of the stack
+                return
             if stack[-1].kind < 0 or not state.detail_on:
                 stack.append(IgnoredCall(id(module)))
                 return
@@ -571,6 +578,9 @@ class Hooks:
         stack = calls.stack
         top = stack[-1] if stack else None
         if top is not None:
+            if stack[0].mid == id(module) and self._unwind_stale(stack, module):
+                self._pre(name, leaf, module, args, root)  # as a call on what is left
+                return
             if top.kind < 0:  # inside a module that is not the model
                 stack.append(IgnoredCall(id(module)))
                 return
@@ -617,6 +627,39 @@ class Hooks:
         stack.append(frame)
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))
         dev.events += 1
+
+    def _reentered(self, stack: list[Any], module: torch.nn.Module) -> bool:
+        """Whether ``module`` (global hooks) may be entered on a stack that no forward runs
+        any more: it is the stack's first call, or a model entered inside a module that is
+        not one (a loss module)."""
+        if stack[0].mid == id(module):
+            return True
+        if stack[0].kind >= 0:
+            return False
+        root = self.models.roots.get(id(module))
+        return root is not None and root.model and root.ref() is module
+
+    def _unwind_stale(self, stack: list[Any], module: torch.nn.Module) -> bool:
+        """``module`` is entered while ``stack`` begins with a call of it, or of a module that
+        is not the model: the calls whose forward no longer runs are dropped. A
+        ``KeyboardInterrupt`` (any ``BaseException``) raised in a forward skips torch's
+        always-call hooks, so their post-hooks never ran; the script caught it and goes on
+        (saves, evaluates). A training pass dropped is given up, as one that raised. Whether
+        any call was dropped (a model that calls itself drops none)."""
+        running = _running_calls(sys._getframe(2))
+        running[id(module)] -= 1  # this call's own
+        for i, frame in enumerate(stack):
+            if running[frame.mid] > 0:
+                running[frame.mid] -= 1
+                continue
+            if i == 0 and frame.kind == TRAIN_PASS:
+                self._failed_passes += 1
+            for dropped in stack[i:]:  # counted as calls that raised are
+                if dropped.kind == TRAIN_PASS:
+                    dropped.ms.calls += 1
+            del stack[i:]
+            return True
+        return False
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         state = self.state
@@ -716,6 +759,8 @@ class Hooks:
                 keeps = False  # kept when settled
         if keeps:  # what a training forward keeps for backward
             self._keep(ms, delta, delta - frame.children)
+            if parent is None:
+                self._pass_ends(output)
         if parent is not None:
             if keeps or kind != TRAIN_PASS:
                 parent.children += delta
@@ -753,17 +798,51 @@ class Hooks:
         if own > ms.self_max:
             ms.self_max = own
         # a module's calls add up until the next backward frees what they keep (a shared
-        # block called twice in one forward; two forwards before one backward); the next
-        # pass starts again: micro-batches, the passes of an optimizer's closure (LBFGS), a
-        # retry after a forward that raised
+        # block called twice in one forward; two forwards before one backward), while the
+        # passes that made them live: a pass whose outputs were dropped with no backward (a
+        # DQN's acting forward, `q_network(obs).argmax()`) freed its graph and keeps nothing
+        # from then on. The next backward starts again: micro-batches, the passes of an
+        # optimizer's closure (LBFGS), a retry after a forward that raised
         key = (self._failed_passes << 40) | (self.state.step << 20) | self.state.backwards
+        passes, now = ms.step_passes, self._pass_no
         if ms.step_id != key:
             ms.step_id = key
-            ms.step_sum = delta
+            passes.clear()
+            ms.step_sum = 0
+        elif passes[-1][0] != now:  # its first call in this pass: the oldest passes freed?
+            while passes and not self._graph_lives(passes[0][0]):
+                ms.step_sum -= passes.pop(0)[1]
+        if passes and passes[-1][0] == now:
+            passes[-1][1] += delta
         else:
-            ms.step_sum += delta
+            passes.append([now, delta])
+        ms.step_sum += delta
         if ms.step_sum > ms.step_max:
             ms.step_max = ms.step_sum
+
+    def _pass_ends(self, output: Any) -> None:
+        """A training pass of the model returned ``output`` (its calls kept bytes): the pass
+        is numbered, and its outputs' autograd nodes get a no-op pre-hook whose dict, held
+        weakly, says whether its graph still lives (:meth:`_graph_lives`)."""
+        refs = tuple(
+            t.grad_fn.register_prehook(_no_op).hooks_dict_ref
+            for t in _output_tensors(output)
+            if t.grad_fn is not None
+        )
+        graphs = self._pass_graphs
+        if len(graphs) >= 64:  # the ones still alive, if few
+            self._pass_graphs = graphs = {n: r for n, r in graphs.items() if self._graph_lives(n)}
+            if len(graphs) >= 64:
+                graphs.clear()
+        if refs:
+            graphs[self._pass_no] = refs
+        self._pass_no += 1
+
+    def _graph_lives(self, number: int) -> bool:
+        """Whether training pass ``number``'s graph may still live: one of its outputs'
+        autograd nodes does (a pass whose outputs had no node: taken to live)."""
+        refs = self._pass_graphs.get(number)
+        return refs is None or any(ref() is not None for ref in refs)
 
     def _settle_region(self, parent: Frame, region: object | None) -> bool:
         """A child of ``parent`` ended in checkpoint region ``region`` (``None``: ``parent``
@@ -971,6 +1050,20 @@ def _call_kwargs(module: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _running_calls(frame: types.FrameType | None) -> collections.Counter[int]:
+    """The modules whose call runs on this thread's Python stack from ``frame`` up: their
+    ids, with how many of their calls are in progress."""
+    running: collections.Counter[int] = collections.Counter()
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            running[id(frame.f_locals.get("self"))] += 1
+        frame = frame.f_back
+    return running
+
+
 def _first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor of a module output: itself, or in a tuple/list/dict (one level)."""
     if isinstance(value, torch.Tensor):
@@ -985,6 +1078,21 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
             if isinstance(v, torch.Tensor):
                 return v
     return None
+
+
+def _output_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a module output: itself, or those in a tuple/list/dict (one level)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return []
+    return [v for v in value if isinstance(v, torch.Tensor)]
+
+
+def _no_op(grad: Any) -> None:
+    """A pre-hook that changes nothing: its dict's life is its node's."""
 
 
 def _queue_callback(fn: Callable[[], None]) -> bool:

@@ -13,12 +13,15 @@ starts or ends and when an optimizer steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import math
+import operator
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -94,15 +97,19 @@ class PhaseMachine:
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self.grads_none_at_forward = True  # no gradients when the last forward began
-        # the last training forward's first input: a step boundary discounts it while it
-        # lives (a loop's `x`), so a batch that grows on schedule (curriculum, length
-        # buckets) is no leak
+        # the last training forward's first input (the batch an OOM's advice weighs)
         self.train_input: weakref.ref[torch.Tensor] | None = None
-        # the last training forward's largest output while it lives (a loop's `logits`, kept
-        # into the next step's forward): its bytes follow the batch's shape, as the batch's do
-        self.train_output: weakref.ref[torch.Tensor] | None = None
-        self.fed: dict[int, weakref.ref[torch.Tensor]] = {}  # the first inputs of the
-        # training forwards that began a phase, by id (and the dead ones' till pruned)
+        # the step's own tensors: the inputs and outputs of this step's training forwards
+        # first seen in it (``own``, held weakly), and the last step's (``last_own``). The
+        # growth detector's levels leave out those alive (a loop's `x` and `logits`, a
+        # decoder's `encoder_outputs`, alive into the next step's forward), so batches whose
+        # shape grows on schedule (sorted length buckets, a curriculum) are no leak. A tensor
+        # seen in an earlier step is kept, not the step's (a validation set an evaluation
+        # that keeps a graph feeds every N steps; a fixed batch)
+        self.own: set[weakref.ref[torch.Tensor]] = set()
+        self.last_own: set[weakref.ref[torch.Tensor]] = set()
+        self.seen: set[weakref.ref[torch.Tensor]] = set()  # every input and output seen
+        self.seen_room = _SEEN_ROOM  # what ``seen`` takes before its dead ones are dropped
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
@@ -174,6 +181,7 @@ class PhaseMachine:
                     if state.phase != FORWARD:
                         self._training_forward_begins(sys._getframe(1))
                         began = True
+            self._take_own(args)
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args, inputs=True)
@@ -186,33 +194,15 @@ class PhaseMachine:
         return kind
 
     def _forward_floor(self) -> None:
-        """A training forward began: the level it began at, less its batch, is as low as the
-        last step's memory came back to (the episode's lists freed after the optimizer step
-        that ended it); the growth detector takes the lowest (:meth:`boundary`). A batch
-        fed before stays in (a fixed batch the loop feeds again): it is kept, not new."""
-        batch = None if self.train_input is None else self.train_input()
-        nbytes = 0
-        if batch is not None:
-            fed = self.fed
-            seen = fed.get(id(batch))
-            if seen is None or seen() is not batch:  # new (tensors: compared by identity)
-                if len(fed) >= 64:  # those still alive, if few
-                    self.fed = fed = {k: r for k, r in fed.items() if r() is not None}
-                    if len(fed) >= 64:
-                        fed.clear()
-                fed[id(batch)] = weakref.ref(batch)
-                nbytes = int(batch.numel() * batch.element_size())
-        output = self.output_bytes()
+        """A training forward began: the level it began at, less the step's own tensors
+        (this forward's inputs, the last step's inputs and outputs, while they live), is as
+        low as the last step's memory came back to (the episode's lists freed after the
+        optimizer step that ended it); the growth detector takes the lowest (:meth:`boundary`)."""
+        own = self.own | self.last_own
         single = self.state.single
         for dev in (single,) if single is not None else self.devices.records.values():
             if dev.forward_base is not None:
-                held = (
-                    batch is not None
-                    and nbytes
-                    and (single is not None or _on_devices([dev])(batch))
-                )
-                # (a new batch on its own device only; the last step's output, if it lives)
-                level = dev.forward_base - (nbytes if held else 0) - output
+                level = dev.forward_base - _alive_bytes(own, None if single else [dev])
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
                     # the detector takes the lower of it and the boundary's level: the bytes
@@ -476,7 +466,8 @@ class PhaseMachine:
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
-        batch_bytes, output_bytes = self.batch_bytes(), self.output_bytes()
+        own = self.own
+        own_bytes = _alive_bytes(own, None) if single is not None else 0
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
         for dev in devices.records.values():
             sizes = None
@@ -508,7 +499,7 @@ class PhaseMachine:
                     last_level, persistent = floor, dev.floor_persistent
                 if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
-            left = level - batch_bytes - output_bytes
+            left = level - (own_bytes if single is not None else _alive_bytes(own, [dev]))
             # steps counted from backward passes: this boundary is a training forward's start
             # (or the block's end), and so may not be the next: the bytes a rise is compared
             # with are measured with its level (the last step's gradients, alive at the
@@ -523,6 +514,7 @@ class PhaseMachine:
             evidence.capture(walked=captured)  # the dtype as the walk for remember found it
         state.step = step + 1
         self.step_t0 = now
+        self.last_own, self.own = own, set()
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
         state.phase = OTHER
         if devices.sim is not None:
@@ -596,17 +588,27 @@ class PhaseMachine:
         return 0 if batch is None else int(batch.numel() * batch.element_size())
 
     def note_output(self, output: Any) -> None:
-        """A training forward of the model returned ``output``: its largest tensor is held
-        weakly (:meth:`output_bytes`)."""
-        largest = _largest_tensor(output)
-        self.train_output = None if largest is None else weakref.ref(largest)
+        """A training forward of the model returned ``output``: its tensors (one level into a
+        tuple, list or mapping: a Hugging Face output's loss and logits) are the step's own."""
+        self._take_own(_values(output))
 
-    def output_bytes(self) -> int:
-        """The bytes of the last training forward's largest output while it lives (0: none):
-        a level the growth detector reads leaves them out, as it leaves out the batch, so that
-        batches whose shape grows on schedule (sorted lengths, a curriculum) are no leak."""
-        out = None if self.train_output is None else self.train_output()
-        return 0 if out is None else int(out.numel() * out.element_size())
+    def _take_own(self, values: Iterable[Any]) -> None:
+        """The tensors among ``values`` that no step saw before are this step's own."""
+        new = set(map(weakref.ref, filter(torch.is_tensor, values)))
+        new -= self.seen
+        if new:
+            if len(self.seen) >= self.seen_room:
+                self._forget_dead()
+            self.seen |= new
+            self.own |= new
+
+    def _forget_dead(self) -> None:
+        """Drop the references to tensors freed since (in C); ``seen`` then takes as many
+        again as are alive (a step of many forwards, a DQN's acting ones)."""
+        seen, own = self.seen, self.own
+        self.seen = set(itertools.compress(seen, map(_ALIVE, map(_DEREF, seen))))
+        self.own = set(itertools.compress(own, map(_ALIVE, map(_DEREF, own))))
+        self.seen_room = max(_SEEN_ROOM, 2 * len(self.seen))
 
     def step_rule(self) -> str:
         """What counts steps: ``"manual"`` (Tracker.step()), ``"optimizer"``, or, while no
@@ -721,6 +723,40 @@ def _on_devices(records: list[DeviceRecord]) -> Callable[[torch.Tensor], bool]:
     return lambda t: any(check(t) for check in checks)
 
 
+_SEEN_ROOM = 256
+"""References to the tensors seen that are kept before the dead ones are dropped."""
+
+
+def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | None) -> int:
+    """The bytes of the dense tensors ``refs`` hold that are alive (on the devices of ``on``;
+    ``None``: the one device)."""
+    if on is None:
+        try:  # (in C: twice a step)
+            return sum(map(_NBYTES, filter(_ALIVE, map(_DEREF, refs))))
+        except RuntimeError:  # a sparse tensor has no nbytes
+            pass
+    holds = None if on is None else _on_devices(on)
+    total = 0
+    for ref in refs:
+        t = ref()
+        if t is not None and t.layout is torch.strided and (holds is None or holds(t)):
+            total += t.nbytes
+    return total
+
+
+_DEREF = operator.methodcaller("__call__")
+_ALIVE = functools.partial(operator.is_not, None)
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _values(output: Any) -> Any:
+    """A forward output's values, one level: a tuple or list itself, a mapping's values, else
+    the output alone."""
+    if isinstance(output, (tuple, list)):
+        return output
+    return output.values() if isinstance(output, Mapping) else (output,)
+
+
 def _first_tensor(args: Any) -> torch.Tensor | None:
     """A forward's first tensor argument (its shape's batch dimension is the model's business:
     ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
@@ -728,21 +764,6 @@ def _first_tensor(args: Any) -> torch.Tensor | None:
         if isinstance(a, torch.Tensor):
             return a
     return None
-
-
-def _largest_tensor(output: Any) -> torch.Tensor | None:
-    """A forward's output tensor, or the largest of a tuple's, list's or mapping's (a Hugging
-    Face ``ModelOutput``: the logits, not the loss) (``None``: none)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        values: Any = output.values()
-    elif isinstance(output, (tuple, list)):
-        values = output
-    else:
-        return None
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
 
 
 def _needs_grad(args: Any) -> bool:

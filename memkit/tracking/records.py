@@ -235,6 +235,7 @@ class ModuleStat:
         "self_max",
         "step_id",
         "step_max",
+        "step_passes",
         "step_sum",
         "type_name",
     )
@@ -251,6 +252,9 @@ class ModuleStat:
         self.self_max = 0
         self.step_id = -1
         self.step_sum = 0
+        # this step's passes (until a backward) whose graph may still live, oldest first:
+        # [pass number, bytes its calls kept]; ``step_sum`` is their total
+        self.step_passes: list[list[int]] = []
         self.step_max = 0
         self.peak = 0
         self.over_max = 0

@@ -112,7 +112,9 @@ class ModuleRecord:
         activation_bytes_per_step: the largest sum over the calls before one backward (a
             module called several times in one pass keeps several sets; micro-batches and the
             passes of an optimizer's closure, as LBFGS runs, are not added: each backward frees
-            its own); without a backward, the sum over the calls of a step.
+            its own); without a backward, the sum over the calls of a step. A pass adds only
+            while its graph lives: one whose outputs were dropped with no backward (a DQN's
+            acting forward) keeps nothing from then on.
         peak_allocated: the highest allocated bytes reached while its forward ran.
         peak_over_entry: that peak minus allocated at entry: the transient the call needed.
         leaf: the module has no child modules.
