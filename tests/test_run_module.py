@@ -182,3 +182,10 @@ def test_memkits_options_after_the_module_get_the_hint_for_modules(project):
         "memkit's options go before -m MODULE (memkit run [OPTIONS] -m MODULE [ARGS]...); what "
         "follows -m MODULE is the script's." in " ".join(result.stderr.split())
     )
+
+
+def test_a_script_file_named_like_dash_m_is_still_a_script(project):
+    (project / "-mx.py").write_text("print('script', __name__, __package__)\n")
+    result = run("-mx.py")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "script __main__ None\n"

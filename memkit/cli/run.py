@@ -21,16 +21,17 @@ if TYPE_CHECKING:
 
 
 class _RunCommand(click.Command):
-    """``memkit run``, which takes ``-mNAME`` as python does: ``-m NAME``."""
+    """``memkit run``, which takes ``-mNAME`` as python does (``-m NAME``), and a script file
+    named like an option (``-mx.py``) as the script."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, _split_module_name(ctx, args))
+        return super().parse_args(ctx, _as_click_reads_them(ctx, args))
 
 
-def _split_module_name(ctx: click.Context, args: list[str]) -> list[str]:
-    """``args`` with ``-mpkg.train`` among memkit's options (before SCRIPT) split into ``-m
-    pkg.train``: click would read ``-mpkg`` as ``-m -p -k -g``. A file of that name is a
-    script (as for :func:`memkit.cli.parsing.reject_mistyped_option`)."""
+def _as_click_reads_them(ctx: click.Context, args: list[str]) -> list[str]:
+    """``args`` with, among memkit's options (before SCRIPT), ``-mpkg.train`` split into ``-m
+    pkg.train`` (click would read ``-mpkg`` as ``-m -p -k -g``) and ``--`` put before a file
+    whose name starts with ``-`` (click would read ``-mx.py`` as ``-m -x.py``)."""
     takes_value = {
         name
         for p in ctx.command.get_params(ctx)
@@ -39,7 +40,9 @@ def _split_module_name(ctx: click.Context, args: list[str]) -> list[str]:
     }
     i = 0
     while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "--"):
-        if args[i].startswith("-m") and len(args[i]) > 2 and not os.path.isfile(args[i]):
+        if os.path.isfile(args[i]):
+            return [*args[:i], "--", *args[i:]]
+        if args[i].startswith("-m") and len(args[i]) > 2:
             return [*args[:i], "-m", args[i][2:], *args[i + 1 :]]
         i += 2 if args[i] in takes_value else 1
     return args
