@@ -189,3 +189,12 @@ def test_a_script_file_named_like_dash_m_is_still_a_script(project):
     result = run("-mx.py")
     assert result.exit_code == 0, result.output
     assert result.stdout == "script __main__ None\n"
+
+
+def test_under_torchrun_each_rank_writes_its_own_file(project, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = run("--json", "r.json", "-m", "trainpkg.train", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("[rank 1] memkit: 2 step(s), peak ")
+    assert json.loads((project / "r.rank1.json").read_text())["steps"] == 2
