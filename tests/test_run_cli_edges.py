@@ -125,6 +125,7 @@ def test_the_console_entry_point_words_click_usage_errors_as_one_memkit_line(tmp
     for argv, fragment in (
         (["run", "--budjet", "64MiB", str(path)], "No such option '--budjet'"),
         (["probe"], "Missing argument 'FILE'"),
+        (["run", "-m"], "-m needs a module's name, as python -m does"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
@@ -326,7 +327,7 @@ def test_memkits_warnings_still_reach_stderr_under_a_command(capsys, caplog):
     assert [r.getMessage() for r in caplog.records] == ["after"]  # the API's: propagated
 
 
-# -- memkit's options after SCRIPT, and python -m ------------------------------------------------
+# -- memkit's options after SCRIPT --------------------------------------------------------------
 def test_memkit_options_after_the_script_get_a_hint_when_the_script_refuses_them(tmp_path):
     path, marker = script(tmp_path)
     result = invoke("run", "--device", "cpu", str(path), "--budget", "16MiB")
@@ -359,15 +360,6 @@ def test_a_syntax_error_shows_the_scripts_line_not_memkits_frames(tmp_path):
     assert result.stderr.startswith(f'  File "{path}", line 2\n    def f(:\n          ^\n'
                                     "SyntaxError: invalid syntax\n")  # fmt: skip
     assert "memkit" not in result.stderr.split("SyntaxError")[0]
-
-
-def test_python_dash_m_modules_are_refused_with_what_to_give(tmp_path):
-    result = invoke("run", "--device", "cpu", "-m", "train")
-    assert result.exit_code == 2
-    assert "memkit run takes a script file; modules (python -m NAME) are not supported" in (
-        result.stderr
-    )
-    assert "No such option" not in result.stderr
 
 
 def test_a_compiled_script_and_a_zip_application_still_run(tmp_path):

@@ -20,8 +20,37 @@ if TYPE_CHECKING:
     from memkit.tracking.run import RunOutcome
 
 
+class _RunCommand(click.Command):
+    """``memkit run``, which takes ``-mNAME`` as python does (``-m NAME``), and a script file
+    named like an option (``-mx.py``) as the script."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _as_click_reads_them(ctx, args))
+
+
+def _as_click_reads_them(ctx: click.Context, args: list[str]) -> list[str]:
+    """``args`` with, among memkit's options (before SCRIPT), ``-mpkg.train`` split into ``-m
+    pkg.train`` (click would read ``-mpkg`` as ``-m -p -k -g``) and ``--`` put before a file
+    whose name starts with ``-`` (click would read ``-mx.py`` as ``-m -x.py``)."""
+    takes_value = {
+        name
+        for p in ctx.command.get_params(ctx)
+        if isinstance(p, click.Option) and not p.is_flag
+        for name in p.opts
+    }
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "--"):
+        if os.path.isfile(args[i]):
+            return [*args[:i], "--", *args[i:]]
+        if args[i].startswith("-m") and len(args[i]) > 2:
+            return [*args[:i], "-m", args[i][2:], *args[i + 1 :]]
+        i += 2 if args[i] in takes_value else 1
+    return args
+
+
 @click.command(
     "run",
+    cls=_RunCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("--device", default=None, help="cuda:N, or cpu (simulated) [default: the current "
@@ -46,7 +75,10 @@ if TYPE_CHECKING:
 @click.option("--history-entries", type=click.IntRange(min=1), default=None, metavar="N",
               help="Events the memory history keeps, the most recent [default: "
               "100000].")  # fmt: skip
-@click.argument("script", type=click.Path(dir_okay=False))
+@click.option("-m", "--module", "as_module", is_flag=True,
+              help="SCRIPT is a module's name, run as python -m runs it (relative imports "
+              "work): memkit run -m pkg.train [ARGS]...")  # fmt: skip
+@click.argument("script", required=False, metavar="SCRIPT|-m MODULE")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @handle_errors
 def run_command(
@@ -58,10 +90,12 @@ def run_command(
     module_every: int | None,
     history_path: str | None,
     history_entries: int | None,
-    script: str,
+    as_module: bool,
+    script: str | None,
     args: tuple[str, ...],
 ) -> None:
-    """Run a training SCRIPT under memory tracking; print the report (and OOM post-mortem).
+    """Run a training SCRIPT (or -m MODULE, as python -m) under memory tracking; print the
+    report (and OOM post-mortem).
 
     The script runs as __main__ with its own ARGS and keeps its exit code (an OOM exits 1,
     another error 3, SIGTERM 143 with the report still written). The report goes to stderr;
@@ -69,6 +103,7 @@ def run_command(
 
     \b
     memkit run train.py --epochs 1
+    memkit run -m pkg.train --epochs 1   # as python -m pkg.train, from pkg's parent folder
     memkit run --device cpu --budget 300MiB train.py
     memkit run --memory-history mem.pickle train.py   # then: memkit inspect mem.pickle
     torchrun --nproc-per-node 2 --no-python memkit run train.py
@@ -77,10 +112,12 @@ def run_command(
     from memkit.tracking.run import SignalGuard, run_script
 
     ctx = click.get_current_context()
-    if script == "-m":
+    if script is None:
         raise click.UsageError(
-            "memkit run takes a script file; modules (python -m NAME) are not supported: give "
-            "the module's file instead, memkit run [OPTIONS] path/to/train.py [ARGS]...",
+            "-m needs a module's name, as python -m does: memkit run [OPTIONS] -m pkg.train "
+            "[ARGS]..."
+            if as_module
+            else "Missing argument 'SCRIPT': memkit run [OPTIONS] SCRIPT [ARGS]... (or -m MODULE)",
             ctx,
         )
     reject_mistyped_option(ctx, script)
@@ -104,6 +141,7 @@ def run_command(
             sigterm=guard,
             memory_history=history_path,
             history_entries=history_entries,
+            module=as_module,
         )
         written = _write_reports(outcome.report, outputs)
         if outcome.history_error is not None:
@@ -115,7 +153,8 @@ def run_command(
         shown = [
             Path(f).relative_to(start) if Path(f).is_relative_to(start) else f for f in written
         ]
-        _print_outcome(outcome, shown, _misplaced_options(ctx, args, outcome.refused))
+        misplaced = _misplaced_options(ctx, args, outcome.refused)
+        _print_outcome(outcome, shown, misplaced, "-m MODULE" if as_module else "SCRIPT")
     sys.exit(outcome.exit_code)
 
 
@@ -202,11 +241,15 @@ def _write_reports(report: TrackReport, outputs: list[tuple[str, Path]]) -> list
 
 
 def _print_outcome(
-    outcome: RunOutcome, written: list[str | Path], misplaced: Sequence[str] = ()
+    outcome: RunOutcome,
+    written: list[str | Path],
+    misplaced: Sequence[str] = (),
+    target: str = "SCRIPT",
 ) -> None:
     """The script's traceback, then the report on stderr: in full on rank 0 (or without
     torchrun), one summary line on the other ranks (with the OOM post-mortem only they know).
-    ``misplaced``: memkit's options the script was given (:func:`_misplaced_options`)."""
+    ``misplaced``: memkit's options the script was given (:func:`_misplaced_options`), after
+    ``target`` (``SCRIPT``, ``-m MODULE``)."""
     from memkit import distributed
     from memkit.tracking.run import rank_prefix, summary_line
 
@@ -233,8 +276,8 @@ def _print_outcome(
         if outcome.exit_code == 2 and misplaced:
             text += (
                 f" The script was given {', '.join(misplaced)}, which memkit run has too: "
-                "memkit's options go before SCRIPT (memkit run [OPTIONS] SCRIPT [ARGS]...); "
-                "what follows SCRIPT is the script's."
+                f"memkit's options go before {target} (memkit run [OPTIONS] {target} "
+                f"[ARGS]...); what follows {target} is the script's."
             )
     if interrupted:
         note = next(n for n in report.notes if n.startswith("interrupted by "))

@@ -3,9 +3,12 @@
 The script gets its own ``sys.argv`` (``[script, *args]``, ``script`` as typed), ``sys.path[0]``
 (its directory), an absolute ``__file__`` and code file name (a script that changes directory
 still finds its neighbours, and its frames are found in a traceback), ``__package__`` ``None``
-and ``sys.modules["__main__"]``, as ``python script.py args`` (Python 3.9+) gives them. Every
-module and every optimizer is tracked through torch's global hooks, so no line of the script
-changes. The exit code is the script's:
+and ``sys.modules["__main__"]``, as ``python script.py args`` (Python 3.9+) gives them. A module
+(``module=True``, ``memkit run -m pkg.train``) runs as ``python -m pkg.train args`` runs it,
+through :func:`runpy.run_module`: ``sys.path[0]`` the current directory, ``sys.argv[0]`` its
+file, ``__package__`` and ``__spec__`` set (relative imports work), a package's ``__main__``.
+Every module and every optimizer is tracked through torch's global hooks, so no line of the
+script changes. The exit code is the script's:
 
 * ``0`` when it returns, the ``SystemExit`` code when it calls ``sys.exit`` as the system keeps
   it (``sys.exit(256)``: 0 on POSIX), ``1`` for ``sys.exit("message")``, the message printed;
@@ -34,8 +37,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.machinery
+import importlib.util
 import io
 import os
 import pkgutil
@@ -46,7 +51,7 @@ import threading
 import traceback
 import types
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -308,29 +313,29 @@ def default_device(device: str | None) -> str | None:
     return str(visible[local % len(visible)])
 
 
-def _script_traceback(exc: BaseException, main_file: str) -> str:
-    """The exception formatted from the script's first frame on (memkit's frames left out);
-    ``main_file`` is the script's absolute path, its code's file name. A syntax error of the
+def _script_traceback(exc: BaseException) -> str:
+    """The exception formatted from the script's first frame on (memkit's and runpy's frames
+    before it left out: runpy runs a module and a zip application). A syntax error of the
     script itself (no frame of it ran) is its file, line and caret, as Python prints it."""
+    runner = {_script_traceback.__code__.co_filename, runpy.run_module.__code__.co_filename}
     tb: TracebackType | None = exc.__traceback__
     start = tb
-    while start is not None:
-        if start.tb_frame.f_code.co_filename == main_file:
-            break
+    while start is not None and start.tb_frame.f_code.co_filename in runner:
         start = start.tb_next
-    if start is None and isinstance(exc, SyntaxError) and exc.filename == main_file:
+    if start is None and isinstance(exc, SyntaxError):
         return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, start or tb))
 
 
-def _script_line(exc: BaseException, main_file: str) -> str | None:
-    """``train.py line 42, in train``: the script's innermost frame in the traceback."""
+def _script_line(exc: BaseException) -> str | None:
+    """``train.py line 42, in train``: the innermost frame of the ``__main__`` module (the
+    script's, the module's) in the traceback."""
     found = None
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if code.co_filename == main_file:
-            found = f"{os.path.basename(main_file)} line {tb.tb_lineno}, in {code.co_name}"
+        if tb.tb_frame.f_globals.get("__name__") == "__main__":
+            found = f"{os.path.basename(code.co_filename)} line {tb.tb_lineno}, in {code.co_name}"
         tb = tb.tb_next
     return found
 
@@ -346,8 +351,10 @@ def run_script(
     sigterm: SignalGuard | None = None,
     memory_history: str | Path | None = None,
     history_entries: int | None = None,
+    module: bool = False,
 ) -> RunOutcome:
-    """Run ``script`` as ``__main__`` with ``args`` under :func:`memkit.track` (global hooks).
+    """Run ``script`` as ``__main__`` with ``args`` under :func:`memkit.track` (global hooks);
+    with ``module``, ``script`` is a module's name, run as ``python -m`` runs it.
 
     With an entered ``sigterm`` guard, a SIGTERM stops the script with :class:`Terminated`:
     exit code 143, and a report noting ``interrupted by SIGTERM at step N``. With
@@ -355,24 +362,34 @@ def run_script(
     (``NAME.rankN.EXT`` under torchrun).
 
     Raises:
-        ConfigError: the script does not exist or is not a file.
+        ConfigError: the script does not exist or is not a file; no module of that name.
     """
-    path = _script_file(script)
-    main_file = os.path.abspath(path)  # now: the script may change directory
-    tracker = Tracker(
-        None,
-        None,
-        device=default_device(device),
-        budget=budget,
-        per_module=per_module,
-        module_every=module_every,
-        postmortem=None,
-        memory_history=memory_history,
-        history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
-    )
+    run: Callable[[], dict[str, Any]]
+    if module:
+        name = os.fspath(script)
+        argv0, path0 = "-m", os.getcwd()  # python -m's, until runpy sets the module's file
+        run = functools.partial(_run_module_as_main, name)
+    else:
+        path = _script_file(script)
+        argv0, path0 = os.fspath(script), str(path.resolve().parent)
+        # absolute now: the script may change directory
+        run = functools.partial(_exec_as_main, os.path.abspath(path))
     armed = sigterm.armed() if sigterm is not None else contextlib.nullcontext()
-    with _as_main(os.fspath(script), path, args):
-        ending = _run_tracked(main_file, tracker, armed)
+    with _as_main(argv0, path0, args):
+        if module:
+            _check_module(name)  # before the tracker: a module that is not there costs nothing
+        tracker = Tracker(
+            None,
+            None,
+            device=default_device(device),
+            budget=budget,
+            per_module=per_module,
+            module_every=module_every,
+            postmortem=None,
+            memory_history=memory_history,
+            history_entries=DEFAULT_MAX_ENTRIES if history_entries is None else history_entries,
+        )
+        ending = _run_tracked(run, tracker, armed)
     if ending.failed is not None:
         # the traceback holds the failed step's frames and tensors: release them
         recover(None, ending.failed)
@@ -417,16 +434,16 @@ def _script_file(script: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def _as_main(typed: str, path: Path, args: Sequence[str]) -> Iterator[None]:
-    """``sys.argv`` (``typed``: the script as given) and ``sys.path[0]`` as ``python script.py
-    args`` sets them, restored after."""
+def _as_main(argv0: str, path0: str, args: Sequence[str]) -> Iterator[None]:
+    """``sys.argv`` (``[argv0, *args]``) and ``sys.path[0]`` as ``python script.py args`` (the
+    script as given; its folder) or ``python -m NAME args`` (``-m``; the current directory)
+    sets them, restored after."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
-    sys.argv = [typed, *args]
-    script_dir = str(path.resolve().parent)
+    sys.argv = [argv0, *args]
     if sys.path:
-        sys.path[0] = script_dir
+        sys.path[0] = path0
     else:
-        sys.path.insert(0, script_dir)
+        sys.path.insert(0, path0)
     try:
         yield
     finally:
@@ -481,11 +498,70 @@ def _exec_as_main(main_file: str) -> dict[str, Any]:
     return module.__dict__
 
 
+class _NoSuchModule(Exception):
+    """runpy found no module of the name given (a ConfigError once the tracker has ended)."""
+
+
+def _check_module(name: str) -> None:
+    """A ConfigError (exit 2) when ``python -m name`` would find no module from here, looked
+    for without running any of its code: a name that is empty, relative or a file's, a top
+    package (or module) that is not there. A module inside the package is looked for by runpy
+    once the package is imported (:func:`_run_module_as_main`)."""
+    example = "pkg.train for pkg/train.py, from the directory that holds pkg"
+    if not name or name.startswith("."):
+        raise ConfigError(f"-m {name!r}: expected a module's full name, as python -m takes it "
+                          f"({example})")  # fmt: skip
+    if "/" in name or os.sep in name or (name.endswith(".py") and os.path.isfile(name)):
+        raise ConfigError(
+            f"-m {name}: a file's name, where -m takes a module's ({example}); memkit run "
+            f"{name} runs the file as a script"
+        )
+    top = name.partition(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):  # ValueError: a module of that name has no __spec__
+        found = False
+    if not found:
+        raise ConfigError(_no_module(name, f"No module named {top!r}"))
+
+
+def _no_module(name: str, what: str) -> str:
+    """The error for ``-m name``: ``what`` was not found (runpy's words), and from where."""
+    return (
+        f"-m {name}: {what.rstrip('.')}; looked for from {os.getcwd()} as python -m does (the "
+        "current directory first, then sys.path): give the module's full name from the "
+        "directory that holds its package (memkit run -m pkg.train, for pkg/train.py)"
+    )
+
+
+def _run_module_as_main(name: str) -> dict[str, Any]:
+    """Run the module ``name`` as ``python -m name`` runs it (:func:`runpy.run_module`); its
+    globals. runpy's "no module" (raised where it looks the module up, after importing its
+    package, not by the package's own imports) is a :class:`_NoSuchModule`."""
+    try:
+        return runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except ImportError as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        raiser = tb.tb_frame.f_code if tb is not None else None
+        if raiser is None or (raiser.co_name, raiser.co_filename) != (
+            "_get_module_details",
+            runpy.run_module.__code__.co_filename,
+        ):
+            raise
+        raise _NoSuchModule(_no_module(name, str(exc))) from None
+
+
 def _run_tracked(
-    main_file: str, tracker: Tracker, armed: contextlib.AbstractContextManager[Any]
+    run: Callable[[], dict[str, Any]],
+    tracker: Tracker,
+    armed: contextlib.AbstractContextManager[Any],
 ) -> _ScriptEnding:
-    """Run the script under ``tracker`` (and the armed SIGTERM guard); how it ended, with its
-    exit code (see the module docstring). Whatever escapes the script is caught here."""
+    """Run the script (``run``: its globals) under ``tracker`` (and the armed SIGTERM guard);
+    how it ended, with its exit code (see the module docstring). Whatever escapes the script
+    is caught here, but a module that is not there: a ConfigError, after the tracker ended.
+    """
     ending = _ScriptEnding()
     script_globals: dict[str, Any] | None = None
     try:
@@ -493,19 +569,21 @@ def _run_tracked(
         with tracker, armed, on_command_line(False):
             # kept until the tracker has exited: its end (and the memory history's) is the
             # script's end, with what its globals still hold, whether or not they are in a cycle
-            script_globals = _exec_as_main(main_file)
+            script_globals = run()
+    except _NoSuchModule as exc:
+        raise ConfigError(str(exc)) from None
     except SystemExit as exc:
         _script_exited(exc, ending)
     except KeyboardInterrupt as exc:  # like SIGTERM: where it was, not a traceback
         ending.exit_code = EXIT_INTERRUPTED
-        ending.where = _script_line(exc, main_file)
+        ending.where = _script_line(exc)
         ending.interrupted = "Ctrl-C"
     except Terminated as exc:  # not an error of the script: where it was, not a traceback
         ending.exit_code = 128 + exc.signum
-        ending.where = _script_line(exc, main_file)
+        ending.where = _script_line(exc)
         ending.interrupted = exc.signame
     except BaseException as exc:
-        ending.traceback = _script_traceback(exc, main_file)
+        ending.traceback = _script_traceback(exc)
         ending.oom = find_oom(exc) is not None
         ending.exit_code = EXIT_OOM if ending.oom else EXIT_USER_ERROR
         ending.failed = exc
