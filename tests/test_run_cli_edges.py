@@ -399,3 +399,18 @@ def test_the_scripts_own_memkit_calls_are_told_keywords_not_memkits_options(tmp_
     assert result.exit_code == 0, result.output
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("ERR")]
     assert "seq_len=8 was given" in line and "--seq-len" not in line
+
+
+def test_a_script_that_asks_for_cuda_on_a_machine_without_one_is_told_what_to_do(tmp_path):
+    """Sweep FF: the model-parallel tutorial's `.to('cuda:0')` under --device cpu ended with
+    torch's 'Torch not compiled with CUDA enabled' and nothing on what memkit offers."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = tmp_path / "mp.py"
+    path.write_text("import torch\nnet = torch.nn.Linear(4, 4).to('cuda:0')\n")
+    result = invoke("run", "--device", "cpu", "--budget", "8MiB", str(path))
+    assert result.exit_code == 3
+    assert "this machine has none" in result.stderr
+    assert "memkit.simulate(budget, devices=N)" in result.stderr

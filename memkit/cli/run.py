@@ -4,6 +4,7 @@ engine is :func:`memkit.tracking.run.run_script`)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -257,6 +258,8 @@ def _print_outcome(
     prefix = rank_prefix()
     if outcome.traceback:
         click.echo(outcome.traceback.rstrip("\n"), err=True)
+        if _NO_CUDA.search(outcome.traceback):
+            click.echo(prefix + NO_CUDA_HINT, err=True)
     interrupted = outcome.interrupted is not None and distributed.launched_rank() in (None, 0)
     if distributed.launched_rank() not in (None, 0):
         # rank 0 prints the full report (with every rank's row when there was a group)
@@ -283,6 +286,21 @@ def _print_outcome(
         note = next(n for n in report.notes if n.startswith("interrupted by "))
         text += f"\n\nmemkit: {note} (exit {outcome.exit_code})"
     click.echo("\n".join(prefix + line for line in text.splitlines()), err=True)
+
+
+_NO_CUDA = re.compile(
+    r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|No CUDA GPUs are available"
+    r"|on a CUDA device but torch\.cuda\.is_available\(\) is False"
+)
+"""What torch says when a script asks for a CUDA device on a machine without one."""
+NO_CUDA_HINT = (
+    "memkit: the script asks for a CUDA device and this machine has none; memkit run's "
+    "simulated device is the CPU (--device cpu). Let the script fall back to it (device = "
+    "'cuda' if torch.cuda.is_available() else 'cpu'; map_location='cpu' for a checkpoint), "
+    "or, for a model spread over several GPUs (.to('cuda:1')), run it under "
+    "memkit.simulate(budget, devices=N) with acct.to(x, i) for each .to('cuda:i') "
+    "(docs/simulated-device.md)."
+)
 
 
 def ran_anything(report: TrackReport) -> bool:
