@@ -36,7 +36,13 @@ from memkit.advice.training import (
 from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import Breakdown, DeviceReport, StepRecord, TrackReport
+    from memkit.tracking.report import (
+        Breakdown,
+        DeviceReport,
+        ModuleRecord,
+        StepRecord,
+        TrackReport,
+    )
 
 __all__ = [
     "eval_grad_enabled",
@@ -261,6 +267,14 @@ def _optimizer_transient(dev: DeviceReport) -> int:
     )
 
 
+def _model_row(m: ModuleRecord) -> bool:
+    """Whether ``m`` is a model's own row: named by its class (``Net``), or by its class and
+    a number where another model of the class lived beside it (a distillation's student
+    beside a teacher of its class: ``Net#2``)."""
+    name, mark, number = m.path.partition("#")
+    return name == m.type_name and (not mark or number.isdigit())
+
+
 def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
     """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
     temporaries)``. Kept: what the layers autocast runs in float32 kept
@@ -270,7 +284,7 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
     code kept around its layers (its row's own bytes: a Hugging Face model computes its
     float32 loss there). Temporaries: the activations beyond what the models' forwards kept
     (at a peak in backward, the gradients of the loss math)."""
-    roots = [m for m in dev.modules if m.path == m.type_name and "." not in m.path]
+    roots = [m for m in dev.modules if _model_row(m) and m.calls > 0]
     typed = [m for m in dev.modules if autocast_keeps_float32(m.type_name) and m not in roots]
     called = [
         m for m in dev.modules if m.leaf and m.activation_bytes > 0 and m.first_call is not None
@@ -313,6 +327,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             min_share=0.3,
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
+            cached_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
             temporary_bytes=temporaries,
         ),
@@ -334,11 +349,12 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         else activation_checkpointing(
             activation_bytes=activations,
             peak_bytes=bd.total,
-            modules=[
+            modules=[  # a teacher's blocks, run in evaluation passes only, keep nothing
                 ModuleActivation(
                     m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call, m.output_bytes
                 )
                 for m in dev.modules
+                if m.calls > 0
             ],
             capacity=dev.capacity,
             device=dev.device,

@@ -77,6 +77,7 @@ def mixed_precision(
     narrow_weight_bytes: int = 0,
     float32_bytes: int = 0,
     temporary_bytes: int = 0,
+    cached_weight_bytes: int | None = None,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training whose activations are a large share of the peak.
 
@@ -85,8 +86,8 @@ def mixed_precision(
         autocast: a forward ran under ``torch.autocast``: already mixed precision.
         activation_bytes: activations at the peak.
         peak_bytes: the peak.
-        parameter_bytes: the model's weights, trainable or frozen (autocast caches a half copy
-            of each float32 weight it casts).
+        parameter_bytes: the models' weights, trainable or frozen (autocast caches a half copy
+            of those of ``cached_weight_bytes``; where that is not known, of all).
         device: where it ran, for the text.
         half: the half type the device supports (``"bf16"``, ``"fp16"``), ``None`` for none.
         saving_bytes: a measured saving (an estimate's bf16 rerun) overrides the estimate.
@@ -105,10 +106,15 @@ def mixed_precision(
             in float32 (a float32 copy of it replaces the half one).
         temporary_bytes: of ``activation_bytes``, what no forward kept: at a peak in backward,
             the gradients of the loss math, float32 under autocast too.
+        cached_weight_bytes: the weights that require grad (the trained ones): autocast
+            caches its half casts of float32 leaves that require grad only (``cached_cast``
+            in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
+            anew at each use and freed. ``None``: not known, all the float32 weights.
 
-    The estimate is ``(activations - float32 - temporaries) * share / 2 - float32 weights /
-    2`` (``share``: the float32 weights' share of the weights; 1 without narrow ones); silent
-    unless positive. float64 models get ``float64`` (:func:`float64_training`) instead.
+    The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2``
+    (``share``: the float32 weights' share of the weights, 1 without narrow ones;
+    ``cached``: the float32 weights that require grad); silent unless positive. float64
+    models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
         return None
@@ -120,9 +126,16 @@ def mixed_precision(
         return None
     bound = ""
     kept32 = ""
+    cached = wide if cached_weight_bytes is None else min(wide, cached_weight_bytes)
+    frozen = ""
     if saving_bytes is None:
         halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
-        saving_bytes = int(halved * share) // 2 - wide // 2
+        saving_bytes = int(halved * share) // 2 - cached // 2
+        if cached < wide and (wide - cached) // 2 >= saving_bytes // 20:  # (not a norm's stats)
+            frozen = (
+                f" It caches none of the {format_size(wide - cached)} of float32 weights "
+                "that require no grad (a frozen model's): it casts them anew at each use."
+            )
         if float32_bytes + temporary_bytes > 0:
             kept32 = (
                 f" Of them, {format_size(float32_bytes + temporary_bytes)} stay float32 under "
@@ -157,7 +170,7 @@ def mixed_precision(
             f"activations were {format_size(activation_bytes)} "
             f"({percent_of(activation_bytes, peak_bytes)}) of the {format_size(peak_bytes)} "
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
-            f"a half copy of the weights it casts).{kept32}{narrow}{bound}"
+            f"a half copy of the weights it casts).{kept32}{frozen}{narrow}{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
