@@ -374,18 +374,60 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             optimized_bytes=None if setup is None else setup.optimized_bytes,
             param_dtype=report.param_dtype,
         ),
-        zero_grad_keeps_grads(
-            steps_with_grads=report.steps_with_grads_at_forward,
-            gradient_bytes=report.grads_at_forward_bytes or bd.gradients,
-            peak_phase=bd.phase,
-            device=dev.device,
-            peak_bytes=bd.total,
-            next_peak_bytes=max(
-                (v for p in ("backward", "optimizer") if (v := dev.phase_peaks.get(p))),
-                default=None,
-            ),
-        ),
+        _zero_grad_rule(report, dev, bd),
     ]
+
+
+def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Advice | None:
+    """``zero-grad-keeps-grads`` on ``dev``: what the steps' first forwards found, and where
+    the peak came in a forward, the gradients alive there, by model (a GAN's generator's,
+    kept from its step through the next critic iteration, where the generator's forward
+    found the critic's)."""
+    found = report.grads_at_forward_bytes or bd.gradients
+    alive = bd.gradients if bd.phase == "forward" else None
+    next_peak, held = _peak_not_holding(dev, alive or found)
+    return zero_grad_keeps_grads(
+        steps_with_grads=report.steps_with_grads_at_forward,
+        gradient_bytes=found,
+        peak_phase=bd.phase,
+        device=dev.device,
+        peak_bytes=bd.total,
+        next_peak_bytes=next_peak,
+        peak_gradient_bytes=alive,
+        holders=bd.gradient_models,
+        held_elsewhere=held,
+    )
+
+
+def _peak_not_holding(dev: DeviceReport, gradients: int) -> tuple[int | None, bool]:
+    """The highest backward or optimizer peak on ``dev`` that freeing the ``gradients`` kept
+    through the peak's forward would not lower, and whether a higher one holds them.
+
+    A phase holds them in a step whose forward held them where, in a step whose forward
+    peaked at least about that much lower (one that began without them: a critic iteration
+    that follows no generator step), the same phase peaked that much lower too; such
+    forwards do not fall either. Steps from 1 on (step 0 creates the gradients and the
+    optimizer's state); a phase's peak outside the steps (after the last boundary) above
+    theirs counts as not holding them."""
+    near = 0.9 * gradients  # (the allocator's rounding)
+
+    def peak(step: StepRecord, phase: str) -> int:
+        return step.phase_peaks.get(phase) or 0
+
+    steps = [s for s in dev.steps if s.step >= 1]
+    top = max((peak(s, "forward") for s in steps), default=0)
+    without = [s for s in steps if 0 < peak(s, "forward") <= top - near]
+    kept = [peak(s, "forward") for s in without]
+    held = [0]
+    for phase in ("backward", "optimizer"):
+        values = [peak(s, phase) for s in steps]
+        for s, v in zip(steps, values, strict=True):
+            lower = any(0 < peak(w, phase) <= v - near for w in without)
+            (held if s not in without and lower else kept).append(v)
+        outside = dev.phase_peaks.get(phase) or 0
+        if outside > max(values, default=0):
+            kept.append(outside)
+    return max((v for v in kept if v > 0), default=None), max(held) > top - gradients
 
 
 def _allocator_rules(dev: DeviceReport) -> list[Advice | None]:
