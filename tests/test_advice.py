@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import memkit
 from memkit import advice as A
 from memkit.advice.accumulation import exact_split, plan_accumulation
 from memkit.advice.probe import accumulation_advice
@@ -115,6 +116,127 @@ def test_zero_grad_advice_quotes_the_gradients_alive_when_the_forward_began():
     disc_grads = (64 + 1) * 4
     assert report.grads_at_forward_bytes == disc_grads
     assert f"with the {format_size(disc_grads)} of gradients" in adv.evidence
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(196, 64), nn.LeakyReLU(0.2, True), nn.Linear(64, 32), nn.LeakyReLU(0.2, True),
+            nn.Linear(32, 1),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(16, 32), nn.LeakyReLU(0.2, True), nn.Linear(32, 64), nn.BatchNorm1d(64),
+            nn.LeakyReLU(0.2, True), nn.Linear(64, 196), nn.Tanh(),
+        )  # fmt: skip
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.model(z)
+
+
+def wgan_gp(free_after_step: bool, budget: str | None) -> Any:
+    """Four critic iterations of a WGAN-GP (eriklindernoren's loop), the generator stepped
+    in every second; its optimizer's ``zero_grad`` comes after the next critic step, so its
+    gradients live through that iteration (``free_after_step``: zeroed right after its
+    step). The track report, or untracked (``budget=None``) the simulated device's peak."""
+    torch.manual_seed(0)
+    gen, critic = Generator(), Critic()
+    opt_g, opt_c = torch.optim.Adam(gen.parameters()), torch.optim.Adam(critic.parameters())
+
+    def loop() -> None:
+        for i in range(4):
+            real, z = torch.randn(128, 196), torch.randn(128, 16)
+            opt_c.zero_grad()
+            fake = gen(z)
+            critic_loss = critic(fake).mean() - critic(real).mean()
+            alpha = torch.rand(128, 1)
+            mid = (alpha * real + (1 - alpha) * fake.detach()).requires_grad_(True)
+            out = critic(mid)
+            (grad,) = torch.autograd.grad(out, mid, torch.ones_like(out), create_graph=True)
+            (critic_loss + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()).backward()
+            opt_c.step()
+            opt_g.zero_grad()
+            if i % 2 == 0:
+                (-critic(gen(z)).mean()).backward()
+                opt_g.step()
+                if free_after_step:
+                    opt_g.zero_grad(set_to_none=True)
+
+    if budget is None:
+        with memkit.simulate("1GiB", device="cpu") as sim:
+            loop()
+        return sim.peak
+    with track(device="cpu", budget=budget, postmortem=None) as tracker:
+        loop()
+    return tracker.report()
+
+
+def test_zero_grad_advice_names_the_gradients_alive_at_the_peak():
+    """Sweep FF's WGAN-GP: the advice quoted the critic's gradients, which the generator's
+    forward begins with, and promised 16.57 KiB (freeing them saves nothing); the
+    generator's, kept through the next critic iteration, were at the peak (its forward) and
+    in that iteration's backward, and freeing them after its step lowers the peak by all of
+    them. Fixed, the peak's forward holds none: no saving is claimed."""
+    report = wgan_gp(False, "4MiB")
+    (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
+    gen_grads = sum(p.numel() * 4 for p in Generator().parameters())
+    measured = wgan_gp(False, None) - wgan_gp(True, None)
+    assert measured == gen_grads
+    assert adv.saving_bytes == measured
+    assert adv.title.startswith(f"`Generator`'s {format_size(gen_grads)} of gradients")
+    assert "on the optimizer that steps `Generator`, right after its `step()`" in adv.action
+    fixed = wgan_gp(True, "4MiB")
+    (adv,) = [a for a in fixed.advice if a.code == "zero-grad-keeps-grads"]
+    assert adv.saving_bytes is None and "held none" in adv.evidence
+
+
+def test_zero_grad_saving_counts_the_phases_that_hold_the_gradients_too():
+    """Sweep FF's WGAN-GP at batch 361 (its report's numbers): the generator's gradients live
+    through the critic iteration after its step, its forward (the peak) and its backward
+    alike, which peaks 16.57 KiB below. That was the saving promised; freeing them after the
+    generator's step lowered the peak by all 950.56 KiB, as the iterations that began without
+    them show (every phase 973,376 B lower)."""
+    gen_grads, critic_grads = 973_376, 935_940
+
+    def step(i: int, held: bool) -> StepRecord:
+        extra = gen_grads if held else 0
+        peaks = {
+            "forward": 15_786_692 + extra,
+            "backward": 15_769_729 + extra,
+            "optimizer": 13_868_708 + (1024 if held else 0),
+            "other": 12_263_076,
+        }
+        return StepRecord(i, 12_263_076, 12_263_076, 15_786_692 + extra, 0, peaks, 0.1)
+
+    steps = [step(i, i in (1, 6)) for i in range(1, 11)]
+    peak = 15_786_692 + gen_grads
+    bd = Breakdown(peak, 1_911_372, gen_grads, 3_818_688, 6_565_028, 3_491_604, 1, "forward",
+                   None, gradient_models=(("Generator", gen_grads),))  # fmt: skip
+    phases = {"forward": peak, "backward": 15_769_729 + gen_grads, "optimizer": 13_869_732}
+    dev = DeviceReport("cpu", "cpu", "sim", 16 * MiB, 0, 0, peak, peak, phases,
+                       steps=tuple(steps), breakdown=bd)  # fmt: skip
+    report = TrackReport(
+        devices=(dev,), steps=11, mode="per-module", duration_s=1.0,
+        steps_with_grads_at_forward=3, grads_at_forward_bytes=critic_grads,
+    )  # fmt: skip
+    (adv,) = [a for a in measured_advice(report) if a.code == "zero-grad-keeps-grads"]
+    assert adv.saving_bytes == gen_grads and "hold them too" in adv.evidence
+    assert f"with the {format_size(critic_grads)} of gradients" in adv.evidence
+    # where every iteration keeps them (no step began without them), the backward that
+    # peaks below is taken not to hold them, as before
+    always = [step(i, True) for i in range(1, 11)]
+    dev = dataclasses.replace(dev, steps=tuple(always))
+    (adv,) = [a for a in measured_advice(dataclasses.replace(report, devices=(dev,)))
+              if a.code == "zero-grad-keeps-grads"]  # fmt: skip
+    assert adv.saving_bytes == 15_786_692 - 15_769_729
 
 
 def test_optimizer_state_fires_for_adam_on_a_large_model_and_not_for_sgd():

@@ -456,3 +456,83 @@ def test_oom_parameters_says_a_smaller_batch_helps_where_it_can():
     assert "no smaller batch makes it fit" in hopeless["oom-parameters"].evidence
     assert "Lower the training micro-batch" not in hopeless["oom-frozen-model"].action
     assert reference_steps(1, "12.5MiB", tracked=False) is None
+
+
+# -- distillation: a student of its teacher's class, a frozen teacher's weights (sweep FF) ------
+
+
+class KDBlock(nn.Module):
+    """A pre-norm residual MLP block (the sweep's distillation blocks)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class KDNet(nn.Module):
+    def __init__(self, depth: int, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, width)
+        self.blocks = nn.Sequential(*(KDBlock(width) for _ in range(depth)))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+class KDTeacher(KDNet):
+    """The teacher under a class of its own."""
+
+
+def distil(teacher_class: type[KDNet], budget: str | None, amp: bool = False) -> Any:
+    """Two steps of a student (3 blocks) distilled from a larger frozen teacher (4 wider
+    blocks, eval mode, under ``no_grad``): the track report, or with ``amp`` (bf16 autocast
+    around the student) untracked, the simulated device's peak."""
+    torch.manual_seed(0)
+    teacher = teacher_class(4, 64).eval().requires_grad_(False)
+    student = KDNet(3, 32)
+    opt = torch.optim.AdamW(student.parameters())
+
+    def steps() -> None:
+        for _ in range(2):
+            x = torch.randn(512, 32)
+            with torch.no_grad():
+                soft = teacher(x).softmax(-1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                logits = student(x)
+            F.kl_div(logits.float().log_softmax(-1), soft, reduction="batchmean").backward()
+            opt.step()
+            opt.zero_grad()
+
+    if budget is None:
+        with memkit.simulate("1GiB", device="cpu") as sim:
+            steps()
+        return sim.peak
+    with track(device="cpu", budget=budget, postmortem=None) as tracker:
+        steps()
+    return tracker.report()
+
+
+@pytest.mark.parametrize("teacher_class", [KDNet, KDTeacher])
+def test_distillation_advice_is_about_the_student(teacher_class):
+    """Sweep FF: with teacher and student of one class the student's rows are ``Net#2``, which
+    the precision rule did not take for a model's row: all its activations counted as
+    temporaries and the rule was silent, where bf16 autocast lowered the peak by 18.76 MiB.
+    With the teacher of its own class it promised 10.59 MiB: it took a half copy of every
+    weight off, the frozen teacher's too, whose casts autocast does not cache (it caches
+    leaves that require grad). Checkpointing counted the teacher's blocks (0 B) among those
+    to checkpoint."""
+    report = distil(teacher_class, "4MiB")
+    student = "KDNet#2" if teacher_class is KDNet else "KDNet"
+    advice = {a.code: a for a in report.advice}
+    measured = distil(teacher_class, None) - distil(teacher_class, None, amp=True)
+    saving = advice["mixed-precision"].saving_bytes
+    assert saving is not None and 0.8 * measured <= saving <= 1.05 * measured
+    ckpt = advice["activation-checkpointing"]
+    assert "checkpoint 3 blocks" in ckpt.title
+    assert f"{student}.blocks.0 ... {student}.blocks.2 (3 blocks" in ckpt.evidence
+    assert f"{teacher_class.__name__}.blocks" not in ckpt.evidence

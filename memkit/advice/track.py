@@ -36,7 +36,13 @@ from memkit.advice.training import (
 from memkit.units import format_shape, format_size
 
 if TYPE_CHECKING:
-    from memkit.tracking.report import Breakdown, DeviceReport, StepRecord, TrackReport
+    from memkit.tracking.report import (
+        Breakdown,
+        DeviceReport,
+        ModuleRecord,
+        StepRecord,
+        TrackReport,
+    )
 
 __all__ = [
     "eval_grad_enabled",
@@ -261,6 +267,14 @@ def _optimizer_transient(dev: DeviceReport) -> int:
     )
 
 
+def _model_row(m: ModuleRecord) -> bool:
+    """Whether ``m`` is a model's own row: named by its class (``Net``), or by its class and
+    a number where another model of the class lived beside it (a distillation's student
+    beside a teacher of its class: ``Net#2``)."""
+    name, mark, number = m.path.partition("#")
+    return name == m.type_name and (not mark or number.isdigit())
+
+
 def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
     """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
     temporaries)``. Kept: what the layers autocast runs in float32 kept
@@ -270,7 +284,7 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
     code kept around its layers (its row's own bytes: a Hugging Face model computes its
     float32 loss there). Temporaries: the activations beyond what the models' forwards kept
     (at a peak in backward, the gradients of the loss math)."""
-    roots = [m for m in dev.modules if m.path == m.type_name and "." not in m.path]
+    roots = [m for m in dev.modules if _model_row(m) and m.calls > 0]
     typed = [m for m in dev.modules if autocast_keeps_float32(m.type_name) and m not in roots]
     called = [
         m for m in dev.modules if m.leaf and m.activation_bytes > 0 and m.first_call is not None
@@ -313,6 +327,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             min_share=0.3,
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
+            cached_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
             temporary_bytes=temporaries,
         ),
@@ -334,11 +349,12 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         else activation_checkpointing(
             activation_bytes=activations,
             peak_bytes=bd.total,
-            modules=[
+            modules=[  # a teacher's blocks, run in evaluation passes only, keep nothing
                 ModuleActivation(
                     m.path, m.activation_bytes, m.leaf, m.type_name, m.first_call, m.output_bytes
                 )
                 for m in dev.modules
+                if m.calls > 0
             ],
             capacity=dev.capacity,
             device=dev.device,
@@ -358,18 +374,60 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             optimized_bytes=None if setup is None else setup.optimized_bytes,
             param_dtype=report.param_dtype,
         ),
-        zero_grad_keeps_grads(
-            steps_with_grads=report.steps_with_grads_at_forward,
-            gradient_bytes=report.grads_at_forward_bytes or bd.gradients,
-            peak_phase=bd.phase,
-            device=dev.device,
-            peak_bytes=bd.total,
-            next_peak_bytes=max(
-                (v for p in ("backward", "optimizer") if (v := dev.phase_peaks.get(p))),
-                default=None,
-            ),
-        ),
+        _zero_grad_rule(report, dev, bd),
     ]
+
+
+def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Advice | None:
+    """``zero-grad-keeps-grads`` on ``dev``: what the steps' first forwards found, and where
+    the peak came in a forward, the gradients alive there, by model (a GAN's generator's,
+    kept from its step through the next critic iteration, where the generator's forward
+    found the critic's)."""
+    found = report.grads_at_forward_bytes or bd.gradients
+    alive = bd.gradients if bd.phase == "forward" else None
+    next_peak, held = _peak_not_holding(dev, alive or found)
+    return zero_grad_keeps_grads(
+        steps_with_grads=report.steps_with_grads_at_forward,
+        gradient_bytes=found,
+        peak_phase=bd.phase,
+        device=dev.device,
+        peak_bytes=bd.total,
+        next_peak_bytes=next_peak,
+        peak_gradient_bytes=alive,
+        holders=bd.gradient_models,
+        held_elsewhere=held,
+    )
+
+
+def _peak_not_holding(dev: DeviceReport, gradients: int) -> tuple[int | None, bool]:
+    """The highest backward or optimizer peak on ``dev`` that freeing the ``gradients`` kept
+    through the peak's forward would not lower, and whether a higher one holds them.
+
+    A phase holds them in a step whose forward held them where, in a step whose forward
+    peaked at least about that much lower (one that began without them: a critic iteration
+    that follows no generator step), the same phase peaked that much lower too; such
+    forwards do not fall either. Steps from 1 on (step 0 creates the gradients and the
+    optimizer's state); a phase's peak outside the steps (after the last boundary) above
+    theirs counts as not holding them."""
+    near = 0.9 * gradients  # (the allocator's rounding)
+
+    def peak(step: StepRecord, phase: str) -> int:
+        return step.phase_peaks.get(phase) or 0
+
+    steps = [s for s in dev.steps if s.step >= 1]
+    top = max((peak(s, "forward") for s in steps), default=0)
+    without = [s for s in steps if 0 < peak(s, "forward") <= top - near]
+    kept = [peak(s, "forward") for s in without]
+    held = [0]
+    for phase in ("backward", "optimizer"):
+        values = [peak(s, phase) for s in steps]
+        for s, v in zip(steps, values, strict=True):
+            lower = any(0 < peak(w, phase) <= v - near for w in without)
+            (held if s not in without and lower else kept).append(v)
+        outside = dev.phase_peaks.get(phase) or 0
+        if outside > max(values, default=0):
+            kept.append(outside)
+    return max((v for v in kept if v > 0), default=None), max(held) > top - gradients
 
 
 def _allocator_rules(dev: DeviceReport) -> list[Advice | None]:

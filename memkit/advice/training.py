@@ -77,6 +77,7 @@ def mixed_precision(
     narrow_weight_bytes: int = 0,
     float32_bytes: int = 0,
     temporary_bytes: int = 0,
+    cached_weight_bytes: int | None = None,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training whose activations are a large share of the peak.
 
@@ -85,8 +86,8 @@ def mixed_precision(
         autocast: a forward ran under ``torch.autocast``: already mixed precision.
         activation_bytes: activations at the peak.
         peak_bytes: the peak.
-        parameter_bytes: the model's weights, trainable or frozen (autocast caches a half copy
-            of each float32 weight it casts).
+        parameter_bytes: the models' weights, trainable or frozen (autocast caches a half copy
+            of those of ``cached_weight_bytes``; where that is not known, of all).
         device: where it ran, for the text.
         half: the half type the device supports (``"bf16"``, ``"fp16"``), ``None`` for none.
         saving_bytes: a measured saving (an estimate's bf16 rerun) overrides the estimate.
@@ -105,10 +106,15 @@ def mixed_precision(
             in float32 (a float32 copy of it replaces the half one).
         temporary_bytes: of ``activation_bytes``, what no forward kept: at a peak in backward,
             the gradients of the loss math, float32 under autocast too.
+        cached_weight_bytes: the weights that require grad (the trained ones): autocast
+            caches its half casts of float32 leaves that require grad only (``cached_cast``
+            in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
+            anew at each use and freed. ``None``: not known, all the float32 weights.
 
-    The estimate is ``(activations - float32 - temporaries) * share / 2 - float32 weights /
-    2`` (``share``: the float32 weights' share of the weights; 1 without narrow ones); silent
-    unless positive. float64 models get ``float64`` (:func:`float64_training`) instead.
+    The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2``
+    (``share``: the float32 weights' share of the weights, 1 without narrow ones;
+    ``cached``: the float32 weights that require grad); silent unless positive. float64
+    models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
         return None
@@ -120,9 +126,16 @@ def mixed_precision(
         return None
     bound = ""
     kept32 = ""
+    cached = wide if cached_weight_bytes is None else min(wide, cached_weight_bytes)
+    frozen = ""
     if saving_bytes is None:
         halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
-        saving_bytes = int(halved * share) // 2 - wide // 2
+        saving_bytes = int(halved * share) // 2 - cached // 2
+        if cached < wide and (wide - cached) // 2 >= saving_bytes // 20:  # (not a norm's stats)
+            frozen = (
+                f" It caches none of the {format_size(wide - cached)} of float32 weights "
+                "that require no grad (a frozen model's): it casts them anew at each use."
+            )
         if float32_bytes + temporary_bytes > 0:
             kept32 = (
                 f" Of them, {format_size(float32_bytes + temporary_bytes)} stay float32 under "
@@ -157,7 +170,7 @@ def mixed_precision(
             f"activations were {format_size(activation_bytes)} "
             f"({percent_of(activation_bytes, peak_bytes)}) of the {format_size(peak_bytes)} "
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
-            f"a half copy of the weights it casts).{kept32}{narrow}{bound}"
+            f"a half copy of the weights it casts).{kept32}{frozen}{narrow}{bound}"
         ),
         action=(
             f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
@@ -756,6 +769,12 @@ def _shard_saving(state_bytes: int, ranks: int | None) -> int:
     return state_bytes * (n - 1) // n
 
 
+def _model_names(holders: Sequence[tuple[str, int]]) -> str:
+    """The models holding the gradients, for the text: ```Generator```, ```A` and `B```."""
+    names = [f"`{name}`" for name, _ in holders]
+    return " and ".join(names) if len(names) <= 2 else ", ".join(names)
+
+
 def zero_grad_keeps_grads(
     *,
     steps_with_grads: int,
@@ -764,57 +783,95 @@ def zero_grad_keeps_grads(
     device: str = "the device",
     peak_bytes: int | None = None,
     next_peak_bytes: int | None = None,
+    peak_gradient_bytes: int | None = None,
+    holders: Sequence[tuple[str, int]] = (),
+    held_elsewhere: bool = False,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
     ``steps_with_grads`` counts steps after the first whose first forward began with gradients
-    allocated: ``optimizer.zero_grad(set_to_none=False)`` (zeros, still allocated), or
-    ``zero_grad()`` called between the forward and backward instead of before the forward.
-    Under gradient accumulation the later micro batches of a step legitimately start with
-    gradients; only a step's first forward counts.
+    allocated (``gradient_bytes``, the most such a forward found):
+    ``optimizer.zero_grad(set_to_none=False)`` (zeros, still allocated), or ``zero_grad()``
+    called between the forward and backward instead of before the forward. Under gradient
+    accumulation the later micro batches of a step legitimately start with gradients; only a
+    step's first forward counts.
 
-    The saving is on the peak: claimed only when the peak came in a forward (``peak_phase``),
-    and then at most ``peak_bytes - next_peak_bytes`` (the highest other training phase's
-    peak, which freeing them before the forward does not lower).
+    The saving is on the peak: claimed only when the peak came in a forward (``peak_phase``)
+    and for the gradients alive there (``peak_gradient_bytes``, where known: with two
+    optimizers they may be another model's than the first forward found, a GAN's
+    generator's kept from its step through the critic's forward; 0, none), by the models
+    ``holders`` (``(name, bytes)``, named in the text), and then at most ``peak_bytes -
+    next_peak_bytes`` (the highest other training phase's peak that does not hold them,
+    which freeing them does not lower; ``held_elsewhere``: phases that peak higher hold them
+    too, as the steps that began without them show).
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
+    in_forward = peak_phase == "forward"
+    alive = peak_gradient_bytes if in_forward and peak_gradient_bytes is not None else None
+    subject = alive or gradient_bytes
+    names = _model_names(holders) if alive else ""
+    whose = f"{names}'s " if names else ""
     saving: int | None = None
-    if peak_phase == "forward":
-        saving = gradient_bytes
+    if in_forward and alive != 0:
+        saving = subject
         if peak_bytes is not None and next_peak_bytes is not None:
             saving = min(saving, peak_bytes - next_peak_bytes)
         saving = saving if saving > 0 else None
-    if saving is None:
+    other = (
+        f"; the forward that peaked held {whose}{format_size(alive)} of gradients, kept from "
+        "their optimizer's step"
+        if alive and alive != gradient_bytes
+        else ""
+    )
+    if alive == 0:
+        where = (
+            ". The peak came in a forward that held none (another pass of the step, after "
+            "they were freed): freeing them sooner lowers the forwards they are alive in, "
+            "not the peak, so no saving is claimed."
+        )
+    elif saving is None:
         where = (
             f". The peak came in {peak_phase or 'another phase'}, not in a forward"
-            if peak_phase != "forward"
+            if not in_forward
             else ". The peak came in a forward, but another phase peaks as high without them"
         ) + (
             ": freeing them before the forward lowers the forward's memory; the peak moves "
             "only where they stayed allocated into it (`set_to_none=False`), so no saving is "
             "claimed."
         )
-    elif saving < gradient_bytes:
+    elif saving < subject:
         where = (
             ", and the peak came in a forward. Freed before the forward, they would lower "
-            f"the forward by {format_size(gradient_bytes)} but the peak only by "
+            f"the forward by {format_size(subject)} but the peak only by "
             f"{format_size(saving)}: down to another training phase's peak "
             f"({format_size(next_peak_bytes or 0)}), which does not hold them."
         )
+    elif held_elsewhere:
+        where = (
+            ", and the peak came in a forward, so they are part of it. The backward and "
+            "optimizer phases that peak within as much of it hold them too: in the steps "
+            "that began without them, those phases peaked that much lower."
+        )
     else:
         where = ", and the peak came in a forward, so they are part of it."
+    step = (
+        f"on the optimizer that steps {names}, right after its `step()`"
+        if names
+        else "right after `optimizer.step()`"
+    )
     return Advice(
         code="zero-grad-keeps-grads",
-        title=f"{format_size(gradient_bytes)} of gradients stay allocated through the forward",
+        title=f"{whose}{format_size(subject)} of gradients stay allocated through the forward",
         evidence=(
             f"On {device}, {steps_with_grads} step(s) began their forward with the "
-            f"{format_size(gradient_bytes)} of gradients still allocated{where}"
+            f"{format_size(gradient_bytes)} of gradients still allocated{other}{where}"
         ),
         action=(
-            "Free them before the forward: `optimizer.zero_grad(set_to_none=True)` (the "
-            "default since PyTorch 2.0; drop `set_to_none=False`) right after "
-            "`optimizer.step()` or before `model(x)`, not between forward and backward."
+            f"Free {whose + 'gradients' if whose else 'them'} before the forward: "
+            "`optimizer.zero_grad(set_to_none=True)` (the default since PyTorch 2.0; drop "
+            f"`set_to_none=False`) {step}, or before `model(x)`; not between forward and "
+            "backward."
         ),
         saving_bytes=saving,
         severity="warning" if saving else "info",

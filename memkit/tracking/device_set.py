@@ -14,6 +14,7 @@ and per-step peaks are exact. A new training peak is kept as a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import GrowthDetector
 from memkit.tracking.records import DEFAULT_STEP_LIMIT, DeviceRecord
 from memkit.tracking.report import Breakdown
-from memkit.tracking.state import EVAL, TrackState
+from memkit.tracking.state import EVAL, FORWARD, TrackState
 
 __all__ = ["DeviceSet", "SegmentCloser", "segment_closer"]
 
@@ -269,4 +270,10 @@ class DeviceSet:
         remembered = Persistent(dev.params_full, dev.grads_full, dev.state_full)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)
-        return breakdown(moment, now, remembered)
+        found = breakdown(moment, now, remembered)
+        # whose, where several models run (a GAN's): for zero-grad-keeps-grads
+        several = len(self.evidence.models.root_modules()) > 1
+        if found.gradients and moment.phase == FORWARD and several:
+            by_model = self.evidence.gradients_by_model()
+            found = dataclasses.replace(found, gradient_models=by_model)
+        return found

@@ -113,9 +113,18 @@ class Evidence:
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradients the models hold now, each storage once."""
+        return sum(n for _, n in self.gradients_by_model())
+
+    def gradients_by_model(self) -> tuple[tuple[str, int], ...]:
+        """The gradients the models hold now, by model (its row's name: ``Generator``), each
+        storage once; models without gradients left out."""
+        models = self.models
         seen: set[int] = set()
-        total = 0
-        for module in self.models.root_modules():
+        out = []
+        for module in models.root_modules():
+            root = models.roots.get(id(module))
+            name = root.keys.get(id(module)) if root is not None else None
+            total = 0
             for param in module.parameters():
                 grad = param.grad
                 if grad is not None:
@@ -123,7 +132,9 @@ class Evidence:
                         if id(storage) not in seen:
                             seen.add(id(storage))
                             total += storage.nbytes()
-        return total
+            if total:
+                out.append((name or type(module).__name__, total))
+        return tuple(out)
 
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""

@@ -156,8 +156,10 @@ class Breakdown:
     and optimizer state created since then); other is what was there before the forward and is
     none of the above (the batch, user tensors, leaked graphs). Under FSDP2, parameters,
     gradients and optimizer state are the rank's shards, and ``gathered_parameters`` are the
-    unsharded parameters and all-gather buffers alive at that moment. See docs/track.md for the
-    approximations.
+    unsharded parameters and all-gather buffers alive at that moment. At a peak in a forward
+    where several models run, ``gradient_models`` are the gradients by the model that holds
+    them (its row's name and bytes: a GAN's generator's, kept from its step through the
+    critic's forward); ``()`` elsewhere. See docs/track.md for the approximations.
     """
 
     total: int
@@ -171,6 +173,7 @@ class Breakdown:
     module: str | None
     note: str | None = None
     gathered_parameters: int = 0
+    gradient_models: tuple[tuple[str, int], ...] = ()
 
     def parts(self) -> list[tuple[str, int]]:
         """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only)."""
