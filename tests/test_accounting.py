@@ -325,3 +325,40 @@ def test_a_tensor_only_a_reference_cycle_holds_is_counted_freed_by_a_collection_
     worker.start()
     worker.join(timeout=30)
     assert result == [0], "the count hung or kept freed tensors"
+
+
+def test_an_observer_attached_while_a_collection_frees_a_counted_tensor():
+    """Review: `observe` listed the live storages item by item; a collection started by one
+    of those allocations freed a tensor only a cycle held, whose callback (the lock is
+    reentrant) changed the table mid-iteration: RuntimeError."""
+    import gc
+
+    from memkit.simulated.accountant import StorageObserver
+
+    class Quiet(StorageObserver):
+        def already_counted(self, storages):
+            self.counted = len(storages)
+
+        def allocated(self, *args):
+            pass
+
+        def freed(self, *args):
+            pass
+
+        def out_of_memory(self, *args):
+            pass
+
+    class Node:
+        pass
+
+    with memkit.simulate("1GiB") as acct:
+        keep = [torch.zeros(1) for _ in range(3000)]
+        gc.collect()
+        node = Node()
+        node.me = node
+        node.t = torch.zeros(10)
+        del node  # garbage a collection inside observe() frees
+        observer = Quiet()
+        acct.observe(observer)
+        acct.stop_observing()
+    assert observer.counted in (3000, 3001) and len(keep) == 3000

@@ -390,7 +390,9 @@ class MemoryAccountant(TorchDispatchMode):
             if self._observer is not None:
                 raise RuntimeError("another observer already records this accountant")
             live = []
-            for key, (ref, counted) in list(self._live.items()):  # a collection may free
+            # a copy made in one call: a collection (which may free a counted tensor and
+            # re-enter this lock) can start at any allocation, one per item of a list built
+            for key, (ref, counted) in self._live.copy().items():
                 storage = self._stored(ref)
                 if storage is not None:
                     alive.append(storage)
