@@ -57,6 +57,12 @@ def test_a_model_split_over_two_devices_trains_both_halves() -> None:
         # cuda:0: net1 and its gradients, x, h (saved by relu's backward) and the gradient
         # copied back to it; cuda:1 holds net2's, the moved copy and what backward made there
         assert vd.peak_of(0) >= 2 * (200 * 100 + 200) * F + 8 * 100 * F + 2 * 8 * 200 * F
+        # a gradient penalty differentiates the gradient through the copy again (review)
+        xg = x.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(to_virtual(xg, 1).pow(2).sum(), xg, create_graph=True)
+        assert vd.where(grad) == 0 and grad.requires_grad
+        (again,) = torch.autograd.grad(grad.sum(), xg)
+        assert torch.equal(again, torch.full_like(xg, 2.0))
 
 
 def test_each_device_has_its_own_budget() -> None:

@@ -396,9 +396,10 @@ class _Copied(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, acct: VirtualDevices, source: int, index: int
     ) -> Any:
-        ctx.acct, ctx.source = acct, source
+        ctx.acct, ctx.source, ctx.index = acct, source, index
         return acct._copy_to(tensor, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return ctx.acct._copy_to(grad, ctx.source), None, None, None
+        # itself differentiable, as ToCopyBackward is (a gradient penalty's create_graph)
+        return _Copied.apply(grad, ctx.acct, ctx.index, ctx.source), None, None, None
