@@ -2210,6 +2210,7 @@ def test_an_oom_in_a_mean_teachers_forward_is_an_ema_s_and_the_students_activati
         ("history.append(logits.detach())", "`history.append(logits.detach().cpu())`"),
         ("history[step] = out.hidden", "`history[key] = out.hidden.detach().cpu()`"),
         ("history.append((a, b))", "`history.append(x.detach().cpu())`"),
+        ("self.history.append(out.clone().detach())", "`history.append(out.detach().cpu())`"),
     ],
 )
 def test_the_fix_names_the_tensor_the_line_keeps(code, fix):

@@ -224,7 +224,7 @@ def _stored(top: LeakSuspect) -> str:
     if found is None:
         return "x"
     expr = next(g for g in found.groups() if g is not None).strip()
-    if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\(\))?", expr):
+    if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\(\))?(?:\.\w+\(\))*", expr):
         return "x"
     return re.sub(r"(?:\.(?:detach|clone|cpu)\(\))+$", "", expr) or "x"
 

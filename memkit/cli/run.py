@@ -122,13 +122,18 @@ def run_command(
             ctx,
         )
     reject_mistyped_option(ctx, script)
-    # the files are written after the script ran, and a script may change directory (hydra's
-    # job.chdir): a relative path means the directory memkit was started in
-    start = Path.cwd()
-    json_path, html_path, history_path = (
-        os.path.abspath(p) if p and p != "-" else p for p in (json_path, html_path, history_path)
-    )
     device, budget, outputs = _check_run_options(device, budget, json_path, html_path, history_path)
+    # the files are written after the script ran, and a script may change directory (hydra's
+    # job.chdir): a relative path means the directory memkit was started in; they are shown
+    # as typed
+    start = Path.cwd()
+    outputs = [(option, path.absolute()) for option, path in outputs]
+    if history_path:
+        history_path = os.path.abspath(history_path)
+
+    def shown(path: str | Path) -> str | Path:
+        return Path(path).relative_to(start) if Path(path).is_relative_to(start) else path
+
     # SIGTERM (torchrun stops every rank when one fails) ends the script, not the report: it
     # raises in the script, the report is built, written and printed; exit 143
     with SignalGuard() as guard:
@@ -146,16 +151,15 @@ def run_command(
         )
         written = _write_reports(outcome.report, outputs)
         if outcome.history_error is not None:
-            click.echo(f"memkit: error: --memory-history {str(rank_path(history_path or ''))!r}: "
+            click.echo(f"memkit: error: --memory-history "
+                       f"{str(shown(rank_path(history_path or '')))!r}: "
                        f"could not write the memory history ({outcome.history_error})",
                        err=True)  # fmt: skip
         elif outcome.history_file is not None:
             written.append(outcome.history_file)
-        shown = [
-            Path(f).relative_to(start) if Path(f).is_relative_to(start) else f for f in written
-        ]
         misplaced = _misplaced_options(ctx, args, outcome.refused)
-        _print_outcome(outcome, shown, misplaced, "-m MODULE" if as_module else "SCRIPT")
+        target = "-m MODULE" if as_module else "SCRIPT"
+        _print_outcome(outcome, [shown(f) for f in written], misplaced, target)
     sys.exit(outcome.exit_code)
 
 
@@ -167,8 +171,6 @@ def _misplaced_options(
     then exits 2 (its argparse refusing them) before its first step. With the argparse
     message (``refused``), only those it names: the ones the script took are not the
     problem."""
-    import re
-
     names = {o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)}
     names -= {"-h", "--help"}
     given = dict.fromkeys(a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in names)
@@ -297,8 +299,9 @@ NO_CUDA_HINT = (
     "memkit: the script asks for a CUDA device and this machine has none; memkit run's "
     "simulated device is the CPU (--device cpu). Let the script fall back to it (device = "
     "'cuda' if torch.cuda.is_available() else 'cpu'; map_location='cpu' for a checkpoint), "
-    "or, for a model spread over several GPUs (.to('cuda:1')), run it under "
-    "memkit.simulate(budget, devices=N) with acct.to(x, i) for each .to('cuda:i') "
+    "or, for a model spread over several GPUs (.to('cuda:1')), run it with python, its "
+    "loop inside `with memkit.simulate(budget, devices=N) as acct, memkit.track(model, "
+    "optimizer):` and acct.to(x, i) for each .to('cuda:i'): one row per GPU "
     "(docs/simulated-device.md)."
 )
 
