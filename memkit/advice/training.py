@@ -826,15 +826,15 @@ def zero_grad_keeps_grads(
     )
     if alive == 0:
         where = (
-            ". The peak came in a forward that held none (another pass of the step, after "
+            ". Training's peak came in a forward that held none (another pass of the step, after "
             "they were freed): freeing them sooner lowers the forwards they are alive in, "
             "not the peak, so no saving is claimed."
         )
     elif saving is None:
         where = (
-            f". The peak came in {peak_phase or 'another phase'}, not in a forward"
+            f". Training's peak came in {peak_phase or 'another phase'}, not in a forward"
             if not in_forward
-            else ". The peak came in a forward, but another phase peaks as high without them"
+            else ". Training's peak came in a forward, but another phase peaks as high without them"
         ) + (
             ": freeing them before the forward lowers the forward's memory; the peak moves "
             "only where they stayed allocated into it (`set_to_none=False`), so no saving is "
@@ -842,19 +842,19 @@ def zero_grad_keeps_grads(
         )
     elif saving < subject:
         where = (
-            ", and the peak came in a forward. Freed before the forward, they would lower "
+            ", and training's peak came in a forward. Freed before the forward, they would lower "
             f"the forward by {format_size(subject)} but the peak only by "
             f"{format_size(saving)}: down to another training phase's peak "
             f"({format_size(next_peak_bytes or 0)}), which does not hold them."
         )
     elif held_elsewhere:
         where = (
-            ", and the peak came in a forward, so they are part of it. The backward and "
+            ", and training's peak came in a forward, so they are part of it. The backward and "
             "optimizer phases that peak within as much of it hold them too: in the steps "
             "that began without them, those phases peaked that much lower."
         )
     else:
-        where = ", and the peak came in a forward, so they are part of it."
+        where = ", and training's peak came in a forward, so they are part of it."
     step = (
         f"on the optimizer that steps {names}, right after its `step()`"
         if names
