@@ -222,6 +222,24 @@ def test_start_that_fails_bisects_down():
     check(result, calls, 37)
 
 
+@pytest.mark.parametrize("search", [search_max_batch, doubling_bisection])
+def test_a_search_resumed_from_known_trials_runs_none_of_their_sizes_again(search):
+    """The probe resumes its search when a fit turned out to be measured too early (a step
+    whose work varies, seen late): from the trials that still hold, starting at the old
+    answer. The known trials lead the result; no size among them is run again, and the answer
+    is exact."""
+    kwargs = {"capacity_bytes": capacity_for(linear, 300)} if search is search_max_batch else {}
+    fits, _ = oracle(linear, 300)
+    known = search(fits, **kwargs).trials[:3]  # 1, 2, 4: fit
+    assert [t.batch_size for t in known] == [1, 2, 4] and all(t.fits for t in known)
+    fits, calls = oracle(linear, 300)
+    result = search(fits, start=420, known=known, **kwargs)
+    assert result.trials[:3] == known and calls[0] == 420
+    assert not {1, 2, 4} & set(calls) and len(calls) == len(set(calls))
+    by_size = {t.batch_size: t for t in result.trials}
+    assert result.max_batch_size == 300 and by_size[300].fits and not by_size[301].fits
+
+
 def test_min_batch_failing_stops_after_one_trial():
     fits, calls = oracle(linear, 3)
     result = search_max_batch(fits, capacity_bytes=capacity_for(linear, 3), min_batch=4)

@@ -10,7 +10,7 @@ puts them together. Torch-free.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from memkit.results import Record
@@ -77,7 +77,8 @@ class Trial(Record):
 
 
 class Bracket:
-    """Runs trials and keeps the bracket; a strategy only proposes the next size."""
+    """Runs trials and keeps the bracket; a strategy only proposes the next size. ``known``:
+    trials run before that still hold (a search resumed), the bracket's start."""
 
     def __init__(
         self,
@@ -87,15 +88,17 @@ class Bracket:
         max_batch: int,
         clock: Callable[[], float],
         on_trial: Callable[[Trial], None] | None,
+        known: Sequence[Trial] = (),
     ) -> None:
         self.fits = fits
         self.min_batch = min_batch
         self.max_batch = max_batch
         self.clock = clock
         self.on_trial = on_trial
-        self.trials: list[Trial] = []
-        self.lo: int | None = None  # largest size run that fit
-        self.hi: int | None = None  # smallest size run that failed
+        self.trials: list[Trial] = list(known)
+        # the largest size run that fit, the smallest that failed
+        self.lo: int | None = max((t.batch_size for t in known if t.fits), default=None)
+        self.hi: int | None = min((t.batch_size for t in known if not t.fits), default=None)
 
     def done(self) -> bool:
         if self.lo is None:
@@ -181,6 +184,7 @@ def plain_next(s: Bracket) -> int:
 
 
 def run_strategy(s: Bracket, start: int, strategy: Callable[[Bracket], int]) -> None:
-    s.run(start)
+    if not s.done():
+        s.run(start)
     while not s.done():
         s.run(strategy(s))

@@ -39,6 +39,9 @@ class ProbeTrial(Record):
         optimizer_growth_bytes: of that, what the optimizer's state added.
         still_growing: the last step still added to what is kept (the trial stopped at
             ``memkit.probing.trials.MAX_STEPS``): the fit holds for ``steps_run`` steps.
+        superseded: it fit over fewer steps than a later trial showed the step's cycle needs
+            (a step whose work varies from call to call, :mod:`memkit.probing.schedule`): the
+            fit does not count, and the size may have been run again.
     """
 
     batch_size: int
@@ -52,10 +55,17 @@ class ProbeTrial(Record):
     kept_growth_bytes: int | None = None
     optimizer_growth_bytes: int | None = None
     still_growing: bool = False
+    superseded: bool = False
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = round(self.seconds, 6)
-        for key in ("rank_peaks", "kept_growth_bytes", "optimizer_growth_bytes", "still_growing"):
+        for key in (
+            "rank_peaks",
+            "kept_growth_bytes",
+            "optimizer_growth_bytes",
+            "still_growing",
+            "superseded",
+        ):
             if not out[key]:
                 del out[key]
         if out["steps_run"] is None:
@@ -118,8 +128,9 @@ class ProbeResult(Result):
         return min(rooms)[1] if rooms else None
 
     def trial(self, batch_size: int) -> ProbeTrial | None:
-        """The trial run at ``batch_size``, if any."""
-        return next((t for t in self.trials if t.batch_size == batch_size), None)
+        """The trial run at ``batch_size``, if any (the last one, where a size that fit before
+        the step's cycle was seen was run again)."""
+        return next((t for t in reversed(self.trials) if t.batch_size == batch_size), None)
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         """The ``--json`` output: the line's two numbers as ``memory_model``; the per-rank

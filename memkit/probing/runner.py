@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import itertools
@@ -49,7 +50,8 @@ from memkit.oom import is_oom, recover
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
-from memkit.probing.search import SearchResult, Trial, search_max_batch
+from memkit.probing.schedule import Schedule
+from memkit.probing.search import SearchResult, search_max_batch
 from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, check_batch, check_batch_grows
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
@@ -163,7 +165,9 @@ def probe(
 
     Each trial runs ``steps`` full steps (forward, loss, backward, optimizer step) at one batch
     size and measures the peak, and steps on while the memory kept between steps still grows
-    (an optimizer's history, up to ``trials.MAX_STEPS``). The search
+    (an optimizer's history, up to ``trials.MAX_STEPS``); for a ``train_step`` whose work
+    varies from call to call (a generator stepped every n-th call), every trial runs the cycle
+    and the step after it (:mod:`memkit.probing.schedule`). The search
     (:mod:`memkit.probing.search`) fits ``peak = fixed + per_sample * batch`` to the trials and
     jumps to the predicted limit, then verifies: the reported size was run and fit, and the
     next size was run and did not.
@@ -341,33 +345,40 @@ def probe_with(
     held_after_oom: dict[int, int] = {}
     untrained: list[int] = []
 
-    def search_with(step: StepPlan, top: int) -> tuple[SearchResult, dict[int, ProbeTrial]]:
+    def search_with(
+        step: StepPlan, top: int
+    ) -> tuple[SearchResult, list[ProbeTrial], Schedule | None]:
         runner = TrialRunner(
             held[0], make_batch, optimizer, step, backend, opts.steps, capacity, saved,
             opts.seq_len, _both(on_trial, bar), held[1], capacities, opts.timeout, started,
         )  # fmt: skip
-        records = runner.records
+        search = functools.partial(
+            search_max_batch, runner, capacity_bytes=aim_at, min_batch=opts.min_batch,
+            max_batch=top, margin=opts.margin,
+        )  # fmt: skip
         try:
-            found = search_max_batch(
-                runner, capacity_bytes=aim_at, min_batch=opts.min_batch, max_batch=top,
-                margin=opts.margin,
-            )  # fmt: skip
+            found = _retested(runner, search(), search)
+            history = [
+                dataclasses.replace(r, superseded=True) if runner.superseded(i) else r
+                for i, r in enumerate(runner.history)
+            ]
+            schedule = runner.schedule
         finally:
             held_after_oom.update(runner.held_after_oom)
             if runner.untrained is not None:
                 untrained.append(runner.untrained)
-            del runner  # before the next search and the clean-up
-        return found, records
+            del runner, search  # before the next search and the clean-up
+        return found, history, schedule
 
     with _probing(model, opts.mode, saved, backend, bar):
         try:
-            search, records = search_with(plan, opts.ceiling)
+            search, history, schedule = search_with(plan, opts.ceiling)
             steps_advised = _advised_accumulation(search, opts, capacities, plan)
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
-                defaults.append(_without_accumulation(search.max_batch_size, records))
+                defaults.append(_without_accumulation(search.max_batch_size, history))
                 plan = dataclasses.replace(plan, accumulation=steps_advised)
-                search, records = search_with(plan, search.max_batch_size)
+                search, history, schedule = search_with(plan, search.max_batch_size)
         finally:
             held.clear()
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
@@ -385,10 +396,28 @@ def probe_with(
             f"RNG; left as the model remade them (another shape): {', '.join(saved.kept_as_made)}"
         )
     return _build_result(
-        search, records, backend, plan, opts, defaults, capacities,
+        search, history, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
-        state=_model_state(model, optimizer) if unfit else None,
+        state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
     )  # fmt: skip
+
+
+def _retested(
+    runner: TrialRunner,
+    found: SearchResult,
+    resume: Callable[..., SearchResult],
+) -> SearchResult:
+    """``found``; or, while its answer fit only over fewer steps than the step's cycle needs
+    (it ran before a later trial saw the step's work vary), the search resumed from the trials
+    that still hold (every failure, the fits over the cycle), starting at that answer: a size
+    that fit too early is run again, never reported untested. The result's trials are all the
+    trials run, in order."""
+    while found.max_batch_size is not None and runner.answer_superseded(found.max_batch_size):
+        assert len(found.trials) == len(runner.history)  # one record per trial, in order
+        known = [t for i, t in enumerate(found.trials) if not runner.superseded(i)]
+        again = resume(start=found.max_batch_size, known=known)
+        found = dataclasses.replace(again, trials=found.trials + again.trials[len(known) :])
+    return found
 
 
 def sparse_embeddings(model: torch.nn.Module) -> list[str]:
@@ -446,12 +475,12 @@ def _advised_accumulation(
     return steps if steps > 1 else None
 
 
-def _without_accumulation(best: int, records: dict[int, ProbeTrial]) -> str:
+def _without_accumulation(best: int, history: list[ProbeTrial]) -> str:
     """The report's line on the first search, when the answer is for an accumulating step."""
-    above = records.get(best + 1)
+    above = next((t for t in reversed(history) if t.batch_size == best + 1), None)
     bracket = f", {best + 1} does not" if above is not None and not above.fits else ""
     return (
-        f"without accumulation: {best} fits{bracket} ({len(records)} trials); accumulating "
+        f"without accumulation: {best} fits{bracket} ({len(history)} trials); accumulating "
         "keeps gradients alive through the micro-batches' forwards, so the answer above is for "
         "the accumulating step the advice gives"
     )
@@ -713,7 +742,7 @@ def _wrap_agreed(model: torch.nn.Module, backend: Backend, timeout: float | None
 
 def _build_result(
     search: SearchResult,
-    records: dict[int, ProbeTrial],
+    history: list[ProbeTrial],
     backend: Backend,
     plan: StepPlan,
     opts: ProbeOptions,
@@ -723,10 +752,18 @@ def _build_result(
     batch_norm: bool = False,
     ddp: bool = False,
     state: ModelState | None = None,
+    schedule: Schedule | None = None,
 ) -> ProbeResult:
-    trials = tuple(_merge(t, records) for t in search.trials)
+    # the runner's records, in the order run, timed as the search timed them
+    trials = tuple(
+        dataclasses.replace(record, seconds=trial.seconds)
+        for trial, record in zip(search.trials, history, strict=True)
+    )
+    records = {t.batch_size: t for t in trials}  # each size's last trial
     world = 1 if capacities is None else len(capacities)
-    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps, opts.mode)
+    ran = opts.steps if schedule is None else max(opts.steps, schedule.trial_steps)
+    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps, opts.mode, ran)
+    grown += _schedule_lines(schedule, trials)
     advice = probe_advice(
         search,
         backend.name(),
@@ -765,32 +802,40 @@ def _build_result(
 
 
 def _kept_growth(
-    trials: tuple[ProbeTrial, ...], best: int | None, steps: int, mode: str = "train"
+    trials: tuple[ProbeTrial, ...],
+    best: int | None,
+    steps: int,
+    mode: str = "train",
+    ran: int | None = None,
 ) -> tuple[list[str], tuple[int, int, int] | None]:
-    """The report's ``steps:`` line: for how many steps the answer holds; when trials stepped
-    on past ``steps`` because the memory kept between steps grew, how far and what grew
-    (naming the fitting trial nearest the answer that was still growing when the step limit
-    stopped it, when the answer's own trial was not). Also ``(steps, grown, of it optimizer
-    state)`` for the advice when the answer's trial was still growing at its last step."""
+    """The report's ``steps:`` line: for how many steps the answer holds (``ran`` per trial:
+    ``steps``, or more to cover the step's cycle); when trials stepped on past that because the
+    memory kept between steps grew, how far and what grew (naming the fitting trial nearest the
+    answer that was still growing when the step limit stopped it, when the answer's own trial
+    was not). Also ``(steps, grown, of it optimizer state)`` for the advice when the answer's
+    trial was still growing at its last step."""
+    ran = ran or steps
     # (a trial that stepped on only to wait for an optimizer's state that never came kept
     # nothing more: it does not count as a longer run; --steps 1's second step does)
     longer = [
         t
         for t in trials
         if t.fits
+        and not t.superseded
         and (
-            ((t.steps_run or 0) > steps and (t.kept_growth_bytes or t.steps_run == 2))
+            ((t.steps_run or 0) > ran and (t.kept_growth_bytes or t.steps_run == 2))
             or t.still_growing
         )
     ]
     if not longer:
         if mode != "train" or best is None:
             return [], None
-        kept = "" if steps == 1 else ", the memory kept between them stable"
+        kept = "" if ran == 1 else ", the memory kept between them stable"
+        cycle = "" if ran == steps else ", more to cover the step's cycle: below"
         line = (
-            f"steps: {steps} per trial (--steps {steps}){kept}: memory made at a later step (an "
-            "optimizer that makes its state then, SWA from an epoch on) is not seen: --steps N "
-            "measures N steps"
+            f"steps: {ran} per trial (--steps {steps}{cycle}){kept}: memory made at a later step "
+            "(an optimizer that makes its state then, SWA from an epoch on) is not seen: "
+            "--steps N measures N steps"
         )
         return [line], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
@@ -823,18 +868,25 @@ def _kept_growth(
     return [line], growing
 
 
+def _schedule_lines(schedule: Schedule | None, trials: tuple[ProbeTrial, ...]) -> list[str]:
+    """The report's line on a step whose work varies from call to call, and on the fits that
+    were measured before that was seen."""
+    if schedule is None:
+        return []
+    line = schedule.describe()
+    early = sorted({t.batch_size for t in trials if t.superseded})
+    if early:
+        sizes = ", ".join(map(str, early))
+        line += (
+            f"; the fits measured before that was seen, over fewer steps, do not count (batch "
+            f"{sizes}): the answer was run over the cycle"
+        )
+    return [line]
+
+
 def _rank_peaks(batch_size: int | None, records: dict[int, ProbeTrial]) -> tuple[int | None, ...]:
     record = None if batch_size is None else records.get(batch_size)
     return () if record is None else record.rank_peaks
-
-
-def _merge(trial: Trial, records: dict[int, ProbeTrial]) -> ProbeTrial:
-    record = records.get(trial.batch_size)
-    if record is None:  # pragma: no cover - every trial goes through the runner
-        return ProbeTrial(trial.batch_size, trial.fits, trial.peak_bytes, trial.seconds)
-    return dataclasses.replace(
-        record, fits=trial.fits, peak_bytes=trial.peak_bytes, seconds=trial.seconds
-    )
 
 
 def probe_file(

@@ -269,10 +269,13 @@ def _new_search(
     start: int | None,
     clock: Callable[[], float],
     on_trial: Callable[[Trial], None] | None,
+    known: Sequence[Trial] = (),
 ) -> tuple[Bracket, int]:
     upper = NO_LIMIT if max_batch is None else max_batch
     first = min(max(min_batch if start is None else start, min_batch), upper)
-    search = Bracket(fits, min_batch=min_batch, max_batch=upper, clock=clock, on_trial=on_trial)
+    search = Bracket(
+        fits, min_batch=min_batch, max_batch=upper, clock=clock, on_trial=on_trial, known=known
+    )
     return search, first
 
 
@@ -340,6 +343,7 @@ def doubling_bisection(
     start: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_trial: Callable[[Trial], None] | None = None,
+    known: Sequence[Trial] = (),
 ) -> SearchResult:
     """The plain reference strategy: double from ``min_batch`` until a failure, then bisect.
 
@@ -355,6 +359,8 @@ def doubling_bisection(
         start: the first size to run (clamped into range); bisects down if it fails.
         clock: the clock that times each trial.
         on_trial: called with each trial just after it ran.
+        known: trials run before that still hold: the search resumes from their bracket
+            (they are the result's first trials; none of their sizes is run again).
 
     Returns:
         The result, with ``recommended_batch_size == max_batch_size``.
@@ -363,7 +369,7 @@ def doubling_bisection(
         ConfigError: on an out-of-range argument.
     """
     _check(min_batch, max_batch, 0.0, None)
-    s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial)
+    s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial, known)
     run_strategy(s, first, plain_next)
     return _result(s, capacity=None, margin=0.0, strategy="doubling")
 
@@ -378,6 +384,7 @@ def search_max_batch(
     start: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_trial: Callable[[Trial], None] | None = None,
+    known: Sequence[Trial] = (),
 ) -> SearchResult:
     """Finds the largest batch size that fits, exactly, from each trial's measured peak.
 
@@ -395,6 +402,10 @@ def search_max_batch(
         start: the first size to run instead of ``min_batch`` (clamped into range).
         clock: the clock that times each trial.
         on_trial: called with each trial just after it ran (for progress lines).
+        known: trials run before that still hold (fits measured before a step's schedule was
+            seen are dropped from them): the search resumes from their bracket and aims with
+            their peaks; they are the result's first trials, and none of their sizes is run
+            again.
 
     Returns:
         The result. ``recommended_batch_size`` is the largest size that fit with a measured
@@ -416,8 +427,9 @@ def search_max_batch(
             start=start,
             clock=clock,
             on_trial=on_trial,
+            known=known,
         )
         return dataclasses.replace(plain, margin=margin)
-    s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial)
+    s, first = _new_search(fits, min_batch, max_batch, start, clock, on_trial, known)
     run_strategy(s, first, ModelStrategy(capacity_bytes, first, s.max_batch))
     return _result(s, capacity=capacity_bytes, margin=margin, strategy="model")

@@ -1,7 +1,9 @@
 """One probe trial: the oracle that :func:`memkit.probing.search.search_max_batch` calls.
 
-:class:`TrialRunner` runs ``steps`` full steps at one batch size, measures the peak (cut into
-parts by :class:`PartPeaks`), recovers from an out-of-memory error and, inside a process group,
+:class:`TrialRunner` runs ``steps`` full steps at one batch size (more while the memory kept
+between steps grows, and over the whole cycle of a step whose work varies from call to call:
+:mod:`memkit.probing.schedule`), measures the peak (cut into parts by :class:`PartPeaks`),
+recovers from an out-of-memory error and, inside a process group,
 agrees the outcome with the other ranks. Any other error stops the probe: a step that raises
 something else (:class:`~memkit.errors.UserCodeError`), or the machine's own RAM running out
 under the simulated device (:func:`host_failure`).
@@ -33,6 +35,7 @@ from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.hints import step_hint
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
+from memkit.probing.schedule import Schedule, StepWatch, StepWork, WorkLog
 from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, to_device
 from memkit.simulated.accountant import storages_of
@@ -96,7 +99,8 @@ about 18 us, through :func:`memkit.devices.counter_reader`) and resets the peaks
 per module and step."""
 MAX_STEPS = 16
 """While the memory kept between a trial's steps still grows (an optimizer's history, a cache
-that fills), the trial steps on, up to this many steps."""
+that fills), or the step's work varies and no cycle is seen yet, the trial steps on, up to
+this many steps."""
 
 
 _PATH_CHANGES_WITH_HOOKS = (torch.nn.TransformerEncoderLayer,)
@@ -240,15 +244,21 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 @dataclass(frozen=True)
 class Kept:
     """What a trial's loop kept between its steps: allocated bytes after each step, and the
-    optimizer state's bytes after each step."""
+    optimizer state's bytes after each step; ``cycle``: the steps after which the step's work
+    repeats (1: every step alike), so that steps are compared with the same call of the cycle."""
 
     after_step: tuple[int, ...]
     optimizer: tuple[int, ...]
+    cycle: int = 1
 
     @property
     def growth(self) -> int:
-        """Bytes kept after the last step beyond those kept after the first."""
-        return max(0, self.after_step[-1] - self.after_step[0]) if self.after_step else 0
+        """Bytes kept after the last step beyond those kept after the first step at the same
+        point of the cycle."""
+        if not self.after_step:
+            return 0
+        first = (len(self.after_step) - 1) % self.cycle
+        return max(0, self.after_step[-1] - self.after_step[first])
 
     @property
     def optimizer_growth(self) -> int:
@@ -257,8 +267,10 @@ class Kept:
 
     @property
     def still_growing(self) -> bool:
-        """Whether the last step still added to what is kept."""
-        return len(self.after_step) >= 2 and self.after_step[-1] > self.after_step[-2]
+        """Whether the last step still added to what is kept (to what the same point of the
+        previous cycle kept)."""
+        back = self.cycle + 1
+        return len(self.after_step) >= back and self.after_step[-1] > self.after_step[-back]
 
 
 @dataclass
@@ -295,6 +307,36 @@ class TrialRunner:
         # were (no optimizer step ran: a train_step without optimizer.step() or backward)
         self.untrained: int | None = None  # the batch size of that trial, if it did
         self._checked_training = self.step.mode != "train"
+        # training: a step whose work varies from call to call (memkit.probing.schedule): what
+        # the trials have shown, and what it asks of the next trials; a fit measured before the
+        # latest news is superseded (the runner's caller retests the answer)
+        self.log = (
+            WorkLog(StepWatch(self.model, self.optimizer), MAX_STEPS)
+            if self.step.mode == "train"
+            else None
+        )
+        self._works: list[StepWork] = []  # the work of the last trial's steps (with a watch)
+        self.history: list[ProbeTrial] = []  # every trial, in the order run
+
+    @property
+    def trial_steps(self) -> int:
+        """The steps a trial runs at least."""
+        return self.steps if self.log is None else max(self.steps, self.log.cycle_steps)
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """What the trials showed of a step whose work varies, if they did."""
+        return None if self.log is None else self.log.schedule
+
+    def superseded(self, index: int) -> bool:
+        """Whether the trial ``index`` (in the order run) fit before the trials showed how
+        the step's work varies: its fit does not count."""
+        return self.history[index].fits and self.log is not None and index < self.log.valid_from
+
+    def answer_superseded(self, batch_size: int) -> bool:
+        """Whether the last trial at ``batch_size`` is :meth:`superseded`."""
+        last = max(i for i, t in enumerate(self.history) if t.batch_size == batch_size)
+        return self.superseded(last)
 
     def _batch(self, batch_size: int) -> Any:
         args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
@@ -355,40 +397,66 @@ class TrialRunner:
         self.counters[1]()
 
     def _run_steps(self, batch_size: int, *, extend: bool = True, steps: int = 0) -> Kept:
-        """``steps`` steps (the trial's when 0), then more while what the loop keeps between
-        steps still grows (``extend``; up to ``MAX_STEPS``). Returns what was kept after each
-        step."""
+        """``steps`` steps (the trial's when 0), then more (``extend``; up to ``MAX_STEPS``)
+        while what the loop keeps between steps still grows, and while the steps' work varies
+        with no cycle seen yet (or, after a failed trial's steps varied, until they vary).
+        Returns what was kept after each step; each step's work is in ``_works`` (with
+        ``extend``), also when a step raised."""
         read = self.counters[0]
-        steps = steps or self.steps
+        steps = steps or self.trial_steps
         kept: list[int] = []
         state: list[int] = []
+        log = self.log if extend else None
+        works: list[StepWork] = []
+        if log is not None:
+            self._works = works
+        cycle: int | None = 1
+        cycling = False
         state_before = optimizer_state_bytes(self.optimizer)
         try:
-            while True:
-                micro = self.step.micro_batches
-                for i in range(micro):
-                    batch = self._device_batch(batch_size)
-                    self.step(self.model, batch, self.optimizer, last=i == micro - 1)
-                    del batch
-                if self.sync is not None:
-                    self.sync.end_step()
-                kept.append(read()[0])
-                state.append(optimizer_state_bytes(self.optimizer))
-                done = len(kept) >= steps
-                # a first step that created the optimizer's state (Adam's) is followed by one
-                # whose forward meets it, also with steps=1
-                growing = extend and (kept[-1] > kept[-2] if len(kept) >= 2 else
-                                      state[0] > state_before)  # fmt: skip
-                awaiting = extend and self._awaiting_state
-                if awaiting and not _state_without_tensors(self.optimizer):
-                    if self.state_appeared_at is None and len(kept) > steps:
-                        self.state_appeared_at = len(kept)
-                    awaiting = False
-                if (done and not growing and not awaiting) or len(kept) >= max(steps, MAX_STEPS):
-                    break
+            with log.watch.watching() if log is not None else contextlib.nullcontext():
+                while True:
+                    micro = self.step.micro_batches
+                    for i in range(micro):
+                        batch = self._device_batch(batch_size)
+                        self.step(self.model, batch, self.optimizer, last=i == micro - 1)
+                        del batch
+                    if self.sync is not None:
+                        self.sync.end_step()
+                    kept.append(read()[0])
+                    state.append(optimizer_state_bytes(self.optimizer))
+                    if log is not None:
+                        works.append(log.watch.take())
+                        cycle = log.cycle_in(works)
+                        cycling = log.keeps_stepping(works)  # news not yet seen through
+                    done = len(kept) >= steps
+                    # kept memory is compared with the same point of the cycle; a first step
+                    # that created the optimizer's state (Adam's) is followed by one whose
+                    # forward meets it, also with steps=1
+                    back = 1 if cycle is None else cycle
+                    growing = extend and (kept[-1] > kept[-1 - back] if len(kept) > back else
+                                          state[0] > state_before)  # fmt: skip
+                    awaiting = extend and self._awaiting_state
+                    if awaiting and not _state_without_tensors(self.optimizer):
+                        if self.state_appeared_at is None and len(kept) > steps:
+                            self.state_appeared_at = len(kept)
+                        awaiting = False
+                    if len(kept) >= max(steps, MAX_STEPS):
+                        break
+                    if done and not growing and not awaiting and not cycling:
+                        break
         finally:
             self.step.release()  # the trial's loop is over: its last output goes too
-        return Kept(tuple(kept), tuple(state))
+        return Kept(tuple(kept), tuple(state), cycle or 1)
+
+    def _note_work(self, batch_size: int, *, completed: bool = True) -> None:
+        """After a trial (of one that ran out, the steps it completed): what its steps' work
+        says, kept by the :class:`~memkit.probing.schedule.WorkLog`."""
+        if self.log is not None:
+            self.log.note(
+                self._works, batch_size, len(self.history), completed=completed,
+                steps=self.steps,
+            )  # fmt: skip
 
     def __call__(
         self, batch_size: int
@@ -408,6 +476,7 @@ class TrialRunner:
         try:
             with self.backend.activate():
                 kept = self._run_steps(batch_size)
+            self._note_work(batch_size)
             if self._awaiting_state:  # the first trial that completed has looked
                 self._awaiting_state = False
                 self.steps = max(self.steps, self.state_appeared_at or 0)
@@ -445,6 +514,7 @@ class TrialRunner:
             recover(self.backend, failed)
             del failed
             self.model.zero_grad(set_to_none=True)
+            self._note_work(batch_size, completed=False)
             self._release_failed_step(batch_size, before)
             record = ProbeTrial(batch_size, False, need, seconds, None, error)
         else:
@@ -460,6 +530,7 @@ class TrialRunner:
                 still_growing=kept.still_growing,
             )  # fmt: skip
         self.records[batch_size] = record
+        self.history.append(record)
         if self.on_trial is not None:
             self.on_trial(record)
         return record.fits, record.peak_bytes, parts, allocated
@@ -571,6 +642,7 @@ class TrialRunner:
             outcome.peak_allocated_bytes, error, rank_peaks=outcome.rank_peaks,
         )  # fmt: skip
         self.records[batch_size] = record
+        self.history.append(record)
         if self.on_trial is not None:
             self.on_trial(record)
         return record.fits, record.peak_bytes, None, None

@@ -42,11 +42,14 @@ def _peak_cell(trial: ProbeTrial) -> str:
     return f"needs >= {format_size(trial.peak_bytes)}"
 
 
+def _fits_cell(trial: ProbeTrial) -> str:
+    if not trial.fits:
+        return "OOM"
+    return "yes, too few steps" if trial.superseded else "yes"
+
+
 def _trial_rows(result: ProbeResult) -> list[list[object]]:
-    return [
-        [t.batch_size, "yes" if t.fits else "OOM", _peak_cell(t), f"{t.seconds:.2f}"]
-        for t in result.trials
-    ]
+    return [[t.batch_size, _fits_cell(t), _peak_cell(t), f"{t.seconds:.2f}"] for t in result.trials]
 
 
 def _rank_rows(result: ProbeResult) -> list[list[object]]:
