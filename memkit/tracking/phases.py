@@ -110,6 +110,11 @@ class PhaseMachine:
         self.last_own: set[weakref.ref[torch.Tensor]] = set()
         self.seen: set[weakref.ref[torch.Tensor]] = set()  # every input and output seen
         self.seen_room = _SEEN_ROOM  # what ``seen`` takes before its dead ones are dropped
+        # the bytes of the step's batch (the training forward's first argument, one level
+        # into a list, tuple or mapping) and, per level read, the own bytes taken off it
+        # when the batch last changed size (:meth:`_own_discount`)
+        self.batch_size = 0
+        self._discounts: dict[tuple[bool, str], tuple[int, int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
@@ -181,7 +186,9 @@ class PhaseMachine:
                     if state.phase != FORWARD:
                         self._training_forward_begins(sys._getframe(1))
                         began = True
-            self._take_own(args)
+            if began:  # the step's first training forward: its first argument is the batch
+                self.batch_size = _bytes_of(_values_in(args[:1]))
+            self._take_own(_values_in(args))
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args, inputs=True)
@@ -198,11 +205,10 @@ class PhaseMachine:
         (this forward's inputs, the last step's inputs and outputs, while they live), is as
         low as the last step's memory came back to (the episode's lists freed after the
         optimizer step that ended it); the growth detector takes the lowest (:meth:`boundary`)."""
-        own = self.own | self.last_own
         single = self.state.single
         for dev in (single,) if single is not None else self.devices.records.values():
             if dev.forward_base is not None:
-                level = dev.forward_base - _alive_bytes(own, None if single else [dev])
+                level = dev.forward_base - self._own_discount(True, dev, single is not None)
                 if dev.step_floor is None or level < dev.step_floor:
                     dev.step_floor = level
                     # the detector takes the lower of it and the boundary's level: the bytes
@@ -467,7 +473,6 @@ class PhaseMachine:
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         captured = False
         own = self.own
-        own_bytes = _alive_bytes(own, None) if single is not None else 0
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
         for dev in devices.records.values():
             sizes = None
@@ -499,7 +504,7 @@ class PhaseMachine:
                     last_level, persistent = floor, dev.floor_persistent
                 if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
-            left = level - (own_bytes if single is not None else _alive_bytes(own, [dev]))
+            left = level - self._own_discount(False, dev, single is not None)
             # steps counted from backward passes: this boundary is a training forward's start
             # (or the block's end), and so may not be the next: the bytes a rise is compared
             # with are measured with its level (the last step's gradients, alive at the
@@ -591,6 +596,23 @@ class PhaseMachine:
         """A training forward of the model returned ``output``: its tensors (one level into a
         tuple, list or mapping: a Hugging Face output's loss and logits) are the step's own."""
         self._take_own(_values(output))
+
+    def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
+        """The bytes of the step's own tensors alive on ``dev`` (at a forward's start: the
+        last step's too), taken off a level the growth detector reads: measured anew when
+        the batch changed size since the last measure (their sizes follow the batch's:
+        sorted length buckets, a curriculum), else the last measure. A tensor fed back into
+        the model that grows while the batch stays the same (Transformer-XL's memory never
+        cut, a memory bank passed in) is not the batch's: its growth shows."""
+        key = (at_forward, dev.key)
+        batch = self.batch_size
+        memo = self._discounts.get(key)
+        if memo is not None and memo[0] == batch:
+            return memo[1]
+        refs = self.own | self.last_own if at_forward else self.own
+        value = _alive_bytes(refs, None if single else [dev])
+        self._discounts[key] = (batch, value)
+        return value
 
     def _take_own(self, values: Iterable[Any]) -> None:
         """The tensors among ``values`` that no step saw before are this step's own."""
@@ -747,6 +769,30 @@ def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | 
 _DEREF = operator.methodcaller("__call__")
 _ALIVE = functools.partial(operator.is_not, None)
 _NBYTES = operator.attrgetter("nbytes")
+
+
+def _values_in(args: Any) -> Any:
+    """A forward's arguments, and the values one level inside those that are a tuple, list
+    or mapping (a batch given as one dict)."""
+    for a in args:
+        if isinstance(a, (tuple, list, Mapping)):
+            break
+    else:
+        return args
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, (tuple, list, Mapping)):
+            out.extend(_values(a))
+        else:
+            out.append(a)
+    return out
+
+
+def _bytes_of(values: Iterable[Any]) -> int:
+    """The bytes of the dense tensors among ``values``."""
+    return sum(
+        v.nbytes for v in values if isinstance(v, torch.Tensor) and v.layout is torch.strided
+    )
 
 
 def _values(output: Any) -> Any:
