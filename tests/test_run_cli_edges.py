@@ -327,6 +327,34 @@ def test_memkits_warnings_still_reach_stderr_under_a_command(capsys, caplog):
     assert [r.getMessage() for r in caplog.records] == ["after"]  # the API's: propagated
 
 
+def test_memkits_warnings_reach_stderr_after_a_dict_config_disabled_its_loggers(capsys):
+    """A script or library calling logging.config.dictConfig (disable_existing_loggers is its
+    default) disabled memkit's loggers, and the command's warnings went nowhere (seen as an
+    order-dependent failure of the test above)."""
+    import logging
+    import logging.config
+
+    from memkit.cli.streams import memkit_logs_to_stderr
+
+    hooks = logging.getLogger("memkit.tracking.hooks")
+    loggers = [v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)]
+    before = [(found, found.disabled) for found in loggers]
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": True})
+    try:
+        assert hooks.disabled
+        with memkit_logs_to_stderr():
+            hooks.warning("memkit: a hook failed")
+        assert capsys.readouterr().err == "memkit: a hook failed\n"
+        assert hooks.disabled  # as the script left it, after the command
+    finally:  # every logger as it was (the test's dictConfig touched them all)
+        for found, was in before:
+            found.disabled = was
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
 # -- memkit's options after SCRIPT --------------------------------------------------------------
 def test_memkit_options_after_the_script_get_a_hint_when_the_script_refuses_them(tmp_path):
     path, marker = script(tmp_path)

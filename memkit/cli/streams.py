@@ -39,6 +39,17 @@ def memkit_logs_to_stderr() -> Iterator[None]:
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(message)s"))
     saved = logger.propagate
+    # a logging.config.dictConfig (disable_existing_loggers, its default) in a script or a
+    # library it imports disables the loggers made before it, memkit's among them
+    disabled = [
+        found
+        for name, found in logging.root.manager.loggerDict.items()
+        if (name == "memkit" or name.startswith("memkit."))
+        and isinstance(found, logging.Logger)
+        and found.disabled
+    ]
+    for found in disabled:
+        found.disabled = False
     logger.addHandler(handler)
     logger.propagate = False
     try:
@@ -46,6 +57,8 @@ def memkit_logs_to_stderr() -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.propagate = saved
+        for found in disabled:
+            found.disabled = True
 
 
 @contextlib.contextmanager
