@@ -1811,6 +1811,40 @@ def test_acting_forwards_with_grad_that_never_run_backward_add_nothing_to_kept_p
     assert all(k <= kept_peak for _, k in kept.values())
 
 
+def test_a_cached_output_gets_one_node_hook_however_many_passes_return_it(monkeypatch):
+    """Review: a model returning the same cached tensor (backward with retain_graph=True) got
+    one more no-op pre-hook on its node each pass, all run by every backward: 1 + 2 + ... +
+    30 = 465 calls over 30 steps; one hook, one call a backward."""
+    import memkit.tracking.hooks as hooks
+
+    calls = [0]
+
+    def counting(grad):
+        calls[0] += 1
+
+    monkeypatch.setattr(hooks, "_no_op", counting)
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.out = nn.Linear(16, 16), None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.out is None:
+                self.out = self.lin(x)
+            return self.out
+
+    model = Cached()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 16)
+    with track(model, opt, device="cpu", budget="8MiB", module_every=1):
+        for _ in range(10):
+            model(x).pow(2).mean().backward(retain_graph=True)
+            opt.step()
+            opt.zero_grad()
+    assert calls[0] == 10
+
+
 class RaisesOnce(nn.Module):
     """A layer whose forward raises ``error`` once when armed (Ctrl-C landing in it)."""
 

@@ -158,6 +158,9 @@ class Hooks:
         # the pre-hook dicts of its outputs' autograd nodes: gone once its graph is freed
         self._pass_no = 0
         self._pass_graphs: dict[int, tuple[weakref.ref[Any], ...]] = {}
+        # the pre-hook dicts by node id: a node an output shares with an earlier pass (a model
+        # that returns a cached tensor) gets one hook, not one per pass
+        self._node_hooks: dict[int, weakref.ref[Any]] = {}
 
     def install(self) -> None:
         """Install the hooks of the block (and module detail's, if step 0 has it)."""
@@ -825,9 +828,7 @@ class Hooks:
         is numbered, and its outputs' autograd nodes get a no-op pre-hook whose dict, held
         weakly, says whether its graph still lives (:meth:`_graph_lives`)."""
         refs = tuple(
-            t.grad_fn.register_prehook(_no_op).hooks_dict_ref
-            for t in _output_tensors(output)
-            if t.grad_fn is not None
+            self._node_hook(t.grad_fn) for t in _output_tensors(output) if t.grad_fn is not None
         )
         graphs = self._pass_graphs
         if len(graphs) >= 64:  # the ones still alive, if few
@@ -837,6 +838,17 @@ class Hooks:
         if refs:
             graphs[self._pass_no] = refs
         self._pass_no += 1
+
+    def _node_hook(self, node: Any) -> weakref.ref[Any]:
+        """A weak reference to the dict of ``node``'s no-op pre-hook, registered once."""
+        hooks = self._node_hooks
+        ref = hooks.get(id(node))
+        if ref is not None and ref() is not None:  # (a dead node's id, reused: its dict died)
+            return ref
+        if len(hooks) >= 256:
+            self._node_hooks = hooks = {k: r for k, r in hooks.items() if r() is not None}
+        ref = hooks[id(node)] = node.register_prehook(_no_op).hooks_dict_ref
+        return ref
 
     def _graph_lives(self, number: int) -> bool:
         """Whether training pass ``number``'s graph may still live: one of its outputs'
