@@ -1811,6 +1811,27 @@ def test_acting_forwards_with_grad_that_never_run_backward_add_nothing_to_kept_p
     assert all(k <= kept_peak for _, k in kept.values())
 
 
+def test_a_pass_freed_between_two_kept_ones_adds_nothing_to_kept_per_step():
+    """Review: `out1 = model(x)` (kept), pseudo-labels from a grad-on pass dropped at once,
+    `out3 = model(u)` (kept): kept/step summed 3 passes where 2 graphs live at once (only
+    passes at the front were dropped when freed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for _ in range(3):
+            out1 = model(torch.randn(128, 64))
+            pseudo = model(torch.randn(128, 64)).softmax(-1).detach()
+            out3 = model(torch.randn(128, 64))
+            loss = out1.pow(2).mean() + (out3 - pseudo).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del out1, out3, loss, pseudo
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert rows["Sequential"].activation_bytes_per_step == 2 * 128 * (256 + 4) * 4
+
+
 def test_a_cached_output_gets_one_node_hook_however_many_passes_return_it(monkeypatch):
     """Review: a model returning the same cached tensor (backward with retain_graph=True) got
     one more no-op pre-hook on its node each pass, all run by every backward: 1 + 2 + ... +

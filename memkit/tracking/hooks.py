@@ -812,9 +812,11 @@ class Hooks:
             ms.step_id = key
             passes.clear()
             ms.step_sum = 0
-        elif passes[-1][0] != now:  # its first call in this pass: the oldest passes freed?
-            while passes and not self._graph_lives(passes[0][0]):
-                ms.step_sum -= passes.pop(0)[1]
+        elif passes[-1][0] != now:  # its first call in this pass: passes freed since?
+            alive = [p for p in passes if self._graph_lives(p[0])]
+            if len(alive) != len(passes):  # (any of them: a freed pass between two kept)
+                ms.step_sum = sum(p[1] for p in alive)
+                passes[:] = alive
         if passes and passes[-1][0] == now:
             passes[-1][1] += delta
         else:
