@@ -110,11 +110,14 @@ class PhaseMachine:
         self.last_own: set[weakref.ref[torch.Tensor]] = set()
         self.seen: set[weakref.ref[torch.Tensor]] = set()  # every input and output seen
         self.seen_room = _SEEN_ROOM  # what ``seen`` takes before its dead ones are dropped
-        # the bytes of the step's batch (the training forward's first argument, one level
-        # into a list, tuple or mapping) and, per level read, the own bytes taken off it
-        # when the batch last changed size (:meth:`_own_discount`)
-        self.batch_size = 0
-        self._discounts: dict[tuple[bool, str], tuple[int, int]] = {}
+        # the shapes of the step's batches: the tensor inputs of its training forwards (one
+        # level into a list, tuple or mapping) but a state fed back (an input on the storage
+        # of this or the last step's output: Transformer-XL's `mems`); per level read, the
+        # own bytes taken off it when the shapes last changed (:meth:`_own_discount`)
+        self.batch_shapes: list[torch.Size] = []
+        self.output_ptrs: set[int] = set()
+        self.last_output_ptrs: set[int] = set()
+        self._discounts: dict[tuple[bool, str], tuple[tuple[Any, ...], int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
@@ -186,9 +189,17 @@ class PhaseMachine:
                     if state.phase != FORWARD:
                         self._training_forward_begins(sys._getframe(1))
                         began = True
-            if began:  # the step's first training forward: its first argument is the batch
-                self.batch_size = _bytes_of(_values_in(args[:1]))
-            self._take_own(_values_in(args))
+            values = _values_in(args)
+            fed_back, last = self.output_ptrs, self.last_output_ptrs
+            self.batch_shapes += [
+                v.shape
+                for v in values
+                if isinstance(v, torch.Tensor)
+                and v.layout is torch.strided
+                and (ptr := v.data_ptr()) not in fed_back
+                and ptr not in last
+            ]
+            self._take_own(values)
         if sim is not None:  # the batch reaches the model: it is on the device now
             sim.count_ops(True, True)
             sim.track(args, inputs=True)
@@ -520,6 +531,8 @@ class PhaseMachine:
         state.step = step + 1
         self.step_t0 = now
         self.last_own, self.own = own, set()
+        self.last_output_ptrs, self.output_ptrs = self.output_ptrs, set()
+        self.batch_shapes = []
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
         state.phase = OTHER
         if devices.sim is not None:
@@ -595,17 +608,23 @@ class PhaseMachine:
     def note_output(self, output: Any) -> None:
         """A training forward of the model returned ``output``: its tensors (one level into a
         tuple, list or mapping: a Hugging Face output's loss and logits) are the step's own."""
-        self._take_own(_values(output))
+        values = _values(output)
+        self._take_own(values)
+        self.output_ptrs.update(
+            v.data_ptr()
+            for v in values
+            if isinstance(v, torch.Tensor) and v.layout is torch.strided
+        )
 
     def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
         """The bytes of the step's own tensors alive on ``dev`` (at a forward's start: the
         last step's too), taken off a level the growth detector reads: measured anew when
-        the batch changed size since the last measure (their sizes follow the batch's:
-        sorted length buckets, a curriculum), else the last measure. A tensor fed back into
-        the model that grows while the batch stays the same (Transformer-XL's memory never
-        cut, a memory bank passed in) is not the batch's: its growth shows."""
+        the shapes of the step's batches changed since the last measure (their sizes follow
+        the batches': sorted length buckets, a curriculum), else the last measure. A state
+        fed back into the model on its output's storage (Transformer-XL's memory, never cut)
+        is no batch: while the batches keep their shapes, its growth shows."""
         key = (at_forward, dev.key)
-        batch = self.batch_size
+        batch = tuple(self.batch_shapes)
         memo = self._discounts.get(key)
         if memo is not None and memo[0] == batch:
             return memo[1]
@@ -786,13 +805,6 @@ def _values_in(args: Any) -> Any:
         else:
             out.append(a)
     return out
-
-
-def _bytes_of(values: Iterable[Any]) -> int:
-    """The bytes of the dense tensors among ``values``."""
-    return sum(
-        v.nbytes for v in values if isinstance(v, torch.Tensor) and v.layout is torch.strided
-    )
 
 
 def _values(output: Any) -> Any:
