@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.config
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -39,8 +40,28 @@ def memkit_logs_to_stderr() -> Iterator[None]:
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(message)s"))
     saved = logger.propagate
-    # a logging.config.dictConfig (disable_existing_loggers, its default) in a script or a
-    # library it imports disables the loggers made before it, memkit's among them
+    # a logging.config.dictConfig or fileConfig (disable_existing_loggers, their default) in a
+    # script or a library it imports disables the loggers made before it, memkit's among
+    # them: enabled now, and again after each such call while the command runs
+    disabled = _enable_memkit_loggers()
+    configs = {name: getattr(logging.config, name) for name in ("dictConfig", "fileConfig")}
+    for name, configure in configs.items():
+        setattr(logging.config, name, _reenabling(configure))
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved
+        for name, configure in configs.items():
+            setattr(logging.config, name, configure)
+        for found in disabled:
+            found.disabled = True
+
+
+def _enable_memkit_loggers() -> list[logging.Logger]:
+    """Enable memkit's disabled loggers; those it enabled."""
     disabled = [
         found
         for name, found in logging.root.manager.loggerDict.items()
@@ -50,15 +71,19 @@ def memkit_logs_to_stderr() -> Iterator[None]:
     ]
     for found in disabled:
         found.disabled = False
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = saved
-        for found in disabled:
-            found.disabled = True
+    return disabled
+
+
+def _reenabling(configure: Callable[..., None]) -> Callable[..., None]:
+    """``configure`` (``logging.config.dictConfig``), then memkit's loggers enabled again."""
+
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            configure(*args, **kwargs)
+        finally:
+            _enable_memkit_loggers()
+
+    return wrapper
 
 
 @contextlib.contextmanager
