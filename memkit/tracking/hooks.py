@@ -54,7 +54,7 @@ from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.phases import PhaseMachine
+from memkit.tracking.phases import PhaseMachine, output_values
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, RootInfo
 from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import (
@@ -830,7 +830,9 @@ class Hooks:
         is numbered, and its outputs' autograd nodes get a no-op pre-hook whose dict, held
         weakly, says whether its graph still lives (:meth:`_graph_lives`)."""
         refs = tuple(
-            self._node_hook(t.grad_fn) for t in _output_tensors(output) if t.grad_fn is not None
+            self._node_hook(t.grad_fn)
+            for t in output_values(output)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
         )
         graphs = self._pass_graphs
         if len(graphs) >= 64:  # the ones still alive, if few
@@ -1092,17 +1094,6 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
             if isinstance(v, torch.Tensor):
                 return v
     return None
-
-
-def _output_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a module output: itself, or those in a tuple/list/dict (one level)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (tuple, list)):
-        return []
-    return [v for v in value if isinstance(v, torch.Tensor)]
 
 
 def _no_op(grad: Any) -> None:

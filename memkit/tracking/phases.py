@@ -51,7 +51,7 @@ from memkit.tracking.state import (
     TrackState,
 )
 
-__all__ = ["PhaseMachine"]
+__all__ = ["PhaseMachine", "output_values"]
 
 log = logging.getLogger(__name__)
 
@@ -608,7 +608,7 @@ class PhaseMachine:
     def note_output(self, output: Any) -> None:
         """A training forward of the model returned ``output``: its tensors (one level into a
         tuple, list or mapping: a Hugging Face output's loss and logits) are the step's own."""
-        values = _values(output)
+        values = output_values(output)
         self._take_own(values)
         self.output_ptrs.update(
             v.data_ptr()
@@ -801,13 +801,13 @@ def _values_in(args: Any) -> Any:
     out: list[Any] = []
     for a in args:
         if isinstance(a, (tuple, list, Mapping)):
-            out.extend(_values(a))
+            out.extend(output_values(a))
         else:
             out.append(a)
     return out
 
 
-def _values(output: Any) -> Any:
+def output_values(output: Any) -> Any:
     """A forward output's values, one level: a tuple or list itself, a mapping's values, else
     the output alone."""
     if isinstance(output, (tuple, list)):
