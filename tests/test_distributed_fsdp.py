@@ -98,8 +98,12 @@ def _check_rank_report(report: dict, reshard_after_forward: bool) -> None:
         assert gathered % UNIT == 0 and 2 * UNIT <= gathered <= 5 * UNIT, bd
     # FSDP2 frees unsharded parameters by resizing their storages: counted as freed (this
     # was 4 units of 'other' before the simulated device saw the resizes); 'other' is the
-    # batch, on the device before the forward began
-    assert bd["other"] == 32 * 256 * 4, bd
+    # batch, on the device before the forward began, and what gloo's worker thread holds for
+    # a collective in flight when the forward began: ProcessGroupGloo's allgather copies into
+    # a flat temporary of the gathered size (newLikeFlat), up to one unit (timing: +131,080 B
+    # once in CI, +263,168 B once in 12 runs here; NCCL on a GPU gathers in place)
+    batch = 32 * 256 * 4
+    assert batch <= bd["other"] <= batch + UNIT, bd
     parts = ("parameters", "gradients", "optimizer_state", "gathered_parameters",
              "activations", "other")  # fmt: skip
     assert sum(bd[k] for k in parts) == bd["total"]

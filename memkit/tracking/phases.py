@@ -115,8 +115,10 @@ class PhaseMachine:
         # of this or the last step's output: Transformer-XL's `mems`); per level read, the
         # own bytes taken off it when the shapes last changed (:meth:`_own_discount`)
         self.batch_shapes: list[torch.Size] = []
-        self.output_ptrs: set[int] = set()
-        self.last_output_ptrs: set[int] = set()
+        # the storages of this and the last step's training outputs, by address, held
+        # weakly: an address whose storage died is free for the next batch (malloc reuses it)
+        self.output_ptrs: dict[int, weakref.ref[Any]] = {}
+        self.last_output_ptrs: dict[int, weakref.ref[Any]] = {}
         self._discounts: dict[tuple[bool, str], tuple[tuple[Any, ...], int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
@@ -196,8 +198,7 @@ class PhaseMachine:
                 for v in values
                 if isinstance(v, torch.Tensor)
                 and v.layout is torch.strided
-                and (ptr := v.data_ptr()) not in fed_back
-                and ptr not in last
+                and not _fed_back(v.data_ptr(), fed_back, last)
             ]
             self._take_own(values)
         if sim is not None:  # the batch reaches the model: it is on the device now
@@ -531,7 +532,7 @@ class PhaseMachine:
         state.step = step + 1
         self.step_t0 = now
         self.last_own, self.own = own, set()
-        self.last_output_ptrs, self.output_ptrs = self.output_ptrs, set()
+        self.last_output_ptrs, self.output_ptrs = self.output_ptrs, {}
         self.batch_shapes = []
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
         state.phase = OTHER
@@ -611,7 +612,7 @@ class PhaseMachine:
         values = output_values(output)
         self._take_own(values)
         self.output_ptrs.update(
-            v.data_ptr()
+            (v.data_ptr(), weakref.ref(v.untyped_storage()))
             for v in values
             if isinstance(v, torch.Tensor) and v.layout is torch.strided
         )
@@ -766,6 +767,12 @@ def _on_devices(records: list[DeviceRecord]) -> Callable[[torch.Tensor], bool]:
 
 _SEEN_ROOM = 256
 """References to the tensors seen that are kept before the dead ones are dropped."""
+
+
+def _fed_back(ptr: int, *outputs: dict[int, weakref.ref[Any]]) -> bool:
+    """Whether an input at address ``ptr`` is on the storage of a step's output still alive
+    (a state fed back: Transformer-XL's `mems`), not a new batch where a dead one was."""
+    return any((ref := out.get(ptr)) is not None and ref() is not None for out in outputs)
 
 
 def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | None) -> int:
