@@ -378,6 +378,38 @@ def test_sorted_sequence_lengths_are_no_leak_while_the_loop_keeps_its_logits() -
     assert tracker.report().leaks == []
 
 
+def _gpt2_buckets(kept: list[Any] | None) -> TrackReport:
+    """A tiny transformers GPT-2 trained on length buckets, shortest first (``out`` lives into
+    the next step's forward); ``kept``: a list the loop appends each step's cache to."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=128)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for step in range(24):
+            ids = torch.randint(0, 128, (2, 8 + 4 * step))
+            out = model(input_ids=ids, labels=ids)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            if kept is not None:
+                kept.append(out.past_key_values)
+    return tracker.report()
+
+
+def test_a_key_value_cache_growing_with_sorted_lengths_is_the_steps_own_not_a_leak() -> None:
+    """GPT-2 returns its key-value cache (``use_cache`` is on in training too), a
+    ``DynamicCache`` whose layers hold the keys and values: 'memory grows by 16.00 KiB per
+    step' on length buckets, the last step's cache alive in ``out`` (2 layers x k, v x 4
+    tokens more a step). The levels leave out the step's own tensors inside its output's
+    objects too; a loop that keeps every step's cache still leaks."""
+    assert _gpt2_buckets(None).leaks == []
+    kept: list[Any] = []
+    (leak,) = _gpt2_buckets(kept).leaks
+    assert leak.growth_per_step > 0 and leak.suspects[0].name == "kept"
+
+
 class Encoder(nn.Module):
     """The seq2seq tutorial's EncoderRNN, tiny: it returns its outputs and hidden state."""
 

@@ -34,7 +34,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
@@ -65,6 +65,9 @@ SCAN_PERIOD = 25
 
 _CONTAINER_PEEK = 3
 """Elements looked at from each end of a list/tuple (and values of a dict)."""
+
+_OBJECT_TENSORS = 256
+"""Values looked at inside one object a container holds (a key-value cache's layers)."""
 
 _OBJECTS = 16
 """The user's objects (not ``self``) whose attributes a scan looks at, per frame."""
@@ -431,11 +434,45 @@ def _tail(value: Any) -> list[Any]:
     return [value[i] for i in range(max(_CONTAINER_PEEK, n - _CONTAINER_PEEK), n)]
 
 
+def tensors_within(values: Iterable[Any], tensor_type: type, limit: int = 4096) -> list[Any]:
+    """The tensors among ``values`` and up to three levels inside them: tuples, lists,
+    mappings and plain objects' attributes (a key-value cache: transformers' legacy tuples of
+    ``(key, value)`` per layer, its ``DynamicCache`` of layers holding ``keys`` and
+    ``values``); not inside modules or classes. Stops after ``limit`` values."""
+    torch = sys.modules.get("torch")
+    opaque = (str, bytes, type) if torch is None else (str, bytes, type, torch.nn.Module)
+    found: list[Any] = []
+    todo = [(v, 0) for v in values]
+    looked = 0
+    while todo and looked < limit:
+        value, depth = todo.pop()
+        looked += 1
+        if isinstance(value, tensor_type):
+            found.append(value)
+            continue
+        if depth >= 3 or isinstance(value, opaque):
+            continue
+        if isinstance(value, (tuple, list, collections.deque)):
+            inner: Iterable[Any] = value
+        elif isinstance(value, Mapping):
+            inner = value.values()
+        else:
+            attrs = getattr(value, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            inner = attrs.values()
+        todo.extend((v, depth + 1) for v in inner)
+    return found
+
+
 def _item_tensors(item: Any, tensor_type: type) -> list[Any]:
     """The tensors of one container item: itself, or inside it and one level deeper (a
-    ``(state, action, reward)`` transition, a dict of outputs)."""
+    ``(state, action, reward)`` transition, a dict of outputs), or in a plain object's
+    attributes (a key-value cache: :func:`tensors_within`)."""
     if isinstance(item, tensor_type):
         return [item]
+    if _peek(item) is None:
+        return tensors_within((item,), tensor_type, _OBJECT_TENSORS)
     found = []
     for inner in _peek(item) or ():
         if isinstance(inner, tensor_type):
@@ -501,6 +538,9 @@ def _container_graph(value: Any, tensor_type: type) -> list[Any]:
             found.append(item)
         elif (inner := _peek(item)) is not None:
             found += [v for v in inner if _has_graph(v, tensor_type)]
+        elif not isinstance(item, tensor_type):
+            objects = tensors_within((item,), tensor_type, _OBJECT_TENSORS)
+            found += [v for v in objects if _has_graph(v, tensor_type)]
     return found
 
 

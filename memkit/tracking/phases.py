@@ -29,7 +29,7 @@ import torch
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.leaks import growth_finding, optimizer_in_frames
+from memkit.tracking.leaks import growth_finding, optimizer_in_frames, tensors_within
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.records import (
     DeviceRecord,
@@ -607,9 +607,10 @@ class PhaseMachine:
         return 0 if batch is None else int(batch.numel() * batch.element_size())
 
     def note_output(self, output: Any) -> None:
-        """A training forward of the model returned ``output``: its tensors (one level into a
-        tuple, list or mapping: a Hugging Face output's loss and logits) are the step's own."""
-        values = output_values(output)
+        """A training forward of the model returned ``output``: its tensors (a Hugging Face
+        output's loss and logits, and its key-value cache's: ``leaks.tensors_within``) are
+        the step's own."""
+        values = tensors_within(output_values(output), torch.Tensor)
         self._take_own(values)
         self.output_ptrs.update(
             (v.data_ptr(), weakref.ref(v.untyped_storage()))
