@@ -1925,8 +1925,8 @@ def test_a_forward_interrupted_and_caught_leaves_no_call_running(
 
 
 def test_a_model_entered_after_ctrl_c_in_a_loss_module_is_tracked_again() -> None:
-    """Global hooks: Ctrl-C in a loss module's forward (not the model: its call is ignored,
-    and so was everything after it, forever); the model's next forward drops that call."""
+    """Global hooks: Ctrl-C in a loss module's forward (not the model: once an ignored call
+    was left on the stack, and everything after it was ignored, forever)."""
 
     class InterruptedLoss(nn.Module):
         armed = False
@@ -1950,6 +1950,31 @@ def test_a_model_entered_after_ctrl_c_in_a_loss_module_is_tracked_again() -> Non
     report = tracker.report()
     assert report.steps == 4
     assert {m.path: m.calls for m in report.devices[0].modules}["Sequential"] == 5
+
+
+def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
+    """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
+    module calling the model. Everything inside the loss module's call was ignored: no
+    forward phase, no module table, the activations left to the optimizer phase."""
+
+    class Criterion(nn.Module):
+        def forward(self, model: nn.Module, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+            return nn.functional.cross_entropy(model(sample["x"]), sample["y"])
+
+    torch.manual_seed(0)
+    model, criterion = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), Criterion()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(None, device="cpu", budget="64MiB", module_every=1) as tracker:
+        for _ in range(3):
+            sample = {"x": torch.randn(32, 64), "y": torch.randint(0, 10, (32,))}
+            criterion(model, sample).backward()
+            opt.step()
+            opt.zero_grad()
+    dev = tracker.report().devices[0]
+    rows = {m.path: m for m in dev.modules}
+    assert set(rows) == {"Sequential", "0", "1", "2"}
+    assert rows["0"].activation_bytes == 32 * 256 * 4  # its output, which ReLU keeps
+    assert dev.phase_peaks["forward"] is not None
 
 
 def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_device():

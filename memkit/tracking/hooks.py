@@ -466,9 +466,8 @@ class Hooks:
             root = models.owners.get(id(module))
             if root is None or root.ref() is None:  # not a part of a model seen before
                 root = models.root_info(module)
-                if not root.model:  # a loss module, a data transform: not the model
-                    stack.append(IgnoredCall(id(module)))
-                    return
+                if not root.model:  # a loss module, a data transform: not the model, but
+                    return  # it may call one (fairseq's ``criterion(model, sample)``)
             keys = calls.keys = root.keys
             # a model's call: its keyword tensors are inputs too (``model(im_q=..., im_k=...)``),
             # which torch's global pre-hooks are not given
