@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import reprlib
 from collections.abc import Iterator
 
 __all__ = [
@@ -29,6 +30,9 @@ __all__ = [
     "MissingDependencyError",
     "ModelFileError",
     "UserCodeError",
+    "check_flag",
+    "check_whole",
+    "found",
     "on_command_line",
     "spelled",
 ]
@@ -116,3 +120,37 @@ class DistributedError(MemkitError):
     """A collective operation failed or timed out across ranks."""
 
     exit_code = 4
+
+
+def found(value: object) -> str:
+    """``'10' (str)``: the value and its type, which tells ``'10'`` from ``10``."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def check_whole(
+    name: str, value: object, minimum: int, what: str, *, none_means: str | None = None
+) -> None:
+    """``value`` is a whole number (not a bool) of at least ``minimum``, or ``None`` where
+    ``none_means`` says what ``None`` stands for.
+
+    Raises:
+        ConfigError: naming ``name``, ``what`` it counts, and what was found.
+    """
+    if value is None and none_means is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        alternative = "" if none_means is None else f" (None: {none_means})"
+        raise ConfigError(
+            f"{name}: expected a whole number of {what} >= {minimum}{alternative}, "
+            f"found {found(value)}"
+        )
+
+
+def check_flag(name: str, value: object) -> None:
+    """``value`` is ``True`` or ``False`` (a string such as ``"no"`` would be taken as true).
+
+    Raises:
+        ConfigError: naming ``name`` and what was found.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected True or False, found {found(value)}")

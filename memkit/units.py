@@ -26,7 +26,14 @@ from collections.abc import Sequence
 
 from memkit.errors import ConfigError
 
-__all__ = ["format_percent", "format_shape", "format_size", "parse_size", "size_option"]
+__all__ = [
+    "format_percent",
+    "format_shape",
+    "format_size",
+    "parse_budget",
+    "parse_size",
+    "size_option",
+]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -68,6 +75,8 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, float):
         if text < 0 or text != text:
             raise ConfigError(f"expected a non-negative size, found {text}")
+        if not text.is_integer():
+            raise ConfigError(f"expected a whole number of bytes, found {text}")
         return int(text)
     match = _PATTERN.match(str(text))
     if match is None:
@@ -77,6 +86,41 @@ def parse_size(text: str | int | float) -> int:
     if factor is None:
         raise ConfigError(f"unknown size unit {unit!r} in {text!r}; accepted: {_ACCEPTED}")
     return round(float(number) * factor)
+
+
+_BARE_NUMBER = re.compile(r"\s*\d+(\.\d*)?\s*$")
+
+
+def parse_budget(budget: str | int | float, option: str = "budget") -> int:
+    """The bytes of a device budget: a positive size. A number without a unit is bytes, and
+    one below 1 KiB (a device that holds no tensor) is taken for a forgotten unit.
+
+    Raises:
+        ConfigError: naming ``option``, what was found and what to give instead.
+
+    >>> parse_budget("24GiB"), parse_budget(120_000)
+    (25769803776, 120000)
+    >>> try:
+    ...     parse_budget(12)
+    ... except ConfigError as exc:
+    ...     print(str(exc)[:43])
+    budget=12: 12 is 12 bytes (a number without
+    """
+    try:
+        size = parse_size(budget)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}={budget!r}: {exc}") from None
+    if size <= 0:
+        raise ConfigError(
+            f"{option}={budget!r}: expected a positive size such as 300MiB or 8GiB, found 0 bytes"
+        )
+    bare = isinstance(budget, (int, float)) or _BARE_NUMBER.match(str(budget))
+    if bare and size < 1024:
+        raise ConfigError(
+            f"{option}={budget!r}: {budget} is {size} bytes (a number without a unit is "
+            f"bytes), too small for any tensor; give a unit, e.g. '{budget}GiB' or '{budget}MiB'"
+        )
+    return size
 
 
 def format_size(n: int | float | None, *, signed: bool = False) -> str:

@@ -362,3 +362,25 @@ def test_an_observer_attached_while_a_collection_frees_a_counted_tensor():
         acct.observe(observer)
         acct.stop_observing()
     assert observer.counted in (3000, 3001) and len(keep) == 3000
+
+
+def test_what_simulate_cannot_count_is_a_config_error_not_silently_nothing():
+    """``track='model'``, ``track=[model, 5]`` and a NumPy array counted nothing, silently
+    (sweep KK); objects that hold tensors (a model's output) are still taken."""
+    import numpy as np
+
+    from memkit.errors import ConfigError
+
+    model = torch.nn.Linear(4, 4)
+    for bad, found in (("model", r"'model' \(str\)"), ([model, 5], r"5 \(int\)"),
+                       ((np.zeros(3),), r"array\(.*\(ndarray\)")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"track: expected a model.* found {found}"):
+            simulate("1MiB", track=bad)
+
+    class Output:
+        def __init__(self) -> None:
+            self.logits = torch.zeros(256)
+
+    output = Output()
+    with simulate("1MiB", track=[model, output]) as acct:
+        assert acct.current == (16 + 4) * 4 + 256 * 4

@@ -634,3 +634,23 @@ def test_a_storage_keeps_its_number_while_only_a_view_holds_it(no_smi):
     assert s1.tensors[0].storage_id == s2.tensors[0].storage_id is not None
     assert [(c.what, c.before, c.after, c.note) for c in (s2 - s1).changes
             if c.where == "tensor"] == [("a", 400, 400, "renamed to view")]  # fmt: skip
+
+
+def test_options_of_the_wrong_kind_are_config_errors_naming_the_option(no_smi):
+    """``top='5'`` raised a raw TypeError from inside the sort, ``top=5.5`` one from a slice,
+    ``scan_gc='yes'`` was taken as true (sweep KK); a forward output's ``.grad`` read warned."""
+    import warnings
+
+    model = torch.nn.Linear(4, 4)
+    for options, message in (
+        ({"top": "5"}, r"top: expected a whole number .* found '5' \(str\)"),
+        ({"top": 5.5}, r"top: expected a whole number .* found 5.5 \(float\)"),
+        ({"scan_gc": "yes"}, r"scan_gc: expected True or False, found 'yes' \(str\)"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            snapshot(model, device="cpu", **options)
+    out = model(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snap = snapshot({"out": out}, device="cpu")
+    assert [t.name for t in snap.tensors] == ["out"]

@@ -1528,9 +1528,9 @@ def test_a_batch_sliced_from_a_dataset_in_ram_counts_its_own_rows_not_the_datase
     ("model", "optimizer", "message"),
     [
         ("pair", None, r"follows one model, found a list of 2 modules.*memkit.track\(optimizer="),
-        ("one", "adam", r"optimizer: expected a torch.optim.Optimizer.*found str 'adam'"),
-        ("one", "module", r"optimizer: expected .*found Linear Linear\(in_features=2"),
-        ("path", None, r"model: expected the torch.nn.Module you train .*found str 'model.pt'"),
+        ("one", "adam", r"optimizer: expected a torch.optim.Optimizer.*found 'adam' \(str\)"),
+        ("one", "module", r"optimizer: expected .*found Linear\(in_fea.*\(Linear\)"),
+        ("path", None, r"model: expected the torch.nn.Module you train .*found 'model.pt' \(str\)"),
     ],
 )
 def test_what_is_not_a_model_or_an_optimizer_is_named_before_the_block(model, optimizer, message):

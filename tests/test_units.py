@@ -65,3 +65,20 @@ def test_size_option_is_exact_and_reads_back(n, text):
     """What advice puts in a command (``--budget 8MiB``, not ``--budget 8388608``)."""
     assert size_option(n) == text
     assert parse_size(size_option(n)) == n
+
+
+def test_a_budget_without_a_unit_too_small_for_any_tensor_is_taken_for_a_forgotten_unit():
+    """``budget=12`` made a 12-byte device, whose post-mortem then advised sharding an
+    80-byte Linear (sweep KK); ``12.5`` was truncated to 12."""
+    import memkit
+    from memkit.units import parse_budget
+
+    with pytest.raises(ConfigError, match=r"budget=12: 12 is 12 bytes .* e\.g\. '12GiB'"):
+        memkit.simulate(12)
+    with pytest.raises(ConfigError, match=r"budget='12': .*12 bytes"):  # noqa: SIM117
+        with memkit.track(None, device="cpu", budget="12"):
+            pass
+    with pytest.raises(ConfigError, match=r"budget=12.5: expected a whole number of bytes"):
+        memkit.simulate(12.5)
+    assert parse_budget(120_000) == 120_000  # a small device in bytes, on purpose
+    assert parse_budget("512B") == 512  # a unit given: taken as written

@@ -32,7 +32,7 @@ from memkit.devices.host import default_cpu_budget
 from memkit.devices.state import current_accelerator, tensor_device
 from memkit.errors import ConfigError, spelled
 from memkit.simulated.accountant import MemoryAccountant
-from memkit.units import format_size, parse_size
+from memkit.units import format_size, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -411,11 +411,7 @@ def get_backend(
         ConfigError: unknown device string, or an accelerator that this machine does not have.
     """
     dev = parse_device(device, meta=meta)
-    size = None if budget is None else parse_size(budget)
-    if size is not None and size <= 0:
-        raise ConfigError(
-            f"expected a positive budget such as 300MiB or 8GiB, found {budget!r}, which is 0 bytes"
-        )
+    size = None if budget is None else parse_budget(budget)
     if dev is None:
         dev = current_accelerator() or torch.device("cpu")
     if dev.type == "cpu":

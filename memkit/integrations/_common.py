@@ -15,7 +15,7 @@ from memkit.errors import ConfigError, MissingDependencyError
 from memkit.tracking.options import check_flag, check_track_options
 from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
-from memkit.units import parse_size
+from memkit.units import parse_budget
 
 if TYPE_CHECKING:
     import torch
@@ -54,11 +54,7 @@ def _check_options(device: Any, budget: int | str | None) -> None:
     made, not a traceback when training starts: an unknown or absent device, meta (a training
     run's tensors are on cpu or a GPU: it would count nothing), a size that is not one."""
     if budget is not None:
-        try:
-            if parse_size(budget) <= 0:
-                raise ConfigError(f"expected a positive size such as 512MiB, found {budget!r}")
-        except ConfigError as exc:
-            raise ConfigError(f"budget={budget!r}: {exc}") from None
+        parse_budget(budget)
     if device is None:
         return
     try:

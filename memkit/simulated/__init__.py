@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
-from memkit.simulated.accountant import MemoryAccountant
+from memkit.errors import ConfigError, found
+from memkit.simulated.accountant import MemoryAccountant, tensors_of
 from memkit.simulated.virtual_devices import VirtualDevices
+from memkit.units import parse_budget
 
 __all__ = ["MemoryAccountant", "VirtualDevices", "simulate"]
 
@@ -69,6 +71,11 @@ def simulate(
         ...         print("out of memory")
         out of memory
     """
+    for each in budget if isinstance(budget, (list, tuple)) else [budget]:
+        if each is not None:
+            parse_budget(each)
+    if track is not None:
+        _check_trackable(track)
     if devices is not None or isinstance(budget, (list, tuple)):
         if isinstance(budget, (list, tuple)):
             if devices is not None and devices != len(budget):
@@ -86,3 +93,21 @@ def simulate(
     if track is not None:
         accountant.track(track)
     return accountant
+
+
+def _check_trackable(track: Any) -> None:
+    """``track`` is a model, an optimizer, a tensor, or a tuple/list of them (or an object
+    holding tensors: a model's output); anything else would silently count nothing.
+
+    Raises:
+        ConfigError: naming what was found and what to pass.
+    """
+    for item in track if isinstance(track, (list, tuple)) else (track,):
+        if isinstance(item, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            continue
+        if isinstance(item, (str, bytes, int, float, bool)) or next(tensors_of(item), None) is None:
+            raise ConfigError(
+                f"track: expected a model, an optimizer, a tensor, or a tuple/list of them, "
+                f"found {found(item)}, which holds no torch tensor: pass the objects themselves "
+                "(a NumPy array: torch.from_numpy(array))"
+            )

@@ -112,7 +112,8 @@ class Census:
             self.add_optimizer(obj, f"{name}." if name else "")
         elif isinstance(obj, torch.Tensor):
             self.add(obj, "tensor", name or "tensor")
-            if obj.grad is not None:
+            # a non-leaf's .grad is None unless retain_grad() was called (reading it warns)
+            if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
                 self.add(obj.grad, "gradient", f"{name or 'tensor'}.grad")
         elif isinstance(obj, dict):
             for key, value in obj.items():

@@ -20,7 +20,7 @@ import torch
 from memkit import advice as advice_rules
 from memkit import devices
 from memkit.advice import Advice
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, check_flag, check_whole
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.snapshots.census import Census, categorise, largest
 from memkit.snapshots.results import DeviceSnapshot, HostSnapshot, Snapshot
@@ -228,6 +228,9 @@ def snapshot(
         >>> [c.after for c in diff.changes if c.what == "gradients"]
         [263168]
     """
+    check_flag("scan_gc", scan_gc)
+    check_flag("nvidia_smi", nvidia_smi)
+    check_whole("top", top, 0, "tensors to list")
     taken_at = time.time()
     notes: list[str] = []
     census = _census_of(objects, scan_gc, notes)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, found
 from memkit.simulated.eager import is_compiled
 from memkit.tracking.fsdp import user_class_name
 from memkit.tracking.records import RootInfo
@@ -26,11 +26,6 @@ _UNREAD = object()
 ModelFound = Callable[[torch.nn.Module, bool], None]
 """Called with a model seen running for the first time, and whether that made the tracking
 compiled (it was the first compiled model)."""
-
-
-def _found(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _checked_model(model: Any) -> torch.nn.Module | None:
@@ -46,7 +41,7 @@ def _checked_model(model: Any) -> torch.nn.Module | None:
         )
     raise ConfigError(
         f"model: expected the torch.nn.Module you train (or None: every model that runs), "
-        f"found {_found(model)}"
+        f"found {found(model)}"
     )
 
 
@@ -59,7 +54,7 @@ def _checked_optimizers(optimizer: Any) -> list[Any]:
         if not (hasattr(item, "param_groups") and callable(getattr(item, "step", None))):
             raise ConfigError(
                 "optimizer: expected a torch.optim.Optimizer, a list of them, or None (every "
-                f"optimizer that steps), found {_found(item)}"
+                f"optimizer that steps), found {found(item)}"
             )
     return optimizers
 

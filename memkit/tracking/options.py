@@ -12,48 +12,12 @@ memkit.errors.ConfigError: per_module: expected True or False, found 'no' (str)
 
 from __future__ import annotations
 
-import reprlib
-
-from memkit.errors import ConfigError
+from memkit.errors import ConfigError, check_flag, check_whole, found
 
 __all__ = ["check_flag", "check_track_options", "check_whole"]
 
 POSTMORTEM_TARGETS = ("stderr", None)
 """Where the OOM post-mortem goes: stderr, or only the log (``None``)."""
-
-
-def _found(value: object) -> str:
-    """``'10' (str)``: the value and its type, which tells ``'10'`` from ``10``."""
-    return f"{reprlib.repr(value)} ({type(value).__name__})"
-
-
-def check_whole(
-    name: str, value: object, minimum: int, what: str, *, none_means: str | None = None
-) -> None:
-    """``value`` is a whole number (not a bool) of at least ``minimum``, or ``None`` where
-    ``none_means`` says what ``None`` stands for.
-
-    Raises:
-        ConfigError: naming ``name``, ``what`` it counts, and what was found.
-    """
-    if value is None and none_means is not None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        alternative = "" if none_means is None else f" (None: {none_means})"
-        raise ConfigError(
-            f"{name}: expected a whole number of {what} >= {minimum}{alternative}, "
-            f"found {_found(value)}"
-        )
-
-
-def check_flag(name: str, value: object) -> None:
-    """``value`` is ``True`` or ``False`` (a string such as ``"no"`` would be taken as true).
-
-    Raises:
-        ConfigError: naming ``name`` and what was found.
-    """
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected True or False, found {_found(value)}")
 
 
 def check_track_options(
@@ -72,4 +36,4 @@ def check_track_options(
     check_whole("module_every", module_every, 1, "steps", none_means="the default")
     check_whole("timeline_limit", timeline_limit, 0, "counter readings")
     if postmortem not in POSTMORTEM_TARGETS:
-        raise ConfigError(f"postmortem: expected 'stderr' or None, found {_found(postmortem)}")
+        raise ConfigError(f"postmortem: expected 'stderr' or None, found {found(postmortem)}")
