@@ -503,12 +503,29 @@ class MicroBatchStep:
         new = self.policy.on_oom(tried, bound)
         log.warning(
             "microbatch: out of memory at micro-batch size %d of %d (%d chunk(s)); "
-            "retrying the same batch at micro-batch size %s%s",
+            "retrying the same batch at micro-batch size %s%s%s",
             tried,
             size,
             chunks,
             new,
             "" if bound is None or new != bound else " (size bound from the OOM message)",
+            self._batch_statistics_note(),
+        )
+
+    def _batch_statistics_note(self) -> str:
+        """A caveat when the model normalises with batch statistics (BatchNorm in training
+        mode): each micro-batch then has its own, and the gradient is not the full batch's."""
+        norms = [
+            type(m).__name__
+            for m in self.model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+        ]
+        if not norms:
+            return ""
+        return (
+            f"; the model's {len(norms)} {norms[0]} layer(s) in training mode now normalise "
+            "each micro-batch with its own statistics: the gradient is the micro-batched "
+            "model's, not the full batch's (docs/microbatch.md, Exactness)"
         )
 
     def _step_once(self, used: list[int], ddp: bool) -> None:
