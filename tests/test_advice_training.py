@@ -396,6 +396,25 @@ def test_the_oom_micro_batch_leaves_room_for_the_gradients_and_state_to_come():
     assert lm_steps(TinyLM(128, 2048), 16, 2, budget="36MiB", tracked=False) is None
 
 
+def test_the_oom_state_to_come_is_found_without_a_given_optimizer():
+    """Sweep JJ: under ``memkit run`` (no optimizer given, none stepped before step 0's OOM)
+    the advice left SGD's momentum out of what the step will hold; ``track(model, opt)``
+    counted it. The optimizer is found in the failing frames now."""
+    model = TinyLM(width=128, vocab=2048)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(None, device="cpu", budget="36MiB", postmortem=None) as tracker,
+    ):
+        model(torch.randint(0, 2048, (16, 64))).backward()
+        opt.step()
+    pm = tracker.report().oom
+    assert pm is not None and pm.step == 0 and pm.phase == "forward"
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    trained = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert f"SGD's state (1 buffer of their size), {format_size(trained)}" in adv.evidence
+
+
 def test_the_oom_gradients_to_come_are_the_trained_parameters_only():
     """Sweep V: a LoRA whose adapters train (96 KiB) was told the first micro-batch's gradients
     would be "up to 4.18 MiB", every parameter's."""

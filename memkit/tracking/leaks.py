@@ -571,13 +571,13 @@ def _frame_locals(frame: FrameType) -> dict[str, Any]:
     return names
 
 
-def optimizer_in_frames(start: FrameType | None) -> bool:
-    """Whether a ``torch.optim.Optimizer`` is a local of a user frame from ``start`` outwards
-    (a script's top level: its globals), or an attribute of a local ``self``: the script
-    trains, though it may not have run a training forward yet."""
+def optimizers_in_frames(start: FrameType | None) -> list[Any]:
+    """The ``torch.optim.Optimizer`` objects among the locals of the first user frame from
+    ``start`` outwards that has any (a script's top level: its globals), or among the
+    attributes of a local ``self``: the script trains, though no optimizer stepped yet."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return False
+        return []
     optimizer = torch.optim.Optimizer
     for frame in _user_frames(start):
         names = _frame_locals(frame)
@@ -586,9 +586,10 @@ def optimizer_in_frames(start: FrameType | None) -> bool:
         if owner is not None and hasattr(owner, "__dict__"):
             with contextlib.suppress(TypeError):
                 values += list(vars(owner).values())
-        if any(isinstance(v, optimizer) for v in values):
-            return True
-    return False
+        found = {id(v): v for v in values if isinstance(v, optimizer)}
+        if found:
+            return list(found.values())
+    return []
 
 
 _ASSIGN = r"(?<![\w.])(?:self\.)?{name}\s*(\+=|-=|\*=|=(?!=)|\.append\(|\.extend\(|\[[^\]]*\]\s*=)"

@@ -89,6 +89,7 @@ class TrackedModels:
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
+        self._in_frames: list[weakref.ref[Any]] = []  # found_in_frames
         self.compiled = False
         self.on_model: ModelFound | None = None
         self._lock = lock
@@ -133,11 +134,18 @@ class TrackedModels:
         return out
 
     def all_optimizers(self) -> list[Any]:
-        """The optimizers given, or else those seen stepping that are still alive."""
+        """The optimizers given, or else those seen stepping that are still alive, or else
+        those an OOM's frames held before any stepped (:meth:`found_in_frames`)."""
         optimizers = self.optimizers
         if optimizers:
             return list(optimizers)
-        return [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
+        seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
+        return seen or [o for o in (r() for r in self._in_frames) if o is not None]
+
+    def found_in_frames(self, optimizers: list[Any]) -> None:
+        """Optimizers found in the user's frames while none is known (an OOM in step 0's
+        forward, under ``memkit run``): the post-mortem counts the state they will hold."""
+        self._in_frames = [weakref.ref(o) for o in optimizers]
 
     def see_optimizer(self, optimizer: Any) -> bool:
         """Note an optimizer stepping; whether it is the first time."""

@@ -29,7 +29,7 @@ import torch
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.leaks import growth_finding, optimizer_in_frames, tensors_within
+from memkit.tracking.leaks import growth_finding, optimizers_in_frames, tensors_within
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.records import (
     DeviceRecord,
@@ -244,7 +244,7 @@ class PhaseMachine:
             return True
         if self.optimizer_near is None:
             try:
-                self.optimizer_near = optimizer_in_frames(sys._getframe(1))
+                self.optimizer_near = bool(optimizers_in_frames(sys._getframe(1)))
             except Exception:  # inspection must never break training
                 log.debug("optimizer search failed", exc_info=True)
                 self.optimizer_near = False

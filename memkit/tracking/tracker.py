@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Literal
 
 import torch
@@ -402,6 +402,8 @@ class Tracker:
         index = oom_device_index(exc)
         if index is not None and state.single is None:  # several devices: the message's
             dev = devices.records.get(index, dev)
+        if not self.models.all_optimizers():  # none given or stepped yet: the script's own
+            self.models.found_in_frames(leaks.optimizers_in_frames(_innermost(tb)))
         persistent = devices.persistent(dev)
         fsdp = state.fsdp
         moment = PeakMoment(
@@ -621,3 +623,11 @@ class Tracker:
     def history_error(self) -> str | None:
         """Why the memory history could not be written, if it could not."""
         return self.history.error
+
+
+def _innermost(tb: TracebackType | None) -> FrameType | None:
+    """The frame an exception was raised in (its traceback's last)."""
+    frame = None
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+    return frame
