@@ -654,3 +654,18 @@ def test_options_of_the_wrong_kind_are_config_errors_naming_the_option(no_smi):
         warnings.simplefilter("error")
         snap = snapshot({"out": out}, device="cpu")
     assert [t.name for t in snap.tensors] == ["out"]
+
+
+def test_a_parameter_named_with_its_models_prefix_in_one_snapshot_is_no_rename(no_smi):
+    """Sweep JJ: ``snapshot(model, opt)`` then ``snapshot(model, opt, ema)`` named the same
+    weight ``0.weight`` and ``Sequential[0].0.weight`` (several models get a prefix): the diff
+    listed every unchanged parameter as 'renamed to ...'."""
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    ema = copy.deepcopy(model)
+    before = snapshot(model, device="cpu")
+    after = snapshot(model, ema, device="cpu")
+    assert "Sequential[0].0.weight" in [t.name for t in after.tensors]
+    notes = [c.note for c in (after - before).changes if c.where == "tensor"]
+    assert not any("renamed" in n for n in notes), notes

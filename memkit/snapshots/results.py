@@ -9,6 +9,7 @@ and HTML layout is in :mod:`memkit.render.snapshots`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -493,10 +494,20 @@ def _pair_by_key(
     return pairs, old_rest, new_rest
 
 
+_MODULE_PREFIX = re.compile(r"^[A-Za-z_]\w*\[\d+\]\.")
+"""The prefix a snapshot of several modules gives each one's tensors (``TinyResNet[0].``)."""
+
+
+def _unprefixed(name: str | None) -> str | None:
+    """``name`` without the prefix of a snapshot of several modules: the same parameter in a
+    snapshot of the model alone and of the model and its EMA copy is no rename."""
+    return None if name is None else _MODULE_PREFIX.sub("", name, count=1)
+
+
 def _pair_change(old: TensorInfo, new: TensorInfo) -> Change | None:
     """The row for one tensor in both snapshots: its size or its name changed, or nothing."""
     note = ""
-    if old.name != new.name:  # only a storage match pairs different names
+    if _unprefixed(old.name) != _unprefixed(new.name):  # only a storage match pairs them
         if new.name is None:
             note = "now unnamed"
         elif old.name is None:
