@@ -275,6 +275,21 @@ class DeviceSet:
         if True in flags and len(self.evidence.models.root_modules()) > 1:
             dev.grad_models[flags] = self.evidence.gradients_by_model()
 
+    def forward_ended(self, dev: DeviceRecord) -> None:
+        """The forward whose peak ``dev``'s breakdown is ended: which of the gradients alive
+        at the peak are still allocated (those the next phase holds)."""
+        dev.forward_peak = False
+        found = dev.breakdown
+        flags = self.evidence.grad_flags()
+        if found is None or not flags:
+            return
+        if True in flags and flags not in dev.grad_sizes:
+            self._note_gradients(dev, flags, self.persistent(dev))
+        after = dev.grad_sizes.get(flags, 0) if True in flags else 0
+        dev.breakdown = dataclasses.replace(
+            found, gradients_after_forward=min(after, found.gradients)
+        )
+
     def resolve_pending(self, dev: DeviceRecord, now: Persistent | None = None) -> None:
         """Categorise the new training peak ``dev`` saw (``dev.pending``), if any (``now``:
         the persistent sizes on ``dev``, if the caller measured them just now)."""
@@ -294,6 +309,7 @@ class DeviceSet:
         if self.state.phase != BACKWARD:  # (inside one, only some layers' exist yet)
             self._note_gradients(dev, self.evidence.grad_flags(), now)
         found = breakdown(moment, now, remembered, dev.grad_sizes)
+        dev.forward_peak = moment.phase == FORWARD
         # whose, where several models run (a GAN's): for zero-grad-keeps-grads
         several = len(self.evidence.models.root_modules()) > 1
         if found.gradients and moment.phase == FORWARD and several:

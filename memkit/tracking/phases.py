@@ -404,9 +404,12 @@ class PhaseMachine:
         devices, state = self.devices, self.state
         single = state.single
         self._close_segment()
+        ends_forward = state.phase == FORWARD and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():
             if dev.pending is not None:
                 devices.resolve_pending(dev)
+            if ends_forward and dev.forward_peak:
+                devices.forward_ended(dev)
             if phase != BACKWARD:
                 dev.bw_module = None
         if phase == FORWARD and not resumes:
