@@ -1028,6 +1028,43 @@ def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
     assert dev.breakdown.step in (0, 1, 2)
 
 
+def test_a_gan_forward_peak_counts_the_gradients_alive_then_not_those_left_at_its_end():
+    """Sweep KK's GAN (two optimizers, G's update then D's): the peak is D's loss after its
+    forwards, when G's and D's gradients (both from G's backward) are alive; ``opt_d.zero_grad()``
+    frees D's before the forward phase ends. The breakdown had G's only and D's in "other";
+    gradients at a forward's peak are those alive at the last mark before it (a model's
+    forward returning), never more than the forward began with."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64))
+    disc = nn.Sequential(nn.Linear(64, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
+    opt_d = torch.optim.SGD(disc.parameters(), 1e-2, momentum=0.9)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    with track(device="cpu", budget="32MiB", optimizer=[opt_g, opt_d]) as tracker:
+        for _ in range(2):
+            x, z = torch.randn(32, 64), torch.randn(32, 16)
+            fake = gen(z)
+            g_loss = bce(disc(fake), torch.ones(32, 1))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            real, faked = disc(x), disc(fake.detach())
+            d_loss = (bce(real, torch.ones_like(real)) + bce(faked, torch.zeros_like(faked))) / 2
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+    bd = tracker.report().devices[0].breakdown
+    assert bd is not None and bd.phase == "forward"
+    # hand count: every parameter of both models has a float32 gradient there
+    g_bytes = sum(p.numel() * 4 for p in gen.parameters())  # 41,728
+    d_bytes = sum(p.numel() * 4 for p in disc.parameters())  # 33,796
+    assert bd.gradients == g_bytes + d_bytes
+    assert dict(bd.gradient_models) == {"Sequential": g_bytes, "Sequential#2": d_bytes}
+    # other: the batch x, z and the generated batch (and a few scalars), not D's gradients
+    batch = (32 * 64 + 32 * 16 + 32 * 64) * 4
+    assert batch <= bd.other < batch + 1024
+
+
 def test_a_discriminator_frozen_for_the_generators_update_trains_in_its_own():
     """pix2pix/CycleGAN's ``set_requires_grad(netD, False)`` for G's update, ``True`` for D's,
     each optimizer zeroing its own gradients: D's forwards in its own update are training

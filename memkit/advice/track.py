@@ -385,7 +385,9 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     found the critic's)."""
     found = report.grads_at_forward_bytes or bd.gradients
     alive = bd.gradients if bd.phase == "forward" else None
-    next_peak, held = _peak_not_holding(dev, alive or found)
+    trailing = bd.step is not None and all(s.step < bd.step for s in dev.steps)
+    carried = (bd.gradients_after_forward or 0) if alive and trailing else 0
+    next_peak, held = _peak_not_holding(dev, alive or found, carried)
     return zero_grad_keeps_grads(
         steps_with_grads=report.steps_with_grads_at_forward,
         gradient_bytes=found,
@@ -399,7 +401,9 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     )
 
 
-def _peak_not_holding(dev: DeviceReport, gradients: int) -> tuple[int | None, bool]:
+def _peak_not_holding(
+    dev: DeviceReport, gradients: int, carried: int = 0
+) -> tuple[int | None, bool]:
     """The highest backward or optimizer peak on ``dev`` that freeing the ``gradients`` kept
     through the peak's forward would not lower, and whether a higher one holds them.
 
@@ -408,7 +412,9 @@ def _peak_not_holding(dev: DeviceReport, gradients: int) -> tuple[int | None, bo
     that follows no generator step), the same phase peaked that much lower too; such
     forwards do not fall either. Steps from 1 on (step 0 creates the gradients and the
     optimizer's state); a phase's peak outside the steps (after the last boundary) above
-    theirs counts as not holding them."""
+    theirs counts as not holding them, less the ``carried`` bytes of them that the peak's
+    forward, itself after the last boundary (a GAN's critic's, after the generator's step
+    that ends the steps), left allocated into the phases after it."""
     near = 0.9 * gradients  # (the allocator's rounding)
 
     def peak(step: StepRecord, phase: str) -> int:
@@ -426,7 +432,7 @@ def _peak_not_holding(dev: DeviceReport, gradients: int) -> tuple[int | None, bo
             (held if s not in without and lower else kept).append(v)
         outside = dev.phase_peaks.get(phase) or 0
         if outside > max(values, default=0):
-            kept.append(outside)
+            kept.append(outside - carried)
     return max((v for v in kept if v > 0), default=None), max(held) > top - gradients
 
 

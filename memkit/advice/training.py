@@ -856,7 +856,11 @@ def zero_grad_keeps_grads(
     else:
         where = ", and training's peak came in a forward, so they are part of it."
     step = (
-        f"on the optimizer that steps {names}, right after its `step()`"
+        (
+            f"on the optimizer that steps {names}, right after its `step()`"
+            if len(holders) == 1
+            else f"on the optimizers that step {names}, right after their `step()`"
+        )
         if names
         else "right after `optimizer.step()`"
     )

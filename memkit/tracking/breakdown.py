@@ -12,6 +12,7 @@ returns after a new peak (``DeviceRecord.pending``). No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from memkit.tracking.report import PHASES, Breakdown
@@ -42,6 +43,11 @@ class PeakMoment(NamedTuple):
         grads_none_now, state_empty_now: whether they were absent at the moment.
         gathered, gathered_base: FSDP2's all-gathered bytes at the moment and when the forward
             began.
+        alive, alive_base: the gradient witnesses' flags (one per optimizer: whether its
+            gradients were allocated) at the moment, for a forward's (as of the last mark before
+            it: the forward's start, a model's forward beginning or returning; ``()`` where
+            not read), and when the forward began: the keys of the gradient bytes
+            :func:`breakdown` is given.
     """
 
     total: int
@@ -55,15 +61,27 @@ class PeakMoment(NamedTuple):
     state_empty_now: bool
     gathered: int = 0
     gathered_base: int = 0
+    alive: tuple[bool, ...] = ()
+    alive_base: tuple[bool, ...] = ()
 
 
-def breakdown(moment: PeakMoment, now: Persistent, remembered: Persistent) -> Breakdown:
+def breakdown(
+    moment: PeakMoment,
+    now: Persistent,
+    remembered: Persistent,
+    sizes: Mapping[tuple[bool, ...], int] | None = None,
+) -> Breakdown:
     """``moment``'s allocated bytes by category.
 
     ``now``: the persistent memory measured for it (after the moment: when the phase ended, or
     at the OOM); ``remembered``: the largest gradients and optimizer state seen before, which
     stand in for ones freed since the moment (``zero_grad`` with ``set_to_none`` between the
-    peak and the measurement).
+    peak and the measurement); ``sizes``: the gradient bytes last measured with each set of
+    witness flags, which give the gradients at a forward's peak (``moment.alive``) and when
+    the forward began (``moment.alive_base``) where known: several optimizers free theirs at
+    different times (a GAN's critic's ``zero_grad`` after its forward's peak, before its
+    backward), so those alive then may be more than the measurement finds and fewer than the
+    largest seen.
 
     >>> m = PeakMoment(1000, 0, FORWARD, None, 400, False, False, False, False)
     >>> b = breakdown(m, Persistent(100, 100, 200), Persistent(0, 0, 0))
@@ -81,6 +99,10 @@ def breakdown(moment: PeakMoment, now: Persistent, remembered: Persistent) -> Br
     if phase == FORWARD:
         grads_none_now = grads_none_now and moment.grads_none
     grads = grads_now if phase == BACKWARD else 0 if grads_none_now else grads_known
+    at_peak = _gradients(moment.alive, sizes) if phase == FORWARD else None
+    at_base = _gradients(moment.alive_base, sizes)
+    if at_peak is not None:  # never more than the forward began with
+        grads = at_peak if at_base is None else min(at_peak, at_base)
     state = 0 if moment.state_empty_now else state_known
     note = None
     gathered = max(0, min(moment.gathered, total - params - state))
@@ -93,7 +115,7 @@ def breakdown(moment: PeakMoment, now: Persistent, remembered: Persistent) -> Br
     if moment.base is None:
         acts, other = 0, rest
     else:
-        grads_base = 0 if moment.grads_none else grads_known
+        grads_base = at_base if at_base is not None else 0 if moment.grads_none else grads_known
         state_base = 0 if moment.state_empty else state_known
         other = max(0, moment.base - params - grads_base - state_base - moment.gathered_base)
         acts = max(0, rest - other)
@@ -123,3 +145,10 @@ def breakdown(moment: PeakMoment, now: Persistent, remembered: Persistent) -> Br
         note=note,
         gathered_parameters=gathered,
     )
+
+
+def _gradients(flags: tuple[bool, ...], sizes: Mapping[tuple[bool, ...], int] | None) -> int | None:
+    """The gradient bytes the witness ``flags`` stand for (``None``: not known)."""
+    if not flags or sizes is None:
+        return None
+    return sizes.get(flags) if any(flags) else 0

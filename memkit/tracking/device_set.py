@@ -38,7 +38,7 @@ from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import GrowthDetector
 from memkit.tracking.records import DEFAULT_STEP_LIMIT, DeviceRecord
 from memkit.tracking.report import Breakdown
-from memkit.tracking.state import EVAL, FORWARD, TrackState
+from memkit.tracking.state import BACKWARD, EVAL, FORWARD, TrackState
 
 __all__ = ["DeviceSet", "SegmentCloser", "segment_closer"]
 
@@ -94,6 +94,8 @@ def segment_closer(state: TrackState, evidence: Evidence) -> SegmentCloser:
                 evidence.state_empty(),
                 gathered,
                 dev.base_gathered,
+                evidence.marked if ph == FORWARD else (),
+                dev.base_flags,
             )
 
     return close
@@ -254,6 +256,40 @@ class DeviceSet:
         dev.grads_full = max(dev.grads_full, sizes.gradients)
         dev.state_full = max(dev.state_full, sizes.optimizer_state)
 
+    def mark_gradients(self) -> None:
+        """A mark in a training forward (its start, a model's forward beginning or returning,
+        where ``zero_grad`` may have run since the last): the gradient witnesses' flags now,
+        with the gradient bytes they stand for measured on every device the first time they
+        are seen (a walk per new set of flags, not per step)."""
+        evidence = self.evidence
+        flags = evidence.marked = evidence.grad_flags()
+        if True in flags:
+            for dev in self.records.values():
+                if flags not in dev.grad_sizes:
+                    self._note_gradients(dev, flags, self.persistent(dev))
+
+    def _note_gradients(self, dev: DeviceRecord, flags: tuple[bool, ...], now: Persistent) -> None:
+        """Keep ``dev``'s gradient bytes ``now`` as those of the witness ``flags`` (and by
+        model, where several models run)."""
+        dev.grad_sizes[flags] = now.gradients
+        if True in flags and len(self.evidence.models.root_modules()) > 1:
+            dev.grad_models[flags] = self.evidence.gradients_by_model()
+
+    def forward_ended(self, dev: DeviceRecord) -> None:
+        """The forward whose peak ``dev``'s breakdown is ended: which of the gradients alive
+        at the peak are still allocated (those the next phase holds)."""
+        dev.forward_peak = False
+        found = dev.breakdown
+        flags = self.evidence.grad_flags()
+        if found is None or not flags:
+            return
+        if True in flags and flags not in dev.grad_sizes:
+            self._note_gradients(dev, flags, self.persistent(dev))
+        after = dev.grad_sizes.get(flags, 0) if True in flags else 0
+        dev.breakdown = dataclasses.replace(
+            found, gradients_after_forward=min(after, found.gradients)
+        )
+
     def resolve_pending(self, dev: DeviceRecord, now: Persistent | None = None) -> None:
         """Categorise the new training peak ``dev`` saw (``dev.pending``), if any (``now``:
         the persistent sizes on ``dev``, if the caller measured them just now)."""
@@ -270,10 +306,13 @@ class DeviceSet:
         remembered = Persistent(dev.params_full, dev.grads_full, dev.state_full)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)
-        found = breakdown(moment, now, remembered)
+        if self.state.phase != BACKWARD:  # (inside one, only some layers' exist yet)
+            self._note_gradients(dev, self.evidence.grad_flags(), now)
+        found = breakdown(moment, now, remembered, dev.grad_sizes)
+        dev.forward_peak = moment.phase == FORWARD
         # whose, where several models run (a GAN's): for zero-grad-keeps-grads
         several = len(self.evidence.models.root_modules()) > 1
         if found.gradients and moment.phase == FORWARD and several:
-            by_model = self.evidence.gradients_by_model()
+            by_model = dev.grad_models.get(moment.alive) or self.evidence.gradients_by_model()
             found = dataclasses.replace(found, gradient_models=by_model)
         return found

@@ -74,6 +74,9 @@ class Evidence:
         # history would show it)
         self._witnesses: tuple[weakref.ref[torch.Tensor], ...] = ()
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
+        # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
+        # start, a model's forward beginning or returning (zero_grad runs between those)
+        self.marked: tuple[bool, ...] = ()
 
     def find_witness(self) -> None:
         """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
@@ -110,6 +113,21 @@ class Evidence:
         if self._witnesses:
             self.facts.grads_were_none = none
         return none
+
+    def grad_flags(self) -> tuple[bool, ...]:
+        """Per witness (one per optimizer), whether its gradient is allocated now: which
+        optimizers' gradients exist (``()``: no witness, or its model is gone)."""
+        flags = []
+        for witness in self._witnesses:
+            param = witness()
+            if param is None:  # its model is gone: a new one (k-fold), or none
+                found = self._new_witnesses()
+                if not found or found[0]() is None:
+                    return ()
+                self._witnesses = found
+                return self.grad_flags()
+            flags.append(param.grad is not None)
+        return tuple(flags)
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradients the models hold now, each storage once."""

@@ -404,20 +404,25 @@ class PhaseMachine:
         devices, state = self.devices, self.state
         single = state.single
         self._close_segment()
+        ends_forward = state.phase == FORWARD and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():
             if dev.pending is not None:
                 devices.resolve_pending(dev)
+            if ends_forward and dev.forward_peak:
+                devices.forward_ended(dev)
             if phase != BACKWARD:
                 dev.bw_module = None
         if phase == FORWARD and not resumes:
             evidence = self.evidence
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
             self.grads_none_at_forward = grads_none
+            devices.mark_gradients()
             for dev in (single,) if single is not None else devices.records.values():
                 dev.forward_base = dev.last[0]
                 dev.base_gathered = dev.gathered
                 dev.base_grads_none = grads_none
                 dev.base_state_empty = state_empty
+                dev.base_flags = evidence.marked
         state.phase = phase
         self.backward_raised = False
         if devices.sim is not None:  # device memory is what the step's phases create
@@ -483,6 +488,7 @@ class PhaseMachine:
         micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
+        flags = evidence.grad_flags()
         captured = False
         own = self.own
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
@@ -494,6 +500,7 @@ class PhaseMachine:
             close_step(dev, step, now - self.step_t0, micro)
             dev.base_grads_none = grads_none
             dev.base_state_empty = state_empty
+            dev.base_flags = flags
             dev.bw_module = None
             level = dev.last[0]
             if (step < 3 and level != dev.kept_level) or (dev.grads_full == 0 and not grads_none):

@@ -304,6 +304,12 @@ class DeviceRecord:
         self.base_gathered = 0  # ... when the step's forward began
         self.base_grads_none = True
         self.base_state_empty = True
+        self.base_flags: tuple[bool, ...] = ()  # the gradient witnesses' flags then
+        # gradient bytes here last measured with each set of witness flags (and by model,
+        # where several models run): the breakdown's gradients at a forward's peak
+        self.grad_sizes: dict[tuple[bool, ...], int] = {}
+        self.grad_models: dict[tuple[bool, ...], tuple[tuple[str, int], ...]] = {}
+        self.forward_peak = False  # the breakdown is of the forward running (until it ends)
         self.bw_module: str | None = None
         self.last = (a, r)
         self.kept_level: int | None = None  # allocated at the step boundary last remembered

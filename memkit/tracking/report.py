@@ -159,7 +159,10 @@ class Breakdown:
     unsharded parameters and all-gather buffers alive at that moment. At a peak in a forward
     where several models run, ``gradient_models`` are the gradients by the model that holds
     them (its row's name and bytes: a GAN's generator's, kept from its step through the
-    critic's forward); ``()`` elsewhere. See docs/track.md for the approximations.
+    critic's forward); ``()`` elsewhere. At a forward's peak, ``gradients_after_forward`` are
+    those of its gradients still allocated when that forward phase ended (the phase after it
+    holds them: a GAN's generator's, through the critic's backward and step); ``None``
+    elsewhere. See docs/track.md for the approximations.
     """
 
     total: int
@@ -174,6 +177,7 @@ class Breakdown:
     note: str | None = None
     gathered_parameters: int = 0
     gradient_models: tuple[tuple[str, int], ...] = ()
+    gradients_after_forward: int | None = None
 
     def parts(self) -> list[tuple[str, int]]:
         """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only)."""
