@@ -15,7 +15,7 @@ from memkit.devices import get_backend
 from memkit.errors import ConfigError, UserCodeError
 from memkit.modelfile import load_model_file
 from memkit.probing.runner import ProbeOptions, probe, probe_file
-from memkit.probing.step import call_model
+from memkit.probing.step import StepPlan, call_model
 
 
 def small_mlp() -> torch.nn.Module:
@@ -529,6 +529,17 @@ def test_accumulation_with_a_train_step_steps_the_optimizer_once_per_accumulated
     assert any(d.startswith("accumulation:") for d in accumulating.defaults)
 
 
+def test_the_accumulation_line_divides_the_loss_only_where_memkit_takes_it():
+    """``--accumulate 4`` with a model file's train_step said "loss / k", a division memkit
+    cannot make in the user's step (sweep II): the line says what each step does."""
+    default = StepPlan("train", accumulation=4).describe()
+    own = StepPlan("train", train_step=lambda m, b, o: None, accumulation=4).describe()
+    (said,) = [d for d in default if d.startswith("accumulation:")]
+    assert "2 run per optimizer step, standing for the 4" in said and "loss / 4" in said
+    (said,) = [d for d in own if d.startswith("accumulation:")]
+    assert "loss /" not in said and "train_step called for each" in said
+
+
 def test_options_are_checked_before_the_model_file_loads():
     """One checked object: a bad bound is a ConfigError naming it, before any file is read."""
     with pytest.raises(ConfigError, match=r"max_batch \(2\) must be at least min_batch \(4\)"):
@@ -556,7 +567,6 @@ def test_a_graph_the_script_keeps_from_a_step_that_ran_out_does_not_fail_the_nex
     and on the CUDA stand-in (whose cap is lifted for the releasing step)."""
     from memkit.devices.cuda_standin import cuda_standin
     from memkit.probing.state import SavedState
-    from memkit.probing.step import StepPlan
     from memkit.probing.trials import TrialRunner
 
     kept: list[torch.Tensor] = []
@@ -1350,7 +1360,6 @@ def test_the_default_call_hints_only_for_the_default_steps_own_call():
     And the batch-1 line needs batch size 1 and a statistic in the message: a NaN at batch 4,
     or a C++ ``std::`` at batch 1, gets none."""
     from memkit.probing.hints import step_hint
-    from memkit.probing.step import StepPlan
 
     class Inner(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
