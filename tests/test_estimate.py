@@ -1012,3 +1012,14 @@ def test_infer_runs_the_files_eval_step_as_probes_evaluation_step_does(tmp_path:
     est = estimate(str(path), device_memory="1GiB", mode="infer", max_batch=8)
     assert est.max_batch_size == 8
     assert any(line.startswith("step: eval_step(model, batch)") for line in est.assumptions)
+
+
+def test_amp_fp32_is_no_autocast_in_python_as_on_the_command_line(files: dict[str, str]) -> None:
+    """``memkit estimate --amp fp32`` (its default) ran, ``estimate(amp="fp32")`` raised a
+    ConfigError (sweep): one rule reads both, and fp32 is no mixed precision."""
+    fp32 = estimate(files["mlp"], device_memory="2GiB", max_batch=64, amp="fp32")
+    plain = estimate(files["mlp"], device_memory="2GiB", max_batch=64)
+    assert fp32.amp is None and fp32.max_batch_size == plain.max_batch_size
+    assert estimate(files["mlp"], device_memory="2GiB", max_batch=64, amp="BF16").amp == "bf16"
+    with pytest.raises(ConfigError, match="amp must be one of fp32, bf16, fp16 or None"):
+        estimate(files["mlp"], device_memory="2GiB", amp="fp8")

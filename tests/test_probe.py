@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from memkit.devices import get_backend
 from memkit.errors import ConfigError, UserCodeError
 from memkit.modelfile import load_model_file
 from memkit.probing.runner import ProbeOptions, probe, probe_file
-from memkit.probing.step import call_model
+from memkit.probing.step import StepPlan, call_model
 
 
 def small_mlp() -> torch.nn.Module:
@@ -527,6 +529,17 @@ def test_accumulation_with_a_train_step_steps_the_optimizer_once_per_accumulated
     assert any(d.startswith("accumulation:") for d in accumulating.defaults)
 
 
+def test_the_accumulation_line_divides_the_loss_only_where_memkit_takes_it():
+    """``--accumulate 4`` with a model file's train_step said "loss / k", a division memkit
+    cannot make in the user's step (sweep II): the line says what each step does."""
+    default = StepPlan("train", accumulation=4).describe()
+    own = StepPlan("train", train_step=lambda m, b, o: None, accumulation=4).describe()
+    (said,) = [d for d in default if d.startswith("accumulation:")]
+    assert "2 run per optimizer step, standing for the 4" in said and "loss / 4" in said
+    (said,) = [d for d in own if d.startswith("accumulation:")]
+    assert "loss /" not in said and "train_step called for each" in said
+
+
 def test_options_are_checked_before_the_model_file_loads():
     """One checked object: a bad bound is a ConfigError naming it, before any file is read."""
     with pytest.raises(ConfigError, match=r"max_batch \(2\) must be at least min_batch \(4\)"):
@@ -554,7 +567,6 @@ def test_a_graph_the_script_keeps_from_a_step_that_ran_out_does_not_fail_the_nex
     and on the CUDA stand-in (whose cap is lifted for the releasing step)."""
     from memkit.devices.cuda_standin import cuda_standin
     from memkit.probing.state import SavedState
-    from memkit.probing.step import StepPlan
     from memkit.probing.trials import TrialRunner
 
     kept: list[torch.Tensor] = []
@@ -1348,7 +1360,6 @@ def test_the_default_call_hints_only_for_the_default_steps_own_call():
     And the batch-1 line needs batch size 1 and a statistic in the message: a NaN at batch 4,
     or a C++ ``std::`` at batch 1, gets none."""
     from memkit.probing.hints import step_hint
-    from memkit.probing.step import StepPlan
 
     class Inner(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1375,3 +1386,67 @@ def test_the_default_call_hints_only_for_the_default_steps_own_call():
     assert "probe from min_batch=2" in step_hint(nan, 1, plan)  # (the Python API's spelling)
     assert step_hint(nan, 4, plan) == ""
     assert step_hint(RuntimeError("c10::Error at std::string const&"), 1, plan) == ""
+
+
+def _copying_step(copies: list[torch.nn.Module]):
+    """A train_step that keeps an EMA (``AveragedModel``, made at its first call) and a
+    ``copy.deepcopy`` of the model ("the best so far") in ``copies``."""
+    from torch.optim.swa_utils import AveragedModel
+
+    def train_step(model, batch, optimizer):  # type: ignore[no-untyped-def]
+        if not copies:
+            copies.append(AveragedModel(model))
+        copies[1:] = [copy.deepcopy(model)]
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        copies[0].update_parameters(model)
+        with torch.no_grad():
+            copies[0](batch)
+
+    return train_step
+
+
+def test_a_train_step_that_deep_copies_the_model_is_probed_and_its_copies_hold_no_hook():
+    """An EMA (``AveragedModel``) or a "best model" made by ``copy.deepcopy(model)`` in the
+    train_step: the copy took the probe's hooks, bound methods whose ``__self__`` reached the
+    device counters' lock ("cannot pickle '_thread.RLock' object", exit 3). The copies now get
+    inert hooks (never run again, in later trials or after the probe), and the answer is the
+    one the same loop gives under the simulated device."""
+    from memkit.probing.hooks import inert
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+        )
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    copies: list[torch.nn.Module] = []
+    budget = "1MiB"
+    model, opt = build()
+    result = probe(model, lambda n: torch.randn(n, 64), optimizer=opt, device="cpu",
+                   budget=budget, train_step=_copying_step(copies))  # fmt: skip
+    assert_exact(result)
+    hooks = [
+        hook
+        for copied in copies
+        for module in copied.modules()
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+    ]
+    assert hooks and all(hook is inert for hook in hooks)
+    assert pickle.loads(pickle.dumps(copies[1]))  # torch.save(copy) pickles its hooks too
+
+    def loop_fits(n: int) -> bool:
+        model, opt = build()
+        step = _copying_step([])
+        try:
+            with memkit.simulate(budget, track=(model, opt)):
+                for _ in range(2):
+                    step(model, torch.randn(n, 64), opt)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    best = result.max_batch_size
+    assert best is not None and loop_fits(best) and not loop_fits(best + 1)

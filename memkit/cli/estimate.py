@@ -41,8 +41,10 @@ def _parse_arch(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 
 def _parse_amp(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    """``--amp``'s dtype for autocast: ``None`` for fp32 (no autocast)."""
-    return None if value == "fp32" else value
+    """``--amp``'s dtype for autocast: ``None`` for fp32 (no autocast), as in Python."""
+    from memkit.estimation.search import autocast_name
+
+    return autocast_name(value)
 
 
 @click.command("estimate")

@@ -27,9 +27,27 @@ from memkit.probing.search import Trial, search_max_batch
 from memkit.probing.step import StepPlan, check_batch
 from memkit.simulated.eager import eager_note, is_compiled
 
-__all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "estimate"]
+__all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "autocast_name", "estimate"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_name(amp: str | None) -> str | None:
+    """``amp`` as the estimate runs it, for ``--amp`` and ``estimate(amp=...)`` alike: a key of
+    :data:`AMP_DTYPES`, or ``None`` for no mixed precision (``None`` or ``"fp32"``); any case.
+
+    Examples:
+        >>> autocast_name("BF16"), autocast_name("fp32"), autocast_name(None)
+        ('bf16', None, None)
+    """
+    name = amp.lower() if isinstance(amp, str) else amp
+    if name is None or name == "fp32":
+        return None
+    if not isinstance(name, str) or name not in AMP_DTYPES:
+        raise ConfigError(
+            f"amp must be one of fp32, {', '.join(AMP_DTYPES)} or None, found {amp!r}"
+        )
+    return name
 
 
 def estimate(
@@ -59,7 +77,8 @@ def estimate(
         device_memory: the card's total memory (``"24GiB"``, ``"40GiB"``; ``GB`` is decimal).
         mode: ``"train"`` or ``"infer"``.
         seq_len: passed to ``make_batch(batch_size, seq_len)``.
-        amp: ``None`` (fp32), ``"bf16"`` or ``"fp16"``: autocast's policy on the forward.
+        amp: ``None`` or ``"fp32"`` (no autocast), ``"bf16"`` or ``"fp16"``: autocast's
+            policy on the forward.
         attention: ``"auto"`` (what PyTorch picks on the target), ``"math"``, ``"efficient"``
             or ``"flash"`` (falls back when the inputs do not allow it).
         arch: the GPU family (a key of :data:`DEVICE_FAMILIES`, as ``--arch``; default
@@ -84,7 +103,8 @@ def estimate(
     search_for = SearchOptions(
         mode=mode, seq_len=seq_len, min_batch=min_batch, max_batch=max_batch, margin=margin
     )
-    _check_target_step(amp, attention)
+    amp = autocast_name(amp)
+    _check_attention(attention)
     card = target_card(DEFAULT_FAMILY if arch is None else arch, device_memory, context, workspace)
     spec = _spec_of(model_file)
     check_seq_len(spec, seq_len)
@@ -166,10 +186,8 @@ def _spec_of(model_file: str | Path | ModelSpec) -> ModelSpec:
     return load_model_file(model_file)
 
 
-def _check_target_step(amp: str | None, attention: str) -> None:
-    """The :class:`ConfigError` for an autocast or attention choice the target has not."""
-    if amp is not None and amp not in AMP_DTYPES:
-        raise ConfigError(f"amp must be one of {', '.join(AMP_DTYPES)} or None, found {amp!r}")
+def _check_attention(attention: str) -> None:
+    """The :class:`ConfigError` for an attention choice the target has not."""
     if attention not in ATTENTION_KERNELS:
         raise ConfigError(
             f"attention must be one of {', '.join(ATTENTION_KERNELS)}, found {attention!r}"

@@ -48,6 +48,7 @@ from memkit import distributed
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError
 from memkit.oom import is_oom
+from memkit.probing.hooks import ProbeHook
 
 __all__ = [
     "PeerFailed",
@@ -227,8 +228,9 @@ class RankSync:
         self.announced = False
         forward_sync = getattr(self.model, "require_forward_param_sync", None)
         handle = None
+        hook = ProbeHook(self._before_step)  # copied inert (memkit.probing.hooks)
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            handle = self.optimizer.register_step_pre_hook(self._before_step)
+            handle = self.optimizer.register_step_pre_hook(hook)
         no_sync: Any = getattr(self.model, "no_sync", contextlib.nullcontext)
         try:
             if forward_sync is not None:
@@ -238,5 +240,6 @@ class RankSync:
         finally:
             if handle is not None:
                 handle.remove()
+            hook.close()
             if forward_sync is not None:
                 setattr(self.model, "require_forward_param_sync", forward_sync)  # noqa: B010

@@ -300,10 +300,18 @@ class StepPlan:
             return [f"step: forward under torch.no_grad() (inference){ignored}", kept]
         accumulating = []
         if self.micro_batches > 1:
+            k = self.accumulation
+            each = (
+                "train_step called for each, its optimizer's step() and zero_grad() acting on "
+                "the second only"
+                if self.train_step is not None
+                else f"loss / {k}"
+            )
             accumulating = [
-                "accumulation: gradients accumulated over micro-batches (2 run per optimizer "
-                "step, loss / k): the first's gradients live through the second's forward, as "
-                "through every later one's"
+                f"accumulation: gradients accumulated over micro-batches (2 run per optimizer "
+                f"step, standing for the {k}: micro-batches 2..{k} hold the same memory; "
+                f"{each}): the first's gradients live through the second's forward, as through "
+                "every later one's"
             ]
         if self.train_step is not None:
             default = (

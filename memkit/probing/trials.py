@@ -33,6 +33,7 @@ from memkit.errors import (
 from memkit.modelfile import step_traceback
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.probing.hints import step_hint
+from memkit.probing.hooks import ProbeHook
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.schedule import Schedule, StepWatch, StepWork, WorkLog
@@ -141,24 +142,31 @@ class PartPeaks:
     first of them reaches the capacity. The parts are *allocated* peaks, the smooth measure
     (on CUDA the reserved peak moves in allocator segments); the reserved peak of the whole
     trial is kept beside them. The hooks only read and reset the device's counters (one call
-    each through ``counters``); they keep no tensor.
+    each through ``counters``); they keep no tensor, and a copy of the model or optimizer that
+    the step makes (an EMA's ``copy.deepcopy``) holds them inert (:mod:`memkit.probing.hooks`).
     """
 
     def __init__(self, counters: tuple[Any, Any], model: torch.nn.Module, optimizer: Any) -> None:
         self.read, self.reset = counters
         self.parts: list[int] = []
         self.reserved = 0
+        self.hooks: list[ProbeHook] = []  # a step's copy of the model gets none of them
         handles: list[Any] = []
         if hasattr(optimizer, "register_step_pre_hook"):
             handles += [
-                optimizer.register_step_pre_hook(self._cut),
-                optimizer.register_step_post_hook(self._cut),
+                optimizer.register_step_pre_hook(self._hook(self._cut)),
+                optimizer.register_step_post_hook(self._hook(self._cut)),
             ]
         if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
             for module in _outer_modules(model, PART_MODULES):
-                handles.append(module.register_forward_pre_hook(self._cut))
-                handles.append(module.register_forward_hook(self._after_forward))
+                handles.append(module.register_forward_pre_hook(self._hook(self._cut)))
+                handles.append(module.register_forward_hook(self._hook(self._after_forward)))
         self.handles = handles
+
+    def _hook(self, call: Callable[..., Any]) -> ProbeHook:
+        hook = ProbeHook(call)
+        self.hooks.append(hook)
+        return hook
 
     def _cut(self, *_: Any) -> None:
         _, _, peak_allocated, peak_reserved = self.read()
@@ -179,7 +187,7 @@ class PartPeaks:
             return
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._cut)
+                tensor.register_hook(self._hook(self._cut))
 
     def finish(self) -> tuple[int, int, tuple[int, ...]]:
         """``(peak_reserved, peak_allocated, part_peaks)`` of the whole trial, once it has
@@ -188,9 +196,14 @@ class PartPeaks:
         return self.reserved, max(self.parts), tuple(self.parts)
 
     def close(self) -> None:
+        """Remove the hooks; those a handle cannot reach (an output kept past the trial)
+        do nothing from now on."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for hook in self.hooks:
+            hook.close()
+        self.hooks = []
 
 
 def _tensor_bytes(obj: Any, seen: set[int]) -> int:
