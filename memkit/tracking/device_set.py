@@ -256,12 +256,16 @@ class DeviceSet:
         dev.grads_full = max(dev.grads_full, sizes.gradients)
         dev.state_full = max(dev.state_full, sizes.optimizer_state)
 
-    def mark_gradients(self) -> None:
+    def mark_gradients(self, within: bool = False) -> None:
         """A mark in a training forward (its start, a model's forward beginning or returning,
         where ``zero_grad`` may have run since the last): the gradient witnesses' flags now,
         with the gradient bytes they stand for measured on every device the first time they
-        are seen (a walk per new set of flags, not per step)."""
+        are seen (a walk per new set of flags, not per step). ``within``: a mark inside the
+        forward, which only several optimizers need (one optimizer's gradients, present or
+        not when the forward began, are the forward start's: the hot path pays nothing)."""
         evidence = self.evidence
+        if within and not evidence.several_witnesses():
+            return
         flags = evidence.marked = evidence.grad_flags()
         if True in flags:
             for dev in self.records.values():

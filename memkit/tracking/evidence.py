@@ -114,6 +114,10 @@ class Evidence:
             self.facts.grads_were_none = none
         return none
 
+    def several_witnesses(self) -> bool:
+        """Whether gradients are watched for more than one optimizer."""
+        return len(self._witnesses) > 1
+
     def grad_flags(self) -> tuple[bool, ...]:
         """Per witness (one per optimizer), whether its gradient is allocated now: which
         optimizers' gradients exist (``()``: no witness, or its model is gone)."""

@@ -438,31 +438,43 @@ def tensors_within(values: Iterable[Any], tensor_type: type, limit: int = 4096) 
     """The tensors among ``values`` and up to three levels inside them: tuples, lists,
     mappings and plain objects' attributes (a key-value cache: transformers' legacy tuples of
     ``(key, value)`` per layer, its ``DynamicCache`` of layers holding ``keys`` and
-    ``values``); not inside modules or classes. Stops after ``limit`` values."""
+    ``values``); not inside modules or classes. Stops after about ``limit`` values (a
+    training forward's output, walked at every step: tensors cost a check each)."""
     torch = sys.modules.get("torch")
-    opaque = (str, bytes, type) if torch is None else (str, bytes, type, torch.nn.Module)
+    leaf = (str, bytes, int, float, type) if torch is None else _leaf_types(torch)
     found: list[Any] = []
-    todo = [(v, 0) for v in values]
+    todo: list[tuple[Any, int]] = []
+    for value in values:
+        if isinstance(value, tensor_type):
+            found.append(value)
+        elif value is not None and not isinstance(value, leaf):
+            todo.append((value, 1))
     looked = 0
     while todo and looked < limit:
         value, depth = todo.pop()
-        looked += 1
-        if isinstance(value, tensor_type):
-            found.append(value)
-            continue
-        if depth >= 3 or isinstance(value, opaque):
-            continue
         if isinstance(value, (tuple, list, collections.deque)):
-            inner: Iterable[Any] = value
+            inner: Any = value
         elif isinstance(value, Mapping):
             inner = value.values()
         else:
-            attrs = getattr(value, "__dict__", None)
-            if not isinstance(attrs, dict):
+            inner = getattr(value, "__dict__", None)
+            if not isinstance(inner, dict):
                 continue
-            inner = attrs.values()
-        todo.extend((v, depth + 1) for v in inner)
+            inner = inner.values()
+        looked += len(inner)
+        for item in inner:
+            if isinstance(item, tensor_type):
+                found.append(item)
+            elif depth < 3 and item is not None and not isinstance(item, leaf):
+                todo.append((item, depth + 1))
     return found
+
+
+@functools.lru_cache(maxsize=1)
+def _leaf_types(torch: Any) -> tuple[type, ...]:
+    """What :func:`tensors_within` never looks into: numbers, strings, classes, modules,
+    devices and dtypes."""
+    return (str, bytes, int, float, type, torch.nn.Module, torch.device, torch.dtype)
 
 
 def _item_tensors(item: Any, tensor_type: type) -> list[Any]:

@@ -619,10 +619,9 @@ class PhaseMachine:
         the step's own."""
         values = tensors_within(output_values(output), torch.Tensor)
         self._take_own(values)
+        strided = torch.strided
         self.output_ptrs.update(
-            (v.data_ptr(), weakref.ref(v.untyped_storage()))
-            for v in values
-            if isinstance(v, torch.Tensor) and v.layout is torch.strided
+            (v.data_ptr(), weakref.ref(v.untyped_storage())) for v in values if v.layout is strided
         )
 
     def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
