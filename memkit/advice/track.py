@@ -27,6 +27,7 @@ from memkit.advice.oom import oom_advice
 from memkit.advice.training import (
     ModuleActivation,
     activation_checkpointing,
+    autocast_casts_to_half,
     autocast_keeps_float32,
     float64_training,
     mixed_precision,
@@ -277,29 +278,48 @@ def _model_row(m: ModuleRecord) -> bool:
 
 def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
     """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
-    temporaries)``. Kept: what the layers autocast runs in float32 kept
-    (:func:`~memkit.advice.training.autocast_keeps_float32`, the outermost of them), what the
-    last layer called kept (the loss reads its output in float32: `logits.float()`, or
-    autocast's float32 loss ops, keep a float32 copy in its place), and what each model's own
-    code kept around its layers (its row's own bytes: a Hugging Face model computes its
-    float32 loss there). Temporaries: the activations beyond what the models' forwards kept
-    (at a peak in backward, the gradients of the loss math)."""
+    temporaries)``. Kept, walking the leaf layers in call order: what a layer autocast runs
+    in float32 kept (:func:`~memkit.advice.training.autocast_keeps_float32`), unless the next
+    layer is one autocast runs in half (:func:`~memkit.advice.training.autocast_casts_to_half`:
+    it keeps its own half copy of that input, and the float32 output is freed); what a layer
+    that runs in its input's dtype (a dropout, an activation) kept where it is fed float32;
+    what the last layer called kept (the loss reads its output in float32: `logits.float()`,
+    or autocast's float32 loss ops, keep a float32 copy in its place); and what the models' and
+    attentions' own code kept around their layers (their own bytes: a Hugging Face model's
+    float32 loss; an attention's scores and probabilities, which softmax and sdpa's math path
+    keep float32; a block's own GELU halves). Temporaries: the activations beyond what the
+    models' forwards kept (at a peak in backward, the gradients of the loss math)."""
     roots = [m for m in dev.modules if _model_row(m) and m.calls > 0]
-    typed = [m for m in dev.modules if autocast_keeps_float32(m.type_name) and m not in roots]
-    called = [
-        m for m in dev.modules if m.leaf and m.activation_bytes > 0 and m.first_call is not None
-    ]
-    last = max(called, key=lambda m: m.first_call or 0, default=None)
-    if last is not None and last not in typed:
-        typed.append(last)
-    paths = {m.path for m in typed}
-    layers = sum(
-        m.activation_bytes for m in typed if not any(m.path.startswith(p + ".") for p in paths)
+    leaves = sorted(
+        (
+            m
+            for m in dev.modules
+            if m.leaf and m.calls > 0 and m.first_call is not None and m not in roots
+        ),
+        key=lambda m: m.first_call or 0,
+    )
+    layers = 0
+    wide = False  # the stream feeding the next layer is float32
+    for i, m in enumerate(leaves):
+        follower = leaves[i + 1] if i + 1 < len(leaves) else None
+        if autocast_keeps_float32(m.type_name):
+            wide = True
+            if follower is None or not autocast_casts_to_half(follower.type_name):
+                layers += m.activation_bytes
+        elif autocast_casts_to_half(m.type_name):
+            wide = False
+            if follower is None:
+                layers += m.activation_bytes
+        elif wide or follower is None:
+            layers += m.activation_bytes
+    own = sum(
+        m.self_activation_bytes
+        for m in dev.modules
+        if not m.leaf and m.calls > 0 and (m in roots or "Attention" in (m.type_name or ""))
     )
     if not roots:
-        return min(activations, layers), 0
+        return min(activations, layers + own), 0
     kept = sum(m.activation_bytes for m in roots)
-    own = sum(m.self_activation_bytes for m in roots)
     return min(activations, layers + own), max(0, activations - kept)
 
 

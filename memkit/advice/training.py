@@ -17,6 +17,7 @@ __all__ = [
     "LighterOptimizer",
     "ModuleActivation",
     "activation_checkpointing",
+    "autocast_casts_to_half",
     "autocast_keeps_float32",
     "checkpoint_groups",
     "float64_training",
@@ -60,6 +61,30 @@ def autocast_keeps_float32(type_name: str | None) -> bool:
     return type_name in _FLOAT32_LAYERS or type_name.endswith(
         ("LayerNorm", "RMSNorm", "GroupNorm", "Loss")
     )
+
+
+_HALF_LAYERS = (
+    "Bilinear", "Conv1D", "LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell",
+    "MultiheadAttention", "PReLU",
+)  # fmt: skip
+"""Layers whose op autocast runs in half precision (ATen/autocast_mode.h's
+``AT_FORALL_LOWER_PRECISION_FP``: ``linear``, ``addmm``, ``matmul``, the convolutions, the RNN
+cells, ``prelu``, ``scaled_dot_product_attention``), besides any class named ``*Linear`` or
+``Conv*``. Each casts its float32 input to half and keeps that copy for backward: where a
+norm feeds one, the norm's float32 output is freed and the half copy kept in its place."""
+
+
+def autocast_casts_to_half(type_name: str | None) -> bool:
+    """Whether autocast runs a layer of class ``type_name`` in half precision
+    (:data:`_HALF_LAYERS`, a ``*Linear``, a ``Conv*``).
+
+    Examples:
+        >>> [autocast_casts_to_half(t) for t in ("Linear", "Conv2d", "Conv1D", "LayerNorm", "GELU")]
+        [True, True, True, False, False]
+    """
+    if not type_name:
+        return False
+    return type_name in _HALF_LAYERS or type_name.endswith("Linear") or type_name.startswith("Conv")
 
 
 def mixed_precision(
