@@ -245,6 +245,29 @@ def test_zero_grad_advice_with_manual_optimization_names_the_users_own_step():
     assert "accumulate_grad_batches=N" not in said.action and "every N batches" in said.action
 
 
+@pytest.mark.parametrize("manual", [False, True])
+def test_memkit_run_says_the_advice_in_lightnings_terms(tmp_path, manual):
+    """Under ``memkit run`` (no callback) a Lightning script was told the plain loop's fix
+    ("drop `set_to_none=False`", zero "right after `optimizer.step()`"), code it does not
+    have (sweep KK); the LightningModule found running now says it as the callback does."""
+    from memkit.tracking.run import run_script
+
+    script = tmp_path / "fit.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "import torch\nfrom lightning_models import Data, ManualNet, Net, trainer\n"
+        "torch.manual_seed(0)\n"
+        f"trainer([], max_steps=3, limit_val_batches=0).fit({'ManualNet' if manual else 'Net'}()"
+        ", datamodule=Data())\n"
+    )
+    report = run_script(script, (), device="cpu", budget="64MiB").report
+    action = {a.code: a.action for a in report.advice}["zero-grad-keeps-grads"]
+    if manual:
+        assert "right after each `opt.step()`" in action and "manual_backward" in action
+    else:
+        assert "def optimizer_step(" in action
+
+
 def test_validate_after_fit_counts_no_optimizer_state():
     """validate()/test()/predict() set up no optimizers (on a GPU, teardown moved the fit's
     optimizer state to the CPU): the report of a validate() after fit() holds none, and its

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Iterable, Sequence
@@ -171,11 +170,8 @@ class TrackingCallback:
     def _final_report(self, tracker: Tracker) -> TrackReport:
         """The ended tracker's report with its advice, and the post-mortem's, in the
         framework's terms; the post-mortem printed to stderr if asked."""
-        report = tracker.report()
+        report = tracker.report().in_terms(self._in_terms)
         oom = report.oom
-        if oom is not None:
-            oom = dataclasses.replace(oom, advice=self._in_terms(oom.advice))
-        report = dataclasses.replace(report, advice=self._in_terms(report.advice), oom=oom)
         if oom is not None and self.postmortem == "stderr":
             sys.stderr.write(str(oom) + "\n")
             sys.stderr.flush()

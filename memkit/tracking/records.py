@@ -113,6 +113,9 @@ class RunFacts:
     # the first step: known before the first optimizer step or recompute shows them
     accumulation_steps: int | None = None
     checkpointing: bool | None = None
+    # a model found running is a LightningModule: its automatic_optimization (``None``: no
+    # Lightning), so that memkit run says the advice in Lightning's terms as its callback does
+    lightning_automatic: bool | None = None
 
 
 class Frame:

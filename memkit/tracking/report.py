@@ -9,6 +9,8 @@ and HTML layout is :mod:`memkit.render.track`; the shared methods (``to_dict``, 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -609,6 +611,14 @@ class TrackReport(Result):
     def leaks(self) -> list[LeakFinding]:
         """Devices whose memory grew step after step."""
         return [d.leak for d in self.devices if d.leak is not None]
+
+    def in_terms(self, say: Callable[[Iterable[Advice]], tuple[Advice, ...]]) -> TrackReport:
+        """This report with its advice, and its post-mortem's, said as ``say`` says them (a
+        framework's terms: :mod:`memkit.advice.lightning`)."""
+        oom = self.oom
+        if oom is not None:
+            oom = dataclasses.replace(oom, advice=say(oom.advice))
+        return dataclasses.replace(self, advice=say(self.advice), oom=oom)
 
     # -- JSON (memkit/results.py) --------------------------------------------------------
     def to_dict(self, *, timeline: bool = True) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from memkit.advice.lightning import in_lightning_terms
 from memkit.devices import visible_devices
 from memkit.distributed import give_up_waiting, launched_rank, local_rank
 from memkit.errors import ConfigError, on_command_line
@@ -400,6 +401,11 @@ def run_script(
     # exception", SIGABRT after the report was printed).
     gc.collect()
     report = tracker.report()
+    automatic = tracker.evidence.facts.lightning_automatic
+    if automatic is not None:  # the advice in Lightning's terms, as its callback says it
+        report = report.in_terms(
+            functools.partial(in_lightning_terms, manual_optimization=not automatic)
+        )
     if ending.interrupted is not None:
         at = f" ({ending.where})" if ending.where else ""
         note = (

@@ -350,6 +350,10 @@ class Tracker:
             evidence.find_witness()
         if models.model is None:  # a model found running: its FSDP2 units, if any
             self.state.fsdp = find_fsdp_units(models.root_modules())
+        if _is_lightning_module(module):
+            evidence.facts.lightning_automatic = bool(
+                getattr(module, "automatic_optimization", True)
+            )
         if sim is not None:
             before = sim.allocated()
             sim.track(module)  # the model lives on the device
@@ -631,3 +635,13 @@ def _innermost(tb: TracebackType | None) -> FrameType | None:
     while tb is not None:
         frame, tb = tb.tb_frame, tb.tb_next
     return frame
+
+
+def _is_lightning_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``LightningModule`` (by its classes: Lightning is not imported
+    for it)."""
+    return any(
+        cls.__name__ == "LightningModule"
+        and cls.__module__.startswith(("lightning.", "pytorch_lightning."))
+        for cls in type(module).__mro__
+    )
