@@ -256,15 +256,16 @@ class DeviceSet:
         dev.grads_full = max(dev.grads_full, sizes.gradients)
         dev.state_full = max(dev.state_full, sizes.optimizer_state)
 
-    def mark_gradients(self, within: bool = False) -> None:
+    def mark_gradients(self) -> None:
         """A mark in a training forward (its start, a model's forward beginning or returning,
         where ``zero_grad`` may have run since the last): the gradient witnesses' flags now,
         with the gradient bytes they stand for measured on every device the first time they
-        are seen (a walk per new set of flags, not per step). ``within``: a mark inside the
-        forward, which only several optimizers need (one optimizer's gradients, present or
-        not when the forward began, are the forward start's: the hot path pays nothing)."""
+        are seen (a walk per new set of flags, not per step). Only where several optimizers
+        run: one optimizer's gradients at a forward's peak are those it began with (the hot
+        path pays nothing)."""
         evidence = self.evidence
-        if within and not evidence.several_witnesses():
+        if not evidence.several_witnesses():  # one optimizer: the forward start's flags
+            evidence.marked = ()  # (the breakdown reads grads_none, as it always did)
             return
         flags = evidence.marked = evidence.grad_flags()
         if True in flags:
@@ -310,7 +311,8 @@ class DeviceSet:
         remembered = Persistent(dev.params_full, dev.grads_full, dev.state_full)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)
-        if self.state.phase != BACKWARD:  # (inside one, only some layers' exist yet)
+        if self.state.phase != BACKWARD and self.evidence.several_witnesses():
+            # (inside backward, only some layers' exist yet)
             self._note_gradients(dev, self.evidence.grad_flags(), now)
         found = breakdown(moment, now, remembered, dev.grad_sizes)
         dev.forward_peak = moment.phase == FORWARD

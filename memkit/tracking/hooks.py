@@ -612,7 +612,7 @@ class Hooks:
                     dev.reset()
                 self._close(dev, p, pr, None)
             if kind == TRAIN_PASS and state.phase == FORWARD:  # zero_grad may have run since
-                self.devices.mark_gradients(within=True)
+                self.devices.mark_gradients()
         ms = dev.modules.get(name)
         if ms is None:
             # gradient hooks only where backward does real work: modules with their own
@@ -705,7 +705,7 @@ class Hooks:
             # in steps-only mode and for a compiled model, where it is the only row)
             self.phases.note_output(output)
             if state.phase == FORWARD:
-                self.devices.mark_gradients(within=True)
+                self.devices.mark_gradients()
             return
         a, r, p, pr = dev.read()
         if p > a:
@@ -753,7 +753,7 @@ class Hooks:
         if parent is None and kind == TRAIN_PASS and not raised:
             self.phases.note_output(output)  # the growth detector's levels leave it out
             if state.phase == FORWARD:
-                self.devices.mark_gradients(within=True)
+                self.devices.mark_gradients()
         if keeps and frame.region is not None and parent is not None and not parent.unsaved:
             # the outermost call in a checkpoint region: it keeps what it returns, unless the
             # region began in its caller and its siblings share it (then only what the caller

@@ -488,7 +488,7 @@ class PhaseMachine:
         micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
-        flags = evidence.grad_flags()
+        flags = evidence.grad_flags() if evidence.several_witnesses() else ()
         captured = False
         own = self.own
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
