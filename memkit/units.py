@@ -75,9 +75,7 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, float):
         if text < 0 or text != text:
             raise ConfigError(f"expected a non-negative size, found {text}")
-        if not text.is_integer():
-            raise ConfigError(f"expected a whole number of bytes, found {text}")
-        return int(text)
+        return round(text)
     match = _PATTERN.match(str(text))
     if match is None:
         raise ConfigError(f"expected a size, found {text!r}; accepted: {_ACCEPTED}")
@@ -88,12 +86,15 @@ def parse_size(text: str | int | float) -> int:
     return round(float(number) * factor)
 
 
+_FORGOTTEN_UNIT = 256
+"""A budget without a unit below this many bytes is taken for one whose unit was forgotten."""
+
 _BARE_NUMBER = re.compile(r"\s*\d+(\.\d*)?\s*$")
 
 
 def parse_budget(budget: str | int | float, option: str = "budget") -> int:
     """The bytes of a device budget: a positive size. A number without a unit is bytes, and
-    one below 1 KiB (a device that holds no tensor) is taken for a forgotten unit.
+    one below 256 (a card's size in GiB: 8, 24, 80, 141) is taken for a forgotten unit.
 
     Raises:
         ConfigError: naming ``option``, what was found and what to give instead.
@@ -115,10 +116,11 @@ def parse_budget(budget: str | int | float, option: str = "budget") -> int:
             f"{option}={budget!r}: expected a positive size such as 300MiB or 8GiB, found 0 bytes"
         )
     bare = isinstance(budget, (int, float)) or _BARE_NUMBER.match(str(budget))
-    if bare and size < 1024:
+    if bare and size < _FORGOTTEN_UNIT:
         raise ConfigError(
             f"{option}={budget!r}: {budget} is {size} bytes (a number without a unit is "
-            f"bytes), too small for any tensor; give a unit, e.g. '{budget}GiB' or '{budget}MiB'"
+            f"bytes), a device too small to mean; give a unit, e.g. '{budget}GiB' or "
+            f"'{budget}MiB' (or at least {_FORGOTTEN_UNIT} bytes)"
         )
     return size
 

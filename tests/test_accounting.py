@@ -382,5 +382,7 @@ def test_what_simulate_cannot_count_is_a_config_error_not_silently_nothing():
             self.logits = torch.zeros(256)
 
     output = Output()
-    with simulate("1MiB", track=[model, output]) as acct:
+    with simulate("1MiB", track=[model, output, None]) as acct:  # (an optional optimizer)
         assert acct.current == (16 + 4) * 4 + 256 * 4
+    with simulate("1MiB", track=model.parameters()) as acct:  # a generator (review)
+        assert acct.current == (16 + 4) * 4

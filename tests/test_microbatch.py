@@ -230,7 +230,7 @@ def test_cnn_with_batchnorm_in_train_mode_sees_micro_batches(caplog):
     with memkit.simulate(budget, track=(model, opt)):
         step(batch)
     assert step.last is not None and step.last.chunks >= 2
-    assert "2 BatchNorm2d layer(s) in training mode" in caplog.text
+    assert "2 BatchNorm2d layer(s) using batch statistics" in caplog.text
     assert "not the full batch's" in caplog.text
     sizes = step.last.chunk_sizes
     for part, size in zip(split_batch(batch, len(sizes)), sizes, strict=True):

@@ -280,3 +280,52 @@ def test_the_walk_of_parameters_and_state_is_not_a_per_step_cost(monkeypatch, ze
             if zero_grad == "end":
                 opt.zero_grad(set_to_none=True)
     assert walks[0] <= 8, walks[0]
+
+
+def test_an_output_cache_is_walked_when_the_own_bytes_are_measured_not_every_step(monkeypatch):
+    """A key-value cache in a training output (transformers' DynamicCache: a layer object per
+    layer) is the step's own; walking it at every step cost a pass over every layer (48
+    layers: 2194 memkit lines a step instead of 718, review). It is walked when the step's
+    own bytes are measured: when the batches' shapes change, not while they stay the same."""
+    from memkit.tracking import phases
+
+    walks = [0]
+    original = phases.tensors_within
+
+    def counted(*args, **kwargs):
+        walks[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(phases, "tensors_within", counted)
+
+    class Layer:
+        def __init__(self, keys: torch.Tensor) -> None:
+            self.keys, self.values = keys, keys * 2
+
+    class Cache:
+        def __init__(self, layers: list[Layer]) -> None:
+            self.layers = layers
+
+    class CachingLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            layers = []
+            for block in self.blocks:
+                x = block(x)
+                layers.append(Layer(x.detach()))
+            return {"loss": x.square().mean(), "cache": Cache(layers)}
+
+    torch.manual_seed(0)
+    model = CachingLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memkit.track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(30):
+            out = model(torch.randn(8, 16))
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    assert tracker.report().steps == 30
+    assert 0 < walks[0] <= 6, walks[0]  # the first measures (both levels), not 30 steps

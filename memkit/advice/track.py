@@ -276,6 +276,13 @@ def _model_row(m: ModuleRecord) -> bool:
     return name == m.type_name and (not mark or number.isdigit())
 
 
+def _own_math_float32(type_name: str | None) -> bool:
+    """Whether a module's own code keeps float32 under autocast: an attention's scores and
+    probabilities (softmax, sdpa's math path), by its class name; not ``nn.MultiheadAttention``,
+    whose own code is its in-projection, which autocast runs in half."""
+    return type_name is not None and "Attention" in type_name and type_name != "MultiheadAttention"
+
+
 def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
     """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
     temporaries)``. Kept, walking the leaf layers in call order: what a layer autocast runs
@@ -315,7 +322,7 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
     own = sum(
         m.self_activation_bytes
         for m in dev.modules
-        if not m.leaf and m.calls > 0 and (m in roots or "Attention" in (m.type_name or ""))
+        if not m.leaf and m.calls > 0 and (m in roots or _own_math_float32(m.type_name))
     )
     if not roots:
         return min(activations, layers + own), 0

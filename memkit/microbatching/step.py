@@ -514,16 +514,18 @@ class MicroBatchStep:
 
     def _batch_statistics_note(self) -> str:
         """A caveat when the model normalises with batch statistics (BatchNorm in training
-        mode): each micro-batch then has its own, and the gradient is not the full batch's."""
+        mode, or without running statistics): each micro-batch then has its own, and the
+        gradient is not the full batch's."""
         norms = [
             type(m).__name__
             for m in self.model.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and (m.training or not m.track_running_stats)  # (no running stats: batch ones)
         ]
         if not norms:
             return ""
         return (
-            f"; the model's {len(norms)} {norms[0]} layer(s) in training mode now normalise "
+            f"; the model's {len(norms)} {norms[0]} layer(s) using batch statistics now normalise "
             "each micro-batch with its own statistics: the gradient is the micro-batched "
             "model's, not the full batch's (docs/microbatch.md, Exactness)"
         )

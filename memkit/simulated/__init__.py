@@ -24,6 +24,7 @@ put this behind the same interface as a real device. Nothing here imports anythi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,6 +76,8 @@ def simulate(
         if each is not None:
             parse_budget(each)
     if track is not None:
+        if not isinstance(track, (list, tuple)) and isinstance(track, Iterator):
+            track = list(track)  # model.parameters()
         _check_trackable(track)
     if devices is not None or isinstance(budget, (list, tuple)):
         if isinstance(budget, (list, tuple)):
@@ -96,14 +99,17 @@ def simulate(
 
 
 def _check_trackable(track: Any) -> None:
-    """``track`` is a model, an optimizer, a tensor, or a tuple/list of them (or an object
-    holding tensors: a model's output); anything else would silently count nothing.
+    """``track`` is a model, an optimizer, a tensor, or a tuple/list of them (``None`` items
+    skipped; or an object holding tensors: a model's output); anything else would silently
+    count nothing.
 
     Raises:
         ConfigError: naming what was found and what to pass.
     """
     for item in track if isinstance(track, (list, tuple)) else (track,):
-        if isinstance(item, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+        if item is None or isinstance(
+            item, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+        ):  # (None: an optional optimizer not made)
             continue
         if isinstance(item, (str, bytes, int, float, bool)) or next(tensors_of(item), None) is None:
             raise ConfigError(

@@ -494,7 +494,7 @@ def _pair_by_key(
     return pairs, old_rest, new_rest
 
 
-_MODULE_PREFIX = re.compile(r"^[A-Za-z_]\w*\[\d+\]\.")
+_MODULE_PREFIX = re.compile(r"^(?!objects\[)[A-Z]\w*\[\d+\]\.")
 """The prefix a snapshot of several modules gives each one's tensors (``TinyResNet[0].``)."""
 
 

@@ -269,13 +269,21 @@ class DeviceSet:
             return
         flags = evidence.marked = evidence.grad_flags()
         if True in flags:
+            epoch = evidence.witness_epoch
             for dev in self.records.values():
-                if flags not in dev.grad_sizes:
+                if flags not in dev.grad_sizes or dev.grad_epoch != epoch:
                     self._note_gradients(dev, flags, self.persistent(dev))
 
     def _note_gradients(self, dev: DeviceRecord, flags: tuple[bool, ...], now: Persistent) -> None:
         """Keep ``dev``'s gradient bytes ``now`` as those of the witness ``flags`` (and by
-        model, where several models run)."""
+        model, where several models run). Sizes of other witnesses (a model of an earlier
+        k-fold run) are dropped; none is kept for allocated flags that measured nothing (the
+        flags were read before the measure: a ``zero_grad`` between)."""
+        epoch = self.evidence.witness_epoch
+        if dev.grad_epoch != epoch:
+            dev.grad_sizes, dev.grad_models, dev.grad_epoch = {}, {}, epoch
+        if True in flags and not now.gradients:
+            return
         dev.grad_sizes[flags] = now.gradients
         if True in flags and len(self.evidence.models.root_modules()) > 1:
             dev.grad_models[flags] = self.evidence.gradients_by_model()

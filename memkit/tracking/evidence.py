@@ -73,6 +73,7 @@ class Evidence:
         # weak, so that the tracker never keeps a deleted model's tensor (or the memory
         # history would show it)
         self._witnesses: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self.witness_epoch = 0  # bumped when the witnesses change (their flags mean others)
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
@@ -81,7 +82,7 @@ class Evidence:
     def find_witness(self) -> None:
         """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
         witness than a module seen first, a teacher's)."""
-        self._witnesses = self._new_witnesses()
+        self._set_witnesses(self._new_witnesses())
 
     def _new_witnesses(self) -> tuple[weakref.ref[torch.Tensor], ...]:
         found = gradient_witnesses(self.models.root_modules(), self.models.all_optimizers())
@@ -93,7 +94,7 @@ class Evidence:
 
     def release(self) -> None:
         """Keep no reference to the model's tensors or the user's exception (the block ended)."""
-        self._witnesses = ()
+        self._set_witnesses(())
         self.failed_call = None
 
     def grads_none(self) -> bool:
@@ -106,7 +107,7 @@ class Evidence:
                 found = self._new_witnesses()
                 if not found or found[0]() is None:  # what was last seen
                     return self.facts.grads_were_none
-                self._witnesses = found
+                self._set_witnesses(found)
                 return self.grads_none()
             if param.grad is not None:
                 none = False
@@ -118,6 +119,10 @@ class Evidence:
         """Whether gradients are watched for more than one optimizer."""
         return len(self._witnesses) > 1
 
+    def _set_witnesses(self, found: tuple[weakref.ref[torch.Tensor], ...]) -> None:
+        self._witnesses = found
+        self.witness_epoch += 1
+
     def grad_flags(self) -> tuple[bool, ...]:
         """Per witness (one per optimizer), whether its gradient is allocated now: which
         optimizers' gradients exist (``()``: no witness, or its model is gone)."""
@@ -128,7 +133,7 @@ class Evidence:
                 found = self._new_witnesses()
                 if not found or found[0]() is None:
                     return ()
-                self._witnesses = found
+                self._set_witnesses(found)
                 return self.grad_flags()
             flags.append(param.grad is not None)
         return tuple(flags)

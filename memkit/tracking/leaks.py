@@ -461,8 +461,9 @@ def tensors_within(values: Iterable[Any], tensor_type: type, limit: int = 4096) 
             if not isinstance(inner, dict):
                 continue
             inner = inner.values()
+        room = limit - looked
         looked += len(inner)
-        for item in inner:
+        for item in itertools.islice(inner, room):
             if isinstance(item, tensor_type):
                 found.append(item)
             elif depth < 3 and item is not None and not isinstance(item, leaf):

@@ -108,6 +108,14 @@ class PhaseMachine:
         # that keeps a graph feeds every N steps; a fixed batch)
         self.own: set[weakref.ref[torch.Tensor]] = set()
         self.last_own: set[weakref.ref[torch.Tensor]] = set()
+        # the objects among this and the last step's training outputs (a key-value cache),
+        # held weakly: their tensors are the step's own too, walked only when the own bytes
+        # are measured (a walk a step would cost per layer); an object an earlier step
+        # returned is kept, not the step's (``own_object_ids``: this step's and the last's)
+        self.own_objects: list[weakref.ref[Any]] = []
+        self.last_own_objects: list[weakref.ref[Any]] = []
+        self.own_object_ids: set[int] = set()
+        self.last_own_object_ids: set[int] = set()
         self.seen: set[weakref.ref[torch.Tensor]] = set()  # every input and output seen
         self.seen_room = _SEEN_ROOM  # what ``seen`` takes before its dead ones are dropped
         # the shapes of the step's batches: the tensor inputs of its training forwards (one
@@ -539,6 +547,8 @@ class PhaseMachine:
         state.step = step + 1
         self.step_t0 = now
         self.last_own, self.own = own, set()
+        self.last_own_objects, self.own_objects = self.own_objects, []
+        self.last_own_object_ids, self.own_object_ids = self.own_object_ids, set()
         self.last_output_ptrs, self.output_ptrs = self.output_ptrs, {}
         self.batch_shapes = []
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
@@ -614,15 +624,33 @@ class PhaseMachine:
         return 0 if batch is None else int(batch.numel() * batch.element_size())
 
     def note_output(self, output: Any) -> None:
-        """A training forward of the model returned ``output``: its tensors (a Hugging Face
-        output's loss and logits, and its key-value cache's: ``leaks.tensors_within``) are
-        the step's own."""
-        values = tensors_within(output_values(output), torch.Tensor)
+        """A training forward of the model returned ``output``: its tensors (one level into a
+        tuple, list or mapping: a Hugging Face output's loss and logits) and the objects among
+        them (its key-value cache, walked when the own bytes are measured) are the step's
+        own."""
+        values = output_values(output)
         self._take_own(values)
-        strided = torch.strided
         self.output_ptrs.update(
-            (v.data_ptr(), weakref.ref(v.untyped_storage())) for v in values if v.layout is strided
+            (v.data_ptr(), weakref.ref(v.untyped_storage()))
+            for v in values
+            if isinstance(v, torch.Tensor) and v.layout is torch.strided
         )
+        for v in values:
+            if not isinstance(v, _NOT_OBJECTS) and v is not None:
+                self._take_own_object(v)
+
+    def _take_own_object(self, value: Any) -> None:
+        """An object a training forward returned (a key-value cache) is the step's own, unless
+        this or the last step returned it already."""
+        key = id(value)
+        if key in self.own_object_ids or key in self.last_own_object_ids:
+            return
+        try:
+            ref = weakref.ref(value)
+        except TypeError:  # a tuple or list (a legacy cache): not walked
+            return
+        self.own_object_ids.add(key)
+        self.own_objects.append(ref)
 
     def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
         """The bytes of the step's own tensors alive on ``dev`` (at a forward's start: the
@@ -637,6 +665,10 @@ class PhaseMachine:
         if memo is not None and memo[0] == batch:
             return memo[1]
         refs = self.own | self.last_own if at_forward else self.own
+        objects = [*self.own_objects, *self.last_own_objects] if at_forward else self.own_objects
+        alive = [o for o in map(_DEREF, objects) if o is not None]
+        if alive:
+            refs = refs | set(map(weakref.ref, tensors_within(alive, torch.Tensor)))
         value = _alive_bytes(refs, None if single else [dev])
         self._discounts[key] = (batch, value)
         return value
@@ -780,6 +812,10 @@ def _fed_back(ptr: int, *outputs: dict[int, weakref.ref[Any]]) -> bool:
     """Whether an input at address ``ptr`` is on the storage of a step's output still alive
     (a state fed back: Transformer-XL's `mems`), not a new batch where a dead one was."""
     return any((ref := out.get(ptr)) is not None and ref() is not None for out in outputs)
+
+
+_NOT_OBJECTS = (torch.Tensor, str, bytes, int, float, tuple, list, Mapping)
+"""Output values that are no object to walk later (tensors, numbers, containers)."""
 
 
 def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | None) -> int:

@@ -312,6 +312,7 @@ class DeviceRecord:
         # where several models run): the breakdown's gradients at a forward's peak
         self.grad_sizes: dict[tuple[bool, ...], int] = {}
         self.grad_models: dict[tuple[bool, ...], tuple[tuple[str, int], ...]] = {}
+        self.grad_epoch = 0  # the witnesses (Evidence.witness_epoch) those sizes are of
         self.forward_peak = False  # the breakdown is of the forward running (until it ends)
         self.bw_module: str | None = None
         self.last = (a, r)
