@@ -743,8 +743,21 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
         shape.value
     )
     assert ".." not in str(shape.value)
-    with pytest.raises(UserCodeError, match="meta tensors, which hold no values"):
+    with pytest.raises(UserCodeError, match="meta tensors, which hold no values") as info:
         estimate(str(reads_value), device_memory="1GiB")
+    assert "define train_step without it" in str(info.value)
+    # an evaluation's `loss.item()` in eval_step: the fix names eval_step (it said
+    # train_step, sweep MM) and the loss_fn the estimate runs
+    evaluates = tmp_path / "evaluates.py"
+    evaluates.write_text(
+        head + "def make_batch(n):\n    return torch.randn(n, 4)\n"
+        "def eval_step(model, batch):\n    print(model(batch).sum().item())\n"
+    )
+    with pytest.raises(UserCodeError, match="hold no values") as info:
+        estimate(str(evaluates), device_memory="1GiB", mode="infer")
+    assert "define eval_step without it" in str(info.value) and "loss_fn(output, batch)" in str(
+        info.value
+    )
 
 
 def test_a_cpu_tensor_made_in_the_forward_is_named_as_a_gpu_would_fail_on_it() -> None:

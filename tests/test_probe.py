@@ -256,6 +256,11 @@ def test_target_batch_advises_exact_accumulation():
     steps = math.ceil(4096 / rec)
     assert f"over {steps} steps" in advice.title or f"over {steps + 1} steps" in advice.title
     assert "4096" in advice.evidence
+    # the report's accumulation line names the advice's k (it named the first search's guess:
+    # "standing for the 8" beside "9 steps of 29", sweep MM)
+    advised = int(advice.title.split("over ")[1].split(" steps")[0])
+    (line,) = [d for d in result.defaults if d.startswith("accumulation:")]
+    assert f"standing for the {advised}:" in line, (line, advice.title)
 
 
 def test_infer_mode_fits_more_than_train():

@@ -54,7 +54,7 @@ def need_bytes(session: MetaSession, batch_size: int) -> int:
     if peaks.ooms == 0:
         return peaks.reserved
     unlimited = dataclasses.replace(session, usable=1 << 62, cache={})
-    return run_guarded(lambda: unlimited.run(batch_size), batch_size).reserved
+    return run_guarded(lambda: unlimited.run(batch_size), batch_size, session.plan.mode).reserved
 
 
 def bf16_saving(session: MetaSession, batch_size: int) -> int | None:

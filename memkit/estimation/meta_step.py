@@ -525,8 +525,9 @@ class MetaSession:
                 handle.remove()
 
 
-def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
-    """Run a meta step; the user's code failing becomes a clear error (never an OOM)."""
+def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") -> Any:
+    """Run a meta step of ``mode`` (``"train"``, ``"infer"``); the user's code failing becomes
+    a clear error (never an OOM)."""
     try:
         return run()
     except MemkitError:
@@ -560,12 +561,19 @@ def run_guarded(run: Callable[[], Any], batch_size: int) -> Any:
                 "same device'). Make it on the input's device (device=x.device)."
             )
         elif _meta_only(exc):
+            step = "eval_step" if mode == "infer" else "train_step"
+            loss = (
+                " (an evaluation's `loss.item()`: return the loss from loss_fn(output, batch) "
+                "instead, which the estimate runs)"
+                if mode == "infer"
+                else ""
+            )
             said += (
                 ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
                 "data-dependent shapes such as nonzero or a mixture of experts' top-k routing, "
                 ".numpy()) cannot run there. Where that code is in the step only, move it out or "
-                "define train_step without it; where it is the model's own (routing), measure it "
-                f"on the simulated device instead, which runs it: {_SIMULATED_RUN}."
+                f"define {step} without it{loss}; where it is the model's own (routing), measure "
+                f"it on the simulated device instead, which runs it: {_SIMULATED_RUN}."
             )
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (

@@ -232,7 +232,7 @@ def _start_session(
     if layout is not None:
         assumptions.append(layout)
     # warm-up (not accounted): the step's errors surface before the search
-    run_guarded(lambda: session.warm_up(low), low)
+    run_guarded(lambda: session.warm_up(low), low, session.plan.mode)
     return session
 
 
@@ -252,7 +252,7 @@ def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None,
     does on CUDA: the reserved peak moves in 2 and 20 MiB segments, so its secants jump."""
 
     def oracle(batch_size: int) -> tuple[bool, int | None, None, int]:
-        peaks = run_guarded(lambda: session.run(batch_size), batch_size)
+        peaks = run_guarded(lambda: session.run(batch_size), batch_size, session.plan.mode)
         fits = peaks.ooms == 0 and peaks.reserved <= session.usable
         return fits, peaks.reserved, None, peaks.allocated
 
@@ -261,7 +261,7 @@ def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None,
 
 def _breakdown(session: MetaSession, batch_size: int) -> EstimateBreakdown:
     """What the allocated peak of ``batch_size`` is made of."""
-    peaks = run_guarded(lambda: session.run(batch_size), batch_size)
+    peaks = run_guarded(lambda: session.run(batch_size), batch_size, session.plan.mode)
     return EstimateBreakdown(
         batch_size=batch_size,
         parameters=peaks.parts["parameters"],

@@ -379,6 +379,13 @@ def probe_with(
                 defaults.append(_without_accumulation(search.max_batch_size, history))
                 plan = dataclasses.replace(plan, accumulation=steps_advised)
                 search, history, schedule = search_with(plan, search.max_batch_size)
+                # the advice's steps for the accumulating answer (2 micro-batches stand for
+                # any k >= 2: the report names the k the advice gives, not the first guess)
+                final = _advised_accumulation(
+                    search, opts, capacities, dataclasses.replace(plan, accumulation=1)
+                )
+                if final is not None:
+                    plan.accumulation = final  # (in place: the search's loss_rule stays)
         finally:
             held.clear()
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None

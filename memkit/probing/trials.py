@@ -59,9 +59,21 @@ Backend = CudaBackend | SimulatedBackend
 TrialCallback = Callable[[ProbeTrial], None]
 
 
-def first_line(exc: BaseException) -> str:
-    """The error's message in one line (at most 200 characters), or its type's name."""
-    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The error's message in one line of at most ``limit`` characters, cut after its last
+    whole sentence that fits (else with an ellipsis), or its type's name.
+
+    >>> first_line(RuntimeError("Out of memory. Tried to allocate 2 MiB. " + "x" * 300))
+    'Out of memory. Tried to allocate 2 MiB.'
+    """
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    return line[: end + 1] if end > 0 else line[: limit - 1] + "\u2026"
 
 
 _HOST_ALLOCATOR_FRAGMENTS = ("DefaultCPUAllocator", "alloc_cpu.cpp")
@@ -84,9 +96,10 @@ def host_failure(exc: BaseException, backend: Backend, batch_size: int) -> Confi
         return None
     available = host_memory().available
     have = "" if available is None else f" (available now: {format_size(available)})"
+    said = first_line(exc).rstrip(".")
     return ConfigError(
         f"the machine ran out of RAM at batch size {batch_size} before the simulated device's "
-        f"budget ({format_size(backend.budget)}) was reached: {first_line(exc)}. This is the "
+        f"budget ({format_size(backend.budget)}) was reached: {said}. This is the "
         "host's limit, not the simulated device's, so memkit stopped instead of counting it as "
         f"'does not fit'. Give a smaller --budget that this machine can back{have}, or free "
         "some RAM"
