@@ -347,3 +347,49 @@ def test_ddp_gpu0_context_silent_when_each_rank_has_its_gpu() -> None:
         ddp_gpu0_context([ContextReading(0, 0, False, None), ContextReading(1, 1, False, None)])
         is None
     )
+
+
+# DDP wrapped inside the block, as a script under memkit run wraps it: its Reducer's buckets
+DDP_BUCKETS = textwrap.dedent(
+    """
+    import torch, memkit
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def train(wrap, steps):
+        with memkit.track(device="cpu", budget="64MiB") as tracker:
+            model = DDP(net()) if wrap else net()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(steps):
+                x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report().to_dict()["devices"][0]["breakdown"]
+
+    def run(rank, args):
+        grads = sum(p.numel() * p.element_size() for p in net().parameters())
+        return {"grads": grads, "plain": [train(False, s) for s in (1, 2)],
+                "ddp": [train(True, s) for s in (1, 2)]}
+    """
+)
+
+rank_scenario("ddp-buckets", DDP_BUCKETS)
+
+
+def test_ddp_gradient_buckets_have_their_own_category(gloo_ranks) -> None:
+    # they were 'other' with the peak in step 1 (on the device when the forward began) and
+    # 'activations' with it in step 0 (the simulated device found them in backward)
+    for rank in gloo_ranks("ddp-buckets").results:
+        assert "traceback" not in rank, rank.get("traceback")
+        for plain, ddp in zip(rank["plain"], rank["ddp"], strict=True):
+            assert ddp["gradient_buckets"] == rank["grads"]  # one copy of the gradients
+            assert plain["gradient_buckets"] == 0
+            # the rest as without DDP: the buckets are all it adds at the peak
+            for part in ("parameters", "gradients", "optimizer_state", "activations", "other"):
+                assert ddp[part] == plain[part], (part, plain, ddp)
+            assert ddp["total"] == plain["total"] + rank["grads"]

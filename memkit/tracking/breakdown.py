@@ -4,7 +4,8 @@ the moment's readings and the persistent memory measured for it.
 Parameters, gradients and optimizer state are byte sums of the tracked objects' tensors on the
 device (each storage once; under FSDP2 the rank's shards), measured while the objects are alive
 (:meth:`memkit.tracking.evidence.Evidence.persistent`); all-gathered parameters are FSDP2's
-unsharded parameters and all-gather buffers at the peak (memkit/tracking/fsdp.py); activations
+unsharded parameters and all-gather buffers at the peak (memkit/tracking/fsdp.py); gradient
+buckets are DDP's (memkit/tracking/ddp.py: on the device since the model was wrapped); activations
 are the growth since the step's forward began, less what was created of those since then;
 other is the rest. The tracker categorises off the hot path: when a phase ends or a forward
 returns after a new peak (``DeviceRecord.pending``). No torch here.
@@ -22,11 +23,13 @@ __all__ = ["PeakMoment", "Persistent", "breakdown"]
 
 
 class Persistent(NamedTuple):
-    """Bytes of parameters (and buffers), gradients and optimizer state on one device."""
+    """Bytes of parameters (and buffers), gradients, optimizer state and DDP's gradient
+    buckets (those not counted as gradients) on one device."""
 
     parameters: int
     gradients: int
     optimizer_state: int
+    buckets: int = 0
 
 
 class PeakMoment(NamedTuple):
@@ -89,7 +92,7 @@ def breakdown(
     (100, 100, 200, 600, 0)
     """
     total, phase = moment.total, moment.phase
-    params, grads_now, state_now = now
+    params, grads_now, state_now = now.parameters, now.gradients, now.optimizer_state
     grads_known = grads_now or remembered.gradients
     state_known = state_now or remembered.optimizer_state
     # in backward, gradients are created progressively: as of the end of it, capped below.
@@ -106,18 +109,21 @@ def breakdown(
     state = 0 if moment.state_empty_now else state_known
     note = None
     gathered = max(0, min(moment.gathered, total - params - state))
-    rest = total - params - grads - state - gathered
+    # DDP's buckets: allocated when the model was wrapped, before any forward
+    buckets = max(0, min(now.buckets, total - params - state - gathered))
+    rest = total - params - grads - state - gathered - buckets
     if rest < 0:
         # gradients are counted when the phase ended; in backward they grow after the peak
         grads = max(0, grads + rest)
-        rest = max(0, total - params - grads - state)
+        rest = max(0, total - params - grads - state - gathered - buckets)
         note = "gradients counted at the end of the phase, capped to fit the total"
     if moment.base is None:
         acts, other = 0, rest
     else:
         grads_base = at_base if at_base is not None else 0 if moment.grads_none else grads_known
         state_base = 0 if moment.state_empty else state_known
-        other = max(0, moment.base - params - grads_base - state_base - moment.gathered_base)
+        held = params + grads_base + state_base + moment.gathered_base + buckets
+        other = max(0, moment.base - held)
         acts = max(0, rest - other)
         other = rest - acts
     if phase == BACKWARD and grads:
@@ -144,6 +150,7 @@ def breakdown(
         module=moment.module,
         note=note,
         gathered_parameters=gathered,
+        gradient_buckets=buckets,
     )
 
 

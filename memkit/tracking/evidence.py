@@ -23,6 +23,7 @@ from memkit.advice.training import state_buffers
 from memkit.devices import tensor_device
 from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
+from memkit.tracking.ddp import bucket_bytes, bucket_views, is_ddp
 from memkit.tracking.fsdp import FsdpUnits
 from memkit.tracking.leaks import LeakWatch
 from memkit.tracking.models import TrackedModels, forward_autocast
@@ -444,7 +445,8 @@ def persistent_bytes(
     fsdp: FsdpUnits | None = None,
     census: WeightCensus | None = None,
 ) -> Persistent:
-    """Bytes of parameters (and buffers), gradients and optimizer state on ``dev``.
+    """Bytes of parameters (and buffers), gradients, optimizer state and DDP's gradient
+    buckets (memkit/tracking/ddp.py) on ``dev``.
 
     Each storage counts once (tied weights, views); ``model`` is the tracked model (a
     DataParallel one's replicas count on the devices other than the ``primary`` one).
@@ -463,12 +465,7 @@ def persistent_bytes(
         storages = storages_of(t)
         if not storages:
             return 0
-        if holds is not None:
-            here = holds(t)
-        else:
-            here = t.device.type == target.type and (
-                target.index is None or t.device.index in (None, target.index)
-            )
+        here = holds(t) if holds is not None else _on(t, target)
         total = 0
         for storage in storages:
             nbytes = storage.nbytes()
@@ -508,8 +505,10 @@ def persistent_bytes(
             census.add(p, n)
             if id(p) in optimized:
                 census.optimized += n
+    ddps = [mod for mod in modules if is_ddp(mod)]
+    views = set().union(*map(bucket_views, ddps)) if ddps else set()
     for p in all_params:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in views:  # (a view of a bucket: the bucket's)
             grads += size(p.grad)
     for opt in optimizers:
         for st in opt.state.values():
@@ -520,4 +519,16 @@ def persistent_bytes(
     if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
         # replicas on the other devices: broadcast copies of the weights for each forward
         params = sum(int(p.numel() * p.element_size()) for p in model.parameters())
-    return Persistent(params, grads, state)
+    buckets = 0
+    for mod in ddps:  # DDP's gradient buckets, on its parameters' device
+        first = next(mod.parameters(), None)
+        if first is not None and (holds(first) if holds is not None else _on(first, target)):
+            buckets += bucket_bytes(mod)
+    return Persistent(params, grads, state, buckets)
+
+
+def _on(t: torch.Tensor, target: torch.device) -> bool:
+    """Whether ``t`` is on the device ``target`` (any index where it has none)."""
+    return t.device.type == target.type and (
+        target.index is None or t.device.index in (None, target.index)
+    )

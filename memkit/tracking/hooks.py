@@ -175,9 +175,13 @@ class Hooks:
             # do nothing; around the compiled call they run as Python, the graph untouched
             h.append(_AroundCompiledCall(model, self._make_root_pre(leaf), self._make_post()))
         elif model is not None:  # the model's own hooks stay for the block
+            # first of its pre-hooks, as torch's global hooks are (memkit run's): what the
+            # user's own do (spectral_norm computes the weight in one) and FSDP2's root
+            # all-gather are the model's forward (on the simulated device, a gather before
+            # memkit's hook would run outside the step's counted phases)
             h.append(
                 model.register_forward_pre_hook(
-                    self._make_root_pre(leaf), with_kwargs=True, prepend=not is_fsdp_unit(model)
+                    self._make_root_pre(leaf), with_kwargs=True, prepend=True
                 )
             )
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
@@ -265,11 +269,13 @@ class Hooks:
                 pre = made.get(key)
                 if pre is None:
                     pre = made[key] = self._make_pre(name, leaf, root_name)
-                fsdp = is_fsdp_unit(mod)
                 # first of its pre-hooks: what the user's own do (spectral_norm computes the
-                # weight in one) is the module's forward, as torch's global hooks see it
-                h.append(mod.register_forward_pre_hook(pre, prepend=not fsdp))
-                h.append(mod.register_forward_hook(post, always_call=True, prepend=fsdp))
+                # weight in one) and an FSDP2 unit's all-gather are the module's forward, as
+                # torch's global hooks see it
+                h.append(mod.register_forward_pre_hook(pre, prepend=True))
+                h.append(
+                    mod.register_forward_hook(post, always_call=True, prepend=is_fsdp_unit(mod))
+                )
             return
         from torch.nn.modules import module as nn_module
 
@@ -290,12 +296,10 @@ class Hooks:
         for root in list(self.models.roots.values()):
             mod = root.ref()
             if mod is not None and root.model:
+                h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True))
                 h.append(
-                    mod.register_forward_pre_hook(
-                        root_pre, with_kwargs=True, prepend=not is_fsdp_unit(mod)
-                    )
+                    mod.register_forward_hook(post, always_call=True, prepend=is_fsdp_unit(mod))
                 )
-                h.append(mod.register_forward_hook(post, always_call=True))
 
     def _looks_for_models(self, step: int) -> bool:
         """Whether global hooks look for models on step ``step`` (no model given)."""

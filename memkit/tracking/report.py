@@ -158,7 +158,10 @@ class Breakdown:
     and optimizer state created since then); other is what was there before the forward and is
     none of the above (the batch, user tensors, leaked graphs). Under FSDP2, parameters,
     gradients and optimizer state are the rank's shards, and ``gathered_parameters`` are the
-    unsharded parameters and all-gather buffers alive at that moment. At a peak in a forward
+    unsharded parameters and all-gather buffers alive at that moment. Under DDP,
+    ``gradient_buckets`` are its Reducer's flat gradient buckets (a copy of the gradients;
+    with ``gradient_as_bucket_view`` the gradients' own storage, counted as gradients while
+    they exist). At a peak in a forward
     where several models run, ``gradient_models`` are the gradients by the model that holds
     them (its row's name and bytes: a GAN's generator's, kept from its step through the
     critic's forward); ``()`` elsewhere. At a forward's peak, ``gradients_after_forward`` are
@@ -180,15 +183,19 @@ class Breakdown:
     gathered_parameters: int = 0
     gradient_models: tuple[tuple[str, int], ...] = ()
     gradients_after_forward: int | None = None
+    gradient_buckets: int = 0
 
     def parts(self) -> list[tuple[str, int]]:
-        """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only)."""
+        """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only;
+        gradient buckets: DDP's only)."""
         gathered = [("all-gathered parameters", self.gathered_parameters)]
+        buckets = [("DDP gradient buckets", self.gradient_buckets)]
         return [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
             *(gathered if self.gathered_parameters else []),
+            *(buckets if self.gradient_buckets else []),
             ("activations", self.activations),
             ("other", self.other),
         ]

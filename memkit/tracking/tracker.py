@@ -34,6 +34,7 @@ from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
 from memkit.oom import find_oom
+from memkit.simulated.ddp_buckets import counting_buckets
 from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.simulated.virtual_devices import VirtualDevices, active_virtual_devices, is_active
@@ -237,6 +238,8 @@ class Tracker:
     ) -> None:
         stack.enter_context(backend.activate())
         stack.enter_context(counting_resizes())  # FSDP2 resizes storages outside ops
+        # DDP's buckets, allocated when a script wraps its model (between steps)
+        stack.enter_context(counting_buckets(backend.accountant))
         tracked = [x for x in (self.models.model, *self.models.optimizers) if x is not None]
         if tracked:
             backend.track(*tracked)
