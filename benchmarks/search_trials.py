@@ -11,7 +11,9 @@ plain reference :func:`doubling_bisection` ran, and ``ceil(log2 L) + 3``.
 importable from ``PYTHONPATH``), e.g. a candidate strategy kept outside the tree.
 
 ``--recorded FILE`` replays a probe recorded on a real device (``memkit probe ... --json``, e.g.
-``tests/fixtures/h200_probe_nanogpt_call1.json``): the sizes up to the recorded answer fit and
+``tests/fixtures/h200_probe_nanogpt_call1.json``), or an estimate's (``memkit estimate ... --json``:
+its ``reserved_peak`` and ``allocated_peak``), or a file of such records under ``"cases"``
+(``tests/fixtures/estimate_sweep_trials.json``): the sizes up to the recorded answer fit and
 the larger ones do not; a size's peaks are the recorded ones, or, between recorded sizes, the
 straight line between their neighbours, the reserved peak then rounded up as the caching
 allocator reserves (whole 2 MiB multiples, ``memkit.simulated.allocator.K_ROUND_LARGE``). The
@@ -87,6 +89,15 @@ def _interpolate(points: list[tuple[int, int]], b: int) -> float:
     return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
 
 
+def _probe_trial(trial: dict) -> dict:
+    """A trial in the probe's keys; ``memkit estimate --json`` names its peaks
+    ``reserved_peak`` (decides the fit) and ``allocated_peak``."""
+    if "peak_bytes" in trial:
+        return trial
+    return {**trial, "peak_bytes": trial["reserved_peak"],
+            "peak_allocated_bytes": trial["allocated_peak"]}  # fmt: skip
+
+
 class Replay:
     """An oracle that replays a recorded probe (see the module docstring)."""
 
@@ -94,7 +105,7 @@ class Replay:
         from memkit.simulated.allocator import K_ROUND_LARGE
 
         self.segment = K_ROUND_LARGE
-        trials = record["trials"]
+        trials = [_probe_trial(t) for t in record["trials"]]
         fit = sorted(
             (t["batch_size"], t["peak_bytes"], t.get("peak_allocated_bytes") or t["peak_bytes"])
             for t in trials
@@ -104,7 +115,7 @@ class Replay:
         self.limit = record["max_batch_size"]
         if not fit or any(b <= self.limit for b in failed) or fit[-1][0] != self.limit:
             raise SystemExit("the record does not bracket its answer (B fit, larger sizes failed)")
-        self.capacity = int(record["capacity_bytes"])
+        self.capacity = int(record.get("capacity_bytes") or record["usable_bytes"])
         self.reserved = [(b, r) for b, r, _ in fit]
         self.allocated = [(b, a) for b, _, a in fit]
         self.needs = {t["batch_size"]: t["peak_bytes"] for t in trials if not t["fits"]}
@@ -123,10 +134,9 @@ class Replay:
         return True, reserved, None, allocated
 
 
-def replay(path: Path, module: str) -> tuple[int, int | None, list[int]]:
-    """``(trials, answer, sizes run)`` of the search on a recorded probe."""
+def replay(record: dict, module: str) -> tuple[int, int | None, list[int]]:
+    """``(trials, answer, sizes run)`` of the search on a recorded probe or estimate."""
     mod = importlib.import_module(module)
-    record = json.loads(path.read_text())
     oracle = Replay(record)
     result = mod.search_max_batch(
         oracle,
@@ -135,6 +145,16 @@ def replay(path: Path, module: str) -> tuple[int, int | None, list[int]]:
         max_batch=record.get("max_batch"),
     )
     return len(oracle.calls), result.max_batch_size, oracle.calls
+
+
+def _print_replay(record: dict, module: str) -> None:
+    trials, answer, sizes = replay(record, module)
+    recorded = " ".join(f"{t['batch_size']}{'' if t['fits'] else 'x'}" for t in record["trials"])
+    ran = " ".join(f"{b}{'' if b <= record['max_batch_size'] else 'x'}" for b in sizes)
+    answer_was = record["max_batch_size"]
+    print(f"recorded: trials {len(record['trials'])}, answer {answer_was}: {recorded}")
+    print(f"replayed: {ran}")
+    print(f"trials {trials}, answer {answer}")
 
 
 def main() -> None:
@@ -146,16 +166,11 @@ def main() -> None:
         parser.error(f"--recorded {args.recorded}: no such file (expected a probe's --json output, "
                      "e.g. tests/fixtures/h200_probe_nanogpt_call1.json)")  # fmt: skip
     if args.recorded is not None:
-        record = json.loads(args.recorded.read_text())
-        trials, answer, sizes = replay(args.recorded, args.module)
-        recorded = " ".join(
-            f"{t['batch_size']}{'' if t['fits'] else 'x'}" for t in record["trials"]
-        )
-        ran = " ".join(f"{b}{'' if b <= record['max_batch_size'] else 'x'}" for b in sizes)
-        answer_was = record["max_batch_size"]
-        print(f"recorded: trials {len(record['trials'])}, answer {answer_was}: {recorded}")
-        print(f"replayed: {ran}")
-        print(f"trials {trials}, answer {answer}")
+        data = json.loads(args.recorded.read_text())
+        for name, record in data.get("cases", {"": data}).items():
+            if name:
+                print(f"{name}: {record.get('command', '')}")
+            _print_replay(record, args.module)
         return
     mod = importlib.import_module(args.module)
 

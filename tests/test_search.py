@@ -451,10 +451,7 @@ def test_the_recorded_h200_probe_of_nanogpt_replays_to_122_in_at_most_7_trials(m
 
 
 def test_the_replay_oracle_interpolates_and_rounds_as_the_allocator_reserves():
-    path = ROOT / "benchmarks" / "search_trials.py"
-    spec = importlib.util.spec_from_file_location("search_trials", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     record = json.loads((FIXTURES / "h200_probe_nanogpt_call1.json").read_text())
     oracle = bench.Replay(record)
     assert oracle(122) == (True, 3221225472, None, 3171573248)  # recorded as is
@@ -508,3 +505,40 @@ def test_a_step_with_linear_parts_and_a_convex_one_pays_at_most_two_oom_trials()
         check(result, calls, limit)
         ooms.append(sum(not t.fits for t in result.trials))
     assert max(ooms) <= 2, ooms
+
+
+def _bench():
+    path = ROOT / "benchmarks" / "search_trials.py"
+    spec = importlib.util.spec_from_file_location("search_trials", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+SWEEP = json.loads((FIXTURES / "estimate_sweep_trials.json").read_text())["cases"]
+
+
+def _sweep_ooms(name: str) -> tuple[int, list[int]]:
+    record = SWEEP[name]
+    trials, answer, sizes = _bench().replay(record, "memkit.probing.search")
+    assert answer == record["max_batch_size"] and len(sizes) == len(set(sizes)) == trials
+    return sum(b > answer for b in sizes), sizes
+
+
+def test_the_estimate_sweep_replays_to_its_exact_answers():
+    """memkit estimate on a new user's five models (issue 24): every recorded search replays
+    (allocated and reserved peaks as recorded, interpolated between sizes, reserved rounded
+    as the caching allocator reserves) to its exact answer, the answer's next size run."""
+    for name, record in SWEEP.items():
+        _, sizes = _sweep_ooms(name)
+        assert record["max_batch_size"] + 1 in sizes, (name, sizes)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24: reserved peaks in allocator segments")
+def test_the_estimate_sweep_pays_at_most_two_oom_trials():
+    """Issue 24's target on the estimate's segment-rounded reserved peaks: at most 2 OOM
+    trials per search. Not met yet (3-8 on 13 of 19 searches): the gap between reserved and
+    allocated at the largest fit is no stable offset there (42 to 131 MiB on t5 at 2 GiB),
+    so the aim overshoots, and the bracket after a failure is bisected."""
+    over = {name: _sweep_ooms(name) for name in SWEEP}
+    assert all(ooms <= 2 for ooms, _ in over.values()), over
