@@ -101,6 +101,12 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def is_ddp(model: Any) -> bool:
+    """Whether ``model`` is a :class:`torch.nn.parallel.DistributedDataParallel`."""
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    return ddp is not None and isinstance(model, ddp)
+
+
 def is_distributed() -> bool:
     """Whether a ``torch.distributed`` process group is initialised in this process."""
     return _dist() is not None

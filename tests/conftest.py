@@ -65,6 +65,18 @@ def _seed_and_collect():
 
 
 @pytest.fixture
+def one_rank():
+    """A one-rank gloo process group in this process (FSDP2 and DDP need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 

@@ -5,20 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import memkit
-
-
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo process group in this process (FSDP2 needs one)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_parameters_count_as_local_shards_and_training_goes_on(one_rank):

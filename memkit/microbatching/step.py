@@ -118,11 +118,6 @@ def _carries_item_count(batch: Any) -> bool:
     return False
 
 
-def _is_ddp(model: torch.nn.Module) -> bool:
-    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    return ddp is not None and isinstance(model, ddp)
-
-
 class MicroBatchStep:
     """A training step that splits a batch into micro-batches when it does not fit.
 
@@ -193,7 +188,7 @@ class MicroBatchStep:
 
     # -- helpers -----------------------------------------------------------------------------
     def _ddp(self) -> bool:
-        return _is_ddp(self.model) and distributed.world_size() > 1
+        return distributed.is_ddp(self.model) and distributed.world_size() > 1
 
     def _allocated(self) -> int | None:
         if self.backend is None:

@@ -55,7 +55,6 @@ __all__ = [
     "RankSync",
     "agree_settings",
     "agreed_outcome",
-    "is_ddp",
     "wrap_ddp",
 ]
 
@@ -64,11 +63,6 @@ log = logging.getLogger(__name__)
 
 class PeerFailed(Exception):
     """Raised inside a rank's step when a checkpoint shows that another rank failed."""
-
-
-def is_ddp(model: Any) -> bool:
-    """Whether ``model`` is a :class:`torch.nn.parallel.DistributedDataParallel`."""
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -28,6 +28,7 @@ from memkit import devices, distributed
 from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
 from memkit.devices import SimulatedBackend, VirtualDeviceBackend, get_backend
+from memkit.distributed import is_ddp
 from memkit.errors import (
     ConfigError,
     DoesNotFitError,
@@ -48,7 +49,7 @@ from memkit.modelfile import (
 )
 from memkit.oom import is_oom, recover
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
-from memkit.probing.ranks import RankSync, agree_settings, is_ddp, wrap_ddp
+from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch

@@ -14,18 +14,19 @@ reports them (``_get_ddp_logging_data()``: ``bucket_sizes``, ``rebuilt_bucket_si
 
 from __future__ import annotations
 
+from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["bucket_bytes", "bucket_views", "is_ddp"]
+from memkit import distributed
+
+__all__ = ["bucket_bytes", "bucket_views", "ddp_calling", "is_ddp"]
 
 
 def is_ddp(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a DDP model with a Reducer (its buckets)."""
-    return getattr(module, "reducer", None) is not None and hasattr(
-        module, "gradient_as_bucket_view"
-    )
+    return distributed.is_ddp(module) and getattr(module, "reducer", None) is not None
 
 
 def _reducer_sizes(ddp: Any) -> list[int]:
@@ -51,3 +52,17 @@ def bucket_views(ddp: Any) -> set[int]:
     if not getattr(ddp, "gradient_as_bucket_view", False):
         return set()
     return {id(p) for p in ddp.module.parameters()}
+
+
+def ddp_calling(frame: FrameType | None, limit: int = 40) -> Any:
+    """The DDP model whose forward is on the stack from ``frame`` outwards (``None``: none): a
+    tracked model DDP wraps (``memkit.track(model)`` around ``DDP(model)``, Lightning's
+    ``pl_module``, the transformers Trainer's model) runs inside its forward. Looked for when a
+    model first runs (a frame walk, once)."""
+    depth = 0
+    while frame is not None and depth < limit:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if owner is not None and is_ddp(owner):
+            return owner
+        frame, depth = frame.f_back, depth + 1
+    return None

@@ -40,7 +40,7 @@ from memkit.tracking.records import DEFAULT_STEP_LIMIT, DeviceRecord
 from memkit.tracking.report import Breakdown
 from memkit.tracking.state import BACKWARD, EVAL, FORWARD, TrackState
 
-__all__ = ["DeviceSet", "SegmentCloser", "segment_closer"]
+__all__ = ["DeviceSet", "SegmentCloser", "remembered_sizes", "segment_closer"]
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class DeviceSet:
             log.debug("breakdown failed", exc_info=True)
 
     def _categorise(self, dev: DeviceRecord, moment: PeakMoment, now: Persistent) -> Breakdown:
-        remembered = Persistent(dev.params_full, dev.grads_full, dev.state_full)
+        remembered = remembered_sizes(dev)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)
         if self.state.phase != BACKWARD and self.evidence.several_witnesses():
@@ -330,3 +330,9 @@ class DeviceSet:
             by_model = dev.grad_models.get(moment.alive) or self.evidence.gradients_by_model()
             found = dataclasses.replace(found, gradient_models=by_model)
         return found
+
+
+def remembered_sizes(dev: DeviceRecord) -> Persistent:
+    """The largest parameters, gradients and optimizer state ``dev`` has seen (they stand in
+    for what was freed or is gone when a moment is categorised)."""
+    return Persistent(dev.params_full, dev.grads_full, dev.state_full)

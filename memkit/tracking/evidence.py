@@ -145,7 +145,8 @@ class Evidence:
 
     def gradients_by_model(self) -> tuple[tuple[str, int], ...]:
         """The gradients the models hold now, by model (its row's name: ``Generator``), each
-        storage once; models without gradients left out."""
+        storage once (DDP's bucket views are the buckets': ``zero_grad`` frees nothing of
+        them); models without gradients left out."""
         models = self.models
         seen: set[int] = set()
         out = []
@@ -153,9 +154,10 @@ class Evidence:
             root = models.roots.get(id(module))
             name = root.keys.get(id(module)) if root is not None else None
             total = 0
+            views = bucket_views(module) if is_ddp(module) else ()  # the buckets', not theirs
             for param in module.parameters():
                 grad = param.grad
-                if grad is not None:
+                if grad is not None and id(param) not in views:
                     for storage in storages_of(grad):  # a sparse gradient: indices and values
                         if id(storage) not in seen:
                             seen.add(id(storage))
@@ -205,8 +207,9 @@ class Evidence:
         modules, optimizers = models.root_modules(), models.all_optimizers()
         census = WeightCensus()
         sizes = persistent_bytes(
-            dev, modules, optimizers, models.model, primary, self._state.fsdp, census
-        )
+            dev, modules, optimizers, models.model, primary, self._state.fsdp, census,
+            models.ddp_wrappers(),
+        )  # fmt: skip
         self.walked_dtype = _largest(census.trainable_dtypes)
         facts = self.facts
         if facts.accumulation_steps is None:  # no framework callback told it
@@ -444,6 +447,7 @@ def persistent_bytes(
     primary: bool,
     fsdp: FsdpUnits | None = None,
     census: WeightCensus | None = None,
+    wrappers: Sequence[torch.nn.Module] = (),
 ) -> Persistent:
     """Bytes of parameters (and buffers), gradients, optimizer state and DDP's gradient
     buckets (memkit/tracking/ddp.py) on ``dev``.
@@ -454,7 +458,8 @@ def persistent_bytes(
     dicts. Under FSDP2 (``fsdp``) the parameters are the rank's shards, whatever the modules
     hold now: their unsharded parameters are all-gathered ones, counted apart. With neither
     modules nor optimizers left, the parameters are the most ``dev`` saw (``params_full``).
-    ``census``: filled in the same walk (:class:`WeightCensus`).
+    ``census``: filled in the same walk (:class:`WeightCensus`); ``wrappers``: DDP models
+    that wrap the modules (their buckets count).
     """
     target = dev.backend.device
     holds = getattr(dev.backend, "holds", None)
@@ -505,7 +510,7 @@ def persistent_bytes(
             census.add(p, n)
             if id(p) in optimized:
                 census.optimized += n
-    ddps = [mod for mod in modules if is_ddp(mod)]
+    ddps = list({id(m): m for m in (*modules, *wrappers) if is_ddp(m)}.values())
     views = set().union(*map(bucket_views, ddps)) if ddps else set()
     for p in all_params:
         if p.grad is not None and id(p) not in views:  # (a view of a bucket: the bucket's)

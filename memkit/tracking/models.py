@@ -90,6 +90,8 @@ class TrackedModels:
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
         self._in_frames: list[weakref.ref[Any]] = []  # found_in_frames
+        # DDP models that wrap a tracked model (their forward called it): their buckets
+        self._ddp_wrappers: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.compiled = False
         self.on_model: ModelFound | None = None
         self._lock = lock
@@ -141,6 +143,14 @@ class TrackedModels:
             return list(optimizers)
         seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
         return seen or [o for o in (r() for r in self._in_frames) if o is not None]
+
+    def wrapped_by(self, ddp: torch.nn.Module) -> None:
+        """``ddp`` (a DDP model) wraps a tracked model: its gradient buckets count."""
+        self._ddp_wrappers[id(ddp)] = weakref.ref(ddp)
+
+    def ddp_wrappers(self) -> list[torch.nn.Module]:
+        """The DDP models seen wrapping a tracked model, still alive."""
+        return [m for m in (r() for r in self._ddp_wrappers.values()) if m is not None]
 
     def found_in_frames(self, optimizers: list[Any]) -> None:
         """Optimizers found in the user's frames while none is known (an OOM in step 0's

@@ -511,12 +511,17 @@ class PhaseMachine:
             dev.base_flags = flags
             dev.bw_module = None
             level = dev.last[0]
-            if (step < 3 and level != dev.kept_level) or (dev.grads_full == 0 and not grads_none):
+            if (step < 3 and level != dev.kept_level) or (
+                not dev.grads_remembered and not grads_none
+            ):
                 # remember the persistent sizes while they exist (first steps only, and only
                 # when the memory kept across the boundary changed): the objects may be gone
                 # when the report is made (a script's main() returned)
                 devices.remember(dev, sizes or devices.persistent(dev))
                 dev.kept_level = level
+                # once, with gradients allocated (they may count 0 bytes: DDP's
+                # gradient_as_bucket_view makes them the buckets' views)
+                dev.grads_remembered = dev.grads_remembered or not grads_none
                 captured = True
             # the last step's level, now that this step's forwards began: what it left
             # (persistent bytes: rises that new trainable parameters explain are no leak)

@@ -313,6 +313,7 @@ class DeviceRecord:
         self.grad_sizes: dict[tuple[bool, ...], int] = {}
         self.grad_models: dict[tuple[bool, ...], tuple[tuple[str, int], ...]] = {}
         self.grad_epoch = 0  # the witnesses (Evidence.witness_epoch) those sizes are of
+        self.grads_remembered = False  # remember() ran while gradients were allocated
         self.forward_peak = False  # the breakdown is of the forward running (until it ends)
         self.bw_module: str | None = None
         self.last = (a, r)

@@ -160,8 +160,8 @@ class Breakdown:
     gradients and optimizer state are the rank's shards, and ``gathered_parameters`` are the
     unsharded parameters and all-gather buffers alive at that moment. Under DDP,
     ``gradient_buckets`` are its Reducer's flat gradient buckets (a copy of the gradients;
-    with ``gradient_as_bucket_view`` the gradients' own storage, counted as gradients while
-    they exist). At a peak in a forward
+    with ``gradient_as_bucket_view`` the gradients' own storage too: counted once, as the
+    buckets, the gradients then 0). At a peak in a forward
     where several models run, ``gradient_models`` are the gradients by the model that holds
     them (its row's name and bytes: a GAN's generator's, kept from its step through the
     critic's forward); ``()`` elsewhere. At a forward's peak, ``gradients_after_forward`` are

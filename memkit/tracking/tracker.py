@@ -39,8 +39,9 @@ from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
 from memkit.simulated.virtual_devices import VirtualDevices, active_virtual_devices, is_active
 from memkit.tracking import leaks
-from memkit.tracking.breakdown import PeakMoment, Persistent
-from memkit.tracking.device_set import DeviceSet
+from memkit.tracking.breakdown import PeakMoment
+from memkit.tracking.ddp import ddp_calling, is_ddp
+from memkit.tracking.device_set import DeviceSet, remembered_sizes
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.fsdp import counting_resizes, find_fsdp_units
 from memkit.tracking.history_file import HistoryFile
@@ -353,6 +354,8 @@ class Tracker:
             evidence.find_witness()
         if models.model is None:  # a model found running: its FSDP2 units, if any
             self.state.fsdp = find_fsdp_units(models.root_modules())
+        if not is_ddp(module) and (wrapper := ddp_calling(sys._getframe(1))) is not None:
+            models.wrapped_by(wrapper)  # (track(model) around DDP(model), Lightning's ddp)
         if _is_lightning_module(module):
             evidence.facts.lightning_automatic = bool(
                 getattr(module, "automatic_optimization", True)
@@ -440,7 +443,7 @@ class Tracker:
             capacity=cap.total,
             free=cap.free,
             persistent=persistent,
-            remembered=Persistent(dev.params_full, dev.grads_full, dev.state_full),
+            remembered=remembered_sizes(dev),
             modules=tuple(module_records(dev, display)),
             leak=leak,
             last_root=facts.last_root,
