@@ -235,9 +235,10 @@ def test_fsdp2_root_with_parameters_tracked_in_the_script_keeps_its_all_gather_o
         rows = {m["path"]: m for m in device["modules"]}
         assert rows["head"]["activation_bytes"] == head
         # the forward's growth, less the root's parameters it left unsharded (the old code:
-        # 24,576 B more); a block's flat all-gather buffer that gloo's work still held after
-        # FSDP2 let it go may stay in one step's (timing, as above)
+        # 24,576 B more, every run); what gloo's work still held after FSDP2 let it go may
+        # stay in one step's (timing: a block's flat all-gather buffer, 4,224 B; once in 4
+        # full-suite runs 16,384 B)
         expected = growth - rank["root"]
-        assert expected <= rows["Net"]["activation_bytes"] <= expected + (32 * 32 + 32) * 4
+        assert expected <= rows["Net"]["activation_bytes"] < expected + 24576
         # the batch, on the device before the forward began (the old code: activations)
         assert device["breakdown"]["other"] >= 4 * 16 * 8

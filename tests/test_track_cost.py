@@ -144,6 +144,8 @@ def compiled_run(how: str) -> tuple[dict[str, int], memkit.tracking.report.Track
         "breaks": sum(counters["graph_break"].values()),
         "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
     }
+    torch._dynamo.reset()  # graphs made in this process turn the leak search's line trace off
+    counters.clear()
     return seen, None if tracker is None else tracker.report()  # type: ignore[union-attr]
 
 
@@ -401,3 +403,24 @@ def test_a_tracked_model_that_ddp_wraps_counts_its_buckets(one_rank):
             opt.zero_grad()
     bd = tracker.report().devices[0].breakdown
     assert bd is not None and bd.gradient_buckets == (32 * 64 + 64 + 64 * 10 + 10) * 4
+
+
+def test_a_compiled_model_first_run_on_the_simulated_device_compiles_afterwards():
+    """TorchDynamo compiles no frame under a dispatch mode and skips that code for good: a
+    compiled model first called inside ``memkit.simulate``/``track`` (or a probe) never
+    compiled again in the process, silently slower (sweep NN). The accountant runs compiled
+    code eagerly with ``set_stance("force_eager")``, which skips nothing for later."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = torch.compile(mlp(), backend="eager")
+        with memkit.simulate("64MiB"):
+            model(torch.randn(4, 64)).sum().backward()
+        assert counters["frames"]["ok"] == 0  # eager inside, as before
+        model(torch.randn(4, 64)).sum().backward()
+        assert counters["frames"]["ok"] >= 1 and counters["stats"]["unique_graphs"] >= 1
+    finally:  # graphs made in this process turn the leak search's line trace off
+        torch._dynamo.reset()
+        counters.clear()

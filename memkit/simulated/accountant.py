@@ -54,7 +54,11 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 
 from memkit.simulated.allocator import round_size
 from memkit.simulated.storage_resizes import counting_resizes, fsdp2_loaded
@@ -64,6 +68,7 @@ __all__ = [
     "MemoryAccountant",
     "StorageObserver",
     "counted_bytes",
+    "counting_now",
     "cuda_rounded",
     "storages_of",
     "strided_parts",
@@ -73,6 +78,34 @@ __all__ = [
 cuda_rounded = round_size
 """Bytes the CUDA caching allocator counts as allocated for a request of ``nbytes``
 (:func:`memkit.simulated.allocator.round_size`, the one statement of the rule)."""
+
+
+_EAGER_LOCK = threading.Lock()
+_eager: list[Any] = []  # the stance set by the first accountant in, restored by the last out
+_eager_users = [0]
+
+
+def _eager_acquire() -> None:
+    """Compiled code runs eagerly while any accountant counts (one stance for all of them:
+    blocks in two threads may end in any order, and a context entered per block would put
+    back the stance the other set)."""
+    with _EAGER_LOCK:
+        if _eager_users[0] == 0:
+            _eager.append(torch.compiler.set_stance("force_eager"))  # (set when made)
+        _eager_users[0] += 1
+
+
+def _eager_release() -> None:
+    with _EAGER_LOCK:
+        _eager_users[0] -= 1
+        if _eager_users[0] == 0 and _eager:
+            _eager.pop().__exit__(None, None, None)
+
+
+def counting_now() -> bool:
+    """Whether a :class:`MemoryAccountant` counts this thread's ops now (then compiled code
+    runs eagerly: :meth:`MemoryAccountant.__enter__`)."""
+    return any(isinstance(m, MemoryAccountant) for m in _get_current_dispatch_mode_stack())
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -353,8 +386,13 @@ class MemoryAccountant(TorchDispatchMode):
     # -- entering ---------------------------------------------------------------------------
     def __enter__(self) -> MemoryAccountant:
         """Count ops in this thread; FSDP2's storage resizes too when FSDP2 is imported (its
-        unsharded parameters are freed by resizing, which no op shows)."""
+        unsharded parameters are freed by resizing, which no op shows). A ``torch.compile``'d
+        function runs eagerly meanwhile (``set_stance("force_eager")``): TorchDynamo compiles
+        no frame under a dispatch mode, and a frame it skipped it skips for good, so a model
+        first called here would never compile afterwards (sweep NN: nor after a probe)."""
         resizes = contextlib.ExitStack()
+        _eager_acquire()
+        resizes.callback(_eager_release)
         if fsdp2_loaded():
             resizes.enter_context(counting_resizes())
         self._resizes.append(resizes)

@@ -93,6 +93,8 @@ class TrackedModels:
         # DDP models that wrap a tracked model (their forward called it): their buckets
         self._ddp_wrappers: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.compiled = False
+        # compiled code runs eagerly here (the simulated device): module hooks break no graph
+        self.eager = False
         self.on_model: ModelFound | None = None
         self._lock = lock
         # forward function -> forward_autocast's answer (its wrapper chain is made once)
@@ -268,7 +270,9 @@ class TrackedModels:
         # module hooks inside a compiled graph would break it or make TorchDynamo recompile:
         # from now on, hooks on the models alone (steps and phases stay exact); another model
         # found beside a given one (a compiled teacher) changes nothing of the given one's
-        newly_compiled = self.model is None and not self.compiled and is_compiled(module)
+        newly_compiled = (
+            self.model is None and not self.compiled and not self.eager and is_compiled(module)
+        )
         if newly_compiled:
             self.compiled = True
         for sub_id in keys:

@@ -34,6 +34,7 @@ from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
 from memkit.oom import find_oom
+from memkit.simulated.accountant import counting_now
 from memkit.simulated.ddp_buckets import counting_buckets
 from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
@@ -220,7 +221,11 @@ class Tracker:
             # a graph scan walks autograd graphs in Python: on an accelerator, as rarely as
             # module detail (a step there is short, and every microsecond of it is wall time)
             evidence.leak_watch.period = max(leaks.SCAN_PERIOD, hooks.module_every)
-            models.compiled = models.model is not None and is_compiled(models.model)
+            # compiled models run eagerly while the simulated device counts: module detail
+            models.eager = counting_now()
+            models.compiled = (
+                not models.eager and models.model is not None and is_compiled(models.model)
+            )
             primary.base_grads_none = evidence.grads_none()
             primary.base_state_empty = evidence.state_empty()
             hooks.install()
