@@ -260,13 +260,11 @@ class DeviceSet:
         """A mark in a training forward (its start, a model's forward beginning or returning,
         where ``zero_grad`` may have run since the last): the gradient witnesses' flags now,
         with the gradient bytes they stand for measured on every device the first time they
-        are seen (a walk per new set of flags, not per step). Only where several optimizers
-        run: one optimizer's gradients at a forward's peak are those it began with (the hot
-        path pays nothing)."""
+        are seen (a walk per new set of flags, not per step). The callers call it only where
+        several optimizers run (``Evidence.several``): one optimizer's gradients at a
+        forward's peak are those it began with, and the breakdown reads ``grads_none`` then
+        (the hot path pays nothing)."""
         evidence = self.evidence
-        if not evidence.several_witnesses():  # one optimizer: the forward start's flags
-            evidence.marked = ()  # (the breakdown reads grads_none, as it always did)
-            return
         flags = evidence.marked = evidence.grad_flags()
         if True in flags:
             epoch = evidence.witness_epoch
@@ -319,7 +317,7 @@ class DeviceSet:
         remembered = remembered_sizes(dev)
         dev.grads_full = max(dev.grads_full, now.gradients)
         dev.state_full = max(dev.state_full, now.optimizer_state)
-        if self.state.phase != BACKWARD and self.evidence.several_witnesses():
+        if self.state.phase != BACKWARD and self.evidence.several:
             # (inside backward, only some layers' exist yet)
             self._note_gradients(dev, self.evidence.grad_flags(), now)
         found = breakdown(moment, now, remembered, dev.grad_sizes)

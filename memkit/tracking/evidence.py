@@ -75,6 +75,7 @@ class Evidence:
         # history would show it)
         self._witnesses: tuple[weakref.ref[torch.Tensor], ...] = ()
         self.witness_epoch = 0  # bumped when the witnesses change (their flags mean others)
+        self.several = False  # gradients watched for more than one optimizer (marks needed)
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
@@ -116,13 +117,11 @@ class Evidence:
             self.facts.grads_were_none = none
         return none
 
-    def several_witnesses(self) -> bool:
-        """Whether gradients are watched for more than one optimizer."""
-        return len(self._witnesses) > 1
-
     def _set_witnesses(self, found: tuple[weakref.ref[torch.Tensor], ...]) -> None:
         self._witnesses = found
         self.witness_epoch += 1
+        self.several = len(found) > 1
+        self.marked = ()
 
     def grad_flags(self) -> tuple[bool, ...]:
         """Per witness (one per optimizer), whether its gradient is allocated now: which

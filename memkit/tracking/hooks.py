@@ -615,8 +615,8 @@ class Hooks:
                 if p > a:
                     dev.reset()
                 self._close(dev, p, pr, None)
-            if kind == TRAIN_PASS and state.phase == FORWARD:  # zero_grad may have run since
-                self.devices.mark_gradients()
+            if kind == TRAIN_PASS and self.evidence.several and state.phase == FORWARD:
+                self.devices.mark_gradients()  # (zero_grad may have run since)
         ms = dev.modules.get(name)
         if ms is None:
             # gradient hooks only where backward does real work: modules with their own
@@ -708,7 +708,7 @@ class Hooks:
             # a read here would only feed the model's own row, sampled like the others (also
             # in steps-only mode and for a compiled model, where it is the only row)
             self.phases.note_output(output)
-            if state.phase == FORWARD:
+            if self.evidence.several and state.phase == FORWARD:
                 self.devices.mark_gradients()
             return
         a, r, p, pr = dev.read()
@@ -756,7 +756,7 @@ class Hooks:
         parent = stack[-1] if stack else None
         if parent is None and kind == TRAIN_PASS and not raised:
             self.phases.note_output(output)  # the growth detector's levels leave it out
-            if state.phase == FORWARD:
+            if self.evidence.several and state.phase == FORWARD:
                 self.devices.mark_gradients()
         if keeps and frame.region is not None and parent is not None and not parent.unsaved:
             # the outermost call in a checkpoint region: it keeps what it returns, unless the

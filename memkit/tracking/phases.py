@@ -424,7 +424,8 @@ class PhaseMachine:
             evidence = self.evidence
             grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
             self.grads_none_at_forward = grads_none
-            devices.mark_gradients()
+            if evidence.several:
+                devices.mark_gradients()
             for dev in (single,) if single is not None else devices.records.values():
                 dev.forward_base = dev.last[0]
                 dev.base_gathered = dev.gathered
@@ -496,7 +497,7 @@ class PhaseMachine:
         micro = max(self.micro_batches, state.backwards - self.backwards_at_optimizer)
         step = state.step
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
-        flags = evidence.grad_flags() if evidence.several_witnesses() else ()
+        flags = evidence.grad_flags() if evidence.several else ()
         captured = False
         own = self.own
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
