@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from gan_cases import two_step_gan
 from torch import nn
 
 import memkit
@@ -198,48 +199,19 @@ def test_zero_grad_advice_names_the_gradients_alive_at_the_peak():
     assert adv.saving_bytes is None and "held none" in adv.evidence
 
 
-def two_step_gan(fixed: bool) -> TrackReport:
-    """Sweep KK's GAN, two batches (G's update, then D's; steps counted at ``opt_g.step()``,
-    so the last batch's D update is a partial step after the last boundary, where the peak,
-    D's loss, is); ``fixed``: both optimizers' gradients freed right after G's step."""
-    torch.manual_seed(0)
-    gen = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64))
-    disc = nn.Sequential(nn.Linear(64, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
-    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
-    opt_d = torch.optim.SGD(disc.parameters(), 1e-2, momentum=0.9)
-    bce = nn.functional.binary_cross_entropy_with_logits
-    with track(device="cpu", budget="32MiB", optimizer=[opt_g, opt_d]) as tracker:
-        for _ in range(2):
-            x, z = torch.randn(32, 64), torch.randn(32, 16)
-            fake = gen(z)
-            g_loss = bce(disc(fake), torch.ones(32, 1))
-            opt_g.zero_grad()
-            g_loss.backward()
-            opt_g.step()
-            if fixed:
-                opt_g.zero_grad()
-                opt_d.zero_grad()
-            real, faked = disc(x), disc(fake.detach())
-            d_loss = (bce(real, torch.ones_like(real)) + bce(faked, torch.zeros_like(faked))) / 2
-            opt_d.zero_grad()
-            d_loss.backward()
-            opt_d.step()
-    return tracker.report()
-
-
 def test_zero_grad_saving_counts_the_partial_last_steps_phases_that_hold_them():
     """Sweep KK: the peak, D's loss in the partial step after the last boundary, held G's and
     D's gradients; D's backward and step after it hold G's (never zeroed before G's next
     step). The advice said 40.75 KiB (G's only) and a saving of 260 B (the partial step's
     backward peak counted as not holding them); freeing both after G's step lowers the peak by
     7,948 B, as the fixed script's simulated peak reads."""
-    report = two_step_gan(False)
+    report = two_step_gan(False)[0]
     (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
     grads = 41_728 + 33_796  # both models' float32 parameters, by hand
     assert adv.title.endswith(
         f"{format_size(grads)} of gradients stay allocated through the forward"
     )
-    measured = report.devices[0].peak_allocated - two_step_gan(True).devices[0].peak_allocated
+    measured = report.devices[0].peak_allocated - two_step_gan(True)[0].devices[0].peak_allocated
     assert adv.saving_bytes == measured
 
 

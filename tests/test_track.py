@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from gan_cases import two_step_gan
 from torch import nn
 
 from memkit.advice.leaks import graph_retained_advice
@@ -1034,26 +1035,8 @@ def test_a_gan_forward_peak_counts_the_gradients_alive_then_not_those_left_at_it
     frees D's before the forward phase ends. The breakdown had G's only and D's in "other";
     gradients at a forward's peak are those alive at the last mark before it (a model's
     forward returning), never more than the forward began with."""
-    torch.manual_seed(0)
-    gen = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64))
-    disc = nn.Sequential(nn.Linear(64, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
-    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
-    opt_d = torch.optim.SGD(disc.parameters(), 1e-2, momentum=0.9)
-    bce = nn.functional.binary_cross_entropy_with_logits
-    with track(device="cpu", budget="32MiB", optimizer=[opt_g, opt_d]) as tracker:
-        for _ in range(2):
-            x, z = torch.randn(32, 64), torch.randn(32, 16)
-            fake = gen(z)
-            g_loss = bce(disc(fake), torch.ones(32, 1))
-            opt_g.zero_grad()
-            g_loss.backward()
-            opt_g.step()
-            real, faked = disc(x), disc(fake.detach())
-            d_loss = (bce(real, torch.ones_like(real)) + bce(faked, torch.zeros_like(faked))) / 2
-            opt_d.zero_grad()
-            d_loss.backward()
-            opt_d.step()
-    bd = tracker.report().devices[0].breakdown
+    report, gen, disc = two_step_gan(False)
+    bd = report.devices[0].breakdown
     assert bd is not None and bd.phase == "forward"
     # hand count: every parameter of both models has a float32 gradient there
     g_bytes = sum(p.numel() * 4 for p in gen.parameters())  # 41,728
