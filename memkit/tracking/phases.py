@@ -12,6 +12,7 @@ starts or ends and when an optimizer steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -110,12 +111,10 @@ class PhaseMachine:
         self.last_own: set[weakref.ref[torch.Tensor]] = set()
         # the objects among this and the last step's training outputs (a key-value cache),
         # held weakly: their tensors are the step's own too, walked only when the own bytes
-        # are measured (a walk a step would cost per layer); an object an earlier step
-        # returned is kept, not the step's (``own_object_ids``: this step's and the last's)
-        self.own_objects: list[weakref.ref[Any]] = []
-        self.last_own_objects: list[weakref.ref[Any]] = []
-        self.own_object_ids: set[int] = set()
-        self.last_own_object_ids: set[int] = set()
+        # are measured (a walk a step would cost per layer), by id; an object the last step
+        # returned too is kept, not the step's
+        self.own_objects: dict[int, weakref.ref[Any]] = {}
+        self.last_own_objects: dict[int, weakref.ref[Any]] = {}
         self.seen: set[weakref.ref[torch.Tensor]] = set()  # every input and output seen
         self.seen_room = _SEEN_ROOM  # what ``seen`` takes before its dead ones are dropped
         # the shapes of the step's batches: the tensor inputs of its training forwards (one
@@ -553,8 +552,7 @@ class PhaseMachine:
         state.step = step + 1
         self.step_t0 = now
         self.last_own, self.own = own, set()
-        self.last_own_objects, self.own_objects = self.own_objects, []
-        self.last_own_object_ids, self.own_object_ids = self.own_object_ids, set()
+        self.last_own_objects, self.own_objects = self.own_objects, {}
         self.last_output_ptrs, self.output_ptrs = self.output_ptrs, {}
         self.batch_shapes = []
         state.backwards = self.backwards_at_optimizer = self.micro_batches = 0
@@ -647,16 +645,15 @@ class PhaseMachine:
 
     def _take_own_object(self, value: Any) -> None:
         """An object a training forward returned (a key-value cache) is the step's own, unless
-        this or the last step returned it already."""
+        this or the last step returned it already (the same object alive: a dead one's id is
+        free for the next)."""
         key = id(value)
-        if key in self.own_object_ids or key in self.last_own_object_ids:
-            return
-        try:
-            ref = weakref.ref(value)
-        except TypeError:  # a tuple or list (a legacy cache): not walked
-            return
-        self.own_object_ids.add(key)
-        self.own_objects.append(ref)
+        for seen in (self.own_objects, self.last_own_objects):
+            ref = seen.get(key)
+            if ref is not None and ref() is value:
+                return
+        with contextlib.suppress(TypeError):  # no weak references (``__slots__``): not walked
+            self.own_objects[key] = weakref.ref(value)
 
     def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
         """The bytes of the step's own tensors alive on ``dev`` (at a forward's start: the
@@ -671,7 +668,9 @@ class PhaseMachine:
         if memo is not None and memo[0] == batch:
             return memo[1]
         refs = self.own | self.last_own if at_forward else self.own
-        objects = [*self.own_objects, *self.last_own_objects] if at_forward else self.own_objects
+        objects = [*self.own_objects.values()]
+        if at_forward:
+            objects += self.last_own_objects.values()
         alive = [o for o in map(_DEREF, objects) if o is not None]
         if alive:
             refs = refs | set(map(weakref.ref, tensors_within(alive, torch.Tensor)))
