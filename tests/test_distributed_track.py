@@ -390,9 +390,9 @@ def test_ddp_gradient_buckets_have_their_own_category(gloo_ranks) -> None:
             assert ddp["gradient_buckets"] == rank["grads"]  # one copy of the gradients
             assert plain["gradient_buckets"] == 0
             # the rest as without DDP: the buckets are all it adds at the peak (and, timing,
-            # a scalar or two of gloo's: 4 B seen in about 1 run in 10)
+            # a few scalars of gloo's: 4 and 20 B seen, about 1 run in 10)
             for part in ("parameters", "gradients", "optimizer_state"):
                 assert ddp[part] == plain[part], (part, plain, ddp)
             for part in ("activations", "other"):
-                assert abs(ddp[part] - plain[part]) <= 16, (part, plain, ddp)
-            assert abs(ddp["total"] - plain["total"] - rank["grads"]) <= 16
+                assert abs(ddp[part] - plain[part]) <= 64, (part, plain, ddp)
+            assert abs(ddp["total"] - plain["total"] - rank["grads"]) <= 64
