@@ -1,7 +1,9 @@
 #!/bin/bash
-# One prepared GPU session, in two parts that each fit a device call (bash benchmarks/gpu/run.sh 1,
-# then 2): tests/gpu, the tracker's cost on nanoGPT (eager and compiled), the user's counters
-# and the budget cap, the probe (trials, overhead, vs Accelerate), the estimate.
+# One prepared GPU session, in two parts that each fit a device call (bash benchmarks/gpu/run.sh a,
+# then b; 11-26's parts 1, 2, trial and final are below them): a: tests/gpu, the user's counters
+# and the budget cap, the session checks, the tracker's cost (benchmark, nanoGPT eager and
+# compiled); b: the probe (trial pieces, answer, vs Accelerate, fresh-process loops), the
+# estimate, FSDP2 and DDP on one nccl rank, a sequence sweep.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -18,6 +20,57 @@ sec setup
 export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2; python3 -c "import memkit; print(memkit.__file__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
+if [ "$1" = a ]; then sec "pytest tests/gpu"
+timeout 150 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|SKIP|ERROR|^E  |passed|failed" | head -40
+sec "user counters and budget cap on track()"
+timeout 60 python3 $GPU/counters_check.py 2>&1 | tail -4
+sec "session checks: a GAN's breakdown, length buckets (no leak), kept logits (a leak)"
+timeout 90 python3 $GPU/session_checks.py 2>&1 | grep -E "^CHECK|^\[|^Sequential|at the training peak" | head -30
+sec "tracker_overhead --device cuda (with the per-module-call cost)"
+timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 3 --steps 6 --skip MemTracker --micro 2>&1 | grep -v "^\[trans" | tail -24
+sec "nanoGPT eager, alternated: plain, memkit run (default), --steps-only, x2 (150 iterations)"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+timeout 60 python3 train.py $A > $OUT/e_plain$r.log 2>&1; echo "plain rc $?"
+timeout 60 python3 -m memkit run --device cuda train.py $A > $OUT/e_memkit$r.log 2>&1; echo "memkit rc $?"
+timeout 60 python3 -m memkit run --device cuda --steps-only train.py $A > $OUT/e_steps$r.log 2>&1; echo "steps-only rc $?"
+done
+itertime $OUT/e_plain1.log $OUT/e_plain2.log $OUT/e_memkit1.log $OUT/e_memkit2.log $OUT/e_steps1.log $OUT/e_steps2.log
+grep -E "^memkit track|leak|\[" $OUT/e_memkit1.log | head -8
+sec "nanoGPT torch.compile: plain, memkit run (default), TORCH_LOGS=recompiles"
+C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+TORCH_LOGS=recompiles timeout 120 python3 train.py $C > $OUT/c_plain.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles timeout 120 python3 -m memkit run --device cuda train.py $C > $OUT/c_memkit.log 2>&1; echo "memkit rc $?"
+itertime $OUT/c_plain.log $OUT/c_memkit.log
+echo "recompile lines: plain $(grep -ci 'recompil' $OUT/c_plain.log), memkit $(grep -ci 'recompil' $OUT/c_memkit.log)"
+grep -E "^memkit track|mode" $OUT/c_memkit.log | head -3
+sec "memkit run --budget 3GiB, nanoGPT batch 160 (runs out under the cap), then the user's peak"
+timeout 90 python3 -m memkit run --device cuda --budget 3GiB train.py $A --batch_size=160 > $OUT/budget.log 2>&1; echo "rc $? (1 = OOM under the cap)"
+grep -E "allowed|out of memory|peak" $OUT/budget.log | head -4
+cd $ROOT
+sec "end of part a"; exit 0; fi
+if [ "$1" = b ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
+timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
+sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_b.json 2> $OUT/probe_b.log; echo "rc $?"; tail -1 $OUT/probe_b.log
+N=$(python3 -c "
+import json; d=json.load(open('$OUT/probe_b.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', len(d.get('trials', [])), file=__import__('sys').stderr)
+for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), x.get('peak_allocated_bytes'), file=__import__('sys').stderr)
+print(d.get('max_batch_size') or 116)")
+/usr/bin/time -f "PEER-WALL %e s" timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep -E "PEER"
+sec "plain loops in fresh processes at the answer $N and above"
+for n in $N $((N+1)) $((N+2)); do timeout 40 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
+sec "estimate accuracy on the GPU"
+timeout 150 python3 benchmarks/estimate_accuracy.py --gpu-only --json $OUT/estimate.json 2>&1 | tail -6
+sec "FSDP2 and DDP (with and without bucket views), one GPU, nccl, under memkit run"
+timeout 90 torchrun --standalone --nproc-per-node 1 -m memkit run --device cuda --json $OUT/fsdp.json $GPU/fsdp_one_gpu.py > $OUT/fsdp.log 2>&1; echo "rc $?"; grep -E "FSDP1|parameters|gradients|optimizer|gathered|peak" $OUT/fsdp.log | head -16
+for v in "" --view; do timeout 90 torchrun --standalone --nproc-per-node 1 -m memkit run --device cuda --json $OUT/ddp$v.json $GPU/ddp_one_gpu.py $v > $OUT/ddp$v.log 2>&1; echo "rc $?"; grep -E "DDP1|parameters|gradients|buckets|peak" $OUT/ddp$v.log | head -8; done
+sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB"
+timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB --json > $OUT/seqlen.json 2> $OUT/seqlen.log; echo "rc $?"; python3 -c "
+import json; d=json.load(open('$OUT/seqlen.json')); print(json.dumps(d)[:1500])"
+sec "end of part b"; exit 0; fi
 if [ "$1" = final ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
 timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
 sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
