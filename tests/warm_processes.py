@@ -321,8 +321,12 @@ def _run(kind: str, target: str) -> None:
     else:  # a console script
         from importlib.metadata import entry_points
 
-        (entry,) = entry_points(group="console_scripts", name=target)
-        sys.exit(entry.load()())
+        found = list(entry_points(group="console_scripts", name=target))
+        if not found:  # what a shell says of a command it cannot find
+            where = f"{target!r} is installed for {sys.executable}"
+            print(f"warm_processes: no console script {where} (pip install -e .)", file=sys.stderr)
+            sys.exit(127)
+        sys.exit(found[0].load()())
 
 
 # -- the proxy -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ for f in sys.argv[1:]:
 PY
 }
 sec setup
-export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2; python3 -c "import memkit; print(memkit.__file__)"
+export PYTHONPATH=$ROOT; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -4; python3 -c "import memkit; print(memkit.__file__)"; echo "memkit console script: $(command -v memkit || echo MISSING)"; python3 -c "from importlib.metadata import entry_points as e; print(\"memkit entry point:\", list(e(group=\"console_scripts\", name=\"memkit\")))"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 if [ "$1" = a ]; then sec "pytest tests/gpu"
