@@ -71,6 +71,26 @@ sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB"
 timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB --json > $OUT/seqlen.json 2> $OUT/seqlen.log; echo "rc $?"; python3 -c "
 import json; d=json.load(open('$OUT/seqlen.json')); print(json.dumps(d)[:1500])"
 sec "end of part b"; exit 0; fi
+if [ "$1" = c ]; then sec "the tests that failed in part a, after their fixes"
+timeout 120 python3 -m pytest tests/gpu -k "two_ranks or users_peak" -q -p no:cacheprovider 2>&1 | tail -6
+sec "where memkit probe's wall goes: cProfile of the nanoGPT probe"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 90 python3 -m cProfile -o $OUT/probe.prof -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_c.json 2> $OUT/probe_c.log; echo "rc $?"; tail -1 $OUT/probe_c.log
+python3 -c "import pstats; pstats.Stats('$OUT/probe.prof').sort_stats('cumulative').print_stats(45)" | grep -E "^ +[0-9]" | cut -c1-160 | head -45
+sec "the boundary: 118 with the probe's part hooks, and after 2 steps at 117"
+timeout 40 python3 $GPU/plain_loop.py 118 30 --part-hooks 2>&1 | grep PLAIN
+timeout 40 python3 $GPU/plain_loop.py 118 30 --before 117 2>&1 | grep PLAIN
+sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB (the JSON for the search fixture)"
+timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB --json > $OUT/seqlen.json 2> $OUT/seqlen.log; echo "rc $?"
+sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+timeout 60 python3 train.py $A > /tmp/l_plain$r.log 2>&1; echo "plain rc $?"
+timeout 60 python3 -m memkit run --device cuda train.py $A > /tmp/l_memkit$r.log 2>&1; echo "memkit rc $?"
+done
+itertime /tmp/l_plain1.log /tmp/l_memkit1.log /tmp/l_plain2.log /tmp/l_memkit2.log
+cd $ROOT
+sec "end of part c"; exit 0; fi
 if [ "$1" = final ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
 timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
 sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
