@@ -16,7 +16,10 @@ its ``reserved_peak`` and ``allocated_peak``), or a file of such records under `
 (``tests/fixtures/estimate_sweep_trials.json``): the sizes up to the recorded answer fit and
 the larger ones do not; a size's peaks are the recorded ones, or, between recorded sizes, the
 straight line between their neighbours, the reserved peak then rounded up as the caching
-allocator reserves (whole 2 MiB multiples, ``memkit.simulated.allocator.K_ROUND_LARGE``). The
+allocator reserves (whole 2 MiB multiples, ``memkit.simulated.allocator.K_ROUND_LARGE``). A
+failure reports what it needed at least, as a real out-of-memory error does (in use plus the
+request): the recorded bytes at a recorded size, else the largest smaller recorded failure's
+plus the reserved peaks' slope over the sizes between (``None`` when there is none). The
 search aims with the allocated peak and decides with the reserved one, as on the device. It
 prints ``trials N, answer B`` and the sizes run.
 """
@@ -124,7 +127,7 @@ class Replay:
     def __call__(self, b: int) -> tuple[bool, int | None, None, int | None]:
         self.calls.append(b)
         if b > self.limit:
-            return False, self.needs.get(b), None, None
+            return False, self._need(b), None, None
         recorded = dict(self.reserved)
         if b in recorded:
             return True, recorded[b], None, dict(self.allocated)[b]
@@ -132,6 +135,16 @@ class Replay:
         reserved = min(reserved, self.capacity)  # it fit: it reserved at most the capacity
         allocated = min(int(_interpolate(self.allocated, b)), reserved)
         return True, reserved, None, allocated
+
+    def _need(self, b: int) -> int | None:
+        """What a failure at ``b`` needed at least (see the module docstring)."""
+        below = [(f, n) for f, n in self.needs.items() if n is not None and f < b]
+        if b in self.needs or not below:
+            return self.needs.get(b)
+        f, need = max(below)
+        (b0, r0), (b1, r1) = self.reserved[0], self.reserved[-1]
+        slope = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
+        return int(need + slope * (b - f))
 
 
 def replay(record: dict, module: str) -> tuple[int, int | None, list[int]]:
@@ -167,7 +180,8 @@ def main() -> None:
                      "e.g. tests/fixtures/h200_probe_nanogpt_call1.json)")  # fmt: skip
     if args.recorded is not None:
         data = json.loads(args.recorded.read_text())
-        for name, record in data.get("cases", {"": data}).items():
+        sweep = {f"seq_len {r['seq_len']}": r for r in data.get("seq_lens", ())}  # --seq-len
+        for name, record in (sweep or data.get("cases", {"": data})).items():
             if name:
                 print(f"{name}: {record.get('command', '')}")
             _print_replay(record, args.module)
