@@ -262,6 +262,18 @@ def test_cuda_backend_and_fast_counters_read_the_standin():
         assert devices.visible_devices() == [CUDA0]
 
 
+def test_the_accounting_names_the_cublas_workspaces_of_the_card(monkeypatch):
+    """On the H200 a breakdown's "other" held 64 MiB that no tensor owns: PyTorch's cuBLAS
+    workspaces (32 MiB on sm90 for each thread and stream that ran a matmul). The accounting
+    line says so, with the size PyTorch chooses for the card or CUBLAS_WORKSPACE_CONFIG."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with cuda_standin("64MiB"):
+        text = devices.get_backend("cuda").accounting
+        assert "cuBLAS workspaces, 32.00 MiB for each thread and stream" in text
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # PyTorch's pre-Hopper
+        assert "8.12 MiB for each" in devices.get_backend("cuda").accounting
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 2048), nn.ReLU(), nn.Linear(2048, 1))

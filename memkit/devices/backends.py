@@ -20,6 +20,7 @@ accelerators torch sees. Neither initialises CUDA.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from memkit.cublas import cublas_workspace_bytes
 from memkit.devices.host import default_cpu_budget
 from memkit.devices.state import current_accelerator, tensor_device
 from memkit.errors import ConfigError, spelled
@@ -97,8 +99,24 @@ class CudaBackend:
         self.budget = budget
         self._mod: Any = torch.cuda if device.type == "cuda" else torch.accelerator
         self.kind = device.type
-        self.accounting = (
-            f"{device.type} caching allocator counters (memory_allocated / memory_reserved)"
+
+    @functools.cached_property
+    def accounting(self) -> str:
+        """The counters, and on CUDA the cuBLAS workspaces they hold that no tensor owns."""
+        counters = (
+            f"{self.device.type} caching allocator counters (memory_allocated / memory_reserved)"
+        )
+        if self.device.type != "cuda":
+            return counters
+        try:
+            major = torch.cuda.get_device_properties(self.index).major
+        except (AssertionError, RuntimeError):  # read after a CUDA stand-in's block ended
+            return counters
+        each = format_size(cublas_workspace_bytes(major))
+        return (
+            f"{counters}; they include PyTorch's cuBLAS workspaces, {each} for each thread and "
+            "stream that has run a matmul (in training usually two: the forward's thread and "
+            "autograd's), which no tensor owns: part of 'other' in a breakdown"
         )
 
     @property

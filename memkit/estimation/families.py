@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memkit.cublas import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
 from memkit.errors import ConfigError
 from memkit.units import format_size, parse_size
 
@@ -47,20 +48,16 @@ class DeviceFamily:
 
 
 _MIB = 1 << 20
-_PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
-"""PyTorch's default cuBLAS workspace before Hopper (``:4096:2:16:8``, 8.125 MiB)."""
-_HOPPER_WORKSPACE = 32 * _MIB
-"""PyTorch's default cuBLAS workspace on sm90 and later (32 MiB)."""
 
 DEVICE_FAMILIES: dict[str, DeviceFamily] = {
     f.name: f
     for f in (
-        DeviceFamily("volta", 70, 400 * _MIB, _PRE_HOPPER_WORKSPACE, ("V100", "Titan V")),
+        DeviceFamily("volta", 70, 400 * _MIB, PRE_HOPPER_WORKSPACE, ("V100", "Titan V")),
         DeviceFamily(
             "turing",
             75,
             400 * _MIB,
-            _PRE_HOPPER_WORKSPACE,
+            PRE_HOPPER_WORKSPACE,
             (
                 "T4",
                 "RTX 2080",
@@ -72,12 +69,12 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
                 "Quadro RTX 6000",
             ),
         ),
-        DeviceFamily("ampere", 80, 500 * _MIB, _PRE_HOPPER_WORKSPACE, ("A100", "A30", "A800")),
+        DeviceFamily("ampere", 80, 500 * _MIB, PRE_HOPPER_WORKSPACE, ("A100", "A30", "A800")),
         DeviceFamily(
             "ampere-sm86",
             86,
             500 * _MIB,
-            _PRE_HOPPER_WORKSPACE,
+            PRE_HOPPER_WORKSPACE,
             (
                 "A10",
                 "A40",
@@ -99,13 +96,13 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
             "ada",
             89,
             500 * _MIB,
-            _PRE_HOPPER_WORKSPACE,
+            PRE_HOPPER_WORKSPACE,
             ("L4", "L40S", "RTX 4090", "L40", "RTX 4080", "RTX 4070", "RTX 6000 Ada", "L20"),
         ),
         DeviceFamily(
-            "hopper", 90, 600 * _MIB, _HOPPER_WORKSPACE, ("H100", "H200", "GH200", "H800", "H20")
+            "hopper", 90, 600 * _MIB, HOPPER_WORKSPACE, ("H100", "H200", "GH200", "H800", "H20")
         ),
-        DeviceFamily("blackwell", 100, 700 * _MIB, _HOPPER_WORKSPACE, ("B200", "GB200", "B100")),
+        DeviceFamily("blackwell", 100, 700 * _MIB, HOPPER_WORKSPACE, ("B200", "GB200", "B100")),
     )
 }
 """CUDA context and cuBLAS workspace per family (CUDA 12, lazy module loading, the default).
