@@ -60,7 +60,8 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   The oracle may report a second, smooth measure of each peak (``aim_bytes``: on CUDA the
   allocated peak, where the reserved peak that decides the fit moves in 2 and 20 MiB allocator
   segments); the search then aims with the smooth one, at the capacity less the gap between
-  the two measured at the largest fit, and decides with the other.
+  the two measured at the largest fit and growing as it grew over a wide span below it
+  (:meth:`~memkit.probing.bracket.Bracket.gap_slope`), and decides with the other.
 
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
   limit, one more), 7 up to 2**20. The tests run every limit from 1 to 1024, 19 chosen ones
