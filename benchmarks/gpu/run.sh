@@ -3,7 +3,9 @@
 # then b; 11-26's parts 1, 2, trial and final are below them): a: tests/gpu, the user's counters
 # and the budget cap, the session checks, the tracker's cost (benchmark, nanoGPT eager and
 # compiled); b: the probe (trial pieces, answer, vs Accelerate, fresh-process loops), the
-# estimate, FSDP2 and DDP on one nccl rank, a sequence sweep.
+# estimate, FSDP2 and DDP on one nccl rank, a sequence sweep; c: what part a's tests needed after
+# their fixes, a profile of the probe's wall; d (not run yet): probe_checks.py, the probe against
+# five model files' own loops.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -91,6 +93,9 @@ done
 itertime /tmp/l_plain1.log /tmp/l_memkit1.log /tmp/l_plain2.log /tmp/l_memkit2.log
 cd $ROOT
 sec "end of part c"; exit 0; fi
+if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
+timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
+sec "end of part d"; exit 0; fi
 if [ "$1" = final ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
 timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
 sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
