@@ -305,14 +305,18 @@ class ModelStrategy:
         fitted = len(points)
         if not trusted and predicted is not None and not _convex_consistent(points):
             predicted = None  # flatter than the whole curve: not the convex shape, noise
-        overshot = predicted is not None and predicted >= hi and self._overshot(s, hi, points)
-        if predicted is None or fitted == self.aimed_with or predicted >= hi + 1 or overshot:
+        if (
+            predicted is None
+            or fitted == self.aimed_with
+            or predicted >= hi + 1
+            or (predicted >= hi and self._overshot(s, hi, points))
+        ):
             # No line; or the last aim failed and no new point has moved the line since; or
             # the line says hi + 1 fits, where hi already failed: the failure refutes it by
             # more than a sample (a flat part's line, refuted again after every bisection,
-            # would creep down from hi one size at a time); or it says hi fits, hi needed
+            # would creep down from hi one size at a time); or it says hi fits, and hi needed
             # more than a sample beyond the capacity (a line of one part, where another part
-            # bends up and ran out first: CLIP's B x B logits), and that was read once: bisect.
+            # bends up and ran out first: CLIP's B x B logits): bisect.
             return (lo + hi) // 2
         self.aimed_with = fitted
         return min(math.floor(predicted), hi - 1)
@@ -331,18 +335,17 @@ class ModelStrategy:
         a convex curve), hi needed more than a sample beyond the capacity, and those bytes at
         the line's slope make hi at least ``hi - lo - 1`` samples too large (its bytes are a
         lower bound of its peak: the limit is at most where they put it). Bisection from the
-        largest fit would fail its way down to it. GPT-2 on an H200: 635
-        fit with 0.3 GB free by the smooth peaks, 660 needed 0.33 GB (27 samples) too many,
-        636 ran out: the answer in 2 failures where bisection took 5. Once per failure.
-        ``None`` otherwise."""
+        largest fit would fail its way down to it. GPT-2 on an H200: 635 fit with 0.3 GB free
+        by the smooth peaks, 660 needed 0.33 GB (27 samples) too many, 636 ran out: the answer
+        in 2 failures where bisection took 5. Once per failure. ``None`` otherwise."""
         if predicted is None or predicted < hi or hi in self.read_failures:
             return None
         if not trusted and not _convex_consistent(points):
             return None
-        if not self._overshot(s, hi, points):
+        failed = self._failed_bytes(s, hi)
+        if failed is None or not self._overshot(s, hi, points):
             return None
-        over = (self._failed_bytes(s, hi) or 0) - self.capacity
-        if hi - over / _local_slope(points) > lo + 1:
+        if hi - (failed - self.capacity) / _local_slope(points) > lo + 1:
             return None  # a size inside the bracket: the line is wrong there too, bisect
         self.read_failures.add(hi)
         return lo + 1
@@ -378,7 +381,7 @@ class ModelStrategy:
         else:
             proposal = min(lo * GROWTH, math.floor((lo + predicted) / 2))
         creeping = (limit <= lo and self.said_limit) or (
-            proposal <= lo + 1 and self.small_steps >= 2
+            not trusted and proposal <= lo + 1 and self.small_steps >= 2
         )
         if creeping:
             # The model keeps saying "the limit is just above" and is wrong (noise, rounding,
