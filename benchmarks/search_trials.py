@@ -18,8 +18,9 @@ the larger ones do not; a size's peaks are the recorded ones, or, between record
 straight line between their neighbours, the reserved peak then rounded up as the caching
 allocator reserves (whole 2 MiB multiples, ``memkit.simulated.allocator.K_ROUND_LARGE``). A
 failure reports what it needed at least, as a real out-of-memory error does (in use plus the
-request): the recorded bytes at a recorded size, else the largest smaller recorded failure's
-plus the reserved peaks' slope over the sizes between (``None`` when there is none). The
+request): the recorded bytes at a recorded size, else the straight line through the largest
+fit's reserved peak and the recorded failures' bytes (their own slope beyond the last; at
+least the capacity plus one; ``None`` when no failure recorded its bytes). The
 search aims with the allocated peak and decides with the reserved one, as on the device. It
 prints ``trials N, answer B`` and the sizes run.
 """
@@ -138,13 +139,10 @@ class Replay:
 
     def _need(self, b: int) -> int | None:
         """What a failure at ``b`` needed at least (see the module docstring)."""
-        below = [(f, n) for f, n in self.needs.items() if n is not None and f < b]
-        if b in self.needs or not below:
+        if b in self.needs or not any(self.needs.values()):
             return self.needs.get(b)
-        f, need = max(below)
-        (b0, r0), (b1, r1) = self.reserved[0], self.reserved[-1]
-        slope = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
-        return int(need + slope * (b - f))
+        points = [self.reserved[-1], *sorted((f, n) for f, n in self.needs.items() if n)]
+        return max(self.capacity + 1, int(_interpolate(points, b)))
 
 
 def replay(record: dict, module: str) -> tuple[int, int | None, list[int]]:

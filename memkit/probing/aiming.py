@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from memkit.probing.bracket import NO_LIMIT, Bracket, plain_next
+from memkit.probing.bracket import NO_LIMIT, Bracket, plain_next, wide_low
 from memkit.probing.reference import Reference
 
 __all__ = [
@@ -119,8 +119,7 @@ def _wide_slope(points: Sequence[tuple[int, int]]) -> float | None:
     when there is none) to the largest point: a span wide enough that the allocator's steps
     and a kink between two recorded sizes barely move it."""
     (top, peak) = points[-1]
-    low = [p for p in points[:-1] if p[0] <= top / 2] or list(points[:1])
-    b0, p0 = low[-1]
+    b0, p0 = wide_low(points)
     return None if b0 == top else (peak - p0) / (top - b0)
 
 
@@ -209,7 +208,6 @@ class ModelStrategy:
         self.aimed_with = -1  # number of fitting points when the bracket was last aimed into
         self.near_missed = False  # a size said to be one too many by the free memory fit
         self.near_lo: int | None = None  # the largest fit the last near step started from
-        self.read_failures: set[int] = set()  # failed sizes whose bytes sent the search to lo + 1
 
     def __call__(self, s: Bracket) -> int:
         if s.lo is None:  # `start` failed: bisect down towards min_batch
@@ -234,9 +232,6 @@ class ModelStrategy:
                     return grid  # short of doubling where a wrong guess could cost more
             return proposal
         hi = s.hi
-        placed = self._below_failure(s, lo, hi, points, predicted, trusted)
-        if placed is not None:
-            return placed
         target = self._bracketed(s, lo, hi, points, predicted, trusted)
         window = self.reference.window(lo, hi, len(s.trials))
         if window is None:
@@ -321,49 +316,14 @@ class ModelStrategy:
         self.aimed_with = fitted
         return min(math.floor(predicted), hi - 1)
 
-    def _below_failure(
-        self,
-        s: Bracket,
-        lo: int,
-        hi: int,
-        points: Sequence[tuple[int, int]],
-        predicted: float | None,
-        trusted: bool,
-    ) -> int | None:
-        """``lo + 1``, the verification, run as is (like a near step), where what the failure
-        at ``hi`` needed puts the limit there: the line says hi fits (trusted, or as steep as
-        a convex curve), hi needed more than a sample beyond the capacity, and those bytes at
-        the line's slope make hi at least ``hi - lo - 1`` samples too large (its bytes are a
-        lower bound of its peak: the limit is at most where they put it). Bisection from the
-        largest fit would fail its way down to it. GPT-2 on an H200: 635 fit with 0.3 GB free
-        by the smooth peaks, 660 needed 0.33 GB (27 samples) too many, 636 ran out: the answer
-        in 2 failures where bisection took 5. Once per failure. ``None`` otherwise."""
-        if predicted is None or predicted < hi or hi in self.read_failures:
-            return None
-        if not trusted and not _convex_consistent(points):
-            return None
-        failed = self._failed_bytes(s, hi)
-        if failed is None or not self._overshot(s, hi, points):
-            return None
-        if hi - (failed - self.capacity) / _local_slope(points) > lo + 1:
-            return None  # a size inside the bracket: the line is wrong there too, bisect
-        self.read_failures.add(hi)
-        return lo + 1
-
-    @staticmethod
-    def _failed_bytes(s: Bracket, hi: int) -> int | None:
-        """What the failure at ``hi`` needed at least (in use plus the request that failed),
-        when it said."""
-        failed = next((t for t in s.trials if t.batch_size == hi and not t.fits), None)
-        return None if failed is None else failed.peak_bytes
-
     def _overshot(self, s: Bracket, hi: int, points: Sequence[tuple[int, int]]) -> bool:
         """Whether the failure at ``hi`` needed more than a sample's worth (the line's slope)
-        beyond the capacity: its bytes are a lower bound of its peak."""
-        failed = self._failed_bytes(s, hi)
-        if failed is None or len(points) < 2:
+        beyond the capacity: its bytes (in use plus the request that failed) are a lower
+        bound of its peak."""
+        failed = next((t for t in s.trials if t.batch_size == hi and not t.fits), None)
+        if failed is None or failed.peak_bytes is None or len(points) < 2:
             return False
-        return failed - self.capacity > _local_slope(points)
+        return failed.peak_bytes - self.capacity > _local_slope(points)
 
     def _grow(self, lo: int, predicted: float | None, trusted: bool, fitted: int) -> int:
         if predicted is None and self.said_limit:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from memkit.results import Record
 
-__all__ = ["NO_LIMIT", "Bracket", "Oracle", "Trial", "plain_next", "run_strategy"]
+__all__ = ["NO_LIMIT", "Bracket", "Oracle", "Trial", "plain_next", "run_strategy", "wide_low"]
 
 Oracle = Callable[
     [int],
@@ -156,12 +156,11 @@ class Bracket:
         return max(0, top.peak_bytes - smooth)
 
     def gap_slope(self) -> float:
-        """How much the gap grows a sample: from the gap of the largest fit at most half the
-        largest's size (the smallest fit when there is none) to the largest fit's, over a span
-        wide enough that the allocator's 2 and 20 MiB steps barely move it; 0 when the gap
-        does not grow (none, or only the allocator's fixed rounding). On a real GPU the cached
-        blocks that a larger step cannot reuse grow with the batch: GPT-2's gap was 0.31 GB
-        at 256 samples and 0.68 GB at 567."""
+        """How much the gap grows a sample: from the gap at :func:`wide_low`'s fit to the
+        largest fit's (the allocator's rounding moves each by up to a step, which a wide span
+        spreads thin); 0 without a smooth measure, or where the gap shrinks. On a real GPU the
+        cached blocks that a larger step cannot reuse grow with the batch: GPT-2's gap was
+        0.31 GB at 256 samples and 0.68 GB at 567 on the H200."""
         gaps = sorted(
             (t.batch_size, t.peak_bytes - t.smooth_bytes)
             for t in self.trials
@@ -170,8 +169,7 @@ class Bracket:
         if len(gaps) < 2:
             return 0.0
         top, gap = gaps[-1]
-        low = [g for g in gaps[:-1] if g[0] <= top / 2] or gaps[:1]
-        b0, g0 = low[-1]
+        b0, g0 = wide_low(gaps)
         return max(0.0, (gap - g0) / (top - b0))
 
     def part_points(self) -> list[list[tuple[int, int]]]:
@@ -199,6 +197,14 @@ class Bracket:
             return series
         top = fitting[-1].batch_size
         return [[(b, p + round(slope * (b - top))) for b, p in points] for points in series]
+
+
+def wide_low(points: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The point a wide span to the largest of ``points`` (by size) starts from: the largest
+    at most half the largest's size, else the smallest. Over such a span the allocator's 2 and
+    20 MiB steps and a kink between two recorded sizes barely move a slope."""
+    top = points[-1][0]
+    return ([p for p in points[:-1] if p[0] <= top / 2] or list(points[:1]))[-1]
 
 
 def plain_next(s: Bracket) -> int:

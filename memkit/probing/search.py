@@ -44,9 +44,7 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
      with them would creep down from the failure one size a trial; so is one that says the
      failed size itself fits where that failure needed more than a sample's worth beyond
      the capacity (a linear part's line, where a part bending up ran out first: CLIP's
-     B x B logits), unless those bytes, at the line's slope, make it as many samples too
-     large as lie between it and the largest fit: then the next size, the verification, run
-     as is (once per failure);
+     B x B logits);
   4. near the limit the measured free memory decides (``aiming.NEAR``): once a new largest
      fit leaves less than ``NEAR`` samples' worth free (by the last secant and by a wide one,
      the last three points growing with slopes within ``aiming.STEADY``), the predicted limit
