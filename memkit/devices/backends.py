@@ -106,7 +106,7 @@ class CudaBackend:
         counters = (
             f"{self.device.type} caching allocator counters (memory_allocated / memory_reserved)"
         )
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or torch.version.hip:  # ROCm's hipBLAS sizes differ
             return counters
         try:
             major = torch.cuda.get_device_properties(self.index).major
