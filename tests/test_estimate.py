@@ -330,6 +330,45 @@ def test_checkpointed_dropout_model_estimates_with_and_without_amp(
     assert bf16.breakdown.activations < 0.75 * fp32.breakdown.activations
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_files_own_cuda_autocast_is_estimated_as_the_target_runs_it(
+    tmp_path: Path, reentrant: bool
+) -> None:
+    """A step written for a GPU (nanoGPT's ``with torch.autocast("cuda", bf16)``, checkpointed
+    blocks inside it) is estimated as under ``--amp bf16``: a CPU build disables CUDA autocast,
+    and the estimate was fp32 (nanoGPT's model under 3 GiB: 71 where the H200 fit 117; 120
+    now). An ``enabled=False`` region inside (an fp32 loss) stays fp32."""
+    step = """
+def train_step(model, batch, optimizer):
+    {open}
+        out = model(batch)
+        {inner}
+            loss = loss_fn(out, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=reentrant))
+    own, plain = tmp_path / "own.py", tmp_path / "plain.py"
+    own.write_text(base + step.format(
+        open='with torch.autocast("cuda", dtype=torch.bfloat16):',
+        inner='with torch.autocast(device_type="cuda", enabled=False):',
+    ))  # fmt: skip
+    plain.write_text(base + step.format(open="if True:", inner="if True:"))
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    theirs, flag, fp32 = (
+        estimate(own, **kwargs),
+        estimate(plain, amp="bf16", **kwargs),
+        estimate(plain, **kwargs),
+    )
+    assert theirs.trials[0].allocated_peak == flag.trials[0].allocated_peak
+    assert theirs.trials[0].allocated_peak < 0.8 * fp32.trials[0].allocated_peak
+    assert theirs.amp == "bf16" and "the file's own torch.autocast('cuda', bf16)" in str(theirs)
+    assert not any(a.code == "mixed-precision" for a in theirs.advice)
+    assert not torch.is_autocast_enabled("cuda")  # nothing left on, and torch's class restored
+    assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
+
+
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:
     est = estimate(files["frozen"], device_memory="1TiB", min_batch=4, max_batch=4)
     assert est.breakdown is not None

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,11 +60,17 @@ def _is_meta_bool(value: Any) -> bool:
 class TargetMode(TorchFunctionMode):
     """Applies autocast's policy and the attention-kernel footprint above autograd."""
 
-    def __init__(self, policy: AutocastPolicy | None, attention: str, sm: int) -> None:
+    def __init__(
+        self, policy: AutocastPolicy | None, attention: str, sm: int, inference: bool = False
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.attention = attention
         self.sm = sm
+        self.inference = inference
+        self.file_dtypes: set[torch.dtype] = set()
+        """The dtypes of the file's own ``torch.autocast("cuda")`` regions the step entered."""
+        self._regions: list[tuple[AutocastPolicy | None, bool, torch.dtype]] = []
         self.kernels: set[str] = set()
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
         self._entered = 0
@@ -90,6 +97,39 @@ class TargetMode(TorchFunctionMode):
         self._entered -= 1
         if self._entered == 0 and self.policy is not None:
             torch.set_autocast_dtype("cpu", self._cpu_dtype)
+
+    def file_region_begins(self, dtype: torch.dtype, enabled: bool) -> None:
+        """The file's own ``torch.autocast("cuda", dtype, enabled)`` region begins (a CPU
+        build disables it, and meta tensors have no autocast key): the policy for ``dtype``
+        on inside it, as the target's autocast would be; ``enabled=False`` (an fp32 loss
+        inside an autocast forward) turns it off. CPU autocast's dtype carries the mark that a
+        checkpoint's recompute in backward reads (:meth:`__enter__`)."""
+        policy = self.policy
+        self._regions.append(
+            (policy, policy is not None and policy.enabled, torch.get_autocast_dtype("cpu"))
+        )
+        if enabled:
+            self.file_dtypes.add(dtype)
+            if policy is None or policy.dtype != dtype:
+                policy = self.policy = AutocastPolicy(dtype, inference=self.inference)
+            policy.enabled = True
+            torch.set_autocast_dtype("cpu", self._mark)
+        elif policy is not None:
+            policy.enabled = False
+
+    def file_region_ends(self) -> None:
+        """The region :meth:`file_region_begins` began ends: the policy as it was before it
+        (a policy the region made stays, off, for the recompute of a checkpoint inside it),
+        its weight casts dropped where the outermost region ends, as autocast's cache is."""
+        policy, enabled, cpu_dtype = self._regions.pop()
+        if policy is not None:
+            self.policy = policy
+            policy.enabled = enabled
+        elif self.policy is not None:
+            self.policy.enabled = False
+        if not self._regions and self.policy is not None:
+            self.policy.clear_cache()
+        torch.set_autocast_dtype("cpu", cpu_dtype)
 
     def __torch_function__(
         self,
@@ -215,7 +255,7 @@ def target_mode(
     """A fresh :class:`TargetMode` for one step: autocast's policy for ``policy_dtype`` (none
     for fp32), the attention kernel request and the target's compute capability."""
     policy = None if policy_dtype is None else AutocastPolicy(policy_dtype, inference=inference)
-    return TargetMode(policy, attention, sm)
+    return TargetMode(policy, attention, sm, inference)
 
 
 @contextlib.contextmanager
@@ -229,10 +269,54 @@ def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with torch.compiler.set_stance("force_eager"), mode:
+        with torch.compiler.set_stance("force_eager"), _file_autocast(mode), mode:
             yield mode
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+@contextlib.contextmanager
+def _file_autocast(mode: TargetMode) -> Iterator[None]:
+    """The file's own ``torch.autocast("cuda", ...)`` regions (``torch.amp.autocast``,
+    ``torch.cuda.amp.autocast``, as a decorator too) run as the target runs them: each
+    region turns ``mode``'s autocast policy on for its dtype (:meth:`TargetMode.
+    file_region_begins`). Without this, a CPU build disables them with a warning, and a file
+    written for a GPU (nanoGPT's ``train.py``: bf16 autocast) was estimated in fp32: 71 on a
+    3 GiB card where the H200 fit 117. The class's methods are wrapped for the block only."""
+    cls = torch.amp.autocast_mode.autocast
+    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+
+    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        names = ("dtype", "enabled", "cache_enabled")
+        given = dict(zip(names, args, strict=False)) | kwargs
+        self._memkit_region = None
+        if device_type != "cuda":
+            init(self, device_type, *args, **kwargs)
+            return
+        with warnings.catch_warnings():  # "CUDA is not available ... Disabling autocast"
+            warnings.simplefilter("ignore")
+            init(self, device_type, *args, **kwargs)
+        dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
+        self._memkit_region = (dtype, bool(given.get("enabled", True)))
+
+    def __enter__(self: Any) -> Any:
+        region = getattr(self, "_memkit_region", None)
+        if region is not None:
+            mode.file_region_begins(*region)
+        return enter(self)
+
+    def __exit__(self: Any, *exc: Any) -> Any:
+        try:
+            return exit_(self, *exc)
+        finally:
+            if getattr(self, "_memkit_region", None) is not None:
+                mode.file_region_ends()
+
+    cls.__init__, cls.__enter__, cls.__exit__ = __init__, __enter__, __exit__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_  # type: ignore[method-assign]
 
 
 _SAME_DTYPE_OPS = frozenset(
@@ -399,6 +483,8 @@ class MetaSession:
     sm: int
     keep_output: bool = True
     kernels: set[str] = field(default_factory=set)
+    file_dtypes: set[torch.dtype] = field(default_factory=set)
+    """The dtypes of the file's own ``torch.autocast("cuda")`` regions the steps entered."""
     data_checks: int = 0
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
 
@@ -429,6 +515,7 @@ class MetaSession:
                 self.plan(self.model, batch, self.optimizer)
         del batch
         self.kernels |= mode.kernels
+        self.file_dtypes |= mode.file_dtypes
         self.data_checks += mode.data_checks
 
     def warm_up(self, batch_size: int) -> None:

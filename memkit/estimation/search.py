@@ -12,6 +12,7 @@ import torch
 from memkit.errors import ConfigError
 from memkit.estimation.assumptions import RNN_NOTE, outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
+from memkit.estimation.autocast import autocast_lists
 from memkit.estimation.evidence import advice_for
 from memkit.estimation.families import DEFAULT_FAMILY, DeviceFamily, TargetCard, target_card
 from memkit.estimation.meta_model import (
@@ -130,6 +131,15 @@ def estimate(
         margin=margin,
     )
     breakdown = _breakdown(session, search.recommended_batch_size or min_batch)
+    if amp is None and session.file_dtypes:  # the file's own torch.autocast("cuda") regions
+        amp = "/".join(sorted(n for n, d in AMP_DTYPES.items() if d in session.file_dtypes))
+        assumptions = [
+            f"amp: the file's own torch.autocast('cuda', {amp}) regions, autocast's policy "
+            f"inside them; op lists from {autocast_lists().source}"
+            if line.startswith("amp: ")
+            else line
+            for line in assumptions
+        ]
     kernels = tuple(sorted(session.kernels))
     assumptions += outcome_lines(
         attention, kernels, card.family, session.plan.describe(), session.data_checks
