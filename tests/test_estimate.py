@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from memkit.cli import _ESTIMATE_ARCHS, cli
-from memkit.errors import ConfigError, UserCodeError
+from memkit.errors import ConfigError, ModelFileError, UserCodeError
 from memkit.estimation import DEVICE_FAMILIES, Estimate, estimate, simulated_peak
 from memkit.estimation.attention import choose_kernel, fused_attention, kernel_mask
 from memkit.estimation.autocast import (
@@ -367,6 +367,21 @@ def train_step(model, batch, optimizer):
     assert not any(a.code == "mixed-precision" for a in theirs.advice)
     assert not torch.is_autocast_enabled("cuda")  # nothing left on, and torch's class restored
     assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
+
+
+def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None:
+    """make_batch drawing a padded length with torch (a new user's padded batches): the error
+    says why there is no value and what to do instead, not only torch's meta message."""
+    path = tmp_path / "padded.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(8, 8)\n"
+        "def make_batch(n):\n"
+        "    length = torch.randint(1, 8, ()).item()\n"
+        "    return torch.randn(n, length, 8)\n"
+    )
+    with pytest.raises(ModelFileError, match=r"(?s)item\(\) cannot be called.*Python's random"):
+        estimate(path, device_memory="1GiB")
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:

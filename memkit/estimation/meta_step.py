@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from memkit.errors import MemkitError, UserCodeError
+from memkit.errors import MemkitError, ModelFileError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
@@ -494,10 +494,21 @@ class MetaSession:
 
     def batch(self, batch_size: int) -> Any:
         args = [batch_size] if self.seq_len is None else [batch_size, self.seq_len]
-        with torch.device(META):
-            made = call_user(
-                self.spec.make_batch, *args, what=f"make_batch({batch_size})", path=self.spec.path
-            )
+        try:
+            with torch.device(META):
+                made = call_user(
+                    self.spec.make_batch, *args, what=f"make_batch({batch_size})",
+                    path=self.spec.path,
+                )  # fmt: skip
+        except ModelFileError as exc:
+            if "meta" not in str(exc.__cause__):
+                raise
+            raise ModelFileError(
+                f"{exc}\nmemkit estimate runs make_batch under torch.device('meta'): the tensors "
+                "it makes have shapes and no values, so a value read from one (.item(), "
+                ".tolist(), a length drawn with torch.randint) has none. Draw such numbers "
+                "with Python's random module, or use `memkit probe`, which runs on real values"
+            ) from exc.__cause__
         return to_device(made, META)
 
     def _mode(self) -> TargetMode:
