@@ -382,7 +382,7 @@ def test_a_train_step_that_accumulates_itself_gets_advice_for_its_own_count(tmp_
     assert_exact(result)
     (advice,) = [a for a in result.advice if a.code == "accumulate"]
     assert "train_step ran 4 backward passes per optimizer step" in advice.evidence
-    assert "in train_step" in advice.title and "would multiply the two counts" in advice.action
+    assert "in train_step" in advice.title and "Do not also accumulate" in advice.action
     assert not any("without accumulation:" in d for d in result.defaults)
 
 

@@ -202,19 +202,17 @@ def accumulation_advice(
                 f"for an effective batch of {plan.effective_batch}"
             ),
             evidence=(
-                f"train_step ran {step_backwards} backward passes per optimizer step: if they "
-                f"are micro-batches of the probed size (nanoGPT's gradient_accumulation_steps), "
-                f"it accumulates gradients itself and one call trains {step_backwards} x the "
-                f"batch size. Target effective batch {plan.target_batch}; the recommended batch "
-                f"size on {device} is {recommended}{world}."
+                f"train_step ran {step_backwards} backward passes per optimizer step: it "
+                f"accumulates gradients itself, over micro-batches of the probed size, so one "
+                f"call trains {step_backwards} x the batch size. Target effective batch "
+                f"{plan.target_batch}; the recommended batch size on {device} is "
+                f"{recommended}{world}."
             ),
             action=(
                 f"Micro-batches of {plan.micro_batch} and {plan.steps} of them per optimizer "
                 f"step in train_step (it runs {step_backwards} now), each loss divided by "
-                f"{plan.steps}: one call of train_step then trains the target; accumulating "
-                "over calls too would multiply the two counts. If the passes are over one "
-                "batch (SAM, a closure optimizer such as LBFGS), batch_size="
-                f"{plan.micro_batch} and {plan.steps} calls per optimizer step instead."
+                f"{plan.steps}: one call of train_step then trains the target. Do not also "
+                "accumulate over calls: that multiplies the two counts."
             ),
         )
     if plan.steps == 1:
