@@ -6,7 +6,6 @@ import contextlib
 import copy
 import math
 import pickle
-import textwrap
 
 import pytest
 import torch
@@ -350,40 +349,6 @@ def test_probe_file_examples_cnn_and_gpt2_seq_len_sweep():
     for r in sweep.results:
         assert_exact(r)
     assert any("output.loss" in d for d in sweep.results[0].defaults)
-
-
-def test_a_train_step_that_accumulates_itself_gets_advice_for_its_own_count(tmp_path):
-    """nanoGPT's loop accumulates gradient_accumulation_steps micro-batches of batch_size per
-    optimizer step; probed as a file whose train_step does the same (4 here), one call trains
-    4 x the batch. --target-batch used to add calls on top ("5 steps of 36": 720 samples, the
-    target 176; a new user's sweep); the advice now sets the step's own count, and the answer
-    is for the step as it runs (no second search with memkit's accumulation around it)."""
-    path = tmp_path / "accum.py"
-    path.write_text(textwrap.dedent("""
-        import torch
-
-        def build_model():
-            torch.manual_seed(0)
-            return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                       torch.nn.Linear(256, 64))
-
-        def make_batch(n):
-            return torch.randn(n, 64)
-
-        def train_step(model, batch, optimizer):
-            for _ in range(4):
-                (model(batch).square().mean() / 4).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        """))  # fmt: skip
-    plain = probe_file(str(path), device="cpu", budget="4MiB")
-    result = probe_file(str(path), device="cpu", budget="4MiB", target_batch=4000)
-    assert result.max_batch_size == plain.max_batch_size
-    assert_exact(result)
-    (advice,) = [a for a in result.advice if a.code == "accumulate"]
-    assert "train_step ran 4 backward passes per optimizer step" in advice.evidence
-    assert "in train_step" in advice.title and "Do not also accumulate" in advice.action
-    assert not any("without accumulation:" in d for d in result.defaults)
 
 
 def test_probe_under_a_launcher_without_a_process_group_warns(monkeypatch):

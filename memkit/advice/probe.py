@@ -40,7 +40,6 @@ def probe_advice(
     batch_norm: bool = False,
     growing: tuple[int, int, int] | None = None,
     state: ModelState | None = None,
-    step_backwards: int = 1,
 ) -> list[Advice]:
     """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers; with
     the model's ``state``, ``fsdp-gpus`` when that state alone exceeds the capacity: the rest
@@ -48,8 +47,7 @@ def probe_advice(
     ``probe-state-grows`` when the memory kept between the answer's steps still grew at the
     last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
     state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
-    size (``step_backwards``: a file's ``train_step`` that accumulates over that many
-    micro-batches itself)."""
+    size."""
     if search.max_batch_size is None:
         trial = search.trials[0]
         found = [
@@ -84,12 +82,7 @@ def probe_advice(
     if target_batch is None or micro is None:
         return advice
     plan = plan_accumulation(target_batch, micro, world_size)
-    return [
-        *advice,
-        accumulation_advice(
-            plan, micro, device, batch_norm=batch_norm, step_backwards=step_backwards
-        ),
-    ]
+    return [*advice, accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
 
 
 def state_still_grows(
@@ -181,40 +174,10 @@ def does_not_fit(
 
 
 def accumulation_advice(
-    plan: AccumulationPlan,
-    recommended: int,
-    device: str,
-    *,
-    batch_norm: bool = False,
-    step_backwards: int = 1,
+    plan: AccumulationPlan, recommended: int, device: str, *, batch_norm: bool = False
 ) -> Advice:
-    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size;
-    ``step_backwards`` > 1: the file's ``train_step`` already accumulates over that many
-    micro-batches of the probed size (nanoGPT's ``gradient_accumulation_steps``), and the
-    advice sets its count instead of adding calls (which would multiply the two)."""
+    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size."""
     world = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
-    if step_backwards > 1:
-        count = "one micro-batch" if plan.steps == 1 else f"{plan.steps} micro-batches"
-        return Advice(
-            code="accumulate",
-            title=(
-                f"Accumulate over {count} of {plan.micro_batch} in train_step "
-                f"for an effective batch of {plan.effective_batch}"
-            ),
-            evidence=(
-                f"train_step ran {step_backwards} backward passes per optimizer step: it "
-                f"accumulates gradients itself, over micro-batches of the probed size, so one "
-                f"call trains {step_backwards} x the batch size. Target effective batch "
-                f"{plan.target_batch}; the recommended batch size on {device} is "
-                f"{recommended}{world}."
-            ),
-            action=(
-                f"Micro-batches of {plan.micro_batch} and {plan.steps} of them per optimizer "
-                f"step in train_step (it runs {step_backwards} now), each loss divided by "
-                f"{plan.steps}: one call of train_step then trains the target. Do not also "
-                "accumulate over calls: that multiplies the two counts."
-            ),
-        )
     if plan.steps == 1:
         return Advice(
             code="accumulate",

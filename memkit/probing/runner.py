@@ -345,7 +345,6 @@ def probe_with(
     started = None if bar is None else bar.started
     held_after_oom: dict[int, int] = {}
     untrained: list[int] = []
-    backwards = [1]  # the file's train_step's backward passes per optimizer step
 
     def search_with(
         step: StepPlan, top: int
@@ -365,7 +364,6 @@ def probe_with(
                 for i, r in enumerate(runner.history)
             ]
             schedule = runner.schedule
-            backwards[0] = runner.step_backwards
         finally:
             held_after_oom.update(runner.held_after_oom)
             if runner.untrained is not None:
@@ -377,14 +375,8 @@ def probe_with(
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
             steps_advised = _advised_accumulation(search, opts, capacities, plan)
-            # the advice accumulates: answer for the accumulating step, unless the file's
-            # train_step accumulates itself (its gradients already live through its
-            # micro-batches' forwards: the answer is for that step, the advice sets its count)
-            if (
-                steps_advised is not None
-                and search.max_batch_size is not None
-                and (backwards[0] == 1)
-            ):
+            if steps_advised is not None and search.max_batch_size is not None:
+                # the advice accumulates: answer for the accumulating step
                 defaults.append(_without_accumulation(search.max_batch_size, history))
                 plan = dataclasses.replace(plan, accumulation=steps_advised)
                 search, history, schedule = search_with(plan, search.max_batch_size)
@@ -415,7 +407,6 @@ def probe_with(
         search, history, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
-        step_backwards=backwards[0],
     )  # fmt: skip
 
 
@@ -770,7 +761,6 @@ def _build_result(
     ddp: bool = False,
     state: ModelState | None = None,
     schedule: Schedule | None = None,
-    step_backwards: int = 1,
 ) -> ProbeResult:
     # the runner's records, in the order run, timed as the search timed them
     trials = tuple(
@@ -791,7 +781,6 @@ def _build_result(
         batch_norm=batch_norm,
         growing=growing,
         state=state,
-        step_backwards=step_backwards,
     )
     model = search.model
     return ProbeResult(

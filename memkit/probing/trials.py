@@ -350,17 +350,6 @@ class TrialRunner:
         return self.steps if self.log is None else max(self.steps, self.log.cycle_steps)
 
     @property
-    def step_backwards(self) -> int:
-        """The backward passes a file's ``train_step`` ran per optimizer step, where every
-        step ran the same number (more than 1: it accumulates gradients itself over
-        micro-batches); else 1."""
-        usual = () if self.log is None else self.log.usual
-        counts = {w.backwards for w in usual}
-        if self.step.train_step is None or self.step.micro_batches != 1 or len(counts) != 1:
-            return 1
-        return max(1, *counts)
-
-    @property
     def schedule(self) -> Schedule | None:
         """What the trials showed of a step whose work varies, if they did."""
         return None if self.log is None else self.log.schedule
