@@ -330,17 +330,21 @@ def test_checkpointed_dropout_model_estimates_with_and_without_amp(
     assert bf16.breakdown.activations < 0.75 * fp32.breakdown.activations
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("reentrant", "made"), [(False, "in_step"), (True, "at_the_top")])
 def test_the_files_own_cuda_autocast_is_estimated_as_the_target_runs_it(
-    tmp_path: Path, reentrant: bool
+    tmp_path: Path, reentrant: bool, made: str
 ) -> None:
-    """A step written for a GPU (nanoGPT's ``with torch.autocast("cuda", bf16)``, checkpointed
-    blocks inside it) is estimated as under ``--amp bf16``: a CPU build disables CUDA autocast,
-    and the estimate was fp32 (nanoGPT's model under 3 GiB: 71 where the H200 fit 117; 120
-    now). An ``enabled=False`` region inside (an fp32 loss) stays fp32."""
+    """A step written for a GPU (``with torch.autocast("cuda", bf16)``, made in the step or at
+    the file's top as nanoGPT's ``ctx``; checkpointed blocks inside it) is estimated as under
+    ``--amp bf16``: a CPU build disables CUDA autocast, and the estimate was fp32 (nanoGPT's
+    model under 3 GiB: 71 where the H200 fit 118; 120 now). Inside the region autocast reads
+    as on (the step asserts it); an ``enabled=False`` region inside it (an fp32 loss) stays
+    fp32."""
+    top = 'CTX = torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)\n'
     step = """
 def train_step(model, batch, optimizer):
     {open}
+        assert torch.is_autocast_enabled("cuda") == {on}
         out = model(batch)
         {inner}
             loss = loss_fn(out, batch)
@@ -348,13 +352,15 @@ def train_step(model, batch, optimizer):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 """
-    base = textwrap.dedent(CKPT_FILE.format(reentrant=reentrant))
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=reentrant)) + top
     own, plain = tmp_path / "own.py", tmp_path / "plain.py"
+    opened = "with CTX:" if made == "at_the_top" else (
+        'with torch.autocast("cuda", dtype=torch.bfloat16):'
+    )  # fmt: skip
     own.write_text(base + step.format(
-        open='with torch.autocast("cuda", dtype=torch.bfloat16):',
-        inner='with torch.autocast(device_type="cuda", enabled=False):',
+        open=opened, on=True, inner='with torch.autocast(device_type="cuda", enabled=False):',
     ))  # fmt: skip
-    plain.write_text(base + step.format(open="if True:", inner="if True:"))
+    plain.write_text(base + step.format(open="if True:", on=False, inner="if True:"))
     kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
     theirs, flag, fp32 = (
         estimate(own, **kwargs),
@@ -367,6 +373,32 @@ def train_step(model, batch, optimizer):
     assert not any(a.code == "mixed-precision" for a in theirs.advice)
     assert not torch.is_autocast_enabled("cuda")  # nothing left on, and torch's class restored
     assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
+
+
+def test_a_region_that_runs_backward_inside_goes_on_after_it(tmp_path: Path) -> None:
+    """Two micro-batches under one autocast region, each with its backward inside it (a
+    review's case): the second forward is bf16 too, as on a GPU (the policy used to stay off
+    after the first backward: the fp32 peak); an fp32 region is no error, as on a GPU."""
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=False))
+    step = """
+def train_step(model, batch, optimizer):
+    with torch.autocast("cuda", dtype={dtype}):
+        for _ in range(2):
+            (loss_fn(model(batch), batch) / 2).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    peaks = {}
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        path = tmp_path / f"{dtype[6:]}.py"
+        path.write_text(base + step.format(dtype=dtype))
+        peaks[dtype] = estimate(path, **kwargs).trials[0].allocated_peak
+    single = tmp_path / "single.py"
+    single.write_text(base + step.format(dtype="torch.bfloat16").replace("range(2)", "range(1)"))
+    one = estimate(single, **kwargs).trials[0].allocated_peak
+    assert peaks["torch.bfloat16"] < 0.8 * peaks["torch.float32"]
+    assert peaks["torch.bfloat16"] < 1.2 * one
 
 
 def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None:
@@ -382,6 +414,10 @@ def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None
     )
     with pytest.raises(ModelFileError, match=r"(?s)item\(\) cannot be called.*Python's random"):
         estimate(path, device_memory="1GiB")
+    path.write_text(path.read_text().replace("length = ", "length = {}['metadata'] or "))
+    with pytest.raises(ModelFileError) as raised:  # a "meta" that is no meta tensor
+        estimate(path, device_memory="1GiB")
+    assert "KeyError" in str(raised.value) and "Python's random" not in str(raised.value)
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -108,14 +109,16 @@ class TargetMode(TorchFunctionMode):
         self._regions.append(
             (policy, policy is not None and policy.enabled, torch.get_autocast_dtype("cpu"))
         )
-        if enabled:
+        if enabled and dtype in (torch.bfloat16, torch.float16):
             self.file_dtypes.add(dtype)
             if policy is None or policy.dtype != dtype:
                 policy = self.policy = AutocastPolicy(dtype, inference=self.inference)
             policy.enabled = True
             torch.set_autocast_dtype("cpu", self._mark)
-        elif policy is not None:
-            policy.enabled = False
+        else:  # off (an fp32 region too): no policy, and no mark for a recompute inside
+            if policy is not None:
+                policy.enabled = False
+            torch.set_autocast_dtype("cpu", self._cpu_dtype)
 
     def file_region_ends(self) -> None:
         """The region :meth:`file_region_begins` began ends: the policy as it was before it
@@ -195,8 +198,12 @@ class TargetMode(TorchFunctionMode):
         with tensors to the active modes; called with the outputs' gradient edges (tensors no
         more), it runs the engine with the mode back on the stack, which the engine keeps.
         """
-        if self.policy is not None:  # the autocast region ends where backward starts
-            self.policy.end_region()
+        policy = self.policy
+        # a backward inside one of the file's regions: the region goes on after it
+        resume = bool(self._regions) and policy is not None and policy.enabled
+        cpu_dtype = torch.get_autocast_dtype("cpu")
+        if policy is not None:  # the autocast region ends where backward starts
+            policy.end_region()
             torch.set_autocast_dtype("cpu", self._cpu_dtype)
         edges = _gradient_edges(func, args, kw)
         if edges is None:  # what the edges cannot say (inputs=, an implicit non-scalar grad)
@@ -209,6 +216,9 @@ class TargetMode(TorchFunctionMode):
             self._in_backward -= 1
             if self.policy is not None:
                 self.policy.enabled = False  # whatever the last recompute left
+            if resume and policy is not None:
+                policy.enabled, policy.weak = True, False
+                torch.set_autocast_dtype("cpu", cpu_dtype)
         return None
 
     @staticmethod
@@ -278,38 +288,53 @@ def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
 @contextlib.contextmanager
 def _file_autocast(mode: TargetMode) -> Iterator[None]:
     """The file's own ``torch.autocast("cuda", ...)`` regions (``torch.amp.autocast``,
-    ``torch.cuda.amp.autocast``, as a decorator too) run as the target runs them: each
-    region turns ``mode``'s autocast policy on for its dtype (:meth:`TargetMode.
-    file_region_begins`). Without this, a CPU build disables them with a warning, and a file
-    written for a GPU (nanoGPT's ``train.py``: bf16 autocast) was estimated in fp32: 71 on a
-    3 GiB card where the H200 fit 117. The class's methods are wrapped for the block only."""
+    ``torch.cuda.amp.autocast``, as a decorator too, made in the step or at the file's top,
+    as nanoGPT's ``ctx``) run as the target runs them: each region turns ``mode``'s autocast
+    policy on for its dtype (:meth:`TargetMode.file_region_begins`), and
+    ``torch.is_autocast_enabled("cuda")`` reads true inside it (``torch.amp.custom_fwd``).
+    Without this, a CPU build disables them with a warning, and a file written for a GPU
+    was estimated in fp32: nanoGPT's step 71 on a 3 GiB card where the H200 fit 118. The
+    class's methods are wrapped for the block only, and act in this thread only."""
     cls = torch.amp.autocast_mode.autocast
     init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+    thread = threading.get_ident()
 
     def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-        names = ("dtype", "enabled", "cache_enabled")
-        given = dict(zip(names, args, strict=False)) | kwargs
-        self._memkit_region = None
-        if device_type != "cuda":
+        if device_type != "cuda" or threading.get_ident() != thread:
             init(self, device_type, *args, **kwargs)
             return
+        given = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False)) | kwargs
         with warnings.catch_warnings():  # "CUDA is not available ... Disabling autocast"
             warnings.simplefilter("ignore")
             init(self, device_type, *args, **kwargs)
         dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
         self._memkit_region = (dtype, bool(given.get("enabled", True)))
 
+    def _region(self: Any) -> tuple[torch.dtype, bool] | None:
+        if threading.get_ident() != thread or getattr(self, "device", None) != "cuda":
+            return None
+        # one made before the step (at the file's top) asked for what it kept: a CPU build
+        # turned it off, so it was on
+        return getattr(self, "_memkit_region", None) or (self.fast_dtype, True)
+
     def __enter__(self: Any) -> Any:
-        region = getattr(self, "_memkit_region", None)
-        if region is not None:
-            mode.file_region_begins(*region)
-        return enter(self)
+        region = _region(self)
+        if region is None:
+            return enter(self)
+        mode.file_region_begins(*region)
+        try:
+            entered = enter(self)
+        except BaseException:
+            mode.file_region_ends()
+            raise
+        torch.set_autocast_enabled("cuda", region[1])  # torch's __exit__ restores it
+        return entered
 
     def __exit__(self: Any, *exc: Any) -> Any:
         try:
             return exit_(self, *exc)
         finally:
-            if getattr(self, "_memkit_region", None) is not None:
+            if _region(self) is not None:
                 mode.file_region_ends()
 
     cls.__init__, cls.__enter__, cls.__exit__ = __init__, __enter__, __exit__  # type: ignore[method-assign]
@@ -501,7 +526,7 @@ class MetaSession:
                     path=self.spec.path,
                 )  # fmt: skip
         except ModelFileError as exc:
-            if "meta" not in str(exc.__cause__):
+            if not re.search(r"\bmeta tensors?\b", str(exc.__cause__), re.IGNORECASE):
                 raise
             raise ModelFileError(
                 f"{exc}\nmemkit estimate runs make_batch under torch.device('meta'): the tensors "

@@ -131,11 +131,12 @@ def estimate(
         margin=margin,
     )
     breakdown = _breakdown(session, search.recommended_batch_size or min_batch)
-    if amp is None and session.file_dtypes:  # the file's own torch.autocast("cuda") regions
+    if session.file_dtypes:  # the file's own torch.autocast("cuda") regions: they decide
+        given = "" if amp is None else f" (--amp {amp} outside them)"
         amp = "/".join(sorted(n for n, d in AMP_DTYPES.items() if d in session.file_dtypes))
         assumptions = [
             f"amp: the file's own torch.autocast('cuda', {amp}) regions, autocast's policy "
-            f"inside them; op lists from {autocast_lists().source}"
+            f"inside them{given}; op lists from {autocast_lists().source}"
             if line.startswith("amp: ")
             else line
             for line in assumptions
