@@ -379,12 +379,15 @@ def test_a_region_that_runs_backward_inside_goes_on_after_it(tmp_path: Path) -> 
     """Two micro-batches under one autocast region, each with its backward inside it (a
     review's case): the second forward is bf16 too, as on a GPU (the policy used to stay off
     after the first backward: the fp32 peak); an fp32 region is no error, as on a GPU."""
-    base = textwrap.dedent(CKPT_FILE.format(reentrant=False))
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=False)).replace(
+        "checkpoint(block, x, use_reentrant=REENTRANT)", "block(x)"
+    )  # no checkpoint: backward(inputs=...) runs outside memkit's mode, recomputes included
     step = """
 def train_step(model, batch, optimizer):
     with torch.autocast("cuda", dtype={dtype}):
         for _ in range(2):
-            (loss_fn(model(batch), batch) / 2).backward()
+            loss = loss_fn(model(batch), batch) / 2
+            loss.backward(inputs=list(model.parameters()))  # (a path of its own in memkit)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 """
@@ -399,6 +402,29 @@ def train_step(model, batch, optimizer):
     one = estimate(single, **kwargs).trials[0].allocated_peak
     assert peaks["torch.bfloat16"] < 0.8 * peaks["torch.float32"]
     assert peaks["torch.bfloat16"] < 1.2 * one
+
+
+def test_an_autocast_off_decorator_at_the_files_top_stays_off(tmp_path: Path) -> None:
+    """``@torch.autocast("cuda", enabled=False)`` on a function (forcing fp32, as RoPE and
+    loss code do) is made when the file loads, where a CPU build drops its ``enabled``: it was
+    taken as an fp16 region (a review: 36% under the fp32 peak, labelled fp16)."""
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=False))
+    path = tmp_path / "off.py"
+    path.write_text(base + textwrap.dedent("""
+        @torch.autocast("cuda", enabled=False)
+        def forward_fp32(model, batch):
+            return model(batch)
+
+        def train_step(model, batch, optimizer):
+            loss_fn(forward_fp32(model, batch), batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        """))  # fmt: skip
+    plain = tmp_path / "plain.py"
+    plain.write_text(path.read_text().replace('@torch.autocast("cuda", enabled=False)', ""))
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    off, fp32 = estimate(path, **kwargs), estimate(plain, **kwargs)
+    assert off.amp is None and off.trials[0].allocated_peak == fp32.trials[0].allocated_peak
 
 
 def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None:

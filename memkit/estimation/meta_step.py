@@ -38,6 +38,7 @@ __all__ = [
     "StepRecorder",
     "TargetMode",
     "TrialPeaks",
+    "autocast_recorded",
     "run_guarded",
     "target_mode",
     "target_rules_on",
@@ -199,27 +200,32 @@ class TargetMode(TorchFunctionMode):
         more), it runs the engine with the mode back on the stack, which the engine keeps.
         """
         policy = self.policy
-        # a backward inside one of the file's regions: the region goes on after it
+        # a backward inside one of the file's regions: the region (and its cast cache, which
+        # autocast keeps until the region ends) goes on after it
         resume = bool(self._regions) and policy is not None and policy.enabled
         cpu_dtype = torch.get_autocast_dtype("cpu")
+        cache = dict(policy._cache) if resume and policy is not None else {}
         if policy is not None:  # the autocast region ends where backward starts
             policy.end_region()
             torch.set_autocast_dtype("cpu", self._cpu_dtype)
-        edges = _gradient_edges(func, args, kw)
-        if edges is None:  # what the edges cannot say (inputs=, an implicit non-scalar grad)
-            return func(*args, **kw)
-        self._in_backward += 1
         try:
-            with self:
-                torch.autograd.backward(*edges)
+            edges = _gradient_edges(func, args, kw)
+            if edges is None:  # what the edges cannot say (inputs=, an implicit non-scalar grad)
+                return func(*args, **kw)
+            self._in_backward += 1
+            try:
+                with self:
+                    torch.autograd.backward(*edges)
+            finally:
+                self._in_backward -= 1
+            return None
         finally:
-            self._in_backward -= 1
             if self.policy is not None:
                 self.policy.enabled = False  # whatever the last recompute left
             if resume and policy is not None:
                 policy.enabled, policy.weak = True, False
+                policy._cache.update(cache)
                 torch.set_autocast_dtype("cpu", cpu_dtype)
-        return None
 
     @staticmethod
     def _dropout(func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -286,18 +292,14 @@ def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
 
 
 @contextlib.contextmanager
-def _file_autocast(mode: TargetMode) -> Iterator[None]:
-    """The file's own ``torch.autocast("cuda", ...)`` regions (``torch.amp.autocast``,
-    ``torch.cuda.amp.autocast``, as a decorator too, made in the step or at the file's top,
-    as nanoGPT's ``ctx``) run as the target runs them: each region turns ``mode``'s autocast
-    policy on for its dtype (:meth:`TargetMode.file_region_begins`), and
-    ``torch.is_autocast_enabled("cuda")`` reads true inside it (``torch.amp.custom_fwd``).
-    Without this, a CPU build disables them with a warning, and a file written for a GPU
-    was estimated in fp32: nanoGPT's step 71 on a 3 GiB card where the H200 fit 118. The
-    class's methods are wrapped for the block only, and act in this thread only."""
+def autocast_recorded() -> Iterator[None]:
+    """torch's ``autocast("cuda", ...)`` objects made in the block, in this thread, keep the
+    ``(dtype, enabled)`` they asked for, which a CPU build overrides (it disables them with a
+    warning, silenced here): :func:`target_rules_on` runs their regions as the target would.
+    Loading a model file under it covers the objects made at its top (nanoGPT's ``ctx``, a
+    ``@torch.autocast("cuda", enabled=False)`` on a function)."""
     cls = torch.amp.autocast_mode.autocast
-    init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
-    thread = threading.get_ident()
+    init, thread = cls.__init__, threading.get_ident()
 
     def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
         if device_type != "cuda" or threading.get_ident() != thread:
@@ -310,12 +312,33 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
         dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
         self._memkit_region = (dtype, bool(given.get("enabled", True)))
 
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__ = init  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _file_autocast(mode: TargetMode) -> Iterator[None]:
+    """The file's own ``torch.autocast("cuda", ...)`` regions (``torch.amp.autocast``,
+    ``torch.cuda.amp.autocast``, as a decorator too; made in the step, or at the file's top
+    where :func:`autocast_recorded` saw it made) run as the target runs them: each region
+    turns ``mode``'s autocast policy on for its dtype (:meth:`TargetMode.file_region_begins`),
+    and ``torch.is_autocast_enabled("cuda")`` reads true inside it (``torch.amp.custom_fwd``).
+    Without this, a CPU build disables them with a warning, and a file written for a GPU
+    was estimated in fp32: nanoGPT's step 71 on a 3 GiB card where the H200 fit 118. The
+    class's methods are wrapped for the block only, and act in this thread only; CUDA
+    autocast's state is put back after it (a region the step never left)."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, exit_ = cls.__enter__, cls.__exit__
+    thread = threading.get_ident()
+    state = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+
     def _region(self: Any) -> tuple[torch.dtype, bool] | None:
-        if threading.get_ident() != thread or getattr(self, "device", None) != "cuda":
+        if threading.get_ident() != thread:
             return None
-        # one made before the step (at the file's top) asked for what it kept: a CPU build
-        # turned it off, so it was on
-        return getattr(self, "_memkit_region", None) or (self.fast_dtype, True)
+        return getattr(self, "_memkit_region", None)
 
     def __enter__(self: Any) -> Any:
         region = _region(self)
@@ -337,11 +360,14 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
             if _region(self) is not None:
                 mode.file_region_ends()
 
-    cls.__init__, cls.__enter__, cls.__exit__ = __init__, __enter__, __exit__  # type: ignore[method-assign]
+    cls.__enter__, cls.__exit__ = __enter__, __exit__  # type: ignore[method-assign]
     try:
-        yield
+        with autocast_recorded():
+            yield
     finally:
-        cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_  # type: ignore[method-assign]
+        cls.__enter__, cls.__exit__ = enter, exit_  # type: ignore[method-assign]
+        torch.set_autocast_enabled("cuda", state[0])
+        torch.set_autocast_dtype("cuda", state[1])
 
 
 _SAME_DTYPE_OPS = frozenset(
@@ -526,7 +552,8 @@ class MetaSession:
                     path=self.spec.path,
                 )  # fmt: skip
         except ModelFileError as exc:
-            if not re.search(r"\bmeta tensors?\b", str(exc.__cause__), re.IGNORECASE):
+            meta = r"\bmeta (tensors?|device)\b|register_meta"
+            if not re.search(meta, str(exc.__cause__), re.IGNORECASE):
                 raise
             raise ModelFileError(
                 f"{exc}\nmemkit estimate runs make_batch under torch.device('meta'): the tensors "

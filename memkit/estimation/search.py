@@ -20,7 +20,7 @@ from memkit.estimation.meta_model import (
     build_target_optimizer,
     refuse_sparse_gradients,
 )
-from memkit.estimation.meta_step import MetaSession, run_guarded
+from memkit.estimation.meta_step import MetaSession, autocast_recorded, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, check_seq_len, load_model_file
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
@@ -194,7 +194,8 @@ def _spec_of(model_file: str | Path | ModelSpec) -> ModelSpec:
             "estimate's first argument must be a model file's path or a ModelSpec, found "
             f"{type(model_file).__name__}{hint}"
         )
-    return load_model_file(model_file)
+    with autocast_recorded():  # the file's own CUDA autocast objects made at its top
+        return load_model_file(model_file)
 
 
 def _check_attention(attention: str) -> None:
