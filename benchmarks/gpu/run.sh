@@ -1,6 +1,6 @@
 #!/bin/bash
-# One prepared GPU session, in two parts that each fit a device call (bash benchmarks/gpu/run.sh a,
-# then b; 11-26's parts 1, 2, trial and final are below them): a: tests/gpu, the user's counters
+# One prepared GPU session, in parts that each fit a device call (bash benchmarks/gpu/run.sh a,
+# then b, c, d): a: tests/gpu, the user's counters
 # and the budget cap, the session checks, the tracker's cost (benchmark, nanoGPT eager and
 # compiled); b: the probe (trial pieces, answer, vs Accelerate, fresh-process loops), the
 # estimate, FSDP2 and DDP on one nccl rank, a sequence sweep; c: what part a's tests needed after
@@ -10,6 +10,7 @@
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
+case "$1" in a|b|c|d) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -96,98 +97,3 @@ sec "end of part c"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
-if [ "$1" = final ]; then sec "probe trial pieces and overhead (nanoGPT's model, cap 3GiB)"
-timeout 120 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -11
-sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
-/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_final.json 2> $OUT/probe_final.log; echo "rc $?"; tail -1 $OUT/probe_final.log
-python3 -c "
-import json; d=json.load(open('$OUT/probe_final.json'))
-print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', len(d.get('trials', [])))
-for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), x.get('peak_allocated_bytes'))"
-/usr/bin/time -f "PEER-WALL %e s" timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep -E "PEER"
-sec "plain loops: the boundary in a fresh process, and after an earlier size's steps"
-for n in 117 118 119; do timeout 40 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
-timeout 40 python3 $GPU/plain_loop.py 118 30 --before 116 2>&1 | grep PLAIN
-timeout 40 python3 $GPU/plain_loop.py 117 30 --before 116 2>&1 | grep PLAIN
-timeout 40 python3 $GPU/plain_loop.py 118 30 --part-hooks 2>&1 | grep PLAIN
-sec "FSDP2, one GPU, nccl, under memkit run"
-if [ -f $GPU/fsdp_one_gpu.py ]; then timeout 90 torchrun --nproc-per-node 1 -m memkit run --device cuda --json $OUT/fsdp.json $GPU/fsdp_one_gpu.py > $OUT/fsdp.log 2>&1; echo "rc $?"; grep -vE "^\s*$" $OUT/fsdp.log | tail -40; fi
-sec "nanoGPT eager, alternated: plain, memkit run (default), --steps-only, x2 (150 iterations)"
-cd $GPU/nanogpt
-A="config/train_shakespeare_char.py --compile=False --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-for r in 1 2; do
-timeout 60 python3 train.py $A > $OUT/f_plain$r.log 2>&1; echo "plain rc $?"
-timeout 60 python3 -m memkit run --device cuda train.py $A > $OUT/f_memkit$r.log 2>&1; echo "memkit rc $?"
-timeout 60 python3 -m memkit run --device cuda --steps-only train.py $A > $OUT/f_steps$r.log 2>&1; echo "steps-only rc $?"
-done
-itertime $OUT/f_plain1.log $OUT/f_plain2.log $OUT/f_memkit1.log $OUT/f_memkit2.log $OUT/f_steps1.log $OUT/f_steps2.log
-grep "^memkit track" $OUT/f_memkit1.log | head -2
-sec "nanoGPT torch.compile: plain, memkit run (default)"
-C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-timeout 120 python3 train.py $C > $OUT/fc_plain.log 2>&1; echo "plain rc $?"
-TORCH_LOGS=recompiles timeout 120 python3 -m memkit run --device cuda train.py $C > $OUT/fc_memkit.log 2>&1; echo "memkit rc $?"
-itertime $OUT/fc_plain.log $OUT/fc_memkit.log
-echo "recompile lines under memkit: $(grep -ci 'recompil' $OUT/fc_memkit.log)"
-cd $ROOT
-sec "pytest tests/gpu"
-timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -8
-sec "end of part final"; exit 0; fi
-if [ "$1" = trial ]; then sec "where a probe trial's time goes (nanoGPT's model, cap 3GiB)"
-timeout 150 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 3 --breakdown 2>&1 | tail -12
-sec "probe nanoGPT bf16, cap 3GiB"
-/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_trial.json 2> $OUT/probe_trial.log; echo "rc $?"; tail -2 $OUT/probe_trial.log
-python3 -c "
-import json; d=json.load(open('$OUT/probe_trial.json'))
-print('PROBE-ANSWER', d.get('max_batch_size'))
-for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), (x.get('error') or '')[:150])"
-sec "plain loops in fresh processes"
-for n in 115 116 117 118 119; do timeout 60 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN; done
-sec "end of part trial"; exit 0; fi
-if [ "$1" = 1 ]; then sec "user counters and budget cap on a real GPU"
-timeout 60 python3 $GPU/counters_check.py 2>&1 | tail -4
-sec "nanoGPT eager: plain, memkit run (default), --steps-only, --module-every 1, plain"
-cd $GPU/nanogpt
-A="config/train_shakespeare_char.py --compile=False --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-timeout 90 python3 train.py $A > $OUT/e_plain1.log 2>&1; echo "plain rc $?"
-timeout 90 python3 -m memkit run --device cuda --json $OUT/e_memkit.json train.py $A > $OUT/e_memkit.log 2>&1; echo "memkit rc $?"
-timeout 90 python3 -m memkit run --device cuda --steps-only train.py $A > $OUT/e_steps.log 2>&1; echo "steps-only rc $?"
-timeout 90 python3 -m memkit run --device cuda --module-every 1 train.py $A > $OUT/e_every.log 2>&1; echo "every-step rc $?"
-timeout 90 python3 train.py $A > $OUT/e_plain2.log 2>&1; echo "plain rc $?"
-itertime $OUT/e_plain1.log $OUT/e_memkit.log $OUT/e_steps.log $OUT/e_every.log $OUT/e_plain2.log
-grep -A3 "^memkit track" $OUT/e_memkit.log | head -4
-sec "nanoGPT torch.compile: plain, memkit run (default)"
-C="config/train_shakespeare_char.py --compile=True --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-timeout 150 python3 train.py $C > $OUT/c_plain.log 2>&1; echo "plain rc $?"
-TORCH_LOGS=recompiles timeout 150 python3 -m memkit run --device cuda train.py $C > $OUT/c_memkit.log 2>&1; echo "memkit rc $?"
-itertime $OUT/c_plain.log $OUT/c_memkit.log
-echo "recompile lines under memkit: $(grep -ci 'recompil' $OUT/c_memkit.log)"; grep -i "recompil" $OUT/c_memkit.log | head -5
-grep "^memkit track" $OUT/c_memkit.log
-sec "memkit run --budget 3GiB, nanoGPT batch 160 (runs out under the cap?)"
-timeout 90 python3 -m memkit run --device cuda --budget 3GiB train.py $A --batch_size=160 > $OUT/budget.log 2>&1; echo "rc $? (1 = OOM under the cap)"
-grep -E "capped|out of memory|peak" $OUT/budget.log | head -5
-cd $ROOT
-sec "tracker_overhead --device cuda"
-timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 2 --steps 6 --skip MemTracker 2>&1 | grep -v "^\[trans" | tail -14
-sec "end of part 1"; exit 0; fi
-sec "nanoGPT torch.compile again, alternated: memkit run, plain"
-cd $GPU/nanogpt
-C="config/train_shakespeare_char.py --compile=True --max_iters=80 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-timeout 100 python3 -m memkit run --device cuda train.py $C > $OUT/c_memkit2.log 2>&1; echo "memkit rc $?"
-TORCH_LOGS=recompiles timeout 100 python3 train.py $C > $OUT/c_plain2.log 2>&1; echo "plain rc $?"
-itertime $OUT/c_memkit2.log $OUT/c_plain2.log; echo "recompile lines, plain: $(grep -ci 'recompiling' $OUT/c_plain2.log)"
-cd $ROOT
-sec "probe nanoGPT bf16, cap 3GiB"
-/usr/bin/time -f "PROBE-WALL %e s" timeout 120 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_nanogpt.json 2> $OUT/probe.log; echo "rc $?"; tail -3 $OUT/probe.log
-python3 -c "
-import json; d=json.load(open('$OUT/probe_nanogpt.json')); t=d.get('trials',[])
-print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', [(x.get('batch_size'), x.get('fits')) for x in t])
-print('trial seconds', [round(x.get('seconds',0),3) for x in t])"
-timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep PEER
-timeout 90 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 1,4,16 --repeat 3 2>&1 | tail -6
-sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB"
-timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB 2>&1 | head -12
-sec "pytest tests/gpu"
-timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -12
-sec "estimate accuracy on the GPU"
-timeout 150 python3 benchmarks/estimate_accuracy.py --gpu-only --json $OUT/estimate.json 2>&1 | tail -8
-sec done
