@@ -204,9 +204,11 @@ class TargetMode(TorchFunctionMode):
         # autocast keeps until the region ends) goes on after it
         resume = bool(self._regions) and policy is not None and policy.enabled
         cpu_dtype = torch.get_autocast_dtype("cpu")
-        cache = dict(policy._cache) if resume and policy is not None else {}
         if policy is not None:  # the autocast region ends where backward starts
-            policy.end_region()
+            if resume:  # off in backward (but for a recompute), its cache kept
+                policy.enabled, policy.weak = False, True
+            else:
+                policy.end_region()
             torch.set_autocast_dtype("cpu", self._cpu_dtype)
         try:
             edges = _gradient_edges(func, args, kw)
@@ -224,7 +226,6 @@ class TargetMode(TorchFunctionMode):
                 self.policy.enabled = False  # whatever the last recompute left
             if resume and policy is not None:
                 policy.enabled, policy.weak = True, False
-                policy._cache.update(cache)
                 torch.set_autocast_dtype("cpu", cpu_dtype)
 
     @staticmethod
