@@ -375,6 +375,31 @@ def train_step(model, batch, optimizer):
     assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_files_own_cpu_autocast_leaves_amp_as_it_is(tmp_path: Path, dtype: str) -> None:
+    """A step under ``torch.autocast("cpu", ...)`` (written to train on a CPU) with
+    non-reentrant checkpoints, estimated with ``--amp bf16``: CPU autocast does nothing on the
+    target's CUDA step, and the estimate is the plain step's. Its region's dtype took the
+    place of the policy's mark, the recompute ran in fp32, and the estimate stopped with
+    torch's CheckpointError (exit 3)."""
+    base = textwrap.dedent(CKPT_FILE.format(reentrant=False))
+    step = """
+def train_step(model, batch, optimizer):
+    {open}
+        loss = loss_fn(model(batch), batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+    cpu, plain = tmp_path / "cpu.py", tmp_path / "plain.py"
+    cpu.write_text(base + step.format(open=f'with torch.autocast("cpu", dtype=torch.{dtype}):'))
+    plain.write_text(base + step.format(open="if True:"))
+    kwargs = {"device_memory": "1TiB", "min_batch": 64, "max_batch": 64, "workspace": 0}
+    theirs, amp = estimate(cpu, amp="bf16", **kwargs), estimate(plain, amp="bf16", **kwargs)
+    assert theirs.trials[0].allocated_peak == amp.trials[0].allocated_peak
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # CPU autocast's default, put back
+
+
 def test_a_region_that_runs_backward_inside_goes_on_after_it(tmp_path: Path) -> None:
     """Two micro-batches under one autocast region, each with its backward inside it (a
     review's case): the second forward is bf16 too, as on a GPU (the policy used to stay off

@@ -100,6 +100,11 @@ class TargetMode(TorchFunctionMode):
         if self._entered == 0 and self.policy is not None:
             torch.set_autocast_dtype("cpu", self._cpu_dtype)
 
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward the mode runs is under way (a checkpoint's recompute)."""
+        return self._in_backward > 0
+
     def file_region_begins(self, dtype: torch.dtype, enabled: bool) -> None:
         """The file's own ``torch.autocast("cuda", dtype, enabled)`` region begins (a CPU
         build disables it, and meta tensors have no autocast key): the policy for ``dtype``
@@ -344,7 +349,14 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
     def __enter__(self: Any) -> Any:
         region = _region(self)
         if region is None:
-            return enter(self)
+            if self.device != "cpu" or mode.in_backward or threading.get_ident() != thread:
+                return enter(self)  # (a checkpoint's recompute re-enters the mark it saved)
+            # the file's own CPU autocast: nothing on the target's CUDA step (nor on meta
+            # tensors); its dtype must not take the place of the policy's mark
+            dtype = torch.get_autocast_dtype("cpu")
+            entered = enter(self)
+            torch.set_autocast_dtype("cpu", dtype)  # torch's __exit__ restores its own
+            return entered
         mode.file_region_begins(*region)
         try:
             entered = enter(self)
