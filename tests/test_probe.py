@@ -1455,3 +1455,50 @@ def test_a_train_step_that_deep_copies_the_model_is_probed_and_its_copies_hold_n
 
     best = result.max_batch_size
     assert best is not None and loop_fits(best) and not loop_fits(best + 1)
+
+
+AUTOCAST_FILE = """
+import torch
+CTX = torch.autocast("cuda", dtype=torch.bfloat16)
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+def make_batch(n):
+    return torch.randn(n, 64)
+
+def train_step(model, batch, optimizer):
+    {open}
+        loss = model(batch).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("region", "said"),
+    [
+        ("with CTX:", "bfloat16"),  # made at the file's top, as nanoGPT's ctx
+        ('with torch.autocast("cuda", dtype=torch.float16):', "float16"),  # made in the step
+        ('with torch.autocast("cuda", enabled=False):', None),  # fp32 on a GPU too
+        ('with torch.autocast("cpu", dtype=torch.bfloat16):', None),
+    ],
+)
+def test_a_steps_cuda_autocast_on_the_simulated_device_is_said_to_cast_nothing(
+    tmp_path, region, said
+):
+    """A step written for a GPU (``torch.autocast("cuda", ...)``) probed on the simulated
+    device runs in float32 (a CPU build disables CUDA autocast; on CUDA tensors only it casts):
+    the report says so and where the GPU's numbers come from, once per dtype."""
+    path = tmp_path / "amp.py"
+    path.write_text(AUTOCAST_FILE.format(open=region))
+    result = probe_file(str(path), device="cpu", budget="16MiB", max_batch=8, steps=1)
+    notes = [d for d in result.defaults if "torch.autocast('cuda'" in d]
+    if said is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"torch.autocast('cuda', {said}) regions" in notes[0]
+        assert "float32 numbers" in notes[0] and f"memkit estimate {path}" in notes[0]
+    assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"  # put back
+    assert torch.autocast.__enter__.__module__ == "torch.amp.autocast_mode"

@@ -14,7 +14,6 @@ import inspect
 import re
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from memkit.cuda_autocast import requested, requests_recorded
 from memkit.errors import MemkitError, ModelFileError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
@@ -38,7 +38,6 @@ __all__ = [
     "StepRecorder",
     "TargetMode",
     "TrialPeaks",
-    "autocast_recorded",
     "run_guarded",
     "target_mode",
     "target_rules_on",
@@ -298,40 +297,13 @@ def target_rules_on(mode: TargetMode) -> Iterator[TargetMode]:
 
 
 @contextlib.contextmanager
-def autocast_recorded() -> Iterator[None]:
-    """torch's ``autocast("cuda", ...)`` objects made in the block, in this thread, keep the
-    ``(dtype, enabled)`` they asked for, which a CPU build overrides (it disables them with a
-    warning, silenced here): :func:`target_rules_on` runs their regions as the target would.
-    Loading a model file under it covers the objects made at its top (nanoGPT's ``ctx``, a
-    ``@torch.autocast("cuda", enabled=False)`` on a function)."""
-    cls = torch.amp.autocast_mode.autocast
-    init, thread = cls.__init__, threading.get_ident()
-
-    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-        if device_type != "cuda" or threading.get_ident() != thread:
-            init(self, device_type, *args, **kwargs)
-            return
-        given = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False)) | kwargs
-        with warnings.catch_warnings():  # "CUDA is not available ... Disabling autocast"
-            warnings.simplefilter("ignore")
-            init(self, device_type, *args, **kwargs)
-        dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
-        self._memkit_region = (dtype, bool(given.get("enabled", True)))
-
-    cls.__init__ = __init__  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        cls.__init__ = init  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
 def _file_autocast(mode: TargetMode) -> Iterator[None]:
     """The file's own ``torch.autocast("cuda", ...)`` regions (``torch.amp.autocast``,
     ``torch.cuda.amp.autocast``, as a decorator too; made in the step, or at the file's top
-    where :func:`autocast_recorded` saw it made) run as the target runs them: each region
-    turns ``mode``'s autocast policy on for its dtype (:meth:`TargetMode.file_region_begins`),
-    and ``torch.is_autocast_enabled("cuda")`` reads true inside it (``torch.amp.custom_fwd``).
+    where :func:`~memkit.cuda_autocast.requests_recorded` saw it made) run as the target runs
+    them: each region turns ``mode``'s autocast policy on for its dtype
+    (:meth:`TargetMode.file_region_begins`), and ``torch.is_autocast_enabled("cuda")`` reads
+    true inside it (``torch.amp.custom_fwd``).
     Without this, a CPU build disables them with a warning, and a file written for a GPU
     was estimated in fp32: nanoGPT's step 71 on a 3 GiB card where the H200 fit 118. The
     class's methods are wrapped for the block only, and act in this thread only; CUDA
@@ -344,7 +316,7 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
     def _region(self: Any) -> tuple[torch.dtype, bool] | None:
         if threading.get_ident() != thread:
             return None
-        return getattr(self, "_memkit_region", None)
+        return requested(self)
 
     def __enter__(self: Any) -> Any:
         region = _region(self)
@@ -375,7 +347,7 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
 
     cls.__enter__, cls.__exit__ = __enter__, __exit__  # type: ignore[method-assign]
     try:
-        with autocast_recorded():
+        with requests_recorded():
             yield
     finally:
         cls.__enter__, cls.__exit__ = enter, exit_  # type: ignore[method-assign]

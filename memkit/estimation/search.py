@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from memkit.cuda_autocast import requests_recorded
 from memkit.errors import ConfigError
 from memkit.estimation.assumptions import RNN_NOTE, outcome_lines, target_lines
 from memkit.estimation.attention import ATTENTION_KERNELS
@@ -20,7 +21,7 @@ from memkit.estimation.meta_model import (
     build_target_optimizer,
     refuse_sparse_gradients,
 )
-from memkit.estimation.meta_step import MetaSession, autocast_recorded, run_guarded
+from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
 from memkit.modelfile import ModelSpec, check_seq_len, load_model_file
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
@@ -194,7 +195,7 @@ def _spec_of(model_file: str | Path | ModelSpec) -> ModelSpec:
             "estimate's first argument must be a model file's path or a ModelSpec, found "
             f"{type(model_file).__name__}{hint}"
         )
-    with autocast_recorded():  # the file's own CUDA autocast objects made at its top
+    with requests_recorded():  # the file's own CUDA autocast objects made at its top
         return load_model_file(model_file)
 
 

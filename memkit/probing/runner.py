@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from memkit import devices, distributed
+from memkit import cuda_autocast, devices, distributed
 from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
 from memkit.devices import SimulatedBackend, VirtualDeviceBackend, get_backend
@@ -371,7 +371,11 @@ def probe_with(
             del runner, search  # before the next search and the clean-up
         return found, history, schedule
 
-    with _probing(model, opts.mode, saved, backend, bar):
+    on_gpu = backend.device.type == "cuda"
+    watch: contextlib.AbstractContextManager[set[torch.dtype]] = (
+        contextlib.nullcontext(set()) if on_gpu else cuda_autocast.regions_entered()
+    )
+    with watch as half_regions, _probing(model, opts.mode, saved, backend, bar):
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
             steps_advised = _advised_accumulation(search, opts, capacities, plan)
@@ -389,6 +393,8 @@ def probe_with(
                     plan.accumulation = final  # (in place: the search's loss_rule stays)
         finally:
             held.clear()
+    if half_regions:
+        defaults.append(_autocast_note(half_regions, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
     if untrained:
@@ -408,6 +414,21 @@ def probe_with(
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
     )  # fmt: skip
+
+
+def _autocast_note(dtypes: set[torch.dtype], backend: Backend, model_file: str | None) -> str:
+    """What the step's own CUDA autocast regions did on a device that is not CUDA."""
+    said = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    how = (
+        f"`memkit estimate {model_file} --device-memory SIZE` runs them as a GPU would"
+        if model_file
+        else "memkit.estimate runs them as a GPU would"
+    )
+    return (
+        f"the step's torch.autocast('cuda', {said}) regions cast nothing on "
+        f"{backend.device.type}: these are float32 numbers; on a GPU those regions run in "
+        f"{said}, and more fits ({how})"
+    )
 
 
 def _retested(
@@ -916,7 +937,8 @@ def probe_file(
     :class:`ModelFileError` (exit code 2).
     """
     opts = dataclasses.replace(options or ProbeOptions(), **option_values)
-    spec = load_model_file(path)
+    with cuda_autocast.requests_recorded():  # the file's own CUDA autocast made at its top
+        spec = load_model_file(path)
     lengths = [seq_len] if isinstance(seq_len, int) or seq_len is None else list(seq_len)
     check_seq_len(spec, lengths[0] if lengths else None)
     model = build_model(spec)

@@ -1,0 +1,77 @@
+"""A step's own ``torch.autocast("cuda", ...)`` regions where no GPU runs them.
+
+A CPU build of torch disables a CUDA autocast object when it is made (with a warning), so
+what the file asked for is lost; on a CUDA build probing the simulated device it stays on but
+casts nothing on CPU tensors. The estimate runs such regions as the target GPU would
+(:mod:`memkit.estimation.meta_step`), and the probe on a non-CUDA device says its numbers are
+not the region's dtype (:func:`regions_entered`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["regions_entered", "requested", "requests_recorded"]
+
+
+def requested(region: Any) -> tuple[torch.dtype, bool] | None:
+    """The ``(dtype, enabled)`` a CUDA autocast object made under :func:`requests_recorded`
+    asked for; ``None`` for any other object."""
+    return getattr(region, "_memkit_region", None)
+
+
+@contextlib.contextmanager
+def requests_recorded() -> Iterator[None]:
+    """torch's ``autocast("cuda", ...)`` objects made in the block, in this thread, keep the
+    ``(dtype, enabled)`` they asked for (:func:`requested`), which a CPU build overrides (it
+    disables them with a warning, silenced here). Loading a model file under it covers the
+    objects made at its top (nanoGPT's ``ctx``, a ``@torch.autocast("cuda", enabled=False)``
+    on a function)."""
+    cls = torch.amp.autocast_mode.autocast
+    init, thread = cls.__init__, threading.get_ident()
+
+    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if device_type != "cuda" or threading.get_ident() != thread:
+            init(self, device_type, *args, **kwargs)
+            return
+        given = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False)) | kwargs
+        with warnings.catch_warnings():  # "CUDA is not available ... Disabling autocast"
+            warnings.simplefilter("ignore")
+            init(self, device_type, *args, **kwargs)
+        dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
+        self._memkit_region = (dtype, bool(given.get("enabled", True)))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__ = init  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def regions_entered() -> Iterator[set[torch.dtype]]:
+    """The half-precision dtypes of the CUDA autocast regions the block enters in this thread
+    (made in the block, or under an earlier :func:`requests_recorded`), ``enabled=False``
+    and float32 regions left out."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, thread = cls.__enter__, threading.get_ident()
+    found: set[torch.dtype] = set()
+
+    def __enter__(self: Any) -> Any:
+        region = requested(self) if threading.get_ident() == thread else None
+        if region is not None and region[1] and region[0] in (torch.float16, torch.bfloat16):
+            found.add(region[0])
+        return enter(self)
+
+    cls.__enter__ = __enter__  # type: ignore[method-assign]
+    try:
+        with requests_recorded():
+            yield found
+    finally:
+        cls.__enter__ = enter  # type: ignore[method-assign]
