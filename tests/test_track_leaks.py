@@ -262,6 +262,48 @@ def test_a_global_list_is_named_at_the_line_that_appends_to_it(tmp_path, args, f
     assert sys.gettrace() is None  # the trace is gone
 
 
+EPOCH_OUTPUTS = """\
+import gc, sys, weakref, torch
+from torch import nn
+
+def main(out_file):
+    model = nn.Linear(64, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    outputs = []
+    for epoch in range(3):
+        probe = weakref.ref(outputs[0]) if outputs else None
+        outputs = []  # the epoch's metric is done: last epoch's outputs are garbage
+        for step in range(8):
+            logits = model(torch.randn(32, 64))
+            if step == 0 and probe is not None:  # memkit measures the forward: by then
+                gc.collect()
+                seen.append("alive" if probe() is not None else "freed")
+            loss = logits.square().mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step % 2:
+                outputs.append(logits.detach())
+            else:
+                outputs.append(logits.detach())
+    open(out_file, "w").write(" ".join(seen))
+
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage) is set: not traced")
+def test_a_loop_the_line_trace_ran_in_frees_what_it_replaces(tmp_path):
+    """An epoch's outputs kept for a metric, appended on two lines alike, the list replaced at
+    the epoch's end (sweep QQ): the line trace that tells the two lines apart left the loop's
+    frame a copy of its locals (Python before 3.13), and last epoch's list stayed alive for
+    the whole next epoch under memkit: the peak 2.5 MiB higher than without it."""
+    script, seen = tmp_path / "epoch_outputs.py", tmp_path / "seen.txt"
+    script.write_text(EPOCH_OUTPUTS)
+    run_script(script, (str(seen),), device="cpu", budget="64MiB")
+    assert seen.read_text().split() == ["freed", "freed"]
+    assert sys.gettrace() is None
+
+
 EVAL_LEAK = """\
 import sys, torch
 from torch import nn

@@ -1120,8 +1120,10 @@ class LeakWatch:
                 trace.tick()
             if trace.active:
                 return False
+            trace.release()
             self._traced = None  # none ran: the line named from the source stays
             return False
+        trace.release()
         code, line = trace.hit
         text = linecache.getline(code.co_filename, line).strip()
         self.moved[traced] = (code.co_filename, code.co_name, line, text)

@@ -10,12 +10,17 @@ leaves the thread untraced.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["LineTrace"]
+
+_STALE_LOCALS = sys.version_info < (3, 13)
+"""Whether a trace call copies the frame's locals into a dict the frame keeps (PEP 667 made
+``f_locals`` a view of the variables in 3.13)."""
 
 _RUNNING: list[LineTrace] = []
 """The traces on now: a process forked while one is on (a DataLoader's workers) stops it in the
@@ -72,16 +77,34 @@ class LineTrace:
 
     def stop(self) -> None:
         """Trace no more (the frames given a trace function call it once more, and drop it)."""
+        self.active = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+        if sys.gettrace() == self._tracer:
+            sys.settrace(None)
+
+    def release(self, inside: FrameType | None = None) -> None:
+        """Once stopped, called where no trace call of these frames runs (a step boundary,
+        the block's end, a trace call of another frame ``inside``): the frames on the calling
+        stack that run candidate code are traced no more, and each loses the copy of its
+        locals that every trace call refreshed (Python before 3.13 keeps it on the frame,
+        holding the values as they were then: a list the loop has replaced since stayed alive
+        while the loop ran on, and memkit measured it)."""
         if self.active:
-            self.active = False
-            if self in _RUNNING:
-                _RUNNING.remove(self)
-            if sys.gettrace() == self._tracer:
-                sys.settrace(None)
+            return
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code in self.lines and frame is not inside:
+                frame.f_trace = None
+                if _STALE_LOCALS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+                    frame.f_locals.clear()  # (a function's copy of them, not its variables)
+            frame = frame.f_back
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if not self.active:  # stopped from another thread
+        if not self.active:  # stopped from another thread, or the first call after a hit
             sys.settrace(None)
+            if self.hit is not None:
+                self.release(inside=frame)
             return None
         return self._line if frame.f_code in self.lines else None
 
@@ -89,8 +112,13 @@ class LineTrace:
         if not self.active:
             return None
         if event == "line" and frame.f_lineno in self.lines.get(frame.f_code, ()):
+            # Python writes this frame's copy of its locals back to them after this call (a
+            # copy released here would delete them): the next call of any function releases
+            # the frames' copies, and ends the trace (:meth:`_call`)
             self.hit = (frame.f_code, frame.f_lineno)
-            self.stop()
+            self.active = False
+            if self in _RUNNING:
+                _RUNNING.remove(self)
             return None
         return self._line
 
