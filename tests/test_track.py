@@ -17,6 +17,7 @@ import torch
 from gan_cases import two_step_gan
 from torch import nn
 
+from memkit import simulate
 from memkit.advice.leaks import graph_retained_advice
 from memkit.errors import ConfigError
 from memkit.tracking import TrackReport, device_set, track
@@ -208,6 +209,65 @@ def test_a_caught_error_that_is_no_oom_leaves_the_micro_batch_count_alone():
     report = tracker.report()
     assert [s.backward_passes for s in report.devices[0].steps] == [3, 3, 3]
     assert report.micro_batches == 3
+
+
+class Growing(nn.Module):
+    """A model that grows a block mid-run (progressive growing, net2net)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, 64)])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_an_optimizer_made_anew_in_the_block_is_the_one_that_counts(given):
+    """A script grows its model and makes its optimizer anew over all its parameters (sweep
+    QQ). The tracker held the optimizer it was given, so the old one's Adam state stayed
+    alive (the peak 2 MiB above the script's own), and the new one's steps had no hooks: 8
+    steps reported of 16. Without one given, an old optimizer the script still holds (a
+    scheduler not made anew) kept counting the steps: now the new one, over its parameters
+    and more, takes its place."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = Growing()
+    opt = torch.optim.Adam(model.parameters())
+    kept, old = [], []
+
+    def loop():
+        nonlocal opt
+        for epoch in range(4):
+            if epoch == 2:
+                model.blocks.append(nn.Linear(64, 64))
+                old.append(weakref.ref(opt))
+                if not given:
+                    kept.append(opt)  # a scheduler made on it still holds it
+                opt = torch.optim.Adam(model.parameters())
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.randn(256, 64)).square().mean().backward()
+                opt.step()
+
+    with simulate("64MiB", track=(model, opt)) as direct:
+        loop()
+    direct_peak = direct.peak
+    torch.manual_seed(0)
+    model, kept, old = Growing(), [], []
+    opt = torch.optim.Adam(model.parameters())
+    with track(model, opt if given else None, device="cpu", budget="64MiB") as tracker:
+        loop()
+        gc.collect()
+        assert (old[0]() is None) == given  # nothing of memkit's holds it
+    report = tracker.report()
+    assert report.steps == 16
+    if given:
+        assert report.devices[0].peak_allocated == direct_peak
 
 
 def test_hooks_removed_and_training_flag_kept_on_exception():

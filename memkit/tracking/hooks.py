@@ -224,14 +224,10 @@ class Hooks:
             h.append(wrap_data_loading(self.devices.sim))
         phases = self.phases
         h.append(wrap_grad_scaler(lambda: phases.optimizer_calls, shield(self._scaler_skipped)))
-        opt_pre, opt_post = shield(self._opt_pre), shield(self._opt_post)
-        if self.models.optimizers:
-            for opt in self.models.optimizers:
-                h.append(opt.register_step_pre_hook(opt_pre))
-                h.append(opt.register_step_post_hook(opt_post))
-        else:
-            h.append(optim_module.register_optimizer_step_pre_hook(opt_pre))
-            h.append(optim_module.register_optimizer_step_post_hook(opt_post))
+        # every optimizer's steps, the given ones' and those that replace them counted
+        # (TrackedModels.counts): one made anew in the block has no hooks of its own
+        h.append(optim_module.register_optimizer_step_pre_hook(shield(self._opt_pre)))
+        h.append(optim_module.register_optimizer_step_post_hook(shield(self._opt_post)))
         self.set_detail(self._wants_detail(0), force=True)
 
     # module detail: on sampled steps only (_wants_detail says which)
@@ -961,9 +957,6 @@ class Hooks:
         """A step GradScaler skipped: it ends the training step as optimizer.step() would."""
         if not self.state.active:
             return
-        optimizers = self.models.optimizers
-        if optimizers and not any(o is optimizer for o in optimizers):
-            return
         if self._opt_pre(optimizer, (optimizer,), {}) is None:
             self._opt_post(optimizer, (), {})
 
@@ -987,7 +980,7 @@ class Hooks:
     def _opt_pre(
         self, optimizer: Any, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self.state.active:
+        if not self.state.active or not self.models.counts(optimizer):
             return None
         self.phases.optimizer_called(optimizer)
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
@@ -1024,7 +1017,7 @@ class Hooks:
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
-        if not state.active:
+        if not state.active or not self.models.counts(optimizer):
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))

@@ -59,6 +59,13 @@ def _checked_optimizers(optimizer: Any) -> list[Any]:
     return optimizers
 
 
+def replaces(optimizer: Any, others: Sequence[Any]) -> bool:
+    """Whether ``optimizer`` holds every parameter of one of ``others`` (an optimizer a script
+    made anew over its model's parameters, when the model grew or a range test reset it)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return any(all(id(p) in held for g in o.param_groups for p in g["params"]) for o in others)
+
+
 class TrackedModels:
     """The tracked models and optimizers, and the top-level modules seen running a forward.
 
@@ -83,9 +90,9 @@ class TrackedModels:
     ) -> None:
         checked, optimizers = _checked_model(model), _checked_optimizers(optimizer)
         self._model_ref = None if checked is None else weakref.ref(checked)
+        # weakly, in the block too: a script that replaces its optimizer (a model grown,
+        # an LR range test restored) frees the old one and its state, with memkit as without
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
-        # strong references while the block runs (dropped when it ends)
-        self._held: tuple[torch.nn.Module | None, list[Any]] | None = (checked, optimizers)
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
@@ -106,24 +113,36 @@ class TrackedModels:
 
     @property
     def model(self) -> torch.nn.Module | None:
-        """The model given to ``track()`` (``None``: none given, or freed after the block)."""
-        if self._held is not None:
-            return self._held[0]
+        """The model given to ``track()`` (``None``: none given, or freed since). Held weakly,
+        as the optimizers are: a tracker kept for its report (a notebook's ``tracker``) keeps
+        none of them alive after ``del`` (the report reads them while they live, else what it
+        remembered)."""
         ref = self._model_ref
         return None if ref is None else ref()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers given to ``track()`` (after the block: those still alive)."""
-        if self._held is not None:
-            return self._held[1]
+        """The optimizers given to ``track()`` that are still alive."""
         return [o for o in (r() for r in self._optimizer_refs) if o is not None]
 
-    def release(self) -> None:
-        """The block ended: hold the given model and optimizers no more, so that a tracker
-        kept for its report (a notebook's ``tracker``) does not keep them alive after ``del``
-        (the report reads them while they live, else what it remembered)."""
-        self._held = None
+    def counts(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s steps are the block's: any optimizer's where none was given;
+        else a given one's, or one's that replaced them: given none still alive, or over the
+        parameters of one given (and more: rebuilt after the model grew), which it takes the
+        place of (an old one a scheduler still holds steps no more)."""
+        if not self._optimizer_refs:
+            return True
+        given = self.optimizers
+        if any(o is optimizer for o in given):
+            return True
+        if given and not replaces(optimizer, given):
+            return False
+        self._optimizer_refs = [
+            weakref.ref(o)
+            for o in (*given, optimizer)
+            if o is optimizer or not replaces(optimizer, [o])
+        ]
+        return True
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""

@@ -31,7 +31,7 @@ from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import growth_finding, optimizers_in_frames, tensors_within
-from memkit.tracking.models import TrackedModels
+from memkit.tracking.models import TrackedModels, replaces
 from memkit.tracking.records import (
     DeviceRecord,
     Frame,
@@ -373,7 +373,8 @@ class PhaseMachine:
         """``optimizer.step()`` was called (before any closure it was given runs)."""
         self.optimizer_calls += 1
         if self.models.see_optimizer(optimizer):
-            if self.step_owner is None:
+            owner = None if self.step_owner is None else self.step_owner()
+            if owner is None or replaces(optimizer, [owner]):  # (none yet, freed, made anew)
                 self.step_owner = weakref.ref(optimizer)
                 self.evidence.facts.optimizer_name = type(optimizer).__name__
             # an optimizer's parameter: the witness a module seen first (a teacher) may not be

@@ -323,7 +323,6 @@ class Tracker:
             self.evidence.release()  # keep no reference to the model's tensors
             with contextlib.suppress(Exception):  # what the report reads of the model
                 self.evidence.keep_layout()
-            self.models.release()  # nor to the model and optimizers
             if self._stack is not None:
                 self._stack.close()
         return False
