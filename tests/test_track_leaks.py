@@ -304,6 +304,33 @@ def test_a_loop_the_line_trace_ran_in_frees_what_it_replaces(tmp_path):
     assert sys.gettrace() is None
 
 
+EPOCH_GRAPHS = """\
+import torch
+from torch import nn
+model = nn.Linear(64, 256)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for epoch in range(3):
+    outputs = []  # for an epoch-level metric: emptied each epoch, so no lasting growth
+    for step in range(8):
+        logits = model(torch.randn(32, 64))
+        loss = logits.square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        outputs.append(logits)
+"""
+
+
+def test_a_list_of_batch_outputs_with_their_graphs_is_not_told_to_keep_item(tmp_path):
+    """Batch outputs kept with their graph, the list emptied each epoch (sweep QQ): the
+    graph scans found it, and the advice said ``outputs.append(logits.item())``, which
+    raises for a tensor of more than one element; and that device memory 'stayed flat'."""
+    script = tmp_path / "epoch_graphs.py"
+    script.write_text(EPOCH_GRAPHS)
+    report = run_script(script, (), device="cpu", budget="64MiB").report
+    (advice,) = [a for a in report.advice if a.code == "graph-retained"]
+    assert "outputs.append(logits.detach().cpu())" in advice.action
+    assert ".item()" not in advice.action and "stayed flat" not in advice.evidence
+
+
 EVAL_LEAK = """\
 import sys, torch
 from torch import nn

@@ -50,9 +50,10 @@ def _growth(leak: LeakFinding, saving: bool = True) -> str:
     if leak.graph_growth and leak.growth_per_step <= 0:
         return (
             f"An autograd graph grew by about {leak.graph_growth} nodes per step (from step "
-            f"{leak.first_step}); device memory on {leak.device} stayed flat because "
-            "backward freed the saved tensors, but every step's graph nodes stay alive in "
-            "host memory, and anything that still holds tensors keeps them on the device."
+            f"{leak.first_step}); device memory on {leak.device} showed no lasting growth "
+            "(backward freed the saved tensors, or the holder is emptied from time to time), "
+            "but every step's graph nodes stay alive in host memory while it holds them, and "
+            "the tensors it holds stay on the device."
         )
     return (
         f"Allocated memory on {leak.device} grew by {format_size(leak.growth_per_step)} "

@@ -766,6 +766,8 @@ def scan_frames(
                 item_bytes, nbytes, shape = _held_bytes(value, tensor_type, holders)
                 if not graph and nbytes <= 0:
                     continue  # no device tensor in it
+            elif kind == "container":  # (a graph scan) the shape of its last graph's tensor:
+                shape = tuple(map(int, tensors[-1].shape))  # the advice's .item() or not
             seen.add(id(value))
             walked = _walk(tensors, GRAPH_NODE_LIMIT)
             nodes = len(walked)
