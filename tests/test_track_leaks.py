@@ -331,6 +331,33 @@ def test_a_list_of_batch_outputs_with_their_graphs_is_not_told_to_keep_item(tmp_
     assert ".item()" not in advice.action and "stayed flat" not in advice.evidence
 
 
+OUTPUTS_AND_TARGETS = """\
+import torch
+from torch import nn
+model = nn.Linear(64, 256)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+outputs, targets = [], []
+for step in range(24):
+    x, y = torch.randn(32, 64), torch.randint(0, 256, (32,))
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits, y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    outputs.append(logits)
+    targets.append(y)
+"""
+
+
+def test_of_two_lists_growing_the_one_holding_the_growth_is_named_first(tmp_path):
+    """Outputs (32 KiB a step, with their graphs) and targets (256 B a step) kept for a
+    metric (sweep QQ): the targets were named first, as the smallest graph (none), and the
+    advice promised 18 KiB; now the list that holds the bytes the device grew by."""
+    script = tmp_path / "outputs_and_targets.py"
+    script.write_text(OUTPUTS_AND_TARGETS)
+    (leak,) = run_script(script, (), device="cpu", budget="64MiB").report.leaks
+    assert [s.name for s in leak.suspects[:2]] == ["outputs", "targets"]
+    assert leak.suspects[0].bytes_per_step == 32 * 256 * 4
+
+
 EVAL_LEAK = """\
 import sys, torch
 from torch import nn

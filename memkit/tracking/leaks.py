@@ -928,14 +928,14 @@ def compare_scans(
             tensor_bytes=c.nbytes,
             bytes_per_step=added,
         )
-        if grew:  # what a line grows or builds on itself first; then the smallest graph (a
-            # container's without its length), of graphless ones the fastest growing,
-            # containers first
+        if grew:  # what a line grows or builds on itself first; then what holds the most
+            # more device bytes a step (a list of batch outputs before its list of targets),
+            # then the smallest graph (a container's without its length), containers first
             order: tuple[Any, ...] = (
                 False,
                 not c.built_on_itself,
+                -added,
                 c.size - c.length,
-                0 if c.graph else -added,
                 c.kind != "container",
             )
         else:  # the largest first, containers first
