@@ -1502,3 +1502,35 @@ def test_a_steps_cuda_autocast_on_the_simulated_device_is_said_to_cast_nothing(
         assert "float32 numbers" in notes[0] and f"memkit estimate {path}" in notes[0]
     assert torch.autocast.__init__.__module__ == "torch.amp.autocast_mode"  # put back
     assert torch.autocast.__enter__.__module__ == "torch.amp.autocast_mode"
+
+
+def test_an_accelerated_optimizer_is_probed_through_the_optimizer_it_wraps():
+    """``accelerator.prepare_optimizer(AdamW(...))`` in a model file, as an Accelerate user
+    writes it (sweep PP): accelerate's ``AcceleratedOptimizer`` subclasses ``Optimizer``
+    without its hooks' state, and the probe stopped with an internal error (exit 3) where it
+    hooked the wrapper's steps. It now hooks the AdamW inside, which the wrapper steps, and
+    answers as with the AdamW itself; the step's cycle names the probe's optimizer."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    def step(model, batch, optimizer):
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    answers = []
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        for wrap in (False, True):
+            torch.manual_seed(0)
+            model = small_mlp()
+            opt = torch.optim.AdamW(model.parameters())
+            if wrap:
+                opt = accelerator.prepare_optimizer(opt)
+            result = probe(model, lambda n: torch.randn(n, 256), optimizer=opt,
+                           train_step=step, device="cpu", budget="24MiB")  # fmt: skip
+            answers.append(result.max_batch_size)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert answers[0] is not None and answers[1] == answers[0]

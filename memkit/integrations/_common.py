@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from memkit.devices import get_backend, parse_device
 from memkit.errors import ConfigError, MissingDependencyError
+from memkit.probing.state import unwrap_optimizer
 from memkit.tracking.options import check_flag, check_track_options
 from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker
@@ -253,21 +254,3 @@ def step_metrics(records: Sequence[StepRecord]) -> dict[str, float]:
         if values:
             out[f"memkit/{phase}_peak_mib"] = max(values) / MIB
     return out
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``), or ``optimizer`` itself."""
-    import torch
-
-    seen = 0
-    while seen < 8 and not _is_plain(optimizer, torch):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer, seen = inner, seen + 1
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def _is_plain(optimizer: Any, torch: Any) -> bool:
-    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")

@@ -49,6 +49,7 @@ from memkit.distributed import RankStatus
 from memkit.errors import ConfigError
 from memkit.oom import is_oom
 from memkit.probing.hooks import ProbeHook
+from memkit.probing.state import unwrap_optimizer
 
 __all__ = [
     "PeerFailed",
@@ -223,8 +224,9 @@ class RankSync:
         forward_sync = getattr(self.model, "require_forward_param_sync", None)
         handle = None
         hook = ProbeHook(self._before_step)  # copied inert (memkit.probing.hooks)
-        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            handle = self.optimizer.register_step_pre_hook(hook)
+        stepping = unwrap_optimizer(self.optimizer)
+        if stepping is not None:
+            handle = stepping.register_step_pre_hook(hook)
         no_sync: Any = getattr(self.model, "no_sync", contextlib.nullcontext)
         try:
             if forward_sync is not None:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from memkit.probing.state import unwrap_optimizer
+
 __all__ = ["Schedule", "StepWatch", "StepWork", "WorkLog", "cycle_of", "steady_from"]
 
 
@@ -41,7 +43,8 @@ class StepWatch:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
         self.model = model
-        self.optimizer = getattr(optimizer, "wrapped", optimizer)
+        given = getattr(optimizer, "wrapped", optimizer)
+        self.optimizer = unwrap_optimizer(given) or given  # the one whose steps are seen
         self.names: list[str] = []  # each optimizer seen, by number
         self._numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._stepped: dict[int, int] = {}

@@ -37,7 +37,7 @@ from memkit.probing.hooks import ProbeHook
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.schedule import Schedule, StepWatch, StepWork, WorkLog
-from memkit.probing.state import SavedState
+from memkit.probing.state import SavedState, unwrap_optimizer
 from memkit.probing.step import StepPlan, to_device
 from memkit.simulated.accountant import storages_of
 from memkit.units import format_size
@@ -165,10 +165,11 @@ class PartPeaks:
         self.reserved = 0
         self.hooks: list[ProbeHook] = []  # a step's copy of the model gets none of them
         handles: list[Any] = []
-        if hasattr(optimizer, "register_step_pre_hook"):
+        stepping = unwrap_optimizer(optimizer)  # (an AcceleratedOptimizer has no hooks)
+        if stepping is not None:
             handles += [
-                optimizer.register_step_pre_hook(self._hook(self._cut)),
-                optimizer.register_step_post_hook(self._hook(self._cut)),
+                stepping.register_step_pre_hook(self._hook(self._cut)),
+                stepping.register_step_post_hook(self._hook(self._cut)),
             ]
         if not hasattr(model, "_orig_mod"):  # hooks inside a compiled model would recompile it
             for module in _outer_modules(model, PART_MODULES):
