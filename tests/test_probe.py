@@ -1337,11 +1337,12 @@ def test_infer_with_a_loss_fn_takes_the_loss_as_an_eval_loop_does():
     assert any("loss_fn(output, batch) under torch.no_grad()" in d for d in result.defaults)
 
 
-def test_eval_step_runs_as_an_evaluation_loop_and_drops_what_it_returns():
+def test_eval_step_runs_as_an_evaluation_loop_and_holds_what_it_returns():
     """``eval_step=`` replaces infer mode's forward: under ``torch.no_grad()``, what it returns
-    dropped as an evaluation loop drops it, so an ``eval_step`` returning the output answers
-    as the default step that keeps only the loss (``keep_output=False``), above the one that
-    holds the output into the next forward."""
+    held into the next call, as ``out = eval_step(model, batch)`` in a loop holds it (a T5
+    ``generate()`` with its scores answered 64 where the loop ran out at 35: sweep PP), so
+    an ``eval_step`` returning the output answers as the default step, below the one that
+    keeps only the loss (``keep_output=False``), and one returning nothing as that one."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2048))
     grad_seen: list[bool] = []
 
@@ -1355,7 +1356,8 @@ def test_eval_step_runs_as_an_evaluation_loop_and_drops_what_it_returns():
 
     dropped, kept = answer(keep_output=False), answer()
     assert dropped is not None and kept is not None and dropped > kept
-    assert answer(eval_step=eval_step) == dropped
+    assert answer(eval_step=eval_step) == kept
+    assert answer(eval_step=lambda m, x: eval_step(m, x).sum().item()) == dropped
     assert grad_seen and not any(grad_seen)
 
 

@@ -586,7 +586,8 @@ class MetaSession:
         """
         with torch.no_grad():
             if self.plan.eval_step is not None:
-                self.plan.eval_step(self.model, batch)  # what it returns, an eval loop drops
+                # held as the probe's step holds it (`out = eval_step(...)` in a loop)
+                self.plan.hold(self.plan.eval_step(self.model, batch))
                 return
             output = call_model(self.model, batch)
             if self.keep_output:

@@ -185,8 +185,8 @@ class StepPlan:
     does (until the next forward has returned); ``False``: as ``loss = model(x).loss``, the
     output is dropped once the loss is taken (transformers' ``Trainer``).
     ``eval_step``: ``eval_step(model, batch)`` replacing the inference step's forward (run
-    under ``torch.no_grad()``, its return value dropped, as an evaluation loop drops it);
-    ``train_step`` is training's only.
+    under ``torch.no_grad()``, its return value held as the output is, as ``out =
+    eval_step(model, batch)`` in a loop holds it); ``train_step`` is training's only.
     """
 
     mode: str
@@ -226,7 +226,9 @@ class StepPlan:
         if self.mode == "infer":
             with torch.no_grad():
                 if self.eval_step is not None:
-                    self.eval_step(model, batch)  # what it returns, an eval loop drops
+                    # `out = eval_step(model, batch)` in a loop: the last result lives until
+                    # this one returns (a generate()'s tokens and scores)
+                    self._kept = self.eval_step(model, batch)
                     return
                 output = call_model(model, batch)
                 # the previous output lived until this forward returned
@@ -283,7 +285,8 @@ class StepPlan:
             if self.eval_step is not None:
                 return [
                     "step: eval_step(model, batch) under torch.no_grad() (evaluation; what it "
-                    "returns is dropped, as an evaluation loop drops it)"
+                    "returns is held until the next call returns, as `out = eval_step(model, "
+                    "batch)` in a loop holds it)"
                 ]
             ignored = (
                 "; train_step is training's, not run here: an eval_step(model, batch) "
