@@ -1521,6 +1521,8 @@ def test_an_accelerated_optimizer_is_probed_through_the_optimizer_it_wraps():
         optimizer.zero_grad(set_to_none=True)
 
     answers = []
+    AcceleratorState._reset_state(reset_partial_state=True)  # whatever ran before left
+    GradientState._reset_state()
     try:
         accelerator = accelerate.Accelerator(cpu=True)
         for wrap in (False, True):

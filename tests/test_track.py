@@ -270,6 +270,71 @@ def test_an_optimizer_made_anew_in_the_block_is_the_one_that_counts(given):
         assert report.devices[0].peak_allocated == direct_peak
 
 
+def test_a_block_added_mid_run_is_a_row_of_its_own_and_its_weights_are_no_activations():
+    """A block appended to a model mid-run (sweep QQ) got a row named after its class alone
+    (``Linear``), where every such block added up (``memkit run``), or none (a given model),
+    and on the simulated device its weights, adopted at its first call, counted as that
+    call's activations (1.13 MiB kept, 128 KiB of it the output)."""
+    model = Growing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for step in range(6):
+            if step in (2, 4):
+                model.blocks.append(nn.Linear(64, 64))
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.zero_grad()
+            model(torch.randn(64, 64)).square().mean().backward()
+            opt.step()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert {"blocks.1", "blocks.2"} <= set(rows) and "Linear" not in rows
+    # hooked from the step after the new optimizer first stepped (a given model's hooks are
+    # put on again then): the first call of each block is not in its row
+    assert rows["blocks.1"].calls == 3 and rows["blocks.2"].calls == 1
+    output = 64 * 64 * 4
+    assert rows["blocks.0"].activation_bytes == output
+    assert rows["blocks.1"].activation_bytes == rows["blocks.2"].activation_bytes == output
+
+
+GROWING_SCRIPT = """\
+import torch
+from torch import nn
+
+class Growing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, 64)])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+model = Growing()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    if step in (2, 4):
+        model.blocks.append(nn.Linear(64, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(torch.randn(64, 64)).square().mean().backward()
+    opt.step()
+"""
+
+
+def test_memkit_run_names_a_block_added_mid_run_by_its_path(tmp_path):
+    """The same growing model as a script under ``memkit run`` (torch's global hooks): every
+    call of each new block in a row of its own, its weights no activations."""
+    from memkit.tracking.run import run_script
+
+    script = tmp_path / "growing.py"
+    script.write_text(GROWING_SCRIPT)
+    report = run_script(script, (), device="cpu", budget="64MiB").report
+    rows = {m.path.removeprefix("Growing."): m for m in report.devices[0].modules}
+    assert rows["blocks.1"].calls == 4 and rows["blocks.2"].calls == 2
+    assert rows["blocks.1"].activation_bytes == rows["blocks.2"].activation_bytes == 64 * 64 * 4
+
+
 def test_hooks_removed_and_training_flag_kept_on_exception():
     model = cnn().eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

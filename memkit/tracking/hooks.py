@@ -148,6 +148,7 @@ class Hooks:
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
         self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
+        self._optimizers_seen = 0  # optimizers seen when the detail hooks were last put on
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -317,8 +318,14 @@ class Hooks:
         row measured on that step, or not (``_row_on``)."""
         self._row_on = self._sampled(self.state.step)
         on = self._wants_detail(self.state.step)
-        if self.models.model is not None and self._layout == (on, False):
-            return  # as it is (the usual case: set_detail would find the same)
+        models = self.models
+        if models.model is not None and self._layout == (on, False):
+            optimizers = len(models.seen_optimizers)
+            if not on or optimizers == self._optimizers_seen:
+                return  # as it is (the usual case: set_detail would find the same)
+            self._optimizers_seen = optimizers  # a new optimizer: the model may have grown
+            self.set_detail(on, force=True)
+            return
         self.set_detail(on)
 
     def _remove_detail(self) -> None:
@@ -475,6 +482,10 @@ class Hooks:
             if kwargs:
                 args = (*args, *kwargs.values())
         key = keys.get(id(module), "")
+        if key == "" and stack:  # a module added to the model since (a growing model's block)
+            owner = self.models.roots.get(stack[0].mid)
+            if owner is not None and owner.keys is keys:
+                key = self.models.key_of(owner, module, state.step)
         if key is None:  # torch.compile's wrapped module: its wrapper stands for it
             return
         if not key:

@@ -268,17 +268,42 @@ class TrackedModels:
             return name
         return next(f"{name}#{n}" for n in range(2, len(taken) + 3) if f"{name}#{n}" not in taken)
 
-    def _new_root(self, module: torch.nn.Module) -> RootInfo:
+    def key_of(self, root: RootInfo, module: torch.nn.Module, step: int) -> str | None:
+        """``module``'s key in ``root``'s model, also for a module added to it since its keys
+        were made (a block a growing model appended: the model is walked again, once a step
+        at most); ``""`` when it is not the model's (a module made inside a forward)."""
+        key = root.keys.get(id(module), "")
+        if key == "" and root.walked_step != step:
+            root.walked_step = step
+            model = root.ref()
+            if model is not None:
+                with self._lock:
+                    self._walk(model, root.keys[id(model)] or "", root.keys)
+                    for sub_id in root.keys:
+                        if sub_id != id(model):
+                            self.owners.setdefault(sub_id, root)
+                key = root.keys.get(id(module), "")
+        return key
+
+    @staticmethod
+    def _walk(module: torch.nn.Module, name: str, keys: dict[int, str | None]) -> None:
+        """``keys`` of ``module``'s submodules (``name.path``); a compiled model's wrapped one
+        is transparent (``None``)."""
         target = getattr(module, "_orig_mod", None)
         wrapper = isinstance(target, torch.nn.Module)
         inner: torch.nn.Module = target if wrapper else module  # type: ignore[assignment]
-        name = self._distinct(user_class_name(inner), module)
-        keys: dict[int, str | None] = {id(module): name}
         if wrapper:
             keys[id(inner)] = None
         for path, sub in inner.named_modules():
             if path:
-                keys[id(sub)] = f"{name}.{path}"
+                keys.setdefault(id(sub), f"{name}.{path}")
+
+    def _new_root(self, module: torch.nn.Module) -> RootInfo:
+        target = getattr(module, "_orig_mod", None)
+        inner = target if isinstance(target, torch.nn.Module) else module
+        name = self._distinct(user_class_name(inner), module)
+        keys: dict[int, str | None] = {id(module): name}
+        self._walk(module, name, keys)
         if len(self.roots) > 256:
             self.roots = {k: v for k, v in self.roots.items() if v.ref() is not None}
             self.owners = {k: v for k, v in self.owners.items() if v.ref() is not None}

@@ -212,7 +212,10 @@ class PhaseMachine:
             sim.count_ops(True, True)
             sim.track(args, inputs=True)
             if began:  # and was when the forward began (a script's ``.to("cuda")``): the
-                # breakdown's "other", as on a GPU, not activations
+                # breakdown's "other", as on a GPU, not activations; so are parameters made
+                # since the last step (a block a growing model appended, on the GPU before
+                # its forward), not the first call's activations
+                sim.track(module)
                 for dev in self.devices.records.values():
                     dev.forward_base = dev.read()[0]
         if began:

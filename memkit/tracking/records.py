@@ -177,11 +177,12 @@ class IgnoredCall:
 class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref")
+    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref", "walked_step")
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
         self.keys = keys  # id(submodule) -> module key (None: a transparent wrapper)
+        self.walked_step = -1  # the step its module was last walked for a module not in keys
         # only modules with parameters can be trained; a parametrization (weight_norm,
         # spectral_norm) runs whenever its attribute is read, at registration and by a
         # script's logging too: it is part of the model that reads it, never a model itself
