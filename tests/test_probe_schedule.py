@@ -117,6 +117,25 @@ def test_an_answer_that_fit_before_the_schedule_was_seen_is_run_again():
     assert "do not count (batch 1, 2, 4, 256)" in said
 
 
+def test_a_step_that_steps_its_optimizer_every_fourth_call_gets_no_untrained_warning():
+    """Accumulation written in the step (accelerate's ``sync_gradients`` every 4th call,
+    sweep PP): the first trial's 2 calls step no optimizer, and the report warned that the
+    step "left the parameters unchanged" though the trials over the cycle stepped it."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    calls = itertools.count()
+
+    def step(model, batch, optimizer):
+        (model(batch).square().mean() / 4).backward()
+        if next(calls) % 4 == 3:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    result = probe(model, lambda n: torch.randn(n, 64), train_step=step, device="cpu",
+                   budget="2MiB")  # fmt: skip
+    assert any(d.startswith("the step varies") for d in result.defaults)
+    assert not any("left the parameters unchanged" in d for d in result.defaults)
+
+
 def test_the_work_log_settles_a_start_up_and_a_hunt_that_sees_nothing_more():
     """Two ways the work varies without a cycle. A gradient scaler that skips the optimizer's
     first 2 steps of every trial: the first trial runs 16 steps, no cycle, and every trial

@@ -331,7 +331,8 @@ class TrialRunner:
         self._awaiting_state = self.step.mode == "train" and self.optimizer is not None
         self.state_appeared_at: int | None = None  # the step that made it, if one did
         # training: whether the first trial that ran its steps left the parameters as they
-        # were (no optimizer step ran: a train_step without optimizer.step() or backward)
+        # were (no optimizer step ran: a train_step without optimizer.step() or backward),
+        # and no later trial changed them
         self.untrained: int | None = None  # the batch size of that trial, if it did
         self._checked_training = self.step.mode != "train"
         # training: a step whose work varies from call to call (memkit.probing.schedule): what
@@ -498,7 +499,10 @@ class TrialRunner:
         split = PartPeaks(self.counters, self.model, self.optimizer)
         kept: Kept | None = None
         started = time.perf_counter()
-        witnesses = () if self._checked_training else _stepped_params(self.model, self.optimizer)
+        # checked on the first trial that completes, and again while none stepped the
+        # optimizer (a step that steps every k-th call: a later trial runs its cycle)
+        looks = not self._checked_training or self.untrained is not None
+        witnesses = _stepped_params(self.model, self.optimizer) if looks else ()
         versions = [p._version for p in witnesses]
         try:
             with self.backend.activate():
@@ -508,9 +512,12 @@ class TrialRunner:
                 self._awaiting_state = False
                 self.steps = max(self.steps, self.state_appeared_at or 0)
             if witnesses:
-                self._checked_training = True
-                if all(p._version == v for p, v in zip(witnesses, versions, strict=True)):
-                    self.untrained = batch_size
+                unchanged = all(p._version == v for p, v in zip(witnesses, versions, strict=True))
+                if not self._checked_training:
+                    self._checked_training = True
+                    self.untrained = batch_size if unchanged else None
+                elif not unchanged:
+                    self.untrained = None  # a later trial stepped it
         except MemkitError:
             raise
         except Exception as exc:
