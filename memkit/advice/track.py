@@ -67,10 +67,15 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
         return []
     kept = (
         f" The largest kept {format_size(eval_grad_bytes)} of activations for a backward that "
-        "never comes."
+        "never comes (no_grad lowers the evaluation's peak by up to that: its forward still "
+        "holds a layer's input and output at once)."
         if eval_grad_bytes > 0
         else ""
     )
+    # the saving lowers a peak only where evaluation sets it
+    at_peak = any((d.phase_peaks.get("eval") or 0) >= d.peak_allocated for d in report.devices)
+    if eval_grad_bytes > 0 and not at_peak:
+        kept += " Training sets the peak: no_grad lowers the evaluation's memory, not the peak."
     return [
         Advice(
             code="eval-grad-enabled",
@@ -80,7 +85,7 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
             "validation loss, stored outputs) hold those graphs alive.",
             action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`); "
             "`model.eval()` alone does not stop autograd.",
-            saving_bytes=eval_grad_bytes or None,
+            saving_bytes=(eval_grad_bytes or None) if at_peak else None,
             severity="warning",
         )
     ]

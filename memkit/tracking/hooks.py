@@ -791,6 +791,12 @@ class Hooks:
             or dev.pending is not None
             or self.devices.sim is not None
         ):
+            if frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
+                delta -= sum(
+                    v.untyped_storage().nbytes()
+                    for v in output_values(output)
+                    if type(v) is torch.Tensor and v.layout is torch.strided
+                )
             self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
         # off the sampled steps the model's own gradient hook would only find a backward that
