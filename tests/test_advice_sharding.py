@@ -146,7 +146,10 @@ def test_a_plain_probe_whose_model_state_does_not_fit_says_how_many_gpus_fsdp_ne
     advice = {a.code: a for a in result.advice}
     assert set(advice) == {"does-not-fit", "fsdp-gpus"}
     gpus = advice["fsdp-gpus"]
-    assert gpus.title.startswith("FSDP needs ") and " GPUs for batch 1 per GPU" in gpus.title
+    # the failed trial's bytes are a lower bound of the step (sweep PP: "FSDP needs 3 GPUs",
+    # "plus 0 B of the rest of the step", where 3 GPUs fit nothing): a least number of GPUs
+    assert gpus.title.startswith("FSDP needs at least ") and " GPUs for batch 1" in gpus.title
+    assert "the step ran out before its end" in gpus.evidence and "At least " in gpus.evidence
     # Adam's exp_avg and exp_avg_sq on the device (its step counters stay on the host)
     assert f"parameters {format_size(params)} + gradients {format_size(params)} + optimizer " \
         f"state {format_size(2 * params)}" in gpus.evidence  # fmt: skip

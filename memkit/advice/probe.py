@@ -72,6 +72,7 @@ def probe_advice(
                 capacity_bytes=capacity,
                 units=state.units,
                 batch_size=trial.batch_size,
+                rest_at_least=True,  # the failed trial's bytes: a lower bound
             )
             found += [gpus] if gpus is not None else []
         return found

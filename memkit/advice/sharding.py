@@ -64,6 +64,7 @@ def fsdp_gpus_needed(
     units: Sequence[Unit],
     batch_size: int,
     measured_fit: tuple[int, int, int] | None = None,
+    rest_at_least: bool = False,
 ) -> Advice | None:
     """``fsdp-gpus``: parameters + gradients + optimizer state (+ the step's other memory at
     ``batch_size``) do not fit in ``capacity_bytes``; the fewest GPUs ``N`` whose ranks each
@@ -78,6 +79,8 @@ def fsdp_gpus_needed(
         measured_fit: FSDP measured to fit (``memkit probe --strategies fsdp``): on how many
             GPUs, its largest global batch there and the per-GPU peak at it; the answer is
             never above that number of GPUs.
+        rest_at_least: ``other_bytes`` is a lower bound (a step that ran out before its end
+            measured no more): the number of GPUs is a least one, said so.
 
     ``None`` when it all fits on one GPU. When the unsharded part alone (all-gathers and
     other memory) exceeds a GPU, says that no number of GPUs makes FSDP fit.
@@ -94,12 +97,17 @@ def fsdp_gpus_needed(
     gathered = gathered_bytes(units)
     name, unit = _largest(units)
     fixed = gathered + other_bytes
+    least = "at least " if rest_at_least else ""
+    rest = f"{least}{format_size(other_bytes)} of the rest of the step"
+    if rest_at_least and not other_bytes:
+        rest = "the rest of the step (not measured)"
     one = (
         f"On one GPU: parameters {format_size(parameter_bytes)} + gradients "
         f"{format_size(gradient_bytes)} + optimizer state {format_size(optimizer_state_bytes)} "
-        f"= {format_size(state)}, plus {format_size(other_bytes)} of the rest of the step at "
-        f"batch {batch_size} (activations, temporaries, workspaces), against "
-        f"{format_size(capacity_bytes)}."
+        f"= {format_size(state)}, plus {rest} at batch {batch_size} (activations, "
+        "temporaries, workspaces"
+        + ("; the step ran out before its end" if rest_at_least else "")
+        + f"), against {format_size(capacity_bytes)}."
     )
     unsharded = (
         f"up to {format_size(gathered)} unsharded around the running unit (3 x the largest, "
@@ -114,8 +122,7 @@ def fsdp_gpus_needed(
             title=f"Sharding with FSDP alone does not fit batch {batch_size} per GPU",
             evidence=(
                 f"{one} Whatever the number of GPUs, each rank holds {unsharded} and "
-                f"{format_size(other_bytes)} of the rest: {format_size(fixed)}, against "
-                f"{format_size(capacity_bytes)}."
+                f"{rest}: {least}{format_size(fixed)}, against {format_size(capacity_bytes)}."
             ),
             action=(
                 "Shrink what is not sharded: fully_shard smaller units (fsdp-wrap-unit), "
@@ -133,23 +140,25 @@ def fsdp_gpus_needed(
     else:
         gpus = max(2, gpus)
         outcome = (
-            f"About {format_size(_ceil_div(state, gpus) + fixed)} per GPU, estimated from these "
-            f"parts; with {gpus - 1} it would be "
-            f"{format_size(_ceil_div(state, gpus - 1) + fixed)}."
+            f"{'At least' if rest_at_least else 'About'} "
+            f"{format_size(_ceil_div(state, gpus) + fixed)} per GPU, estimated from these "
+            f"parts; with {gpus - 1} it would be {least}"
+            f"{format_size(_ceil_div(state, gpus - 1) + fixed)}"
+            + (": measure the step on them before you rely on it." if rest_at_least else ".")
         )
     shard = _ceil_div(state, gpus)
     return Advice(
         code="fsdp-gpus",
         title=(
-            f"FSDP needs {gpus} GPUs for batch {batch_size} per GPU: the model's state does "
-            "not fit on one"
+            f"FSDP needs {least if measured_fit is None else ''}{gpus} GPUs for batch "
+            f"{batch_size} per GPU: the model's state does not fit on one"
         ),
         evidence=(
             f"{one} Sharded over {gpus} GPUs each holds {format_size(shard)} of it (parameters "
             f"{format_size(_ceil_div(parameter_bytes, gpus))}, gradients "
             f"{format_size(_ceil_div(gradient_bytes, gpus))}, optimizer state "
             f"{format_size(_ceil_div(optimizer_state_bytes, gpus))}), {unsharded} and "
-            f"{format_size(other_bytes)} of the rest of the step. {outcome}"
+            f"{rest}. {outcome}"
         ),
         action=(
             f"`torchrun --nproc-per-node {gpus} train.py`; in it, `fully_shard(block)` for each "
