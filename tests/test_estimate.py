@@ -1177,3 +1177,33 @@ def test_amp_fp32_is_no_autocast_in_python_as_on_the_command_line(files: dict[st
     assert estimate(files["mlp"], device_memory="2GiB", max_batch=64, amp="BF16").amp == "bf16"
     with pytest.raises(ConfigError, match="amp must be one of fp32, bf16, fp16 or None"):
         estimate(files["mlp"], device_memory="2GiB", amp="fp8")
+
+
+GENERATE_FILE = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+def build_model():
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128,
+                                      n_positions=64))
+
+def make_batch(n):
+    return torch.randint(0, 128, (n, 8))
+
+def eval_step(model, batch):
+    return model.generate(batch, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          pad_token_id=0)
+"""
+
+
+def test_a_generate_on_meta_is_said_to_stop_at_its_first_token(tmp_path: Path) -> None:
+    """transformers' generate() reads whether every sequence finished from a tensor: on meta
+    it has no value and read as true, so the estimate counted one new token of 16 (sweep PP:
+    388 KiB a sample where the probe measured 1.32 MiB), saying only that data checks were
+    taken as true. It now warns, and names the probe."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "gen.py"
+    path.write_text(GENERATE_FILE)
+    est = estimate(path, device_memory="1TiB", mode="infer", min_batch=4, max_batch=4)
+    (line,) = [a for a in est.assumptions if "generate() ran on meta tensors" in a]
+    assert "memkit probe FILE --mode infer" in line  # (the goldens hold the plain lines)

@@ -76,10 +76,19 @@ def outcome_lines(
     family: DeviceFamily,
     step_lines: Sequence[str],
     data_checks: int,
+    generate_checks: int = 0,
 ) -> list[str]:
     """After the search: the attention kernels, the step (``StepPlan.describe()``), the
-    data-dependent checks taken as true and what make_batch's tensors were."""
+    data-dependent checks taken as true (those of a ``generate()``: it stopped at its first
+    token) and what make_batch's tensors were."""
     lines = [attention_line(requested_attention, kernels, family), *step_lines]
+    if generate_checks:
+        lines.append(
+            "warning: generate() ran on meta tensors, where its stopping check (are all "
+            "sequences finished?) has no value and read as true: each call stopped after its "
+            "first new token, so the key-value cache and scores of longer outputs are not "
+            "counted; `memkit probe FILE --mode infer --device cpu --budget SIZE` runs it"
+        )
     if data_checks:
         lines.append(
             "data-dependent checks (`if mask.all():` and the like) read from meta tensors were "

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,7 @@ class TargetMode(TorchFunctionMode):
         self._regions: list[tuple[AutocastPolicy | None, bool, torch.dtype]] = []
         self.kernels: set[str] = set()
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
+        self.generate_checks = 0  # of them, inside a Hugging Face generate() (its stopping)
         self._entered = 0
         self._in_backward = 0
         self._bodies: list[Callable[..., Any]] = []  # Python functions running with the mode on
@@ -157,6 +159,8 @@ class TargetMode(TorchFunctionMode):
             # A data-dependent check on a meta tensor has no value: take it as true, the case
             # of the batches make_batch builds (an all-ones attention mask's `mask.all()`).
             self.data_checks += 1
+            if _in_generate(sys._getframe(1)):
+                self.generate_checks += 1
             return True
         if self.policy is not None:
             if name == "cross_entropy":
@@ -277,6 +281,18 @@ def target_mode(
     for fp32), the attention kernel request and the target's compute capability."""
     policy = None if policy_dtype is None else AutocastPolicy(policy_dtype, inference=inference)
     return TargetMode(policy, attention, sm, inference)
+
+
+def _in_generate(frame: Any, depth: int = 40) -> bool:
+    """Whether ``frame`` runs inside a Hugging Face ``generate()`` (``transformers.generation``),
+    whose stopping checks read the sequences' values."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "generate" and frame.f_globals.get("__name__", "").startswith(
+            "transformers.generation"
+        ):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 
 
 @contextlib.contextmanager
@@ -522,6 +538,7 @@ class MetaSession:
     file_dtypes: set[torch.dtype] = field(default_factory=set)
     """The dtypes of the file's own ``torch.autocast("cuda")`` regions the steps entered."""
     data_checks: int = 0
+    generate_checks: int = 0
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
 
     def with_amp(self, policy_dtype: torch.dtype | None) -> MetaSession:
@@ -565,6 +582,7 @@ class MetaSession:
         self.kernels |= mode.kernels
         self.file_dtypes |= mode.file_dtypes
         self.data_checks += mode.data_checks
+        self.generate_checks += mode.generate_checks
 
     def warm_up(self, batch_size: int) -> None:
         """One unaccounted step: the step's errors surface before the search starts."""

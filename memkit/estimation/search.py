@@ -144,8 +144,9 @@ def estimate(
         ]
     kernels = tuple(sorted(session.kernels))
     assumptions += outcome_lines(
-        attention, kernels, card.family, session.plan.describe(), session.data_checks
-    )
+        attention, kernels, card.family, session.plan.describe(), session.data_checks,
+        session.generate_checks,
+    )  # fmt: skip
     fit = search.model
     return Estimate(
         model_file=spec.path,
