@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from collections import UserDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -220,7 +219,6 @@ def cnn_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 def test_cnn_with_batchnorm_in_train_mode_sees_micro_batches(caplog):
     """The split is exact for the micro-batched model, and its warning says the gradient is
     not the full batch's (it said only 'retrying ...': sweep JJ measured 38% off)."""
-    caplog.set_level(logging.WARNING, logger="memkit.microbatching")  # whatever ran before
     model = make_cnn()
     batch = {"image": torch.randn(32, 3, 16, 16), "label": torch.randint(0, 5, (32,))}
     budget = budget_between(model, cnn_loss, batch, fails=1, fits=2)
