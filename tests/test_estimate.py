@@ -1207,3 +1207,37 @@ def test_a_generate_on_meta_is_said_to_stop_at_its_first_token(tmp_path: Path) -
     est = estimate(path, device_memory="1TiB", mode="infer", min_batch=4, max_batch=4)
     (line,) = [a for a in est.assumptions if "generate() ran on meta tensors" in a]
     assert "memkit probe FILE --mode infer" in line  # (the goldens hold the plain lines)
+
+
+def test_a_step_that_steps_every_fourth_call_is_said_to_miss_the_optimizer(
+    tmp_path: Path,
+) -> None:
+    """Accumulation written in the step (accelerate's ``sync_gradients``, sweep PP): the
+    estimate's 2 steps a trial ran no optimizer step, its answer counted no optimizer state,
+    and nothing said so; the probe runs the step's cycle."""
+    path = tmp_path / "every_fourth.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import itertools
+            import torch
+
+            CALLS = itertools.count()
+
+            def build_model():
+                return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+
+            def make_batch(n):
+                return torch.randn(n, 64)
+
+            def train_step(model, batch, optimizer):
+                (model(batch).square().mean() / 4).backward()
+                if next(CALLS) % 4 == 3:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            """
+        )
+    )
+    est = estimate(path, device_memory="1TiB", min_batch=8, max_batch=8)
+    (line,) = [a for a in est.assumptions if "changed no parameter" in a]
+    assert "batch 8" in line and "`memkit probe` runs the step's cycle" in line

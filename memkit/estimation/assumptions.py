@@ -77,11 +77,19 @@ def outcome_lines(
     step_lines: Sequence[str],
     data_checks: int,
     generate_checks: int = 0,
+    unstepped: int | None = None,
 ) -> list[str]:
     """After the search: the attention kernels, the step (``StepPlan.describe()``), the
     data-dependent checks taken as true (those of a ``generate()``: it stopped at its first
     token) and what make_batch's tensors were."""
     lines = [attention_line(requested_attention, kernels, family), *step_lines]
+    if unstepped is not None:
+        lines.append(
+            f"warning: the training step changed no parameter in a trial's 2 steps (batch "
+            f"{unstepped}): no optimizer step ran there (a step that steps every k-th call, "
+            "accelerate's sync_gradients), so the optimizer's step and state may be missing "
+            "from the peak; `memkit probe` runs the step's cycle"
+        )
     if generate_checks:
         lines.append(
             "warning: generate() ran on meta tensors, where its stopping check (are all "

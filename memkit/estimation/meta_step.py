@@ -452,6 +452,7 @@ class StepRecorder:
     def __init__(self, allocator: CachingAllocatorModel) -> None:
         self.allocator = allocator
         self.phase = "activations"
+        self.steps = 0  # optimizer steps seen
         self.total = 0
         self.peak_total = 0
         self._serials: dict[int, int] = {}  # live key -> serial of its allocation
@@ -539,6 +540,7 @@ class MetaSession:
     """The dtypes of the file's own ``torch.autocast("cuda")`` regions the steps entered."""
     data_checks: int = 0
     generate_checks: int = 0
+    unstepped: int | None = None  # a train trial's batch size whose steps changed no parameter
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
 
     def with_amp(self, policy_dtype: torch.dtype | None) -> MetaSession:
@@ -638,6 +640,9 @@ class MetaSession:
         with self._hooks(recorder), accountant, workspaces:
             for _ in range(2):
                 self.step(batch_size)
+        stepping = self.plan.mode == "train" and self.optimizer is not None
+        if stepping and not recorder.steps and not allocator.num_ooms:
+            self.unstepped = batch_size  # no optimizer step: one every k-th call?
         self.plan.release()
         accountant.stop_observing()
         workspace = workspaces.allocated
@@ -668,6 +673,7 @@ class MetaSession:
             optimizer = self.optimizer
 
             def post_step(*_: Any) -> None:
+                recorder.steps += 1
                 for tensor in tensors_of(list(optimizer.state.values())):
                     recorder.relabel(tensor, "optimizer_state")
 

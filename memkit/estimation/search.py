@@ -145,7 +145,7 @@ def estimate(
     kernels = tuple(sorted(session.kernels))
     assumptions += outcome_lines(
         attention, kernels, card.family, session.plan.describe(), session.data_checks,
-        session.generate_checks,
+        session.generate_checks, session.unstepped,
     )  # fmt: skip
     fit = search.model
     return Estimate(
