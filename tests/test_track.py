@@ -335,6 +335,46 @@ def test_memkit_run_names_a_block_added_mid_run_by_its_path(tmp_path):
     assert rows["blocks.1"].activation_bytes == rows["blocks.2"].activation_bytes == 64 * 64 * 4
 
 
+def test_an_optimizer_over_all_parameters_beside_the_given_one_over_some_leaves_it_counted():
+    """The given optimizer holds the head's parameters and another, over all of them, steps
+    after it (a review): the other took its place at once, and the first step was counted
+    twice. It replaces the given one only once that stops stepping (a model grown)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    head = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    every = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(model, head, device="cpu", budget="64MiB") as tracker:
+        for _ in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            head.step()
+            every.step()
+            head.zero_grad()
+            every.zero_grad()
+    assert tracker.report().steps == 6
+    assert tracker.models.optimizers == [head]
+
+
+def test_a_block_list_replaced_mid_run_is_named_by_the_modules_in_it_now():
+    """A model's blocks replaced by a longer list (a review): a new block whose address a
+    freed one had kept that one's name (``blocks`` for a Linear), and a block added through
+    ``add_param_group`` to a given model got no row."""
+    model = Growing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for step in range(6):
+            if step == 2:
+                model.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if step == 4:
+                model.blocks.append(nn.Linear(64, 64))
+                opt.add_param_group({"params": model.blocks[-1].parameters()})
+            opt.zero_grad()
+            model(torch.randn(64, 64)).square().mean().backward()
+            opt.step()
+    rows = {m.path: m for m in tracker.report().devices[0].modules}
+    assert {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} <= set(rows)
+    assert all(m.type_name == "Linear" for p, m in rows.items() if p.startswith("blocks."))
+
+
 def test_hooks_removed_and_training_flag_kept_on_exception():
     model = cnn().eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

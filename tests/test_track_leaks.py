@@ -358,6 +358,41 @@ def test_of_two_lists_growing_the_one_holding_the_growth_is_named_first(tmp_path
     assert leak.suspects[0].bytes_per_step == 32 * 256 * 4
 
 
+LOCALS_KEPT = """\
+import sys, torch
+from torch import nn
+
+def main(out_file, lr=0.01, batch=32):
+    cfg = locals()  # a function's locals() kept: before 3.13 the frame's own cached dict
+    model = nn.Linear(64, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    outputs, lost = [], []
+    for step in range(40):
+        logits = model(torch.randn(32, 64))
+        opt.zero_grad(); logits.square().mean().backward(); opt.step()
+        if step % 2:
+            outputs.append(logits.detach())
+        else:
+            outputs.append(logits.detach())
+        if "lr" not in cfg:
+            lost.append(step)
+    open(out_file, "w").write(repr(lost))
+
+main(sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage) is set: not traced")
+def test_a_functions_own_locals_dict_keeps_its_keys_under_the_scans_and_the_trace(tmp_path):
+    """``cfg = locals()`` in a function is the frame's cached dict before Python 3.13, which
+    memkit empties after reading a frame (the graph scans, the line trace) so that it keeps
+    no step's tensors: that emptied the script's ``cfg`` (a review)."""
+    script, out = tmp_path / "locals_kept.py", tmp_path / "lost.txt"
+    script.write_text(LOCALS_KEPT)
+    run_script(script, (str(out),), device="cpu", budget="64MiB")
+    assert out.read_text() == "[]"
+
+
 EVAL_LEAK = """\
 import sys, torch
 from torch import nn

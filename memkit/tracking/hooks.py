@@ -148,7 +148,7 @@ class Hooks:
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
         self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
-        self._optimizers_seen = 0  # optimizers seen when the detail hooks were last put on
+        self._trained = 0  # models.trained_count() when the model's names were last read
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -319,13 +319,17 @@ class Hooks:
         self._row_on = self._sampled(self.state.step)
         on = self._wants_detail(self.state.step)
         models = self.models
+        trained = models.trained_count()
+        grown = trained != self._trained
+        if grown:  # an optimizer made anew or given more parameters: the model may have grown
+            self._trained = trained
+            for root in list(models.roots.values()):
+                if root.model:
+                    models.rewalk(root)  # (its modules' names)
         if models.model is not None and self._layout == (on, False):
-            optimizers = len(models.seen_optimizers)
-            if not on or optimizers == self._optimizers_seen:
-                return  # as it is (the usual case: set_detail would find the same)
-            self._optimizers_seen = optimizers  # a new optimizer: the model may have grown
-            self.set_detail(on, force=True)
-            return
+            if on and grown:
+                self.set_detail(on, force=True)  # hooks on its new modules too
+            return  # else as it is (the usual case: set_detail would find the same)
         self.set_detail(on)
 
     def _remove_detail(self) -> None:
@@ -997,7 +1001,7 @@ class Hooks:
     def _opt_pre(
         self, optimizer: Any, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self.state.active or not self.models.counts(optimizer):
+        if not self.state.active or not self.models.counts(optimizer, self.state.backward_passes):
             return None
         self.phases.optimizer_called(optimizer)
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
@@ -1034,7 +1038,7 @@ class Hooks:
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
-        if not state.active or not self.models.counts(optimizer):
+        if not state.active or not self.models.counts(optimizer, state.backward_passes):
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-from memkit.tracking.line_trace import LineTrace
+from memkit.tracking.line_trace import LineTrace, empty_locals_copy
 from memkit.tracking.report import LeakFinding, LeakSuspect
 from memkit.units import format_size
 
@@ -572,15 +572,10 @@ def _frame_locals(frame: FrameType) -> dict[str, Any]:
     """A copy of ``frame``'s locals (a script's top level: its globals; ``{}`` for an exotic
     frame)."""
     try:
-        snapshot = frame.f_locals
-        names = dict(snapshot)
+        names = dict(frame.f_locals)
     except Exception:  # exotic frames
         return {}
-    if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
-        # A function's f_locals is a dict cached on the frame until Python 3.13: left
-        # filled, it would keep this step's tensors alive into the next (the loop's `x`
-        # after it is reassigned). Emptied, the frame's own variables are untouched.
-        snapshot.clear()
+    empty_locals_copy(frame)  # (left filled, it kept the loop's `x` after it was reassigned)
     return names
 
 
@@ -893,7 +888,8 @@ def compare_scans(
 ) -> list[LeakSuspect]:
     """Suspects from two scans ``steps`` steps apart (``after`` scanned ``since=before``):
     candidates in ``after`` whose graph or length grew (:func:`_grew`) are confirmed
-    (``growing=True``) and listed first, the smallest graph first:
+    (``growing=True``) and listed first, the one holding the most more device bytes a step
+    first (where bytes are counted), then the smallest graph:
     the variable the others' graphs were built from (``total_loss``, not a ``logs`` dict made
     from it; an LSTM's ``hidden``, not the ``loss`` computed through it); with no ``before``
     every candidate is listed, largest first, unconfirmed."""

@@ -16,7 +16,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["LineTrace"]
+__all__ = ["LineTrace", "empty_locals_copy"]
 
 _STALE_LOCALS = sys.version_info < (3, 13)
 """Whether a trace call copies the frame's locals into a dict the frame keeps (PEP 667 made
@@ -96,8 +96,7 @@ class LineTrace:
         while frame is not None:
             if frame.f_code in self.lines and frame is not inside:
                 frame.f_trace = None
-                if _STALE_LOCALS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-                    frame.f_locals.clear()  # (a function's copy of them, not its variables)
+                empty_locals_copy(frame)
             frame = frame.f_back
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -121,6 +120,18 @@ class LineTrace:
                 _RUNNING.remove(self)
             return None
         return self._line
+
+
+def empty_locals_copy(frame: FrameType) -> None:
+    """Empty the copy of a function frame's locals that reading ``f_locals`` (or a trace call)
+    left cached on the frame before Python 3.13, which keeps the values as they were then
+    alive (a step's tensors into the next). Its variables are untouched. Left alone where
+    something else holds that dict: the function's own ``cfg = locals()`` is the same one."""
+    if not _STALE_LOCALS or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        return
+    copy = frame.f_locals
+    if sys.getrefcount(copy) <= 3:  # the frame's, this name's and the call's argument
+        copy.clear()
 
 
 def _compiled_graphs() -> bool:

@@ -93,6 +93,8 @@ class TrackedModels:
         # weakly, in the block too: a script that replaces its optimizer (a model grown,
         # an LR range test restored) frees the old one and its state, with memkit as without
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
+        # id of a counted optimizer -> the backward passes when it last stepped
+        self._stepped: dict[int, int] = {}
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
@@ -125,23 +127,28 @@ class TrackedModels:
         """The optimizers given to ``track()`` that are still alive."""
         return [o for o in (r() for r in self._optimizer_refs) if o is not None]
 
-    def counts(self, optimizer: Any) -> bool:
-        """Whether ``optimizer``'s steps are the block's: any optimizer's where none was given;
-        else a given one's, or one's that replaced them: given none still alive, or over the
-        parameters of one given (and more: rebuilt after the model grew), which it takes the
-        place of (an old one a scheduler still holds steps no more)."""
+    def counts(self, optimizer: Any, passes: int) -> bool:
+        """Whether ``optimizer``'s steps are the block's (``passes``: the backward passes in
+        the block so far): any optimizer's where none was given; else a given one's, or one's
+        that replaced them: given none still alive, or over the parameters of one given (and
+        more: made anew after the model grew) that has not stepped since the last backward
+        (an old one a scheduler still holds steps no more; one over a part of them, stepping
+        after the same backward, stays)."""
         if not self._optimizer_refs:
             return True
         given = self.optimizers
         if any(o is optimizer for o in given):
+            self._stepped[id(optimizer)] = passes
             return True
-        if given and not replaces(optimizer, given):
+        idle = [o for o in given if self._stepped.get(id(o), -1) < passes]
+        if given and not replaces(optimizer, idle):
             return False
         self._optimizer_refs = [
             weakref.ref(o)
             for o in (*given, optimizer)
-            if o is optimizer or not replaces(optimizer, [o])
+            if o is optimizer or o not in idle or not replaces(optimizer, [o])
         ]
+        self._stepped[id(optimizer)] = passes
         return True
 
     def root_modules(self) -> list[torch.nn.Module]:
@@ -275,15 +282,33 @@ class TrackedModels:
         key = root.keys.get(id(module), "")
         if key == "" and root.walked_step != step:
             root.walked_step = step
-            model = root.ref()
-            if model is not None:
-                with self._lock:
-                    self._walk(model, root.keys[id(model)] or "", root.keys)
-                    for sub_id in root.keys:
-                        if sub_id != id(model):
-                            self.owners.setdefault(sub_id, root)
-                key = root.keys.get(id(module), "")
+            self.rewalk(root)
+            key = root.keys.get(id(module), "")
         return key
+
+    def rewalk(self, root: RootInfo) -> None:
+        """``root``'s keys anew from its model as it is now (in place: the hooks hold them): a
+        module added since (a grown block) gets its path, and one that left the model (a block
+        replaced, whose address a new module may take) loses its own."""
+        model = root.ref()
+        if model is None:
+            return
+        with self._lock:
+            keys: dict[int, str | None] = {id(model): root.keys.get(id(model))}
+            self._walk(model, keys[id(model)] or "", keys)
+            for sub_id in root.keys.keys() - keys.keys():
+                if self.owners.get(sub_id) is root:
+                    del self.owners[sub_id]
+            root.keys.clear()
+            root.keys.update(keys)
+            for sub_id in keys:
+                if sub_id != id(model):
+                    self.owners[sub_id] = root
+
+    def trained_count(self) -> int:
+        """The parameters the optimizers known hold: it changes when a model grows (an
+        optimizer made anew, ``add_param_group``)."""
+        return sum(len(g["params"]) for o in self.all_optimizers() for g in o.param_groups)
 
     @staticmethod
     def _walk(module: torch.nn.Module, name: str, keys: dict[int, str | None]) -> None:
@@ -296,7 +321,7 @@ class TrackedModels:
             keys[id(inner)] = None
         for path, sub in inner.named_modules():
             if path:
-                keys.setdefault(id(sub), f"{name}.{path}")
+                keys[id(sub)] = f"{name}.{path}"
 
     def _new_root(self, module: torch.nn.Module) -> RootInfo:
         target = getattr(module, "_orig_mod", None)

@@ -88,6 +88,7 @@ class PhaseMachine:
         self.step_t0 = 0.0
         self.manual_steps = False
         self.step_owner: weakref.ref[Any] | None = None  # the optimizer whose steps count
+        self.owner_stepped = -1  # state.backward_passes when it last stepped
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
         self.backward_raised = False  # the last backward raised (its phase stays till the next)
@@ -345,6 +346,7 @@ class PhaseMachine:
             self.backward_depth -= 1
         if state.phase == BACKWARD and self.backward_depth == 0:
             state.backwards += 1
+            state.backward_passes += 1
             self.transition(OTHER)
 
     def backward_ended(self) -> None:
@@ -353,6 +355,7 @@ class PhaseMachine:
         state = self.state
         if state.phase == BACKWARD:
             state.backwards += 1
+            state.backward_passes += 1
             self.transition(OTHER)
 
     def backward_failed(self) -> None:
@@ -375,10 +378,18 @@ class PhaseMachine:
     def optimizer_called(self, optimizer: Any) -> None:
         """``optimizer.step()`` was called (before any closure it was given runs)."""
         self.optimizer_calls += 1
+        owner = None if self.step_owner is None else self.step_owner()
+        passes = self.state.backward_passes
+        if owner is optimizer:
+            self.owner_stepped = passes
         if self.models.see_optimizer(optimizer):
-            owner = None if self.step_owner is None else self.step_owner()
-            if owner is None or replaces(optimizer, [owner]):  # (none yet, freed, made anew)
+            # none yet, or freed, or made anew over its parameters while it stepped no more
+            # (a backward ran since its last step; one over a part of them stepping beside
+            # it, after the same backward, stays the owner)
+            idle = self.owner_stepped < passes
+            if owner is None or (idle and replaces(optimizer, [owner])):
                 self.step_owner = weakref.ref(optimizer)
+                self.owner_stepped = passes
                 self.evidence.facts.optimizer_name = type(optimizer).__name__
             # an optimizer's parameter: the witness a module seen first (a teacher) may not be
             self.evidence.find_witness()

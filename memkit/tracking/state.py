@@ -62,6 +62,7 @@ class TrackState:
 
     __slots__ = (
         "active",
+        "backward_passes",
         "backwards",
         "detail_on",
         "failed",
@@ -80,6 +81,7 @@ class TrackState:
         self.phase = OTHER
         self.step = 0
         self.backwards = 0
+        self.backward_passes = 0  # in the whole block (backwards: in the step)
         self.graph_grads = 0
         self.detail_on = False
         self.single: DeviceRecord | None = None
