@@ -315,6 +315,18 @@ def test_amp_cuts_activations_and_keeps_fp32_weights(files: dict[str, str]) -> N
     assert any(a.code == "mixed-precision" for a in fp32.advice)
 
 
+def test_mixed_precision_advice_of_an_inference_estimate_speaks_of_inference(
+    files: dict[str, str],
+) -> None:
+    """An fp32 inference estimate advised "fp32 training" with "the optimizer stays fp32"
+    (sweep PP)."""
+    kwargs = {"device_memory": "1TiB", "seq_len": 64, "min_batch": 64, "max_batch": 64}
+    est = estimate(files["gpt2"], mode="infer", **kwargs)
+    (mp,) = [a for a in est.advice if a.code == "mixed-precision"]
+    assert mp.title.startswith("fp32 inference") and "optimizer" not in mp.action
+    assert "Trainable" not in mp.evidence
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_dropout_model_estimates_with_and_without_amp(
     files: dict[str, str], reentrant: bool

@@ -84,6 +84,7 @@ def estimate_advice(
             device=f"the estimated card, batch {focus}",
             saving_bytes=bf16_saving(),  # measured: a bf16 estimate of the batch
             min_share=0.2,
+            inference=mode == "infer",
         )
         if mp is not None:
             advice.append(mp)

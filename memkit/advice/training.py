@@ -103,8 +103,10 @@ def mixed_precision(
     float32_bytes: int = 0,
     temporary_bytes: int = 0,
     cached_weight_bytes: int | None = None,
+    inference: bool = False,
 ) -> Advice | None:
-    """``mixed-precision``: fp32 training whose activations are a large share of the peak.
+    """``mixed-precision``: fp32 training (``inference``: an fp32 inference, worded so) whose
+    activations are a large share of the peak.
 
     Args:
         param_dtype: the trainable floating parameters' dtype (``"float32"``).
@@ -187,19 +189,27 @@ def mixed_precision(
         "" if half == "bf16" else " With fp16 also use `torch.amp.GradScaler()` to scale the loss."
     )
     kind = device.split(":")[0] if device.startswith(("cuda", "xpu", "mps")) else "cuda"
+    weights = "The parameters" if inference else "Trainable parameters"
     return Advice(
         code="mixed-precision",
-        title="fp32 training: mixed precision would cut activation memory",
+        title=(
+            f"fp32 {'inference' if inference else 'training'}: mixed precision would cut "
+            "activation memory"
+        ),
         evidence=(
-            f"Trainable parameters are {param_dtype} and no forward ran under autocast; "
+            f"{weights} are {param_dtype} and no forward ran under autocast; "
             f"activations were {format_size(activation_bytes)} "
             f"({percent_of(activation_bytes, peak_bytes)}) of the {format_size(peak_bytes)} "
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
             f"a half copy of the weights it casts).{kept32}{frozen}{narrow}{bound}"
         ),
         action=(
-            f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward and the loss "
-            f"(weights and the optimizer stay fp32).{scaler}"
+            f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward"
+            + (
+                " (the weights stay fp32)."
+                if inference
+                else f" and the loss (weights and the optimizer stay fp32).{scaler}"
+            )
         ),
         saving_bytes=saving_bytes,
     )
