@@ -917,11 +917,16 @@ def test_a_cpu_tensor_made_in_the_forward_is_named_as_a_gpu_would_fail_on_it() -
     """``pos = torch.arange(x.shape[1])`` in a forward (no device=): on meta torch says
     "Tensor on device meta is not on the expected device cpu!", which memkit called a
     meta-only problem ("code that reads them cannot run there"); a GPU fails the same way."""
+    def step() -> torch.Tensor:
+        return torch.ones(3, device="meta") + torch.arange(3)
+
     with pytest.raises(UserCodeError) as info:
-        run_guarded(lambda: torch.ones(3, device="meta") + torch.arange(3), 1)
+        run_guarded(step, 1)
     said = str(info.value)
     assert "made a tensor on the CPU" in said and "device=x.device" in said
     assert "hold no values" not in said and "cpu!." not in said
+    # and where: the user's frame (it said nothing of where, even with MEMKIT_TRACEBACK=1)
+    assert 'test_estimate.py", line' in said and "in step" in said
 
 
 def test_a_models_own_data_dependent_routing_is_sent_to_the_simulated_device() -> None:

@@ -28,7 +28,7 @@ from memkit.errors import MemkitError, ModelFileError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
-from memkit.modelfile import ModelSpec, call_user
+from memkit.modelfile import ModelSpec, call_user, step_traceback
 from memkit.probing.step import StepPlan, call_model, to_device
 from memkit.simulated.accountant import MemoryAccountant, storages_of, tensors_of
 from memkit.simulated.allocator import CachingAllocatorModel
@@ -718,7 +718,8 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
                 ". The step made a tensor on the CPU (a torch.arange, zeros or ones without "
                 "device=, or a buffer kept out of the model) and used it with the model's "
                 "tensors: on a GPU it fails the same way ('Expected all tensors to be on the "
-                "same device'). Make it on the input's device (device=x.device)."
+                "same device'). Make it on the input's device (device=x.device).\n"
+                + step_traceback(exc)  # where (the user's frames, as the probe shows them)
             )
         elif _meta_only(exc):
             step = "eval_step" if mode == "infer" else "train_step"
@@ -738,7 +739,7 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (
                 ". The same error would stop this step on a GPU: check make_batch and the model "
-                "(memkit probe FILE --device cpu runs the step for real)."
+                "(memkit probe FILE --device cpu runs the step for real).\n" + step_traceback(exc)
             )
         raise UserCodeError(said, original=exc) from exc
 
