@@ -149,6 +149,7 @@ class Hooks:
         self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._trained = 0  # models.trained_count() when the model's names were last read
+        self._seen = 0  # len(models.seen_optimizers) then
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -319,8 +320,12 @@ class Hooks:
         self._row_on = self._sampled(self.state.step)
         on = self._wants_detail(self.state.step)
         models = self.models
-        trained = models.trained_count()
-        grown = trained != self._trained
+        grown = False
+        seen = len(models.seen_optimizers)
+        if self._row_on or seen != self._seen:  # on sampled steps, and for a new optimizer
+            self._seen = seen
+            trained = models.trained_count()
+            grown = trained != self._trained
         if grown:  # an optimizer made anew or given more parameters: the model may have grown
             self._trained = trained
             for root in list(models.roots.values()):

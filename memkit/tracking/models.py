@@ -93,8 +93,9 @@ class TrackedModels:
         # weakly, in the block too: a script that replaces its optimizer (a model grown,
         # an LR range test restored) frees the old one and its state, with memkit as without
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
-        # id of a counted optimizer -> the backward passes when it last stepped
-        self._stepped: dict[int, int] = {}
+        # id of a counted optimizer -> it, and the backward passes when it last stepped
+        self._stepped: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._foreign: dict[int, weakref.ref[Any]] = {}  # optimizers that replace none given
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
@@ -136,11 +137,24 @@ class TrackedModels:
         after the same backward, stays)."""
         if not self._optimizer_refs:
             return True
+        key = id(optimizer)
+        stepped = self._stepped.get(key)
+        if stepped is not None and stepped[0]() is optimizer:  # a counted one (each step)
+            self._stepped[key] = (stepped[0], passes)
+            return True
+        foreign = self._foreign.get(key)
+        if foreign is not None and foreign() is optimizer and self._optimizer_refs[0]() is not None:
+            return False  # another model's (a GAN's other optimizer), as found before
         given = self.optimizers
         if any(o is optimizer for o in given):
-            self._stepped[id(optimizer)] = passes
+            self._stepped[key] = (weakref.ref(optimizer), passes)
             return True
-        idle = [o for o in given if self._stepped.get(id(o), -1) < passes]
+        if given and not replaces(optimizer, given):
+            if len(self._foreign) > 64:
+                self._foreign.clear()
+            self._foreign[key] = weakref.ref(optimizer)
+            return False
+        idle = [o for o in given if self._last_step(o) < passes]
         if given and not replaces(optimizer, idle):
             return False
         self._optimizer_refs = [
@@ -148,8 +162,15 @@ class TrackedModels:
             for o in (*given, optimizer)
             if o is optimizer or o not in idle or not replaces(optimizer, [o])
         ]
-        self._stepped[id(optimizer)] = passes
+        self._stepped = {id(o): (weakref.ref(o), self._last_step(o)) for o in given}
+        self._foreign.clear()  # (found against the optimizers replaced)
+        self._stepped[key] = (weakref.ref(optimizer), passes)
         return True
+
+    def _last_step(self, optimizer: Any) -> int:
+        """The backward passes when ``optimizer`` (a counted one) last stepped; -1: never."""
+        stepped = self._stepped.get(id(optimizer))
+        return -1 if stepped is None or stepped[0]() is not optimizer else stepped[1]
 
     def root_modules(self) -> list[torch.nn.Module]:
         """The model given to track(), or else the outermost modules seen running a forward."""
