@@ -393,6 +393,35 @@ def test_a_functions_own_locals_dict_keeps_its_keys_under_the_scans_and_the_trac
     assert out.read_text() == "[]"
 
 
+SOME_EPOCHS = """\
+import torch
+from torch import nn
+model = nn.Linear(64, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+losses = []
+for epoch in range(5):
+    for step in range(10):
+        loss = model(torch.randn(16, 64)).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        if epoch in (2, 3):  # a debug flag left on for two epochs
+            losses.append(loss)
+        else:
+            losses.append(loss.item())
+"""
+
+
+def test_graphs_kept_in_some_epochs_only_are_still_a_leak_when_the_growth_stops(tmp_path):
+    """A loss kept with its graph in epochs 2 and 3 only (sweep QQ): the growth stopped in
+    epoch 4, and "growth that stops is not a leak" dropped the finding, while the 20 graphs
+    stayed alive to the end. A list that kept graphs is reported."""
+    script = tmp_path / "some_epochs.py"
+    script.write_text(SOME_EPOCHS)
+    report = run_script(script, (), device="cpu", budget="64MiB").report
+    (leak,) = report.leaks
+    assert leak.suspects[0].name == "losses" and leak.suspects[0].graph
+    assert "graph-retained" in [a.code for a in report.advice]
+
+
 EVAL_LEAK = """\
 import sys, torch
 from torch import nn

@@ -452,9 +452,17 @@ def current_leak(dev: DeviceRecord) -> LeakFinding | None:
     (:attr:`~memkit.tracking.leaks.GrowthDetector.stopped`): a plateau is not a leak; else
     a graph the graph scans saw growing in host memory, which stays (growth found after it
     keeps it)."""
-    if dev.leak is not None and not dev.growth.stopped:
-        return dev.leak
+    leak = dev.leak
+    if leak is not None and (not dev.growth.stopped or _holds_graphs(leak)):
+        return leak
     return dev.graph_leak
+
+
+def _holds_graphs(leak: LeakFinding) -> bool:
+    """Whether the growth stopped while a list kept the autograd graphs it grew with (a loss
+    kept with its graph in some epochs only): those graphs stay alive, a leak of its own."""
+    top = leak.suspects[0] if leak.suspects else None
+    return top is not None and top.growing and top.graph and top.kind == "container"
 
 
 def device_info(backend: Any) -> tuple[Any, str]:
