@@ -124,11 +124,12 @@ _MEMKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
-def step_traceback(exc: BaseException) -> str:
+def step_traceback(exc: BaseException, hide: tuple[str, ...] = ()) -> str:
     """The traceback of an error the user's step raised, with its causes (``raise ... from``)
     and contexts, without memkit's own frames and torch's module-call plumbing
-    (``Module.__call__``): the frames of the model file, the model and the torch functions it
-    called. ``MEMKIT_TRACEBACK=1`` keeps every frame (a bug in memkit's default step)."""
+    (``Module.__call__``) nor those of files under ``hide``: the frames of the model file, the
+    model and the torch functions it called. ``MEMKIT_TRACEBACK=1`` keeps every frame (a bug
+    in memkit's default step)."""
 
     def frame_file(text: str) -> str | None:
         return text.split('"', 2)[1] if text.lstrip().startswith('File "') else None
@@ -139,7 +140,9 @@ def step_traceback(exc: BaseException) -> str:
         for text in traceback.TracebackException.from_exception(exc).format()
         if whole
         or (name := frame_file(text)) is None
-        or not (name.startswith(_MEMKIT_DIR) or name.endswith(_MODULE_CALL))
+        or not (
+            name.startswith(_MEMKIT_DIR) or name.endswith(_MODULE_CALL) or name.startswith(hide)
+        )
     ]
     header = "Traceback (most recent call last):\n"  # dropped where no frame is left under it
     after = [*out[1:], ""]

@@ -837,3 +837,39 @@ def test_a_failed_request_that_grows_with_the_batch_is_something_a_smaller_batch
     (params,) = [a for a in failed.oom.advice if a.code == "oom-parameters"]
     assert "no smaller batch" not in params.evidence and "may make up for it" in params.evidence
     assert run(8).oom is None  # a smaller batch fits
+
+
+class _Returns(nn.Module):
+    """Keeps ``h`` (64 x 128 floats) for backward; returns its output in various shapes."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(128, 128), nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor):
+        y = self.b(torch.relu(self.a(x)))
+        if self.kind == "twice":
+            return y, y
+        if self.kind == "chunks":
+            return y.chunk(4, dim=1)
+        if self.kind == "with_input":  # a VAE's (recon, input, ...)
+            return y, x
+        if self.kind == "nested":  # a key-value cache
+            return {"logits": y, "cache": ((torch.relu(self.a(x)), torch.relu(self.b(x))),)}
+        return y
+
+
+@pytest.mark.parametrize("kind", ["plain", "twice", "chunks", "with_input", "nested"])
+def test_eval_grad_enabled_takes_off_the_output_once_whatever_its_shape(kind):
+    """What an evaluation forward kept for a backward is what it left allocated less what
+    it returned (a review): a tensor returned twice or as views was taken off once per
+    reference (0 B claimed), the input returned beside the output was taken off though the
+    forward never made it, and a nested cache was not taken off (3x claimed)."""
+    torch.manual_seed(0)
+    model = _Returns(kind).eval()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        out = model(torch.randn(64, 128))
+        del out
+    (found,) = [a for a in tracker.report().advice if a.code == "eval-grad-enabled"]
+    assert found.saving_bytes == 64 * 128 * 4  # the ReLU's output the second Linear saved

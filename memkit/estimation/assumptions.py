@@ -85,10 +85,10 @@ def outcome_lines(
     lines = [attention_line(requested_attention, kernels, family), *step_lines]
     if unstepped is not None:
         lines.append(
-            f"warning: the training step changed no parameter in a trial's 2 steps (batch "
-            f"{unstepped}): no optimizer step ran there (a step that steps every k-th call, "
-            "accelerate's sync_gradients), so the optimizer's step and state may be missing "
-            "from the peak; `memkit probe` runs the step's cycle"
+            f"warning: no optimizer stepped in the 2 steps of the answer's trial (batch "
+            f"{unstepped}: a step that steps every k-th call, accelerate's sync_gradients), so "
+            "the optimizer's step and state may be missing from its peak; `memkit probe` runs "
+            "the step's cycle"
         )
     if generate_checks:
         lines.append(

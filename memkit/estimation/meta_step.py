@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import re
 import sys
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -540,7 +542,7 @@ class MetaSession:
     """The dtypes of the file's own ``torch.autocast("cuda")`` regions the steps entered."""
     data_checks: int = 0
     generate_checks: int = 0
-    unstepped: int | None = None  # a train trial's batch size whose steps changed no parameter
+    unstepped: set[int] = field(default_factory=set)  # train trials that stepped no optimizer
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
 
     def with_amp(self, policy_dtype: torch.dtype | None) -> MetaSession:
@@ -640,9 +642,8 @@ class MetaSession:
         with self._hooks(recorder), accountant, workspaces:
             for _ in range(2):
                 self.step(batch_size)
-        stepping = self.plan.mode == "train" and self.optimizer is not None
-        if stepping and not recorder.steps and not allocator.num_ooms:
-            self.unstepped = batch_size  # no optimizer step: one every k-th call?
+        if self.plan.mode == "train" and not recorder.steps and not allocator.num_ooms:
+            self.unstepped.add(batch_size)  # no optimizer step: one every k-th call?
         self.plan.release()
         accountant.stop_observing()
         workspace = workspaces.allocated
@@ -669,11 +670,15 @@ class MetaSession:
         for param in self.model.parameters():
             if param.requires_grad:
                 handles.append(param.register_post_accumulate_grad_hook(grad_hook))
+
+        def any_step(*_: Any) -> None:  # any optimizer's (SAM's base, the step's own)
+            recorder.steps += 1
+
+        handles.append(register_optimizer_step_post_hook(any_step))
         if self.optimizer is not None:
             optimizer = self.optimizer
 
             def post_step(*_: Any) -> None:
-                recorder.steps += 1
                 for tensor in tensors_of(list(optimizer.state.values())):
                     recorder.relabel(tensor, "optimizer_state")
 
@@ -719,7 +724,7 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
                 "device=, or a buffer kept out of the model) and used it with the model's "
                 "tensors: on a GPU it fails the same way ('Expected all tensors to be on the "
                 "same device'). Make it on the input's device (device=x.device).\n"
-                + step_traceback(exc)  # where (the user's frames, as the probe shows them)
+                + step_traceback(exc, hide=_TORCH_META_CODE)  # where: the user's frames
             )
         elif _meta_only(exc):
             step = "eval_step" if mode == "infer" else "train_step"
@@ -739,9 +744,21 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (
                 ". The same error would stop this step on a GPU: check make_batch and the model "
-                "(memkit probe FILE --device cpu runs the step for real).\n" + step_traceback(exc)
+                "(memkit probe FILE --device cpu runs the step for real).\n"
+                + step_traceback(exc, hide=_TORCH_META_CODE)
             )
         raise UserCodeError(said, original=exc) from exc
+
+
+_TORCH_META_CODE = tuple(
+    os.path.join(os.path.dirname(torch.__file__), name)
+    for name in (
+        "_decomp", "_prims", "_prims_common", "_refs", "_meta_registrations.py", "_dynamo",
+        "_library", "library.py", "_ops.py", "overrides.py", "_compile.py", "__init__.py",
+    )
+)  # fmt: skip
+"""torch's own Python that runs an op on meta tensors (decompositions, references, meta
+kernels, the dispatch around them): frames a step's error shows on meta and not on a GPU."""
 
 
 def _sparse_on_meta(exc: BaseException) -> bool:

@@ -145,7 +145,8 @@ def estimate(
     kernels = tuple(sorted(session.kernels))
     assumptions += outcome_lines(
         attention, kernels, card.family, session.plan.describe(), session.data_checks,
-        session.generate_checks, session.unstepped,
+        session.generate_checks,
+        search.max_batch_size if search.max_batch_size in session.unstepped else None,
     )  # fmt: skip
     fit = search.model
     return Estimate(

@@ -53,6 +53,7 @@ from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
+from memkit.tracking.leaks import tensors_within
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.phases import PhaseMachine, output_values
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, RootInfo
@@ -801,11 +802,7 @@ class Hooks:
             or self.devices.sim is not None
         ):
             if frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
-                delta -= sum(
-                    v.untyped_storage().nbytes()
-                    for v in output_values(output)
-                    if type(v) is torch.Tensor and v.layout is torch.strided
-                )
+                delta = max(0, delta - _new_output_bytes(output, args))
             self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
         # off the sampled steps the model's own gradient hook would only find a backward that
@@ -1047,6 +1044,25 @@ class Hooks:
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))
+
+
+def _new_output_bytes(output: Any, args: Any) -> int:
+    """The bytes of the storages a forward's output holds (nested: a key-value cache too),
+    each once (views of one tensor: ``chunk``), less those of its inputs (a VAE returning its
+    input beside its reconstruction): what the forward made that it returned."""
+    inputs = {
+        t.untyped_storage().data_ptr()
+        for t in tensors_within(args, torch.Tensor)
+        if t.layout is torch.strided
+    }
+    seen: dict[int, int] = {}
+    for t in tensors_within((output,), torch.Tensor):
+        if t.layout is torch.strided:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in inputs:
+                seen[ptr] = storage.nbytes()
+    return sum(seen.values())
 
 
 class _ThreadCalls:

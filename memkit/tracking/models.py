@@ -95,7 +95,8 @@ class TrackedModels:
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
         # id of a counted optimizer -> it, and the backward passes when it last stepped
         self._stepped: dict[int, tuple[weakref.ref[Any], int]] = {}
-        self._foreign: dict[int, weakref.ref[Any]] = {}  # optimizers that replace none given
+        # optimizers that replace none given, and whether any given one was alive then
+        self._foreign: dict[int, tuple[weakref.ref[Any], bool]] = {}
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
@@ -131,10 +132,12 @@ class TrackedModels:
     def counts(self, optimizer: Any, passes: int) -> bool:
         """Whether ``optimizer``'s steps are the block's (``passes``: the backward passes in
         the block so far): any optimizer's where none was given; else a given one's, or one's
-        that replaced them: given none still alive, or over the parameters of one given (and
-        more: made anew after the model grew) that has not stepped since the last backward
-        (an old one a scheduler still holds steps no more; one over a part of them, stepping
-        after the same backward, stays)."""
+        that replaced them: over the parameters of one given (and more: made anew after the
+        model grew) that stepped before but not since the last backward (an old one a
+        scheduler still holds steps no more; one over a part of them, stepping after the same
+        backward, or one that has not stepped yet, stays); or, given none still alive, one
+        over parameters of the model given (a GAN's generator optimizer made anew, not its
+        discriminator's)."""
         if not self._optimizer_refs:
             return True
         key = id(optimizer)
@@ -143,29 +146,41 @@ class TrackedModels:
             self._stepped[key] = (stepped[0], passes)
             return True
         foreign = self._foreign.get(key)
-        if foreign is not None and foreign() is optimizer and self._optimizer_refs[0]() is not None:
+        if foreign is not None and foreign[0]() is optimizer and foreign[1] == self._alive():
             return False  # another model's (a GAN's other optimizer), as found before
         given = self.optimizers
         if any(o is optimizer for o in given):
             self._stepped[key] = (weakref.ref(optimizer), passes)
             return True
-        if given and not replaces(optimizer, given):
+        if not self._takes_over(optimizer, given):
             if len(self._foreign) > 64:
                 self._foreign.clear()
-            self._foreign[key] = weakref.ref(optimizer)
+            self._foreign[key] = (weakref.ref(optimizer), bool(given))  # while that holds
             return False
-        idle = [o for o in given if self._last_step(o) < passes]
+        idle = [o for o in given if 0 <= self._last_step(o) < passes]
         if given and not replaces(optimizer, idle):
             return False
-        self._optimizer_refs = [
-            weakref.ref(o)
-            for o in (*given, optimizer)
-            if o is optimizer or o not in idle or not replaces(optimizer, [o])
-        ]
-        self._stepped = {id(o): (weakref.ref(o), self._last_step(o)) for o in given}
-        self._foreign.clear()  # (found against the optimizers replaced)
+        kept = [o for o in given if o not in idle or not replaces(optimizer, [o])]
+        self._optimizer_refs = [weakref.ref(o) for o in (*kept, optimizer)]
+        self._stepped = {id(o): (weakref.ref(o), self._last_step(o)) for o in kept}
         self._stepped[key] = (weakref.ref(optimizer), passes)
+        self._foreign.clear()  # (found against the optimizers replaced)
         return True
+
+    def _alive(self) -> bool:
+        """Whether a given optimizer is alive."""
+        return any(ref() is not None for ref in self._optimizer_refs)
+
+    def _takes_over(self, optimizer: Any, given: list[Any]) -> bool:
+        """Whether ``optimizer`` may ever replace the given optimizers: it holds every
+        parameter of one of them; with none alive, some parameter of the model given."""
+        if given:
+            return replaces(optimizer, given)
+        model = self.model
+        if model is None:
+            return True
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return any(id(p) in held for p in model.parameters())
 
     def _last_step(self, optimizer: Any) -> int:
         """The backward passes when ``optimizer`` (a counted one) last stepped; -1: never."""
