@@ -353,6 +353,41 @@ def test_an_optimizer_over_all_parameters_beside_the_given_one_over_some_leaves_
     assert tracker.models.optimizers == [head]
 
 
+def test_the_given_optimizers_place_is_taken_only_by_one_that_replaces_it():
+    """Two reviews' cases: an optimizer over all parameters stepping before the given one
+    over the head, which has not stepped yet, took its place at step 0; a GAN's generator
+    optimizer made anew each epoch (the given one freed) handed the steps to the
+    discriminator's optimizer for good."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    head = torch.optim.Adam(model[1].parameters())
+    every = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(model, head, device="cpu", budget="64MiB") as tracker:
+        for _ in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+            every.step()
+            head.step()
+            every.zero_grad()
+            head.zero_grad()
+    assert tracker.report().steps == 6 and tracker.models.optimizers == [head]
+
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    with track(g, opt_g, device="cpu", budget="64MiB") as tracker:
+        for epoch in range(3):
+            if epoch:
+                opt_g = torch.optim.SGD(g.parameters(), lr=0.1)  # the old one freed
+            for _ in range(2):
+                fake = g(torch.randn(2, 4))
+                d(fake.detach()).sum().backward()
+                opt_d.step()
+                opt_d.zero_grad()
+                d(fake).sum().backward()
+                opt_g.step()
+                opt_g.zero_grad()
+    assert tracker.report().steps == 6 and tracker.models.optimizers == [opt_g]
+
+
 def test_a_block_list_replaced_mid_run_is_named_by_the_modules_in_it_now():
     """A model's blocks replaced by a longer list (a review): a new block whose address a
     freed one had kept that one's name (``blocks`` for a Linear), and a block added through

@@ -95,6 +95,8 @@ class TrackedModels:
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
         # id of a counted optimizer -> it, and the backward passes when it last stepped
         self._stepped: dict[int, tuple[weakref.ref[Any], int]] = {}
+        # optimizers that may replace a given one: the backward passes at their last step
+        self._pending: dict[int, tuple[weakref.ref[Any], int]] = {}
         # optimizers that replace none given, and whether any given one was alive then
         self._foreign: dict[int, tuple[weakref.ref[Any], bool]] = {}
         self.roots: dict[int, RootInfo] = {}
@@ -133,11 +135,10 @@ class TrackedModels:
         """Whether ``optimizer``'s steps are the block's (``passes``: the backward passes in
         the block so far): any optimizer's where none was given; else a given one's, or one's
         that replaced them: over the parameters of one given (and more: made anew after the
-        model grew) that stepped before but not since the last backward (an old one a
-        scheduler still holds steps no more; one over a part of them, stepping after the same
-        backward, or one that has not stepped yet, stays); or, given none still alive, one
-        over parameters of the model given (a GAN's generator optimizer made anew, not its
-        discriminator's)."""
+        model grew) that did not step between two of its steps (an old one a scheduler still
+        holds steps no more; one over a part of them, stepping beside it, stays), from its
+        second step on; or, given none still alive, one over parameters of the model given (a
+        GAN's generator optimizer made anew, not its discriminator's)."""
         if not self._optimizer_refs:
             return True
         key = id(optimizer)
@@ -157,14 +158,22 @@ class TrackedModels:
                 self._foreign.clear()
             self._foreign[key] = (weakref.ref(optimizer), bool(given))  # while that holds
             return False
-        idle = [o for o in given if 0 <= self._last_step(o) < passes]
-        if given and not replaces(optimizer, idle):
-            return False
+        if given:  # it replaces one that stopped: none stepped between two of its steps
+            pending = self._pending.get(key)
+            self._pending[key] = (weakref.ref(optimizer), passes)
+            if pending is None or pending[0]() is not optimizer or pending[1] == passes:
+                return False  # (the first seen: a step of its own, no other between yet)
+            idle = [o for o in given if self._last_step(o) < pending[1]]
+            if not replaces(optimizer, idle):
+                return False
+        else:
+            idle = []
         kept = [o for o in given if o not in idle or not replaces(optimizer, [o])]
         self._optimizer_refs = [weakref.ref(o) for o in (*kept, optimizer)]
         self._stepped = {id(o): (weakref.ref(o), self._last_step(o)) for o in kept}
         self._stepped[key] = (weakref.ref(optimizer), passes)
         self._foreign.clear()  # (found against the optimizers replaced)
+        self._pending.clear()
         return True
 
     def _alive(self) -> bool:
