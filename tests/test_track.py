@@ -335,39 +335,22 @@ def test_memkit_run_names_a_block_added_mid_run_by_its_path(tmp_path):
     assert rows["blocks.1"].activation_bytes == rows["blocks.2"].activation_bytes == 64 * 64 * 4
 
 
-def test_an_optimizer_over_all_parameters_beside_the_given_one_over_some_leaves_it_counted():
-    """The given optimizer holds the head's parameters and another, over all of them, steps
-    after it (a review): the other took its place at once, and the first step was counted
-    twice. It replaces the given one only once that stops stepping (a model grown)."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
-    head = torch.optim.SGD(model[1].parameters(), lr=0.1)
-    every = torch.optim.SGD(model.parameters(), lr=0.01)
-    with track(model, head, device="cpu", budget="64MiB") as tracker:
-        for _ in range(6):
-            model(torch.randn(4, 8)).sum().backward()
-            head.step()
-            every.step()
-            head.zero_grad()
-            every.zero_grad()
-    assert tracker.report().steps == 6
-    assert tracker.models.optimizers == [head]
-
-
-def test_the_given_optimizers_place_is_taken_only_by_one_that_replaces_it():
-    """Two reviews' cases: an optimizer over all parameters stepping before the given one
-    over the head, which has not stepped yet, took its place at step 0; a GAN's generator
-    optimizer made anew each epoch (the given one freed) handed the steps to the
-    discriminator's optimizer for good."""
+@pytest.mark.parametrize("head_first", [True, False])
+def test_the_given_optimizers_place_is_taken_only_by_one_that_replaces_it(head_first):
+    """Two reviews' cases: an optimizer over all parameters stepping beside the given one over
+    the head took its place (after it: at once, the first step counted twice; before it, at
+    step 0, when the given one had not stepped yet); a GAN's generator optimizer made anew
+    each epoch (the given one freed) handed the steps to the discriminator's for good."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
     head = torch.optim.Adam(model[1].parameters())
     every = torch.optim.SGD(model.parameters(), lr=0.01)
+    order = (head, every) if head_first else (every, head)
     with track(model, head, device="cpu", budget="64MiB") as tracker:
         for _ in range(6):
             model(torch.randn(4, 8)).sum().backward()
-            every.step()
-            head.step()
-            every.zero_grad()
-            head.zero_grad()
+            for opt in order:
+                opt.step()
+            model.zero_grad()
     assert tracker.report().steps == 6 and tracker.models.optimizers == [head]
 
     g, d = nn.Linear(4, 4), nn.Linear(4, 1)
