@@ -1538,3 +1538,29 @@ def test_an_accelerated_optimizer_is_probed_through_the_optimizer_it_wraps():
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     assert answers[0] is not None and answers[1] == answers[0]
+
+
+def test_batches_of_random_lengths_are_said_to_decide_the_memory():
+    """A CTC model's batch holds its targets concatenated, of random lengths (sweep TT): the
+    answer fit or ran out with the draw, and the report did not say so. Two batches of one
+    size with different shapes now get a line."""
+
+    def make_batch(n: int):
+        lengths = torch.randint(5, 30, (n,))
+        return torch.randn(n, 64), torch.randint(1, 10, (int(lengths.sum()),))
+
+    def loss_fn(output, batch):
+        return output.square().mean()
+
+    torch.manual_seed(0)
+    result = probe(small_mlp_64(), make_batch, loss_fn=loss_fn, train_step=None,
+                   device="cpu", budget="8MiB", max_batch=4)  # fmt: skip
+    (said,) = [d for d in result.defaults if "different shapes at one size" in d]
+    assert said.startswith("make_batch(2) gave batches") and "longest lengths" in said
+    fixed = probe(small_mlp_64(), lambda n: torch.randn(n, 64), device="cpu", budget="8MiB",
+                  max_batch=4)  # fmt: skip
+    assert not any("different shapes" in d for d in fixed.defaults)
+
+
+def small_mlp_64() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

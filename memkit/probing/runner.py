@@ -54,7 +54,7 @@ from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch
 from memkit.probing.state import SavedState
-from memkit.probing.step import StepPlan, check_batch, check_batch_grows
+from memkit.probing.step import StepPlan, batch_shapes, check_batch, check_batch_grows
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
 from memkit.simulated.eager import eager_note, is_compiled
@@ -287,8 +287,7 @@ def probe_with(
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    layout = _check_batches(make_batch, opts, model_file)
-    defaults = list(defaults) if layout is None else [layout, *defaults]
+    defaults = [*_check_batches(make_batch, opts, model_file), *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
     if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
@@ -551,20 +550,37 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
 
 def _check_batches(
     make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
-) -> str | None:
-    """Make the batches for ``min_batch`` and ``min_batch + 1`` (the RNG states as they were
-    after) and check them; the note for a batch dimension that is not the first."""
+) -> list[str]:
+    """Make the batches for ``min_batch`` and ``min_batch + 1`` (twice: the RNG states as they
+    were after) and check them; the notes for a batch dimension that is not the first and
+    for batches whose shapes vary at one size (random lengths)."""
     low, where = opts.min_batch, f"make_batch({opts.min_batch})"
     rng = devices.rng_state()
     try:
-        small, big = (
-            _sample_batch(make_batch, n, opts.seq_len, model_file) for n in (low, low + 1)
+        small, big, again = (
+            _sample_batch(make_batch, n, opts.seq_len, model_file)
+            for n in (low, low + 1, low + 1)
         )
     finally:
         devices.restore_rng_state(rng)
     if model_file is not None:
-        return check_batch(small, low, f"{where} in {model_file}", bigger=big)
-    return check_batch_grows(small, big, low, where)
+        layout = check_batch(small, low, f"{where} in {model_file}", bigger=big)
+    else:
+        layout = check_batch_grows(small, big, low, where)
+    notes = [] if layout is None else [layout]
+    first, second = batch_shapes(big), batch_shapes(again)
+    if first != second:
+        notes.append(
+            f"make_batch({low + 1}) gave batches of different shapes at one size "
+            f"({_shapes_text(first)}, then {_shapes_text(second)}): random lengths, so memory "
+            "follows the batch drawn and the answer holds for batches like the trials' ones; "
+            "keep the recommended margin, or make batches of the longest lengths"
+        )
+    return notes
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    return " ".join("x".join(map(str, s)) or "scalar" for s in shapes)
 
 
 def _sample_batch(

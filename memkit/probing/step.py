@@ -43,6 +43,7 @@ __all__ = [
     "StepFn",
     "StepPlan",
     "batch_leading_dims",
+    "batch_shapes",
     "call_model",
     "check_batch",
     "check_batch_grows",
@@ -356,7 +357,7 @@ def batch_leading_dims(batch: Any) -> list[int]:
     return [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
 
 
-def _shapes(batch: Any) -> list[tuple[int, ...]]:
+def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
     """Shapes of the batch's tensors, in a fixed order (tensor, sequence, dict values)."""
     return [tuple(t.shape) for t in _tensors(batch)]
 
@@ -413,7 +414,7 @@ def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
     batch to batch), or the first grows by another step (``batch_size + 1`` rows)."""
     if big is None:
         return None
-    before, after = _shapes(small), _shapes(big)
+    before, after = batch_shapes(small), batch_shapes(big)
     if len(before) != len(after):
         return None
     pairs = [(a, b) for a, b in zip(before, after, strict=True) if len(a) == len(b)]
@@ -476,8 +477,8 @@ def check_batch_grows(batch: Any, bigger: Any, batch_size: int, where: str) -> s
         >>> check_batch_grows(torch.zeros(3, 1), torch.zeros(3, 2), 1, "make_batch(1)")
         'batch dimension: 1 (inferred from make_batch(1) and make_batch(2))'
     """
-    shapes = _shapes(batch)
-    if shapes and shapes == _shapes(bigger):
+    shapes = batch_shapes(batch)
+    if shapes and shapes == batch_shapes(bigger):
         shown = ", ".join(str(list(s)) for s in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
         raise ConfigError(
             f"{where} and make_batch({batch_size + 1}) returned tensors of the same shapes "
@@ -509,7 +510,7 @@ def _batch_dims(small: Any, big: Any, batch_size: int) -> dict[int, int]:
     """The dimensions that grow from ``batch_size`` to ``batch_size + 1`` between two
     batches, each with its rows per sample (1, or k: two augmented views per sample)."""
     found: dict[int, int] = {}
-    before, after = _shapes(small), _shapes(big)
+    before, after = batch_shapes(small), batch_shapes(big)
     if len(before) != len(after):
         return found
     for a, b in zip(before, after, strict=True):
