@@ -558,8 +558,7 @@ def _check_batches(
     rng = devices.rng_state()
     try:
         small, big, again = (
-            _sample_batch(make_batch, n, opts.seq_len, model_file)
-            for n in (low, low + 1, low + 1)
+            _sample_batch(make_batch, n, opts.seq_len, model_file) for n in (low, low + 1, low + 1)
         )
     finally:
         devices.restore_rng_state(rng)
