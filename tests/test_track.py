@@ -371,6 +371,36 @@ def test_the_given_optimizers_place_is_taken_only_by_one_that_replaces_it(head_f
     assert tracker.report().steps == 6 and tracker.models.optimizers == [opt_g]
 
 
+@pytest.mark.parametrize("closure", [False, True])
+def test_an_optimizer_made_anew_while_a_scheduler_holds_the_old_one_takes_over(closure):
+    """The old optimizer stays alive (a scheduler made on it), so the new one, over all the
+    parameters, takes its place from its second step (its first merges into the next: no
+    step of the old one between them is what tells it apart from one stepping beside the
+    given one). With a closure, the backward inside ``step()`` is no step of the old one's
+    missed (a review: two steps were lost)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = torch.optim.lr_scheduler.StepLR(opt, 1)  # noqa: F841 - holds the old optimizer
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for i in range(6):
+            if i == 3:
+                model.append(nn.Linear(1, 1))
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def loss() -> torch.Tensor:
+                model.zero_grad()
+                value = model(torch.randn(4, 8)).sum()
+                value.backward()
+                return value
+
+            if closure:
+                opt.step(loss)
+            else:
+                loss()
+                opt.step()
+    assert tracker.report().steps == 5 and tracker.models.optimizers == [opt]
+
+
 def test_a_block_list_replaced_mid_run_is_named_by_the_modules_in_it_now():
     """A model's blocks replaced by a longer list (a review): a new block whose address a
     freed one had kept that one's name (``blocks`` for a Linear), and a block added through

@@ -1040,7 +1040,7 @@ class Hooks:
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
-        if not state.active or not self.models.counts(optimizer, state.backward_passes):
+        if not state.active or not self.models.counts(optimizer, state.backward_passes, False):
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))

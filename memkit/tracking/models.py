@@ -131,20 +131,23 @@ class TrackedModels:
         """The optimizers given to ``track()`` that are still alive."""
         return [o for o in (r() for r in self._optimizer_refs) if o is not None]
 
-    def counts(self, optimizer: Any, passes: int) -> bool:
+    def counts(self, optimizer: Any, passes: int, begins: bool = True) -> bool:
         """Whether ``optimizer``'s steps are the block's (``passes``: the backward passes in
         the block so far): any optimizer's where none was given; else a given one's, or one's
         that replaced them: over the parameters of one given (and more: made anew after the
         model grew) that did not step between two of its steps (an old one a scheduler still
         holds steps no more; one over a part of them, stepping beside it, stays), from its
         second step on; or, given none still alive, one over parameters of the model given (a
-        GAN's generator optimizer made anew, not its discriminator's)."""
+        GAN's generator optimizer made anew, not its discriminator's). A replacement takes
+        place where a step ``begins`` (its pre-hook), never at its end alone (a closure's
+        backward between the two is no step of the given one's missed)."""
         if not self._optimizer_refs:
             return True
         key = id(optimizer)
         stepped = self._stepped.get(key)
         if stepped is not None and stepped[0]() is optimizer:  # a counted one (each step)
-            self._stepped[key] = (stepped[0], passes)
+            if begins:  # (where its step begins: a closure's backward comes after)
+                self._stepped[key] = (stepped[0], passes)
             return True
         foreign = self._foreign.get(key)
         if foreign is not None and foreign[0]() is optimizer and foreign[1] == self._alive():
@@ -159,6 +162,8 @@ class TrackedModels:
             self._foreign[key] = (weakref.ref(optimizer), bool(given))  # while that holds
             return False
         if given:  # it replaces one that stopped: none stepped between two of its steps
+            if not begins:
+                return False
             pending = self._pending.get(key)
             self._pending[key] = (weakref.ref(optimizer), passes)
             if pending is None or pending[0]() is not optimizer or pending[1] == passes:
