@@ -211,18 +211,39 @@ def test_a_caught_error_that_is_no_oom_leaves_the_micro_batch_count_alone():
     assert report.micro_batches == 3
 
 
-class Growing(nn.Module):
-    """A model that grows a block mid-run (progressive growing, net2net)."""
+GROWING_SCRIPT = """\
+import torch
+from torch import nn
 
-    def __init__(self) -> None:
+class Growing(nn.Module):
+    \"\"\"A model that grows a block mid-run (progressive growing, net2net).\"\"\"
+
+    def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(64, 64)])
         self.head = nn.Linear(64, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         for block in self.blocks:
             x = torch.relu(block(x))
         return self.head(x)
+
+def train(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        if step in (2, 4):
+            model.blocks.append(nn.Linear(64, 64))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        model(torch.randn(64, 64)).square().mean().backward()
+        opt.step()
+
+if __name__ == "__main__":
+    train(Growing())
+"""
+_GROWING: dict[str, Any] = {"__name__": "growing"}
+exec(GROWING_SCRIPT, _GROWING)  # the same model and loop in process and as a script
+Growing = _GROWING["Growing"]
 
 
 @pytest.mark.parametrize("given", [True, False])
@@ -276,15 +297,8 @@ def test_a_block_added_mid_run_is_a_row_of_its_own_and_its_weights_are_no_activa
     and on the simulated device its weights, adopted at its first call, counted as that
     call's activations (1.13 MiB kept, 128 KiB of it the output)."""
     model = Growing()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with track(model, device="cpu", budget="64MiB") as tracker:
-        for step in range(6):
-            if step in (2, 4):
-                model.blocks.append(nn.Linear(64, 64))
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            opt.zero_grad()
-            model(torch.randn(64, 64)).square().mean().backward()
-            opt.step()
+        _GROWING["train"](model)
     rows = {m.path: m for m in tracker.report().devices[0].modules}
     assert {"blocks.1", "blocks.2"} <= set(rows) and "Linear" not in rows
     # hooked from the step after the new optimizer first stepped (a given model's hooks are
@@ -293,33 +307,6 @@ def test_a_block_added_mid_run_is_a_row_of_its_own_and_its_weights_are_no_activa
     output = 64 * 64 * 4
     assert rows["blocks.0"].activation_bytes == output
     assert rows["blocks.1"].activation_bytes == rows["blocks.2"].activation_bytes == output
-
-
-GROWING_SCRIPT = """\
-import torch
-from torch import nn
-
-class Growing(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(64, 64)])
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return self.head(x)
-
-model = Growing()
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(6):
-    if step in (2, 4):
-        model.blocks.append(nn.Linear(64, 64))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt.zero_grad()
-    model(torch.randn(64, 64)).square().mean().backward()
-    opt.step()
-"""
 
 
 def test_memkit_run_names_a_block_added_mid_run_by_its_path(tmp_path):

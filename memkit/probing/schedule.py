@@ -43,8 +43,8 @@ class StepWatch:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
         self.model = model
-        given = getattr(optimizer, "wrapped", optimizer)
-        self.optimizer = unwrap_optimizer(given) or given  # the one whose steps are seen
+        # the one whose steps are seen (inside a DeferredOptimizer, an AcceleratedOptimizer)
+        self.optimizer = unwrap_optimizer(optimizer) or optimizer
         self.names: list[str] = []  # each optimizer seen, by number
         self._numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._stepped: dict[int, int] = {}

@@ -59,11 +59,15 @@ def _checked_optimizers(optimizer: Any) -> list[Any]:
     return optimizers
 
 
+def _param_ids(optimizer: Any) -> set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
 def replaces(optimizer: Any, others: Sequence[Any]) -> bool:
     """Whether ``optimizer`` holds every parameter of one of ``others`` (an optimizer a script
     made anew over its model's parameters, when the model grew or a range test reset it)."""
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return any(all(id(p) in held for g in o.param_groups for p in g["params"]) for o in others)
+    held = _param_ids(optimizer)
+    return any(_param_ids(o) <= held for o in others)
 
 
 class TrackedModels:
@@ -193,7 +197,7 @@ class TrackedModels:
         model = self.model
         if model is None:
             return True
-        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        held = _param_ids(optimizer)
         return any(id(p) in held for p in model.parameters())
 
     def _last_step(self, optimizer: Any) -> int:
