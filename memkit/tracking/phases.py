@@ -12,7 +12,6 @@ starts or ends and when an optimizer steps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -649,13 +648,12 @@ class PhaseMachine:
         own."""
         values = output_values(output)
         self._take_own(values)
-        self.output_ptrs.update(
-            (v.data_ptr(), weakref.ref(v.untyped_storage()))
-            for v in values
-            if isinstance(v, torch.Tensor) and v.layout is torch.strided
-        )
+        ptrs = self.output_ptrs
         for v in values:
-            if not isinstance(v, _NOT_OBJECTS) and v is not None:
+            if isinstance(v, torch.Tensor):
+                if v.layout is torch.strided:
+                    ptrs[v.data_ptr()] = weakref.ref(v.untyped_storage())
+            elif v is not None and not isinstance(v, _NOT_OBJECTS):
                 self._take_own_object(v)
 
     def _take_own_object(self, value: Any) -> None:
@@ -667,7 +665,7 @@ class PhaseMachine:
             ref = seen.get(key)
             if ref is not None and ref() is value:
                 return
-        with contextlib.suppress(TypeError):  # no weak references (``__slots__``): not walked
+        if type(value).__weakrefoffset__:  # (else no weak references, ``__slots__``: not walked)
             self.own_objects[key] = weakref.ref(value)
 
     def _own_discount(self, at_forward: bool, dev: DeviceRecord, single: bool) -> int:
@@ -695,7 +693,7 @@ class PhaseMachine:
 
     def _take_own(self, values: Iterable[Any]) -> None:
         """The tensors among ``values`` that no step saw before are this step's own."""
-        new = set(map(weakref.ref, filter(torch.is_tensor, values)))
+        new = {weakref.ref(v) for v in values if isinstance(v, torch.Tensor)}
         new -= self.seen
         if new:
             if len(self.seen) >= self.seen_room:
@@ -880,9 +878,10 @@ def _values_in(args: Any) -> Any:
 def output_values(output: Any) -> Any:
     """A forward output's values, one level: a tuple or list itself, a mapping's values, else
     the output alone."""
-    if isinstance(output, (tuple, list)):
-        return output
-    return output.values() if isinstance(output, Mapping) else (output,)
+    if isinstance(output, (torch.Tensor, tuple, list)):
+        return (output,) if isinstance(output, torch.Tensor) else output
+    # (a dict first: a Hugging Face output, at less than an abstract class's check)
+    return output.values() if isinstance(output, (dict, Mapping)) else (output,)
 
 
 def _first_tensor(args: Any) -> torch.Tensor | None:
