@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import pickle
 
@@ -261,6 +262,19 @@ def test_target_batch_advises_exact_accumulation():
     advised = int(advice.title.split("over ")[1].split(" steps")[0])
     (line,) = [d for d in result.defaults if d.startswith("accumulation:")]
     assert f"standing for the {advised}:" in line, (line, advice.title)
+    # both searches' trials are in the JSON: the plain step's answer is one more than the
+    # accumulating step's (its gradients live through the next micro-batch's forward)
+    plain = result.trials_without_accumulation
+    assert plain and result.trials
+    best_plain = max(t.batch_size for t in plain if t.fits)
+    assert best_plain > result.max_batch_size
+    assert f"without accumulation: {best_plain} fits" in " ".join(result.defaults)
+    sent = json.loads(result.to_json())
+    assert [t["batch_size"] for t in sent["trials_without_accumulation"]] == [
+        t.batch_size for t in plain
+    ]
+    assert "trials_without_accumulation" not in json.loads(probe(
+        model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB").to_json())  # fmt: skip
 
 
 def test_infer_mode_fits_more_than_train():

@@ -81,7 +81,9 @@ class ProbeResult(Result):
     only if it fit on every rank. ``per_rank_peaks`` are each rank's peaks at
     ``max_batch_size``, ``per_rank_capacities`` each rank's capacity, and ``capacity_bytes`` the
     smallest of them (the search aims at the tightest rank). ``ddp``: the model ran wrapped in
-    ``DistributedDataParallel``.
+    ``DistributedDataParallel``. ``trials_without_accumulation``: where the answer is for the
+    accumulating step ``--target-batch`` advised, the first search's trials (a step that frees
+    its gradients before every forward); ``trials`` are the accumulating step's.
     """
 
     SCHEMA: ClassVar[str] = "memkit.ProbeResult/1"
@@ -109,6 +111,7 @@ class ProbeResult(Result):
     per_rank_peaks: tuple[int | None, ...] = field(default=())
     per_rank_capacities: tuple[int | None, ...] = field(default=())
     ddp: bool = False
+    trials_without_accumulation: tuple[ProbeTrial, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -140,6 +143,8 @@ class ProbeResult(Result):
             out["tightest_rank"] = self.tightest_rank
         else:
             del out["per_rank_capacities"], out["ddp"]
+        if not out["trials_without_accumulation"]:
+            del out["trials_without_accumulation"]
         return out
 
     def __str__(self) -> str:

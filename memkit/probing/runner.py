@@ -344,6 +344,7 @@ def probe_with(
     started = None if bar is None else bar.started
     held_after_oom: dict[int, int] = {}
     untrained: list[int] = []
+    plain_trials: tuple[ProbeTrial, ...] = ()  # the first search's, when the answer accumulates
 
     def search_with(
         step: StepPlan, top: int
@@ -381,6 +382,7 @@ def probe_with(
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
                 defaults.append(_without_accumulation(search.max_batch_size, history))
+                plain_trials = _timed_trials(search, history)
                 plan = dataclasses.replace(plan, accumulation=steps_advised)
                 search, history, schedule = search_with(plan, search.max_batch_size)
                 # the advice's steps for the accumulating answer (2 micro-batches stand for
@@ -412,6 +414,7 @@ def probe_with(
         search, history, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
+        trials_without_accumulation=plain_trials,
     )  # fmt: skip
 
 
@@ -797,12 +800,9 @@ def _build_result(
     ddp: bool = False,
     state: ModelState | None = None,
     schedule: Schedule | None = None,
+    trials_without_accumulation: tuple[ProbeTrial, ...] = (),
 ) -> ProbeResult:
-    # the runner's records, in the order run, timed as the search timed them
-    trials = tuple(
-        dataclasses.replace(record, seconds=trial.seconds)
-        for trial, record in zip(search.trials, history, strict=True)
-    )
+    trials = _timed_trials(search, history)
     records = {t.batch_size: t for t in trials}  # each size's last trial
     world = 1 if capacities is None else len(capacities)
     ran = opts.steps if schedule is None else max(opts.steps, schedule.trial_steps)
@@ -842,6 +842,15 @@ def _build_result(
         per_rank_peaks=_rank_peaks(search.max_batch_size, records) if world > 1 else (),
         per_rank_capacities=capacities if world > 1 and capacities is not None else (),
         ddp=ddp,
+        trials_without_accumulation=trials_without_accumulation,
+    )
+
+
+def _timed_trials(search: SearchResult, history: list[ProbeTrial]) -> tuple[ProbeTrial, ...]:
+    """The runner's records, in the order run, timed as the search timed them."""
+    return tuple(
+        dataclasses.replace(record, seconds=trial.seconds)
+        for trial, record in zip(search.trials, history, strict=True)
     )
 
 
