@@ -2086,6 +2086,40 @@ def test_a_cached_output_gets_one_node_hook_however_many_passes_return_it(monkey
     assert calls[0] == 10
 
 
+class _SlotsOutput:
+    """A forward's output object that takes no weak reference (``__slots__``)."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+def test_an_output_object_without_weak_references_is_tracked_through():
+    """A model returning a ``__slots__`` object: the step's own objects keep weak references,
+    and this one takes none; it is passed over (not walked), and every step is counted."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> _SlotsOutput:
+            return _SlotsOutput(self.lin(x))
+
+    model = Head()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="8MiB") as tracker:
+        for _ in range(4):
+            loss = model(torch.randn(16, 32)).logits.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    assert report.steps == 4
+    assert not any("stopped tracking" in n for n in report.notes), report.notes
+
+
 class RaisesOnce(nn.Module):
     """A layer whose forward raises ``error`` once when armed (Ctrl-C landing in it)."""
 
