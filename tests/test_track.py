@@ -2086,6 +2086,53 @@ def test_a_cached_output_gets_one_node_hook_however_many_passes_return_it(monkey
     assert calls[0] == 10
 
 
+def _kfold(keep: str, forgotten: bool = False) -> tuple[Any, list[nn.Module]]:
+    """A k-fold run in one process, as a Kaggle notebook writes it: per fold a new model and
+    AdamW, zero_grad before each forward; each fold's model kept for an ensemble (``keep``:
+    ``"as is"``, ``"zeroed"``: gradients freed first). ``forgotten``: the models' last layer
+    is left out of the optimizer (it still requires grad)."""
+    kept: list[nn.Module] = []
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+            params = model[0].parameters() if forgotten else model.parameters()
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            for _ in range(3):
+                opt.zero_grad()
+                loss = model(torch.randn(32, 128)).pow(2).mean()
+                loss.backward()
+                opt.step()
+            if keep == "zeroed":
+                model.zero_grad(set_to_none=True)
+            kept.append(model)
+    return tracker.report(), kept
+
+
+def test_models_kept_with_their_gradients_are_named_and_the_saving_holds():
+    """Sweep QQ: each fold's model kept for an ensemble keeps its gradients; nothing named
+    them, and zero-grad-keeps-grads counted them at the next fold's first forward (the
+    loop zeroes before every forward). Now stale-gradients names the kept models, and
+    freeing their gradients lowers the peak by what it claims."""
+    report, kept = _kfold("as is")
+    codes = {a.code: a for a in report.advice}
+    assert "zero-grad-keeps-grads" not in codes, codes["zero-grad-keeps-grads"]
+    stale = codes["stale-gradients"]
+    grad_bytes = sum(p.grad.nbytes for m in kept[:2] for p in m.parameters())
+    assert stale.saving_bytes == grad_bytes  # the two earlier folds' (the third still trains)
+    assert "`Sequential`" in stale.evidence and "`Sequential#2`" in stale.evidence
+    fixed, _ = _kfold("zeroed")
+    assert "stale-gradients" not in {a.code for a in fixed.advice}
+    assert report.devices[0].peak_allocated - fixed.devices[0].peak_allocated == stale.saving_bytes
+
+
+def test_parameters_left_out_of_the_optimizer_are_named_with_their_gradients():
+    """A layer that requires grad but that no optimizer holds: its gradients accumulate and
+    stay; stale-gradients names them."""
+    report, _ = _kfold("zeroed", forgotten=True)
+    (stale,) = [a for a in report.advice if a.code == "stale-gradients"]
+    assert stale.saving_bytes == (256 * 10 + 10) * 4  # the last Linear's weight and bias
+
+
 class _SlotsOutput:
     """A forward's output object that takes no weak reference (``__slots__``)."""
 
@@ -2627,3 +2674,27 @@ def test_the_breakdown_after_an_oom_in_backward_is_not_called_the_training_peak(
     assert f"the backward peak, {format_size(backward)}, was where it failed" in text
     page = report._repr_html_()  # the HTML heading says the same
     assert "At the highest training moment measured before the error" in page
+
+
+def test_gradients_an_optimizer_not_given_steps_are_not_stale():
+    """track(model, optimizer=dense) while SparseAdam-like, a second optimizer steps the
+    embedding: its gradients are that optimizer's, not stale."""
+
+    class Rec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mlp = nn.Embedding(1000, 32), nn.Linear(32, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.emb(ids).mean(1))
+
+    model = Rec()
+    dense = torch.optim.Adam(model.mlp.parameters())
+    embed = torch.optim.SGD(model.emb.parameters(), lr=0.1)
+    with track(model, optimizer=dense, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            loss = model(torch.randint(0, 1000, (16, 8))).pow(2).mean()
+            loss.backward()
+            dense.step()
+            embed.step()
+    assert "stale-gradients" not in {a.code for a in tracker.report().advice}

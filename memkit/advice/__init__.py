@@ -49,6 +49,7 @@ from memkit.advice.training import (
     float64_training,
     mixed_precision,
     optimizer_state,
+    stale_gradients,
     zero_grad_keeps_grads,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     "other_processes",
     "processes_in_oom_message",
     "snapshot_fragmentation",
+    "stale_gradients",
     "switch_to_ddp",
     "zero_grad_keeps_grads",
 ]

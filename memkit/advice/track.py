@@ -32,6 +32,7 @@ from memkit.advice.training import (
     float64_training,
     mixed_precision,
     optimizer_state,
+    stale_gradients,
     zero_grad_keeps_grads,
 )
 from memkit.units import format_shape, format_size
@@ -407,6 +408,12 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             param_dtype=report.param_dtype,
         ),
         _zero_grad_rule(report, dev, bd),
+        stale_gradients(
+            holders=report.stale_gradients,
+            step=report.stale_step,
+            device=dev.device,
+            peak_step=bd.step,
+        ),
     ]
 
 

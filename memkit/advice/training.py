@@ -27,6 +27,7 @@ __all__ = [
     "mixed_precision",
     "optimizer_state",
     "shard_option",
+    "stale_gradients",
     "state_buffers",
     "state_per_parameter",
     "zero_grad_keeps_grads",
@@ -914,4 +915,42 @@ def zero_grad_keeps_grads(
         ),
         saving_bytes=saving,
         severity="warning" if saving else "info",
+    )
+
+
+def stale_gradients(
+    *,
+    holders: Sequence[tuple[str, int]],
+    step: int | None,
+    device: str = "the device",
+    peak_step: int | None = None,
+) -> Advice | None:
+    """``stale-gradients``: parameters that no live optimizer steps hold gradients
+    (``holders``: ``(model, bytes)``, seen at ``step``): a model kept after its training (a
+    k-fold run keeping each fold's model for an ensemble), or parameters left out of the
+    optimizer that still require grad. No optimizer frees or uses them. The saving is claimed
+    where training's peak came at or after that step (``peak_step``): they were alive there."""
+    total = sum(n for _, n in holders)
+    if total <= 0:
+        return None
+    names = _model_names(holders)
+    at_peak = peak_step is None or step is None or peak_step >= step
+    return Advice(
+        code="stale-gradients",
+        title=f"{format_size(total)} of gradients belong to parameters no optimizer steps",
+        evidence=(
+            f"On {device}, after step {step}, {names} held {format_size(total)} of gradients "
+            "that none of the optimizers alive then updates or zeroes: a model kept after its "
+            "training (each fold's model kept for an ensemble) or parameters that require grad "
+            "but are not in the optimizer. They stay allocated"
+            + (" through training's peak." if at_peak else "; training's peak came before.")
+        ),
+        action=(
+            "When a model's training ends, free its gradients: `model.zero_grad(set_to_none="
+            "True)`, and `model.requires_grad_(False)` for a model kept for inference (or keep "
+            "its `state_dict()` on the host); for parameters meant to stay fixed, "
+            "`requires_grad_(False)`, or add them to the optimizer if they should train."
+        ),
+        saving_bytes=total if at_peak else None,
+        severity="warning" if at_peak else "info",
     )

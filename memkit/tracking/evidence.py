@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,8 @@ class Evidence:
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
+        # what note_stale_gradients found: (step, [(model, [parameter, ...]), ...])
+        self._stale: tuple[int, list[tuple[str, list[weakref.ref[torch.Tensor]]]]] | None = None
 
     def find_witness(self) -> None:
         """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
@@ -146,24 +148,61 @@ class Evidence:
         """The gradients the models hold now, by model (its row's name: ``Generator``), each
         storage once (DDP's bucket views are the buckets': ``zero_grad`` frees nothing of
         them); models without gradients left out."""
+        return _gradient_bytes(
+            (name, [p for p in params if p.grad is not None]) for name, params in self._params()
+        )
+
+    def _params(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        """Each model's name (its row's: ``Generator``) and parameters, but DDP's bucket
+        views (the buckets': ``zero_grad`` frees nothing of them)."""
         models = self.models
-        seen: set[int] = set()
-        out = []
         for module in models.root_modules():
             root = models.roots.get(id(module))
             name = root.keys.get(id(module)) if root is not None else None
-            total = 0
-            views = bucket_views(module) if is_ddp(module) else ()  # the buckets', not theirs
-            for param in module.parameters():
-                grad = param.grad
-                if grad is not None and id(param) not in views:
-                    for storage in storages_of(grad):  # a sparse gradient: indices and values
-                        if id(storage) not in seen:
-                            seen.add(id(storage))
-                            total += storage.nbytes()
-            if total:
-                out.append((name or type(module).__name__, total))
-        return tuple(out)
+            views = bucket_views(module) if is_ddp(module) else ()
+            params: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in views]
+            yield name or type(module).__name__, params
+
+    def note_stale_gradients(self, step: int) -> None:
+        """At the end of step ``step``: the parameters that hold gradients though no optimizer
+        known steps them (models kept after their training, as a k-fold run keeps each fold's
+        for an ensemble; parameters left out of the optimizer that still require grad), held
+        weakly until the next training forward confirms them (:meth:`confirm_stale`): an
+        optimizer that steps after the one that ended the step is known by then. None
+        without an optimizer (manual updates)."""
+        stepped = self._stepped_params()
+        found = [
+            (name, [weakref.ref(p) for p in params if p.grad is not None and id(p) not in stepped])
+            for name, params in self._params()
+        ]
+        found = [(name, refs) for name, refs in found if refs]
+        self._stale = (step, found) if stepped and found else None
+
+    def confirm_stale(self) -> None:
+        """A training forward begins: of the parameters :meth:`note_stale_gradients` found,
+        those that still hold gradients that no optimizer known steps; their bytes by model
+        kept if more than any seen before."""
+        if self._stale is None:
+            return
+        (step, found), self._stale = self._stale, None
+        stepped = self._stepped_params()
+        alive = ((name, [p for p in (r() for r in refs) if p is not None]) for name, refs in found)
+        stale = _gradient_bytes(
+            (name, [p for p in params if p.grad is not None and id(p) not in stepped])
+            for name, params in alive
+        )
+        facts = self.facts
+        if sum(n for _, n in stale) > sum(n for _, n in facts.stale_gradients):
+            facts.stale_gradients, facts.stale_step = stale, step
+
+    def _stepped_params(self) -> set[int]:
+        """The ids of the parameters that the optimizers known hold."""
+        return {
+            id(p)
+            for opt in self.models.known_optimizers()
+            for group in opt.param_groups
+            for p in group["params"]
+        }
 
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""
@@ -245,6 +284,8 @@ class Evidence:
             "autocast_forwards": facts.autocast_forwards,
             "steps_with_grads_at_forward": facts.grads_steps,
             "grads_at_forward_bytes": facts.grads_at_forward_bytes,
+            "stale_gradients": facts.stale_gradients,
+            "stale_step": facts.stale_step,
             "dp_output_bytes": facts.dp_output_bytes,
             "frozen_model": facts.frozen_seen,
             "frozen_forwards": facts.frozen_forwards,
@@ -536,3 +577,23 @@ def _on(t: torch.Tensor, target: torch.device) -> bool:
     return t.device.type == target.type and (
         target.index is None or t.device.index in (None, target.index)
     )
+
+
+def _gradient_bytes(
+    params_by_model: Iterable[tuple[str, list[torch.Tensor]]],
+) -> tuple[tuple[str, int], ...]:
+    """The bytes of the parameters' gradients, by model, each storage once (a sparse
+    gradient: its indices and values); models without any left out."""
+    seen: set[int] = set()
+    out = []
+    for name, params in params_by_model:
+        total = 0
+        for param in params:
+            grad = param.grad
+            for storage in storages_of(grad) if grad is not None else ():
+                if id(storage) not in seen:
+                    seen.add(id(storage))
+                    total += storage.nbytes()
+        if total:
+            out.append((name, total))
+    return tuple(out)

@@ -327,6 +327,7 @@ class Hooks:
             self._seen = seen
             trained = models.trained_count()
             grown = trained != self._trained
+            self.evidence.note_stale_gradients(self.state.step - 1)  # (the step that ended)
         if grown:  # an optimizer made anew or given more parameters: the model may have grown
             self._trained = trained
             for root in list(models.roots.values()):

@@ -276,7 +276,8 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
     return (
         f"{device}: memory rose by {format_size(total)} at step(s) {steps}{more}, all of it "
         "parameters, gradients and optimizer state (parameters made trainable mid-run, e.g. "
-        "progressive unfreezing, or new parameter groups): not a leak"
+        "progressive unfreezing, or new parameter groups; or a new model while earlier ones "
+        "stay alive): not a leak"
     )
 
 

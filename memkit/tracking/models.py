@@ -226,6 +226,18 @@ class TrackedModels:
         seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
         return seen or [o for o in (r() for r in self._in_frames) if o is not None]
 
+    def known_optimizers(self) -> list[Any]:
+        """Every optimizer alive that was given or seen stepping, counted or not (another
+        model's, one beside a given one over other parameters)."""
+        refs = [
+            *self._optimizer_refs,
+            *self.seen_optimizers.values(),
+            *(r for r, _ in self._foreign.values()),
+            *(r for r, _ in self._pending.values()),
+        ]
+        found = {id(o): o for o in (r() for r in refs) if o is not None}
+        return list(found.values())
+
     def wrapped_by(self, ddp: torch.nn.Module) -> None:
         """``ddp`` (a DDP model) wraps a tracked model: its gradient buckets count."""
         self._ddp_wrappers[id(ddp)] = weakref.ref(ddp)

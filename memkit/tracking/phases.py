@@ -196,8 +196,9 @@ class PhaseMachine:
             if state.phase != FORWARD:
                 with state.lock:
                     if state.phase != FORWARD:
-                        self._training_forward_begins(sys._getframe(1))
+                        self._training_forward_begins(sys._getframe(1), root.trained)
                         began = True
+            root.trained = True
             values = _values_in(args)
             fed_back, last = self.output_ptrs, self.last_output_ptrs
             self.batch_shapes += [
@@ -260,7 +261,9 @@ class PhaseMachine:
                 self.optimizer_near = False
         return self.optimizer_near
 
-    def _training_forward_begins(self, frame: Any) -> None:
+    def _training_forward_begins(self, frame: Any, trained_before: bool) -> None:
+        """A step's first training forward begins (``trained_before``: its model's training
+        forwards ran before this one)."""
         state, facts = self.state, self.evidence.facts
         if state.backwards and self.step_rule() == "backward":
             # no optimizer steps: a new training forward after a backward begins the next step
@@ -271,14 +274,19 @@ class PhaseMachine:
             state.trained = True
             for dev in self.devices.records.values():
                 dev.train_peak, dev.pending, dev.breakdown = 0, None, None
+        self.evidence.confirm_stale()
         # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
         # are counted from backward passes, where the next micro-batch's forward rightly finds
         # the accumulating gradients: also when the optimizer was seen stepping before the
-        # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it)
+        # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it;
+        # nor at a model's first training forward: the gradients alive then are no step's of
+        # its own, and its optimizer is not known yet: a k-fold run's next model, the earlier
+        # folds' models kept for an ensemble with theirs)
         if (
             state.step > facts.grads_checked_step
             and self.models.seen_optimizers
             and not self.backward_steps
+            and trained_before
         ):
             facts.grads_checked_step = state.step
             if not self.grads_none_at_forward:  # read by the transition just now

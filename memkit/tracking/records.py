@@ -107,6 +107,10 @@ class RunFacts:
     grads_steps: int = 0  # steps whose first forward found gradients allocated
     grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
     grads_checked_step: int = 0
+    # gradients of parameters no live optimizer steps, by model: the most seen at once, and
+    # the step that saw them (``stale-gradients``)
+    stale_gradients: tuple[tuple[str, int], ...] = ()
+    stale_step: int | None = None
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before
@@ -177,7 +181,7 @@ class IgnoredCall:
 class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref", "walked_step")
+    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref", "trained", "walked_step")
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
@@ -191,6 +195,7 @@ class RootInfo:
         )
         self._trained_param: weakref.ref[torch.Tensor] | None = None
         self._sample: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self.trained = False  # a training forward of it ran
 
     def trainable(self) -> bool:
         """Whether a parameter of the module requires grad now: asked at each forward, as a

@@ -544,6 +544,9 @@ class TrackReport(Result):
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
             (measured at the first three).
+        stale_gradients: ``(model, bytes)`` of gradients held by parameters that no live
+            optimizer steps, the most seen at once (sampled steps and a new optimizer's first
+            step); ``stale_step``: the step that saw them (``stale-gradients``).
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
@@ -584,6 +587,8 @@ class TrackReport(Result):
     autocast_forwards: int = 0
     steps_with_grads_at_forward: int = 0
     grads_at_forward_bytes: int = 0
+    stale_gradients: tuple[tuple[str, int], ...] = ()
+    stale_step: int | None = None
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
