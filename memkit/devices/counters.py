@@ -73,13 +73,19 @@ def counter_reader(
         index = backend.index
         stats = getattr(torch._C, "_cuda_memoryStats", None)
         reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
-        initialized = torch.cuda.is_initialized
+        is_initialized = torch.cuda.is_initialized
         if stats is not None and reset is not None:
             last = [0, 0]  # the real peaks read last, for ``peaks``
             carry = None if peaks is None else peaks.carry  # what other resets took
+            ready = [False]  # CUDA initialised (asked until it is: it stays so)
+
+            def initialized() -> bool:
+                if not ready[0]:
+                    ready[0] = is_initialized()
+                return ready[0]
 
             def read_cuda() -> tuple[int, int, int, int]:
-                if not initialized():
+                if not ready[0] and not initialized():
                     return 0, 0, 0, 0
                 s = stats(index)
                 a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
@@ -91,7 +97,7 @@ def counter_reader(
             resetting = None if peaks is None else peaks.resetting
 
             def reset_cuda() -> None:
-                if initialized():
+                if ready[0] or initialized():
                     if resetting is not None:
                         resetting(last[0], last[1])
                     reset(index)
