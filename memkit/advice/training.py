@@ -516,8 +516,10 @@ class LighterOptimizer:
 
 
 LIGHTER_OPTIMIZERS = (
+    # (on sparse gradients SGD's momentum buffer is sparse, and each step appends its rows
+    # uncoalesced: it grows without bound, so it is not offered there)
     LighterOptimizer(
-        "SGD with momentum", "one buffer per parameter", 1, 0, sparse=True, classes=("SGD",)
+        "SGD with momentum", "one buffer per parameter", 1, 0, sparse=False, classes=("SGD",)
     ),
     LighterOptimizer(
         "8-bit Adam",
@@ -556,7 +558,7 @@ def lighter_optimizers(sparse: bool) -> tuple[LighterOptimizer, ...]:
 
     Examples:
         >>> [o.name for o in lighter_optimizers(sparse=True)]
-        ['SGD with momentum', 'Adagrad']
+        ['Adagrad']
     """
     return tuple(o for o in LIGHTER_OPTIMIZERS if (o.sparse if sparse else not o.sparse_only))
 
