@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -1373,6 +1374,48 @@ def test_eval_step_runs_as_an_evaluation_loop_and_holds_what_it_returns():
     assert answer(eval_step=eval_step) == kept
     assert answer(eval_step=lambda m, x: eval_step(m, x).sum().item()) == dropped
     assert grad_seen and not any(grad_seen)
+
+
+def test_train_step_holds_what_it_returns_as_a_loop_does():
+    """Sweep VV: a train_step returning the model's output (a recommender's scores) answered
+    4259 where the loop around it, `out = train_step(...)`, ran out at 4250: what it returns
+    is now held until the next call returns, and the answer is the loop's."""
+    torch.manual_seed(0)
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1024))
+
+    def train_step(m: torch.nn.Module, x: torch.Tensor, opt: Any) -> torch.Tensor:
+        out = m(x)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.detach()
+
+    def loop_fits(n: int) -> bool:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        try:
+            with memkit.simulate("4MiB") as acct:
+                acct.track(model)
+                for _ in range(3):
+                    out = train_step(model, torch.randn(n, 64), opt)  # noqa: F841
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    def answer(step: Any) -> int:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        found = probe(model, lambda n: torch.randn(n, 64), optimizer=opt, train_step=step,
+                      device="cpu", budget="4MiB").max_batch_size  # fmt: skip
+        assert found is not None
+        return found
+
+    held = answer(train_step)
+    assert loop_fits(held) and not loop_fits(held + 1)
+    assert answer(lambda m, x, opt: train_step(m, x, opt).sum().item()) > held
 
 
 def test_the_default_call_hints_only_for_the_default_steps_own_call():

@@ -187,7 +187,8 @@ class StepPlan:
     output is dropped once the loss is taken (transformers' ``Trainer``).
     ``eval_step``: ``eval_step(model, batch)`` replacing the inference step's forward (run
     under ``torch.no_grad()``, its return value held as the output is, as ``out =
-    eval_step(model, batch)`` in a loop holds it); ``train_step`` is training's only.
+    eval_step(model, batch)`` in a loop holds it); ``train_step`` is training's only, its
+    return value held the same way.
     """
 
     mode: str
@@ -238,12 +239,14 @@ class StepPlan:
                     self.loss_fn(output, batch)
             return
         if self.train_step is not None:
+            # `out = train_step(model, batch, optimizer)` in a loop: the last result lives
+            # until this one returns (a step returning its output with the loss)
             if self.micro_batches == 1:
-                self.train_step(model, batch, optimizer)
+                self._kept = self.train_step(model, batch, optimizer)
                 return
             deferred = DeferredOptimizer(optimizer)
             deferred.active = last
-            self.train_step(model, batch, deferred)
+            self._kept = self.train_step(model, batch, deferred)
             return
         output = call_model(model, batch)
         self._kept = None  # `out = model(x)` rebinds the loop's variable only now
@@ -319,8 +322,9 @@ class StepPlan:
             ]
         if self.train_step is not None:
             default = (
-                "step: train_step(model, batch, optimizer) from the model file (what a loop "
-                "around it keeps between calls, such as an `out` it returns, is not counted)"
+                "step: train_step(model, batch, optimizer) from the model file (what it "
+                "returns is held until the next call returns, as `out = train_step(...)` in a "
+                "loop holds it; what else a loop keeps between calls is not counted)"
             )
             return [self.step_label or default, *accumulating]
         loss = "loss_fn(output, batch)" if self.loss_fn else (self.loss_rule or "derived")
