@@ -17,6 +17,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -266,6 +267,30 @@ def test_memkit_run_says_the_advice_in_lightnings_terms(tmp_path, manual):
         assert "right after each `opt.step()`" in action and "manual_backward" in action
     else:
         assert "def optimizer_step(" in action
+
+
+def test_each_optimizer_step_is_logged_once_with_its_own_peaks(monkeypatch):
+    """Sweep UU: with accumulate_grad_batches=4 the callback logged the first micro-batches'
+    provisional records (steps counted from backward passes before the first optimizer step),
+    which the tracker then folded into step 0: steps 0 and 1 were logged with one
+    micro-batch's peaks (1.07 MiB where they peaked at 1.81 MiB, in the optimizer). Now each
+    optimizer step is logged once, with the report's numbers for it."""
+    import memkit.integrations.lightning as lightning
+
+    logged: list[Any] = []
+    real = lightning.step_metrics
+
+    def recording(records: Any) -> dict[str, float]:
+        logged.extend(records)
+        return real(records)
+
+    monkeypatch.setattr(lightning, "step_metrics", recording)
+    cb, _, _ = fit_with_callback(accumulate_grad_batches=4)
+    steps = cb.report.devices[0].steps
+    assert cb.report.micro_batches == 4
+    assert [r.step for r in logged] == [s.step for s in steps]
+    assert [r.peak_allocated for r in logged] == [s.peak_allocated for s in steps]
+    assert logged[0].phase_peaks["optimizer"] is not None  # step 0 made Adam's state
 
 
 def test_validate_after_fit_counts_no_optimizer_state():

@@ -594,9 +594,11 @@ class Tracker:
 
     def steps_since(self, step: int) -> list[StepRecord]:
         """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
-        callback that logs each step's peaks)."""
+        callback that logs each step's peaks). None while steps are counted from backward
+        passes before an optimizer known stepped: those records are folded into one step when
+        its first step shows that they were micro-batches (gradient accumulation)."""
         dev = self.devices.primary
-        if dev is None:
+        if dev is None or (self.phases.step_rule() == "backward" and self.models.all_optimizers()):
             return []
         out: list[StepRecord] = []
         for row in reversed(dev.steps):
