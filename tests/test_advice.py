@@ -199,6 +199,20 @@ def test_zero_grad_advice_names_the_gradients_alive_at_the_peak():
     assert adv.saving_bytes is None and "held none" in adv.evidence
 
 
+def test_zero_grad_advice_under_accumulation_says_only_the_first_forward_falls():
+    """Sweep UU: with accumulate_grad_batches=4 the advice said freeing the gradients before
+    the forward lowers the forward's memory; micro-batches 2-4 run theirs with the
+    accumulated gradients anyway (the forward peak stayed at 1,543,132 B when applied)."""
+    kw = {"steps_with_grads": 3, "gradient_bytes": 1 << 20, "peak_phase": "optimizer"}
+    plain = A.zero_grad_keeps_grads(**kw)
+    accumulating = A.zero_grad_keeps_grads(**kw, micro_batches=4)
+    assert plain is not None and accumulating is not None
+    assert plain.saving_bytes is None and accumulating.saving_bytes is None
+    assert "lowers the forward's memory" in plain.evidence
+    assert "lowers the forward's memory" not in accumulating.evidence
+    assert "with 4 micro-batches a step" in accumulating.evidence
+
+
 def test_zero_grad_saving_counts_the_partial_last_steps_phases_that_hold_them():
     """Sweep KK: the peak, D's loss in the partial step after the last boundary, held G's and
     D's gradients; D's backward and step after it hold G's (never zeroed before G's next

@@ -437,6 +437,7 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
         peak_gradient_bytes=alive,
         holders=bd.gradient_models,
         held_elsewhere=held,
+        micro_batches=report.micro_batches,
     )
 
 

@@ -824,6 +824,7 @@ def zero_grad_keeps_grads(
     peak_gradient_bytes: int | None = None,
     holders: Sequence[tuple[str, int]] = (),
     held_elsewhere: bool = False,
+    micro_batches: int = 1,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
@@ -841,7 +842,9 @@ def zero_grad_keeps_grads(
     ``holders`` (``(name, bytes)``, named in the text), and then at most ``peak_bytes -
     next_peak_bytes`` (the highest other training phase's peak that does not hold them,
     which freeing them does not lower; ``held_elsewhere``: phases that peak higher hold them
-    too, as the steps that began without them show).
+    too, as the steps that began without them show). ``micro_batches``: backward passes per
+    optimizer step (gradient accumulation): only the first micro-batch's forward can begin
+    without them.
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
@@ -874,7 +877,13 @@ def zero_grad_keeps_grads(
             if not in_forward
             else ". Training's peak came in a forward, but another phase peaks as high without them"
         ) + (
-            ": freeing them before the forward lowers the forward's memory; the peak moves "
+            (
+                f": with {micro_batches} micro-batches a step, freeing them before the first "
+                "one's forward lowers that forward only (the later ones run with the gradients "
+                "accumulated so far), so no saving is claimed."
+            )
+            if micro_batches > 1
+            else ": freeing them before the forward lowers the forward's memory; the peak moves "
             "only where they stayed allocated into it (`set_to_none=False`), so no saving is "
             "claimed."
         )
