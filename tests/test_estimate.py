@@ -410,6 +410,15 @@ def train_step(model, batch, optimizer):
     theirs, amp = estimate(cpu, amp="bf16", **kwargs), estimate(plain, amp="bf16", **kwargs)
     assert theirs.trials[0].allocated_peak == amp.trials[0].allocated_peak
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # CPU autocast's default, put back
+    # the report says so (sweep VV: "amp: none (fp32)" beside a step written with CPU bf16)
+    said = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    (line,) = [a for a in theirs.assumptions if "torch.autocast('cpu'" in a]
+    assert f"torch.autocast('cpu', {said}) regions cast nothing on a GPU" in line
+    assert "in fp32" not in line  # --amp bf16 is on
+    fp32 = estimate(cpu, **kwargs)
+    (line,) = [a for a in fp32.assumptions if "torch.autocast('cpu'" in a]
+    assert "in fp32" in line and "(--amp estimates it)" in line
+    assert not [a for a in amp.assumptions if "torch.autocast('cpu'" in a]
 
 
 def test_a_region_that_runs_backward_inside_goes_on_after_it(tmp_path: Path) -> None:

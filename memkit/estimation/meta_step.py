@@ -74,6 +74,9 @@ class TargetMode(TorchFunctionMode):
         self.inference = inference
         self.file_dtypes: set[torch.dtype] = set()
         """The dtypes of the file's own ``torch.autocast("cuda")`` regions the step entered."""
+        self.cpu_dtypes: set[torch.dtype] = set()
+        """The half dtypes of the file's own ``torch.autocast("cpu")`` regions the step entered
+        (they cast nothing on the target's CUDA tensors)."""
         self._regions: list[tuple[AutocastPolicy | None, bool, torch.dtype]] = []
         self.kernels: set[str] = set()
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
@@ -343,6 +346,8 @@ def _file_autocast(mode: TargetMode) -> Iterator[None]:
                 return enter(self)  # (a checkpoint's recompute re-enters the mark it saved)
             # the file's own CPU autocast: nothing on the target's CUDA step (nor on meta
             # tensors); its dtype must not take the place of the policy's mark
+            if self._enabled and self.fast_dtype in (torch.float16, torch.bfloat16):
+                mode.cpu_dtypes.add(self.fast_dtype)
             dtype = torch.get_autocast_dtype("cpu")
             entered = enter(self)
             torch.set_autocast_dtype("cpu", dtype)  # torch's __exit__ restores its own
@@ -540,6 +545,8 @@ class MetaSession:
     kernels: set[str] = field(default_factory=set)
     file_dtypes: set[torch.dtype] = field(default_factory=set)
     """The dtypes of the file's own ``torch.autocast("cuda")`` regions the steps entered."""
+    cpu_dtypes: set[torch.dtype] = field(default_factory=set)
+    """The half dtypes of its own ``torch.autocast("cpu")`` regions the steps entered."""
     data_checks: int = 0
     generate_checks: int = 0
     unstepped: set[int] = field(default_factory=set)  # train trials that stepped no optimizer
@@ -585,6 +592,7 @@ class MetaSession:
         del batch
         self.kernels |= mode.kernels
         self.file_dtypes |= mode.file_dtypes
+        self.cpu_dtypes |= mode.cpu_dtypes
         self.data_checks += mode.data_checks
         self.generate_checks += mode.generate_checks
 

@@ -142,6 +142,18 @@ def estimate(
             else line
             for line in assumptions
         ]
+    if session.cpu_dtypes:
+        said = " and ".join(sorted(n for n, d in AMP_DTYPES.items() if d in session.cpu_dtypes))
+        assumptions.append(
+            f"the file's own torch.autocast('cpu', {said}) regions cast nothing on a GPU (its "
+            "tensors are CUDA ones): estimated as the step runs there"
+            + (
+                ""
+                if session.file_dtypes or amp is not None
+                else ", in fp32; for mixed precision on the GPU, torch.autocast('cuda', ...) "
+                "(--amp estimates it); `memkit probe` on the CPU runs them"
+            )
+        )
     kernels = tuple(sorted(session.kernels))
     assumptions += outcome_lines(
         attention, kernels, card.family, session.plan.describe(), session.data_checks,
