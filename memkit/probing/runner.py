@@ -575,8 +575,10 @@ def _check_batches(
         notes.append(
             f"make_batch({low + 1}) gave batches of different shapes at one size "
             f"({_shapes_text(first)}, then {_shapes_text(second)}): random lengths, so memory "
-            "follows the batch drawn and the answer holds for batches like the trials' ones; "
-            "keep the recommended margin, or make batches of the longest lengths"
+            f"follows the batch drawn and the answer holds for the draws the trials ran "
+            f"({opts.steps} a trial, --steps); a longer draw can run out below it, at the "
+            "recommended size too (its margin is not sized to the spread): probe with more "
+            "draws (--steps 20), or bound the lengths (pad or cap them)"
         )
     return notes
 
