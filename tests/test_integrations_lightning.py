@@ -67,6 +67,16 @@ def _lightning():
     from memkit.integrations.lightning import MemkitCallback, probe_batch_size
 
 
+def batch_on_device(tracker: Any) -> Any:
+    """A Lightning callback telling ``tracker`` that the batch is on the device."""
+
+    class Told(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            tracker.batch_on_device(batch)
+
+    return Told()
+
+
 def fit_with_callback(
     budget: str | int = "64MiB", zero_after_step: bool = False, accumulate_grad_batches=1, **files
 ):
@@ -97,7 +107,9 @@ def fitted(tmp_path_factory):
     torch.manual_seed(0)
     plain = Net()
     with memkit.track(plain, device="cpu", budget="64MiB", postmortem=None) as tracker:
-        trainer().fit(plain, datamodule=Data())
+        # the batch on the device from the step's start, as the callback counts it (Lightning
+        # moved it there: on the simulated device memkit.track alone counts it at the forward)
+        trainer([batch_on_device(tracker)]).fit(plain, datamodule=Data())
     return cb, t, module, tracker.report(), folder
 
 
@@ -139,6 +151,7 @@ def test_lightning_steps_have_the_peaks_of_the_same_plain_loop(fitted):
     data.setup("fit")
     with memkit.track(module, opt, device="cpu", budget="64MiB") as tracker:
         for i, batch in enumerate(data.train_dataloader()):
+            tracker.batch_on_device(batch)  # Lightning's batch_to_device
             out = module.training_step(batch, i)
             loss = out / 1
             copy = loss.detach().clone()
@@ -291,6 +304,49 @@ def test_each_optimizer_step_is_logged_once_with_its_own_peaks(monkeypatch):
     assert [r.step for r in logged] == [s.step for s in steps]
     assert [r.peak_allocated for r in logged] == [s.peak_allocated for s in steps]
     assert logged[0].phase_peaks["optimizer"] is not None  # step 0 made Adam's state
+
+
+def test_the_batch_counts_from_the_step_start_as_lightning_moved_it_there():
+    """Sweep UU: a manual-optimization GAN's generator half ran before the discriminator read
+    the real images; on the simulated device the batch counted only from that read, where on
+    a GPU Lightning's batch_to_device put it there before training_step (8,624,420 B
+    reported, 8,644,212 B true). The batch now counts from on_train_batch_start: the
+    generator step's peak follows the batch's size."""
+
+    class GeneratorFirst(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.gen = nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 16))
+            self.disc = nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            (real,) = batch
+            opt_g, opt_d = self.optimizers()
+            fake = self.gen(torch.randn(256, 16))  # 4 MiB inside: the step's forward peak
+            opt_g.zero_grad()
+            self.manual_backward(fake.pow(2).mean())
+            opt_g.step()
+            opt_d.zero_grad()
+            self.manual_backward(self.disc(real).mean())  # the batch read only now
+            opt_d.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.gen.parameters(), lr=0.1), torch.optim.SGD(
+                self.disc.parameters(), lr=0.1
+            )
+
+    def generator_peak(rows: int) -> int:
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(2 * rows, 16))
+        cb = MemkitCallback(device="cpu", budget="64MiB", postmortem=None)
+        loader = torch.utils.data.DataLoader(data, batch_size=rows)
+        trainer([cb], max_steps=4, limit_val_batches=0).fit(GeneratorFirst(), loader)
+        (first,) = [s for s in cb.report.devices[0].steps if s.step == 1]
+        return first.phase_peaks["forward"]
+
+    rows = 4096  # 256 KiB of real images a batch
+    assert generator_peak(2 * rows) - generator_peak(rows) == rows * 16 * 4
 
 
 def test_validate_after_fit_counts_no_optimizer_state():

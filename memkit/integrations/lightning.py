@@ -141,6 +141,12 @@ class MemkitCallback(TrackingCallback, pl.Callback):
         self._finish(None)
 
     # -- steps ----------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._tracker is not None:
+            self._tracker.batch_on_device(batch)  # (Lightning moved it there just now)
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -592,6 +592,18 @@ class Tracker:
         with state.lock:
             return self.phases.end_eval()
 
+    def batch_on_device(self, batch: Any) -> None:
+        """A framework moved ``batch`` to the device for the step that begins (Lightning's
+        ``batch_to_device``, before ``training_step``): on the simulated device its tensors
+        count from now on, as on a GPU, where a step that reads it late (a GAN's generator
+        half first) holds it all along. Nothing to do on a real device: its counters saw the
+        copy."""
+        sim, state = self.devices.sim, self.state
+        if sim is None or not state.active:
+            return
+        with state.lock:
+            sim.track(batch, inputs=True)
+
     def steps_since(self, step: int) -> list[StepRecord]:
         """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
         callback that logs each step's peaks). None while steps are counted from backward
