@@ -2133,6 +2133,47 @@ def test_parameters_left_out_of_the_optimizer_are_named_with_their_gradients():
     assert stale.saving_bytes == (256 * 10 + 10) * 4  # the last Linear's weight and bias
 
 
+def _swa(no_grad: bool) -> Any:
+    """Stochastic weight averaging as PyTorch's SWA example writes it: an AveragedModel updated
+    after each epoch from epoch 2, and its predictions on a test batch each epoch, with grad
+    on (``no_grad``: under ``torch.no_grad()``)."""
+    from torch.optim.swa_utils import SWALR, AveragedModel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    swa_model, sched = AveragedModel(model), None
+    x, y, test = torch.randn(16, 64), torch.randint(0, 10, (16,)), torch.randn(256, 64)
+    with track(device="cpu", budget="64MiB") as tracker:
+        for epoch in range(4):
+            for _ in range(3):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            if epoch >= 2:
+                swa_model.update_parameters(model)
+                sched = sched or SWALR(opt, swa_lr=0.05)
+                sched.step()
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                preds = swa_model(test)  # noqa: F841 (held into the next epoch, as a script does)
+    return tracker.report()
+
+
+def test_an_averaged_models_forwards_are_evaluation_not_training():
+    """Sweep QQ: SWA's `preds = swa_model(test_input)` with grad on, in training mode, counted
+    as a training forward (its rows, the training peak in its forward, and steps begun by it);
+    an AveragedModel is never stepped by an optimizer: its forwards are evaluation now, and
+    eval-grad-enabled claims what no_grad saves."""
+    report = _swa(no_grad=False)
+    assert report.steps == 12 and report.eval_forwards == 4
+    assert not any("AveragedModel" in m.path and m.calls for d in report.devices for m in d.modules)
+    (adv,) = [a for a in report.advice if a.code == "eval-grad-enabled"]
+    fixed = _swa(no_grad=True)
+    assert "eval-grad-enabled" not in {a.code for a in fixed.advice}
+    saved = report.devices[0].peak_allocated - fixed.devices[0].peak_allocated
+    assert adv.saving_bytes == saved == 256 * 512 * 4  # the ReLU output (it and the Linear save it)
+
+
 class _SlotsOutput:
     """A forward's output object that takes no weak reference (``__slots__``)."""
 

@@ -81,8 +81,9 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
         Advice(
             code="eval-grad-enabled",
             title="evaluation runs with autograd recording",
-            evidence=f"{report.eval_grad_forwards} forward pass(es) ran with the model in eval "
-            f"mode and torch.is_grad_enabled() true.{kept} Results that are kept (a summed "
+            evidence=f"{report.eval_grad_forwards} forward pass(es) ran outside training (the "
+            "model in eval mode, or an SWA/EMA AveragedModel) with torch.is_grad_enabled() "
+            f"true.{kept} Results that are kept (a summed "
             "validation loss, stored outputs) hold those graphs alive.",
             action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`); "
             "`model.eval()` alone does not stop autograd.",

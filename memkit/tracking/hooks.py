@@ -647,8 +647,14 @@ class Hooks:
             frame.region = region = _off_device_region()
             frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
-        # (a training pass runs in training mode: no need to read the module again)
-        if top is None and kind != TRAIN_PASS and not module.training and torch.is_grad_enabled():
+        # (a training pass runs in training mode: no need to read the module again; an
+        # averaged copy's pass is evaluation in either mode)
+        if (
+            top is None
+            and kind != TRAIN_PASS
+            and (not module.training or (root is not None and root.averaged))
+            and torch.is_grad_enabled()
+        ):
             frame.eval_grad = True
         stack.append(frame)
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, name, a, r))

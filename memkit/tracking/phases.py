@@ -148,7 +148,7 @@ class PhaseMachine:
         facts.last_input = shape = None if first is None else tuple(map(int, first.shape))
         sim = self.devices.sim
         began = False
-        if not grad or not training or not (root.trainable() or _needs_grad(args)):
+        if not grad or not training or root.averaged or not (root.trainable() or _needs_grad(args)):
             kind = EVAL_PASS
             facts.eval_forwards += 1
             # a teacher or reference model runs on the training batch; a model no optimizer

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.nn.utils.parametrize import ParametrizationList
+from torch.optim.swa_utils import AveragedModel
 
 from memkit.devices import UserPeaks, counter_reader
 from memkit.tracking import leaks
@@ -181,7 +182,9 @@ class IgnoredCall:
 class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
-    __slots__ = ("_sample", "_trained_param", "keys", "model", "ref", "trained", "walked_step")
+    __slots__ = (
+        "_sample", "_trained_param", "averaged", "keys", "model", "ref", "trained", "walked_step"
+    )  # fmt: skip
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
         self.ref = weakref.ref(module)
@@ -196,6 +199,9 @@ class RootInfo:
         self._trained_param: weakref.ref[torch.Tensor] | None = None
         self._sample: tuple[weakref.ref[torch.Tensor], ...] = ()
         self.trained = False  # a training forward of it ran
+        # an averaged copy (torch.optim.swa_utils: SWA, EMA): no optimizer ever steps it, so
+        # its forwards are evaluation, in training mode with its parameters requiring grad too
+        self.averaged = isinstance(module, AveragedModel)
 
     def trainable(self) -> bool:
         """Whether a parameter of the module requires grad now: asked at each forward, as a
