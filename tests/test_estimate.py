@@ -258,6 +258,84 @@ def test_meta_estimate_matches_simulated_device(
     assert abs(est - real) <= 0.02 * real, (est, real)
 
 
+SAM_FILE = """
+import torch
+from torch import nn
+
+
+class SAM(torch.optim.Optimizer):
+    '''Sharpness-aware minimization as davda54/sam writes it: a wrapper of a base optimizer.'''
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        norm = torch.norm(torch.stack([p.grad.norm(2) for g in self.param_groups
+                                       for p in g["params"] if p.grad is not None]), 2)
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * scale)
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def make_batch(n):
+    return torch.randn(n, 256), torch.randint(0, 10, (n,))
+
+
+def build_optimizer(params):
+    return SAM(params, torch.optim.Adam, lr=1e-3)
+
+
+def train_step(model, batch, optimizer):
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.first_step(zero_grad=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.second_step(zero_grad=True)
+"""
+
+
+def test_a_wrapped_optimizers_state_and_swapped_parameters_keep_their_categories(
+    tmp_path: Path,
+) -> None:
+    """SAM (davda54/sam): its base optimizer steps, SAM itself never does, and its
+    ``p.data = old_p`` gives the parameters its copy's storage. The breakdown said 0 B of
+    parameters and of optimizer state, all of it "activations"; now the parameters are the
+    model's, and the optimizer state holds Adam's two moments and SAM's copy."""
+    path = tmp_path / "sam.py"
+    path.write_text(SAM_FILE)
+    est = estimate(str(path), device_memory="64MiB", context=0, min_batch=64, max_batch=64,
+                   workspace=0)  # fmt: skip
+    bd = est.breakdown
+    assert bd is not None
+    weights = sum(-(-n // 512) * 512 for n in (256 * 1024 * 4, 1024 * 4, 1024 * 10 * 4, 10 * 4))
+    assert bd.parameters == bd.gradients == weights
+    assert 2 * weights <= bd.optimizer_state <= 3 * weights + 4 * 512  # moments, SAM's copy
+
+
 def test_multi_billion_model_needs_no_host_ram(tmp_path: Path) -> None:
     path = tmp_path / "big.py"
     path.write_text(

@@ -453,7 +453,8 @@ class StepRecorder:
 
     A storage's category is its final one: optimizer state made by the first step's
     ``optimizer.step()`` and gradients are relabelled once they are known to be that, and the
-    breakdown at the peak (:attr:`peak_parts`) counts the storages alive then by that label.
+    breakdown at the peak (:attr:`peak_parts`) counts the storages alive then by that label;
+    a storage that becomes a parameter's is one from then on (:meth:`relabel`).
     """
 
     def __init__(self, allocator: CachingAllocatorModel) -> None:
@@ -493,13 +494,22 @@ class StepRecorder:
             self.total -= entry[1]
         self._events += 1
 
-    def relabel(self, tensor: torch.Tensor | None, category: str) -> None:
+    def relabel(self, tensor: torch.Tensor | None, category: str, from_now: bool = False) -> None:
+        """``tensor``'s storages are ``category``: since they were made, or ``from_now`` on (a
+        storage that becomes a parameter's: SAM's copy of the weights, its state until then)."""
         if tensor is None or tensor.device.type != "meta":
             return
         for storage in storages_of(tensor):  # a sparse gradient: its indices and values
             serial = self._serials.get(id(storage))
-            if serial is not None:
-                self._storages[serial][0] = category
+            if serial is None:
+                continue
+            entry = self._storages[serial]
+            if not from_now or entry[2] == self._events:
+                entry[0] = category
+            elif entry[0] != category:  # its life so far keeps its label
+                entry[3] = self._events
+                self._serials[id(storage)] = len(self._storages)
+                self._storages.append([category, entry[1], self._events, None])
 
     @property
     def peak_parts(self) -> dict[str, int]:
@@ -679,18 +689,23 @@ class MetaSession:
             if param.requires_grad:
                 handles.append(param.register_post_accumulate_grad_hook(grad_hook))
 
-        def any_step(*_: Any) -> None:  # any optimizer's (SAM's base, the step's own)
+        given = [] if self.optimizer is None else [self.optimizer]
+        params = list(self.model.parameters())
+
+        def any_step(optimizer: Any, *_: Any) -> None:
+            """Any optimizer's step (the step's own, or one it wraps: SAM's base optimizer
+            steps, SAM itself never does): its state and the given one's are optimizer
+            state, and the parameters are parameters from now on, whatever storage a wrapper
+            gave them: SAM's copy of the weights (``old_p``, its state since the step's first
+            half made it) became theirs (``p.data = old_p``) before its base stepped."""
             recorder.steps += 1
+            for opt in (optimizer, *given):
+                for tensor in tensors_of(list(opt.state.values())):
+                    recorder.relabel(tensor, "optimizer_state")
+            for param in params:
+                recorder.relabel(param, "parameters", from_now=True)
 
         handles.append(register_optimizer_step_post_hook(any_step))
-        if self.optimizer is not None:
-            optimizer = self.optimizer
-
-            def post_step(*_: Any) -> None:
-                for tensor in tensors_of(list(optimizer.state.values())):
-                    recorder.relabel(tensor, "optimizer_state")
-
-            handles.append(optimizer.register_step_post_hook(post_step))
         try:
             yield
         finally:
