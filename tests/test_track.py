@@ -2133,6 +2133,109 @@ def test_parameters_left_out_of_the_optimizer_are_named_with_their_gradients():
     assert stale.saving_bytes == (256 * 10 + 10) * 4  # the last Linear's weight and bias
 
 
+def test_a_gans_discriminator_gradients_from_the_generators_loss_are_not_stale():
+    """Review: generator first, the discriminator not frozen for the generator's loss (its
+    gradients made there, zeroed before its own backward): the step ended at the
+    generator's step, before the discriminator's optimizer had stepped, and its gradients
+    were called stale with a saving that applying the advice did not give. They are looked
+    at over a whole step now: its optimizer stepped them."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64))
+    disc = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+    opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+    bce = nn.BCEWithLogitsLoss()
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(5):
+            fake = gen(torch.randn(16, 32))
+            g_loss = bce(disc(fake), torch.ones(16, 1))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            d_loss = bce(disc(torch.randn(16, 64)), torch.ones(16, 1)) + bce(
+                disc(fake.detach()), torch.zeros(16, 1)
+            )
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+    report = tracker.report()
+    assert report.stale_gradients == () and report.steps == 5
+    assert "stale-gradients" not in {a.code for a in report.advice}
+
+
+def test_gradients_stale_only_before_the_peak_claim_no_saving():
+    """Review: a head warmed up alone (the backbone still requiring grad: its gradients
+    stale), then a new optimizer over everything: at the peak they are that optimizer's, and
+    freeing them in the warm-up saves nothing there. Named, without a saving."""
+
+    def run(frozen: bool) -> Any:
+        torch.manual_seed(0)
+        backbone = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+        model = nn.Sequential(backbone, nn.Linear(64, 10))
+        with track(device="cpu", budget="64MiB") as tracker:
+            backbone.requires_grad_(not frozen)
+            for params in (model[1].parameters(), model.parameters()):
+                opt = torch.optim.AdamW(params)
+                for _ in range(4):
+                    opt.zero_grad()
+                    model(torch.randn(32, 64)).pow(2).mean().backward()
+                    opt.step()
+                backbone.requires_grad_(True)
+        return tracker.report()
+
+    report, fixed = run(False), run(True)
+    (stale,) = [a for a in report.advice if a.code == "stale-gradients"]
+    assert report.stale_gradients and stale.saving_bytes is None
+    assert report.devices[0].peak_allocated == fixed.devices[0].peak_allocated
+
+
+@pytest.mark.parametrize("keep", ["optimizers", "freed"])
+def test_a_kfold_run_whose_earlier_optimizers_stay_alive_counts_every_folds_steps(keep: str):
+    """Review: a trainer that keeps each fold's optimizer alive (Accelerate's accelerator, a
+    kept LightningModule's trainer) left the first fold's optimizer the steps' owner: later
+    folds' steps were not counted (3 of 9), and their kept models' gradients not named. A new
+    optimizer over other parameters now takes over at its second step if the owner did not
+    step between (its first step counts with the step before). ``freed``: each optimizer
+    deleted before the next is made, which may take its id (seen as the same one before)."""
+    kept: list[nn.Module] = []
+    optimizers: list[Any] = []
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.randn(16, 64)).pow(2).mean().backward()
+                opt.step()
+            kept.append(model)
+            if keep == "optimizers":
+                optimizers.append(opt)
+            del opt
+    report = tracker.report()
+    merged = 2 if keep == "optimizers" else 0  # each later fold's first step
+    assert report.steps == 12 - merged
+    grads = sum(p.grad.nbytes for m in kept[:2] for p in m.parameters())
+    (stale,) = [a for a in report.advice if a.code == "stale-gradients"]
+    assert stale.saving_bytes == grads
+
+
+def test_two_backward_passes_through_one_forward_are_no_micro_batches_to_the_advice():
+    """Review: one forward, two losses backpropagated apart (retain_graph), zero_grad after
+    the forward: two backward passes a step, and zero-grad-keeps-grads spoke of micro-batches
+    and gradient accumulation; there is one forward a step."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(4):
+            out = model(torch.randn(16, 64))
+            opt.zero_grad()
+            out.pow(2).mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+            opt.step()
+    report = tracker.report()
+    (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
+    assert report.micro_batches == 2 and "micro-batches" not in adv.evidence
+
+
 def _swa(no_grad: bool) -> Any:
     """Stochastic weight averaging as PyTorch's SWA example writes it: an AveragedModel updated
     after each epoch from epoch 2, and its predictions on a test batch each epoch, with grad

@@ -414,6 +414,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             step=report.stale_step,
             device=dev.device,
             peak_step=bd.step,
+            looks=report.stale_looks,
         ),
     ]
 
@@ -438,8 +439,16 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
         peak_gradient_bytes=alive,
         holders=bd.gradient_models,
         held_elsewhere=held,
-        micro_batches=report.micro_batches,
+        micro_batches=report.micro_batches if _forwards_per_step(report, dev) > 1 else 1,
     )
+
+
+def _forwards_per_step(report: TrackReport, dev: DeviceReport) -> float:
+    """The models' training forwards a step on ``dev``, on average: micro-batches of
+    gradient accumulation run one each, where two backward passes through one forward
+    (``retain_graph=True``) accumulate no micro-batches."""
+    calls = max((m.calls for m in dev.modules if "." not in m.path), default=0)
+    return calls / report.steps if report.steps else 0.0
 
 
 def _peak_not_holding(

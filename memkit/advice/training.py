@@ -935,26 +935,33 @@ def stale_gradients(
     step: int | None,
     device: str = "the device",
     peak_step: int | None = None,
+    looks: Sequence[tuple[int, int]] = (),
 ) -> Advice | None:
-    """``stale-gradients``: parameters that no live optimizer steps hold gradients
-    (``holders``: ``(model, bytes)``, seen at ``step``): a model kept after its training (a
-    k-fold run keeping each fold's model for an ensemble), or parameters left out of the
-    optimizer that still require grad. No optimizer frees or uses them. The saving is claimed
-    where training's peak came at or after that step (``peak_step``): they were alive there."""
+    """``stale-gradients``: parameters held gradients that no optimizer stepped over a whole
+    step (``holders``: ``(model, bytes)``, the most found at once, at ``step``): a model kept
+    after its training (a k-fold run keeping each fold's model for an ensemble), or
+    parameters left out of the optimizer that still require grad. The saving is what the last
+    look at or before training's peak (``peak_step``) found (``looks``: ``(step, bytes)``):
+    none where they were stepped or freed by then (a head warmed up alone, then all trained)."""
     total = sum(n for _, n in holders)
     if total <= 0:
         return None
     names = _model_names(holders)
-    at_peak = peak_step is None or step is None or peak_step >= step
+    before = [n for s, n in looks if peak_step is None or s <= peak_step]
+    at_peak = before[-1] if before else None
     return Advice(
         code="stale-gradients",
         title=f"{format_size(total)} of gradients belong to parameters no optimizer steps",
         evidence=(
             f"On {device}, after step {step}, {names} held {format_size(total)} of gradients "
-            "that none of the optimizers alive then updates or zeroes: a model kept after its "
+            "that no optimizer updated or zeroed through the next step: a model kept after its "
             "training (each fold's model kept for an ensemble) or parameters that require grad "
-            "but are not in the optimizer. They stay allocated"
-            + (" through training's peak." if at_peak else "; training's peak came before.")
+            "but are not in the optimizer. "
+            + (
+                f"The last look before training's peak found {format_size(at_peak)} of them."
+                if at_peak
+                else "None were left at the last look before training's peak: no saving there."
+            )
         ),
         action=(
             "When a model's training ends, free its gradients: `model.zero_grad(set_to_none="
@@ -962,6 +969,6 @@ def stale_gradients(
             "its `state_dict()` on the host); for parameters meant to stay fixed, "
             "`requires_grad_(False)`, or add them to the optimizer if they should train."
         ),
-        saving_bytes=total if at_peak else None,
+        saving_bytes=at_peak or None,
         severity="warning" if at_peak else "info",
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,16 +80,21 @@ class Evidence:
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
-        # what note_stale_gradients found: (step, [(model, [parameter, ...]), ...])
+        # what stale_check found, to confirm: (step, [(model, [parameter, ...]), ...])
         self._stale: tuple[int, list[tuple[str, list[weakref.ref[torch.Tensor]]]]] | None = None
 
-    def find_witness(self) -> None:
+    def find_witness(self, optimizers: list[Any] | None = None) -> None:
         """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
-        witness than a module seen first, a teacher's)."""
-        self._set_witnesses(self._new_witnesses())
+        witness than a module seen first, a teacher's), among ``optimizers``' parameters if
+        given (those stepping now, where the steps' owner changed: a k-fold run's earlier
+        optimizers, alive, hold the kept models' gradients)."""
+        self._set_witnesses(self._new_witnesses(optimizers))
 
-    def _new_witnesses(self) -> tuple[weakref.ref[torch.Tensor], ...]:
-        found = gradient_witnesses(self.models.root_modules(), self.models.all_optimizers())
+    def _new_witnesses(
+        self, optimizers: list[Any] | None = None
+    ) -> tuple[weakref.ref[torch.Tensor], ...]:
+        chosen = self.models.all_optimizers() if optimizers is None else optimizers
+        found = gradient_witnesses(self.models.root_modules(), chosen)
         return tuple(weakref.ref(p) for p in found)
 
     def witness_missing(self) -> bool:
@@ -163,46 +168,49 @@ class Evidence:
             params: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in views]
             yield name or type(module).__name__, params
 
-    def note_stale_gradients(self, step: int) -> None:
-        """At the end of step ``step``: the parameters that hold gradients though no optimizer
-        known steps them (models kept after their training, as a k-fold run keeps each fold's
-        for an ensemble; parameters left out of the optimizer that still require grad), held
-        weakly until the next training forward confirms them (:meth:`confirm_stale`): an
-        optimizer that steps after the one that ended the step is known by then. None
-        without an optimizer (manual updates)."""
-        stepped = self._stepped_params()
-        found = [
-            (name, [weakref.ref(p) for p in params if p.grad is not None and id(p) not in stepped])
-            for name, params in self._params()
-        ]
-        found = [(name, refs) for name, refs in found if refs]
-        self._stale = (step, found) if stepped and found else None
-
-    def confirm_stale(self) -> None:
-        """A training forward begins: of the parameters :meth:`note_stale_gradients` found,
-        those that still hold gradients that no optimizer known steps; their bytes by model
-        kept if more than any seen before."""
-        if self._stale is None:
+    def stale_check(
+        self, step: int, due: bool, holds: Callable[[torch.Tensor], bool] | None
+    ) -> None:
+        """At the end of step ``step`` (``due``: look for new ones): gradients that no
+        optimizer steps (models kept after their training, as a k-fold run keeps each fold's
+        for an ensemble; parameters left out of the optimizer that still require grad), on
+        the device (``holds``). The parameters found are confirmed at the next boundary: no
+        optimizer stepped them over that whole step either (a GAN's discriminator, whose
+        gradients the generator's backward made, steps after the generator's step ends the
+        step). What optimizers still alive hold counts for nothing (a trainer that keeps each
+        fold's); only those that stepped do. Each look's bytes are kept by step: the advice
+        claims what was found at the last look before the peak."""
+        stepped = self.models.stepped()
+        if self._stale is None and not due:
             return
-        (step, found), self._stale = self._stale, None
-        stepped = self._stepped_params()
-        alive = ((name, [p for p in (r() for r in refs) if p is not None]) for name, refs in found)
-        stale = _gradient_bytes(
-            (name, [p for p in params if p.grad is not None and id(p) not in stepped])
-            for name, params in alive
-        )
+        ids = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
+        pending, self._stale = self._stale, None
         facts = self.facts
-        if sum(n for _, n in stale) > sum(n for _, n in facts.stale_gradients):
-            facts.stale_gradients, facts.stale_step = stale, step
-
-    def _stepped_params(self) -> set[int]:
-        """The ids of the parameters that the optimizers known hold."""
-        return {
-            id(p)
-            for opt in self.models.known_optimizers()
-            for group in opt.param_groups
-            for p in group["params"]
-        }
+        if pending is not None:
+            seen_at, found = pending
+            alive = (
+                (name, [p for p in (r() for r in refs) if p is not None]) for name, refs in found
+            )
+            stale = _gradient_bytes(
+                (name, [p for p in params if p.grad is not None and id(p) not in ids])
+                for name, params in alive
+            )
+            total = sum(n for _, n in stale)
+            facts.stale_looks = (*facts.stale_looks[-63:], (seen_at, total))
+            if total > sum(n for _, n in facts.stale_gradients):
+                facts.stale_gradients, facts.stale_step = stale, seen_at
+        if not due or not stepped:  # (no optimizer stepped: manual updates)
+            return
+        found = [
+            (name, [weakref.ref(p) for p in params
+                    if p.grad is not None and id(p) not in ids and (holds is None or holds(p))])
+            for name, params in self._params()
+        ]  # fmt: skip
+        found = [(name, refs) for name, refs in found if refs]
+        if found:
+            self._stale = (step, found)
+        elif pending is None:  # none at this look (the last one before a peak may say so)
+            facts.stale_looks = (*facts.stale_looks[-63:], (step, 0))
 
     def state_empty(self) -> bool:
         """Whether no optimizer holds state now (what was last seen, once they are gone)."""
@@ -286,6 +294,7 @@ class Evidence:
             "grads_at_forward_bytes": facts.grads_at_forward_bytes,
             "stale_gradients": facts.stale_gradients,
             "stale_step": facts.stale_step,
+            "stale_looks": facts.stale_looks,
             "dp_output_bytes": facts.dp_output_bytes,
             "frozen_model": facts.frozen_seen,
             "frozen_forwards": facts.frozen_forwards,

@@ -95,6 +95,10 @@ def _off_device_region() -> object | None:
     return pack if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
+_STALE_EVERY = 25
+"""Step boundaries between looks for gradients no optimizer steps (``stale-gradients``; also
+at steps 0-2 and where an optimizer steps for the first time)."""
+
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 _BLOCK_THREADS: collections.Counter[int] = collections.Counter()
@@ -150,7 +154,7 @@ class Hooks:
         self._detail_post: Callable[[Any, Any, Any], None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._trained = 0  # models.trained_count() when the model's names were last read
-        self._seen = 0  # len(models.seen_optimizers) then
+        self._seen = 0  # models.optimizers_seen then
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -322,12 +326,19 @@ class Hooks:
         on = self._wants_detail(self.state.step)
         models = self.models
         grown = False
-        seen = len(models.seen_optimizers)
-        if self._row_on or seen != self._seen:  # on sampled steps, and for a new optimizer
+        seen = models.optimizers_seen
+        step = self.state.step - 1  # (the step that ended)
+        new = seen != self._seen
+        primary = self.devices.primary
+        self.evidence.stale_check(
+            step,
+            due=new or step < 3 or step % _STALE_EVERY == 0,
+            holds=None if primary is None else getattr(primary.backend, "holds", None),
+        )
+        if self._row_on or new:  # on sampled steps, and for a new optimizer
             self._seen = seen
             trained = models.trained_count()
             grown = trained != self._trained
-            self.evidence.note_stale_gradients(self.state.step - 1)  # (the step that ended)
         if grown:  # an optimizer made anew or given more parameters: the model may have grown
             self._trained = trained
             for root in list(models.roots.values()):
@@ -1010,7 +1021,10 @@ class Hooks:
     def _opt_pre(
         self, optimizer: Any, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self.state.active or not self.models.counts(optimizer, self.state.backward_passes):
+        if not self.state.active:
+            return None
+        self.models.stepping(optimizer)
+        if not self.models.counts(optimizer, self.state.backward_passes):
             return None
         self.phases.optimizer_called(optimizer)
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward

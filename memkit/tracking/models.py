@@ -106,6 +106,8 @@ class TrackedModels:
         self.roots: dict[int, RootInfo] = {}
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
+        self.optimizers_seen = 0  # how many were first seen (an id reused counts anew)
+        self._stepping: dict[int, weakref.ref[Any]] = {}  # stepping(), since stepped()
         self._in_frames: list[weakref.ref[Any]] = []  # found_in_frames
         # DDP models that wrap a tracked model (their forward called it): their buckets
         self._ddp_wrappers: dict[int, weakref.ref[torch.nn.Module]] = {}
@@ -226,17 +228,21 @@ class TrackedModels:
         seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
         return seen or [o for o in (r() for r in self._in_frames) if o is not None]
 
-    def known_optimizers(self) -> list[Any]:
-        """Every optimizer alive that was given or seen stepping, counted or not (another
-        model's, one beside a given one over other parameters)."""
-        refs = [
-            *self._optimizer_refs,
-            *self.seen_optimizers.values(),
-            *(r for r, _ in self._foreign.values()),
-            *(r for r, _ in self._pending.values()),
-        ]
-        found = {id(o): o for o in (r() for r in refs) if o is not None}
-        return list(found.values())
+    def stepping(self, optimizer: Any) -> None:
+        """``optimizer`` (any, counted or not) begins a step (:meth:`stepped`)."""
+        ref = self._stepping.get(id(optimizer))
+        if ref is None or ref() is not optimizer:
+            self._stepping[id(optimizer)] = weakref.ref(optimizer)
+
+    def stepping_now(self) -> list[Any]:
+        """The optimizers alive that began a step since the last step boundary."""
+        return [o for o in (r() for r in self._stepping.values()) if o is not None]
+
+    def stepped(self) -> list[Any]:
+        """The optimizers alive that began a step since the last call (a step boundary's)."""
+        found = self.stepping_now()
+        self._stepping.clear()
+        return found
 
     def wrapped_by(self, ddp: torch.nn.Module) -> None:
         """``ddp`` (a DDP model) wraps a tracked model: its gradient buckets count."""
@@ -252,10 +258,13 @@ class TrackedModels:
         self._in_frames = [weakref.ref(o) for o in optimizers]
 
     def see_optimizer(self, optimizer: Any) -> bool:
-        """Note an optimizer stepping; whether it is the first time."""
-        if id(optimizer) in self.seen_optimizers:
+        """Note an optimizer stepping; whether it is the first time (an optimizer made where a
+        freed one was has its id: a new one)."""
+        ref = self.seen_optimizers.get(id(optimizer))
+        if ref is not None and ref() is optimizer:
             return False
         self.seen_optimizers[id(optimizer)] = weakref.ref(optimizer)
+        self.optimizers_seen += 1
         return True
 
     def frozen_model(self, module: torch.nn.Module, root: RootInfo) -> tuple[str, int, bool] | None:

@@ -88,6 +88,9 @@ class PhaseMachine:
         self.manual_steps = False
         self.step_owner: weakref.ref[Any] | None = None  # the optimizer whose steps count
         self.owner_stepped = -1  # state.backward_passes when it last stepped
+        # an optimizer first seen beside the owner, and the backward passes at its first step:
+        # it takes over at its next step if the owner did not step between (optimizer_called)
+        self._successor: tuple[weakref.ref[Any], int] | None = None
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
         self.backward_raised = False  # the last backward raised (its phase stays till the next)
@@ -274,7 +277,6 @@ class PhaseMachine:
             state.trained = True
             for dev in self.devices.records.values():
                 dev.train_peak, dev.pending, dev.breakdown = 0, None, None
-        self.evidence.confirm_stale()
         # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
         # are counted from backward passes, where the next micro-batch's forward rightly finds
         # the accumulating gradients: also when the optimizer was seen stepping before the
@@ -395,11 +397,25 @@ class PhaseMachine:
             # it, after the same backward, stays the owner)
             idle = self.owner_stepped < passes
             if owner is None or (idle and replaces(optimizer, [owner])):
-                self.step_owner = weakref.ref(optimizer)
-                self.owner_stepped = passes
-                self.evidence.facts.optimizer_name = type(optimizer).__name__
+                self._owner_is(optimizer, passes)
+            elif owner is not optimizer:
+                # another model's (a GAN's other optimizer, stepping beside the owner), or the
+                # next model's of a k-fold run whose earlier optimizers a trainer keeps alive
+                # (Accelerate's, a kept LightningModule's): told apart at its next step
+                self._successor = (weakref.ref(optimizer), passes)
             # an optimizer's parameter: the witness a module seen first (a teacher) may not be
             self.evidence.find_witness()
+        elif self._successor is not None and self._successor[0]() is optimizer:
+            first, self._successor = self._successor[1], None
+            if self.owner_stepped < first:  # the owner stepped no more since its first step
+                self._owner_is(optimizer, passes)
+                self.evidence.find_witness(self.models.stepping_now())
+
+    def _owner_is(self, optimizer: Any, passes: int) -> None:
+        """``optimizer``'s steps count from now on (``passes``: the backward passes now)."""
+        self.step_owner = weakref.ref(optimizer)
+        self.owner_stepped = passes
+        self.evidence.facts.optimizer_name = type(optimizer).__name__
 
     def optimizer_begins(self) -> None:
         """The optimizer's own work starts (its step, after any closure it was given)."""

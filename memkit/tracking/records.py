@@ -108,10 +108,11 @@ class RunFacts:
     grads_steps: int = 0  # steps whose first forward found gradients allocated
     grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
     grads_checked_step: int = 0
-    # gradients of parameters no live optimizer steps, by model: the most seen at once, and
-    # the step that saw them (``stale-gradients``)
+    # gradients of parameters no optimizer steps, by model: the most seen at once, and the
+    # step that saw them; every look's (step, bytes) (``stale-gradients``)
     stale_gradients: tuple[tuple[str, int], ...] = ()
     stale_step: int | None = None
+    stale_looks: tuple[tuple[int, int], ...] = ()
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before

@@ -544,9 +544,11 @@ class TrackReport(Result):
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
             (measured at the first three).
-        stale_gradients: ``(model, bytes)`` of gradients held by parameters that no live
-            optimizer steps, the most seen at once (sampled steps and a new optimizer's first
-            step); ``stale_step``: the step that saw them (``stale-gradients``).
+        stale_gradients: ``(model, bytes)`` of gradients held by parameters that no
+            optimizer stepped over a whole step, the most seen at once (looked for at steps
+            0-2, every 25th and where an optimizer steps for the first time); ``stale_step``:
+            the step that saw them; ``stale_looks``: ``(step, bytes)`` of each look
+            (``stale-gradients``).
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
@@ -589,6 +591,7 @@ class TrackReport(Result):
     grads_at_forward_bytes: int = 0
     stale_gradients: tuple[tuple[str, int], ...] = ()
     stale_step: int | None = None
+    stale_looks: tuple[tuple[int, int], ...] = ()
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
