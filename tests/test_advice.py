@@ -898,3 +898,16 @@ def test_eval_grad_enabled_takes_off_the_output_once_whatever_its_shape(kind):
         del out
     (found,) = [a for a in tracker.report().advice if a.code == "eval-grad-enabled"]
     assert found.saving_bytes == 64 * 128 * 4  # the ReLU's output the second Linear saved
+
+
+def test_does_not_fit_in_inference_offers_no_optimizer_or_checkpointing():
+    """Sweep WW: an inference probe or estimate that fit nothing was told to checkpoint
+    activations, take a lighter optimizer and shard optimizer state: an inference step holds
+    none of those."""
+    for card in ({}, {"total_bytes": 1 << 30, "context_bytes": 1 << 28}):
+        kw = {"batch_size": 1, "need_bytes": 2 << 30, "capacity_bytes": 1 << 30, **card}
+        infer = A.does_not_fit(mode="infer", device="cpu", **kw)  # type: ignore[arg-type]
+        train = A.does_not_fit(mode="train", device="cpu", **kw)  # type: ignore[arg-type]
+        for said in ("checkpointing", "optimizer"):
+            assert said not in infer.action and said in train.action
+        assert "quantized" in infer.action

@@ -142,6 +142,8 @@ def does_not_fit(
         context_bytes: the estimated card's CUDA context.
     """
     shard = "shard parameters and optimizer state across GPUs (FSDP/ZeRO)."
+    if mode == "infer":  # no gradients, no optimizer state, no activations kept for backward
+        shard = "shard the weights across GPUs (tensor or pipeline parallelism, FSDP)."
     if total_bytes is None or context_bytes is None:  # measured by a probe
         need = format_size(need_bytes) if need_bytes else "more"
         return Advice(
@@ -155,6 +157,10 @@ def does_not_fit(
                 "Reduce what every step holds: mixed precision (torch.autocast), activation "
                 "checkpointing (torch.utils.checkpoint), a lighter optimizer (SGD keeps no "
                 f"moments; Adam keeps two per parameter), or {shard}"
+                if mode != "infer"
+                else "Reduce what the forward holds: the weights in half precision "
+                "(`model.to(torch.bfloat16)`) or quantized (8-bit, 4-bit), a shorter input "
+                f"(sequence length, resolution), or {shard}"
             ),
             severity="critical",
         )
@@ -169,6 +175,10 @@ def does_not_fit(
         action=(
             "Use a larger card, or reduce what every step holds: mixed precision "
             f"(--amp bf16), activation checkpointing, a lighter optimizer, or {shard}"
+            if mode != "infer"
+            else "Use a larger card, or reduce what the forward holds: the weights in half "
+            "precision (--amp bf16 estimates autocast; `model.to(torch.bfloat16)` halves the "
+            f"weights too) or quantized, a shorter input, or {shard}"
         ),
         severity="critical",
     )
