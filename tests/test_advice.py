@@ -911,3 +911,27 @@ def test_does_not_fit_in_inference_offers_no_optimizer_or_checkpointing():
         for said in ("checkpointing", "optimizer"):
             assert said not in infer.action and said in train.action
         assert "quantized" in infer.action
+
+
+def test_an_oom_no_part_of_which_dominates_still_gets_advice():
+    """Sweep WW: a PPO agent ran out with activations 39%, optimizer state 24%, other 14%,
+    parameters and gradients 12% each: every post-mortem rule has its threshold, none fired,
+    and the post-mortem advised nothing. Now it says what filled the device and what to do,
+    the batch first; where a part's own rule fires, that rule alone speaks."""
+    from memkit.advice.track import oom_advice
+    from memkit.tracking.report import Breakdown, OomPostMortem
+
+    def post_mortem(bd: Breakdown) -> OomPostMortem:
+        return OomPostMortem(
+            "cpu", 1, "forward", "Sequential.1", True, True, "OutOfMemoryError: out of memory",
+            "torch.OutOfMemoryError", 30 * 1024, 580 * 1024, 0, bd.total, bd, (), None, (),
+        )  # fmt: skip
+
+    k = 1024
+    mixed = Breakdown(565 * k, 68 * k, 68 * k, 136 * k, 220 * k, 73 * k, 1, "forward", None)
+    (adv,) = oom_advice(post_mortem(mixed))
+    assert adv.code == "oom-no-dominant-part" and adv.saving_bytes is None
+    assert "activations 39%, optimizer state 24%" in adv.evidence
+    assert "lacked" in adv.evidence and "batch size" in adv.action
+    heavy = Breakdown(565 * k, 68 * k, 68 * k, 40 * k, 350 * k, 39 * k, 1, "forward", None)
+    assert "oom-no-dominant-part" not in codes(oom_advice(post_mortem(heavy)))
