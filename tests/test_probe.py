@@ -1418,6 +1418,31 @@ def test_train_step_holds_what_it_returns_as_a_loop_does():
     assert answer(lambda m, x, opt: train_step(m, x, opt).sum().item()) > held
 
 
+def test_dropout_on_the_cpu_is_said_to_keep_more_than_cudas():
+    """Sweep WW: a T5 with dropout, probed on the simulated CPU device, answered 22 where the
+    estimate for the same room answered 32, and neither said why: CPU dropout keeps a mask of
+    its input's dtype for backward (``empty_like(input).bernoulli_``), CUDA's fused
+    ``native_dropout`` a 1-byte one. The probe now says so where the model drops out."""
+
+    def net(p: float) -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.Dropout(p), torch.nn.Linear(256, 8)
+        )
+
+    def notes(p: float, mode: str = "train") -> list[str]:
+        result = probe(net(p), lambda n: torch.randn(n, 64), device="cpu", budget="4MiB",
+                       mode=mode, max_batch=64)  # fmt: skip
+        return [d for d in result.defaults if d.startswith("dropout:")]
+
+    (said,) = notes(0.1)
+    assert "1 dropout layer(s)" in said and "1-byte" in said
+    assert notes(0.0) == [] and notes(0.1, mode="infer") == []
+    x = torch.randn(8, 256, requires_grad=True)  # the fact the note rests on
+    saved = torch.nn.functional.dropout(x, 0.1, True).grad_fn._saved_other
+    assert saved.dtype == torch.float32
+    assert torch.native_dropout(x, 0.1, True)[1].dtype == torch.bool  # CUDA's kernel's mask
+
+
 def test_the_default_call_hints_only_for_the_default_steps_own_call():
     """The "takes N positional arguments" line says how the default step called the model; a
     model calling its own inner module wrongly got it too, though the step's call was fine.

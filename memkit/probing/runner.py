@@ -396,6 +396,9 @@ def probe_with(
             held.clear()
     if half_regions:
         defaults.append(_autocast_note(half_regions, backend, model_file))
+    dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else 0
+    if dropouts:
+        defaults.append(_dropout_note(dropouts, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
     if untrained:
@@ -430,6 +433,29 @@ def _autocast_note(dtypes: set[torch.dtype], backend: Backend, model_file: str |
         f"the step's torch.autocast('cuda', {said}) regions cast nothing on "
         f"{backend.device.type}: these are float32 numbers; on a GPU those regions run in "
         f"{said}, and more fits ({how})"
+    )
+
+
+def _dropouts(model: torch.nn.Module) -> int:
+    """The model's dropout layers that drop something (``p > 0``)."""
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and 0 < m.p < 1
+    )
+
+
+def _dropout_note(layers: int, backend: Backend, model_file: str | None) -> str:
+    """What the model's dropout keeps on a device that is not CUDA (its non-fused kernel)."""
+    how = (
+        f"`memkit estimate {model_file} --device-memory SIZE` runs CUDA's"
+        if model_file
+        else "memkit.estimate runs CUDA's"
+    )
+    return (
+        f"dropout: the model's {layers} dropout layer(s) keep a mask of their input's dtype on "
+        f"{backend.device.type} for backward (4 bytes an element in float32), where CUDA's "
+        f"fused kernel keeps a 1-byte one: a GPU holds less for them, and may fit more ({how})"
     )
 
 
