@@ -986,6 +986,8 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
     with pytest.raises(UserCodeError, match="meta tensors, which hold no values") as info:
         estimate(str(reads_value), device_memory="1GiB")
     assert "define train_step without it" in str(info.value)
+    # where: the user's line (sweep WW's `lengths.cpu()` for pack_padded_sequence had none)
+    assert "reads_value.py" in str(info.value) and "print(loss.item())" in str(info.value)
     # an evaluation's `loss.item()` in eval_step: the fix names eval_step (it said
     # train_step, sweep MM) and the loss_fn the estimate runs
     evaluates = tmp_path / "evaluates.py"

@@ -759,10 +759,13 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
             )
             said += (
                 ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
-                "data-dependent shapes such as nonzero or a mixture of experts' top-k routing, "
-                ".numpy()) cannot run there. Where that code is in the step only, move it out or "
-                f"define {step} without it{loss}; where it is the model's own (routing), measure "
-                f"it on the simulated device instead, which runs it: {_SIMULATED_RUN}."
+                ".cpu(), .tolist(), data-dependent shapes such as nonzero or a mixture of "
+                "experts' top-k routing, .numpy()) cannot run there. Where that code is in the "
+                f"step only, move it out or define {step} without it{loss}; a batch's lengths "
+                "that pack_padded_sequence takes on the CPU can be made there in make_batch "
+                "(device='cpu'); where it is the model's own (routing), measure it on the "
+                f"simulated device instead, which runs it: {_SIMULATED_RUN}.\n"
+                + step_traceback(exc, hide=_TORCH_META_CODE)  # where: the user's frames
             )
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
             said += (
