@@ -51,7 +51,7 @@ EXPECTED_SIGNATURES = """\
     def make_batch(batch_size[, seq_len]) -> Tensor | tuple | dict   (required)
     def build_optimizer(params) -> torch.optim.Optimizer  (optional, default AdamW)
     def loss_fn(output, batch) -> Tensor                  (optional)
-    def train_step(model, batch, optimizer) -> None       (optional)
+    def train_step(model, batch, optimizer) -> Any        (optional)
     def eval_step(model, batch) -> Any                    (optional, --mode infer)"""
 
 _REQUIRED = ("build_model", "make_batch")
@@ -181,16 +181,21 @@ def load_model_file(path: str | Path) -> ModelSpec:
     module = _execute(file, resolved)
     missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
     if missing:
-        found = sorted(
-            name
+        own = {
+            name: value
             for name, value in vars(module).items()
             if callable(value)
             and not name.startswith("_")
             and getattr(value, "__module__", None) == module.__name__
+        }
+        functions = sorted(n for n, v in own.items() if not isinstance(v, type))
+        classes = sorted(n for n, v in own.items() if isinstance(v, type))
+        found = f"found functions: {', '.join(functions) or 'none'}" + (
+            f"; classes: {', '.join(classes)}" if classes else ""
         )
         raise ModelFileError(
-            f"{path} does not define {' and '.join(missing)}; found functions: "
-            f"{', '.join(found) or 'none'}. A model file defines:\n{EXPECTED_SIGNATURES}"
+            f"{path} does not define {' and '.join(missing)}; {found}. A model file "
+            f"defines:\n{EXPECTED_SIGNATURES}"
         )
     optional: dict[str, Any] = {}
     for name in _OPTIONAL:

@@ -102,7 +102,15 @@ def test_step_bug_exits_3_with_its_traceback():
     [
         ("does_not_exist.py", ["not found", "def build_model()", "def make_batch"]),
         ("syntax_error.py", ["syntax error in", "syntax_error.py:4"]),
-        ("missing_make_batch.py", ["does not define make_batch", "make_batches", "def make_batch"]),
+        (
+            "missing_make_batch.py",
+            [
+                "does not define make_batch",
+                "make_batches",
+                "def make_batch",
+                "functions: build_model, make_batches; classes: Agent",
+            ],
+        ),
         ("build_raises.py", ["build_model() in", "IndexError", "build_raises.py", "line 6"]),
         ("bad_batch.py", ["make_batch(1)", "returned str", "expected a Tensor"]),
         ("meta_batch.py", ["make_batch(1)", "on the meta device", "no data"]),
