@@ -168,6 +168,11 @@ class Evidence:
             params: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in views]
             yield name or type(module).__name__, params
 
+    @property
+    def stale_pending(self) -> bool:
+        """Whether :meth:`stale_check` found parameters to confirm at the next boundary."""
+        return self._stale is not None
+
     def stale_check(
         self, step: int, due: bool, holds: Callable[[torch.Tensor], bool] | None
     ) -> None:
@@ -180,9 +185,7 @@ class Evidence:
         step). What optimizers still alive hold counts for nothing (a trainer that keeps each
         fold's); only those that stepped do. Each look's bytes are kept by step: the advice
         claims what was found at the last look before the peak."""
-        stepped = self.models.stepped()
-        if self._stale is None and not due:
-            return
+        stepped = self.models.stepped(since=step)
         ids = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
         pending, self._stale = self._stale, None
         facts = self.facts

@@ -329,12 +329,11 @@ class Hooks:
         seen = models.optimizers_seen
         step = self.state.step - 1  # (the step that ended)
         new = seen != self._seen
-        primary = self.devices.primary
-        self.evidence.stale_check(
-            step,
-            due=new or step < 3 or step % _STALE_EVERY == 0,
-            holds=None if primary is None else getattr(primary.backend, "holds", None),
-        )
+        due = new or step < 3 or step % _STALE_EVERY == 0
+        if due or self.evidence.stale_pending:
+            primary = self.devices.primary
+            holds = None if primary is None else getattr(primary.backend, "holds", None)
+            self.evidence.stale_check(step, due, holds)
         if self._row_on or new:  # on sampled steps, and for a new optimizer
             self._seen = seen
             trained = models.trained_count()
@@ -1023,7 +1022,7 @@ class Hooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self.state.active:
             return None
-        self.models.stepping(optimizer)
+        self.models.stepping(optimizer, self.state.step)
         if not self.models.counts(optimizer, self.state.backward_passes):
             return None
         self.phases.optimizer_called(optimizer)

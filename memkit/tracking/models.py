@@ -107,7 +107,8 @@ class TrackedModels:
         self.owners: dict[int, RootInfo] = {}
         self.seen_optimizers: dict[int, weakref.ref[Any]] = {}
         self.optimizers_seen = 0  # how many were first seen (an id reused counts anew)
-        self._stepping: dict[int, weakref.ref[Any]] = {}  # stepping(), since stepped()
+        # id -> the optimizer that began a step, and the last step it did (stepping())
+        self._stepping: dict[int, tuple[weakref.ref[Any], int]] = {}
         self._in_frames: list[weakref.ref[Any]] = []  # found_in_frames
         # DDP models that wrap a tracked model (their forward called it): their buckets
         self._ddp_wrappers: dict[int, weakref.ref[torch.nn.Module]] = {}
@@ -228,21 +229,19 @@ class TrackedModels:
         seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
         return seen or [o for o in (r() for r in self._in_frames) if o is not None]
 
-    def stepping(self, optimizer: Any) -> None:
-        """``optimizer`` (any, counted or not) begins a step (:meth:`stepped`)."""
-        ref = self._stepping.get(id(optimizer))
-        if ref is None or ref() is not optimizer:
-            self._stepping[id(optimizer)] = weakref.ref(optimizer)
+    def stepping(self, optimizer: Any, step: int) -> None:
+        """``optimizer`` (any, counted or not) begins a step in step ``step`` (:meth:`stepped`)."""
+        entry = self._stepping.get(id(optimizer))
+        if entry is not None and entry[0]() is optimizer:
+            self._stepping[id(optimizer)] = (entry[0], step)
+            return
+        if len(self._stepping) > 64:  # (the dead ones' entries)
+            self._stepping = {k: v for k, v in self._stepping.items() if v[0]() is not None}
+        self._stepping[id(optimizer)] = (weakref.ref(optimizer), step)
 
-    def stepping_now(self) -> list[Any]:
-        """The optimizers alive that began a step since the last step boundary."""
-        return [o for o in (r() for r in self._stepping.values()) if o is not None]
-
-    def stepped(self) -> list[Any]:
-        """The optimizers alive that began a step since the last call (a step boundary's)."""
-        found = self.stepping_now()
-        self._stepping.clear()
-        return found
+    def stepped(self, since: int) -> list[Any]:
+        """The optimizers alive that began a step in step ``since`` or later."""
+        return [o for ref, s in self._stepping.values() if s >= since and (o := ref()) is not None]
 
     def wrapped_by(self, ddp: torch.nn.Module) -> None:
         """``ddp`` (a DDP model) wraps a tracked model: its gradient buckets count."""

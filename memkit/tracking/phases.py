@@ -409,7 +409,7 @@ class PhaseMachine:
             first, self._successor = self._successor[1], None
             if self.owner_stepped < first:  # the owner stepped no more since its first step
                 self._owner_is(optimizer, passes)
-                self.evidence.find_witness(self.models.stepping_now())
+                self.evidence.find_witness(self.models.stepped(since=self.state.step))
 
     def _owner_is(self, optimizer: Any, passes: int) -> None:
         """``optimizer``'s steps count from now on (``passes``: the backward passes now)."""
