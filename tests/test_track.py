@@ -2236,6 +2236,40 @@ def test_two_backward_passes_through_one_forward_are_no_micro_batches_to_the_adv
     assert report.micro_batches == 2 and "micro-batches" not in adv.evidence
 
 
+def test_a_parameterless_part_called_alone_is_no_frozen_model():
+    """Sweep WW: a seq-first Transformer's greedy decode called its positional encoding (no
+    parameters) on its own, on inputs whose first dimension (the sequence) equals the training
+    batch's; it was reported as "a model no optimizer trains on the training batch". A
+    module without parameters is no model."""
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.pos = nn.Embedding(50, 32), nn.Dropout(0.1)
+            self.out = nn.Linear(32, 50)
+
+        def forward(self, src: torch.Tensor) -> torch.Tensor:
+            return self.out(self.pos(self.embed(src)))
+
+        def encode(self, src: torch.Tensor) -> torch.Tensor:  # a decode's own path
+            return self.pos(self.embed(src))
+
+    model = Seq2Seq()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            src = torch.randint(0, 50, (12, 4))  # (sequence, batch): seq-first
+            opt.zero_grad()
+            model(src).pow(2).mean().backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                model.encode(torch.randint(0, 50, (12, 64)))
+            model.train()
+    report = tracker.report()
+    assert report.frozen_model is None and report.frozen_forwards == 0
+
+
 def _swa(no_grad: bool) -> Any:
     """Stochastic weight averaging as PyTorch's SWA example writes it: an AveragedModel updated
     after each epoch from epoch 2, and its predictions on a test batch each epoch, with grad

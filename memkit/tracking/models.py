@@ -282,7 +282,9 @@ class TrackedModels:
             found = self._frozen[key]
         else:
             params = list(module.parameters())
-            if optimizers:
+            if not params:  # no model (a trained one's parameterless part called on its own:
+                frozen = False  # a positional encoding in a greedy decode)
+            elif optimizers:
                 trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
                 frozen = not any(id(p) in trained for p in params)
             else:
