@@ -1468,9 +1468,11 @@ def test_the_default_call_hints_only_for_the_default_steps_own_call():
     assert step_hint(inside.value, 2, plan) == ""
     with pytest.raises(TypeError, match=r"forward\(\) takes 2 positional") as outside:
         call_model(Inner(), [torch.randn(2, 4), torch.randn(2, 4)])
-    assert "The default step calls model(*batch) for a list batch" in step_hint(
-        outside.value, 2, plan
-    )
+    said = step_hint(outside.value, 2, plan)
+    assert "The default step calls model(*batch) for a tuple or list batch" in said
+    # (sweep WW: a speech model's (features, lengths, labels) batch unpacked into a two-input
+    # forward was told to return a tuple (inputs, labels), which does not help it)
+    assert "write a train_step(model, batch, optimizer) that calls the model as" in said
     nan = ValueError("found invalid values: tensor([[nan, nan]])")
     assert "probe from min_batch=2" in step_hint(nan, 1, plan)  # (the Python API's spelling)
     assert step_hint(nan, 4, plan) == ""

@@ -91,9 +91,12 @@ def _call_hint(exc: BaseException, plan: StepPlan) -> str:
         )
     if re.search(r"forward\(\) takes \d+ positional", text):
         return (
-            f"\n{said} model(*batch) for a list batch, and model(batch[0]) for a tuple "
-            "when forward takes one argument: return a tuple (inputs, labels) from make_batch "
-            f"(a DataLoader's batch is a list), or write {own}."
+            f"\n{said} model(*batch) for a tuple or list batch, all its items as forward's "
+            "arguments, and model(batch[0]) for a tuple when forward takes one argument: "
+            "return a tuple (inputs, labels) from make_batch for a one-input forward (a "
+            "DataLoader's batch is a list); where the batch holds more than a forward of "
+            "several inputs takes (labels, lengths for the loss), write "
+            f"{own} that calls the model as your loop does."
         )
     if re.search(r"forward\(\) missing \d+ required", text):
         return (
