@@ -80,6 +80,7 @@ class Evidence:
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
+        self._stale_again = -1  # a step stale_due looks again at (after a new optimizer)
         # what stale_check found, to confirm: (step, [(model, [parameter, ...]), ...])
         self._stale: tuple[int, list[tuple[str, list[weakref.ref[torch.Tensor]]]]] | None = None
 
@@ -168,6 +169,15 @@ class Evidence:
             params: list[torch.Tensor] = [p for p in module.parameters() if id(p) not in views]
             yield name or type(module).__name__, params
 
+    def stale_due(self, step: int, new_optimizer: bool) -> bool:
+        """Whether the end of step ``step`` looks for stale gradients: steps 0-2, every
+        :data:`_STALE_EVERY`-th, one where an optimizer stepped for the first time, and
+        :data:`_RECENT_STEPS` after that (the optimizer it replaced no longer counts as
+        stepping: a k-fold run's earlier fold)."""
+        if new_optimizer:
+            self._stale_again = step + _RECENT_STEPS
+        return new_optimizer or step < 3 or step % _STALE_EVERY == 0 or step == self._stale_again
+
     @property
     def stale_pending(self) -> bool:
         """Whether :meth:`stale_check` found parameters to confirm at the next boundary."""
@@ -179,13 +189,14 @@ class Evidence:
         """At the end of step ``step`` (``due``: look for new ones): gradients that no
         optimizer steps (models kept after their training, as a k-fold run keeps each fold's
         for an ensemble; parameters left out of the optimizer that still require grad), on
-        the device (``holds``). The parameters found are confirmed at the next boundary: no
-        optimizer stepped them over that whole step either (a GAN's discriminator, whose
-        gradients the generator's backward made, steps after the generator's step ends the
-        step). What optimizers still alive hold counts for nothing (a trainer that keeps each
-        fold's); only those that stepped do. Each look's bytes are kept by step: the advice
-        claims what was found at the last look before the peak."""
-        stepped = self.models.stepped(since=step)
+        the device (``holds``): none that an optimizer stepped in the last
+        :data:`_RECENT_STEPS` steps holds (a WGAN's generator, stepped every fifth), and
+        confirmed at the next boundary (a GAN's discriminator, whose gradients the generator's
+        backward made, steps after the generator's step ends step 0). What optimizers still
+        alive but no longer stepping hold counts for nothing (a trainer that keeps each
+        fold's). Each look's bytes are kept by step: the advice claims what was found at the
+        last look before the peak."""
+        stepped = self.models.stepped(since=step - _RECENT_STEPS + 1)
         ids = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
         pending, self._stale = self._stale, None
         facts = self.facts
@@ -589,6 +600,14 @@ def _on(t: torch.Tensor, target: torch.device) -> bool:
     return t.device.type == target.type and (
         target.index is None or t.device.index in (None, target.index)
     )
+
+
+_STALE_EVERY = 25
+"""Step boundaries between looks for stale gradients (:meth:`Evidence.stale_due`)."""
+
+_RECENT_STEPS = 10
+"""An optimizer that stepped within this many steps still steps its parameters (one stepped
+every k-th step: a WGAN's generator, SAC's policy): their gradients are not stale."""
 
 
 def _gradient_bytes(

@@ -95,10 +95,6 @@ def _off_device_region() -> object | None:
     return pack if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
-_STALE_EVERY = 25
-"""Step boundaries between looks for gradients no optimizer steps (``stale-gradients``; also
-at steps 0-2 and where an optimizer steps for the first time)."""
-
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 _BLOCK_THREADS: collections.Counter[int] = collections.Counter()
@@ -155,6 +151,7 @@ class Hooks:
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._trained = 0  # models.trained_count() when the model's names were last read
         self._seen = 0  # models.optimizers_seen then
+        self._look_now = False  # the step that begins looks for models (schedule_detail)
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -248,7 +245,7 @@ class Hooks:
         seen so far: a model first used on another step is found at the next such step.
         """
         model = self.models.model
-        look = model is None and (on or self._looks_for_models(self.state.step))
+        look = model is None and (on or self._looks_for_models(self.state.step) or self._look_now)
         layout = (on, look)
         if layout == self._layout and not force:
             return
@@ -304,6 +301,15 @@ class Hooks:
                     mod.register_forward_hook(post, always_call=True, prepend=is_fsdp_unit(mod))
                 )
 
+    def look_for_models(self) -> None:
+        """Look for models that run from now to the next step boundary (no model given): an
+        optimizer was first seen stepping beside the steps' owner, and its model (a k-fold
+        run's next one) tells whether it takes the owner's place (:meth:`PhaseMachine.
+        optimizer_called`)."""
+        if self.models.model is None and not self.models.compiled and self.state.active:
+            self._look_now = True
+            self.set_detail(self.state.detail_on)
+
     def _looks_for_models(self, step: int) -> bool:
         """Whether global hooks look for models on step ``step`` (no model given)."""
         return not self.models.compiled and step % self.module_every == 0
@@ -329,7 +335,8 @@ class Hooks:
         seen = models.optimizers_seen
         step = self.state.step - 1  # (the step that ended)
         new = seen != self._seen
-        due = new or step < 3 or step % _STALE_EVERY == 0
+        self._look_now = False  # (look_for_models: until this boundary)
+        due = self.evidence.stale_due(step, new)
         if due or self.evidence.stale_pending:
             primary = self.devices.primary
             holds = None if primary is None else getattr(primary.backend, "holds", None)

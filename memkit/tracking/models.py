@@ -229,6 +229,33 @@ class TrackedModels:
         seen = [o for o in (r() for r in self.seen_optimizers.values()) if o is not None]
         return seen or [o for o in (r() for r in self._in_frames) if o is not None]
 
+    def may_succeed(self, optimizer: Any, owner: Any, owner_since: int) -> bool:
+        """Whether ``optimizer``, first seen stepping beside the steps' ``owner`` (its steps
+        counted since ``owner_since`` backward passes), may take its place: it steps part of the
+        owner's parameters (a warm-up over all, then the head alone), or a model first seen
+        after the owner began (a k-fold run's next model). Not another model trained from the
+        start beside it (a GAN's, an actor-critic's, SAC's temperature): its steps interleave
+        with the owner's even where it steps several times in a row."""
+        held = _param_ids(optimizer)
+        if held <= _param_ids(owner):
+            return True
+        for root in list(self.roots.values()):
+            module = root.ref()
+            if module is None or root.first_pass is None or root.first_pass <= owner_since:
+                continue
+            if any(id(p) in held for p in module.parameters()):
+                return True
+        return False
+
+    def optimizes(self, module: torch.nn.Module) -> bool:
+        """Whether an optimizer known (given, or seen stepping) holds ``module``'s first
+        parameter."""
+        first = next(module.parameters(), None)
+        refs = [*self._optimizer_refs, *self.seen_optimizers.values()]
+        return first is not None and any(
+            o is not None and id(first) in _param_ids(o) for o in (r() for r in refs)
+        )
+
     def stepping(self, optimizer: Any, step: int) -> None:
         """``optimizer`` (any, counted or not) begins a step in step ``step`` (:meth:`stepped`)."""
         entry = self._stepping.get(id(optimizer))

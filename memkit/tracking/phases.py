@@ -68,6 +68,8 @@ class PhaseMachine:
 
     Attributes:
         on_step: called when a step begins (the hooks schedule module detail for it).
+        on_new_optimizer: called when an optimizer is first seen stepping beside the owner
+            (the hooks look for models until the next step boundary).
     """
 
     def __init__(
@@ -84,10 +86,12 @@ class PhaseMachine:
         self.models = models
         self.notes = notes
         self.on_step: Callable[[], None] = lambda: None
+        self.on_new_optimizer: Callable[[], None] = lambda: None
         self.step_t0 = 0.0
         self.manual_steps = False
         self.step_owner: weakref.ref[Any] | None = None  # the optimizer whose steps count
         self.owner_stepped = -1  # state.backward_passes when it last stepped
+        self.owner_since = -1  # and when it became the owner
         # an optimizer first seen beside the owner, and the backward passes at its first step:
         # it takes over at its next step if the owner did not step between (optimizer_called)
         self._successor: tuple[weakref.ref[Any], int] | None = None
@@ -146,6 +150,10 @@ class PhaseMachine:
         grad = torch.is_grad_enabled()
         training = module.training
         facts = self.evidence.facts
+        if root.first_pass is None:
+            root.first_pass = state.backward_passes
+        if root.averaged and self.models.optimizes(module):  # an AveragedModel trained
+            root.averaged = False
         facts.last_root = (training, grad)
         first = _first_tensor(args)
         facts.last_input = shape = None if first is None else tuple(map(int, first.shape))
@@ -283,15 +291,16 @@ class PhaseMachine:
         # forward, as Lightning's optimizer.step(closure) runs the last micro-batch's inside it;
         # nor at a model's first training forward: the gradients alive then are no step's of
         # its own, and its optimizer is not known yet: a k-fold run's next model, the earlier
-        # folds' models kept for an ensemble with theirs)
+        # folds' models kept for an ensemble with theirs; nor while a new optimizer may yet
+        # take the steps' ownership, which picks the witnesses anew)
         if (
             state.step > facts.grads_checked_step
             and self.models.seen_optimizers
             and not self.backward_steps
             and trained_before
         ):
-            facts.grads_checked_step = state.step
-            if not self.grads_none_at_forward:  # read by the transition just now
+            facts.grads_checked_step = state.step  # (the step's first forward only)
+            if self._successor is None and not self.grads_none_at_forward:  # (read just now)
                 facts.grads_steps += 1
                 if facts.grads_steps <= 3:  # what the advice quotes: a walk, three times
                     found = self.evidence.gradient_bytes()
@@ -399,22 +408,32 @@ class PhaseMachine:
             if owner is None or (idle and replaces(optimizer, [owner])):
                 self._owner_is(optimizer, passes)
             elif owner is not optimizer:
-                # another model's (a GAN's other optimizer, stepping beside the owner), or the
-                # next model's of a k-fold run whose earlier optimizers a trainer keeps alive
-                # (Accelerate's, a kept LightningModule's): told apart at its next step
+                # the next model's of a k-fold run whose earlier optimizers a trainer keeps
+                # alive (Accelerate's, a kept LightningModule's), or a part of the owner's
+                # parameters, may take over at its next step (its model is known by then: on a
+                # GPU too, where models are looked for from now to the next step boundary)
                 self._successor = (weakref.ref(optimizer), passes)
+                self.on_new_optimizer()
             # an optimizer's parameter: the witness a module seen first (a teacher) may not be
             self.evidence.find_witness()
         elif self._successor is not None and self._successor[0]() is optimizer:
             first, self._successor = self._successor[1], None
-            if self.owner_stepped < first:  # the owner stepped no more since its first step
+            if (  # the owner stepped no more since its first step, and it may succeed it
+                owner is not None
+                and self.owner_stepped < first
+                and self.models.may_succeed(optimizer, owner, self.owner_since)
+            ):
                 self._owner_is(optimizer, passes)
+                for dev in self.devices.records.values():
+                    # the last boundary's level: its persistent bytes, read at the next one,
+                    # would hold the new model's state made since (a rise taken for a leak)
+                    dev.growth_pending = None
                 self.evidence.find_witness(self.models.stepped(since=self.state.step))
 
     def _owner_is(self, optimizer: Any, passes: int) -> None:
         """``optimizer``'s steps count from now on (``passes``: the backward passes now)."""
         self.step_owner = weakref.ref(optimizer)
-        self.owner_stepped = passes
+        self.owner_stepped = self.owner_since = passes
         self.evidence.facts.optimizer_name = type(optimizer).__name__
 
     def optimizer_begins(self) -> None:

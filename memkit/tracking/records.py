@@ -184,7 +184,8 @@ class RootInfo:
     """What the tracker knows about one top-level module it has seen (cold path)."""
 
     __slots__ = (
-        "_sample", "_trained_param", "averaged", "keys", "model", "ref", "trained", "walked_step"
+        "_sample", "_trained_param", "averaged", "first_pass", "keys", "model", "ref", "trained",
+        "walked_step",
     )  # fmt: skip
 
     def __init__(self, module: torch.nn.Module, keys: dict[int, str | None]) -> None:
@@ -200,6 +201,7 @@ class RootInfo:
         self._trained_param: weakref.ref[torch.Tensor] | None = None
         self._sample: tuple[weakref.ref[torch.Tensor], ...] = ()
         self.trained = False  # a training forward of it ran
+        self.first_pass: int | None = None  # the backward passes at its first forward
         # an averaged copy (torch.optim.swa_utils: SWA, EMA): no optimizer ever steps it, so
         # its forwards are evaluation, in training mode with its parameters requiring grad too
         self.averaged = isinstance(module, AveragedModel)

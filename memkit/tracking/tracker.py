@@ -171,6 +171,7 @@ class Tracker:
         self.history = HistoryFile(memory_history, history_entries)
         models.on_model = self._model_found
         phases.on_step = self.hooks.schedule_detail
+        phases.on_new_optimizer = self.hooks.look_for_models
         self._device_arg = device
         self._budget = budget
         self._stack: contextlib.ExitStack | None = None
