@@ -2274,6 +2274,69 @@ def test_a_parameterless_part_called_alone_is_no_frozen_model():
     assert report.frozen_model is None and report.frozen_forwards == 0
 
 
+def test_a_critic_stepping_in_a_row_never_takes_the_generators_steps():
+    """Review 2: a WGAN-GP written generator first, its critic stepping five times after
+    each generator step (a model trained from the start beside the owner's), took the steps'
+    ownership at its second step: 60 steps for 12 iterations. The generator's steps count."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(8, 32), nn.Linear(32, 1)
+    opt_g, opt_c = torch.optim.Adam(gen.parameters()), torch.optim.Adam(critic.parameters())
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(6):
+            opt_g.zero_grad()
+            (-critic(gen(torch.randn(16, 8))).mean()).backward()
+            opt_g.step()
+            for _ in range(5):
+                opt_c.zero_grad()
+                fake = gen(torch.randn(16, 8)).detach()
+                (critic(fake).mean() - critic(torch.randn(16, 32)).mean()).backward()
+                opt_c.step()
+    assert tracker.report().steps == 6
+
+
+def test_a_trained_averaged_model_subclass_is_trained():
+    """Review 2: an AveragedModel's forwards are evaluation, but a subclass that an optimizer
+    trains had every training forward counted as evaluation."""
+    from torch.optim.swa_utils import AveragedModel
+
+    class Trained(AveragedModel):
+        pass
+
+    model = Trained(nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+    report = tracker.report()
+    assert report.steps == 3 and report.eval_forwards == 0
+    assert report.devices[0].phase_peaks["forward"] is not None
+
+
+def test_a_kfold_run_with_kept_optimizers_counts_every_fold_on_the_cuda_stand_in():
+    """On a GPU, models are found at sampled steps only: a k-fold run's next model, whose
+    optimizer takes the steps' ownership, was not known there, and only the first fold's
+    steps counted (16 of 48). Models are looked for from a new optimizer's first step on."""
+    from memkit.devices.cuda_standin import cuda_standin
+
+    kept, optimizers = [], []
+    with cuda_standin("1GiB"), track(device="cuda") as tracker:
+        for _ in range(3):
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to("cuda")
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(16):
+                opt.zero_grad()
+                model(torch.randn(16, 64).to("cuda")).pow(2).mean().backward()
+                opt.step()
+            kept.append(model)
+            optimizers.append(opt)
+        report = tracker.report()
+    assert report.steps == 48 - 2  # each later fold's first step counts with the step before
+    assert report.devices[0].leak is None  # the folds' state is no leak
+    assert report.stale_gradients
+
+
 def _swa(no_grad: bool) -> Any:
     """Stochastic weight averaging as PyTorch's SWA example writes it: an AveragedModel updated
     after each epoch from epoch 2, and its predictions on a test batch each epoch, with grad
