@@ -2337,6 +2337,60 @@ def test_a_kfold_run_with_kept_optimizers_counts_every_fold_on_the_cuda_stand_in
     assert report.stale_gradients
 
 
+def test_a_one_off_optimizer_kept_alive_does_not_silence_the_zero_grad_check():
+    """Review 3: an optimizer over another parameter that steps once (and is kept alive) was a
+    pending successor for the rest of the run, and zero-grad-keeps-grads counted 1 step of 11
+    whose forward began with the gradients. The owner stepping again ends the candidacy."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with track(device="cpu", budget="64MiB") as tracker:
+        for i in range(8):
+            x = torch.randn(16, 64)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()  # after the forward: it began with the last step's gradients
+            loss.backward()
+            opt.step()
+            if i == 0:
+                scale = nn.Parameter(torch.ones(1))
+                kept.append(torch.optim.SGD([scale], lr=0.1))
+                (scale * model(x).detach().mean()).pow(2).backward()
+                kept[-1].step()
+    report = tracker.report()
+    assert report.steps == 8 and report.steps_with_grads_at_forward == 7
+
+
+def test_an_owner_that_steps_again_takes_its_steps_back():
+    """Review 3: a policy optimizer over every parameter, then an optimizer over the value
+    head alone stepping five times in a row (a part of the owner's parameters): it took the
+    steps over for good, 40 steps for 8 iterations. The owner stepping again takes them back
+    (the first iteration's value steps after the takeover still count)."""
+
+    class ActorCritic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk, self.pi, self.v = nn.Linear(16, 64), nn.Linear(64, 4), nn.Linear(64, 1)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.trunk(x).relu()
+            return self.pi(h), self.v(h)
+
+    model = ActorCritic()
+    opt, value_opt = torch.optim.Adam(model.parameters()), torch.optim.Adam(model.v.parameters())
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(8):
+            x = torch.randn(32, 16)
+            opt.zero_grad()
+            pi, v = model(x)
+            (pi.pow(2).mean() + v.pow(2).mean()).backward()
+            opt.step()
+            for _ in range(5):
+                value_opt.zero_grad()
+                model(x)[1].pow(2).mean().backward()
+                value_opt.step()
+    assert tracker.report().steps == 8 + 4
+
+
 def _swa(no_grad: bool) -> Any:
     """Stochastic weight averaging as PyTorch's SWA example writes it: an AveragedModel updated
     after each epoch from epoch 2, and its predictions on a test batch each epoch, with grad

@@ -95,6 +95,7 @@ class PhaseMachine:
         # an optimizer first seen beside the owner, and the backward passes at its first step:
         # it takes over at its next step if the owner did not step between (optimizer_called)
         self._successor: tuple[weakref.ref[Any], int] | None = None
+        self._former: weakref.ref[Any] | None = None  # the owner a successor took over from
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
         self.backward_raised = False  # the last backward raised (its phase stays till the next)
@@ -400,6 +401,14 @@ class PhaseMachine:
         passes = self.state.backward_passes
         if owner is optimizer:
             self.owner_stepped = passes
+            if self._successor is not None:  # the owner steps on: no successor (review 3:
+                self._successor = None  # a one-off optimizer kept alive stayed pending)
+        elif self._former is not None and self._former() is optimizer:
+            # the owner a successor took over from steps again (an optimizer over a part of
+            # its parameters stepping in a row, a value head's): its steps count again
+            self._former = None
+            self._owner_is(optimizer, passes)
+            owner = optimizer
         if self.models.see_optimizer(optimizer):
             # none yet, or freed, or made anew over its parameters while it stepped no more
             # (a backward ran since its last step; one over a part of them stepping beside
@@ -423,6 +432,7 @@ class PhaseMachine:
                 and self.owner_stepped < first
                 and self.models.may_succeed(optimizer, owner, self.owner_since)
             ):
+                self._former = weakref.ref(owner)
                 self._owner_is(optimizer, passes)
                 for dev in self.devices.records.values():
                     # the last boundary's level: its persistent bytes, read at the next one,
