@@ -95,6 +95,10 @@ def _off_device_region() -> object | None:
     return pack if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
+_LOOK_EVERY = 10
+"""Steps at least between two looks for models a new optimizer asks for (a loop that makes
+one every step, a per-batch latent's, would pay a sampled step's hooks every step)."""
+
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 _BLOCK_THREADS: collections.Counter[int] = collections.Counter()
@@ -152,6 +156,7 @@ class Hooks:
         self._trained = 0  # models.trained_count() when the model's names were last read
         self._seen = 0  # models.optimizers_seen then
         self._look_now = False  # the step that begins looks for models (schedule_detail)
+        self._looked_at = -_LOOK_EVERY  # the step look_for_models last looked at
         self._engine_wrapped = False  # backward found at the autograd engine's entry
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
@@ -306,9 +311,16 @@ class Hooks:
         optimizer was first seen stepping beside the steps' owner, and its model (a k-fold
         run's next one) tells whether it takes the owner's place (:meth:`PhaseMachine.
         optimizer_called`)."""
-        if self.models.model is None and not self.models.compiled and self.state.active:
+        state = self.state
+        if (
+            self.models.model is None
+            and not self.models.compiled
+            and state.active
+            and state.step >= self._looked_at + _LOOK_EVERY  # (a new optimizer every step)
+        ):
+            self._looked_at = state.step
             self._look_now = True
-            self.set_detail(self.state.detail_on)
+            self.set_detail(state.detail_on)
 
     def _looks_for_models(self, step: int) -> bool:
         """Whether global hooks look for models on step ``step`` (no model given)."""
