@@ -337,9 +337,18 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         )
     elif offered:
         cut = _cut_words(k, samples)
+        unknown = (  # no optimizer step ran to show how many micro-batches a step runs
+            pm.step == 0 and (pm.setup is None or pm.setup.accumulation_steps is None)
+        )
         accumulate = (
             f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps (same "
-            "effective batch)"
+            "effective batch"
+            + (
+                f"; {k} times the micro-batches a step already accumulates, if your loop "
+                "accumulates: no optimizer step had run to show it)"
+                if unknown
+                else ")"
+            )
         )
     else:
         accumulate = ""
