@@ -935,3 +935,25 @@ def test_an_oom_no_part_of_which_dominates_still_gets_advice():
     assert "lacked" in adv.evidence and "batch size" in adv.action
     heavy = Breakdown(565 * k, 68 * k, 68 * k, 40 * k, 350 * k, 39 * k, 1, "forward", None)
     assert "oom-no-dominant-part" not in codes(oom_advice(post_mortem(heavy)))
+
+
+def test_a_large_request_outside_the_models_modules_is_named():
+    """Sweep XX: a 16 MiB logging buffer made after the loss on a 32 MiB device ran out; the
+    only advice was to switch AdamW for SGD, which, applied, ran out in backward. A failed
+    request made outside the modules that alone is a quarter of the device or more, and half
+    of what was held, is the thing to look at; not where a module made it."""
+    from memkit.advice.track import oom_advice
+    from memkit.tracking.report import Breakdown, OomPostMortem
+
+    def post_mortem(module: str | None, tried: int) -> OomPostMortem:
+        bd = Breakdown(17 * MiB, 5 * MiB, 0, 10 * MiB, 2 * MiB, 0, 2, "forward", module)
+        return OomPostMortem(
+            "cpu", 2, "forward", module, True, True, "OutOfMemoryError: out of memory",
+            "torch.OutOfMemoryError", tried, 32 * MiB, 0, bd.total, bd, (), None, (),
+        )  # fmt: skip
+
+    (adv,) = [a for a in oom_advice(post_mortem(None, 16 * MiB)) if a.code == "oom-large-request"]
+    assert "16.00 MiB failed: 50% of the 32.00 MiB device" in adv.evidence
+    assert "outside any module" in adv.evidence and adv.saving_bytes is None
+    assert "oom-large-request" not in codes(oom_advice(post_mortem("fc1", 16 * MiB)))
+    assert "oom-large-request" not in codes(oom_advice(post_mortem(None, 4 * MiB)))

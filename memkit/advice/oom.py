@@ -57,6 +57,7 @@ def oom_advice(
     if bd is not None and bd.total > 0:
         share = {name: value / bd.total for name, value in bd.parts()}
         found = (
+            oom_large_request(pm, bd),
             oom_activations(pm, bd, share),
             oom_optimizer_state(bd, share, pm),
             oom_parameters(pm, bd, share),
@@ -68,6 +69,36 @@ def oom_advice(
             out.append(oom_no_dominant_part(pm, bd, share))
     out.extend(message_advice(pm, reserved_unallocated, details))
     return out
+
+
+def oom_large_request(pm: OomPostMortem, bd: Breakdown) -> Advice | None:
+    """``oom-large-request``: the request that failed was made outside the model's modules
+    (the loss, or the script's own code) and alone is at least a quarter of the device and
+    half of what was held: one tensor, not the step's parts, is the thing to look at (sweep
+    XX: a 16 MiB logging buffer on a 32 MiB device was told to switch optimizer, which did
+    not fit either)."""
+    tried, capacity = pm.tried_to_allocate or 0, pm.capacity
+    if (
+        pm.module is not None
+        or pm.phase not in ("forward", "backward", "other")
+        or capacity is None
+        or tried < capacity / 4
+        or tried < bd.total / 2
+    ):
+        return None
+    return Advice(
+        code="oom-large-request",
+        title="one request outside the model's modules filled the device",
+        evidence=f"At {pm.where}, a single request of {format_size(tried)} failed: "
+        f"{100 * tried / capacity:.0f}% of the {format_size(capacity)} device, beside the "
+        f"{format_size(bd.total)} the step held. No module of the model made it: the loss or "
+        "the script's own code did (the traceback's line).",
+        action="Look at the line that made it: a logging or metrics buffer, a batch-sized "
+        "mask or a full-vocabulary loss made at once. Make it smaller (per chunk), keep it "
+        "on the CPU, or compute it from a smaller batch.",
+        saving_bytes=None,
+        severity="critical",
+    )
 
 
 def oom_no_dominant_part(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice:
