@@ -957,3 +957,21 @@ def test_a_large_request_outside_the_models_modules_is_named():
     assert "outside any module" in adv.evidence and adv.saving_bytes is None
     assert "oom-large-request" not in codes(oom_advice(post_mortem("fc1", 16 * MiB)))
     assert "oom-large-request" not in codes(oom_advice(post_mortem(None, 4 * MiB)))
+
+
+def test_an_evaluation_oom_bounds_the_evaluation_batch():
+    """Sweep XX: 1000 test images ran out at conv1 and oom-eval gave no size to lower the
+    evaluation batch to (40 fit at 32 MiB). It now bounds it from above: what the pass held
+    beyond the persistent memory, and the failed request, scale with the batch."""
+    from memkit.advice.track import oom_advice
+    from memkit.tracking.report import Breakdown, OomPostMortem
+
+    bd = Breakdown(22 * MiB, 5 * MiB, 5 * MiB, 9 * MiB, 3 * MiB, 0, 4, "eval", "conv1")
+    pm = OomPostMortem(
+        "cpu", 4, "eval", "conv1", False, False, "OutOfMemoryError: out of memory",
+        "torch.OutOfMemoryError", 83 * MiB, 32 * MiB, 0, bd.total, bd, (), None, (),
+        input_shape=(1000, 1, 28, 28),
+    )  # fmt: skip
+    (adv,) = [a for a in oom_advice(pm) if a.code == "oom-eval"]
+    # (32 - 19) MiB of room for (3 + 83) MiB per 1000 samples
+    assert f"No evaluation batch above about {13 * 1000 // 86} of these 1000 fits" in adv.evidence

@@ -176,13 +176,43 @@ def oom_in_evaluation(pm: OomPostMortem) -> Advice:
         code="oom-eval",
         title="out of memory in an evaluation pass",
         evidence=f"It failed at {pm.where}{batch}. {kept} Gradient accumulation does not apply "
-        "to evaluation.",
+        f"to evaluation.{_eval_batch_bound(pm)}",
         action="Lower the evaluation batch size (a loader of its own, e.g. `--test-batch-size`): "
         "it is independent of the training batch. Run evaluation under "
         "`torch.inference_mode()` (or `torch.no_grad()`) with `model.eval()`, and move what you "
         "keep of its outputs to the CPU.",
         saving_bytes=None,
         severity="critical",
+    )
+
+
+def _eval_batch_bound(pm: OomPostMortem) -> str:
+    """The largest evaluation batch that could fit, from the failure: what the pass held
+    beyond the model's persistent memory and the request that failed scale with the batch
+    (the batch itself among them), the rest does not; the layers after the failing one add
+    more, so it is an upper bound (sweep XX: 1000 test images ran out at conv1; 40 fit)."""
+    bd, shape, capacity = pm.breakdown, pm.input_shape, pm.capacity
+    if bd is None or not shape or capacity is None or shape[0] < 2:
+        return ""
+    samples = shape[0]
+    fixed = bd.parameters + bd.gradients + bd.optimizer_state
+    scaled = bd.total - fixed + (pm.tried_to_allocate or 0)
+    if scaled <= 0:
+        return ""
+    most = (capacity - fixed) * samples // scaled
+    if most >= samples:
+        return ""
+    if most < 1:
+        return (
+            f" Beside the {format_size(fixed)} of parameters, gradients and optimizer state "
+            "held, not one sample fits: free the gradients (`zero_grad(set_to_none=True)`) "
+            "before evaluating."
+        )
+    return (
+        f" No evaluation batch above about {most} of these {samples} fits: what the pass held "
+        "beyond the parameters, gradients and optimizer state, and the request that failed, "
+        "scale with the batch; the layers after the one that failed add more (`memkit probe "
+        "--mode infer` finds the largest that fits)."
     )
 
 
