@@ -957,6 +957,14 @@ def test_a_large_request_outside_the_models_modules_is_named():
     assert "outside any module" in adv.evidence and adv.saving_bytes is None
     assert "oom-large-request" not in codes(oom_advice(post_mortem("fc1", 16 * MiB)))
     assert "oom-large-request" not in codes(oom_advice(post_mortem(None, 4 * MiB)))
+    # an LM's loss over the logits it holds (review 4): the activations' rule speaks
+    lm = Breakdown(150 * MiB, 5 * MiB, 0, 10 * MiB, 130 * MiB, 5 * MiB, 2, "forward", None)
+    loss = dataclasses.replace(post_mortem(None, 125 * MiB), breakdown=lm, capacity=200 * MiB)
+    assert "oom-large-request" not in codes(oom_advice(loss))
+    # a capacity of 0 (set_per_process_memory_fraction(0)'s message) raised ZeroDivisionError
+    assert "oom-large-request" not in codes(
+        oom_advice(dataclasses.replace(post_mortem(None, 16 * MiB), capacity=0))
+    )
 
 
 def test_an_evaluation_oom_bounds_the_evaluation_batch():
@@ -973,5 +981,9 @@ def test_an_evaluation_oom_bounds_the_evaluation_batch():
         input_shape=(1000, 1, 28, 28),
     )  # fmt: skip
     (adv,) = [a for a in oom_advice(pm) if a.code == "oom-eval"]
-    # (32 - 19) MiB of room for (3 + 83) MiB per 1000 samples
-    assert f"No evaluation batch above about {13 * 1000 // 86} of these 1000 fits" in adv.evidence
+    # (32 - 19) MiB of room for (3 + 83) MiB per 1000 samples; an upper bound only where memory
+    # grows in proportion to the first dimension (review 4: a seq-first LSTM's, an in-batch
+    # similarity matrix's do not), and the text says so
+    assert f"no evaluation batch above about {13 * 1000 // 86} fits" in adv.evidence
+    assert "first dimension (1000: the batch, for most models)" in adv.evidence
+    assert "sequence-first input" in adv.evidence

@@ -2654,7 +2654,7 @@ def test_the_trainers_settings_reach_the_advice_before_a_step_shows_them():
     assert "accumulate gradients over 2 steps" in untold.action
     # (sweep XX: nanoGPT, accumulating over 2 already, ran out in its first micro-batch and
     # was told to accumulate over 2: followed, that halves its effective batch)
-    assert "2 times the micro-batches a step already accumulates" in untold.action
+    assert "2 times what your loop already accumulates, if it does" in untold.action
     assert "torch.utils.checkpoint" in untold.action
     with pytest.raises(ConfigError, match=r"accumulation_steps: expected a whole number of micro"):
         track(nn.Linear(2, 2), device="cpu").trainer_settings(accumulation_steps=0)

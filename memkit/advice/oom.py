@@ -73,17 +73,19 @@ def oom_advice(
 
 def oom_large_request(pm: OomPostMortem, bd: Breakdown) -> Advice | None:
     """``oom-large-request``: the request that failed was made outside the model's modules
-    (the loss, or the script's own code) and alone is at least a quarter of the device and
-    half of what was held: one tensor, not the step's parts, is the thing to look at (sweep
-    XX: a 16 MiB logging buffer on a 32 MiB device was told to switch optimizer, which did
-    not fit either)."""
+    (the loss, or the script's own code) and alone is at least a quarter of the device, half
+    of what was held and twice the activations held: one tensor, not the step's parts, is
+    the thing to look at (sweep XX: a 16 MiB logging buffer on a 32 MiB device was told to
+    switch optimizer, which did not fit either). Not a loss over logits the step holds (a
+    large vocabulary's): that is the activations' rule's."""
     tried, capacity = pm.tried_to_allocate or 0, pm.capacity
     if (
         pm.module is not None
         or pm.phase not in ("forward", "backward", "other")
-        or capacity is None
+        or not capacity
         or tried < capacity / 4
         or tried < bd.total / 2
+        or tried < 2 * bd.activations  # (an LM's loss over its logits: oom-activations')
     ):
         return None
     return Advice(
@@ -94,8 +96,8 @@ def oom_large_request(pm: OomPostMortem, bd: Breakdown) -> Advice | None:
         f"{format_size(bd.total)} the step held. No module of the model made it: the loss or "
         "the script's own code did (the traceback's line).",
         action="Look at the line that made it: a logging or metrics buffer, a batch-sized "
-        "mask or a full-vocabulary loss made at once. Make it smaller (per chunk), keep it "
-        "on the CPU, or compute it from a smaller batch.",
+        "mask, a tensor made at full size at once. Make it smaller (per chunk), keep it on "
+        "the CPU, or compute it from a smaller batch.",
         saving_bytes=None,
         severity="critical",
     )
@@ -192,7 +194,7 @@ def _eval_batch_bound(pm: OomPostMortem) -> str:
     (the batch itself among them), the rest does not; the layers after the failing one add
     more, so it is an upper bound (sweep XX: 1000 test images ran out at conv1; 40 fit)."""
     bd, shape, capacity = pm.breakdown, pm.input_shape, pm.capacity
-    if bd is None or not shape or capacity is None or shape[0] < 2:
+    if bd is None or not shape or not capacity or shape[0] < 2:
         return ""
     samples = shape[0]
     fixed = bd.parameters + bd.gradients + bd.optimizer_state
@@ -203,16 +205,23 @@ def _eval_batch_bound(pm: OomPostMortem) -> str:
     if most >= samples:
         return ""
     if most < 1:
+        free = (
+            "free the gradients and optimizer state held from training "
+            "(`zero_grad(set_to_none=True)`) before evaluating"
+            if bd.gradients or bd.optimizer_state
+            else "the weights need less room (half precision, quantized) or a larger device"
+        )
         return (
             f" Beside the {format_size(fixed)} of parameters, gradients and optimizer state "
-            "held, not one sample fits: free the gradients (`zero_grad(set_to_none=True)`) "
-            "before evaluating."
+            f"held, not one sample fits: {free}."
         )
     return (
-        f" No evaluation batch above about {most} of these {samples} fits: what the pass held "
-        "beyond the parameters, gradients and optimizer state, and the request that failed, "
-        "scale with the batch; the layers after the one that failed add more (`memkit probe "
-        "--mode infer` finds the largest that fits)."
+        f" If the memory grows in proportion to the input's first dimension ({samples}: the "
+        f"batch, for most models), no evaluation batch above about {most} fits: what the pass "
+        "held beyond the parameters, gradients and optimizer state, and the request that "
+        "failed, scale with it, and the layers after the one that failed add more. A "
+        "sequence-first input or a batch-by-batch matrix (in-batch similarity) breaks that: "
+        "`memkit probe --mode infer` finds the largest that fits."
     )
 
 
@@ -404,12 +413,7 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         accumulate = (
             f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps (same "
             "effective batch"
-            + (
-                f"; {k} times the micro-batches a step already accumulates, if your loop "
-                "accumulates: no optimizer step had run to show it)"
-                if unknown
-                else ")"
-            )
+            + (f"; {k} times what your loop already accumulates, if it does)" if unknown else ")")
         )
     else:
         accumulate = ""
