@@ -987,3 +987,20 @@ def test_an_evaluation_oom_bounds_the_evaluation_batch():
     assert f"no evaluation batch above about {13 * 1000 // 86} fits" in adv.evidence
     assert "first dimension (1000: the batch, for most models)" in adv.evidence
     assert "sequence-first input" in adv.evidence
+
+
+def test_weights_that_are_half_of_what_was_held_but_not_of_what_was_needed_are_not_blamed():
+    """Review 4: an evaluation's 80 MiB request failed beside 5 MiB of weights and 3 MiB of
+    activations on 64 MiB, and oom-parameters said the weights take most of the device."""
+    from memkit.advice.track import oom_advice
+    from memkit.tracking.report import Breakdown, OomPostMortem
+
+    def post_mortem(tried: int) -> OomPostMortem:
+        bd = Breakdown(8 * MiB, 5 * MiB, 0, 0, 3 * MiB, 0, 3, "eval", "conv1")
+        return OomPostMortem(
+            "cpu", 3, "eval", "conv1", False, False, "OutOfMemoryError: out of memory",
+            "torch.OutOfMemoryError", tried, 64 * MiB, 0, bd.total, bd, (), None, (),
+        )  # fmt: skip
+
+    assert "oom-parameters" not in codes(oom_advice(post_mortem(80 * MiB)))
+    assert "oom-parameters" in codes(oom_advice(post_mortem(1 * MiB)))

@@ -555,8 +555,13 @@ def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) ->
     step fit where they are less than what the failure lacked (:func:`_batch_cannot_fit`,
     and ``oom-frozen-model`` then proposes no smaller batch either); else it may, as the
     rules proposing a smaller micro-batch (``oom-activations``, ``oom-frozen-model``,
-    ``oom-batch``) say."""
-    if share["parameters"] < 0.5:
+    ``oom-batch``) say. Also half of the device, or of what the step needed at least where
+    that is less (what was allocated and the request that failed): review 4's evaluation
+    request of 80 MiB beside 5 MiB of weights and 3 MiB of activations on 64 MiB was told
+    that the weights take most of the device."""
+    needed = bd.total + (pm.tried_to_allocate or 0)
+    room = needed if not pm.capacity else min(pm.capacity, needed)
+    if share["parameters"] < 0.5 or bd.parameters < 0.5 * room:
         return None
     lacked = _lacked(pm, bd)
     activations = (
