@@ -602,8 +602,11 @@ class Tracker:
         sim, state = self.devices.sim, self.state
         if sim is None or not state.active:
             return
-        with state.lock:
-            sim.track(batch, inputs=True)
+        try:
+            with state.lock:
+                sim.track(batch, inputs=True)
+        except Exception:  # memkit's own failure never reaches the training loop
+            log.debug("counting the batch failed", exc_info=True)
 
     def steps_since(self, step: int) -> list[StepRecord]:
         """The tracked device's records of the steps numbered ``step`` and later (cheap: for a
