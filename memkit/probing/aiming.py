@@ -208,15 +208,49 @@ class ModelStrategy:
         self.aimed_with = -1  # number of fitting points when the bracket was last aimed into
         self.near_missed = False  # a size said to be one too many by the free memory fit
         self.near_lo: int | None = None  # the largest fit the last near step started from
+        self.aimed_limit: int | None = None  # run because a trusted line said it is the limit
+        self.after_check: int | None = None  # the step a check of the size after it came before
+        self.aim_missed = False  # that check fit: the line reads low, do not check again
 
     def __call__(self, s: Bracket) -> int:
         if s.lo is None:  # `start` failed: bisect down towards min_batch
             return plain_next(s)
-        lo = s.lo
+        last = s.trials[-1]
+        aimed, self.aimed_limit = self.aimed_limit, None
+        later, self.after_check = self.after_check, None
+        if later is not None and last.fits:
+            self.aim_missed = True  # the line reads low: take the step the check came before
+            return max(later, s.lo + 1)
         predicted, trusted, points = _aim(s, self.capacity)
         near = self._near(s, points, predicted)
         if near is not None:
             return near
+        proposal = self._step(s, predicted, trusted, points)
+        if (
+            last.fits
+            and last.batch_size == aimed
+            and not self.aim_missed
+            and s.gap() > 0
+            and proposal > aimed + 1
+        ):
+            # The smooth peaks said this is the limit and it fit; the peak that decides says
+            # there is room for more, but the next size may need a new allocator segment that
+            # no smooth peak shows (GPT-2 on the H200: 636 needed a 330 MB block after 635 fit
+            # with 316 MB reserved free). Check the next size before that step.
+            self.after_check = proposal
+            return aimed + 1
+        return proposal
+
+    def _step(
+        self,
+        s: Bracket,
+        predicted: float | None,
+        trusted: bool,
+        points: Sequence[tuple[int, int]],
+    ) -> int:
+        """The next size from the line (or the bracket), once no near step applies."""
+        assert s.lo is not None
+        lo = s.lo
         if s.hi is None:  # growing
             proposal = self._grow(lo, predicted, trusted, len(points))
             grid = self.reference.next_size(lo)
@@ -338,6 +372,8 @@ class ModelStrategy:
         if trusted:
             proposal = min(limit, lo * TRUSTED_GROWTH)
             self.aimed_with = fitted
+            if proposal == limit and limit <= 4 * lo:  # (not a line read at a few samples)
+                self.aimed_limit = limit
         else:
             proposal = min(lo * GROWTH, math.floor((lo + predicted) / 2))
         creeping = (limit <= lo and self.said_limit) or (

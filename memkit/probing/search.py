@@ -61,7 +61,12 @@ Guarantees of :func:`search_max_batch` (and of the reference :func:`doubling_bis
   allocated peak, where the reserved peak that decides the fit moves in 2 and 20 MiB allocator
   segments); the search then aims with the smooth one, at the capacity less the gap between
   the two measured at the largest fit and growing as it grew over a wide span below it
-  (:meth:`~memkit.probing.bracket.Bracket.gap_slope`), and decides with the other.
+  (:meth:`~memkit.probing.bracket.Bracket.gap_slope`), and decides with the other. Where a
+  trusted line said a size is the limit (at most 4 times the largest fit before it) and it fit,
+  but the peak that decides shows room for more, the next size is run before the step into
+  that room: a new allocator block right after the limit shows in no smooth peak (GPT-2 on
+  an H200 paid 5 OOM trials growing into 0.3 GB that one more sample could not use). Where
+  that check fits, the planned step follows and no aim is checked again.
 
   On a linear curve: 6 trials for limits up to 16384 (1, 2, 4, a jump capped at 64x, the
   limit, one more), 7 up to 2**20. The tests run every limit from 1 to 1024, 19 chosen ones
