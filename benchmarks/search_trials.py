@@ -23,6 +23,11 @@ fit's reserved peak and the recorded failures' bytes (their own slope beyond the
 least the capacity plus one; ``None`` when no failure recorded its bytes). The
 search aims with the allocated peak and decides with the reserved one, as on the device. It
 prints ``trials N, answer B`` and the sizes run.
+
+``--recorded FILE --after-failure`` prints, for each record, what the search ran after its first
+failure against three plain ways of closing the same bracket that use fit/no fit only (which an
+allocator's blocks leave as the only sure reading): bisection, a split a quarter of the way up
+from the largest fit, and galloping up from it (1, 2, 4 ... sizes) then bisecting.
 """
 
 from __future__ import annotations
@@ -158,6 +163,61 @@ def replay(record: dict, module: str) -> tuple[int, int | None, list[int]]:
     return len(oracle.calls), result.max_batch_size, oracle.calls
 
 
+def _close(lo: int, hi: int, limit: int, step: Callable[[int, int, int], int]) -> tuple[int, int]:
+    """``(trials, failures)`` closing the bracket ``(lo, hi)`` on a limit, ``step`` choosing."""
+    trials = failures = 0
+    run = 0  # sizes galloped so far (for the gallop)
+    while hi - lo > 1:
+        b = min(max(step(lo, hi, run), lo + 1), hi - 1)
+        trials, run = trials + 1, run + 1
+        if b <= limit:
+            lo = b
+        else:
+            hi, failures = b, failures + 1
+    return trials, failures
+
+
+CLOSERS: dict[str, Callable[[int, int, int], int]] = {
+    "bisection": lambda lo, hi, run: (lo + hi) // 2,
+    "quarter": lambda lo, hi, run: lo + (hi - lo) // 4,
+}
+
+
+def _gallop(lo: int, hi: int, limit: int) -> tuple[int, int]:
+    trials, step = 0, 1
+    while hi - lo > 1:
+        b, trials = min(lo + step, hi - 1), trials + 1
+        if b > limit:
+            rest = _close(lo, b, limit, CLOSERS["bisection"])
+            return trials + rest[0], 1 + rest[1]
+        lo, step = b, step * 2
+    return trials, 0
+
+
+def _print_after_failure(records: dict[str, dict], module: str) -> None:
+    names = ("search", "bisection", "quarter", "gallop")
+    print(f"{'record':<28} {'bracket':>14} {'answer':>6}  " + "  ".join(f"{n:>10}" for n in names))
+    totals = dict.fromkeys(names, (0, 0))
+    for name, record in records.items():
+        _, answer, sizes = replay(record, module)
+        assert answer is not None
+        first = next((i for i, b in enumerate(sizes) if b > answer), None)
+        if first is None:
+            continue
+        lo, hi = max(b for b in sizes[:first] if b <= answer), sizes[first]
+        after = sizes[first + 1 :]
+        row = {
+            "search": (len(after), sum(b > answer for b in after)),
+            **{n: _close(lo, hi, answer, f) for n, f in CLOSERS.items()},
+            "gallop": _gallop(lo, hi, answer),
+        }
+        totals = {n: (totals[n][0] + row[n][0], totals[n][1] + row[n][1]) for n in names}
+        cells = "  ".join(f"{t:>4} ({o} x)" for t, o in row.values())
+        print(f"{name:<28} {f'({lo}, {hi})':>14} {answer:>6}  {cells}")
+    cells = "  ".join(f"{t:>4} ({o} x)" for t, o in totals.values())
+    print(f"{'total (trials, failures)':<28} {'':>14} {'':>6}  {cells}")
+
+
 def _print_replay(record: dict, module: str) -> None:
     trials, answer, sizes = replay(record, module)
     recorded = " ".join(f"{t['batch_size']}{'' if t['fits'] else 'x'}" for t in record["trials"])
@@ -172,14 +232,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--module", default="memkit.probing.search")
     parser.add_argument("--recorded", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--after-failure", action="store_true")
     args = parser.parse_args()
+    if args.after_failure and args.recorded is None:
+        parser.error("--after-failure needs --recorded FILE")
     if args.recorded is not None and not args.recorded.is_file():
         parser.error(f"--recorded {args.recorded}: no such file (expected a probe's --json output, "
                      "e.g. tests/fixtures/h200_probe_nanogpt_call1.json)")  # fmt: skip
     if args.recorded is not None:
         data = json.loads(args.recorded.read_text())
         sweep = {f"seq_len {r['seq_len']}": r for r in data.get("seq_lens", ())}  # --seq-len
-        for name, record in (sweep or data.get("cases", {"": data})).items():
+        records = sweep or data.get("cases", {"": data})
+        if args.after_failure:
+            _print_after_failure(records, args.module)
+            return
+        for name, record in records.items():
             if name:
                 print(f"{name}: {record.get('command', '')}")
             _print_replay(record, args.module)
