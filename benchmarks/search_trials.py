@@ -24,6 +24,12 @@ least the capacity plus one; ``None`` when no failure recorded its bytes). The
 search aims with the allocated peak and decides with the reserved one, as on the device. It
 prints ``trials N, answer B`` and the sizes run.
 
+``--two-measures N`` runs N random curves with a smooth (allocated) peak under a deciding
+(reserved) one, as on CUDA: a per-sample cost, a gap between the two that grows and then stops,
+the reserved peak rounded to 1 B, 2 MiB or 20 MiB, and sometimes a 50-400 MiB block from one
+size on (often the limit's next); it prints the search's trials and OOM trials against doubling
++ bisection's (seeded: the same curves every run).
+
 ``--recorded FILE --after-failure`` prints, for each record, what the search ran after its first
 failure against three plain ways of closing the same bracket that use fit/no fit only (which an
 allocator's blocks leave as the only sure reading): bisection, a split a quarter of the way up
@@ -40,6 +46,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MIB = 1 << 20
 LIMITS = (7, 100, 1000, 4097, 6000, 8191, 100_000)
@@ -218,6 +225,58 @@ def _print_after_failure(records: dict[str, dict], module: str) -> None:
     print(f"{'total (trials, failures)':<28} {'':>14} {'':>6}  {cells}")
 
 
+def two_measures(seed: int) -> tuple[Callable[[int], tuple[bool, int, None, int | None]], int]:
+    """``(oracle, capacity)`` of one random two-measure curve (see the module docstring)."""
+    rng = random.Random(seed)
+    per = rng.choice([20_000, 40_000, 100_000, 1_000_000, 12_000_000])
+    fixed = rng.choice([100, 300, 900]) * MIB
+    gap_slope, gap_until = rng.choice([0, per // 4, per // 2]), rng.choice([64, 256, 1000, 1 << 40])
+    block, step = rng.choice([0, 50, 200, 400]) * MIB, rng.choice([1, 2 * MIB, 20 * MIB])
+    limit = rng.randint(3, 20000)
+    block_at = limit + rng.choice([1, 1, 2, 5, 50, 1 << 40])
+
+    def reserved(b: int) -> int:
+        r = fixed + per * b + 10 * MIB + gap_slope * min(b, gap_until)
+        return -(-r // step) * step + (block if b >= block_at else 0)
+
+    capacity = reserved(limit) + rng.choice([0, per // 3, 3 * per, 50 * per])
+
+    def fits(b: int) -> tuple[bool, int, None, int | None]:
+        ok = reserved(b) <= capacity
+        return ok, reserved(b), None, (fixed + per * b) if ok else None
+
+    return fits, capacity
+
+
+def _recording(fits: Callable[[int], Any]) -> tuple[Callable[[int], Any], list[int]]:
+    """``fits``, and the list of the sizes it is called with."""
+    calls: list[int] = []
+
+    def recorded(b: int) -> Any:
+        calls.append(b)
+        return fits(b)
+
+    return recorded, calls
+
+
+def _print_two_measures(n: int, module: str) -> None:
+    mod = importlib.import_module(module)
+    trials = ooms = over = ref_trials = ref_ooms = 0
+    for seed in range(n):
+        fits, capacity = two_measures(seed)
+        ours, calls = _recording(fits)
+        theirs, ref = _recording(lambda b, fits=fits: fits(b)[:2])
+        result = mod.search_max_batch(ours, capacity_bytes=capacity)
+        plain = mod.doubling_bisection(theirs)
+        answer = result.max_batch_size
+        assert answer == plain.max_batch_size and len(calls) == len(set(calls)), seed
+        failed = sum(b > answer for b in calls)
+        trials, ooms, over = trials + len(calls), ooms + failed, over + (failed > 2)
+        ref_trials, ref_ooms = ref_trials + len(ref), ref_ooms + sum(b > answer for b in ref)
+    print(f"{n} two-measure curves: search {trials} trials, {ooms} OOM ({over} searches above 2); "
+          f"doubling + bisection {ref_trials} trials, {ref_ooms} OOM")  # fmt: skip
+
+
 def _print_replay(record: dict, module: str) -> None:
     trials, answer, sizes = replay(record, module)
     recorded = " ".join(f"{t['batch_size']}{'' if t['fits'] else 'x'}" for t in record["trials"])
@@ -233,7 +292,11 @@ def main() -> None:
     parser.add_argument("--module", default="memkit.probing.search")
     parser.add_argument("--recorded", type=Path, default=None, metavar="FILE")
     parser.add_argument("--after-failure", action="store_true")
+    parser.add_argument("--two-measures", type=int, default=0, metavar="N")
     args = parser.parse_args()
+    if args.two_measures:
+        _print_two_measures(args.two_measures, args.module)
+        return
     if args.after_failure and args.recorded is None:
         parser.error("--after-failure needs --recorded FILE")
     if args.recorded is not None and not args.recorded.is_file():

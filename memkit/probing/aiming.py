@@ -8,6 +8,7 @@ a wrong aim could cost more (:class:`memkit.probing.reference.Reference`). Torch
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Sequence
@@ -178,6 +179,16 @@ def _convex_consistent(points: Sequence[tuple[int, int]]) -> bool:
     return (p2 - p1) / (b2 - b1) >= (p2 - p0) / (b2 - b0)
 
 
+def _without(s: Bracket, size: int) -> Bracket:
+    """The bracket as if ``size`` (a check that fit) had not been run: its peak, one sample
+    from the aim's, adds no slope, and every later step is the one the search would take
+    without it (one that proposes ``size`` runs the size after it)."""
+    view = copy.copy(s)
+    view.trials = [t for t in s.trials if t.batch_size != size]
+    view.lo = max((t.batch_size for t in view.trials if t.fits), default=None)
+    return view
+
+
 def _collinear(points: Sequence[tuple[int, int]]) -> bool:
     """Whether three or more points all lie exactly on one line (exact integer arithmetic)."""
     n = len(points)
@@ -209,36 +220,45 @@ class ModelStrategy:
         self.near_missed = False  # a size said to be one too many by the free memory fit
         self.near_lo: int | None = None  # the largest fit the last near step started from
         self.aimed_limit: int | None = None  # run because a trusted line said it is the limit
-        self.after_check: int | None = None  # the step a check of the size after it came before
-        self.aim_missed = False  # that check fit: the line reads low, do not check again
+        self.checked: int | None = None  # the size after it, run once to check that
+        self.after_check: int | None = None  # the step the check came before
 
     def __call__(self, s: Bracket) -> int:
+        if self.checked is not None:
+            s = _without(s, self.checked)
         if s.lo is None:  # `start` failed: bisect down towards min_batch
             return plain_next(s)
         last = s.trials[-1]
         aimed, self.aimed_limit = self.aimed_limit, None
         later, self.after_check = self.after_check, None
-        if later is not None and last.fits:
-            self.aim_missed = True  # the line reads low: take the step the check came before
-            return max(later, s.lo + 1)
+        if later is not None:  # the check fit (had it failed, the search would be over)
+            return later
         predicted, trusted, points = _aim(s, self.capacity)
         near = self._near(s, points, predicted)
         if near is not None:
             return near
         proposal = self._step(s, predicted, trusted, points)
         if (
-            last.fits
+            self.checked is None
+            and last.fits
             and last.batch_size == aimed
-            and not self.aim_missed
             and s.gap() > 0
             and proposal > aimed + 1
         ):
             # The smooth peaks said this is the limit and it fit; the peak that decides says
             # there is room for more, but the next size may need a new allocator segment that
             # no smooth peak shows (GPT-2 on the H200: 636 needed a 330 MB block after 635 fit
-            # with 316 MB reserved free). Check the next size before that step.
-            self.after_check = proposal
+            # with 316 MB reserved free). Check the next size once, before that step.
+            self.checked, self.after_check = aimed + 1, proposal
             return aimed + 1
+        if (
+            s.hi is None
+            and trusted
+            and predicted is not None
+            and proposal == math.floor(predicted)
+            and proposal <= 4 * s.lo  # (not a line read at a few samples)
+        ):
+            self.aimed_limit = proposal
         return proposal
 
     def _step(
@@ -372,8 +392,6 @@ class ModelStrategy:
         if trusted:
             proposal = min(limit, lo * TRUSTED_GROWTH)
             self.aimed_with = fitted
-            if proposal == limit and limit <= 4 * lo:  # (not a line read at a few samples)
-                self.aimed_limit = limit
         else:
             proposal = min(lo * GROWTH, math.floor((lo + predicted) / 2))
         creeping = (limit <= lo and self.said_limit) or (
