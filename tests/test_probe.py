@@ -706,6 +706,51 @@ def test_a_cache_buffer_the_model_regrows_is_left_as_made_and_everything_else_re
     model(torch.randn(2, 64, 16))  # still consistent
 
 
+def test_a_history_that_skips_a_step_is_stepped_on_until_it_stops_growing():
+    """LBFGS keeps a direction pair only where the curvature allows, so its history can stay
+    level for a step and grow again (a new user's MLP: 0 1 2 3 4 5 6 6 7 8 8 9 10 pairs). The
+    probe stopped at the first level step and answered 2 where the script's 15 steps fit
+    nothing. Here a history on the model grows at every step but the fourth, up to 6 entries:
+    the probe steps until two steps are level, and its answer trains for 10 steps."""
+
+    def make() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        model.pairs, model.calls = [], 0
+        return model
+
+    def train_step(m, batch, optimizer):
+        h = m[0](batch[0])
+        torch.nn.functional.cross_entropy(m[1](h), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        m.calls += 1
+        if m.calls != 4 and len(m.pairs) < 6:  # a pair of the batch's size
+            m.pairs.append(h.detach().clone())
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 8), torch.randint(0, 2, (n,))
+
+    def trains(n: int) -> bool:
+        model = make()
+        opt = torch.optim.SGD(model.parameters())
+        try:
+            with memkit.simulate("1MiB", track=(model, opt)):
+                for _ in range(10):
+                    train_step(model, batch(n), opt)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters())
+    result = probe(model, batch, train_step=train_step, optimizer=optimizer, device="cpu",
+                   budget="1MiB")  # fmt: skip
+    best = result.max_batch_size
+    assert_exact(result)
+    assert result.trial(best).steps_run == 9, result.trial(best)  # 6 entries at step 7, 2 level
+    assert trains(best) and not trains(best + 1)
+
+
 def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
     """A replay buffer on the model (``self.history = deque(maxlen=3)``, each step appends the
     batch's detached features) was carried from one trial to the next: the answer's trial
@@ -732,9 +777,9 @@ def test_a_history_the_step_appends_to_starts_empty_in_every_trial():
                    device="cpu", budget="2MiB")  # fmt: skip
     assert_exact(result)
     for trial in result.trials:
-        if trial.fits and trial.batch_size > 1:  # entries 1 (step 1) to 3 (steps 3 and 4)
+        if trial.fits and trial.batch_size > 1:  # entries 1 (step 1) to 3 (steps 3 to 5)
             entry = trial.batch_size * 16 * 4
-            assert (trial.steps_run, trial.kept_growth_bytes) == (4, 2 * entry), trial
+            assert (trial.steps_run, trial.kept_growth_bytes) == (5, 2 * entry), trial
     assert model.history is history and not history and history.maxlen == 3
     assert model.last is None and model.seen == 0
 
@@ -837,7 +882,7 @@ def test_optimizer_state_made_at_step_three_is_waited_for_and_trained_at():
     result = probe(model, batch, optimizer=optimizer, device="cpu", budget="1MiB")
     best = result.max_batch_size
     assert_exact(result)
-    assert result.trial(best).steps_run == 4 and result.trial(best).optimizer_growth_bytes
+    assert result.trial(best).steps_run == 5 and result.trial(best).optimizer_growth_bytes
     assert trains(best) and not trains(best + 1)
 
 

@@ -337,6 +337,32 @@ def test_a_train_step_that_never_steps_the_optimizer_is_warned_about():
     assert fine.exit_code == 0 and "unchanged" not in fine.output
 
 
+@pytest.mark.parametrize("update", [
+    "opt = torch.optim.AdamW(model.parameters(), fused=True)\n    opt.step()",  # Trainer's default
+    "for p in model.parameters():\n        p.data.add_(p.grad, alpha=-0.1)",  # word_language_model
+])  # fmt: skip
+def test_updates_that_leave_version_counters_alone_are_no_untrained_step(tmp_path, update):
+    """A fused AdamW and writes through ``.data`` change the parameters without moving their
+    version counters, and the probe warned that the step "left the parameters unchanged" (a
+    new user's Trainer and word_language_model files). The values say they changed. Where the
+    step never stepped the optimizer passed to it, its line says so."""
+    path = tmp_path / "own_update.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 2))\n"
+        "def make_batch(n):\n    return torch.randn(n, 32), torch.randint(0, 2, (n,))\n"
+        "def train_step(model, batch, optimizer):\n"
+        "    torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()\n"
+        f"    {update}\n"
+        "    model.zero_grad(set_to_none=True)\n"
+    )  # fmt: skip
+    result = run(str(path), "--device", "cpu", "--budget", "16MiB")
+    assert result.exit_code == 0, result.output
+    assert "unchanged" not in result.output
+    assert "optimizer: AdamW (default): passed to the step, which never stepped it" in result.output
+
+
 def test_a_list_batch_for_a_one_input_model_says_how_the_default_step_calls_it():
     """A DataLoader-style ``[inputs, labels]`` list goes in as ``model(*batch)`` (a list may be
     the model's one input): the TypeError that follows is the step's (exit 3) and says what to

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memkit import cuda_autocast, devices, distributed
 from memkit.advice.accumulation import plan_accumulation
@@ -375,6 +376,18 @@ def probe_with(
     watch: contextlib.AbstractContextManager[set[torch.dtype]] = (
         contextlib.nullcontext(set()) if on_gpu else cuda_autocast.regions_entered()
     )
+    stepped = [0]
+    ours = {id(optimizer), id(getattr(optimizer, "optimizer", None))}  # (Accelerate's wraps one)
+
+    def count_step(stepping: Any, *_: Any) -> None:
+        if id(stepping) in ours:
+            stepped[0] += 1
+
+    counting = (
+        register_optimizer_step_post_hook(count_step)
+        if opts.mode == "train" and optimizer is not None
+        else None
+    )
     with watch as half_regions, _probing(model, opts.mode, saved, backend, bar):
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
@@ -394,6 +407,16 @@ def probe_with(
                     plan.accumulation = final  # (in place: the search's loss_rule stays)
         finally:
             held.clear()
+            if counting is not None:
+                counting.remove()
+    if counting is not None and not stepped[0] and any(t.fits for t in search.trials):
+        defaults = [
+            f"{d}: passed to the step, which never stepped it (what optimizers of its own keep "
+            "is counted as the step makes it)"
+            if d.startswith("optimizer:")
+            else d
+            for d in defaults
+        ]
     if half_regions:
         defaults.append(_autocast_note(half_regions, backend, model_file))
     dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else 0

@@ -247,6 +247,14 @@ def _stepped_params(model: torch.nn.Module, optimizer: Any) -> tuple[torch.Tenso
     return tuple(p for p in model.parameters() if p.requires_grad)
 
 
+def _sampled_values(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """A few values of each of the first 8 ``params``, copied to the host: a fused optimizer
+    (``AdamW(fused=True)``, transformers' default) and writes through ``.data`` (``p.data.add_``
+    in pytorch/examples' word_language_model) change parameters without moving their version
+    counters."""
+    return [p.detach().reshape(-1)[:16].to("cpu", copy=True) for p in params[:8]]
+
+
 def _state_without_tensors(optimizer: Any) -> bool:
     """Whether the optimizer keeps per-parameter state that holds no tensor of more than one
     element (a step counter alone): state an optimizer may make at a later step (one that
@@ -464,6 +472,11 @@ class TrialRunner:
                     back = 1 if cycle is None else cycle
                     growing = extend and (kept[-1] > kept[-1 - back] if len(kept) > back else
                                           state[0] > state_before)  # fmt: skip
+                    # a history that grows with a step now and then skipped (LBFGS keeps a
+                    # pair only where the curvature allows): one level step is not the end
+                    growing = growing or (
+                        extend and len(kept) > back + 1 and kept[-2] > kept[-2 - back]
+                    )
                     awaiting = extend and self._awaiting_state
                     if awaiting and not _state_without_tensors(self.optimizer):
                         if self.state_appeared_at is None and len(kept) > steps:
@@ -504,6 +517,7 @@ class TrialRunner:
         looks = not self._checked_training or self.untrained is not None
         witnesses = _stepped_params(self.model, self.optimizer) if looks else ()
         versions = [p._version for p in witnesses]
+        values = _sampled_values(witnesses)
         try:
             with self.backend.activate():
                 kept = self._run_steps(batch_size)
@@ -512,7 +526,9 @@ class TrialRunner:
                 self._awaiting_state = False
                 self.steps = max(self.steps, self.state_appeared_at or 0)
             if witnesses:
-                unchanged = all(p._version == v for p, v in zip(witnesses, versions, strict=True))
+                unchanged = all(
+                    p._version == v for p, v in zip(witnesses, versions, strict=True)
+                ) and all(map(torch.equal, values, _sampled_values(witnesses)))
                 if not self._checked_training:
                     self._checked_training = True
                     self.untrained = batch_size if unchanged else None

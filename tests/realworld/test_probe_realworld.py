@@ -70,9 +70,9 @@ def test_lbfgs_history_is_measured_until_it_stops_growing(scripts, monkeypatch):
     best = result.max_batch_size
     assert best is not None and not result.trial(best + 1).fits, sizes(result)
     at_best = result.trial(best)
-    assert at_best.steps_run == 4 and not at_best.still_growing  # 2 steps, 1 more, 1 stable
+    assert at_best.steps_run == 5 and not at_best.still_growing  # 2 steps, 1 more, 2 stable
     assert at_best.optimizer_growth_bytes == at_best.kept_growth_bytes > 0
-    assert any(d.startswith("steps: up to 4 per trial") for d in result.defaults)
+    assert any(d.startswith("steps: up to 5 per trial") for d in result.defaults)
     assert loop(best, 6) and not loop(best + 1, 6)
 
     monkeypatch.setattr(trials_module, "MAX_STEPS", 2)  # what the probe measured before
