@@ -363,6 +363,30 @@ def test_updates_that_leave_version_counters_alone_are_no_untrained_step(tmp_pat
     assert "optimizer: AdamW (default): passed to the step, which never stepped it" in result.output
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_causal_lm_that_returns_its_keys_in_training_is_said_to(tmp_path, use_cache):
+    """transformers' Trainer turns ``use_cache`` off; a model file built from a config keeps it
+    on, and each training forward then returns every layer's keys and values, which the probe
+    holds with the output (a new user's Trainer file: 24 where the Trainer fits 25). The
+    report says so where they were returned, and not where the config turns them off."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "tiny_lm.py"
+    path.write_text(
+        "import torch\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "def build_model():\n"
+        "    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,\n"
+        f"                     use_cache={use_cache})\n"
+        "    return GPT2LMHeadModel(cfg)\n"
+        "def make_batch(n):\n"
+        "    ids = torch.randint(0, 64, (n, 16))\n"
+        "    return {'input_ids': ids, 'labels': ids}\n"
+    )
+    result = run(str(path), "--device", "cpu", "--budget", "8MiB")
+    assert result.exit_code == 0, result.output
+    assert ("use_cache: each training forward also returned" in result.output) is use_cache
+
+
 def test_a_list_batch_for_a_one_input_model_says_how_the_default_step_calls_it():
     """A DataLoader-style ``[inputs, labels]`` list goes in as ``model(*batch)`` (a list may be
     the model's one input): the TypeError that follows is the step's (exit 3) and says what to

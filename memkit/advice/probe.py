@@ -57,6 +57,7 @@ def probe_advice(
                 need_bytes=trial.peak_bytes,
                 capacity_bytes=search.capacity_bytes,
                 device=device,
+                parameter_bytes=None if state is None else state.parameter_bytes,
             )
         ]
         held = 0 if state is None else (
@@ -125,6 +126,7 @@ def does_not_fit(
     device: str | None = None,
     total_bytes: int | None = None,
     context_bytes: int | None = None,
+    parameter_bytes: int | None = None,
 ) -> Advice:
     """``does-not-fit``: even the smallest batch tried does not fit; what every step can shed.
 
@@ -140,12 +142,31 @@ def does_not_fit(
         device: where a probe ran (its backend's name).
         total_bytes: the estimated card's memory.
         context_bytes: the estimated card's CUDA context.
+        parameter_bytes: the model's parameters (a probe's): where they alone exceed the
+            capacity, nothing a step sheds helps, and the advice says what does.
     """
     shard = "shard parameters and optimizer state across GPUs (FSDP/ZeRO)."
     if mode == "infer":  # no gradients, no optimizer state, no activations kept for backward
         shard = "shard the weights across GPUs (tensor or pipeline parallelism, FSDP)."
     if total_bytes is None or context_bytes is None:  # measured by a probe
         need = format_size(need_bytes) if need_bytes else "more"
+        if parameter_bytes and capacity_bytes and parameter_bytes > capacity_bytes:
+            return Advice(
+                code="does-not-fit",
+                title=f"The parameters alone ({format_size(parameter_bytes)}) do not fit",
+                evidence=(
+                    f"Batch {batch_size} ({mode}) needed at least {need} on {device}, "
+                    f"capacity {format_size(capacity_bytes)}: the model's parameters alone "
+                    f"are {format_size(parameter_bytes)}."
+                ),
+                action=(
+                    "Nothing a step sheds helps (autocast and checkpointing keep the weights "
+                    "as they are): store the weights in half precision "
+                    "(`model.to(torch.bfloat16)`) or quantized, use a smaller model or a "
+                    f"larger device, or {shard}"
+                ),
+                severity="critical",
+            )
         return Advice(
             code="does-not-fit",
             title=f"Even batch {batch_size} does not fit",

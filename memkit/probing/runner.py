@@ -49,6 +49,7 @@ from memkit.modelfile import (
     seq_len_missing,
 )
 from memkit.oom import is_oom, recover
+from memkit.probing.hooks import ProbeHook
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
@@ -388,6 +389,8 @@ def probe_with(
         if opts.mode == "train" and optimizer is not None
         else None
     )
+    caching = [False]
+    cache_look = _returns_keys(model, caching) if opts.mode == "train" else None
     with watch as half_regions, _probing(model, opts.mode, saved, backend, bar):
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
@@ -407,8 +410,9 @@ def probe_with(
                     plan.accumulation = final  # (in place: the search's loss_rule stays)
         finally:
             held.clear()
-            if counting is not None:
-                counting.remove()
+            for handle in (counting, cache_look):
+                if handle is not None:
+                    handle.remove()
     if counting is not None and not stepped[0] and any(t.fits for t in search.trials):
         defaults = [
             f"{d}: passed to the step, which never stepped it (what optimizers of its own keep "
@@ -419,6 +423,13 @@ def probe_with(
         ]
     if half_regions:
         defaults.append(_autocast_note(half_regions, backend, model_file))
+    if caching[0]:
+        defaults.append(
+            "use_cache: each training forward also returned every layer's keys and values "
+            "(past_key_values: the model's config has use_cache=True); transformers' Trainer "
+            "sets it to False (TrainingArguments.use_cache): to answer for a Trainer, set "
+            "model.config.use_cache = False in build_model()"
+        )
     dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else 0
     if dropouts:
         defaults.append(_dropout_note(dropouts, backend, model_file))
@@ -457,6 +468,18 @@ def _autocast_note(dtypes: set[torch.dtype], backend: Backend, model_file: str |
         f"{backend.device.type}: these are float32 numbers; on a GPU those regions run in "
         f"{said}, and more fits ({how})"
     )
+
+
+def _returns_keys(module: torch.nn.Module, seen: list[bool]) -> Any:
+    """A forward hook on ``module`` that sets ``seen[0]`` where a training forward returns each
+    layer's keys and values (a transformers model whose config has ``use_cache=True``)."""
+
+    def look(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if mod.training and not seen[0]:
+            cache = out.get("past_key_values") if isinstance(out, dict) else None
+            seen[0] = cache is not None or getattr(out, "past_key_values", None) is not None
+
+    return module.register_forward_hook(ProbeHook(look))  # (copied inert: an EMA's deepcopy)
 
 
 def _dropouts(model: torch.nn.Module) -> int:
