@@ -110,16 +110,23 @@ def memory_model_words(fixed: float, per_sample: float, what: str = "") -> str:
     """The reported line ``fixed + per_sample per sample`` (``what``: ``" (reserved)"``). A
     negative fixed part is the chord of peaks that grow faster than the batch (a B x B term:
     a contrastive loss's logits), or that scatter: the line says so rather than read as a
-    fixed cost.
+    fixed cost; so does a negative slope.
 
     Examples:
         >>> memory_model_words(1 << 20, 1 << 10)
         'memory model: 1.00 MiB + 1.00 KiB per sample'
         >>> memory_model_words(-(1 << 20), 1 << 10).endswith("do not extrapolate it)")
         True
+        >>> memory_model_words(30 << 20, -(1 << 10)).endswith("no model of the step)")
+        True
     """
     line = f"memory model: {format_size(fixed)} + {format_size(per_sample)} per sample{what}"
-    if fixed < 0:
+    if per_sample < 0:
+        line += (
+            " (the peaks fall as the batch grows here: trials that kept different memory "
+            "between steps, or scatter; no model of the step)"
+        )
+    elif fixed < 0:
         line += (
             " (a chord through the largest sizes, not a fixed cost: the peaks grow faster "
             "than the batch there, or scatter; do not extrapolate it)"
