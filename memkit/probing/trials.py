@@ -252,7 +252,8 @@ def _sampled_values(params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     (``AdamW(fused=True)``, transformers' default) and writes through ``.data`` (``p.data.add_``
     in pytorch/examples' word_language_model) change parameters without moving their version
     counters."""
-    return [p.detach().reshape(-1)[:16].to("cpu", copy=True) for p in params[:8]]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params[:8]]  # (FSDP2 shards)
+    return [t.detach().reshape(-1)[:16].to("cpu", copy=True) for t in local]
 
 
 def _state_without_tensors(optimizer: Any) -> bool:
