@@ -236,7 +236,8 @@ def test_fsdp2_root_with_parameters_tracked_in_the_script_keeps_its_all_gather_o
         assert head == 4 * 16 * 64 * 4  # the logits
         device = rank["report"]["devices"][0]
         rows = {m["path"]: m for m in device["modules"]}
-        assert rows["head"]["activation_bytes"] == head
+        # the logits die in .sum() (which keeps no input): the head keeps nothing of its own
+        assert rows["head"]["activation_bytes"] == 0 and rows["head"]["peak_over_entry"] >= head
         # the forward's growth, less the root's parameters it left unsharded (the old code:
         # 24,576 B more, every run); what gloo's work still held after FSDP2 let it go may
         # stay in one step's (timing: a block's flat all-gather buffer, 4,224 B; once in 4

@@ -134,7 +134,8 @@ def test_callback_gives_the_numbers_of_track_around_the_same_fit(fitted):
     assert bd.parameters == bd.gradients == p
     assert bd.optimizer_state == 2 * p + 4 * len(list(module.parameters()))  # Adam: 2 moments
     kept = {m.path: m.activation_bytes for m in dev.modules}
-    assert kept["net.0"] == kept["net.1"] == B * HIDDEN * 4  # Linear's output, ReLU's output
+    assert kept["net.0"] == 0  # the Linear's output dies in the ReLU, which keeps its own
+    assert kept["net.1"] == B * HIDDEN * 4
     assert kept["net.2"] == B * 10 * 4
     assert all(m.calls == STEPS and m.eval_calls == VAL_BATCHES for m in dev.modules)
 
@@ -509,7 +510,7 @@ def test_ddp_fit_on_two_gloo_ranks_is_gathered_on_rank0(tmp_path):
     # backward, so none is unused
     assert all(r["unused_parameters"] == [] for r in ranks["ranks"])
     kept = [{m["path"]: m["activation_bytes"] for m in d["modules"]} for d in own]
-    assert kept[0]["net.0"] == 8 * HIDDEN * 4 and kept[1]["net.0"] == 64 * HIDDEN * 4
+    assert kept[0]["net.1"] == 8 * HIDDEN * 4 and kept[1]["net.1"] == 64 * HIDDEN * 4  # ReLU
     # the eval peak is logged with sync_dist: the largest rank's (rank 0's metrics come back)
     eval_peaks = [d["phase_peaks"]["eval"] for d in own]
     logged = float(run.callback_metrics["memkit/eval_peak_mib"])

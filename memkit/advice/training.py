@@ -391,16 +391,25 @@ def _ancestors_between(path: str, block: str) -> list[str]:
 
 
 def _kept_after(blocks: Sequence[str], modules: Sequence[ModuleActivation]) -> int:
-    """What the modules first called after every module of ``blocks`` kept (the outermost of
-    them: a head, a final norm): backward frees it before it reaches the blocks. 0 where the
-    call order is not known."""
+    """What the forward kept after every module of ``blocks`` ran (a head, a final norm, the
+    loss the model computes): backward frees it before it reaches the blocks. The model's own
+    row (the first called) less what its outermost modules called up to the blocks kept; where
+    there is no such row, what the outermost modules called after them kept (the loss's own
+    tensors not included). 0 where the call order is not known."""
     inside = [m.first_call for m in modules if any(_inside(m.path, b) for b in blocks)]
     if not inside or any(c is None for c in inside):
         return 0
     last = max(c for c in inside if c is not None)
-    after = [m for m in modules if m.first_call is not None and m.first_call > last]
-    paths = {m.path for m in after}
-    return sum(m.activation_bytes for m in after if not any(p in paths for p in _ancestors(m.path)))
+    roots = [m for m in modules if m.first_call == 0]
+    rest = [m for m in modules if m.first_call is not None and m.first_call > 0]
+    paths = {m.path for m in rest}
+    outermost = [m for m in rest if not any(p in paths for p in _ancestors(m.path))]
+    if len(roots) == 1:
+        before = sum(m.activation_bytes for m in outermost if (m.first_call or 0) <= last)
+        return max(0, roots[0].activation_bytes - before)
+    after = [m for m in rest if (m.first_call or 0) > last]
+    later = {m.path for m in after}
+    return sum(m.activation_bytes for m in after if not any(p in later for p in _ancestors(m.path)))
 
 
 def _ancestors(path: str) -> list[str]:

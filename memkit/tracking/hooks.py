@@ -786,6 +786,7 @@ class Hooks:
         keeps = kind == TRAIN_PASS and not frame.keeps_nothing and not raised
         if frame.region_children:  # its children's region ended inside it: they kept alone
             self._settle_region(frame, None)
+        child_outputs = self._settle_outputs(frame) if frame.outputs else ()
         t: torch.Tensor | None = None  # the output's first tensor, found once where needed
         if kind == TRAIN_PASS:  # a call that raised keeps nothing: its pass is given up
             ms.calls += 1
@@ -822,11 +823,15 @@ class Hooks:
                     entries = parent.region_children = []
                 entries.append((frame.region, ms, delta, delta - frame.children))
                 keeps = False  # kept when settled
-        if keeps:  # what a training forward keeps for backward
+        deferred = False
+        if keeps and parent is not None:  # kept once the caller ends (_settle_outputs)
+            deferred = self._defer(parent, ms, delta, delta - frame.children, output, args,
+                                   child_outputs)  # fmt: skip
+        if keeps and not deferred:  # what a training forward keeps for backward
             self._keep(ms, delta, delta - frame.children)
             if parent is None:
                 self._pass_ends(output)
-        if parent is not None:
+        if parent is not None and not deferred:
             if keeps or kind != TRAIN_PASS:
                 parent.children += delta
             if fmax > parent.max:
@@ -923,6 +928,54 @@ class Hooks:
         autograd nodes does (a pass whose outputs had no node: taken to live)."""
         refs = self._pass_graphs.get(number)
         return refs is None or any(ref() is not None for ref in refs)
+
+    def _defer(
+        self,
+        parent: Frame,
+        ms: ModuleStat,
+        delta: int,
+        own: int,
+        output: Any,
+        args: Any,
+        child_outputs: set[int] | tuple[()],
+    ) -> bool:
+        """Leave a training call's keep to its caller's end where it returned a tensor of a
+        storage of its own (not one of its inputs'): whether it did."""
+        t = output if type(output) is torch.Tensor else _first_tensor(output)
+        if t is None or t.layout is not torch.strided or delta <= 0:
+            return False
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if any(
+            a.untyped_storage().data_ptr() == ptr
+            for a in tensors_within(args, torch.Tensor)
+            if a.layout is torch.strided
+        ):
+            return False  # (its input, or a view of it: nothing of its own to free)
+        entries = parent.outputs
+        if entries is None:
+            entries = parent.outputs = []
+        entries.append(
+            (ms, delta, own, weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
+        )
+        return True
+
+    def _settle_outputs(self, frame: Frame) -> set[int]:
+        """``frame`` ends: each child call it deferred keeps what it kept, less its output's
+        bytes where that output died inside ``frame`` (a non-inplace ``Linear -> ReLU``: the
+        ReLU saves its own output, and the Linear's is freed as soon as the ReLU returns).
+        The addresses of the children's outputs."""
+        entries, frame.outputs = frame.outputs or [], None
+        addresses = set()
+        for ms, delta, own, storage, nbytes, ptr, from_child in entries:
+            addresses.add(ptr)
+            if storage() is None:  # freed before its caller returned: kept by no backward
+                delta = max(0, delta - nbytes)
+                if not from_child:  # (else its child's row gave it back)
+                    own = max(0, own - nbytes)
+            self._keep(ms, delta, own)
+            frame.children += delta
+        return addresses
 
     def _settle_region(self, parent: Frame, region: object | None) -> bool:
         """A child of ``parent`` ended in checkpoint region ``region`` (``None``: ``parent``

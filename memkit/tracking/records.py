@@ -139,6 +139,7 @@ class Frame:
         "mid",
         "ms",
         "name",
+        "outputs",
         "region",
         "region_children",
         "unsaved",
@@ -168,6 +169,11 @@ class Frame:
         # then share the region, and only what the layer returns is kept)
         self.region: object | None = None
         self.region_children: list[tuple[object, ModuleStat, int, int]] | None = None
+        # its children's training calls, kept once this call ends: (stat, bytes kept, less
+        # their children's, the storage of what each returned, its bytes and address, and
+        # whether that came from its own child); an output that died before this call
+        # returned (a Linear's, which the ReLU after it does not save) was not kept
+        self.outputs: list[tuple[ModuleStat, int, int, Any, int, int, bool]] | None = None
 
 
 class IgnoredCall:
