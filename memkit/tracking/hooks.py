@@ -831,8 +831,8 @@ class Hooks:
             self._keep(ms, delta, delta - frame.children)
             if parent is None:
                 self._pass_ends(output)
-        if parent is not None and not deferred:
-            if keeps or kind != TRAIN_PASS:
+        if parent is not None:
+            if (keeps or kind != TRAIN_PASS) and not deferred:
                 parent.children += delta
             if fmax > parent.max:
                 parent.max = fmax
