@@ -363,6 +363,14 @@ def test_updates_that_leave_version_counters_alone_are_no_untrained_step(tmp_pat
     assert "optimizer: AdamW (default): passed to the step, which never stepped it" in result.output
 
 
+def test_an_optimizer_that_steps_a_base_optimizer_is_no_unstepped_one():
+    """SAM's second_step() steps the base optimizer it wraps: the SAM the probe built stepped
+    (review: "passed to the step, which never stepped it")."""
+    result = run(str(FILES / "sam_step.py"), "--device", "cpu", "--budget", "16MiB")
+    assert result.exit_code == 0, result.output
+    assert "optimizer: SAM (build_optimizer)\n" in result.output
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_causal_lm_that_returns_its_keys_in_training_is_said_to(tmp_path, use_cache):
     """transformers' Trainer turns ``use_cache`` off; a model file built from a config keeps it
@@ -385,6 +393,21 @@ def test_a_causal_lm_that_returns_its_keys_in_training_is_said_to(tmp_path, use_
     result = run(str(path), "--device", "cpu", "--budget", "8MiB")
     assert result.exit_code == 0, result.output
     assert ("use_cache: each training forward also returned" in result.output) is use_cache
+    if not use_cache:  # an RL rollout's generate() (no_grad, train mode) is no training forward
+        text = path.read_text().replace(
+            "def make_batch",
+            "def train_step(model, batch, optimizer):\n"
+            "    with torch.no_grad():\n"
+            "        model.generate(batch['input_ids'][:, :4], max_new_tokens=2, do_sample=False,\n"
+            "                       pad_token_id=0, use_cache=True)\n"
+            "    model(**batch).loss.backward()\n"
+            "    optimizer.step()\n"
+            "    optimizer.zero_grad(set_to_none=True)\n"
+            "def make_batch",
+        )
+        path.write_text(text)
+        rollout = run(str(path), "--device", "cpu", "--budget", "8MiB")
+        assert rollout.exit_code == 0 and "use_cache" not in rollout.output, rollout.output
 
 
 def test_a_list_batch_for_a_one_input_model_says_how_the_default_step_calls_it():

@@ -163,3 +163,28 @@ def test_the_work_log_settles_a_start_up_and_a_hunt_that_sees_nothing_more():
     said = log.schedule.describe()
     assert "at batch 64, in the 1 step it completed before it ran out" in said
     assert "the next trial ran 16 steps alike" in said
+
+
+def test_a_step_that_steps_every_other_call_runs_its_cycle_and_no_more():
+    """Two level steps end a trial once the kept memory grew after step 1 (LBFGS), but only
+    for a step whose work does not vary: here the optimizer steps every second call, and
+    comparing across the cycle took Adam's state, made once, for a growing history (review:
+    trials of 5, 3, 5 ... steps, and a steps line that said the memory grew)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model.calls = 0
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(m, batch, opt):
+        torch.nn.functional.cross_entropy(m(batch[0]), batch[1]).backward()
+        m.calls += 1
+        if m.calls % 2 == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    result = probe(model, lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,))),
+                   optimizer=optimizer, train_step=step, device="cpu", budget="4MiB")  # fmt: skip
+    runs = {t.steps_run for t in result.trials if t.fits}
+    assert len(runs) == 1, [(t.batch_size, t.steps_run) for t in result.trials]
+    (line,) = [d for d in result.defaults if d.startswith("steps:")]
+    assert "grew" not in line, line

@@ -142,8 +142,8 @@ def does_not_fit(
         device: where a probe ran (its backend's name).
         total_bytes: the estimated card's memory.
         context_bytes: the estimated card's CUDA context.
-        parameter_bytes: the model's parameters (a probe's): where they alone exceed the
-            capacity, nothing a step sheds helps, and the advice says what does.
+        parameter_bytes: the model's parameters and buffers (a probe's): where they alone
+            exceed the capacity, nothing a step sheds helps, and the advice says what does.
     """
     shard = "shard parameters and optimizer state across GPUs (FSDP/ZeRO)."
     if mode == "infer":  # no gradients, no optimizer state, no activations kept for backward
@@ -153,11 +153,11 @@ def does_not_fit(
         if parameter_bytes and capacity_bytes and parameter_bytes > capacity_bytes:
             return Advice(
                 code="does-not-fit",
-                title=f"The parameters alone ({format_size(parameter_bytes)}) do not fit",
+                title=f"The weights alone ({format_size(parameter_bytes)}) do not fit",
                 evidence=(
                     f"Batch {batch_size} ({mode}) needed at least {need} on {device}, "
-                    f"capacity {format_size(capacity_bytes)}: the model's parameters alone "
-                    f"are {format_size(parameter_bytes)}."
+                    f"capacity {format_size(capacity_bytes)}: the model's parameters and "
+                    f"buffers alone are {format_size(parameter_bytes)}."
                 ),
                 action=(
                     "Nothing a step sheds helps (autocast and checkpointing keep the weights "

@@ -55,7 +55,7 @@ from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch
-from memkit.probing.state import SavedState
+from memkit.probing.state import SavedState, unwrap_optimizer
 from memkit.probing.step import StepPlan, batch_shapes, check_batch, check_batch_grows
 from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
 from memkit.progress import TrialProgress
@@ -378,7 +378,11 @@ def probe_with(
         contextlib.nullcontext(set()) if on_gpu else cuda_autocast.regions_entered()
     )
     stepped = [0]
-    ours = {id(optimizer), id(getattr(optimizer, "optimizer", None))}  # (Accelerate's wraps one)
+    ours = {  # (Accelerate's wraps one; SAM and Lookahead step a base optimizer)
+        id(o)
+        for o in (optimizer, unwrap_optimizer(optimizer), *_base_optimizers(optimizer))
+        if o is not None
+    }
 
     def count_step(stepping: Any, *_: Any) -> None:
         if id(stepping) in ours:
@@ -426,9 +430,9 @@ def probe_with(
     if caching[0]:
         defaults.append(
             "use_cache: each training forward also returned every layer's keys and values "
-            "(past_key_values: the model's config has use_cache=True); transformers' Trainer "
-            "sets it to False (TrainingArguments.use_cache): to answer for a Trainer, set "
-            "model.config.use_cache = False in build_model()"
+            "(the model's config has use_cache=True); transformers 5's Trainer sets it to "
+            "False (TrainingArguments.use_cache; 4.x's keeps the config's): to answer for it, "
+            "set model.config.use_cache = False in build_model()"
         )
     dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else 0
     if dropouts:
@@ -470,14 +474,28 @@ def _autocast_note(dtypes: set[torch.dtype], backend: Backend, model_file: str |
     )
 
 
+def _base_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers a wrapper steps in its own step (SAM's ``base_optimizer``, timm's
+    Lookahead's ``_base_optimizer``, a wrapper's ``optimizer``)."""
+    names = ("optimizer", "_optimizer", "base_optimizer", "_base_optimizer")
+    return [
+        getattr(optimizer, name) for name in names if getattr(optimizer, name, None) is not None
+    ]
+
+
 def _returns_keys(module: torch.nn.Module, seen: list[bool]) -> Any:
     """A forward hook on ``module`` that sets ``seen[0]`` where a training forward returns each
     layer's keys and values (a transformers model whose config has ``use_cache=True``)."""
 
     def look(mod: torch.nn.Module, args: Any, out: Any) -> None:
-        if mod.training and not seen[0]:
-            cache = out.get("past_key_values") if isinstance(out, dict) else None
-            seen[0] = cache is not None or getattr(out, "past_key_values", None) is not None
+        # a training forward (not generate()'s, which runs under no_grad) of a model whose
+        # config asks for the cache; the output's key is "cache" from transformers 5 on
+        if seen[0] or not (mod.training and torch.is_grad_enabled() and isinstance(out, dict)):
+            return
+        config = getattr(getattr(mod, "module", mod), "config", None)
+        if getattr(config, "use_cache", False) is True:
+            keys = ("cache", "past_key_values")
+            seen[0] = any(out[key] is not None for key in keys if key in out)
 
     return module.register_forward_hook(ProbeHook(look))  # (copied inert: an EMA's deepcopy)
 

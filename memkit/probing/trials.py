@@ -476,8 +476,8 @@ class TrialRunner:
                     # a history that grows with a step now and then skipped (LBFGS keeps a
                     # pair only where the curvature allows): one level step is not the end
                     growing = growing or (
-                        extend and len(kept) > back + 1 and kept[-2] > kept[-2 - back]
-                    )
+                        extend and back == 1 and len(kept) > 2 and kept[-2] > kept[-3]
+                    )  # (a step whose work varies has its own rule: its cycle)
                     awaiting = extend and self._awaiting_state
                     if awaiting and not _state_without_tensors(self.optimizer):
                         if self.state_appeared_at is None and len(kept) > steps:
