@@ -4,7 +4,8 @@ A CPU build of torch disables a CUDA autocast object when it is made (with a war
 what the file asked for is lost; on a CUDA build probing the simulated device it stays on but
 casts nothing on CPU tensors. The estimate runs such regions as the target GPU would
 (:mod:`memkit.estimation.meta_step`), and the probe on a non-CUDA device says its numbers are
-not the region's dtype (:func:`regions_entered`).
+not the region's dtype (:func:`regions_entered`), and so does the tracker, which counts a
+training forward inside such a region as one under autocast (:func:`inside`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["regions_entered", "requested", "requests_recorded"]
+__all__ = ["inside", "regions_entered", "requested", "requests_recorded"]
+
+_open = threading.local()  # per thread: the requested half-precision regions now entered
+
+
+def inside() -> bool:
+    """Whether this thread is inside a half-precision CUDA autocast region that the block of
+    :func:`regions_entered` saw entered (and a device that is not CUDA runs in float32)."""
+    return getattr(_open, "depth", 0) > 0
 
 
 def requested(region: Any) -> tuple[torch.dtype, bool] | None:
@@ -60,18 +69,29 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     (made in the block, or under an earlier :func:`requests_recorded`), ``enabled=False``
     and float32 regions left out."""
     cls = torch.amp.autocast_mode.autocast
-    enter, thread = cls.__enter__, threading.get_ident()
+    enter, leave, thread = cls.__enter__, cls.__exit__, threading.get_ident()
     found: set[torch.dtype] = set()
 
     def __enter__(self: Any) -> Any:
         region = requested(self) if threading.get_ident() == thread else None
         if region is not None and region[1] and region[0] in (torch.float16, torch.bfloat16):
             found.add(region[0])
+            self._memkit_open = True
+            _open.depth = getattr(_open, "depth", 0) + 1
         return enter(self)
 
+    def __exit__(self: Any, *exc: Any) -> Any:
+        if getattr(self, "_memkit_open", False):
+            self._memkit_open = False
+            _open.depth -= 1
+        return leave(self, *exc)
+
     cls.__enter__ = __enter__  # type: ignore[method-assign]
+    cls.__exit__ = __exit__  # type: ignore[method-assign]
     try:
         with requests_recorded():
             yield found
     finally:
         cls.__enter__ = enter  # type: ignore[method-assign]
+        cls.__exit__ = leave  # type: ignore[method-assign]
+        _open.depth = 0

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -348,6 +350,40 @@ def test_checkpointing_saving_is_what_checkpointing_the_blocks_saves(dropout):
     assert plain == report.devices[0].peak_allocated
     assert adv.saving_bytes is not None and 0.9 * (plain - applied) <= adv.saving_bytes
     assert adv.saving_bytes <= plain - applied
+
+
+def test_a_gpu_scripts_own_cuda_autocast_on_the_simulated_cpu_is_said_and_not_advised():
+    """Sweep ZZ: a script written for a GPU, its forward under ``torch.autocast("cuda",
+    dtype=torch.bfloat16)``, tracked on the simulated CPU device: torch disables the region
+    (a warning), the numbers are float32, and the report said "no forward ran under autocast"
+    and advised the very autocast the script has. Now a note says what ran, and the
+    mixed-precision advice is not given; without the region it is, with how to measure it on
+    a CPU."""
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def steps(region: bool) -> TrackReport:
+        with track(model, opt, device="cpu", budget="16MiB", postmortem=None) as tracker:
+            for _ in range(2):
+                ids = torch.randint(0, 1024, (8, 64))
+                ctx = torch.autocast("cuda", dtype=torch.bfloat16) if region else nullcontext()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (CPU torch: "Disabling autocast")
+                    with ctx:
+                        loss = model(ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report()
+
+    asked = steps(region=True)
+    assert "mixed-precision" not in [a.code for a in asked.advice]
+    assert any("torch.autocast('cuda', bfloat16) regions cast nothing on cpu" in n
+               for n in asked.notes), asked.notes  # fmt: skip
+    plain = steps(region=False)
+    (advice,) = [a for a in plain.advice if a.code == "mixed-precision"]
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in advice.evidence
+    assert not any("cast nothing" in n for n in plain.notes)
 
 
 def test_mixed_precision_counts_what_autocast_keeps_in_float32():

@@ -171,10 +171,17 @@ def mixed_precision(
                 "code kept around its layers, the last layer's output (the loss reads it in "
                 "float32) and the loss's gradients at the peak."
             )
+        measure = (
+            "Rerun under autocast to measure it."
+            if device.startswith(("cuda", "xpu", "mps"))
+            else "On this CPU run a torch.autocast('cuda', ...) region is disabled (torch "
+            "warns, nothing changes): measure it here under torch.autocast('cpu', "
+            "dtype=torch.bfloat16), whose op lists differ from CUDA's, or estimate a GPU with "
+            "`memkit estimate`."
+        )
         bound = (
             " The saving is an estimate: layers fed float32 (a dropout after a norm) keep "
-            "float32; half-precision temporaries in backward save more. Rerun under autocast "
-            "to measure it."
+            f"float32; half-precision temporaries in backward save more. {measure}"
         )
     if saving_bytes <= 0 or not matters(saving_bytes, peak_bytes, capacity):
         return None

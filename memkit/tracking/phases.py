@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from memkit import cuda_autocast
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
@@ -203,7 +204,11 @@ class PhaseMachine:
             self.train_input = None if first is None else weakref.ref(first)
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
-            if _autocast_on(self.devices.kind) or self.models.forward_autocast(module) is not None:
+            if (
+                _autocast_on(self.devices.kind)
+                or cuda_autocast.inside()  # (the script's own, which a CPU run disables)
+                or self.models.forward_autocast(module) is not None
+            ):
                 facts.autocast_forwards += 1
             if state.phase != FORWARD:
                 with state.lock:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from memkit import cuda_autocast
 from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
@@ -175,6 +176,7 @@ class Tracker:
         self._device_arg = device
         self._budget = budget
         self._stack: contextlib.ExitStack | None = None
+        self._cuda_regions: set[torch.dtype] = set()  # entered on a device that is not CUDA
         self._used = False
         self._t_end: float | None = None
         self._oom: OomPostMortem | None = None
@@ -255,6 +257,8 @@ class Tracker:
         backend.count_ops(False, False)
         stack.callback(backend.count_ops, True, True)
         stack.enter_context(backend.writes_between_steps())
+        if backend.device.type != "cuda":  # a GPU script's own autocast("cuda") regions
+            self._cuda_regions = stack.enter_context(cuda_autocast.regions_entered())
         self.notes.append(
             "simulated device: counts the model, its inputs and what training and "
             "evaluation steps create, in the thread that entered the block (not "
@@ -489,6 +493,16 @@ class Tracker:
             past = self._past_budget_note()
             if past is not None:
                 later_notes.append(past)
+            if self._cuda_regions:
+                said = " and ".join(
+                    sorted(str(d).removeprefix("torch.") for d in self._cuda_regions)
+                )
+                later_notes.append(
+                    f"the script's torch.autocast('cuda', {said}) regions cast nothing on "
+                    f"{self.devices.kind}: these are float32 numbers (their forwards count as "
+                    f"under autocast for the advice); on a GPU they run in {said}, and hold "
+                    "less (memkit estimate runs them as a GPU would)"
+                )
         end = self._t_end if self._t_end is not None else time.perf_counter()
         rank = launched_rank()
         world = None if rank is None else world_size()
