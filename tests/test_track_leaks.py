@@ -892,3 +892,45 @@ def test_of_two_lists_growing_the_faster_is_named_and_its_share_is_the_saving():
     freed = run(True, tracked=False) - run(False, tracked=False)
     assert 0.5 * freed <= adv.saving_bytes <= freed
     assert "fixing it saves about" in adv.evidence and "the least that" not in adv.evidence
+
+
+def _retrying_loop(free_in_except: bool) -> tuple[TrackReport, int]:
+    """A time-limited script's loop (sweep ZZ): the step written inline, an OOM caught,
+    the batch halved and the step retried. ``free_in_except``: ``out = loss = None`` there.
+    Returns the report and the batch size that trained."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 10))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trained, batch = 0, 1024
+    with track(model, optimizer, device="cpu", budget="36MiB", postmortem=None) as tracker:
+        while trained < 2 and batch >= 256:
+            x, y = torch.randn(batch, 1024), torch.randint(0, 10, (batch,))
+            try:
+                optimizer.zero_grad()
+                out = model(x)
+                loss = nn.functional.cross_entropy(out, y)
+                loss.backward()
+                optimizer.step()
+                trained += 1
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                if free_in_except:
+                    out = loss = None
+                batch //= 2
+    return tracker.report(), batch
+
+
+def test_a_retry_after_a_caught_oom_that_carries_the_failed_graph_is_named():
+    """Sweep ZZ: the step written inline in the loop, the OOM caught in backward: ``out`` and
+    ``loss`` outlive the ``except`` block, and the retry at half the batch ran out again with
+    the failed attempt's 12 MiB graph beside it; the report said only that OOMs were caught.
+    Now ``oom-retry-holds`` names them; applied (``out = loss = None`` in the ``except``
+    block), the retry at 512 trains, where it ran out again and 256 was the next to train."""
+    report, trained = _retrying_loop(free_in_except=False)
+    (advice,) = [a for a in report.advice if a.code == "oom-retry-holds"]
+    assert "`out` (_retrying_loop():" in advice.evidence and "`loss`" in advice.evidence
+    assert report.retry_held is not None and report.retry_held[1] >= 8 << 20
+    fixed, trained_fixed = _retrying_loop(free_in_except=True)
+    assert "oom-retry-holds" not in [a.code for a in fixed.advice]
+    assert (trained, trained_fixed) == (256, 512)

@@ -31,6 +31,7 @@ from memkit.advice.training import (
     autocast_keeps_float32,
     float64_training,
     mixed_precision,
+    oom_retry_holds,
     optimizer_state,
     stale_gradients,
     zero_grad_keeps_grads,
@@ -416,6 +417,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             peak_step=bd.step,
             looks=report.stale_looks,
         ),
+        oom_retry_holds(report.retry_held, device=dev.device),
     ]
 
 

@@ -988,3 +988,35 @@ def stale_gradients(
         saving_bytes=at_peak or None,
         severity="warning" if at_peak else "info",
     )
+
+
+def oom_retry_holds(
+    held: tuple[int, int, Sequence[str]] | None, device: str = "the device"
+) -> Advice | None:
+    """``oom-retry-holds``: the script caught an OOM and retried, and the retry's first
+    forward began with the failed attempt's autograd graph still held (``held``: the step,
+    the bytes above where the failed attempt began, the variables holding graphs): an inline
+    step's ``out`` and ``loss`` outlive the ``except`` block, so the smaller retry runs with
+    the larger attempt's activations beside it."""
+    if held is None:
+        return None
+    step, extra, holders = held
+    names = ", ".join(holders)
+    return Advice(
+        code="oom-retry-holds",
+        title=f"The retry after an OOM carried {format_size(extra)} of the failed attempt",
+        evidence=(
+            f"On {device}, the script caught an out-of-memory error and retried; the retry's "
+            f"first forward (step {step}) began with {format_size(extra)} more than the failed "
+            f"attempt began with, and {names} still held autograd graphs: a step written "
+            "inline keeps its outputs and loss in the loop's variables after the error, "
+            "beside the retry's own."
+        ),
+        action=(
+            "Drop them before retrying: in the `except` block set them to None (`out = loss "
+            "= None`), or run the step in a function, whose locals are freed when the error "
+            "leaves it; then `torch.cuda.empty_cache()` can return their memory."
+        ),
+        saving_bytes=extra,
+        severity="warning",
+    )

@@ -309,6 +309,7 @@ class Evidence:
             "stale_gradients": facts.stale_gradients,
             "stale_step": facts.stale_step,
             "stale_looks": facts.stale_looks,
+            "retry_held": facts.retry_held,
             "dp_output_bytes": facts.dp_output_bytes,
             "frozen_model": facts.frozen_seen,
             "frozen_forwards": facts.frozen_forwards,

@@ -30,7 +30,12 @@ from memkit import cuda_autocast
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.leaks import growth_finding, optimizers_in_frames, tensors_within
+from memkit.tracking.leaks import (
+    growth_finding,
+    optimizers_in_frames,
+    scan_frames,
+    tensors_within,
+)
 from memkit.tracking.models import TrackedModels, replaces
 from memkit.tracking.records import (
     DeviceRecord,
@@ -103,6 +108,7 @@ class PhaseMachine:
         self.backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self.abandoned_steps = 0  # of those, the ones before an attempt that raised
         self.backwards_at_optimizer = 0  # state.backwards at the last optimizer step
+        self.failed_base: int | None = None  # where a training attempt that ran out began
         self.micro_batches = 0  # the most backward passes one optimizer step used, this step
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
@@ -287,6 +293,8 @@ class PhaseMachine:
             self.boundary(frame)
             self.backward_steps += 1
         self.transition(FORWARD)
+        if self.failed_base is not None:
+            self._retry_begins(frame)
         if not state.trained:  # from now on the breakdown is training's
             state.trained = True
             for dev in self.devices.records.values():
@@ -311,6 +319,25 @@ class PhaseMachine:
                 if facts.grads_steps <= 3:  # what the advice quotes: a walk, three times
                     found = self.evidence.gradient_bytes()
                     facts.grads_at_forward_bytes = max(facts.grads_at_forward_bytes, found)
+
+    def _retry_begins(self, frame: Any) -> None:
+        """The first training forward after a caught OOM: where it begins with more than the
+        failed attempt began with, and variables in the user's frames hold autograd graphs
+        (an inline step's ``out`` and ``loss``, which outlive the ``except`` block), they are
+        what the retry carries (``oom-retry-holds``)."""
+        base, self.failed_base = self.failed_base, None
+        primary = self.devices.primary
+        now = None if primary is None else primary.forward_base
+        if base is None or now is None or now - base < 1 << 20:  # (a MiB: not a new batch's)
+            return
+        held = now - base
+        holders = tuple(
+            f"`{c.name}` ({c.function}():{c.frame_line})"
+            for c in scan_frames(frame)
+            if c.graph and c.kind == "tensor"
+        )
+        if holders:
+            self.evidence.facts.retry_held = (self.state.step, held, holders[:4])
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
         """The model's forward returned (``delta``: what it left allocated on ``dev``). The
@@ -398,6 +425,9 @@ class PhaseMachine:
             return
         self.backwards_at_optimizer = self.state.backwards
         self.abandoned_steps = self.backward_steps
+        primary = self.devices.primary
+        if primary is not None and self.evidence.facts.retry_held is None:
+            self.failed_base = primary.forward_base  # where the failed attempt began
 
     def optimizer_called(self, optimizer: Any) -> None:
         """``optimizer.step()`` was called (before any closure it was given runs)."""

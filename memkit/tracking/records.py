@@ -113,6 +113,9 @@ class RunFacts:
     stale_gradients: tuple[tuple[str, int], ...] = ()
     stale_step: int | None = None
     stale_looks: tuple[tuple[int, int], ...] = ()
+    # a training forward after a caught OOM that began with the failed attempt's graph still
+    # held: (the step, the bytes it began with above the failed attempt's start, the holders)
+    retry_held: tuple[int, int, tuple[str, ...]] | None = None
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before

@@ -549,6 +549,9 @@ class TrackReport(Result):
             0-2, every 25th and where an optimizer steps for the first time); ``stale_step``:
             the step that saw them; ``stale_looks``: ``(step, bytes)`` of each look
             (``stale-gradients``).
+        retry_held: ``(step, bytes, holders)`` where the first training forward after a
+            caught OOM began with the failed attempt's graph still held by variables of the
+            script (``oom-retry-holds``): ``bytes`` above where the failed attempt began.
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
@@ -592,6 +595,7 @@ class TrackReport(Result):
     stale_gradients: tuple[tuple[str, int], ...] = ()
     stale_step: int | None = None
     stale_looks: tuple[tuple[int, int], ...] = ()
+    retry_held: tuple[int, int, tuple[str, ...]] | None = None
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
