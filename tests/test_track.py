@@ -2579,6 +2579,46 @@ def test_the_rows_of_a_linear_relu_chain_add_up_to_what_the_model_keeps() -> Non
     assert rows["0"] == rows["2"] == 0 and rows["1"] == rows["3"] == 64 * 256 * 4
 
 
+def test_outputs_that_die_levels_up_and_outputs_dropped_from_a_tuple_are_not_kept() -> None:
+    """Sweep AA: a dropout's output returned by its MLP and freed by the block's residual add
+    (two levels up) stayed in the dropout's row and the MLP's; ``a, _ = mha(x, x, x)`` drops
+    the averaged attention weights at once, and MHA's row kept them (its row was larger than
+    the whole model's). Counted independently: the forward's growth on the simulated device;
+    each row by what autograd saves (the dropout keeps its mask, 4 bytes an element on the
+    CPU; the MLP its hidden layer twice, GELU's input and the second Linear's, and the mask)."""
+    batch, width, hidden, length = 32, 64, 256, 16
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(width, 4, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(),
+                                     nn.Linear(hidden, width), nn.Dropout(0.1))  # fmt: skip
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, _ = self.mha(x, x, x)  # need_weights=True by default: the weights are dropped
+            x = x + a
+            return x + self.mlp(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(batch, length, width)
+    with simulate("64MiB", track=(model,)) as acct:
+        acct.track(x, inputs=True)
+        before = acct.current
+        out = model(x)
+        kept = acct.current - before
+        del out
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        model(x).sum().backward()
+    rows = {m.path: m.activation_bytes_per_step for m in tracker.report().devices[0].modules}
+    tokens = batch * length
+    assert rows["0.mlp.3"] == tokens * width * 4  # the mask, not the output
+    assert rows["0.mlp"] == tokens * (2 * hidden + width) * 4
+    assert rows["Sequential"] == kept == rows["0"] + rows["1"]
+    assert rows["0.mha"] < rows["0"]
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no

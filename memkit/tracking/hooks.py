@@ -56,7 +56,7 @@ from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
 from memkit.tracking.leaks import tensors_within
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.phases import PhaseMachine, output_values
-from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, RootInfo
+from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, PendingKeep, RootInfo
 from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import (
     wrap_backward,
@@ -786,7 +786,12 @@ class Hooks:
         keeps = kind == TRAIN_PASS and not frame.keeps_nothing and not raised
         if frame.region_children:  # its children's region ended inside it: they kept alone
             self._settle_region(frame, None)
-        child_outputs = self._settle_outputs(frame) if frame.outputs else ()
+        returned: dict[int, Any] = {}  # what it returned, by storage (sampled steps)
+        if frame.outputs or (
+            kind == TRAIN_PASS and stack and state.detail_on and output is not None
+        ):
+            returned = _storages_of(output)
+        child_outputs = self._settle_outputs(frame, returned, stack) if frame.outputs else ()
         t: torch.Tensor | None = None  # the output's first tensor, found once where needed
         if kind == TRAIN_PASS:  # a call that raised keeps nothing: its pass is given up
             ms.calls += 1
@@ -825,7 +830,7 @@ class Hooks:
                 keeps = False  # kept when settled
         deferred = False
         if keeps and parent is not None:  # kept once the caller ends (_settle_outputs)
-            deferred = self._defer(parent, ms, delta, delta - frame.children, output, args,
+            deferred = self._defer(parent, ms, delta, delta - frame.children, returned, args,
                                    child_outputs)  # fmt: skip
         if keeps and not deferred:  # what a training forward keeps for backward
             self._keep(ms, delta, delta - frame.children)
@@ -935,46 +940,61 @@ class Hooks:
         ms: ModuleStat,
         delta: int,
         own: int,
-        output: Any,
+        returned: dict[int, Any],
         args: Any,
         child_outputs: set[int] | tuple[()],
     ) -> bool:
-        """Leave a training call's keep to its caller's end where it returned a tensor of a
-        storage of its own (not one of its inputs'): whether it did."""
-        t = output if type(output) is torch.Tensor else _first_tensor(output)
-        if t is None or t.layout is not torch.strided or delta <= 0:
+        """Leave a training call's keep to its caller's end where it returned tensors of
+        storages of its own (not its inputs'): whether it did."""
+        if delta <= 0 or not returned:
             return False
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if any(
-            a.untyped_storage().data_ptr() == ptr
-            for a in tensors_within(args, torch.Tensor)
-            if a.layout is torch.strided
-        ):
+        inputs = _storages_of(args)
+        mine = [
+            (weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
+            for ptr, storage in returned.items()
+            if ptr not in inputs
+        ]
+        if not mine:
             return False  # (its input, or a view of it: nothing of its own to free)
         entries = parent.outputs
         if entries is None:
             entries = parent.outputs = []
-        entries.append(
-            (ms, delta, own, weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
-        )
+        entries.append(PendingKeep(ms, delta, own, mine))
         return True
 
-    def _settle_outputs(self, frame: Frame) -> set[int]:
-        """``frame`` ends: each child call it deferred keeps what it kept, less its output's
-        bytes where that output died inside ``frame`` (a non-inplace ``Linear -> ReLU``: the
-        ReLU saves its own output, and the Linear's is freed as soon as the ReLU returns).
-        The addresses of the children's outputs."""
+    def _settle_outputs(self, frame: Frame, returned: dict[int, Any], stack: list[Any]) -> set[int]:
+        """``frame`` ends: each call it deferred (its children's, and theirs that it returns
+        on) keeps what it kept, less what it returned that died (a non-inplace ``Linear ->
+        ReLU``: the ReLU saves its own output, the Linear's is freed as soon as the ReLU
+        returns; a dropout's output added to the residual stream two levels up). What is still
+        alive and returned on waits for the caller's end. The addresses of the children's
+        outputs."""
         entries, frame.outputs = frame.outputs or [], None
-        addresses = set()
-        for ms, delta, own, storage, nbytes, ptr, from_child in entries:
-            addresses.add(ptr)
-            if storage() is None:  # freed before its caller returned: kept by no backward
-                delta = max(0, delta - nbytes)
-                if not from_child:  # (else its child's row gave it back)
-                    own = max(0, own - nbytes)
-            self._keep(ms, delta, own)
-            frame.children += delta
+        caller = stack[-1] if stack and isinstance(stack[-1], Frame) else None
+        addresses: set[int] = set()
+        for entry in entries:
+            alive = []
+            for out in entry.outputs:
+                storage, nbytes, ptr, from_child = out
+                if not entry.counted:
+                    addresses.add(ptr)
+                if storage() is None:  # freed before this caller returned: kept by no backward
+                    entry.delta -= nbytes
+                    if not from_child:  # (else its child's row gives it back)
+                        entry.own -= nbytes
+                else:
+                    alive.append(out)
+            if not entry.counted:  # (a call's bytes count in its own caller only)
+                entry.counted = True
+                frame.children += max(0, entry.delta)
+            passed = [out for out in alive if out[2] in returned]
+            if passed and caller is not None:  # returned on: its fate is decided higher up
+                entry.outputs = passed
+                if caller.outputs is None:
+                    caller.outputs = []
+                caller.outputs.append(entry)
+            else:
+                self._keep(entry.ms, max(0, entry.delta), max(0, entry.own))
         return addresses
 
     def _settle_region(self, parent: Frame, region: object | None) -> bool:
@@ -1136,6 +1156,16 @@ class Hooks:
             return
         with state.lock:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))
+
+
+def _storages_of(values: Any) -> dict[int, Any]:
+    """The strided tensors' storages within ``values`` (nested), by address."""
+    found: dict[int, Any] = {}
+    for t in tensors_within((values,), torch.Tensor):
+        if t.layout is torch.strided:
+            storage = t.untyped_storage()
+            found.setdefault(storage.data_ptr(), storage)
+    return found
 
 
 def _new_output_bytes(output: Any, args: Any) -> int:

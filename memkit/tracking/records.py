@@ -172,11 +172,28 @@ class Frame:
         # then share the region, and only what the layer returns is kept)
         self.region: object | None = None
         self.region_children: list[tuple[object, ModuleStat, int, int]] | None = None
-        # its children's training calls, kept once this call ends: (stat, bytes kept, less
-        # their children's, the storage of what each returned, its bytes and address, and
-        # whether that came from its own child); an output that died before this call
-        # returned (a Linear's, which the ReLU after it does not save) was not kept
-        self.outputs: list[tuple[ModuleStat, int, int, Any, int, int, bool]] | None = None
+        # its children's training calls (and theirs that they returned on), kept once this
+        # call ends: an output that died before it returned (a Linear's, which the ReLU after
+        # it does not save) was not kept
+        self.outputs: list[PendingKeep] | None = None
+
+
+class PendingKeep:
+    """A training call's kept bytes, waiting for what it returned to die or live on: the
+    stat, bytes kept (less its children's: ``own``), and per storage it returned (a weak
+    reference, its bytes and address, and whether it came from the call's own child);
+    ``counted``: in its caller's children's bytes already."""
+
+    __slots__ = ("counted", "delta", "ms", "outputs", "own")
+
+    def __init__(
+        self, ms: ModuleStat, delta: int, own: int, outputs: list[tuple[Any, int, int, bool]]
+    ) -> None:
+        self.ms = ms
+        self.delta = delta
+        self.own = own
+        self.outputs = outputs
+        self.counted = False
 
 
 class IgnoredCall:
