@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import memkit
 from memkit.advice.oom import oom_optimizer_state
 from memkit.advice.track import track_advice
-from memkit.advice.training import mixed_precision
+from memkit.advice.training import ModuleActivation, activation_checkpointing, mixed_precision
 from memkit.tracking import track
 from memkit.tracking.report import TrackReport
 from memkit.units import format_size
@@ -384,6 +384,26 @@ def test_a_gpu_scripts_own_cuda_autocast_on_the_simulated_cpu_is_said_and_not_ad
     (advice,) = [a for a in plain.advice if a.code == "mixed-precision"]
     assert "torch.autocast('cpu', dtype=torch.bfloat16)" in advice.evidence
     assert not any("cast nothing" in n for n in plain.notes)
+
+
+@pytest.mark.parametrize("container", [True, False])
+def test_checkpointing_a_modulelist_block_says_to_wrap_its_childrens_calls(container):
+    """Sweep AA: vit-pytorch's layers are ``ModuleList([attn, ff])`` entries with no forward;
+    the advice said ``checkpoint(block, x)`` "e.g. transformer.layers.0", which raises
+    NotImplementedError there. For such a block it says to checkpoint a function that calls
+    the children; for a block with a forward (a row of its own), it does not."""
+    mib = 1 << 20
+    rows = [ModuleActivation("ViT", 40 * mib, False, "ViT", 0, None)]
+    for i in range(3):
+        if not container:
+            rows.append(ModuleActivation(f"layers.{i}", 12 * mib, False, "Block", 1 + 4 * i, mib))
+        for j, (kind, kept) in enumerate((("Attention", 6), ("FeedForward", 5), ("Dropout", 1))):
+            rows.append(ModuleActivation(f"layers.{i}.{j}", kept * mib, True, kind,
+                                         2 + 4 * i + j))  # fmt: skip
+    advice = activation_checkpointing(activation_bytes=38 * mib, peak_bytes=40 * mib,
+                                      modules=rows)  # fmt: skip
+    assert advice is not None and "e.g. `layers.0`" in advice.action
+    assert ("container with no forward of its own" in advice.action) is container
 
 
 def test_mixed_precision_counts_what_autocast_keeps_in_float32():

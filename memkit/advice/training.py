@@ -484,8 +484,14 @@ def activation_checkpointing(
         ),
         action=(
             "Recompute those blocks in backward: in the parent's forward, `x = torch.utils."
-            f"checkpoint.checkpoint(block, x, use_reentrant=False)` for each (e.g. `{first}`); "
-            "Hugging Face models: `model.gradient_checkpointing_enable()`. Costs about one "
+            f"checkpoint.checkpoint(block, x, use_reentrant=False)` for each (e.g. `{first}`"
+            + (
+                "; it is a container with no forward of its own, a ModuleList: put the calls "
+                "of its children in a function, `def run(x): ...`, and checkpoint `run`"
+                if not any(m.path == first for m in modules)
+                else ""
+            )
+            + "); Hugging Face models: `model.gradient_checkpointing_enable()`. Costs about one "
             "extra forward of those blocks per step."
         ),
         saving_bytes=saving,
