@@ -20,13 +20,15 @@ import torch
 
 __all__ = ["inside", "regions_entered", "requested", "requests_recorded"]
 
-_open = threading.local()  # per thread: the requested half-precision regions now entered
+_open = threading.local()  # per thread: the CUDA autocast regions now entered, innermost last
 
 
 def inside() -> bool:
-    """Whether this thread is inside a half-precision CUDA autocast region that the block of
-    :func:`regions_entered` saw entered (and a device that is not CUDA runs in float32)."""
-    return getattr(_open, "depth", 0) > 0
+    """Whether this thread's innermost CUDA autocast region that the block of
+    :func:`regions_entered` saw entered asks for half precision (which a device that is not
+    CUDA runs in float32)."""
+    stack: list[bool] = getattr(_open, "stack", [])
+    return bool(stack) and stack[-1]
 
 
 def requested(region: Any) -> tuple[torch.dtype, bool] | None:
@@ -74,16 +76,20 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
 
     def __enter__(self: Any) -> Any:
         region = requested(self) if threading.get_ident() == thread else None
-        if region is not None and region[1] and region[0] in (torch.float16, torch.bfloat16):
-            found.add(region[0])
-            self._memkit_open = True
-            _open.depth = getattr(_open, "depth", 0) + 1
+        if region is not None:
+            half = region[1] and region[0] in (torch.float16, torch.bfloat16)
+            if half:
+                found.add(region[0])
+            if not hasattr(_open, "stack"):
+                _open.stack = []
+            _open.stack.append(half)  # (enabled=False nested in a region: not inside)
         return enter(self)
 
     def __exit__(self: Any, *exc: Any) -> Any:
-        if getattr(self, "_memkit_open", False):
-            self._memkit_open = False
-            _open.depth -= 1
+        if threading.get_ident() == thread and requested(self) is not None:
+            stack = getattr(_open, "stack", None)
+            if stack:
+                stack.pop()
         return leave(self, *exc)
 
     cls.__enter__ = __enter__  # type: ignore[method-assign]
@@ -94,4 +100,3 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     finally:
         cls.__enter__ = enter  # type: ignore[method-assign]
         cls.__exit__ = leave  # type: ignore[method-assign]
-        _open.depth = 0

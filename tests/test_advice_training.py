@@ -406,6 +406,41 @@ def test_checkpointing_a_modulelist_block_says_to_wrap_its_childrens_calls(conta
     assert ("container with no forward of its own" in advice.action) is container
 
 
+def test_what_backward_frees_before_the_last_block_is_the_students_with_a_teacher_first():
+    """Review: the model's own row (the first called) prices what the forward kept after the
+    blocks; a teacher called first (``memkit run``'s global hooks) was taken for it, with its
+    0 bytes kept, and the head's 4 MiB left out. A first row that keeps less than the blocks
+    is no model's own: what the modules called after the blocks kept is used."""
+    mib = 1 << 20
+    rows = [ModuleActivation("Teacher", 0, False, "Teacher", 0, None)]
+    rows += [ModuleActivation(f"blocks.{i}", 8 * mib, False, "Block", 1 + i, mib)
+             for i in range(4)]  # fmt: skip
+    rows.append(ModuleActivation("head", 4 * mib, True, "Linear", 5))
+    from memkit.advice.training import _kept_after
+
+    assert _kept_after([f"blocks.{i}" for i in range(4)], rows) == 4 * mib
+
+
+def test_the_cuda_regions_seen_on_a_cpu_nest_and_end_as_entered():
+    """Review: a disabled region nested in an enabled one read as inside, a nested watch or a
+    region entered twice (a recursive ``@autocast`` function) left it inside for good."""
+    from memkit import cuda_autocast
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (CPU torch: "Disabling autocast")
+        with cuda_autocast.regions_entered(), cuda_autocast.regions_entered():
+            outer = torch.autocast("cuda", dtype=torch.bfloat16)
+            with outer:
+                assert cuda_autocast.inside()
+                with torch.autocast("cuda", enabled=False):
+                    assert not cuda_autocast.inside()
+                with outer:  # the same region again
+                    assert cuda_autocast.inside()
+                assert cuda_autocast.inside()
+            assert not cuda_autocast.inside()
+    assert not cuda_autocast.inside()
+
+
 def test_mixed_precision_counts_what_autocast_keeps_in_float32():
     """Sweep V: "saving ~17.83 MiB" where CPU bf16 autocast saved 10.61 MiB on a GPT-2 LM, and
     4.41 MiB promised to a checkpointed one whose peak autocast raised: norms and embeddings

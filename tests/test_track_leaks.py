@@ -934,3 +934,52 @@ def test_a_retry_after_a_caught_oom_that_carries_the_failed_graph_is_named():
     fixed, trained_fixed = _retrying_loop(free_in_except=True)
     assert "oom-retry-holds" not in [a.code for a in fixed.advice]
     assert (trained, trained_fixed) == (256, 512)
+
+
+SKIPPING_SCRIPT = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+from memkit import track
+from memkit.devices.cuda_standin import cuda_standin
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(80, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.out((h @ h.transpose(1, 2)).softmax(-1) @ h).mean(1)
+
+torch.manual_seed(0)
+with cuda_standin("64MiB"):
+    model = Attention().to("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(model, optimizer, device="cuda", postmortem=None) as tracker:
+        for b, length in ((8, 128), (2, 2048), (32, 256), (32, 256)):  # the 2nd runs out
+            x = torch.randn(b, length, 80).to("cuda")
+            y = torch.randint(0, 10, (b,)).to("cuda")
+            try:
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+            except torch.OutOfMemoryError:
+                continue
+    report = tracker.report()
+"""
+
+
+def test_a_skipped_batch_after_a_finished_step_is_no_carried_graph(tmp_path):
+    """Review: a script that skips the batch an OOM hit (fairseq, ESPnet) still has the last
+    finished step's ``loss``, whose graph that step's backward freed, and the next batch is
+    larger in bytes (more samples, a shorter sequence): it was told the retry "carried" the
+    failed attempt (1.25 MiB). A graph that saves nothing any more is no holder."""
+    import runpy
+
+    script = tmp_path / "skipping.py"
+    script.write_text(SKIPPING_SCRIPT)
+    report = runpy.run_path(str(script))["report"]
+    assert any("ran out of memory once" in n for n in report.notes), report.notes
+    assert report.retry_held is None and "oom-retry-holds" not in [a.code for a in report.advice]

@@ -173,7 +173,7 @@ def mixed_precision(
             )
         measure = (
             "Rerun under autocast to measure it."
-            if device.startswith(("cuda", "xpu", "mps"))
+            if device.split(":")[0] != "cpu"
             else "On this CPU run a torch.autocast('cuda', ...) region is disabled (torch "
             "warns, nothing changes): measure it here under torch.autocast('cpu', "
             "dtype=torch.bfloat16), whose op lists differ from CUDA's, or estimate a GPU with "
@@ -411,9 +411,9 @@ def _kept_after(blocks: Sequence[str], modules: Sequence[ModuleActivation]) -> i
     rest = [m for m in modules if m.first_call is not None and m.first_call > 0]
     paths = {m.path for m in rest}
     outermost = [m for m in rest if not any(p in paths for p in _ancestors(m.path))]
-    if len(roots) == 1:
-        before = sum(m.activation_bytes for m in outermost if (m.first_call or 0) <= last)
-        return max(0, roots[0].activation_bytes - before)
+    before = sum(m.activation_bytes for m in outermost if (m.first_call or 0) <= last)
+    if len(roots) == 1 and roots[0].activation_bytes >= before:  # (not a teacher run first)
+        return roots[0].activation_bytes - before
     after = [m for m in rest if (m.first_call or 0) > last]
     later = {m.path for m in after}
     return sum(m.activation_bytes for m in after if not any(p in later for p in _ancestors(m.path)))
@@ -1001,7 +1001,7 @@ def oom_retry_holds(
 ) -> Advice | None:
     """``oom-retry-holds``: the script caught an OOM and retried, and the retry's first
     forward began with the failed attempt's autograd graph still held (``held``: the step,
-    the bytes above where the failed attempt began, the variables holding graphs): an inline
+    the bytes its saved tensors hold, the variables holding it): an inline
     step's ``out`` and ``loss`` outlive the ``except`` block, so the smaller retry runs with
     the larger attempt's activations beside it."""
     if held is None:
@@ -1012,11 +1012,11 @@ def oom_retry_holds(
         code="oom-retry-holds",
         title=f"The retry after an OOM carried {format_size(extra)} of the failed attempt",
         evidence=(
-            f"On {device}, the script caught an out-of-memory error and retried; the retry's "
-            f"first forward (step {step}) began with {format_size(extra)} more than the failed "
-            f"attempt began with, and {names} still held autograd graphs: a step written "
-            "inline keeps its outputs and loss in the loop's variables after the error, "
-            "beside the retry's own."
+            f"On {device}, the script caught an out-of-memory error and retried; when the "
+            f"retry's first forward began (step {step}), {names} still held the failed "
+            f"attempt's autograd graph, whose saved tensors were {format_size(extra)}: a step "
+            "written inline keeps its outputs and loss in the loop's variables after the "
+            "error, beside the retry's own."
         ),
         action=(
             "Drop them before retrying: in the `except` block set them to None (`out = loss "

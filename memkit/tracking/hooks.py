@@ -976,14 +976,14 @@ class Hooks:
             alive = []
             for out in entry.outputs:
                 storage, nbytes, ptr, from_child = out
-                if not entry.counted:
-                    addresses.add(ptr)
                 if storage() is None:  # freed before this caller returned: kept by no backward
                     entry.delta -= nbytes
                     if not from_child:  # (else its child's row gives it back)
                         entry.own -= nbytes
                 else:
                     alive.append(out)
+                    if not entry.counted:  # (a dead one's address may be a new storage's)
+                        addresses.add(ptr)
             if not entry.counted:  # (a call's bytes count in its own caller only)
                 entry.counted = True
                 frame.children += max(0, entry.delta)
@@ -1158,11 +1158,25 @@ class Hooks:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _storages_of(values: Any) -> dict[int, Any]:
-    """The strided tensors' storages within ``values`` (nested), by address."""
+    """The storages of the plain strided tensors in ``values`` (a tensor, or the tensors of a
+    tuple, list or dict: one level, as a module returns them; a key-value cache further down
+    is not walked), by address. A tensor subclass (DTensor, a wrapper) has no storage of its
+    own to watch: none is taken."""
+    if type(values) in _PLAIN:
+        items: Any = (values,)
+    elif isinstance(values, (tuple, list)):
+        items = values
+    elif isinstance(values, dict):
+        items = values.values()
+    else:
+        return {}
     found: dict[int, Any] = {}
-    for t in tensors_within((values,), torch.Tensor):
-        if t.layout is torch.strided:
+    for t in items:
+        if type(t) in _PLAIN and t.layout is torch.strided:
             storage = t.untyped_storage()
             found.setdefault(storage.data_ptr(), storage)
     return found

@@ -400,6 +400,51 @@ def _walk(tensors: Iterable[Any], limit: int) -> dict[int, Any]:
     return seen
 
 
+def _saved_storages(tensor: Any, torch: Any, limit: int = GRAPH_NODE_LIMIT) -> dict[int, int]:
+    """The storages (address -> bytes) of the tensors the autograd graph behind ``tensor``
+    still saves for its backward (up to ``limit`` nodes): none for a graph a backward has
+    freed (a finished step's loss), the activations of the nodes a failed backward did not
+    reach, all of them for a graph no backward ran through."""
+    seen: dict[int, int] = {}
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for node in _walk([tensor], limit).values():
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed by a backward that ran through this node
+                break
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if type(t) in plain and t.layout is torch.strided:
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return seen
+
+
+def graph_holders(start: FrameType | None) -> tuple[list[tuple[str, str, int]], int]:
+    """The variables in the user frames from ``start`` outwards that hold a tensor whose
+    autograd graph still saves tensors for a backward (``(name, function, line)``, the one
+    saving most first), and the bytes those saved tensors hold together."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [], 0
+    holders: list[tuple[int, tuple[str, str, int]]] = []
+    union: dict[int, int] = {}
+    seen: set[int] = set()
+    for frame in _user_frames(start):
+        for name, value, _ in _frame_values(frame, torch):
+            if id(value) in seen or not _has_graph(value, torch.Tensor):
+                continue
+            seen.add(id(value))
+            saved = _saved_storages(value, torch)
+            if saved:
+                union.update(saved)
+                holders.append((sum(saved.values()), (name, frame.f_code.co_name, frame.f_lineno)))
+    holders.sort(key=lambda h: -h[0])
+    return [h for _, h in holders], sum(union.values())
+
+
 def _own_nodes(nodes: dict[int, Any]) -> frozenset[NodeKey]:
     """The keys of ``nodes`` but the parameters' AccumulateGrad nodes."""
     keys = (node_key(n) for n in nodes.values())

@@ -31,9 +31,9 @@ from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import (
+    graph_holders,
     growth_finding,
     optimizers_in_frames,
-    scan_frames,
     tensors_within,
 )
 from memkit.tracking.models import TrackedModels, replaces
@@ -323,21 +323,18 @@ class PhaseMachine:
     def _retry_begins(self, frame: Any) -> None:
         """The first training forward after a caught OOM: where it begins with more than the
         failed attempt began with, and variables in the user's frames hold autograd graphs
-        (an inline step's ``out`` and ``loss``, which outlive the ``except`` block), they are
-        what the retry carries (``oom-retry-holds``)."""
+        that still save tensors for a backward (an inline step's ``out`` and ``loss``, which
+        outlive the ``except`` block; not a finished step's loss, whose backward freed them),
+        they are what the retry carries, their saved bytes (``oom-retry-holds``)."""
         base, self.failed_base = self.failed_base, None
         primary = self.devices.primary
         now = None if primary is None else primary.forward_base
-        if base is None or now is None or now - base < 1 << 20:  # (a MiB: not a new batch's)
+        if base is None or now is None or now - base < 1 << 20:  # (nothing more held)
             return
-        held = now - base
-        holders = tuple(
-            f"`{c.name}` ({c.function}():{c.frame_line})"
-            for c in scan_frames(frame)
-            if c.graph and c.kind == "tensor"
-        )
-        if holders:
-            self.evidence.facts.retry_held = (self.state.step, held, holders[:4])
+        holders, held = graph_holders(frame)
+        if holders and held >= 1 << 20:  # what their graphs save, counted
+            names = tuple(f"`{name}` ({function}():{line})" for name, function, line in holders)
+            self.evidence.facts.retry_held = (self.state.step, held, names[:4])
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
         """The model's forward returned (``delta``: what it left allocated on ``dev``). The

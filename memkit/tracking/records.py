@@ -114,7 +114,7 @@ class RunFacts:
     stale_step: int | None = None
     stale_looks: tuple[tuple[int, int], ...] = ()
     # a training forward after a caught OOM that began with the failed attempt's graph still
-    # held: (the step, the bytes it began with above the failed attempt's start, the holders)
+    # held: (the step, the bytes its saved tensors hold, the variables holding it)
     retry_held: tuple[int, int, tuple[str, ...]] | None = None
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device

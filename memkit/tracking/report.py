@@ -551,7 +551,7 @@ class TrackReport(Result):
             (``stale-gradients``).
         retry_held: ``(step, bytes, holders)`` where the first training forward after a
             caught OOM began with the failed attempt's graph still held by variables of the
-            script (``oom-retry-holds``): ``bytes`` above where the failed attempt began.
+            script (``oom-retry-holds``): ``bytes`` its saved tensors hold.
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
