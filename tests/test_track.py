@@ -2619,6 +2619,39 @@ def test_outputs_that_die_levels_up_and_outputs_dropped_from_a_tuple_are_not_kep
     assert rows["0.mha"] < rows["0"]
 
 
+def test_a_module_returning_a_tensor_subclass_keeps_tracking() -> None:
+    """Review: a wrapper tensor subclass (DTensor under tensor parallelism; here torch's own
+    test ``TwoTensor``) has no storage address, and reading one in the module rows stopped
+    tracking at step 0 ("its own hook failed")."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.l(x)
+            return two_tensor.TwoTensor(y, y * 2)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.head = Wrap(), nn.Linear(64, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = self.w(x)
+            return self.head(t.a + t.b)
+
+    model = Net()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            model(torch.randn(32, 64)).sum().backward()
+    report = tracker.report()
+    assert not any("stopped tracking" in n for n in report.notes), report.notes
+    assert report.steps == 3 and {"w", "w.l", "head"} <= {m.path for m in report.devices[0].modules}
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no
