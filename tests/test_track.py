@@ -2652,6 +2652,41 @@ def test_a_module_returning_a_tensor_subclass_keeps_tracking() -> None:
     assert report.steps == 3 and {"w", "w.l", "head"} <= {m.path for m in report.devices[0].modules}
 
 
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_a_tensor_a_block_is_given_and_returns_on_is_not_its_own(by_keyword: bool) -> None:
+    """Review: T5 passes ``position_bias`` to every layer by keyword, and each returns it
+    on; forward hooks get no keywords, so the bias was taken for the block's own output, and
+    where it died at the model's end every block's row lost it: 0 where a block keeps its
+    tanh output (512 KiB here). By position it was right; now by keyword too."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tanh(self.l(x) + bias), bias
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias, self.head = nn.Linear(256, 256), nn.Linear(256, 1)
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b = self.bias(x) * 2
+            for block in self.blocks:
+                x, b = block(x, bias=b) if by_keyword else block(x, b)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        model(torch.randn(512, 256)).sum().backward()
+    rows = {m.path: m.activation_bytes for m in tracker.report().devices[0].modules}
+    assert rows["blocks.0"] == rows["blocks.2"] == 512 * 256 * 4  # its tanh's output
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no

@@ -151,7 +151,7 @@ class Hooks:
         self._handles: list[Any] = []
         self._detail_handles: list[Any] = []  # module detail's hooks (sampled steps)
         self._detail_pres: dict[tuple[str, str, bool], Callable[[Any, Any], None]] = {}
-        self._detail_post: Callable[[Any, Any, Any], None] | None = None
+        self._detail_post: Callable[..., None] | None = None
         self._layout: tuple[bool, bool] | None = None  # (module detail, global hooks)
         self._trained = 0  # models.trained_count() when the model's names were last read
         self._seen = 0  # models.optimizers_seen then
@@ -265,7 +265,7 @@ class Hooks:
             made = self._detail_pres  # made once, installed on each sampled step
             post = self._detail_post
             if post is None:
-                post = self._detail_post = self._make_post()
+                post = self._detail_post = self._make_detail_post()
             for name, mod in model.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
@@ -279,16 +279,22 @@ class Hooks:
                 # torch's global hooks see it
                 h.append(mod.register_forward_pre_hook(pre, prepend=True))
                 h.append(
-                    mod.register_forward_hook(post, always_call=True, prepend=is_fsdp_unit(mod))
+                    mod.register_forward_hook(
+                        post, always_call=True, prepend=is_fsdp_unit(mod), with_kwargs=True
+                    )
                 )
             return
         from torch.nn.modules import module as nn_module
 
         if look:
             h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
-            h.append(nn_module.register_module_forward_hook(self._make_post(), always_call=True))
+            h.append(
+                nn_module.register_module_forward_hook(
+                    self._make_detail_post(), always_call=True, with_kwargs=True
+                )
+            )
             return
-        post = self._make_post()
+        root_post = self._make_post()
         pre = self._global_pre
         failed = self._hook_failed
 
@@ -303,7 +309,9 @@ class Hooks:
             if mod is not None and root.model:
                 h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True))
                 h.append(
-                    mod.register_forward_hook(post, always_call=True, prepend=is_fsdp_unit(mod))
+                    mod.register_forward_hook(
+                        root_post, always_call=True, prepend=is_fsdp_unit(mod)
+                    )
                 )
 
     def look_for_models(self) -> None:
@@ -488,6 +496,26 @@ class Hooks:
             if not _compiling():
                 try:
                     impl(module, args, output)
+                except Exception as exc:
+                    failed(exc)
+
+        return post
+
+    def _make_detail_post(self) -> Callable[..., None]:
+        """The post-hook of module detail (``with_kwargs=True``): a call's keyword tensors
+        are its inputs too (T5's ``position_bias``, passed to every layer and returned on),
+        never its own output."""
+        impl = self._post
+
+        failed = self._hook_failed
+
+        def post(module: torch.nn.Module, args: Any, *rest: Any) -> None:
+            # (torch calls a global always_call hook without the keywords when the forward
+            # raised: ``(module, args, output)``)
+            kwargs, output = rest if len(rest) == 2 else (None, rest[0])
+            if not _compiling():
+                try:
+                    impl(module, (*args, *kwargs.values()) if kwargs else args, output)
                 except Exception as exc:
                     failed(exc)
 
@@ -948,7 +976,7 @@ class Hooks:
         storages of its own (not its inputs'): whether it did."""
         if delta <= 0 or not returned:
             return False
-        inputs = _storages_of(args)
+        inputs = _storages_of(args, depth=2)
         mine = [
             (weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
             for ptr, storage in returned.items()
@@ -1161,24 +1189,25 @@ class Hooks:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _storages_of(values: Any) -> dict[int, Any]:
-    """The storages of the plain strided tensors in ``values`` (a tensor, or the tensors of a
-    tuple, list or dict: one level, as a module returns them; a key-value cache further down
-    is not walked), by address. A tensor subclass (DTensor, a wrapper) has no storage of its
-    own to watch: none is taken."""
-    if type(values) in _PLAIN:
-        items: Any = (values,)
-    elif isinstance(values, (tuple, list)):
-        items = values
-    elif isinstance(values, dict):
-        items = values.values()
-    else:
-        return {}
+def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
+    """The storages of the plain strided tensors in ``values`` (a tensor, or the tensors in
+    tuples, lists and dicts ``depth`` levels down: a module's output one, its arguments two;
+    a key-value cache object is not walked), by address. A tensor subclass (DTensor, a
+    wrapper) has no storage of its own to watch: none is taken."""
     found: dict[int, Any] = {}
-    for t in items:
-        if type(t) in _PLAIN and t.layout is torch.strided:
-            storage = t.untyped_storage()
-            found.setdefault(storage.data_ptr(), storage)
+    level, items = 0, [values]
+    while items and level <= depth:
+        inner: list[Any] = []
+        for t in items:
+            if type(t) in _PLAIN:
+                if t.layout is torch.strided:
+                    storage = t.untyped_storage()
+                    found.setdefault(storage.data_ptr(), storage)
+            elif isinstance(t, (tuple, list)):
+                inner.extend(t)
+            elif isinstance(t, dict):
+                inner.extend(t.values())
+        level, items = level + 1, inner
     return found
 
 

@@ -400,32 +400,57 @@ def _walk(tensors: Iterable[Any], limit: int) -> dict[int, Any]:
     return seen
 
 
-def _saved_storages(tensor: Any, torch: Any, limit: int = GRAPH_NODE_LIMIT) -> dict[int, int]:
+def _saved_storages(
+    tensor: Any, torch: Any, exclude: frozenset[int], limit: int = GRAPH_NODE_LIMIT
+) -> dict[int, int]:
     """The storages (address -> bytes) of the tensors the autograd graph behind ``tensor``
     still saves for its backward (up to ``limit`` nodes): none for a graph a backward has
     freed (a finished step's loss), the activations of the nodes a failed backward did not
-    reach, all of them for a graph no backward ran through."""
+    reach, all of them for a graph no backward ran through. Read without unpacking them (a
+    saved-tensor hook's, a checkpoint's or ``save_on_cpu``'s, is not run: those are left out),
+    custom autograd Functions' too; the storages in ``exclude`` (the parameters) are not."""
     seen: dict[int, int] = {}
     plain = (torch.Tensor, torch.nn.Parameter)
     for node in _walk([tensor], limit).values():
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
+        for name in _raw_saved_names(type(node).__name__, type(node)):
             try:
                 value = getattr(node, name)
+                saved = value if isinstance(value, (tuple, list)) else (value,)
+                tensors: list[Any] = [
+                    getattr(st, "data", None)
+                    for st in saved
+                    if getattr(st, "unpack_hook", None) is None
+                ]
             except RuntimeError:  # freed by a backward that ran through this node
                 break
-            for t in value if isinstance(value, (tuple, list)) else (value,):
+            for t in tensors:
                 if type(t) in plain and t.layout is torch.strided:
                     storage = t.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
+                    ptr = storage.data_ptr()
+                    if ptr not in exclude:
+                        seen[ptr] = storage.nbytes()
     return seen
 
 
-def graph_holders(start: FrameType | None) -> tuple[list[tuple[str, str, int]], int]:
+_RAW_SAVED: dict[str, tuple[str, ...]] = {}
+
+
+def _raw_saved_names(kind: str, node_type: type) -> tuple[str, ...]:
+    """The attributes of an autograd node type (``kind``: its name) that hold its saved
+    tensors without unpacking them."""
+    names = _RAW_SAVED.get(kind)
+    if names is None:
+        names = _RAW_SAVED[kind] = tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
+    return names
+
+
+def graph_holders(
+    start: FrameType | None, exclude: frozenset[int] = frozenset()
+) -> tuple[list[tuple[str, str, int]], int]:
     """The variables in the user frames from ``start`` outwards that hold a tensor whose
     autograd graph still saves tensors for a backward (``(name, function, line)``, the one
-    saving most first), and the bytes those saved tensors hold together."""
+    saving most first), and the bytes those saved tensors hold together (the storages in
+    ``exclude``, the models' parameters, left out)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return [], 0
@@ -437,7 +462,7 @@ def graph_holders(start: FrameType | None) -> tuple[list[tuple[str, str, int]], 
             if id(value) in seen or not _has_graph(value, torch.Tensor):
                 continue
             seen.add(id(value))
-            saved = _saved_storages(value, torch)
+            saved = _saved_storages(value, torch, exclude)
             if saved:
                 union.update(saved)
                 holders.append((sum(saved.values()), (name, frame.f_code.co_name, frame.f_lineno)))

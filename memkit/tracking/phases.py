@@ -331,7 +331,13 @@ class PhaseMachine:
         now = None if primary is None else primary.forward_base
         if base is None or now is None or now - base < 1 << 20:  # (nothing more held)
             return
-        holders, held = graph_holders(frame)
+        weights = frozenset(
+            t.untyped_storage().data_ptr()
+            for model in self.models.root_modules()
+            for t in itertools.chain(model.parameters(), model.buffers())
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
+        )
+        holders, held = graph_holders(frame, weights)
         if holders and held >= 1 << 20:  # what their graphs save, counted
             names = tuple(f"`{name}` ({function}():{line})" for name, function, line in holders)
             self.evidence.facts.retry_held = (self.state.step, held, names[:4])
