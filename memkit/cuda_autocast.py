@@ -75,15 +75,14 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     found: set[torch.dtype] = set()
 
     def __enter__(self: Any) -> Any:
+        entered = enter(self)
         region = requested(self) if threading.get_ident() == thread else None
         if region is not None:
             half = region[1] and region[0] in (torch.float16, torch.bfloat16)
             if half:
                 found.add(region[0])
-            if not hasattr(_open, "stack"):
-                _open.stack = []
             _open.stack.append(half)  # (enabled=False nested in a region: not inside)
-        return enter(self)
+        return entered
 
     def __exit__(self: Any, *exc: Any) -> Any:
         if threading.get_ident() == thread and requested(self) is not None:
@@ -92,6 +91,9 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
                 stack.pop()
         return leave(self, *exc)
 
+    if not hasattr(_open, "stack"):
+        _open.stack = []
+    depth = len(_open.stack)
     cls.__enter__ = __enter__  # type: ignore[method-assign]
     cls.__exit__ = __exit__  # type: ignore[method-assign]
     try:
@@ -100,3 +102,4 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     finally:
         cls.__enter__ = enter  # type: ignore[method-assign]
         cls.__exit__ = leave  # type: ignore[method-assign]
+        del _open.stack[depth:]  # a region still open at the block's end exits unwatched

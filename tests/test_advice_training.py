@@ -438,6 +438,10 @@ def test_the_cuda_regions_seen_on_a_cpu_nest_and_end_as_entered():
                     assert cuda_autocast.inside()
                 assert cuda_autocast.inside()
             assert not cuda_autocast.inside()
+        with cuda_autocast.regions_entered():  # a region still open when the watch ends
+            region = torch.autocast("cuda", dtype=torch.bfloat16)
+            region.__enter__()
+        region.__exit__(None, None, None)
     assert not cuda_autocast.inside()
 
 
