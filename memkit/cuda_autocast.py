@@ -20,15 +20,16 @@ import torch
 
 __all__ = ["inside", "regions_entered", "requested", "requests_recorded"]
 
-_open = threading.local()  # per thread: the CUDA autocast regions now entered, innermost last
+_open = threading.local()  # per thread: (region id, half?) of the CUDA autocast regions now
+# entered, innermost last; ``busy``: inside a watched enter or exit (nested watches: once)
 
 
 def inside() -> bool:
     """Whether this thread's innermost CUDA autocast region that the block of
     :func:`regions_entered` saw entered asks for half precision (which a device that is not
     CUDA runs in float32)."""
-    stack: list[bool] = getattr(_open, "stack", [])
-    return bool(stack) and stack[-1]
+    stack: list[tuple[int, bool]] = getattr(_open, "stack", [])
+    return bool(stack) and stack[-1][1]
 
 
 def requested(region: Any) -> tuple[torch.dtype, bool] | None:
@@ -75,21 +76,33 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     found: set[torch.dtype] = set()
 
     def __enter__(self: Any) -> Any:
-        entered = enter(self)
         region = requested(self) if threading.get_ident() == thread else None
-        if region is not None:
-            half = region[1] and region[0] in (torch.float16, torch.bfloat16)
-            if half:
-                found.add(region[0])
-            _open.stack.append(half)  # (enabled=False nested in a region: not inside)
+        if region is None or getattr(_open, "busy", False):
+            return enter(self)
+        _open.busy = True  # (a watch nested in this one patched enter too: it only enters)
+        try:
+            entered = enter(self)
+        finally:
+            _open.busy = False
+        half = region[1] and region[0] in (torch.float16, torch.bfloat16)
+        if half:
+            found.add(region[0])
+        _open.stack.append((id(self), half))  # (enabled=False nested in a region: not inside)
         return entered
 
     def __exit__(self: Any, *exc: Any) -> Any:
-        if threading.get_ident() == thread and requested(self) is not None:
-            stack = getattr(_open, "stack", None)
-            if stack:
-                stack.pop()
-        return leave(self, *exc)
+        stack = getattr(_open, "stack", None)
+        if not stack or threading.get_ident() != thread or getattr(_open, "busy", False):
+            return leave(self, *exc)
+        for i in range(len(stack) - 1, -1, -1):  # this region's innermost entry
+            if stack[i][0] == id(self):
+                del stack[i]
+                break
+        _open.busy = True  # (a watch nested in this one patched exit too: it only exits)
+        try:
+            return leave(self, *exc)
+        finally:
+            _open.busy = False
 
     if not hasattr(_open, "stack"):
         _open.stack = []

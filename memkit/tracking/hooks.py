@@ -1203,6 +1203,8 @@ def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
                 if t.layout is torch.strided:
                     storage = t.untyped_storage()
                     found.setdefault(storage.data_ptr(), storage)
+            elif level == depth:
+                continue  # (a container at the last level read: not walked)
             elif isinstance(t, (tuple, list)):
                 inner.extend(t)
             elif isinstance(t, dict):

@@ -410,6 +410,8 @@ def _saved_storages(
     saved-tensor hook's, a checkpoint's or ``save_on_cpu``'s, is not run: those are left out),
     custom autograd Functions' too; the storages in ``exclude`` (the parameters) are not."""
     seen: dict[int, int] = {}
+    if not hasattr(torch._C._autograd.SavedTensor, "data"):
+        return seen  # (torch < 2.10 reads them only by unpacking: a checkpoint would rerun)
     plain = (torch.Tensor, torch.nn.Parameter)
     for node in _walk([tensor], limit).values():
         for name in _raw_saved_names(type(node).__name__, type(node)):
