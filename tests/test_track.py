@@ -2569,14 +2569,14 @@ def test_the_rows_of_a_linear_relu_chain_add_up_to_what_the_model_keeps() -> Non
     with simulate("64MiB", track=(model,)) as acct:
         acct.track(x, inputs=True)
         before = acct.current
-        out = model(x)
-        kept = acct.current - before
-        del out
+        loss = model(x).sum()  # what the forward keeps until backward: the logits die here
+        kept = acct.current - before - loss.untyped_storage().nbytes()
+        del loss
     with track(model, device="cpu", budget="64MiB") as tracker:
         model(x).sum().backward()
     rows = {m.path: m.activation_bytes_per_step for m in tracker.report().devices[0].modules}
     assert rows["Sequential"] == kept == sum(rows[k] for k in ("0", "1", "2", "3", "4"))
-    assert rows["0"] == rows["2"] == 0 and rows["1"] == rows["3"] == 64 * 256 * 4
+    assert rows["0"] == rows["2"] == rows["4"] == 0 and rows["1"] == rows["3"] == 64 * 256 * 4
 
 
 def test_outputs_that_die_levels_up_and_outputs_dropped_from_a_tuple_are_not_kept() -> None:
@@ -2606,9 +2606,9 @@ def test_outputs_that_die_levels_up_and_outputs_dropped_from_a_tuple_are_not_kep
     with simulate("64MiB", track=(model,)) as acct:
         acct.track(x, inputs=True)
         before = acct.current
-        out = model(x)
-        kept = acct.current - before
-        del out
+        loss = model(x).sum()  # kept until backward: the model's output dies here
+        kept = acct.current - before - loss.untyped_storage().nbytes()
+        del loss
     with track(model, device="cpu", budget="64MiB") as tracker:
         model(x).sum().backward()
     rows = {m.path: m.activation_bytes_per_step for m in tracker.report().devices[0].modules}
@@ -2687,6 +2687,38 @@ def test_a_tensor_a_block_is_given_and_returns_on_is_not_its_own(by_keyword: boo
     assert rows["blocks.0"] == rows["blocks.2"] == 512 * 256 * 4  # its tanh's output
 
 
+def test_logits_a_model_returns_beside_its_loss_and_the_loop_drops_are_in_no_row() -> None:
+    """Sweep BB: a transformers model computes its loss and returns the logits beside it;
+    ``loss = model(**batch).loss`` drops them before backward, but the model's row and the
+    head's kept them (250 KiB in a tiny GPT-2, 785 MiB for GPT-2 small at 4 x 1024). What the
+    model returns is settled when the backward begins. Counted independently: the simulated
+    device's growth across the forward, the output dropped as the loop drops it."""
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Sequential(nn.Linear(64, 256), nn.Tanh()), nn.Linear(256, 512)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.head(self.body(x))
+            return {"loss": nn.functional.cross_entropy(logits, y), "logits": logits}
+
+    torch.manual_seed(0)
+    model = LM()
+    x, y = torch.randn(128, 64), torch.randint(0, 512, (128,))
+    with simulate("64MiB", track=(model,)) as acct:
+        acct.track(x, y, inputs=True)
+        before = acct.current
+        loss = model(x, y)["loss"]
+        kept = acct.current - before  # (the loss included: alive as its backward begins)
+        del loss
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(x, y)["loss"].backward()
+    rows = {m.path: m.activation_bytes_per_step for m in tracker.report().devices[0].modules}
+    assert rows["head"] == 0 and rows["LM"] == kept  # (the logits: 256 KiB)
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no
@@ -2724,7 +2756,10 @@ def test_the_batch_reaching_the_model_is_not_its_activations_on_the_simulated_de
             opt.step()
             opt.zero_grad()
     rows = {m.path: m for m in tracker.report().devices[0].modules}
-    assert rows["Sequential"].activation_bytes == rows["0"].activation_bytes == 1024 * 512 * 4
+    # the output dies in .sum() (which keeps no input), the batch is the input the Linear
+    # saves: nothing of the model's own is kept for backward (it was 4 MiB, then 2)
+    assert rows["Sequential"].activation_bytes == rows["0"].activation_bytes == 0
+    assert rows["0"].peak_over_entry >= 1024 * 512 * 4
 
 
 def test_a_saved_tensor_hook_that_keeps_tensors_leaves_the_module_table_as_it_is():

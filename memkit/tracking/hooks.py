@@ -136,6 +136,7 @@ class Hooks:
         self.state = state
         self.devices = devices
         self.phases = phases
+        phases.before_backward = self.settle_late
         self.evidence = evidence
         self.models = models
         self.notes = notes
@@ -166,6 +167,7 @@ class Hooks:
         # the model's training passes that kept bytes, numbered; for each, weak references to
         # the pre-hook dicts of its outputs' autograd nodes: gone once its graph is freed
         self._pass_no = 0
+        self._late: list[tuple[PendingKeep, int]] = []  # keeps waiting for the model's output
         self._pass_graphs: dict[int, tuple[weakref.ref[Any], ...]] = {}
         # the pre-hook dicts by node id: a node an output shares with an earlier pass (a model
         # that returns a cached tensor) gets one hook, not one per pass
@@ -680,6 +682,8 @@ class Hooks:
             if p > top.max:
                 top.max = p
         else:
+            if self._late:  # the last forward's output: the loop has dropped it or not
+                self.settle_late()
             events = dev.events
             kind = self.phases.root_pre(module, args, root)
             if dev.events != events:  # a transition read, reset and closed just now (on
@@ -814,9 +818,9 @@ class Hooks:
         keeps = kind == TRAIN_PASS and not frame.keeps_nothing and not raised
         if frame.region_children:  # its children's region ended inside it: they kept alone
             self._settle_region(frame, None)
-        returned: dict[int, Any] = {}  # what it returned, by storage (sampled steps)
+        returned: dict[int, Any] = {}  # what it returned, by storage (sampled steps; a root)
         if frame.outputs or (
-            kind == TRAIN_PASS and stack and state.detail_on and output is not None
+            kind == TRAIN_PASS and (state.detail_on or not stack) and output is not None
         ):
             returned = _storages_of(output)
         child_outputs = self._settle_outputs(frame, returned, stack) if frame.outputs else ()
@@ -860,7 +864,19 @@ class Hooks:
         if keeps and parent is not None:  # kept once the caller ends (_settle_outputs)
             deferred = self._defer(parent, ms, delta, delta - frame.children, returned, args,
                                    child_outputs)  # fmt: skip
-        if keeps and not deferred:  # what a training forward keeps for backward
+        if keeps and not deferred and parent is None and returned:
+            # the model's own: what it returned may be dropped before backward (a transformers
+            # model's logits beside its loss), decided at the next backward or forward
+            late = self._defer_late(ms, delta, delta - frame.children, returned, args,
+                                    child_outputs)  # fmt: skip
+            if late:
+                self._pass_ends(output)
+                deferred_root = True
+            else:
+                deferred_root = False
+        else:
+            deferred_root = False
+        if keeps and not deferred and not deferred_root:  # what a training forward keeps
             self._keep(ms, delta, delta - frame.children)
             if parent is None:
                 self._pass_ends(output)
@@ -896,8 +912,9 @@ class Hooks:
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
-    def _keep(self, ms: ModuleStat, delta: int, own: int) -> None:
-        """A training call kept ``delta`` bytes for backward (``own``: less its children's)."""
+    def _keep(self, ms: ModuleStat, delta: int, own: int, now: int | None = None) -> None:
+        """A training call kept ``delta`` bytes for backward (``own``: less its children's;
+        ``now``: its pass's number, where it is settled after the pass ended)."""
         if delta > ms.act_max:
             ms.act_max = delta
         if own > ms.self_max:
@@ -909,7 +926,9 @@ class Hooks:
         # from then on. The next backward starts again: micro-batches, the passes of an
         # optimizer's closure (LBFGS), a retry after a forward that raised
         key = (self._failed_passes << 40) | (self.state.step << 20) | self.state.backwards
-        passes, now = ms.step_passes, self._pass_no
+        passes = ms.step_passes
+        if now is None:
+            now = self._pass_no
         if ms.step_id != key:
             ms.step_id = key
             passes.clear()
@@ -990,6 +1009,41 @@ class Hooks:
         entries.append(PendingKeep(ms, delta, own, mine))
         return True
 
+    def _defer_late(
+        self,
+        ms: ModuleStat,
+        delta: int,
+        own: int,
+        returned: dict[int, Any],
+        args: Any,
+        child_outputs: set[int] | tuple[()],
+    ) -> bool:
+        """The model's own keep waits, as its children's that it returned on, for what the
+        loop does with its output (:meth:`settle_late`): whether it does."""
+        inputs = _storages_of(args, depth=2)
+        mine = [
+            (weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
+            for ptr, storage in returned.items()
+            if ptr not in inputs
+        ]
+        if delta <= 0 or not mine:
+            return False
+        self._late.append((PendingKeep(ms, delta, own, mine), self._pass_no))
+        return True
+
+    def settle_late(self) -> None:
+        """A backward begins, or another forward, or the block ends: what the model returned
+        and the loop dropped (``loss = model(**batch).loss``: the logits) was kept by no
+        backward; the keeps that waited for it are made."""
+        late, self._late = self._late, []
+        for entry, number in late:
+            for storage, nbytes, _, from_child in entry.outputs:
+                if storage() is None:
+                    entry.delta -= nbytes
+                    if not from_child:
+                        entry.own -= nbytes
+            self._keep(entry.ms, max(0, entry.delta), max(0, entry.own), number)
+
     def _settle_outputs(self, frame: Frame, returned: dict[int, Any], stack: list[Any]) -> set[int]:
         """``frame`` ends: each call it deferred (its children's, and theirs that it returns
         on) keeps what it kept, less what it returned that died (a non-inplace ``Linear ->
@@ -1021,6 +1075,9 @@ class Hooks:
                 if caller.outputs is None:
                     caller.outputs = []
                 caller.outputs.append(entry)
+            elif passed:  # the model returned it: the loop decides
+                entry.outputs = passed
+                self._late.append((entry, self._pass_no))
             else:
                 self._keep(entry.ms, max(0, entry.delta), max(0, entry.own))
         return addresses

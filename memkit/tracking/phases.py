@@ -109,6 +109,7 @@ class PhaseMachine:
         self.abandoned_steps = 0  # of those, the ones before an attempt that raised
         self.backwards_at_optimizer = 0  # state.backwards at the last optimizer step
         self.failed_base: int | None = None  # where a training attempt that ran out began
+        self.before_backward: Callable[[], None] | None = None  # (the hooks' late keeps)
         self.micro_batches = 0  # the most backward passes one optimizer step used, this step
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
@@ -515,6 +516,8 @@ class PhaseMachine:
         so what the student's forward keeps stays its activations."""
         devices, state = self.devices, self.state
         single = state.single
+        if phase == BACKWARD and self.before_backward is not None:
+            self.before_backward()  # (the model's output: kept for this backward or dropped)
         self._close_segment()
         ends_forward = state.phase == FORWARD and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():

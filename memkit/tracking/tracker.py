@@ -294,6 +294,7 @@ class Tracker:
             if note is not None:
                 self.notes.append(note)
             with state.lock:
+                self.hooks.settle_late()  # (the last forward's output, as the block ends)
                 if exc is None:
                     self.phases.finish()
                 self.phases.block_ends()
