@@ -2719,6 +2719,29 @@ def test_logits_a_model_returns_beside_its_loss_and_the_loop_drops_are_in_no_row
     assert rows["head"] == 0 and rows["LM"] == kept  # (the logits: 256 KiB)
 
 
+def test_many_acting_forwards_without_a_backward_do_not_add_up_in_the_models_row() -> None:
+    """Review: with the model's own keep settled at the next forward, a pass the record of
+    pass graphs had pruned (every 64 passes) as dead was taken to live, and stayed in the
+    model's per-step sum: a DQN acting with grad on for 300 steps before it learns had its
+    model's row at 5 times one pass's bytes. It is the same whatever the acting steps."""
+
+    def row(acting: int) -> int:
+        torch.manual_seed(0)
+        q = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 4))
+        opt = torch.optim.Adam(q.parameters())
+        with track(q, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(acting):
+                q(torch.randn(1, 8)).argmax(1)  # acting: the graph is dropped at once
+            for _ in range(2):
+                q(torch.randn(1, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        rows = {m.path: m for m in tracker.report().devices[0].modules}
+        return rows["Sequential"].activation_bytes_per_step
+
+    assert row(300) == row(3) == 256 * 4 + 4 * 4  # the ReLU's output, the output (square saves it)
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no

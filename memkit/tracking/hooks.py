@@ -167,7 +167,9 @@ class Hooks:
         # the model's training passes that kept bytes, numbered; for each, weak references to
         # the pre-hook dicts of its outputs' autograd nodes: gone once its graph is freed
         self._pass_no = 0
-        self._late: list[tuple[PendingKeep, int]] = []  # keeps waiting for the model's output
+        self._pruned_below = 0  # passes below it missing from _pass_graphs died
+        # keeps waiting for what the model returned, by thread (DataParallel's replicas)
+        self._late: dict[int, list[tuple[PendingKeep, int]]] = {}
         self._pass_graphs: dict[int, tuple[weakref.ref[Any], ...]] = {}
         # the pre-hook dicts by node id: a node an output shares with an earlier pass (a model
         # that returns a cached tensor) gets one hook, not one per pass
@@ -198,7 +200,10 @@ class Hooks:
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
                 model.register_forward_hook(
-                    self._make_post(), always_call=True, prepend=is_fsdp_unit(model)
+                    self._make_detail_post(),
+                    always_call=True,
+                    prepend=is_fsdp_unit(model),
+                    with_kwargs=True,
                 )
             )
             if isinstance(model, torch.nn.DataParallel):  # advice: dp-loss-on-replicas
@@ -683,7 +688,7 @@ class Hooks:
                 top.max = p
         else:
             if self._late:  # the last forward's output: the loop has dropped it or not
-                self.settle_late()
+                self.settle_late(_get_ident())
             events = dev.events
             kind = self.phases.root_pre(module, args, root)
             if dev.events != events:  # a transition read, reset and closed just now (on
@@ -958,10 +963,11 @@ class Hooks:
         graphs = self._pass_graphs
         if len(graphs) >= 64:  # the ones still alive, if few
             self._pass_graphs = graphs = {n: r for n, r in graphs.items() if self._graph_lives(n)}
+            self._pruned_below = self._pass_no  # (a pass missing below it died)
             if len(graphs) >= 64:
                 graphs.clear()
-        if refs:
-            graphs[self._pass_no] = refs
+                self._pruned_below = 0  # (nothing known of the passes before)
+        graphs[self._pass_no] = refs  # (none: taken to live)
         self._pass_no += 1
 
     def _node_hook(self, node: Any) -> weakref.ref[Any]:
@@ -977,9 +983,12 @@ class Hooks:
 
     def _graph_lives(self, number: int) -> bool:
         """Whether training pass ``number``'s graph may still live: one of its outputs'
-        autograd nodes does (a pass whose outputs had no node: taken to live)."""
+        autograd nodes does (a pass whose outputs had no node, or not numbered yet: taken to
+        live; one pruned from the record as dead: dead)."""
         refs = self._pass_graphs.get(number)
-        return refs is None or any(ref() is not None for ref in refs)
+        if refs is None:  # not numbered yet, or pruned as dead (a keep settled late)
+            return number >= self._pruned_below
+        return not refs or any(ref() is not None for ref in refs)
 
     def _defer(
         self,
@@ -1028,14 +1037,18 @@ class Hooks:
         ]
         if delta <= 0 or not mine:
             return False
-        self._late.append((PendingKeep(ms, delta, own, mine), self._pass_no))
+        self._late.setdefault(_get_ident(), []).append(
+            (PendingKeep(ms, delta, own, mine), self._pass_no)
+        )
         return True
 
-    def settle_late(self) -> None:
-        """A backward begins, or another forward, or the block ends: what the model returned
-        and the loop dropped (``loss = model(**batch).loss``: the logits) was kept by no
-        backward; the keeps that waited for it are made."""
-        late, self._late = self._late, []
+    def settle_late(self, thread: int | None = None) -> None:
+        """A backward begins, or another forward (``thread``: in that thread: its own keeps
+        only), or the block ends: what the model returned and the loop dropped (``loss =
+        model(**batch).loss``: the logits) was kept by no backward; the keeps that waited for
+        it are made."""
+        threads = list(self._late) if thread is None else [thread]
+        late = [entry for t in threads for entry in self._late.pop(t, ())]
         for entry, number in late:
             for storage, nbytes, _, from_child in entry.outputs:
                 if storage() is None:
@@ -1077,7 +1090,7 @@ class Hooks:
                 caller.outputs.append(entry)
             elif passed:  # the model returned it: the loop decides
                 entry.outputs = passed
-                self._late.append((entry, self._pass_no))
+                self._late.setdefault(_get_ident(), []).append((entry, self._pass_no))
             else:
                 self._keep(entry.ms, max(0, entry.delta), max(0, entry.own))
         return addresses

@@ -474,7 +474,10 @@ class Tracker:
     # the report and what callbacks read while the block runs
 
     def report(self) -> TrackReport:
-        """The report so far (inside the block: a snapshot; after it: the final one)."""
+        """The report so far (inside the block: a snapshot; after it: the final one). Read
+        between a forward and its backward, the model's own module row and those of the
+        layers whose output it returned leave out that forward's pass: it is settled when
+        the loop's backward (or next forward) shows what it kept."""
         state, devices, facts = self.state, self.devices, self.evidence.facts
         with state.lock:
             if state.active:
