@@ -865,26 +865,16 @@ class Hooks:
                     entries = parent.region_children = []
                 entries.append((frame.region, ms, delta, delta - frame.children))
                 keeps = False  # kept when settled
-        deferred = False
-        if keeps and parent is not None:  # kept once the caller ends (_settle_outputs)
-            deferred = self._defer(parent, ms, delta, delta - frame.children, returned, args,
-                                   child_outputs)  # fmt: skip
-        if keeps and not deferred and parent is None and returned:
-            # the model's own: what it returned may be dropped before backward (a transformers
-            # model's logits beside its loss), decided at the next backward or forward
-            late = self._defer_late(ms, delta, delta - frame.children, returned, args,
-                                    child_outputs)  # fmt: skip
-            if late:
-                self._pass_ends(output)
-                deferred_root = True
-            else:
-                deferred_root = False
-        else:
-            deferred_root = False
-        if keeps and not deferred and not deferred_root:  # what a training forward keeps
+        # what a training forward keeps for backward: a call's once its caller ends
+        # (_settle_outputs); the model's own once the loop's backward or next forward shows
+        # what it did with the output (a transformers model's logits beside its loss: dropped)
+        deferred = keeps and self._defer(
+            parent, ms, delta, delta - frame.children, returned, args, child_outputs
+        )
+        if keeps and not deferred:
             self._keep(ms, delta, delta - frame.children)
-            if parent is None:
-                self._pass_ends(output)
+        if keeps and parent is None:
+            self._pass_ends(output)
         if parent is not None:
             if (keeps or kind != TRAIN_PASS) and not deferred:
                 parent.children += delta
@@ -992,7 +982,7 @@ class Hooks:
 
     def _defer(
         self,
-        parent: Frame,
+        parent: Frame | None,
         ms: ModuleStat,
         delta: int,
         own: int,
@@ -1000,8 +990,9 @@ class Hooks:
         args: Any,
         child_outputs: set[int] | tuple[()],
     ) -> bool:
-        """Leave a training call's keep to its caller's end where it returned tensors of
-        storages of its own (not its inputs'): whether it did."""
+        """Leave a training call's keep to its caller's end (``parent``), or, the model's own
+        (``None``), to what the loop does with its output (:meth:`settle_late`), where it
+        returned tensors of storages of its own (not its inputs'): whether it did."""
         if delta <= 0 or not returned:
             return False
         inputs = _storages_of(args, depth=2)
@@ -1012,34 +1003,13 @@ class Hooks:
         ]
         if not mine:
             return False  # (its input, or a view of it: nothing of its own to free)
-        entries = parent.outputs
-        if entries is None:
-            entries = parent.outputs = []
-        entries.append(PendingKeep(ms, delta, own, mine))
-        return True
-
-    def _defer_late(
-        self,
-        ms: ModuleStat,
-        delta: int,
-        own: int,
-        returned: dict[int, Any],
-        args: Any,
-        child_outputs: set[int] | tuple[()],
-    ) -> bool:
-        """The model's own keep waits, as its children's that it returned on, for what the
-        loop does with its output (:meth:`settle_late`): whether it does."""
-        inputs = _storages_of(args, depth=2)
-        mine = [
-            (weakref.ref(storage), storage.nbytes(), ptr, ptr in child_outputs)
-            for ptr, storage in returned.items()
-            if ptr not in inputs
-        ]
-        if delta <= 0 or not mine:
-            return False
-        self._late.setdefault(_get_ident(), []).append(
-            (PendingKeep(ms, delta, own, mine), self._pass_no)
-        )
+        entry = PendingKeep(ms, delta, own, mine)
+        if parent is None:
+            self._late.setdefault(_get_ident(), []).append((entry, self._pass_no))
+        elif parent.outputs is None:
+            parent.outputs = [entry]
+        else:
+            parent.outputs.append(entry)
         return True
 
     def settle_late(self, thread: int | None = None) -> None:
