@@ -2742,6 +2742,44 @@ def test_many_acting_forwards_without_a_backward_do_not_add_up_in_the_models_row
     assert row(300) == row(3) == 256 * 4 + 4 * 4  # the ReLU's output, the output (square saves it)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_kept_passes_add_up_and_dropped_ones_do_not_whatever_their_mix(nested: bool) -> None:
+    """Review: a rollout keeping 64 passes' outputs for one backward, 64 acting passes that
+    drop theirs, and 64 kept more: the record of pass graphs, cleared when 64 of them lived,
+    then pruned, took the first 64 for dead (65 passes where 128 were kept). And a policy
+    returning its output nested (``((logits,),)``) had no graph node found: every acting
+    pass added up (301 passes after 300). Now 128 and 1 pass's bytes."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 4))
+
+        def forward(self, x: torch.Tensor) -> Any:
+            out = self.net(x)
+            return ((out,),) if nested else out
+
+    def row(kept: int, acting: int) -> int:
+        torch.manual_seed(0)
+        policy = Policy()
+        opt = torch.optim.Adam(policy.parameters())
+        unwrap = (lambda o: o[0][0]) if nested else (lambda o: o)
+        with track(policy, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(2):
+                outs = [unwrap(policy(torch.randn(1, 8))) for _ in range(kept)]
+                for _ in range(acting):
+                    unwrap(policy(torch.randn(1, 8))).argmax(1)
+                outs += [unwrap(policy(torch.randn(1, 8))) for _ in range(kept)]
+                torch.stack(outs).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        rows = {m.path: m for m in tracker.report().devices[0].modules}
+        return rows["Policy"].activation_bytes_per_step
+
+    one = row(1, 0) // 2
+    assert row(64, 64) == 128 * one and row(1, 300) == 2 * one
+
+
 def test_a_model_called_inside_a_loss_module_is_the_model() -> None:
     """Global hooks (``memkit run``): fairseq's ``loss = criterion(model, sample)``, the loss
     module calling the model. Everything inside the loss module's call was ignored: no

@@ -168,6 +168,7 @@ class Hooks:
         # the pre-hook dicts of its outputs' autograd nodes: gone once its graph is freed
         self._pass_no = 0
         self._pruned_below = 0  # passes below it missing from _pass_graphs died
+        self._prune_at = 64  # the record's size that prunes it
         # keeps waiting for what the model returned, by thread (DataParallel's replicas)
         self._late: dict[int, list[tuple[PendingKeep, int]]] = {}
         self._pass_graphs: dict[int, tuple[weakref.ref[Any], ...]] = {}
@@ -945,19 +946,15 @@ class Hooks:
         """A training pass of the model returned ``output`` (its calls kept bytes): the pass
         is numbered, and its outputs' autograd nodes get a no-op pre-hook whose dict, held
         weakly, says whether its graph still lives (:meth:`_graph_lives`)."""
-        refs = tuple(
-            self._node_hook(t.grad_fn)
-            for t in output_values(output)
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        )
+        refs = tuple(self._node_hook(t.grad_fn) for t in _graph_outputs(output))
         graphs = self._pass_graphs
-        if len(graphs) >= 64:  # the ones still alive, if few
-            self._pass_graphs = graphs = {n: r for n, r in graphs.items() if self._graph_lives(n)}
+        if len(graphs) >= self._prune_at:  # keep the passes whose graph still lives
+            self._pass_graphs = graphs = {
+                n: r for n, r in graphs.items() if any(ref() is not None for ref in r)
+            }  # (one with no node found: taken to live until now, dropped)
             self._pruned_below = self._pass_no  # (a pass missing below it died)
-            if len(graphs) >= 64:
-                graphs.clear()
-                self._pruned_below = 0  # (nothing known of the passes before)
-        graphs[self._pass_no] = refs  # (none: taken to live)
+            self._prune_at = max(64, 2 * len(graphs))  # (amortized: many alive at once)
+        graphs[self._pass_no] = refs  # (no node: taken to live until the next pruning)
         self._pass_no += 1
 
     def _node_hook(self, node: Any) -> weakref.ref[Any]:
@@ -973,8 +970,8 @@ class Hooks:
 
     def _graph_lives(self, number: int) -> bool:
         """Whether training pass ``number``'s graph may still live: one of its outputs'
-        autograd nodes does (a pass whose outputs had no node, or not numbered yet: taken to
-        live; one pruned from the record as dead: dead)."""
+        autograd nodes does (a pass whose outputs had no node found: taken to live until the
+        record is next pruned; one not numbered yet: alive; one pruned: dead)."""
         refs = self._pass_graphs.get(number)
         if refs is None:  # not numbered yet, or pruned as dead (a keep settled late)
             return number >= self._pruned_below
@@ -1227,6 +1224,25 @@ class Hooks:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _graph_outputs(output: Any, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors with an autograd node in ``output`` (in tuples, lists and dicts ``depth``
+    levels down: ``((logits,),)``, a model output's fields), each node once."""
+    found: dict[int, torch.Tensor] = {}
+    level, items = 0, list(output_values(output))
+    while items and level < depth:
+        inner: list[Any] = []
+        for t in items:
+            if isinstance(t, torch.Tensor):
+                if t.grad_fn is not None:
+                    found.setdefault(id(t.grad_fn), t)
+            elif isinstance(t, (tuple, list)):
+                inner.extend(t)
+            elif isinstance(t, dict):
+                inner.extend(t.values())
+        level, items = level + 1, inner
+    return list(found.values())
 
 
 def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
