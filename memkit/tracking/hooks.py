@@ -302,7 +302,7 @@ class Hooks:
                 )
             )
             return
-        root_post = self._make_post()
+        root_post = self._make_detail_post()  # (a keyword input it returns is no output)
         pre = self._global_pre
         failed = self._hook_failed
 
@@ -318,7 +318,7 @@ class Hooks:
                 h.append(mod.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True))
                 h.append(
                     mod.register_forward_hook(
-                        root_post, always_call=True, prepend=is_fsdp_unit(mod)
+                        root_post, always_call=True, prepend=is_fsdp_unit(mod), with_kwargs=True
                     )
                 )
 
