@@ -55,7 +55,7 @@ from memkit.tracking.evidence import Evidence
 from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
 from memkit.tracking.leaks import tensors_within
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.phases import PhaseMachine, output_values
+from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, PendingKeep, RootInfo
 from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import (
@@ -201,7 +201,7 @@ class Hooks:
             # before FSDP2's own post-hook (its reshard), which ends the unit's forward
             h.append(
                 model.register_forward_hook(
-                    self._make_detail_post(),
+                    self._make_post(),
                     always_call=True,
                     prepend=is_fsdp_unit(model),
                     with_kwargs=True,
@@ -273,7 +273,7 @@ class Hooks:
             made = self._detail_pres  # made once, installed on each sampled step
             post = self._detail_post
             if post is None:
-                post = self._detail_post = self._make_detail_post()
+                post = self._detail_post = self._make_post()
             for name, mod in model.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
@@ -298,11 +298,11 @@ class Hooks:
             h.append(nn_module.register_module_forward_pre_hook(self._shield(self._global_pre)))
             h.append(
                 nn_module.register_module_forward_hook(
-                    self._make_detail_post(), always_call=True, with_kwargs=True
+                    self._make_post(), always_call=True, with_kwargs=True
                 )
             )
             return
-        root_post = self._make_detail_post()  # (a keyword input it returns is no output)
+        root_post = self._make_post()  # (a keyword input it returns is no output)
         pre = self._global_pre
         failed = self._hook_failed
 
@@ -494,32 +494,17 @@ class Hooks:
 
         return pre
 
-    def _make_post(self) -> Callable[[Any, Any, Any], None]:
-        """The forward post-hook (the same for every module: the frame names it)."""
-        impl = self._post
-
-        failed = self._hook_failed
-
-        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not _compiling():
-                try:
-                    impl(module, args, output)
-                except Exception as exc:
-                    failed(exc)
-
-        return post
-
-    def _make_detail_post(self) -> Callable[..., None]:
-        """The post-hook of module detail (``with_kwargs=True``): a call's keyword tensors
-        are its inputs too (T5's ``position_bias``, passed to every layer and returned on),
-        never its own output."""
+    def _make_post(self) -> Callable[..., None]:
+        """The forward post-hook (the same for every module: the frame names it), registered
+        ``with_kwargs=True``: a call's keyword tensors are its inputs too (T5's
+        ``position_bias``, passed to every layer and returned on), never its own output."""
         impl = self._post
 
         failed = self._hook_failed
 
         def post(module: torch.nn.Module, args: Any, *rest: Any) -> None:
             # (torch calls a global always_call hook without the keywords when the forward
-            # raised: ``(module, args, output)``)
+            # raised, and _AroundCompiledCall without them: ``(module, args, output)``)
             kwargs, output = rest if len(rest) == 2 else (None, rest[0])
             if not _compiling():
                 try:
@@ -1223,42 +1208,16 @@ class Hooks:
             self.phases.optimizer_ends(optimizer, sys._getframe(1))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _graph_outputs(output: Any, depth: int = 3) -> list[torch.Tensor]:
-    """The tensors with an autograd node in ``output`` (in tuples, lists and dicts ``depth``
-    levels down: ``((logits,),)``, a model output's fields), each node once."""
-    found: dict[int, torch.Tensor] = {}
-    level, items = 0, list(output_values(output))
-    while items and level < depth:
+def _nested_tensors(values: Any, depth: int) -> list[torch.Tensor]:
+    """The tensors in ``values``: itself, or in its tuples, lists and dicts ``depth`` levels
+    down (a key-value cache object is not walked)."""
+    found: list[torch.Tensor] = []
+    level, items = 0, [values]
+    while items:
         inner: list[Any] = []
         for t in items:
             if isinstance(t, torch.Tensor):
-                if t.grad_fn is not None:
-                    found.setdefault(id(t.grad_fn), t)
-            elif isinstance(t, (tuple, list)):
-                inner.extend(t)
-            elif isinstance(t, dict):
-                inner.extend(t.values())
-        level, items = level + 1, inner
-    return list(found.values())
-
-
-def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
-    """The storages of the plain strided tensors in ``values`` (a tensor, or the tensors in
-    tuples, lists and dicts ``depth`` levels down: a module's output one, its arguments two;
-    a key-value cache object is not walked), by address. A tensor subclass (DTensor, a
-    wrapper) has no storage of its own to watch: none is taken."""
-    found: dict[int, Any] = {}
-    level, items = 0, [values]
-    while items and level <= depth:
-        inner: list[Any] = []
-        for t in items:
-            if type(t) in _PLAIN:
-                if t.layout is torch.strided:
-                    storage = t.untyped_storage()
-                    found.setdefault(storage.data_ptr(), storage)
+                found.append(t)
             elif level == depth:
                 continue  # (a container at the last level read: not walked)
             elif isinstance(t, (tuple, list)):
@@ -1266,6 +1225,28 @@ def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
             elif isinstance(t, dict):
                 inner.extend(t.values())
         level, items = level + 1, inner
+    return found
+
+
+def _graph_outputs(output: Any) -> list[torch.Tensor]:
+    """The tensors with an autograd node in a forward's ``output``, three levels down
+    (``((logits,),)``, a model output's fields), each node once."""
+    nodes = {id(t.grad_fn): t for t in _nested_tensors(output, 3) if t.grad_fn is not None}
+    return list(nodes.values())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _storages_of(values: Any, depth: int = 1) -> dict[int, Any]:
+    """The storages of the plain strided tensors in ``values`` (``depth`` levels down: a
+    module's output one, its arguments two), by address. A tensor subclass (DTensor, a
+    wrapper) has no storage of its own to watch: none is taken."""
+    found: dict[int, Any] = {}
+    for t in _nested_tensors(values, depth):
+        if type(t) in _PLAIN and t.layout is torch.strided:
+            storage = t.untyped_storage()
+            found.setdefault(storage.data_ptr(), storage)
     return found
 
 

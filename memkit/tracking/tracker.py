@@ -294,7 +294,8 @@ class Tracker:
             if note is not None:
                 self.notes.append(note)
             with state.lock:
-                self.hooks.settle_late()  # (the last forward's output, as the block ends)
+                with contextlib.suppress(Exception):  # (never memkit's error at the block's end)
+                    self.hooks.settle_late()  # (the last forward's output, as the block ends)
                 if exc is None:
                     self.phases.finish()
                 self.phases.block_ends()
