@@ -1481,11 +1481,51 @@ def test_dropout_on_the_cpu_is_said_to_keep_more_than_cudas():
 
     (said,) = notes(0.1)
     assert "1 dropout layer(s)" in said and "1-byte" in said
+    assert "memkit.estimate runs CUDA's dropout layers" in said
     assert notes(0.0) == [] and notes(0.1, mode="infer") == []
     x = torch.randn(8, 256, requires_grad=True)  # the fact the note rests on
     saved = torch.nn.functional.dropout(x, 0.1, True).grad_fn._saved_other
     assert saved.dtype == torch.float32
     assert torch.native_dropout(x, 0.1, True)[1].dtype == torch.bool  # CUDA's kernel's mask
+
+
+class _Tagger(torch.nn.Module):
+    """A word_language_model-like stacked LSTM (its own ``dropout=``, no Dropout layer)."""
+
+    def __init__(self, dropout: float, layers: int = 3) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 32, num_layers=layers, dropout=dropout, batch_first=True)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_an_rnns_own_dropout_between_its_layers_is_said_too():
+    """Sweep YY: an LSTM's ``dropout=`` (between its stacked layers) keeps a float32 mask per
+    gap on the CPU, as a Dropout layer does, and the dropout note did not count it."""
+
+    def notes(model: torch.nn.Module) -> list[str]:
+        result = probe(model, lambda n: torch.randn(n, 20, 16), device="cpu", budget="4MiB",
+                       max_batch=16)  # fmt: skip
+        return [d for d in result.defaults if d.startswith("dropout:")]
+
+    (said,) = notes(_Tagger(0.3))
+    assert "2 dropout(s) between an RNN's stacked layers" in said and "layer(s)" not in said
+    assert "estimate" not in said  # (which does not run cuDNN's RNN kernels)
+    with pytest.warns(UserWarning, match="num_layers greater than 1"):  # torch's own
+        one_layer = _Tagger(0.3, layers=1)  # (nothing between layers to drop out)
+    assert notes(_Tagger(0.0)) == [] and notes(one_layer) == []
+
+    def saved_bytes(model: torch.nn.Module) -> int:  # the fact the note rests on
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            model(torch.randn(4, 20, 16))
+        return sum(t.numel() * t.element_size() for t in saved)
+
+    torch.manual_seed(0)
+    gap_masks = saved_bytes(_Tagger(0.3)) - saved_bytes(_Tagger(0.0))
+    assert gap_masks == 2 * 4 * 20 * 32 * 4  # two float32 masks of the layers' outputs
 
 
 def test_the_default_call_hints_only_for_the_default_steps_own_call():

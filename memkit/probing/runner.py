@@ -434,9 +434,9 @@ def probe_with(
             "False (TrainingArguments.use_cache; 4.x's keeps the config's): to answer for it, "
             "set model.config.use_cache = False in build_model()"
         )
-    dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else 0
-    if dropouts:
-        defaults.append(_dropout_note(dropouts, backend, model_file))
+    dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else (0, 0)
+    if any(dropouts):
+        defaults.append(_dropout_note(*dropouts, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
     if untrained:
@@ -500,26 +500,37 @@ def _returns_keys(module: torch.nn.Module, seen: list[bool]) -> Any:
     return module.register_forward_hook(ProbeHook(look))  # (copied inert: an EMA's deepcopy)
 
 
-def _dropouts(model: torch.nn.Module) -> int:
-    """The model's dropout layers that drop something (``p > 0``)."""
-    return sum(
-        1
-        for m in model.modules()
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and 0 < m.p < 1
-    )
+def _dropouts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(layers, between)``: the model's dropout layers that drop something (``p > 0``), and
+    the dropouts its RNNs run between their stacked layers (``LSTM(..., num_layers=3,
+    dropout=0.2)``: two)."""
+    layers = between = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and 0 < m.p < 1:
+            layers += 1
+        elif isinstance(m, torch.nn.RNNBase) and 0 < m.dropout < 1:
+            between += m.num_layers - 1
+    return layers, between
 
 
-def _dropout_note(layers: int, backend: Backend, model_file: str | None) -> str:
+def _dropout_note(layers: int, between: int, backend: Backend, model_file: str | None) -> str:
     """What the model's dropout keeps on a device that is not CUDA (its non-fused kernel)."""
     how = (
         f"`memkit estimate {model_file} --device-memory SIZE` runs CUDA's"
         if model_file
         else "memkit.estimate runs CUDA's"
-    )
+    )  # (not cuDNN's RNN kernels: the estimate says so of a model with RNNs)
+    which = [f"{layers} dropout layer(s)"] if layers else []
+    if between:
+        which.append(f"{between} dropout(s) between an RNN's stacked layers (its dropout=)")
+    cuda = "CUDA's fused kernel keeps a 1-byte one"
+    if between:
+        cuda += " and cuDNN's RNN keeps its own in its workspace"
     return (
-        f"dropout: the model's {layers} dropout layer(s) keep a mask of their input's dtype on "
-        f"{backend.device.type} for backward (4 bytes an element in float32), where CUDA's "
-        f"fused kernel keeps a 1-byte one: a GPU holds less for them, and may fit more ({how})"
+        f"dropout: the model's {' and '.join(which)} keep a mask of their input's dtype on "
+        f"{backend.device.type} for backward (4 bytes an element in float32), where {cuda}: "
+        f"a GPU holds less for them, and may fit more"
+        + (f" ({how} dropout layers)" if layers else "")
     )
 
 
