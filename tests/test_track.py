@@ -1999,6 +1999,58 @@ def test_a_forward_that_ran_out_and_was_retried_smaller_adds_nothing_to_the_retr
     assert not [n for n in tracker.report().notes if "ran out of memory" in n]  # clean run
 
 
+def test_a_training_peak_in_an_attempt_that_ran_out_and_was_skipped_is_said_so():
+    """fairseq's habit: a batch that runs out of memory is skipped ("OOM, skipping batch") and
+    training goes on. The training peak, its breakdown and the advice were the skipped batch's,
+    up to its failed request, and the report named it as any step's peak. It now says the
+    moment is of an attempt that ran out, and which; a completed step that goes higher later
+    (a retry at a smaller batch whose step needs more than the failed attempt reached) takes
+    the peak back, unmarked."""
+
+    def run(sizes: list[int]) -> tuple[list[int], Any, list[str], str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                              nn.ReLU(), nn.Linear(1024, 10))  # fmt: skip
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        skipped = []
+        with track(model, opt, device="cpu", budget="32MiB") as tracker:
+            for size in sizes:
+                x, y = torch.randn(size, 256), torch.randint(0, 10, (size,))
+                try:
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                except torch.OutOfMemoryError:
+                    skipped.append(size)
+                    loss = None
+                    opt.zero_grad(set_to_none=True)
+        report = tracker.report()
+        notes = [n for n in report.notes if "ran out" in n]
+        return skipped, report.devices[0], notes, str(report)
+
+    skipped, dev, notes, text = run([64, 64, 1024, 64, 64])
+    assert skipped == [1024]
+    completed = max(s.peak_allocated for s in dev.steps if s.step != 2)
+    bd = dev.breakdown
+    assert dev.breakdown_ran_out and bd.step == 2 and bd.phase == "forward"
+    assert bd.total == dev.peak_allocated > completed  # the skipped batch's, up to the OOM
+    (note,) = notes
+    assert (
+        "the training peak is of an attempt that ran out (step 2, input shape (1024, 256))" in note
+    )
+    assert "forward, 1 (ReLU); in an attempt that then ran out of memory):" in text
+    assert '"breakdown_ran_out": true' in json.dumps(dataclasses.asdict(dev))
+
+    skipped, dev, notes, _ = run([64, 64, 8192, 512, 64])  # 8192 fails at its first layer
+    assert skipped == [8192] and not dev.breakdown_ran_out and dev.breakdown.phase != "forward"
+    (note,) = notes
+    assert "the script caught it" in note and "training peak" not in note
+    _, clean, notes, _ = run([64, 64, 512, 64])  # the same peak, nothing skipped: nothing said
+    assert clean.breakdown.total == dev.breakdown.total and not clean.breakdown_ran_out
+    assert notes == []
+
+
 def dqn_rows(acting: int, keep_q: bool) -> tuple[int, dict[str, tuple[int, int]]]:
     """cleanRL's DQN, tiny: every env step acts with ``q_network(obs).argmax()`` with grad on
     (no backward), every few steps one training forward and backward. The peak, and each

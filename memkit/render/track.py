@@ -387,6 +387,8 @@ def _breakdown_place(dev: DeviceReport, bd: Breakdown) -> tuple[str, str]:
     if highest is not None and peaks[highest] > bd.total:  # in the segment that failed
         what = f"the highest {'training ' if trained else ''}moment measured before the error"
         where += f"; the {highest} peak, {format_size(peaks[highest])}, was where it failed"
+    elif dev.breakdown_ran_out:
+        where += "; in an attempt that then ran out of memory"
     return what, where
 
 

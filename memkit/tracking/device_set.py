@@ -82,6 +82,7 @@ def segment_closer(state: TrackState, evidence: Evidence) -> SegmentCloser:
             gathered = start if start > dev.gathered else dev.gathered
         if p > dev.train_peak and (ph != EVAL or not state.trained) and not state.failed:
             dev.train_peak = p
+            dev.failed_peak = None
             dev.pending = PeakMoment(
                 p,
                 state.step,

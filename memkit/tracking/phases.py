@@ -109,6 +109,8 @@ class PhaseMachine:
         self.abandoned_steps = 0  # of those, the ones before an attempt that raised
         self.backwards_at_optimizer = 0  # state.backwards at the last optimizer step
         self.failed_base: int | None = None  # where a training attempt that ran out began
+        # (step, input shape) of the attempt that ran out, until the segment after it closes
+        self.failed_attempt: tuple[int, tuple[int, ...] | None] | None = None
         self.before_backward: Callable[[], None] | None = None  # (the hooks' late keeps)
         self.micro_batches = 0  # the most backward passes one optimizer step used, this step
         self.eval_return = OTHER
@@ -427,6 +429,11 @@ class PhaseMachine:
         follows. Another error (a bad sample skipped) leaves the count alone."""
         if exc is None or not is_oom(exc):
             return
+        # the training peak is the attempt's if it rose since the attempt's forward began: a
+        # forward's segment closed just now; a backward's closes at the next boundary, if the
+        # script goes on (the one a block ends with is the post-mortem's)
+        self.failed_attempt = (self.state.step, self.evidence.facts.last_input)
+        self._mark_failed_peak()
         self.backwards_at_optimizer = self.state.backwards
         self.abandoned_steps = self.backward_steps
         primary = self.devices.primary
@@ -535,6 +542,7 @@ class PhaseMachine:
                 devices.mark_gradients()
             for dev in (single,) if single is not None else devices.records.values():
                 dev.forward_base = dev.last[0]
+                dev.train_peak_at_forward = dev.train_peak
                 dev.base_gathered = dev.gathered
                 dev.base_grads_none = grads_none
                 dev.base_state_empty = state_empty
@@ -553,6 +561,9 @@ class PhaseMachine:
             devices.close_one(single)
         else:
             devices.close_all()
+        if self.failed_attempt is not None:  # the first segment closed after an OOM
+            self._mark_failed_peak()
+            self.failed_attempt = None
         if not self.frozen_segment:
             return
         self.frozen_segment = False
@@ -564,6 +575,12 @@ class PhaseMachine:
             if earlier is not None and (peak is None or earlier > peak):
                 dev.step_phase[EVAL] = earlier
         self._eval_before = ()
+
+    def _mark_failed_peak(self) -> None:
+        """Mark the devices whose training peak rose in the attempt that ran out."""
+        for dev in self.devices.records.values():
+            if dev.train_peak > dev.train_peak_at_forward:
+                dev.failed_peak = self.failed_attempt
 
     def _frozen_segment_begins(self) -> None:
         """The eval segment that begins now is a frozen model's forward: its devices' eval

@@ -337,6 +337,10 @@ class DeviceRecord:
         self.step_peak_res = r
         self.peak = a
         self.train_peak = a
+        self.train_peak_at_forward = a  # ... when the last training forward began
+        # (step, input shape): the training peak is of an attempt that ran out of memory
+        # (a caught OOM: the breakdown and advice describe it) until a later one is higher
+        self.failed_peak: tuple[int, tuple[int, ...] | None] | None = None
         self.peak_res = r
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
@@ -540,4 +544,5 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         timeline_dropped=max(0, dev.events - len(dev.timeline)),
         leak=current_leak(dev),
         setup=dev.setup,
+        breakdown_ran_out=dev.breakdown is not None and dev.failed_peak is not None,
     )

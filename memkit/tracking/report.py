@@ -478,6 +478,8 @@ class DeviceReport:
         timeline_dropped: older readings that did not fit the limit.
         leak: growth from step to step, if detected.
         setup: the model's and optimizer's facts the advice reads, if seen.
+        breakdown_ran_out: the breakdown is of a training attempt that then ran out of memory
+            (up to its failed request; the script caught the error, or the block ended with it).
     """
 
     PHASES: ClassVar[tuple[str, ...]] = PHASES
@@ -499,6 +501,7 @@ class DeviceReport:
     timeline_dropped: int = 0
     leak: LeakFinding | None = None
     setup: TrainingSetup | None = None
+    breakdown_ran_out: bool = False
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children),

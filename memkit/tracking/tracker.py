@@ -343,15 +343,25 @@ class Tracker:
             caught = dev.backend.ooms() - dev.ooms_at_start
         except Exception:
             return
-        if self._oom is not None and self._oom.device == dev.key:
+        ended = self._oom is not None and self._oom.device == dev.key
+        if ended:
             caught -= 1  # the one the block ends with: the post-mortem's
         if caught > 0:
             times = "once" if caught == 1 else f"{caught} times"
-            self.notes.append(
+            note = (
                 f"{dev.key} ran out of memory {times} and the script caught it and went on (an "
                 "OOM handler retrying with a smaller batch, or skipping one): the peaks are of "
                 "what ran, the failed allocations are not in them"
             )
+            if dev.failed_peak is not None and not ended:
+                step, shape = dev.failed_peak
+                batch = "" if shape is None else f", input shape {shape}"
+                note += (
+                    f"; the training peak is of an attempt that ran out (step {step}{batch}), "
+                    "up to its failed request: the breakdown and the advice describe that "
+                    "attempt, not a step that completed"
+                )
+            self.notes.append(note)
 
     # ------------------------------------------------------------------------------------
     # wiring: a model found running, the backend's devices
