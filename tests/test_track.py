@@ -508,6 +508,45 @@ def test_oom_post_mortem_names_module_and_propagates():
     assert no_hooks_left(model)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad-enabled"])
+def test_an_evaluation_oom_counts_its_own_batch_as_other_and_its_outputs_as_activations(
+    grad: bool,
+) -> None:
+    """A ``test()`` after training ran out in its pass over a large test batch: the batch (made
+    before the pass, as ``data.to(device)``) was filed as activations, since an evaluation
+    pass's base was the last training forward's. Hand count: the pass added the first layer's
+    output (2048 x 1024 float32) before the ReLU's request failed; the test batch (2048 x
+    256) is other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                          nn.ReLU(), nn.Linear(1024, 10))  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="32MiB", postmortem=None) as tracker,
+    ):
+        for _ in range(3):
+            x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)  # (after the forward: the gradients stay)
+            loss.backward()
+            opt.step()
+        del x, y, loss
+        model.eval()
+        with torch.set_grad_enabled(grad):
+            test_batch = torch.randn(2048, 256)
+            model(test_batch)
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.breakdown is not None
+    bd = pm.breakdown
+    params = sum(p.numel() * 4 for p in model.parameters())
+    steps = 4 * len(list(model.parameters()))  # Adam's float32 step counts
+    assert bd.parameters == bd.gradients == params and bd.optimizer_state == 2 * params + steps
+    assert bd.activations == 2048 * 1024 * 4  # the first layer's output
+    assert bd.other == bd.total - 4 * params - steps - bd.activations >= 2048 * 256 * 4
+    assert bd.other < 2048 * 256 * 4 + (1 << 20)  # (and at most the loader's odds and ends)
+
+
 def test_oom_post_mortem_printed_to_stderr(capsys):
     model = nn.Linear(64, 64)
     with pytest.raises(torch.OutOfMemoryError), track(model, device="cpu", budget="1MiB"):

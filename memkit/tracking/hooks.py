@@ -799,7 +799,9 @@ class Hooks:
             raised = exc is not None
             failed = self.evidence.failed_call
             if raised and (failed is None or failed[0] != id(exc)):
-                self.evidence.failed_call = (id(exc), dev, state.phase, state.step, name)
+                outer = stack[0] if stack else frame  # the pass's outermost call
+                base = outer.alloc_in if kind == EVAL_PASS else None
+                self.evidence.failed_call = (id(exc), dev, state.phase, state.step, name, base)
         alloc_in = frame.alloc_in
         delta = a - alloc_in
         if state.fsdp is not None:  # FSDP2's all-gathers are no activations of the module's

@@ -35,11 +35,12 @@ __all__ = [
     "top_activation_modules",
 ]
 
-Place = tuple[DeviceRecord, int, int, "str | None"]
-"""Where memory ran out: the device's records, the phase (an index into PHASES), the step and
-the module key (``None`` outside any module)."""
+Place = tuple[DeviceRecord, int, int, "str | None", "int | None"]
+"""Where memory ran out: the device's records, the phase (an index into PHASES), the step, the
+module key (``None`` outside any module) and, in an evaluation pass, the bytes allocated when
+that pass began (``None`` elsewhere: a training forward's base is its step's)."""
 
-FailedCall = tuple[int, DeviceRecord, int, int, "str | None"]
+FailedCall = tuple[int, DeviceRecord, int, int, "str | None", "int | None"]
 """What the forward post hook records when a module's forward raises: ``id`` of the exception,
 then the :data:`Place`."""
 

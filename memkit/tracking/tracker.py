@@ -425,8 +425,8 @@ class Tracker:
         if place is None:
             dev = devices.primary or next(iter(devices.records.values()))
             phase = state.phase
-            place = (dev, phase, state.step, dev.bw_module if phase == BACKWARD else None)
-        dev, phase, step, key = place
+            place = (dev, phase, state.step, dev.bw_module if phase == BACKWARD else None, None)
+        dev, phase, step, key, pass_base = place
         step = self.phases.optimizer_step_of(step)
         display = display_names(devices.records.values())
         stat = None if key is None else dev.modules.get(key)
@@ -437,16 +437,26 @@ class Tracker:
             self.models.found_in_frames(leaks.optimizers_in_frames(_innermost(tb)))
         persistent = devices.persistent(dev)
         fsdp = state.fsdp
+        grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
+        facts = evidence.facts
+        if pass_base is None or facts.frozen_model is not None:
+            # what the step's training forward began with (a teacher's pass inside the step:
+            # the student's forward before it holds the step's activations)
+            base, base_grads_none, base_state_empty = (
+                dev.forward_base, dev.base_grads_none, dev.base_state_empty
+            )  # fmt: skip
+        else:  # an evaluation pass: its activations are what it added (its batch is other)
+            base, base_grads_none, base_state_empty = pass_base, grads_none, state_empty
         moment = PeakMoment(
             dev.last[0],
             step,
             phase,
             display(key),
-            dev.forward_base,
-            dev.base_grads_none,
-            dev.base_state_empty,
-            evidence.grads_none(),
-            evidence.state_empty(),
+            base,
+            base_grads_none,
+            base_state_empty,
+            grads_none,
+            state_empty,
             0 if fsdp is None else fsdp.gathered(),
             dev.base_gathered,
         )
@@ -454,7 +464,6 @@ class Tracker:
         if leak is not None and leak is dev.leak:
             leak = dev.leak = evidence.leak_watch.suspects_at_failure(leak, tb)
         cap = dev.backend.capacity()
-        facts = evidence.facts
         return OomEvidence(
             device=dev.key,
             step=step,
