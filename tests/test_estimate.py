@@ -622,6 +622,27 @@ def test_attention_kernel_choice_follows_sdp_utils() -> None:
     assert choose_kernel("auto", *_qkv(8, 8, 64, bf16, keys=32), None, 80, 0.0, False) == "flash"
 
 
+def test_grouped_query_attention_takes_no_memory_efficient_kernel() -> None:
+    """Sweep BF: a Llama with 8 query and 2 key/value heads in fp32 (transformers passes
+    ``enable_gqa=True`` without a mask) was estimated with the memory-efficient kernel, 2-15x
+    the batch that fits: sdp_utils.cpp gives that kernel
+    ``check_batch_size_and_num_heads_dense<false>`` (no grouped-query), so fp32 runs math,
+    which keeps the scores; flash (fp16/bf16, sm80+) does take it."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert choose_kernel("auto", *_qkv(8, 2, 64, fp32), None, 80) == "math"
+    assert choose_kernel("auto", *_qkv(8, 2, 64, fp16), None, 75) == "math"  # no flash on T4
+    assert choose_kernel("auto", *_qkv(8, 2, 64, bf16), torch.empty(64, 64, device="meta"),
+                         80) == "math"  # flash takes no mask  # fmt: skip
+    assert choose_kernel("efficient", *_qkv(8, 2, 64, fp32), None, 80) == "math"
+    assert choose_kernel("auto", *_qkv(8, 2, 64, bf16), None, 80) == "flash"
+    assert choose_kernel("auto", *_qkv(8, 8, 64, fp32), None, 80) == "efficient"  # expanded
+    from memkit.estimation.assumptions import attention_line
+    from memkit.estimation.families import family_of
+
+    line = attention_line("efficient", ["math"], family_of("ampere"))
+    assert "math kernel (efficient was requested and cannot take these inputs on sm80" in line
+
+
 def test_efficient_alignment_is_sdp_utils_minimum_gemm_alignment() -> None:
     fp16, fp32 = torch.float16, torch.float32
     # sm70 runs fp16 on tensor cores: head dims must be multiples of 8, as from sm75

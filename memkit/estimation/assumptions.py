@@ -60,7 +60,12 @@ def attention_line(requested: str, kernels: Sequence[str], family: DeviceFamily)
     """Which attention kernels the trials used, and why."""
     if not kernels:
         return "attention: no F.scaled_dot_product_attention call seen"
-    how = "chosen as PyTorch would on" if requested == "auto" else "requested; on"
+    if requested == "auto":
+        how = "chosen as PyTorch would on"
+    elif requested in kernels:
+        how = "requested; on"
+    else:  # (a kernel that cannot take the inputs: PyTorch's fallback)
+        how = f"{requested} was requested and cannot take these inputs on"
     line = f"attention: {', '.join(kernels)} kernel ({how} sm{family.sm}; --attention overrides)"
     if "flash" in kernels and requested == "auto" and family.sm in (90, 100):
         line += (

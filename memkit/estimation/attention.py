@@ -46,9 +46,10 @@ Choice (``"auto"``), for a target of compute capability ``sm`` (PyTorch's ``sdp_
   them (grouped-query attention), ``is_causal`` comes with as many keys as queries, and, on
   sm86-sm89 when a gradient is needed, the head dim is at most 192 (or over 224 without
   dropout): flash's backward there takes no other;
-* else **memory-efficient** when ``sm >= 50``, the inputs are 4-D fp16/fp32 (bf16 from sm80),
-  and the head dim is a multiple of ``minimum_gemm_alignment``: 8 for fp16/bf16 from sm70
-  (tensor cores), 4 for fp32 from sm80, 1 otherwise;
+* else **memory-efficient** when ``sm >= 50``, the inputs are 4-D fp16/fp32 (bf16 from sm80)
+  with as many key/value heads as query heads (it takes no grouped-query attention: fp32 GQA
+  runs math), and the head dim is a multiple of ``minimum_gemm_alignment``: 8 for fp16/bf16
+  from sm70 (tensor cores), 4 for fp32 from sm80, 1 otherwise;
 * else **math**.
 
 On sm90/sm100, PyTorch builds with cuDNN newer than 9.15 try **cuDNN attention** first. Its
@@ -123,6 +124,10 @@ def _efficient_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         key.shape[-1] == query.shape[-1]
         and query.shape[-1] % align == 0
         and value.shape[-1] % align == 0
+        # check_batch_size_and_num_heads_dense<false>: no grouped-query attention (an
+        # ``enable_gqa=True`` call with fewer key/value heads runs math or flash)
+        and query.shape[0] == key.shape[0] == value.shape[0]
+        and query.shape[1] == key.shape[1] == value.shape[1]
     )
 
 
