@@ -607,8 +607,11 @@ class MetaSession:
         self.generate_checks += mode.generate_checks
 
     def warm_up(self, batch_size: int) -> None:
-        """One unaccounted step: the step's errors surface before the search starts."""
-        self.step(batch_size)
+        """One unaccounted step: the step's errors surface before the search starts (the
+        meta kernels' gaps filled as in a trial: :class:`KernelWorkspaces`, allocating
+        nothing)."""
+        with KernelWorkspaces(lambda key, nbytes: None, 0):
+            self.step(batch_size)
         self.plan.release()
         self.model.zero_grad(set_to_none=True)
 

@@ -15,6 +15,12 @@ them), ``soft_margin_loss`` reduces into its ``neg_out`` output the same way, an
 kernels return a fresh 0-d tensor instead, so :class:`KernelWorkspaces` gives such a loss its
 input-sized storage (the loss is kept through backward: a step's peak may hold it).
 
+``torch._grouped_mm`` (a mixture of experts' batched expert matmuls, transformers 5's default
+``grouped_mm`` experts) has a meta kernel that takes bf16 only, where CUDA runs other dtypes
+through ``_grouped_mm_fallback`` (one ``mm`` per group into the output): for those,
+:class:`KernelWorkspaces` makes the output as ``create_grouped_gemm_output_tensor`` does (its
+last dimension's stride padded to 16 bytes), which is all that the fallback allocates.
+
 ``addmm`` with a 1-D bias (``nn.Linear`` with a bias) runs through cuBLASLt (``Blas.cpp``:
 ``useLtInterface``). Unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, ``getCUDABlasLtWorkspace``
 allocates a second, separate workspace per (handle, stream) of ``CUBLASLT_WORKSPACE_SIZE`` KiB,
@@ -64,6 +70,31 @@ def _input_sized_loss(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], 
     shape = torch.broadcast_shapes(inputs[0].shape, inputs[1].shape)
     full = torch.empty(shape, dtype=out.dtype, device=out.device)
     return full.as_strided((), ())
+
+
+def _grouped_mm_output(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The output CUDA's ``_grouped_mm`` makes for inputs the meta kernel refuses (not bf16),
+    or ``None`` for what it takes (its own output then)."""
+    mat_a, mat_b = args[0], args[1]
+    if mat_a.dtype == torch.bfloat16 or not mat_a.is_meta or mat_a.dim() not in (2, 3):
+        return None
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or mat_a.dtype
+    a2d, b2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2d and b2d:  # (groups, m, n)
+        if offs is None:
+            return None  # (torch's own error)
+        size = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
+    elif a2d:  # tokens sorted by expert x (experts, k, n)
+        size = [mat_a.shape[0], mat_b.shape[-1]]
+    elif b2d:
+        size = [mat_a.shape[1], mat_b.shape[1]]
+    else:  # a batched matmul
+        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    align = max(1, 16 // dtype.itemsize)
+    padded = -(-size[-1] // align) * align
+    stride = [size[1] * padded, padded, 1] if a2d == b2d else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
 def uses_cublaslt(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -128,8 +159,10 @@ class KernelWorkspaces(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        out = _grouped_mm_output(args, kwargs) if name == "_grouped_mm" else None
+        if out is None:
+            out = func(*args, **kwargs)
         if name in _REDUCED_LOSSES:
             return _input_sized_loss(name, args, kwargs, out)
         if name in CUBLAS_OPS and self.cublas_bytes:
