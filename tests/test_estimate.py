@@ -1420,3 +1420,43 @@ def test_a_step_that_steps_every_fourth_call_is_said_to_miss_the_optimizer(
     est = estimate(path, device_memory="1TiB", min_batch=8, max_batch=8)
     (line,) = [a for a in est.assumptions if "no optimizer stepped" in a]
     assert "(batch 8:" in line and "`memkit probe` runs the step's cycle" in line
+
+
+def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> None:
+    """Sweep BF: 3860 was recommended for BART "(leaves 5% free)" and held 4.8%: the search
+    interpolates the recommendation between two measured sizes, and reserved memory moves in
+    allocator segments. The estimate now runs it, and bisects down where it breaks the margin."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from memkit.estimation.search import _held_recommendation
+    from memkit.probing.search import search_max_batch
+
+    segment = 20 << 20
+
+    def reserved(batch: int) -> int:  # a step up of a whole segment at 95 samples
+        return 100 * (1 << 20) + batch * (1 << 20) + (segment if batch >= 95 else 0)
+
+    ran: list[int] = []
+
+    def run(batch: int) -> SimpleNamespace:
+        ran.append(batch)
+        session.cache[batch] = SimpleNamespace(reserved=reserved(batch), ooms=0)
+        return session.cache[batch]
+
+    usable = 220 << 20
+    session = SimpleNamespace(usable=usable, cache={}, run=run, plan=SimpleNamespace(mode="train"))
+    search = search_max_batch(
+        lambda b: (reserved(b) <= usable, run(b).reserved, None, reserved(b)),
+        capacity_bytes=usable, min_batch=1, max_batch=512, margin=0.05,
+    )  # fmt: skip
+    assert not search.recommended_measured and search.recommended_batch_size is not None
+    interpolated = search.recommended_batch_size
+    assert reserved(interpolated) > 0.95 * usable  # the search's own answer breaks the margin
+    searched = len(ran)
+    held = _held_recommendation(session, search, 0.05)
+    assert held is not None and reserved(held) <= 0.95 * usable < reserved(held + 1)
+    assert 1 <= len(ran) - searched <= 5  # the interpolated size, then at most four more
+    # a measured recommendation is taken as it is; an interpolated one that holds is kept
+    measured = dataclasses.replace(search, recommended_batch_size=held, recommended_measured=True)
+    assert _held_recommendation(session, measured, 0.05) == held
