@@ -82,7 +82,13 @@ def _recommended_words(result: ProbeResult) -> str:
     rec = result.recommended_batch_size
     ran = None if rec is None else result.trial(rec)
     peak = None if ran is None else ran.peak_bytes
-    return recommended_words(rec, result.margin, peak, result.capacity_bytes)
+    return recommended_words(
+        rec,
+        result.margin,
+        peak,
+        result.capacity_bytes,
+        interpolated=rec is not None and ran is None,
+    )
 
 
 def probe_headline(result: ProbeResult) -> str:

@@ -85,10 +85,15 @@ def bound_words(max_batch: int | None, peak: int | None, capacity: int | None) -
 
 
 def recommended_words(
-    rec: int | None, margin: float, peak: int | None, capacity: int | None
+    rec: int | None,
+    margin: float,
+    peak: int | None,
+    capacity: int | None,
+    interpolated: bool = False,
 ) -> str:
     """``recommended N (leaves 5% free)``, only where the numbers say so: ``peak`` is the
-    recommended size's measured peak (``None``: not run), ``capacity`` what it is held against.
+    recommended size's measured peak (``None``: not run), ``capacity`` what it is held against;
+    ``interpolated``: a size between two sizes tried, not run (its margin is the line's).
 
     Examples:
         >>> recommended_words(30, 0.05, 950, 1000)
@@ -103,6 +108,8 @@ def recommended_words(
         free = 1 - peak / capacity
         if free < margin:
             return f"no size leaves {share} free (batch {rec} leaves {free:.1%})"
+    if interpolated:
+        return f"recommended {rec} (leaves about {share} free: interpolated, not run)"
     return f"recommended {rec} (leaves {share} free)"
 
 
