@@ -1736,3 +1736,37 @@ def test_batches_of_random_lengths_are_said_to_decide_the_memory():
 
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def test_an_oom_inside_lbfgs_first_step_leaves_no_half_written_state_for_the_next_step():
+    nn = torch.nn
+    """Sweep BD: a PINN's LBFGS ran out in a later closure of its first step, which had set
+    ``n_iter`` but not yet ``prev_flat_grad``; the step memkit runs after an OOM (to free what
+    the script's globals held) began from that state and LBFGS raised TypeError, which the
+    probe reported as the user's step failing at a size that had fit. The optimizer is now
+    put back first, as at a trial's start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=3)
+    held: dict[str, torch.Tensor] = {}
+
+    def step(model: nn.Module, batch: Any, optimizer: Any) -> None:
+        x, y = batch
+        calls = [0]
+
+        def closure() -> torch.Tensor:
+            calls[0] += 1
+            optimizer.zero_grad()
+            held["out"] = out = model(x)  # a global the loop keeps (nanoGPT's logits)
+            if calls[0] == 2 and x.shape[0] > 64:  # the line search's closure needs more
+                torch.empty(x.shape[0] << 16)
+            loss = nn.functional.mse_loss(out, y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    result = probe(model, lambda n: (torch.randn(n, 16), torch.randn(n, 1)), optimizer=opt,
+                   train_step=step, device="cpu", budget="16MiB", max_batch=512)  # fmt: skip
+    assert result.max_batch_size == 64
+    assert not [t for t in result.trials if t.error and "TypeError" in t.error]

@@ -604,7 +604,9 @@ class TrialRunner:
         fitted = [size for size, record in self.records.items() if record.fits]
         if not fitted:  # nothing fit: no trial follows that it could fail (and a first
             return  # trial's lazy allocations, a cuBLAS workspace, are no one's to blame)
-        self.saved.reset_scalers()  # a step that ran out after unscale_ left them waiting
+        # what the failed step left half-written: a gradient scaler's stage after unscale_,
+        # LBFGS's state after an OOM inside its closure (n_iter set, prev_flat_grad not yet)
+        self.saved.reset_optimizer()
         try:
             with self.backend.uncapped():
                 self._run_steps(min(fitted), extend=False, steps=1)
