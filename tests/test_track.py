@@ -3323,3 +3323,39 @@ def test_gradients_an_optimizer_not_given_steps_are_not_stale():
             dense.step()
             embed.step()
     assert "stale-gradients" not in {a.code for a in tracker.report().advice}
+
+
+def test_lbfgs_after_adam_takes_the_steps_over_at_its_first_closure_step():
+    """The two-stage PINN recipe (sweep BD): Adam for a while, then ``lbfgs.step(closure)``.
+    LBFGS's first step ran its backward passes inside its closure, after its step() call, so
+    the owner Adam looked busy and LBFGS never took the steps over: 10 steps for 12, the
+    LBFGS stage one step that never ended, and the setup (and so the advice) Adam's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
+    x, y = torch.randn(256, 2), torch.randn(256, 1)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=5, history_size=7)
+    closures = [0]
+
+    def closure() -> torch.Tensor:
+        closures[0] += 1
+        lbfgs.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(5):
+            adam.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            adam.step()
+        for _ in range(3):
+            lbfgs.step(closure)
+    report = tracker.report()
+    (dev,) = report.devices
+    assert closures[0] > 3  # several closures a step: backward passes, not steps
+    assert [s.step for s in dev.steps] == list(range(8))
+    assert dev.setup is not None and dev.setup.optimizer == "LBFGS"
+    assert dev.setup.history_size == 7

@@ -378,17 +378,20 @@ def training_setup(
     sizes the caller's walk counted (``census``)."""
     if not modules and not optimizers:
         return None
-    history = foreach = buffers = None
+    history = foreach = buffers = lead = None
     if optimizers:
-        group = optimizers[0].param_groups[0] if optimizers[0].param_groups else {}
+        # the optimizer whose steps count (LBFGS after Adam: the second), else the first seen
+        named = None if facts is None else facts.optimizer_name
+        lead = next((o for o in optimizers if type(o).__name__ == named), optimizers[0])
+        group = lead.param_groups[0] if lead.param_groups else {}
         size = group.get("history_size")
         history = size if isinstance(size, int) else None
         foreach = _steps_foreach(group)
-        buffers = state_buffers(type(optimizers[0]).__name__, group)
+        buffers = state_buffers(type(lead).__name__, group)
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
     return TrainingSetup(
         param_dtype=dtype,
-        optimizer=type(optimizers[0]).__name__ if optimizers else None,
+        optimizer=None if lead is None else type(lead).__name__,
         history_size=history,
         forward_autocast=autocast,
         optimizer_foreach=foreach,

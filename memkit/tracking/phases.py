@@ -473,18 +473,23 @@ class PhaseMachine:
             self.evidence.find_witness()
         elif self._successor is not None and self._successor[0]() is optimizer:
             first, self._successor = self._successor[1], None
-            if (  # the owner stepped no more since its first step, and it may succeed it
-                owner is not None
-                and self.owner_stepped < first
-                and self.models.may_succeed(optimizer, owner, self.owner_since)
-            ):
-                self._former = weakref.ref(owner)
-                self._owner_is(optimizer, passes)
-                for dev in self.devices.records.values():
-                    # the last boundary's level: its persistent bytes, read at the next one,
-                    # would hold the new model's state made since (a rise taken for a leak)
-                    dev.growth_pending = None
-                self.evidence.find_witness(self.models.stepped(since=self.state.step))
+            if owner is not None and self.owner_stepped < first:
+                # the owner stepped no more since the successor's first step
+                self._succeed(optimizer, owner, passes)
+
+    def _succeed(self, optimizer: Any, owner: Any, passes: int) -> bool:
+        """``optimizer`` takes the steps over from ``owner``, if it may (a part of its
+        parameters, or a model first seen since it began): whether it did."""
+        if not self.models.may_succeed(optimizer, owner, self.owner_since):
+            return False
+        self._former = weakref.ref(owner)
+        self._owner_is(optimizer, passes)
+        for dev in self.devices.records.values():
+            # the last boundary's level: its persistent bytes, read at the next one, would
+            # hold the new model's state made since (a rise taken for a leak)
+            dev.growth_pending = None
+        self.evidence.find_witness(self.models.stepped(since=self.state.step))
+        return True
 
     def _owner_is(self, optimizer: Any, passes: int) -> None:
         """``optimizer``'s steps count from now on (``passes``: the backward passes now)."""
@@ -509,6 +514,18 @@ class PhaseMachine:
         """``optimizer.step()`` returned: the step's end, if this optimizer's steps count
         (``frame``: the caller's, where the leak search starts)."""
         owner = self.step_owner() if self.step_owner is not None else None
+        successor = self._successor
+        if (
+            successor is not None
+            and successor[0]() is optimizer
+            and owner is not None
+            and self.state.backward_passes > successor[1] >= self.owner_stepped
+        ):
+            # its first step ran its own backward passes (a closure: LBFGS after Adam, the
+            # two-stage PINN recipe) while the owner did not step: its steps count from now
+            self._successor = None
+            if self._succeed(optimizer, owner, self.state.backward_passes):
+                owner = optimizer
         if not self.manual_steps and (owner is None or owner is optimizer):
             self.boundary(frame)
         else:
