@@ -692,3 +692,84 @@ def test_mixed_precision_keeps_an_attention_s_own_math_in_float32():
     # CPU's sdpa math path also makes float32 copies of the half q, k, v under autocast, which
     # the records cannot show: still over (1.41x; 2.39x before)
     assert 0.8 * (plain - under) <= adv.saving_bytes <= 1.45 * (plain - under)
+
+
+class _MixedHead(nn.Module):
+    """A float32 body with a float64 head (sweep BD: a physics head kept in double)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 256))
+        self.head = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).double())
+
+
+def _peak_and_advice(model: nn.Module, steps: int = 3) -> tuple[int, dict[str, Any]]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with track(model, opt, device="cpu", budget="32MiB") as tracker:
+        for _ in range(steps):
+            x = torch.randn(256, 64)
+            y = torch.randn(256, 1, dtype=next(model.parameters()).dtype)
+            out = model(x)
+            loss = F.mse_loss(out, y.to(out.dtype))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    return report.devices[0].peak_allocated, {a.code: a for a in report.advice}
+
+
+def test_float64_advice_on_a_float64_head_halves_only_its_share():
+    """``float64`` halved every byte of a model whose float32 body held 36% of the weights:
+    ~10.21 MiB promised where making the head float32 saved 7.02. The saving now counts the
+    float64 share; checked by making the head float32 and counting."""
+    torch.manual_seed(0)
+    mixed = _MixedHead()
+    peak, advice = _peak_and_advice(mixed)
+    said = advice["float64"]
+    assert "of the trainable parameters' bytes" in said.evidence
+    assert "torch.set_default_dtype(torch.float64)" in said.action
+    torch.manual_seed(0)
+    single = _MixedHead()
+    single.head.float()
+    single.forward = lambda x: single.head(single.body(x))  # type: ignore[method-assign]
+    saved = peak - _peak_and_advice(single)[0]
+    assert said.saving_bytes is not None
+    assert abs(said.saving_bytes - saved) <= 0.15 * saved, (said.saving_bytes, saved)
+
+
+class _Spectral(nn.Module):
+    """A Fourier layer (an FNO's): complex64 weights, trained like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(64, 64)
+        self.weights = nn.Parameter(torch.randn(64, 33, dtype=torch.cfloat) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.lift(x), dim=-1)
+        return torch.fft.irfft(spectrum * self.weights[0], n=x.shape[-1], dim=-1)
+
+
+def test_complex_weights_are_trainable_and_get_no_autocast_advice():
+    """An FNO's complex64 spectral weights (99% of its parameters) were left out of the
+    trainable bytes: the report spoke of "float32 weights that require no grad (a frozen
+    model's)" and offered bf16 autocast, under which cuFFT refuses the FFTs (memkit's own
+    estimate says so)."""
+    torch.manual_seed(0)
+    model = _Spectral()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with track(model, opt, device="cpu", budget="16MiB") as tracker:
+        for _ in range(3):
+            loss = model(torch.randn(512, 64)).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    setup = report.devices[0].setup
+    assert setup is not None and setup.param_dtype == "complex64"
+    assert setup.trainable_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert "mixed-precision" not in {a.code for a in report.advice}
+    assert "require no grad" not in str(report)

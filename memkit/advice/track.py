@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         ModuleRecord,
         StepRecord,
         TrackReport,
+        TrainingSetup,
     )
 
 __all__ = [
@@ -375,6 +376,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             activation_bytes=bd.activations,
             capacity=dev.capacity,
             device=dev.device,
+            float64_share=_float64_share(setup),
         ),
         None
         # already on: the trainer's setting, or layers recomputed in backward (transformers'
@@ -419,6 +421,13 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         ),
         oom_retry_holds(report.retry_held, device=dev.device),
     ]
+
+
+def _float64_share(setup: TrainingSetup | None) -> float:
+    """The float64 part of the trainable parameters' bytes (1.0: not known)."""
+    if setup is None or not setup.trainable_bytes or setup.float64_bytes is None:
+        return 1.0
+    return setup.float64_bytes / setup.trainable_bytes
 
 
 def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Advice | None:

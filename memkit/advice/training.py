@@ -233,29 +233,40 @@ def float64_training(
     activation_bytes: int = 0,
     capacity: int | None = None,
     device: str = "the device",
+    float64_share: float = 1.0,
 ) -> Advice | None:
     """``float64``: a float64 model; float32 halves its parameters, gradients, optimizer
-    state and activations (saving: half of their sum at the peak). Fires when the saving
-    matters (:func:`matters`)."""
+    state and activations (saving: half of their sum at the peak, times ``float64_share``,
+    the float64 part of the trainable parameters' bytes: a float64 head on a float32 body
+    halves only its own part). Fires when the saving matters (:func:`matters`)."""
     if param_dtype not in ("float64", "torch.float64") or peak_bytes <= 0:
         return None
     floating = parameter_bytes + gradient_bytes + optimizer_state_bytes + activation_bytes
-    saving = min(floating, peak_bytes) // 2
+    share = min(1.0, max(0.0, float64_share))
+    saving = int(min(floating, peak_bytes) * share) // 2
     if saving <= 0 or not matters(saving, peak_bytes, capacity):
         return None
+    part = (
+        ""
+        if share >= 0.995
+        else f" ({share:.0%} of the trainable parameters' bytes; the rest are float32, and "
+        "the saving counts that share of each part, an estimate)"
+    )
     return Advice(
         code="float64",
         title="float64 training: float32 would halve the model's memory",
         evidence=(
-            f"Parameters are float64. Parameters, gradients, optimizer state and activations "
-            f"were {format_size(floating)} ({percent_of(floating, peak_bytes)}) of the "
-            f"{format_size(peak_bytes)} peak on {device}; in float32 each takes half the bytes "
-            "(bf16/fp16 autocast applies to float32 models, not to this one)."
+            f"Parameters are float64{part}. Parameters, gradients, optimizer state and "
+            f"activations were {format_size(floating)} ({percent_of(floating, peak_bytes)}) of "
+            f"the {format_size(peak_bytes)} peak on {device}; in float32 each takes half the "
+            "bytes (bf16/fp16 autocast applies to float32 models, not to this one)."
         ),
         action=(
-            "Train in float32: drop `model.double()` (or call `model.float()`) and make the "
-            "inputs float32 (`x.float()`); keep float64 only where a computation needs its "
-            "precision. Then mixed precision (`torch.autocast`) halves the activations again."
+            "Train in float32: drop `model.double()` or `torch.set_default_dtype("
+            "torch.float64)` (or call `model.float()`) and make the inputs float32 "
+            "(`x.float()`); keep float64 only where a computation needs its precision (a "
+            "Cholesky factor). Then mixed precision (`torch.autocast`) halves the activations "
+            "again."
         ),
         saving_bytes=saving,
         severity="warning" if under_pressure(peak_bytes, capacity) else "info",

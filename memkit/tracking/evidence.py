@@ -333,8 +333,9 @@ def param_dtype(modules: Iterable[torch.nn.Module]) -> str | None:
 
 
 def _count_dtype(p: torch.Tensor, sizes: dict[str, int]) -> None:
-    """Add a parameter's bytes to its dtype's, if it is trainable and floating."""
-    if p.requires_grad and p.is_floating_point():
+    """Add a parameter's bytes to its dtype's, if it is trainable and floating (or complex:
+    a Fourier layer's spectral weights)."""
+    if p.requires_grad and (p.is_floating_point() or p.is_complex()):
         key = str(p.dtype).replace("torch.", "")
         sizes[key] = sizes.get(key, 0) + int(p.numel() * p.element_size())
 
@@ -348,7 +349,7 @@ class WeightCensus:
     """What :func:`persistent_bytes` finds of the weights in its walk, beside the totals.
 
     Attributes:
-        trainable_dtypes: bytes of the trainable floating parameters by dtype (what
+        trainable_dtypes: bytes of the trainable floating (and complex) parameters by dtype (what
             :func:`param_dtype` counts).
         optimized: bytes of the parameters the optimizers step, on the device.
         narrow: bytes of the parameters and buffers (trainable or frozen) on the device held
@@ -401,6 +402,9 @@ def training_setup(
         optimized_bytes=census.optimized if census is not None and optimizers else None,
         narrow_weight_bytes=census.narrow if census is not None and modules else None,
         trainable_bytes=sum(census.trainable_dtypes.values())
+        if census is not None and modules
+        else None,
+        float64_bytes=census.trainable_dtypes.get("float64", 0)
         if census is not None and modules
         else None,
         state_buffers=buffers,

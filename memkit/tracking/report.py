@@ -234,12 +234,14 @@ class TrainingSetup:
         narrow_weight_bytes: bytes of the model's parameters and buffers, trainable or frozen,
             held in 16 bits or fewer (a bf16 or int8 frozen base): autocast neither halves
             their layers' work nor copies them.
-        trainable_bytes: bytes of the model's floating parameters that require grad: the
-            gradients backward will make, known before an optimizer has stepped (a LoRA's
-            adapters, not its frozen base).
+        trainable_bytes: bytes of the model's floating (or complex) parameters that require
+            grad: the gradients backward will make, known before an optimizer has stepped (a
+            LoRA's adapters, not its frozen base).
         state_buffers: buffers of the parameters' size the (first) optimizer's state holds
             per parameter once it has stepped, from its class and settings (AdamW 2, SGD 1
             with momentum and 0 without); ``None``: an optimizer not known.
+        float64_bytes: of ``trainable_bytes``, those in float64 (a float64 head on a float32
+            body: what float32 would halve).
     """
 
     param_dtype: str | None = None
@@ -254,6 +256,7 @@ class TrainingSetup:
     narrow_weight_bytes: int | None = None
     trainable_bytes: int | None = None
     state_buffers: int | None = None
+    float64_bytes: int | None = None
 
 
 @dataclass(frozen=True)
