@@ -3359,3 +3359,41 @@ def test_lbfgs_after_adam_takes_the_steps_over_at_its_first_closure_step():
     assert [s.step for s in dev.steps] == list(range(8))
     assert dev.setup is not None and dev.setup.optimizer == "LBFGS"
     assert dev.setup.history_size == 7
+
+
+def test_an_evaluation_ooms_batch_bound_leaves_out_what_earlier_passes_hold():
+    """Sweep BC: an embedding loop with grad on keeps every pass's graph in a list and runs
+    out; oom-eval's bound on the evaluation batch counted the earlier passes' graphs as this
+    pass's, which scale with its batch. Checked against the same loop under memkit.simulate:
+    beside what the earlier passes hold, the bound fits and one more sample does not."""
+
+    def embed(model: nn.Module, outs: list[torch.Tensor]) -> None:
+        for _ in range(100):
+            outs.append(model(torch.randn(256, 256)))  # grad on: each keeps its graph
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).eval()
+
+    with (
+        contextlib.suppress(torch.OutOfMemoryError),
+        track(device="cpu", budget="16MiB", postmortem=None) as tracker,
+    ):
+        embed(model(), [])
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "eval" and pm.breakdown is not None
+    (said,) = [a.evidence for a in pm.advice if a.code == "oom-eval"]
+    bound = int(re.search(r"no evaluation batch above about (\d+) fits", said).group(1))
+
+    def fits(size: int) -> bool:
+        net, outs = model(), []
+        with simulate("16MiB"):
+            with contextlib.suppress(torch.OutOfMemoryError):
+                embed(net, outs)
+            try:
+                net(torch.randn(size, 256))
+            except torch.OutOfMemoryError:
+                return False
+        return True
+
+    assert fits(bound) and not fits(bound + 1)

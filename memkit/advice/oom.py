@@ -189,16 +189,17 @@ def oom_in_evaluation(pm: OomPostMortem) -> Advice:
 
 
 def _eval_batch_bound(pm: OomPostMortem) -> str:
-    """The largest evaluation batch that could fit, from the failure: what the pass held
-    beyond the model's persistent memory and the request that failed scale with the batch
-    (the batch itself among them), the rest does not; the layers after the failing one add
-    more, so it is an upper bound (sweep XX: 1000 test images ran out at conv1; 40 fit)."""
+    """The largest evaluation batch that could fit, from the failure: what the pass added
+    (its activations), its batch and the request that failed scale with the batch, the rest
+    does not (the model's persistent memory, and what was held before the pass: graphs an
+    earlier grad-on pass left in a list); the layers after the failing one add more, so it is
+    an upper bound (sweep XX: 1000 test images ran out at conv1; 40 fit)."""
     bd, shape, capacity = pm.breakdown, pm.input_shape, pm.capacity
     if bd is None or not shape or not capacity or shape[0] < 2:
         return ""
     samples = shape[0]
-    fixed = bd.parameters + bd.gradients + bd.optimizer_state
-    scaled = bd.total - fixed + (pm.tried_to_allocate or 0)
+    scaled = bd.activations + min(pm.batch_bytes, bd.other) + (pm.tried_to_allocate or 0)
+    fixed = bd.total + (pm.tried_to_allocate or 0) - scaled
     if scaled <= 0:
         return ""
     most = (capacity - fixed) * samples // scaled
@@ -212,14 +213,14 @@ def _eval_batch_bound(pm: OomPostMortem) -> str:
             else "the weights need less room (half precision, quantized) or a larger device"
         )
         return (
-            f" Beside the {format_size(fixed)} of parameters, gradients and optimizer state "
-            f"held, not one sample fits: {free}."
+            f" Beside the {format_size(fixed)} held before the pass (parameters, gradients, "
+            f"optimizer state, and what else was kept), not one sample fits: {free}."
         )
     return (
         f" If the memory grows in proportion to the input's first dimension ({samples}: the "
         f"batch, for most models), no evaluation batch above about {most} fits: what the pass "
-        "held beyond the parameters, gradients and optimizer state, and the request that "
-        "failed, scale with it, and the layers after the one that failed add more. A "
+        "added, its batch and the request that failed scale with it, what was held before "
+        "it does not, and the layers after the one that failed add more. A "
         "sequence-first input or a batch-by-batch matrix (in-batch similarity) breaks that: "
         "`memkit probe --mode infer` finds the largest that fits."
     )

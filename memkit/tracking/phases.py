@@ -118,6 +118,7 @@ class PhaseMachine:
         self.grads_none_at_forward = True  # no gradients when the last forward began
         # the last training forward's first input (the batch an OOM's advice weighs)
         self.train_input: weakref.ref[torch.Tensor] | None = None
+        self.eval_batch: weakref.ref[torch.Tensor] | None = None  # the last evaluation's
         # the step's own tensors: the inputs and outputs of this step's training forwards
         # first seen in it (``own``, held weakly), and the last step's (``last_own``). The
         # growth detector's levels leave out those alive (a loop's `x` and `logits`, a
@@ -188,6 +189,8 @@ class PhaseMachine:
             if frozen:  # the step's own work, counted apart from evaluation's
                 facts.frozen_forwards += 1
                 facts.frozen_seen = facts.frozen_model
+            else:  # (a post-mortem's evaluation batch)
+                self.eval_batch = None if first is None else weakref.ref(first)
             largest = facts.frozen_input if frozen else facts.eval_input
             if shape is not None and (largest is None or math.prod(shape) > math.prod(largest)):
                 if frozen:
@@ -764,9 +767,12 @@ class PhaseMachine:
         if watch.moved:
             self._place_suspects()
 
-    def batch_bytes(self) -> int:
-        """The bytes of the last training forward's first input while it lives (0: none)."""
-        batch = None if self.train_input is None else self.train_input()
+    def batch_bytes(self, evaluation: bool = False) -> int:
+        """The bytes of the last training forward's first input while it lives (0: none);
+        ``evaluation``: of the last evaluation pass's (a model no optimizer trains run on the
+        training batch, a teacher's, left out)."""
+        ref = self.eval_batch if evaluation else self.train_input
+        batch = None if ref is None else ref()
         return 0 if batch is None else int(batch.numel() * batch.element_size())
 
     def note_output(self, output: Any) -> None:

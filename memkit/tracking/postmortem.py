@@ -87,7 +87,8 @@ class OomEvidence:
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.
         autocast_forwards: training forwards run under ``torch.autocast`` so far.
-        batch_bytes: the bytes of the last training forward's first input, if it is alive.
+        batch_bytes: the bytes of the last training forward's first input (in an evaluation
+            pass, its own), if it is alive.
     """
 
     device: str

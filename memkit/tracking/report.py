@@ -390,7 +390,8 @@ class OomPostMortem(Result):
         optimizer_state_partial: it failed in an optimizer step that began with no optimizer
             state: the state in the breakdown is the part that step had created.
         batch_bytes: the bytes of the training batch alive when it failed (the last training
-            forward's first input; 0: none, or gone), part of ``other`` in the breakdown.
+            forward's first input; in an evaluation pass, its own; 0: none, or gone), part of
+            ``other`` in the breakdown.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"

@@ -439,13 +439,14 @@ class Tracker:
         fsdp = state.fsdp
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         facts = evidence.facts
-        if pass_base is None or facts.frozen_model is not None:
-            # what the step's training forward began with (a teacher's pass inside the step:
-            # the student's forward before it holds the step's activations)
+        # an evaluation pass's own base (not a teacher's pass inside the step: the student's
+        # forward before it holds the step's activations)
+        evaluation = pass_base is not None and facts.frozen_model is None
+        if not evaluation:  # what the step's training forward began with
             base, base_grads_none, base_state_empty = (
                 dev.forward_base, dev.base_grads_none, dev.base_state_empty
             )  # fmt: skip
-        else:  # an evaluation pass: its activations are what it added (its batch is other)
+        else:  # its activations are what it added (its batch, made before it, is other)
             base, base_grads_none, base_state_empty = pass_base, grads_none, state_empty
         moment = PeakMoment(
             dev.last[0],
@@ -487,7 +488,7 @@ class Tracker:
             setup=dev.setup,
             rank=launched_rank(),
             autocast_forwards=facts.autocast_forwards,
-            batch_bytes=self.phases.batch_bytes(),
+            batch_bytes=self.phases.batch_bytes(evaluation),
         )
 
     # ------------------------------------------------------------------------------------
