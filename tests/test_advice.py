@@ -1004,3 +1004,44 @@ def test_weights_that_are_half_of_what_was_held_but_not_of_what_was_needed_are_n
 
     assert "oom-parameters" not in codes(oom_advice(post_mortem(80 * MiB)))
     assert "oom-parameters" in codes(oom_advice(post_mortem(1 * MiB)))
+
+
+def _train_then_test(keep_tensor: bool) -> tuple[int, dict[str, Any]]:
+    """pytorch/examples mnist's shape: train(), then test() summing its loss, under autograd
+    (no no_grad), as a tensor (``test_loss += loss``) or as a number (``.item()``)."""
+    torch.manual_seed(0)
+    model = blocks(3, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model.train()
+            for _ in range(2):
+                model(torch.randn(64, 256)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            model.eval()
+            test_loss: Any = 0
+            for _ in range(12):
+                loss = model(torch.randn(64, 256)).square().mean()
+                test_loss += loss if keep_tensor else loss.item()
+            del loss, test_loss
+    report = tracker.report()
+    return report.devices[0].peak_allocated, {a.code: a for a in report.advice}
+
+
+def test_an_evaluation_that_keeps_its_losses_graphs_is_not_told_to_shrink_its_batch():
+    """Sweep BC: test() summing ``test_loss += F.nll_loss(...)`` under autograd keeps every
+    pass's graph until it returns; eval-peak said to give evaluation a smaller batch (19.91
+    MiB; applied: 0.07 MiB) and eval-grad-enabled claimed one pass's graph. What the passes
+    carry from pass to pass is now measured: eval-peak names it and claims no smaller batch,
+    and both savings hold when the losses are kept as numbers."""
+    peak, advice = _train_then_test(keep_tensor=True)
+    fixed_peak, fixed = _train_then_test(keep_tensor=False)
+    saved = peak - fixed_peak
+    keeps = advice["eval-peak"]
+    assert "what its passes keep" in keeps.title and "smaller" not in keeps.action
+    assert "test_loss += loss" in keeps.evidence
+    for code in ("eval-peak", "eval-grad-enabled"):
+        claimed = advice[code].saving_bytes
+        assert claimed is not None and abs(claimed - saved) <= 0.1 * saved, (code, claimed, saved)
+    assert "eval-peak" not in fixed  # as numbers: evaluation stays below training

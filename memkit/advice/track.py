@@ -76,7 +76,15 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
         else ""
     )
     # the saving lowers a peak only where evaluation sets it
-    at_peak = any((d.phase_peaks.get("eval") or 0) >= d.peak_allocated for d in report.devices)
+    peaking = [d for d in report.devices if (d.phase_peaks.get("eval") or 0) >= d.peak_allocated]
+    at_peak = bool(peaking)
+    carried = max((d.eval_carried for d in peaking), default=0)
+    if carried:  # what its kept results held from pass to pass: their graphs, mostly
+        kept += (
+            f" Its passes began with up to {format_size(carried)} that earlier passes of the "
+            "same evaluation left alive (kept results and the graphs they hold; no_grad frees "
+            "the graphs, not the results)."
+        )
     if eval_grad_bytes > 0 and not at_peak:
         kept += " Training sets the peak: no_grad lowers the evaluation's memory, not the peak."
     return [
@@ -89,10 +97,27 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
             "validation loss, stored outputs) hold those graphs alive.",
             action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`); "
             "`model.eval()` alone does not stop autograd.",
-            saving_bytes=(eval_grad_bytes or None) if at_peak else None,
+            saving_bytes=_below_training(peaking, eval_grad_bytes + carried) if at_peak else None,
             severity="warning",
         )
     ]
+
+
+def _training_peak(dev: DeviceReport) -> int | None:
+    """``dev``'s highest training phase peak (``None``: no training ran)."""
+    return max(
+        (v for p in ("forward", "backward", "optimizer") if (v := dev.phase_peaks.get(p))),
+        default=None,
+    )
+
+
+def _below_training(devices: list[DeviceReport], saving: int) -> int | None:
+    """``saving`` of evaluation's memory as the peak's: no lower than training's peak."""
+    for dev in devices:
+        training = _training_peak(dev)
+        if training is not None:
+            saving = min(saving, max(0, (dev.phase_peaks.get("eval") or 0) - training))
+    return saving or None
 
 
 def eval_peak(report: TrackReport) -> list[Advice]:
@@ -101,11 +126,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
     teacher), ``frozen-model-peak`` instead: that is the training step's memory."""
     out = []
     for dev in report.devices:
-        evaluation = dev.phase_peaks.get("eval")
-        training = max(
-            (v for p in ("forward", "backward", "optimizer") if (v := dev.phase_peaks.get(p))),
-            default=None,
-        )
+        evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
         if evaluation is None or training is None:
             continue
         frozen = report.frozen_peaks.get(dev.device)
@@ -119,6 +140,10 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
+        carried = dev.eval_carried
+        if evaluation - carried <= training * 1.1:  # what its passes keep sets it
+            out.append(_eval_keeps(report, dev, evaluation, training, batch))
+            continue
         leaked = _grown_evaluating(dev)
         if evaluation - leaked <= training * 1.1:  # (as the entry's margin: the rest is noise)
             out.append(
@@ -158,11 +183,38 @@ def eval_peak(report: TrackReport) -> list[Advice]:
                 f"evaluation first.{kept}",
                 action="Give evaluation its own, smaller batch size (it needs no gradients, so "
                 f"it does not change training); {autograd}.",
-                saving_bytes=evaluation - training - leaked,
+                saving_bytes=evaluation - training - leaked - carried,
                 severity="info",
             )
         )
     return out
+
+
+def _eval_keeps(
+    report: TrackReport, dev: DeviceReport, evaluation: int, training: int, batch: str
+) -> Advice:
+    """``eval-peak`` where what an evaluation's passes keep from pass to pass (a summed loss
+    tensor under autograd, outputs kept on the device) makes its peak, not its batch."""
+    carried = dev.eval_carried
+    graphs = (
+        " Autograd was recording: a result kept as a tensor (`test_loss += loss`) keeps its "
+        "pass's whole graph."
+        if report.eval_grad_forwards > 0
+        else ""
+    )
+    return Advice(
+        code="eval-peak",
+        title=f"evaluation peaks above training on {dev.device}: what its passes keep",
+        evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training peaked at "
+        f"{format_size(training)}. Its passes began with up to {format_size(carried)} that "
+        f"earlier passes of the same evaluation left alive: a smaller evaluation batch does "
+        f"not free it, the same samples leave as much.{graphs}",
+        action="Keep numbers or host copies of what evaluation produces (`loss.item()`, "
+        "`out.cpu()`, or the metric's running sum), under `torch.no_grad()`; then track "
+        "again.",
+        saving_bytes=min(carried, evaluation - training),
+        severity="info",
+    )
 
 
 def _grown_evaluating(dev: DeviceReport) -> int:

@@ -687,6 +687,11 @@ class Hooks:
                 self._close(dev, p, pr, None)
             if kind == TRAIN_PASS and self.evidence.several and state.phase == FORWARD:
                 self.devices.mark_gradients()  # (zero_grad may have run since)
+            elif kind == EVAL_PASS:
+                if dev.events != events:  # an evaluation begins (or its segment anew)
+                    dev.eval_base = a
+                elif a - dev.eval_base > dev.eval_carried:
+                    dev.eval_carried = a - dev.eval_base  # what its earlier passes left
         ms = dev.modules.get(name)
         if ms is None:
             # gradient hooks only where backward does real work: modules with their own

@@ -341,6 +341,8 @@ class DeviceRecord:
         # (step, input shape): the training peak is of an attempt that ran out of memory
         # (a caught OOM: the breakdown and advice describe it) until a later one is higher
         self.failed_peak: tuple[int, tuple[int, ...] | None] | None = None
+        self.eval_base = a  # allocated when the last evaluation (its first pass) began
+        self.eval_carried = 0  # the most an evaluation's pass began with above its base
         self.peak_res = r
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
@@ -545,4 +547,5 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         leak=current_leak(dev),
         setup=dev.setup,
         breakdown_ran_out=dev.breakdown is not None and dev.failed_peak is not None,
+        eval_carried=dev.eval_carried,
     )

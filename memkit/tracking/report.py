@@ -484,6 +484,9 @@ class DeviceReport:
         setup: the model's and optimizer's facts the advice reads, if seen.
         breakdown_ran_out: the breakdown is of a training attempt that then ran out of memory
             (up to its failed request; the script caught the error, or the block ended with it).
+        eval_carried: the most bytes an evaluation pass began with above what its evaluation
+            (its run of passes between training steps) began with: outputs, or graphs, that
+            its earlier passes left alive (a ``test_loss += loss`` under grad, kept outputs).
     """
 
     PHASES: ClassVar[tuple[str, ...]] = PHASES
@@ -506,6 +509,7 @@ class DeviceReport:
     leak: LeakFinding | None = None
     setup: TrainingSetup | None = None
     breakdown_ran_out: bool = False
+    eval_carried: int = 0
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children),
