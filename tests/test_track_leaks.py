@@ -1033,3 +1033,28 @@ def test_the_graphs_a_retry_carries_are_read_without_running_saved_tensor_hooks(
     # the input and two ReLU outputs (a retry's failed batch, reassigned, lives in the graph
     # alone; an input still referenced elsewhere is counted all the same)
     assert held == 3 * 64 * 256 * 4 and plain.grad_fn is not None
+
+
+def test_an_inference_loop_is_told_how_to_have_its_leaks_looked_for():
+    """Sweep BC: an embedding loop (grad on, every output kept in a list: each keeps its
+    graph) has no training step, so no step boundary, and the leak search never ran, silently.
+    The report now says so and how: with tracker.step() per batch, the graph is found."""
+
+    def embed(steps: bool) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64)).eval()
+        embeddings = []
+        with track(model, device="cpu", budget="64MiB") as tracker:
+            for _ in range(12):
+                embeddings.append(model(torch.randn(64, 64)))
+                if steps:
+                    tracker.step()
+        return tracker.report()
+
+    silent = embed(steps=False)
+    assert any("no training step ran (inference alone)" in n for n in silent.notes)
+    assert not silent.leaks
+    stepped = embed(steps=True)
+    assert not any("inference alone" in n for n in stepped.notes)
+    (found,) = [a for a in stepped.advice if a.code == "graph-retained"]
+    assert "embeddings" in found.evidence

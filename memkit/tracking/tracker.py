@@ -518,6 +518,13 @@ class Tracker:
             past = self._past_budget_note()
             if past is not None:
                 later_notes.append(past)
+            if state.step == 0 and facts.eval_forwards and not state.trained:
+                later_notes.append(
+                    "no training step ran (inference alone): memory growth and the graphs or "
+                    "tensors a loop keeps are looked for at step boundaries, so they were not; "
+                    "with memkit.track, call tracker.step() once per iteration of the loop (a "
+                    "batch, a generate() call) to have them looked for"
+                )
             if self._cuda_regions:
                 said = " and ".join(
                     sorted(str(d).removeprefix("torch.") for d in self._cuda_regions)
