@@ -268,12 +268,14 @@ def test_public_face():
     del t
 
 
-def test_between_steps_a_write_from_device_derived_tensors_adopts_what_it_writes():
-    """With counting off and ``device_work`` on (a tracker between steps): a new tensor
-    computed from counted ones is not counted, but a write from it into an uncounted tensor
-    adopts that tensor (``ema.copy_(d * ema + (1 - d) * p)``, timm's ModelEmaV2), and only
-    that one; a write from host tensors alone adopts nothing; a freed derived tensor is
-    forgotten."""
+def test_between_steps_ops_on_counted_tensors_are_device_work_and_on_host_copies_host_work():
+    """With counting off and ``device_work`` on (a tracker between steps): a tensor computed
+    from counted ones is counted, as it is device memory on a GPU (``copy.deepcopy(model)``,
+    generate()'s tokens; sweep BC: 12 turns of kept scores were never counted); a write from it
+    into an uncounted tensor adopts that tensor (``ema.copy_(d * ema + (1 - d) * p)``, timm's
+    ModelEmaV2); a write from host tensors alone adopts nothing; ``.cpu()`` between steps
+    (:meth:`host_copy`) makes a host copy, as on a GPU, and what is made from it is host
+    work."""
     param = torch.randn(256, 256)  # 256 KiB, counted
     ema = param.clone()  # the copy, not counted
     host = torch.randn(256, 256)
@@ -284,14 +286,21 @@ def test_between_steps_a_write_from_device_derived_tensors_adopts_what_it_writes
     with acct:
         host.mul_(2).add_(torch.ones(256, 256))  # host work
         assert acct.current == param.nbytes
-        mixed = 0.9 * ema + 0.1 * param  # device-derived, not counted
-        assert acct.current == param.nbytes and len(acct._derived) >= 1
+        mixed = 0.9 * ema + 0.1 * param  # from a counted tensor: device memory
+        assert acct.current == param.nbytes + mixed.nbytes
         ema.copy_(mixed)
-        assert acct.current == param.nbytes + ema.nbytes
+        assert acct.current == param.nbytes + mixed.nbytes + ema.nbytes
         del mixed
-        assert not acct._derived  # the temporaries were freed: forgotten
+        assert acct.current == param.nbytes + ema.nbytes
         host.copy_(host * 0.5)
+        snapshot = acct.host_copy(param).clone().float()  # {k: v.cpu().clone()}
+        assert acct.current == param.nbytes + ema.nbytes and snapshot.dtype == torch.float32
+        kept = acct.host_copy(param)  # a host copy kept (outputs.append(out.cpu()))
+        assert kept.data_ptr() != param.data_ptr() and kept.equal(param)
+        assert acct.host_copy(host) is host  # host data: .cpu() is the tensor itself
     assert acct.current == param.nbytes + ema.nbytes
+    del param
+    assert acct.current == ema.nbytes  # the host copies keep no device memory alive
 
 
 def test_a_tensor_only_a_reference_cycle_holds_is_counted_freed_by_a_collection_mid_count():

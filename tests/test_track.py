@@ -3397,3 +3397,76 @@ def test_an_evaluation_ooms_batch_bound_leaves_out_what_earlier_passes_hold():
         return True
 
     assert fits(bound) and not fits(bound + 1)
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(1000, 64), nn.Linear(64, 1000)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _chat(model: nn.Module, history: list[Any], to_host: bool) -> None:
+    """A generate()-like loop (greedy decoding, scores stacked), turn after turn, keeping each
+    turn's tokens and scores on the device, or on the host with ``.cpu()``."""
+    for _ in range(6):
+        ids = torch.randint(0, 1000, (4, 8))
+        scores = []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(ids)[:, -1]  # (the model's passes; the rest is between them)
+                scores.append(logits.float())
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        kept = (ids, torch.stack(scores, 1))
+        history.append(tuple(t.cpu() for t in kept) if to_host else kept)
+
+
+@pytest.mark.parametrize("to_host", [False, True], ids=["kept-on-device", "moved-with-cpu"])
+def test_what_ops_make_between_model_passes_from_its_outputs_is_device_memory(to_host: bool):
+    """Sweep BC: a chat loop keeping every generate() output (tokens, stacked scores) on the
+    device measured 1.19 MiB on the simulated device where every tensor counted says 4.13: the
+    ops between the model's passes (stacking, argmax, cat) were host work to the simulated
+    device's rule. An op reading counted tensors now counts what it makes, as on a GPU, and
+    ``.cpu()`` makes a host copy as a GPU does. Checked against memkit.simulate, which counts
+    every tensor (where .cpu() is the tensor itself: the moved history's own bytes off)."""
+    torch.manual_seed(0)
+    model = _TinyLM().eval()
+    history: list[Any] = []
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        _chat(model, history, to_host)
+    tracked = tracker.report().devices[0]
+    torch.manual_seed(0)
+    model, every = _TinyLM().eval(), []
+    with simulate("64MiB", track=model) as sim:
+        _chat(model, every, to_host=False)
+        counted_at_end = sim.current
+    kept = sum(t.numel() * t.element_size() for turn in every for t in turn)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert counted_at_end == params + kept  # (the independent count's own check)
+    if to_host:
+        assert tracked.final_allocated == params  # the history is host memory
+        assert tracked.peak_allocated < sim.peak - kept // 2
+    else:
+        assert tracked.final_allocated == params + kept
+        assert tracked.peak_allocated == sim.peak
+
+
+def test_a_models_deepcopy_between_steps_is_counted_as_made():
+    """Sweep BC: ``snapshots.append(copy.deepcopy(model))`` every epoch (never run) measured
+    4.76 MiB where every tensor counted says 19.87: a copy made between steps was counted only
+    from its first forward or update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshots = []
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(4):
+            model(torch.randn(32, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            snapshots.append(copy.deepcopy(model))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    dev = tracker.report().devices[0]
+    assert dev.final_allocated == params * (1 + len(snapshots))

@@ -31,6 +31,7 @@ import torch
 
 from memkit.cublas import cublas_workspace_bytes
 from memkit.devices.host import default_cpu_budget
+from memkit.devices.patching import Restore
 from memkit.devices.state import current_accelerator, tensor_device
 from memkit.errors import ConfigError, spelled
 from memkit.simulated.accountant import MemoryAccountant
@@ -313,14 +314,26 @@ class SimulatedBackend:
 
     @contextlib.contextmanager
     def writes_between_steps(self) -> Iterator[None]:
-        """While counting is off, an op that writes into uncounted tensors from counted ones
-        adopts them (an EMA's update: :attr:`MemoryAccountant.device_work`)."""
+        """While counting is off, ops that read counted tensors are device work: what they
+        make counts, what they write into is adopted (an EMA's update), and ``.cpu()`` returns
+        a host copy, from which ops make host tensors (:attr:`MemoryAccountant.device_work`)."""
         acct = self.accountant
+        original = torch.Tensor.cpu
+
+        def cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = original(tensor, *args, **kwargs)
+            if out is tensor and handle.live and acct.device_work:
+                return acct.host_copy(out)  # (a GPU script's copy to the host)
+            return out
+
+        handle = Restore(torch.Tensor, "cpu", original, cpu)
+        torch.Tensor.cpu = cpu  # type: ignore[method-assign,assignment]
         before, acct.device_work = acct.device_work, True
         try:
             yield
         finally:
             acct.device_work = before
+            handle.remove()
 
     def __repr__(self) -> str:
         return f"SimulatedBackend({self.device}, budget={self.budget})"

@@ -333,16 +333,13 @@ class MemoryAccountant(TorchDispatchMode):
         self.adopting = True
         """Adopt storages that existed before and that an op reads for the first time."""
         self.device_work = False
-        """While ``counting`` is off (between a tracker's steps): an op that writes into
-        tensors not counted yet, reading counted or device-derived ones, adopts what it writes
-        (an EMA's ``lerp_`` from the model's parameters, or its ``copy_`` of ``d * e + (1 - d)
-        * m``: on a GPU both sides are device tensors). New tensors stay host work (a host
-        snapshot of the weights, a metric), but those computed from counted or device-derived
-        ones are remembered as *device-derived* (weakly, not counted) for that rule."""
-        # id(storage) -> weak reference, for storages made between steps from device memory
-        # (device_work): not counted, but a write from one is device work
-        self._derived: dict[int, _StorageRef] = {}
-        self._derived_freed = self._ref_derived_freed
+        """While ``counting`` is off (between a tracker's steps): an op that reads counted
+        tensors is device work, as on a GPU, where both sides are device tensors: what it
+        writes into tensors not counted yet is adopted (an EMA's ``lerp_`` from the model's
+        parameters, its ``copy_`` of ``d * e + (1 - d) * m``), and what it makes is counted
+        (``copy.deepcopy(model)``, ``generate()``'s tokens and scores, a metric of the
+        outputs). A host copy (:meth:`host_copy`: what ``.cpu()`` returns) and what ops make
+        from it stay host work (``{k: v.cpu().clone()}``, a host snapshot of the weights)."""
         self.adopted_past_budget = 0
         """The most bytes by which tensors made before and counted by :meth:`track` (a model,
         a batch: it never raises) took ``current`` past the budget; 0 if they never did."""
@@ -617,11 +614,6 @@ class MemoryAccountant(TorchDispatchMode):
     def _ref_freed(self, ref: _StorageRef) -> None:
         self._on_free(ref.key)
 
-    def _ref_derived_freed(self, ref: _StorageRef) -> None:
-        derived = self._derived
-        if derived.get(ref.key) is ref:
-            del derived[ref.key]
-
     # -- the dispatch hook ------------------------------------------------------------------
     def _scan(
         self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
@@ -746,10 +738,11 @@ class MemoryAccountant(TorchDispatchMode):
         run = func._op if type(func) is _OP_OVERLOAD else func
         out = run(*args, **kwargs) if kwargs else run(*args)
         if not self.counting:
-            if self.device_work:
-                self._device_write(func, args, kwargs, out)
-            return out
-        new, grown = self._scan(out, args, kwargs)
+            if not self.device_work:
+                return out
+            new, grown = self._device_write(func, args, kwargs, out), 0
+        else:
+            new, grown = self._scan(out, args, kwargs)
         if new is None and grown == 0:
             return out  # most ops: a view, an in-place op, or outputs counted already
         added = 0
@@ -785,14 +778,15 @@ class MemoryAccountant(TorchDispatchMode):
 
     def _device_write(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, out: Any
-    ) -> None:
-        """Between steps (:attr:`device_work`), for an op that read counted or device-derived
-        storages (a view's partial count is host data, not device memory): adopt the tensors
-        it wrote into; or remember the new storages it returned as device-derived."""
-        live, partial, derived = self._live, self._partial, self._derived
+    ) -> dict[int, tuple[Any, int]] | None:
+        """Between steps (:attr:`device_work`), for an op that read counted storages (a
+        view's partial count is host data, not device memory): adopt the tensors it wrote
+        into (counted at once, never raising); else the new storages it made, to count as a
+        step's op's are (``None``: none, or host work)."""
+        live, partial = self._live, self._partial
         read = self._read(args, kwargs)
-        if not any((k in live and k not in partial) or k in derived for k in read):
-            return
+        if not any(k in live and k not in partial for k in read):
+            return None
         written = _written(func, args, kwargs)
         if written:
             pending = self._adopt(written, None)
@@ -800,17 +794,31 @@ class MemoryAccountant(TorchDispatchMode):
                 with self._lock:
                     self._register(pending)
                     self._note_past_budget()
-                for key in pending:
-                    derived.pop(key, None)
-            return
+            return None
+        made: dict[int, tuple[Any, int]] | None = None
         for whole in _tensors(out):
             for _, storage in self._located(whole):
                 key = id(storage)
-                if key in live or key in derived or key in read:
-                    continue  # counted, known, or a view of what it read
-                ref = _StorageRef(storage, self._derived_freed)
-                ref.key = key
-                derived[key] = ref
+                if key not in live and key not in read:  # (a view of what it read: no memory)
+                    if made is None:
+                        made = {}
+                    made[key] = (storage, self._size(storage))
+        return made
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What ``tensor.cpu()`` returns in a tracked block: a GPU script's copy to the host, where
+        this CPU device would return the tensor itself (and a kept "host copy" would keep
+        device memory alive). A counted tensor is copied, uncounted (ops on the copy read no
+        device memory: host work); host data is returned as it is."""
+        live, partial = self._live, self._partial
+        if not any(id(s) in live and id(s) not in partial for _, s in self._located(tensor)):
+            return tensor
+        saved = self.counting, self.device_work
+        self.counting = self.device_work = False  # (host work: not counted)
+        try:
+            return tensor.clone()
+        finally:
+            self.counting, self.device_work = saved
 
     def _oom_message(self, tried: int) -> str:
         budget = self.budget or 0
