@@ -773,3 +773,26 @@ def test_complex_weights_are_trainable_and_get_no_autocast_advice():
     assert setup.trainable_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert "mixed-precision" not in {a.code for a in report.advice}
     assert "require no grad" not in str(report)
+
+
+def test_complex128_weights_under_a_float64_default_get_the_float64_advice():
+    """Review: under ``torch.set_default_dtype(torch.float64)`` (PINN and FNO code) the
+    spectral weights are complex128; counted as trainable, they made the model's dtype
+    complex128, and the float64 advice (which single precision halves) was lost."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _Spectral()
+        model.weights = nn.Parameter(torch.randn(64, 33, dtype=torch.cdouble) * 0.02)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with track(model, opt, device="cpu", budget="16MiB") as tracker:
+            for _ in range(3):
+                loss = model(torch.randn(2048, 64)).square().mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    finally:
+        torch.set_default_dtype(default)
+    advice = {a.code: a for a in tracker.report().advice}
+    assert "Parameters are complex128" in advice["float64"].evidence

@@ -2046,13 +2046,20 @@ def test_a_training_peak_in_an_attempt_that_ran_out_and_was_skipped_is_said_so()
     (a retry at a smaller batch whose step needs more than the failed attempt reached) takes
     the peak back, unmarked."""
 
-    def run(sizes: list[int]) -> tuple[list[int], Any, list[str], str]:
+    def run(
+        sizes: list[int], adam: bool = True, sanity: int = 0
+    ) -> tuple[list[int], Any, list[str], str]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024),
                               nn.ReLU(), nn.Linear(1024, 10))  # fmt: skip
-        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        opt = torch.optim.Adam(model.parameters(), 1e-3) if adam else torch.optim.SGD(
+            model.parameters(), 1e-3)  # fmt: skip
         skipped = []
         with track(model, opt, device="cpu", budget="32MiB") as tracker:
+            if sanity:  # Lightning's sanity validation before training
+                with torch.no_grad():
+                    model.eval()(torch.randn(sanity, 256))
+                model.train()
             for size in sizes:
                 x, y = torch.randn(size, 256), torch.randint(0, 10, (size,))
                 try:
@@ -2088,6 +2095,31 @@ def test_a_training_peak_in_an_attempt_that_ran_out_and_was_skipped_is_said_so()
     _, clean, notes, _ = run([64, 64, 512, 64])  # the same peak, nothing skipped: nothing said
     assert clean.breakdown.total == dev.breakdown.total and not clean.breakdown_ran_out
     assert notes == []
+
+    # review: a retry whose forward goes higher in the same (forward) phase is its own peak
+    class Temporary(nn.Module):  # a forward-only temporary, freed before backward
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0 * x.repeat(1, 16).sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Temporary(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), 1e-3)
+    with track(model, opt, device="cpu", budget="32MiB") as tracker:
+        for size in [64, 8192, 1024, 64]:  # 8192 runs out in Temporary
+            x, y = torch.randn(size, 256), torch.randint(0, 10, (size,))
+            try:
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            except torch.OutOfMemoryError:
+                loss = None
+    dev = tracker.report().devices[0]
+    assert not dev.breakdown_ran_out and dev.breakdown.phase == "forward"
+    assert dev.breakdown.total == max(s.peak_allocated for s in dev.steps)
+    # review: a sanity validation before training, then a first batch skipped
+    skipped, dev, notes, _ = run([8192, 64, 64], adam=False, sanity=2600)
+    assert skipped == [8192] and dev.breakdown_ran_out and dev.breakdown.step == 0
 
 
 def dqn_rows(acting: int, keep_q: bool) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -3325,18 +3357,23 @@ def test_gradients_an_optimizer_not_given_steps_are_not_stale():
     assert "stale-gradients" not in {a.code for a in tracker.report().advice}
 
 
-def test_lbfgs_after_adam_takes_the_steps_over_at_its_first_closure_step():
+@pytest.mark.parametrize("alternate", [False, True], ids=["adam-then-lbfgs", "side-by-side"])
+def test_lbfgs_after_adam_takes_the_steps_over_at_its_second_closure_step(alternate: bool):
     """The two-stage PINN recipe (sweep BD): Adam for a while, then ``lbfgs.step(closure)``.
     LBFGS's first step ran its backward passes inside its closure, after its step() call, so
-    the owner Adam looked busy and LBFGS never took the steps over: 10 steps for 12, the
-    LBFGS stage one step that never ended, and the setup (and so the advice) Adam's."""
+    the owner Adam seemed to have stepped right before it, and LBFGS never took the steps
+    over: 10 steps for 12, the LBFGS stage one step that never ended, and the setup (and so
+    the advice) Adam's. It now takes over at its second step (its first counts with the step
+    before, as a k-fold run's next optimizer's); an LBFGS over the head stepped beside Adam in
+    every iteration (review) never does."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
     )
     x, y = torch.randn(256, 2), torch.randn(256, 1)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
-    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=5, history_size=7)
+    params = model[4].parameters() if alternate else model.parameters()
+    lbfgs = torch.optim.LBFGS(params, max_iter=5, history_size=7)
     closures = [0]
 
     def closure() -> torch.Tensor:
@@ -3346,19 +3383,27 @@ def test_lbfgs_after_adam_takes_the_steps_over_at_its_first_closure_step():
         loss.backward()
         return loss
 
+    def adam_step() -> None:
+        adam.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        adam.step()
+
     with track(model, device="cpu", budget="64MiB") as tracker:
         for _ in range(5):
-            adam.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            adam.step()
-        for _ in range(3):
+            adam_step()
+            if alternate:
+                lbfgs.step(closure)
+        for _ in range(0 if alternate else 3):
             lbfgs.step(closure)
-    report = tracker.report()
-    (dev,) = report.devices
+    (dev,) = tracker.report().devices
     assert closures[0] > 3  # several closures a step: backward passes, not steps
-    assert [s.step for s in dev.steps] == list(range(8))
-    assert dev.setup is not None and dev.setup.optimizer == "LBFGS"
-    assert dev.setup.history_size == 7
+    assert dev.setup is not None
+    if alternate:
+        assert [s.step for s in dev.steps] == list(range(5))
+        assert dev.setup.optimizer == "Adam"
+    else:  # Adam's 5 (its last with LBFGS's first), then LBFGS's other 2
+        assert [s.step for s in dev.steps] == list(range(7))
+        assert (dev.setup.optimizer, dev.setup.history_size) == ("LBFGS", 7)
 
 
 def test_an_evaluation_ooms_batch_bound_leaves_out_what_earlier_passes_hold():
@@ -3470,3 +3515,29 @@ def test_a_models_deepcopy_between_steps_is_counted_as_made():
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     dev = tracker.report().devices[0]
     assert dev.final_allocated == params * (1 + len(snapshots))
+
+
+def test_an_oom_in_a_no_grad_pass_inside_the_step_counts_the_steps_forward_as_activations():
+    """Review: a no-grad pass of the trained model inside a step (FixMatch-style pseudo-labels
+    after the labelled forward, before backward) ran out; with the evaluation pass's own base
+    the labelled forward's graph, alive, was filed as "other". Inside a step's forward the
+    base stays the step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="24MiB", postmortem=None) as tracker,
+    ):
+        for unlabeled in (64, 6000):
+            logits = model(torch.randn(512, 256))  # the labelled forward: its graph alive
+            with torch.no_grad():
+                pseudo = model(torch.randn(unlabeled, 256)).argmax(-1)
+            loss = nn.functional.cross_entropy(logits, pseudo[:512] if unlabeled > 512 else
+                                               torch.zeros(512, dtype=torch.long))  # fmt: skip
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    pm = tracker.report().oom
+    assert pm is not None and pm.breakdown is not None
+    assert pm.breakdown.activations >= 2 * 512 * 1024 * 4  # the labelled forward's, kept

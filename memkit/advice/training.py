@@ -235,11 +235,12 @@ def float64_training(
     device: str = "the device",
     float64_share: float = 1.0,
 ) -> Advice | None:
-    """``float64``: a float64 model; float32 halves its parameters, gradients, optimizer
-    state and activations (saving: half of their sum at the peak, times ``float64_share``,
+    """``float64``: a float64 (or complex128) model; float32 halves its parameters, gradients,
+    optimizer state and activations (saving: half of their sum at the peak, times ``float64_share``,
     the float64 part of the trainable parameters' bytes: a float64 head on a float32 body
     halves only its own part). Fires when the saving matters (:func:`matters`)."""
-    if param_dtype not in ("float64", "torch.float64") or peak_bytes <= 0:
+    double = str(param_dtype).removeprefix("torch.")
+    if double not in ("float64", "complex128") or peak_bytes <= 0:
         return None
     floating = parameter_bytes + gradient_bytes + optimizer_state_bytes + activation_bytes
     share = min(1.0, max(0.0, float64_share))
@@ -256,10 +257,10 @@ def float64_training(
         code="float64",
         title="float64 training: float32 would halve the model's memory",
         evidence=(
-            f"Parameters are float64{part}. Parameters, gradients, optimizer state and "
+            f"Parameters are {double}{part}. Parameters, gradients, optimizer state and "
             f"activations were {format_size(floating)} ({percent_of(floating, peak_bytes)}) of "
-            f"the {format_size(peak_bytes)} peak on {device}; in float32 each takes half the "
-            "bytes (bf16/fp16 autocast applies to float32 models, not to this one)."
+            f"the {format_size(peak_bytes)} peak on {device}; in float32 (complex64) each takes "
+            "half the bytes (bf16/fp16 autocast applies to float32 models, not to this one)."
         ),
         action=(
             "Train in float32: drop `model.double()` or `torch.set_default_dtype("

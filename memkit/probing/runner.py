@@ -523,9 +523,10 @@ def _dropout_note(layers: int, between: int, backend: Backend, model_file: str |
     which = [f"{layers} dropout layer(s)"] if layers else []
     if between:
         which.append(f"{between} dropout(s) between an RNN's stacked layers (its dropout=)")
-    cuda = "CUDA's fused kernel keeps a 1-byte one"
-    if between:
-        cuda += " and cuDNN's RNN keeps its own in its workspace"
+    cuda = " and ".join(
+        (["CUDA's fused kernel keeps a 1-byte one"] if layers else [])
+        + (["cuDNN's RNN keeps its own in its workspace"] if between else [])
+    )
     return (
         f"dropout: the model's {' and '.join(which)} keep a mask of their input's dtype on "
         f"{backend.device.type} for backward (4 bytes an element in float32), where {cuda}: "

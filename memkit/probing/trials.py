@@ -604,11 +604,12 @@ class TrialRunner:
         fitted = [size for size, record in self.records.items() if record.fits]
         if not fitted:  # nothing fit: no trial follows that it could fail (and a first
             return  # trial's lazy allocations, a cuBLAS workspace, are no one's to blame)
-        # what the failed step left half-written: a gradient scaler's stage after unscale_,
-        # LBFGS's state after an OOM inside its closure (n_iter set, prev_flat_grad not yet)
-        self.saved.reset_optimizer()
         try:
             with self.backend.uncapped():
+                # what the failed step left half-written: a gradient scaler's stage after
+                # unscale_, LBFGS's state after an OOM inside its closure (n_iter set,
+                # prev_flat_grad not yet); put back uncapped, beside what the step left
+                self.saved.reset_optimizer()
                 self._run_steps(min(fitted), extend=False, steps=1)
         except Exception as exc:
             if not is_oom(exc):

@@ -404,7 +404,7 @@ def training_setup(
         trainable_bytes=sum(census.trainable_dtypes.values())
         if census is not None and modules
         else None,
-        float64_bytes=census.trainable_dtypes.get("float64", 0)
+        float64_bytes=sum(census.trainable_dtypes.get(d, 0) for d in ("float64", "complex128"))
         if census is not None and modules
         else None,
         state_buffers=buffers,

@@ -685,6 +685,8 @@ class Hooks:
                 if p > a:
                     dev.reset()
                 self._close(dev, p, pr, None)
+                if self.phases.failed_attempt is not None:  # (a retry in the same phase)
+                    self.phases.failed_settled()
             if kind == TRAIN_PASS and self.evidence.several and state.phase == FORWARD:
                 self.devices.mark_gradients()  # (zero_grad may have run since)
             elif kind == EVAL_PASS:

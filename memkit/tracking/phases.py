@@ -305,6 +305,7 @@ class PhaseMachine:
             state.trained = True
             for dev in self.devices.records.values():
                 dev.train_peak, dev.pending, dev.breakdown = 0, None, None
+                dev.train_peak_at_forward, dev.failed_peak = 0, None
         # advice: zero-grad-keeps-grads (a step's first forward, from step 1 on; not while steps
         # are counted from backward passes, where the next micro-batch's forward rightly finds
         # the accumulating gradients: also when the optimizer was seen stepping before the
@@ -423,20 +424,23 @@ class PhaseMachine:
         forward after it, in a script that caught the error, is a new pass, no recompute)."""
         self.backward_depth = max(0, self.backward_depth - 1)
         self.backward_raised = self.backward_depth == 0
-        self.attempt_failed(sys.exc_info()[1])  # called while the error propagates
+        self.attempt_failed(sys.exc_info()[1], closed=False)  # while the error propagates
 
-    def attempt_failed(self, exc: BaseException | None) -> None:
+    def attempt_failed(self, exc: BaseException | None, closed: bool = True) -> None:
         """A training forward or backward raised ``exc``, and the script may go on. After an
         OOM, an OOM handler zeroes the gradients and retries smaller (as ``memkit.microbatch``
         does): the backward passes before it are no micro-batches of the optimizer step that
-        follows. Another error (a bad sample skipped) leaves the count alone."""
+        follows. Another error (a bad sample skipped) leaves the count alone.
+
+        The training peak is the attempt's if it rose since the attempt's forward began: a
+        forward's segment was ``closed`` just now; what the error left until the next model
+        forward (a backward's segment) closes at that forward's start (:meth:`failed_settled`),
+        if the script goes on (the one a block ends with is the post-mortem's)."""
         if exc is None or not is_oom(exc):
             return
-        # the training peak is the attempt's if it rose since the attempt's forward began: a
-        # forward's segment closed just now; a backward's closes at the next boundary, if the
-        # script goes on (the one a block ends with is the post-mortem's)
         self.failed_attempt = (self.state.step, self.evidence.facts.last_input)
-        self._mark_failed_peak()
+        if closed:
+            self._mark_failed_peak()
         self.backwards_at_optimizer = self.state.backwards
         self.abandoned_steps = self.backward_steps
         primary = self.devices.primary
@@ -476,8 +480,12 @@ class PhaseMachine:
             self.evidence.find_witness()
         elif self._successor is not None and self._successor[0]() is optimizer:
             first, self._successor = self._successor[1], None
-            if owner is not None and self.owner_stepped < first:
-                # the owner stepped no more since the successor's first step
+            # the owner stepped no more since the successor's first step: before it, or right
+            # before it where that step ran its own backward passes (a closure's: LBFGS after
+            # Adam, the two-stage PINN recipe; an owner stepping beside it ends the claim)
+            if owner is not None and (
+                self.owner_stepped < first or (self.owner_stepped == first < passes)
+            ):
                 self._succeed(optimizer, owner, passes)
 
     def _succeed(self, optimizer: Any, owner: Any, passes: int) -> bool:
@@ -517,18 +525,6 @@ class PhaseMachine:
         """``optimizer.step()`` returned: the step's end, if this optimizer's steps count
         (``frame``: the caller's, where the leak search starts)."""
         owner = self.step_owner() if self.step_owner is not None else None
-        successor = self._successor
-        if (
-            successor is not None
-            and successor[0]() is optimizer
-            and owner is not None
-            and self.state.backward_passes > successor[1] >= self.owner_stepped
-        ):
-            # its first step ran its own backward passes (a closure: LBFGS after Adam, the
-            # two-stage PINN recipe) while the owner did not step: its steps count from now
-            self._successor = None
-            if self._succeed(optimizer, owner, self.state.backward_passes):
-                owner = optimizer
         if not self.manual_steps and (owner is None or owner is optimizer):
             self.boundary(frame)
         else:
@@ -582,8 +578,7 @@ class PhaseMachine:
         else:
             devices.close_all()
         if self.failed_attempt is not None:  # the first segment closed after an OOM
-            self._mark_failed_peak()
-            self.failed_attempt = None
+            self.failed_settled()
         if not self.frozen_segment:
             return
         self.frozen_segment = False
@@ -601,6 +596,12 @@ class PhaseMachine:
         for dev in self.devices.records.values():
             if dev.train_peak > dev.train_peak_at_forward:
                 dev.failed_peak = self.failed_attempt
+
+    def failed_settled(self) -> None:
+        """The segment after an attempt that ran out closed (at a boundary, or where the next
+        model forward begins: a retry's own peak comes after it): marked, and done."""
+        self._mark_failed_peak()
+        self.failed_attempt = None
 
     def _frozen_segment_begins(self) -> None:
         """The eval segment that begins now is a frozen model's forward: its devices' eval

@@ -240,8 +240,9 @@ class TrainingSetup:
         state_buffers: buffers of the parameters' size the (first) optimizer's state holds
             per parameter once it has stepped, from its class and settings (AdamW 2, SGD 1
             with momentum and 0 without); ``None``: an optimizer not known.
-        float64_bytes: of ``trainable_bytes``, those in float64 (a float64 head on a float32
-            body: what float32 would halve).
+        float64_bytes: of ``trainable_bytes``, those in double precision (float64, and
+            complex128: a Fourier layer's under a float64 default; a float64 head on a float32
+            body: what single precision would halve).
     """
 
     param_dtype: str | None = None

@@ -69,7 +69,7 @@ from memkit.tracking.records import (
     step_record,
 )
 from memkit.tracking.report import PHASES, OomPostMortem, StepRecord, TrackReport
-from memkit.tracking.state import BACKWARD, TrackState
+from memkit.tracking.state import BACKWARD, FORWARD, TrackState
 from memkit.units import format_size
 
 __all__ = ["DEFAULT_MODULE_EVERY", "DEFAULT_TIMELINE_LIMIT", "Tracker"]
@@ -439,9 +439,13 @@ class Tracker:
         fsdp = state.fsdp
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
         facts = evidence.facts
-        # an evaluation pass's own base (not a teacher's pass inside the step: the student's
-        # forward before it holds the step's activations)
-        evaluation = pass_base is not None and facts.frozen_model is None
+        # an evaluation pass's own base: not a pass inside a step's forward or backward (a
+        # teacher's, FixMatch's pseudo-labels: the forward before it holds the step's graph)
+        evaluation = (
+            pass_base is not None
+            and facts.frozen_model is None
+            and self.phases.eval_return not in (FORWARD, BACKWARD)
+        )
         if not evaluation:  # what the step's training forward began with
             base, base_grads_none, base_state_empty = (
                 dev.forward_base, dev.base_grads_none, dev.base_state_empty
