@@ -743,8 +743,14 @@ def test_a_card_name_is_its_family_and_an_unknown_one_lists_the_cards() -> None:
     assert family_of("NVIDIA A100-SXM4-80GB").name == "ampere"
     assert family_of("NVIDIA GeForce RTX 3090").name == "ampere-sm86"
     assert family_of("Tesla V100-PCIE-32GB").name == "volta"
+    assert family_of("NVIDIA H100 80GB HBM3").name == "hopper"  # a digit after a space
+    # sweep BF: "A1000" (an RTX A1000, sm86) was taken for an A100 by its prefix
+    assert family_of("A1000").name == family_of("RTX A1000").name == "ampere-sm86"
+    assert family_of("RTX 4060 Ti").name == "ada" and family_of("rtx3050").name == "ampere-sm86"
     with pytest.raises(ConfigError, match=r"pascal.*hopper \(H100, H200, GH200"):
         family_of("pascal")
+    with pytest.raises(ConfigError, match="unknown device family 'H1000'"):
+        family_of("H1000")
 
 
 def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
@@ -756,6 +762,9 @@ def test_bad_arguments_are_config_errors(files: dict[str, str]) -> None:
         estimate(files["mlp"], device_memory="8GiB", arch="pascal")
     with pytest.raises(ConfigError):
         estimate(files["mlp"], device_memory="100MiB")  # smaller than the context
+    for memory in (16, "16"):  # sweep BF: a card's GiB without the unit, said as bytes
+        with pytest.raises(ConfigError, match=r"give a unit, e\.g\. '16GiB'"):
+            estimate(files["mlp"], device_memory=memory)
     for context in (500, "500"):  # bytes: a unit left out
         with pytest.raises(ConfigError, match=r"CUDA context of 500 B .* unit mistake"):
             estimate(files["mlp"], device_memory="8GiB", context=context)
@@ -1460,3 +1469,23 @@ def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> N
     # a measured recommendation is taken as it is; an interpolated one that holds is kept
     measured = dataclasses.replace(search, recommended_batch_size=held, recommended_measured=True)
     assert _held_recommendation(session, measured, 0.05) == held
+
+
+def test_a_model_cast_to_bf16_whole_is_said_to_be_so_not_fp32(tmp_path: Path) -> None:
+    """Sweep BF: a Llama cast to bf16 (``model.to(torch.bfloat16)``) was estimated as it runs
+    but labelled "(train, fp32)" and "amp: none (fp32)"."""
+    path = tmp_path / "bf16_model.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(256, 8)).to(torch.bfloat16)\n"
+        "def make_batch(n):\n"
+        "    return torch.randn(n, 64, dtype=torch.bfloat16), torch.randint(0, 8, (n,))\n"
+    )
+    est = estimate(str(path), device_memory="1GiB", max_batch=64)
+    assert est.weights_dtype == "bfloat16" and est.amp is None
+    assert "(train, bfloat16 weights)" in str(est)
+    assert "amp: none (the model's own bfloat16 weights)" in est.assumptions
+    fp32 = estimate(str(EXAMPLES / "mlp.py"), device_memory="1GiB", max_batch=64)
+    assert fp32.weights_dtype is None and "(train, fp32)" in str(fp32)

@@ -30,9 +30,15 @@ MAKE_BATCH_ON_META = (
 
 
 def target_lines(
-    card: TargetCard, mode: str, amp: str | None, num_params: int, trainable: int
+    card: TargetCard,
+    mode: str,
+    amp: str | None,
+    num_params: int,
+    trainable: int,
+    weights: str | None = None,
 ) -> list[str]:
-    """The card, its CUDA context, allocator, cuBLAS workspace, autocast and the parameters."""
+    """The card, its CUDA context, allocator, cuBLAS workspace, autocast and the parameters
+    (``weights``: their dtype where it is not float32, a model cast to bf16 whole)."""
     family = card.family
     return [
         f"target: {family.name} (sm{family.sm}; e.g. {family.examples}), "
@@ -47,6 +53,8 @@ def target_lines(
         "amp: "
         + (
             "none (fp32)"
+            if amp is None and weights is None
+            else f"none (the model's own {weights} weights)"
             if amp is None
             else f"torch.autocast('cuda', {amp}) policy on the forward; fp32 master weights; "
             f"op lists from {autocast_lists().source}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from memkit.cublas import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
 from memkit.errors import ConfigError
-from memkit.units import format_size, parse_size
+from memkit.units import format_size, parse_budget, parse_size
 
 __all__ = [
     "DEFAULT_FAMILY",
@@ -86,10 +86,16 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
                 "RTX 3080",
                 "RTX 3070",
                 "RTX 3060",
+                "RTX 3050",
                 "RTX A5000",
                 "RTX A4000",
                 "A6000",
                 "A5000",
+                "A4000",
+                "A2000",
+                "A1000",
+                "RTX A2000",
+                "RTX A1000",
             ),
         ),
         DeviceFamily(
@@ -97,7 +103,17 @@ DEVICE_FAMILIES: dict[str, DeviceFamily] = {
             89,
             500 * _MIB,
             PRE_HOPPER_WORKSPACE,
-            ("L4", "L40S", "RTX 4090", "L40", "RTX 4080", "RTX 4070", "RTX 6000 Ada", "L20"),
+            (
+                "L4",
+                "L40S",
+                "RTX 4090",
+                "L40",
+                "RTX 4080",
+                "RTX 4070",
+                "RTX 4060",
+                "RTX 6000 Ada",
+                "L20",
+            ),
         ),
         DeviceFamily(
             "hopper", 90, 600 * _MIB, HOPPER_WORKSPACE, ("H100", "H200", "GH200", "H800", "H20")
@@ -132,9 +148,24 @@ _CARDS: list[tuple[str, DeviceFamily]] = sorted(
 
 def _card_family(name: str) -> DeviceFamily | None:
     """The family of a card named as people and ``torch.cuda.get_device_name()`` write it
-    (``"H100"``, ``"rtx 4090"``, ``"NVIDIA A100-SXM4-80GB"``, ``"Tesla V100-PCIE-32GB"``)."""
+    (``"H100"``, ``"rtx 4090"``, ``"NVIDIA A100-SXM4-80GB"``, ``"NVIDIA H100 80GB HBM3"``):
+    its longest known prefix, where the name does not go on with a digit (``"A1000"`` is no
+    A100; ``"H100 80GB"`` is one)."""
     key = _card_key(name)
-    return next((f for card, f in _CARDS if key.startswith(card)), None)
+    spaced = "".join(c if c.isalnum() else " " for c in name.lower()).split()
+    while spaced and spaced[0] in ("nvidia", "geforce", "tesla"):
+        spaced = spaced[1:]
+    words = " ".join(spaced)  # the key with its word breaks
+    for card, family in _CARDS:
+        if not key.startswith(card):
+            continue
+        at, seen = 0, 0
+        while seen < len(card):  # where the card's characters end in the spaced name
+            seen += words[at] != " "
+            at += 1
+        if not words[at : at + 1].isdigit():
+            return family
+    return None
 
 
 def family_of(device: str | DeviceFamily) -> DeviceFamily:
@@ -188,7 +219,7 @@ def target_card(
             below 1 MiB but not 0 (a size given without its unit).
     """
     family = family_of(device)
-    total = parse_size(device_memory)
+    total = parse_budget(device_memory, "device_memory")  # (16: a GiB count without its unit)
     context_bytes = family.context_bytes if context is None else parse_size(context)
     if 0 < context_bytes < _MIB:
         raise ConfigError(

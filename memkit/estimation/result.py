@@ -121,6 +121,7 @@ class Estimate(Result):
     hit_max_batch: bool = False
     seq_len: int | None = None
     amp: str | None = None
+    weights_dtype: str | None = None  # most of the parameters' bytes, where not float32
     attention: str = "auto"
     attention_kernels: tuple[str, ...] = ()
     num_parameters: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -115,7 +115,8 @@ def estimate(
     params = list(model.parameters())
     num_params = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    assumptions = target_lines(card, mode, amp, num_params, trainable)
+    weights = _weights_dtype(params)
+    assumptions = target_lines(card, mode, amp, num_params, trainable, weights)
     if is_compiled(model):
         assumptions.append(eager_note("the meta step (a TorchDispatchMode)", "on a GPU"))
     rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RNNBase)})
@@ -178,6 +179,7 @@ def estimate(
         hit_max_batch=search.hit_max_batch,
         seq_len=seq_len,
         amp=amp,
+        weights_dtype=weights,
         attention=attention,
         attention_kernels=kernels,
         num_parameters=num_params,
@@ -286,6 +288,17 @@ def _fits(session: MetaSession) -> Callable[[int], tuple[bool, int | None, None,
         return fits, peaks.reserved, None, peaks.allocated
 
     return oracle
+
+
+def _weights_dtype(params: Sequence[torch.Tensor]) -> str | None:
+    """The dtype of most of the model's floating parameter bytes, where it is not float32 (a
+    model cast to bf16 whole: ``"bfloat16"``), else ``None``."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+    dtype = max(sizes, key=lambda d: sizes[d], default=torch.float32)
+    return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
 
 
 def _held_recommendation(session: MetaSession, search: SearchResult, margin: float) -> int | None:

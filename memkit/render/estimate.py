@@ -37,11 +37,16 @@ _BREAKDOWN_HEADERS = ["", "bytes", "share"]
 _SWEEP_HEADERS = ["seq_len", "max batch", "recommended", "reserved", "per sample"]
 
 
+def _precision(est: Estimate) -> str:
+    """``fp32``, or the model's own weights' dtype (``bfloat16 weights``), without autocast."""
+    return "fp32" if est.weights_dtype is None else f"{est.weights_dtype} weights"
+
+
 def estimate_headline(est: Estimate) -> str:
     """One sentence: the largest and recommended batch on the card, or what batch 1 needs."""
     card = f"{format_size(est.device_memory)} {est.device}"
     seq = f", seq_len {est.seq_len}" if est.seq_len is not None else ""
-    amp = f", {est.amp} autocast" if est.amp else ", fp32"
+    amp = f", {est.amp} autocast" if est.amp else f", {_precision(est)}"
     usable = (
         f"{format_size(est.usable_bytes)} usable after a "
         f"{format_size(est.context_bytes)} CUDA context"
@@ -160,7 +165,7 @@ def _sweep_rows(sweep: EstimateSweep) -> list[list[object]]:
 
 def _sweep_headline(sweep: EstimateSweep) -> str:
     first = sweep.results[0]
-    amp = f"{first.amp} autocast" if first.amp else "fp32"
+    amp = f"{first.amp} autocast" if first.amp else _precision(first)
     return (
         f"Estimated largest batch per sequence length ({first.mode}, {amp}) on a "
         f"{format_size(first.device_memory)} {first.device} "
