@@ -1058,3 +1058,19 @@ def test_an_inference_loop_is_told_how_to_have_its_leaks_looked_for():
     assert not any("inference alone" in n for n in stepped.notes)
     (found,) = [a for a in stepped.advice if a.code == "graph-retained"]
     assert "embeddings" in found.evidence
+
+
+def test_kept_items_of_several_tensors_are_described_by_their_largest():
+    """Sweep BC: a chat history of ``(tokens, scores)`` per turn was described by the last
+    item's first tensor, the 1 KiB tokens, beside 250 KiB of scores."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 1000)).eval()
+    history = []
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(12):
+            with torch.no_grad():
+                scores = model(torch.randn(4, 16, 64))
+            history.append((scores.argmax(-1), scores))
+            tracker.step()
+    (kept,) = [a for a in tracker.report().advice if a.code == "tensors-kept"]
+    assert "the last's largest a (4, 16, 1000) tensor" in kept.evidence

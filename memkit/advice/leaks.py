@@ -135,7 +135,11 @@ def _tensors_kept(leak: LeakFinding, top: LeakSuspect, growth: str) -> Advice:
     outputs kept in a list; a replay buffer filling up). A deque with a ``maxlen`` levels off
     at ``maxlen`` items: said, with the bytes it will hold. On the simulated device, tensors
     the line moves off the device (``.detach().cpu()``) stay counted: said, no leak."""
-    shape = "" if top.item_shape is None else f" (the last a {format_shape(top.item_shape)} tensor)"
+    shape = (
+        ""
+        if top.item_shape is None
+        else f" (the last's largest a {format_shape(top.item_shape)} tensor)"
+    )
     line = f"; line: `{top.code}`" if top.code else ""
     held = (
         f" `{top.name}` ({top.where}{line}) held {top.length} item(s) when scanned, about "

@@ -584,17 +584,18 @@ def _storages(tensors: list[Any], counts: Callable[[Any], bool]) -> dict[tuple[i
 def _held_bytes(
     value: Any, tensor_type: type, counts: Callable[[Any], bool]
 ) -> tuple[int, int, tuple[int, ...] | None]:
-    """What the container ``value`` holds on the device: ``(item bytes, total bytes, last
-    item's tensor shape)``. The item bytes are what one more item adds, from its last few
-    items: the storages each adds to those before it (a transition's ``next_state`` is the
-    next one's ``state``: counted once); the total, its first item's and as much for each
-    other one."""
+    """What the container ``value`` holds on the device: ``(item bytes, total bytes, the shape
+    of the last item's largest tensor)``. The item bytes are what one more item adds, from its
+    last few items: the storages each adds to those before it (a transition's ``next_state``
+    is the next one's ``state``: counted once); the total, its first item's and as much for
+    each other one."""
     head = _peek(value) or []
     tail = _tail(value) or head[-_CONTAINER_PEEK:]
     if not tail:
         return 0, 0, None
     parts = [_item_tensors(item, tensor_type) for item in tail]
-    last = parts[-1][0] if parts[-1] else None
+    # the last item's largest tensor (a turn's scores beside its tokens)
+    last = max(parts[-1], key=lambda t: t.numel() * t.element_size(), default=None)
     shape = None if last is None else tuple(map(int, last.shape))
     seen = _storages(parts[0], counts)
     if len(parts) == 1:
