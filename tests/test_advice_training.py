@@ -796,3 +796,4 @@ def test_complex128_weights_under_a_float64_default_get_the_float64_advice():
         torch.set_default_dtype(default)
     advice = {a.code: a for a in tracker.report().advice}
     assert "Parameters are complex128" in advice["float64"].evidence
+    assert "`.to(torch.complex64)`" in advice["float64"].action

@@ -79,11 +79,11 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
     peaking = [d for d in report.devices if (d.phase_peaks.get("eval") or 0) >= d.peak_allocated]
     at_peak = bool(peaking)
     carried = max((d.eval_carried for d in peaking), default=0)
-    if carried:  # what its kept results held from pass to pass: their graphs, mostly
+    if carried:  # what its kept results held from pass to pass (eval-peak claims them)
         kept += (
             f" Its passes began with up to {format_size(carried)} that earlier passes of the "
             "same evaluation left alive (kept results and the graphs they hold; no_grad frees "
-            "the graphs, not the results)."
+            "the graphs, not the results: see eval-peak)."
         )
     if eval_grad_bytes > 0 and not at_peak:
         kept += " Training sets the peak: no_grad lowers the evaluation's memory, not the peak."
@@ -97,7 +97,7 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
             "validation loss, stored outputs) hold those graphs alive.",
             action="Wrap evaluation in `with torch.no_grad():` (or `torch.inference_mode()`); "
             "`model.eval()` alone does not stop autograd.",
-            saving_bytes=_below_training(peaking, eval_grad_bytes + carried) if at_peak else None,
+            saving_bytes=_below_training(peaking, eval_grad_bytes) if at_peak else None,
             severity="warning",
         )
     ]
@@ -140,8 +140,11 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
-        carried = dev.eval_carried
-        if evaluation - carried <= training * 1.1:  # what its passes keep sets it
+        # what its passes keep from pass to pass sets it: under autograd (kept results hold
+        # their graphs); without, what is carried may be state its passes need (a
+        # generate()'s key-value cache, which a smaller batch shrinks)
+        carried = dev.eval_carried if report.eval_grad_forwards > 0 else 0
+        if carried and evaluation - carried <= training * 1.1:
             out.append(_eval_keeps(report, dev, evaluation, training, batch))
             continue
         leaked = _grown_evaluating(dev)
@@ -199,8 +202,6 @@ def _eval_keeps(
     graphs = (
         " Autograd was recording: a result kept as a tensor (`test_loss += loss`) keeps its "
         "pass's whole graph."
-        if report.eval_grad_forwards > 0
-        else ""
     )
     return Advice(
         code="eval-peak",

@@ -266,8 +266,13 @@ def float64_training(
             "Train in float32: drop `model.double()` or `torch.set_default_dtype("
             "torch.float64)` (or call `model.float()`) and make the inputs float32 "
             "(`x.float()`); keep float64 only where a computation needs its precision (a "
-            "Cholesky factor). Then mixed precision (`torch.autocast`) halves the activations "
-            "again."
+            "Cholesky factor). "
+            + (
+                "Complex weights take `.to(torch.complex64)` (`model.float()` leaves them); "
+                "autocast does not apply to complex ops."
+                if double == "complex128"
+                else "Then mixed precision (`torch.autocast`) halves the activations again."
+            )
         ),
         saving_bytes=saving,
         severity="warning" if under_pressure(peak_bytes, capacity) else "info",

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -315,15 +316,25 @@ class SimulatedBackend:
     @contextlib.contextmanager
     def writes_between_steps(self) -> Iterator[None]:
         """While counting is off, ops that read counted tensors are device work: what they
-        make counts, what they write into is adopted (an EMA's update), and ``.cpu()`` returns
-        a host copy, from which ops make host tensors (:attr:`MemoryAccountant.device_work`)."""
+        make counts, what they write into is adopted (an EMA's update); ``.cpu()`` of a tensor
+        that needs no gradient returns a host view, from which ops make host tensors
+        (:attr:`MemoryAccountant.device_work`, :meth:`MemoryAccountant.host_view`), in the
+        thread that entered."""
         acct = self.accountant
         original = torch.Tensor.cpu
+        thread = threading.get_ident()
 
         def cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             out = original(tensor, *args, **kwargs)
-            if out is tensor and handle.live and acct.device_work:
-                return acct.host_copy(out)  # (a GPU script's copy to the host)
+            if (
+                out is tensor
+                and handle.live
+                and not tensor.requires_grad  # (a parameter: Module.cpu(), autograd's)
+                and acct.device_work
+                and not acct.counting
+                and threading.get_ident() == thread
+            ):
+                return acct.host_view(out)  # (a GPU script's copy to the host)
             return out
 
         handle = Restore(torch.Tensor, "cpu", original, cpu)

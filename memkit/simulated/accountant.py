@@ -338,8 +338,11 @@ class MemoryAccountant(TorchDispatchMode):
         writes into tensors not counted yet is adopted (an EMA's ``lerp_`` from the model's
         parameters, its ``copy_`` of ``d * e + (1 - d) * m``), and what it makes is counted
         (``copy.deepcopy(model)``, ``generate()``'s tokens and scores, a metric of the
-        outputs). A host copy (:meth:`host_copy`: what ``.cpu()`` returns) and what ops make
-        from it stay host work (``{k: v.cpu().clone()}``, a host snapshot of the weights)."""
+        outputs). What ops make from a host view (:meth:`host_view`: what ``.cpu()`` returns
+        between steps) stays host work (``{k: v.cpu().clone()}``, a host snapshot of the
+        weights)."""
+        # id(tensor) -> weak reference: the host views .cpu() returned between steps
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}
         self.adopted_past_budget = 0
         """The most bytes by which tensors made before and counted by :meth:`track` (a model,
         a batch: it never raises) took ``current`` past the budget; 0 if they never did."""
@@ -782,7 +785,13 @@ class MemoryAccountant(TorchDispatchMode):
         """Between steps (:attr:`device_work`), for an op that read counted storages (a
         view's partial count is host data, not device memory): adopt the tensors it wrote
         into (counted at once, never raising); else the new storages it made, to count as a
-        step's op's are (``None``: none, or host work)."""
+        step's op's are (``None``: none, or host work: an op on a host view)."""
+        host = self._host
+        if host and any(
+            (ref := host.get(id(t))) is not None and ref() is t
+            for t in (_tensors(args) + _tensors(kwargs) if kwargs else _tensors(args))
+        ):
+            return None
         live, partial = self._live, self._partial
         read = self._read(args, kwargs)
         if not any(k in live and k not in partial for k in read):
@@ -805,20 +814,24 @@ class MemoryAccountant(TorchDispatchMode):
                     made[key] = (storage, self._size(storage))
         return made
 
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What ``tensor.cpu()`` returns in a tracked block: a GPU script's copy to the host, where
-        this CPU device would return the tensor itself (and a kept "host copy" would keep
-        device memory alive). A counted tensor is copied, uncounted (ops on the copy read no
-        device memory: host work); host data is returned as it is."""
+    def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What ``tensor.cpu()`` returns between steps, for a counted tensor that needs no
+        gradient: a GPU script's copy to the host, where this CPU device returns the tensor
+        itself; here a view of it (no copy, the same storage: in-place changes and the bytes
+        it keeps alive as without memkit), marked as host data, so that what ops make from
+        it is host work (a ``{k: v.cpu().clone()}`` snapshot). Else ``tensor`` itself."""
         live, partial = self._live, self._partial
         if not any(id(s) in live and id(s) not in partial for _, s in self._located(tensor)):
             return tensor
-        saved = self.counting, self.device_work
-        self.counting = self.device_work = False  # (host work: not counted)
-        try:
-            return tensor.clone()
-        finally:
-            self.counting, self.device_work = saved
+        view = tensor.detach()
+        host, key = self._host, id(view)
+
+        def gone(ref: weakref.ref[torch.Tensor]) -> None:
+            if host.get(key) is ref:
+                del host[key]
+
+        host[key] = weakref.ref(view, gone)
+        return view
 
     def _oom_message(self, tried: int) -> str:
         budget = self.budget or 0
@@ -915,6 +928,7 @@ def _stop_counting_in_child() -> None:
     for accountant in list(_ACCOUNTANTS):
         accountant.counting = False
         accountant.adopting = False
+        accountant.device_work = False
 
 
 if hasattr(os, "register_at_fork"):

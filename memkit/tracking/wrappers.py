@@ -118,12 +118,14 @@ def wrap_data_loading(sim: Any) -> Restore:
                 return original(it)
         if not _mode_active(acct):  # another thread (a prefetcher): it counts nothing
             return original(it)
-        saved = acct.counting, acct.adopting
+        saved, work = (acct.counting, acct.adopting), acct.device_work
         sim.count_ops(False, False)
+        acct.device_work = False  # (a batch collated from the model's outputs: host data)
         try:
             return original(it)
         finally:
             sim.count_ops(*saved)
+            acct.device_work = work
 
     handle = Restore(cls, "__next__", original, fetch)
     cls.__next__ = fetch  # type: ignore[method-assign,assignment]
