@@ -798,7 +798,18 @@ class MemoryAccountant(TorchDispatchMode):
             return None
         written = _written(func, args, kwargs)
         if written:
-            pending = self._adopt(written, None)
+            # the whole storage written into (a feature bank's slice, ``bank[i:j] = feats``:
+            # a device buffer on a GPU), not a batch view's own elements
+            pending = {
+                id(storage): (storage, self._size(storage))
+                for whole in written
+                for _, storage in self._located(whole)
+                if id(storage) not in live
+            }
+            if pending and self._adopted is not None:  # (existed before: for the observer)
+                for whole in written:
+                    for _, storage in self._located(whole):
+                        self._adopted.setdefault(id(storage), _existed(whole))
             if pending:
                 with self._lock:
                     self._register(pending)
