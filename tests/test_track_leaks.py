@@ -1074,3 +1074,20 @@ def test_kept_items_of_several_tensors_are_described_by_their_largest():
             tracker.step()
     (kept,) = [a for a in tracker.report().advice if a.code == "tensors-kept"]
     assert "the last's largest a (4, 16, 1000) tensor" in kept.evidence
+
+
+def test_the_line_named_is_code_not_a_docstring_or_comment_that_quotes_it():
+    """Sweep BG: a script whose docstring quoted ``running_loss += loss`` had its docstring
+    named as the line that grows the graph."""
+    from memkit.tracking.leaks import _ASSIGN, _best_lines
+
+    lines = [
+        '"""running_loss += loss keeps every graph."""\n',
+        "import torch\n",
+        "# running_loss += loss, as the tutorial wrote it\n",
+        "running_loss = torch.zeros(())\n",
+        "for step in range(3):\n",
+        "    running_loss += loss\n",
+    ]
+    found = _best_lines(lines, 1, _ASSIGN.format(name="running_loss"), "running_loss")
+    assert found is not None and found[1] == [6]

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import sys
+import tokenize
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import CodeType, FrameType
@@ -727,6 +728,22 @@ def _code_at(code: CodeType, line: int) -> CodeType:
     return code
 
 
+def _code_lines(lines: list[str]) -> set[int] | None:
+    """The indices of ``lines`` that hold code, not only a docstring, another string or a
+    comment (sweep BG: a docstring quoting ``running_loss += loss`` was named as the line);
+    ``None`` where they do not tokenize."""
+    skip = {tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE,
+            tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}  # fmt: skip
+    code: set[int] = set()
+    try:
+        for token in tokenize.generate_tokens(iter(lines).__next__):
+            if token.type not in skip:
+                code.add(token.start[0] - 1)
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return None
+    return code
+
+
 def _best_lines(
     lines: list[str], start: int, assign: str, bare: str, graph: bool = True
 ) -> tuple[int, list[int]] | None:
@@ -739,9 +756,10 @@ def _best_lines(
     pattern = re.compile(assign)
     best: tuple[int, bool] | None = None
     found: list[int] = []
+    code = _code_lines(lines)
     for i, text in enumerate(lines):
         m = pattern.search(text)
-        if m is None:
+        if m is None or (code is not None and i not in code):
             continue
         rest = text[m.end() :]
         if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") or m.group(1)[0] == "[":
