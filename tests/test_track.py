@@ -3586,3 +3586,27 @@ def test_a_bank_written_slice_by_slice_between_steps_is_device_memory_whole(to_h
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     final = tracker.report().devices[0].final_allocated
     assert final - params < bank.nbytes if to_host else final - params >= bank.nbytes
+
+
+def test_an_oom_between_steps_files_the_snapshot_as_other_and_says_where():
+    """Review: with what ops make between steps counted, a best-model snapshot
+    (``copy.deepcopy``) can run out after the optimizer step; the post-mortem filed the
+    copies as activations and spoke only of the optimizer state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+    opt = torch.optim.Adam(model.parameters())
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, opt, device="cpu", budget="46MiB", postmortem=None) as tracker,
+    ):
+        for _ in range(3):
+            loss = model(torch.randn(64, 1024)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # (the gradients stay until the next zero_grad)
+            snapshots = [copy.deepcopy(model.state_dict()), copy.deepcopy(model)]
+            del snapshots
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "other" and pm.breakdown is not None
+    assert pm.breakdown.activations == 0 and pm.breakdown.other >= 8 << 20  # a whole copy
+    assert "oom-between-steps" in {a.code for a in pm.advice}

@@ -31,6 +31,7 @@ __all__ = [
     "oom_activations",
     "oom_advice",
     "oom_batch",
+    "oom_between_steps",
     "oom_in_evaluation",
     "oom_in_frozen_model",
     "oom_optimizer_state",
@@ -53,6 +54,8 @@ def oom_advice(
         out.append(at_eval)
     if pm.phase == "eval":
         out.append(oom_in_frozen_model(pm) if pm.frozen_model else oom_in_evaluation(pm))
+    elif pm.phase == "other" and pm.module is None and pm.step > 0:
+        out.append(oom_between_steps(pm))
     bd = pm.breakdown
     if bd is not None and bd.total > 0:
         share = {name: value / bd.total for name, value in bd.parts()}
@@ -69,6 +72,30 @@ def oom_advice(
             out.append(oom_no_dominant_part(pm, bd, share))
     out.extend(message_advice(pm, reserved_unallocated, details))
     return out
+
+
+def oom_between_steps(pm: OomPostMortem) -> Advice:
+    """``oom-between-steps``: the OOM came between training steps, outside the model (a copy
+    of the model or its ``state_dict`` kept as the best so far, an EMA's update): what the
+    script makes there is device memory beside the model's, its optimizer state and its
+    gradients, at once."""
+    asked = pm.tried_to_allocate
+    tried = "" if asked is None else f" (asking for {format_size(asked)})"
+    return Advice(
+        code="oom-between-steps",
+        title="out of memory between training steps",
+        evidence=f"It failed at {pm.where}{tried}: after an optimizer step and before the next "
+        "forward, in the script's own code (a snapshot of the weights, `copy.deepcopy(model)` "
+        "or of its `state_dict()`; an EMA update; metrics of the outputs). What it makes "
+        "there sits beside the parameters, the gradients still allocated and the optimizer "
+        "state.",
+        action="Keep snapshots of the weights on the host (`{k: v.detach().cpu().clone() for "
+        "k, v in model.state_dict().items()}`), free the gradients first "
+        "(`zero_grad(set_to_none=True)` right after `optimizer.step()`), update an EMA in "
+        "place (`torch._foreach_lerp_`), and keep numbers of metrics (`.item()`).",
+        saving_bytes=None,
+        severity="critical",
+    )
 
 
 def oom_large_request(pm: OomPostMortem, bd: Breakdown) -> Advice | None:

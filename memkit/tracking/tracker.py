@@ -69,7 +69,7 @@ from memkit.tracking.records import (
     step_record,
 )
 from memkit.tracking.report import PHASES, OomPostMortem, StepRecord, TrackReport
-from memkit.tracking.state import BACKWARD, FORWARD, TrackState
+from memkit.tracking.state import BACKWARD, FORWARD, OTHER, TrackState
 from memkit.units import format_size
 
 __all__ = ["DEFAULT_MODULE_EVERY", "DEFAULT_TIMELINE_LIMIT", "Tracker"]
@@ -452,6 +452,8 @@ class Tracker:
             )  # fmt: skip
         else:  # its activations are what it added (its batch, made before it, is other)
             base, base_grads_none, base_state_empty = pass_base, grads_none, state_empty
+        if phase == OTHER and state.trained:  # between steps: no activations (a snapshot's
+            base = None  # copies, an EMA update: other)
         moment = PeakMoment(
             dev.last[0],
             step,
