@@ -753,6 +753,17 @@ class _Spectral(nn.Module):
         return torch.fft.irfft(spectrum * self.weights[0], n=x.shape[-1], dim=-1)
 
 
+def _train_spectral(model: nn.Module, batch: int) -> TrackReport:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with track(model, opt, device="cpu", budget="16MiB") as tracker:
+        for _ in range(3):
+            loss = model(torch.randn(batch, 64)).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return tracker.report()
+
+
 def test_complex_weights_are_trainable_and_get_no_autocast_advice():
     """An FNO's complex64 spectral weights (99% of its parameters) were left out of the
     trainable bytes: the report spoke of "float32 weights that require no grad (a frozen
@@ -760,14 +771,7 @@ def test_complex_weights_are_trainable_and_get_no_autocast_advice():
     estimate says so)."""
     torch.manual_seed(0)
     model = _Spectral()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with track(model, opt, device="cpu", budget="16MiB") as tracker:
-        for _ in range(3):
-            loss = model(torch.randn(512, 64)).square().mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    report = tracker.report()
+    report = _train_spectral(model, 512)
     setup = report.devices[0].setup
     assert setup is not None and setup.param_dtype == "complex64"
     assert setup.trainable_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
@@ -785,15 +789,9 @@ def test_complex128_weights_under_a_float64_default_get_the_float64_advice():
         torch.manual_seed(0)
         model = _Spectral()
         model.weights = nn.Parameter(torch.randn(64, 33, dtype=torch.cdouble) * 0.02)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        with track(model, opt, device="cpu", budget="16MiB") as tracker:
-            for _ in range(3):
-                loss = model(torch.randn(2048, 64)).square().mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+        report = _train_spectral(model, 2048)
     finally:
         torch.set_default_dtype(default)
-    advice = {a.code: a for a in tracker.report().advice}
+    advice = {a.code: a for a in report.advice}
     assert "Parameters are complex128" in advice["float64"].evidence
     assert "`.to(torch.complex64)`" in advice["float64"].action
