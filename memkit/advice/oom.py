@@ -54,7 +54,7 @@ def oom_advice(
         out.append(at_eval)
     if pm.phase == "eval":
         out.append(oom_in_frozen_model(pm) if pm.frozen_model else oom_in_evaluation(pm))
-    elif pm.phase == "other" and pm.module is None and pm.step > 0:
+    elif pm.phase == "other" and pm.module is None and pm.step > 0 and not pm.after_backward:
         out.append(oom_between_steps(pm))
     bd = pm.breakdown
     if bd is not None and bd.total > 0:
@@ -86,9 +86,9 @@ def oom_between_steps(pm: OomPostMortem) -> Advice:
         title="out of memory between training steps",
         evidence=f"It failed at {pm.where}{tried}: after an optimizer step and before the next "
         "forward, in the script's own code (a snapshot of the weights, `copy.deepcopy(model)` "
-        "or of its `state_dict()`; an EMA update; metrics of the outputs). What it makes "
-        "there sits beside the parameters, the gradients still allocated and the optimizer "
-        "state.",
+        "or of its `state_dict()`; an EMA update; metrics of the outputs; the next batch moved "
+        "to the device). What it makes there sits beside the parameters, any gradients still "
+        "allocated and the optimizer state.",
         action="Keep snapshots of the weights on the host (`{k: v.detach().cpu().clone() for "
         "k, v in model.state_dict().items()}`), free the gradients first "
         "(`zero_grad(set_to_none=True)` right after `optimizer.step()`), update an EMA in "

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from memkit.simulated.accountant import MemoryAccountant
 from memkit.units import format_size, parse_budget
 
 log = logging.getLogger(__name__)
+
+_MODULE_FILE = torch.nn.Module._apply.__code__.co_filename
+"""Where ``Module.cpu()`` calls ``.cpu()`` of each parameter and buffer: the model moves
+(Lightning's teardown), which no host view may replace."""
 
 
 @dataclass(frozen=True)
@@ -316,10 +321,10 @@ class SimulatedBackend:
     @contextlib.contextmanager
     def writes_between_steps(self) -> Iterator[None]:
         """While counting is off, ops that read counted tensors are device work: what they
-        make counts, what they write into is adopted (an EMA's update); ``.cpu()`` of a tensor
-        that needs no gradient returns a host view, from which ops make host tensors
-        (:attr:`MemoryAccountant.device_work`, :meth:`MemoryAccountant.host_view`), in the
-        thread that entered."""
+        make counts, what they write into is adopted (an EMA's update); ``.cpu()`` returns a
+        host view, from which ops make host tensors (:attr:`MemoryAccountant.device_work`,
+        :meth:`MemoryAccountant.host_view`), in the thread that entered, not in
+        ``Module.cpu()``."""
         acct = self.accountant
         original = torch.Tensor.cpu
         thread = threading.get_ident()
@@ -329,10 +334,10 @@ class SimulatedBackend:
             if (
                 out is tensor
                 and handle.live
-                and not tensor.requires_grad  # (a parameter: Module.cpu(), autograd's)
                 and acct.device_work
                 and not acct.counting
                 and threading.get_ident() == thread
+                and sys._getframe(1).f_code.co_filename != _MODULE_FILE  # (Module.cpu())
             ):
                 return acct.host_view(out)  # (a GPU script's copy to the host)
             return out

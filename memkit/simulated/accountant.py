@@ -791,6 +791,8 @@ class MemoryAccountant(TorchDispatchMode):
             (ref := host.get(id(t))) is not None and ref() is t
             for t in (_tensors(args) + _tensors(kwargs) if kwargs else _tensors(args))
         ):
+            for t in _tensors(out):  # (a view of it, ``v.cpu().t()``, is host data too)
+                self._mark_host(t)
             return None
         live, partial = self._live, self._partial
         read = self._read(args, kwargs)
@@ -798,18 +800,7 @@ class MemoryAccountant(TorchDispatchMode):
             return None
         written = _written(func, args, kwargs)
         if written:
-            # the whole storage written into (a feature bank's slice, ``bank[i:j] = feats``:
-            # a device buffer on a GPU), not a batch view's own elements
-            pending = {
-                id(storage): (storage, self._size(storage))
-                for whole in written
-                for _, storage in self._located(whole)
-                if id(storage) not in live
-            }
-            if pending and self._adopted is not None:  # (existed before: for the observer)
-                for whole in written:
-                    for _, storage in self._located(whole):
-                        self._adopted.setdefault(id(storage), _existed(whole))
+            pending = self._adopt(written, None)
             if pending:
                 with self._lock:
                     self._register(pending)
@@ -826,23 +817,27 @@ class MemoryAccountant(TorchDispatchMode):
         return made
 
     def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What ``tensor.cpu()`` returns between steps, for a counted tensor that needs no
-        gradient: a GPU script's copy to the host, where this CPU device returns the tensor
-        itself; here a view of it (no copy, the same storage: in-place changes and the bytes
-        it keeps alive as without memkit), marked as host data, so that what ops make from
-        it is host work (a ``{k: v.cpu().clone()}`` snapshot). Else ``tensor`` itself."""
+        """What ``tensor.cpu()`` returns between steps, for a counted tensor: a GPU script's
+        copy to the host, where this CPU device returns the tensor itself; here a view of it
+        (no copy, the same storage: in-place changes and the bytes it keeps alive as without
+        memkit; differentiable where it needs a gradient), marked as host data, so that what
+        ops make from it, and views of it, are host work (a ``{k: v.cpu().clone()}``
+        snapshot). Else ``tensor`` itself."""
         live, partial = self._live, self._partial
         if not any(id(s) in live and id(s) not in partial for _, s in self._located(tensor)):
             return tensor
-        view = tensor.detach()
-        host, key = self._host, id(view)
+        view = tensor.view_as(tensor) if tensor.requires_grad else tensor.detach()
+        self._mark_host(view)
+        return view
+
+    def _mark_host(self, tensor: torch.Tensor) -> None:
+        host, key = self._host, id(tensor)
 
         def gone(ref: weakref.ref[torch.Tensor]) -> None:
             if host.get(key) is ref:
                 del host[key]
 
-        host[key] = weakref.ref(view, gone)
-        return view
+        host[key] = weakref.ref(tensor, gone)
 
     def _oom_message(self, tried: int) -> str:
         budget = self.budget or 0

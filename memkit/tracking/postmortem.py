@@ -87,6 +87,8 @@ class OomEvidence:
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.
         autocast_forwards: training forwards run under ``torch.autocast`` so far.
+        after_backward: a backward ran since the last optimizer step (an OOM outside the
+            model between them: gradient clipping, SAM's perturbation, ``unscale_``).
         batch_bytes: the bytes of the last training forward's first input (in an evaluation
             pass, its own), if it is alive.
     """
@@ -110,6 +112,7 @@ class OomEvidence:
     rank: int | None
     autocast_forwards: int = 0
     batch_bytes: int = 0
+    after_backward: bool = False
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -201,6 +204,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         checkpointed=checkpointed,
         frozen_model=evidence.frozen_model,
         autocast_forwards=evidence.autocast_forwards,
+        after_backward=evidence.after_backward,
         # the first optimizer step (no state when the step began) was creating it
         optimizer_state_partial=(
             PHASES[moment.phase] == "optimizer"

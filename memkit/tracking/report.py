@@ -393,6 +393,8 @@ class OomPostMortem(Result):
         batch_bytes: the bytes of the training batch alive when it failed (the last training
             forward's first input; in an evaluation pass, its own; 0: none, or gone), part of
             ``other`` in the breakdown.
+        after_backward: a backward had run since the last optimizer step (an OOM between
+            them, outside the model: gradient clipping, SAM's perturbation, ``unscale_``).
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -424,6 +426,7 @@ class OomPostMortem(Result):
     autocast_forwards: int = 0
     optimizer_state_partial: bool = False
     batch_bytes: int = 0
+    after_backward: bool = False
 
     @property
     def where(self) -> str:

@@ -495,6 +495,7 @@ class Tracker:
             rank=launched_rank(),
             autocast_forwards=facts.autocast_forwards,
             batch_bytes=self.phases.batch_bytes(evaluation),
+            after_backward=state.backwards > self.phases.backwards_at_optimizer,
         )
 
     # ------------------------------------------------------------------------------------
