@@ -1086,8 +1086,10 @@ def test_the_line_named_is_code_not_a_docstring_or_comment_that_quotes_it():
         "import torch\n",
         "# running_loss += loss, as the tutorial wrote it\n",
         "running_loss = torch.zeros(())\n",
+        "opt.step()  # not running_loss += loss\n",  # (review: in a line's comment or string)
+        'log("... running_loss += loss")\n',
         "for step in range(3):\n",
         "    running_loss += loss\n",
     ]
     found = _best_lines(lines, 1, _ASSIGN.format(name="running_loss"), "running_loss")
-    assert found is not None and found[1] == [6]
+    assert found is not None and found[1] == [8]

@@ -728,20 +728,23 @@ def _code_at(code: CodeType, line: int) -> CodeType:
     return code
 
 
-def _code_lines(lines: list[str]) -> set[int] | None:
-    """The indices of ``lines`` that hold code, not only a docstring, another string or a
-    comment (sweep BG: a docstring quoting ``running_loss += loss`` was named as the line);
-    ``None`` where they do not tokenize."""
-    skip = {tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE,
-            tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}  # fmt: skip
-    code: set[int] = set()
+def _code_only(lines: list[str]) -> list[str]:
+    """``lines`` with their strings and comments blanked out (sweep BG: a docstring quoting
+    ``running_loss += loss`` was named as the line that grows it; review: so was a comment or
+    a logged string); as they are where they do not tokenize."""
+    masked = [list(line) for line in lines]
     try:
         for token in tokenize.generate_tokens(iter(lines).__next__):
-            if token.type not in skip:
-                code.add(token.start[0] - 1)
+            if token.type not in (tokenize.STRING, tokenize.COMMENT):
+                continue
+            (row, col), (end_row, end_col) = token.start, token.end
+            for r in range(row - 1, end_row):
+                first = col if r == row - 1 else 0
+                last = end_col if r == end_row - 1 else len(masked[r])
+                masked[r][first:last] = " " * (last - first)
     except (tokenize.TokenError, SyntaxError, IndentationError):
-        return None
-    return code
+        return lines
+    return ["".join(chars) for chars in masked]
 
 
 def _best_lines(
@@ -756,10 +759,9 @@ def _best_lines(
     pattern = re.compile(assign)
     best: tuple[int, bool] | None = None
     found: list[int] = []
-    code = _code_lines(lines)
-    for i, text in enumerate(lines):
+    for i, text in enumerate(_code_only(lines)):
         m = pattern.search(text)
-        if m is None or (code is not None and i not in code):
+        if m is None:
             continue
         rest = text[m.end() :]
         if m.group(1) in ("+=", ".append(", ".extend(", "-=", "*=") or m.group(1)[0] == "[":
