@@ -145,7 +145,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
         # generate()'s key-value cache, which a smaller batch shrinks)
         carried = dev.eval_carried if report.eval_grad_forwards > 0 else 0
         if carried and evaluation - carried <= training * 1.1:
-            out.append(_eval_keeps(report, dev, evaluation, training, batch))
+            out.append(_eval_keeps(dev, evaluation, training, batch))
             continue
         leaked = _grown_evaluating(dev)
         if evaluation - leaked <= training * 1.1:  # (as the entry's margin: the rest is noise)
@@ -193,23 +193,18 @@ def eval_peak(report: TrackReport) -> list[Advice]:
     return out
 
 
-def _eval_keeps(
-    report: TrackReport, dev: DeviceReport, evaluation: int, training: int, batch: str
-) -> Advice:
-    """``eval-peak`` where what an evaluation's passes keep from pass to pass (a summed loss
-    tensor under autograd, outputs kept on the device) makes its peak, not its batch."""
+def _eval_keeps(dev: DeviceReport, evaluation: int, training: int, batch: str) -> Advice:
+    """``eval-peak`` where what an evaluation's passes keep from pass to pass under autograd
+    (a summed loss tensor, outputs kept on the device) makes its peak, not its batch."""
     carried = dev.eval_carried
-    graphs = (
-        " Autograd was recording: a result kept as a tensor (`test_loss += loss`) keeps its "
-        "pass's whole graph."
-    )
     return Advice(
         code="eval-peak",
         title=f"evaluation peaks above training on {dev.device}: what its passes keep",
         evidence=f"Evaluation peaked at {format_size(evaluation)}{batch}; training peaked at "
         f"{format_size(training)}. Its passes began with up to {format_size(carried)} that "
-        f"earlier passes of the same evaluation left alive: a smaller evaluation batch does "
-        f"not free it, the same samples leave as much.{graphs}",
+        "earlier passes of the same evaluation left alive: a smaller evaluation batch does "
+        "not free it, the same samples leave as much. Autograd was recording: a result kept "
+        "as a tensor (`test_loss += loss`) keeps its pass's whole graph.",
         action="Keep numbers or host copies of what evaluation produces (`loss.item()`, "
         "`out.cpu()`, or the metric's running sum), under `torch.no_grad()`; then track "
         "again.",

@@ -6,6 +6,7 @@ Torch-free: the families can be listed without importing torch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from memkit.cublas import HOPPER_WORKSPACE, PRE_HOPPER_WORKSPACE
@@ -151,21 +152,20 @@ def _card_family(name: str) -> DeviceFamily | None:
     (``"H100"``, ``"rtx 4090"``, ``"NVIDIA A100-SXM4-80GB"``, ``"NVIDIA H100 80GB HBM3"``):
     its longest known prefix, where the name does not go on with a digit (``"A1000"`` is no
     A100; ``"H100 80GB"`` is one)."""
-    key = _card_key(name)
-    spaced = "".join(c if c.isalnum() else " " for c in name.lower()).split()
-    while spaced and spaced[0] in ("nvidia", "geforce", "tesla"):
-        spaced = spaced[1:]
-    words = " ".join(spaced)  # the key with its word breaks
-    for card, family in _CARDS:
-        if not key.startswith(card):
-            continue
-        at, seen = 0, 0
-        while seen < len(card):  # where the card's characters end in the spaced name
-            seen += words[at] != " "
-            at += 1
-        if not words[at : at + 1].isdigit():
-            return family
-    return None
+    words = "".join(c if c.isalnum() else " " for c in name.lower()).split()
+    while words and words[0] in ("nvidia", "geforce", "tesla"):
+        words = words[1:]
+    key = "".join(words)
+    breaks = set(itertools.accumulate(map(len, words)))  # where a word of the name ends
+    return next(
+        (
+            family
+            for card, family in _CARDS
+            if key.startswith(card)
+            and (len(card) in breaks or not key[len(card) : len(card) + 1].isdigit())
+        ),
+        None,
+    )
 
 
 def family_of(device: str | DeviceFamily) -> DeviceFamily:

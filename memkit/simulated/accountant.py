@@ -50,7 +50,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -657,7 +657,7 @@ class MemoryAccountant(TorchDispatchMode):
                 # without adopting, a view (or in-place result) of a storage this op read is
                 # not new memory
                 if not adopting and read is None:
-                    read = self._read(args, kwargs)
+                    read = self._read(_inputs(args, kwargs))
                 if read is None or key not in read:
                     if new is None:
                         new = {key: (storage, self._size(storage))}
@@ -710,10 +710,15 @@ class MemoryAccountant(TorchDispatchMode):
                     self._adopted[key] = _existed(whole)
         return new
 
-    def _read(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
-        """The keys of the storages an op read."""
-        inputs = _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
+    def _read(self, inputs: list[torch.Tensor]) -> set[int]:
+        """The keys of the storages of an op's input tensors (:func:`_inputs`)."""
         return {id(s) for t in inputs for _, s in self._located(t)}
+
+    def _on_device(self, keys: Iterable[int]) -> bool:
+        """Whether any of these storages is device memory: counted, and not as a view's own
+        elements (a batch sliced from a dataset: host data)."""
+        live, partial = self._live, self._partial
+        return any(k in live and k not in partial for k in keys)
 
     def _resized(self, key: int, entry: tuple[Any, int], storage: torch.UntypedStorage) -> int:
         """Count a live storage at its new size; the bytes it grew by."""
@@ -786,17 +791,13 @@ class MemoryAccountant(TorchDispatchMode):
         view's partial count is host data, not device memory): adopt the tensors it wrote
         into (counted at once, never raising); else the new storages it made, to count as a
         step's op's are (``None``: none, or host work: an op on a host view)."""
-        host = self._host
-        if host and any(
-            (ref := host.get(id(t))) is not None and ref() is t
-            for t in (_tensors(args) + _tensors(kwargs) if kwargs else _tensors(args))
-        ):
+        inputs, host = _inputs(args, kwargs), self._host
+        if host and any((ref := host.get(id(t))) is not None and ref() is t for t in inputs):
             for t in _tensors(out):  # (a view of it, ``v.cpu().t()``, is host data too)
                 self._mark_host(t)
             return None
-        live, partial = self._live, self._partial
-        read = self._read(args, kwargs)
-        if not any(k in live and k not in partial for k in read):
+        read = self._read(inputs)
+        if not self._on_device(read):
             return None
         written = _written(func, args, kwargs)
         if written:
@@ -806,7 +807,7 @@ class MemoryAccountant(TorchDispatchMode):
                     self._register(pending)
                     self._note_past_budget()
             return None
-        made: dict[int, tuple[Any, int]] | None = None
+        live, made = self._live, None
         for whole in _tensors(out):
             for _, storage in self._located(whole):
                 key = id(storage)
@@ -823,8 +824,7 @@ class MemoryAccountant(TorchDispatchMode):
         memkit; differentiable where it needs a gradient), marked as host data, so that what
         ops make from it, and views of it, are host work (a ``{k: v.cpu().clone()}``
         snapshot). Else ``tensor`` itself."""
-        live, partial = self._live, self._partial
-        if not any(id(s) in live and id(s) not in partial for _, s in self._located(tensor)):
+        if not self._on_device(id(s) for _, s in self._located(tensor)):
             return tensor
         view = tensor.view_as(tensor) if tensor.requires_grad else tensor.detach()
         self._mark_host(view)
@@ -889,6 +889,11 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) ->
     if kwargs and names:
         found += [t for name in names if name in kwargs for t in _tensors(kwargs[name])]
     return found
+
+
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """An op's input tensors, positional and keyword."""
+    return _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -446,14 +446,16 @@ class Tracker:
             and facts.frozen_model is None
             and self.phases.eval_return not in (FORWARD, BACKWARD)
         )
-        if not evaluation:  # what the step's training forward began with
-            base, base_grads_none, base_state_empty = (
-                dev.forward_base, dev.base_grads_none, dev.base_state_empty
-            )  # fmt: skip
-        else:  # its activations are what it added (its batch, made before it, is other)
-            base, base_grads_none, base_state_empty = pass_base, grads_none, state_empty
-        if phase == OTHER and state.trained:  # between steps: no activations (a snapshot's
-            base = None  # copies, an EMA update: other)
+        # its activations: what the pass added (its batch, made before it, is other), else
+        # what the step's training forward began with; between steps, none (a snapshot's
+        # copies, an EMA's update: other)
+        base, base_grads_none, base_state_empty = (
+            (pass_base, grads_none, state_empty)
+            if evaluation
+            else (dev.forward_base, dev.base_grads_none, dev.base_state_empty)
+        )
+        if phase == OTHER and state.trained:
+            base = None
         moment = PeakMoment(
             dev.last[0],
             step,
