@@ -3546,6 +3546,14 @@ def test_module_cpu_and_a_worker_between_steps_keep_the_model_and_count_nothing_
         model.cpu()  # (Strategy.teardown)
         snapshot = {k: v.cpu().clone() for k, v in model.state_dict().items()}
         assert [p.data_ptr() for p in model.parameters()] == before
+        # the script runs as without memkit: a parameter's .cpu() is the parameter (its
+        # deepcopy works), a tensor's .cpu() shares its storage (in-place reaches it)
+        kept = copy.deepcopy({k: p.cpu() for k, p in model.named_parameters()})
+        assert all(p.cpu() is p for p in model.parameters()) and len(kept) == 4
+        weight = model[0].weight.detach()
+        weight.cpu().add_(1.0)
+        weight.cpu().sub_(1.0)
+        assert model[0].weight.data_ptr() == weight.cpu().data_ptr()
         model(torch.randn(32, 256)).square().mean().backward()
     assert tracker.report().devices[0].final_allocated >= params
     assert len(snapshot) == 4

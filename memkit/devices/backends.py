@@ -321,10 +321,10 @@ class SimulatedBackend:
     @contextlib.contextmanager
     def writes_between_steps(self) -> Iterator[None]:
         """While counting is off, ops that read counted tensors are device work: what they
-        make counts, what they write into is adopted (an EMA's update); ``.cpu()`` returns a
-        host view, from which ops make host tensors (:attr:`MemoryAccountant.device_work`,
-        :meth:`MemoryAccountant.host_view`), in the thread that entered, not in
-        ``Module.cpu()``."""
+        make counts, what they write into is adopted (an EMA's update); ``.cpu()`` of a plain
+        tensor that needs no gradient returns a host view, from which ops make host tensors
+        (:attr:`MemoryAccountant.device_work`, :meth:`MemoryAccountant.host_view`), in the
+        thread that entered, not in ``Module.cpu()``."""
         acct = self.accountant
         original = torch.Tensor.cpu
         thread = threading.get_ident()

@@ -818,15 +818,20 @@ class MemoryAccountant(TorchDispatchMode):
         return made
 
     def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What ``tensor.cpu()`` returns between steps, for a counted tensor: a GPU script's
-        copy to the host, where this CPU device returns the tensor itself; here a view of it
-        (no copy, the same storage: in-place changes and the bytes it keeps alive as without
-        memkit; differentiable where it needs a gradient), marked as host data, so that what
-        ops make from it, and views of it, are host work (a ``{k: v.cpu().clone()}``
-        snapshot). Else ``tensor`` itself."""
-        if not self._on_device(id(s) for _, s in self._located(tensor)):
+        """What ``tensor.cpu()`` returns between steps, for a counted plain tensor that needs
+        no gradient: a GPU script's copy to the host, where this CPU device returns the
+        tensor itself; here a view of it (no copy, the same storage: in-place changes and the
+        bytes it keeps alive as without memkit), marked as host data, so that what ops make
+        from it, and views of it, are host work (a ``{k: v.cpu().clone()}`` snapshot). Else
+        ``tensor`` itself: a parameter's ``p.cpu()`` stays the parameter, so that the script
+        runs as without memkit (a deepcopy of it, autograd through it)."""
+        if (
+            type(tensor) is not torch.Tensor  # (a Parameter, a subclass: kept as it is)
+            or tensor.requires_grad  # (a view of it would be no leaf: deepcopy refuses it)
+            or not self._on_device(id(s) for _, s in self._located(tensor))
+        ):
             return tensor
-        view = tensor.view_as(tensor) if tensor.requires_grad else tensor.detach()
+        view = tensor.detach()
         self._mark_host(view)
         return view
 
