@@ -3607,3 +3607,24 @@ def test_an_oom_between_backward_and_the_optimizer_step_is_not_said_to_be_betwee
     pm = tracker.report().oom
     assert pm is not None and pm.phase == "other" and pm.after_backward
     assert "oom-between-steps" not in {a.code for a in pm.advice}
+
+
+def test_a_failure_of_the_host_view_never_reaches_the_scripts_cpu_call(monkeypatch):
+    """memkit's own error in ``.cpu()``'s host view (between steps) leaves the script's
+    ``.cpu()`` as torch's: the tensor itself."""
+    from memkit.simulated.accountant import MemoryAccountant
+
+    def broken(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("memkit's own bug")
+
+    monkeypatch.setattr(MemoryAccountant, "host_view", broken)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB"):
+        for _ in range(2):
+            out = model(torch.randn(4, 8))
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+            kept = out.detach()
+            assert kept.cpu() is kept

@@ -339,7 +339,10 @@ class SimulatedBackend:
                 and threading.get_ident() == thread
                 and sys._getframe(1).f_code.co_filename != _MODULE_FILE  # (Module.cpu())
             ):
-                return acct.host_view(out)  # (a GPU script's copy to the host)
+                try:
+                    return acct.host_view(out)  # (a GPU script's copy to the host)
+                except Exception:  # memkit's own failure never reaches the script
+                    log.debug("host view failed", exc_info=True)
             return out
 
         handle = Restore(torch.Tensor, "cpu", original, cpu)
