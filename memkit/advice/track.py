@@ -482,12 +482,21 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     """``zero-grad-keeps-grads`` on ``dev``: what the steps' first forwards found, and where
     the peak came in a forward, the gradients alive there, by model (a GAN's generator's,
     kept from its step through the next critic iteration, where the generator's forward
-    found the critic's)."""
+    found the critic's). A peak in a backward that began with them (``set_to_none=False``)
+    falls at most to the forward's peak without them or a phase that holds them anyway."""
     found = report.grads_at_forward_bytes or bd.gradients
     alive = bd.gradients if bd.phase == "forward" else None
     trailing = bd.step is not None and all(s.step < bd.step for s in dev.steps)
     carried = (bd.gradients_after_forward or 0) if alive and trailing else 0
-    next_peak, held = _peak_not_holding(dev, alive or found, carried)
+    into_backward = 2 * report.steps_with_grads_into_backward > report.steps_with_grads_at_forward
+    next_peak: int | None
+    if bd.phase == "backward" and into_backward:
+        peaks = dev.phase_peaks
+        holding = (peaks.get("optimizer") or 0, peaks.get("other") or 0)
+        next_peak = max((peaks.get("forward") or 0) - found, *holding)
+        held = False
+    else:
+        next_peak, held = _peak_not_holding(dev, alive or found, carried, bd.step)
     return zero_grad_keeps_grads(
         steps_with_grads=report.steps_with_grads_at_forward,
         gradient_bytes=found,
@@ -499,6 +508,7 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
         holders=bd.gradient_models,
         held_elsewhere=held,
         micro_batches=report.micro_batches if _forwards_per_step(report, dev) > 1 else 1,
+        into_backward=into_backward,
     )
 
 
@@ -511,7 +521,7 @@ def _forwards_per_step(report: TrackReport, dev: DeviceReport) -> float:
 
 
 def _peak_not_holding(
-    dev: DeviceReport, gradients: int, carried: int = 0
+    dev: DeviceReport, gradients: int, carried: int = 0, at_step: int | None = None
 ) -> tuple[int | None, bool]:
     """The highest backward or optimizer peak on ``dev`` that freeing the ``gradients`` kept
     through the peak's forward would not lower, and whether a higher one holds them.
@@ -523,11 +533,25 @@ def _peak_not_holding(
     optimizer's state); a phase's peak outside the steps (after the last boundary) above
     theirs counts as not holding them, less the ``carried`` bytes of them that the peak's
     forward, itself after the last boundary (a GAN's critic's, after the generator's step
-    that ends the steps), left allocated into the phases after it."""
+    that ends the steps), left allocated into the phases after it.
+
+    Where memory grows from step to step (``dev.leak``: a list kept on the device), each
+    step's peaks are compared as at ``at_step`` (the peak's), less the growth between them:
+    an earlier step's forward peaked lower for what the list held then, not for gradients
+    it began without (sweep BG)."""
     near = 0.9 * gradients  # (the allocator's rounding)
+    leak = dev.leak
+    rate = leak.growth_per_step if leak is not None and leak.growth_per_step > 0 else 0
+    first = leak.first_step if leak is not None else 0
+
+    def grown(step: int) -> int:
+        return rate * max(0, step - first)
 
     def peak(step: StepRecord, phase: str) -> int:
-        return step.phase_peaks.get(phase) or 0
+        value = step.phase_peaks.get(phase) or 0
+        if not value or at_step is None:
+            return value
+        return value + grown(at_step) - grown(step.step)
 
     steps = [s for s in dev.steps if s.step >= 1]
     top = max((peak(s, "forward") for s in steps), default=0)

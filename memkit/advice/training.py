@@ -864,6 +864,7 @@ def zero_grad_keeps_grads(
     holders: Sequence[tuple[str, int]] = (),
     held_elsewhere: bool = False,
     micro_batches: int = 1,
+    into_backward: bool = False,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
@@ -880,24 +881,29 @@ def zero_grad_keeps_grads(
     generator's kept from its step through the critic's forward; 0, none), by the models
     ``holders`` (``(name, bytes)``, named in the text), and then at most ``peak_bytes -
     next_peak_bytes`` (the highest other training phase's peak that does not hold them,
-    which freeing them does not lower; ``held_elsewhere``: phases that peak higher hold them
-    too, as the steps that began without them show). ``micro_batches``: backward passes per
-    optimizer step (gradient accumulation): only the first micro-batch's forward can begin
-    without them.
+    which freeing them does not lower; under 1% of them, none; ``held_elsewhere``: phases
+    that peak higher hold them too, as the steps that began without them show).
+    ``micro_batches``: backward passes per optimizer step (gradient accumulation): only the
+    first micro-batch's forward can begin without them. ``into_backward``: most such steps'
+    backward began with them too (``set_to_none=False``: backward adds into them, where
+    freed it creates each as it goes), so a peak in backward holds them as well: the saving
+    there is at most them, down to ``next_peak_bytes`` (the forward's peak without them,
+    the optimizer's).
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
     in_forward = peak_phase == "forward"
+    in_backward = peak_phase == "backward" and into_backward and micro_batches == 1
     alive = peak_gradient_bytes if in_forward and peak_gradient_bytes is not None else None
     subject = alive or gradient_bytes
     names = _model_names(holders) if alive else ""
     whose = f"{names}'s " if names else ""
     saving: int | None = None
-    if in_forward and alive != 0:
+    if (in_forward or in_backward) and alive != 0:
         saving = subject
         if peak_bytes is not None and next_peak_bytes is not None:
             saving = min(saving, peak_bytes - next_peak_bytes)
-        saving = saving if saving > 0 else None
+        saving = saving if saving > subject // 100 else None  # (4 B: a loss's scalar)
     other = (
         f"; the forward that peaked held {whose}{format_size(alive)} of gradients, kept from "
         "their optimizer's step"
@@ -909,6 +915,18 @@ def zero_grad_keeps_grads(
             ". Training's peak came in a forward that held none (another pass of the step, after "
             "they were freed): freeing them sooner lowers the forwards they are alive in, "
             "not the peak, so no saving is claimed."
+        )
+    elif in_backward and saving is not None:
+        where = (
+            ", and training's peak came in backward, which began with them still allocated "
+            "(`set_to_none=False`): backward adds each gradient into them, where freed it "
+            "creates each as it goes, so they are all alive from its start. Freed before the "
+            f"forward, they lower the peak by up to {format_size(saving)}"
+            + (
+                f": down to another phase's peak ({format_size(next_peak_bytes or 0)})."
+                if saving < subject
+                else "; by less where backward's peak comes after most gradients exist."
+            )
         )
     elif saving is None:
         where = (

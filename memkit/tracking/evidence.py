@@ -306,6 +306,7 @@ class Evidence:
             "autocast_forwards": facts.autocast_forwards,
             "steps_with_grads_at_forward": facts.grads_steps,
             "grads_at_forward_bytes": facts.grads_at_forward_bytes,
+            "steps_with_grads_into_backward": facts.grads_into_backward,
             "stale_gradients": facts.stale_gradients,
             "stale_step": facts.stale_step,
             "stale_looks": facts.stale_looks,

@@ -728,10 +728,12 @@ def _code_at(code: CodeType, line: int) -> CodeType:
     return code
 
 
-def _code_only(lines: list[str]) -> list[str]:
+@functools.lru_cache(maxsize=16)
+def _code_only(lines: tuple[str, ...]) -> tuple[str, ...]:
     """``lines`` with their strings and comments blanked out (sweep BG: a docstring quoting
     ``running_loss += loss`` was named as the line that grows it; review: so was a comment or
-    a logged string); as they are where they do not tokenize."""
+    a logged string); as they are where they do not tokenize. Cached: each scan looks up
+    every suspect in the same few files."""
     masked = [list(line) for line in lines]
     try:
         for token in tokenize.generate_tokens(iter(lines).__next__):
@@ -744,7 +746,7 @@ def _code_only(lines: list[str]) -> list[str]:
                 masked[r][first:last] = " " * (last - first)
     except (tokenize.TokenError, SyntaxError, IndentationError):
         return lines
-    return ["".join(chars) for chars in masked]
+    return tuple("".join(chars) for chars in masked)
 
 
 def _best_lines(
@@ -759,7 +761,7 @@ def _best_lines(
     pattern = re.compile(assign)
     best: tuple[int, bool] | None = None
     found: list[int] = []
-    for i, text in enumerate(_code_only(lines)):
+    for i, text in enumerate(_code_only(tuple(lines))):
         m = pattern.search(text)
         if m is None:
             continue

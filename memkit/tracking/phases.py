@@ -116,6 +116,7 @@ class PhaseMachine:
         self.eval_return = OTHER
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self.grads_none_at_forward = True  # no gradients when the last forward began
+        self.grads_found_step = -1  # the step whose first forward found gradients allocated
         # the last training forward's first input (the batch an OOM's advice weighs)
         self.train_input: weakref.ref[torch.Tensor] | None = None
         self.eval_batch: weakref.ref[torch.Tensor] | None = None  # the last evaluation's
@@ -323,6 +324,7 @@ class PhaseMachine:
             facts.grads_checked_step = state.step  # (the step's first forward only)
             if self._successor is None and not self.grads_none_at_forward:  # (read just now)
                 facts.grads_steps += 1
+                self.grads_found_step = state.step
                 if facts.grads_steps <= 3:  # what the advice quotes: a walk, three times
                     found = self.evidence.gradient_bytes()
                     facts.grads_at_forward_bytes = max(facts.grads_at_forward_bytes, found)
@@ -539,8 +541,12 @@ class PhaseMachine:
         so what the student's forward keeps stays its activations."""
         devices, state = self.devices, self.state
         single = state.single
-        if phase == BACKWARD and self.before_backward is not None:
-            self.before_backward()  # (the model's output: kept for this backward or dropped)
+        if phase == BACKWARD:
+            if self.before_backward is not None:
+                self.before_backward()  # (the model's output: kept for this backward or dropped)
+            if self.grads_found_step == state.step:  # the step's first backward: still there?
+                self.grads_found_step = -1  # (``set_to_none=False``; not a late ``zero_grad()``)
+                self.evidence.facts.grads_into_backward += not self.evidence.grads_none()
         self._close_segment()
         ends_forward = state.phase == FORWARD and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():

@@ -559,6 +559,9 @@ class TrackReport(Result):
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
             (measured at the first three).
+        steps_with_grads_into_backward: of those steps, the ones whose first backward began
+            with them still allocated (``zero_grad(set_to_none=False)``, where backward adds
+            into them; not a ``zero_grad()`` between forward and backward).
         stale_gradients: ``(model, bytes)`` of gradients held by parameters that no
             optimizer stepped over a whole step, the most seen at once (looked for at steps
             0-2, every 25th and where an optimizer steps for the first time); ``stale_step``:
@@ -607,6 +610,7 @@ class TrackReport(Result):
     autocast_forwards: int = 0
     steps_with_grads_at_forward: int = 0
     grads_at_forward_bytes: int = 0
+    steps_with_grads_into_backward: int = 0
     stale_gradients: tuple[tuple[str, int], ...] = ()
     stale_step: int | None = None
     stale_looks: tuple[tuple[int, int], ...] = ()
