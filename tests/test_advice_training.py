@@ -182,6 +182,23 @@ def test_mixed_precision_is_not_promised_to_a_lora_on_a_bf16_base():
     assert adv.saving_bytes is not None and adv.saving_bytes > 3 * measured
 
 
+def test_optimizer_state_counts_the_parameters_stepped_not_a_frozen_backbone_it_holds():
+    """Sweep BH: fastai-style fine-tuning, ``AdamW(model.parameters())`` with the backbone
+    frozen (``requires_grad_(False)``). Its state was called 0.8x "the 1.26 MiB of parameters
+    it steps", and SGD with momentum was not offered; it steps the head's 10 KiB (2.0x)."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    model = nn.Sequential(backbone.requires_grad_(False), nn.Linear(256, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    with track(model, opt, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            F.cross_entropy(model(torch.randn(64, 256)), torch.randint(0, 10, (64,))).backward()
+            opt.step()
+            opt.zero_grad()
+    setup = tracker.report().devices[0].setup
+    assert setup is not None and setup.optimized_bytes == (256 * 10 + 10) * 4
+
+
 def test_mixed_precision_counts_only_the_float32_share_of_the_activations():
     kwargs = {"param_dtype": "float32", "autocast": False, "peak_bytes": 100 << 20}
     whole = mixed_precision(**kwargs, activation_bytes=80 << 20, parameter_bytes=8 << 20)

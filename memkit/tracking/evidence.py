@@ -352,7 +352,8 @@ class WeightCensus:
     Attributes:
         trainable_dtypes: bytes of the trainable floating (and complex) parameters by dtype (what
             :func:`param_dtype` counts).
-        optimized: bytes of the parameters the optimizers step, on the device.
+        optimized: bytes of the parameters the optimizers step, on the device (those that
+            require grad: a frozen backbone in an optimizer over all parameters is not).
         narrow: bytes of the parameters and buffers (trainable or frozen) on the device held
             in 16 bits or fewer: a bf16 or int8 frozen base.
     """
@@ -569,11 +570,11 @@ def persistent_bytes(
             params += n
             if census is not None:
                 census.add(b, n)
-    optimized: set[int] = set()
+    optimized: set[int] = set()  # (frozen ones get no gradient: stepped like none; sweep BH)
     for opt in optimizers:
         for group in opt.param_groups:
             unique.update((id(p), p) for p in group["params"])
-            optimized.update(id(p) for p in group["params"])
+            optimized.update(id(p) for p in group["params"] if p.requires_grad)
     all_params = list(unique.values())
     for p in all_params:
         n = size(p)

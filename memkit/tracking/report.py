@@ -230,7 +230,8 @@ class TrainingSetup:
             ``nn.EmbeddingBag`` with ``sparse=True``) or an optimizer is SparseAdam: the
             advice offers only optimizers that take them.
         optimized_bytes: bytes of the parameters the optimizers step, on the device (each
-            storage once): the optimizer state's buffers per parameter are its bytes over these.
+            storage once; those that require grad): the optimizer state's buffers per
+            parameter are its bytes over these.
         narrow_weight_bytes: bytes of the model's parameters and buffers, trainable or frozen,
             held in 16 bits or fewer (a bf16 or int8 frozen base): autocast neither halves
             their layers' work nor copies them.
