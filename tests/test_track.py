@@ -3628,3 +3628,45 @@ def test_a_failure_of_the_host_view_never_reaches_the_scripts_cpu_call(monkeypat
             opt.zero_grad()
             kept = out.detach()
             assert kept.cpu() is kept
+
+
+def fused_backward_steps(iterations: int, tracked: bool) -> tuple[Any, int]:
+    """PyTorch's tutorial "fusing the optimizer step into the backward pass": one Adam per
+    parameter, stepped and zeroed by ``register_post_accumulate_grad_hook``; no
+    ``optimizer.step()`` in the loop. ``(the report, 0)`` tracked, else ``(None, the peak
+    of the whole run counted by the simulated device alone)``."""
+    torch.manual_seed(0)
+    counting = simulate("64MiB") if not tracked else contextlib.nullcontext()
+    with counting as counted:
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(3)))
+        optimizers = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
+
+        def step(param: torch.Tensor) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        block = track(model, device="cpu", budget="64MiB") if tracked else contextlib.nullcontext()
+        with block as t:
+            for _ in range(iterations):
+                model(torch.randn(128, 256)).pow(2).mean().backward()
+    return (t.report(), 0) if tracked else (None, counted.peak)
+
+
+def test_an_optimizer_step_fused_into_backward_ends_the_step_with_the_backward():
+    """Sweep BH: each step ended at the first per-parameter ``step()``, mid-backward: step 0's
+    peak read 5.03 MiB where its iteration reached 13.85, and backward's work between the
+    per-parameter steps was filed as "other". The steps now end with their backward, whose
+    phase the optimizers' work stays in."""
+    report, _ = fused_backward_steps(3, tracked=True)
+    dev = report.devices[0]
+    assert dev.peak_allocated == fused_backward_steps(3, tracked=False)[1]
+    assert report.steps == 3 and len(dev.steps) == 3
+    for s in dev.steps:
+        peaks = s.phase_peaks
+        assert peaks["optimizer"] is None
+        assert s.peak_allocated == peaks["backward"] > (peaks["other"] or 0)
+    params = sum(p.numel() * 4 for p in nn.Linear(256, 256).parameters()) * 3
+    steps = 6 * 4  # each Adam's float32 ``step`` of its one parameter
+    assert dev.breakdown is not None and dev.breakdown.optimizer_state == 2 * params + steps

@@ -1093,3 +1093,14 @@ def test_the_line_named_is_code_not_a_docstring_or_comment_that_quotes_it():
     ]
     found = _best_lines(lines, 1, _ASSIGN.format(name="running_loss"), "running_loss")
     assert found is not None and found[1] == [8]
+
+
+def test_optimizers_are_found_in_the_dict_a_script_keeps_them_in():
+    """Sweep BH: one optimizer per parameter in a dict (the optimizer step fused into
+    backward); an OOM before any stepped found none, and its advice left out their state."""
+    from memkit.tracking.leaks import optimizers_in_frames
+
+    model = torch.nn.Linear(4, 4)
+    optimizer_dict = {p: torch.optim.Adam([p]) for p in model.parameters()}
+    found = optimizers_in_frames(sys._getframe())
+    assert {id(o) for o in found} == {id(o) for o in optimizer_dict.values()}

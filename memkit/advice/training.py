@@ -768,7 +768,8 @@ def optimizer_state(
         options.insert(
             0,
             f"`{name}(..., foreach=False)`: the step's temporaries "
-            f"({format_size(optimizer_transient_bytes)}) shrink to one parameter's worth",
+            f"({format_size(optimizer_transient_bytes)}) shrink to one parameter's at a "
+            "time: at most twice the largest (Adam's `sqrt` and division)",
         )
     return Advice(
         code="optimizer-state",

@@ -1109,7 +1109,7 @@ class Hooks:
         if not state.active:
             return
         with state.lock:
-            self.phases.end_backward()
+            self.phases.end_backward(sys._getframe(1))
 
     def _engine_begins(self) -> bool:
         """The autograd engine is entered: a backward begins there if a training forward ran
@@ -1138,7 +1138,7 @@ class Hooks:
         state = self.state
         if state.active and self.phases.backward_depth == 0:
             with state.lock:
-                self.phases.backward_ended()
+                self.phases.backward_ended(sys._getframe(1))
 
     def _backward_failed(self) -> None:
         with self.state.lock:
@@ -1177,6 +1177,8 @@ class Hooks:
         if not self.models.counts(optimizer, self.state.backward_passes):
             return None
         self.phases.optimizer_called(optimizer)
+        if self.phases.backward_depth > 0:  # in a gradient hook: its work is backward's
+            return None
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
         # returns. ``args`` starts with the optimizer itself.
@@ -1214,7 +1216,10 @@ class Hooks:
         if not state.active or not self.models.counts(optimizer, state.backward_passes, False):
             return
         with state.lock:
-            self.phases.optimizer_ends(optimizer, sys._getframe(1))
+            if self.phases.backward_depth > 0:
+                self.phases.optimizer_in_backward(optimizer)
+            else:
+                self.phases.optimizer_ends(optimizer, sys._getframe(1))
 
 
 def _nested_tensors(values: Any, depth: int) -> list[torch.Tensor]:

@@ -657,7 +657,9 @@ def _frame_locals(frame: FrameType) -> dict[str, Any]:
 def optimizers_in_frames(start: FrameType | None) -> list[Any]:
     """The ``torch.optim.Optimizer`` objects among the locals of the first user frame from
     ``start`` outwards that has any (a script's top level: its globals), or among the
-    attributes of a local ``self``: the script trains, though no optimizer stepped yet."""
+    attributes of a local ``self``, or in a dict, list or tuple one of those holds (one
+    optimizer per parameter, stepped in a gradient hook: sweep BH): the script trains,
+    though no optimizer stepped yet."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
@@ -669,6 +671,11 @@ def optimizers_in_frames(start: FrameType | None) -> list[Any]:
         if owner is not None and hasattr(owner, "__dict__"):
             with contextlib.suppress(TypeError):
                 values += list(vars(owner).values())
+        for value in list(values):
+            if isinstance(value, dict):
+                values += itertools.islice(value.values(), 100_000)
+            elif isinstance(value, (list, tuple)):
+                values += value[:100_000]
         found = {id(v): v for v in values if isinstance(v, optimizer)}
         if found:
             return list(found.values())

@@ -104,6 +104,7 @@ class PhaseMachine:
         self._former: weakref.ref[Any] | None = None  # the owner a successor took over from
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
+        self.step_in_backward = False  # the counted optimizer stepped inside this backward
         self.backward_raised = False  # the last backward raised (its phase stays till the next)
         self.backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self.abandoned_steps = 0  # of those, the ones before an attempt that raised
@@ -402,24 +403,30 @@ class PhaseMachine:
             self.transition(BACKWARD)
         self.backward_depth += 1
 
-    def end_backward(self) -> None:
-        """``torch.autograd.backward`` returned."""
-        state = self.state
+    def end_backward(self, frame: Any) -> None:
+        """``torch.autograd.backward`` returned (``frame``: where the leak search starts, if
+        the step ends with it)."""
         if self.backward_depth > 0:
             self.backward_depth -= 1
-        if state.phase == BACKWARD and self.backward_depth == 0:
-            state.backwards += 1
-            state.backward_passes += 1
-            self.transition(OTHER)
+        if self.state.phase == BACKWARD and self.backward_depth == 0:
+            self._backward_done(frame)
 
-    def backward_ended(self) -> None:
+    def backward_ended(self, frame: Any) -> None:
         """The autograd engine finished a backward that did not go through
         ``torch.autograd.backward`` (its end was queued when a gradient hook saw it)."""
+        if self.state.phase == BACKWARD:
+            self._backward_done(frame)
+
+    def _backward_done(self, frame: Any) -> None:
+        """A backward pass ended; the step too where the optimizer stepped inside it."""
         state = self.state
-        if state.phase == BACKWARD:
-            state.backwards += 1
-            state.backward_passes += 1
-            self.transition(OTHER)
+        state.backwards += 1
+        state.backward_passes += 1
+        self.transition(OTHER)
+        if self.step_in_backward:
+            self.step_in_backward = False
+            self._count_micro_batches()
+            self.boundary(frame)
 
     def backward_failed(self) -> None:
         """``torch.autograd.backward`` raised (the phase stays: a post-mortem reads it; a
@@ -512,16 +519,29 @@ class PhaseMachine:
 
     def optimizer_begins(self) -> None:
         """The optimizer's own work starts (its step, after any closure it was given)."""
+        self._count_micro_batches()
+        self.transition(OPTIMIZER)
+
+    def _count_micro_batches(self) -> None:
+        """An optimizer step: the backward passes it is the first to use are its micro-batches
+        (a GAN's two optimizers, each after its own backward, are no gradient accumulation)."""
         if self.backward_steps and not self.manual_steps:
             self._fold_backward_steps()
-        # micro-batches: backward passes this optimizer step is the first to use (a GAN's
-        # two optimizers, each after its own backward, are no gradient accumulation)
         backwards = self.state.backwards
         fresh = backwards - self.backwards_at_optimizer
         self.backwards_at_optimizer = backwards
         if fresh > self.micro_batches:
             self.micro_batches = fresh
-        self.transition(OPTIMIZER)
+
+    def optimizer_in_backward(self, optimizer: Any) -> None:
+        """``optimizer.step()`` returned inside a backward: the optimizer step fused into
+        backward (PyTorch's tutorial: one optimizer per parameter, stepped by
+        ``register_post_accumulate_grad_hook`` as its gradient is made; sweep BH). Its work
+        stays backward's, and the step ends with the backward, if this optimizer's steps
+        count. Before, each step ended at the first such step, mid-backward."""
+        owner = self.step_owner() if self.step_owner is not None else None
+        if not self.manual_steps and (owner is None or owner is optimizer):
+            self.step_in_backward = True
 
     def optimizer_ends(self, optimizer: Any, frame: Any) -> None:
         """``optimizer.step()`` returned: the step's end, if this optimizer's steps count
