@@ -3670,3 +3670,47 @@ def test_an_optimizer_step_fused_into_backward_ends_the_step_with_the_backward()
     params = sum(p.numel() * 4 for p in nn.Linear(256, 256).parameters()) * 3
     steps = 6 * 4  # each Adam's float32 ``step`` of its one parameter
     assert dev.breakdown is not None and dev.breakdown.optimizer_state == 2 * params + steps
+
+
+class Bigram(nn.Module):
+    def __init__(self, vocab: int = 2000) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.lm_head = nn.Linear(16, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.emb(x))
+
+
+def bigram_loop(budget: str | int, iterations: int = 3) -> TrackReport:
+    """The usual ``logits = model(x)`` loop: the last step's logits stay bound until the next
+    forward returns."""
+    torch.manual_seed(0)
+    model = Bigram()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with contextlib.suppress(torch.OutOfMemoryError):
+        with track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker:
+            for _ in range(iterations):
+                x, y = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.view(-1, 2000), y.view(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return tracker.report()
+
+
+def test_the_last_steps_output_freed_when_the_forward_returns_is_not_other_in_backward():
+    """Sweep BI: the breakdown at a backward peak called the last step's logits "other" (they
+    were alive when the forward began, and freed when it returned), and an OOM there was
+    advised ``oom-other``, "free what you keep across steps": deleting them saves nothing."""
+    report = bigram_loop("64MiB")
+    bd = report.devices[0].breakdown
+    logits = 8 * 64 * 2000 * 4
+    batch = 2 * 8 * 64 * 8  # x and y, int64
+    assert bd is not None and bd.phase == "backward"
+    assert bd.other <= batch < logits
+    ran_out = bigram_loop(report.devices[0].peak_allocated - 1)
+    assert ran_out.oom is not None and ran_out.oom.phase == "backward"
+    assert ran_out.oom.breakdown.other <= batch
+    assert "oom-other" not in {a.code for a in ran_out.oom.advice}

@@ -51,6 +51,9 @@ class PeakMoment(NamedTuple):
             it: the forward's start, a model's forward beginning or returning; ``()`` where
             not read), and when the forward began: the keys of the gradient bytes
             :func:`breakdown` is given.
+        released: bytes ``base`` held of the last step's outputs (a loop's ``logits``, rebound
+            when the forward returns) freed since: not held at a moment in backward or the
+            optimizer, so not "other" there (sweep BI).
     """
 
     total: int
@@ -66,6 +69,7 @@ class PeakMoment(NamedTuple):
     gathered_base: int = 0
     alive: tuple[bool, ...] = ()
     alive_base: tuple[bool, ...] = ()
+    released: int = 0
 
 
 def breakdown(
@@ -123,7 +127,7 @@ def breakdown(
         grads_base = at_base if at_base is not None else 0 if moment.grads_none else grads_known
         state_base = 0 if moment.state_empty else state_known
         held = params + grads_base + state_base + moment.gathered_base + buckets
-        other = max(0, moment.base - held)
+        other = max(0, moment.base - moment.released - held)
         acts = max(0, rest - other)
         other = rest - acts
     if phase == BACKWARD and grads:

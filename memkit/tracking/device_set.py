@@ -38,7 +38,7 @@ from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import GrowthDetector
 from memkit.tracking.records import DEFAULT_STEP_LIMIT, DeviceRecord
 from memkit.tracking.report import Breakdown
-from memkit.tracking.state import BACKWARD, EVAL, FORWARD, TrackState
+from memkit.tracking.state import BACKWARD, EVAL, FORWARD, OPTIMIZER, TrackState
 
 __all__ = ["DeviceSet", "SegmentCloser", "remembered_sizes", "segment_closer"]
 
@@ -97,6 +97,7 @@ def segment_closer(state: TrackState, evidence: Evidence) -> SegmentCloser:
                 dev.base_gathered,
                 evidence.marked if ph == FORWARD else (),
                 dev.base_flags,
+                dev.base_released() if ph in (BACKWARD, OPTIMIZER) else 0,
             )
 
     return close

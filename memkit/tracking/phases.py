@@ -582,7 +582,10 @@ class PhaseMachine:
             self.grads_none_at_forward = grads_none
             if evidence.several:
                 devices.mark_gradients()
+            last = [t for t in map(_DEREF, self.last_own) if t is not None]
             for dev in (single,) if single is not None else devices.records.values():
+                on = last if single is not None else filter(_on_devices([dev]), last)
+                dev.base_outputs = _storages(on)
                 dev.forward_base = dev.last[0]
                 dev.train_peak_at_forward = dev.train_peak
                 dev.base_gathered = dev.gathered
@@ -1012,6 +1015,16 @@ def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | 
         if t is not None and t.layout is torch.strided and (holds is None or holds(t)):
             total += t.nbytes
     return total
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref[Any], int]]:
+    """The dense ``tensors``' storages: data pointer -> (weak reference, bytes)."""
+    out = {}
+    for t in tensors:
+        if t.layout is torch.strided:
+            storage = t.untyped_storage()
+            out[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+    return out
 
 
 _DEREF = operator.methodcaller("__call__")

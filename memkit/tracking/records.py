@@ -356,6 +356,8 @@ class DeviceRecord:
         self.base_grads_none = True
         self.base_state_empty = True
         self.base_flags: tuple[bool, ...] = ()  # the gradient witnesses' flags then
+        # the last step's own storages alive then (data pointer -> (weak reference, bytes))
+        self.base_outputs: dict[int, tuple[weakref.ref[Any], int]] = {}
         # gradient bytes here last measured with each set of witness flags (and by model,
         # where several models run): the breakdown's gradients at a forward's peak
         self.grad_sizes: dict[tuple[bool, ...], int] = {}
@@ -388,6 +390,11 @@ class DeviceRecord:
         self.eval_window: int | None = None  # the last begin_eval()..end_eval() peak
         self.setup: TrainingSetup | None = None  # the model's facts (evidence.py reads them)
         self.setup_key: tuple[int, int, int, int | None, bool | None] | None = None  # read last
+
+    def base_released(self) -> int:
+        """Bytes of the last step's own storages alive when the forward began that are freed
+        now (a loop's ``logits``, rebound when the forward returned)."""
+        return sum(n for ref, n in self.base_outputs.values() if ref() is None)
 
 
 def display_names(records: Iterable[DeviceRecord]) -> Namer:

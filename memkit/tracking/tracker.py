@@ -69,7 +69,7 @@ from memkit.tracking.records import (
     step_record,
 )
 from memkit.tracking.report import PHASES, OomPostMortem, StepRecord, TrackReport
-from memkit.tracking.state import BACKWARD, FORWARD, OTHER, TrackState
+from memkit.tracking.state import BACKWARD, FORWARD, OPTIMIZER, OTHER, TrackState
 from memkit.units import format_size
 
 __all__ = ["DEFAULT_MODULE_EVERY", "DEFAULT_TIMELINE_LIMIT", "Tracker"]
@@ -468,6 +468,7 @@ class Tracker:
             state_empty,
             0 if fsdp is None else fsdp.gathered(),
             dev.base_gathered,
+            released=dev.base_released() if phase in (BACKWARD, OPTIMIZER) and base else 0,
         )
         leak = current_leak(dev)  # growth that had stopped did not run out
         if leak is not None and leak is dev.leak:
