@@ -1729,6 +1729,11 @@ def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     # the margin is not said to protect (sweep VV: a GNN's random graphs ran out in 4 of 40
     # steps at the recommended size)
     assert "keep the recommended margin" not in said and "(2 a trial, --steps)" in said
+    # the largest input the trials drew at the answer is named (sweep BI: 6 to 8 from one
+    # script, the lengths behind them nowhere)
+    answer = result.max_batch_size
+    (drawn,) = [d for d in result.defaults if d.startswith("shapes drawn:")]
+    assert f"the answer, {answer}, fit with inputs up to {answer}x64 " in drawn
     fixed = probe(small_mlp_64(), lambda n: torch.randn(n, 64), device="cpu", budget="8MiB",
                   max_batch=4)  # fmt: skip
     assert not any("different shapes" in d for d in fixed.defaults)

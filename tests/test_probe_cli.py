@@ -118,6 +118,7 @@ def test_step_bug_exits_3_with_its_traceback():
         ("small_dataset.py", ["raised ValueError: the dataset has only 100", "--max-batch"]),
         ("ignores_batch_size.py", ["first dimensions [8]", "ignore its batch_size"]),
         ("padded_to_longest.py", ["shapes [1, 8] and [2, 11]", "pad to a fixed length"]),
+        ("padded_with_labels.py", ["shapes [1, 8] and [2, 11]", "pad to a fixed length"]),
         ("one_row_extra.py", ["first dimension went from 2 to 3", "n samples", "memkit.probe("]),
     ],
 )

@@ -289,7 +289,8 @@ def probe_with(
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    defaults = [*_check_batches(make_batch, opts, model_file), *defaults]
+    checked, shapes_vary = _check_batches(make_batch, opts, model_file)
+    defaults = [*checked, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
     if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
@@ -345,6 +346,7 @@ def probe_with(
     del target, sync
     started = None if bar is None else bar.started
     held_after_oom: dict[int, int] = {}
+    largest_inputs: dict[int, tuple[int, ...]] = {}
     untrained: list[int] = []
     plain_trials: tuple[ProbeTrial, ...] = ()  # the first search's, when the answer accumulates
 
@@ -368,6 +370,7 @@ def probe_with(
             schedule = runner.schedule
         finally:
             held_after_oom.update(runner.held_after_oom)
+            largest_inputs.update(runner.largest_inputs)
             if runner.untrained is not None:
                 untrained.append(runner.untrained)
             del runner, search  # before the next search and the clean-up
@@ -439,6 +442,8 @@ def probe_with(
         defaults.append(_dropout_note(*dropouts, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
+    if shapes_vary and search.max_batch_size is not None:
+        defaults.append(_drawn_note(search.max_batch_size, largest_inputs, history))
     if untrained:
         defaults.append(
             f"warning: the training step left the parameters unchanged (batch {untrained[0]}): "
@@ -655,10 +660,10 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
 
 def _check_batches(
     make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
-) -> list[str]:
+) -> tuple[list[str], bool]:
     """Make the batches for ``min_batch`` and ``min_batch + 1`` (twice: the RNG states as they
     were after) and check them; the notes for a batch dimension that is not the first and
-    for batches whose shapes vary at one size (random lengths)."""
+    for batches whose shapes vary at one size (random lengths), and whether they do."""
     low, where = opts.min_batch, f"make_batch({opts.min_batch})"
     rng = devices.rng_state()
     try:
@@ -667,13 +672,14 @@ def _check_batches(
         )
     finally:
         devices.restore_rng_state(rng)
+    first, second = batch_shapes(big), batch_shapes(again)
+    varies = first != second
     if model_file is not None:
-        layout = check_batch(small, low, f"{where} in {model_file}", bigger=big)
+        layout = check_batch(small, low, f"{where} in {model_file}", bigger=big, varies=varies)
     else:
         layout = check_batch_grows(small, big, low, where)
     notes = [] if layout is None else [layout]
-    first, second = batch_shapes(big), batch_shapes(again)
-    if first != second:
+    if varies:
         notes.append(
             f"make_batch({low + 1}) gave batches of different shapes at one size "
             f"({_shapes_text(first)}, then {_shapes_text(second)}): random lengths, so memory "
@@ -682,7 +688,27 @@ def _check_batches(
             "recommended size too (its margin is not sized to the spread): probe with more "
             "draws (--steps 20), or bound the lengths (pad or cap them)"
         )
-    return notes
+    return notes, varies
+
+
+def _drawn_note(
+    answer: int, largest: dict[int, tuple[int, ...]], history: Sequence[ProbeTrial]
+) -> str:
+    """What the trials drew at the answer and at the smallest size that ran out, for a
+    ``make_batch`` of random shapes (sweep BI: answers of 6 to 8 from one script, the lengths
+    behind them named nowhere)."""
+
+    def shape(size: int) -> str:
+        drawn = largest.get(size)
+        return "x".join(map(str, drawn)) if drawn else "?"
+
+    failed = min((t.batch_size for t in history if not t.fits and t.batch_size > answer),
+                 default=None)  # fmt: skip
+    ran_out = f"; {failed} ran out drawing up to {shape(failed)}" if failed is not None else ""
+    return (
+        f"shapes drawn: the answer, {answer}, fit with inputs up to {shape(answer)} (the "
+        f"largest tensor its trials drew){ran_out}: it holds for batches no larger than that"
+    )
 
 
 def _shapes_text(shapes: list[tuple[int, ...]]) -> str:

@@ -367,7 +367,13 @@ def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
 
 
 def check_batch(
-    batch: Any, batch_size: int, where: str, bigger: Any = None, *, runs: bool = True
+    batch: Any,
+    batch_size: int,
+    where: str,
+    bigger: Any = None,
+    *,
+    runs: bool = True,
+    varies: bool = False,
 ) -> str | None:
     """Fail clearly when ``make_batch`` returned something a probe cannot use; return a note
     when the batch dimension is not the first.
@@ -377,7 +383,9 @@ def check_batch(
     grows from ``batch_size`` to ``batch_size + 1`` (dimension 1 for a seq-first ``(seq,
     batch)`` LSTM batch). Without it, a tensor must have ``batch_size`` as its first dimension.
     ``runs``: a step will run on it (the probe), so meta tensors are refused; the estimate's
-    own batches are meta.
+    own batches are meta. ``varies``: ``make_batch`` draws another shape at every call (random
+    lengths, noted elsewhere); else a tensor whose length grows with the batch beside it
+    (padded to the longest of its first n samples) is refused, as where no dimension grows.
     """
     if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
         raise ModelFileError(
@@ -399,6 +407,9 @@ def check_batch(
         )
     batch_dims = _batch_dims(batch, bigger, batch_size) if bigger is not None else {}
     if batch_dims:
+        grows = None if varies else _why_no_batch_dim(batch, bigger, batch_size, batch_dims)
+        if grows is not None:  # (sweep BI: a label tensor's growth let a padded length by)
+            raise ModelFileError(grows)
         return _layout_note(batch_dims, batch_size)
     if bigger is None and batch_size in dims:
         return None
@@ -412,10 +423,14 @@ def check_batch(
     )
 
 
-def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
+def _why_no_batch_dim(
+    small: Any, big: Any, batch_size: int, found: dict[int, int] | None = None
+) -> str | None:
     """What is wrong when no dimension grows from ``batch_size`` to ``batch_size + 1`` between
     two batches, where it can be told: several dimensions change (a length that varies from
-    batch to batch), or the first grows by another step (``batch_size + 1`` rows)."""
+    batch to batch), or the first grows by another step (``batch_size + 1`` rows). With the
+    batch dimensions ``found`` in other tensors: only a tensor whose dimensions change, one
+    of them not as a batch's (a ``(n, n)`` similarity target grows in both as one)."""
     if big is None:
         return None
     before, after = batch_shapes(small), batch_shapes(big)
@@ -423,8 +438,14 @@ def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
         return None
     pairs = [(a, b) for a, b in zip(before, after, strict=True) if len(a) == len(b)]
     made = f"make_batch({batch_size}) and make_batch({batch_size + 1})"
+
+    def as_batch(x: int, y: int) -> bool:
+        return x % batch_size == 0 and x // batch_size * (batch_size + 1) == y
+
     for a, b in pairs:
         changed = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        if found and all(as_batch(a[i], b[i]) for i in changed):
+            continue
         if len(changed) > 1:
             return (
                 f"{made} returned tensors of shapes {list(a)} and {list(b)}: besides the batch, "
@@ -433,6 +454,8 @@ def _why_no_batch_dim(small: Any, big: Any, batch_size: int) -> str | None:
                 "make_batch (the longest your data has: the worst case, which is what must "
                 "fit), or give it as seq_len (--seq-len)"
             )
+    if found:
+        return None
     for a, b in pairs:
         if a and b and b[0] != a[0]:
             return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.schedule import Schedule, StepWatch, StepWork, WorkLog
 from memkit.probing.state import SavedState, unwrap_optimizer
-from memkit.probing.step import StepPlan, to_device
+from memkit.probing.step import StepPlan, batch_shapes, to_device
 from memkit.simulated.accountant import storages_of
 from memkit.units import format_size
 
@@ -354,6 +355,9 @@ class TrialRunner:
         )
         self._works: list[StepWork] = []  # the work of the last trial's steps (with a watch)
         self.history: list[ProbeTrial] = []  # every trial, in the order run
+        # batch size -> the shape of the largest input tensor the trials drew at it (a
+        # make_batch of random lengths draws another at every call)
+        self.largest_inputs: dict[int, tuple[int, ...]] = {}
 
     @property
     def trial_steps(self) -> int:
@@ -378,7 +382,12 @@ class TrialRunner:
     def _batch(self, batch_size: int) -> Any:
         args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
         try:
-            return self.make_batch(*args)
+            batch = self.make_batch(*args)
+            shape = max(batch_shapes(batch), key=math.prod, default=None)
+            known = self.largest_inputs.get(batch_size)
+            if shape is not None and (known is None or math.prod(shape) > math.prod(known)):
+                self.largest_inputs[batch_size] = shape
+            return batch
         except Exception as exc:
             if is_oom(exc) or isinstance(exc, MemoryError):
                 raise  # a batch made on the device that does not fit: the trial's answer
