@@ -1120,3 +1120,29 @@ def test_an_evaluation_that_keeps_its_losses_graphs_is_not_told_to_shrink_its_ba
     assert graph.saving_bytes is not None and graph.saving_bytes < claimed
     assert "see eval-peak" in graph.evidence
     assert "eval-peak" not in fixed  # as numbers: evaluation stays below training
+
+
+def test_the_oom_accumulation_says_when_the_cut_does_not_keep_the_batch_whole():
+    """Sweep BI: "Halve the micro-batch (7 -> 3) and accumulate gradients over 2 steps (same
+    effective batch)": 3 x 2 is 6."""
+
+    def action(batch: int) -> str:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 64))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        tracker = track(net, opt, device="cpu", budget="6MiB", postmortem=None)
+        with pytest.raises(torch.OutOfMemoryError), tracker:
+            for _ in range(2):
+                net(torch.randn(batch, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        pm = tracker.report().oom
+        assert pm is not None
+        (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+        return adv.action
+
+    odd = action(1023)
+    assert (
+        "(1023 -> 255)" in odd and "4 x 255 = 1020 samples a step where the batch had 1023" in odd
+    )
+    assert "same effective batch" in action(1024)

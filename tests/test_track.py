@@ -3688,15 +3688,15 @@ def bigram_loop(budget: str | int, iterations: int = 3) -> TrackReport:
     torch.manual_seed(0)
     model = Bigram()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with contextlib.suppress(torch.OutOfMemoryError):
-        with track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker:
-            for _ in range(iterations):
-                x, y = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
-                logits = model(x)
-                loss = nn.functional.cross_entropy(logits.view(-1, 2000), y.view(-1))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    tracker = track(model, opt, device="cpu", budget=budget, postmortem=None)
+    with contextlib.suppress(torch.OutOfMemoryError), tracker:
+        for _ in range(iterations):
+            x, y = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits.view(-1, 2000), y.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return tracker.report()
 
 

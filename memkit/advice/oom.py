@@ -372,6 +372,17 @@ def _cut_words(k: int, samples: int | None) -> str:
     return f"cut the micro-batch to 1/{k}{sizes}"
 
 
+def _effective(k: int, samples: int | None) -> str:
+    """What accumulating ``k`` micro-batches of ``samples // k`` keeps of the batch (sweep BI:
+    7 -> 3 over 2 was called the same effective batch)."""
+    if not samples or samples % k == 0 or samples < k:
+        return "same effective batch"
+    return (
+        f"{k} x {samples // k} = {samples // k * k} samples a step where the batch had "
+        f"{samples}: a batch size divisible by {k} keeps it whole"
+    )
+
+
 def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advice | None:
     """``oom-activations``: activations were at least 40% of the memory (not in evaluation).
 
@@ -431,7 +442,7 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     if offered and micro > 1:
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: "
-            f"{_cut_words(k, samples)} and accumulate over {k * micro} (same effective batch)"
+            f"{_cut_words(k, samples)} and accumulate over {k * micro} ({_effective(k, samples)})"
         )
     elif offered:
         cut = _cut_words(k, samples)
@@ -439,8 +450,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
             pm.step == 0 and (pm.setup is None or pm.setup.accumulation_steps is None)
         )
         accumulate = (
-            f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps (same "
-            "effective batch"
+            f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps ("
+            + _effective(k, samples)
             + (f"; {k} times what your loop already accumulates, if it does)" if unknown else ")")
         )
     else:
