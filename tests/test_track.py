@@ -2086,7 +2086,7 @@ def test_a_training_peak_in_an_attempt_that_ran_out_and_was_skipped_is_said_so()
     assert (
         "the training peak is of an attempt that ran out (step 2, input shape (1024, 256))" in note
     )
-    assert "forward, 1 (ReLU); in an attempt that then ran out of memory):" in text
+    assert "forward, 1 (ReLU), input 1024x256; in an attempt that then ran out of memory):" in text
     assert '"breakdown_ran_out": true' in json.dumps(dataclasses.asdict(dev))
 
     skipped, dev, notes, _ = run([64, 64, 8192, 512, 64])  # 8192 fails at its first layer

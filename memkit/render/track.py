@@ -181,8 +181,10 @@ def leak_headline(leak: LeakFinding) -> str:
 def postmortem_text(pm: OomPostMortem) -> str:
     """The post-mortem as printed to stderr."""
     rank = "" if pm.rank is None else f" (rank {pm.rank})"
+    shape = pm.input_shape
+    batch = "" if not shape else f" (the model's input: {'x'.join(map(str, shape))})"
     lines = [
-        f"memkit: out of memory on {pm.device}{rank} at {pm.where}",
+        f"memkit: out of memory on {pm.device}{rank} at {pm.where}{batch}",
         f"  {pm.exception}",
         f"  tried to allocate {_size(pm.tried_to_allocate)}; "
         f"capacity {_size(pm.capacity)}, free {_size(pm.free)}, "
@@ -377,6 +379,7 @@ def _breakdown_place(dev: DeviceReport, bd: Breakdown) -> tuple[str, str]:
             None if bd.step is None else f"step {bd.step}",
             bd.phase,
             next((module_label(m) for m in dev.modules if m.path == bd.module), bd.module),
+            None if not bd.input_shape else f"input {'x'.join(map(str, bd.input_shape))}",
         )
         if x
     )

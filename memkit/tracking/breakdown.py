@@ -51,6 +51,7 @@ class PeakMoment(NamedTuple):
             it: the forward's start, a model's forward beginning or returning; ``()`` where
             not read), and when the forward began: the keys of the gradient bytes
             :func:`breakdown` is given.
+        input_shape: the last model forward's first tensor input then.
         released: bytes ``base`` held of the last step's outputs (a loop's ``logits``, rebound
             when the forward returns) freed since: not held at a moment in backward or the
             optimizer, so not "other" there (sweep BI).
@@ -70,6 +71,7 @@ class PeakMoment(NamedTuple):
     alive: tuple[bool, ...] = ()
     alive_base: tuple[bool, ...] = ()
     released: int = 0
+    input_shape: tuple[int, ...] | None = None
 
 
 def breakdown(
@@ -155,6 +157,7 @@ def breakdown(
         note=note,
         gathered_parameters=gathered,
         gradient_buckets=buckets,
+        input_shape=moment.input_shape,
     )
 
 

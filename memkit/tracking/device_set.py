@@ -98,6 +98,7 @@ def segment_closer(state: TrackState, evidence: Evidence) -> SegmentCloser:
                 evidence.marked if ph == FORWARD else (),
                 dev.base_flags,
                 dev.base_released() if ph in (BACKWARD, OPTIMIZER) else 0,
+                evidence.facts.last_input,
             )
 
     return close

@@ -167,7 +167,8 @@ class Breakdown:
     critic's forward); ``()`` elsewhere. At a forward's peak, ``gradients_after_forward`` are
     those of its gradients still allocated when that forward phase ended (the phase after it
     holds them: a GAN's generator's, through the critic's backward and step); ``None``
-    elsewhere. See docs/track.md for the approximations.
+    elsewhere. ``input_shape``: the last model forward's first tensor input then (batches of
+    varying shapes: which one set the peak). See docs/track.md for the approximations.
     """
 
     total: int
@@ -184,6 +185,7 @@ class Breakdown:
     gradient_models: tuple[tuple[str, int], ...] = ()
     gradients_after_forward: int | None = None
     gradient_buckets: int = 0
+    input_shape: tuple[int, ...] | None = None
 
     def parts(self) -> list[tuple[str, int]]:
         """``(category, bytes)`` in display order (all-gathered parameters: FSDP2's only;

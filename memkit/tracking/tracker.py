@@ -469,6 +469,7 @@ class Tracker:
             0 if fsdp is None else fsdp.gathered(),
             dev.base_gathered,
             released=dev.base_released() if phase in (BACKWARD, OPTIMIZER) and base else 0,
+            input_shape=facts.last_input,
         )
         leak = current_leak(dev)  # growth that had stopped did not run out
         if leak is not None and leak is dev.leak:
