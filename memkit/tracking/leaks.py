@@ -267,8 +267,9 @@ def _carrying(rises: list[int]) -> int:
 
 
 def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
-    """A note for rises of ``device``'s level that new parameters, gradients or optimizer
-    state account for (parameters made trainable mid-run), if any."""
+    """A note for rises of ``device``'s level that new parameters, buffers, gradients or
+    optimizer state account for (parameters made trainable mid-run; a buffer grown to a
+    longer input), if any."""
     if not growth.explained:
         return None
     total = sum(b for _, b in growth.explained)
@@ -276,9 +277,10 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
     more = ", ..." if len(growth.explained) > 8 else ""
     return (
         f"{device}: memory rose by {format_size(total)} at step(s) {steps}{more}, all of it "
-        "parameters, gradients and optimizer state (parameters made trainable mid-run, e.g. "
-        "progressive unfreezing, or new parameter groups; or a new model while earlier ones "
-        "stay alive): not a leak"
+        "the model's parameters and buffers, gradients and optimizer state (parameters made "
+        "trainable mid-run, e.g. progressive unfreezing, or new parameter groups; a buffer a "
+        "module grows to a longer input, e.g. a cached causal mask; or a new model while "
+        "earlier ones stay alive): not a leak"
     )
 
 
