@@ -3714,3 +3714,33 @@ def test_the_last_steps_output_freed_when_the_forward_returns_is_not_other_in_ba
     assert ran_out.oom is not None and ran_out.oom.phase == "backward"
     assert ran_out.oom.breakdown.other <= batch
     assert "oom-other" not in {a.code for a in ran_out.oom.advice}
+
+
+class CheckpointedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_an_oom_in_step_0_of_a_checkpointed_model_does_not_advise_checkpointing():
+    """Sweep BH: an OOM inside a checkpointed block at step 0, before any backward recomputed
+    one, was told "or checkpoint the largest blocks"; the forward's checkpoint regions show
+    it already runs."""
+    torch.manual_seed(0)
+    model = CheckpointedBlocks()
+    opt = torch.optim.AdamW(model.parameters())
+    tracker = track(model, opt, device="cpu", budget="16MiB", postmortem=None)
+    with pytest.raises(torch.OutOfMemoryError), tracker:
+        model(torch.randn(4096, 128)).square().mean().backward()
+    pm = tracker.report().oom
+    assert pm is not None and pm.step == 0 and pm.phase == "forward"
+    (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
+    assert "checkpointing is already on" in advice.evidence
+    assert "checkpoint the largest blocks" not in advice.action

@@ -461,7 +461,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         done = f" Activation checkpointing already runs ({blocks} recomputed in backward)."
         checkpoint = ""
     elif pm.setup is not None and pm.setup.checkpointing:
-        done, checkpoint = " Activation checkpointing is already on (the trainer's setting).", ""
+        done = " Activation checkpointing is already on (the model's or the trainer's setting)."
+        checkpoint = ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
     if not accumulate and not k:

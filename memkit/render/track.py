@@ -358,7 +358,7 @@ def _checkpointing_line(report: TrackReport) -> str | None:
     outer = [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
     if not told and not outer:
         return None
-    setting = " on (the trainer's setting);" if told else ""
+    setting = " on (the model's or the trainer's setting);" if told else ""
     if not outer:
         return f"activation checkpointing:{setting} no forward seen recomputed in backward"
     span = outer[0] if len(outer) == 1 else f"{outer[0]} ... {outer[-1]}"

@@ -274,6 +274,11 @@ class Evidence:
         facts = self.facts
         if facts.accumulation_steps is None:  # no framework callback told it
             facts.accumulation_steps = accelerate_accumulation(modules)
+        if facts.checkpointing is None and (
+            facts.checkpoint_seen
+            or any(getattr(m, "is_gradient_checkpointing", False) is True for m in modules)
+        ):  # (before any recompute: an OOM in step 0; transformers' own setting)
+            facts.checkpointing = True
         # once a step is enough (and when a model or optimizer is found, or a trainer's
         # settings arrive)
         key = (

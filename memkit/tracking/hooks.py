@@ -95,6 +95,11 @@ def _off_device_region() -> object | None:
     return pack if getattr(pack, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS) else None
 
 
+def _recomputes(region: object) -> bool:
+    """Whether the saved-tensor hook ``region`` is non-reentrant checkpointing's."""
+    return getattr(region, "__qualname__", "").startswith(_OFF_DEVICE_PACKERS[0])
+
+
 _LOOK_EVERY = 10
 """Steps at least between two looks for models a new optimizer asks for (a loop that makes
 one every step, a per-batch latent's, would pay a sampled step's hooks every step)."""
@@ -704,6 +709,8 @@ class Hooks:
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
             frame.region = region = _off_device_region()
+            if region is not None and _recomputes(region):
+                self.evidence.facts.checkpoint_seen = True
             frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
         # (a training pass runs in training mode: no need to read the module again; an

@@ -123,6 +123,7 @@ class RunFacts:
     # the first step: known before the first optimizer step or recompute shows them
     accumulation_steps: int | None = None
     checkpointing: bool | None = None
+    checkpoint_seen: bool = False  # a training forward ran inside torch.utils.checkpoint
     # a model found running is a LightningModule: its automatic_optimization (``None``: no
     # Lightning), so that memkit run says the advice in Lightning's terms as its callback does
     lightning_automatic: bool | None = None
