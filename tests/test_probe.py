@@ -249,6 +249,27 @@ def test_memory_returns_to_baseline_after_many_ooms():
     assert backend.allocated() == baseline
 
 
+def test_target_batch_where_the_optimizer_steps_in_backward_is_not_advised_accumulation():
+    """Sweep BH: the optimizer step fused into backward (post-accumulate-grad hooks) was told
+    "call optimizer.step() and zero_grad() every 4 micro batches"; such a step cannot
+    accumulate, and the probe ran its search again for an accumulating step."""
+    model = small_mlp()
+    optimizers = {p: torch.optim.SGD([p], lr=0.01) for p in model.parameters()}
+
+    def step(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",
+                   target_batch=4096)  # fmt: skip
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    assert "which this step cannot accumulate" in advice.title
+    assert f"Train with batch_size={result.recommended_batch_size}" in advice.action
+    assert not any(d.startswith("without accumulation:") for d in result.defaults)
+
+
 def test_target_batch_advises_exact_accumulation():
     model = small_mlp()
     result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",

@@ -3630,7 +3630,9 @@ def test_a_failure_of_the_host_view_never_reaches_the_scripts_cpu_call(monkeypat
             assert kept.cpu() is kept
 
 
-def fused_backward_steps(iterations: int, tracked: bool) -> tuple[Any, int]:
+def fused_backward_steps(
+    iterations: int, tracked: bool, budget: str = "64MiB", batch: int = 128
+) -> tuple[Any, int]:
     """PyTorch's tutorial "fusing the optimizer step into the backward pass": one Adam per
     parameter, stepped and zeroed by ``register_post_accumulate_grad_hook``; no
     ``optimizer.step()`` in the loop. ``(the report, 0)`` tracked, else ``(None, the peak
@@ -3647,10 +3649,14 @@ def fused_backward_steps(iterations: int, tracked: bool) -> tuple[Any, int]:
 
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step)
-        block = track(model, device="cpu", budget="64MiB") if tracked else contextlib.nullcontext()
-        with block as t:
+        block = (
+            track(model, device="cpu", budget=budget, postmortem=None)
+            if tracked
+            else contextlib.nullcontext()
+        )
+        with contextlib.suppress(torch.OutOfMemoryError), block as t:
             for _ in range(iterations):
-                model(torch.randn(128, 256)).pow(2).mean().backward()
+                model(torch.randn(batch, 256)).pow(2).mean().backward()
     return (t.report(), 0) if tracked else (None, counted.peak)
 
 
@@ -3670,6 +3676,20 @@ def test_an_optimizer_step_fused_into_backward_ends_the_step_with_the_backward()
     params = sum(p.numel() * 4 for p in nn.Linear(256, 256).parameters()) * 3
     steps = 6 * 4  # each Adam's float32 ``step`` of its one parameter
     assert dev.breakdown is not None and dev.breakdown.optimizer_state == 2 * params + steps
+
+
+def test_an_oom_where_the_optimizer_steps_in_backward_advises_no_accumulation():
+    """Sweep BH: the post-mortem counted every parameter's gradient to come, where one lives
+    at a time, and advised accumulating micro-batches, which a step inside backward cannot."""
+    report, _ = fused_backward_steps(2, tracked=True, budget="8MiB", batch=2048)
+    pm = report.oom
+    assert pm is not None and pm.setup is not None
+    largest = 256 * 256 * 4
+    assert pm.setup.stepped_in_backward_bytes == largest
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    assert f"one parameter at a time, the largest's ({format_size(largest)}" in adv.evidence
+    assert "accumulate gradients over" not in adv.action
+    assert "gradients cannot accumulate over micro-batches" in adv.action
 
 
 class Bigram(nn.Module):

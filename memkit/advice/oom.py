@@ -332,12 +332,14 @@ def _state_to_come(pm: OomPostMortem, bd: Breakdown) -> tuple[int, int, str]:
     else those that require grad, else every parameter) arrive in the step's backward and
     stay through accumulation; the state arrives at the first ``optimizer.step()`` (the
     buffers per parameter its class and settings keep: the setup's ``state_buffers``; 0 for
-    an optimizer not known)."""
+    an optimizer not known). An optimizer step fused into backward (post-accumulate-grad
+    hooks) frees each gradient as it steps it: one parameter's at a time, the largest."""
     setup = pm.setup
     trained = (
         None if setup is None else setup.optimized_bytes or setup.trainable_bytes
     ) or bd.parameters
-    gradients = max(0, trained - bd.gradients)
+    fused = None if setup is None else setup.stepped_in_backward_bytes
+    gradients = max(0, min(trained, fused or trained) - bd.gradients)
     name = None if setup is None else setup.optimizer
     buffers = (None if setup is None else setup.state_buffers) or 0
     state = max(0, buffers * trained - bd.optimizer_state)
@@ -407,10 +409,16 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     k = _fitting_cut(fixed, scaled, pm.capacity, samples)
     # what the memory held at the failure loses: the activations' cut, less what training adds
     saving = bd.activations - bd.activations // max(1, k) - added
+    fused = pm.setup is not None and bool(pm.setup.stepped_in_backward_bytes)
     adds = "; ".join(
         part
         for part in (
-            f"the gradients of the parameters it trains ({format_size(gradients)})"
+            (
+                f"the gradient of one parameter at a time, the largest's "
+                f"({format_size(gradients)}: the optimizer steps each in backward)"
+                if fused
+                else f"the gradients of the parameters it trains ({format_size(gradients)})"
+            )
             if gradients
             else "",
             f"{what}, {format_size(state)}, from the first optimizer step" if state else "",
@@ -439,7 +447,14 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     # a cut that fits the known capacity is the remedy even where the memory held at the
     # failure would not fall (it held no gradients or state yet); else it must save
     offered = bool(k) and (pm.capacity is not None or saving > 0)
-    if offered and micro > 1:
+    if offered and fused:  # (sweep BH: accumulation was advised where no step can accumulate)
+        cut = _cut_words(k, samples).replace("micro-batch", "batch")
+        accumulate = (
+            f"{cut[:1].upper()}{cut[1:]}: the optimizer steps inside backward (the parameters' "
+            "post-accumulate-grad hooks), so gradients cannot accumulate over micro-batches "
+            "and the effective batch shrinks with it"
+        )
+    elif offered and micro > 1:
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: "
             f"{_cut_words(k, samples)} and accumulate over {k * micro} ({_effective(k, samples)})"

@@ -40,6 +40,7 @@ def probe_advice(
     batch_norm: bool = False,
     growing: tuple[int, int, int] | None = None,
     state: ModelState | None = None,
+    steps_in_backward: bool = False,
 ) -> list[Advice]:
     """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers; with
     the model's ``state``, ``fsdp-gpus`` when that state alone exceeds the capacity: the rest
@@ -47,7 +48,8 @@ def probe_advice(
     ``probe-state-grows`` when the memory kept between the answer's steps still grew at the
     last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
     state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
-    size."""
+    size (``steps_in_backward``: the optimizer steps inside backward, and no accumulation
+    can reach the target)."""
     if search.max_batch_size is None:
         trial = search.trials[0]
         found = [
@@ -84,7 +86,29 @@ def probe_advice(
     if target_batch is None or micro is None:
         return advice
     plan = plan_accumulation(target_batch, micro, world_size)
+    if steps_in_backward and plan.steps > 1:
+        return [*advice, _no_accumulation(plan, micro, device)]
     return [*advice, accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
+
+
+def _no_accumulation(plan: AccumulationPlan, recommended: int, device: str) -> Advice:
+    """``accumulate`` where the optimizer steps inside backward: the target needs micro
+    batches whose gradients this step cannot add up."""
+    return Advice(
+        code="accumulate",
+        title=f"Target batch {plan.target_batch} needs {plan.steps} micro batches, which this "
+        "step cannot accumulate",
+        evidence=(
+            f"The recommended batch size on {device} is {recommended}. The model's parameters "
+            "have post-accumulate-grad hooks: the optimizer steps each inside backward and "
+            "frees its gradient, so gradients do not add up over micro batches."
+        ),
+        action=(
+            f"Train with batch_size={recommended} (the effective batch is then {recommended}: "
+            f"scale the learning rate for it), or step outside backward (`optimizer.step()` "
+            f"every {plan.steps} backward passes) to accumulate {plan.steps} x {plan.micro_batch}."
+        ),
+    )
 
 
 def state_still_grows(

@@ -401,7 +401,10 @@ def probe_with(
     with watch as half_regions, _probing(model, opts.mode, saved, backend, bar):
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
-            steps_advised = _advised_accumulation(search, opts, capacities, plan)
+            in_backward = _steps_in_backward(model)
+            steps_advised = (
+                None if in_backward else _advised_accumulation(search, opts, capacities, plan)
+            )
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
                 defaults.append(_without_accumulation(search.max_batch_size, history))
@@ -459,6 +462,7 @@ def probe_with(
     return _build_result(
         search, history, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
+        steps_in_backward=_steps_in_backward(model),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
         trials_without_accumulation=plain_trials,
     )  # fmt: skip
@@ -730,6 +734,16 @@ def _sample_batch(
         raise UserCodeError(f"{what} raised {type(exc).__name__}: {exc}", exc) from exc
 
 
+def _steps_in_backward(model: torch.nn.Module) -> bool:
+    """Whether the model's trainable parameters have post-accumulate-grad hooks: an optimizer
+    step fused into backward (each parameter stepped, its gradient freed), which no loop can
+    accumulate over micro-batches (sweep BH)."""
+    return any(
+        p.requires_grad and getattr(p, "_post_accumulate_grad_hooks", None)
+        for p in model.parameters()
+    )
+
+
 def _has_batch_norm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -931,6 +945,7 @@ def _build_result(
     state: ModelState | None = None,
     schedule: Schedule | None = None,
     trials_without_accumulation: tuple[ProbeTrial, ...] = (),
+    steps_in_backward: bool = False,
 ) -> ProbeResult:
     trials = _timed_trials(search, history)
     records = {t.batch_size: t for t in trials}  # each size's last trial
@@ -947,6 +962,7 @@ def _build_result(
         batch_norm=batch_norm,
         growing=growing,
         state=state,
+        steps_in_backward=steps_in_backward,
     )
     model = search.model
     return ProbeResult(

@@ -361,11 +361,14 @@ class WeightCensus:
             require grad: a frozen backbone in an optimizer over all parameters is not).
         narrow: bytes of the parameters and buffers (trainable or frozen) on the device held
             in 16 bits or fewer: a bf16 or int8 frozen base.
+        stepped_in_backward: the largest trainable parameter's bytes where one has a
+            post-accumulate-grad hook (the optimizer step fused into backward), else 0.
     """
 
     trainable_dtypes: dict[str, int] = field(default_factory=dict)
     optimized: int = 0
     narrow: int = 0
+    stepped_in_backward: int = 0
 
     def add(self, t: torch.Tensor, nbytes: int) -> None:
         """Count ``nbytes`` of weight ``t`` (0 where counted already, or on another device)."""
@@ -415,6 +418,9 @@ def training_setup(
         if census is not None and modules
         else None,
         state_buffers=buffers,
+        stepped_in_backward_bytes=census.stepped_in_backward or None
+        if census is not None and modules
+        else None,
     )
 
 
@@ -588,6 +594,8 @@ def persistent_bytes(
             census.add(p, n)
             if id(p) in optimized:
                 census.optimized += n
+            if n and p.requires_grad and getattr(p, "_post_accumulate_grad_hooks", None):
+                census.stepped_in_backward = max(census.stepped_in_backward, n)
     ddps = list({id(m): m for m in (*modules, *wrappers) if is_ddp(m)}.values())
     views = set().union(*map(bucket_views, ddps)) if ddps else set()
     for p in all_params:

@@ -246,6 +246,10 @@ class TrainingSetup:
         float64_bytes: of ``trainable_bytes``, those in double precision (float64, and
             complex128: a Fourier layer's under a float64 default; a float64 head on a float32
             body: what single precision would halve).
+        stepped_in_backward_bytes: where parameters have post-accumulate-grad hooks (an
+            optimizer step fused into backward, each parameter stepped and its gradient freed
+            as backward makes it), the largest trainable parameter's bytes: the most gradient
+            memory alive at once; gradients cannot accumulate over micro-batches.
     """
 
     param_dtype: str | None = None
@@ -261,6 +265,7 @@ class TrainingSetup:
     trainable_bytes: int | None = None
     state_buffers: int | None = None
     float64_bytes: int | None = None
+    stepped_in_backward_bytes: int | None = None
 
 
 @dataclass(frozen=True)
