@@ -3764,3 +3764,17 @@ def test_an_oom_in_step_0_of_a_checkpointed_model_does_not_advise_checkpointing(
     (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
     assert "checkpointing is already on" in advice.evidence
     assert "checkpoint the largest blocks" not in advice.action
+
+
+def test_offloading_with_save_on_cpu_on_the_simulated_device_is_said_to_stay_counted():
+    """Sweep BH: on the simulated device ``save_on_cpu``'s host copy is the tensor itself, so
+    what a GPU moves off stays counted (22.78 MiB where the CUDA stand-in reads 8.29); the
+    report said nothing of it."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            with torch.autograd.graph.save_on_cpu():
+                loss = model(torch.randn(32, 64)).square().mean()
+            loss.backward()
+    notes = [n for n in tracker.report().notes if n.startswith("save_on_cpu:")]
+    assert len(notes) == 1 and "stay counted" in notes[0]

@@ -442,6 +442,22 @@ class Hooks:
             "this to memkit)"
         )
 
+    def _region_seen(self, region: object) -> None:
+        """A training forward runs inside a saved-tensor hook that keeps nothing on the device:
+        checkpointing is on; offloading (``save_on_cpu``) on the simulated device, where the
+        host copy is the device tensor itself, keeps counting what a GPU would move off (a
+        note, once; sweep BH)."""
+        facts = self.evidence.facts
+        if _recomputes(region):
+            facts.checkpoint_seen = True
+        elif self.devices.sim is not None and not facts.offload_noted:
+            facts.offload_noted = True
+            self.notes.append(
+                "save_on_cpu: on the simulated device a tensor's host copy is the tensor itself, "
+                "so the activations it offloads stay counted, where a GPU moves them to the host "
+                "(measure offloading with memkit.devices.cuda_standin, or on a GPU)"
+            )
+
     def remove(self) -> None:
         """Remove every hook and put back every wrapped function."""
         if self._warning_filter is not None:
@@ -709,8 +725,8 @@ class Hooks:
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
             frame.region = region = _off_device_region()
-            if region is not None and _recomputes(region):
-                self.evidence.facts.checkpoint_seen = True
+            if region is not None:
+                self._region_seen(region)
             frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
         # (a training pass runs in training mode: no need to read the module again; an

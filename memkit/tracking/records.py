@@ -124,6 +124,7 @@ class RunFacts:
     accumulation_steps: int | None = None
     checkpointing: bool | None = None
     checkpoint_seen: bool = False  # a training forward ran inside torch.utils.checkpoint
+    offload_noted: bool = False  # ... inside save_on_cpu, said on the simulated device
     # a model found running is a LightningModule: its automatic_optimization (``None``: no
     # Lightning), so that memkit run says the advice in Lightning's terms as its callback does
     lightning_automatic: bool | None = None
