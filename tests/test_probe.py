@@ -1796,3 +1796,20 @@ def test_an_oom_inside_lbfgs_first_step_leaves_no_half_written_state_for_the_nex
                    train_step=step, device="cpu", budget="16MiB", max_batch=512)  # fmt: skip
     assert result.max_batch_size == 64
     assert not [t for t in result.trials if t.error and "TypeError" in t.error]
+
+
+def test_the_steps_line_where_the_answer_kept_no_more_says_so_not_that_it_grew():
+    """Sweep BI: batches of random shapes made the kept memory rise from one step to the next
+    at some sizes, and the line said "grew: at batch 6, 0 B more after step 5 than after step
+    1"."""
+    from memkit.probing.result import ProbeTrial
+    from memkit.probing.runner import _kept_growth
+
+    trials = [
+        ProbeTrial(4, True, 1000, 0.1, steps_run=5, kept_growth_bytes=512),
+        ProbeTrial(6, True, 1500, 0.1, steps_run=5),
+        ProbeTrial(7, False, 2000, 0.1),
+    ]
+    (line,), growing = _kept_growth(trials, 6, 2, "train", 2)
+    assert growing is None and "0 B more" not in line
+    assert "rose from one step to the next" in line and "at batch 6, no more after step 5" in line

@@ -1047,13 +1047,21 @@ def _kept_growth(
         return [line], None
     grew = format_size(at.kept_growth_bytes or 0)
     state = format_size(at.optimizer_growth_bytes or 0)
+    others = [t for t in longer if t.still_growing and t is not at]
+    if not at.kept_growth_bytes and not at.still_growing and not others:  # (sweep BI: 0 B)
+        line = (
+            f"steps: up to {most} per trial (--steps {steps}), while the memory kept between "
+            "steps rose from one step to the next (what a step keeps follows its batch: "
+            f"random shapes?); at batch {at.batch_size}, no more after step {at.steps_run} "
+            "than after step 1"
+        )
+        return [line], None
     line = (
         f"steps: up to {most} per trial (--steps {steps}), while the memory kept between steps "
         f"grew: at batch {at.batch_size}, {grew} more after step {at.steps_run} than after "
         f"step 1, {state} of it the optimizer's state"
         + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
     )
-    others = [t for t in longer if t.still_growing and t is not at]
     if others and not at.still_growing:
         near = min(others, key=lambda t: abs(t.batch_size - at.batch_size))
         line += (
