@@ -366,9 +366,12 @@ def _fitting_cut(fixed: int, scaled: int, capacity: int | None, samples: int | N
     return k
 
 
-def _cut_words(k: int, samples: int | None) -> str:
-    """``halve the micro-batch (32 -> 16)``, ``quarter ...``, ``cut the micro-batch to 1/8``."""
-    sizes = f" ({samples} -> {samples // k})" if samples and samples >= k else ""
+def _cut_words(k: int, samples: int | None, least: bool = False) -> str:
+    """``halve the micro-batch (32 -> 16)``, ``quarter ...``, ``cut the micro-batch to 1/8``;
+    ``least``: the cut is the least that can fit (a forward that stopped part way), ``(32 ->
+    16 or fewer)``."""
+    fewer = " or fewer" if least else ""
+    sizes = f" ({samples} -> {samples // k}{fewer})" if samples and samples >= k else ""
     if k in (2, 4):
         return f"{'halve' if k == 2 else 'quarter'} the micro-batch{sizes}"
     return f"cut the micro-batch to 1/{k}{sizes}"
@@ -447,8 +450,9 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     # a cut that fits the known capacity is the remedy even where the memory held at the
     # failure would not fall (it held no gradients or state yet); else it must save
     offered = bool(k) and (pm.capacity is not None or saving > 0)
+    least = pm.phase == "forward"  # (sweep BI: 8 -> 4 ran out at its longer sequence)
     if offered and fused:  # (sweep BH: accumulation was advised where no step can accumulate)
-        cut = _cut_words(k, samples).replace("micro-batch", "batch")
+        cut = _cut_words(k, samples, least).replace("micro-batch", "batch")
         accumulate = (
             f"{cut[:1].upper()}{cut[1:]}: the optimizer steps inside backward (the parameters' "
             "post-accumulate-grad hooks), so gradients cannot accumulate over micro-batches "
@@ -457,10 +461,11 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     elif offered and micro > 1:
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: "
-            f"{_cut_words(k, samples)} and accumulate over {k * micro} ({_effective(k, samples)})"
+            f"{_cut_words(k, samples, least)} and accumulate over {k * micro} "
+            f"({_effective(k, samples)})"
         )
     elif offered:
-        cut = _cut_words(k, samples)
+        cut = _cut_words(k, samples, least)
         unknown = (  # no optimizer step ran to show how many micro-batches a step runs
             pm.step == 0 and (pm.setup is None or pm.setup.accumulation_steps is None)
         )
