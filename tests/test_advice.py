@@ -1144,6 +1144,6 @@ def test_the_oom_accumulation_says_when_the_cut_does_not_keep_the_batch_whole():
     odd = action(1023)
     assert (
         "(1023 -> 255 or fewer)" in odd
-        and "4 x 255 = 1020 samples a step where the batch had 1023" in odd
+        and "4 x 255 = 1020 samples a step where the step had 1023" in odd
     )
     assert "same effective batch" in action(1024)

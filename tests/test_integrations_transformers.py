@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -304,3 +305,35 @@ def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(MissingDependencyError, match=r"pip install memkit\[transformers\]"):
         import memkit.integrations.transformers  # noqa: F401
+
+
+def test_a_model_that_checkpoints_is_known_to_before_any_recompute_without_a_warning():
+    """Sweep BH: a step-0 OOM in a GPT-2 after ``gradient_checkpointing_enable()`` was told to
+    checkpoint. The model's flag says so; transformers 5 warns on its old name
+    (``is_gradient_checkpointing``), which must not reach the script (review: with warnings
+    as errors, tracking a model that does not checkpoint stopped)."""
+    import warnings
+
+    def setup(checkpointing: bool) -> Any:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16
+        )
+        model = transformers.GPT2LMHeadModel(config)
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # (renamed in transformers 5)
+                model.gradient_checkpointing_enable()
+        model.train()
+        ids = torch.randint(0, 100, (2, 16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            with memkit.track(model, device="cpu", budget="64MiB") as tracker:
+                for _ in range(2):
+                    model(input_ids=ids, labels=ids).loss.backward()
+        report = tracker.report()
+        assert not any("stopped tracking" in n for n in report.notes), report.notes
+        return report.devices[0].setup
+
+    assert setup(True).checkpointing is True
+    assert setup(False).checkpointing is None

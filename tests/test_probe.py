@@ -1750,11 +1750,13 @@ def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     # the margin is not said to protect (sweep VV: a GNN's random graphs ran out in 4 of 40
     # steps at the recommended size)
     assert "keep the recommended margin" not in said and "(2 a trial, --steps)" in said
-    # the largest input the trials drew at the answer is named (sweep BI: 6 to 8 from one
-    # script, the lengths behind them nowhere)
+    # the largest input the trials drew at the answer is named, of the tensors whose shapes
+    # vary: the targets, not the fixed (n, 64) features (sweep BI: 6 to 8 from one script, the
+    # lengths behind them nowhere)
     answer = result.max_batch_size
     (drawn,) = [d for d in result.defaults if d.startswith("shapes drawn:")]
-    assert f"the answer, {answer}, fit with inputs up to {answer}x64 " in drawn
+    length = int(drawn.split(f"the answer, {answer}, fit with inputs up to ")[1].split(" ")[0])
+    assert 5 * answer <= length < 30 * answer
     fixed = probe(small_mlp_64(), lambda n: torch.randn(n, 64), device="cpu", budget="8MiB",
                   max_batch=4)  # fmt: skip
     assert not any("different shapes" in d for d in fixed.defaults)

@@ -3702,19 +3702,20 @@ class Bigram(nn.Module):
         return self.lm_head(self.emb(x))
 
 
-def bigram_loop(budget: str | int, iterations: int = 3) -> TrackReport:
-    """The usual ``logits = model(x)`` loop: the last step's logits stay bound until the next
-    forward returns."""
+def bigram_loop(budget: str | int, iterations: int = 3, accumulate: int = 1) -> TrackReport:
+    """The usual ``logits = model(x)`` loop: the last step's (micro-batch's) logits stay
+    bound until the next forward returns."""
     torch.manual_seed(0)
     model = Bigram()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracker = track(model, opt, device="cpu", budget=budget, postmortem=None)
     with contextlib.suppress(torch.OutOfMemoryError), tracker:
         for _ in range(iterations):
-            x, y = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits.view(-1, 2000), y.view(-1))
-            loss.backward()
+            for _ in range(accumulate):
+                x, y = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.view(-1, 2000), y.view(-1))
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     return tracker.report()
@@ -3734,6 +3735,9 @@ def test_the_last_steps_output_freed_when_the_forward_returns_is_not_other_in_ba
     assert ran_out.oom is not None and ran_out.oom.phase == "backward"
     assert ran_out.oom.breakdown.other <= batch
     assert "oom-other" not in {a.code for a in ran_out.oom.advice}
+    # review: under accumulation, the last micro-batch's logits are this step's own
+    accumulating = bigram_loop("64MiB", accumulate=2).devices[0]
+    assert accumulating.breakdown is not None and accumulating.breakdown.other <= batch
 
 
 class CheckpointedBlocks(nn.Module):
@@ -3778,3 +3782,48 @@ def test_offloading_with_save_on_cpu_on_the_simulated_device_is_said_to_stay_cou
             loss.backward()
     notes = [n for n in tracker.report().notes if n.startswith("save_on_cpu:")]
     assert len(notes) == 1 and "stay counted" in notes[0]
+
+
+def test_a_tensor_subclass_batch_keeps_tracking_on():
+    """Review: a tensor subclass's storage (a DTensor's, a TwoTensor's) has no data pointer to
+    read; the snapshot of the last step's outputs raised at step 1 and tracking stopped."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            x = torch.randn(8, 16)
+            pair = TwoTensor(x, x.clone())  # (alive at the next forward's start, as its output)
+            out = model(pair)
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert report.steps == 3 and not any("stopped tracking" in n for n in report.notes)
+
+
+def test_an_optimizer_stepped_outside_backward_beside_one_inside_owns_the_steps():
+    """Review: an embedding stepped by a post-accumulate-grad hook beside an AdamW over the
+    rest. The hook's optimizer took the steps: each ended with the backward, and AdamW's step,
+    the one that makes its state included, fell into the next."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 500))
+    emb = model[0].weight
+    sparse = torch.optim.SGD([emb], lr=0.1)
+
+    def step(_: torch.Tensor) -> None:
+        sparse.step()
+        sparse.zero_grad()
+
+    emb.register_post_accumulate_grad_hook(step)
+    main = torch.optim.AdamW([p for p in model.parameters() if p is not emb])
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            x = torch.randint(0, 500, (8, 16))
+            nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            main.step()
+            main.zero_grad()
+    report = tracker.report()
+    assert report.steps == 3 and report.optimizer_name == "AdamW"
+    assert all(s.phase_peaks["optimizer"] for s in report.devices[0].steps)

@@ -377,14 +377,24 @@ def _cut_words(k: int, samples: int | None, least: bool = False) -> str:
     return f"cut the micro-batch to 1/{k}{sizes}"
 
 
-def _effective(k: int, samples: int | None) -> str:
-    """What accumulating ``k`` micro-batches of ``samples // k`` keeps of the batch (sweep BI:
-    7 -> 3 over 2 was called the same effective batch)."""
+def _effective(k: int, samples: int | None, micro: int = 1) -> str:
+    """What accumulating ``k`` times the ``micro`` micro-batches of ``samples`` a step, cut to
+    ``samples // k``, keeps of the step's samples (sweep BI: 7 -> 3 over 2 was called the same
+    effective batch).
+
+    >>> _effective(2, 8)
+    'same effective batch'
+    >>> _effective(2, 7)[:42]
+    '2 x 3 = 6 samples a step where the step ha'
+    >>> _effective(4, 1023, 4)[:48]
+    '16 x 255 = 4080 samples a step where the step ha'
+    """
     if not samples or samples % k == 0 or samples < k:
         return "same effective batch"
     return (
-        f"{k} x {samples // k} = {samples // k * k} samples a step where the batch had "
-        f"{samples}: a batch size divisible by {k} keeps it whole"
+        f"{k * micro} x {samples // k} = {samples // k * k * micro} samples a step where the "
+        f"step had {samples * micro}: a {'micro-' if micro > 1 else ''}batch size divisible "
+        f"by {k} keeps it whole"
     )
 
 
@@ -462,7 +472,7 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: "
             f"{_cut_words(k, samples, least)} and accumulate over {k * micro} "
-            f"({_effective(k, samples)})"
+            f"({_effective(k, samples, micro)})"
         )
     elif offered:
         cut = _cut_words(k, samples, least)

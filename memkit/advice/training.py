@@ -920,9 +920,10 @@ def zero_grad_keeps_grads(
     elif in_backward and saving is not None:
         where = (
             ", and training's peak came in backward, which began with them still allocated "
-            "(`set_to_none=False`): backward adds each gradient into them, where freed it "
-            "creates each as it goes, so they are all alive from its start. Freed before the "
-            f"forward, they lower the peak by up to {format_size(saving)}"
+            "(`set_to_none=False`, or a `zero_grad()` that comes only after this backward: a "
+            "GAN's generator's, kept from its step): backward adds each gradient into them, "
+            "where freed it creates each as it goes, so they are all alive from its start. "
+            f"Freed before the forward, they lower the peak by up to {format_size(saving)}"
             + (
                 f": down to another phase's peak ({format_size(next_peak_bytes or 0)})."
                 if saving < subject

@@ -18,6 +18,7 @@ import gc
 import inspect
 import itertools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -57,7 +58,13 @@ from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch
 from memkit.probing.state import SavedState, unwrap_optimizer
 from memkit.probing.step import StepPlan, batch_shapes, check_batch, check_batch_grows
-from memkit.probing.trials import Backend, TrialCallback, TrialRunner, first_line
+from memkit.probing.trials import (
+    Backend,
+    TrialCallback,
+    TrialRunner,
+    first_line,
+    larger_shapes,
+)
 from memkit.progress import TrialProgress
 from memkit.simulated.eager import eager_note, is_compiled
 from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
@@ -289,7 +296,7 @@ def probe_with(
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    checked, shapes_vary = _check_batches(make_batch, opts, model_file)
+    checked, varying = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
@@ -346,7 +353,7 @@ def probe_with(
     del target, sync
     started = None if bar is None else bar.started
     held_after_oom: dict[int, int] = {}
-    largest_inputs: dict[int, tuple[int, ...]] = {}
+    largest_inputs: dict[int, list[tuple[int, ...]]] = {}
     untrained: list[int] = []
     plain_trials: tuple[ProbeTrial, ...] = ()  # the first search's, when the answer accumulates
 
@@ -370,7 +377,8 @@ def probe_with(
             schedule = runner.schedule
         finally:
             held_after_oom.update(runner.held_after_oom)
-            largest_inputs.update(runner.largest_inputs)
+            for size, shapes in runner.largest_inputs.items():  # (both searches': the larger)
+                largest_inputs[size] = larger_shapes(largest_inputs.get(size), shapes)
             if runner.untrained is not None:
                 untrained.append(runner.untrained)
             del runner, search  # before the next search and the clean-up
@@ -445,8 +453,8 @@ def probe_with(
         defaults.append(_dropout_note(*dropouts, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
-    if shapes_vary and search.max_batch_size is not None:
-        defaults.append(_drawn_note(search.max_batch_size, largest_inputs, history))
+    if varying and search.max_batch_size is not None:
+        defaults.append(_drawn_note(search.max_batch_size, largest_inputs, varying, history))
     if untrained:
         defaults.append(
             f"warning: the training step left the parameters unchanged (batch {untrained[0]}): "
@@ -664,10 +672,11 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
 
 def _check_batches(
     make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
-) -> tuple[list[str], bool]:
+) -> tuple[list[str], tuple[int, ...]]:
     """Make the batches for ``min_batch`` and ``min_batch + 1`` (twice: the RNG states as they
     were after) and check them; the notes for a batch dimension that is not the first and
-    for batches whose shapes vary at one size (random lengths), and whether they do."""
+    for batches whose shapes vary at one size (random lengths), and which of their tensors
+    (by place in :func:`batch_shapes`) do."""
     low, where = opts.min_batch, f"make_batch({opts.min_batch})"
     rng = devices.rng_state()
     try:
@@ -678,6 +687,11 @@ def _check_batches(
         devices.restore_rng_state(rng)
     first, second = batch_shapes(big), batch_shapes(again)
     varies = first != second
+    varying = (
+        tuple(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+        if len(first) == len(second)
+        else tuple(range(len(first)))
+    )
     if model_file is not None:
         layout = check_batch(small, low, f"{where} in {model_file}", bigger=big, varies=varies)
     else:
@@ -692,26 +706,33 @@ def _check_batches(
             "recommended size too (its margin is not sized to the spread): probe with more "
             "draws (--steps 20), or bound the lengths (pad or cap them)"
         )
-    return notes, varies
+    return notes, varying
 
 
 def _drawn_note(
-    answer: int, largest: dict[int, tuple[int, ...]], history: Sequence[ProbeTrial]
+    answer: int,
+    largest: dict[int, list[tuple[int, ...]]],
+    varying: tuple[int, ...],
+    history: Sequence[ProbeTrial],
 ) -> str:
     """What the trials drew at the answer and at the smallest size that ran out, for a
-    ``make_batch`` of random shapes (sweep BI: answers of 6 to 8 from one script, the lengths
-    behind them named nowhere)."""
+    ``make_batch`` of random shapes: the largest of the tensors whose shapes vary (``varying``,
+    by place; a VLM's fixed images are not what varies) (sweep BI: answers of 6 to 8 from one
+    script, the lengths behind them named nowhere)."""
 
     def shape(size: int) -> str:
-        drawn = largest.get(size)
-        return "x".join(map(str, drawn)) if drawn else "?"
+        drawn = largest.get(size) or []
+        shapes = [drawn[i] for i in varying if i < len(drawn)] or drawn
+        top = max(shapes, key=math.prod, default=None)
+        return "x".join(map(str, top)) if top is not None else "?"
 
     failed = min((t.batch_size for t in history if not t.fits and t.batch_size > answer),
                  default=None)  # fmt: skip
     ran_out = f"; {failed} ran out drawing up to {shape(failed)}" if failed is not None else ""
     return (
         f"shapes drawn: the answer, {answer}, fit with inputs up to {shape(answer)} (the "
-        f"largest tensor its trials drew){ran_out}: it holds for batches no larger than that"
+        f"largest its trials drew of the tensors whose shapes vary){ran_out}: it holds for "
+        "batches no larger than that"
     )
 
 

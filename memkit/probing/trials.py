@@ -60,6 +60,20 @@ Backend = CudaBackend | SimulatedBackend
 TrialCallback = Callable[[ProbeTrial], None]
 
 
+def larger_shapes(
+    known: list[tuple[int, ...]] | None, shapes: list[tuple[int, ...]]
+) -> list[tuple[int, ...]]:
+    """Each tensor's larger shape (by elements) of ``known`` and ``shapes`` (``shapes``
+    where the batches hold different numbers of tensors).
+
+    >>> larger_shapes([(2, 9), (2,)], [(2, 12), (2,)])
+    [(2, 12), (2,)]
+    """
+    if known is None or len(known) != len(shapes):
+        return shapes
+    return [max(a, b, key=math.prod) for a, b in zip(known, shapes, strict=True)]
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The error's message in one line of at most ``limit`` characters, cut after its last
     whole sentence that fits (else with an ellipsis), or its type's name.
@@ -355,9 +369,9 @@ class TrialRunner:
         )
         self._works: list[StepWork] = []  # the work of the last trial's steps (with a watch)
         self.history: list[ProbeTrial] = []  # every trial, in the order run
-        # batch size -> the shape of the largest input tensor the trials drew at it (a
+        # batch size -> each input tensor's largest shape the trials drew at it (a
         # make_batch of random lengths draws another at every call)
-        self.largest_inputs: dict[int, tuple[int, ...]] = {}
+        self.largest_inputs: dict[int, list[tuple[int, ...]]] = {}
 
     @property
     def trial_steps(self) -> int:
@@ -383,10 +397,9 @@ class TrialRunner:
         args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
         try:
             batch = self.make_batch(*args)
-            shape = max(batch_shapes(batch), key=math.prod, default=None)
+            shapes = batch_shapes(batch)
             known = self.largest_inputs.get(batch_size)
-            if shape is not None and (known is None or math.prod(shape) > math.prod(known)):
-                self.largest_inputs[batch_size] = shape
+            self.largest_inputs[batch_size] = larger_shapes(known, shapes)
             return batch
         except Exception as exc:
             if is_oom(exc) or isinstance(exc, MemoryError):

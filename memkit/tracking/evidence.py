@@ -12,6 +12,7 @@ training setup.
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import astuple, dataclass, field
@@ -77,6 +78,8 @@ class Evidence:
         self.witness_epoch = 0  # bumped when the witnesses change (their flags mean others)
         self.several = False  # gradients watched for more than one optimizer (marks needed)
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
+        self._flags_read: frozenset[int] = frozenset()  # the models whose own flags were read
+        self._model_checkpoints = False  # ... and whether one checkpoints activations
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
@@ -274,11 +277,13 @@ class Evidence:
         facts = self.facts
         if facts.accumulation_steps is None:  # no framework callback told it
             facts.accumulation_steps = accelerate_accumulation(modules)
-        if facts.checkpointing is None and (
-            facts.checkpoint_seen
-            or any(getattr(m, "is_gradient_checkpointing", False) is True for m in modules)
-        ):  # (before any recompute: an OOM in step 0; transformers' own setting)
-            facts.checkpointing = True
+        if facts.checkpointing is None:  # (before any recompute: an OOM in step 0)
+            read = frozenset(map(id, modules))
+            if read != self._flags_read:  # (a model's flag once: transformers walks its modules)
+                self._flags_read = read
+                self._model_checkpoints = any(map(model_checkpoints, modules))
+            if facts.checkpoint_seen or self._model_checkpoints:
+                facts.checkpointing = True
         # once a step is enough (and when a model or optimizer is found, or a trainer's
         # settings arrive)
         key = (
@@ -422,6 +427,22 @@ def training_setup(
         if census is not None and modules
         else None,
     )
+
+
+def model_checkpoints(module: torch.nn.Module) -> bool:
+    """Whether a transformers model says it checkpoints activations
+    (``is_activation_checkpointing``; before transformers 5, ``is_gradient_checkpointing``,
+    a deprecated alias in 5.x whose warning is kept from the script)."""
+    cls = type(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(cls, name):
+                try:
+                    return getattr(module, name) is True
+                except Exception:  # (a property of another library's model that fails)
+                    return False
+    return False
 
 
 def accelerate_accumulation(modules: Sequence[torch.nn.Module]) -> int | None:

@@ -1132,7 +1132,7 @@ class Hooks:
         if not state.active:
             return
         with state.lock:
-            self.phases.end_backward(sys._getframe(1))
+            self.phases.end_backward()
 
     def _engine_begins(self) -> bool:
         """The autograd engine is entered: a backward begins there if a training forward ran
@@ -1161,7 +1161,7 @@ class Hooks:
         state = self.state
         if state.active and self.phases.backward_depth == 0:
             with state.lock:
-                self.phases.backward_ended(sys._getframe(1))
+                self.phases.backward_ended()
 
     def _backward_failed(self) -> None:
         with self.state.lock:
@@ -1199,8 +1199,9 @@ class Hooks:
         self.models.stepping(optimizer, self.state.step)
         if not self.models.counts(optimizer, self.state.backward_passes):
             return None
-        self.phases.optimizer_called(optimizer)
-        if self.phases.backward_depth > 0:  # in a gradient hook: its work is backward's
+        in_backward = self.phases.backward_depth > 0  # in a gradient hook: backward's work
+        self.phases.optimizer_called(optimizer, in_backward)
+        if in_backward:
             return None
         # ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the forward
         # and backward run inside step(); the optimizer's own work starts when the closure
@@ -1240,7 +1241,7 @@ class Hooks:
             return
         with state.lock:
             if self.phases.backward_depth > 0:
-                self.phases.optimizer_in_backward(optimizer)
+                self.phases.optimizer_in_backward()
             else:
                 self.phases.optimizer_ends(optimizer, sys._getframe(1))
 

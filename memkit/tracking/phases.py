@@ -104,7 +104,8 @@ class PhaseMachine:
         self._former: weakref.ref[Any] | None = None  # the owner a successor took over from
         self.optimizer_calls = 0  # optimizer.step() calls seen (a GradScaler skip makes none)
         self.backward_depth = 0
-        self.step_in_backward = False  # the counted optimizer stepped inside this backward
+        self.step_in_backward = False  # an optimizer stepped inside this backward
+        self.step_after_backward = False  # ... so the step ends, unless an owner steps
         self.backward_raised = False  # the last backward raised (its phase stays till the next)
         self.backward_steps = 0  # steps counted from backward passes, not yet confirmed
         self.abandoned_steps = 0  # of those, the ones before an attempt that raised
@@ -300,6 +301,9 @@ class PhaseMachine:
             # no optimizer steps: a new training forward after a backward begins the next step
             self.boundary(frame)
             self.backward_steps += 1
+        elif self.step_after_backward:  # the optimizer steps ran inside the last backward
+            self.step_after_backward = False
+            self.boundary(frame)
         self.transition(FORWARD)
         if self.failed_base is not None:
             self._retry_begins(frame)
@@ -403,36 +407,37 @@ class PhaseMachine:
             self.transition(BACKWARD)
         self.backward_depth += 1
 
-    def end_backward(self, frame: Any) -> None:
-        """``torch.autograd.backward`` returned (``frame``: where the leak search starts, if
-        the step ends with it)."""
+    def end_backward(self) -> None:
+        """``torch.autograd.backward`` returned."""
         if self.backward_depth > 0:
             self.backward_depth -= 1
         if self.state.phase == BACKWARD and self.backward_depth == 0:
-            self._backward_done(frame)
+            self._backward_done()
 
-    def backward_ended(self, frame: Any) -> None:
+    def backward_ended(self) -> None:
         """The autograd engine finished a backward that did not go through
         ``torch.autograd.backward`` (its end was queued when a gradient hook saw it)."""
         if self.state.phase == BACKWARD:
-            self._backward_done(frame)
+            self._backward_done()
 
-    def _backward_done(self, frame: Any) -> None:
-        """A backward pass ended; the step too where the optimizer stepped inside it."""
+    def _backward_done(self) -> None:
+        """A backward pass ended."""
         state = self.state
         state.backwards += 1
         state.backward_passes += 1
         self.transition(OTHER)
-        if self.step_in_backward:
-            self.step_in_backward = False
+        if self.step_in_backward:  # the step ends where the next training forward begins,
+            self.step_in_backward = False  # unless an optimizer owning the steps steps first
             self._count_micro_batches()
-            self.boundary(frame)
+            self.step_after_backward = True
 
     def backward_failed(self) -> None:
         """``torch.autograd.backward`` raised (the phase stays: a post-mortem reads it; a
         forward after it, in a script that caught the error, is a new pass, no recompute)."""
         self.backward_depth = max(0, self.backward_depth - 1)
         self.backward_raised = self.backward_depth == 0
+        if self.backward_raised:
+            self.step_in_backward = False  # (its steps ran in a backward that raised)
         self.attempt_failed(sys.exc_info()[1], closed=False)  # while the error propagates
 
     def attempt_failed(self, exc: BaseException | None, closed: bool = True) -> None:
@@ -456,9 +461,15 @@ class PhaseMachine:
         if primary is not None and self.evidence.facts.retry_held is None:
             self.failed_base = primary.forward_base  # where the failed attempt began
 
-    def optimizer_called(self, optimizer: Any) -> None:
-        """``optimizer.step()`` was called (before any closure it was given runs)."""
+    def optimizer_called(self, optimizer: Any, in_backward: bool = False) -> None:
+        """``optimizer.step()`` was called (before any closure it was given runs);
+        ``in_backward``: in a gradient hook, where it is seen but takes no ownership of the
+        steps (:meth:`optimizer_in_backward`)."""
         self.optimizer_calls += 1
+        if in_backward:
+            if self.models.see_optimizer(optimizer):
+                self.evidence.find_witness()
+            return
         owner = None if self.step_owner is None else self.step_owner()
         passes = self.state.backward_passes
         if owner is optimizer:
@@ -533,14 +544,15 @@ class PhaseMachine:
         if fresh > self.micro_batches:
             self.micro_batches = fresh
 
-    def optimizer_in_backward(self, optimizer: Any) -> None:
-        """``optimizer.step()`` returned inside a backward: the optimizer step fused into
+    def optimizer_in_backward(self) -> None:
+        """An ``optimizer.step()`` returned inside a backward: the optimizer step fused into
         backward (PyTorch's tutorial: one optimizer per parameter, stepped by
         ``register_post_accumulate_grad_hook`` as its gradient is made; sweep BH). Its work
-        stays backward's, and the step ends with the backward, if this optimizer's steps
-        count. Before, each step ended at the first such step, mid-backward."""
-        owner = self.step_owner() if self.step_owner is not None else None
-        if not self.manual_steps and (owner is None or owner is optimizer):
+        stays backward's, and no such optimizer owns the steps: the step ends where the next
+        training forward begins, unless an optimizer stepped outside backward (beside those,
+        an AdamW over the rest) ends it first. Before, each step ended at the first such
+        step, mid-backward."""
+        if not self.manual_steps and self.step_owner is None:
             self.step_in_backward = True
 
     def optimizer_ends(self, optimizer: Any, frame: Any) -> None:
@@ -548,6 +560,7 @@ class PhaseMachine:
         (``frame``: the caller's, where the leak search starts)."""
         owner = self.step_owner() if self.step_owner is not None else None
         if not self.manual_steps and (owner is None or owner is optimizer):
+            self.step_after_backward = False
             self.boundary(frame)
         else:
             self.transition(OTHER)
@@ -582,7 +595,9 @@ class PhaseMachine:
             self.grads_none_at_forward = grads_none
             if evidence.several:
                 devices.mark_gradients()
-            last = [t for t in map(_DEREF, self.last_own) if t is not None]
+            # this step's (a micro-batch's ``logits``) and the last's; the forward's own inputs
+            # join ``own`` after this
+            last = [t for t in map(_DEREF, self.own | self.last_own) if t is not None]
             for dev in (single,) if single is not None else devices.records.values():
                 on = last if single is not None else filter(_on_devices([dev]), last)
                 dev.base_outputs = _storages(on)
@@ -924,7 +939,7 @@ class PhaseMachine:
 
     def finish(self) -> None:
         """The block ends normally: the last step of a loop without an optimizer ends too."""
-        if self.state.backwards and self.step_rule() == "backward":
+        if (self.state.backwards and self.step_rule() == "backward") or self.step_after_backward:
             self.boundary(None)
         elif self.frozen_segment:  # a frozen model's forward was the last thing to run
             self._close_segment()
@@ -1018,10 +1033,11 @@ def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | 
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref[Any], int]]:
-    """The dense ``tensors``' storages: data pointer -> (weak reference, bytes)."""
+    """The dense ``tensors``' storages: data pointer -> (weak reference, bytes); plain
+    tensors only (a DTensor's storage has no data pointer to read)."""
     out = {}
     for t in tensors:
-        if t.layout is torch.strided:
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided:
             storage = t.untyped_storage()
             out[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
     return out

@@ -226,8 +226,10 @@ class TrainingSetup:
         accumulation_steps: micro-batches per optimizer step as the trainer is set
             (transformers' ``gradient_accumulation_steps``, Lightning's
             ``accumulate_grad_batches``), told by a framework callback; ``None``: not told.
-        checkpointing: whether the trainer is set to checkpoint activations (transformers'
-            ``gradient_checkpointing``), told by a framework callback; ``None``: not told.
+        checkpointing: whether activations are checkpointed: the trainer's setting
+            (transformers' ``gradient_checkpointing``, told by a framework callback), the
+            model's own flag (transformers' ``is_activation_checkpointing``), or a training
+            forward seen inside a non-reentrant checkpoint region; ``None``: none says.
         sparse_gradients: the model makes sparse gradients (an ``nn.Embedding`` or
             ``nn.EmbeddingBag`` with ``sparse=True``) or an optimizer is SparseAdam: the
             advice offers only optimizers that take them.
