@@ -207,3 +207,40 @@ def test_accelerates_accumulation_reaches_an_oom_in_the_first_micro_batch():
     assert report.devices[0].setup.accumulation_steps == 4
     advice = {a.code: a for a in report.oom.advice}
     assert "already accumulates gradients over 4 micro-batches" in advice["oom-activations"].action
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "fabric"])
+def test_the_optimizer_a_framework_wraps_given_to_track_counts_each_step(framework):
+    """Sweep BK: ``memkit.track(model, optimizer)`` with the optimizer Fabric's ``setup`` or
+    accelerate's ``prepare`` returns: torch's step hooks see the inner optimizer step, which
+    was taken for a replacement of the one given, and its first step folded into the next: 2
+    steps of 3, "up to 8 micro-batches per step"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    if framework == "fabric":
+        fabric_module = pytest.importorskip("lightning.fabric")
+        fabric = fabric_module.Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, opt)
+        backward = fabric.backward
+    else:
+        accelerate = pytest.importorskip("accelerate")
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        backward = accelerator.backward
+    try:
+        with track(model, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(3):
+                for _ in range(4):
+                    backward(model(torch.randn(16, 32)).pow(2).mean() / 4)
+                opt.step()
+                opt.zero_grad()
+        report = tracker.report()
+    finally:
+        if framework == "accelerate":
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    assert report.steps == 3 and report.micro_batches == 4
+    assert all(s.backward_passes == 4 for s in report.devices[0].steps)

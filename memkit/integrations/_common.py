@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from memkit.devices import get_backend, parse_device
 from memkit.errors import ConfigError, MissingDependencyError
-from memkit.probing.state import unwrap_optimizer
+from memkit.optimizers import unwrap_optimizer
 from memkit.tracking.options import check_flag, check_track_options
 from memkit.tracking.outputs import check_writable, rank_path
 from memkit.tracking.tracker import DEFAULT_TIMELINE_LIMIT, Tracker

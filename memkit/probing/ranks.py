@@ -48,8 +48,8 @@ from memkit import distributed
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError
 from memkit.oom import is_oom
+from memkit.optimizers import unwrap_optimizer
 from memkit.probing.hooks import ProbeHook
-from memkit.probing.state import unwrap_optimizer
 
 __all__ = [
     "PeerFailed",

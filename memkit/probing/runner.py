@@ -50,13 +50,14 @@ from memkit.modelfile import (
     seq_len_missing,
 )
 from memkit.oom import is_oom, recover
+from memkit.optimizers import unwrap_optimizer
 from memkit.probing.hooks import ProbeHook
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
 from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch
-from memkit.probing.state import SavedState, unwrap_optimizer
+from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, batch_shapes, check_batch, check_batch_grows
 from memkit.probing.trials import (
     Backend,

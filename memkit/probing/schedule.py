@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memkit.probing.state import unwrap_optimizer
+from memkit.optimizers import unwrap_optimizer
 
 __all__ = ["Schedule", "StepWatch", "StepWork", "WorkLog", "cycle_of", "steady_from"]
 

@@ -24,23 +24,6 @@ __all__ = ["ModuleAttributes", "SavedState"]
 log = logging.getLogger(__name__)
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer``, which
-    subclasses ``Optimizer`` without its hooks' state; Lightning's ``LightningOptimizer``), or
-    ``optimizer`` itself; ``None`` when it is no torch optimizer."""
-    seen = 0
-    while seen < 8 and not _is_plain(optimizer):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer, seen = inner, seen + 1
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def _is_plain(optimizer: Any) -> bool:
-    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
-
-
 def _stateful_of(optimizer: Any) -> list[Any]:
     """The learning-rate schedulers of ``optimizer`` and the AMP gradient scalers alive: a
     scheduler holds its optimizer and the optimizer knows nothing of it, and a scaler is

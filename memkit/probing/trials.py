@@ -33,12 +33,13 @@ from memkit.errors import (
 )
 from memkit.modelfile import step_traceback
 from memkit.oom import is_oom, parse_oom_message, recover
+from memkit.optimizers import unwrap_optimizer
 from memkit.probing.hints import step_hint
 from memkit.probing.hooks import ProbeHook
 from memkit.probing.ranks import PeerFailed, RankSync, agreed_outcome
 from memkit.probing.result import ProbeTrial
 from memkit.probing.schedule import Schedule, StepWatch, StepWork, WorkLog
-from memkit.probing.state import SavedState, unwrap_optimizer
+from memkit.probing.state import SavedState
 from memkit.probing.step import StepPlan, batch_shapes, to_device
 from memkit.simulated.accountant import storages_of
 from memkit.units import format_size

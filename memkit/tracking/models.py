@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from memkit.errors import ConfigError, found
+from memkit.optimizers import unwrap_optimizer
 from memkit.simulated.eager import is_compiled
 from memkit.tracking.fsdp import user_class_name
 from memkit.tracking.records import RootInfo
@@ -56,7 +57,9 @@ def _checked_optimizers(optimizer: Any) -> list[Any]:
                 "optimizer: expected a torch.optim.Optimizer, a list of them, or None (every "
                 f"optimizer that steps), found {found(item)}"
             )
-    return optimizers
+    # the one that steps: torch's step hooks see a wrapper's inner optimizer (sweep BK:
+    # Fabric's and accelerate's, given, made its first step a replacement's: 2 steps of 3)
+    return [unwrap_optimizer(item) or item for item in optimizers]
 
 
 def _param_ids(optimizer: Any) -> set[int]:
