@@ -244,3 +244,24 @@ def test_the_optimizer_a_framework_wraps_given_to_track_counts_each_step(framewo
             GradientState._reset_state()
     assert report.steps == 3 and report.micro_batches == 4
     assert all(s.backward_passes == 4 for s in report.devices[0].steps)
+
+
+def test_a_fabric_model_reads_as_the_model_it_wraps_with_its_precision():
+    """Sweep BK: module rows under Fabric read ``_forward_module.lm_head``, and a
+    ``precision="bf16-mixed"`` run (Fabric enters autocast inside its wrapper's forward, after
+    the hooks) was told to add autocast."""
+    fabric_module = pytest.importorskip("lightning.fabric")
+    torch.manual_seed(0)
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            fabric.backward(model(torch.randn(256, 64)).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    paths = {m.path for m in report.devices[0].modules}
+    assert {"0", "1", "2"} <= paths and not any(p.startswith("_forward_module") for p in paths)
+    assert report.autocast_forwards == 2
+    assert "mixed-precision" not in {a.code for a in report.advice}

@@ -58,11 +58,26 @@ def is_fsdp_unit(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp)
 
 
+def wrapped_module(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The model inside a wrapper that adds no module of its own: a ``torch.compile``
+    wrapper's (``_orig_mod``), Lightning Fabric's ``_FabricModule``'s (``_forward_module``);
+    ``None`` for any other module."""
+    for name in ("_orig_mod", "_forward_module"):
+        inner = module.__dict__.get("_modules", {}).get(name)
+        if isinstance(inner, torch.nn.Module) and (
+            name == "_orig_mod" or type(module).__name__ == "_FabricModule"
+        ):
+            return inner
+    return None
+
+
 def user_class_name(module: torch.nn.Module) -> str:
-    """The class name the user wrote: a ``torch.compile`` wrapper's model's, and for a module
-    FSDP2 wrapped (its class becomes ``FSDP<Name>``, a subclass of ``FSDPModule`` and the
-    original) the original's."""
-    inner = getattr(module, "_orig_mod", module)
+    """The class name the user wrote: a wrapper's model's (:func:`wrapped_module`), and for a
+    module FSDP2 wrapped (its class becomes ``FSDP<Name>``, a subclass of ``FSDPModule`` and
+    the original) the original's."""
+    inner = module
+    for _ in range(4):  # (a compiled model Fabric wraps)
+        inner = wrapped_module(inner) or inner
     cls = type(inner)
     fsdp = _fsdp_module_class()
     if fsdp is not None and isinstance(inner, fsdp):

@@ -52,7 +52,7 @@ import torch
 from memkit.oom import is_oom
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.fsdp import is_fsdp_unit, user_class_name
+from memkit.tracking.fsdp import is_fsdp_unit, user_class_name, wrapped_module
 from memkit.tracking.leaks import tensors_within
 from memkit.tracking.models import TrackedModels
 from memkit.tracking.phases import PhaseMachine
@@ -279,7 +279,10 @@ class Hooks:
             post = self._detail_post
             if post is None:
                 post = self._detail_post = self._make_post()
-            for name, mod in model.named_modules():
+            inner = model  # (the model a wrapper holds: Fabric's, its paths without the prefix)
+            for _ in range(4):
+                inner = wrapped_module(inner) or inner
+            for name, mod in inner.named_modules():
                 if not name:
                     continue  # the model's own hooks are permanent
                 leaf = all(m is None for m in mod._modules.values())  # no child module

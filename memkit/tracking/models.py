@@ -16,7 +16,7 @@ import torch
 from memkit.errors import ConfigError, found
 from memkit.optimizers import unwrap_optimizer
 from memkit.simulated.eager import is_compiled
-from memkit.tracking.fsdp import user_class_name
+from memkit.tracking.fsdp import user_class_name, wrapped_module
 from memkit.tracking.records import RootInfo
 
 __all__ = ["TrackedModels", "forward_autocast", "is_compiled"]
@@ -418,21 +418,21 @@ class TrackedModels:
 
     @staticmethod
     def _walk(module: torch.nn.Module, name: str, keys: dict[int, str | None]) -> None:
-        """``keys`` of ``module``'s submodules (``name.path``); a compiled model's wrapped one
-        is transparent (``None``)."""
-        target = getattr(module, "_orig_mod", None)
-        wrapper = isinstance(target, torch.nn.Module)
-        inner: torch.nn.Module = target if wrapper else module  # type: ignore[assignment]
-        if wrapper:
+        """``keys`` of ``module``'s submodules (``name.path``); the model a wrapper holds (a
+        compiled model's, Fabric's: :func:`wrapped_module`) is transparent (``None``)."""
+        inner = module
+        for _ in range(4):
+            target = wrapped_module(inner)
+            if target is None:
+                break
+            inner = target
             keys[id(inner)] = None
         for path, sub in inner.named_modules():
             if path:
                 keys[id(sub)] = f"{name}.{path}"
 
     def _new_root(self, module: torch.nn.Module) -> RootInfo:
-        target = getattr(module, "_orig_mod", None)
-        inner = target if isinstance(target, torch.nn.Module) else module
-        name = self._distinct(user_class_name(inner), module)
+        name = self._distinct(user_class_name(module), module)
         keys: dict[int, str | None] = {id(module): name}
         self._walk(module, name, keys)
         if len(self.roots) > 256:
@@ -466,8 +466,15 @@ def forward_autocast(module: torch.nn.Module) -> str | None:
     autocast(forward))``; ``@torch.autocast(...)`` on a ``forward`` is the same. Such an
     autocast is entered inside the call, after the forward pre-hooks, so a hook never sees it
     on: this reads the wrapper chain instead (``__wrapped__``, ``model_forward``, ``__func__``
-    and the closures' autocast instances).
+    and the closures' autocast instances). Lightning Fabric's ``_FabricModule`` enters its
+    precision's autocast inside its ``forward`` too: its ``precision="bf16-mixed"`` says so
+    (sweep BK: the mixed-precision advice told a bf16-mixed run to add autocast).
     """
+    if type(module).__name__ == "_FabricModule":
+        precision = getattr(module.__dict__.get("_strategy"), "precision", None)
+        mode = getattr(precision, "precision", None)
+        if isinstance(mode, str) and mode.endswith("-mixed"):
+            return "bfloat16" if mode.startswith("bf16") else "float16"
     autocast_type = getattr(torch.amp, "autocast", None)
     if autocast_type is None:
         return None
