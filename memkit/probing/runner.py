@@ -512,8 +512,9 @@ def _returns_keys(module: torch.nn.Module, seen: list[bool]) -> Any:
             return
         config = getattr(getattr(mod, "module", mod), "config", None)
         if getattr(config, "use_cache", False) is True:
-            keys = ("cache", "past_key_values")
-            seen[0] = any(out[key] is not None for key in keys if key in out)
+            # (read as a dict: transformers 5's output answers for the old name with a
+            # deprecation message to the script's log; sweep BK)
+            seen[0] = any(dict.get(out, key) is not None for key in ("cache", "past_key_values"))
 
     return module.register_forward_hook(ProbeHook(look))  # (copied inert: an EMA's deepcopy)
 
