@@ -769,3 +769,28 @@ def test_catch_oom_follow_chain_keeps_the_outer_exception() -> None:
     with catch_oom(follow_chain=True) as caught:
         raise _wrapped_oom()
     assert str(caught.oom) == "step failed"  # the outer exception, not its OOM cause
+
+
+def test_adams_first_step_that_cannot_fit_at_any_batch_is_said_so():
+    """Sweep BJ: AdamW's first step ran out with its state part made (17% of the memory): the
+    rule, reading that share, stayed silent and "lower the batch size first" was the advice,
+    where the weights, gradients and complete state exceed the device at any batch."""
+    import torch
+    from torch import nn
+
+    from memkit.tracking import track
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    tracker = track(model, opt, device="cpu", budget="6MiB", postmortem=None)
+    with pytest.raises(torch.OutOfMemoryError), tracker:
+        model(torch.randn(1, 512)).sum().backward()
+        opt.step()
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "optimizer"
+    advice = {a.code: a for a in pm.advice}
+    assert "oom-no-dominant-part" not in advice
+    state = advice["oom-optimizer-state"]
+    assert "no batch size fits with it" in state.evidence and state.severity == "critical"
+    assert "SGD with momentum" in state.action

@@ -529,10 +529,20 @@ def oom_optimizer_state(
     bd: Breakdown, share: dict[str, float], pm: OomPostMortem | None = None
 ) -> Advice | None:
     """``oom-optimizer-state``: optimizer state was at least 30% of the memory (LBFGS: its
-    history, and a smaller ``history_size``)."""
-    if share["optimizer state"] < 0.3:
-        return None
+    history, and a smaller ``history_size``); in the first optimizer step, which was creating
+    it, priced complete (sweep BJ: AdamW's first step, whose complete state does not fit
+    beside the weights and gradients at any batch, was told to lower the batch)."""
     setup = None if pm is None else pm.setup
+    stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
+    name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
+    buffers = STATE_BUFFERS.get(name)
+    partial = pm is not None and pm.optimizer_state_partial
+    complete = buffers * stepped if partial and buffers else None
+    weight = share["optimizer state"]
+    if complete is not None and complete > bd.optimizer_state:
+        weight = complete / (bd.total - bd.optimizer_state + complete)
+    if weight < 0.3:
+        return None
     if setup is not None and setup.optimizer == "LBFGS":
         found = lbfgs_history(bd.optimizer_state, bd.parameters, setup.history_size)
         if found is not None:
@@ -552,13 +562,9 @@ def oom_optimizer_state(
                 severity="critical",
             )
     sparse = setup is not None and (bool(setup.sparse_gradients) or setup.optimizer == "SparseAdam")
-    stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
-    name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
-    state, sep = bd.optimizer_state, ": "
-    if pm is not None and pm.optimizer_state_partial:
+    state, sep, severity = bd.optimizer_state, ": ", "warning"
+    if partial:
         # its first step was creating the state: priced as it will be once complete
-        buffers = STATE_BUFFERS.get(name)
-        complete = buffers * stepped if buffers else None
         amsgrad = " (3 with `amsgrad=True`)" if name in ("Adam", "AdamW") else ""
         per_parameter = "partial: the optimizer step that failed was creating it" + (
             f". Complete, {name} keeps {buffers} buffers of the parameters' size{amsgrad}: "
@@ -567,6 +573,13 @@ def oom_optimizer_state(
             else ""
         )
         state, sep = max(state, complete or 0), ", "
+        held = bd.parameters + bd.gradients + state
+        if pm is not None and pm.capacity is not None and held > pm.capacity:
+            per_parameter += (
+                f"; with the parameters and gradients that comes to {format_size(held)} of the "
+                f"{format_size(pm.capacity)}: no batch size fits with it"
+            )
+            severity = "critical"
     else:
         per_parameter = state_per_parameter(state, stepped)
     offered = lighter_options(
@@ -590,7 +603,7 @@ def oom_optimizer_state(
             else f"{shard[0].upper()}{shard[1:]}: 2 ranks save {format_size(state // 2)} per rank."
         ),
         saving_bytes=min(s for _, s in offered) if offered else state // 2,
-        severity="warning",
+        severity=severity,
     )
 
 
