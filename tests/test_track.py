@@ -3827,3 +3827,26 @@ def test_an_optimizer_stepped_outside_backward_beside_one_inside_owns_the_steps(
     report = tracker.report()
     assert report.steps == 3 and report.optimizer_name == "AdamW"
     assert all(s.phase_peaks["optimizer"] for s in report.devices[0].steps)
+
+
+def test_a_half_models_gradients_copied_to_fp32_master_weights_are_not_stale():
+    """Sweep BJ: an apex/Megatron-style loop (a bf16 model, fp32 master copies stepped by the
+    optimizer, the model's gradients copied over and freed after each step) was told its
+    model's gradients belong to parameters no optimizer steps, "saving ~4.99 MiB"; they live
+    for a backward, not a step (freeing them sooner left the peak where it was)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)).to(torch.bfloat16)
+    master = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(master, lr=1e-4)
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(4):
+            model(torch.randn(32, 128, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            for p, m in zip(model.parameters(), master, strict=True):
+                m.grad = p.grad.float()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), master, strict=True):
+                    p.copy_(m)
+            model.zero_grad(set_to_none=True)
+    assert "stale-gradients" not in {a.code for a in tracker.report().advice}

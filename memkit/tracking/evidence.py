@@ -84,8 +84,10 @@ class Evidence:
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
         self._stale_again = -1  # a step stale_due looks again at (after a new optimizer)
-        # what stale_check found, to confirm: (step, [(model, [parameter, ...]), ...])
-        self._stale: tuple[int, list[tuple[str, list[weakref.ref[torch.Tensor]]]]] | None = None
+        # what stale_check found, to confirm: (step, [(model, [(parameter, its .grad)]), ...])
+        self._stale: (
+            tuple[int, list[tuple[str, list[tuple[weakref.ref[torch.Tensor], ...]]]]] | None
+        ) = None
 
     def find_witness(self, optimizers: list[Any] | None = None) -> None:
         """Pick the gradient witnesses anew (an optimizer first seen: its parameter is a better
@@ -195,10 +197,13 @@ class Evidence:
         the device (``holds``): none that an optimizer stepped in the last
         :data:`_RECENT_STEPS` steps holds (a WGAN's generator, stepped every fifth), and
         confirmed at the next boundary (a GAN's discriminator, whose gradients the generator's
-        backward made, steps after the generator's step ends step 0). What optimizers still
-        alive but no longer stepping hold counts for nothing (a trainer that keeps each
-        fold's). Each look's bytes are kept by step: the advice claims what was found at the
-        last look before the peak."""
+        backward made, steps after the generator's step ends step 0), where the same gradient
+        tensors are still there: ones freed and made anew in the step (an fp32 master-weights
+        loop's half model, whose gradients are copied to the master copies' and freed after
+        each step; sweep BJ) live for a backward, not a step. What optimizers still alive but
+        no longer stepping hold counts for nothing (a trainer that keeps each fold's). Each
+        look's bytes are kept by step: the advice claims what was found at the last look
+        before the peak."""
         stepped = self.models.stepped(since=step - _RECENT_STEPS + 1)
         ids = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
         pending, self._stale = self._stale, None
@@ -206,11 +211,12 @@ class Evidence:
         if pending is not None:
             seen_at, found = pending
             alive = (
-                (name, [p for p in (r() for r in refs) if p is not None]) for name, refs in found
-            )
+                (name, [p for p, g in ((r(), g()) for r, g in refs) if p is not None and
+                        g is not None and p.grad is g])
+                for name, refs in found
+            )  # fmt: skip
             stale = _gradient_bytes(
-                (name, [p for p in params if p.grad is not None and id(p) not in ids])
-                for name, params in alive
+                (name, [p for p in params if id(p) not in ids]) for name, params in alive
             )
             total = sum(n for _, n in stale)
             facts.stale_looks = (*facts.stale_looks[-63:], (seen_at, total))
@@ -219,7 +225,7 @@ class Evidence:
         if not due or not stepped:  # (no optimizer stepped: manual updates)
             return
         found = [
-            (name, [weakref.ref(p) for p in params
+            (name, [(weakref.ref(p), weakref.ref(p.grad)) for p in params
                     if p.grad is not None and id(p) not in ids and (holds is None or holds(p))])
             for name, params in self._params()
         ]  # fmt: skip
