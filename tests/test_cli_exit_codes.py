@@ -298,3 +298,11 @@ def test_a_dropped_ctrl_c_is_not_lost_when_the_command_exits_first():
         FreedDuringCtrlC()  # dropped by Python: "Exception ignored"
         sys.exit(1)
     time.sleep(2 * RESEND_SECONDS)  # a SIGINT sent now would interrupt this test
+
+
+@pytest.mark.parametrize("option", ["--dtype", "--precision"])
+def test_estimate_names_amp_for_a_dtype_option_people_try(option):
+    """Sweep BJ: `memkit estimate ... --dtype bf16` answered "Did you mean '--mode'?"."""
+    result = invoke("estimate", str(FILES / "ok_mlp.py"), "--device-memory", "1GiB", option, "bf16")
+    assert result.exit_code == 2
+    assert f"has no {option}: mixed precision is --amp bf16" in result.stderr

@@ -47,8 +47,22 @@ def _parse_amp(_ctx: click.Context, _param: click.Parameter, value: str | None) 
     return autocast_name(value)
 
 
+def _no_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """``--dtype``/``--precision``, which people try: said where precision is set (sweep BJ:
+    click offered ``--mode``)."""
+    if value is not None:
+        raise click.UsageError(
+            f"memkit estimate has no {param.opts[0]}: mixed precision is --amp bf16 (or fp16: "
+            "torch.autocast over fp32 weights); for weights held in bf16, cast the model in "
+            "build_model() (model.to(torch.bfloat16)), which the estimate runs as it is",
+            ctx,
+        )
+
+
 @click.command("estimate")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--dtype", "--precision", "dtype", hidden=True, expose_value=False,
+              callback=_no_dtype, is_eager=True)  # fmt: skip
 @click.option("--device-memory", required=True, callback=_parse_size_option,
               help="The GPU's total memory: 24GiB, 40GiB, 80GB (GB is decimal).")  # fmt: skip
 @click.option("--mode", type=click.Choice(["train", "infer"]), default="train", show_default=True)
