@@ -47,12 +47,12 @@ def _parse_amp(_ctx: click.Context, _param: click.Parameter, value: str | None) 
     return autocast_name(value)
 
 
-def _no_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+def _no_dtype(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     """``--dtype``/``--precision``, which people try: said where precision is set (sweep BJ:
     click offered ``--mode``)."""
     if value is not None:
         raise click.UsageError(
-            f"memkit estimate has no {param.opts[0]}: mixed precision is --amp bf16 (or fp16: "
+            "memkit estimate has no --dtype or --precision: mixed precision is --amp bf16 (or fp16: "
             "torch.autocast over fp32 weights); for weights held in bf16, cast the model in "
             "build_model() (model.to(torch.bfloat16)), which the estimate runs as it is",
             ctx,
