@@ -52,8 +52,8 @@ def _no_dtype(ctx: click.Context, _param: click.Parameter, value: str | None) ->
     click offered ``--mode``)."""
     if value is not None:
         raise click.UsageError(
-            "memkit estimate has no --dtype or --precision: mixed precision is --amp bf16 (or fp16: "
-            "torch.autocast over fp32 weights); for weights held in bf16, cast the model in "
+            "memkit estimate has no --dtype or --precision: mixed precision is --amp bf16 (or "
+            "fp16: torch.autocast over fp32 weights); for weights held in bf16, cast the model in "
             "build_model() (model.to(torch.bfloat16)), which the estimate runs as it is",
             ctx,
         )
