@@ -855,3 +855,18 @@ def test_mixed_precision_is_offered_where_the_forwards_own_code_follows_half_lay
     (adv,) = [a for a in report.advice if a.code == "mixed-precision"]
     measured = mnist_peak(False, tracked=False) - mnist_peak(True, tracked=False)
     assert adv.saving_bytes is not None and 0.5 * measured <= adv.saving_bytes <= measured
+
+
+def test_mixed_precision_names_the_switch_of_the_framework_that_wrapped_the_model():
+    """Sweep BK: a loop under accelerate or Fabric was told to write `torch.autocast(...)`
+    around its forward, where the framework's own switch does it."""
+    kwargs = {"param_dtype": "float32", "autocast": False, "activation_bytes": 80 << 20,
+              "peak_bytes": 100 << 20, "parameter_bytes": 8 << 20}  # fmt: skip
+    plain = mixed_precision(**kwargs)
+    accelerate = mixed_precision(**kwargs, wrapper="accelerate")
+    fabric = mixed_precision(**kwargs, wrapper="fabric")
+    assert plain is not None and accelerate is not None and fabric is not None
+    assert "torch.autocast" in plain.action
+    assert accelerate.action.startswith('`Accelerator(mixed_precision="bf16")`')
+    assert fabric.action.startswith('`Fabric(precision="bf16-mixed")`')
+    assert plain.saving_bytes == accelerate.saving_bytes == fabric.saving_bytes

@@ -265,3 +265,5 @@ def test_a_fabric_model_reads_as_the_model_it_wraps_with_its_precision():
     assert {"0", "1", "2"} <= paths and not any(p.startswith("_forward_module") for p in paths)
     assert report.autocast_forwards == 2
     assert "mixed-precision" not in {a.code for a in report.advice}
+    setup = report.devices[0].setup
+    assert setup is not None and setup.wrapper == "fabric"

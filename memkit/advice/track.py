@@ -422,6 +422,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             cached_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
             temporary_bytes=temporaries,
+            wrapper=None if setup is None else setup.wrapper,
         ),
         float64_training(
             param_dtype=report.param_dtype,

@@ -105,6 +105,7 @@ def mixed_precision(
     temporary_bytes: int = 0,
     cached_weight_bytes: int | None = None,
     inference: bool = False,
+    wrapper: str | None = None,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training (``inference``: an fp32 inference, worded so) whose
     activations are a large share of the peak.
@@ -138,6 +139,8 @@ def mixed_precision(
             caches its half casts of float32 leaves that require grad only (``cached_cast``
             in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
             anew at each use and freed. ``None``: not known, all the float32 weights.
+        wrapper: the framework that wrapped the model (``"accelerate"``, ``"fabric"``): the
+            action names its switch, which enters the autocast for the script (sweep BK).
 
     The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2``
     (``share``: the float32 weights' share of the weights, 1 without narrow ones;
@@ -198,6 +201,21 @@ def mixed_precision(
     )
     kind = device.split(":")[0] if device.startswith(("cuda", "xpu", "mps")) else "cuda"
     weights = "The parameters" if inference else "Trainable parameters"
+    action = f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward" + (
+        " (the weights stay fp32)."
+        if inference
+        else f" and the loss (weights and the optimizer stay fp32).{scaler}"
+    )
+    if wrapper == "accelerate":
+        action = (
+            f'`Accelerator(mixed_precision="{half}")`: it runs the forward under autocast '
+            "(weights and the optimizer stay fp32)."
+        )
+    elif wrapper == "fabric":
+        action = (
+            f'`Fabric(precision="{"bf16" if half == "bf16" else "16"}-mixed")`: it runs the '
+            "forward under autocast (weights and the optimizer stay fp32)."
+        )
     return Advice(
         code="mixed-precision",
         title=(
@@ -211,14 +229,7 @@ def mixed_precision(
             f"peak on {device}. In {half} most activations take half the bytes (autocast keeps "
             f"a half copy of the weights it casts).{kept32}{frozen}{narrow}{bound}"
         ),
-        action=(
-            f"`with torch.autocast('{kind}', dtype={dtype}):` around the forward"
-            + (
-                " (the weights stay fp32)."
-                if inference
-                else f" and the loss (weights and the optimizer stay fp32).{scaler}"
-            )
-        ),
+        action=action,
         saving_bytes=saving_bytes,
     )
 

@@ -432,7 +432,18 @@ def training_setup(
         stepped_in_backward_bytes=census.stepped_in_backward or None
         if census is not None and modules
         else None,
+        wrapper=_wrapper(modules),
     )
+
+
+def _wrapper(modules: Sequence[torch.nn.Module]) -> str | None:
+    """The framework that wrapped one of ``modules``: ``"accelerate"`` or ``"fabric"``."""
+    for module in modules:
+        if getattr(module, "_is_accelerate_prepared", False):
+            return "accelerate"
+        if type(module).__name__ == "_FabricModule":
+            return "fabric"
+    return None
 
 
 def model_checkpoints(module: torch.nn.Module) -> bool:

@@ -252,6 +252,9 @@ class TrainingSetup:
             optimizer step fused into backward, each parameter stepped and its gradient freed
             as backward makes it), the largest trainable parameter's bytes: the most gradient
             memory alive at once; gradients cannot accumulate over micro-batches.
+        wrapper: the framework that wrapped the model (``"accelerate"``: prepared by an
+            ``Accelerator``; ``"fabric"``: Lightning Fabric's ``setup``), whose own switches
+            the advice names; ``None``: none seen.
     """
 
     param_dtype: str | None = None
@@ -268,6 +271,7 @@ class TrainingSetup:
     state_buffers: int | None = None
     float64_bytes: int | None = None
     stepped_in_backward_bytes: int | None = None
+    wrapper: str | None = None
 
 
 @dataclass(frozen=True)
