@@ -870,3 +870,12 @@ def test_mixed_precision_names_the_switch_of_the_framework_that_wrapped_the_mode
     assert accelerate.action.startswith('`Accelerator(mixed_precision="bf16")`')
     assert fabric.action.startswith('`Fabric(precision="bf16-mixed")`')
     assert plain.saving_bytes == accelerate.saving_bytes == fabric.saving_bytes
+
+
+def test_a_run_under_cpu_autocast_says_its_op_lists_are_not_cudas():
+    """Sweep BJ: a report of a run under CPU bf16 autocast read as a GPU's would, where a
+    loss in the region makes a float32 copy of its bf16 input on the CPU only."""
+    report = mnist_peak(True, tracked=True)
+    notes = [n for n in report.notes if n.startswith("torch.autocast on the CPU")]
+    assert len(notes) == 1 and "estimate --amp bf16" in notes[0]
+    assert not any(n.startswith("torch.autocast on the CPU") for n in mnist_peak(False, True).notes)

@@ -546,6 +546,14 @@ class Tracker:
                     f"under autocast for the advice); on a GPU they run in {said}, and hold "
                     "less (memkit estimate runs them as a GPU would)"
                 )
+            elif self.devices.sim is not None and facts.autocast_forwards:
+                later_notes.append(
+                    "torch.autocast on the CPU: its op lists differ from CUDA's (a loss in the "
+                    "region makes a float32 copy of its bf16 input on the CPU), so a GPU's "
+                    "numbers under autocast can differ (sweep BJ: an LSTM LM saved 11.07 MiB "
+                    "here with its loss inside the region, 26.44 with it outside; memkit "
+                    "estimate --amp bf16 runs CUDA's lists)"
+                )
         end = self._t_end if self._t_end is not None else time.perf_counter()
         rank = launched_rank()
         world = None if rank is None else world_size()
