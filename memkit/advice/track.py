@@ -376,16 +376,8 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
                 layers += m.activation_bytes
         elif wide or follower is None:
             layers += m.activation_bytes
-    # a model's own code: its loss math in float32 (a Hugging Face model's upcast logits and
-    # their log-softmax: twice the last layer's output at most); what else it kept follows
-    # its layers' half outputs (sweep BJ: pytorch/examples' MNIST net, whose F.relu and
-    # F.max_pool2d outputs were taken for float32, got no advice where autocast saved 29%)
-    last = leaves[-1] if leaves else None  # (its output: what it kept, or needed to return)
-    loss_math = 2 * max(last.activation_bytes, last.peak_over_entry) if last else None
     own = sum(
         m.self_activation_bytes
-        if m not in roots or loss_math is None
-        else min(m.self_activation_bytes, loss_math)
         for m in dev.modules
         if not m.leaf and m.calls > 0 and (m in roots or _own_math_float32(m.type_name))
     )
