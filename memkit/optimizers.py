@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["unwrap_optimizer"]
+__all__ = ["steps_in_backward", "unwrap_optimizer"]
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -27,3 +27,30 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 def _is_plain(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
+
+
+def steps_in_backward(param: torch.Tensor) -> bool:
+    """Whether ``param``'s post-accumulate-grad hooks step an optimizer: the recipe that fuses
+    the optimizer step into backward (a hook calling ``optimizer_dict[p].step()``), told by a
+    hook's code naming a ``step``; not a hook that checks, logs or reduces the gradient.
+
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> def check(t):
+    ...     assert t.grad.isfinite().all()
+    >>> _ = p.register_post_accumulate_grad_hook(check)
+    >>> steps_in_backward(p)
+    False
+    >>> opt = torch.optim.SGD([p], lr=0.1)
+    >>> _ = p.register_post_accumulate_grad_hook(lambda t: opt.step())
+    >>> steps_in_backward(p)
+    True
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return hooks is not None and any(map(_calls_a_step, hooks.values()))
+
+
+def _calls_a_step(hook: Any) -> bool:
+    fn = getattr(hook, "func", hook)  # (a functools.partial's)
+    fn = getattr(fn, "__func__", fn)  # (a bound method's)
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    return code is not None and any("step" in name for name in code.co_names)

@@ -337,3 +337,20 @@ def test_a_model_that_checkpoints_is_known_to_before_any_recompute_without_a_war
 
     assert setup(True).checkpointing is True
     assert setup(False).checkpointing is None
+    # turned on after the first steps (review: the flag was read once per model)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.train()
+    ids = torch.randint(0, 100, (2, 16))
+    with memkit.track(model, device="cpu", budget="64MiB") as tracker:
+        for i in range(4):
+            if i == 2:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    model.gradient_checkpointing_enable(
+                        gradient_checkpointing_kwargs={"use_reentrant": True}
+                    )
+            model(input_ids=ids, labels=ids).loss.backward()
+    late = tracker.report().devices[0].setup
+    assert late is not None and late.checkpointing is True

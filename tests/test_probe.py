@@ -268,6 +268,19 @@ def test_target_batch_where_the_optimizer_steps_in_backward_is_not_advised_accum
     assert "which this step cannot accumulate" in advice.title
     assert f"Train with batch_size={result.recommended_batch_size}" in advice.action
     assert not any(d.startswith("without accumulation:") for d in result.defaults)
+    # a hook that checks the gradient steps nothing (review): accumulation as ever
+    checked = small_mlp()
+
+    def check(t: torch.Tensor) -> None:
+        if not bool(t.grad.isfinite().all()):
+            raise FloatingPointError("a gradient is not finite")
+
+    for p in checked.parameters():
+        p.register_post_accumulate_grad_hook(check)
+    result = probe(checked, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",
+                   target_batch=4096)  # fmt: skip
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    assert "cannot accumulate" not in advice.title
 
 
 def test_target_batch_advises_exact_accumulation():
@@ -1812,6 +1825,9 @@ def test_the_steps_line_where_the_answer_kept_no_more_says_so_not_that_it_grew()
         ProbeTrial(6, True, 1500, 0.1, steps_run=5),
         ProbeTrial(7, False, 2000, 0.1),
     ]
-    (line,), growing = _kept_growth(trials, 6, 2, "train", 2)
+    (line,), growing = _kept_growth(trials, 6, 2, "train", 2, shapes_vary=True)
     assert growing is None and "0 B more" not in line
     assert "rose from one step to the next" in line and "at batch 6, no more after step 5" in line
+    assert "its batch's random shape" in line
+    (line,), _ = _kept_growth(trials, 6, 2, "train", 2)
+    assert "random" not in line and "varies from step to step" in line

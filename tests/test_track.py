@@ -3685,7 +3685,7 @@ def test_an_oom_where_the_optimizer_steps_in_backward_advises_no_accumulation():
     pm = report.oom
     assert pm is not None and pm.setup is not None
     largest = 256 * 256 * 4
-    assert pm.setup.stepped_in_backward_bytes == largest
+    assert pm.setup.stepped_in_backward_bytes == (largest, 3 * (largest + 256 * 4))
     (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
     assert f"one parameter at a time, the largest's ({format_size(largest)}" in adv.evidence
     assert "accumulate gradients over" not in adv.action
@@ -3850,3 +3850,78 @@ def test_a_half_models_gradients_copied_to_fp32_master_weights_are_not_stale():
                     p.copy_(m)
             model.zero_grad(set_to_none=True)
     assert "stale-gradients" not in {a.code for a in tracker.report().advice}
+
+
+def test_a_post_accumulate_grad_hook_that_steps_nothing_is_no_step_in_backward():
+    """Review: any post-accumulate-grad hook (a NaN check) was read as the optimizer stepping
+    in backward: the post-mortem of an accumulating AdamW loop counted one parameter's
+    gradient to come and said no step could accumulate."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(3)))
+
+    def check(t: torch.Tensor) -> None:
+        if not bool(t.grad.isfinite().all()):
+            raise FloatingPointError("a gradient is not finite")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(check)
+    opt = torch.optim.AdamW(model.parameters())
+    tracker = track(model, opt, device="cpu", budget="8MiB", postmortem=None)
+    with contextlib.suppress(torch.OutOfMemoryError), tracker:
+        for _ in range(2):
+            model(torch.randn(2048, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    pm = tracker.report().oom
+    assert pm is not None and pm.setup is not None
+    assert pm.setup.stepped_in_backward_bytes is None
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    assert "one parameter at a time" not in adv.evidence
+    assert "accumulate gradients over" in adv.action
+
+
+def test_steps_in_backward_after_a_kfold_fold_whose_optimizer_is_gone_are_counted():
+    """Review: fold 1 trains with AdamW (its optimizer then deleted), fold 2 steps each
+    parameter inside backward; the dead owner's weak reference was taken for an owner and
+    fold 2's steps went uncounted (3 steps of 6)."""
+    torch.manual_seed(0)
+    with track(device="cpu", budget="64MiB") as tracker:
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(3):
+            model(torch.randn(8, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        del model, opt
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+        def step(param: torch.Tensor) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        for _ in range(3):
+            model(torch.randn(8, 32)).sum().backward()
+    assert tracker.report().steps == 6
+
+
+def test_tracker_step_with_the_optimizer_stepping_in_backward_adds_no_empty_step():
+    """Review: ``tracker.step()`` once an iteration, the optimizer stepping inside backward:
+    the step pending from the backward ended once more at the next forward (6 of 5)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(5):
+            model(torch.randn(8, 32)).sum().backward()
+            tracker.step()
+    assert tracker.report().steps == 5

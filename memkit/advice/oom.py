@@ -333,18 +333,31 @@ def _state_to_come(pm: OomPostMortem, bd: Breakdown) -> tuple[int, int, str]:
     stay through accumulation; the state arrives at the first ``optimizer.step()`` (the
     buffers per parameter its class and settings keep: the setup's ``state_buffers``; 0 for
     an optimizer not known). An optimizer step fused into backward (post-accumulate-grad
-    hooks) frees each gradient as it steps it: one parameter's at a time, the largest."""
+    hooks that step) frees each gradient it steps as it is made: of those parameters, one's
+    at a time, the largest."""
     setup = pm.setup
     trained = (
         None if setup is None else setup.optimized_bytes or setup.trainable_bytes
     ) or bd.parameters
     fused = None if setup is None else setup.stepped_in_backward_bytes
-    gradients = max(0, min(trained, fused or trained) - bd.gradients)
+    alive = trained if fused is None else max(0, trained - fused[1]) + fused[0]
+    gradients = max(0, min(trained, alive) - bd.gradients)
     name = None if setup is None else setup.optimizer
     buffers = (None if setup is None else setup.state_buffers) or 0
     state = max(0, buffers * trained - bd.optimizer_state)
     what = f"{name}'s state ({buffers} buffer{'s' if buffers != 1 else ''} of their size)"
     return gradients, state, what
+
+
+def _all_stepped_in_backward(pm: OomPostMortem) -> bool:
+    """Whether every trained parameter is stepped inside backward (post-accumulate-grad hooks
+    that step an optimizer): no micro-batch can accumulate (beside an optimizer stepped after
+    backward, the rest can)."""
+    setup = pm.setup
+    if setup is None or setup.stepped_in_backward_bytes is None:
+        return False
+    trained = setup.optimized_bytes or setup.trainable_bytes or 0
+    return setup.stepped_in_backward_bytes[1] >= trained
 
 
 def _fitting_cut(fixed: int, scaled: int, capacity: int | None, samples: int | None) -> int:
@@ -422,7 +435,7 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     k = _fitting_cut(fixed, scaled, pm.capacity, samples)
     # what the memory held at the failure loses: the activations' cut, less what training adds
     saving = bd.activations - bd.activations // max(1, k) - added
-    fused = pm.setup is not None and bool(pm.setup.stepped_in_backward_bytes)
+    fused = _all_stepped_in_backward(pm)
     adds = "; ".join(
         part
         for part in (
@@ -471,8 +484,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     elif offered and micro > 1:
         accumulate = (
             f"The script already accumulates gradients over {micro} micro-batches: "
-            f"{_cut_words(k, samples, least)} and accumulate over {k * micro} "
-            f"({_effective(k, samples, micro)})"
+            f"{_cut_words(k, samples, least)} and accumulate over {k * micro}"
+            f"{' or more' if least else ''} ({_effective(k, samples, micro)})"
         )
     elif offered:
         cut = _cut_words(k, samples, least)
@@ -480,7 +493,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
             pm.step == 0 and (pm.setup is None or pm.setup.accumulation_steps is None)
         )
         accumulate = (
-            f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps ("
+            f"{cut[:1].upper()}{cut[1:]} and accumulate gradients over {k} steps"
+            f"{' or more' if least else ''} ("
             + _effective(k, samples)
             + (f"; {k} times what your loop already accumulates, if it does)" if unknown else ")")
         )
@@ -535,7 +549,7 @@ def oom_optimizer_state(
     setup = None if pm is None else pm.setup
     stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
     name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
-    buffers = STATE_BUFFERS.get(name)
+    buffers = (setup.state_buffers if setup is not None else None) or STATE_BUFFERS.get(name)
     partial = pm is not None and pm.optimizer_state_partial
     complete = buffers * stepped if partial and buffers else None
     weight = share["optimizer state"]

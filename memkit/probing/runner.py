@@ -50,7 +50,7 @@ from memkit.modelfile import (
     seq_len_missing,
 )
 from memkit.oom import is_oom, recover
-from memkit.optimizers import unwrap_optimizer
+from memkit.optimizers import steps_in_backward, unwrap_optimizer
 from memkit.probing.hooks import ProbeHook
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
@@ -471,7 +471,7 @@ def probe_with(
     return _build_result(
         search, history, backend, plan, opts, defaults, capacities,
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
-        steps_in_backward=_steps_in_backward(model),
+        steps_in_backward=_steps_in_backward(model), shapes_vary=bool(varying),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
         trials_without_accumulation=plain_trials,
     )  # fmt: skip
@@ -758,13 +758,12 @@ def _sample_batch(
 
 
 def _steps_in_backward(model: torch.nn.Module) -> bool:
-    """Whether the model's trainable parameters have post-accumulate-grad hooks: an optimizer
-    step fused into backward (each parameter stepped, its gradient freed), which no loop can
-    accumulate over micro-batches (sweep BH)."""
-    return any(
-        p.requires_grad and getattr(p, "_post_accumulate_grad_hooks", None)
-        for p in model.parameters()
-    )
+    """Whether every trainable parameter of the model is stepped by its post-accumulate-grad
+    hooks: an optimizer step fused into backward (each parameter stepped, its gradient
+    freed), which no loop can accumulate over micro-batches (sweep BH; a hook that checks or
+    logs the gradient steps nothing: review)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return bool(trained) and all(map(steps_in_backward, trained))
 
 
 def _has_batch_norm(model: torch.nn.Module) -> bool:
@@ -969,12 +968,15 @@ def _build_result(
     schedule: Schedule | None = None,
     trials_without_accumulation: tuple[ProbeTrial, ...] = (),
     steps_in_backward: bool = False,
+    shapes_vary: bool = False,
 ) -> ProbeResult:
     trials = _timed_trials(search, history)
     records = {t.batch_size: t for t in trials}  # each size's last trial
     world = 1 if capacities is None else len(capacities)
     ran = opts.steps if schedule is None else max(opts.steps, schedule.trial_steps)
-    grown, growing = _kept_growth(trials, search.max_batch_size, opts.steps, opts.mode, ran)
+    grown, growing = _kept_growth(
+        trials, search.max_batch_size, opts.steps, opts.mode, ran, shapes_vary
+    )
     grown += _schedule_lines(schedule, trials)
     advice = probe_advice(
         search,
@@ -1029,8 +1031,10 @@ def _kept_growth(
     steps: int,
     mode: str = "train",
     ran: int | None = None,
+    shapes_vary: bool = False,
 ) -> tuple[list[str], tuple[int, int, int] | None]:
-    """The report's ``steps:`` line: for how many steps the answer holds (``ran`` per trial:
+    """The report's ``steps:`` line (``shapes_vary``: ``make_batch`` draws random shapes): for
+    how many steps the answer holds (``ran`` per trial:
     ``steps``, or more to cover the step's cycle); when trials stepped on past that because the
     memory kept between steps grew, how far and what grew (naming the fitting trial nearest the
     answer that was still growing when the step limit stopped it, when the answer's own trial
@@ -1072,11 +1076,15 @@ def _kept_growth(
     state = format_size(at.optimizer_growth_bytes or 0)
     others = [t for t in longer if t.still_growing and t is not at]
     if not at.kept_growth_bytes and not at.still_growing and not others:  # (sweep BI: 0 B)
+        why = (
+            "what a step keeps follows its batch's random shape"
+            if shapes_vary
+            else "what a step keeps varies from step to step"
+        )
         line = (
             f"steps: up to {most} per trial (--steps {steps}), while the memory kept between "
-            "steps rose from one step to the next (what a step keeps follows its batch: "
-            f"random shapes?); at batch {at.batch_size}, no more after step {at.steps_run} "
-            "than after step 1"
+            f"steps rose from one step to the next ({why}); at batch {at.batch_size}, no more "
+            f"after step {at.steps_run} than after step 1"
         )
         return [line], None
     line = (

@@ -22,6 +22,7 @@ import torch
 
 from memkit.advice.training import state_buffers
 from memkit.devices import tensor_device
+from memkit.optimizers import steps_in_backward
 from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.ddp import bucket_bytes, bucket_views, is_ddp
@@ -78,7 +79,7 @@ class Evidence:
         self.witness_epoch = 0  # bumped when the witnesses change (their flags mean others)
         self.several = False  # gradients watched for more than one optimizer (marks needed)
         self.walked_dtype: str | None = None  # param_dtype() as the last persistent() found it
-        self._flags_read: frozenset[int] = frozenset()  # the models whose own flags were read
+        self._flags_read: tuple[int, frozenset[int]] | None = None  # (step, models) last read
         self._model_checkpoints = False  # ... and whether one checkpoints activations
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
@@ -284,8 +285,10 @@ class Evidence:
         if facts.accumulation_steps is None:  # no framework callback told it
             facts.accumulation_steps = accelerate_accumulation(modules)
         if facts.checkpointing is None:  # (before any recompute: an OOM in step 0)
-            read = frozenset(map(id, modules))
-            if read != self._flags_read:  # (a model's flag once: transformers walks its modules)
+            # once a step (transformers walks the model's modules to answer; a script may turn
+            # checkpointing on after its first steps: review)
+            read = (self._state.step, frozenset(map(id, modules)))
+            if read != self._flags_read:
                 self._flags_read = read
                 self._model_checkpoints = any(map(model_checkpoints, modules))
             if facts.checkpoint_seen or self._model_checkpoints:
@@ -372,14 +375,16 @@ class WeightCensus:
             require grad: a frozen backbone in an optimizer over all parameters is not).
         narrow: bytes of the parameters and buffers (trainable or frozen) on the device held
             in 16 bits or fewer: a bf16 or int8 frozen base.
-        stepped_in_backward: the largest trainable parameter's bytes where one has a
-            post-accumulate-grad hook (the optimizer step fused into backward), else 0.
+        stepped_in_backward: the largest trainable parameter's bytes among those whose
+            post-accumulate-grad hooks step an optimizer (the optimizer step fused into
+            backward), else 0; ``stepped_in_backward_total``: all of theirs.
     """
 
     trainable_dtypes: dict[str, int] = field(default_factory=dict)
     optimized: int = 0
     narrow: int = 0
     stepped_in_backward: int = 0
+    stepped_in_backward_total: int = 0
 
     def add(self, t: torch.Tensor, nbytes: int) -> None:
         """Count ``nbytes`` of weight ``t`` (0 where counted already, or on another device)."""
@@ -429,8 +434,8 @@ def training_setup(
         if census is not None and modules
         else None,
         state_buffers=buffers,
-        stepped_in_backward_bytes=census.stepped_in_backward or None
-        if census is not None and modules
+        stepped_in_backward_bytes=(census.stepped_in_backward, census.stepped_in_backward_total)
+        if census is not None and modules and census.stepped_in_backward
         else None,
         wrapper=_wrapper(modules),
     )
@@ -632,8 +637,9 @@ def persistent_bytes(
             census.add(p, n)
             if id(p) in optimized:
                 census.optimized += n
-            if n and p.requires_grad and getattr(p, "_post_accumulate_grad_hooks", None):
+            if n and p.requires_grad and steps_in_backward(p):
                 census.stepped_in_backward = max(census.stepped_in_backward, n)
+                census.stepped_in_backward_total += n
     ddps = list({id(m): m for m in (*modules, *wrappers) if is_ddp(m)}.values())
     views = set().union(*map(bucket_views, ddps)) if ddps else set()
     for p in all_params:

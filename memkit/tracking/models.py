@@ -473,7 +473,9 @@ def forward_autocast(module: torch.nn.Module) -> str | None:
     if type(module).__name__ == "_FabricModule":
         precision = getattr(module.__dict__.get("_strategy"), "precision", None)
         mode = getattr(precision, "precision", None)
-        if isinstance(mode, str) and mode.endswith("-mixed"):
+        # (the plugins that enter torch.autocast in forward_context; DeepSpeed's does not)
+        autocasts = type(precision).__name__ in ("MixedPrecision", "FSDPPrecision")
+        if autocasts and isinstance(mode, str) and mode.endswith("-mixed"):
             return "bfloat16" if mode.startswith("bf16") else "float16"
     autocast_type = getattr(torch.amp, "autocast", None)
     if autocast_type is None:

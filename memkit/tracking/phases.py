@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memkit import cuda_autocast
 from memkit.oom import is_oom
@@ -552,7 +553,8 @@ class PhaseMachine:
         training forward begins, unless an optimizer stepped outside backward (beside those,
         an AdamW over the rest) ends it first. Before, each step ended at the first such
         step, mid-backward."""
-        if not self.manual_steps and self.step_owner is None:
+        owner = self.step_owner() if self.step_owner is not None else None
+        if not self.manual_steps and owner is None:  # (none, or gone: a k-fold's last fold's)
             self.step_in_backward = True
 
     def optimizer_ends(self, optimizer: Any, frame: Any) -> None:
@@ -935,6 +937,7 @@ class PhaseMachine:
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are."""
         self.manual_steps = True
+        self.step_in_backward = self.step_after_backward = False  # (these calls end steps)
         self.boundary(frame)
 
     def finish(self) -> None:
@@ -1033,11 +1036,11 @@ def _alive_bytes(refs: set[weakref.ref[torch.Tensor]], on: list[DeviceRecord] | 
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref[Any], int]]:
-    """The dense ``tensors``' storages: data pointer -> (weak reference, bytes); plain
-    tensors only (a DTensor's storage has no data pointer to read)."""
+    """The dense ``tensors``' storages: data pointer -> (weak reference, bytes); not a
+    wrapper subclass's (a DTensor's storage has no data pointer to read)."""
     out = {}
     for t in tensors:
-        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided:
+        if t.layout is torch.strided and not is_traceable_wrapper_subclass(t):
             storage = t.untyped_storage()
             out[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
     return out

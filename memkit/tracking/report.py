@@ -248,10 +248,11 @@ class TrainingSetup:
         float64_bytes: of ``trainable_bytes``, those in double precision (float64, and
             complex128: a Fourier layer's under a float64 default; a float64 head on a float32
             body: what single precision would halve).
-        stepped_in_backward_bytes: where parameters have post-accumulate-grad hooks (an
-            optimizer step fused into backward, each parameter stepped and its gradient freed
-            as backward makes it), the largest trainable parameter's bytes: the most gradient
-            memory alive at once; gradients cannot accumulate over micro-batches.
+        stepped_in_backward_bytes: where parameters have post-accumulate-grad hooks that step
+            an optimizer (the optimizer step fused into backward, each parameter stepped and
+            its gradient freed as backward makes it), ``(largest, all)``: the largest such
+            parameter's bytes (the most of their gradients alive at once) and all of theirs;
+            where they are all the trained ones, gradients cannot accumulate.
         wrapper: the framework that wrapped the model (``"accelerate"``: prepared by an
             ``Accelerator``; ``"fabric"``: Lightning Fabric's ``setup``), whose own switches
             the advice names; ``None``: none seen.
@@ -270,7 +271,7 @@ class TrainingSetup:
     trainable_bytes: int | None = None
     state_buffers: int | None = None
     float64_bytes: int | None = None
-    stepped_in_backward_bytes: int | None = None
+    stepped_in_backward_bytes: tuple[int, int] | None = None
     wrapper: str | None = None
 
 
