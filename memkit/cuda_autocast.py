@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from memkit.patching import Restore
+
 __all__ = ["inside", "regions_entered", "requested", "requests_recorded"]
 
 _open = threading.local()  # per thread: (region id, half?) of the CUDA autocast regions now
@@ -49,7 +51,7 @@ def requests_recorded() -> Iterator[None]:
     init, thread = cls.__init__, threading.get_ident()
 
     def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-        if device_type != "cuda" or threading.get_ident() != thread:
+        if device_type != "cuda" or threading.get_ident() != thread or not handle.live:
             init(self, device_type, *args, **kwargs)
             return
         given = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False)) | kwargs
@@ -59,11 +61,13 @@ def requests_recorded() -> Iterator[None]:
         dtype = given.get("dtype") or torch.get_autocast_dtype("cuda")
         self._memkit_region = (dtype, bool(given.get("enabled", True)))
 
+    # (blocks in two threads may end in any order: Restore puts torch's own back last)
+    handle = Restore(cls, "__init__", init, __init__)
     cls.__init__ = __init__  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cls.__init__ = init  # type: ignore[method-assign]
+        handle.remove()
 
 
 @contextlib.contextmanager
@@ -76,7 +80,7 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     found: set[torch.dtype] = set()
 
     def __enter__(self: Any) -> Any:
-        region = requested(self) if threading.get_ident() == thread else None
+        region = requested(self) if threading.get_ident() == thread and live[0].live else None
         if region is None or getattr(_open, "busy", False):
             return enter(self)
         _open.busy = True  # (a watch nested in this one patched enter too: it only enters)
@@ -92,7 +96,8 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
 
     def __exit__(self: Any, *exc: Any) -> Any:
         stack = getattr(_open, "stack", None)
-        if not stack or threading.get_ident() != thread or getattr(_open, "busy", False):
+        dead = not live[1].live or threading.get_ident() != thread
+        if not stack or dead or getattr(_open, "busy", False):
             return leave(self, *exc)
         for i in range(len(stack) - 1, -1, -1):  # this region's innermost entry
             if stack[i][0] == id(self):
@@ -107,12 +112,13 @@ def regions_entered() -> Iterator[set[torch.dtype]]:
     if not hasattr(_open, "stack"):
         _open.stack = []
     depth = len(_open.stack)
+    live = (Restore(cls, "__enter__", enter, __enter__), Restore(cls, "__exit__", leave, __exit__))
     cls.__enter__ = __enter__  # type: ignore[method-assign]
     cls.__exit__ = __exit__  # type: ignore[method-assign]
     try:
         with requests_recorded():
             yield found
     finally:
-        cls.__enter__ = enter  # type: ignore[method-assign]
-        cls.__exit__ = leave  # type: ignore[method-assign]
+        for handle in live:
+            handle.remove()
         del _open.stack[depth:]  # a region still open at the block's end exits unwatched

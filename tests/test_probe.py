@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from fused_steps import check_finite, step_in_backward
 
 import memkit
 from memkit.devices import get_backend
@@ -254,14 +255,7 @@ def test_target_batch_where_the_optimizer_steps_in_backward_is_not_advised_accum
     "call optimizer.step() and zero_grad() every 4 micro batches"; such a step cannot
     accumulate, and the probe ran its search again for an accumulating step."""
     model = small_mlp()
-    optimizers = {p: torch.optim.SGD([p], lr=0.01) for p in model.parameters()}
-
-    def step(param: torch.Tensor) -> None:
-        optimizers[param].step()
-        optimizers[param].zero_grad()
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
+    step_in_backward(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.01))
     result = probe(model, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",
                    target_batch=4096)  # fmt: skip
     (advice,) = [a for a in result.advice if a.code == "accumulate"]
@@ -270,13 +264,7 @@ def test_target_batch_where_the_optimizer_steps_in_backward_is_not_advised_accum
     assert not any(d.startswith("without accumulation:") for d in result.defaults)
     # a hook that checks the gradient steps nothing (review): accumulation as ever
     checked = small_mlp()
-
-    def check(t: torch.Tensor) -> None:
-        if not bool(t.grad.isfinite().all()):
-            raise FloatingPointError("a gradient is not finite")
-
-    for p in checked.parameters():
-        p.register_post_accumulate_grad_hook(check)
+    check_finite(checked.parameters())
     result = probe(checked, lambda n: torch.randn(n, 256), device="cpu", budget="8MiB",
                    target_batch=4096)  # fmt: skip
     (advice,) = [a for a in result.advice if a.code == "accumulate"]

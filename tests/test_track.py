@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from fused_steps import check_finite, step_in_backward
 from gan_cases import two_step_gan
 from torch import nn
 
@@ -1805,28 +1806,33 @@ def test_what_is_not_a_model_or_an_optimizer_is_named_before_the_block(model, op
         track(models[model], optimizers[optimizer])
 
 
+class CheckpointedBlocks(nn.Module):
+    """Four MLP blocks, each under non-reentrant ``torch.utils.checkpoint`` (``residual``:
+    ``x + block(x)``)."""
+
+    def __init__(self, width: int = 64, residual: bool = False) -> None:
+        super().__init__()
+        self.residual = residual
+        self.h = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, width)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            x = x + out if self.residual else out
+        return x
+
+
 def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     """Blocks under ``torch.utils.checkpoint`` run out in backward's recomputation: the
     post-mortem says checkpointing already runs, names the blocks, proposes the other remedies
     and names no module inside a block as keeping activations (what those keep is freed when
     the block's forward ends)."""
-    from torch.utils.checkpoint import checkpoint
-
-    class Blocks(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.h = nn.ModuleList(
-                nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(4)
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.h:
-                x = checkpoint(block, x, use_reentrant=False)
-            return x
 
     def run(budget: int | None) -> TrackReport:
         torch.manual_seed(0)
-        model = Blocks()
+        model = CheckpointedBlocks()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with (
             pytest.raises(torch.OutOfMemoryError) if budget else contextlib.nullcontext(),
@@ -3163,6 +3169,9 @@ def test_blocks_that_end_out_of_order_put_torch_back():
     second.__exit__(None, None, None)
     assert torch.autograd.backward is backward
     assert torch.autograd._engine_run_backward is engine
+    autocast = torch.amp.autocast_mode.autocast  # (cuda_autocast's watch: it was left on)
+    owners = {autocast.__init__.__module__, autocast.__enter__.__module__}
+    assert owners == {"torch.amp.autocast_mode"}
     assert first.report().devices[0].steps == ()  # the dead wrapper counted nothing
     assert second.report().micro_batches == 1
 
@@ -3641,14 +3650,7 @@ def fused_backward_steps(
     counting = simulate("64MiB") if not tracked else contextlib.nullcontext()
     with counting as counted:
         model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(3)))
-        optimizers = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
-
-        def step(param: torch.Tensor) -> None:
-            optimizers[param].step()
-            optimizers[param].zero_grad()
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(step)
+        step_in_backward(model.parameters(), lambda ps: torch.optim.Adam(ps, foreach=False))
         block = (
             track(model, device="cpu", budget=budget, postmortem=None)
             if tracked
@@ -3740,25 +3742,12 @@ def test_the_last_steps_output_freed_when_the_forward_returns_is_not_other_in_ba
     assert accumulating.breakdown is not None and accumulating.breakdown.other <= batch
 
 
-class CheckpointedBlocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(4)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return x
-
-
 def test_an_oom_in_step_0_of_a_checkpointed_model_does_not_advise_checkpointing():
     """Sweep BH: an OOM inside a checkpointed block at step 0, before any backward recomputed
     one, was told "or checkpoint the largest blocks"; the forward's checkpoint regions show
     it already runs."""
     torch.manual_seed(0)
-    model = CheckpointedBlocks()
+    model = CheckpointedBlocks(128, residual=True)
     opt = torch.optim.AdamW(model.parameters())
     tracker = track(model, opt, device="cpu", budget="16MiB", postmortem=None)
     with pytest.raises(torch.OutOfMemoryError), tracker:
@@ -3810,13 +3799,7 @@ def test_an_optimizer_stepped_outside_backward_beside_one_inside_owns_the_steps(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 500))
     emb = model[0].weight
-    sparse = torch.optim.SGD([emb], lr=0.1)
-
-    def step(_: torch.Tensor) -> None:
-        sparse.step()
-        sparse.zero_grad()
-
-    emb.register_post_accumulate_grad_hook(step)
+    step_in_backward([emb], lambda ps: torch.optim.SGD(ps, lr=0.1))
     main = torch.optim.AdamW([p for p in model.parameters() if p is not emb])
     with track(model, device="cpu", budget="64MiB") as tracker:
         for _ in range(3):
@@ -3858,13 +3841,7 @@ def test_a_post_accumulate_grad_hook_that_steps_nothing_is_no_step_in_backward()
     gradient to come and said no step could accumulate."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(3)))
-
-    def check(t: torch.Tensor) -> None:
-        if not bool(t.grad.isfinite().all()):
-            raise FloatingPointError("a gradient is not finite")
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(check)
+    check_finite(model.parameters())
     opt = torch.optim.AdamW(model.parameters())
     tracker = track(model, opt, device="cpu", budget="8MiB", postmortem=None)
     with contextlib.suppress(torch.OutOfMemoryError), tracker:
@@ -3894,14 +3871,7 @@ def test_steps_in_backward_after_a_kfold_fold_whose_optimizer_is_gone_are_counte
             opt.zero_grad()
         del model, opt
         model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
-
-        def step(param: torch.Tensor) -> None:
-            optimizers[param].step()
-            optimizers[param].zero_grad()
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(step)
+        step_in_backward(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1))
         for _ in range(3):
             model(torch.randn(8, 32)).sum().backward()
     assert tracker.report().steps == 6
@@ -3912,14 +3882,7 @@ def test_tracker_step_with_the_optimizer_stepping_in_backward_adds_no_empty_step
     the step pending from the backward ended once more at the next forward (6 of 5)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
-
-    def step(param: torch.Tensor) -> None:
-        optimizers[param].step()
-        optimizers[param].zero_grad()
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
+    step_in_backward(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1))
     with track(model, device="cpu", budget="64MiB") as tracker:
         for _ in range(5):
             model(torch.randn(8, 32)).sum().backward()

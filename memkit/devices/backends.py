@@ -33,9 +33,9 @@ import torch
 
 from memkit.cublas import cublas_workspace_bytes
 from memkit.devices.host import default_cpu_budget
-from memkit.devices.patching import Restore
 from memkit.devices.state import current_accelerator, tensor_device
 from memkit.errors import ConfigError, spelled
+from memkit.patching import Restore
 from memkit.simulated.accountant import MemoryAccountant
 from memkit.units import format_size, parse_budget
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from memkit.devices import state
-from memkit.devices.patching import Restore
+from memkit.patching import Restore
 from memkit.units import format_size
 
 log = logging.getLogger(__name__)

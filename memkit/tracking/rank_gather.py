@@ -29,8 +29,8 @@ from memkit import distributed
 from memkit.advice import Advice
 from memkit.advice.distributed import ContextReading, ddp_gpu0_context, ddp_unused_parameters
 from memkit.devices import cuda_context_reading
-from memkit.devices.patching import Restore
 from memkit.errors import DistributedError
+from memkit.patching import Restore
 from memkit.render import track as layout
 from memkit.results import Result
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memkit.devices.patching import Restore
+from memkit.patching import Restore
 
 __all__ = ["wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
 
