@@ -1419,6 +1419,34 @@ def test_infer_with_a_loss_fn_takes_the_loss_as_an_eval_loop_does():
     assert any("loss_fn(output, batch) under torch.no_grad()" in d for d in result.defaults)
 
 
+def test_an_eval_step_under_inference_mode_counts_what_no_grad_counts():
+    """Sweep BL: a scoring step under its own ``torch.inference_mode()`` answered 32 where 21
+    fit: under inference mode ``cross_entropy`` reached the simulated device whole and its
+    log-probabilities went uncounted. It runs as ``no_grad`` while probing (same bytes on a
+    GPU), and is put back after."""
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512))
+
+    def score(m: torch.nn.Module, ids: torch.Tensor) -> float:
+        logits = m(ids)
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), ids.flatten(), reduction="none"
+        )
+        return nll.sum().item()
+
+    def inference(m: torch.nn.Module, ids: torch.Tensor) -> float:
+        with torch.inference_mode():
+            return score(m, ids)
+
+    def answer(step: Any) -> int | None:
+        return probe(model, lambda n: torch.randint(0, 512, (n, 32)), mode="infer",
+                     eval_step=step, device="cpu", budget="4MiB").max_batch_size  # fmt: skip
+
+    plain = answer(score)
+    assert plain is not None and answer(inference) == plain
+    with torch.inference_mode():
+        assert torch.is_inference_mode_enabled()  # (torch's own again)
+
+
 def test_eval_step_runs_as_an_evaluation_loop_and_holds_what_it_returns():
     """``eval_step=`` replaces infer mode's forward: under ``torch.no_grad()``, what it returns
     held into the next call, as ``out = eval_step(model, batch)`` in a loop holds it (a T5

@@ -31,7 +31,7 @@ from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
 from memkit.modelfile import ModelSpec, call_user, step_traceback
-from memkit.probing.step import StepPlan, call_model, to_device
+from memkit.probing.step import StepPlan, call_model, inference_mode_as_no_grad, to_device
 from memkit.simulated.accountant import MemoryAccountant, storages_of, tensors_of
 from memkit.simulated.allocator import CachingAllocatorModel
 
@@ -629,8 +629,10 @@ class MetaSession:
         """
         with torch.no_grad():
             if self.plan.eval_step is not None:
-                # held as the probe's step holds it (`out = eval_step(...)` in a loop)
-                self.plan.hold(self.plan.eval_step(self.model, batch))
+                # held as the probe's step holds it (`out = eval_step(...)` in a loop); its own
+                # inference_mode runs as no_grad, for the same reason (sweep BL)
+                with inference_mode_as_no_grad():
+                    self.plan.hold(self.plan.eval_step(self.model, batch))
                 return
             output = call_model(self.model, batch)
             if self.keep_output:
