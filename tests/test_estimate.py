@@ -1471,6 +1471,40 @@ def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> N
     assert _held_recommendation(session, measured, 0.05) == held
 
 
+def test_an_interpolated_recommendation_on_a_reserved_plateau_is_bisected() -> None:
+    """Sweep BL: a generate() estimate recommended 44 of 426 where 276 held the margin: on a
+    flat reserved plateau above it, each step lowered by the overshoot's rate moved a few
+    samples, six missed, and the measured size far below was taken. After one aimed step the
+    recommendation is bisected."""
+    from types import SimpleNamespace
+
+    from memkit.estimation.search import _held_recommendation
+    from memkit.probing.search import search_max_batch
+
+    def reserved(batch: int) -> int:  # 0.1 MiB a sample, then a plateau 6 MiB over the margin
+        return (100 << 20) + batch * (1 << 20) // 10 if batch < 300 else 215 << 20
+
+    ran: list[int] = []
+
+    def run(batch: int) -> SimpleNamespace:
+        ran.append(batch)
+        session.cache[batch] = SimpleNamespace(reserved=reserved(batch), ooms=0)
+        return session.cache[batch]
+
+    usable = 220 << 20
+    session = SimpleNamespace(usable=usable, cache={}, run=run, plan=SimpleNamespace(mode="infer"))
+    search = search_max_batch(
+        lambda b: (reserved(b) <= usable, run(b).reserved, None, reserved(b)),
+        capacity_bytes=usable, min_batch=1, max_batch=1024, margin=0.05,
+    )  # fmt: skip
+    if search.recommended_measured:
+        pytest.skip("the search measured its recommendation: nothing to hold")
+    searched = len(ran)
+    held = _held_recommendation(session, search, 0.05)
+    assert held is not None and 290 <= held < 300  # (299 is the largest that holds)
+    assert len(ran) - searched <= 9
+
+
 def test_a_model_cast_to_bf16_whole_is_said_to_be_so_not_fp32(tmp_path: Path) -> None:
     """Sweep BF: a Llama cast to bf16 (``model.to(torch.bfloat16)``) was estimated as it runs
     but labelled "(train, fp32)" and "amp: none (fp32)"."""
