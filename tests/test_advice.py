@@ -1147,3 +1147,13 @@ def test_the_oom_accumulation_says_when_the_cut_does_not_keep_the_batch_whole():
         and "4 x 255 = 1020 samples a step where the step had 1023" in odd
     )
     assert "same effective batch" in action(1024)
+
+
+def test_probe_state_grows_in_an_evaluation_speaks_of_what_it_keeps_not_of_training():
+    """Sweep BL: an evaluation keeping its logits on the device was told to "train with less
+    than the answer" and given LBFGS's history_size."""
+    from memkit.advice.probe import state_still_grows
+
+    infer = state_still_grows(48, 16, 8 << 20, 0, mode="infer")
+    assert "Evaluate with less" in infer.action and "LBFGS" not in infer.action
+    assert "Train with less" in state_still_grows(48, 16, 8 << 20, 0).action

@@ -81,7 +81,7 @@ def probe_advice(
         return found
     advice: list[Advice] = []
     if growing is not None and search.max_batch_size is not None:
-        advice.append(state_still_grows(search.max_batch_size, *growing))
+        advice.append(state_still_grows(search.max_batch_size, *growing, mode=mode))
     micro = search.recommended_batch_size
     if target_batch is None or micro is None:
         return advice
@@ -112,10 +112,29 @@ def _no_accumulation(plan: AccumulationPlan, recommended: int, device: str) -> A
 
 
 def state_still_grows(
-    batch_size: int, steps: int, grown_bytes: int, optimizer_bytes: int
+    batch_size: int, steps: int, grown_bytes: int, optimizer_bytes: int, mode: str = "train"
 ) -> Advice:
     """``probe-state-grows``: the memory kept between steps still grew at the probe's last
-    step, so its answer holds for that many steps, not for a longer run."""
+    step, so its answer holds for that many steps, not for a longer run (``mode``: ``infer``
+    worded for an evaluation loop: results it keeps on the device)."""
+    if mode == "infer":
+        return Advice(
+            code="probe-state-grows",
+            title=f"Batch {batch_size} is measured for {steps} steps: memory kept between "
+            "steps still grew",
+            evidence=(
+                f"At batch {batch_size}, what the evaluation keeps between steps grew by "
+                f"{format_size(grown_bytes)} from step 1 to step {steps} and was still growing "
+                f"at step {steps}: results kept on the device (a list of logits), or a cache "
+                "that grows."
+            ),
+            action=(
+                "Evaluate with less than the answer, or keep results off the device "
+                "(`.cpu()`, `.item()`) or bounded, then probe again; what a whole evaluation "
+                "keeps grows with its length."
+            ),
+            severity="warning",
+        )
     what = (
         f"{format_size(optimizer_bytes)} of it in the optimizer's state (an LBFGS-like "
         "history, or state that appears late)"
