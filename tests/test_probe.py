@@ -1445,6 +1445,20 @@ def test_an_eval_step_under_inference_mode_counts_what_no_grad_counts():
     assert plain is not None and answer(inference) == plain
     with torch.inference_mode():
         assert torch.is_inference_mode_enabled()  # (torch's own again)
+    # where memory is not counted op by op (a GPU), the step's inference mode runs as written
+    # (review: autocast caches no casts under it; an inference tensor may be written in it)
+    from memkit.probing.step import StepPlan
+
+    seen: list[bool] = []
+
+    def look(m: torch.nn.Module, ids: torch.Tensor) -> None:
+        with torch.inference_mode():
+            seen.append(torch.is_inference_mode_enabled())
+
+    batch = torch.zeros(1, 4, dtype=torch.long)
+    StepPlan("infer", eval_step=look)(model, batch, None)
+    StepPlan("infer", eval_step=look, counted_per_op=True)(model, batch, None)
+    assert seen == [True, False]
 
 
 def test_eval_step_runs_as_an_evaluation_loop_and_holds_what_it_returns():

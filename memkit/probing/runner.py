@@ -333,6 +333,7 @@ def probe_with(
     plan = StepPlan(
         opts.mode, loss_fn=loss_fn, train_step=train_step, eval_step=eval_step,
         step_label=step_label, accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
+        counted_per_op=isinstance(backend, SimulatedBackend),
     )  # fmt: skip
     own = plan.user_step
     if not opts.keep_output and own is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -180,17 +181,23 @@ class DeferredOptimizer:
 
 
 @contextlib.contextmanager
-def inference_mode_as_no_grad() -> Iterator[None]:
-    """``torch.inference_mode()`` entered in the block runs as the ``no_grad`` around it: under
-    inference mode composite ops reach a dispatch mode whole (``cross_entropy``, ``linear``),
-    so the simulated device missed their intermediates and the estimate their kernels'
-    workspaces (sweep BL: a scoring step answered 32 where 21 fit). The bytes are the same
-    on a GPU: inference mode saves no memory over ``no_grad``."""
+def inference_mode_as_no_grad(on: bool = True) -> Iterator[None]:
+    """``torch.inference_mode()`` entered in the block (``on``; in this thread) runs as the
+    ``no_grad`` around it: under inference mode composite ops reach a dispatch mode whole
+    (``cross_entropy``, ``linear``), so the simulated device missed their intermediates and
+    the estimate their kernels' workspaces (sweep BL: a scoring step answered 32 where 21
+    fit). For counting op by op only: on a GPU inference mode is left as written (autocast
+    caches no casts under it, and an inference tensor made outside may be written in it;
+    review)."""
+    if not on:
+        yield
+        return
     cls = torch.autograd.grad_mode.inference_mode
+    thread = threading.get_ident()
 
     def __enter__(self: Any) -> None:
         # (its __exit__ exits this; InferenceMode(False) would turn autograd on)
-        live = handle.live and self.mode
+        live = handle.live and self.mode and threading.get_ident() == thread
         guard = torch.no_grad() if live else torch._C._InferenceMode(self.mode)
         self._inference_mode_context = guard
         self._inference_mode_context.__enter__()
@@ -214,7 +221,9 @@ class StepPlan:
     ``eval_step``: ``eval_step(model, batch)`` replacing the inference step's forward (run
     under ``torch.no_grad()``, its return value held as the output is, as ``out =
     eval_step(model, batch)`` in a loop holds it); ``train_step`` is training's only, its
-    return value held the same way.
+    return value held the same way. ``counted_per_op``: memory is counted op by op (the
+    simulated device): an ``eval_step``'s own ``torch.inference_mode()`` runs as ``no_grad``
+    (:func:`inference_mode_as_no_grad`); on a GPU it runs as written.
     """
 
     mode: str
@@ -224,6 +233,7 @@ class StepPlan:
     step_label: str | None = None
     accumulation: int = 1
     keep_output: bool = True
+    counted_per_op: bool = False
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
     _kept_loss: Any = field(default=None, init=False, repr=False)
@@ -256,7 +266,7 @@ class StepPlan:
                 if self.eval_step is not None:
                     # `out = eval_step(model, batch)` in a loop: the last result lives until
                     # this one returns (a generate()'s tokens and scores)
-                    with inference_mode_as_no_grad():
+                    with inference_mode_as_no_grad(self.counted_per_op):
                         self._kept = self.eval_step(model, batch)
                     return
                 output = call_model(model, batch)
