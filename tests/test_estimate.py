@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -1431,20 +1433,14 @@ def test_a_step_that_steps_every_fourth_call_is_said_to_miss_the_optimizer(
     assert "(batch 8:" in line and "`memkit probe` runs the step's cycle" in line
 
 
-def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> None:
-    """Sweep BF: 3860 was recommended for BART "(leaves 5% free)" and held 4.8%: the search
-    interpolates the recommendation between two measured sizes, and reserved memory moves in
-    allocator segments. The estimate now runs it, and bisects down where it breaks the margin."""
-    import dataclasses
+def searched_recommendation(
+    reserved: Callable[[int], int], usable: int, max_batch: int
+) -> tuple[Any, Any, list[int]]:
+    """A search over a reserved-peak curve as the estimate runs it (a stand-in session that
+    records the sizes run): ``(session, search result, sizes run)``."""
     from types import SimpleNamespace
 
-    from memkit.estimation.search import _held_recommendation
     from memkit.probing.search import search_max_batch
-
-    segment = 20 << 20
-
-    def reserved(batch: int) -> int:  # a step up of a whole segment at 95 samples
-        return 100 * (1 << 20) + batch * (1 << 20) + (segment if batch >= 95 else 0)
 
     ran: list[int] = []
 
@@ -1453,12 +1449,29 @@ def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> N
         session.cache[batch] = SimpleNamespace(reserved=reserved(batch), ooms=0)
         return session.cache[batch]
 
-    usable = 220 << 20
     session = SimpleNamespace(usable=usable, cache={}, run=run, plan=SimpleNamespace(mode="train"))
     search = search_max_batch(
         lambda b: (reserved(b) <= usable, run(b).reserved, None, reserved(b)),
-        capacity_bytes=usable, min_batch=1, max_batch=512, margin=0.05,
+        capacity_bytes=usable, min_batch=1, max_batch=max_batch, margin=0.05,
     )  # fmt: skip
+    return session, search, ran
+
+
+def test_an_interpolated_recommendation_is_run_and_kept_within_the_margin() -> None:
+    """Sweep BF: 3860 was recommended for BART "(leaves 5% free)" and held 4.8%: the search
+    interpolates the recommendation between two measured sizes, and reserved memory moves in
+    allocator segments. The estimate now runs it, and bisects down where it breaks the margin."""
+    import dataclasses
+
+    from memkit.estimation.search import _held_recommendation
+
+    segment = 20 << 20
+
+    def reserved(batch: int) -> int:  # a step up of a whole segment at 95 samples
+        return 100 * (1 << 20) + batch * (1 << 20) + (segment if batch >= 95 else 0)
+
+    usable = 220 << 20
+    session, search, ran = searched_recommendation(reserved, usable, 512)
     assert not search.recommended_measured and search.recommended_batch_size is not None
     interpolated = search.recommended_batch_size
     assert reserved(interpolated) > 0.95 * usable  # the search's own answer breaks the margin
@@ -1476,29 +1489,13 @@ def test_an_interpolated_recommendation_on_a_reserved_plateau_is_bisected() -> N
     flat reserved plateau above it, each step lowered by the overshoot's rate moved a few
     samples, six missed, and the measured size far below was taken. After one aimed step the
     recommendation is bisected."""
-    from types import SimpleNamespace
-
     from memkit.estimation.search import _held_recommendation
-    from memkit.probing.search import search_max_batch
 
     def reserved(batch: int) -> int:  # 0.1 MiB a sample, then a plateau 6 MiB over the margin
         return (100 << 20) + batch * (1 << 20) // 10 if batch < 300 else 215 << 20
 
-    ran: list[int] = []
-
-    def run(batch: int) -> SimpleNamespace:
-        ran.append(batch)
-        session.cache[batch] = SimpleNamespace(reserved=reserved(batch), ooms=0)
-        return session.cache[batch]
-
-    usable = 220 << 20
-    session = SimpleNamespace(usable=usable, cache={}, run=run, plan=SimpleNamespace(mode="infer"))
-    search = search_max_batch(
-        lambda b: (reserved(b) <= usable, run(b).reserved, None, reserved(b)),
-        capacity_bytes=usable, min_batch=1, max_batch=1024, margin=0.05,
-    )  # fmt: skip
-    if search.recommended_measured:
-        pytest.skip("the search measured its recommendation: nothing to hold")
+    session, search, ran = searched_recommendation(reserved, 220 << 20, 1024)
+    assert not search.recommended_measured
     searched = len(ran)
     held = _held_recommendation(session, search, 0.05)
     assert held is not None and 290 <= held < 300  # (299 is the largest that holds)
