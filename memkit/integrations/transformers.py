@@ -44,6 +44,7 @@ except ImportError as exc:
 
 
 from memkit.devices import SimulatedBackend
+from memkit.tracking.evidence import checkpointing_flag
 from memkit.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
@@ -242,15 +243,11 @@ def _checkpointing(args: Any, model: Any) -> bool | None:
     sets it from ``args`` before ``on_train_begin``; a script may have set it itself), else
     the arguments' (``activation_checkpointing``, before transformers 5 ``gradient_checkpointing``);
     ``None``: neither says."""
-    with warnings.catch_warnings():  # is_gradient_checkpointing: a deprecated alias in 5.x
+    flag = checkpointing_flag(model)
+    if flag is not None:
+        return flag
+    with warnings.catch_warnings():  # gradient_checkpointing: a deprecated alias in 5.x
         warnings.simplefilter("ignore", FutureWarning)
-        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-            try:
-                flag = getattr(model, name)
-            except AttributeError:
-                continue
-            if isinstance(flag, bool):
-                return flag
         for name in ("activation_checkpointing", "gradient_checkpointing"):
             value = getattr(args, name, None)
             if value is not None:

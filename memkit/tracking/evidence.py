@@ -290,7 +290,7 @@ class Evidence:
             read = (self._state.step, frozenset(map(id, modules)))
             if read != self._flags_read:
                 self._flags_read = read
-                self._model_checkpoints = any(map(model_checkpoints, modules))
+                self._model_checkpoints = any(checkpointing_flag(m) is True for m in modules)
             if facts.checkpoint_seen or self._model_checkpoints:
                 facts.checkpointing = True
         # once a step is enough (and when a model or optimizer is found, or a trainer's
@@ -451,20 +451,22 @@ def _wrapper(modules: Sequence[torch.nn.Module]) -> str | None:
     return None
 
 
-def model_checkpoints(module: torch.nn.Module) -> bool:
-    """Whether a transformers model says it checkpoints activations
+def checkpointing_flag(module: Any) -> bool | None:
+    """What a transformers model says of its activation checkpointing
     (``is_activation_checkpointing``; before transformers 5, ``is_gradient_checkpointing``,
-    a deprecated alias in 5.x whose warning is kept from the script)."""
+    a deprecated alias in 5.x whose warning is kept from the script); ``None``: it has no
+    such flag."""
     cls = type(module)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
             if hasattr(cls, name):
                 try:
-                    return getattr(module, name) is True
+                    flag = getattr(module, name)
                 except Exception:  # (a property of another library's model that fails)
-                    return False
-    return False
+                    return None
+                return flag if isinstance(flag, bool) else None
+    return None
 
 
 def accelerate_accumulation(modules: Sequence[torch.nn.Module]) -> int | None:

@@ -462,6 +462,10 @@ class PhaseMachine:
         if primary is not None and self.evidence.facts.retry_held is None:
             self.failed_base = primary.forward_base  # where the failed attempt began
 
+    def _owner(self) -> Any:
+        """The optimizer whose steps count, if it is alive."""
+        return None if self.step_owner is None else self.step_owner()
+
     def optimizer_called(self, optimizer: Any, in_backward: bool = False) -> None:
         """``optimizer.step()`` was called (before any closure it was given runs);
         ``in_backward``: in a gradient hook, where it is seen but takes no ownership of the
@@ -471,7 +475,7 @@ class PhaseMachine:
             if self.models.see_optimizer(optimizer):
                 self.evidence.find_witness()
             return
-        owner = None if self.step_owner is None else self.step_owner()
+        owner = self._owner()
         passes = self.state.backward_passes
         if owner is optimizer:
             self.owner_stepped = passes
@@ -553,14 +557,14 @@ class PhaseMachine:
         training forward begins, unless an optimizer stepped outside backward (beside those,
         an AdamW over the rest) ends it first. Before, each step ended at the first such
         step, mid-backward."""
-        owner = self.step_owner() if self.step_owner is not None else None
+        owner = self._owner()
         if not self.manual_steps and owner is None:  # (none, or gone: a k-fold's last fold's)
             self.step_in_backward = True
 
     def optimizer_ends(self, optimizer: Any, frame: Any) -> None:
         """``optimizer.step()`` returned: the step's end, if this optimizer's steps count
         (``frame``: the caller's, where the leak search starts)."""
-        owner = self.step_owner() if self.step_owner is not None else None
+        owner = self._owner()
         if not self.manual_steps and (owner is None or owner is optimizer):
             self.step_after_backward = False
             self.boundary(frame)
