@@ -147,8 +147,35 @@ MODELS = {
                     "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
                     "labels": torch.randint(0, 2, (batch_size,))}
     """,
+    # grouped-query attention (2 key/value heads for 8): fp32 takes no memory-efficient kernel
+    "llama-gqa": """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        CONFIG = LlamaConfig(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
+                             num_key_value_heads=2, intermediate_size=1408, vocab_size=8192,
+                             max_position_embeddings=1024, attn_implementation="sdpa")
+        def build_model():
+            return LlamaForCausalLM(CONFIG)
+        def make_batch(batch_size, seq_len=512):
+            ids = torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len))
+            return {"input_ids": ids, "labels": ids}
+    """,
+    # transformers 5's mixture-of-experts experts: torch._grouped_mm
+    "mixtral": """
+        import torch
+        from transformers import MixtralConfig, MixtralForCausalLM
+        CONFIG = MixtralConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8,
+                               num_key_value_heads=2, intermediate_size=512, vocab_size=8192,
+                               num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=1024, attn_implementation="sdpa")
+        def build_model():
+            return MixtralForCausalLM(CONFIG)
+        def make_batch(batch_size, seq_len=256):
+            ids = torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len))
+            return {"input_ids": ids, "labels": ids}
+    """,
 }
-SEQ_MODELS = {"gpt2": 256, "bert": 256, "bert-cls": 128}
+SEQ_MODELS = {"gpt2": 256, "bert": 256, "bert-cls": 128, "llama-gqa": 512, "mixtral": 256}
 CPU_CASES = [  # (model, mode, batch): small enough for a 2-core CPU
     ("mlp", "train", 16), ("mlp", "train", 64), ("mlp", "infer", 64),
     ("cnn", "train", 4), ("cnn", "train", 8), ("cnn", "infer", 8),
@@ -159,7 +186,7 @@ CPU_CASES = [  # (model, mode, batch): small enough for a 2-core CPU
 ]  # fmt: skip
 GPU_BATCHES = {
     "mlp": (64, 512), "cnn": (16, 64), "vit": (16, 64), "gpt2": (4, 16), "bert": (4, 16),
-    "bert-cls": (16, 64),
+    "bert-cls": (16, 64), "llama-gqa": (2, 8), "mixtral": (4, 16),
 }  # fmt: skip
 
 

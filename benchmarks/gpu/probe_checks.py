@@ -2,7 +2,8 @@
 changed without a GPU (docs/validation.md, "Not validated"): a ``GradScaler`` fp16 step whose
 Adam state is made in its optimizer step, an EMA (``AveragedModel``) made inside
 ``train_step``, a WGAN-GP critic stepped 5 times a generator step, a CLIP-like contrastive
-step (B x B logits), and ``--mode infer`` of a ``TransformerEncoder`` model.
+step (B x B logits), ``--mode infer`` of a ``TransformerEncoder`` model, and a scoring
+``eval_step`` under its own ``torch.inference_mode()`` (session 21).
 
     python benchmarks/gpu/probe_checks.py                 # cuda, caps of a few hundred MiB
     python benchmarks/gpu/probe_checks.py --device cpu    # the simulated device, smaller caps
@@ -153,15 +154,32 @@ def make_batch(n):
 def eval_step(model, batch):
     return model(batch).argmax(-1)
 """,
+    "score_inference_mode": COMMON
+    + """
+def build_model():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+    return nn.Sequential(nn.Embedding(1000, 256), nn.TransformerEncoder(layer, 2),
+                         nn.Linear(256, 1000))
+
+def make_batch(n):
+    return torch.randint(0, 1000, (n, 128))
+
+def eval_step(model, batch):  # scoring: each sequence's log-likelihood
+    with torch.inference_mode():
+        logp = model(batch[:, :-1]).log_softmax(-1)
+        return logp.gather(-1, batch[:, 1:, None]).squeeze(-1).sum(-1)
+""",
 }
 
-MODES = {"transformer_infer": "infer"}
+MODES = {"transformer_infer": "infer", "score_inference_mode": "infer"}
 CAPS = {  # (cpu, cuda): the parameters and optimizer state, and room for some hundreds of samples
     "gradscaler": ("128MiB", "384MiB"),
     "ema": ("192MiB", "448MiB"),
     "wgan_gp": ("64MiB", "256MiB"),
     "clip": ("64MiB", "256MiB"),
     "transformer_infer": ("64MiB", "256MiB"),
+    "score_inference_mode": ("64MiB", "256MiB"),
 }
 
 LOOP = """

@@ -1,16 +1,19 @@
 #!/bin/bash
 # One prepared GPU session, in parts that each fit a device call (bash benchmarks/gpu/run.sh a,
-# then b, c, d): a: tests/gpu, the user's counters
+# then b, c, ...): a: tests/gpu, the user's counters
 # and the budget cap, the session checks, the tracker's cost (benchmark, nanoGPT eager and
 # compiled); b: the probe (trial pieces, answer, vs Accelerate, fresh-process loops), the
 # estimate, FSDP2 and DDP on one nccl rank, a sequence sweep; c: what part a's tests needed after
-# their fixes, a profile of the probe's wall; d (not run yet): probe_checks.py, the probe against
-# five model files' own loops.
+# their fixes, a profile of the probe's wall; d: probe_checks.py, the probe against six model
+# files' own loops; e and f (11-28, session 22): e: tests/gpu, nanoGPT eager and compiled under
+# memkit run, an optimizer stepped in backward, the estimate of a GQA Llama and a Mixtral;
+# f: the probe (answer, Accelerate, trial pieces, a sequence sweep), the tracker's cost
+# benchmark, then probe_checks.py (d) in the time left.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -94,6 +97,55 @@ done
 itertime /tmp/l_plain1.log /tmp/l_memkit1.log /tmp/l_plain2.log /tmp/l_memkit2.log
 cd $ROOT
 sec "end of part c"; exit 0; fi
+LOGS=/tmp/logs; mkdir -p $LOGS
+keep() { tar czf $OUT/logs-$1.tgz -C $LOGS . 2>/dev/null; }  # what ran so far comes back even if cut off
+if [ "$1" = e ]; then sec "pytest tests/gpu"
+timeout 200 python3 -m pytest tests/gpu -v -p no:cacheprovider > $LOGS/tests.log 2>&1; echo "rc $?"
+grep -E "PASS|FAIL|SKIP|ERROR|^E  |passed|failed" $LOGS/tests.log | head -40; keep e
+sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+timeout 60 python3 train.py $A > $LOGS/e_plain$r.log 2>&1; echo "plain rc $?"
+timeout 60 python3 -m memkit run --device cuda --json $LOGS/e_memkit$r.json train.py $A > $LOGS/e_memkit$r.log 2>&1; echo "memkit rc $?"
+done
+itertime $LOGS/e_plain1.log $LOGS/e_memkit1.log $LOGS/e_plain2.log $LOGS/e_memkit2.log
+sed -n '/^memkit track/,/^top modules/p' $LOGS/e_memkit1.log | head -24; grep -E "leak|\[" $LOGS/e_memkit1.log | head -6
+cd $ROOT; keep e
+sec "an optimizer stepped in backward (one Adam per parameter), plain count vs memkit run"
+timeout 60 python3 -m memkit run --device cuda --json $LOGS/sib.json $GPU/step_in_backward.py > $LOGS/sib.log 2>&1; echo "rc $?"
+grep -E "^SIB|^memkit track|^cuda|at the training peak|^  (param|grad|optim|activ|other|total)" $LOGS/sib.log | head -14; grep -A3 "advice" $LOGS/sib.log | head -8; keep e
+sec "nanoGPT torch.compile, 150 iterations: plain, memkit run, TORCH_LOGS=recompiles"
+cd $GPU/nanogpt
+C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+TORCH_LOGS=recompiles timeout 120 python3 train.py $C > $LOGS/c_plain.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles timeout 120 python3 -m memkit run --device cuda train.py $C > $LOGS/c_memkit.log 2>&1; echo "memkit rc $?"
+itertime $LOGS/c_plain.log $LOGS/c_memkit.log
+echo "recompile lines: plain $(grep -ci 'recompil' $LOGS/c_plain.log), memkit $(grep -ci 'recompil' $LOGS/c_memkit.log)"
+grep -E "^memkit track" $LOGS/c_memkit.log | head -2; cd $ROOT; keep e
+sec "estimate vs the card: a GQA Llama (fp32 takes math attention) and a Mixtral (grouped_mm experts)"
+timeout 120 python3 benchmarks/estimate_accuracy.py --gpu-only --models llama-gqa,mixtral --json $OUT/estimate_call3.json > $LOGS/estimate.log 2>&1; echo "rc $?"
+tail -24 $LOGS/estimate.log; keep e
+sec "end of part e"; exit 0; fi
+if [ "$1" = f ]; then sec "probe nanoGPT bf16, cap 3GiB, against Accelerate"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 90 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_f.json 2> $LOGS/probe_f.log; echo "rc $?"; tail -1 $LOGS/probe_f.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_f.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), 'trials', len(d.get('trials', [])))
+for x in d.get('trials', []): print(' ', x.get('batch_size'), x.get('fits'), round(x.get('seconds', 0), 3), x.get('peak_bytes'), x.get('peak_allocated_bytes'))"
+/usr/bin/time -f "PEER-WALL %e s" timeout 60 python3 $GPU/accel_peer.py 2>&1 | grep -E "PEER"; keep f
+sec "probe trial pieces (nanoGPT's model, cap 3GiB)"
+timeout 90 python3 benchmarks/probe_trial_overhead.py $GPU/probe_nanogpt.py --device cuda --budget 3GiB --sizes 2,32,112 --repeat 2 --breakdown 2>&1 | tail -11
+sec "probe examples/gpt2.py --seq-len 128,512, cap 8GiB (against h200_probe_gpt2_seqlen_call3.json)"
+timeout 90 python3 -m memkit probe examples/gpt2.py --device cuda --seq-len 128,512 --target-batch 256 --budget 8GiB --json > $OUT/seqlen_f.json 2> $LOGS/seqlen.log; echo "rc $?"
+python3 -c "
+import json; d=json.load(open('$OUT/seqlen_f.json'))
+for r in d.get('seq_lens', [d]): print('SEQ', r.get('seq_len'), 'answer', r.get('max_batch_size'), 'trials', ' '.join(str(t['batch_size']) + ('' if t['fits'] else 'x') for t in r.get('trials', [])))" 2>&1 | head -4; keep f
+sec "tracker_overhead --device cuda (with the per-module-call cost)"
+timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 3 --steps 6 --skip MemTracker --micro 2>&1 | grep -v "^\[trans" | tail -24
+sec "the probe against each model file's own loop (probe_checks.py), in the time left"
+timeout $(( 540 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK; keep f
+sec "end of part f"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
