@@ -38,7 +38,7 @@ from memkit.devices.backends import (
     parse_device,
     visible_devices,
 )
-from memkit.devices.counters import counter_reader
+from memkit.devices.counters import counter_reader, requested_reader
 from memkit.devices.history import MemoryHistory
 from memkit.devices.host import (
     HostMemory,
@@ -91,6 +91,7 @@ __all__ = [
     "nvidia_smi_stats",
     "nvml_stats",
     "parse_device",
+    "requested_reader",
     "restore_rng_state",
     "rng_state",
     "set_current_device",

@@ -208,18 +208,19 @@ class CudaBackend:
         the budget raise a real ``torch.OutOfMemoryError``."""
         if self.budget is None or self.device.type != "cuda":
             return contextlib.nullcontext()
-        return self._capped()
+        return self.capped_at(self.budget)
 
     def uncapped(self) -> contextlib.AbstractContextManager[Any]:
         """The whole device, without the budget's cap (set only inside :meth:`activate`)."""
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _capped(self) -> Iterator[None]:
+    def capped_at(self, nbytes: int) -> Iterator[None]:
+        """The caching allocator capped at ``nbytes`` reserved (its new segments fail past it)."""
         total = torch.cuda.get_device_properties(self.index).total_memory
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         before = 1.0 if getter is None else getter(self.index)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.budget or 0) / total), self.index)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), self.index)
         try:
             yield
         finally:

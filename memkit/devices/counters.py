@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -123,3 +124,21 @@ def counter_reader(
         )
 
     return read_generic, backend.reset_peak
+
+
+def requested_reader(backend: Any) -> Callable[[], int]:
+    """``() -> int``: the bytes live tensors asked for. On CUDA the caching allocator's
+    ``requested_bytes``: unlike what is allocated, it does not move with the cached block that
+    served a request (a large block is not split for less than 1 MiB, so the same tensor kept
+    from one step to the next counts up to 1 MiB more or less); elsewhere what is allocated."""
+    if isinstance(backend, CudaBackend) and backend.device.type == "cuda":
+        index = backend.index
+
+        def read_requested() -> int:
+            stats = torch.cuda.memory_stats(index)
+            allocated = stats["allocated_bytes.all.current"]
+            return int(stats.get("requested_bytes.all.current", allocated))
+
+        return read_requested
+    read = counter_reader(backend)[0]
+    return lambda: read()[0]

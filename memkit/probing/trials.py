@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from memkit import distributed
-from memkit.devices import CudaBackend, SimulatedBackend, counter_reader, host_memory
+from memkit.devices import (
+    CudaBackend,
+    SimulatedBackend,
+    counter_reader,
+    host_memory,
+    requested_reader,
+)
 from memkit.distributed import RankStatus
 from memkit.errors import (
     ConfigError,
@@ -295,7 +301,8 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 @dataclass(frozen=True)
 class Kept:
-    """What a trial's loop kept between its steps: allocated bytes after each step, and the
+    """What a trial's loop kept between its steps: the tensors' bytes after each step (CUDA's
+    requested bytes, which the cached blocks' slack does not move), and the
     optimizer state's bytes after each step; ``cycle``: the steps after which the step's work
     repeats (1: every step alike), so that steps are compared with the same call of the cycle."""
 
@@ -347,6 +354,7 @@ class TrialRunner:
     def __post_init__(self) -> None:
         self.records: dict[int, ProbeTrial] = {}
         self.counters = counter_reader(self.backend)
+        self.kept_bytes = requested_reader(self.backend)  # what steps keep: blocks' slack aside
         self.baseline: int | None = None  # allocated between trials, once collected
         self.collections = 0  # gc.collect() calls between trials (not after OOMs)
         self.held_after_oom: dict[int, int] = {}  # batch size -> bytes its OOM left held
@@ -462,7 +470,6 @@ class TrialRunner:
         with no cycle seen yet (or, after a failed trial's steps varied, until they vary).
         Returns what was kept after each step; each step's work is in ``_works`` (with
         ``extend``), also when a step raised."""
-        read = self.counters[0]
         steps = steps or self.trial_steps
         kept: list[int] = []
         state: list[int] = []
@@ -483,7 +490,7 @@ class TrialRunner:
                         del batch
                     if self.sync is not None:
                         self.sync.end_step()
-                    kept.append(read()[0])
+                    kept.append(self.kept_bytes())
                     state.append(optimizer_state_bytes(self.optimizer))
                     if log is not None:
                         works.append(log.watch.take())

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -155,6 +156,7 @@ class Tracker:
         self.backend: Any = None
         """The tracked device's backend (once the block began)."""
         self.notes: list[str] = []
+        self._over_budget: int | None = None  # a budget that could not be an exact cap
         """The report's notes, as the parts add them."""
         # the parts (see the module docstring), wired to each other
         self.state = state = TrackState()
@@ -268,19 +270,34 @@ class Tracker:
     def _cap(self, backend: CudaBackend, budget: int, stack: contextlib.ExitStack) -> None:
         """A cap on a real device: the caching allocator raises a real OOM past ``budget``.
         The cap binds new segments only: cached free ones are given back first, or a step
-        could reuse more than the budget from the cache."""
+        could reuse more than the budget from the cache. Segments that live tensors keep
+        cannot be given back; where they hold more than the budget, a cap at the budget would
+        fail every new segment (an OOM no card of that size raises): new segments may then
+        take what the budget leaves beside the tensors, and a peak past it is said at the end."""
         backend.empty_cache()
-        stack.enter_context(backend.activate())
-        held = backend.reserved()
-        self.notes.append(
-            f"capped at the budget ({format_size(budget)}) for the block: "
-            "torch.cuda.set_per_process_memory_fraction"
-            + (
-                f"; {format_size(held)} was already reserved when it began, above it"
-                if held > budget
-                else ""
+        held, allocated = backend.reserved(), backend.allocated()
+        if held <= budget:
+            stack.enter_context(backend.capped_at(budget))
+            self.notes.append(
+                f"capped at the budget ({format_size(budget)}) for the block: "
+                "torch.cuda.set_per_process_memory_fraction"
             )
+            return
+        room = max(0, budget - allocated)
+        stack.enter_context(backend.capped_at(held + room))
+        self._over_budget = budget
+        note = (
+            f"the budget ({format_size(budget)}) is not an exact cap here: "
+            f"{format_size(held)} stayed reserved when the block began, in segments that live "
+            f"tensors ({format_size(allocated)}) keep, which empty_cache() cannot give back. A "
+            "cap at the budget would fail every new segment, so new segments may take the "
+            f"{format_size(room)} the budget leaves beside those tensors, and the free parts of "
+            "the kept segments serve requests too. For an exact cap, start the block before "
+            "the large tensors that left those segments, or in a fresh process "
+            "(`memkit run --budget`)"
         )
+        self.notes.append(note)
+        warnings.warn("memkit.track: " + note, stacklevel=3)
 
     def __exit__(
         self,
@@ -305,6 +322,7 @@ class Tracker:
             with state.lock:
                 state.failed = exc is not None
                 devices.close_all()
+                self._note_over_budget()
                 for dev in devices.records.values():
                     devices.resolve_pending(dev)
                     with contextlib.suppress(Exception):  # else read when the report is made
@@ -333,6 +351,19 @@ class Tracker:
             if self._stack is not None:
                 self._stack.close()
         return False
+
+    def _note_over_budget(self) -> None:
+        """Where the budget could not be an exact cap: a peak past it, which a card of that
+        size would not have held."""
+        budget = self._over_budget
+        if budget is None:
+            return
+        for dev in self.devices.records.values():
+            if dev.peak > budget:
+                self.notes.append(
+                    f"{dev.key}'s allocated peak ({format_size(dev.peak)}) is above the budget "
+                    f"({format_size(budget)}): on a card of that size this block runs out"
+                )
 
     def _note_caught_ooms(self, dev: DeviceRecord) -> None:
         """A note when ``dev`` ran out of memory during the block and the script went on (an
