@@ -24,7 +24,9 @@ import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 COMMON = """
 import torch
@@ -226,6 +228,20 @@ def loop_outcome(path: Path, size: int, steps: int, device: str, cap: str, mode:
     return lines[-1] if done.returncode == 0 and lines else f"error: {done.stderr[-300:]}"
 
 
+def fresh_boundary(path: Path, best: int, args: Any, cap: str, mode: str) -> str:
+    """The loop at ``best - K .. best + K``, each size in its own process, all at once: each
+    size, marked ``x`` where it ran out."""
+    sizes = [n for n in range(best - args.around, best + args.around + 1) if n > 0]
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        outcomes = dict(zip(sizes, pool.map(
+            lambda n: loop_outcome(path, n, args.steps, args.device, cap, mode), sizes
+        ), strict=True))  # fmt: skip
+    errors = {n: o for n, o in outcomes.items() if o.startswith("error")}
+    if errors:
+        return f"errors: {errors}"
+    return " ".join(f"{n}{'' if outcomes[n] == 'fits' else 'x'}" for n in sizes)
+
+
 def main() -> int:
     from memkit.probing.runner import probe_file
 
@@ -234,6 +250,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", default=None, help="comma-separated names")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--around", type=int, default=0, metavar="K",
+                        help="also run the loop at B-K..B+K, each in its own process, all at "
+                        "once (a GPU has room for many capped processes): the fresh-process "
+                        "boundary")  # fmt: skip
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(FILES)
     out = {}
@@ -259,10 +279,13 @@ def main() -> int:
             at = loop_outcome(path, best, args.steps, args.device, cap, mode)
             above = loop_outcome(path, best + 1, args.steps, args.device, cap, mode)
             exact = at == "fits" and above.startswith("OOM")
+            fresh = fresh_boundary(path, best, args, cap, mode) if args.around else None
             print(f"PROBECHECK {name}: probe {best} (trials {len(trials)}, OOM {ooms}, "
-                  f"{seconds:.1f} s); loop {best} {at}, {best + 1} {above}; "
-                  f"{'exact' if exact else 'NOT EXACT'}")  # fmt: skip
-            out[name] = {"probe": result.to_dict(), "loop_at": at, "loop_above": above}
+                  f"{seconds:.1f} s, steps {[t.steps_run for t in trials if t.fits]}); loop "
+                  f"{best} {at}, {best + 1} {above}; {'exact' if exact else 'NOT EXACT'}"
+                  + ("" if fresh is None else f"; fresh processes {fresh}"))  # fmt: skip
+            out[name] = {"probe": result.to_dict(), "loop_at": at, "loop_above": above,
+                         "fresh": fresh}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -8,12 +8,14 @@
 # files' own loops; e and f (11-28, session 22): e: tests/gpu, nanoGPT eager and compiled under
 # memkit run, an optimizer stepped in backward, the estimate of a GQA Llama and a Mixtral;
 # f: the probe (answer, Accelerate, trial pieces, a sequence sweep), the tracker's cost
-# benchmark, then probe_checks.py (d) in the time left.
+# benchmark, then probe_checks.py (d) in the time left; g: after e and f's fixes, tests/gpu's
+# track and probe tests, the nanoGPT probe's steps, a profile of its trials, and probe_checks.py
+# with fresh processes around each answer.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d|e|f) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f|g) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -146,6 +148,19 @@ timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 3 --st
 sec "the probe against each model file's own loop (probe_checks.py), in the time left"
 timeout $(( 540 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK; keep f
 sec "end of part f"; exit 0; fi
+if [ "$1" = g ]; then sec "tests/gpu: track and probe, after session 22's fixes"
+timeout 80 python3 -m pytest tests/gpu/test_track_gpu.py tests/gpu/test_probe_gpu.py -q -p no:cacheprovider > $LOGS/tests_g.log 2>&1; echo "rc $?"; grep -E "^E  |passed|failed" $LOGS/tests_g.log | head -12; keep g
+sec "probe nanoGPT bf16, cap 3GiB: trials, steps, seconds"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_g.json 2> $LOGS/probe_g.log; echo "rc $?"; tail -1 $LOGS/probe_g.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_g.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3), t.get('steps_run')) for t in d['trials']])"
+sec "cProfile of one-size probes (batch 32): where a trial's time goes"
+timeout 60 python3 $GPU/profile_trial.py > $LOGS/profile.log 2>&1; echo "rc $?"
+grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|method" $LOGS/profile.log | head -30 | cut -c1-150; keep g
+sec "the probe against each model file's own loop, with fresh processes around the answer"
+timeout $(( 235 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --around 5 --json $OUT/probe_checks_g.json 2>&1 | grep PROBECHECK; keep g
+sec "end of part g"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
