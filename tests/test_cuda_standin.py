@@ -592,7 +592,15 @@ def test_a_budget_below_segments_that_live_tensors_keep_raises_no_false_oom():
             ):
                 step(batch)
             reports.append(tracker.report())
+        with (
+            pytest.warns(UserWarning, match=r"not an exact cap here"),
+            pytest.raises(torch.OutOfMemoryError, match="allowed"),  # the raised cap's message
+            memkit.track(model, opt, device="cuda", budget="200MiB", postmortem=None) as failed,
+        ):
+            step(16384)
         assert torch.cuda.get_per_process_memory_fraction() == 1.0
+    pm = failed.report().oom  # states the budget, not the raised cap
+    assert pm is not None and pm.capacity == 200 * MIB and pm.free == 0
     small, large = (r.devices[0].peak_allocated for r in reports)
     assert small < 200 * MIB < large
     notes = [" ".join(r.notes) for r in reports]

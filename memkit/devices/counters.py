@@ -131,13 +131,16 @@ def requested_reader(backend: Any) -> Callable[[], int]:
     ``requested_bytes``: unlike what is allocated, it does not move with the cached block that
     served a request (a large block is not split for less than 1 MiB, so the same tensor kept
     from one step to the next counts up to 1 MiB more or less); elsewhere what is allocated."""
-    if isinstance(backend, CudaBackend) and backend.device.type == "cuda":
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if isinstance(backend, CudaBackend) and backend.device.type == "cuda" and stats is not None:
         index = backend.index
 
         def read_requested() -> int:
-            stats = torch.cuda.memory_stats(index)
-            allocated = stats["allocated_bytes.all.current"]
-            return int(stats.get("requested_bytes.all.current", allocated))
+            if not torch.cuda.is_initialized():
+                return 0
+            nested = stats(index)  # (the nested dict: no flattening, as counter_reader reads)
+            pool = nested.get("requested_bytes") or nested["allocated_bytes"]
+            return int(pool["all"]["current"])
 
         return read_requested
     read = counter_reader(backend)[0]

@@ -113,6 +113,7 @@ class OomEvidence:
     autocast_forwards: int = 0
     batch_bytes: int = 0
     after_backward: bool = False
+    cap_raised: bool = False  # a budget below kept segments: the CUDA cap was set above it
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -178,7 +179,9 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     training, grad_enabled = evidence.last_root if evidence.last_root else (None, None)
     first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else ""
     checkpointed, inside = _checkpointed(evidence.modules)
-    capacity, free = _capacity_and_free(details, evidence.capacity, evidence.free)
+    capacity, free = _capacity_and_free(
+        details, evidence.capacity, evidence.free, evidence.cap_raised
+    )
     pm = OomPostMortem(
         device=evidence.device,
         step=evidence.step,
@@ -229,12 +232,15 @@ def _in_frozen_model(module: str | None, frozen: tuple[str, int, bool] | None) -
 
 
 def _capacity_and_free(
-    details: OomDetails, capacity: int | None, free: int | None
+    details: OomDetails, capacity: int | None, free: int | None, cap_raised: bool = False
 ) -> tuple[int | None, int | None]:
     """The capacity and free memory the post-mortem states: under a cap
     (``set_per_process_memory_fraction``: the message's "N allowed") the cap and what the
     allocator may still reserve below it, not the whole card's; else the message's, else the
-    device's own readings."""
+    device's own readings. Where the cap was raised above the budget (segments live tensors
+    kept), the budget and what it leaves beside the allocated tensors."""
+    if cap_raised and capacity is not None:
+        return capacity, max(0, capacity - (details.allocated_by_pytorch or 0))
     if details.allowed is not None:
         held = details.reserved_total or details.allocated_by_pytorch or 0
         return details.allowed, max(0, details.allowed - held)

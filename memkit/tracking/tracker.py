@@ -156,8 +156,8 @@ class Tracker:
         self.backend: Any = None
         """The tracked device's backend (once the block began)."""
         self.notes: list[str] = []
-        self._over_budget: int | None = None  # a budget that could not be an exact cap
         """The report's notes, as the parts add them."""
+        self._over_budget: int | None = None  # a budget that could not be an exact cap
         # the parts (see the module docstring), wired to each other
         self.state = state = TrackState()
         self.models = models = TrackedModels(model, optimizer, state.lock)
@@ -514,6 +514,7 @@ class Tracker:
             at_oom=getattr(getattr(dev.backend, "accountant", None), "in_use_at_oom", None),
             capacity=cap.total,
             free=cap.free,
+            cap_raised=self._over_budget is not None,
             persistent=persistent,
             remembered=remembered_sizes(dev),
             modules=tuple(module_records(dev, display)),
