@@ -610,6 +610,25 @@ def test_a_budget_below_segments_that_live_tensors_keep_raises_no_false_oom():
     assert "allocated peak" in notes[1] and "above the budget (200.00 MiB)" in notes[1]
 
 
+def test_a_probe_under_a_budget_below_kept_segments_says_why_it_cannot_answer():
+    """The probe's trials would all fail their first new segment (batch 1 "does not fit" for a
+    step that needs a tenth of the budget): the probe stops before them and says why."""
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))  # 16 MiB
+    with cuda_standin("2GiB"):
+        big = torch.empty(600 << 20, dtype=torch.uint8).to("cuda")
+        del big
+        model.to("cuda")  # cut from the freed 600 MiB segment, which it now keeps
+        with pytest.raises(memkit.ConfigError, match=r"602\.00 MiB stays reserved.*fresh process"):
+            memkit.probe(model, lambda n: torch.randn(n, 1024), device="cuda", budget="200MiB")
+        del model
+        torch.cuda.empty_cache()  # the segment is given back: the same budget probes
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).to("cuda")
+        result = memkit.probe(
+            model, lambda n: torch.randn(n, 1024), device="cuda", budget="200MiB", max_batch=64
+        )
+    assert result.max_batch_size == 64
+
+
 def test_a_backward_through_autograd_grad_is_found_between_sampled_steps():
     """Between the sampled steps the model carries no gradient hook: a backward that skips
     torch.autograd.backward (here torch.autograd.grad, imported before the block) is found at

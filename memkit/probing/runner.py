@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from memkit import cuda_autocast, devices, distributed
 from memkit.advice.accumulation import plan_accumulation
 from memkit.advice.probe import ModelState, probe_advice
-from memkit.devices import SimulatedBackend, VirtualDeviceBackend, get_backend
+from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import is_ddp
 from memkit.errors import (
     ConfigError,
@@ -131,6 +131,29 @@ def _resolve_backend(
             f"first (model.to('{backend.device}')) or pass device='{model_device}'"
         )
     return backend
+
+
+def _check_kept_segments(backend: Backend) -> None:
+    """Under a budget on a real GPU, the cap binds new segments only. Segments that live
+    tensors keep (cut from a large tensor freed earlier) cannot be given back, and where they
+    hold more than the budget every trial's first new segment would fail: "batch 1 does not
+    fit" for a step that fits. No trial can be exact then: say so, and how to get one."""
+    if not isinstance(backend, CudaBackend) or backend.device.type != "cuda":
+        return
+    if backend.budget is None:
+        return
+    backend.empty_cache()
+    held, allocated = backend.reserved(), backend.allocated()
+    if allocated <= backend.budget < held:
+        raise ConfigError(
+            f"{format_size(held)} stays reserved on {backend.device} after "
+            f"torch.cuda.empty_cache(), in segments that live tensors ({format_size(allocated)}) "
+            f"keep, more than the budget ({format_size(backend.budget)}): under a cap at the "
+            "budget every new segment would fail, so no trial could answer for a card of that "
+            "size. Probe before the large tensor that left them is made (they are cut from its "
+            "freed segment), in a fresh process (`memkit probe MODEL_FILE --budget ...`), or "
+            "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts"
+        )
 
 
 def _capacity(backend: Backend) -> int | None:
@@ -323,6 +346,7 @@ def probe_with(
         )
     if isinstance(backend, SimulatedBackend):
         backend.track(model, optimizer)
+    _check_kept_segments(backend)
     capacity = _capacity(backend)
     capacities = _agree_across_ranks(model, backend, capacity, opts)
     if opts.accumulation not in (None, 1) and capacities is not None:
