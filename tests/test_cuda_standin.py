@@ -387,6 +387,24 @@ def test_a_kept_tensor_in_an_unsplit_block_is_not_growth():
     assert [t.steps_run for t in result.trials] == [2]
 
 
+def test_each_trial_starts_without_cublas_workspaces(monkeypatch):
+    """A fresh process has no cuBLAS workspaces until its first matmuls: the probe gives them
+    back before every trial (and before it weighs what a failed trial left, which its own
+    matmuls made again), so each trial places them where the script's own loop would."""
+    calls: list[int] = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append(1),
+                        raising=False)  # fmt: skip
+    with cuda_standin("64MiB"):
+        model = _mlp().to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        result = memkit.probe(
+            model, _batch, optimizer=opt, train_step=_step, device="cuda", budget="12MiB",
+            margin=0, steps=1, min_batch=80, max_batch=200,
+        )  # fmt: skip
+    ooms = sum(not t.fits for t in result.trials)
+    assert ooms > 0 and len(calls) == len(result.trials) + ooms
+
+
 def test_snapshot_reads_cuda0_from_the_standin():
     with cuda_standin("128MiB") as gpu:
         x = on_gpu(1 << 20)  # 4 MiB: 20 MiB segment

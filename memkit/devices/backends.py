@@ -199,6 +199,14 @@ class CudaBackend:
     def empty_cache(self) -> None:
         self._mod.empty_cache()
 
+    def free_workspaces(self) -> None:
+        """Give PyTorch's cuBLAS workspaces back to the cache (:mod:`memkit.cublas`): a fresh
+        process has none until its first matmuls, which place them among what its step holds
+        then; the next matmul in each thread makes its workspace again."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None and self.device.type == "cuda" and torch.cuda.is_initialized():
+            clear()
+
     def synchronize(self) -> None:
         self._mod.synchronize(self.index)
 

@@ -453,6 +453,7 @@ class TrialRunner:
             self.model.zero_grad(set_to_none=True)
         self.saved.reset_attributes()  # a history the steps append to: not the next trial's
         self.saved.reset_optimizer()
+        self._free_workspaces()
         read = self.counters[0]
         if self.baseline is None or read()[0] > self.baseline:
             gc.collect()
@@ -463,6 +464,19 @@ class TrialRunner:
             self.baseline = read()[0]
         self.backend.empty_cache()
         self.counters[1]()
+
+    def _free_workspaces(self) -> None:
+        """On a GPU, no cuBLAS workspaces before a trial: a fresh process makes them at its
+        first matmuls (the forward's thread, then autograd's), among what the step holds then,
+        where they may reuse a freed block; made once by the first trial and kept, they held
+        segments of their own through every later trial. The likely cause (not yet checked on a
+        GPU) of the H200's run 5: under caps of a few hundred MiB, four of six model files'
+        loops fit one more sample in a fresh process than the probe said, and one ran out at
+        the probe's answer; the simulated device and the CUDA stand-in, which have no
+        workspaces, are exact on the same files."""
+        free = getattr(self.backend, "free_workspaces", None)
+        if free is not None:
+            free()
 
     def _run_steps(self, batch_size: int, *, extend: bool = True, steps: int = 0) -> Kept:
         """``steps`` steps (the trial's when 0), then more (``extend``; up to ``MAX_STEPS``)
@@ -628,6 +642,7 @@ class TrialRunner:
         does the same, run without the budget's cap (the held bytes fill most of it).
         Whatever is still held after it is recorded in ``held_after_oom``.
         """
+        self._free_workspaces()  # (the trial made them again: not what the step left)
         read = self.counters[0]
         if read()[0] <= before:
             return
