@@ -472,8 +472,8 @@ class TrialRunner:
         segments of their own through every later trial. The likely cause (not yet checked on a
         GPU) of the H200's run 5: under caps of a few hundred MiB, four of six model files'
         loops fit one more sample in a fresh process than the probe said, and one ran out at
-        the probe's answer; the simulated device and the CUDA stand-in, which have no
-        workspaces, are exact on the same files."""
+        the probe's answer; the CUDA stand-in, which follows the allocator's rules but has no
+        workspaces, is exact on the two of them tried there (CLIP, the EMA)."""
         free = getattr(self.backend, "free_workspaces", None)
         if free is not None:
             free()
