@@ -1014,6 +1014,12 @@ def test_growth_detector_and_scan_helpers():
     levels = [0, 0, 0, 1, 1001, 1001, 1001, 1002, 2002, 2002, 2002, 2003, 3003]
     assert [det.observe(i, level) for i, level in enumerate(levels)].count(True) == 4
     assert det.period == 4 and det.finding == (250, 2, 10)  # a typical rise of 1000 per 4
+    # a stair seen over two boundaries (a PPO rollout's kept values, part before the update's
+    # first step): one stair of 1000 every 5 steps, not two rises 1 step apart (old: every 2)
+    det = GrowthDetector(warmup=1, window=3)
+    levels = [0, 0, 0, 300, 1000, 1000, 1000, 1000, 1300, 2000, 2000, 2000, 2000, 2300, 3000]
+    assert [det.observe(i, level) for i, level in enumerate(levels)].count(True) == 4
+    assert det.period == 5 and det.finding is not None and det.finding[0] == 200
     # healthy noise: levels that come back down never add up to a leak
     det = GrowthDetector(warmup=1, window=3)
     levels = [5, 10, 12, 10, 14, 11, 16, 10, 18, 12, 20]

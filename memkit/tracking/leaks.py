@@ -228,19 +228,44 @@ class GrowthDetector:
         first_step, first = self._start or (step, high)  # set with the mark
         grown = allocated - first - self._explained_in_climb
         steps = step - first_step
-        carrying = _carrying(self._rise_bytes)
-        stairs = [s for s, b in zip(rises, self._rise_bytes, strict=True) if b >= carrying]
+        steps_of, bytes_of = _merged_runs(rises, self._rise_bytes)
+        carrying = _carrying(bytes_of)
+        stairs = [s for s, b in zip(steps_of, bytes_of, strict=True) if b >= carrying]
         if len(stairs) < 2:  # one rise carries the growth: no spacing yet, all rises give it
-            stairs = rises
+            stairs = steps_of
         period = max(1, round((stairs[-1] - stairs[0]) / (len(stairs) - 1)))
         # steady growth: the average over the steps; a staircase: its typical rise (the
         # first can carry one-off allocations too) over its period
-        per_step = grown // steps if period == 1 else _typical(self._rise_bytes) // period
+        per_step = grown // steps if period == 1 else _typical(bytes_of) // period
         self.finding = (per_step, first_step, steps)
         self.grown = grown
         self.period = period
         self.last_rise = step
         return True
+
+
+def _merged_runs(steps: list[int], rises: list[int]) -> tuple[list[int], list[int]]:
+    """Rises at consecutive step boundaries as one rise (its last step, their bytes), where
+    the climb has gaps: one iteration's growth seen over two boundaries (a PPO rollout whose
+    kept values land partly before the update's first step) is one stair, not two. A climb
+    that rises at every boundary is steady growth: left as it is.
+
+    >>> _merged_runs([15, 16, 31, 32, 47, 48], [64, 133, 64, 133, 64, 133])
+    ([16, 32, 48], [197, 197, 197])
+    >>> _merged_runs([3, 4, 5], [1, 1, 1])
+    ([3, 4, 5], [1, 1, 1])
+    """
+    merged_steps: list[int] = []
+    merged: list[int] = []
+    for step, rise in zip(steps, rises, strict=True):
+        if merged_steps and step == merged_steps[-1] + 1:
+            merged_steps[-1], merged[-1] = step, merged[-1] + rise
+        else:
+            merged_steps.append(step)
+            merged.append(rise)
+    if len(merged_steps) < 2:
+        return steps, rises
+    return merged_steps, merged
 
 
 _ALLOCATOR_BUMP = 16
