@@ -3894,3 +3894,23 @@ def test_tracker_step_with_the_optimizer_stepping_in_backward_adds_no_empty_step
             model(torch.randn(8, 32)).sum().backward()
             tracker.step()
     assert tracker.report().steps == 5
+
+
+def test_memory_growth_does_not_say_a_list_without_a_graph_held_one():
+    """A leak of inference-mode samples found late in a run (sweep BM: a diffusion trainer's
+    ``self.all_samples``): the scans saw the list but not growing. The advice says it kept
+    tensors without a graph, names the loss as the only graph, and its title gives the leak's
+    period."""
+    from memkit.advice.leaks import graph_retained_advice
+    from memkit.tracking.report import LeakFinding, LeakSuspect
+
+    samples = LeakSuspect("self.all_samples", "train", "t.py", 88, "x.append(s)", "container",
+                          0, False, graph=False, length=3)  # fmt: skip
+    loss = LeakSuspect("loss", "train", "t.py", 68, "loss = f(x)", "tensor", 9, False)
+    leak = LeakFinding("cpu", 12 << 10, 6, 9, (samples, loss), period=4, grown_bytes=144 << 10)
+    (advice,) = graph_retained_advice([leak])
+    assert advice.code == "memory-growth" and advice.title.startswith("memory grows every 4 ")
+    assert "`loss` (t.py:train():68) held an autograd graph" in advice.evidence
+    assert "`self.all_samples` (t.py:train():88) kept device tensors without a graph" in (
+        advice.evidence
+    )

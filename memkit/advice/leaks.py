@@ -29,7 +29,7 @@ def graph_retained_advice(leaks: list[LeakFinding]) -> list[Advice]:
         top = leak.suspects[0] if leak.suspects else None
         if top is None or not top.growing:
             held = _held_batches(leak)
-            out.append(_memory_growth(leak, growth + held, names, counted_late=bool(held)))
+            out.append(_memory_growth(leak, growth + held, counted_late=bool(held)))
         elif not top.graph:
             out.append(_tensors_kept(leak, top, growth))
         else:
@@ -91,9 +91,7 @@ def _held_batches(leak: LeakFinding) -> str:
     )
 
 
-def _memory_growth(
-    leak: LeakFinding, growth: str, names: str, *, counted_late: bool = False
-) -> Advice:
+def _memory_growth(leak: LeakFinding, growth: str, *, counted_late: bool = False) -> Advice:
     """``memory-growth``: no variable was seen growing; those seen holding a graph are the
     step's own (its loss), not shown to be the cause: say what was seen, claim nothing.
     ``counted_late``: the batches the script keeps explain the growth (the simulated device
@@ -110,15 +108,25 @@ def _memory_growth(
             "more steps than the list holds.",
             severity="info",
         )
+    shown = leak.suspects[:3]
+    with_graph = ", ".join(f"`{s.name}` ({s.where})" for s in shown if s.graph)
+    without = ", ".join(f"`{s.name}` ({s.where})" for s in shown if not s.graph)
     seen = (
-        f" At the end of a step {names} held an autograd graph, but none of their "
+        f" At the end of a step {with_graph} held an autograd graph, but none of their "
         "graphs grew between two scans: the step's own, most likely, not the cause."
-        if leak.suspects
+        if with_graph
         else " No variable of the training thread holds an autograd graph."
     )
+    if without:  # (inference-mode samples kept between the scans that would see them grow)
+        seen += (
+            f" {without} kept device tensors without a graph but were not seen growing "
+            "between two scans (the scans run every few steps: a list that grows between "
+            "them, near the end of a run, is not confirmed): look at them first."
+        )
+    every = "every step" if leak.period <= 1 else f"every {leak.period} steps"
     return Advice(
         code="memory-growth",
-        title=f"memory grows every step on {leak.device}",
+        title=f"memory grows {every} on {leak.device}",
         evidence=growth + seen + " Look for tensors kept in caches or globals, or deeper "
         "than the scan looks (it sees locals, the attributes of `self` and of the script's "
         "own objects, and containers two levels deep).",
