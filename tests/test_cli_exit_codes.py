@@ -222,6 +222,17 @@ def test_ranks_on_one_machine_are_checked_against_its_ram_together(
     assert "available: 1.00 GiB" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["probe", "run"])
+def test_a_budget_without_a_unit_is_refused_naming_the_budget(command):
+    """``--budget 16`` is 16 bytes: the error names --budget (it named --device: sweep BN)."""
+    target = str(FILES / "ok_mlp.py")
+    args = ["--device", "cpu", "--budget", "16"]
+    result = invoke(command, *([*args, target] if command == "run" else [target, *args]))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("memkit: error: --budget '16': 16 is 16 bytes")
+    assert "'16MiB'" in result.stderr
+
+
 def test_a_zero_budget_in_the_python_api_is_a_config_error():
     with pytest.raises(ConfigError, match="positive"):
         devices.get_backend("cpu", 0)

@@ -88,7 +88,10 @@ def _check_target(device: str | None, budget: str | None, on_host: list[str]) ->
     try:
         backend = get_backend(device, budget, meta=False)  # the forms probe and run take
     except ConfigError as exc:
-        raise ConfigError(f"--device {device!r}: {exc}" if device else str(exc)) from None
+        said = str(exc)
+        if said.startswith("budget=") and ": " in said:  # the budget's own fault: name it
+            raise ConfigError(f"--budget {budget!r}: {said.split(': ', 1)[1]}") from None
+        raise ConfigError(f"--device {device!r}: {said}" if device else said) from None
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
         _check_host_backs(on_host or [budget])
     return backend
