@@ -264,7 +264,9 @@ class Tracker:
         self.notes.append(
             "simulated device: counts the model, its inputs and what training and "
             "evaluation steps create, in the thread that entered the block (not "
-            "datasets or data loading; not other threads, e.g. DataParallel replicas)"
+            "datasets or data loading, nor buffers made between steps that the steps index, "
+            "such as an RL rollout or replay buffer: on a GPU they count where they live; not "
+            "other threads, e.g. DataParallel replicas)"
         )
 
     def _cap(self, backend: CudaBackend, budget: int, stack: contextlib.ExitStack) -> None:
