@@ -399,10 +399,14 @@ def test_each_trial_starts_without_cublas_workspaces(monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         result = memkit.probe(
             model, _batch, optimizer=opt, train_step=_step, device="cuda", budget="12MiB",
-            margin=0, steps=1, min_batch=80, max_batch=200,
+            margin=0, steps=2, min_batch=80, max_batch=200,
         )  # fmt: skip
-    ooms = sum(not t.fits for t in result.trials)
-    assert ooms > 0 and len(calls) == len(result.trials) + ooms
+        ooms = sum(not t.fits for t in result.trials)
+        assert ooms > 0 and len(calls) == len(result.trials) + ooms
+        calls.clear()  # a one-step trial stands for a loop's later steps: it keeps them
+        memkit.probe(model, _batch, optimizer=opt, train_step=_step, device="cuda",
+                     budget="12MiB", margin=0, steps=1, min_batch=80, max_batch=90)  # fmt: skip
+    assert calls == []
 
 
 def test_snapshot_reads_cuda0_from_the_standin():
@@ -645,6 +649,15 @@ def test_a_probe_under_a_budget_below_kept_segments_says_why_it_cannot_answer():
             model, lambda n: torch.randn(n, 1024), device="cuda", budget="200MiB", max_batch=64
         )
     assert result.max_batch_size == 64
+    # a budget just above weights whose own 20 MiB segment is above it: a fresh process holds
+    # the same segment, so this is the plain answer (nothing fits), not kept segments (review)
+    with cuda_standin("2GiB"):
+        small = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 10)).to("cuda")
+        assert torch.cuda.memory_allocated() < 12 * MIB < torch.cuda.memory_reserved()
+        plain = memkit.probe(
+            small, lambda n: torch.randn(n, 1024), device="cuda", budget="12MiB", max_batch=64
+        )
+    assert plain.max_batch_size is None
 
 
 def test_a_backward_through_autograd_grad_is_found_between_sampled_steps():

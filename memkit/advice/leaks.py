@@ -119,7 +119,9 @@ def _memory_growth(leak: LeakFinding, growth: str, *, counted_late: bool = False
     )
     if without:  # (inference-mode samples kept between the scans that would see them grow)
         seen += (
-            f" {without} kept device tensors without a graph but were not seen growing "
+            f" {without} kept device tensors without a graph but "
+            + ("was" if without.count("`") == 2 else "were")
+            + " not seen growing "
             "between two scans (the scans run every few steps: a list that grows between "
             "them, near the end of a run, is not confirmed): look at them first."
         )

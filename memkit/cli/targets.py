@@ -88,9 +88,9 @@ def _check_target(device: str | None, budget: str | None, on_host: list[str]) ->
     try:
         backend = get_backend(device, budget, meta=False)  # the forms probe and run take
     except ConfigError as exc:
-        said = str(exc)
-        if said.startswith("budget=") and ": " in said:  # the budget's own fault: name it
-            raise ConfigError(f"--budget {budget!r}: {said.split(': ', 1)[1]}") from None
+        said, own = str(exc), f"budget={budget!r}: "
+        if said.startswith(own):  # the budget's own fault: name it
+            raise ConfigError(f"--budget {budget!r}: {said.removeprefix(own)}") from None
         raise ConfigError(f"--device {device!r}: {said}" if device else said) from None
     if isinstance(backend, SimulatedBackend) and backend.device.type == "cpu" and budget:
         _check_host_backs(on_host or [budget])

@@ -199,6 +199,12 @@ class CudaBackend:
     def empty_cache(self) -> None:
         self._mod.empty_cache()
 
+    def inactive_split(self) -> int:
+        """Free bytes inside segments that also hold live blocks (``inactive_split_bytes``):
+        what ``empty_cache()`` cannot give back."""
+        stats = self._mod.memory_stats(self.index)
+        return int(stats.get("inactive_split_bytes.all.current", 0))
+
     def free_workspaces(self) -> None:
         """Give PyTorch's cuBLAS workspaces back to the cache (:mod:`memkit.cublas`): a fresh
         process has none until its first matmuls, which place them among what its step holds

@@ -133,27 +133,45 @@ def _resolve_backend(
     return backend
 
 
-def _check_kept_segments(backend: Backend) -> None:
+_LARGE_SEGMENT = 20 << 20  # the caching allocator's segment for requests of 1-10 MiB
+_ROUNDING = 2 << 20  # and its rounding of larger ones, each in a segment of its own
+
+
+def _kept_segments_problem(backend: Backend, model: torch.nn.Module, optimizer: Any) -> str | None:
     """Under a budget on a real GPU, the cap binds new segments only. Segments that live
     tensors keep (cut from a large tensor freed earlier) cannot be given back, and where they
     hold more than the budget every trial's first new segment would fail: "batch 1 does not
-    fit" for a step that fits. No trial can be exact then: say so, and how to get one."""
+    fit" for a step that fits. No trial can be exact then: what to say, and how to get one.
+    Free space the weights' own segments leave (a 20 MiB segment's rest, 2 MiB rounding per
+    tensor above 10 MiB) is a fresh process's too: the normal answer, not this."""
     if not isinstance(backend, CudaBackend) or backend.device.type != "cuda":
-        return
+        return None
     if backend.budget is None:
-        return
+        return None
     backend.empty_cache()
     held, allocated = backend.reserved(), backend.allocated()
-    if allocated <= backend.budget < held:
-        raise ConfigError(
-            f"{format_size(held)} stays reserved on {backend.device} after "
-            f"torch.cuda.empty_cache(), in segments that live tensors ({format_size(allocated)}) "
-            f"keep, more than the budget ({format_size(backend.budget)}): under a cap at the "
-            "budget every new segment would fail, so no trial could answer for a card of that "
-            "size. Probe before the large tensor that left them is made (they are cut from its "
-            "freed segment), in a fresh process (`memkit probe MODEL_FILE --budget ...`), or "
-            "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts"
-        )
+    if not allocated <= backend.budget < held:
+        return None
+    tensors = [*model.parameters(), *model.buffers(), *_state_tensors(optimizer)]
+    big = sum(t.untyped_storage().nbytes() > _LARGE_SEGMENT // 2 for t in tensors)
+    if backend.inactive_split() <= _LARGE_SEGMENT + _ROUNDING * big:
+        return None
+    return (
+        f"{format_size(held)} stays reserved on {backend.device} after "
+        f"torch.cuda.empty_cache(), in segments that live tensors ({format_size(allocated)}) "
+        f"keep, more than the budget ({format_size(backend.budget)}): under a cap at the "
+        "budget every new segment would fail, so no trial could answer for a card of that "
+        "size. Probe before the large tensor that left them is made (they are cut from its "
+        "freed segment), in a fresh process (`memkit probe MODEL_FILE --budget ...`), or "
+        "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts"
+    )
+
+
+def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of ``optimizer``'s state (none for no optimizer)."""
+    state = getattr(optimizer, "state", None) or {}
+    return [v for entry in state.values() if isinstance(entry, dict)
+            for v in entry.values() if isinstance(v, torch.Tensor)]  # fmt: skip
 
 
 def _capacity(backend: Backend) -> int | None:
@@ -346,7 +364,16 @@ def probe_with(
         )
     if isinstance(backend, SimulatedBackend):
         backend.track(model, optimizer)
-    _check_kept_segments(backend)
+    problem = _kept_segments_problem(backend, model, optimizer)
+    if distributed.is_distributed() and distributed.any_true(
+        problem is not None, timeout=opts.timeout
+    ):  # every rank stops (the others would wait for it in the settings' agreement)
+        problem = problem or (
+            "another rank's GPU keeps segments above the budget that empty_cache() cannot give "
+            "back (its error says how much): no rank can answer for a card of that size"
+        )
+    if problem is not None:
+        raise ConfigError(problem)
     capacity = _capacity(backend)
     capacities = _agree_across_ranks(model, backend, capacity, opts)
     if opts.accumulation not in (None, 1) and capacities is not None:

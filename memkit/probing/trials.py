@@ -459,8 +459,8 @@ class TrialRunner:
             gc.collect()
             gc.freeze()
             self.collections += 1
-            # what a collection leaves is not garbage (a cuBLAS workspace made by the first
-            # trial's first matmul, a cache the model keeps): the next trials start from it
+            # what a collection leaves is not garbage (a cache the model keeps, made by the
+            # first trial): the next trials start from it
             self.baseline = read()[0]
         self.backend.empty_cache()
         self.counters[1]()
@@ -475,8 +475,8 @@ class TrialRunner:
         the probe's answer; the CUDA stand-in, which follows the allocator's rules but has no
         workspaces, is exact on the two of them tried there (CLIP, the EMA)."""
         free = getattr(self.backend, "free_workspaces", None)
-        if free is not None:
-            free()
+        if free is not None and self.trial_steps > 1:  # (a loop's later steps hold them:
+            free()  # a one-step trial stands for those, with them made already)
 
     def _run_steps(self, batch_size: int, *, extend: bool = True, steps: int = 0) -> Kept:
         """``steps`` steps (the trial's when 0), then more (``extend``; up to ``MAX_STEPS``)

@@ -245,22 +245,30 @@ class GrowthDetector:
 
 
 def _merged_runs(steps: list[int], rises: list[int]) -> tuple[list[int], list[int]]:
-    """Rises at consecutive step boundaries as one rise (its last step, their bytes), where
-    the climb has gaps: one iteration's growth seen over two boundaries (a PPO rollout whose
-    kept values land partly before the update's first step) is one stair, not two. A climb
-    that rises at every boundary is steady growth: left as it is.
+    """Pairs of rises at consecutive step boundaries as one rise (its last step, their
+    bytes), in a sparse staircase: one iteration's growth seen over two boundaries (a PPO
+    rollout whose kept values land partly before the update's first step) is one stair, not
+    two. A climb that rises at most boundaries (steady growth, a missed boundary or not; a
+    stair every 2 steps with bumps between) or in runs of more than two is left as it is.
 
     >>> _merged_runs([15, 16, 31, 32, 47, 48], [64, 133, 64, 133, 64, 133])
     ([16, 32, 48], [197, 197, 197])
-    >>> _merged_runs([3, 4, 5], [1, 1, 1])
-    ([3, 4, 5], [1, 1, 1])
+    >>> _merged_runs([3, 4, 5, 7, 8, 9], [1, 1, 1, 1, 1, 1])  # steady, one boundary missed
+    ([3, 4, 5, 7, 8, 9], [1, 1, 1, 1, 1, 1])
     """
+    if 2 * len(steps) > steps[-1] - steps[0] + 1:  # rises at half the boundaries or more
+        return steps, rises
     merged_steps: list[int] = []
     merged: list[int] = []
+    run = 0
     for step, rise in zip(steps, rises, strict=True):
         if merged_steps and step == merged_steps[-1] + 1:
+            run += 1
+            if run > 1:  # three boundaries in a row: not one stair seen twice
+                return steps, rises
             merged_steps[-1], merged[-1] = step, merged[-1] + rise
         else:
+            run = 0
             merged_steps.append(step)
             merged.append(rise)
     if len(merged_steps) < 2:
