@@ -3925,3 +3925,34 @@ def test_memory_growth_does_not_say_a_list_without_a_graph_held_one():
     assert "`self.all_samples` (t.py:train():88) kept device tensors without a graph" in (
         advice.evidence
     )
+
+
+def test_a_model_called_with_a_list_of_images_has_its_input_shape_and_batch_bytes():
+    """A detection model takes a list of images of different sizes (torchvision's references,
+    DETR): the OOM's input shape is the count and the first image's shape, and the batch's
+    bytes are all the images' (sweep BO: no shape, 0 bytes, so oom-batch could never fire)."""
+
+    class Detector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU())
+
+        def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+            h = max(i.shape[1] for i in images)
+            w = max(i.shape[2] for i in images)
+            padded = torch.zeros(len(images), 3, h, w)
+            for k, image in enumerate(images):
+                padded[k, :, : image.shape[1], : image.shape[2]] = image
+            return self.body(padded).mean()
+
+    model = Detector()
+    images = [torch.randn(3, 96, 64), torch.randn(3, 64, 96), torch.randn(3, 80, 80)]
+    with (
+        simulate("2MiB"),
+        pytest.raises(torch.OutOfMemoryError),
+        track(model, postmortem=None) as tracker,
+    ):
+        model(images).backward()
+    pm = tracker.report().oom
+    assert pm is not None and pm.input_shape == (3, 3, 96, 64)
+    assert pm.batch_bytes == sum(i.numel() * 4 for i in images)

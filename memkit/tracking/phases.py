@@ -120,9 +120,10 @@ class PhaseMachine:
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self.grads_none_at_forward = True  # no gradients when the last forward began
         self.grads_found_step = -1  # the step whose first forward found gradients allocated
-        # the last training forward's first input (the batch an OOM's advice weighs)
-        self.train_input: weakref.ref[torch.Tensor] | None = None
-        self.eval_batch: weakref.ref[torch.Tensor] | None = None  # the last evaluation's
+        # the last training forward's first input (the batch an OOM's advice weighs; a list
+        # of images is all of them)
+        self.train_input: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self.eval_batch: tuple[weakref.ref[torch.Tensor], ...] = ()  # the last evaluation's
         # the step's own tensors: the inputs and outputs of this step's training forwards
         # first seen in it (``own``, held weakly), and the last step's (``last_own``). The
         # growth detector's levels leave out those alive (a loop's `x` and `logits`, a
@@ -171,8 +172,8 @@ class PhaseMachine:
         if root.averaged and self.models.optimizes(module):  # an AveragedModel trained
             root.averaged = False
         facts.last_root = (training, grad)
-        first = _first_tensor(args)
-        facts.last_input = shape = None if first is None else tuple(map(int, first.shape))
+        first, shape = _first_input(args)
+        facts.last_input = shape
         sim = self.devices.sim
         began = False
         if not grad or not training or root.averaged or not (root.trainable() or _needs_grad(args)):
@@ -194,7 +195,7 @@ class PhaseMachine:
                 facts.frozen_forwards += 1
                 facts.frozen_seen = facts.frozen_model
             else:  # (a post-mortem's evaluation batch)
-                self.eval_batch = None if first is None else weakref.ref(first)
+                self.eval_batch = tuple(map(weakref.ref, first))
             largest = facts.frozen_input if frozen else facts.eval_input
             if shape is not None and (largest is None or math.prod(shape) > math.prod(largest)):
                 if frozen:
@@ -217,7 +218,7 @@ class PhaseMachine:
             kind = TRAIN_PASS
             facts.frozen_model = None
             facts.train_input = shape
-            self.train_input = None if first is None else weakref.ref(first)
+            self.train_input = tuple(map(weakref.ref, first))
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
             if (
@@ -822,9 +823,8 @@ class PhaseMachine:
         """The bytes of the last training forward's first input while it lives (0: none);
         ``evaluation``: of the last evaluation pass's (a model no optimizer trains run on the
         training batch, a teacher's, left out)."""
-        ref = self.eval_batch if evaluation else self.train_input
-        batch = None if ref is None else ref()
-        return 0 if batch is None else int(batch.numel() * batch.element_size())
+        refs = self.eval_batch if evaluation else self.train_input
+        return sum(int(t.numel() * t.element_size()) for r in refs if (t := r()) is not None)
 
     def note_output(self, output: Any) -> None:
         """A training forward of the model returned ``output``: its tensors (one level into a
@@ -1081,13 +1081,21 @@ def output_values(output: Any) -> Any:
     return output.values() if isinstance(output, (dict, Mapping)) else (output,)
 
 
-def _first_tensor(args: Any) -> torch.Tensor | None:
-    """A forward's first tensor argument (its shape's batch dimension is the model's business:
-    ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN)."""
+def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:
+    """A forward's first tensor argument and its shape (the batch dimension is the model's
+    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN); a first list or
+    tuple of tensors (a detection model's images, of different sizes) is its tensors, and its
+    shape the count before the first one's (``4x3x300x212``: 4 images, the first 3x300x212).
+
+    >>> _first_input((1, torch.zeros(2, 3)))[1], _first_input(([torch.zeros(3, 5)] * 4,))[1]
+    ((2, 3), (4, 3, 5))
+    """
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a
-    return None
+            return [a], tuple(map(int, a.shape))
+        if isinstance(a, list | tuple) and a and all(isinstance(t, torch.Tensor) for t in a):
+            return list(a), (len(a), *map(int, a[0].shape))
+    return [], None
 
 
 def _needs_grad(args: Any) -> bool:
