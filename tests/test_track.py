@@ -710,7 +710,8 @@ def test_growth_from_kept_batches_is_not_blamed_on_the_steps_loss():
     report = tracker.report()
     leak = report.devices[0].leak
     assert leak is not None and not leak.suspects[0].growing
-    assert leak.held_batches >= 6 and leak.held_batch_bytes >= 6 * 128 * 256 * 4
+    # the batches counted while it grew (the climb began at step 2)
+    assert leak.held_batches >= 4 and leak.held_batch_bytes >= 4 * 128 * 256 * 4
     codes = [a.code for a in report.advice]
     assert "graph-retained" not in codes and "memory-growth" in codes
     growth = report.advice[codes.index("memory-growth")]
@@ -3922,7 +3923,7 @@ def test_memory_growth_does_not_say_a_list_without_a_graph_held_one():
     (advice,) = graph_retained_advice([leak])
     assert advice.code == "memory-growth" and advice.title.startswith("memory grows every 4 ")
     assert "`loss` (t.py:train():68) held an autograd graph" in advice.evidence
-    assert "`self.all_samples` (t.py:train():88) kept device tensors without a graph" in (
+    assert "`self.all_samples` (t.py:train():88) kept device tensors without a graph and was" in (
         advice.evidence
     )
 
@@ -3956,3 +3957,37 @@ def test_a_model_called_with_a_list_of_images_has_its_input_shape_and_batch_byte
     pm = tracker.report().oom
     assert pm is not None and pm.input_shape == (3, 3, 96, 64)
     assert pm.batch_bytes == sum(i.numel() * 4 for i in images)
+
+
+def test_targets_a_dataset_keeps_explain_no_growth_after_the_epoch_that_counted_them():
+    """A detection dataset keeps its target tensors and feeds the same ones each epoch (sweep
+    BO): the simulated device counts each the first time it reaches the model, in the first
+    epoch. Outputs kept on the device each epoch then grow the level; the targets, all counted
+    before that climb began, are not offered as its explanation (they said "no leak")."""
+
+    class Det(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:
+            return self.net(x).sum() + sum(t.float().sum() for t in targets) * 0
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 64), [torch.randint(0, 9, (2000,)) for _ in range(4)])
+            for _ in range(3)]  # fmt: skip
+    model = Det()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = []
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(5):
+            for x, targets in data:
+                loss = model(x, targets)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                kept.append(model.net(torch.randn(64, 64)))  # outputs kept on the device
+    leak = tracker.report().devices[0].leak
+    assert leak is not None and leak.period == 3
+    assert leak.held_batches == 0 and leak.held_batch_bytes == 0

@@ -76,14 +76,16 @@ def _in_all(leak: LeakFinding, saving: bool = True) -> str:
 
 
 def _held_batches(leak: LeakFinding) -> str:
-    """On the simulated device, the batches the model read that are still alive, when they
-    account for the growth (a list of batches built before training counts there batch by
-    batch); nothing where no container was seen growing."""
+    """On the simulated device, the batches the model read while the memory grew that are
+    still alive, when they account for most of the growth (a list of batches built before
+    training counts there batch by batch; their labels, which the model does not read, are
+    the rest); nothing where no container was seen growing. Batches a dataset keeps that an
+    earlier epoch counted explain nothing later (a detection dataset's target dicts)."""
     grown = leak.growth_per_step * leak.steps
-    if not (leak.held_batches > 1 and grown > 0 and leak.held_batch_bytes >= grown):
+    if not (leak.held_batches > 1 and grown > 0 and 4 * leak.held_batch_bytes >= 3 * grown):
         return ""
     return (
-        f" {leak.held_batches} input tensors the model has read are still alive "
+        f" {leak.held_batches} input tensors the model read while it grew are still alive "
         f"({format_size(leak.held_batch_bytes)}): the simulated device counts a host "
         "tensor from the step that first feeds it to the model, so batches a script "
         "keeps (a list built before training) grow here one by one. On a GPU they "
@@ -119,11 +121,11 @@ def _memory_growth(leak: LeakFinding, growth: str, *, counted_late: bool = False
     )
     if without:  # (inference-mode samples kept between the scans that would see them grow)
         seen += (
-            f" {without} kept device tensors without a graph but "
+            f" {without} kept device tensors without a graph and "
             + ("was" if without.count("`") == 2 else "were")
             + " not seen growing "
             "between two scans (the scans run every few steps: a list that grows between "
-            "them, near the end of a run, is not confirmed): look at them first."
+            "them, near the end of a run, is not confirmed)."
         )
     every = "every step" if leak.period <= 1 else f"every {leak.period} steps"
     return Advice(

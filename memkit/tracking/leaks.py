@@ -179,6 +179,11 @@ class GrowthDetector:
             return False
         return self.last_step - self.last_rise >= max(self.window, 2 * self.period)
 
+    @property
+    def climb_start(self) -> int | None:
+        """The step the current climb began at (its mark), if one began."""
+        return None if self._start is None else self._start[0]
+
     def wants_persistent(self, allocated: int) -> bool:
         """Whether :meth:`observe` at ``allocated`` would use the persistent bytes: a rise
         after the warm-up, or the first boundary after it (the bytes a rise is compared to).

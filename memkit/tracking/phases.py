@@ -733,6 +733,7 @@ class PhaseMachine:
                     last_level, persistent = floor, dev.floor_persistent
                 if dev.growth.observe(last_step, last_level, persistent):
                     growing.append(dev)
+                _mark_held_inputs(dev)
             left = level - self._own_discount(False, dev, single is not None)
             # steps counted from backward passes: this boundary is a training forward's start
             # (or the block's end), and so may not be the next: the bytes a rise is compared
@@ -790,7 +791,13 @@ class PhaseMachine:
         for dev in growing:
             first_time = dev.leak is None
             accountant = getattr(dev.backend, "accountant", None)
-            held = (0, 0) if accountant is None else accountant.held_input_bytes()
+            held = (0, 0)
+            if accountant is not None:  # the batches counted since the climb began
+                (count, nbytes), (count_then, bytes_then) = (
+                    accountant.held_input_bytes(),
+                    dev.held_at_climb[1],
+                )
+                held = (max(0, count - count_then), max(0, nbytes - bytes_then))
             dev.leak = growth_finding(
                 dev.key, dev.growth, suspects, self.state.step, held, dev.graph_leak
             )
@@ -1079,6 +1086,15 @@ def output_values(output: Any) -> Any:
         return (output,) if isinstance(output, torch.Tensor) else output
     # (a dict first: a Hugging Face output, at less than an abstract class's check)
     return output.values() if isinstance(output, (dict, Mapping)) else (output,)
+
+
+def _mark_held_inputs(dev: DeviceRecord) -> None:
+    """On the simulated device, the batches held when ``dev``'s growth detector's climb began
+    (taken when it begins or begins again)."""
+    accountant = getattr(dev.backend, "accountant", None)
+    start = dev.growth.climb_start
+    if accountant is not None and start != dev.held_at_climb[0]:
+        dev.held_at_climb = (start, accountant.held_input_bytes())
 
 
 def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:

@@ -375,6 +375,10 @@ class DeviceRecord:
         self.state_full = 0
         self.backwards = 0  # training backward passes in the current step
         self.growth = leaks.GrowthDetector()
+        # (simulated device) the batches held when the growth detector's climb began: its
+        # step and (count, bytes), so that batches a dataset keeps, counted the first time an
+        # epoch feeds them, explain only growth made while they were counted
+        self.held_at_climb: tuple[int | None, tuple[int, int]] = (None, (0, 0))
         # the growth detector sees a step's level once the next step's forwards began: the
         # lowest of the level at the step's end and those the next step's training forwards
         # began at (less their new batch), what the step left behind once its own tensors
