@@ -1628,6 +1628,30 @@ def test_the_default_call_hints_only_for_the_default_steps_own_call():
     assert step_hint(RuntimeError("c10::Error at std::string const&"), 1, plan) == ""
 
 
+def test_a_list_of_dicts_passed_as_the_models_arguments_is_said():
+    """make_batch returned per-image target dicts only (sweep BO): the default step passed
+    each dict as a positional argument and the detection model raised its own ValueError;
+    the hint says how it was called and what to return instead."""
+    from memkit.probing.hints import step_hint
+
+    class Detector(torch.nn.Module):
+        def forward(self, images: Any, targets: Any = None) -> torch.Tensor:
+            if targets is None:
+                raise ValueError("In training mode, targets should be passed")
+            return torch.zeros(())
+
+    plan = StepPlan("train")
+    batch = [{"boxes": torch.zeros(2, 4), "labels": torch.zeros(2)} for _ in range(3)]
+    with pytest.raises(ValueError, match="targets should be passed") as raised:
+        call_model(Detector(), batch[:1])
+    said = step_hint(raised.value, 1, plan)
+    assert "model(*batch) for a list or tuple batch: here make_batch's 1 dict," in said
+    assert "return a tuple (images, targets) from make_batch" in said
+    with pytest.raises(ValueError) as other:
+        call_model(Detector(), torch.zeros(2, 3))
+    assert step_hint(other.value, 2, plan) == ""
+
+
 def _copying_step(copies: list[torch.nn.Module]):
     """A train_step that keeps an EMA (``AveragedModel``, made at its first call) and a
     ``copy.deepcopy`` of the model ("the best so far") in ``copies``."""

@@ -45,6 +45,21 @@ def step_hint(exc: BaseException, batch_size: int, plan: StepPlan) -> str:
             "\nThe model has no forward(), so model(...) cannot be called: call the methods it "
             "has instead."
         )
+    dicts = _dicts_passed(exc)
+    if dicts:
+        calls = _calls(plan)
+        own = (
+            "eval_step(model, batch)"
+            if plan.mode == "infer"
+            else "train_step(model, batch, optimizer)"
+        )
+        return (
+            f"\n{calls[0].upper() + calls[1:]} model(*batch) for a list or tuple batch: here "
+            f"make_batch's {dicts} dict{'s' if dicts > 1 else ''}, each a positional argument "
+            "(model(dict_0, dict_1, ...)). A detection model takes model(images, targets): "
+            "return a tuple (images, targets) from make_batch, or write a "
+            f"{own} that calls the model as your loop does."
+        )
     if batch_size == 1 and _BATCH_STATISTIC.search(text):
         return (
             "\nAt batch size 1 a statistic over the batch has one value: its std or var is NaN "
@@ -55,6 +70,20 @@ def step_hint(exc: BaseException, batch_size: int, plan: StepPlan) -> str:
 
 
 _NO_FORWARD = 'is missing the required "forward" function'
+
+
+def _dicts_passed(exc: BaseException) -> int:
+    """How many dicts the default step passed as the model's positional arguments (a batch
+    that is a list of per-sample or per-image dicts), read from its call's frame in the
+    traceback; 0 where it passed none or did not make the call."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is step_module.call_model.__code__:
+            batch = tb.tb_frame.f_locals.get("batch")
+            items = batch if isinstance(batch, list | tuple) else ()
+            return len(items) if items and all(isinstance(b, dict) for b in items) else 0
+        tb = tb.tb_next
+    return 0
 
 
 def _call_hint(exc: BaseException, plan: StepPlan) -> str:
