@@ -1651,6 +1651,14 @@ def test_a_list_of_dicts_passed_as_the_models_arguments_is_said():
         call_model(Detector(), torch.zeros(2, 3))
     assert step_hint(other.value, 2, plan) == ""
 
+    class OneInput(torch.nn.Module):  # a tuple batch goes in as model(batch[0]) (review)
+        def forward(self, inputs: Any) -> torch.Tensor:
+            raise KeyError("x")
+
+    with pytest.raises(KeyError) as one:
+        call_model(OneInput(), ({"x": torch.zeros(1)}, {"y": torch.zeros(1)}))
+    assert step_hint(one.value, 2, plan) == ""
+
 
 def _copying_step(copies: list[torch.nn.Module]):
     """A train_step that keeps an EMA (``AveragedModel``, made at its first call) and a

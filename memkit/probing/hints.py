@@ -7,6 +7,8 @@ import os
 import re
 import traceback
 
+from torch.nn import Module
+
 from memkit.errors import spelled
 from memkit.probing import step as step_module
 from memkit.probing.step import StepPlan
@@ -45,6 +47,12 @@ def step_hint(exc: BaseException, batch_size: int, plan: StepPlan) -> str:
             "\nThe model has no forward(), so model(...) cannot be called: call the methods it "
             "has instead."
         )
+    if batch_size == 1 and _BATCH_STATISTIC.search(text):
+        return (
+            "\nAt batch size 1 a statistic over the batch has one value: its std or var is NaN "
+            "(a PPO loss normalising its advantages, a normalisation layer). If the step "
+            f"computes one, probe from {_min_batch_2()}."
+        )
     dicts = _dicts_passed(exc)
     if dicts:
         calls = _calls(plan)
@@ -60,12 +68,6 @@ def step_hint(exc: BaseException, batch_size: int, plan: StepPlan) -> str:
             "return a tuple (images, targets) from make_batch, or write a "
             f"{own} that calls the model as your loop does."
         )
-    if batch_size == 1 and _BATCH_STATISTIC.search(text):
-        return (
-            "\nAt batch size 1 a statistic over the batch has one value: its std or var is NaN "
-            "(a PPO loss normalising its advantages, a normalisation layer). If the step "
-            f"computes one, probe from {_min_batch_2()}."
-        )
     return ""
 
 
@@ -76,10 +78,15 @@ def _dicts_passed(exc: BaseException) -> int:
     """How many dicts the default step passed as the model's positional arguments (a batch
     that is a list of per-sample or per-image dicts), read from its call's frame in the
     traceback; 0 where it passed none or did not make the call."""
+    if not isinstance(exc, TypeError | ValueError | KeyError):
+        return 0
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code is step_module.call_model.__code__:
-            batch = tb.tb_frame.f_locals.get("batch")
+            batch, model = tb.tb_frame.f_locals.get("batch"), tb.tb_frame.f_locals.get("model")
+            one = isinstance(model, Module) and step_module.takes_one_input(model)
+            if isinstance(batch, tuple) and len(batch) > 1 and one:  # (model(batch[0]))
+                return 0
             items = batch if isinstance(batch, list | tuple) else ()
             return len(items) if items and all(isinstance(b, dict) for b in items) else 0
         tb = tb.tb_next

@@ -1099,17 +1099,25 @@ def _mark_held_inputs(dev: DeviceRecord) -> None:
 
 def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:
     """A forward's first tensor argument and its shape (the batch dimension is the model's
-    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN); a first list or
-    tuple of tensors (a detection model's images, of different sizes) is its tensors, and its
-    shape the count before the first one's (``4x3x300x212``: 4 images, the first 3x300x212).
+    business: ``(batch, ...)`` for most, ``(seq, batch)`` for a seq-first RNN). Without one, a
+    list or tuple of tensors: its tensors; where their shapes differ (a detection model's
+    images of different sizes), one sample each, the shape the count before the first one's
+    (``4x3x300x212``: 4 images, the first 3x300x212); where they are alike (``[x, mask]`` of
+    one batch, or images of one size) no shape can say which dimension is the batch: none.
 
-    >>> _first_input((1, torch.zeros(2, 3)))[1], _first_input(([torch.zeros(3, 5)] * 4,))[1]
-    ((2, 3), (4, 3, 5))
+    >>> images = [torch.zeros(3, 5), torch.zeros(3, 7)]
+    >>> _first_input((1, torch.zeros(2, 3)))[1], _first_input((images,))[1]
+    ((2, 3), (2, 3, 5))
+    >>> _first_input(([torch.zeros(4, 2)] * 2,))[1] is None
+    True
     """
     for a in args:
         if isinstance(a, torch.Tensor):
             return [a], tuple(map(int, a.shape))
+    for a in args:
         if isinstance(a, list | tuple) and a and all(isinstance(t, torch.Tensor) for t in a):
+            if len({t.shape for t in a}) == 1:
+                return list(a), None
             return list(a), (len(a), *map(int, a[0].shape))
     return [], None
 
