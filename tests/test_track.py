@@ -4010,16 +4010,18 @@ def test_checkpointing_and_precision_advice_count_every_pass_a_step_keeps():
     model = nn.Sequential(*[Block() for _ in range(4)])
     opt = torch.optim.Adam(model.parameters())
     loss_fn = nn.TripletMarginLoss()
-    with track(model, opt, device="cpu", budget="12MiB", module_every=1) as tracker:
-        for _ in range(3):
-            a, p, n = (model(torch.randn(256, 128)) for _ in range(3))
-            loss_fn(a, p, n).backward()
-            opt.step()
-            opt.zero_grad()
-    report = tracker.report()
-    blocks = [m for m in report.devices[0].modules if m.path in ("0", "1", "2", "3")]
-    one_pass = sum(m.activation_bytes for m in blocks)  # what the blocks keep per call
-    assert sum(m.activation_bytes_per_step or 0 for m in blocks) == 3 * one_pass
-    by_code = {a.code: a for a in report.advice}
-    saving = by_code["activation-checkpointing"].saving_bytes  # less the blocks' outputs
-    assert saving is not None and saving > one_pass  # (one pass's: 786,432 B)
+    for micro in (1, 4):  # with accumulation too: each micro-batch keeps its three passes
+        with track(model, opt, device="cpu", budget="12MiB", module_every=1) as tracker:
+            for _ in range(3):
+                for _ in range(micro):
+                    a, p, n = (model(torch.randn(256, 128)) for _ in range(3))
+                    (loss_fn(a, p, n) / micro).backward()
+                opt.step()
+                opt.zero_grad()
+        report = tracker.report()
+        blocks = [m for m in report.devices[0].modules if m.path in ("0", "1", "2", "3")]
+        one_pass = sum(m.activation_bytes for m in blocks)  # what the blocks keep per call
+        assert sum(m.activation_bytes_per_step or 0 for m in blocks) == 3 * one_pass
+        by_code = {a.code: a for a in report.advice}
+        saving = by_code["activation-checkpointing"].saving_bytes  # less the blocks' outputs
+        assert saving is not None and saving > one_pass, micro  # (one pass's: 786,432 B)

@@ -17,7 +17,6 @@ here). Each rule returns a list (empty when it does not fire), so the report can
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memkit.advice.device import empty_cache, fragmentation
@@ -341,9 +340,7 @@ def _own_math_float32(type_name: str | None) -> bool:
     return type_name is not None and "Attention" in type_name and type_name != "MultiheadAttention"
 
 
-def _float32_activations(
-    dev: DeviceReport, activations: int, together: Callable[[ModuleRecord], int]
-) -> tuple[int, int]:
+def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]:
     """Of ``activations`` at ``dev``'s peak, what autocast would keep float32: ``(kept,
     temporaries)``. Kept, walking the leaf layers in call order: what a layer autocast runs
     in float32 kept (:func:`~memkit.advice.training.autocast_keeps_float32`), unless the next
@@ -372,21 +369,21 @@ def _float32_activations(
         if autocast_keeps_float32(m.type_name):
             wide = True
             if follower is None or not autocast_casts_to_half(follower.type_name):
-                layers += m.activation_bytes * together(m)
+                layers += round(m.activation_bytes * _together(m))
         elif autocast_casts_to_half(m.type_name):
             wide = False
             if follower is None:
-                layers += m.activation_bytes * together(m)
+                layers += round(m.activation_bytes * _together(m))
         elif wide or follower is None:
-            layers += m.activation_bytes * together(m)
+            layers += round(m.activation_bytes * _together(m))
     own = sum(
-        m.self_activation_bytes * together(m)
+        round(m.self_activation_bytes * _together(m))
         for m in dev.modules
         if not m.leaf and m.calls > 0 and (m in roots or _own_math_float32(m.type_name))
     )
     if not roots:
         return min(activations, layers + own), 0
-    kept = sum(m.activation_bytes * together(m) for m in roots)
+    kept = sum(round(m.activation_bytes * _together(m)) for m in roots)
     return min(activations, layers + own), max(0, activations - kept)
 
 
@@ -402,8 +399,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     # an autocast wrapping the model's forward (accelerate's mixed precision) is entered
     # after the hooks, which then count no autocast forward: the wrapper says it ran
     wrapped = setup is not None and setup.forward_autocast is not None
-    together = _passes_together(report)
-    float32, temporaries = _float32_activations(dev, activations, together)
+    float32, temporaries = _float32_activations(dev, activations)
     return [
         mixed_precision(
             param_dtype=report.param_dtype,
@@ -442,11 +438,11 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             modules=[  # a teacher's blocks, run in evaluation passes only, keep nothing
                 ModuleActivation(
                     m.path,
-                    m.activation_bytes * together(m),
+                    round(m.activation_bytes * _together(m)),
                     m.leaf,
                     m.type_name,
                     m.first_call,
-                    None if m.output_bytes is None else m.output_bytes * together(m),
+                    None if m.output_bytes is None else round(m.output_bytes * _together(m)),
                 )
                 for m in dev.modules
                 if m.calls > 0
@@ -522,20 +518,14 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     )
 
 
-def _passes_together(report: TrackReport) -> Callable[[ModuleRecord], int]:
-    """How many of a module's passes a step keeps alive together: a step that calls the model
-    several times before one backward (a triplet's anchor, positive and negative; SimCLR's
-    two views; R-Drop) keeps every pass's activations until it; micro-batches of gradient
-    accumulation free theirs in their own backward (sweep BP: the advice priced one pass)."""
-    micro = max(1, report.micro_batches or 1)
-
-    def together(m: ModuleRecord) -> int:
-        per_call, per_step = m.activation_bytes, m.activation_bytes_per_step or 0
-        if per_call <= 0 or per_step <= per_call:
-            return 1
-        return max(1, round(per_step / per_call / micro))
-
-    return together
+def _together(m: ModuleRecord) -> float:
+    """How many of a module's passes a step keeps alive together, as the ratio of what it kept
+    until a backward to its largest pass: a step that calls the model several times before
+    one backward (a triplet's anchor, positive and negative; SimCLR's two views; R-Drop) keeps
+    every pass's activations until it (sweep BP: the advice priced one pass). The per-step
+    bytes restart at each backward, so micro-batches of accumulation count once."""
+    per_call, per_step = m.activation_bytes, m.activation_bytes_per_step or 0
+    return per_step / per_call if per_call > 0 and per_step > per_call else 1.0
 
 
 def _forwards_per_step(report: TrackReport, dev: DeviceReport) -> float:
