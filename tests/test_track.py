@@ -4025,3 +4025,17 @@ def test_checkpointing_and_precision_advice_count_every_pass_a_step_keeps():
         by_code = {a.code: a for a in report.advice}
         saving = by_code["activation-checkpointing"].saving_bytes  # less the blocks' outputs
         assert saving is not None and saving > one_pass, micro  # (one pass's: 786,432 B)
+
+
+def test_a_list_of_the_models_parameters_is_no_leak_candidate():
+    """``params = list(model.parameters())`` (for clip_grad_norm_ or an optimizer) holds the
+    weights, never what grows: not named among the lists of device tensors (sweep BO's
+    memory-growth advice offered it); a list of kept outputs still is."""
+    from memkit.tracking.leaks import scan_frames
+
+    model = nn.Linear(4, 4)
+    params = list(model.parameters())
+    kept = [model(torch.randn(2, 4)).detach() for _ in range(3)]
+    names = {c.name for c in scan_frames(holders=lambda t: True)}
+    assert "kept" in names and "params" not in names
+    del params, kept

@@ -536,6 +536,12 @@ def _peek(value: Any) -> list[Any] | None:
     return None
 
 
+def _weights(items: list[Any], torch: Any) -> bool:
+    """Whether ``items`` are all parameters: ``params = list(model.parameters())`` for the
+    optimizer or gradient clipping holds the model's weights, never what grows."""
+    return all(isinstance(item, torch.nn.Parameter) for item in items)
+
+
 def _tail(value: Any) -> list[Any]:
     """A list's, tuple's, deque's or dict's last few items (values), oldest first, past its
     first few (``[]`` when it holds no more than those)."""
@@ -894,7 +900,7 @@ def scan_frames(
                 kind, tensors = "tensor", [value]
             elif tensors := _container_graph(value, tensor_type):
                 kind = "container"
-            elif holders is not None and _peek(value):
+            elif holders is not None and (items := _peek(value)) and not _weights(items, torch):
                 kind, graph = "container", False
             else:
                 continue
