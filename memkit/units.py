@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from memkit.errors import ConfigError
 
 __all__ = [
+    "format_names",
     "format_percent",
     "format_shape",
     "format_size",
@@ -168,3 +169,13 @@ def format_percent(fraction: float) -> str:
 def format_shape(shape: Sequence[int]) -> str:
     """``(1000, 1, 28, 28)``."""
     return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def format_names(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, and how many more.
+
+    >>> format_names(["a", "b", "c", "d"]), format_names(["a"])
+    ('a, b, c and 1 more', 'a')
+    """
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")

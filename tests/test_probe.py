@@ -1050,9 +1050,10 @@ def test_the_part_hooks_leave_a_transformer_encoders_fused_inference_path_on():
 
 
 def test_sparse_gradients_get_a_note_that_the_answer_depends_on_the_batchs_values():
-    """A recommender's sparse embeddings: a sparse gradient holds a row per distinct index a
-    batch looks up, so the same batch size needs more memory for a batch with more distinct
-    indices. The answer stands for make_batch's batches, and the report says so."""
+    """A recommender's sparse embeddings: a sparse gradient holds a row per index a batch
+    looks up, repeats included (uncoalesced: sweep BQ measured as many rows for 3000 equal
+    indices as for 3000 distinct ones), so the same batch size needs more memory for a batch
+    with more lookups. The answer stands for make_batch's batches, and the report says so."""
 
     class Recommender(torch.nn.Module):
         def __init__(self) -> None:
@@ -1069,7 +1070,10 @@ def test_sparse_gradients_get_a_note_that_the_answer_depends_on_the_batchs_value
         optimizer=torch.optim.SparseAdam(model.parameters()), max_batch=4096,
     )  # fmt: skip
     notes = [d for d in result.defaults if d.startswith("sparse gradients")]
-    assert notes and "users, items" in notes[0]
+    assert notes and "users, items" in notes[0] and "repeats included" in notes[0]
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.zeros(30, dtype=torch.long)).sum().backward()
+    assert emb.weight.grad is not None and emb.weight.grad._nnz() == 30  # one row a lookup
     dense = probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
     assert not [d for d in dense.defaults if d.startswith("sparse gradients")]
 

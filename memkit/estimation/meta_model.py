@@ -11,6 +11,7 @@ from memkit.errors import ConfigError
 from memkit.estimation.meta_step import META
 from memkit.modelfile import ModelSpec, build_model, make_optimizer
 from memkit.probing.runner import sparse_embeddings
+from memkit.units import format_names
 
 __all__ = [
     "build_meta_model",
@@ -73,7 +74,7 @@ def refuse_sparse_gradients(model: torch.nn.Module, path: str) -> None:
     sparse = sparse_embeddings(model)
     if sparse:
         raise ConfigError(
-            f"memkit estimate cannot count sparse gradients: {', '.join(sparse[:3])} in {path} "
+            f"memkit estimate cannot count sparse gradients: {format_names(sparse)} in {path} "
             f"{'has' if len(sparse) == 1 else 'have'} sparse=True, and on meta tensors a sparse "
             "gradient holds no rows (their number depends on the indices a batch looks up), so "
             "it would count 0 bytes. Measure the step on the simulated device, which counts a "

@@ -69,7 +69,7 @@ from memkit.probing.trials import (
 from memkit.progress import TrialProgress
 from memkit.simulated.eager import eager_note, is_compiled
 from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
-from memkit.units import format_size
+from memkit.units import format_names, format_size
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -353,10 +353,11 @@ def probe_with(
     sparse = sparse_embeddings(model) if opts.mode == "train" else []
     if sparse:
         defaults.append(
-            f"sparse gradients ({', '.join(sparse[:3])}): their bytes depend on the batch's "
-            "values (a row per distinct index looked up; the optimizer's sparse work too), so "
-            "the answer holds for batches like make_batch's; one that looks up more distinct "
-            "rows needs more: keep the recommended margin"
+            f"sparse gradients ({format_names(sparse)}): their bytes depend on the batch's "
+            "values (a row per index looked up, repeats included: torch does not coalesce "
+            "them; the optimizer's sparse work on the distinct rows too), so the answer holds "
+            "for batches like make_batch's; one that looks up more (longer bags of multi-hot "
+            "features) needs more: keep the recommended margin"
         )
     if budget is None and isinstance(backend, SimulatedBackend) and backend.device.type == "cpu":
         defaults.append(
