@@ -4039,3 +4039,21 @@ def test_a_list_of_the_models_parameters_is_no_leak_candidate():
     names = {c.name for c in scan_frames(holders=lambda t: True)}
     assert "kept" in names and "params" not in names
     del params, kept
+
+
+def test_optimizer_state_that_grows_every_step_is_not_called_no_leak():
+    """SGD's momentum on sparse gradients appends each step's rows without coalescing (sweep
+    BQ: a DLRM's buffer went from 768 rows to 38,387 in 60 steps): persistent bytes rising at
+    every step are no one-off (unfreezing, a grown mask), so the note does not say "not a
+    leak"; it names the cause and the optimizers that keep a fixed size."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(4000, 16, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    with track(emb, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(14):
+            emb(torch.randint(0, 4000, (256,))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    notes = " ".join(tracker.report().notes)
+    assert "grows step after step runs out in a long run" in notes
+    assert "SparseAdam or Adagrad" in notes and "not a leak" not in notes

@@ -313,13 +313,27 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
     total = sum(b for _, b in growth.explained)
     steps = ", ".join(str(s) for s, _ in growth.explained[:8])
     more = ", ..." if len(growth.explained) > 8 else ""
-    return (
+    said = (
         f"{device}: memory rose by {format_size(total)} at step(s) {steps}{more}, all of it "
-        "the model's parameters and buffers, gradients and optimizer state (parameters made "
-        "trainable mid-run, e.g. progressive unfreezing, or new parameter groups; a buffer a "
-        "module grows to a longer input, e.g. a cached causal mask; or a new model while "
-        "earlier ones stay alive): not a leak"
+        "the model's parameters and buffers, gradients and optimizer state"
     )
+    if len(growth.explained) >= _STEADILY:  # not a few events: state that grows with the steps
+        return (
+            f"{said}, at {len(growth.explained)} steps: state that grows step after step runs "
+            "out in a long run (SGD's momentum on sparse gradients appends each step's rows "
+            "uncoalesced: SparseAdam or Adagrad keep a fixed size; a model grown at every "
+            "step); where it stops growing, it is no leak"
+        )
+    return (
+        f"{said} (parameters made trainable mid-run, e.g. progressive unfreezing, or new "
+        "parameter groups; a buffer a module grows to a longer input, e.g. a cached causal "
+        "mask; or a new model while earlier ones stay alive): not a leak"
+    )
+
+
+_STEADILY = 8
+"""Rises of the persistent bytes at this many steps are growth with the steps, not a few
+events (unfreezing stages, a mask grown to the longest input so far)."""
 
 
 @dataclass
