@@ -4057,3 +4057,45 @@ def test_optimizer_state_that_grows_every_step_is_not_called_no_leak():
     notes = " ".join(tracker.report().notes)
     assert "grows step after step runs out in a long run" in notes
     assert "SparseAdam or Adagrad" in notes and "not a leak" not in notes
+
+
+def test_persistent_growth_that_stopped_stays_no_leak_however_many_steps_it_took():
+    """A buffer grown to the longest input over 14 sorted length buckets, then a second epoch
+    of the same buckets (review): the persistent bytes rose at many steps but stopped, so the
+    note says "not a leak", not that the state grows step after step."""
+
+    class CachedMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.ones(1, 1))
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[1]
+            if self.mask.shape[0] < n:  # grown to the longest input so far, as HF's caches
+                self.mask = torch.ones(n, n).tril()
+            return self.proj(x).sum() + self.mask[:n, :n].sum() * 0
+
+    model = CachedMask()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            for length in range(64, 64 * 15, 64):
+                model(torch.randn(2, length, 8)).backward()
+                opt.step()
+                opt.zero_grad()
+    notes = " ".join(tracker.report().notes)
+    assert "runs out in a long run" not in notes
+
+
+def test_a_dict_that_began_with_parameters_and_grows_with_outputs_stays_a_candidate():
+    """``store = dict(model.named_parameters())`` then kept outputs added (review): its first
+    items are parameters, its last are not: still a candidate."""
+    from memkit.tracking.leaks import scan_frames
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    store: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for i in range(10):
+        store[f"out{i}"] = model(torch.randn(2, 4)).detach()
+    assert "store" in {c.name for c in scan_frames(holders=lambda t: True)}
+    del store

@@ -317,7 +317,7 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
         f"{device}: memory rose by {format_size(total)} at step(s) {steps}{more}, all of it "
         "the model's parameters and buffers, gradients and optimizer state"
     )
-    if len(growth.explained) >= _STEADILY:  # not a few events: state that grows with the steps
+    if _still_rising(growth):  # not a few events: state that grows with the steps
         return (
             f"{said}, at {len(growth.explained)} steps: state that grows step after step runs "
             "out in a long run (SGD's momentum on sparse gradients appends each step's rows "
@@ -332,8 +332,20 @@ def explained_growth_note(device: str, growth: GrowthDetector) -> str | None:
 
 
 _STEADILY = 8
-"""Rises of the persistent bytes at this many steps are growth with the steps, not a few
-events (unfreezing stages, a mask grown to the longest input so far)."""
+"""Rises of the persistent bytes at this many steps, still going on at the end, are growth
+with the steps, not a few events (unfreezing stages, a mask grown to the longest input)."""
+
+
+def _still_rising(growth: GrowthDetector) -> bool:
+    """Whether the persistent bytes rose at :data:`_STEADILY` steps or more and were still
+    rising when the run ended (within twice their spacing), as :attr:`GrowthDetector.stopped`
+    asks of a climb: growth that stopped (the longest input seen, the last layer unfrozen) is
+    no leak however many steps it took."""
+    steps = [s for s, _ in growth.explained]
+    if len(steps) < _STEADILY:
+        return False
+    spacing = max(1, round((steps[-1] - steps[0]) / (len(steps) - 1)))
+    return growth.last_step - steps[-1] < max(growth.window, 2 * spacing)
 
 
 @dataclass
@@ -550,9 +562,12 @@ def _peek(value: Any) -> list[Any] | None:
     return None
 
 
-def _weights(items: list[Any], torch: Any) -> bool:
-    """Whether ``items`` are all parameters: ``params = list(model.parameters())`` for the
-    optimizer or gradient clipping holds the model's weights, never what grows."""
+def _weights(value: Any, items: list[Any], torch: Any) -> bool:
+    """Whether ``value``'s items seen (``items``, and a dict's last few too) are all
+    parameters: ``params = list(model.parameters())`` for the optimizer or gradient clipping
+    holds the model's weights, never what grows."""
+    if isinstance(value, dict):
+        items = [*items, *_tail(value)]
     return all(isinstance(item, torch.nn.Parameter) for item in items)
 
 
@@ -914,7 +929,11 @@ def scan_frames(
                 kind, tensors = "tensor", [value]
             elif tensors := _container_graph(value, tensor_type):
                 kind = "container"
-            elif holders is not None and (items := _peek(value)) and not _weights(items, torch):
+            elif (
+                holders is not None
+                and (seen_items := _peek(value))
+                and not _weights(value, seen_items, torch)
+            ):
                 kind, graph = "container", False
             else:
                 continue
