@@ -4099,3 +4099,20 @@ def test_a_dict_that_began_with_parameters_and_grows_with_outputs_stays_a_candid
         store[f"out{i}"] = model(torch.randn(2, 4)).detach()
     assert "store" in {c.name for c in scan_frames(holders=lambda t: True)}
     del store
+
+
+def test_tracker_step_after_each_optimizer_step_counts_each_iteration_once():
+    """A loop that calls ``optimizer.step()`` and then ``tracker.step()`` (sweep BQ: 61 steps
+    for 60 iterations): the first call is the boundary the optimizer's step just made, not an
+    empty step; later ones are the only boundaries, as documented."""
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            tracker.step()
+    report = tracker.report()
+    assert report.steps == 5 == len(report.devices[0].steps)
+    assert report.step_rule == "manual"
