@@ -4107,12 +4107,16 @@ def test_tracker_step_after_each_optimizer_step_counts_each_iteration_once():
     empty step; later ones are the only boundaries, as documented."""
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with track(model, opt, device="cpu", budget="64MiB") as tracker:
-        for _ in range(5):
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            tracker.step()
-    report = tracker.report()
-    assert report.steps == 5 == len(report.devices[0].steps)
-    assert report.step_rule == "manual"
+    for evaluate in (False, True):  # (a no_grad validation pass between them too: review)
+        with track(model, opt, device="cpu", budget="64MiB") as tracker:
+            for _ in range(5):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if evaluate:
+                    with torch.no_grad():
+                        model(torch.randn(16, 8))
+                tracker.step()
+        report = tracker.report()
+        assert report.steps == 5 == len(report.devices[0].steps), evaluate
+        assert report.step_rule == "manual"

@@ -947,15 +947,15 @@ class PhaseMachine:
 
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are. The first
-        call, right after an optimizer step ended the step (nothing ran since: a loop calling
-        ``optimizer.step()`` then ``tracker.step()``), is that boundary, not an empty step
-        (sweep BQ: 61 steps for 60 iterations)."""
+        call, right after an optimizer step ended the step (no training ran since, an
+        evaluation may have: a loop calling ``optimizer.step()`` then ``tracker.step()``), is
+        that boundary, not an empty step (sweep BQ: 61 steps for 60 iterations)."""
         first = not self.manual_steps
         self.manual_steps = True
         self.step_in_backward = self.step_after_backward = False  # (these calls end steps)
         state = self.state
         just_ended = (
-            state.step > 0 and state.phase == OTHER and not state.backwards
+            state.step > 0 and state.phase in (OTHER, EVAL) and not state.backwards
             and not self.own and not self.batch_shapes
         )  # fmt: skip
         if not (first and just_ended):
