@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["steps_in_backward", "unwrap_optimizer"]
+__all__ = ["state_tensors", "steps_in_backward", "unwrap_optimizer"]
+
+_STATE_DEPTH = 3
+"""How deep :func:`state_tensors` looks into lists, tuples and dicts of an optimizer's state."""
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -54,3 +57,17 @@ def _calls_a_step(hook: Any) -> bool:
     fn = getattr(fn, "__func__", fn)  # (a bound method's)
     code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
     return code is not None and any("step" in name for name in code.co_names)
+
+
+def state_tensors(value: Any, depth: int = _STATE_DEPTH) -> list[torch.Tensor]:
+    """The tensors of one optimizer state entry: the value itself, or inside lists, tuples and
+    dicts (LBFGS keeps its history as lists: ``old_dirs``, ``old_stps``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth <= 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in state_tensors(v, depth - 1)]
+    return []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memkit.advice.form import CUDA_CONTEXT_BYTES, Advice, MiB, percent_of
-from memkit.units import format_size
+from memkit.units import format_names, format_size
 
 if TYPE_CHECKING:
     from memkit.strategies import StrategyResult
@@ -473,7 +473,7 @@ def ddp_unused_parameters(
         return None
     ranks = sorted(r for r, n in unused_by_rank.items() if n)
     modules = _modules(names)
-    shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
+    shown = format_names(modules, 8)
     size = f" ({format_size(unused_bytes)})" if unused_bytes else ""
     if find_unused_parameters:
         cost = (

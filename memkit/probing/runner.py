@@ -50,7 +50,7 @@ from memkit.modelfile import (
     seq_len_missing,
 )
 from memkit.oom import is_oom, recover
-from memkit.optimizers import steps_in_backward, unwrap_optimizer
+from memkit.optimizers import state_tensors, steps_in_backward, unwrap_optimizer
 from memkit.probing.hooks import ProbeHook
 from memkit.probing.options import DEFAULT_MARGIN, MAX_BATCH_CEILING, ProbeOptions
 from memkit.probing.ranks import RankSync, agree_settings, wrap_ddp
@@ -152,7 +152,8 @@ def _kept_segments_problem(backend: Backend, model: torch.nn.Module, optimizer: 
     held, allocated = backend.reserved(), backend.allocated()
     if not allocated <= backend.budget < held:
         return None
-    tensors = [*model.parameters(), *model.buffers(), *_state_tensors(optimizer)]
+    state = list((getattr(optimizer, "state", None) or {}).values())
+    tensors = [*model.parameters(), *model.buffers(), *state_tensors(state)]
     big = sum(t.untyped_storage().nbytes() > _LARGE_SEGMENT // 2 for t in tensors)
     if backend.inactive_split() <= _LARGE_SEGMENT + _ROUNDING * big:
         return None
@@ -165,13 +166,6 @@ def _kept_segments_problem(backend: Backend, model: torch.nn.Module, optimizer: 
         "freed segment), in a fresh process (`memkit probe MODEL_FILE --budget ...`), or "
         "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts"
     )
-
-
-def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The tensors of ``optimizer``'s state (none for no optimizer)."""
-    state = getattr(optimizer, "state", None) or {}
-    return [v for entry in state.values() if isinstance(entry, dict)
-            for v in entry.values() if isinstance(v, torch.Tensor)]  # fmt: skip
 
 
 def _capacity(backend: Backend) -> int | None:

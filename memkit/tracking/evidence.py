@@ -22,7 +22,7 @@ import torch
 
 from memkit.advice.training import state_buffers
 from memkit.devices import tensor_device
-from memkit.optimizers import steps_in_backward
+from memkit.optimizers import state_tensors, steps_in_backward
 from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.ddp import bucket_bytes, bucket_views, is_ddp
@@ -43,12 +43,8 @@ __all__ = [
     "gradient_witnesses",
     "param_dtype",
     "persistent_bytes",
-    "state_tensors",
     "training_setup",
 ]
-
-_STATE_DEPTH = 3
-"""How deep :func:`state_tensors` looks into lists, tuples and dicts of an optimizer's state."""
 
 
 class Evidence:
@@ -526,20 +522,6 @@ def _merged(old: TrainingSetup | None, new: TrainingSetup | None) -> TrainingSet
     return TrainingSetup(
         *(b if b is not None else a for a, b in zip(astuple(old), astuple(new), strict=True))
     )
-
-
-def state_tensors(value: Any, depth: int = _STATE_DEPTH) -> list[torch.Tensor]:
-    """The tensors of one optimizer state entry: the value itself, or inside lists, tuples and
-    dicts (LBFGS keeps its history as lists: ``old_dirs``, ``old_stps``)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth <= 0:
-        return []
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in state_tensors(v, depth - 1)]
-    return []
 
 
 def gradient_witnesses(
