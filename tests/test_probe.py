@@ -1841,6 +1841,39 @@ def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     assert not any("different shapes" in d for d in fixed.defaults)
 
 
+def test_a_list_of_images_of_their_own_sizes_is_named_by_its_padded_batch():
+    """Sweep BO: a detector's batch is a list of images of random sizes, padded together in
+    its step; the report named the largest single image of the first two places. What sets
+    the memory is the padded batch: each dimension's largest over the whole list."""
+    sizes: list[list[tuple[int, int]]] = []
+
+    def make_batch(n: int) -> list[torch.Tensor]:
+        hw = [(int(h), int(w)) for h, w in torch.randint(8, 40, (n, 2))]
+        sizes.append(hw)
+        return [torch.randn(3, h, w) for h, w in hw]
+
+    def train_step(model, images, optimizer):
+        h, w = (max(i.shape[d] for i in images) for d in (1, 2))
+        x = images[0].new_zeros(len(images), 3, h, w)
+        for k, image in enumerate(images):
+            x[k, :, : image.shape[1], : image.shape[2]] = image
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1))  # fmt: skip
+    result = probe(model, make_batch, train_step=train_step, device="cpu", budget="24MiB")
+    answer = result.max_batch_size
+    assert answer is not None and answer > 2
+    (drawn,) = [d for d in result.defaults if d.startswith("shapes drawn:")]
+    tallest = max(max(h for h, _ in hw) for hw in sizes if len(hw) == answer)
+    widest = max(max(w for _, w in hw) for hw in sizes if len(hw) == answer)
+    assert f"fit with {answer} inputs whose dimensions reach 3x{tallest}x{widest} " in drawn
+    assert f"({answer}x3x{tallest}x{widest} padded together)" in drawn
+
+
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 

@@ -332,7 +332,7 @@ def probe_with(
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    checked, varying = _check_batches(make_batch, opts, model_file)
+    checked, varying, per_sample = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
@@ -502,7 +502,9 @@ def probe_with(
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
     if varying and search.max_batch_size is not None:
-        defaults.append(_drawn_note(search.max_batch_size, largest_inputs, varying, history))
+        defaults.append(
+            _drawn_note(search.max_batch_size, largest_inputs, varying, history, per_sample)
+        )
     if untrained:
         defaults.append(
             f"warning: the training step left the parameters unchanged (batch {untrained[0]}): "
@@ -721,11 +723,12 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
 
 def _check_batches(
     make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
-) -> tuple[list[str], tuple[int, ...]]:
+) -> tuple[list[str], tuple[int, ...], bool]:
     """Make the batches for ``min_batch`` and ``min_batch + 1`` (twice: the RNG states as they
     were after) and check them; the notes for a batch dimension that is not the first and
-    for batches whose shapes vary at one size (random lengths), and which of their tensors
-    (by place in :func:`batch_shapes`) do."""
+    for batches whose shapes vary at one size (random lengths), which of their tensors (by
+    place in :func:`batch_shapes`) do, and whether the batch is a list of samples (one more
+    tensor a sample: a detector's images of their own sizes)."""
     low, where = opts.min_batch, f"make_batch({opts.min_batch})"
     rng = devices.rng_state()
     try:
@@ -755,7 +758,8 @@ def _check_batches(
             "recommended size too (its margin is not sized to the spread): probe with more "
             "draws (--steps 20), or bound the lengths (pad or cap them)"
         )
-    return notes, varying
+    per_sample = len(first) > len(batch_shapes(small))
+    return notes, varying, per_sample
 
 
 def _drawn_note(
@@ -763,25 +767,36 @@ def _drawn_note(
     largest: dict[int, list[tuple[int, ...]]],
     varying: tuple[int, ...],
     history: Sequence[ProbeTrial],
+    per_sample: bool = False,
 ) -> str:
     """What the trials drew at the answer and at the smallest size that ran out, for a
     ``make_batch`` of random shapes: the largest of the tensors whose shapes vary (``varying``,
     by place; a VLM's fixed images are not what varies) (sweep BI: answers of 6 to 8 from one
-    script, the lengths behind them named nowhere)."""
+    script, the lengths behind them named nowhere). For a list of samples (``per_sample``) it
+    is the padded batch, each dimension's largest over the list: what a detector's
+    collate makes of images of their own sizes (sweep BO: the largest single image was named,
+    of the first two places only)."""
 
-    def shape(size: int) -> str:
+    def drawn_at(size: int) -> str:
         drawn = largest.get(size) or []
         shapes = [drawn[i] for i in varying if i < len(drawn)] or drawn
         top = max(shapes, key=math.prod, default=None)
-        return "x".join(map(str, top)) if top is not None else "?"
+        if top is None:
+            return "inputs of shapes not recorded"
+        alike = [s for s in drawn if len(s) == len(top)] if per_sample else []
+        if len(alike) < 2:
+            return f"inputs up to {'x'.join(map(str, top))}"
+        padded = "x".join(str(max(dims)) for dims in zip(*alike, strict=True))
+        n = len(alike)
+        return f"{n} inputs whose dimensions reach {padded} ({n}x{padded} padded together)"
 
     failed = min((t.batch_size for t in history if not t.fits and t.batch_size > answer),
                  default=None)  # fmt: skip
-    ran_out = f"; {failed} ran out drawing up to {shape(failed)}" if failed is not None else ""
+    ran_out = f"; {failed} ran out with {drawn_at(failed)}" if failed is not None else ""
     return (
-        f"shapes drawn: the answer, {answer}, fit with inputs up to {shape(answer)} (the "
-        f"largest its trials drew of the tensors whose shapes vary){ran_out}: it holds for "
-        "batches no larger than that"
+        f"shapes drawn: the answer, {answer}, fit with {drawn_at(answer)} (the largest its "
+        f"trials drew of the tensors whose shapes vary){ran_out}: it holds for batches no "
+        "larger than that"
     )
 
 

@@ -70,15 +70,19 @@ TrialCallback = Callable[[ProbeTrial], None]
 def larger_shapes(
     known: list[tuple[int, ...]] | None, shapes: list[tuple[int, ...]]
 ) -> list[tuple[int, ...]]:
-    """Each tensor's larger shape (by elements) of ``known`` and ``shapes`` (``shapes``
-    where the batches hold different numbers of tensors).
+    """Each tensor's largest dimensions over ``known`` and ``shapes``, dimension by dimension
+    (the larger by elements where the ranks differ; ``shapes`` where the batches hold
+    different numbers of tensors).
 
-    >>> larger_shapes([(2, 9), (2,)], [(2, 12), (2,)])
-    [(2, 12), (2,)]
+    >>> larger_shapes([(2, 9), (3, 4, 8)], [(2, 12), (3, 6, 5)])
+    [(2, 12), (3, 6, 8)]
     """
     if known is None or len(known) != len(shapes):
         return shapes
-    return [max(a, b, key=math.prod) for a, b in zip(known, shapes, strict=True)]
+    return [
+        tuple(map(max, a, b)) if len(a) == len(b) else max(a, b, key=math.prod)
+        for a, b in zip(known, shapes, strict=True)
+    ]
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
