@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import reprlib
+import sys
+import warnings
 from collections.abc import Iterator
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "found",
     "on_command_line",
     "spelled",
+    "warn_user",
 ]
 
 _ON_COMMAND_LINE = contextvars.ContextVar("memkit_on_command_line", default=False)
@@ -154,3 +158,16 @@ def check_flag(name: str, value: object) -> None:
     """
     if not isinstance(value, bool):
         raise ConfigError(f"{name}: expected True or False, found {found(value)}")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointed at the first caller outside memkit: the user's ``with
+    memkit.track(...)`` line, or the trainer's frame that called a callback, wherever
+    inside memkit the warning was raised (Python 3.11 has no ``skip_file_prefixes``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

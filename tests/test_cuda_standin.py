@@ -609,10 +609,11 @@ def test_a_budget_below_segments_that_live_tensors_keep_raises_no_false_oom():
         reports = []
         for batch in (64, 2048):
             with (
-                pytest.warns(UserWarning, match=r"not an exact cap here"),
+                pytest.warns(UserWarning, match=r"not an exact cap here") as said,
                 memkit.track(model, opt, device="cuda", budget="200MiB") as tracker,
             ):
                 step(batch)
+            assert said[0].filename == __file__  # the user's with line, not memkit's
             reports.append(tracker.report())
         with (
             pytest.warns(UserWarning, match=r"not an exact cap here"),

@@ -391,8 +391,9 @@ def test_probe_file_examples_cnn_and_gpt2_seq_len_sweep():
 def test_probe_under_a_launcher_without_a_process_group_warns(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.warns(RuntimeWarning, match="no process group is initialised"):
+    with pytest.warns(RuntimeWarning, match="no process group is initialised") as said:
         probe(small_mlp(), lambda n: torch.randn(n, 256), device="cpu", budget="8MiB")
+    assert said[0].filename == __file__  # the user's probe() line, not memkit's own
 
 
 def _loss_viewing_a_buffer(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:

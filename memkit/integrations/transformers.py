@@ -44,6 +44,7 @@ except ImportError as exc:
 
 
 from memkit.devices import SimulatedBackend
+from memkit.errors import warn_user
 from memkit.tracking.evidence import checkpointing_flag
 from memkit.tracking.tracker import Tracker
 
@@ -165,14 +166,13 @@ class MemkitCallback(TrackingCallback, transformers.TrainerCallback):
             checkpointing=_checkpointing(args, model),
         )
         if isinstance(tracker.backend, SimulatedBackend) and not self._entered:
-            warnings.warn(
+            warn_user(
                 "memkit: MemkitCallback tracks on the simulated device, which counts every "
                 "tensor op of this thread until tracking ends; the Trainer tells callbacks "
                 "nothing when train() raises, so after an exception (an OOM) the simulated "
                 "device would stay on. Use `with callback: trainer.train()`, or call "
                 "callback.close() after a train() that raised.",
                 RuntimeWarning,
-                stacklevel=2,
             )
         self._tracker, self._report = tracker, None
         self._logged_step, self._micro, self._micro_mismatch = 0, 0, None

@@ -19,7 +19,6 @@ import inspect
 import itertools
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from memkit.errors import (
     ModelFileError,
     UserCodeError,
     spelled,
+    warn_user,
 )
 from memkit.modelfile import (
     accepts_seq_len,
@@ -888,14 +888,13 @@ def _agree_across_ranks(
     :class:`ConfigError` that explains what is missing."""
     ranked = distributed.is_distributed()
     if not ranked and distributed.world_size() > 1:
-        warnings.warn(
+        warn_user(
             f"memkit.probe runs under a launcher ({distributed.world_size()} ranks: WORLD_SIZE "
             "is set) but no process group is initialised: each rank probes its own device "
             "alone and the ranks may answer differently. Call "
             "torch.distributed.init_process_group() first so the ranks agree on one size, or "
             "use `torchrun ... memkit probe`, which does.",
             RuntimeWarning,
-            stacklevel=3,  # the caller of probe()
         )
     if not ranked:
         if opts.ddp:

@@ -23,7 +23,6 @@ import contextlib
 import logging
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -35,6 +34,7 @@ from memkit import cuda_autocast
 from memkit.advice.track import track_advice
 from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, get_backend
 from memkit.distributed import launched_rank, world_size
+from memkit.errors import warn_user
 from memkit.oom import find_oom
 from memkit.simulated.accountant import counting_now
 from memkit.simulated.ddp_buckets import counting_buckets
@@ -299,7 +299,7 @@ class Tracker:
             "(`memkit run --budget`)"
         )
         self.notes.append(note)
-        warnings.warn("memkit.track: " + note, stacklevel=3)
+        warn_user("memkit.track: " + note)
 
     def __exit__(
         self,
