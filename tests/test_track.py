@@ -1370,6 +1370,67 @@ def test_sparse_gradients_are_gradients_in_the_breakdown():
     assert sum(v for _, v in peak.parts()) == peak.total
 
 
+class _Recommender(nn.Module):
+    """A DLRM-shaped model: dense features through an MLP, categorical ones looked up in
+    embedding tables (one row each a sample), an MLP on top."""
+
+    def __init__(self, rows: int, sparse: bool = False, tied: bool = False) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(rows, 16, sparse=sparse) for _ in range(3))
+        self.bottom = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.top = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+        if tied:  # an output layer sharing the first table's weight
+            self.out = nn.Linear(16, rows, bias=False)
+            self.out.weight = self.tables[0].weight
+
+    def forward(self, dense: torch.Tensor, cats: torch.Tensor) -> torch.Tensor:
+        looked = [t(cats[:, i]) for i, t in enumerate(self.tables)]
+        out = self.top(torch.cat([self.bottom(dense), *looked], 1))
+        return self.out(out) if hasattr(self, "out") else out
+
+
+def _train_recommender(rows: int, *, sparse: bool = False, tied: bool = False):
+    torch.manual_seed(0)
+    model = _Recommender(rows, sparse, tied)
+    tables = list(model.tables.parameters())
+    rest = [p for n, p in model.named_parameters() if not n.startswith("tables")]
+    opts = (
+        [torch.optim.Adam(rest), torch.optim.SparseAdam(tables)]
+        if sparse
+        else [torch.optim.Adam(model.parameters())]
+    )
+    with track(model, opts[0], device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            cats = torch.randint(0, rows, (128, 3))
+            model(torch.randn(128, 13), cats).square().mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return tracker.report()
+
+
+def test_dense_gradients_of_embedding_tables_that_a_step_barely_looks_up_are_advised_sparse():
+    """Sweep BQ: a recommender's tables (3 x 20,000 rows) got a gradient of every row from
+    each step that looked up 128 of them, and Adam's dense update of them; nothing said that
+    ``sparse=True`` with SparseAdam keeps a row per lookup. The claimed saving is checked by
+    training the sparse model the advice describes."""
+    dense = _train_recommender(20_000)
+    (advice,) = [a for a in dense.advice if a.code == "dense-embedding-gradients"]
+    assert "tables.0 (1.22 MiB, 128 rows a step)" in advice.evidence
+    assert "SparseAdam" in advice.action
+    sparse = _train_recommender(20_000, sparse=True)
+    assert not [a for a in sparse.advice if a.code == "dense-embedding-gradients"]
+    measured = dense.devices[0].peak_allocated - sparse.devices[0].peak_allocated
+    assert advice.saving_bytes is not None
+    assert abs(advice.saving_bytes - measured) <= 0.05 * measured
+    # a table tied to an output layer keeps its dense gradient (the output layer's), and one
+    # whose steps look up most of its rows has nothing to gain
+    tied = _train_recommender(20_000, tied=True)
+    assert "tables.0 " not in " ".join(a.evidence for a in tied.advice)
+    assert not [a for a in _train_recommender(256).advice
+                if a.code == "dense-embedding-gradients"]  # fmt: skip
+
+
 def test_what_an_evaluation_between_steps_holds_is_evaluation_not_training():
     """A test loop after training keeps its outputs (here with their graph: no no_grad) while
     it computes its metric: that memory is the evaluation's, so the training peak and its

@@ -25,10 +25,12 @@ from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
 from memkit.advice.oom import oom_advice
 from memkit.advice.training import (
+    EmbeddingTable,
     ModuleActivation,
     activation_checkpointing,
     autocast_casts_to_half,
     autocast_keeps_float32,
+    dense_embedding_gradients,
     float64_training,
     mixed_precision,
     oom_retry_holds,
@@ -466,6 +468,17 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             param_dtype=report.param_dtype,
         ),
         _zero_grad_rule(report, dev, bd),
+        dense_embedding_gradients(
+            tables=_embedding_tables(report, dev),
+            gradient_bytes=bd.gradients,
+            phase=bd.phase,
+            optimizer_transient_bytes=max(0, transient),
+            optimized_bytes=None if setup is None else setup.optimized_bytes,
+            peak_bytes=bd.total,
+            capacity=dev.capacity,
+            device=dev.device,
+            optimizer=report.optimizer_name,
+        ),
         stale_gradients(
             holders=report.stale_gradients,
             step=report.stale_step,
@@ -475,6 +488,25 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         ),
         oom_retry_holds(report.retry_held, device=dev.device),
     ]
+
+
+def _embedding_tables(report: TrackReport, dev: DeviceReport) -> list[EmbeddingTable]:
+    """The dense-gradient embedding tables of ``dev``'s setup with the rows a step looks up:
+    each training call's output (what its forward allocated, a row per index) over the
+    row's bytes, times its calls a step (accumulated micro-batches add their rows)."""
+    setup = dev.setup
+    if setup is None or not setup.dense_embeddings or not report.steps:
+        return []
+    records = {m.path: m for m in dev.modules if m.type_name == "Embedding" and m.calls}
+    tables = []
+    for path, table, row in setup.dense_embeddings:
+        m = records.get(path) or next(
+            (r for p, r in records.items() if p.endswith("." + path)), None
+        )
+        if m is not None and row > 0:
+            rows = round(m.peak_over_entry / row * m.calls / report.steps)
+            tables.append(EmbeddingTable(path, table, row, rows))
+    return tables
 
 
 def _float64_share(setup: TrainingSetup | None) -> float:

@@ -14,12 +14,14 @@ __all__ = [
     "LIGHTER_OPTIMIZERS",
     "STATE_BUFFERS",
     "BlockGroup",
+    "EmbeddingTable",
     "LighterOptimizer",
     "ModuleActivation",
     "activation_checkpointing",
     "autocast_casts_to_half",
     "autocast_keeps_float32",
     "checkpoint_groups",
+    "dense_embedding_gradients",
     "float64_training",
     "lbfgs_history",
     "lighter_optimizers",
@@ -1073,4 +1075,101 @@ def oom_retry_holds(
         ),
         saving_bytes=extra,
         severity="warning",
+    )
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """An ``nn.Embedding`` trained with dense gradients (:func:`dense_embedding_gradients`):
+    its ``path``, its weight's ``table_bytes``, one row's ``row_bytes`` and the rows a step
+    looks up (indices, repeats included: what a sparse gradient holds)."""
+
+    path: str
+    table_bytes: int
+    row_bytes: int
+    rows_looked_up: int
+
+    @property
+    def sparse_bytes(self) -> int:
+        """A sparse gradient's bytes: a row of values and an int64 index per lookup."""
+        return self.rows_looked_up * (self.row_bytes + 8)
+
+
+_SPARSE_STEPPERS = {
+    "SGD": (
+        "SGD without momentum or weight_decay takes them as they are (with momentum its buffer "
+        "is sparse and grows by each step's rows, uncoalesced: step the tables with Adagrad "
+        "or SparseAdam then)"
+    ),
+    "Adagrad": "Adagrad takes sparse gradients as they are",
+    "SparseAdam": "SparseAdam takes them as they are",
+}
+
+
+def dense_embedding_gradients(
+    *,
+    tables: Sequence[EmbeddingTable],
+    gradient_bytes: int,
+    phase: str | None,
+    optimizer_transient_bytes: int,
+    optimized_bytes: int | None,
+    peak_bytes: int,
+    capacity: int | None = None,
+    device: str = "the device",
+    optimizer: str | None = None,
+) -> Advice | None:
+    """``dense-embedding-gradients``: embedding tables whose steps look up few of their rows
+    get a gradient of the whole table (``sparse=False``, the default); ``sparse=True`` makes
+    it a row per lookup. Saving: the tables' gradients at the peak less their sparse ones,
+    and at a peak inside the optimizer step the dense update's temporaries in the tables'
+    share of the parameters stepped (a sparse step touches only the rows looked up). Only
+    tables whose sparse gradient is under a quarter of the table; fires when the saving is
+    a tenth of the peak and matters (:func:`matters`)."""
+    few = [t for t in tables if 0 < t.sparse_bytes < t.table_bytes / 4]
+    if not few or peak_bytes <= 0:
+        return None
+    table_bytes = sum(t.table_bytes for t in few)
+    gradients = max(0, min(gradient_bytes, table_bytes) - sum(t.sparse_bytes for t in few))
+    update = (
+        round(optimizer_transient_bytes * min(1.0, table_bytes / optimized_bytes))
+        if phase == "optimizer" and optimized_bytes
+        else 0
+    )
+    saving = gradients + update
+    held = min(gradient_bytes, table_bytes)
+    if saving < peak_bytes / 10 or not matters(saving, peak_bytes, capacity):
+        return None
+    shown = sorted(few, key=lambda t: -t.table_bytes)
+    names = ", ".join(
+        f"{t.path} ({format_size(t.table_bytes)}, {t.rows_looked_up:,} rows a step)"
+        for t in shown[:4]
+    ) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+    parts = f"~{format_size(gradients)} of gradients" + (
+        f" and ~{format_size(update)} of the dense update's temporaries" if update else ""
+    )
+    stepper = _SPARSE_STEPPERS.get(optimizer or "")
+    if stepper is None:
+        step_with = (
+            f"{optimizer or 'the optimizer'} does not take sparse gradients: step the tables "
+            "with `torch.optim.SparseAdam(tables)` (Adam's two moments, of the whole table, "
+            "updated at the rows looked up; no weight decay) and the rest with the optimizer "
+            "you have"
+        )
+    else:
+        step_with = stepper
+    return Advice(
+        code="dense-embedding-gradients",
+        title="Embedding tables get gradients of every row; a step looks up few of them",
+        evidence=(
+            f"On {device}, backward gives each of these tables a dense gradient as large as "
+            f"the table: {names}. Their gradients were {format_size(held)} of the "
+            f"{format_size(peak_bytes)} peak ({percent_of(saving, peak_bytes)} would go)."
+        ),
+        action=(
+            f"`nn.Embedding(..., sparse=True)` for them: the gradient holds a row per index "
+            f"looked up, saving {parts}. {step_with}. Not under FSDP (its gradient "
+            "reduce-scatter is dense), and not for a table tied to an output layer."
+        ),
+        saving_bytes=saving,
+        severity="warning" if under_pressure(peak_bytes, capacity) else "info",
     )

@@ -26,7 +26,7 @@ from memkit.optimizers import state_tensors, steps_in_backward
 from memkit.simulated.accountant import storages_of
 from memkit.tracking.breakdown import Persistent
 from memkit.tracking.ddp import bucket_bytes, bucket_views, is_ddp
-from memkit.tracking.fsdp import FsdpUnits
+from memkit.tracking.fsdp import FsdpUnits, wrapped_module
 from memkit.tracking.leaks import LeakWatch
 from memkit.tracking.models import TrackedModels, forward_autocast
 from memkit.tracking.records import RunFacts
@@ -412,6 +412,7 @@ def training_setup(
         foreach = _steps_foreach(group)
         buffers = state_buffers(type(lead).__name__, group)
     autocast = next((d for m in modules if (d := forward_autocast(m)) is not None), None)
+    sparse, dense = _embeddings(modules, optimizers)
     return TrainingSetup(
         param_dtype=dtype,
         optimizer=None if lead is None else type(lead).__name__,
@@ -420,7 +421,8 @@ def training_setup(
         optimizer_foreach=foreach,
         accumulation_steps=None if facts is None else facts.accumulation_steps,
         checkpointing=None if facts is None else facts.checkpointing,
-        sparse_gradients=_sparse_gradients(modules, optimizers),
+        sparse_gradients=sparse,
+        dense_embeddings=dense,
         optimized_bytes=census.optimized if census is not None and optimizers else None,
         narrow_weight_bytes=census.narrow if census is not None and modules else None,
         trainable_bytes=sum(census.trainable_dtypes.values())
@@ -484,16 +486,34 @@ def accelerate_accumulation(modules: Sequence[torch.nn.Module]) -> int | None:
     return steps if isinstance(steps, int) and steps > 1 else None
 
 
-def _sparse_gradients(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> bool | None:
-    """Whether training makes sparse gradients: an embedding with ``sparse=True`` among the
-    modules, or a SparseAdam (``None``: neither seen and no module left to ask)."""
-    if any(type(opt).__name__ == "SparseAdam" for opt in optimizers):
-        return True
+def _embeddings(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]
+) -> tuple[bool | None, tuple[tuple[str, int, int], ...]]:
+    """Whether training makes sparse gradients (an embedding with ``sparse=True`` among the
+    modules, or a SparseAdam; ``None``: neither seen and no module left to ask), and the
+    trainable ``nn.Embedding`` tables with dense gradients that no other module shares
+    (:attr:`TrainingSetup.dense_embeddings`; paths as the tracker names a model's modules)."""
+    sparse = any(type(opt).__name__ == "SparseAdam" for opt in optimizers)
+    tables: list[tuple[str, torch.nn.Embedding]] = []
+    owners: dict[int, int] = {}
     for root in modules:
-        for module in root.modules():
+        inner = root
+        for _ in range(4):  # (a compiled or Fabric-wrapped model: named as the tracker does)
+            inner = wrapped_module(inner) or inner
+        for path, module in inner.named_modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners[id(p)] = owners.get(id(p), 0) + 1
             if isinstance(module, _SPARSE_CAPABLE) and module.sparse:
-                return True
-    return False if modules else None
+                sparse = True
+            elif isinstance(module, torch.nn.Embedding) and module.weight.requires_grad:
+                tables.append((path, module))
+    dense = tuple(
+        (path, int(m.weight.nbytes), int(m.weight.shape[1]) * m.weight.element_size())
+        for path, m in tables
+        if owners.get(id(m.weight)) == 1 and m.weight.dim() == 2
+    )
+    return (True if sparse else False if modules else None), dense
 
 
 _SPARSE_CAPABLE = (torch.nn.Embedding, torch.nn.EmbeddingBag)

@@ -256,6 +256,10 @@ class TrainingSetup:
         wrapper: the framework that wrapped the model (``"accelerate"``: prepared by an
             ``Accelerator``; ``"fabric"``: Lightning Fabric's ``setup``), whose own switches
             the advice names; ``None``: none seen.
+        dense_embeddings: ``(path, weight bytes, row bytes)`` of each trainable
+            ``nn.Embedding`` with dense gradients (``sparse=False``) whose weight no other
+            module shares (not tied to an output layer): backward gives it a gradient of the
+            whole table, where ``sparse=True`` gives one row per index looked up.
     """
 
     param_dtype: str | None = None
@@ -273,6 +277,7 @@ class TrainingSetup:
     float64_bytes: int | None = None
     stepped_in_backward_bytes: tuple[int, int] | None = None
     wrapper: str | None = None
+    dense_embeddings: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
