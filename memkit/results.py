@@ -71,11 +71,14 @@ def write_json(data: Any, path: str | Path | None, indent: int | None) -> str:
 
 def memory_model_json(out: dict[str, Any]) -> dict[str, Any]:
     """Move a result's ``fixed_bytes`` and ``per_sample_bytes`` (its peak as a line of the
-    batch size) into one ``memory_model`` key (``None`` without a line); returns ``out``."""
+    batch size) and ``per_pair_bytes`` (where present: a ``batch**2`` term) into one
+    ``memory_model`` key (``None`` without a model); returns ``out``."""
     fixed, per_sample = out.pop("fixed_bytes"), out.pop("per_sample_bytes")
-    out["memory_model"] = (
-        None if per_sample is None else {"fixed_bytes": fixed, "per_sample_bytes": per_sample}
-    )
+    per_pair = out.pop("per_pair_bytes", None)
+    model = None if per_sample is None else {"fixed_bytes": fixed, "per_sample_bytes": per_sample}
+    if model is not None and per_pair is not None:
+        model["per_pair_bytes"] = per_pair
+    out["memory_model"] = model
     return out
 
 

@@ -1875,6 +1875,49 @@ def test_a_list_of_images_of_their_own_sizes_is_named_by_its_padded_batch():
     assert f"({answer}x3x{tallest}x{widest} padded together)" in drawn
 
 
+def _contrastive_step(model, batch, optimizer):
+    """SimCLR's shape: each sample against every other of the batch (a B x B logits matrix,
+    its log-softmax and their gradients in backward)."""
+    z = torch.nn.functional.normalize(model(batch), dim=-1)
+    logits = z @ z.t() / 0.1
+    labels = torch.arange(batch.shape[0]).roll(1)
+    torch.nn.functional.cross_entropy(logits, labels).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_loss_over_pairs_of_the_batch_is_said_to_grow_with_its_square_and_not_to_split():
+    """Sweep BT: a contrastive loss with in-batch negatives (B x B logits) was told to split
+    its batch and accumulate, "the effective batch matches the target", and its memory model
+    was a line. Its curvature, counted independently at three sizes under memkit.simulate (a
+    second divided difference of the peaks), is the per-pair term the probe now reports."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = probe(model, lambda n: torch.randn(n, 32), optimizer=opt,
+                   train_step=_contrastive_step, device="cpu", budget="48MiB",
+                   target_batch=8192)  # fmt: skip
+    assert result.per_pair_bytes is not None
+    peaks = {}
+    for n in (256, 512, 1024):
+        with memkit.simulate("1GiB", track=(model, opt)) as acct:
+            _contrastive_step(model, torch.randn(n, 32), opt)
+            peaks[n] = acct.peak
+    counted = ((peaks[1024] - peaks[512]) / 512 - (peaks[512] - peaks[256]) / 256) / 768
+    assert abs(result.per_pair_bytes - counted) <= 0.05 * counted
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    assert advice.severity == "warning" and "in-batch negatives" in advice.action
+    micro = int(advice.title.split(" steps of ")[1].split()[0])
+    assert micro <= result.recommended_batch_size
+    assert f"compared with {micro - 1} others, not 8191" in advice.action
+    assert "per pair of samples" in str(result)
+    # a step whose memory is a line keeps the plain advice and the line
+    plain = probe(small_mlp_64(), lambda n: torch.randn(n, 64), device="cpu", budget="8MiB",
+                  target_batch=8192)  # fmt: skip
+    (advice,) = [a for a in plain.advice if a.code == "accumulate"]
+    assert plain.per_pair_bytes is None and "negatives" not in advice.action
+
+
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 

@@ -38,6 +38,7 @@ def probe_advice(
     target_batch: int | None = None,
     world_size: int = 1,
     batch_norm: bool = False,
+    pairwise: bool = False,
     growing: tuple[int, int, int] | None = None,
     state: ModelState | None = None,
     steps_in_backward: bool = False,
@@ -49,7 +50,7 @@ def probe_advice(
     last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
     state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
     size (``steps_in_backward``: the optimizer steps inside backward, and no accumulation
-    can reach the target)."""
+    can reach the target; ``pairwise``: the peaks grow faster than the batch)."""
     if search.max_batch_size is None:
         trial = search.trials[0]
         found = [
@@ -88,7 +89,10 @@ def probe_advice(
     plan = plan_accumulation(target_batch, micro, world_size)
     if steps_in_backward and plan.steps > 1:
         return [*advice, _no_accumulation(plan, micro, device)]
-    return [*advice, accumulation_advice(plan, micro, device, batch_norm=batch_norm)]
+    return [
+        *advice,
+        accumulation_advice(plan, micro, device, batch_norm=batch_norm, pairwise=pairwise),
+    ]
 
 
 def _no_accumulation(plan: AccumulationPlan, recommended: int, device: str) -> Advice:
@@ -249,9 +253,17 @@ def does_not_fit(
 
 
 def accumulation_advice(
-    plan: AccumulationPlan, recommended: int, device: str, *, batch_norm: bool = False
+    plan: AccumulationPlan,
+    recommended: int,
+    device: str,
+    *,
+    batch_norm: bool = False,
+    pairwise: bool = False,
 ) -> Advice:
-    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size."""
+    """The ``accumulate`` advice for a plan built on the probe's ``recommended`` batch size;
+    ``pairwise``: the peaks grow faster than the batch, the sign of a loss over pairs
+    of samples (in-batch negatives), which micro-batches change (sweep BT: SimCLR and CLIP
+    were told "the effective batch matches the target")."""
     world = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
     if plan.steps == 1:
         return Advice(
@@ -265,7 +277,9 @@ def accumulation_advice(
         )
     if plan.exact:
         overshoot = ""
-        schedule = "The effective batch (and so the learning-rate schedule) matches the target."
+        schedule = "The effective batch (and so the learning-rate schedule) matches the target" + (
+            " in size." if pairwise else "."
+        )
     else:
         exact = exact_split(plan.target_batch, recommended, plan.world_size)
         overshoot = (
@@ -278,6 +292,18 @@ def accumulation_advice(
             f"rate for it, or use {exact.steps} steps of {exact.micro_batch} to match exactly."
         )
     norm = f" Batch-norm statistics see micro batches of {plan.micro_batch}." if batch_norm else ""
+    pairs = (
+        " The peaks grow faster than the batch, as a batch x batch tensor (a similarity, "
+        "logits or distance matrix) makes them grow. If the loss compares each sample with the "
+        "others of its batch (in-batch negatives: SimCLR, CLIP, triplet mining), micro-batches "
+        f"change it: each sample is compared with {plan.micro_batch - 1} others, not "
+        f"{plan.target_batch - 1}, and accumulating does not give the target batch's loss or "
+        "gradient. Keep the whole batch's comparisons with gradient caching (compute the "
+        "embeddings without a graph in chunks, the loss on all of them, then backward chunk by "
+        "chunk: GradCache), or accept the smaller comparison batch."
+        if pairwise
+        else ""
+    )
     return Advice(
         code="accumulate",
         title=(
@@ -291,6 +317,7 @@ def accumulation_advice(
         action=(
             f"batch_size={plan.micro_batch}; call optimizer.step() and zero_grad() every "
             f"{plan.steps} micro batches and divide each micro batch's loss by {plan.steps}. "
-            f"{schedule}{norm}"
+            f"{schedule}{norm}{pairs}"
         ),
+        severity="warning" if pairwise else "info",
     )

@@ -129,6 +129,7 @@ class Estimate(Result):
     breakdown: EstimateBreakdown | None = None
     fixed_bytes: float | None = None
     per_sample_bytes: float | None = None
+    per_pair_bytes: float | None = None
     assumptions: tuple[str, ...] = ()
     advice: tuple[Advice, ...] = ()
     seconds: float = 0.0

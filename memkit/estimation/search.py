@@ -163,7 +163,7 @@ def estimate(
         session.generate_checks,
         search.max_batch_size if search.max_batch_size in session.unstepped else None,
     )  # fmt: skip
-    fit = search.model
+    fit = search.pairwise or search.model
     return Estimate(
         model_file=spec.path,
         device=card.family.name,
@@ -187,6 +187,7 @@ def estimate(
         breakdown=breakdown,
         fixed_bytes=None if fit is None else fit.fixed_bytes,
         per_sample_bytes=None if fit is None else fit.per_sample_bytes,
+        per_pair_bytes=None if search.pairwise is None else search.pairwise.per_pair_bytes,
         assumptions=tuple(assumptions),
         advice=tuple(advice_for(search, session, breakdown, amp, mode, card)),
         seconds=time.perf_counter() - started,

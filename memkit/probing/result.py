@@ -105,6 +105,7 @@ class ProbeResult(Result):
     seq_len: int | None = None
     fixed_bytes: float | None = None
     per_sample_bytes: float | None = None
+    per_pair_bytes: float | None = None
     defaults: tuple[str, ...] = ()
     advice: tuple[Advice, ...] = ()
     world_size: int = 1

@@ -1046,11 +1046,12 @@ def _build_result(
         target_batch=opts.target_batch,
         world_size=world,
         batch_norm=batch_norm,
+        pairwise=search.superlinear,
         growing=growing,
         state=state,
         steps_in_backward=steps_in_backward,
     )
-    model = search.model
+    model = search.pairwise or search.model
     return ProbeResult(
         max_batch_size=search.max_batch_size,
         recommended_batch_size=search.recommended_batch_size,
@@ -1068,6 +1069,7 @@ def _build_result(
         seq_len=opts.seq_len,
         fixed_bytes=None if model is None else model.fixed_bytes,
         per_sample_bytes=None if model is None else model.per_sample_bytes,
+        per_pair_bytes=None if search.pairwise is None else search.pairwise.per_pair_bytes,
         defaults=tuple(defaults + plan.describe() + grown) + ((_DDP_NOTE,) if ddp else ()),
         advice=tuple(advice),
         world_size=world,

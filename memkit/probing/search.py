@@ -125,12 +125,14 @@ from memkit.results import Record
 __all__ = [
     "LinearFit",
     "Oracle",
+    "PairwiseFit",
     "SearchResult",
     "Trial",
     "check_bounds",
     "doubling_bisection",
     "search_max_batch",
     "summary_fit",
+    "superlinear",
 ]
 
 
@@ -211,6 +213,10 @@ class SearchResult(Record):
         recommended_measured: ``True`` when the recommended size was run (its peak is a
             measurement); ``False`` when it was interpolated between two sizes that were run.
         strategy: ``"model"`` or ``"doubling"``: how the sizes were chosen.
+        pairwise: where the peaks (the smooth, allocated ones where measured) grow with the
+            square of the batch, that parabola (:class:`PairwiseFit`).
+        superlinear: the peaks grow faster than the batch (:func:`superlinear`): a
+            ``pairwise`` parabola, or too few sizes to fit one.
     """
 
     max_batch_size: int | None
@@ -223,6 +229,99 @@ class SearchResult(Record):
     margin_met: bool | None = None
     recommended_measured: bool = True
     strategy: str = "model"
+    pairwise: PairwiseFit | None = None
+    superlinear: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PairwiseFit(Record):
+    """Peaks that grow with the square of the batch: ``fixed + per_sample * b + per_pair *
+    b**2``, where the ``b**2`` term holds a material share of the largest peak: a loss over
+    pairs of samples (a ``B x B`` similarity, logits or distance matrix: contrastive losses
+    with in-batch negatives, triplet mining), whose samples a micro-batch cannot split.
+
+    Attributes:
+        fixed_bytes: the intercept.
+        per_sample_bytes: the linear term.
+        per_pair_bytes: the quadratic term (bytes per pair of samples, ``b**2`` of them).
+        pair_share: the quadratic term's share of the fitted peak at the largest size.
+    """
+
+    fixed_bytes: float
+    per_sample_bytes: float
+    per_pair_bytes: float
+    pair_share: float
+
+    @classmethod
+    def from_points(
+        cls, points: Sequence[tuple[int, int]], min_share: float = 0.1
+    ) -> PairwiseFit | None:
+        """The least-squares parabola through the ``(batch_size, peak_bytes)`` points of the
+        upper sizes (at least an eighth of the largest: the smallest sizes' peaks sit on
+        floors of allocator rounding, which a line through them bends like a parabola)
+        where there are three of them at least, its quadratic term is at least ``min_share``
+        of the fitted peak at the largest size, and it fits them at least three times as
+        closely as a line does; ``None`` otherwise.
+
+        Examples:
+            >>> sizes = (1, 2, 4, 8, 16, 32)
+            >>> fit = PairwiseFit.from_points([(b, 1000 + 10 * b + b * b) for b in sizes])
+            >>> round(fit.per_pair_bytes, 6), round(fit.pair_share, 2)
+            (1.0, 0.44)
+            >>> PairwiseFit.from_points([(b, 1000 + 10 * b) for b in sizes]) is None
+            True
+            >>> PairwiseFit.from_points([(1, 99), (2, 99), (4, 99), (256, 180), (2846, 1200)])
+        """
+        top = max((b for b, _ in points), default=0)
+        upper = sorted((b, p) for b, p in points if 8 * b >= top)
+        if len({b for b, _ in upper}) < 3:
+            return None
+        xs = [b / top for b, _ in upper]  # scaled: the normal equations stay well conditioned
+        ys = [float(p) for _, p in upper]
+        s = [sum(x**k for x in xs) for k in range(5)]
+        t = [sum(y * x**k for x, y in zip(xs, ys, strict=True)) for k in range(3)]
+        m = [[s[0], s[1], s[2]], [s[1], s[2], s[3]], [s[2], s[3], s[4]]]
+
+        def det(a: list[list[float]]) -> float:
+            return (
+                a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+            )
+
+        d = det(m)
+        line = LinearFit.from_points(upper)
+        if d <= 0 or line is None:
+            return None
+        a, b, c = (
+            det([[t[r] if col == k else m[r][col] for col in range(3)] for r in range(3)]) / d
+            for k in range(3)
+        )
+        quad_error = sum((a + b * x + c * x * x - y) ** 2 for x, y in zip(xs, ys, strict=True))
+        line_error = sum((line.predict(x) - y) ** 2 for (x, _), y in zip(upper, ys, strict=True))
+        peak = a + b + c
+        share = c / peak if peak > 0 else 0.0
+        if c <= 0 or share < min_share or line_error < 9 * quad_error:
+            return None
+        return cls(a, b / top, c / (top * top), share)
+
+
+def superlinear(points: Sequence[tuple[int, int]]) -> bool:
+    """Whether the peaks grow faster than the batch: a :class:`PairwiseFit` through them, or
+    the :func:`summary_fit` chord's intercept below zero. A linear step's chord meets zero at
+    its fixed part or above (the smallest sizes' rounding floors only raise it); a batch x
+    batch term bends it below.
+
+    Examples:
+        >>> superlinear([(1, 1000), (8, 1100), (253, 66000)])
+        True
+        >>> superlinear([(1, 99), (256, 180), (2846, 1200)])
+        False
+    """
+    if PairwiseFit.from_points(points) is not None:
+        return True
+    chord = summary_fit(points)
+    return chord is not None and chord.fixed_bytes < 0
 
 
 def summary_fit(points: Sequence[tuple[int, int]]) -> LinearFit | None:
@@ -329,6 +428,7 @@ def _result(s: Bracket, *, capacity: int | None, margin: float, strategy: str) -
     recommended, met, measured = best, None, True
     if best is not None and capacity is not None:
         recommended, met, measured = _recommend(s, capacity * (1.0 - margin))
+    smooth = s.aim_points() or s.fitting_points()
     return SearchResult(
         max_batch_size=best,
         recommended_batch_size=recommended,
@@ -336,6 +436,8 @@ def _result(s: Bracket, *, capacity: int | None, margin: float, strategy: str) -
         capacity_bytes=capacity,
         margin=margin,
         model=summary_fit(s.fitting_points()),
+        pairwise=PairwiseFit.from_points(smooth),
+        superlinear=superlinear(smooth),
         hit_max_batch=best is not None and best == s.max_batch,
         margin_met=met,
         recommended_measured=measured,

@@ -119,7 +119,10 @@ def estimate_text(est: Estimate) -> str:
         ]
     if est.per_sample_bytes is not None and est.fixed_bytes is not None:
         parts.append(
-            "\n" + memory_model_words(est.fixed_bytes, est.per_sample_bytes, " (reserved)")
+            "\n"
+            + memory_model_words(
+                est.fixed_bytes, est.per_sample_bytes, " (reserved)", est.per_pair_bytes
+            )
         )
     parts.append("assumptions:")
     parts.extend(f"  {a}" for a in est.assumptions)

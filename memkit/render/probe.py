@@ -129,7 +129,12 @@ def probe_text(result: ProbeResult) -> str:
         parts.append(f"\nper rank at batch {result.max_batch_size} (every rank runs that batch):")
         parts.append(table(_RANK_HEAD, _rank_rows(result), align="rrrrrl"))
     if result.per_sample_bytes is not None and result.fixed_bytes is not None:
-        parts.append("\n" + memory_model_words(result.fixed_bytes, result.per_sample_bytes))
+        parts.append(
+            "\n"
+            + memory_model_words(
+                result.fixed_bytes, result.per_sample_bytes, per_pair=result.per_pair_bytes
+            )
+        )
     parts.append(f"accounting: {result.accounting}")
     parts.extend(result.defaults)
     parts += section("advice:", advice_text(result.advice))

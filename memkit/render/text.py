@@ -113,7 +113,9 @@ def recommended_words(
     return f"recommended {rec} (leaves {share} free)"
 
 
-def memory_model_words(fixed: float, per_sample: float, what: str = "") -> str:
+def memory_model_words(
+    fixed: float, per_sample: float, what: str = "", per_pair: float | None = None
+) -> str:
     """The reported line ``fixed + per_sample per sample`` (``what``: ``" (reserved)"``). A
     negative fixed part is the chord of peaks that grow faster than the batch (a B x B term:
     a contrastive loss's logits), or that scatter: the line says so rather than read as a
@@ -127,6 +129,15 @@ def memory_model_words(fixed: float, per_sample: float, what: str = "") -> str:
         >>> memory_model_words(30 << 20, -(1 << 10)).endswith("no model of the step)")
         True
     """
+    if per_pair is not None:
+        pair = f"{per_pair:.3g} B" if per_pair < 1024 else format_size(per_pair)
+        return (
+            f"memory model: {format_size(fixed)} {'+' if per_sample >= 0 else '-'} "
+            f"{format_size(abs(per_sample))} per sample + {pair} per pair of "
+            f"samples{what} (the peaks grow with the square of the batch: a batch x batch "
+            "tensor, such as a contrastive loss's similarity matrix or a pairwise distance "
+            "matrix; doubling the batch quadruples that part)"
+        )
     line = f"memory model: {format_size(fixed)} + {format_size(per_sample)} per sample{what}"
     if per_sample < 0:
         line += (
