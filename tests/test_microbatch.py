@@ -187,6 +187,33 @@ def test_outer_simulate_without_backend_on_a_cpu_model():
     assert_params_close(model, expected)
 
 
+def test_a_retry_draws_the_random_numbers_a_split_from_the_start_draws():
+    """Dropout: the failed attempt's forward drew masks; the retry draws from where the batch
+    started, so the split run equals a run split from the start, and the random stream after
+    the step does not depend on free memory (sweep BS: it did, and the gradient with it)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(128, 10)
+    )
+    batch = mlp_batch(256)
+    budget = budget_between(model, mlp_loss, batch, fails=1, fits=2)
+    torch.manual_seed(7)
+    ref = copy.deepcopy(model)  # the independent count: a hand 2-way split, same seed
+    for part in split_batch(batch, 2):
+        (mlp_loss(ref, part) * 0.5).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= p.grad
+    after_ref = torch.rand(3)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    torch.manual_seed(7)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks == 2 and step.last.ooms == 1
+    assert_params_close(model, ref.state_dict())
+    assert torch.equal(torch.rand(3), after_ref)
+
+
 def test_decorator_form_and_repr():
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

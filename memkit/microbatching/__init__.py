@@ -41,7 +41,8 @@ and reused for later batches. On an OOM at micro-batch size ``s`` the next size 
 counts, to the chunks at which the smallest size failed; half the chunks if none failed) is
 tried once; if it runs out of memory the same batch is retried at the remembered size and the
 patience doubles. A failed attempt's forward passes may have updated BatchNorm running
-statistics: they are restored before the retry (``restore_buffers``).
+statistics and drawn random numbers (dropout): the statistics (``restore_buffers``) and the
+random number generators are restored before the retry.
 
 DDP: with a :class:`~torch.nn.parallel.DistributedDataParallel` model, every micro-batch runs
 under ``model.no_sync()``, ranks agree on the split count before running and on "did any rank

@@ -13,7 +13,7 @@ from typing import Any, overload
 import torch
 
 from memkit import distributed
-from memkit.devices import get_backend
+from memkit.devices import get_backend, restore_rng_state, rng_state
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, DoesNotFitError
 from memkit.microbatching.policy import SplitPolicy, oom_size_bound
@@ -365,6 +365,9 @@ class MicroBatchStep:
         buffers = self._buffers_to_restore()
         with torch.no_grad():
             saved = [b.clone() for b in buffers]
+        # a failed attempt's forwards drew random numbers (dropout masks): the retry draws
+        # from where the batch started, as a run that had split from the start would
+        rng = rng_state()
         while True:
             attempts += 1
             chunks = self.policy.chunks_for(size) if found is not None else 1
@@ -396,6 +399,7 @@ class MicroBatchStep:
             # Some rank (maybe only another one) ran out of memory: recover, then retry.
             loss = None
             _put_back(buffers, saved)
+            restore_rng_state(rng)
             details = parse_oom_message(exc) if exc is not None else None
             message = str(exc) if exc is not None else ""
             if exc is not None:
@@ -409,7 +413,7 @@ class MicroBatchStep:
             if details is not None:
                 self._shrink_after_oom(tried, size, chunks, details, baseline)
         assert loss is not None
-        del saved
+        del saved, rng
         self._step_once(used, ddp)
         self.steps += 1
         self.policy.on_success(tried)
