@@ -20,6 +20,7 @@ from memkit.microbatching.policy import SplitPolicy, oom_size_bound
 from memkit.microbatching.splitting import batch_size_of, chunk_sizes, split_batch
 from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
 from memkit.results import Record
+from memkit.simulated.accountant import active_accountant
 from memkit.units import format_size
 
 __all__ = ["MicroBatchStep", "StepInfo", "Weight", "microbatch"]
@@ -200,8 +201,12 @@ class MicroBatchStep:
             return None
 
     def _capacity(self) -> int | None:
+        """The device's exact size: the backend's, or without one (a cpu model) the budget of
+        an outer ``memkit.simulate`` block counting the model's device (OOM messages round)."""
         if self.backend is None:
-            return None
+            param = next(self.model.parameters(), None)
+            outer = active_accountant(param.device if param is not None else "cpu")
+            return None if outer is None else outer.budget
         try:
             total = self.backend.capacity().total
         except Exception:
