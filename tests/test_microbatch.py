@@ -565,6 +565,33 @@ def test_a_loss_that_is_not_a_scalar_tensor_is_a_config_error():
         step(mlp_batch(8))
 
 
+@pytest.mark.parametrize("own", ["backward", "backward_detach", "full_step"])
+def test_a_train_step_that_runs_backward_itself_is_told_what_memkit_does(own):
+    """torch's bare 'backward through the graph a second time' / 'element 0 of tensors does
+    not require grad' (sweep BS) become a ConfigError that says memkit runs backward and the
+    optimizer step, with torch's error as the cause; at once, never taken for an OOM."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def train(batch):
+        calls.append(1)
+        loss = mlp_loss(model, batch)
+        if own == "full_step":
+            opt.zero_grad()
+        loss.backward()
+        if own == "full_step":
+            opt.step()
+        return loss if own == "backward" else loss.detach()
+
+    step = microbatch(train, model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match="train_step must return the loss") as info:
+        step(mlp_batch(8))
+    assert "Remove loss.backward(), optimizer.step()" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert calls == [1] and step.ooms == 0 and step.steps == 0
+
+
 def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
     model, batch = make_mlp(), mlp_batch(16)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

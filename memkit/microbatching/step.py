@@ -103,6 +103,32 @@ def _needs_two_samples(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc)
 
 
+_BACKWARD_DONE = (
+    "backward through the graph a second time",  # train_step ran loss.backward() itself
+    "does not require grad and does not have a grad_fn",  # ... and returned loss.detach()
+)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``; torch's bare error for a train_step that ran the backward itself
+    (or also ``optimizer.step()``) gets a hint. An OOM passes unchanged (it is retried)."""
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if is_oom(exc) or not any(text in str(exc) for text in _BACKWARD_DONE):
+            raise
+        raise ConfigError(
+            "memkit could not back-propagate train_step's loss "
+            f"({str(exc).splitlines()[0][:120]}): train_step must return the loss (a "
+            "tensor with its graph, the mean over its micro-batch) and leave the rest to "
+            "memkit, which runs loss.backward() per micro-batch, accumulates, then calls "
+            "optimizer.step() and zero_grad() once per batch. Remove loss.backward(), "
+            "optimizer.step() and optimizer.zero_grad() from train_step, and return the loss "
+            "undetached (not loss.detach() or loss.item()); a loss that does not depend on a "
+            "trainable parameter (computed under torch.no_grad()) gives the second error too"
+        ) from exc
+
+
 ITEM_COUNT_KEY = "num_items_in_batch"
 
 
@@ -302,7 +328,7 @@ class MicroBatchStep:
                         )
                     )
                 share = w / total
-                (loss.reshape(()) * (share / world)).backward()
+                _backward(loss.reshape(()) * (share / world))
                 value = loss.detach().reshape(())
                 if mask_nan:
                     finite = ~torch.isnan(value)
