@@ -268,6 +268,34 @@ def test_cnn_with_batchnorm_in_train_mode_sees_micro_batches(caplog):
     assert_params_close(model, ref.state_dict())  # running_mean/var too: failed tries undone
 
 
+def test_the_split_warning_says_once_what_splitting_does_to_a_loss_that_is_no_mean(caplog):
+    """A sum-reduced loss comes out divided by the number of micro-batches (checked against
+    the full batch's gradient); the split warning said only BatchNorm (sweep BS). It says it
+    once per step object, not on every OOM."""
+    model, batch = make_mlp(), mlp_batch(256)
+
+    def sum_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1], reduction="sum")
+
+    budget = budget_between(model, sum_loss, batch, fails=2, fits=4)
+    full = copy.deepcopy(model)
+    sum_loss(full, batch).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = copy.deepcopy(model.state_dict())
+    step = microbatch(lambda b: sum_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks == 4 and step.last.ooms == 2
+    for name, p in full.named_parameters():  # p - grad / chunks, not p - grad
+        torch.testing.assert_close(model.state_dict()[name], before[name] - p.grad / 4)
+    assert caplog.text.count("out of memory at micro-batch size") == 2
+    assert caplog.text.count("said once") == 1
+    for said in ("a sum (reduction='sum') comes out divided by the number of micro-batches",
+                 "class-weighted cross-entropy", "in-batch negatives",
+                 "drops by about ln(micro-batches)"):  # fmt: skip
+        assert said in caplog.text
+
+
 def test_cnn_with_batchnorm_in_eval_mode_matches_the_full_batch(caplog):
     model = make_cnn().eval()  # BatchNorm uses running statistics: exact again
     batch = {"image": torch.randn(32, 3, 16, 16), "label": torch.randint(0, 5, (32,))}
@@ -377,6 +405,75 @@ def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
     assert_params_close(results["tokens"], expected)  # exact with the token weight
     w = "transformer.h.0.mlp.c_fc.weight"
     assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
+
+
+def tiny_lm() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 50),
+    )  # fmt: skip
+
+
+def token_mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def test_padded_labels_warn_at_the_split_with_the_weight_to_pass(caplog):
+    """A token-mean loss over labels padded with -100 gets a wrong gradient from sample
+    weights (sweep BS: 127% off on a GPT-2, silently): the split says so, by how much, and
+    which weight= to pass; with that weight it is exact and quiet."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (16, 32))
+    labels = ids.clone()
+    labels[8:, 4:] = -100  # the second half holds 4 counted tokens a row, the first 32
+    batch = {"input_ids": ids, "labels": labels}
+    model = tiny_lm()
+    budget = budget_between(model, token_mean_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, token_mean_loss, batch)
+    weight = "weight=lambda b: (b['labels'] != -100).sum()"
+    for given in (None, lambda b: (b["labels"] != -100).sum()):
+        caplog.clear()
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: token_mean_loss(m, b), model=trained,
+                          optimizer=opt, weight=given)  # fmt: skip
+        with memkit.simulate(budget, track=(trained, opt)):
+            for _ in range(2):  # the second, split from the start, is not warned of again
+                step(batch)
+                trained.load_state_dict(model.state_dict())
+            assert step.last is not None and step.last.chunk_sizes == (8, 8)
+            step(batch)
+        if given is None:
+            w = "3.weight"
+            assert not torch.allclose(trained.state_dict()[w], expected[w], rtol=1e-3)
+            # sample shares 1/2 each, counted-token shares 256/288 and 32/288
+            assert caplog.text.count("'labels' hold -100") == 1
+            assert "weighted 0.56x to 4.50x what the full batch gives them" in caplog.text
+            assert weight in caplog.text
+            assert "weight=lambda b: (b['labels'][:, 1:] != -100).sum()" in caplog.text
+        else:
+            assert_params_close(trained, expected)
+            assert "'labels' hold" not in caplog.text
+
+
+def test_labels_without_padding_or_split_evenly_are_not_warned_of(caplog):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (16, 32))
+    model = tiny_lm()
+    labels = ids.clone()
+    labels[:, 28:] = -100  # padded, but every row alike: sample weights are exact
+    for batch in ({"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": labels}):
+        budget = budget_between(model, token_mean_loss, batch, fails=1, fits=2)
+        expected = reference_step(model, token_mean_loss, batch)
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: token_mean_loss(m, b), model=trained, optimizer=opt)
+        with memkit.simulate(budget, track=(trained, opt)):
+            step(batch)
+        assert step.last is not None and step.last.chunks == 2
+        assert_params_close(trained, expected)
+    assert "'labels' hold" not in caplog.text
 
 
 def test_a_batch_with_num_items_in_batch_sums_its_micro_batches_losses(gpt2):

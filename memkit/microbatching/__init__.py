@@ -28,7 +28,11 @@ if every sample has the same number of counted tokens; otherwise pass ``weight=`
 number of tokens the micro-batch's loss averages over, and it is exact again. A batch holding a
 mapping with ``num_items_in_batch`` (transformers' Trainer convention: the loss is a sum divided
 by the whole batch's count, which every micro-batch receives) has its micro-batches' losses
-summed, unweighted, unless ``weight=`` is given.
+summed, unweighted, unless ``weight=`` is given. A mapping batch whose ``labels`` hold -100,
+split after an OOM without ``weight=`` into micro-batches of unequal shares of counted labels,
+is warned of once (the weight to pass); the first split warning also says, once, what
+splitting does to a loss that is not a per-sample mean (a sum, class-weighted
+cross-entropy, in-batch negatives).
 
 Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
 training mode, anything using in-batch negatives) see micro-batches, as with any gradient

@@ -8,7 +8,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeGuard, overload
 
 import torch
 
@@ -130,6 +130,18 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 ITEM_COUNT_KEY = "num_items_in_batch"
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index, transformers' padding label
+
+
+def _is_label_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    """An integer tensor of labels with at least one dimension (class ids, token ids)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
 
 
 def _carries_item_count(batch: Any) -> bool:
@@ -198,6 +210,8 @@ class MicroBatchStep:
         self.steps = 0
         self.ooms = 0
         self.last: StepInfo | None = None
+        self._loss_caveat_said = False  # the split warning's loss caveat: once per step object
+        self._labels_warned = False  # the padded-labels warning: once per step object
         functools.update_wrapper(self, train_step)
 
     @staticmethod
@@ -254,8 +268,12 @@ class MicroBatchStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
-    def _accumulate(self, batch: Any, chunks: int, batch_size: int, world: int) -> torch.Tensor:
-        """Forward and backward every micro-batch; return the full-batch loss (detached)."""
+    def _accumulate(
+        self, batch: Any, chunks: int, batch_size: int, world: int, check_labels: bool = False
+    ) -> torch.Tensor:
+        """Forward and backward every micro-batch; return the full-batch loss (detached).
+        ``check_labels``: look for padded labels that sample weights get wrong (a device sync;
+        on the attempts that follow an OOM)."""
         self._zero_grads()
         parts = split_batch(batch, chunks, batch_size, self.batch_dim)
         sizes = chunk_sizes(batch_size, chunks)
@@ -266,6 +284,8 @@ class MicroBatchStep:
             weights: list[float] = [1.0] * chunks
         elif self.weight is None:
             weights = [float(n) for n in sizes]
+            if check_labels and chunks > 1 and not self._labels_warned:
+                self._warn_if_padded_labels(batch, parts, sizes)
         else:
             # numbers, read in one go: a tensor weight costs one device sync per batch, not
             # one per micro-batch, and a zero weight is known before its backward runs
@@ -277,6 +297,48 @@ class MicroBatchStep:
         no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
         with self._no_buffer_broadcast():
             return self._micro_steps(parts, weights, summed, no_sync, world)
+
+    def _warn_if_padded_labels(self, batch: Any, parts: list[Any], sizes: list[int]) -> None:
+        """Warn (once) when a mapping batch's ``labels`` hold -100 and its micro-batches' shares
+        of counted labels differ from their shares of samples: a loss averaged over counted
+        tokens (transformers' ``labels=``, ``ignore_index=-100``) then gets a wrong gradient
+        from the default weights (sweep BS: 127% off on a GPT-2)."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not _is_label_tensor(labels) or labels.device.type == "meta":
+            return
+        found: list[torch.Tensor] = [
+            t for p in parts if isinstance(p, Mapping) and _is_label_tensor(t := p.get("labels"))
+        ]
+        if len(found) != len(parts) or labels.numel() != sum(t.numel() for t in found):
+            return  # the labels are not split with the samples
+        counts = torch.stack([(t != IGNORE_INDEX).sum() for t in found])
+        per_part = [int(c) for c in counts.tolist()]  # one sync, after an OOM only
+        total = sum(per_part)
+        if total in (0, labels.numel()):
+            return  # nothing counted, or nothing ignored
+        samples = sum(sizes)
+        factors = [(n / samples) / (c / total) for n, c in zip(sizes, per_part, strict=True) if c]
+        if max(factors) - min(factors) < 1e-6:
+            return  # every micro-batch holds its samples' share of counted labels: exact
+        self._labels_warned = True
+        log.warning(
+            "microbatch: the batch's 'labels' hold %d (ignored positions) and the split "
+            "weights its %d micro-batches by their samples; a loss averaged over the counted "
+            "labels (transformers' labels=, cross_entropy(ignore_index=%d)) then gets a wrong "
+            "gradient: in this batch the micro-batches' gradients are weighted %.2fx to %.2fx "
+            "what the full batch gives them. Pass the micro-batch's count of counted labels "
+            "as weight=: for a causal LM that shifts its labels (transformers' *ForCausalLM) "
+            "weight=lambda b: (b['labels'][:, 1:] != -100).sum(); for unshifted labels "
+            "(masked LM, token classification, ignored samples) weight=lambda b: "
+            "(b['labels'] != -100).sum(). A loss that is a mean over samples is exact already: "
+            "weight=lambda b: len(b['labels']) says so and silences this (docs/microbatch.md, "
+            "Exactness; said once)",
+            IGNORE_INDEX,
+            len(sizes),
+            IGNORE_INDEX,
+            min(factors),
+            max(factors),
+        )
 
     @contextlib.contextmanager
     def _no_buffer_broadcast(self) -> Iterator[None]:
@@ -406,7 +468,7 @@ class MicroBatchStep:
                 chunks = self._agree_on_chunks(chunks, size)
             tried = chunk_sizes(size, chunks)[0]
             baseline = self._allocated()
-            loss, exc = _guarded(self._accumulate, batch, chunks, size, world)
+            loss, exc = _guarded(self._accumulate, batch, chunks, size, world, attempts > 1)
             status, status_all, used, exc = self._agree_on_status(exc, tried, ddp)
             if status == RankStatus.ERROR:
                 loss = None
@@ -539,7 +601,21 @@ class MicroBatchStep:
             chunks,
             new,
             "" if bound is None or new != bound else " (size bound from the OOM message)",
-            self._batch_statistics_note(),
+            self._batch_statistics_note() + self._loss_note(new, size),
+        )
+
+    def _loss_note(self, new: int | None, size: int) -> str:
+        """Once per step object, at its first split: what splitting does to a loss that is not
+        a mean of per-sample losses (memkit cannot see the loss)."""
+        if self._loss_caveat_said or new is None or new >= size:
+            return ""
+        self._loss_caveat_said = True
+        return (
+            "; splitting keeps the gradient only for a loss that is a mean of per-sample "
+            "losses: a sum (reduction='sum') comes out divided by the number of micro-batches, "
+            "class-weighted cross-entropy is off unless weight= sums the class weights, and "
+            "in-batch negatives (contrastive losses) see fewer negatives (the loss drops by "
+            "about ln(micro-batches)) (docs/microbatch.md, Exactness; said once)"
         )
 
     def _batch_statistics_note(self) -> str:
