@@ -296,6 +296,33 @@ def test_the_split_warning_says_once_what_splitting_does_to_a_loss_that_is_no_me
         assert said in caplog.text
 
 
+def test_class_weighted_cross_entropy_is_exact_with_the_documented_weight():
+    """docs/microbatch.md, Exactness: class-weighted CE is a mean weighted by the targets'
+    class weights; weight=lambda b: cw[b[1]].sum() makes the split exact (sweep BS)."""
+    torch.manual_seed(0)
+    model, (x, y) = make_mlp(), mlp_batch(255)
+    y[:128] = 0  # the first micro-batch is mostly the down-weighted class
+    cw = torch.tensor([0.1] + [1.0] * 9)
+
+    def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1], weight=cw)
+
+    budget = budget_between(model, loss, (x, y), fails=1, fits=2)
+    expected = reference_step(model, loss, (x, y))
+    for weight in (None, lambda b: cw[b[1]].sum()):
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: loss(m, b), model=trained, optimizer=opt,
+                          weight=weight)  # fmt: skip
+        with memkit.simulate(budget, track=(trained, opt)):
+            step((x, y))
+        assert step.last is not None and step.last.chunks == 2
+        if weight is None:
+            assert not torch.allclose(trained.state_dict()["4.bias"], expected["4.bias"])
+        else:
+            assert_params_close(trained, expected)
+
+
 def test_cnn_with_batchnorm_in_eval_mode_matches_the_full_batch(caplog):
     model = make_cnn().eval()  # BatchNorm uses running statistics: exact again
     batch = {"image": torch.randn(32, 3, 16, 16), "label": torch.randint(0, 5, (32,))}
@@ -349,6 +376,10 @@ def test_batchnorm_that_needs_micro_batches_of_one_does_not_fit_clearly():
         step((torch.randn(5, 32), torch.randint(0, 10, (5,))))
     assert isinstance(info.value.__cause__, ValueError)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    # docs/microbatch.md's example: balanced chunks, so 65 at size 32 leaves no sample alone
+    step.policy.micro_size = 32
+    step((torch.randn(65, 32), torch.randint(0, 10, (65,))))
+    assert step.last is not None and step.last.chunk_sizes == (22, 22, 21)
 
 
 @pytest.fixture(scope="module")
