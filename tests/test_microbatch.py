@@ -720,6 +720,68 @@ def test_a_train_step_that_runs_backward_itself_is_told_what_memkit_does(own):
     assert calls == [1] and step.ooms == 0 and step.steps == 0
 
 
+def test_a_grad_scaler_trains_as_a_plain_amp_loop_and_skips_inf_batches():
+    """scaler=: each micro-batch's loss is scaled, the gradients unscaled once before
+    before_step (clipping), scaler.step skips a batch with inf gradients and scaler.update
+    runs once per batch. Checked against a plain GradScaler loop without memkit, batch by
+    batch (sweep BS: the documented before_step unscaling left NaN parameters)."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, y = mlp_batch(256)
+    bad = x.clone()
+    bad[3, 5] = float("inf")  # what a float16 overflow gives
+    batches = [(x, y), (bad, y), (x, y)]
+    budget = budget_between(model, mlp_loss, batches[0], fails=1, fits=2)
+
+    def clip(m: torch.nn.Module) -> Callable[[], Any]:
+        return lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    expected = []
+    for batch in batches:
+        ref_opt.zero_grad()
+        ref_scaler.scale(mlp_loss(ref, batch)).backward()
+        ref_scaler.unscale_(ref_opt)
+        clip(ref)()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        expected.append((copy.deepcopy(ref.state_dict()), ref_scaler.get_scale()))
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    steps = count_steps(opt)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt,
+                      scaler=scaler, before_step=clip(model))  # fmt: skip
+    for batch, (params, scale) in zip(batches, expected, strict=True):
+        with memkit.simulate(budget, track=(model, opt)):
+            loss = step(batch)
+        assert step.last is not None and step.last.chunks == 2
+        assert_params_close(model, params)
+        assert scaler.get_scale() == scale  # 1024, 512 (inf skipped), 512
+        assert torch.isfinite(loss) == (batch is not batches[1])
+    assert steps[0] == 2  # the inf batch did not step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_grad_scaler_used_behind_memkits_back_is_refused():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(ConfigError, match=r"pass it as microbatch\(..., scaler=scaler\)"):
+        microbatch(lambda b: scaler.scale(mlp_loss(model, b)), model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match="scaler=scaler"):
+        microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt,
+                   before_step=lambda: scaler.unscale_(opt))  # fmt: skip
+    twice = microbatch(lambda b: scaler.scale(mlp_loss(model, b)), model=model, optimizer=opt,
+                       scaler=scaler)  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConfigError, match=r"returned scaler.scale\(loss\)"):
+        twice(mlp_batch(8))
+    assert_params_close(model, before)
+
+
 def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
     model, batch = make_mlp(), mlp_batch(16)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

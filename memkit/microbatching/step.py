@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -129,6 +130,40 @@ def _backward(loss: torch.Tensor) -> None:
         ) from exc
 
 
+def _scaled_by(loss: torch.Tensor, scaler: Any) -> bool:
+    """Whether ``loss`` is ``scaler.scale(x)``: a product with the scaler's scale tensor."""
+    scale = getattr(scaler, "_scale", None)
+    node = loss.grad_fn
+    if not isinstance(scale, torch.Tensor) or node is None or node.name() != "MulBackward0":
+        return False
+    other = getattr(node, "_saved_other", None)
+    return isinstance(other, torch.Tensor) and other.data_ptr() == scale.data_ptr()
+
+
+def _refuse_a_scaler_of_its_own(*fns: Callable[..., Any] | None) -> None:
+    """A ``train_step`` or ``before_step`` that uses a GradScaler it was not given as
+    ``scaler=`` scales the loss memkit back-propagates, or unscales and updates where memkit
+    cannot skip the step (sweep BS: NaN parameters): refuse it, saying what works."""
+    for fn in fns:
+        if fn is None:
+            continue
+        try:
+            found = inspect.getclosurevars(fn)
+        except (TypeError, ValueError):  # not a Python function (a callable object, a builtin)
+            continue
+        names = {**found.globals, **found.nonlocals}
+        for name, value in names.items():
+            if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
+                raise ConfigError(
+                    f"{getattr(fn, '__name__', 'a function')} uses the GradScaler {name!r}: "
+                    f"pass it as microbatch(..., scaler={name}) and let train_step return the "
+                    "unscaled loss. memkit then scales each micro-batch's loss, unscales once "
+                    "after accumulation (before before_step, so clipping sees true gradients), "
+                    "and calls scaler.step(optimizer) and scaler.update() once per batch: a "
+                    "batch with inf/NaN gradients is skipped, as in a plain AMP loop"
+                )
+
+
 ITEM_COUNT_KEY = "num_items_in_batch"
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index, transformers' padding label
 
@@ -164,7 +199,8 @@ class MicroBatchStep:
 
     Attributes:
         policy: the :class:`SplitPolicy` (``policy.micro_size`` is the remembered size).
-        steps: optimizer steps taken (one per batch).
+        steps: batches stepped (one optimizer step each; a batch that a ``scaler`` skips for
+            inf/NaN gradients counts too).
         ooms: OOMs recovered from on this rank, over all batches.
         last: the :class:`StepInfo` of the last batch, or ``None``.
     """
@@ -179,6 +215,7 @@ class MicroBatchStep:
         grow_after: int | None = 50,
         weight: Weight | None = None,
         before_step: Callable[[], Any] | None = None,
+        scaler: Any = None,
         timeout: float | None = None,
         restore_buffers: str = "norm",
         batch_dim: int | None = None,
@@ -197,6 +234,15 @@ class MicroBatchStep:
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, found {type(optimizer).__name__}"
             )
+        if scaler is not None and not all(
+            callable(getattr(scaler, name, None))
+            for name in ("scale", "unscale_", "step", "update")
+        ):
+            raise ConfigError(
+                f"scaler must be a torch.amp.GradScaler, found {type(scaler).__name__}"
+            )
+        if scaler is None:
+            _refuse_a_scaler_of_its_own(train_step, before_step)
         self.train_step = train_step
         self.model = model
         self.optimizer = optimizer
@@ -204,6 +250,7 @@ class MicroBatchStep:
         self.policy = SplitPolicy(grow_after=grow_after)
         self.weight = weight
         self.before_step = before_step
+        self.scaler = scaler
         self.timeout = timeout
         self.restore_buffers = restore_buffers
         self.batch_dim = batch_dim if batch_dim is not None else _default_batch_dim(model)
@@ -390,7 +437,16 @@ class MicroBatchStep:
                         )
                     )
                 share = w / total
-                _backward(loss.reshape(()) * (share / world))
+                weighted = loss.reshape(()) * (share / world)
+                if self.scaler is not None:
+                    if _scaled_by(loss, self.scaler):
+                        raise ConfigError(
+                            "train_step returned scaler.scale(loss): return the loss itself; "
+                            "with scaler= memkit scales it (the gradients would be scaled "
+                            "twice)"
+                        )
+                    weighted = self.scaler.scale(weighted)
+                _backward(weighted)
                 value = loss.detach().reshape(())
                 if mask_nan:
                     finite = ~torch.isnan(value)
@@ -426,9 +482,18 @@ class MicroBatchStep:
             distributed.broadcast_(buffers, src=0, timeout=self.timeout)
 
     def _step(self) -> None:
+        """``before_step`` and ``optimizer.step()``; with a ``scaler``, as a plain AMP loop:
+        unscale once (clipping in ``before_step`` sees true gradients), then ``scaler.step``
+        (skipped when a gradient is not finite) and ``scaler.update``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.before_step is not None:
             self.before_step()
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     # -- the call ------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -720,6 +785,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -736,6 +802,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -751,6 +818,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -772,7 +840,13 @@ def microbatch(
         weight: ``weight(micro_batch) -> number`` the micro-batch's loss averages over; default
             its sample count. For token-mean losses with padding, count the tokens.
         before_step: called after accumulation, before ``optimizer.step()`` (gradient
-            clipping, unscaling).
+            clipping); with ``scaler``, after ``scaler.unscale_(optimizer)``.
+        scaler: a ``torch.amp.GradScaler`` for float16 autocast. ``train_step`` returns the
+            unscaled loss; memkit back-propagates ``scaler.scale(...)`` of each micro-batch's
+            weighted loss, then per batch ``scaler.unscale_(optimizer)``, ``before_step``,
+            ``scaler.step(optimizer)`` (skipped for inf/NaN gradients) and
+            ``scaler.update()``. A ``train_step`` or ``before_step`` that uses a GradScaler
+            without it is refused (``ConfigError``), as is a returned ``scaler.scale(loss)``.
         timeout: seconds to wait for other ranks in memkit's collectives; ``None`` uses the
             process group's timeout.
         restore_buffers: which buffers are put back as they were before the batch when an
@@ -804,6 +878,7 @@ def microbatch(
         "grow_after": grow_after,
         "weight": weight,
         "before_step": before_step,
+        "scaler": scaler,
         "timeout": timeout,
         "restore_buffers": restore_buffers,
         "batch_dim": batch_dim,
