@@ -187,6 +187,33 @@ def test_outer_simulate_without_backend_on_a_cpu_model():
     assert_params_close(model, expected)
 
 
+def test_a_retry_draws_the_random_numbers_a_split_from_the_start_draws():
+    """Dropout: the failed attempt's forward drew masks; the retry draws from where the batch
+    started, so the split run equals a run split from the start, and the random stream after
+    the step does not depend on free memory (sweep BS: it did, and the gradient with it)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(128, 10)
+    )
+    batch = mlp_batch(256)
+    budget = budget_between(model, mlp_loss, batch, fails=1, fits=2)
+    torch.manual_seed(7)
+    ref = copy.deepcopy(model)  # the independent count: a hand 2-way split, same seed
+    for part in split_batch(batch, 2):
+        (mlp_loss(ref, part) * 0.5).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= p.grad
+    after_ref = torch.rand(3)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    torch.manual_seed(7)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks == 2 and step.last.ooms == 1
+    assert_params_close(model, ref.state_dict())
+    assert torch.equal(torch.rand(3), after_ref)
+
+
 def test_decorator_form_and_repr():
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -239,6 +266,61 @@ def test_cnn_with_batchnorm_in_train_mode_sees_micro_batches(caplog):
         for p in ref.parameters():
             p -= p.grad
     assert_params_close(model, ref.state_dict())  # running_mean/var too: failed tries undone
+
+
+def test_the_split_warning_says_once_what_splitting_does_to_a_loss_that_is_no_mean(caplog):
+    """A sum-reduced loss comes out divided by the number of micro-batches (checked against
+    the full batch's gradient); the split warning said only BatchNorm (sweep BS). It says it
+    once per step object, not on every OOM."""
+    model, batch = make_mlp(), mlp_batch(256)
+
+    def sum_loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1], reduction="sum")
+
+    budget = budget_between(model, sum_loss, batch, fails=2, fits=4)
+    full = copy.deepcopy(model)
+    sum_loss(full, batch).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = copy.deepcopy(model.state_dict())
+    step = microbatch(lambda b: sum_loss(model, b), model=model, optimizer=opt)
+    with memkit.simulate(budget, track=(model, opt)):
+        step(batch)
+    assert step.last is not None and step.last.chunks == 4 and step.last.ooms == 2
+    for name, p in full.named_parameters():  # p - grad / chunks, not p - grad
+        torch.testing.assert_close(model.state_dict()[name], before[name] - p.grad / 4)
+    assert caplog.text.count("out of memory at micro-batch size") == 2
+    assert caplog.text.count("said once") == 1
+    for said in ("a sum (reduction='sum') comes out divided by the number of micro-batches",
+                 "class-weighted cross-entropy", "in-batch negatives",
+                 "drops by about ln(micro-batches)"):  # fmt: skip
+        assert said in caplog.text
+
+
+def test_class_weighted_cross_entropy_is_exact_with_the_documented_weight():
+    """docs/microbatch.md, Exactness: class-weighted CE is a mean weighted by the targets'
+    class weights; weight=lambda b: cw[b[1]].sum() makes the split exact (sweep BS)."""
+    torch.manual_seed(0)
+    model, (x, y) = make_mlp(), mlp_batch(255)
+    y[:128] = 0  # the first micro-batch is mostly the down-weighted class
+    cw = torch.tensor([0.1] + [1.0] * 9)
+
+    def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1], weight=cw)
+
+    budget = budget_between(model, loss, (x, y), fails=1, fits=2)
+    expected = reference_step(model, loss, (x, y))
+    for weight in (None, lambda b: cw[b[1]].sum()):
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: loss(m, b), model=trained, optimizer=opt,
+                          weight=weight)  # fmt: skip
+        with memkit.simulate(budget, track=(trained, opt)):
+            step((x, y))
+        assert step.last is not None and step.last.chunks == 2
+        if weight is None:
+            assert not torch.allclose(trained.state_dict()["4.bias"], expected["4.bias"])
+        else:
+            assert_params_close(trained, expected)
 
 
 def test_cnn_with_batchnorm_in_eval_mode_matches_the_full_batch(caplog):
@@ -294,6 +376,10 @@ def test_batchnorm_that_needs_micro_batches_of_one_does_not_fit_clearly():
         step((torch.randn(5, 32), torch.randint(0, 10, (5,))))
     assert isinstance(info.value.__cause__, ValueError)
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    # docs/microbatch.md's example: balanced chunks, so 65 at size 32 leaves no sample alone
+    step.policy.micro_size = 32
+    step((torch.randn(65, 32), torch.randint(0, 10, (65,))))
+    assert step.last is not None and step.last.chunk_sizes == (22, 22, 21)
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +436,75 @@ def test_gpt2_padded_tokens_need_a_token_weight(gpt2):
     assert_params_close(results["tokens"], expected)  # exact with the token weight
     w = "transformer.h.0.mlp.c_fc.weight"
     assert not torch.allclose(results["samples"].state_dict()[w], expected[w], rtol=RTOL, atol=ATOL)
+
+
+def tiny_lm() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 50),
+    )  # fmt: skip
+
+
+def token_mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def test_padded_labels_warn_at_the_split_with_the_weight_to_pass(caplog):
+    """A token-mean loss over labels padded with -100 gets a wrong gradient from sample
+    weights (sweep BS: 127% off on a GPT-2, silently): the split says so, by how much, and
+    which weight= to pass; with that weight it is exact and quiet."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (16, 32))
+    labels = ids.clone()
+    labels[8:, 4:] = -100  # the second half holds 4 counted tokens a row, the first 32
+    batch = {"input_ids": ids, "labels": labels}
+    model = tiny_lm()
+    budget = budget_between(model, token_mean_loss, batch, fails=1, fits=2)
+    expected = reference_step(model, token_mean_loss, batch)
+    weight = "weight=lambda b: (b['labels'] != -100).sum()"
+    for given in (None, lambda b: (b["labels"] != -100).sum()):
+        caplog.clear()
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: token_mean_loss(m, b), model=trained,
+                          optimizer=opt, weight=given)  # fmt: skip
+        with memkit.simulate(budget, track=(trained, opt)):
+            for _ in range(2):  # the second, split from the start, is not warned of again
+                step(batch)
+                trained.load_state_dict(model.state_dict())
+            assert step.last is not None and step.last.chunk_sizes == (8, 8)
+            step(batch)
+        if given is None:
+            w = "3.weight"
+            assert not torch.allclose(trained.state_dict()[w], expected[w], rtol=1e-3)
+            # sample shares 1/2 each, counted-token shares 256/288 and 32/288
+            assert caplog.text.count("'labels' hold -100") == 1
+            assert "weighted 0.56x to 4.50x what the full batch gives them" in caplog.text
+            assert weight in caplog.text
+            assert "weight=lambda b: (b['labels'][:, 1:] != -100).sum()" in caplog.text
+        else:
+            assert_params_close(trained, expected)
+            assert "'labels' hold" not in caplog.text
+
+
+def test_labels_without_padding_or_split_evenly_are_not_warned_of(caplog):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (16, 32))
+    model = tiny_lm()
+    labels = ids.clone()
+    labels[:, 28:] = -100  # padded, but every row alike: sample weights are exact
+    for batch in ({"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": labels}):
+        budget = budget_between(model, token_mean_loss, batch, fails=1, fits=2)
+        expected = reference_step(model, token_mean_loss, batch)
+        trained = copy.deepcopy(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=1.0)
+        step = microbatch(lambda b, m=trained: token_mean_loss(m, b), model=trained, optimizer=opt)
+        with memkit.simulate(budget, track=(trained, opt)):
+            step(batch)
+        assert step.last is not None and step.last.chunks == 2
+        assert_params_close(trained, expected)
+    assert "'labels' hold" not in caplog.text
 
 
 def test_a_batch_with_num_items_in_batch_sums_its_micro_batches_losses(gpt2):
@@ -538,6 +693,95 @@ def test_a_loss_that_is_not_a_scalar_tensor_is_a_config_error():
         step(mlp_batch(8))
 
 
+@pytest.mark.parametrize("own", ["backward", "backward_detach", "full_step"])
+def test_a_train_step_that_runs_backward_itself_is_told_what_memkit_does(own):
+    """torch's bare 'backward through the graph a second time' / 'element 0 of tensors does
+    not require grad' (sweep BS) become a ConfigError that says memkit runs backward and the
+    optimizer step, with torch's error as the cause; at once, never taken for an OOM."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def train(batch):
+        calls.append(1)
+        loss = mlp_loss(model, batch)
+        if own == "full_step":
+            opt.zero_grad()
+        loss.backward()
+        if own == "full_step":
+            opt.step()
+        return loss if own == "backward" else loss.detach()
+
+    step = microbatch(train, model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match="train_step must return the loss") as info:
+        step(mlp_batch(8))
+    assert "Remove loss.backward(), optimizer.step()" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert calls == [1] and step.ooms == 0 and step.steps == 0
+
+
+def test_a_grad_scaler_trains_as_a_plain_amp_loop_and_skips_inf_batches():
+    """scaler=: each micro-batch's loss is scaled, the gradients unscaled once before
+    before_step (clipping), scaler.step skips a batch with inf gradients and scaler.update
+    runs once per batch. Checked against a plain GradScaler loop without memkit, batch by
+    batch (sweep BS: the documented before_step unscaling left NaN parameters)."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, y = mlp_batch(256)
+    bad = x.clone()
+    bad[3, 5] = float("inf")  # what a float16 overflow gives
+    batches = [(x, y), (bad, y), (x, y)]
+    budget = budget_between(model, mlp_loss, batches[0], fails=1, fits=2)
+
+    def clip(m: torch.nn.Module) -> Callable[[], Any]:
+        return lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    expected = []
+    for batch in batches:
+        ref_opt.zero_grad()
+        ref_scaler.scale(mlp_loss(ref, batch)).backward()
+        ref_scaler.unscale_(ref_opt)
+        clip(ref)()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        expected.append((copy.deepcopy(ref.state_dict()), ref_scaler.get_scale()))
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    steps = count_steps(opt)
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt,
+                      scaler=scaler, before_step=clip(model))  # fmt: skip
+    for batch, (params, scale) in zip(batches, expected, strict=True):
+        with memkit.simulate(budget, track=(model, opt)):
+            loss = step(batch)
+        assert step.last is not None and step.last.chunks == 2
+        assert_params_close(model, params)
+        assert scaler.get_scale() == scale  # 1024, 512 (inf skipped), 512
+        assert torch.isfinite(loss) == (batch is not batches[1])
+    assert steps[0] == 2  # the inf batch did not step
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_grad_scaler_used_behind_memkits_back_is_refused():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(ConfigError, match=r"pass it as microbatch\(..., scaler=scaler\)"):
+        microbatch(lambda b: scaler.scale(mlp_loss(model, b)), model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match="scaler=scaler"):
+        microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt,
+                   before_step=lambda: scaler.unscale_(opt))  # fmt: skip
+    twice = microbatch(lambda b: scaler.scale(mlp_loss(model, b)), model=model, optimizer=opt,
+                       scaler=scaler)  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConfigError, match=r"returned scaler.scale\(loss\)"):
+        twice(mlp_batch(8))
+    assert_params_close(model, before)
+
+
 def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
     model, batch = make_mlp(), mlp_batch(16)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -566,13 +810,14 @@ def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
 def test_batch_size_one_that_ooms_does_not_fit():
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    budget = sum(p.nbytes for p in model.parameters()) + 1024
+    budget = sum(p.nbytes for p in model.parameters()) + 1027  # not a round number of KiB
     step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
     with memkit.simulate(budget, track=(model, opt)), pytest.raises(DoesNotFitError) as info:
         step(mlp_batch(1))
     assert step.last is None
-    # no backend given: both numbers are read from the OOM message, which rounds to 0.01 KiB
-    assert info.value.capacity_bytes == pytest.approx(budget, abs=6)
+    # no backend given: the outer simulate block's exact budget (sweep BS: it was read from
+    # the OOM message, which rounds); the needed bytes are read from the message
+    assert info.value.capacity_bytes == budget
     assert info.value.needed_bytes is not None and info.value.needed_bytes > budget
 
 

@@ -28,7 +28,11 @@ if every sample has the same number of counted tokens; otherwise pass ``weight=`
 number of tokens the micro-batch's loss averages over, and it is exact again. A batch holding a
 mapping with ``num_items_in_batch`` (transformers' Trainer convention: the loss is a sum divided
 by the whole batch's count, which every micro-batch receives) has its micro-batches' losses
-summed, unweighted, unless ``weight=`` is given.
+summed, unweighted, unless ``weight=`` is given. A mapping batch whose ``labels`` hold -100,
+split after an OOM without ``weight=`` into micro-batches of unequal shares of counted labels,
+is warned of once (the weight to pass); the first split warning also says, once, what
+splitting does to a loss that is not a per-sample mean (a sum, class-weighted
+cross-entropy, in-batch negatives).
 
 Not identical to the full batch: layers that compute statistics over the batch (BatchNorm in
 training mode, anything using in-batch negatives) see micro-batches, as with any gradient
@@ -41,7 +45,8 @@ and reused for later batches. On an OOM at micro-batch size ``s`` the next size 
 counts, to the chunks at which the smallest size failed; half the chunks if none failed) is
 tried once; if it runs out of memory the same batch is retried at the remembered size and the
 patience doubles. A failed attempt's forward passes may have updated BatchNorm running
-statistics: they are restored before the retry (``restore_buffers``).
+statistics and drawn random numbers (dropout): the statistics (``restore_buffers``) and the
+random number generators are restored before the retry.
 
 DDP: with a :class:`~torch.nn.parallel.DistributedDataParallel` model, every micro-batch runs
 under ``model.no_sync()``, ranks agree on the split count before running and on "did any rank

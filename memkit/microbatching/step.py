@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeGuard, overload
 
 import torch
 
 from memkit import distributed
-from memkit.devices import get_backend
+from memkit.devices import get_backend, restore_rng_state, rng_state
 from memkit.distributed import RankStatus
 from memkit.errors import ConfigError, DistributedError, DoesNotFitError
 from memkit.microbatching.policy import SplitPolicy, oom_size_bound
 from memkit.microbatching.splitting import batch_size_of, chunk_sizes, split_batch
 from memkit.oom import OomDetails, is_oom, parse_oom_message, recover
 from memkit.results import Record
+from memkit.simulated.accountant import active_accountant
 from memkit.units import format_size
 
 __all__ = ["MicroBatchStep", "StepInfo", "Weight", "microbatch"]
@@ -102,7 +104,79 @@ def _needs_two_samples(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and "Expected more than 1 value per channel" in str(exc)
 
 
+_BACKWARD_DONE = (
+    "backward through the graph a second time",  # train_step ran loss.backward() itself
+    "does not require grad and does not have a grad_fn",  # ... and returned loss.detach()
+)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``; torch's bare error for a train_step that ran the backward itself
+    (or also ``optimizer.step()``) gets a hint. An OOM passes unchanged (it is retried)."""
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if is_oom(exc) or not any(text in str(exc) for text in _BACKWARD_DONE):
+            raise
+        raise ConfigError(
+            "memkit could not back-propagate train_step's loss "
+            f"({str(exc).splitlines()[0][:120]}): train_step must return the loss (a "
+            "tensor with its graph, the mean over its micro-batch) and leave the rest to "
+            "memkit, which runs loss.backward() per micro-batch, accumulates, then calls "
+            "optimizer.step() and zero_grad() once per batch. Remove loss.backward(), "
+            "optimizer.step() and optimizer.zero_grad() from train_step, and return the loss "
+            "undetached (not loss.detach() or loss.item()); a loss that does not depend on a "
+            "trainable parameter (computed under torch.no_grad()) gives the second error too"
+        ) from exc
+
+
+def _scaled_by(loss: torch.Tensor, scaler: Any) -> bool:
+    """Whether ``loss`` is ``scaler.scale(x)``: a product with the scaler's scale tensor."""
+    scale = getattr(scaler, "_scale", None)
+    node = loss.grad_fn
+    if not isinstance(scale, torch.Tensor) or node is None or node.name() != "MulBackward0":
+        return False
+    other = getattr(node, "_saved_other", None)
+    return isinstance(other, torch.Tensor) and other.data_ptr() == scale.data_ptr()
+
+
+def _refuse_a_scaler_of_its_own(*fns: Callable[..., Any] | None) -> None:
+    """A ``train_step`` or ``before_step`` that uses a GradScaler it was not given as
+    ``scaler=`` scales the loss memkit back-propagates, or unscales and updates where memkit
+    cannot skip the step (sweep BS: NaN parameters): refuse it, saying what works."""
+    for fn in fns:
+        if fn is None:
+            continue
+        try:
+            found = inspect.getclosurevars(fn)
+        except (TypeError, ValueError):  # not a Python function (a callable object, a builtin)
+            continue
+        names = {**found.globals, **found.nonlocals}
+        for name, value in names.items():
+            if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
+                raise ConfigError(
+                    f"{getattr(fn, '__name__', 'a function')} uses the GradScaler {name!r}: "
+                    f"pass it as microbatch(..., scaler={name}) and let train_step return the "
+                    "unscaled loss. memkit then scales each micro-batch's loss, unscales once "
+                    "after accumulation (before before_step, so clipping sees true gradients), "
+                    "and calls scaler.step(optimizer) and scaler.update() once per batch: a "
+                    "batch with inf/NaN gradients is skipped, as in a plain AMP loop"
+                )
+
+
 ITEM_COUNT_KEY = "num_items_in_batch"
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index, transformers' padding label
+
+
+def _is_label_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    """An integer tensor of labels with at least one dimension (class ids, token ids)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
 
 
 def _carries_item_count(batch: Any) -> bool:
@@ -125,7 +199,8 @@ class MicroBatchStep:
 
     Attributes:
         policy: the :class:`SplitPolicy` (``policy.micro_size`` is the remembered size).
-        steps: optimizer steps taken (one per batch).
+        steps: batches stepped (one optimizer step each; a batch that a ``scaler`` skips for
+            inf/NaN gradients counts too).
         ooms: OOMs recovered from on this rank, over all batches.
         last: the :class:`StepInfo` of the last batch, or ``None``.
     """
@@ -140,6 +215,7 @@ class MicroBatchStep:
         grow_after: int | None = 50,
         weight: Weight | None = None,
         before_step: Callable[[], Any] | None = None,
+        scaler: Any = None,
         timeout: float | None = None,
         restore_buffers: str = "norm",
         batch_dim: int | None = None,
@@ -158,6 +234,15 @@ class MicroBatchStep:
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, found {type(optimizer).__name__}"
             )
+        if scaler is not None and not all(
+            callable(getattr(scaler, name, None))
+            for name in ("scale", "unscale_", "step", "update")
+        ):
+            raise ConfigError(
+                f"scaler must be a torch.amp.GradScaler, found {type(scaler).__name__}"
+            )
+        if scaler is None:
+            _refuse_a_scaler_of_its_own(train_step, before_step)
         self.train_step = train_step
         self.model = model
         self.optimizer = optimizer
@@ -165,12 +250,15 @@ class MicroBatchStep:
         self.policy = SplitPolicy(grow_after=grow_after)
         self.weight = weight
         self.before_step = before_step
+        self.scaler = scaler
         self.timeout = timeout
         self.restore_buffers = restore_buffers
         self.batch_dim = batch_dim if batch_dim is not None else _default_batch_dim(model)
         self.steps = 0
         self.ooms = 0
         self.last: StepInfo | None = None
+        self._loss_caveat_said = False  # the split warning's loss caveat: once per step object
+        self._labels_warned = False  # the padded-labels warning: once per step object
         functools.update_wrapper(self, train_step)
 
     @staticmethod
@@ -200,8 +288,12 @@ class MicroBatchStep:
             return None
 
     def _capacity(self) -> int | None:
+        """The device's exact size: the backend's, or without one (a cpu model) the budget of
+        an outer ``memkit.simulate`` block counting the model's device (OOM messages round)."""
         if self.backend is None:
-            return None
+            param = next(self.model.parameters(), None)
+            outer = active_accountant(param.device if param is not None else "cpu")
+            return None if outer is None else outer.budget
         try:
             total = self.backend.capacity().total
         except Exception:
@@ -223,8 +315,12 @@ class MicroBatchStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
-    def _accumulate(self, batch: Any, chunks: int, batch_size: int, world: int) -> torch.Tensor:
-        """Forward and backward every micro-batch; return the full-batch loss (detached)."""
+    def _accumulate(
+        self, batch: Any, chunks: int, batch_size: int, world: int, check_labels: bool = False
+    ) -> torch.Tensor:
+        """Forward and backward every micro-batch; return the full-batch loss (detached).
+        ``check_labels``: look for padded labels that sample weights get wrong (a device sync;
+        on the attempts that follow an OOM)."""
         self._zero_grads()
         parts = split_batch(batch, chunks, batch_size, self.batch_dim)
         sizes = chunk_sizes(batch_size, chunks)
@@ -235,6 +331,8 @@ class MicroBatchStep:
             weights: list[float] = [1.0] * chunks
         elif self.weight is None:
             weights = [float(n) for n in sizes]
+            if check_labels and chunks > 1 and not self._labels_warned:
+                self._warn_if_padded_labels(batch, parts, sizes)
         else:
             # numbers, read in one go: a tensor weight costs one device sync per batch, not
             # one per micro-batch, and a zero weight is known before its backward runs
@@ -246,6 +344,48 @@ class MicroBatchStep:
         no_sync: Any = getattr(self.model, "no_sync") if self._ddp() else contextlib.nullcontext  # noqa: B009
         with self._no_buffer_broadcast():
             return self._micro_steps(parts, weights, summed, no_sync, world)
+
+    def _warn_if_padded_labels(self, batch: Any, parts: list[Any], sizes: list[int]) -> None:
+        """Warn (once) when a mapping batch's ``labels`` hold -100 and its micro-batches' shares
+        of counted labels differ from their shares of samples: a loss averaged over counted
+        tokens (transformers' ``labels=``, ``ignore_index=-100``) then gets a wrong gradient
+        from the default weights (sweep BS: 127% off on a GPT-2)."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not _is_label_tensor(labels) or labels.device.type == "meta":
+            return
+        found: list[torch.Tensor] = [
+            t for p in parts if isinstance(p, Mapping) and _is_label_tensor(t := p.get("labels"))
+        ]
+        if len(found) != len(parts) or labels.numel() != sum(t.numel() for t in found):
+            return  # the labels are not split with the samples
+        counts = torch.stack([(t != IGNORE_INDEX).sum() for t in found])
+        per_part = [int(c) for c in counts.tolist()]  # one sync, after an OOM only
+        total = sum(per_part)
+        if total in (0, labels.numel()):
+            return  # nothing counted, or nothing ignored
+        samples = sum(sizes)
+        factors = [(n / samples) / (c / total) for n, c in zip(sizes, per_part, strict=True) if c]
+        if max(factors) - min(factors) < 1e-6:
+            return  # every micro-batch holds its samples' share of counted labels: exact
+        self._labels_warned = True
+        log.warning(
+            "microbatch: the batch's 'labels' hold %d (ignored positions) and the split "
+            "weights its %d micro-batches by their samples; a loss averaged over the counted "
+            "labels (transformers' labels=, cross_entropy(ignore_index=%d)) then gets a wrong "
+            "gradient: in this batch the micro-batches' gradients are weighted %.2fx to %.2fx "
+            "what the full batch gives them. Pass the micro-batch's count of counted labels "
+            "as weight=: for a causal LM that shifts its labels (transformers' *ForCausalLM) "
+            "weight=lambda b: (b['labels'][:, 1:] != -100).sum(); for unshifted labels "
+            "(masked LM, token classification, ignored samples) weight=lambda b: "
+            "(b['labels'] != -100).sum(). A loss that is a mean over samples is exact already: "
+            "weight=lambda b: len(b['labels']) says so and silences this (docs/microbatch.md, "
+            "Exactness; said once)",
+            IGNORE_INDEX,
+            len(sizes),
+            IGNORE_INDEX,
+            min(factors),
+            max(factors),
+        )
 
     @contextlib.contextmanager
     def _no_buffer_broadcast(self) -> Iterator[None]:
@@ -297,7 +437,16 @@ class MicroBatchStep:
                         )
                     )
                 share = w / total
-                (loss.reshape(()) * (share / world)).backward()
+                weighted = loss.reshape(()) * (share / world)
+                if self.scaler is not None:
+                    if _scaled_by(loss, self.scaler):
+                        raise ConfigError(
+                            "train_step returned scaler.scale(loss): return the loss itself; "
+                            "with scaler= memkit scales it (the gradients would be scaled "
+                            "twice)"
+                        )
+                    weighted = self.scaler.scale(weighted)
+                _backward(weighted)
                 value = loss.detach().reshape(())
                 if mask_nan:
                     finite = ~torch.isnan(value)
@@ -333,9 +482,18 @@ class MicroBatchStep:
             distributed.broadcast_(buffers, src=0, timeout=self.timeout)
 
     def _step(self) -> None:
+        """``before_step`` and ``optimizer.step()``; with a ``scaler``, as a plain AMP loop:
+        unscale once (clipping in ``before_step`` sees true gradients), then ``scaler.step``
+        (skipped when a gradient is not finite) and ``scaler.update``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.before_step is not None:
             self.before_step()
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     # -- the call ------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -365,6 +523,9 @@ class MicroBatchStep:
         buffers = self._buffers_to_restore()
         with torch.no_grad():
             saved = [b.clone() for b in buffers]
+        # a failed attempt's forwards drew random numbers (dropout masks): the retry draws
+        # from where the batch started, as a run that had split from the start would
+        rng = rng_state()
         while True:
             attempts += 1
             chunks = self.policy.chunks_for(size) if found is not None else 1
@@ -372,7 +533,7 @@ class MicroBatchStep:
                 chunks = self._agree_on_chunks(chunks, size)
             tried = chunk_sizes(size, chunks)[0]
             baseline = self._allocated()
-            loss, exc = _guarded(self._accumulate, batch, chunks, size, world)
+            loss, exc = _guarded(self._accumulate, batch, chunks, size, world, attempts > 1)
             status, status_all, used, exc = self._agree_on_status(exc, tried, ddp)
             if status == RankStatus.ERROR:
                 loss = None
@@ -396,6 +557,7 @@ class MicroBatchStep:
             # Some rank (maybe only another one) ran out of memory: recover, then retry.
             loss = None
             _put_back(buffers, saved)
+            restore_rng_state(rng)
             details = parse_oom_message(exc) if exc is not None else None
             message = str(exc) if exc is not None else ""
             if exc is not None:
@@ -409,7 +571,7 @@ class MicroBatchStep:
             if details is not None:
                 self._shrink_after_oom(tried, size, chunks, details, baseline)
         assert loss is not None
-        del saved
+        del saved, rng
         self._step_once(used, ddp)
         self.steps += 1
         self.policy.on_success(tried)
@@ -504,7 +666,21 @@ class MicroBatchStep:
             chunks,
             new,
             "" if bound is None or new != bound else " (size bound from the OOM message)",
-            self._batch_statistics_note(),
+            self._batch_statistics_note() + self._loss_note(new, size),
+        )
+
+    def _loss_note(self, new: int | None, size: int) -> str:
+        """Once per step object, at its first split: what splitting does to a loss that is not
+        a mean of per-sample losses (memkit cannot see the loss)."""
+        if self._loss_caveat_said or new is None or new >= size:
+            return ""
+        self._loss_caveat_said = True
+        return (
+            "; splitting keeps the gradient only for a loss that is a mean of per-sample "
+            "losses: a sum (reduction='sum') comes out divided by the number of micro-batches, "
+            "class-weighted cross-entropy is off unless weight= sums the class weights, and "
+            "in-batch negatives (contrastive losses) see fewer negatives (the loss drops by "
+            "about ln(micro-batches)) (docs/microbatch.md, Exactness; said once)"
         )
 
     def _batch_statistics_note(self) -> str:
@@ -609,6 +785,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -625,6 +802,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -640,6 +818,7 @@ def microbatch(
     grow_after: int | None = 50,
     weight: Weight | None = None,
     before_step: Callable[[], Any] | None = None,
+    scaler: Any = None,
     timeout: float | None = None,
     restore_buffers: str = "norm",
     batch_dim: int | None = None,
@@ -661,7 +840,13 @@ def microbatch(
         weight: ``weight(micro_batch) -> number`` the micro-batch's loss averages over; default
             its sample count. For token-mean losses with padding, count the tokens.
         before_step: called after accumulation, before ``optimizer.step()`` (gradient
-            clipping, unscaling).
+            clipping); with ``scaler``, after ``scaler.unscale_(optimizer)``.
+        scaler: a ``torch.amp.GradScaler`` for float16 autocast. ``train_step`` returns the
+            unscaled loss; memkit back-propagates ``scaler.scale(...)`` of each micro-batch's
+            weighted loss, then per batch ``scaler.unscale_(optimizer)``, ``before_step``,
+            ``scaler.step(optimizer)`` (skipped for inf/NaN gradients) and
+            ``scaler.update()``. A ``train_step`` or ``before_step`` that uses a GradScaler
+            without it is refused (``ConfigError``), as is a returned ``scaler.scale(loss)``.
         timeout: seconds to wait for other ranks in memkit's collectives; ``None`` uses the
             process group's timeout.
         restore_buffers: which buffers are put back as they were before the batch when an
@@ -693,6 +878,7 @@ def microbatch(
         "grow_after": grow_after,
         "weight": weight,
         "before_step": before_step,
+        "scaler": scaler,
         "timeout": timeout,
         "restore_buffers": restore_buffers,
         "batch_dim": batch_dim,

@@ -67,6 +67,7 @@ from memkit.units import format_size, parse_size
 __all__ = [
     "MemoryAccountant",
     "StorageObserver",
+    "active_accountant",
     "counted_bytes",
     "counting_now",
     "cuda_rounded",
@@ -106,6 +107,20 @@ def counting_now() -> bool:
     """Whether a :class:`MemoryAccountant` counts this thread's ops now (then compiled code
     runs eagerly: :meth:`MemoryAccountant.__enter__`)."""
     return any(isinstance(m, MemoryAccountant) for m in _get_current_dispatch_mode_stack())
+
+
+def active_accountant(device: str | torch.device = "cpu") -> MemoryAccountant | None:
+    """The innermost :class:`MemoryAccountant` counting ``device``'s tensors in this thread
+    with a budget (an outer ``memkit.simulate(budget)`` block), or ``None``."""
+    device = torch.device(device)
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if (
+            isinstance(mode, MemoryAccountant)
+            and mode.budget is not None
+            and (mode.device.type, mode.device.index) == (device.type, device.index)
+        ):
+            return mode
+    return None
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
