@@ -164,6 +164,61 @@ def test_a_compiled_model_is_tracked_without_graph_breaks_or_recompiles(how):
     assert all(s.phase_peaks["forward"] is not None for s in report.devices[0].steps)
 
 
+def compiled_steps(compiled: str, tracked: bool) -> tuple[dict[str, int], object]:
+    """Five steps of a model whose optimizer step (``"optimizer"``: PyTorch's "compiling the
+    optimizer" recipe) or whole train step (``"train step"``: a ``@torch.compile`` function
+    that runs forward, backward and the step) is compiled, with or without ``memkit.track``
+    given the plain model: TorchDynamo's counters, and the report."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def train_step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step = torch.compile(opt.step, backend="eager") if compiled == "optimizer" else None
+    whole = torch.compile(train_step, backend="eager")
+    ctx = memkit.track(model, opt, device="cpu") if tracked else contextlib.nullcontext()
+    with counters_constant(), ctx as tracker:
+        for _ in range(5):
+            if step is None:
+                whole(torch.randn(16, 64))
+            else:
+                model(torch.randn(16, 64)).sum().backward()
+                step()
+                opt.zero_grad()
+    seen = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+    }
+    torch._dynamo.reset()
+    counters.clear()
+    return seen, None if tracker is None else tracker.report()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("compiled", ["optimizer", "train step"])
+def test_a_compiled_optimizer_step_or_train_step_traces_none_of_memkit(compiled):
+    """Sweep BR: with ``torch.compile(opt.step)`` TorchDynamo traced memkit's optimizer hooks
+    (1 graph became 9, a recompilation per parameter up to the limit), and with a compiled
+    train step also its backward wrapper. memkit's hooks and wrappers now run as they are
+    where compiled code calls them: the same graphs as without memkit, no recompilation, and
+    every step still counted at its optimizer step. A compiled train step's optimizer step
+    is a graph of its own then (a graph break at each of memkit's optimizer hooks, which run
+    eagerly): one graph more, the ``zero_grad`` after it."""
+    plain, _ = compiled_steps(compiled, tracked=False)
+    tracked, report = compiled_steps(compiled, tracked=True)
+    assert tracked["recompiles"] == plain["recompiles"] == 0
+    more = 0 if compiled == "optimizer" else 1
+    assert tracked["graphs"] == plain["graphs"] + more
+    assert report is not None and report.steps == 5
+    assert report.step_rule == "optimizer"
+
+
 def test_pieces_come_from_free_blocks_of_the_right_pool():
     blocks = [(20 * MiB, False), (4 * MiB, False), (2 * MiB, True), (512 * 1024, True)]
     pieces = plan_pieces(blocks, 23 * MiB)

@@ -59,6 +59,8 @@ from memkit.tracking.phases import PhaseMachine
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, PendingKeep, RootInfo
 from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import (
+    eager,
+    skipped_by_dynamo,
     wrap_backward,
     wrap_data_loading,
     wrap_engine,
@@ -248,8 +250,8 @@ class Hooks:
         h.append(wrap_grad_scaler(lambda: phases.optimizer_calls, shield(self._scaler_skipped)))
         # every optimizer's steps, the given ones' and those that replace them counted
         # (TrackedModels.counts): one made anew in the block has no hooks of its own
-        h.append(optim_module.register_optimizer_step_pre_hook(shield(self._opt_pre)))
-        h.append(optim_module.register_optimizer_step_post_hook(shield(self._opt_post)))
+        h.append(optim_module.register_optimizer_step_pre_hook(eager(shield(self._opt_pre))))
+        h.append(optim_module.register_optimizer_step_post_hook(eager(shield(self._opt_post))))
         self.set_detail(self._wants_detail(0), force=True)
 
     # module detail: on sampled steps only (_wants_detail says which)
@@ -1219,8 +1221,9 @@ class Hooks:
         return None
 
     def _after_closure(self, optimizer: Any, closure: Callable[..., Any]) -> Callable[..., Any]:
-        begins = self._optimizer_begins
+        begins = eager(self._optimizer_begins)
 
+        @skipped_by_dynamo  # (the closure, the user's forward and backward, stays compiled)
         def run_closure(*args: Any, **kwargs: Any) -> Any:
             result = closure(*args, **kwargs)
             begins(optimizer)

@@ -683,9 +683,12 @@ class PhaseMachine:
             # graph (compiled after track() began), where hooks must stay out of the way
             models.compiled = True
             self.notes.append(
-                "the model's forward ran where memkit's hooks cannot see it (torch.compile "
-                "after the block began?): its memory counts as 'other'; pass the compiled "
-                "model to track() to have forward measured"
+                "the model's forward ran where memkit's hooks cannot see it, inside code "
+                "TorchDynamo compiled (the model compiled after the block began, or a compiled "
+                "function that calls it, such as a `@torch.compile` train step): its memory "
+                "counts as 'other' and the steps and phases stay exact; to have the forward "
+                "measured, pass the compiled model to track() or compile the model rather "
+                "than the step"
             )
         now = time.perf_counter()
         growing: list[DeviceRecord] = []

@@ -13,14 +13,39 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memkit.patching import Restore
 
-__all__ = ["wrap_backward", "wrap_data_loading", "wrap_engine", "wrap_grad_scaler"]
+_R = TypeVar("_R")
+
+__all__ = [
+    "eager",
+    "skipped_by_dynamo",
+    "wrap_backward",
+    "wrap_data_loading",
+    "wrap_engine",
+    "wrap_grad_scaler",
+]
+
+
+def eager(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """``fn``, memkit's own code, run as it is where compiled code calls it (a compiled
+    optimizer step's hooks, a compiled train step's backward): TorchDynamo neither traces it
+    nor anything it calls, so it adds no graph, guard or recompilation, only a graph break
+    at the call (sweep BR: a compiled ``opt.step`` traced memkit's hooks into 8 more graphs
+    and hit the recompile limit)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def skipped_by_dynamo(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """``fn``, a wrapper of memkit's around torch's own call (``torch.autograd.backward``,
+    ``GradScaler.step``): TorchDynamo skips its frame but still compiles what it calls (the
+    wrapped call: compiled autograd, a compiled optimizer step stay compiled)."""
+    return torch.compiler.disable(fn, recursive=False)
 
 
 def wrap_backward(
@@ -32,7 +57,9 @@ def wrap_backward(
     raises (the phase stays: a post-mortem reads it)."""
     autograd = torch.autograd
     original = autograd.backward
+    begin, end, failed = eager(begin), eager(end), eager(failed)
 
+    @skipped_by_dynamo
     @functools.wraps(original)
     def backward(*args: Any, **kwargs: Any) -> Any:
         if not handle.live:
@@ -72,7 +99,9 @@ def wrap_engine(
     original = getattr(autograd, "_engine_run_backward", None)
     if original is None:
         return None
+    begin, end, failed, graph_grad = eager(begin), eager(end), eager(failed), eager(graph_grad)
 
+    @skipped_by_dynamo
     @functools.wraps(original)
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         # run_backward(outputs, grad_outputs, keep_graph, create_graph, inputs, ...)
@@ -140,7 +169,9 @@ def wrap_grad_scaler(calls: Callable[[], int], skipped: Callable[[Any], None]) -
 
     cls = grad_scaler.GradScaler
     original = cls.step
+    calls, skipped = eager(calls), eager(skipped)
 
+    @skipped_by_dynamo
     @functools.wraps(original)
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not handle.live:
@@ -152,7 +183,7 @@ def wrap_grad_scaler(calls: Callable[[], int], skipped: Callable[[Any], None]) -
         return result
 
     handle = Restore(cls, "step", original, step)
-    cls.step = step  # type: ignore[method-assign,assignment]
+    cls.step = step  # type: ignore[method-assign]
     return handle
 
 
