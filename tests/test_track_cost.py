@@ -132,7 +132,7 @@ def compiled_run(how: str) -> tuple[dict[str, int], memkit.tracking.report.Track
     ctx: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if how.startswith("model"):
         ctx = memkit.track(compiled, opt, device="cpu", module_every=2)
-    elif how == "global":  # memkit run: no model given, global hooks until the model is seen
+    elif how.startswith("global"):  # memkit run: no model given, global hooks until it is seen
         ctx = memkit.track(device="cpu", module_every=2)
     with counters_constant(), ctx as tracker:
         for _ in range(5):
@@ -162,6 +162,24 @@ def test_a_compiled_model_is_tracked_without_graph_breaks_or_recompiles(how):
     assert "torch.compile: no module hooks" in report.mode
     assert [m.path for m in report.devices[0].modules] == ["Sequential"]  # named plainly
     assert all(s.phase_peaks["forward"] is not None for s in report.devices[0].steps)
+
+
+def test_memkit_run_finds_a_model_compiled_in_place_after_its_first_step():
+    """Sweep BR: under ``memkit run`` (global hooks, no model given) a model compiled in place
+    ran its hooks inside the compiled call, traced as no-ops: no step had a forward peak, the
+    model was never found and nothing said so. It is found at the first step's end and
+    tracked around its compiled call from then on (one recompilation: the global hooks of
+    module detail go)."""
+    plain, _ = compiled_run("plain in place")
+    tracked, report = compiled_run("global in place")
+    assert tracked["breaks"] == plain["breaks"] == 0
+    assert tracked["recompiles"] <= plain["recompiles"] + 1
+    assert report is not None and report.steps == 5
+    steps = report.devices[0].steps
+    assert steps[0].phase_peaks["forward"] is None
+    assert all(s.phase_peaks["forward"] is not None for s in steps[1:])
+    assert "torch.compile: no module hooks" in report.mode
+    assert any("compiled in place (`model.compile()`)" in n for n in report.notes)
 
 
 def compiled_steps(compiled: str, tracked: bool) -> tuple[dict[str, int], object]:

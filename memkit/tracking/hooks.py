@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import sys
 import threading
@@ -148,6 +149,7 @@ class Hooks:
         self.models = models
         self.notes = notes
         self.per_module = per_module
+        self._compiled_searched = False
         self.module_every = 1
         self.ranks_watch: RankWatch | None = None
         self._close = devices.close
@@ -502,6 +504,37 @@ class Hooks:
                     failed(exc)
 
         return pre
+
+    def find_compiled_in_place(self) -> bool:
+        """Without a given model (``memkit run``): the models compiled in place
+        (``model.compile()``) alive now, each run from then on inside hooks around its compiled
+        call, as a given one is (:class:`_AroundCompiledCall`). torch's global hooks run
+        inside that call, where TorchDynamo traces them as the no-ops they are while it
+        traces: such a model is never seen otherwise (sweep BR). Looked for once, in the
+        collector's objects; whether one was found. Module detail stops: its global hooks
+        coming and going would change the compiled call's guards."""
+        if self._compiled_searched:
+            return False
+        self._compiled_searched = True
+        found = [
+            o
+            for o in gc.get_objects()
+            if issubclass(type(o), torch.nn.Module)  # (type(): a dead weak proxy raises)
+            and getattr(o, "_compiled_call_impl", None) is not None
+            and next(o.parameters(), None) is not None
+        ]
+        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+        roots = [m for m in found if id(m) not in inner]
+        if not roots:
+            return False
+        self.set_detail(False)
+        post = self._make_post()
+
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self._global_pre(module, (*args, *kwargs.values()) if kwargs else args)
+
+        self._handles.extend(_AroundCompiledCall(m, pre, post) for m in roots)
+        return True
 
     def _make_root_pre(self, leaf: bool) -> Callable[[Any, Any, Any], None]:
         """The model's own pre-hook: its keyword arguments count as inputs too

@@ -75,6 +75,9 @@ class PhaseMachine:
 
     Attributes:
         on_step: called when a step begins (the hooks schedule module detail for it).
+        find_compiled: called at a step's end when no model is known and its backward ran
+            without a forward the hooks saw: wraps the models compiled in place it finds
+            (whether it found one).
         on_new_optimizer: called when an optimizer is first seen stepping beside the owner
             (the hooks look for models until the next step boundary).
     """
@@ -93,6 +96,7 @@ class PhaseMachine:
         self.models = models
         self.notes = notes
         self.on_step: Callable[[], None] = lambda: None
+        self.find_compiled: Callable[[], bool] = lambda: False
         self.on_new_optimizer: Callable[[], None] = lambda: None
         self.step_t0 = 0.0
         self.manual_steps = False
@@ -672,13 +676,17 @@ class PhaseMachine:
         single = state.single
         self._close_segment()
         primary = devices.primary
-        if (
-            models.model is not None
-            and not models.compiled
-            and primary is not None
-            and primary.step_phase[FORWARD] is None
-            and state.backwards
-        ):
+        unseen = primary is not None and primary.step_phase[FORWARD] is None and state.backwards
+        if unseen and models.model is None and not models.compiled and self.find_compiled():
+            models.compiled = True
+            self.notes.append(
+                "a model compiled in place (`model.compile()`) ran its forward where memkit's "
+                f"global hooks cannot see it, until step {state.step} ended: memkit found it "
+                "then and tracks its forward from the next step, around its compiled call "
+                "(the graph untouched), without module rows; its earlier forwards count as "
+                "'other'. `memkit.track(model)` sees it from its first step"
+            )
+        if models.model is not None and not models.compiled and unseen:
             # a backward without a forward the hooks saw: the model runs inside a compiled
             # graph (compiled after track() began), where hooks must stay out of the way
             models.compiled = True

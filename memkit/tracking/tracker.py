@@ -174,6 +174,7 @@ class Tracker:
         self.history = HistoryFile(memory_history, history_entries)
         models.on_model = self._model_found
         phases.on_step = self.hooks.schedule_detail
+        phases.find_compiled = self.hooks.find_compiled_in_place
         phases.on_new_optimizer = self.hooks.look_for_models
         self._device_arg = device
         self._budget = budget
