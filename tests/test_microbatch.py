@@ -28,7 +28,7 @@ from memkit.microbatching import (
     oom_size_bound,
     split_batch,
 )
-from memkit.oom import OomDetails
+from memkit.oom import OomDetails, find_oom
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -805,6 +805,23 @@ def test_micro_batch_one_that_does_not_fit_raises_with_the_numbers():
     assert err.needed_bytes is not None and err.needed_bytes > backend.budget
     assert calls[0] == 16 and calls[-1] == 1 and step.steps == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # raised from the last OOM, without its traceback: memkit run exits 1 ("does not fit")
+    # and a tracked block writes its post-mortem (sweep BS: exit 3, an error the script raised)
+    cause = err.__cause__
+    assert isinstance(cause, torch.OutOfMemoryError) and cause.__traceback__ is None
+    assert find_oom(err) is cause
+
+
+def test_a_batch_that_does_not_fit_at_one_sample_ends_a_tracked_block_as_an_oom():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    budget = sum(p.nbytes for p in model.parameters()) + 4096
+    step = microbatch(lambda b: mlp_loss(model, b), model=model, optimizer=opt)
+    with pytest.raises(DoesNotFitError), memkit.track(model, opt, device="cpu", budget=budget,
+                                                      postmortem=None) as tracker:  # fmt: skip
+        step(mlp_batch(16))
+    pm = tracker.report().oom
+    assert pm is not None and pm.capacity == budget
 
 
 def test_batch_size_one_that_ooms_does_not_fit():

@@ -60,6 +60,15 @@ class StepInfo(Record):
         return out
 
 
+def _bare_copy(exc: BaseException) -> BaseException:
+    """``exc`` anew, its type and message without its traceback or chain (the frames of a
+    failed attempt hold its tensors)."""
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return RuntimeError(str(exc))
+
+
 def _guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
     """``(fn(*args), None)``, or ``(None, exc)``: the caller recovers outside any except."""
     try:
@@ -560,6 +569,7 @@ class MicroBatchStep:
             restore_rng_state(rng)
             details = parse_oom_message(exc) if exc is not None else None
             message = str(exc) if exc is not None else ""
+            last = _bare_copy(exc) if exc is not None else None
             if exc is not None:
                 ooms += 1
                 self.ooms += 1
@@ -567,7 +577,9 @@ class MicroBatchStep:
                 recover(self.backend, exc)
                 del exc
             self._zero_grads()
-            self._raise_if_no_smaller_size(status, status_all, size, details, message, baseline)
+            self._raise_if_no_smaller_size(
+                status, status_all, size, details, message, baseline, last
+            )
             if details is not None:
                 self._shrink_after_oom(tried, size, chunks, details, baseline)
         assert loss is not None
@@ -642,10 +654,15 @@ class MicroBatchStep:
         details: OomDetails | None,
         message: str,
         baseline: int | None,
+        last: BaseException | None,
     ) -> None:
-        """After an OOM at micro-batch size 1 (here or on another rank): does not fit."""
+        """After an OOM at micro-batch size 1 (here or on another rank): does not fit, raised
+        from ``last``, a copy of this rank's OOM without its traceback (which held the failed
+        attempt's tensors): an OOM in its chain, so ``memkit run`` and a tracked block take
+        it for the out-of-memory ending it is (exit 1, a post-mortem; sweep BS: exit 3, "an
+        error the script raised")."""
         if status == RankStatus.FATAL_OOM:
-            raise self._does_not_fit(size, details, message, baseline)
+            raise self._does_not_fit(size, details, message, baseline) from last
         if status_all == RankStatus.FATAL_OOM:
             raise DoesNotFitError(
                 f"rank {distributed.rank()}: another rank's batch does not fit even at "

@@ -238,13 +238,14 @@ def _capacity_and_free(
     (``set_per_process_memory_fraction``: the message's "N allowed") the cap and what the
     allocator may still reserve below it, not the whole card's; else the message's, else the
     device's own readings. Where the cap was raised above the budget (segments live tensors
-    kept), the budget and what it leaves beside the allocated tensors."""
+    kept), the budget and what it leaves beside the allocated tensors. The device's own
+    capacity where the message's is that one rounded (a simulated device's budget)."""
     if cap_raised and capacity is not None:
         return capacity, max(0, capacity - (details.allocated_by_pytorch or 0))
     if details.allowed is not None:
         held = details.reserved_total or details.allocated_by_pytorch or 0
         return details.allowed, max(0, details.allowed - held)
-    return (
-        details.capacity if details.capacity is not None else capacity,
-        details.free if details.free is not None else free,
-    )
+    said = details.capacity
+    if said is None or (capacity is not None and abs(said - capacity) <= said / 200):
+        said = capacity  # (the device's own reading is exact; the message rounds it)
+    return said, details.free if details.free is not None else free
