@@ -517,7 +517,7 @@ def test_the_oom_state_to_come_is_found_without_a_given_optimizer():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with (
         pytest.raises(torch.OutOfMemoryError),
-        track(None, device="cpu", budget="36MiB", postmortem=None) as tracker,
+        track(None, device="cpu", budget="40MiB", postmortem=None) as tracker,
     ):
         model(torch.randint(0, 2048, (16, 64))).backward()
         opt.step()
@@ -868,3 +868,35 @@ def test_a_run_under_cpu_autocast_says_its_op_lists_are_not_cudas():
     notes = [n for n in report.notes if n.startswith("torch.autocast on the CPU")]
     assert len(notes) == 1 and "estimate --amp bf16" in notes[0]
     assert not any(n.startswith("torch.autocast on the CPU") for n in mnist_peak(False, True).notes)
+
+
+def test_an_oom_in_a_contrastive_loss_names_what_the_loss_made_not_the_model_blocks():
+    """Sweep BT: a SimCLR loss's 2N x 2N logits, their log-softmax and gradients held most of
+    the activations when backward ran out; the post-mortem named the encoder's layers and
+    offered checkpointing them (applied: the peak fell 10% and it still ran out), and said a
+    split batch is the "same effective batch" for a loss over the batch's pairs."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    n = 1024
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(encoder, opt, device="cpu", budget="40MiB", postmortem=None) as tracker,
+    ):
+        for _ in range(2):
+            views = torch.randn(2 * n, 32)
+            z = F.normalize(encoder(views), dim=-1)
+            logits = z @ z.t() / 0.1  # 2N x 2N
+            labels = torch.arange(2 * n).roll(n)
+            F.cross_entropy(logits, labels).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "backward" and pm.breakdown is not None
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    pair_matrix = (2 * n) ** 2 * 4  # one float32 2N x 2N tensor
+    assert pm.model_kept is not None and pm.model_kept < pair_matrix
+    outside = pm.breakdown.activations - pm.model_kept
+    assert outside >= pair_matrix  # the logits' log-softmax, at least, is the loss's
+    assert f"the other {format_size(outside)} were made outside its modules" in adv.evidence
+    assert "checkpoint" not in adv.action and "in-batch negatives" in adv.action

@@ -509,6 +509,24 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         checkpoint = ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
+    outside = bd.activations - (pm.model_kept or 0)
+    if pm.model_kept is not None and outside >= max(bd.activations // 2, 2 * pm.model_kept):
+        # (sweep BT: a SimCLR loss's 2N x 2N logits were 88 of 107 MiB, and checkpointing
+        # the encoder, offered alike, saved 16 MiB and still ran out)
+        done += (
+            f" The model's modules kept {format_size(pm.model_kept)} of them until backward; "
+            f"the other {format_size(outside)} were made outside its modules, by the loss or "
+            "the step's own code (a batch x batch similarity matrix of a contrastive loss, the "
+            "logits of a large vocabulary)"
+            + (": checkpointing the model's blocks does not touch them." if checkpoint else ".")
+        )
+        checkpoint = ""
+        if accumulate:
+            accumulate += (
+                "; if the loss compares each sample with the others of its batch (in-batch "
+                "negatives), micro-batches change it: each sample then meets the others of its "
+                "micro-batch only"
+            )
     if not accumulate and not k:
         done += (
             " A smaller micro-batch with accumulation would not fit: what does not scale with "

@@ -415,6 +415,10 @@ class OomPostMortem(Result):
             ``other`` in the breakdown.
         after_backward: a backward had run since the last optimizer step (an OOM between
             them, outside the model: gradient clipping, SAM's perturbation, ``unscale_``).
+        model_kept: what the models' training forwards kept until a backward (their own
+            rows' ``activation_bytes_per_step``), where module rows were measured: the
+            activations beyond it were made outside the model's modules (the loss, the
+            step's own code), which checkpointing the model's blocks does not touch.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -447,6 +451,7 @@ class OomPostMortem(Result):
     optimizer_state_partial: bool = False
     batch_bytes: int = 0
     after_backward: bool = False
+    model_kept: int | None = None
 
     @property
     def where(self) -> str:
