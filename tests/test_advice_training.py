@@ -900,3 +900,16 @@ def test_an_oom_in_a_contrastive_loss_names_what_the_loss_made_not_the_model_blo
     assert outside >= pair_matrix  # the logits' log-softmax, at least, is the loss's
     assert f"the other {format_size(outside)} were made outside its modules" in adv.evidence
     assert "checkpoint" not in adv.action and "in-batch negatives" in adv.action
+    # where it fits, the report's breakdown says the same of its peak (no module row shows it)
+    with track(encoder, opt, device="cpu", budget="256MiB") as fitted:
+        for _ in range(2):
+            z = F.normalize(encoder(torch.randn(2 * n, 32)), dim=-1)
+            F.cross_entropy(z @ z.t() / 0.1, torch.arange(2 * n).roll(n)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    dev = fitted.report().devices[0]
+    bd = dev.breakdown
+    (root,) = [m for m in dev.modules if m.path == m.type_name]
+    made = bd.activations - (root.activation_bytes_per_step or root.activation_bytes)
+    assert made >= pair_matrix and bd.note is not None
+    assert f"the other {format_size(made)} were made outside its modules, by the loss" in bd.note

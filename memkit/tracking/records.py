@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -31,6 +31,7 @@ from memkit.tracking.report import (
     TimelinePoint,
     TrainingSetup,
 )
+from memkit.units import format_size
 
 if TYPE_CHECKING:
     from memkit.tracking.breakdown import PeakMoment
@@ -541,6 +542,7 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         TimelinePoint(t, s, PHASES[ph], display(m), a, r) for t, s, ph, m, a, r in dev.timeline
     )
     cap, name = dev.info or device_info(dev.backend)
+    modules = tuple(module_records(dev, display))
     return DeviceReport(
         device=dev.key,
         name=name,
@@ -552,10 +554,14 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         peak_reserved=dev.peak_res,
         phase_peaks=phase_peaks,
         steps=tuple(map(step_record, dev.steps)),
-        modules=tuple(module_records(dev, display)),
+        modules=modules,
         breakdown=None
         if dev.breakdown is None
-        else dataclasses.replace(dev.breakdown, module=display(dev.breakdown.module)),
+        else dataclasses.replace(
+            dev.breakdown,
+            module=display(dev.breakdown.module),
+            note=_with_outside_note(dev.breakdown, modules),
+        ),
         timeline=timeline,
         timeline_dropped=max(0, dev.events - len(dev.timeline)),
         leak=current_leak(dev),
@@ -563,3 +569,24 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         breakdown_ran_out=dev.breakdown is not None and dev.failed_peak is not None,
         eval_carried=dev.eval_carried,
     )
+
+
+def _with_outside_note(bd: Breakdown, modules: Sequence[ModuleRecord]) -> str | None:
+    """The breakdown's note, with where a training peak's activations were mostly made
+    outside the model's modules (its own rows, a root's path being its class name, kept less
+    until backward): by the loss or the step's own code (sweep BT: a contrastive loss's batch
+    x batch tensors were 88 of 89 MiB at the peak, and no line of the report named them)."""
+    roots = [m for m in modules if m.path == m.type_name and m.calls > 0]
+    if not roots or bd.phase not in ("forward", "backward"):
+        return bd.note
+    kept = sum(m.activation_bytes_per_step or m.activation_bytes for m in roots)
+    outside = bd.activations - kept
+    if outside < max(bd.activations // 2, 2 * kept):
+        return bd.note
+    said = (
+        f"the model's modules kept {format_size(kept)} of the activations until backward; the "
+        f"other {format_size(outside)} were made outside its modules, by the loss or the step's "
+        "own code (a batch x batch matrix of a contrastive loss, the logits of a large "
+        "vocabulary), which no module row shows"
+    )
+    return f"{bd.note}; {said}" if bd.note else said
