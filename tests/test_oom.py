@@ -727,6 +727,26 @@ def test_recover_forgets_the_repl_last_exception(monkeypatch: pytest.MonkeyPatch
     assert sys.last_value is other  # not ours: left alone
 
 
+def test_recover_forgets_ipythons_own_traceback_of_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sweep BU: in a notebook, an OOM left uncaught in a cell kept the failed step's tensors
+    (24 of 32 MiB) after ``recover(None, sys.last_value)``: IPython keeps the traceback for
+    %debug in ``get_ipython().InteractiveTB.tb``."""
+    import types
+
+    failed = _wrapped_oom()
+    printer = types.SimpleNamespace(tb=failed.__traceback__)
+    shell = types.SimpleNamespace(InteractiveTB=printer)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    monkeypatch.setattr(sys, "last_value", failed, raising=False)
+    recover(None, failed)
+    assert printer.tb is None
+    printer.tb = (other := _wrapped_oom()).__traceback__
+    recover(None, _wrapped_oom())
+    assert printer.tb is other.__traceback__  # another error's: left alone
+
+
 # --------------------------------------------------------------------------------------------
 # catch_oom
 
