@@ -507,6 +507,40 @@ def test_gradients_at_the_peak_are_bounded_by_the_parameters():
     assert unsorted.category("backward, unsorted") == 4 * 1024 + 3 * 64 * 1024
 
 
+def test_at_the_peak_blocks_freed_inside_backward_or_the_step_are_its_temporaries(tmp_path):
+    """Sweep BU: with two frozen layers, backward's 4 MiB temporaries (the size of the frozen
+    weights) were counted as 12 MiB of gradients where 0 B were alive; Adam's temporaries were
+    optimizer state (20.10 MiB where the state is 12.09). How the trace says each block live
+    at the peak was freed now tells them apart, checked against the tensors themselves."""
+    path = tmp_path / "frozen.pickle"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 256))  # fmt: skip
+    for layer in (model[2], model[4]):
+        layer.requires_grad_(False)
+    opt = torch.optim.Adam(p for p in model.parameters() if p.requires_grad)
+    with memkit.track(model, opt, device="cpu", budget="64MiB", memory_history=path):
+        for _ in range(2):
+            model(torch.randn(256, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = sum(t.untyped_storage().nbytes() for t in tensors_of(list(opt.state.values())))
+    trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    dev = inspect_snapshot(path).device(0)
+    at_peak = {
+        name: dev.category(name, at_peak=True)
+        for name in (
+            "gradients",
+            "optimizer state",
+            "optimizer temporaries",
+            "backward temporaries",
+        )
+    }
+    assert at_peak["gradients"] <= trainable
+    assert at_peak["optimizer state"] <= state
+    assert sum(at_peak.values()) > 0
+
+
 def test_inspect_html_and_json_agree(tmp_path):
     page = tmp_path / "view.html"
     result = invoke("inspect", str(write_snapshot(cuda_snapshot(), tmp_path / "c.pickle")),

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from memkit import advice as advice_rules
-from memkit.inspection.frames import CATEGORIES, Frame, bound_gradients, categorize, frames_of
+from memkit.inspection.frames import (
+    CATEGORIES,
+    Frame,
+    bound_gradients,
+    categorize,
+    frames_of,
+    freed_within,
+)
 from memkit.inspection.loading import load_snapshot, normalise
 from memkit.inspection.results import Allocation, DeviceInspection, OomEvent, SnapshotInspection
 
@@ -211,8 +218,9 @@ def _trace(
         if after[i] > peak:
             peak, peak_index = after[i], i
     peak_res = max([start_res, *res_after])
-    # what was live at the peak: undo the events after it
-    state = {a: (req, frames) for a, (_, req, frames) in live.items()}
+    # what was live at the peak: undo the events after it (with how each block freed since
+    # was freed: a backward's or an optimizer step's temporary)
+    state = {a: (req, frames, "") for a, (_, req, frames) in live.items()}
     for i in range(n - 1, peak_index, -1):
         e = trace[i]
         if e["action"] == "alloc":
@@ -221,11 +229,17 @@ def _trace(
             j = paired.get(i)
             frames = frames_of(trace[j].get("frames")) if j is not None else ()
             size = e.get("size", 0)
-            state[e.get("addr")] = (size if isinstance(size, int) else 0, frames)  # type: ignore[index]
+            state[e.get("addr")] = (  # type: ignore[index]
+                size if isinstance(size, int) else 0,
+                frames,
+                freed_within(categorize(frames), frames_of(e.get("frames"))),
+            )
     peak_allocs = _bounded(
         [
-            Allocation(a if isinstance(a, int) else 0, req, req, categorize(frames), frames)
-            for a, (req, frames) in state.items()
+            Allocation(
+                a if isinstance(a, int) else 0, req, req, freed or categorize(frames), frames
+            )
+            for a, (req, frames, freed) in state.items()
         ]
     )
     peak_allocs.sort(key=lambda x: (-x.size, x.address))
@@ -335,7 +349,9 @@ def _notes(
         "frames were recorded (allocated before recording began, or without stacks). "
         "Backward's allocations count as gradients only up to one per parameter of the same "
         "size alive with them; the rest are 'backward temporaries' ('backward, unsorted' when "
-        "no parameter was recorded)",
+        "no parameter was recorded). At the peak, a block that backward made and freed is a "
+        "backward temporary, and one an optimizer step made and freed (not by zero_grad) an "
+        "'optimizer temporary', where the trace recorded the stacks of frees",
         "fragmentation: the share of the free memory in segments that cannot serve the "
         "reference request (the failed one at an OOM, else the typical large one); cached empty "
         "segments are not fragments: empty_cache() returns them, and the allocator frees them "

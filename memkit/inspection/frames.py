@@ -8,7 +8,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATEGORIES", "Frame", "bound_gradients", "categorize", "frames_of", "where_of"]
+__all__ = [
+    "CATEGORIES",
+    "Frame",
+    "bound_gradients",
+    "categorize",
+    "frames_of",
+    "freed_within",
+    "where_of",
+]
 
 CATEGORIES = (
     "parameters",
@@ -16,6 +24,7 @@ CATEGORIES = (
     "backward temporaries",
     "backward, unsorted",
     "optimizer state",
+    "optimizer temporaries",
     "activations",
     "other",
     "unknown",
@@ -23,7 +32,10 @@ CATEGORIES = (
 """Categories, in the order reports list them (``unknown``: no frames were recorded). Frames
 name only ``gradients``; the inspection then keeps as gradients the backward allocations that a
 parameter of the same size can account for, one each: the rest are ``backward temporaries``, or
-``backward, unsorted`` where no parameter was recorded (see :func:`bound_gradients`)."""
+``backward, unsorted`` where no parameter was recorded (see :func:`bound_gradients`). At the
+peak, where the trace says how a block live then was freed (:func:`freed_within`), a block
+backward made and freed is a ``backward temporary``, and one an optimizer step made and freed
+an ``optimizer temporary``."""
 
 _MODULE_FILE = "torch/nn/modules/module.py"
 _PARAMETER_CALLS = frozenset(
@@ -111,6 +123,29 @@ def categorize(frames: Sequence[Mapping[str, Any]] | Sequence[Frame]) -> str:
         if rule is not None:
             return rule
     return "other"
+
+
+def freed_within(category: str, free_frames: Sequence[Frame]) -> str:
+    """The category of a block made where ``category`` says, given the frames that freed it:
+    one made in backward and freed in backward is a ``backward temporary`` (a gradient is
+    freed by ``zero_grad``, or lives on), one made in an optimizer step and freed in one (not
+    by ``zero_grad``) an ``optimizer temporary`` (the state lives on). No frames: as made.
+
+    Examples:
+        >>> step = [Frame("/torch/optim/adam.py", 1, "_single_tensor_adam")]
+        >>> freed_within("optimizer state", step)
+        'optimizer temporaries'
+        >>> freed_within("gradients", [Frame("/torch/optim/optimizer.py", 1, "zero_grad")])
+        'gradients'
+    """
+    if not free_frames or any(f.name == "zero_grad" for f in free_frames):
+        return category
+    freed_in = categorize(free_frames)
+    if category == "gradients" and freed_in == "gradients":
+        return "backward temporaries"
+    if category == "optimizer state" and freed_in == "optimizer state":
+        return "optimizer temporaries"
+    return category
 
 
 def bound_gradients(items: Sequence[tuple[str, int]]) -> list[str]:
