@@ -23,6 +23,7 @@ from memkit.snapshots import (
     Snapshot,
     snapshot,
 )
+from memkit.units import format_size
 
 snapshot_module = importlib.import_module("memkit.snapshots")
 
@@ -337,6 +338,23 @@ def test_diff_of_real_snapshots_across_a_train_step(no_smi):
     assert ("cpu holds", "parameters") not in whats  # unchanged: not shown
     assert whats[("tensor", "embed.weight:exp_avg")].format_delta() == "new"
     assert s2.diff(s1) == diff
+
+
+def test_a_diff_backward_in_time_or_without_the_optimizer_says_so(no_smi):
+    """Sweep BU: ``s1 - s2`` (earlier minus later) showed a gradient made between them as
+    "still alive, not in the later snapshot", and a later snapshot not given the optimizer
+    showed its state as freed; neither said why."""
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters())
+    with memkit.simulate("64MiB", track=(model, opt)) as device:
+        _train_step(model, opt)
+        s1 = snapshot(model, opt, device=device)
+        s2 = snapshot(model, device=device)  # the optimizer left out: 'other' here
+    notes = " ".join((s2 - s1).notes)
+    state = s1.categories[0].optimizer_state
+    assert state > 0 and f"optimizer state went from {format_size(state)} to 0" in notes
+    assert "not freed" in notes and "backward in time" not in notes
+    assert "runs backward in time" in " ".join((s1 - s2).notes)
 
 
 def test_subtracting_something_else_is_a_type_error():

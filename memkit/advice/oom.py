@@ -568,8 +568,15 @@ def oom_optimizer_state(
     stepped = (setup.optimized_bytes if setup is not None else None) or bd.parameters
     name = "Optimizer" if setup is None or setup.optimizer is None else setup.optimizer
     buffers = (setup.state_buffers if setup is not None else None) or STATE_BUFFERS.get(name)
-    partial = pm is not None and pm.optimizer_state_partial
-    complete = buffers * stepped if partial and buffers else None
+    complete = buffers * stepped if buffers else None
+    # the failed first step was creating the state, and had not made all of it (sweep BU: a
+    # state made whole before a temporary ran out was called partial)
+    partial = (
+        pm is not None
+        and pm.optimizer_state_partial
+        and (complete is None or bd.optimizer_state < complete)
+    )
+    complete = complete if partial else None
     weight = share["optimizer state"]
     if complete is not None and complete > bd.optimizer_state:
         weight = complete / (bd.total - bd.optimizer_state + complete)

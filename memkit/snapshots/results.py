@@ -612,6 +612,39 @@ def _different_devices(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _comparison_notes(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
+    """Notes where the diff does not read as what changed over time: ``before`` taken after
+    ``after`` (``s1 - s2`` for ``s2 - s1``), and a category gone to 0 on a device whose
+    "other" grew by it (the later snapshot was not given the objects that hold it: an
+    optimizer left out) (sweep BU: both read as memory freed)."""
+    notes = []
+    if after.taken_at < before.taken_at:
+        notes.append(
+            f"the subtracted snapshot{f' ({before.label!r})' if before.label else ''} was "
+            f"taken {before.taken_at - after.taken_at:.1f} s after the one it is subtracted "
+            "from: this diff runs backward "
+            "in time (earlier - later); what it shows as freed was made, and what it shows as "
+            "made was freed. Subtract the earlier snapshot from the later one: `later - earlier`"
+        )
+    old = {c.device: c for c in before.categories}
+    for cat in after.categories:
+        was = old.get(cat.device)
+        if was is None or was.other is None or cat.other is None:
+            continue
+        grew = cat.other - was.other
+        for name in CATEGORY_FIELDS:
+            held = getattr(was, name)
+            if name != "other" and held and not getattr(cat, name) and grew >= 0.9 * held:
+                words = name.replace("_", " ")
+                notes.append(
+                    f"{cat.device}'s {words} went from {format_size(held)} to 0 while its "
+                    f"'other' grew by {format_size(grew)}: the later snapshot was likely not "
+                    f"given the objects that hold the {words} (an optimizer or a model left "
+                    "out of memkit.snapshot(...)), so they count as 'other' there, not freed"
+                )
+    return tuple(notes)
+
+
 @dataclass(frozen=True)
 class SnapshotDiff(Result):
     """What changed between two snapshots: only the values that differ.
@@ -679,7 +712,7 @@ class SnapshotDiff(Result):
             tuple(changes),
             before.label,
             after.label,
-            _different_devices(before, after),
+            _different_devices(before, after) + _comparison_notes(before, after),
         )
 
     @property
