@@ -355,6 +355,10 @@ def test_a_diff_backward_in_time_or_without_the_optimizer_says_so(no_smi):
     assert state > 0 and f"optimizer state went from {format_size(state)} to 0" in notes
     assert "not freed" in notes and "backward in time" not in notes
     assert "runs backward in time" in " ".join((s1 - s2).notes)
+    # taken in the next cell, after the block: the device's numbers stopped (sweep BU)
+    assert not any("counts nothing now" in n for n in s1.notes)
+    after = snapshot(model, opt, device=device)
+    assert any("block has ended" in n for n in after.notes)
 
 
 def test_subtracting_something_else_is_a_type_error():

@@ -109,6 +109,11 @@ def counting_now() -> bool:
     return any(isinstance(m, MemoryAccountant) for m in _get_current_dispatch_mode_stack())
 
 
+def counting(accountant: MemoryAccountant) -> bool:
+    """Whether ``accountant`` counts this thread's ops now (its ``with`` block is open here)."""
+    return any(m is accountant for m in _get_current_dispatch_mode_stack())
+
+
 def active_accountant(device: str | torch.device = "cpu") -> MemoryAccountant | None:
     """The innermost :class:`MemoryAccountant` counting ``device``'s tensors in this thread
     with a budget (an outer ``memkit.simulate(budget)`` block), or ``None``."""

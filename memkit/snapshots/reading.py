@@ -21,7 +21,7 @@ from memkit import advice as advice_rules
 from memkit import devices
 from memkit.advice import Advice
 from memkit.errors import ConfigError, check_flag, check_whole
-from memkit.simulated.accountant import MemoryAccountant
+from memkit.simulated.accountant import MemoryAccountant, counting
 from memkit.snapshots.census import Census, categorise, largest
 from memkit.snapshots.results import DeviceSnapshot, HostSnapshot, Snapshot
 from memkit.units import format_size
@@ -341,6 +341,14 @@ def _target_row(
             f"({'CUDA 512-byte rounding' if target.rounding == 'cuda' else 'exact bytes'})"
         )
         accountants[str(target.device)] = target
+        if not counting(target):  # (sweep BU: a notebook's next cell, after the block)
+            notes.append(
+                f"{target.device}: this simulated device counts nothing now (its `with "
+                "memkit.simulate(...)` block has ended, or is open in another thread): its "
+                "numbers are as they were when it stopped; tensors made or freed since, and "
+                "those passed here that it never counted, are not in them. Take the snapshot "
+                "inside the block"
+            )
         return _simulated_row(target, f"{target.name} ({size})", accounting)
     if isinstance(target, (str, torch.device)):
         backend = devices.get_backend(target)
