@@ -846,10 +846,11 @@ def test_an_optimizer_step_that_ooms_is_not_retried():
     budget = int(params * 2.6)  # forward/backward fit, Adam's two states do not
     with (
         memkit.simulate(budget, track=(model, opt)),
-        pytest.raises(DoesNotFitError, match="optimizer step"),
+        pytest.raises(DoesNotFitError, match="optimizer step") as info,
     ):
         step(torch.randn(4, 512))
     assert step.steps == 0
+    assert isinstance(find_oom(info.value), torch.OutOfMemoryError)  # (review: memkit run exit 1)
 
 
 # --- splitting ------------------------------------------------------------------------------

@@ -1918,6 +1918,25 @@ def test_a_loss_over_pairs_of_the_batch_is_said_to_grow_with_its_square_and_not_
     assert plain.per_pair_bytes is None and "negatives" not in advice.action
 
 
+def test_a_compiled_train_step_is_said_to_run_eagerly_on_the_simulated_device():
+    """Sweep BR: a model file whose ``train_step`` is ``@torch.compile``'d (pytorch/examples'
+    shape) got eager numbers with no word that they are: the note was for compiled models."""
+
+    def step(model, batch, optimizer):
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(step, backend="eager")
+    result = probe(small_mlp_64(), lambda n: torch.randn(n, 64), train_step=compiled,
+                   device="cpu", budget="8MiB", max_batch=64)  # fmt: skip
+    assert any("compiled code (a compiled model or step) ran eagerly" in d for d in result.defaults)
+    plain = probe(small_mlp_64(), lambda n: torch.randn(n, 64), train_step=step, device="cpu",
+                  budget="8MiB", max_batch=64)  # fmt: skip
+    assert not any("ran eagerly" in d for d in plain.defaults)
+    assert plain.max_batch_size == result.max_batch_size
+
+
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 

@@ -706,3 +706,34 @@ def test_the_estimate_sweep_pays_at_most_two_oom_trials():
     so the aim overshoots, and the bracket after a failure is bisected."""
     over = {name: _sweep_ooms(name) for name in SWEEP}
     assert all(ooms <= 2 for ooms, _ in over.values()), over
+
+
+def test_a_bend_from_a_floor_to_a_line_is_not_a_loss_over_pairs():
+    """Review: a wide MLP's estimate peaks (16 -> 4096 -> 4096 -> 4096 -> 4, AdamW, 2 GiB) are
+    flat where the optimizer step sets them and a line where backward does; a parabola fits
+    that bend, and the report said the memory grew with the square of the batch. SimCLR's
+    probe peaks (2N x 2N logits, sweep BT) are that parabola."""
+    from memkit.probing.search import PairwiseFit, superlinear
+
+    bend = [
+        (1, 691065344),
+        (2, 691065344),
+        (4, 691065344),
+        (8, 691065344),
+        (16, 691065856),
+        (32, 691066880),
+        (2048, 691244032),
+        (11285, 1347401216),
+        (12392, 1440150016),
+        (12629, 1461142528),
+        (12652, 1461144576),
+        (12664, 1461145088),
+        (12670, 1461145600),
+        (12671, 1461145600),
+        (12672, 1461145600),
+    ]
+    assert PairwiseFit.from_points(bend) is None and not superlinear(bend)
+    simclr = [(1, 6838308), (2, 6840356), (4, 6844452), (256, 11159080), (512, 24794664),
+              (1024, 72513064), (2129, 268411884)]  # fmt: skip
+    fit = PairwiseFit.from_points(simclr)
+    assert fit is not None and 50 <= fit.per_pair_bytes <= 56  # 52 B a pair, by hand

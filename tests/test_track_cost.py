@@ -182,6 +182,31 @@ def test_memkit_run_finds_a_model_compiled_in_place_after_its_first_step():
     assert any("compiled in place (`model.compile()`)" in n for n in report.notes)
 
 
+def test_memkit_run_does_not_take_a_compiled_teacher_for_the_model():
+    """Review: a frozen teacher compiled in place, beside a student trained inside a compiled
+    train step, was wrapped as the model and said to be tracked from the next step, which
+    never saw a forward. Only a module the optimizers train is taken; otherwise the report
+    says the forward ran where the hooks could not see it."""
+    torch._dynamo.reset()
+    student, teacher = mlp(), mlp().requires_grad_(False)
+    teacher.compile(backend="eager")
+    opt = torch.optim.AdamW(student.parameters())
+
+    @torch.compile(backend="eager")
+    def train_step(x: torch.Tensor) -> None:
+        (student(x) - teacher(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with counters_constant(), memkit.track(device="cpu") as tracker:
+        for _ in range(3):
+            train_step(torch.randn(16, 64))
+    torch._dynamo.reset()
+    notes = " ".join(tracker.report().notes)
+    assert "compiled in place" not in notes
+    assert "a backward ran without a model forward memkit's hooks saw" in notes
+
+
 def compiled_steps(compiled: str, tracked: bool) -> tuple[dict[str, int], object]:
     """Five steps of a model whose optimizer step (``"optimizer"``: PyTorch's "compiling the
     optimizer" recipe) or whole train step (``"train step"``: a ``@torch.compile`` function

@@ -732,6 +732,7 @@ class MicroBatchStep:
             if not is_oom(failed):
                 raise failed
             message = str(failed)
+            last = _bare_copy(failed)  # (raised from: an OOM ending, exit 1 under memkit run)
             recover(self.backend, failed)
             del failed
             self._zero_grads()
@@ -742,7 +743,7 @@ class MicroBatchStep:
                 "partially updated. Reduce optimizer state (a lighter optimizer, 8-bit or "
                 f"foreach=False) or use a larger device. Last OOM: {message}",
                 capacity_bytes=self._capacity(),
-            )
+            ) from last
         self._zero_grads()
         if ddp:
             self._sync_buffers()

@@ -342,7 +342,11 @@ def probe_with(
             "inside training (model.zero_grad(set_to_none=True) before probing: the answer "
             "of an evaluation without them)"
         )
-    if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and is_compiled(model):
+    compiled = (  # the model, or the step a model file compiled (sweep BR: no note)
+        is_compiled(model)
+        or any(hasattr(f, "_torchdynamo_orig_callable") for f in (train_step, eval_step, loss_fn))
+    )
+    if isinstance(backend, SimulatedBackend | VirtualDeviceBackend) and compiled:
         defaults.append(eager_note("the simulated device (a TorchDispatchMode)", "on a GPU"))
     sparse = sparse_embeddings(model) if opts.mode == "train" else []
     if sparse:

@@ -254,14 +254,15 @@ class PairwiseFit(Record):
 
     @classmethod
     def from_points(
-        cls, points: Sequence[tuple[int, int]], min_share: float = 0.1
+        cls, points: Sequence[tuple[int, int]], min_share: float = 0.2
     ) -> PairwiseFit | None:
         """The least-squares parabola through the ``(batch_size, peak_bytes)`` points of the
         upper sizes (at least an eighth of the largest: the smallest sizes' peaks sit on
         floors of allocator rounding, which a line through them bends like a parabola)
         where there are three of them at least, its quadratic term is at least ``min_share``
-        of the fitted peak at the largest size, and it fits them at least three times as
-        closely as a line does; ``None`` otherwise.
+        of the fitted peak at the largest size, its linear term is not negative (a bend from a
+        floor to a line is fitted by a parabola with one), and it fits them at least three
+        times as closely as a line does; ``None`` otherwise.
 
         Examples:
             >>> sizes = (1, 2, 4, 8, 16, 32)
@@ -271,6 +272,9 @@ class PairwiseFit(Record):
             >>> PairwiseFit.from_points([(b, 1000 + 10 * b) for b in sizes]) is None
             True
             >>> PairwiseFit.from_points([(1, 99), (2, 99), (4, 99), (256, 180), (2846, 1200)])
+            >>> bend = [(b, max(1000, 600 + 2 * b)) for b in (64, 128, 200, 300, 400, 512)]
+            >>> PairwiseFit.from_points(bend) is None  # a floor, then a line
+            True
         """
         top = max((b for b, _ in points), default=0)
         upper = sorted((b, p) for b, p in points if 8 * b >= top)
@@ -301,7 +305,9 @@ class PairwiseFit(Record):
         line_error = sum((line.predict(x) - y) ** 2 for (x, _), y in zip(upper, ys, strict=True))
         peak = a + b + c
         share = c / peak if peak > 0 else 0.0
-        if c <= 0 or share < min_share or line_error < 9 * quad_error:
+        # (b < 0: a bend, not a parabola: a flat floor the optimizer step sets, then the
+        # backward's line, as a wide MLP's estimate peaks are; review of sweep BT's change)
+        if c <= 0 or b < 0 or share < min_share or line_error < 9 * quad_error:
             return None
         return cls(a, b / top, c / (top * top), share)
 

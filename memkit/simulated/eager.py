@@ -33,6 +33,7 @@ def eager_note(counter: str, measure: str) -> str:
     """
     return (
         f"torch.compile: TorchDynamo does not compile while {counter} counts ops, so the "
-        "compiled model ran eagerly and these are eager PyTorch's numbers; compiled kernels "
+        "compiled code (a compiled model or step) ran eagerly and these are eager PyTorch's "
+        "numbers; compiled kernels "
         f"fuse ops and often keep less activation memory (measure the compiled program {measure})"
     )

@@ -516,12 +516,20 @@ class Hooks:
         if self._compiled_searched:
             return False
         self._compiled_searched = True
+        # trained by an optimizer seen stepping: not a compiled teacher or loss module (review)
+        trained = {
+            id(p)
+            for o in self.models.all_optimizers()
+            for g in o.param_groups
+            for p in g["params"]
+            if p.requires_grad
+        }
         found = [
             o
             for o in gc.get_objects()
             if issubclass(type(o), torch.nn.Module)  # (type(): a dead weak proxy raises)
             and getattr(o, "_compiled_call_impl", None) is not None
-            and next(o.parameters(), None) is not None
+            and any(id(p) in trained for p in o.parameters())
         ]
         inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
         roots = [m for m in found if id(m) not in inner]

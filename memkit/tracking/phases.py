@@ -97,6 +97,7 @@ class PhaseMachine:
         self.notes = notes
         self.on_step: Callable[[], None] = lambda: None
         self.find_compiled: Callable[[], bool] = lambda: False
+        self.unseen_said = False  # (a backward without a forward seen, no model known: once)
         self.on_new_optimizer: Callable[[], None] = lambda: None
         self.step_t0 = 0.0
         self.manual_steps = False
@@ -677,15 +678,26 @@ class PhaseMachine:
         self._close_segment()
         primary = devices.primary
         unseen = primary is not None and primary.step_phase[FORWARD] is None and state.backwards
-        if unseen and models.model is None and not models.compiled and self.find_compiled():
-            models.compiled = True
-            self.notes.append(
-                "a model compiled in place (`model.compile()`) ran its forward where memkit's "
-                f"global hooks cannot see it, until step {state.step} ended: memkit found it "
-                "then and tracks its forward from the next step, around its compiled call "
-                "(the graph untouched), without module rows; its earlier forwards count as "
-                "'other'. `memkit.track(model)` sees it from its first step"
-            )
+        if unseen and models.model is None and not models.compiled and not self.unseen_said:
+            self.unseen_said = True
+            if self.find_compiled():
+                models.compiled = True
+                self.notes.append(
+                    "a model compiled in place (`model.compile()`) ran its forward where "
+                    f"memkit's global hooks cannot see it, until step {state.step} ended: "
+                    "memkit found it then and tracks its forward from the next step, around "
+                    "its compiled call (the graph untouched), without module rows; its earlier "
+                    "forwards count as 'other'. `memkit.track(model)` sees it from its first "
+                    "step"
+                )
+            else:
+                self.notes.append(
+                    "a backward ran without a model forward memkit's hooks saw (a forward "
+                    "inside a `@torch.compile` function such as a train step, or a model called "
+                    "as a plain function): the forward's memory counts as 'other', and the "
+                    "steps and phases stay exact; compile the model rather than the step to "
+                    "have the forward measured"
+                )
         if models.model is not None and not models.compiled and unseen:
             # a backward without a forward the hooks saw: the model runs inside a compiled
             # graph (compiled after track() began), where hooks must stay out of the way
