@@ -504,7 +504,8 @@ def probe_with(
     if any(dropouts):
         defaults.append(_dropout_note(*dropouts, backend, model_file))
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
-    defaults += [_held_note(size, held) for size, held in sorted(held_after_oom.items())]
+    weights = tensor_bytes(list(model.parameters()))
+    defaults += [_held_note(size, held, weights) for size, held in sorted(held_after_oom.items())]
     if varying and search.max_batch_size is not None:
         defaults.append(
             _drawn_note(search.max_batch_size, largest_inputs, varying, history, per_sample)
@@ -637,13 +638,29 @@ def sparse_embeddings(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _held_note(batch_size: int, held: int) -> str:
-    """The report's line for memory a failed trial left held (``TrialRunner.held_after_oom``)."""
-    return (
+def _held_note(batch_size: int, held: int, weights: int = 0) -> str:
+    """The report's line for memory a failed trial left held (``TrialRunner.held_after_oom``).
+    Where it is one to three copies of the model's parameters (``weights``) it is likely
+    state the script made in that trial, at a step count the trials reached (sweep BV: an
+    SWA copy made at epoch 2 was called a leftover, and the answer "may be below" what fits,
+    where it was 28% above)."""
+    said = (
         f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated, held by the "
-        "model or the script (not by memkit) even after a step at the smallest size that fit: "
-        "the trials after it had that much less room, so the answer may be below what a fresh "
-        "process fits. Keep no tensor of a step (outputs, losses) beyond the next step"
+        "model or the script (not by memkit) even after a step at the smallest size that fit"
+    )
+    copies = round(held / weights) if weights else 0
+    if 1 <= copies <= 3 and abs(held - copies * weights) <= 0.02 * held:
+        return (
+            f"{said}: the size of {'the model' if copies == 1 else f'{copies} copies of the model'}"
+            "'s parameters, so likely state the script made then, at a step count the trials "
+            "reached (an SWA or EMA copy, an optimizer made after a warmup), which its loop keeps "
+            "from then on: trials before it ran without it. If the script makes it at a later "
+            "step of its own, the answer holds only for the steps before; probe with --steps N "
+            "past that step"
+        )
+    return (
+        f"{said}: the trials after it had that much less room, so the answer may be below what "
+        "a fresh process fits. Keep no tensor of a step (outputs, losses) beyond the next step"
     )
 
 
