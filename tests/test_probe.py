@@ -1963,6 +1963,57 @@ def test_a_compiled_train_step_is_said_to_run_eagerly_on_the_simulated_device():
     assert plain.max_batch_size == result.max_batch_size
 
 
+def _prefetching_loop(batch: int, k: int, steps: int, budget: str) -> bool:
+    """transformers 5's Trainer with ``gradient_accumulation_steps=k``: an optimizer step's k
+    micro-batches are all on the device (get_batch_samples) before the first runs; the list is
+    rebound once the next step's are fetched. Whether ``steps`` steps fit."""
+    torch.manual_seed(0)
+    model = _image_net()
+    opt = torch.optim.AdamW(model.parameters())
+    with memkit.simulate(budget, track=(model, opt)):
+        try:
+            batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for _ in range(steps):
+                batches = [_images(batch) for _ in range(k)]
+                for x, y in batches:
+                    loss = torch.nn.functional.cross_entropy(model(x), y) / k
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
+            return False
+    return True
+
+
+def _image_net() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 10))  # fmt: skip
+
+
+def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
+def test_prefetch_answers_for_a_trainer_that_holds_all_its_micro_batches():
+    """Sweep BV: transformers 5's Trainer with gradient_accumulation_steps=8 fetches the 8
+    micro-batches of an optimizer step onto the device before running them; the accumulating
+    probe held one at a time and answered 43 where 35 fit. ``prefetch=True`` holds them so,
+    and its answer fits that loop and one more does not."""
+    torch.manual_seed(0)
+    k = 4
+    result = probe(_image_net(), _images, device="cpu", budget="16MiB", accumulation=k,
+                   prefetch=True, keep_output=False,
+                   loss_fn=lambda out, b: torch.nn.functional.cross_entropy(out, b[1]))  # fmt: skip
+    best = result.max_batch_size
+    assert best is not None
+    assert _prefetching_loop(best, k, 3, "16MiB")
+    assert not _prefetching_loop(best + 1, k, 3, "16MiB")
+    assert any(d.startswith("prefetch: all 4 micro-batches") for d in result.defaults)
+    with pytest.raises(ConfigError, match="--accumulate K"):
+        probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True)
+
+
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 

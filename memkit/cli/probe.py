@@ -54,6 +54,9 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
               show_default=True, help="What the default step keeps, as your loop does: the "
               "model's output until the next forward (`out = model(x)`), or the loss only "
               "(`loss = model(x).loss`, transformers' Trainer).")  # fmt: skip
+@click.option("--prefetch", is_flag=True, help="With --accumulate K (or --target-batch): the "
+              "script fetches all K micro-batches of an optimizer step onto the device before "
+              "running them (transformers 5's Trainer): hold them so.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--ddp", is_flag=True, help="Under torchrun: wrap the model in "
               "DistributedDataParallel for the trials (its buckets and all-reduce are "
@@ -85,6 +88,7 @@ def probe(
     accumulate: int | None,
     seq_len: list[int] | None,
     keep: str,
+    prefetch: bool,
     as_json: bool,
     ddp: bool,
     timeout: float | None,
@@ -116,6 +120,7 @@ def probe(
             ignored={"--mode": mode != ["train"], "--min-batch": min_batch != 1,
                      "--margin": margin is not None, "--target-batch": target_batch is not None,
                      "--accumulate": accumulate is not None, "--keep": keep != "output",
+                     "--prefetch": prefetch,
                      "--ddp": ddp, "--timeout": timeout is not None,
                      "--dist-backend": dist_backend is not None},
         )  # fmt: skip
@@ -140,6 +145,7 @@ def probe(
             min_batch=min_batch, max_batch=max_batch, steps=steps,
             margin=DEFAULT_MARGIN if margin is None else margin, target_batch=target_batch,
             accumulation=accumulate, ddp=ddp, timeout=wait, keep_output=keep == "output",
+            prefetch=prefetch,
         )  # fmt: skip
         per_mode: list[Any] = []
         stopped: MemkitError | None = None
@@ -218,7 +224,12 @@ def _in_mode(options: Any, mode: str, *, training: bool) -> Any:
     if mode == "train":
         return options
     return dataclasses.replace(
-        options, mode=mode, target_batch=None, accumulation=None, training_state=training
+        options,
+        mode=mode,
+        target_batch=None,
+        accumulation=None,
+        prefetch=False,
+        training_state=training,
     )
 
 

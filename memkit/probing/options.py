@@ -119,6 +119,10 @@ class ProbeOptions(SearchOptions):
             group's).
         training_state: infer mode from a model file: the trials hold the optimizer state a
             training run keeps (an evaluation inside training: ``--mode train,infer``).
+        prefetch: an accumulating script fetches all of an optimizer step's micro-batches
+            onto the device before the first runs (transformers 5's ``Trainer``:
+            ``get_batch_samples``, each moved to the device as accelerate yields it): the
+            trials hold them so, and the last step's while the next step's are fetched.
 
     Raises:
         ConfigError: a value the probe cannot run with (exit code 2 on the command line).
@@ -137,6 +141,7 @@ class ProbeOptions(SearchOptions):
     timeout: float | None = None
     keep_output: bool = True
     training_state: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,3 +151,9 @@ class ProbeOptions(SearchOptions):
             raise ConfigError(f"accumulation must be at least 1, found {self.accumulation}")
         if self.accumulation not in (None, 1) and self.mode != "train":
             raise ConfigError("gradient accumulation applies to --mode train only")
+        if self.prefetch and self.accumulation in (None, 1) and self.target_batch is None:
+            raise ConfigError(
+                "--prefetch (prefetch=True) holds the micro-batches of an accumulating "
+                "optimizer step; give the script's accumulation with --accumulate K "
+                "(accumulation=K), or --target-batch N for the accumulation the advice gives"
+            )

@@ -206,6 +206,7 @@ def probe(
     step_label: str | None = None,
     accumulation: int | None = None,
     keep_output: bool = True,
+    prefetch: bool = False,
 ) -> ProbeResult:
     """Find the largest batch size that fits, exactly, and leave everything as it was.
 
@@ -259,6 +260,9 @@ def probe(
         keep_output: the default step keeps the model's output until the next forward has
             returned, as ``out = model(x)`` does; ``False``: only the loss, as
             ``loss = model(x).loss`` (transformers' ``Trainer``) does.
+        prefetch: the accumulating script fetches all of an optimizer step's micro-batches
+            onto the device before running them (transformers 5's ``Trainer`` with
+            ``gradient_accumulation_steps``): the trials hold them so.
 
     Inside an initialised process group every rank must call ``probe`` with the same options:
     each probes its own device, the ranks agree after every trial (a size fits only if it fits
@@ -282,7 +286,7 @@ def probe(
     options = ProbeOptions(
         mode=mode, seq_len=seq_len, min_batch=min_batch, max_batch=max_batch, steps=steps,
         margin=margin, target_batch=target_batch, accumulation=accumulation, ddp=ddp,
-        timeout=timeout, keep_output=keep_output,
+        timeout=timeout, keep_output=keep_output, prefetch=prefetch,
     )  # fmt: skip
     return probe_with(
         model, make_batch, options, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step,
@@ -383,7 +387,7 @@ def probe_with(
     plan = StepPlan(
         opts.mode, loss_fn=loss_fn, train_step=train_step, eval_step=eval_step,
         step_label=step_label, accumulation=opts.accumulation or 1, keep_output=opts.keep_output,
-        counted_per_op=isinstance(backend, SimulatedBackend),
+        counted_per_op=isinstance(backend, SimulatedBackend), prefetch=opts.prefetch,
     )  # fmt: skip
     own = plan.user_step
     if not opts.keep_output and own is not None:

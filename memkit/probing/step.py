@@ -234,6 +234,7 @@ class StepPlan:
     accumulation: int = 1
     keep_output: bool = True
     counted_per_op: bool = False
+    prefetch: bool = False
     loss_rule: str | None = field(default=None, init=False)
     _kept: Any = field(default=None, init=False, repr=False)
     _kept_loss: Any = field(default=None, init=False, repr=False)
@@ -357,6 +358,12 @@ class StepPlan:
                 f"{each}): the first's gradients live through the second's forward, as through "
                 "every later one's"
             ]
+            if self.prefetch:
+                accumulating.append(
+                    f"prefetch: all {k} micro-batches of an optimizer step are on the device "
+                    "before the first runs, and the last step's while the next step's are "
+                    "fetched (transformers 5's Trainer: get_batch_samples)"
+                )
         if self.train_step is not None:
             default = (
                 "step: train_step(model, batch, optimizer) from the model file (what it "

@@ -498,12 +498,21 @@ class TrialRunner:
         cycle: int | None = 1
         cycling = False
         state_before = optimizer_state_bytes(self.optimizer)
+        held: list[Any] = []  # the last step's prefetched micro-batches (prefetch)
         try:
             with log.watch.watching() if log is not None else contextlib.nullcontext():
                 while True:
                     micro = self.step.micro_batches
+                    if self.step.prefetch and micro > 1:  # all K on the device, then run;
+                        # the last step's go once the next step's are fetched (Trainer's
+                        # get_batch_samples rebinds its list then)
+                        fetched = [
+                            self._device_batch(batch_size) for _ in range(self.step.accumulation)
+                        ]
+                        held = fetched
+                        del fetched
                     for i in range(micro):
-                        batch = self._device_batch(batch_size)
+                        batch = held[i] if held else self._device_batch(batch_size)
                         self.step(self.model, batch, self.optimizer, last=i == micro - 1)
                         del batch
                     if self.sync is not None:
@@ -536,6 +545,7 @@ class TrialRunner:
                     if done and not growing and not awaiting and not cycling:
                         break
         finally:
+            held.clear()
             self.step.release()  # the trial's loop is over: its last output goes too
         return Kept(tuple(kept), tuple(state), cycle or 1)
 
