@@ -2014,6 +2014,31 @@ def test_prefetch_answers_for_a_trainer_that_holds_all_its_micro_batches():
         probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True)
 
 
+def test_target_batch_for_a_train_step_that_accumulates_itself():
+    """Sweep BV: a train_step that steps the optimizer every 4th call was told "6 steps of
+    667", as if it stepped every call (24 micro-batches an update), and its answer was
+    searched again with memkit's own accumulation on top."""
+    calls = [0]
+
+    def step(model, batch, optimizer):
+        (model(batch).square().mean() / 4).backward()
+        calls[0] += 1
+        if calls[0] % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    model = small_mlp_64()
+    result = probe(model, lambda n: torch.randn(n, 64), optimizer=torch.optim.SGD(
+        model.parameters()), train_step=step, device="cpu", budget="8MiB",
+        target_batch=20_000)  # fmt: skip
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    assert "Your train_step steps the optimizer every 4 calls" in advice.evidence
+    calls_now = int(advice.title.split(" every ")[1].split()[0])
+    micro = int(advice.title.split(" calls of ")[1].split()[0])
+    assert micro <= result.recommended_batch_size and calls_now * micro >= 20_000
+    assert not any(d.startswith("without accumulation") for d in result.defaults)
+
+
 def small_mlp_64() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 

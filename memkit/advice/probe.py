@@ -42,6 +42,7 @@ def probe_advice(
     growing: tuple[int, int, int] | None = None,
     state: ModelState | None = None,
     steps_in_backward: bool = False,
+    calls_per_step: int = 1,
 ) -> list[Advice]:
     """A probe's advice: ``does-not-fit`` when no batch fit (its first trial's numbers; with
     the model's ``state``, ``fsdp-gpus`` when that state alone exceeds the capacity: the rest
@@ -50,7 +51,9 @@ def probe_advice(
     last (``growing``: steps run, bytes grown since the first step, of them the optimizer's
     state) and ``accumulate`` toward ``target_batch`` (when given) with the recommended batch
     size (``steps_in_backward``: the optimizer steps inside backward, and no accumulation
-    can reach the target; ``pairwise``: the peaks grow faster than the batch)."""
+    can reach the target; ``pairwise``: the peaks grow faster than the batch;
+    ``calls_per_step``: the ``train_step`` accumulates itself, stepping the optimizer every
+    that many calls)."""
     if search.max_batch_size is None:
         trial = search.trials[0]
         found = [
@@ -89,6 +92,8 @@ def probe_advice(
     plan = plan_accumulation(target_batch, micro, world_size)
     if steps_in_backward and plan.steps > 1:
         return [*advice, _no_accumulation(plan, micro, device)]
+    if calls_per_step > 1:
+        return [*advice, _own_accumulation(plan, micro, device, calls_per_step)]
     return [
         *advice,
         accumulation_advice(plan, micro, device, batch_norm=batch_norm, pairwise=pairwise),
@@ -249,6 +254,30 @@ def does_not_fit(
             f"weights too) or quantized, a shorter input, or {shard}"
         ),
         severity="critical",
+    )
+
+
+def _own_accumulation(plan: AccumulationPlan, micro: int, device: str, calls: int) -> Advice:
+    """``accumulate`` for a ``train_step`` that accumulates itself (sweep BV: "6 steps of 667"
+    was advised to a step that already stepped every 4th call: 24 micro-batches an update)."""
+    now = calls * micro * plan.world_size
+    return Advice(
+        code="accumulate",
+        title=(
+            f"Step the optimizer every {plan.steps} calls of {plan.micro_batch} for an effective "
+            f"batch of {plan.effective_batch}"
+        ),
+        evidence=(
+            f"Your train_step steps the optimizer every {calls} calls (it accumulates itself): "
+            f"at the recommended batch size on {device}, {micro}, an optimizer step sees "
+            f"{now} samples; the target is {plan.target_batch}."
+        ),
+        action=(
+            f"batch_size={plan.micro_batch}, and the step's own accumulation set to "
+            f"{plan.steps} calls per optimizer step (now {calls}; each call's loss divided by "
+            f"{plan.steps}). The memory answer holds for any number of calls: the gradients "
+            "held between them are the same."
+        ),
     )
 
 

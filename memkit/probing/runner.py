@@ -466,8 +466,12 @@ def probe_with(
         try:
             search, history, schedule = search_with(plan, opts.ceiling)
             in_backward = _steps_in_backward(model)
+            # a train_step that accumulates itself: its trials ran that accumulation already
+            own_calls = _calls_per_step(schedule) if plan.accumulation == 1 else 1
             steps_advised = (
-                None if in_backward else _advised_accumulation(search, opts, capacities, plan)
+                None
+                if in_backward or own_calls > 1
+                else _advised_accumulation(search, opts, capacities, plan)
             )
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
@@ -531,7 +535,7 @@ def probe_with(
         batch_norm=_has_batch_norm(model), ddp=opts.ddp or is_ddp(model),
         steps_in_backward=_steps_in_backward(model), shapes_vary=bool(varying),
         state=_model_state(model, optimizer) if unfit else None, schedule=schedule,
-        trials_without_accumulation=plain_trials,
+        trials_without_accumulation=plain_trials, calls_per_step=own_calls,
     )  # fmt: skip
 
 
@@ -1052,6 +1056,7 @@ def _build_result(
     ddp: bool = False,
     state: ModelState | None = None,
     schedule: Schedule | None = None,
+    calls_per_step: int = 1,
     trials_without_accumulation: tuple[ProbeTrial, ...] = (),
     steps_in_backward: bool = False,
     shapes_vary: bool = False,
@@ -1075,6 +1080,7 @@ def _build_result(
         growing=growing,
         state=state,
         steps_in_backward=steps_in_backward,
+        calls_per_step=calls_per_step,
     )
     model = search.pairwise or search.model
     return ProbeResult(
@@ -1192,6 +1198,19 @@ def _kept_growth(
     if at.still_growing and at.steps_run is not None:
         growing = (at.steps_run, at.kept_growth_bytes or 0, at.optimizer_growth_bytes or 0)
     return [line], growing
+
+
+def _calls_per_step(schedule: Schedule | None) -> int:
+    """The calls of a ``train_step`` per optimizer step where the step accumulates itself (its
+    work repeats every ``c`` calls, each with a backward, one of which steps the optimizer
+    once), else 1."""
+    if schedule is None or schedule.cycle is None or schedule.cycle < 2:
+        return 1
+    cycle = schedule.works[: schedule.cycle]
+    stepped = sum(times for w in cycle for _, times in w.stepped)
+    if stepped == 1 and all(w.backwards >= 1 for w in cycle):
+        return schedule.cycle
+    return 1
 
 
 def _schedule_lines(schedule: Schedule | None, trials: tuple[ProbeTrial, ...]) -> list[str]:
