@@ -443,6 +443,20 @@ def test_probe_batch_size_is_the_size_a_real_fit_trains_at(accumulate):
     assert fits(size) and not fits(size + 1)
 
 
+def test_probe_batch_size_advises_accumulation_in_the_trainers_terms():
+    """Sweep BV: probe_batch_size's accumulate advice said to call optimizer.step() every N
+    micro batches, which the Trainer does itself; and its steps line named --steps."""
+    torch.manual_seed(0)
+    result = probe_batch_size(Net(), Data(), device="cpu", budget="1MiB", target_batch=4000)
+    (advice,) = [a for a in result.advice if a.code == "accumulate"]
+    steps = int(advice.title.split(" over ")[1].split()[0])
+    micro = int(advice.title.split(" steps of ")[1].split()[0])
+    assert f"`batch_size={micro}` in your DataLoader" in advice.action
+    assert f"`Trainer(accumulate_grad_batches={steps})`" in advice.action
+    assert "call optimizer.step()" not in advice.action
+    assert not any("--steps" in d for d in result.defaults)
+
+
 def test_bad_input_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         MemkitCallback(json=tmp_path / "missing" / "r.json")

@@ -945,7 +945,7 @@ def test_a_wait_for_optimizer_state_that_never_comes_is_no_longer_run():
                    budget="1MiB")  # fmt: skip
     assert_exact(result)
     (line,) = [d for d in result.defaults if d.startswith("steps:")]
-    assert line.startswith("steps: 2 per trial (--steps 2), the memory kept between them stable")
+    assert line.startswith("steps: 2 per trial (steps=2), the memory kept between them stable")
 
 
 def test_an_inputs_labels_batch_reaches_a_one_argument_forward_as_its_inputs():
@@ -1265,7 +1265,7 @@ def test_one_step_per_trial_still_meets_the_optimizer_state_the_first_step_made(
 
     one, two = answer(1), answer(2)
     assert one.max_batch_size is not None and one.max_batch_size == two.max_batch_size
-    assert any(d.startswith("steps: 2 per trial (--steps 1)") for d in one.defaults)
+    assert any(d.startswith("steps: 2 per trial (steps=1)") for d in one.defaults)
 
 
 def test_a_model_with_uninitialised_lazy_modules_is_a_clear_error():

@@ -58,7 +58,7 @@ def test_a_generator_stepped_every_third_call_is_in_every_trial():
     (said,) = [d for d in result.defaults if d.startswith("the step varies")]
     assert "another Adam (168,768 parameters) stepped at steps 1 and 4" in said
     assert "a 3-step cycle, so every trial runs 4 steps" in said
-    steps = "steps: 4 per trial (--steps 2, more to cover the step's cycle: below)"
+    steps = "steps: 4 per trial (steps=2, more to cover the step's cycle: below)"
     assert any(d.startswith(steps) for d in result.defaults)
 
 

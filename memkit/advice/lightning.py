@@ -8,6 +8,7 @@ refuses ``accumulate_grad_batches``, so those remedies are said in the step's ow
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from memkit.advice.form import Advice, Phrasing, autocast_setting, in_terms, with_settings
@@ -52,7 +53,24 @@ OOM_EVAL_ACTION = (
 )
 
 
+def _accumulate_in_lightning(advice: Advice) -> str:
+    """The probe's ``accumulate`` (``... over K steps of B ...``) as the DataLoader's batch
+    size and the Trainer's ``accumulate_grad_batches`` (sweep BV: it said to call
+    ``optimizer.step()`` every K micro batches, which Lightning does itself)."""
+    found = re.search(r"over (\d+) steps of (\d+)", advice.title)
+    if found is None:
+        return advice.action
+    steps, micro = found.groups()
+    rest = advice.action.split(". ", 1)[1] if ". " in advice.action else ""
+    return (
+        f"`batch_size={micro}` in your DataLoader and `Trainer(accumulate_grad_batches="
+        f"{steps})`: Lightning divides each micro-batch's loss by {steps} and steps the "
+        f"optimizer every {steps} batches. {rest}"
+    ).strip()
+
+
 LIGHTNING_ACTIONS: dict[str, Phrasing] = {
+    "accumulate": _accumulate_in_lightning,
     "zero-grad-keeps-grads": lambda a: ZERO_GRAD_ACTION,
     "eval-peak": lambda a: EVAL_PEAK_ACTION,
     "oom-eval": lambda a: OOM_EVAL_ACTION,
@@ -78,6 +96,7 @@ LIGHTNING_ACTIONS: dict[str, Phrasing] = {
 
 MANUAL_ACTIONS: dict[str, Phrasing] = {
     **LIGHTNING_ACTIONS,
+    "accumulate": lambda a: a.action,  # (manual optimization steps where its code says)
     "zero-grad-keeps-grads": lambda a: MANUAL_ZERO_GRAD_ACTION,
     "oom-activations": with_settings(
         "In Lightning", [MANUAL_ACCUMULATE, AUTOCAST_SETTING], sep="; "

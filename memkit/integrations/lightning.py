@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -298,7 +299,7 @@ def probe_batch_size(
             target_batch=target_batch,
             accumulation=accumulate_grad_batches,
         )
-        return probe_with(
+        result = probe_with(
             module,
             make_batch,
             options,
@@ -319,6 +320,10 @@ def probe_batch_size(
                     else ")"
                 )
             ),
+        )
+        manual = not getattr(module, "automatic_optimization", True)
+        return dataclasses.replace(
+            result, advice=in_lightning_terms(result.advice, manual_optimization=manual)
         )
     finally:
         if moved and original is not None:

@@ -1135,8 +1135,12 @@ def _kept_growth(
     was not). Also ``(steps, grown, of it optimizer state)`` for the advice when the answer's
     trial was still growing at its last step."""
     ran = ran or steps
+
     # (a trial that stepped on only to wait for an optimizer's state that never came kept
     # nothing more: it does not count as a longer run; --steps 1's second step does)
+    def flag(n: int) -> str:  # (sweep BV: "--steps 2" in a Python API report)
+        return spelled(f"--steps {n}", f"steps={n}")
+
     longer = [
         t
         for t in trials
@@ -1153,16 +1157,16 @@ def _kept_growth(
         kept = "" if ran == 1 else ", the memory kept between them stable"
         cycle = "" if ran == steps else ", more to cover the step's cycle: below"
         line = (
-            f"steps: {ran} per trial (--steps {steps}{cycle}){kept}: memory made at a later step "
+            f"steps: {ran} per trial ({flag(steps)}{cycle}){kept}: memory made at a later step "
             "(an optimizer that makes its state then, SWA from an epoch on) is not seen: "
-            "--steps N measures N steps"
+            f"{spelled('--steps N', 'steps=N')} measures N steps"
         )
         return [line], None
     at = next((t for t in trials if t.batch_size == best), None) or longer[-1]
     most = max(t.steps_run or 0 for t in longer)
     if most == 2 and steps == 1 and not at.kept_growth_bytes:
         line = (
-            "steps: 2 per trial (--steps 1): the first step created the optimizer's state, "
+            f"steps: 2 per trial ({flag(1)}): the first step created the optimizer's state, "
             "which is in memory from the second step's forward on"
         )
         return [line], None
@@ -1176,13 +1180,13 @@ def _kept_growth(
             else "what a step keeps varies from step to step"
         )
         line = (
-            f"steps: up to {most} per trial (--steps {steps}), while the memory kept between "
+            f"steps: up to {most} per trial ({flag(steps)}), while the memory kept between "
             f"steps rose from one step to the next ({why}); at batch {at.batch_size}, no more "
             f"after step {at.steps_run} than after step 1"
         )
         return [line], None
     line = (
-        f"steps: up to {most} per trial (--steps {steps}), while the memory kept between steps "
+        f"steps: up to {most} per trial ({flag(steps)}), while the memory kept between steps "
         f"grew: at batch {at.batch_size}, {grew} more after step {at.steps_run} than after "
         f"step 1, {state} of it the optimizer's state"
         + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
