@@ -505,6 +505,9 @@ def test_the_oom_micro_batch_leaves_room_for_the_gradients_and_state_to_come():
     )
     assert f"({format_size(trained)})" in adv.evidence  # the gradients to come
     assert f"AdamW's state (2 buffers of their size), {format_size(2 * trained)}" in adv.evidence
+    # inside the model's forward it had kept only part: no "made outside its modules", and
+    # checkpointing stays offered (sweep BX: withdrawn at a transformers model's forward OOM)
+    assert "outside its modules" not in adv.evidence and "checkpoint" in adv.action
     assert lm_steps(TinyLM(128, 2048), 16, 4, budget="36MiB", tracked=False) is not None
     assert lm_steps(TinyLM(128, 2048), 16, 2, budget="36MiB", tracked=False) is None
 

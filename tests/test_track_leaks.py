@@ -1104,3 +1104,36 @@ def test_optimizers_are_found_in_the_dict_a_script_keeps_them_in():
     optimizer_dict = {p: torch.optim.Adam([p]) for p in model.parameters()}
     found = optimizers_in_frames(sys._getframe())
     assert {id(o) for o in found} == {id(o) for o in optimizer_dict.values()}
+
+
+class _WrappedOptimizer(torch.optim.Optimizer):
+    """accelerate's AcceleratedOptimizer's shape: an Optimizer holding the real one."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:  # (no super: as a wrapper)
+        self.optimizer = inner
+
+
+class _Trainer:
+    """A framework's trainer that holds the optimizer as ``self.optimizer``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def train(self) -> list:
+        from memkit.tracking.leaks import optimizers_in_frames
+
+        return optimizers_in_frames(sys._getframe())
+
+
+def test_optimizers_are_found_unwrapped_and_in_a_frameworks_own_frame():
+    """Sweep BX: under memkit run, a transformers Trainer's step-0 OOM found the optimizer as
+    accelerate's wrapper, whose state it could not price, and the batch cut it advised ran out;
+    run as ``Trainer(...).train()``, no user frame holds the optimizer at all."""
+    from memkit.tracking.leaks import _framework_optimizers, optimizers_in_frames
+
+    inner = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    wrapped = _WrappedOptimizer(inner)
+    assert optimizers_in_frames(sys._getframe()) == [inner]
+    del wrapped
+    assert _framework_optimizers(sys._getframe()) == []
+    assert _Trainer(_WrappedOptimizer(inner)).train() == [inner]

@@ -510,7 +510,11 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
     outside = bd.activations - (pm.model_kept or 0)
-    if pm.model_kept is not None and outside >= max(bd.activations // 2, 2 * pm.model_kept):
+    # only once the model's forward had returned (in backward, or in the loss outside any
+    # module): inside its forward it had kept only part (sweep BX: "kept 0 B" at an OOM in a
+    # transformers model's forward, and checkpointing, which fixed it, was withdrawn)
+    returned = pm.phase == "backward" or (pm.phase == "forward" and pm.module is None)
+    if pm.model_kept and returned and outside >= max(bd.activations // 2, 2 * pm.model_kept):
         # (sweep BT: a SimCLR loss's 2N x 2N logits were 88 of 107 MiB, and checkpointing
         # the encoder, offered alike, saved 16 MiB and still ran out)
         done += (

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
+from memkit.optimizers import unwrap_optimizer
 from memkit.tracking.line_trace import LineTrace, empty_locals_copy
 from memkit.tracking.report import LeakFinding, LeakSuspect
 from memkit.units import format_size
@@ -752,8 +753,25 @@ def optimizers_in_frames(start: FrameType | None) -> list[Any]:
             elif isinstance(value, (list, tuple)):
                 values += value[:100_000]
         found = {id(v): v for v in values if isinstance(v, optimizer)}
-        if found:
-            return list(found.values())
+        if found:  # (unwrapped: accelerate's AcceleratedOptimizer is an Optimizer too)
+            inner = (unwrap_optimizer(v) for v in found.values())
+            return list({id(o): o for o in inner if o is not None}.values())
+    return _framework_optimizers(start)
+
+
+def _framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:
+    """The optimizer a framework's own frame holds as ``self.optimizer`` (transformers'
+    ``Trainer`` run as ``Trainer(...).train()``: no user frame holds it; sweep BX: a step-0 OOM
+    under ``memkit run`` then left AdamW's state to come out, and the cut it advised ran out),
+    unwrapped (accelerate's ``AcceleratedOptimizer``)."""
+    frame, depth = start, 0
+    while frame is not None and depth < limit:
+        owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
+        held = getattr(owner, "optimizer", None) if owner is not None else None
+        inner = unwrap_optimizer(held) if held is not None else None
+        if inner is not None:
+            return [inner]
+        frame, depth = frame.f_back, depth + 1
     return []
 
 

@@ -577,11 +577,12 @@ def _with_outside_note(bd: Breakdown, modules: Sequence[ModuleRecord]) -> str | 
     until backward): by the loss or the step's own code (sweep BT: a contrastive loss's batch
     x batch tensors were 88 of 89 MiB at the peak, and no line of the report named them)."""
     roots = [m for m in modules if m.path == m.type_name and m.calls > 0]
-    if not roots or bd.phase not in ("forward", "backward"):
+    returned = bd.phase == "backward" or (bd.phase == "forward" and bd.module is None)
+    if not roots or not returned:  # (inside the model's forward it had kept only part)
         return bd.note
     kept = sum(m.activation_bytes_per_step or m.activation_bytes for m in roots)
     outside = bd.activations - kept
-    if outside < max(bd.activations // 2, 2 * kept):
+    if not kept or outside < max(bd.activations // 2, 2 * kept):
         return bd.note
     said = (
         f"the model's modules kept {format_size(kept)} of the activations until backward; the "
