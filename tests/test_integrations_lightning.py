@@ -443,6 +443,36 @@ def test_probe_batch_size_is_the_size_a_real_fit_trains_at(accumulate):
     assert fits(size) and not fits(size + 1)
 
 
+def test_probe_batch_size_with_the_trainers_mixed_precision_is_what_that_fit_trains_at():
+    """Sweep BX: a bf16-mixed fit trained at 63 where probe_batch_size, which never saw the
+    Trainer's precision plugin, said 45 and did not say it had measured fp32."""
+    torch.manual_seed(0)
+    budget = "1MiB"
+    result = probe_batch_size(Net(), Data(), device="cpu", budget=budget, precision="bf16-mixed")
+    assert any(d.startswith("precision: bf16-mixed (training_step under torch.autocast")
+               for d in result.defaults)  # fmt: skip
+    size = result.max_batch_size
+    assert size is not None
+
+    def fits(batch_size: int) -> bool:
+        torch.manual_seed(0)
+        cb = MemkitCallback(device="cpu", budget=budget, postmortem=None, log_peaks=False)
+        try:
+            trainer([cb], max_steps=2, limit_val_batches=0, precision="bf16-mixed").fit(
+                Net(), datamodule=Data(batch_size, samples=2 * batch_size)
+            )
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert fits(size) and not fits(size + 1)
+    plain = probe_batch_size(Net(), Data(), device="cpu", budget=budget)
+    assert any("give the Trainer's precision= if it is mixed" in d for d in plain.defaults)
+    assert plain.max_batch_size is not None and plain.max_batch_size < size  # (fp32's)
+    with pytest.raises(ConfigError, match="mixed precision"):
+        probe_batch_size(Net(), Data(), device="cpu", budget=budget, precision="bf16-true")
+
+
 def test_probe_batch_size_advises_accumulation_in_the_trainers_terms():
     """Sweep BV: probe_batch_size's accumulate advice said to call optimizer.step() every N
     micro batches, which the Trainer does itself; and its steps line named --steps."""

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -221,6 +222,7 @@ def probe_batch_size(
     margin: float | None = None,
     target_batch: int | None = None,
     accumulate_grad_batches: int = 1,
+    precision: str | int | None = None,
     on_trial: Callable[[Any], None] | None = None,
 ) -> ProbeResult:
     """The exact largest batch size a LightningModule's ``training_step`` trains at.
@@ -253,6 +255,10 @@ def probe_batch_size(
             :func:`memkit.probe`.
         accumulate_grad_batches: the Trainer's setting: the loss is divided by it and the
             step accumulates gradients over micro-batches, as in ``fit`` (it fits less).
+        precision: the Trainer's ``precision``: ``"bf16-mixed"`` and ``"16-mixed"`` run
+            ``training_step`` under ``torch.autocast`` as Lightning's mixed-precision plugin
+            does (sweep BX: a bf16-mixed fit trained at 63 where the fp32 probe said 45);
+            ``None``, ``"32-true"`` or 32: as the module computes.
 
     Returns:
         A :class:`~memkit.probing.result.ProbeResult`; set ``module.batch_size`` (or your
@@ -278,11 +284,18 @@ def probe_batch_size(
         raise ConfigError(
             f"accumulate_grad_batches must be at least 1, found {accumulate_grad_batches}"
         )
+    autocast = _MIXED.get(str(precision)) if precision is not None else None
+    if precision is not None and autocast is None and str(precision) not in ("32-true", "32"):
+        raise ConfigError(
+            f"precision={precision!r}: probe_batch_size runs Lightning's mixed precision "
+            '("bf16-mixed", "16-mixed") or full precision ("32-true"); for a true '
+            "half-precision model convert it (module.to(torch.bfloat16)) before probing"
+        )
     _prepare(module, datamodule)
     if make_batch is None:
         make_batch = _dataloader_batches(module, datamodule)
     optimizer = _first_optimizer(module)
-    step = _LightningStep(module, accumulate_grad_batches)
+    step = _LightningStep(module, accumulate_grad_batches, autocast)
 
     backend_device = get_backend(device, budget).device
     original = _module_device(module)
@@ -308,7 +321,15 @@ def probe_batch_size(
             device=device,
             budget=budget,
             on_trial=on_trial,
-            defaults=[f"optimizer: {type(optimizer).__name__} (configure_optimizers)"],
+            defaults=[
+                f"optimizer: {type(optimizer).__name__} (configure_optimizers)",
+                f"precision: {precision or '32-true'}"
+                + (
+                    f" (training_step under torch.autocast, {autocast})"
+                    if autocast
+                    else " (as the module computes; give the Trainer's precision= if it is mixed)"
+                ),
+            ],
             step_label=(
                 "step: Lightning's automatic optimization (training_step, "
                 + (f"loss / {accumulate_grad_batches}, " if accumulate_grad_batches > 1 else "")
@@ -335,9 +356,10 @@ class _LightningStep:
     passes a :class:`DeferredOptimizer` that steps on the last of the two micro-batches it
     runs per optimizer step; the other is the first, the one that zeroes the gradients."""
 
-    def __init__(self, module: Any, accumulate: int) -> None:
+    def __init__(self, module: Any, accumulate: int, autocast: str | None = None) -> None:
         self.module = module
         self.accumulate = accumulate
+        self.autocast = autocast  # (a mixed precision's dtype name, or None)
         self.index = itertools.count()
 
     def __call__(self, model: Any, batch: Any, optimizer: Any) -> None:
@@ -346,7 +368,8 @@ class _LightningStep:
         with warnings.catch_warnings():  # self.log() without a Trainer warns and does nothing
             warnings.filterwarnings("ignore", message=r".*self\.log.*")
             batch = module.on_after_batch_transfer(batch, 0)
-            output = module.training_step(batch, i)
+            with _autocast(module, self.autocast):
+                output = module.training_step(batch, i)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor):
             raise ConfigError(
@@ -365,6 +388,19 @@ class _LightningStep:
         loss.backward()
         del loss
         optimizer.step()
+
+
+_MIXED = {"bf16-mixed": "bfloat16", "16-mixed": "float16", "16": "float16", "bf16": "bfloat16"}
+"""Lightning's mixed precisions: the autocast dtype its plugin runs ``training_step`` under."""
+
+
+def _autocast(module: Any, dtype: str | None) -> Any:
+    """Lightning's mixed-precision plugin around ``training_step``: ``torch.autocast`` on the
+    module's device type with ``dtype`` (a no-op for ``None``)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    kind = _module_device(module)
+    return torch.autocast(kind.type if kind is not None else "cpu", dtype=getattr(torch, dtype))
 
 
 def _prepare(module: Any, datamodule: Any) -> None:
