@@ -898,8 +898,9 @@ def test_an_oom_in_a_contrastive_loss_names_what_the_loss_made_not_the_model_blo
     assert pm is not None and pm.phase == "backward" and pm.breakdown is not None
     (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
     pair_matrix = (2 * n) ** 2 * 4  # one float32 2N x 2N tensor
-    assert pm.model_kept is not None and pm.model_kept < pair_matrix
-    outside = pm.breakdown.activations - pm.model_kept
+    assert pm.made_outside is not None
+    kept, outside = pm.made_outside
+    assert kept < pair_matrix and outside == pm.breakdown.activations - kept
     assert outside >= pair_matrix  # the logits' log-softmax, at least, is the loss's
     assert f"the other {format_size(outside)} were made outside its modules" in adv.evidence
     assert "checkpoint" not in adv.action and "in-batch negatives" in adv.action
@@ -916,3 +917,20 @@ def test_an_oom_in_a_contrastive_loss_names_what_the_loss_made_not_the_model_blo
     made = bd.activations - (root.activation_bytes_per_step or root.activation_bytes)
     assert made >= pair_matrix and bd.note is not None
     assert f"the other {format_size(made)} were made outside its modules, by the loss" in bd.note
+
+
+def test_an_ensemble_of_one_class_is_the_models_own_activations():
+    """Review: the second model of a class is named ``Sequential#2``; its row was not taken
+    for a model's, and its activations were said to be made outside the model's modules."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)) for _ in range(3)]
+    opt = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
+    with track(device="cpu", budget="256MiB") as tracker:
+        for _ in range(3):
+            x = torch.randn(256, 64)
+            sum(m(x).square().mean() for m in members).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    dev = tracker.report().devices[0]
+    assert {m.path for m in dev.modules if "." not in m.path} >= {"Sequential#2", "Sequential#3"}
+    assert dev.breakdown is not None and "outside its modules" not in (dev.breakdown.note or "")

@@ -1855,7 +1855,7 @@ def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     assert said.startswith("make_batch(2) gave batches") and "bound the lengths" in said
     # the margin is not said to protect (sweep VV: a GNN's random graphs ran out in 4 of 40
     # steps at the recommended size)
-    assert "keep the recommended margin" not in said and "(2 a trial, --steps)" in said
+    assert "keep the recommended margin" not in said and "(2 a trial, steps=)" in said
     # the largest input the trials drew at the answer is named, of the tensors whose shapes
     # vary: the targets, not the fixed (n, 64) features (sweep BI: 6 to 8 from one script, the
     # lengths behind them nowhere)

@@ -1129,11 +1129,11 @@ def test_optimizers_are_found_unwrapped_and_in_a_frameworks_own_frame():
     """Sweep BX: under memkit run, a transformers Trainer's step-0 OOM found the optimizer as
     accelerate's wrapper, whose state it could not price, and the batch cut it advised ran out;
     run as ``Trainer(...).train()``, no user frame holds the optimizer at all."""
-    from memkit.tracking.leaks import _framework_optimizers, optimizers_in_frames
+    from memkit.tracking.leaks import framework_optimizers, optimizers_in_frames
 
     inner = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
     wrapped = _WrappedOptimizer(inner)
     assert optimizers_in_frames(sys._getframe()) == [inner]
     del wrapped
-    assert _framework_optimizers(sys._getframe()) == []
+    assert framework_optimizers(sys._getframe()) == []
     assert _Trainer(_WrappedOptimizer(inner)).train() == [inner]

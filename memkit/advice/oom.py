@@ -509,16 +509,12 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         checkpoint = ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
-    outside = bd.activations - (pm.model_kept or 0)
-    # only once the model's forward had returned (in backward, or in the loss outside any
-    # module): inside its forward it had kept only part (sweep BX: "kept 0 B" at an OOM in a
-    # transformers model's forward, and checkpointing, which fixed it, was withdrawn)
-    returned = pm.phase == "backward" or (pm.phase == "forward" and pm.module is None)
-    if pm.model_kept and returned and outside >= max(bd.activations // 2, 2 * pm.model_kept):
+    if pm.made_outside is not None:
+        kept, outside = pm.made_outside
         # (sweep BT: a SimCLR loss's 2N x 2N logits were 88 of 107 MiB, and checkpointing
         # the encoder, offered alike, saved 16 MiB and still ran out)
         done += (
-            f" The model's modules kept {format_size(pm.model_kept)} of them until backward; "
+            f" The model's modules kept {format_size(kept)} of them until backward; "
             f"the other {format_size(outside)} were made outside its modules, by the loss or "
             "the step's own code (a batch x batch similarity matrix of a contrastive loss, the "
             "logits of a large vocabulary)"

@@ -54,7 +54,7 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
               show_default=True, help="What the default step keeps, as your loop does: the "
               "model's output until the next forward (`out = model(x)`), or the loss only "
               "(`loss = model(x).loss`, transformers' Trainer).")  # fmt: skip
-@click.option("--prefetch", is_flag=True, help="With --accumulate K (or --target-batch): the "
+@click.option("--prefetch", is_flag=True, help="With --accumulate K: the "
               "script fetches all K micro-batches of an optimizer step onto the device before "
               "running them (transformers 5's Trainer): hold them so.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")

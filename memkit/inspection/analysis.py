@@ -189,9 +189,18 @@ def _trace(
     allocs = frees = 0
     delta = [0] * n
     res_delta = [0] * n
+    # allocations made up to each event by another pass than backward, or than an optimizer
+    # step (a forward's activations; backward's or the step's): a block freed with none made
+    # in between is freed within its own pass (a temporary); one made before and freed after,
+    # e.g. LBFGS history replaced a step later, lived past it (review)
+    not_backward = [0] * (n + 1)
+    not_optimizer = [0] * (n + 1)
     for i, e in enumerate(trace):
         action, addr, size = e["action"], e.get("addr"), e.get("size", 0)
         size = size if isinstance(size, int) else 0
+        made = categorize(frames_of(e.get("frames"))) if action == "alloc" else None
+        not_backward[i + 1] = not_backward[i] + (made in ("activations", "optimizer state"))
+        not_optimizer[i + 1] = not_optimizer[i] + (made in ("activations", "gradients"))
         if action == "alloc":
             allocs += 1
             alloc_at[addr] = i
@@ -218,6 +227,12 @@ def _trace(
         if after[i] > peak:
             peak, peak_index = after[i], i
     peak_res = max([start_res, *res_after])
+    # whether frees carry stacks of their own: under torch's context="alloc" the allocator
+    # writes each free with its allocation's stack (review), which says nothing of where it
+    # was freed; in a real free stack most differ from the allocation's
+    pairs = [(i, j) for i, j in paired.items() if j is not None]
+    same = sum(trace[i].get("frames") == trace[j].get("frames") for i, j in pairs)
+    free_stacks = bool(pairs) and same < 0.9 * len(pairs)
     # what was live at the peak: undo the events after it (with how each block freed since
     # was freed: a backward's or an optimizer step's temporary)
     state = {a: (req, frames, "") for a, (_, req, frames) in live.items()}
@@ -229,10 +244,16 @@ def _trace(
             j = paired.get(i)
             frames = frames_of(trace[j].get("frames")) if j is not None else ()
             size = e.get("size", 0)
+            made = categorize(frames)
+            # the free's own stack, and only where nothing outside the pass was allocated in
+            # between
+            freed = frames_of(e.get("frames"))
+            outside = not_backward if made == "gradients" else not_optimizer
+            within = free_stacks and j is not None and outside[i] == outside[j + 1]
             state[e.get("addr")] = (  # type: ignore[index]
                 size if isinstance(size, int) else 0,
                 frames,
-                freed_within(categorize(frames), frames_of(e.get("frames"))),
+                freed_within(made, freed) if within else made,
             )
     peak_allocs = _bounded(
         [

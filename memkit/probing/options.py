@@ -151,9 +151,11 @@ class ProbeOptions(SearchOptions):
             raise ConfigError(f"accumulation must be at least 1, found {self.accumulation}")
         if self.accumulation not in (None, 1) and self.mode != "train":
             raise ConfigError("gradient accumulation applies to --mode train only")
-        if self.prefetch and self.accumulation in (None, 1) and self.target_batch is None:
+        if self.prefetch and self.accumulation in (None, 1):
+            # (not with --target-batch alone: the K micro-batches held are the advice's own
+            # choice, and the advice's K changes with the answer: review)
             raise ConfigError(
-                "--prefetch (prefetch=True) holds the micro-batches of an accumulating "
+                "--prefetch (prefetch=True) holds the K micro-batches of an accumulating "
                 "optimizer step; give the script's accumulation with --accumulate K "
-                "(accumulation=K), or --target-batch N for the accumulation the advice gives"
+                "(accumulation=K), the Trainer's gradient_accumulation_steps"
             )

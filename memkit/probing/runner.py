@@ -663,7 +663,8 @@ def _held_note(batch_size: int, held: int, weights: int = 0) -> str:
             "'s parameters, so likely state the script made then, at a step count the trials "
             "reached (an SWA or EMA copy, an optimizer made after a warmup), which its loop keeps "
             "from then on: trials before it ran without it. If the script makes it at a later "
-            "step of its own, the answer holds only for the steps before; probe with --steps N "
+            "step of its own, the answer holds only for the steps before; probe with "
+            f"{spelled('--steps N', 'steps=N')} "
             "past that step"
         )
     return (
@@ -783,9 +784,10 @@ def _check_batches(
             f"make_batch({low + 1}) gave batches of different shapes at one size "
             f"({_shapes_text(first)}, then {_shapes_text(second)}): random lengths, so memory "
             f"follows the batch drawn and the answer holds for the draws the trials ran "
-            f"({opts.steps} a trial, --steps); a longer draw can run out below it, at the "
+            f"({opts.steps} a trial, {spelled('--steps', 'steps=')}); a longer draw can run out "
+            "below it, at the "
             "recommended size too (its margin is not sized to the spread): probe with more "
-            "draws (--steps 20), or bound the lengths (pad or cap them)"
+            f"draws ({spelled('--steps 20', 'steps=20')}), or bound the lengths (pad or cap them)"
         )
     per_sample = len(first) > len(batch_shapes(small))
     return notes, varying, per_sample

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from memkit.errors import spelled
 from memkit.optimizers import unwrap_optimizer
 
 __all__ = ["Schedule", "StepWatch", "StepWork", "WorkLog", "cycle_of", "steady_from"]
@@ -177,7 +178,7 @@ class Schedule:
             return (
                 f"{seen} (work no earlier step did): no cycle seen, the next trial ran "
                 f"{self.alike_after} steps alike (a one-off, or a schedule longer than that, "
-                "which the trials do not cover: --steps N runs N steps)"
+                f"which the trials do not cover: {spelled('--steps N', 'steps=N')} runs N steps)"
             )
         if self.cycle is not None:
             return (
@@ -186,7 +187,8 @@ class Schedule:
             )
         return (
             f"{seen}: no cycle within {n} steps (a one-off, or a schedule longer than that, "
-            f"which the trials do not cover: --steps N runs N steps); every trial runs "
+            f"which the trials do not cover: {spelled('--steps N', 'steps=N')} runs N steps); "
+            "every trial runs "
             f"{self.trial_steps} steps"
         )
 

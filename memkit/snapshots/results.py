@@ -632,9 +632,11 @@ def _comparison_notes(before: Snapshot, after: Snapshot) -> tuple[str, ...]:
         if was is None or was.other is None or cat.other is None:
             continue
         grew = cat.other - was.other
-        for name in CATEGORY_FIELDS:
+        # what an object passed holds (not gradients: zero_grad(set_to_none=True) frees those
+        # while a forward's activations grow 'other', review)
+        for name in ("parameters", "buffers", "optimizer_state"):
             held = getattr(was, name)
-            if name != "other" and held and not getattr(cat, name) and grew >= 0.9 * held:
+            if held and not getattr(cat, name) and grew >= 0.9 * held:
                 words = name.replace("_", " ")
                 notes.append(
                     f"{cat.device}'s {words} went from {format_size(held)} to 0 while its "

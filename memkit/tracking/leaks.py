@@ -756,17 +756,18 @@ def optimizers_in_frames(start: FrameType | None) -> list[Any]:
         if found:  # (unwrapped: accelerate's AcceleratedOptimizer is an Optimizer too)
             inner = (unwrap_optimizer(v) for v in found.values())
             return list({id(o): o for o in inner if o is not None}.values())
-    return _framework_optimizers(start)
+    return []
 
 
-def _framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:
+def framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:
     """The optimizer a framework's own frame holds as ``self.optimizer`` (transformers'
     ``Trainer`` run as ``Trainer(...).train()``: no user frame holds it; sweep BX: a step-0 OOM
     under ``memkit run`` then left AdamW's state to come out, and the cut it advised ran out),
-    unwrapped (accelerate's ``AcceleratedOptimizer``)."""
+    unwrapped (accelerate's ``AcceleratedOptimizer``). For a traceback's finished frames (an
+    OOM's): a running frame's locals read here would stay in its ``f_locals`` copy."""
     frame, depth = start, 0
     while frame is not None and depth < limit:
-        owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
+        owner = _frame_locals(frame).get("self") if frame.f_code.co_argcount else None
         held = getattr(owner, "optimizer", None) if owner is not None else None
         inner = unwrap_optimizer(held) if held is not None else None
         if inner is not None:

@@ -23,6 +23,7 @@ from memkit.tracking.report import (
     ModuleRecord,
     OomPostMortem,
     TrainingSetup,
+    made_outside,
 )
 
 __all__ = [
@@ -127,15 +128,6 @@ def own_kept(m: ModuleRecord) -> int:
     return m.self_activation_bytes * max(1, calls)
 
 
-def _model_kept(modules: Sequence[ModuleRecord]) -> int | None:
-    """What the models' own rows (a root's path is its class name) kept until a backward, or
-    ``None`` where no such row was measured."""
-    roots = [m for m in modules if m.path == m.type_name and m.calls > 0]
-    if not roots:
-        return None
-    return sum(m.activation_bytes_per_step or m.activation_bytes for m in roots)
-
-
 def top_activation_modules(
     records: Sequence[ModuleRecord], n: int = 5
 ) -> tuple[tuple[str, int], ...]:
@@ -206,7 +198,11 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         allocated=a,
         breakdown=parts,
         top_modules=top_activation_modules([m for m in evidence.modules if not inside(m.path)]),
-        model_kept=_model_kept(evidence.modules),
+        made_outside=made_outside(
+            parts.activations, PHASES[moment.phase], moment.module, evidence.modules
+        )
+        if parts is not None
+        else None,
         leak=evidence.leak,
         advice=(),
         rank=evidence.rank,

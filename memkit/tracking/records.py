@@ -30,6 +30,7 @@ from memkit.tracking.report import (
     StepRecord,
     TimelinePoint,
     TrainingSetup,
+    made_outside,
 )
 from memkit.units import format_size
 
@@ -573,17 +574,13 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
 
 def _with_outside_note(bd: Breakdown, modules: Sequence[ModuleRecord]) -> str | None:
     """The breakdown's note, with where a training peak's activations were mostly made
-    outside the model's modules (its own rows, a root's path being its class name, kept less
-    until backward): by the loss or the step's own code (sweep BT: a contrastive loss's batch
-    x batch tensors were 88 of 89 MiB at the peak, and no line of the report named them)."""
-    roots = [m for m in modules if m.path == m.type_name and m.calls > 0]
-    returned = bd.phase == "backward" or (bd.phase == "forward" and bd.module is None)
-    if not roots or not returned:  # (inside the model's forward it had kept only part)
+    outside the model's modules (:func:`~memkit.tracking.report.made_outside`; sweep BT: a
+    contrastive loss's batch x batch tensors were 88 of 89 MiB at the peak, and no line of
+    the report named them)."""
+    found = made_outside(bd.activations, bd.phase or "", bd.module, modules)
+    if found is None:
         return bd.note
-    kept = sum(m.activation_bytes_per_step or m.activation_bytes for m in roots)
-    outside = bd.activations - kept
-    if not kept or outside < max(bd.activations // 2, 2 * kept):
-        return bd.note
+    kept, outside = found
     said = (
         f"the model's modules kept {format_size(kept)} of the activations until backward; the "
         f"other {format_size(outside)} were made outside its modules, by the loss or the step's "

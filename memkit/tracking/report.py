@@ -10,7 +10,7 @@ and HTML layout is :mod:`memkit.render.track`; the shared methods (``to_dict``, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -205,6 +205,31 @@ class Breakdown:
     def text(self) -> str:
         """One line per category with its share of the total."""
         return layout.breakdown_text(self)
+
+
+def made_outside(
+    activations: int, phase: str, module: str | None, modules: Sequence[ModuleRecord]
+) -> tuple[int, int] | None:
+    """``(kept, outside)`` where most of ``activations`` at a moment of ``phase`` (inside
+    ``module``) were made outside the models' modules: the loss or the step's own code (a
+    contrastive loss's batch x batch matrix, sweep BT). ``kept``: what the models' own rows
+    (a root's path is its class name, ``Net#2`` for a second one) kept until a backward.
+    ``None`` inside a model's forward, which had kept only part (sweep BX), without those rows,
+    or where the models kept at least a third of it."""
+    if not (phase == "backward" or (phase == "forward" and module is None)):
+        return None
+    roots = [
+        m
+        for m in modules
+        if m.calls > 0
+        and m.type_name is not None
+        and (m.path == m.type_name or m.path.startswith(m.type_name + "#"))
+    ]
+    kept = sum(m.activation_bytes_per_step or m.activation_bytes for m in roots)
+    outside = activations - kept
+    if not kept or outside < max(activations // 2, 2 * kept):
+        return None
+    return kept, outside
 
 
 @dataclass(frozen=True)
@@ -415,10 +440,9 @@ class OomPostMortem(Result):
             ``other`` in the breakdown.
         after_backward: a backward had run since the last optimizer step (an OOM between
             them, outside the model: gradient clipping, SAM's perturbation, ``unscale_``).
-        model_kept: what the models' training forwards kept until a backward (their own
-            rows' ``activation_bytes_per_step``), where module rows were measured: the
-            activations beyond it were made outside the model's modules (the loss, the
-            step's own code), which checkpointing the model's blocks does not touch.
+        made_outside: ``(kept, outside)`` where most of the activations were made outside
+            the model's modules (:func:`made_outside`: the loss, the step's own code), which
+            checkpointing the model's blocks does not touch; ``None`` otherwise.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -451,7 +475,7 @@ class OomPostMortem(Result):
     optimizer_state_partial: bool = False
     batch_bytes: int = 0
     after_backward: bool = False
-    model_kept: int | None = None
+    made_outside: tuple[int, int] | None = None
 
     @property
     def where(self) -> str:

@@ -468,7 +468,9 @@ class Tracker:
         if index is not None and state.single is None:  # several devices: the message's
             dev = devices.records.get(index, dev)
         if not self.models.all_optimizers():  # none given or stepped yet: the script's own
-            self.models.found_in_frames(leaks.optimizers_in_frames(_innermost(tb)))
+            start = _innermost(tb)
+            found = leaks.optimizers_in_frames(start) or leaks.framework_optimizers(start)
+            self.models.found_in_frames(found)
         persistent = devices.persistent(dev)
         fsdp = state.fsdp
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
