@@ -311,6 +311,10 @@ def test_ddp_unused_parameters_fires_and_names_modules() -> None:
     assert advice is not None and advice.code == "ddp-unused-parameters"
     assert "aux" in advice.evidence and "Expected to have finished reduction" in advice.evidence
     assert "find_unused_parameters=True" in advice.evidence and advice.saving_bytes == 4096
+    # the parameters are half of it, the other half their bucket slots (sweep BW: 100.78 KiB
+    # of parameters were said where aux_head is 50.39 KiB)
+    assert "2 trainable parameter(s) (2.00 KiB) had no gradient" in advice.evidence
+    assert "buckets, 4.00 KiB" in advice.action and "half of that" in advice.action
 
 
 def test_ddp_unused_parameters_silent_when_every_parameter_has_a_gradient() -> None:

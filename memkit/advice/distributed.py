@@ -474,7 +474,9 @@ def ddp_unused_parameters(
     ranks = sorted(r for r, n in unused_by_rank.items() if n)
     modules = _modules(names)
     shown = format_names(modules, 8)
-    size = f" ({format_size(unused_bytes)})" if unused_bytes else ""
+    # ``unused_bytes`` is their bytes and their bucket slots: the parameters are half of it
+    size = f" ({format_size(unused_bytes // 2)})" if unused_bytes else ""
+    both = f", {format_size(unused_bytes)}" if unused_bytes else ""
     if find_unused_parameters:
         cost = (
             "find_unused_parameters=True is on: DDP walks the autograd graph after every "
@@ -494,9 +496,11 @@ def ddp_unused_parameters(
             f"(on rank(s) {', '.join(map(str, ranks))}); they belong to: {shown}. {cost}"
         ),
         action=(
-            "Remove the modules that do not take part in the loss, or freeze them "
-            "(requires_grad_(False)) so DDP does not wait for them; only if they are used on "
-            "some steps and not others, keep find_unused_parameters=True and accept its cost."
+            "Remove the modules that do not take part in the loss (saves their bytes and their "
+            f"slots in DDP's gradient buckets{both}), "
+            "or freeze them (requires_grad_(False)) so DDP does not wait for them (saves "
+            "their bucket slots, half of that; they stay on the device); only if they are used "
+            "on some steps and not others, keep find_unused_parameters=True and accept its cost."
         ),
         saving_bytes=unused_bytes,
         severity="warning",

@@ -473,6 +473,16 @@ def probe_with(
                 if in_backward or own_calls > 1
                 else _advised_accumulation(search, opts, capacities, plan)
             )
+            if capacities is not None and _advised_accumulation(search, opts, None, plan):
+                # (sweep BW: under torchrun the advice's accumulation ran out at the
+                # recommended size, and nothing said the answer was not for it)
+                defaults.append(
+                    "accumulation: the answer is for a step that does not accumulate "
+                    "(accumulation is not probed across ranks yet); the accumulating step the "
+                    "advice gives fits less (the first micro-batch's gradients live through "
+                    "the next ones' forwards): probe one rank's step without a process group "
+                    f"with {spelled('--accumulate K', 'accumulation=K')} for its answer"
+                )
             if steps_advised is not None and search.max_batch_size is not None:
                 # the advice accumulates: answer for the accumulating step
                 defaults.append(_without_accumulation(search.max_batch_size, history))
