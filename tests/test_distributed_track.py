@@ -400,3 +400,27 @@ def test_ddp_gradient_buckets_have_their_own_category(gloo_ranks) -> None:
             for part in ("activations", "other"):
                 assert abs(ddp[part] - plain[part]) <= 64, (part, plain, ddp)
             assert abs(ddp["total"] - plain["total"] - rank["grads"]) <= 64
+
+
+def test_a_rank_whose_peak_is_an_evaluation_says_eval_not_the_training_peaks_phase() -> None:
+    """Sweep BW: the per-rank table said "phase backward" for a 4.81 MiB peak that was the
+    evaluation's; backward's own peak was 446 KiB (the breakdown is training's peak)."""
+    import torch
+
+    from memkit import track
+    from memkit.tracking.rank_gather import summarize
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4096, 64))
+    report = tracker.report()
+    peaks = report.devices[0].phase_peaks
+    assert peaks["eval"] > peaks["backward"] and report.devices[0].breakdown.phase != "eval"
+    assert summarize(report, {}).peak_phase == "eval"

@@ -220,9 +220,12 @@ def summarize(report: Any, extra: dict[str, Any]) -> RankSummary:
         peak_phase = max(phases, key=lambda p: phases[p]) if phases else None
         if dev.steps:
             peak_step = max(dev.steps, key=lambda s: s.peak_allocated).step
-        if dev.breakdown is not None and dev.breakdown.phase:
-            peak_phase = dev.breakdown.phase
-            peak_step = dev.breakdown.step if dev.breakdown.step is not None else peak_step
+        # the breakdown is training's peak: it names the phase only where that is the device's
+        # peak (sweep BW: an evaluation's 4.81 MiB was labelled backward, whose peak was 446 KiB)
+        bd = dev.breakdown
+        if bd is not None and bd.phase and (peak_phase is None or bd.phase == peak_phase):
+            peak_phase = bd.phase
+            peak_step = bd.step if bd.step is not None else peak_step
     oom = report.oom
 
     initialized, current = cuda_context_reading()
