@@ -109,7 +109,7 @@ CAUGHT = textwrap.dedent(
             with torch.no_grad():
                 model(torch.randn(8, 32))
         return {"seconds": time.monotonic() - t0, "notes": tracker.report().notes,
-                "ranks": tracker.report().ranks.to_dict()}
+                "ranks": tracker.report().ranks.to_dict(), "text": str(tracker.report())}
 
     def run(rank, args):
         only0 = validate(torch.nn.Linear(32, 32)) if rank == 0 else None
@@ -230,6 +230,10 @@ def test_a_rank_whose_block_raised_and_went_on_sends_its_summary_without_a_hang(
     assert alone["seconds"] < 5 and alone["ranks"]["missing"] == [1]
     assert any(n.startswith("rank(s) 1 did not enter this block") for n in alone["notes"])
     assert not any("sent no summary" in n for n in alone["notes"])
+    # nor does the headline say rank 0 waited (sweep BW: "within 300 s" for 0.52 s)
+    headline = next(line for line in alone["text"].splitlines() if "imbalance between" in line)
+    assert "rank(s) 1 did not run this block" in headline and "within" not in headline
+    assert alone["ranks"]["absent"] == [1]
     after = r0["after_rank0_alone"]["ranks"]
     assert [r["rank"] for r in after["ranks"]] == [0, 1] and after["missing"] == []
 

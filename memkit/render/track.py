@@ -262,10 +262,13 @@ def ranks_headline(ranks: RanksReport) -> str:
     """The imbalance and the rank closest to its capacity, in one line (and the ranks that
     sent no summary)."""
     missing = ""
-    if ranks.missing:
+    late = [r for r in ranks.missing if r not in ranks.absent]
+    if late:
         wait = "" if ranks.timeout is None else f" within {ranks.timeout:g} s"
-        missing = (
-            f"; rank(s) {', '.join(map(str, ranks.missing))} sent no summary{wait} and are left out"
+        missing = f"; rank(s) {', '.join(map(str, late))} sent no summary{wait} and are left out"
+    if ranks.absent:  # (sweep BW: "within 300 s" for a block of 0.52 s rank 1 never ran)
+        missing += (
+            f"; rank(s) {', '.join(map(str, ranks.absent))} did not run this block and are left out"
         )
     return (
         f"{ranks.world_size} ranks{missing}; imbalance between ranks {ranks.imbalance:.0%} of "

@@ -127,6 +127,8 @@ class RanksReport(Result):
             not running the block); the imbalance and the tightest rank leave them out.
         timeout: how long rank 0 waited for them (``None``: it stopped waiting early, the
             job being stopped).
+        absent: of ``missing``, the ranks that did not enter the block at all (a block rank 0
+            alone runs): rank 0 did not wait for them.
     """
 
     SCHEMA: ClassVar[str] = "memkit.RanksReport/1"
@@ -138,6 +140,7 @@ class RanksReport(Result):
     advice: tuple[Advice, ...] = ()
     missing: tuple[int, ...] = ()
     timeout: float | None = None
+    absent: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -409,7 +412,9 @@ class RankWatch:
         assert got is not None  # rank 0
         ranks = tuple(sorted(got.objects.values(), key=lambda r: r.rank))
         waited = None if got.gave_up else self.timeout
-        self.report = RanksReport(ranks, tuple(rank_advice(ranks)), got.missing, waited)
+        self.report = RanksReport(
+            ranks, tuple(rank_advice(ranks)), got.missing, waited, tuple(got.absent)
+        )
         self.gathered = True
         late = [r for r in got.missing if r not in got.absent]
         if late:
