@@ -445,3 +445,27 @@ def test_a_script_that_asks_for_cuda_on_a_machine_without_one_is_told_what_to_do
     assert result.exit_code == 3
     assert "this machine has none" in result.stderr
     assert "memkit.simulate(budget, devices=N)" in result.stderr
+
+
+def test_the_scripts_traceback_leaves_out_memkits_passthrough_frames():
+    """Sweep BW: an OOM in backward under memkit run showed memkit's backward wrapper (and
+    torch's compiler.disable wrappers around it) between the script's frames and torch's."""
+    import torch
+
+    import memkit
+    from memkit.tracking.run import _script_traceback
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 8)
+    )
+    caught = None
+    try:
+        with memkit.track(model, device="cpu", budget="24MiB", postmortem=None):
+            model(torch.randn(512, 256)).square().mean().backward()  # backward runs out
+    except torch.OutOfMemoryError as exc:
+        caught = exc
+    assert caught is not None
+    text = _script_traceback(caught)
+    assert "wrappers.py" not in text and "nonrecursive_disable_wrapper" not in text
+    assert "test_run_cli_edges.py" in text and "OutOfMemoryError" in text
+    del caught

@@ -325,7 +325,28 @@ def _script_traceback(exc: BaseException) -> str:
         start = start.tb_next
     if start is None and isinstance(exc, SyntaxError):
         return "".join(traceback.format_exception_only(type(exc), exc))
-    return "".join(traceback.format_exception(type(exc), exc, start or tb))
+    shown = traceback.TracebackException(type(exc), exc, start or tb)
+    shown.stack = traceback.StackSummary.from_list(_without_passthrough(list(shown.stack)))
+    return "".join(shown.format())
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DISABLE_WRAPPERS = frozenset({"nonrecursive_disable_wrapper", "_fn"})
+
+
+def _without_passthrough(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """``frames`` without memkit's own pass-through frames in the middle (its wrappers of
+    ``torch.autograd.backward`` and the engine, and torch's ``compiler.disable`` wrappers
+    beside them): the user's code calls torch there, and memkit's frames only hide that
+    (sweep BW: wrappers.py frames in an OOM's traceback). A frame where the error itself was
+    raised (the last) is kept, memkit's too."""
+    mine = [f.filename.startswith(_PACKAGE) for f in frames]
+    drop = [m and i < len(frames) - 1 for i, m in enumerate(mine)]
+    for i, f in enumerate(frames):
+        near = (i > 0 and drop[i - 1]) or (i + 1 < len(frames) and drop[i + 1])
+        if f.name in _DISABLE_WRAPPERS and "_dynamo" in f.filename and near:
+            drop[i] = True
+    return [f for f, gone in zip(frames, drop, strict=True) if not gone]
 
 
 def _script_line(exc: BaseException) -> str | None:
