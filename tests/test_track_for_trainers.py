@@ -194,10 +194,11 @@ def test_accelerates_accumulation_reaches_an_oom_in_the_first_micro_batch():
         model, opt = accelerator.prepare(model, opt)
         with (
             pytest.raises(torch.OutOfMemoryError),
-            track(model, device="cpu", budget="12MiB") as tracker,
+            # (room for AdamW's state to come, now found through accelerate's wrapper)
+            track(model, device="cpu", budget="24MiB") as tracker,
             accelerator.accumulate(model),
         ):
-            accelerator.backward(model(torch.randn(512, 256)).pow(2).mean())
+            accelerator.backward(model(torch.randn(2048, 256)).pow(2).mean())
             opt.step()
             opt.zero_grad()
         report = tracker.report()
