@@ -428,3 +428,24 @@ def test_a_rank_whose_peak_is_an_evaluation_says_eval_not_the_training_peaks_pha
     peaks = report.devices[0].phase_peaks
     assert peaks["eval"] > peaks["backward"] and report.devices[0].breakdown.phase != "eval"
     assert summarize(report, {}).peak_phase == "eval"
+
+
+def test_a_rank_that_caught_an_oom_is_marked_in_rank_0s_table() -> None:
+    """Sweep BW: rank 1 caught an OOM and went on; its own report said so, rank 0's table (the
+    "full report") showed it at 1% used with no mark."""
+    import contextlib
+
+    import torch
+
+    from memkit import track
+    from memkit.render.track import rank_rows
+
+    model = torch.nn.Linear(256, 256)
+    with track(model, device="cpu", budget="4MiB") as tracker:
+        with contextlib.suppress(torch.OutOfMemoryError):  # a handler that skips the batch
+            model(torch.randn(8192, 256)).sum().backward()  # 8 MiB of output: runs out
+        model(torch.randn(8, 256)).sum().backward()
+    assert tracker.caught_ooms == 1
+    report = RanksReport((_summary(0, 500), _summary(1, 100, ooms_caught=tracker.caught_ooms)))
+    rows = {row[0]: row[-1] for row in rank_rows(report)}
+    assert rows[1] == "caught 1 OOM(s)" and "caught" not in str(rows[0])

@@ -252,7 +252,14 @@ def rank_rows(ranks: RanksReport) -> list[list[object]]:
             if r.oom
             else ("raised " + r.error.split(":")[0])
             if r.error
-            else ("tightest" if r.rank == tight else ""),
+            else ", ".join(
+                part
+                for part in (
+                    f"caught {r.ooms_caught} OOM(s)" if r.ooms_caught else "",
+                    "tightest" if r.rank == tight else "",
+                )
+                if part
+            ),
         ]
         for r in ranks.ranks
     ]

@@ -89,6 +89,8 @@ class RankSummary:
         unused_parameters: trainable parameters with no gradient at an optimizer step.
         unused_bytes: their bytes, with their slots in DDP's gradient buckets.
         find_unused_parameters: the DDP model's setting, if a DDP model was tracked.
+        ooms_caught: out-of-memory errors the script caught on this rank and went on (an OOM
+            handler retrying with a smaller batch): their failed allocations are in no peak.
         cuda_initialized, current_device: the CUDA context reading (``ddp-gpu0-context``).
     """
 
@@ -107,6 +109,7 @@ class RankSummary:
     unused_parameters: tuple[str, ...] = ()
     unused_bytes: int = 0
     find_unused_parameters: bool | None = None
+    ooms_caught: int = 0
     cuda_initialized: bool = False
     current_device: int | None = None
 
@@ -448,6 +451,7 @@ class RankWatch:
             "unused_bytes": sum(self.unused.values()),
             "find_unused_parameters": self.find_unused,
             "error": error,
+            "ooms_caught": self.tracker.caught_ooms,
         }
         return summarize(self.tracker.report(), extra)
 

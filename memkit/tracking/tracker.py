@@ -158,6 +158,7 @@ class Tracker:
         self.notes: list[str] = []
         """The report's notes, as the parts add them."""
         self._over_budget: int | None = None  # a budget that could not be an exact cap
+        self.caught_ooms = 0  # OOMs the script caught and went on from, on every device
         # the parts (see the module docstring), wired to each other
         self.state = state = TrackState()
         self.models = models = TrackedModels(model, optimizer, state.lock)
@@ -380,6 +381,7 @@ class Tracker:
         ended = self._oom is not None and self._oom.device == dev.key
         if ended:
             caught -= 1  # the one the block ends with: the post-mortem's
+        self.caught_ooms += max(0, caught)  # (rank 0's table marks a rank that caught one)
         if caught > 0:
             times = "once" if caught == 1 else f"{caught} times"
             note = (
