@@ -195,10 +195,13 @@ def _trace(
     # e.g. LBFGS history replaced a step later, lived past it (review)
     not_backward = [0] * (n + 1)
     not_optimizer = [0] * (n + 1)
+    made_at: dict[int, str] = {}  # each allocation's category, by its event
     for i, e in enumerate(trace):
         action, addr, size = e["action"], e.get("addr"), e.get("size", 0)
         size = size if isinstance(size, int) else 0
         made = categorize(frames_of(e.get("frames"))) if action == "alloc" else None
+        if made is not None:
+            made_at[i] = made
         not_backward[i + 1] = not_backward[i] + (made in ("activations", "optimizer state"))
         not_optimizer[i + 1] = not_optimizer[i] + (made in ("activations", "gradients"))
         if action == "alloc":
@@ -244,7 +247,7 @@ def _trace(
             j = paired.get(i)
             frames = frames_of(trace[j].get("frames")) if j is not None else ()
             size = e.get("size", 0)
-            made = categorize(frames)
+            made = made_at.get(j, "unknown") if j is not None else "unknown"
             # the free's own stack, and only where nothing outside the pass was allocated in
             # between
             freed = frames_of(e.get("frames"))

@@ -768,8 +768,11 @@ def framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:
     frame, depth = start, 0
     while frame is not None and depth < limit:
         owner = _frame_locals(frame).get("self") if frame.f_code.co_argcount else None
-        held = getattr(owner, "optimizer", None) if owner is not None else None
-        inner = unwrap_optimizer(held) if held is not None else None
+        try:  # (a framework's property may raise: at an OOM, never memkit's error)
+            held = getattr(owner, "optimizer", None) if owner is not None else None
+            inner = unwrap_optimizer(held) if held is not None else None
+        except Exception:
+            inner = None
         if inner is not None:
             return [inner]
         frame, depth = frame.f_back, depth + 1
