@@ -824,6 +824,28 @@ def test_a_batch_that_does_not_fit_at_one_sample_ends_a_tracked_block_as_an_oom(
     assert pm is not None and pm.capacity == budget
 
 
+def test_retries_of_a_first_step_that_never_fit_are_no_steps_and_no_growth():
+    """Sweep BS: under ``memkit run`` (no optimizer given to the tracker) a first step split
+    down to one sample was reported as 7 steps counted from backward passes, with memory
+    'growing' across the retries: they were attempts of one optimizer step that ran out."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = microbatch(lambda b: F.cross_entropy(model(b[0]), b[1]), model=model, optimizer=opt)
+    batch = (torch.randn(512, 64), torch.randint(0, 10, (512,)))
+    with pytest.raises(DoesNotFitError), memkit.track(device="cpu", budget="1MiB",
+                                                      postmortem=None) as tracker:  # fmt: skip
+        for _ in range(3):
+            step(batch)
+    report = tracker.report()
+    (dev,) = report.devices
+    assert report.oom is not None and report.oom.step == 0
+    assert dev.steps == () and dev.leak is None
+    assert report.step_rule == "optimizer"
+
+
 def test_batch_size_one_that_ooms_does_not_fit():
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

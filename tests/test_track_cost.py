@@ -522,3 +522,33 @@ def test_a_compiled_model_first_run_on_the_simulated_device_compiles_afterwards(
     finally:  # graphs made in this process turn the leak search's line trace off
         torch._dynamo.reset()
         counters.clear()
+
+
+@pytest.mark.parametrize("compiled", ["train step", "optimizer step"])
+def test_a_compiled_function_that_ran_eagerly_on_the_simulated_device_is_said(compiled):
+    """Sweep BR: a compiled train step or ``opt.step`` ran eagerly on the simulated device and
+    no note said so (a compiled model's did); its numbers are eager PyTorch's."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    step = step_fn
+    if compiled == "train step":
+        step = torch.compile(step_fn, backend="eager")
+    else:
+        opt.step = torch.compile(opt.step, backend="eager")  # type: ignore[method-assign]
+    with memkit.track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            step(torch.randn(4, 64))
+            opt.step()
+            opt.zero_grad()
+    notes = [n for n in tracker.report().notes if n.startswith("torch.compile")]
+    name = "step" if compiled == "train step" else "SGD.step"
+    assert len(notes) == 1 and "ran eagerly" in notes[0] and f"(found: `{name}`)" in notes[0]
+    del step
+    opt.step = type(opt).step.__get__(opt)  # type: ignore[method-assign]
+    with memkit.track(device="cpu", budget="64MiB", postmortem=None) as plain:
+        train(model, opt, 2)
+    assert not any(n.startswith("torch.compile") for n in plain.report().notes)

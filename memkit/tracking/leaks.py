@@ -759,6 +759,21 @@ def optimizers_in_frames(start: FrameType | None) -> list[Any]:
     return []
 
 
+def compiled_in_frames(start: FrameType | None, optimizers: list[Any]) -> str | None:
+    """The name of a ``torch.compile``'d function (not a module: those are found running) in
+    the user frames from ``start`` outwards, their globals included, or of an optimizer's
+    compiled ``step``; ``None`` if there is none."""
+    for frame in _user_frames(start):
+        for names in (_frame_locals(frame), frame.f_globals):
+            for name, value in list(names.items()):
+                if not name.startswith("__") and hasattr(value, "_torchdynamo_orig_callable"):
+                    return name  # (not Dynamo's own `__compiled_fn_N` in a module's globals)
+    for optimizer in optimizers:
+        if hasattr(getattr(optimizer, "__dict__", {}).get("step"), "_torchdynamo_orig_callable"):
+            return f"{type(optimizer).__name__}.step"
+    return None
+
+
 def framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:
     """The optimizer a framework's own frame holds as ``self.optimizer`` (transformers'
     ``Trainer`` run as ``Trainer(...).train()``: no user frame holds it; sweep BX: a step-0 OOM

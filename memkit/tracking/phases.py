@@ -29,9 +29,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memkit import cuda_autocast
 from memkit.oom import is_oom
+from memkit.simulated.eager import eager_note
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import (
+    compiled_in_frames,
     graph_holders,
     growth_finding,
     optimizers_in_frames,
@@ -157,6 +159,7 @@ class PhaseMachine:
         self.last_output_ptrs: dict[int, weakref.ref[Any]] = {}
         self._discounts: dict[tuple[bool, str], tuple[tuple[Any, ...], int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
+        self.optimizer_failed = False  # the block ran out in the first optimizer step
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
 
@@ -710,6 +713,8 @@ class PhaseMachine:
                 "measured, pass the compiled model to track() or compile the model rather "
                 "than the step"
             )
+        if state.step == 0 and devices.sim is not None:
+            self._compiled_ran_eagerly(frame)
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
         # backward passes before one optimizer step (without an optimizer: all of the step's)
@@ -929,7 +934,7 @@ class PhaseMachine:
         optimizer has stepped, ``"backward"`` (a training forward after a backward)."""
         if self.manual_steps:
             return "manual"
-        return "optimizer" if self.models.seen_optimizers else "backward"
+        return "optimizer" if self.models.seen_optimizers or self.optimizer_failed else "backward"
 
     def optimizer_step_of(self, step: int) -> int:
         """The optimizer step that ``step`` is in: while steps are counted from backward
@@ -937,6 +942,8 @@ class PhaseMachine:
         them than it accumulates are micro-batches of the optimizer step that began them, as
         :meth:`_fold_backward_steps` will fold them (an OOM in step 0's second micro-batch is
         in step 0); else ``step``."""
+        if self.optimizer_failed:  # (folded at the block's end: all in the failed step)
+            return min(step, self.state.step)
         n = self.backward_steps
         k = self.evidence.facts.accumulation_steps or 1
         if not n or self.manual_steps or k < 2 or n >= k:  # (k or more: no optimizer steps)
@@ -956,6 +963,8 @@ class PhaseMachine:
         for dev in devices.records.values():
             passes, duration = fold_steps(dev, first, counted_from)
             dev.growth, dev.growth_pending = devices.growth_detector(), None
+            if dev.leak is not None and dev.leak.first_step >= first:  # (within one step)
+                dev.leak = None
             # a peak found in a micro-batch belongs to the folded step
             if dev.pending is not None and (dev.pending.step or 0) > first:
                 dev.pending = dev.pending._replace(step=first)
@@ -967,6 +976,32 @@ class PhaseMachine:
         facts = self.evidence.facts
         facts.grads_checked_step = min(facts.grads_checked_step, first + 1)
         self.evidence.leak_watch.graph_scans = []
+
+    def _compiled_ran_eagerly(self, frame: Any) -> None:
+        """The first step ends on the simulated device: a ``torch.compile``'d function in the
+        user's frames (a train step, ``opt.step``) ran eagerly there, as a compiled model does
+        (sweep BR: no note said so); looked for once."""
+        if frame is None or any(n.startswith("torch.compile") for n in self.notes):
+            return
+        try:
+            name = compiled_in_frames(frame, self.models.all_optimizers())
+        except Exception:  # inspection must never break training
+            log.debug("compiled function search failed", exc_info=True)
+            return
+        if name is not None:
+            self.notes.append(
+                eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
+                + f" (found: `{name}`)"
+            )
+
+    def first_step_failed(self) -> None:
+        """The block ends with an OOM before any optimizer stepped, though the script has one:
+        the steps counted from backward passes were the micro-batches or the retried attempts
+        of the optimizer step that ran out (``memkit.microbatch`` splitting ever smaller, a
+        loop accumulating), not steps of their own."""
+        if self.backward_steps and not self.manual_steps and not self.models.seen_optimizers:
+            self._fold_backward_steps()
+            self.optimizer_failed = True  # steps are the optimizer's: none completed
 
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are. The first

@@ -319,6 +319,10 @@ class Tracker:
                     self.hooks.settle_late()  # (the last forward's output, as the block ends)
                 if exc is None:
                     self.phases.finish()
+                elif find_oom(exc) is not None:
+                    self._find_optimizers(tb)
+                    if self.models.all_optimizers():
+                        self.phases.first_step_failed()
                 self.phases.block_ends()
             state.active = False
             self._t_end = time.perf_counter()
@@ -453,6 +457,14 @@ class Tracker:
     # ------------------------------------------------------------------------------------
     # the OOM post-mortem's evidence (the post-mortem itself: postmortem.py)
 
+    def _find_optimizers(self, tb: TracebackType | None) -> None:
+        """An OOM ends the block while no optimizer was given or seen stepping: look for the
+        script's own in the frames it ran out in (step 0's OOM, under ``memkit run``)."""
+        if not self.models.all_optimizers():
+            start = _innermost(tb)
+            found = leaks.optimizers_in_frames(start) or leaks.framework_optimizers(start)
+            self.models.found_in_frames(found)
+
     def _oom_evidence(self, exc: BaseException, tb: TracebackType | None) -> OomEvidence:
         """Read what the post-mortem of ``exc`` needs, from the records and the live objects;
         a leak still growing gets the suspects of a last scan at the failure (``tb``)."""
@@ -469,10 +481,7 @@ class Tracker:
         index = oom_device_index(exc)
         if index is not None and state.single is None:  # several devices: the message's
             dev = devices.records.get(index, dev)
-        if not self.models.all_optimizers():  # none given or stepped yet: the script's own
-            start = _innermost(tb)
-            found = leaks.optimizers_in_frames(start) or leaks.framework_optimizers(start)
-            self.models.found_in_frames(found)
+        self._find_optimizers(tb)
         persistent = devices.persistent(dev)
         fsdp = state.fsdp
         grads_none, state_empty = evidence.grads_none(), evidence.state_empty()
