@@ -1137,3 +1137,37 @@ def test_optimizers_are_found_unwrapped_and_in_a_frameworks_own_frame():
     del wrapped
     assert framework_optimizers(sys._getframe()) == []
     assert _Trainer(_WrappedOptimizer(inner)).train() == [inner]
+
+
+@pytest.mark.parametrize("keep", ["graph", "item"])
+def test_a_gan_ending_in_its_generator_step_reads_no_partial_step_as_growth(keep):
+    """Sweep BY: DCGAN's loop, steps counted at the discriminator's ``optimizer.step()``; the
+    last iteration's generator step (the fake batch's graph alive) was read as the last step's
+    level at the block's end: a 4 B-a-step list of losses became 1.15 MiB a step."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 512), nn.Tanh())
+    disc = nn.Sequential(nn.Linear(512, 256), nn.LeakyReLU(0.2), nn.Linear(256, 1))
+    opt_d = torch.optim.Adam(disc.parameters(), 2e-4)
+    opt_g = torch.optim.Adam(gen.parameters(), 2e-4)
+    bce = F.binary_cross_entropy_with_logits
+    history: list[Any] = []
+    with track(device="cpu", budget="32MiB", postmortem=None) as tracker:
+        for _ in range(6):
+            disc.zero_grad()
+            real, ones, zeros = torch.randn(64, 512), torch.ones(64, 1), torch.zeros(64, 1)
+            err_real = bce(disc(real), ones)
+            err_real.backward()
+            fake = gen(torch.randn(64, 16))
+            err_fake = bce(disc(fake.detach()), zeros)
+            err_fake.backward()
+            err_d = err_real + err_fake
+            opt_d.step()
+            gen.zero_grad()
+            bce(disc(fake), ones).backward()
+            opt_g.step()
+            history.append(err_d if keep == "graph" else err_d.item())
+    leak = tracker.report().devices[0].leak
+    if keep == "item":
+        assert leak is None
+    else:  # a 0-d loss a step, its graph's nodes in host memory
+        assert leak is not None and leak.growth_per_step <= 4 and leak.grown_bytes <= 64

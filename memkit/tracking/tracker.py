@@ -323,7 +323,7 @@ class Tracker:
                     self._find_optimizers(tb)
                     if self.models.all_optimizers():
                         self.phases.first_step_failed()
-                self.phases.block_ends()
+                self.phases.block_ends(failed=exc is not None)
             state.active = False
             self._t_end = time.perf_counter()
             self.hooks.remove()
