@@ -934,3 +934,27 @@ def test_an_ensemble_of_one_class_is_the_models_own_activations():
     dev = tracker.report().devices[0]
     assert {m.path for m in dev.modules if "." not in m.path} >= {"Sequential#2", "Sequential#3"}
     assert dev.breakdown is not None and "outside its modules" not in (dev.breakdown.note or "")
+
+
+@pytest.mark.parametrize("loss", ["BCELoss", "BCEWithLogitsLoss"])
+def test_mixed_precision_tells_a_bce_loss_to_take_logits_first(loss):
+    """Sweep BY: a DCGAN's discriminator ends in a Sigmoid and trains with ``nn.BCELoss``,
+    which CUDA's autocast refuses ('unsafe to autocast'): the advice to autocast must say to
+    switch to the logits form first, or it raises on a GPU. Its loss is a sum of two."""
+    torch.manual_seed(0)
+    head = [nn.Sigmoid()] if loss == "BCELoss" else []
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1), *head)
+    criterion = getattr(nn, loss)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            x = torch.randn(2048, 256)
+            ones, zeros = torch.ones(2048, 1), torch.zeros(2048, 1)
+            err = criterion(model(x), ones) + criterion(model(-x), zeros)
+            err.backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    (adv,) = [a for a in report.advice if a.code == "mixed-precision"]
+    assert ("BCEWithLogitsLoss" in adv.action) == (loss == "BCELoss")
+    assert report.unsafe_loss == ("binary_cross_entropy" if loss == "BCELoss" else None)

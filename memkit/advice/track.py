@@ -417,6 +417,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             float32_bytes=float32,
             temporary_bytes=temporaries,
             wrapper=None if setup is None else setup.wrapper,
+            unsafe_loss=report.unsafe_loss,
         ),
         float64_training(
             param_dtype=report.param_dtype,

@@ -108,6 +108,7 @@ def mixed_precision(
     cached_weight_bytes: int | None = None,
     inference: bool = False,
     wrapper: str | None = None,
+    unsafe_loss: str | None = None,
 ) -> Advice | None:
     """``mixed-precision``: fp32 training (``inference``: an fp32 inference, worded so) whose
     activations are a large share of the peak.
@@ -143,6 +144,8 @@ def mixed_precision(
             anew at each use and freed. ``None``: not known, all the float32 weights.
         wrapper: the framework that wrapped the model (``"accelerate"``, ``"fabric"``): the
             action names its switch, which enters the autocast for the script (sweep BK).
+        unsafe_loss: an op in the loss that CUDA's autocast refuses (``binary_cross_entropy``):
+            the action says to replace it first, or the advice would raise on a GPU.
 
     The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2``
     (``share``: the float32 weights' share of the weights, 1 without narrow ones;
@@ -217,6 +220,13 @@ def mixed_precision(
         action = (
             f'`Fabric(precision="{"bf16" if half == "bf16" else "16"}-mixed")`: it runs the '
             "forward under autocast (weights and the optimizer stay fp32)."
+        )
+    if unsafe_loss == "binary_cross_entropy":
+        action += (
+            " First replace `nn.BCELoss` / `F.binary_cross_entropy` with `nn.BCEWithLogitsLoss`"
+            " / `F.binary_cross_entropy_with_logits` on the logits (drop the Sigmoid before "
+            "it): CUDA's autocast refuses binary_cross_entropy ('unsafe to autocast') and "
+            "raises."
         )
     return Advice(
         code="mixed-precision",

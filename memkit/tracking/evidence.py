@@ -319,6 +319,7 @@ class Evidence:
             "param_dtype": facts.param_dtype,
             "optimizer_name": facts.optimizer_name,
             "autocast_forwards": facts.autocast_forwards,
+            "unsafe_loss": facts.unsafe_loss,
             "steps_with_grads_at_forward": facts.grads_steps,
             "grads_at_forward_bytes": facts.grads_at_forward_bytes,
             "steps_with_grads_into_backward": facts.grads_into_backward,

@@ -107,6 +107,12 @@ _LOOK_EVERY = 10
 """Steps at least between two looks for models a new optimizer asks for (a loop that makes
 one every step, a per-batch latent's, would pay a sampled step's hooks every step)."""
 
+_LOSS_LOOKS = 3
+"""The first backward passes whose losses are looked at (:func:`autocast_unsafe_loss`)."""
+
+_UNSAFE_GRAD_FNS = {"BinaryCrossEntropyBackward0": "binary_cross_entropy"}
+"""Backward nodes of the ops CUDA's autocast refuses to run ("unsafe to autocast")."""
+
 _COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 _BLOCK_THREADS: collections.Counter[int] = collections.Counter()
@@ -1166,12 +1172,15 @@ class Hooks:
 
     # backward and the optimizer: the phase machine's, under the lock
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, roots: Any) -> None:
         state = self.state
         if not state.active:
             return
         with state.lock:
             self.phases.begin_backward()
+            facts = self.evidence.facts
+            if state.backwards < _LOSS_LOOKS and facts.unsafe_loss is None:
+                facts.unsafe_loss = autocast_unsafe_loss(roots)
 
     def _end_backward(self) -> None:
         state = self.state
@@ -1484,3 +1493,23 @@ class _AroundCompiledCall:
     def remove(self) -> None:
         if self.model._compiled_call_impl is self.call:
             self.model._compiled_call_impl = self.compiled
+
+
+def autocast_unsafe_loss(roots: Any, limit: int = 32) -> str | None:
+    """The op CUDA's autocast refuses (``binary_cross_entropy``: ``nn.BCELoss``) among the
+    first ``limit`` nodes of the graph backward starts from (a loss made of several: their
+    sum, its mean), else ``None``. Sweep BY: the mixed-precision advice told a DCGAN with
+    ``nn.BCELoss`` to autocast, which raises on a GPU."""
+    tensors = [roots] if isinstance(roots, torch.Tensor) else roots
+    if not isinstance(tensors, (list, tuple)):
+        return None
+    queue = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = 0
+    while queue and seen < limit:
+        node = queue.pop(0)
+        seen += 1
+        found = _UNSAFE_GRAD_FNS.get(node.name())
+        if found is not None:
+            return found
+        queue += [n for n, _ in node.next_functions if n is not None]
+    return None

@@ -107,6 +107,7 @@ class RunFacts:
     state_was_empty: bool = True  # no optimizer had state at the last look
     grads_were_none: bool = True  # the model had no gradients at the last look
     autocast_forwards: int = 0
+    unsafe_loss: str | None = None  # a loss CUDA's autocast refuses (binary_cross_entropy)
     grads_steps: int = 0  # steps whose first forward found gradients allocated
     grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
     grads_into_backward: int = 0  # of those steps, the ones whose first backward found them too

@@ -604,6 +604,8 @@ class TrackReport(Result):
         param_dtype: the dtype holding most of the model's trainable floating parameters.
         optimizer_name: the (first) optimizer's class name.
         autocast_forwards: forward passes run under ``torch.autocast``.
+        unsafe_loss: an op in the loss that CUDA's autocast refuses to run
+            (``"binary_cross_entropy"``: ``nn.BCELoss``), seen in the first backward passes.
         steps_with_grads_at_forward: steps (after the first) whose first forward began with
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
@@ -657,6 +659,7 @@ class TrackReport(Result):
     param_dtype: str | None = None
     optimizer_name: str | None = None
     autocast_forwards: int = 0
+    unsafe_loss: str | None = None
     steps_with_grads_at_forward: int = 0
     grads_at_forward_bytes: int = 0
     steps_with_grads_into_backward: int = 0

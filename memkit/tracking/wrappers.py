@@ -49,12 +49,13 @@ def skipped_by_dynamo(fn: Callable[..., _R]) -> Callable[..., _R]:
 
 
 def wrap_backward(
-    begin: Callable[[], None], end: Callable[[], None], failed: Callable[[], None]
+    begin: Callable[[Any], None], end: Callable[[], None], failed: Callable[[], None]
 ) -> Restore:
     """Wrap ``torch.autograd.backward`` (what ``Tensor.backward`` calls) so that ``begin`` and
     ``end`` mark backward's start and end exactly (the first gradient hook comes too late: the
     loss's own backward, e.g. the gradient of the logits, runs before it); ``failed`` when it
-    raises (the phase stays: a post-mortem reads it)."""
+    raises (the phase stays: a post-mortem reads it). ``begin`` gets the tensors backward
+    starts from (the loss)."""
     autograd = torch.autograd
     original = autograd.backward
     begin, end, failed = eager(begin), eager(end), eager(failed)
@@ -64,7 +65,7 @@ def wrap_backward(
     def backward(*args: Any, **kwargs: Any) -> Any:
         if not handle.live:
             return original(*args, **kwargs)
-        begin()
+        begin(args[0] if args else kwargs.get("tensors"))
         try:
             result = original(*args, **kwargs)
         except BaseException:
