@@ -335,6 +335,26 @@ def _model_row(m: ModuleRecord) -> bool:
     return name == m.type_name and (not mark or number.isdigit())
 
 
+def _wrapped(dev: DeviceReport, roots: list[ModuleRecord]) -> list[ModuleRecord]:
+    """The models a single model's row wraps, each the one module its wrapper calls (peft's
+    ``PeftModelForCausalLM`` > ``LoraModel`` > ``GPT2LMHeadModel``): their own code (a Hugging
+    Face model's loss) is the model's (sweep BZ: a wrapper made it count as halved)."""
+    if len(roots) != 1:
+        return []
+    chain: list[ModuleRecord] = []
+    parent = ""
+    while True:
+        children = [
+            m
+            for m in dev.modules
+            if m.calls > 0 and m not in roots and m.path.rpartition(".")[0] == parent
+        ]
+        if len(children) != 1 or children[0].leaf:
+            return chain
+        chain.append(children[0])
+        parent = children[0].path
+
+
 def _own_math_float32(type_name: str | None) -> bool:
     """Whether a module's own code keeps float32 under autocast: an attention's scores and
     probabilities (softmax, sdpa's math path), by its class name; not ``nn.MultiheadAttention``,
@@ -378,10 +398,11 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
                 layers += round(m.activation_bytes * _together(m))
         elif wide or follower is None:
             layers += round(m.activation_bytes * _together(m))
+    models = roots + _wrapped(dev, roots)
     own = sum(
         round(m.self_activation_bytes * _together(m))
         for m in dev.modules
-        if not m.leaf and m.calls > 0 and (m in roots or _own_math_float32(m.type_name))
+        if not m.leaf and m.calls > 0 and (m in models or _own_math_float32(m.type_name))
     )
     if not roots:
         return min(activations, layers + own), 0

@@ -449,8 +449,18 @@ def _kept_after(blocks: Sequence[str], modules: Sequence[ModuleActivation]) -> i
     last = max(c for c in inside if c is not None)
     roots = [m for m in modules if m.first_call == 0]
     rest = [m for m in modules if m.first_call is not None and m.first_call > 0]
-    paths = {m.path for m in rest}
-    outermost = [m for m in rest if not any(p in paths for p in _ancestors(m.path))]
+    while True:
+        paths = {m.path for m in rest}
+        outermost = [m for m in rest if not any(p in paths for p in _ancestors(m.path))]
+        if (
+            len(roots) != 1
+            or len(outermost) != 1
+            or not all(_inside(b, outermost[0].path) for b in blocks)
+        ):
+            break
+        # a wrapper (peft's PeftModel, a user's own) whose one module holds the blocks: the
+        # model it wraps is the model (sweep BZ: its head and loss counted 0, 24% low)
+        roots, rest = outermost, [m for m in rest if m is not outermost[0]]
     before = sum(m.activation_bytes for m in outermost if (m.first_call or 0) <= last)
     if len(roots) == 1 and roots[0].activation_bytes >= before:  # (not a teacher run first)
         return roots[0].activation_bytes - before
