@@ -1007,3 +1007,72 @@ def test_a_wrapper_around_the_model_changes_no_saving():
         savings.append({a.code: a.saving_bytes for a in report.advice})
     assert {"activation-checkpointing", "mixed-precision"} <= savings[0].keys()
     assert savings[0] == savings[1]
+
+
+RESBLOCK_FILE = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class ResBlock(nn.Module):
+    def __init__(self, ch):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, ch), nn.Conv2d(ch, ch, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(8, ch), nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(x + h)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inc = nn.Conv2d(3, 32, 3, padding=1)
+        self.blocks = nn.Sequential(ResBlock(32), ResBlock(32))
+        self.out = nn.Conv2d(32, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inc(x)))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def make_batch(n):
+    return torch.randn(n, 3, 32, 32)
+
+
+def loss_fn(out, batch):
+    return F.mse_loss(out, batch)
+"""
+
+
+def test_mixed_precision_keeps_a_conv_nets_norms_float32(tmp_path):
+    """Sweep BY: a DDPM UNet (GroupNorm, then a functional SiLU, then a conv; residual sums
+    into the norms) was promised 11.79 MiB where CUDA's autocast rules (the estimate's rerun,
+    an emulation on CPU) saved 2.55-2.62: the norms keep their float32 output (the SiLU reads
+    it) and a float32 copy of the half sum they are fed. Checked against the estimate's."""
+    path = tmp_path / "resblock_model.py"
+    path.write_text(RESBLOCK_FILE)
+    kwargs = {"device_memory": "1TiB", "min_batch": 16, "max_batch": 16}
+    fp32, bf16 = (
+        memkit.estimate(str(path), **kwargs),
+        memkit.estimate(str(path), amp="bf16", **kwargs),
+    )
+    rules = fp32.trials[0].counted_peak - bf16.trials[0].counted_peak
+    scope: dict[str, Any] = {}
+    exec(compile(RESBLOCK_FILE, str(path), "exec"), scope)
+    model = scope["build_model"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            batch = scope["make_batch"](16)
+            scope["loss_fn"](model(batch), batch).backward()
+            opt.step()
+            opt.zero_grad()
+    (adv,) = [a for a in tracker.report().advice if a.code == "mixed-precision"]
+    assert adv.saving_bytes is not None and 0.7 * rules <= adv.saving_bytes <= 1.3 * rules
