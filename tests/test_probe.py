@@ -1836,6 +1836,50 @@ def test_an_accelerated_optimizer_is_probed_through_the_optimizer_it_wraps():
     assert answers[0] is not None and answers[1] == answers[0]
 
 
+class _PackedLSTM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 32, batch_first=True)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, batch):
+        x, lengths, _ = batch
+        packed = torch.nn.utils.rnn.pack_padded_sequence(
+            self.embed(x), lengths, batch_first=True, enforce_sorted=False
+        )
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("lengths", ["drawn", "fixed"])
+def test_per_sample_lengths_drawn_inside_a_padded_shape_are_said(lengths):
+    """Sweep CA: every batch padded to 40 (docs/probe.md's advice), the lengths that
+    ``pack_padded_sequence`` takes drawn from the data: the shapes never vary, so no line said
+    the answer depends on the draw (the real epoch ran out at the answer). Labels that vary
+    (one integer a sample too) are no lengths."""
+
+    def make_batch(n: int):
+        if lengths == "drawn":
+            sizes = torch.randint(1, 41, (n,))
+            sizes[0] = 40
+        else:
+            sizes = torch.full((n,), 40)
+        return torch.randint(0, 50, (n, 40)), sizes, torch.randint(0, 4, (n,))
+
+    def step(model, batch, optimizer):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch), batch[2]).backward()
+        optimizer.step()
+
+    torch.manual_seed(0)
+    result = probe(_PackedLSTM(), make_batch, train_step=step, device="cpu", budget="8MiB",
+                   max_batch=3)  # fmt: skip
+    said = [d for d in result.defaults if "per-sample lengths at one size" in d]
+    assert len(said) == (1 if lengths == "drawn" else 0)
+    assert not any("different shapes" in d for d in result.defaults)
+
+
 def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     """A CTC model's batch holds its targets concatenated, of random lengths (sweep TT): the
     answer fit or ran out with the draw, and the report did not say so. Two batches of one

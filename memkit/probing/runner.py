@@ -58,7 +58,13 @@ from memkit.probing.result import ProbeResult, ProbeSweep, ProbeTrial
 from memkit.probing.schedule import Schedule
 from memkit.probing.search import SearchResult, search_max_batch
 from memkit.probing.state import SavedState
-from memkit.probing.step import StepPlan, batch_shapes, check_batch, check_batch_grows
+from memkit.probing.step import (
+    StepPlan,
+    batch_shapes,
+    check_batch,
+    check_batch_grows,
+    drawn_lengths,
+)
 from memkit.probing.trials import (
     Backend,
     TrialCallback,
@@ -336,7 +342,7 @@ def probe_with(
         )
     _check_make_batch(make_batch, opts.seq_len)
     backend = _resolve_backend(model, device, budget)
-    checked, varying, per_sample = _check_batches(make_batch, opts, model_file)
+    checked, varying, per_sample, lengths = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
@@ -526,7 +532,9 @@ def probe_with(
     defaults += [_held_note(size, held, weights) for size, held in sorted(held_after_oom.items())]
     if varying and search.max_batch_size is not None:
         defaults.append(
-            _drawn_note(search.max_batch_size, largest_inputs, varying, history, per_sample)
+            _drawn_note(
+                search.max_batch_size, largest_inputs, varying, history, per_sample, lengths
+            )
         )
     if untrained:
         defaults.append(
@@ -763,12 +771,13 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
 
 def _check_batches(
     make_batch: Callable[..., Any], opts: ProbeOptions, model_file: str | None
-) -> tuple[list[str], tuple[int, ...], bool]:
+) -> tuple[list[str], tuple[int, ...], bool, bool]:
     """Make the batches for ``min_batch`` and ``min_batch + 1`` (twice: the RNG states as they
     were after) and check them; the notes for a batch dimension that is not the first and
     for batches whose shapes vary at one size (random lengths), which of their tensors (by
-    place in :func:`batch_shapes`) do, and whether the batch is a list of samples (one more
-    tensor a sample: a detector's images of their own sizes)."""
+    place in :func:`batch_shapes`) do, whether the batch is a list of samples (one more
+    tensor a sample: a detector's images of their own sizes), and whether it carries
+    per-sample lengths that vary (:func:`~memkit.probing.step.drawn_lengths`)."""
     low, where = opts.min_batch, f"make_batch({opts.min_batch})"
     rng = devices.rng_state()
     try:
@@ -799,8 +808,19 @@ def _check_batches(
             "recommended size too (its margin is not sized to the spread): probe with more "
             f"draws ({spelled('--steps 20', 'steps=20')}), or bound the lengths (pad or cap them)"
         )
+    padded = drawn_lengths(big, again, low + 1)
+    if padded is not None and not varies:
+        notes.append(
+            f"make_batch({low + 1}) drew other per-sample lengths at one size (a tensor of "
+            f"lengths up to the padded {padded}, as `pack_padded_sequence` takes): packed or "
+            "masked sequences' memory follows the lengths, not the padded shape, so the answer "
+            f"holds for the draws the trials ran ({opts.steps} a trial); a draw with more long "
+            "samples can run out below it, at the recommended size too: probe with more draws "
+            f"({spelled('--steps 20', 'steps=20')}), or a make_batch whose lengths are the "
+            "longest your data puts in one batch"
+        )
     per_sample = len(first) > len(batch_shapes(small))
-    return notes, varying, per_sample
+    return notes, varying, per_sample, padded is not None
 
 
 def _drawn_note(
@@ -809,6 +829,7 @@ def _drawn_note(
     varying: tuple[int, ...],
     history: Sequence[ProbeTrial],
     per_sample: bool = False,
+    lengths: bool = False,
 ) -> str:
     """What the trials drew at the answer and at the smallest size that ran out, for a
     ``make_batch`` of random shapes: the largest of the tensors whose shapes vary (``varying``,
@@ -816,7 +837,9 @@ def _drawn_note(
     script, the lengths behind them named nowhere). For a list of samples (``per_sample``) it
     is the padded batch, each dimension's largest over the list: what a detector's
     collate makes of images of their own sizes (sweep BO: the largest single image was named,
-    of the first two places only)."""
+    of the first two places only). With per-sample ``lengths`` (packed sequences) a batch no
+    larger can hold more tokens (sweep CA: 104x800 from the real data ran out where the
+    probe's 104x800 fit)."""
 
     def drawn_at(size: int) -> str:
         drawn = largest.get(size) or []
@@ -834,10 +857,15 @@ def _drawn_note(
     failed = min((t.batch_size for t in history if not t.fits and t.batch_size > answer),
                  default=None)  # fmt: skip
     ran_out = f"; {failed} ran out with {drawn_at(failed)}" if failed is not None else ""
+    holds = (
+        "with per-sample lengths in the batch (packed sequences) memory follows the tokens, "
+        "not the padded shape: a batch no larger with more long samples can run out below it"
+        if lengths
+        else "it holds for batches no larger than that"
+    )
     return (
         f"shapes drawn: the answer, {answer}, fit with {drawn_at(answer)} (the largest its "
-        f"trials drew of the tensors whose shapes vary){ran_out}: it holds for batches no "
-        "larger than that"
+        f"trials drew of the tensors whose shapes vary){ran_out}: {holds}"
     )
 
 

@@ -400,6 +400,26 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
+    """The padded length that per-sample lengths reach, where two batches ``make_batch`` drew
+    at ``batch_size`` carry such lengths and they differ: a 1-D integer tensor, one value a
+    sample, whose largest value is a dimension (8 or more) of a tensor beside it
+    (``pack_padded_sequence``'s lengths beside the padded tokens; not class labels). Memory
+    of packed or masked sequences follows the lengths, not the padded shape (sweep CA)."""
+    for a, b in zip(_tensors(first), _tensors(second), strict=False):
+        if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape:
+            continue
+        if a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
+            continue
+        if a.is_meta or b.is_meta or torch.equal(a.cpu(), b.cpu()):
+            continue
+        top = int(a.max())
+        others = (t for t in _tensors(first) if t is not a and batch_size in t.shape)
+        if top >= 8 and int(a.min()) >= 0 and any(top in t.shape for t in others):
+            return top
+    return None
+
+
 def batch_leading_dims(batch: Any) -> list[int]:
     """First-dimension sizes of the batch's tensors (0-d tensors are skipped)."""
     return [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
