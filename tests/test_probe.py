@@ -1584,6 +1584,40 @@ def test_dropout_on_the_cpu_is_said_to_keep_more_than_cudas():
     assert torch.native_dropout(x, 0.1, True)[1].dtype == torch.bool  # CUDA's kernel's mask
 
 
+class _Encoder(torch.nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, dropout=dropout, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_an_attentions_dropout_is_said_to_keep_its_weights_on_the_cpu():
+    """Sweep CA: a Transformer answered 3 with dropout and 18 without at length 512, and the
+    note spoke of 4-byte masks only: with dropout, CPU attention takes the math kernel, which
+    keeps every head's length x length weights for backward."""
+
+    def notes(model: torch.nn.Module) -> list[str]:
+        result = probe(model, lambda n: torch.randn(n, 64, 32), device="cpu", budget="4MiB",
+                       max_batch=16)  # fmt: skip
+        return [d for d in result.defaults if d.startswith("dropout:")]
+
+    (said,) = notes(_Encoder(0.1))
+    assert said.startswith("dropout: the model's 1 attention(s) with dropout")
+    assert "length x length" in said and "memkit.estimate runs CUDA's attention kernels" in said
+    assert notes(_Encoder(0.0)) == []
+
+    def saved_bytes(model: torch.nn.Module) -> int:  # the fact the note rests on
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            model(torch.randn(2, 64, 32))
+        return sum(t.numel() * t.element_size() for t in saved)
+
+    torch.manual_seed(0)
+    assert saved_bytes(_Encoder(0.1)) - saved_bytes(_Encoder(0.0)) >= 2 * 4 * 64 * 64 * 4
+
+
 class _Tagger(torch.nn.Module):
     """A word_language_model-like stacked LSTM (its own ``dropout=``, no Dropout layer)."""
 

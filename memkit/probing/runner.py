@@ -524,9 +524,9 @@ def probe_with(
             "False (TrainingArguments.use_cache; 4.x's keeps the config's): to answer for it, "
             "set model.config.use_cache = False in build_model()"
         )
-    dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else (0, 0)
-    if any(dropouts):
-        defaults.append(_dropout_note(*dropouts, backend, model_file))
+    dropouts = _dropouts(model) if not on_gpu and opts.mode == "train" else (0, 0, 0)
+    if any(dropouts) and (note := _dropout_note(*dropouts, backend, model_file)):
+        defaults.append(note)
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     weights = tensor_bytes(list(model.parameters()))
     defaults += [_held_note(size, held, weights) for size, held in sorted(held_after_oom.items())]
@@ -599,21 +599,32 @@ def _returns_keys(module: torch.nn.Module, seen: list[bool]) -> Any:
     return module.register_forward_hook(ProbeHook(look))  # (copied inert: an EMA's deepcopy)
 
 
-def _dropouts(model: torch.nn.Module) -> tuple[int, int]:
-    """``(layers, between)``: the model's dropout layers that drop something (``p > 0``), and
-    the dropouts its RNNs run between their stacked layers (``LSTM(..., num_layers=3,
-    dropout=0.2)``: two)."""
-    layers = between = 0
+def _dropouts(model: torch.nn.Module) -> tuple[int, int, int]:
+    """``(layers, between, attention)``: the model's dropout layers that drop something
+    (``p > 0``), the dropouts its RNNs run between their stacked layers (``LSTM(...,
+    num_layers=3, dropout=0.2)``: two), and its attentions with dropout on their weights
+    (``nn.MultiheadAttention(dropout=0.1)``, ``nn.TransformerEncoderLayer``'s; a module with
+    an ``attn_dropout`` layer: GPT-2's, nanoGPT's)."""
+    layers = between = attention = 0
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and 0 < m.p < 1:
             layers += 1
         elif isinstance(m, torch.nn.RNNBase) and 0 < m.dropout < 1:
             between += m.num_layers - 1
-    return layers, between
+        weights = m.dropout if isinstance(m, torch.nn.MultiheadAttention) else None
+        if isinstance(d := getattr(m, "attn_dropout", None), torch.nn.modules.dropout._DropoutNd):
+            weights = d.p  # (GPT-2's, nanoGPT's attention)
+        if weights is not None and 0 < weights < 1:
+            attention += 1
+    return layers, between, attention
 
 
-def _dropout_note(layers: int, between: int, backend: Backend, model_file: str | None) -> str:
-    """What the model's dropout keeps on a device that is not CUDA (its non-fused kernel)."""
+def _dropout_note(
+    layers: int, between: int, attention: int, backend: Backend, model_file: str | None
+) -> str:
+    """What the model's dropout keeps on a device that is not CUDA (its non-fused kernel), and
+    what an attention with dropout keeps there (sweep CA: a Transformer answered 3 with
+    dropout and 18 without, and the note spoke of masks only)."""
     how = (
         f"`memkit estimate {model_file} --device-memory SIZE` runs CUDA's"
         if model_file
@@ -626,11 +637,23 @@ def _dropout_note(layers: int, between: int, backend: Backend, model_file: str |
         (["CUDA's fused kernel keeps a 1-byte one"] if layers else [])
         + (["cuDNN's RNN keeps its own in its workspace"] if between else [])
     )
+    scores = (
+        f"{attention} attention(s) with dropout on their weights run "
+        "scaled_dot_product_attention's math kernel on the CPU, which keeps every head's "
+        "length x length weights for backward, where a GPU's memory-efficient kernel keeps "
+        f"none: with long sequences most of the gap ({how} attention kernels, "
+        "docs/simulated-device.md)"
+        if attention and backend.device.type == "cpu"
+        else ""
+    )
+    if not which:
+        return f"dropout: the model's {scores}" if scores else ""
     return (
         f"dropout: the model's {' and '.join(which)} keep a mask of their input's dtype on "
         f"{backend.device.type} for backward (4 bytes an element in float32), where {cuda}: "
         f"a GPU holds less for them, and may fit more"
         + (f" ({how} dropout layers)" if layers else "")
+        + (f"; and {scores}" if scores else "")
     )
 
 
