@@ -1171,3 +1171,43 @@ def test_a_gan_ending_in_its_generator_step_reads_no_partial_step_as_growth(keep
         assert leak is None
     else:  # a 0-d loss a step, its graph's nodes in host memory
         assert leak is not None and leak.growth_per_step <= 4 and leak.grown_bytes <= 64
+
+
+@pytest.mark.parametrize("how", ["undetached", "detached", "twice through one graph"])
+def test_a_graph_kept_with_retain_graph_that_no_backward_uses_is_named(how):
+    """Sweep BY: a DCGAN's discriminator loss on an undetached ``fake``, backwarded with
+    ``retain_graph=True`` to let the generator's step go through it, kept its saved tensors
+    into the next step ('other', 4 MiB) and no advice named it. A loss backwarded twice on
+    purpose (the second backward frees what the first kept) is no such graph."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 1024), nn.Tanh())
+    disc = nn.Sequential(nn.Linear(1024, 1024), nn.LeakyReLU(0.2), nn.Linear(1024, 1))
+    opt_d = torch.optim.SGD(disc.parameters(), 1e-3)
+    opt_g = torch.optim.SGD(gen.parameters(), 1e-3)
+    bce = F.binary_cross_entropy_with_logits
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(3):
+            disc.zero_grad()
+            fake = gen(torch.randn(256, 16))
+            d_in = fake if how == "undetached" else fake.detach()
+            err_fake = bce(disc(d_in), torch.zeros(256, 1))
+            err_fake.backward(retain_graph=how != "detached")
+            if how == "twice through one graph":
+                err_fake.backward()
+            opt_d.step()
+            gen.zero_grad()
+            bce(disc(fake), torch.ones(256, 1)).backward()
+            opt_g.step()
+    report = tracker.report()
+    advice = [a for a in report.advice if a.code == "retain-graph-held"]
+    if how != "undetached":
+        assert advice == [] and report.retained_held is None
+        return
+    (adv,) = advice
+    step, held, names = report.retained_held
+    assert step == 1  # the first generator step (the discriminator's optimizer ended step 0)
+    # the discriminator's saved activations on the fake batch: its input (the fake batch's
+    # own storage is G's output, kept by G's graph too), the hidden layer's output and the
+    # LeakyReLU's: 256 x 1024 floats each, and the logits' small tensors
+    assert 2 * 256 * 1024 * 4 <= held <= 3 * 256 * 1024 * 4 + 4096
+    assert names[0].startswith("`err_fake`") and adv.saving_bytes == held

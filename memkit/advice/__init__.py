@@ -50,6 +50,7 @@ from memkit.advice.training import (
     mixed_precision,
     oom_retry_holds,
     optimizer_state,
+    retain_graph_held,
     stale_gradients,
     zero_grad_keeps_grads,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "optimizer_state",
     "other_processes",
     "processes_in_oom_message",
+    "retain_graph_held",
     "snapshot_fragmentation",
     "stale_gradients",
     "switch_to_ddp",

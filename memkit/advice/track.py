@@ -35,6 +35,7 @@ from memkit.advice.training import (
     mixed_precision,
     oom_retry_holds,
     optimizer_state,
+    retain_graph_held,
     stale_gradients,
     zero_grad_keeps_grads,
 )
@@ -539,6 +540,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             looks=report.stale_looks,
         ),
         oom_retry_holds(report.retry_held, device=dev.device),
+        retain_graph_held(report.retained_held, device=dev.device),
     ]
 
 

@@ -1098,6 +1098,39 @@ def oom_retry_holds(
     )
 
 
+def retain_graph_held(
+    held: tuple[int, int, Sequence[str]] | None, device: str = "the device"
+) -> Advice | None:
+    """``retain-graph-held``: a ``backward(retain_graph=True)`` ran through graphs that the
+    script's variables still held, saving tensors, after a later backward (``held``: the
+    step, the bytes, the variables): no backward will use them, and they sit beside the
+    next passes' activations until the variables are reassigned (a GAN's discriminator loss
+    on an undetached ``fake``)."""
+    if held is None:
+        return None
+    step, extra, holders = held
+    names = ", ".join(holders)
+    return Advice(
+        code="retain-graph-held",
+        title=f"A graph kept with retain_graph=True holds {format_size(extra)} no backward uses",
+        evidence=(
+            f"On {device}, {names} held autograd graphs that a `backward(retain_graph=True)` "
+            f"had run through; after a later backward (step {step}) they still saved "
+            f"{format_size(extra)} of tensors, which stay beside the next passes' activations "
+            "until the variable is reassigned. A GAN whose discriminator step backprops "
+            "through an undetached `fake` needs retain_graph only because the generator's "
+            "graph is shared with it."
+        ),
+        action=(
+            "Detach what the retained backward does not need (`netD(fake.detach())` for the "
+            "discriminator's step) and drop `retain_graph=True`; or `del` the loss after its "
+            "last backward."
+        ),
+        saving_bytes=extra,
+        severity="warning",
+    )
+
+
 @dataclass(frozen=True)
 class EmbeddingTable:
     """An ``nn.Embedding`` trained with dense gradients (:func:`dense_embedding_gradients`):

@@ -327,6 +327,7 @@ class Evidence:
             "stale_step": facts.stale_step,
             "stale_looks": facts.stale_looks,
             "retry_held": facts.retry_held,
+            "retained_held": facts.retained_held,
             "dp_output_bytes": facts.dp_output_bytes,
             "frozen_model": facts.frozen_seen,
             "frozen_forwards": facts.frozen_forwards,

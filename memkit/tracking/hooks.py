@@ -1172,12 +1172,13 @@ class Hooks:
 
     # backward and the optimizer: the phase machine's, under the lock
 
-    def _begin_backward(self, roots: Any) -> None:
+    def _begin_backward(self, roots: Any, retain: bool) -> None:
         state = self.state
         if not state.active:
             return
         with state.lock:
             self.phases.begin_backward()
+            self.phases.backward_keeps(roots, retain)
             facts = self.evidence.facts
             if state.backwards < _LOSS_LOOKS and facts.unsafe_loss is None:
                 facts.unsafe_loss = autocast_unsafe_loss(roots)
@@ -1188,6 +1189,7 @@ class Hooks:
             return
         with state.lock:
             self.phases.end_backward()
+            self.phases.retained_after(sys._getframe(1))
 
     def _engine_begins(self) -> bool:
         """The autograd engine is entered: a backward begins there if a training forward ran

@@ -515,12 +515,14 @@ def _raw_saved_names(kind: str, node_type: type) -> tuple[str, ...]:
 
 
 def graph_holders(
-    start: FrameType | None, exclude: frozenset[int] = frozenset()
+    start: FrameType | None,
+    exclude: frozenset[int] = frozenset(),
+    among: frozenset[int] | None = None,
 ) -> tuple[list[tuple[str, str, int]], int]:
     """The variables in the user frames from ``start`` outwards that hold a tensor whose
     autograd graph still saves tensors for a backward (``(name, function, line)``, the one
     saving most first), and the bytes those saved tensors hold together (the storages in
-    ``exclude``, the models' parameters, left out)."""
+    ``exclude``, the models' parameters, left out); ``among``: only the tensors of these ids."""
     torch = sys.modules.get("torch")
     if torch is None:
         return [], 0
@@ -530,6 +532,8 @@ def graph_holders(
     for frame in _user_frames(start):
         for name, value, _ in _frame_values(frame, torch):
             if id(value) in seen or not _has_graph(value, torch.Tensor):
+                continue
+            if among is not None and id(value) not in among:
                 continue
             seen.add(id(value))
             saved = _saved_storages(value, torch, exclude)

@@ -160,6 +160,10 @@ class PhaseMachine:
         self._discounts: dict[tuple[bool, str], tuple[tuple[Any, ...], int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.optimizer_failed = False  # the block ran out in the first optimizer step
+        # the losses a backward(retain_graph=True) began at (steps 0-3), and whether the
+        # backward running now keeps its graph (retain-graph-held)
+        self.retained: list[weakref.ref[torch.Tensor]] = []
+        self.retaining = False
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
         self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
 
@@ -355,16 +359,47 @@ class PhaseMachine:
         now = None if primary is None else primary.forward_base
         if base is None or now is None or now - base < 1 << 20:  # (nothing more held)
             return
-        weights = frozenset(
+        holders, held = graph_holders(frame, self._weights())
+        if holders and held >= 1 << 20:  # what their graphs save, counted
+            self.evidence.facts.retry_held = (self.state.step, held, _named(holders))
+
+    def _weights(self) -> frozenset[int]:
+        """The storages of the models' parameters and buffers (no activations of a graph)."""
+        return frozenset(
             t.untyped_storage().data_ptr()
             for model in self.models.root_modules()
             for t in itertools.chain(model.parameters(), model.buffers())
             if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
         )
-        holders, held = graph_holders(frame, weights)
-        if holders and held >= 1 << 20:  # what their graphs save, counted
-            names = tuple(f"`{name}` ({function}():{line})" for name, function, line in holders)
-            self.evidence.facts.retry_held = (self.state.step, held, names[:4])
+
+    def backward_keeps(self, roots: Any, retain: bool) -> None:
+        """A backward begins at ``roots``; ``retain``: it keeps their graph. Such losses are
+        remembered in steps 0-3 (a few), for :meth:`retained_after`."""
+        self.retaining = retain
+        facts = self.evidence.facts
+        if not retain or self.state.step > 3 or facts.retained_held is not None:
+            return
+        tensors = [roots] if isinstance(roots, torch.Tensor) else roots
+        if isinstance(tensors, (list, tuple)) and len(self.retained) < 8:
+            self.retained += [
+                weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn
+            ]
+
+    def retained_after(self, frame: Any) -> None:
+        """A backward that keeps no graph ended: graphs an earlier ``backward(retain_graph=
+        True)`` ran through that still save tensors (1 MiB or more), held by the script's
+        variables, are memory no backward will use (sweep BY: a DCGAN's discriminator loss on
+        an undetached ``fake``, retained to let the generator's step through, kept 4 MiB)."""
+        if self.retaining or not self.retained:
+            return
+        alive = [t for r in self.retained if (t := r()) is not None]
+        self.retained = [weakref.ref(t) for t in alive]
+        if not alive:
+            return
+        holders, held = graph_holders(frame, self._weights(), frozenset(map(id, alive)))
+        if holders and held >= 1 << 20:
+            self.evidence.facts.retained_held = (self.state.step, held, _named(holders))
+            self.retained = []
 
     def root_post(self, frame: Frame, delta: int, dev: DeviceRecord) -> None:
         """The model's forward returned (``delta``: what it left allocated on ``dev``). The
@@ -1203,3 +1238,8 @@ def _autocast_on(kind: str) -> bool:
         return bool(torch.is_autocast_enabled(kind))
     except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
         return False
+
+
+def _named(holders: list[tuple[str, str, int]]) -> tuple[str, ...]:
+    """The first four graph holders as the advice names them: `name` (function():line)."""
+    return tuple(f"`{name}` ({function}():{line})" for name, function, line in holders)[:4]

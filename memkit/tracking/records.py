@@ -120,6 +120,9 @@ class RunFacts:
     # a training forward after a caught OOM that began with the failed attempt's graph still
     # held: (the step, the bytes its saved tensors hold, the variables holding it)
     retry_held: tuple[int, int, tuple[str, ...]] | None = None
+    # a graph a backward(retain_graph=True) ran through, still saving tensors after a later
+    # backward: (the step, the bytes, the variables holding it)
+    retained_held: tuple[int, int, tuple[str, ...]] | None = None
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before

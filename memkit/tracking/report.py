@@ -621,6 +621,9 @@ class TrackReport(Result):
         retry_held: ``(step, bytes, holders)`` where the first training forward after a
             caught OOM began with the failed attempt's graph still held by variables of the
             script (``oom-retry-holds``): ``bytes`` its saved tensors hold.
+        retained_held: ``(step, bytes, holders)`` where a backward ended while graphs that a
+            ``backward(retain_graph=True)`` had run through still saved tensors, held by
+            variables of the script (``retain-graph-held``).
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
@@ -667,6 +670,7 @@ class TrackReport(Result):
     stale_step: int | None = None
     stale_looks: tuple[tuple[int, int], ...] = ()
     retry_held: tuple[int, int, tuple[str, ...]] | None = None
+    retained_held: tuple[int, int, tuple[str, ...]] | None = None
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0

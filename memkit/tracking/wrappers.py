@@ -49,13 +49,14 @@ def skipped_by_dynamo(fn: Callable[..., _R]) -> Callable[..., _R]:
 
 
 def wrap_backward(
-    begin: Callable[[Any], None], end: Callable[[], None], failed: Callable[[], None]
+    begin: Callable[[Any, bool], None], end: Callable[[], None], failed: Callable[[], None]
 ) -> Restore:
     """Wrap ``torch.autograd.backward`` (what ``Tensor.backward`` calls) so that ``begin`` and
     ``end`` mark backward's start and end exactly (the first gradient hook comes too late: the
     loss's own backward, e.g. the gradient of the logits, runs before it); ``failed`` when it
     raises (the phase stays: a post-mortem reads it). ``begin`` gets the tensors backward
-    starts from (the loss)."""
+    starts from (the loss) and whether it keeps their graph (``retain_graph``, or
+    ``create_graph``, which implies it)."""
     autograd = torch.autograd
     original = autograd.backward
     begin, end, failed = eager(begin), eager(end), eager(failed)
@@ -65,7 +66,10 @@ def wrap_backward(
     def backward(*args: Any, **kwargs: Any) -> Any:
         if not handle.live:
             return original(*args, **kwargs)
-        begin(args[0] if args else kwargs.get("tensors"))
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        if retain is None:
+            retain = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+        begin(args[0] if args else kwargs.get("tensors"), bool(retain))
         try:
             result = original(*args, **kwargs)
         except BaseException:
