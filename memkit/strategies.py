@@ -58,7 +58,7 @@ from memkit.simulated.fsdp import (
     unit_sizes,
 )
 from memkit.simulated.parallel import DataParallel, ddp_replicas
-from memkit.simulated.virtual_devices import VirtualDevices
+from memkit.simulated.virtual_devices import SimulationError, VirtualDevices
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -370,6 +370,12 @@ def _failure(strategy: str, size: int, exc: UserCodeError, gpus: int) -> str:
     """What a strategy's failed step says: the error, the strategy and global batch, and the
     change that fixes it where memkit knows it."""
     original = exc.original if exc.original is not None else exc
+    if isinstance(original, SimulationError):  # memkit's own, not the model file's
+        return (
+            f"memkit's simulation of {strategy} failed at global batch {size}, an internal "
+            f"error of memkit (not of the model file; please report it): "
+            f"{type(original).__name__}: " + str(original).rstrip(". ")
+        )
     said = f"the {strategy} step raised {type(original).__name__} at global batch {size}: "
     said += str(original).rstrip(". ")
     if strategy == "dp" and SCALAR_LOSS in str(original):

@@ -149,7 +149,7 @@ def test_fsdp_on_meta_agrees_with_probe_on_cpu_to_the_byte() -> None:
     # workspaces): it counts the storages the probe counts on cpu.
     from memkit.estimation.target_step import TargetStep
 
-    budget = 1_655_000
+    budget = 1_455_000
     common = [str(FILES / "wide_mlp.py"), "--gpus", "3", "--strategies", "fsdp",
               "--max-batch", "24", "--json"]  # fmt: skip
     probe = CliRunner().invoke(cli, ["probe", *common, "--device", "cpu", "--budget", str(budget)])
@@ -321,3 +321,33 @@ def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
     twice = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2",
                                      "--budget", "1MiB", "--strategies", "fsdp,fsdp"])  # fmt: skip
     assert twice.exit_code == 2 and "each strategy once" in twice.stderr
+
+
+def test_fsdp_of_a_model_with_frozen_parameters_runs() -> None:
+    # LoRA (frozen base Linears, trainable adapters): the simulated FSDP failed on every such
+    # model ("cuda:0 and cpu!", worded as the user's tensor placement); a new-user sweep
+    path = str(FILES / "lora_mlp.py")
+    result = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp", "fsdp"],
+                                device="meta", max_batch=8)  # fmt: skip
+    ddp, fsdp = result.result("ddp"), result.result("fsdp")
+    assert ddp is not None and fsdp is not None
+    assert ddp.error is None and fsdp.error is None and fsdp.max_global_batch == 8
+    # a block all-gathered: its frozen base with its adapters (18,688 B)
+    assert fsdp.largest_unit == ("0", (64 * 64 + 64 + 2 * 4 * 64) * 4)
+
+
+def test_an_internal_error_of_the_simulation_is_not_worded_as_the_users() -> None:
+    from memkit.errors import UserCodeError
+    from memkit.simulated.virtual_devices import SimulationError
+    from memkit.strategies import _failure
+
+    mixed = "Expected all tensors to be on the same device, but found at least two devices"
+    ours = SimulationError(f"{mixed}, cuda:0 and cpu! [memkit virtual devices: ...]")
+    said = _failure("fsdp", 2, UserCodeError("x", original=ours), 2)
+    assert said.startswith(
+        "memkit's simulation of fsdp failed at global batch 2, an internal error of memkit "
+        "(not of the model file; please report it): SimulationError: Expected all tensors"
+    )
+    theirs = RuntimeError(f"{mixed}, cuda:0 and cpu! [... memkit.to_virtual(tensor, i) ...]")
+    said = _failure("fsdp", 2, UserCodeError("x", original=theirs), 2)
+    assert said.startswith("the fsdp step raised RuntimeError at global batch 2: Expected")
