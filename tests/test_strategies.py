@@ -187,19 +187,23 @@ def test_estimate_shows_fsdp_in_text_json_and_html_with_its_advice() -> None:
     assert out.exit_code == 1, out.output  # a strategy fits nothing
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["ddp"], ["fsdp"])}  # fmt: skip
-    assert rows["ddp"][1] == "-" and rows["fsdp"][1].isdigit()
+    # fsdp still fits at --max-batch 64: a lower bound, said so (it read as the answer once)
+    assert rows["ddp"][1] == "-" and rows["fsdp"][1:4] == ["at", "least", "64"]
+    assert "fsdp: at least 64 (the --max-batch limit, not a memory limit" in out.stdout
     assert "the largest unit all-gathered: 0" in out.stdout and "[fsdp-gpus]" in out.stdout
     assert "NCCL" in out.stdout
     result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=usable,
                                 strategies=["ddp", "fsdp"], device="meta", max_batch=64,
                                 target=TargetStep(_card(usable)))  # fmt: skip
     fsdp = result.result("fsdp")
-    assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][1]
+    assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][3]
+    assert fsdp.hit_max_batch and result.max_batch == 64
     payload = json.loads(result.to_json())
     assert [s["strategy"] for s in payload["strategies"]] == ["ddp", "fsdp"]
     page = result.to_html()
     assert "<title>memkit: DP, DDP and FSDP on virtual GPUs</title>" in page
-    assert f"<tr><td>fsdp</td><td>{fsdp.max_global_batch}</td>" in page and "fsdp-gpus" in page
+    assert f"<tr><td>fsdp</td><td>at least {fsdp.max_global_batch}</td>" in page
+    assert "fsdp-gpus" in page
 
 
 def test_fsdp_gpus_when_ddp_fits_nothing_and_fsdp_fits_on_that_many() -> None:
@@ -312,7 +316,8 @@ def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
     assert out.exit_code == 3, out.output  # a step failed; the table is printed all the same
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["dp"], ["ddp"])}  # fmt: skip
-    assert rows["dp"][1] == "failed" and rows["ddp"][1] == str(ddp.max_global_batch)
+    assert ddp.hit_max_batch and ddp.max_global_batch == 64  # still fits at --max-batch
+    assert rows["dp"][1] == "failed" and rows["ddp"][1:4] == ["at", "least", "64"]
     assert "dp: failed: the dp step raised RuntimeError at global batch 2" in out.stdout
     # when every strategy fails, the command fails with their errors (exit 3)
     alone = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
@@ -351,3 +356,30 @@ def test_an_internal_error_of_the_simulation_is_not_worded_as_the_users() -> Non
     theirs = RuntimeError(f"{mixed}, cuda:0 and cpu! [... memkit.to_virtual(tensor, i) ...]")
     said = _failure("fsdp", 2, UserCodeError("x", original=theirs), 2)
     assert said.startswith("the fsdp step raised RuntimeError at global batch 2: Expected")
+
+
+def test_a_search_that_stops_at_its_ceiling_says_at_least(monkeypatch) -> None:
+    # the default ceiling (65,536) read as the largest batch that fits, with 89% left free
+    import memkit.strategies
+
+    monkeypatch.setattr(memkit.strategies, "MAX_GLOBAL_BATCH", 16)
+    path = str(FILES / "ok_mlp.py")
+    result = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp"], device="meta")
+    ddp = result.results[0]
+    assert ddp.max_global_batch == 16 and ddp.hit_max_batch and result.max_batch is None
+    text = str(result)
+    assert "\n     ddp   at least 16  1.52 MiB" in text  # the table's row
+    assert "ddp: at least 16 (memkit's search ceiling, not a memory limit: it leaves" in text
+    assert "--max-batch to search higher" in text
+    payload = json.loads(result.to_json())
+    assert payload["strategies"][0]["hit_max_batch"] is True and payload["max_batch"] is None
+    assert "ddp=>=16" in repr(result)
+    # --max-batch given: its limit, per rank rounded down (3 GPUs: 3 a rank, 9 in all)
+    capped = compare_strategies(path, gpus=3, budget=64 * MiB, strategies=["ddp"],
+                                device="meta", max_batch=10)  # fmt: skip
+    assert capped.results[0].max_global_batch == 9 and capped.results[0].hit_max_batch
+    assert "ddp: at least 9 (the --max-batch limit, not a memory limit" in str(capped)
+    # a search that met the budget is no lower bound
+    tight = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp"], device="meta",
+                               max_batch=10**6)  # fmt: skip
+    assert not tight.results[0].hit_max_batch and "at least" not in str(tight)
