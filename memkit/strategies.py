@@ -58,7 +58,7 @@ from memkit.simulated.fsdp import (
     unit_sizes,
 )
 from memkit.simulated.parallel import DataParallel, ddp_replicas
-from memkit.simulated.virtual_devices import VirtualDevices
+from memkit.simulated.virtual_devices import SimulationError, VirtualDevices
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -116,6 +116,9 @@ class StrategyResult(Record):
         error: the strategy's step raised an error that is not an out-of-memory error (what,
             at which global batch, and what to change where memkit knows); its search
             stopped there and it has no batch. The other strategies' results stand.
+        hit_max_batch: the search stopped at its ceiling (``--max-batch``, else
+            :data:`MAX_GLOBAL_BATCH`) with the batch still fitting: ``max_global_batch`` is a
+            lower bound, not a memory limit.
     """
 
     strategy: str
@@ -126,6 +129,7 @@ class StrategyResult(Record):
     trials: tuple[tuple[int, bool], ...]
     largest_unit: tuple[str, int] | None = None
     error: str | None = None
+    hit_max_batch: bool = False
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["excess_parts"] = dict(self.excess_parts)
@@ -148,6 +152,8 @@ class StrategyComparison(Result):
     results: tuple[StrategyResult, ...]
     advice: tuple[Advice, ...] = ()
     notes: tuple[str, ...] = ()
+    max_batch: int | None = None
+    """The ``--max-batch`` given (``None``: memkit's ceiling, :data:`MAX_GLOBAL_BATCH`)."""
 
     def result(self, strategy: str) -> StrategyResult | None:
         """The result of one strategy, if it was run."""
@@ -161,7 +167,10 @@ class StrategyComparison(Result):
         return layout.comparison_text(self)
 
     def __repr__(self) -> str:
-        best = ", ".join(f"{r.strategy}={r.max_global_batch}" for r in self.results)
+        best = ", ".join(
+            f"{r.strategy}={'>=' if r.hit_max_batch else ''}{r.max_global_batch}"
+            for r in self.results
+        )
         return f"StrategyComparison({self.gpus} GPUs, {best})"
 
     def html_body(self) -> str:
@@ -370,6 +379,12 @@ def _failure(strategy: str, size: int, exc: UserCodeError, gpus: int) -> str:
     """What a strategy's failed step says: the error, the strategy and global batch, and the
     change that fixes it where memkit knows it."""
     original = exc.original if exc.original is not None else exc
+    if isinstance(original, SimulationError):  # memkit's own, not the model file's
+        return (
+            f"memkit's simulation of {strategy} failed at global batch {size}, an internal "
+            f"error of memkit (not of the model file; please report it): "
+            f"{type(original).__name__}: " + str(original).rstrip(". ")
+        )
     said = f"the {strategy} step raised {type(original).__name__} at global batch {size}: "
     said += str(original).rstrip(". ")
     if strategy == "dp" and SCALAR_LOSS in str(original):
@@ -422,6 +437,7 @@ def _strategy(trials: _Trials, strategy: str, gpus: int, max_batch: int) -> Stra
         tuple((k, parts[k]) for k in names if parts.get(k)),
         tuple(order),
         trials.largest_unit if strategy == "fsdp" else None,
+        hit_max_batch=best == limit,  # it still fit where the search stops: a lower bound
     )
 
 
@@ -583,4 +599,6 @@ def compare_strategies(
     notes = (FSDP_NOT_COUNTED,) if "fsdp" in strategies else ()
     if target is not None:
         notes = (*target.notes(), *notes)
-    return StrategyComparison(path, device, gpus, tuple(budgets), results, tuple(advice), notes)
+    return StrategyComparison(
+        path, device, gpus, tuple(budgets), results, tuple(advice), notes, max_batch
+    )

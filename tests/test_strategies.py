@@ -149,7 +149,7 @@ def test_fsdp_on_meta_agrees_with_probe_on_cpu_to_the_byte() -> None:
     # workspaces): it counts the storages the probe counts on cpu.
     from memkit.estimation.target_step import TargetStep
 
-    budget = 1_655_000
+    budget = 1_455_000
     common = [str(FILES / "wide_mlp.py"), "--gpus", "3", "--strategies", "fsdp",
               "--max-batch", "24", "--json"]  # fmt: skip
     probe = CliRunner().invoke(cli, ["probe", *common, "--device", "cpu", "--budget", str(budget)])
@@ -187,19 +187,23 @@ def test_estimate_shows_fsdp_in_text_json_and_html_with_its_advice() -> None:
     assert out.exit_code == 1, out.output  # a strategy fits nothing
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["ddp"], ["fsdp"])}  # fmt: skip
-    assert rows["ddp"][1] == "-" and rows["fsdp"][1].isdigit()
+    # fsdp still fits at --max-batch 64: a lower bound, said so (it read as the answer once)
+    assert rows["ddp"][1] == "-" and rows["fsdp"][1:4] == ["at", "least", "64"]
+    assert "fsdp: at least 64 (the --max-batch limit, not a memory limit" in out.stdout
     assert "the largest unit all-gathered: 0" in out.stdout and "[fsdp-gpus]" in out.stdout
     assert "NCCL" in out.stdout
     result = compare_strategies(str(FILES / "wide_mlp.py"), gpus=2, budget=usable,
                                 strategies=["ddp", "fsdp"], device="meta", max_batch=64,
                                 target=TargetStep(_card(usable)))  # fmt: skip
     fsdp = result.result("fsdp")
-    assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][1]
+    assert fsdp is not None and str(fsdp.max_global_batch) == rows["fsdp"][3]
+    assert fsdp.hit_max_batch and result.max_batch == 64
     payload = json.loads(result.to_json())
     assert [s["strategy"] for s in payload["strategies"]] == ["ddp", "fsdp"]
     page = result.to_html()
     assert "<title>memkit: DP, DDP and FSDP on virtual GPUs</title>" in page
-    assert f"<tr><td>fsdp</td><td>{fsdp.max_global_batch}</td>" in page and "fsdp-gpus" in page
+    assert f"<tr><td>fsdp</td><td>at least {fsdp.max_global_batch}</td>" in page
+    assert "fsdp-gpus" in page
 
 
 def test_fsdp_gpus_when_ddp_fits_nothing_and_fsdp_fits_on_that_many() -> None:
@@ -312,7 +316,8 @@ def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
     assert out.exit_code == 3, out.output  # a step failed; the table is printed all the same
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.split()[:1] in (["dp"], ["ddp"])}  # fmt: skip
-    assert rows["dp"][1] == "failed" and rows["ddp"][1] == str(ddp.max_global_batch)
+    assert ddp.hit_max_batch and ddp.max_global_batch == 64  # still fits at --max-batch
+    assert rows["dp"][1] == "failed" and rows["ddp"][1:4] == ["at", "least", "64"]
     assert "dp: failed: the dp step raised RuntimeError at global batch 2" in out.stdout
     # when every strategy fails, the command fails with their errors (exit 3)
     alone = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2", "--budget",
@@ -321,3 +326,60 @@ def test_a_strategy_whose_step_fails_is_reported_and_the_others_stand() -> None:
     twice = CliRunner().invoke(cli, ["probe", path, "--device", "cpu", "--gpus", "2",
                                      "--budget", "1MiB", "--strategies", "fsdp,fsdp"])  # fmt: skip
     assert twice.exit_code == 2 and "each strategy once" in twice.stderr
+
+
+def test_fsdp_of_a_model_with_frozen_parameters_runs() -> None:
+    # LoRA (frozen base Linears, trainable adapters): the simulated FSDP failed on every such
+    # model ("cuda:0 and cpu!", worded as the user's tensor placement); a new-user sweep
+    path = str(FILES / "lora_mlp.py")
+    result = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp", "fsdp"],
+                                device="meta", max_batch=8)  # fmt: skip
+    ddp, fsdp = result.result("ddp"), result.result("fsdp")
+    assert ddp is not None and fsdp is not None
+    assert ddp.error is None and fsdp.error is None and fsdp.max_global_batch == 8
+    # a block all-gathered: its frozen base with its adapters (18,688 B)
+    assert fsdp.largest_unit == ("0", (64 * 64 + 64 + 2 * 4 * 64) * 4)
+
+
+def test_an_internal_error_of_the_simulation_is_not_worded_as_the_users() -> None:
+    from memkit.errors import UserCodeError
+    from memkit.simulated.virtual_devices import SimulationError
+    from memkit.strategies import _failure
+
+    mixed = "Expected all tensors to be on the same device, but found at least two devices"
+    ours = SimulationError(f"{mixed}, cuda:0 and cpu! [memkit virtual devices: ...]")
+    said = _failure("fsdp", 2, UserCodeError("x", original=ours), 2)
+    assert said.startswith(
+        "memkit's simulation of fsdp failed at global batch 2, an internal error of memkit "
+        "(not of the model file; please report it): SimulationError: Expected all tensors"
+    )
+    theirs = RuntimeError(f"{mixed}, cuda:0 and cpu! [... memkit.to_virtual(tensor, i) ...]")
+    said = _failure("fsdp", 2, UserCodeError("x", original=theirs), 2)
+    assert said.startswith("the fsdp step raised RuntimeError at global batch 2: Expected")
+
+
+def test_a_search_that_stops_at_its_ceiling_says_at_least(monkeypatch) -> None:
+    # the default ceiling (65,536) read as the largest batch that fits, with 89% left free
+    import memkit.strategies
+
+    monkeypatch.setattr(memkit.strategies, "MAX_GLOBAL_BATCH", 16)
+    path = str(FILES / "ok_mlp.py")
+    result = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp"], device="meta")
+    ddp = result.results[0]
+    assert ddp.max_global_batch == 16 and ddp.hit_max_batch and result.max_batch is None
+    text = str(result)
+    assert "\n     ddp   at least 16  1.52 MiB" in text  # the table's row
+    assert "ddp: at least 16 (memkit's search ceiling, not a memory limit: it leaves" in text
+    assert "--max-batch to search higher" in text
+    payload = json.loads(result.to_json())
+    assert payload["strategies"][0]["hit_max_batch"] is True and payload["max_batch"] is None
+    assert "ddp=>=16" in repr(result)
+    # --max-batch given: its limit, per rank rounded down (3 GPUs: 3 a rank, 9 in all)
+    capped = compare_strategies(path, gpus=3, budget=64 * MiB, strategies=["ddp"],
+                                device="meta", max_batch=10)  # fmt: skip
+    assert capped.results[0].max_global_batch == 9 and capped.results[0].hit_max_batch
+    assert "ddp: at least 9 (the --max-batch limit, not a memory limit" in str(capped)
+    # a search that met the budget is no lower bound
+    tight = compare_strategies(path, gpus=2, budget=64 * MiB, strategies=["ddp"], device="meta",
+                               max_batch=10**6)  # fmt: skip
+    assert not tight.results[0].hit_max_batch and "at least" not in str(tight)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from memkit.render import html as h
 from memkit.render.advice import advice_html, advice_text
-from memkit.render.text import section
+from memkit.render.text import bound_words, section
 from memkit.units import format_size
 
 if TYPE_CHECKING:
@@ -24,7 +24,13 @@ def _rows(comparison: StrategyComparison) -> list[list[str]]:
     rows = []
     for r in comparison.results:
         batch = (
-            "failed" if r.error else "-" if r.max_global_batch is None else str(r.max_global_batch)
+            "failed"
+            if r.error
+            else "-"
+            if r.max_global_batch is None
+            else f"at least {r.max_global_batch}"
+            if r.hit_max_batch
+            else str(r.max_global_batch)
         )
         peaks = [format_size(p) for p in r.per_device_peaks]
         peaks += ["-"] * (comparison.gpus - len(peaks))  # nothing fit: no peak at any size
@@ -39,6 +45,10 @@ def _remarks(comparison: StrategyComparison) -> list[str]:
     for r in comparison.results:
         if r.error:
             lines.append(f"{r.strategy}: failed: {r.error}")
+        if r.hit_max_batch and r.max_global_batch is not None:  # a lower bound
+            peak = max(r.per_device_peaks) if r.per_device_peaks else None
+            bound = bound_words(comparison.max_batch, peak, min(comparison.budgets))
+            lines.append(f"{r.strategy}: at least {r.max_global_batch}{bound}")
         if r.excess_parts:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in r.excess_parts)
             lines.append(f"{r.strategy}: on cuda:0 only: {parts}")

@@ -15,11 +15,15 @@ _fsdp_collectives.py and _fsdp_state.py, torch 2.11 to 2.13).
   is freed;
 * backward, per unit in reverse: the unit is all-gathered again (buffer, unsharded
   parameters, buffer freed) and the unit before it is prefetched (its buffer allocated now);
-  once all its gradients are accumulated (``post_backward``): the previous unit's
-  reduce-scatter input is freed, the unit's input (padded unsharded gradients) allocated, the
-  unsharded gradients and parameters freed, and the reduce-scatter output (the padded shard)
-  becomes the sharded gradients, added to existing ones (then freed). The root's final
-  callback frees the last input.
+  once the gradients of the unit's forward inputs are in (``post_backward``, hooked on them by
+  ``RegisterPostBackwardFunction``: after the unit's whole backward, frozen weights' use for
+  the input's gradient included; in the final callback for a unit whose inputs need none):
+  the unsharded parameters are freed, the previous unit's reduce-scatter input is freed, the
+  unit's input (padded unsharded gradients of the parameters that got one: none of a frozen
+  parameter) allocated, the unsharded gradients freed, and the reduce-scatter output (the
+  padded shards) becomes the sharded gradients, added to existing ones (then freed). The
+  root's final callback frees the last input. A unit whose outputs need no gradient (frozen,
+  its inputs needing none) is not gathered in backward.
 
 The unit's compute runs on the real (full) parameters, placed on the device while unsharded
 (their bytes are the unsharded parameters; the padding rows are held apart). Every storage
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memkit.simulated.accountant import tensors_of
 from memkit.simulated.virtual_devices import HOST, VirtualDevices, active_virtual_devices
@@ -170,7 +175,7 @@ class _Unit:
     shards: list[torch.nn.Parameter] = field(default_factory=list)
     pads: list[torch.Tensor] = field(default_factory=list)
     gathered: bool = False
-    grads_left: int = 0
+    post_backward_done: bool = False
 
     @property
     def like(self) -> dict[str, Any]:
@@ -215,6 +220,22 @@ def _vd() -> VirtualDevices:
             "memkit.simulated.fsdp works inside `with memkit.simulate(..., devices=N):`"
         )
     return vd
+
+
+class _PostBackward(torch.autograd.Function):
+    """FSDP2's ``RegisterPostBackwardFunction``: the identity on a unit's forward inputs that
+    require gradients; its backward runs once all of their gradients are in, which is after
+    the unit's whole backward (a frozen weight's use for the input's gradient included)."""
+
+    @staticmethod
+    def forward(ctx: Any, post: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.post = post
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.post()
+        return (None, *grads)
 
 
 class _Rank:
@@ -262,12 +283,30 @@ class _Rank:
         unit.pads = []
         unit.gathered = False
 
-    def pre_forward(self, i: int, *_: Any) -> None:
+    def pre_forward(
+        self, i: int, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if i == len(self.units) - 1:
             self.order = []
-            for u in self.units:
-                u.grads_left = len([p for p in u.params if p.requires_grad])
+        unit = self.units[i]
+        unit.post_backward_done = False
         self._unshard(i, forward=True)
+        # FSDP2's post-backward: on the gradients of the unit's inputs (_register_post_backward_
+        # hook), not of its parameters, so a unit is resharded after its whole backward;
+        # a unit whose inputs need no gradient (the first, the root) in the final callback
+        if not unit.params or not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        where = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return None
+        outs = _PostBackward.apply(
+            functools.partial(self.post_backward, i), *[flat[k] for k in where]
+        )
+        for k, t in zip(where, outs, strict=True):
+            flat[k] = t
+        new_args, new_kwargs = tree_unflatten(flat, spec)
+        return new_args, new_kwargs
 
     def post_forward(self, i: int, _module: Any, _args: Any, output: Any) -> None:
         unit = self.units[i]
@@ -276,13 +315,14 @@ class _Rank:
             self.kept = None  # the root flushes the kept all-gather buffer
         else:
             self._reshard(unit)
-        # FSDP2's pre-backward: a hook on the outputs' gradients (_register_pre_backward_hook)
+        # FSDP2's pre-backward: a hook on the outputs' gradients (_register_pre_backward_hook);
+        # a frozen unit whose inputs need no gradient has none: it is not gathered in backward
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(functools.partial(self.pre_backward, i))
 
     def pre_backward(self, i: int, *_: Any) -> None:
-        if self.units[i].root and not self.final_queued:  # the root's final callback
+        if not self.final_queued:  # the root's final callback, queued by any unit's
             self.final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final)
         self._unshard(i, forward=False)
@@ -292,21 +332,36 @@ class _Rank:
             if not self.units[j].gathered and j not in self.prefetched and self.units[j].params:
                 self.prefetched[j] = self._buffer(self.units[j])
 
-    def post_accumulate(self, i: int, _param: torch.Tensor) -> None:
+    def post_backward(self, i: int) -> None:
+        """FSDPParamGroup.post_backward: the unsharded gradients (of the parameters that have
+        one: a frozen parameter has none) are taken, the unit resharded, the previous unit's
+        reduce-scatter input freed (also by a unit with no gradients), then this unit's input
+        (its gradients' padded sizes) allocated, the gradients copied in and freed, and the
+        output (the padded shards) becomes the sharded gradients, added to existing ones."""
         unit = self.units[i]
-        unit.grads_left -= 1
-        if unit.grads_left:
+        unit.post_backward_done = True
+        if not unit.params:
             return
-        self.rs_input = None  # the previous unit's reduce-scatter input
-        with self.vd.on(self.dev):
-            rs_input = torch.empty(unit.padded_numel(self.vd.n), **unit.like)
-        for p in unit.params:
-            p.grad = None  # the unsharded gradients, copied in
+        with_grad = [
+            (p, shard, rows)
+            for p, shard, rows in zip(unit.params, unit.shards, unit.rows, strict=True)
+            if p.grad is not None
+        ]
+        grads = [p.grad for p, _, _ in with_grad]
+        for p, _, _ in with_grad:
+            p.grad = None
         self._reshard(unit)
+        self.rs_input = None  # the previous unit's reduce-scatter input
+        if not with_grad:
+            return
+        numel = sum(self.vd.n * rows * _row(p) for p, _, rows in with_grad)
         with self.vd.on(self.dev):
-            out = torch.empty(unit.padded_numel(self.vd.n) // self.vd.n, **unit.like)
+            rs_input = torch.empty(numel, **unit.like)
+        grads.clear()  # copied in
+        with self.vd.on(self.dev):
+            out = torch.empty(numel // self.vd.n, **unit.like)
         offset = 0
-        for shard, rows, p in zip(unit.shards, unit.rows, unit.params, strict=True):
+        for p, shard, rows in with_grad:
             view = out[offset : offset + shard.numel()].view_as(shard)
             if shard.grad is None:
                 shard.grad = view
@@ -317,8 +372,14 @@ class _Rank:
         self.rs_input = rs_input
 
     def _final(self) -> None:
-        """The root's post-backward final callback: the last reduce-scatter input and any
-        unused prefetch are freed."""
+        """The root's post-backward final callback: the post-backward of each unit whose
+        inputs needed no gradient (the root first, then the units in module order, as FSDP2's
+        ``all_states``), then the last reduce-scatter input and any unused prefetch freed."""
+        for i in [len(self.units) - 1, *range(len(self.units) - 1)]:
+            if not self.units[i].post_backward_done:
+                self.post_backward(i)
+        for unit in self.units:
+            unit.post_backward_done = False
         self.rs_input = None
         self.prefetched.clear()
         self.final_queued = False
@@ -355,6 +416,7 @@ def fsdp_ranks(
         for name, mod, params in _owned(fsdp_units(replica)):
             rows = [-(-(p.shape[0] if p.dim() else 1) // world) for p in params]
             units.append(_Unit(name, mod, params, rows, root=mod is replica))
+            vd.managed(params, "memkit's simulated FSDP")  # gathered and resharded by it
         holder = torch.nn.Module()
         with vd.on(dev):
             for u_i, unit in enumerate(units):
@@ -378,17 +440,12 @@ def fsdp_ranks(
         handles = []
         for i, unit in enumerate(units):
             handles.append(
-                unit.module.register_forward_pre_hook(functools.partial(rank.pre_forward, i))
+                unit.module.register_forward_pre_hook(
+                    functools.partial(rank.pre_forward, i), with_kwargs=True
+                )
             )
             handles.append(
                 unit.module.register_forward_hook(functools.partial(rank.post_forward, i))
             )
-            for p in unit.params:
-                if p.requires_grad:
-                    handles.append(
-                        p.register_post_accumulate_grad_hook(
-                            functools.partial(rank.post_accumulate, i)
-                        )
-                    )
         out.append(FsdpRank(dev, replica, opt, units, handles))
     return out

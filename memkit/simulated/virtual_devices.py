@@ -40,6 +40,7 @@ from memkit.units import format_size, parse_size
 
 __all__ = [
     "HOST",
+    "SimulationError",
     "VirtualDevices",
     "active_virtual_devices",
     "device_name",
@@ -51,6 +52,14 @@ HOST = -1
 """The device index of host (cpu) tensors: not counted on any virtual device."""
 
 _MIXED = "Expected all tensors to be on the same device, but found at least two devices, "
+
+
+class SimulationError(RuntimeError):
+    """An op found a tensor that memkit's own simulation of a strategy places (FSDP's
+    parameters, gathered for a unit's forward and backward) where that simulation had left it:
+    memkit's error, not the user's tensor placement. Worded as PyTorch's device-mismatch error,
+    with what memkit knows."""
+
 
 _ACTIVE: list[VirtualDevices] = []  # entered VirtualDevices, innermost last
 
@@ -94,6 +103,8 @@ class VirtualDevices(MemoryAccountant):
         self._peaks = [0] * self.n
         self._windows = [0] * self.n  # peaks a tracker reads and resets (peaks stay intact)
         self._tls = threading.local()
+        # tensors whose placement memkit's own simulation manages, and which one (``managed``)
+        self._managed: list[tuple[weakref.ref[torch.Tensor], str]] = []
 
     # -- counters ---------------------------------------------------------------------------
     def current_of(self, index: int) -> int:
@@ -194,6 +205,32 @@ class VirtualDevices(MemoryAccountant):
             copy = tensor.detach().clone()
         self._place([copy], index)
         return copy
+
+    def managed(self, tensors: Sequence[torch.Tensor], by: str) -> None:
+        """Mark ``tensors`` as placed by memkit's simulation ``by`` (``"memkit's simulated
+        FSDP"``), not by the user: an op that finds one on the host, where that simulation left
+        it, raises :class:`SimulationError` (memkit's error) rather than the placement hint."""
+        self._managed += [(weakref.ref(t), by) for t in tensors]
+
+    def _managed_on_host(self, inputs: list[torch.Tensor]) -> str | None:
+        """The simulation that left one of ``inputs`` on the host, if one did."""
+        if not self._managed:
+            return None
+        owners = {}
+        for ref, by in self._managed:
+            t = ref()
+            if t is not None:
+                owners[t.untyped_storage()._cdata] = by
+        for t in inputs:
+            if self.where(t) != HOST:
+                continue
+            try:
+                key = t.untyped_storage()._cdata
+            except Exception:  # a wrapper with no storage of its own
+                continue
+            if key in owners:
+                return owners[key]
+        return None
 
     def _place(self, tensors: list[torch.Tensor], index: int) -> None:
         """Tag the storages of ``tensors`` as living on ``index`` (bytes move with them)."""
@@ -333,6 +370,14 @@ class VirtualDevices(MemoryAccountant):
         if not found:
             return HOST if scalar_host else self.current_device
         if len(found) > 1 and not foreach and not name.startswith(("copy_", "_copy_from")):
+            by = self._managed_on_host(inputs) if HOST in found else None
+            if by is not None:
+                raise SimulationError(
+                    f"{_MIXED}{device_name(found[0])} and {device_name(found[1])}! "
+                    f"[memkit virtual devices: in {name}; the cpu tensor is a parameter {by} "
+                    "had moved back to the host: an internal error of memkit's simulation, "
+                    "not your tensor placement (please report it)]"
+                )
             raise RuntimeError(
                 f"{_MIXED}{device_name(found[0])} and {device_name(found[1])}! "
                 f"[memkit virtual devices: in {name}; tensors are placed with "
