@@ -1076,3 +1076,52 @@ def test_mixed_precision_keeps_a_conv_nets_norms_float32(tmp_path):
             opt.zero_grad()
     (adv,) = [a for a in tracker.report().advice if a.code == "mixed-precision"]
     assert adv.saving_bytes is not None and 0.7 * rules <= adv.saving_bytes <= 1.3 * rules
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 512), nn.Linear(512, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class _NamedBlocks(nn.Module):
+    """A hand-written model whose blocks are attributes, not a ModuleList (sweep BY's UNet:
+    down1, down2, mid, up2, up1)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+
+        self.enc1, self.enc2, self.mid, self.dec = _Block(), _Block(), _Block(), _Block()
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in (self.enc1, self.enc2, self.mid, self.dec):
+            x = checkpoint(b, x, use_reentrant=False) if self.checkpointed else b(x)
+        return x
+
+
+def test_checkpointing_finds_blocks_that_are_named_attributes():
+    """Sweep BY: a UNet's ResBlocks as attributes (down1 ... up1) got no checkpointing
+    advice at 95% of the device, activations 86%; in a ModuleList they did. Named children of
+    one block class are blocks too, in the order they ran; the saving is checked against
+    checkpointing applied."""
+
+    def peak(model: nn.Module, budget: str) -> TrackReport:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with track(device="cpu", budget=budget, postmortem=None) as tracker:
+            for _ in range(2):
+                model(torch.randn(512, 128)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report()
+
+    report = peak(_NamedBlocks(), "16MiB")
+    (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
+    assert "enc1 ... dec (4 blocks" in adv.evidence
+    applied = peak(_NamedBlocks(checkpointed=True), "16MiB")
+    measured = report.devices[0].peak_allocated - applied.devices[0].peak_allocated
+    assert adv.saving_bytes is not None and 0.9 * measured <= adv.saving_bytes <= 1.1 * measured

@@ -380,12 +380,16 @@ def _block_output(block: str, kept: int, modules: Sequence[ModuleActivation]) ->
     return min(kept, last.activation_bytes)
 
 
+_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
+
+
 def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
     """The outermost groups of repeated blocks: indexed children (``ModuleList``,
-    ``Sequential``) of one parent, of one type where their types are known, none a leaf, and
-    none inside a block of another group (so no byte counts twice). A block's kept bytes are
-    its own record's, else the sum of its outermost recorded descendants'; its output (kept
-    when checkpointed) is what its forward returned (:func:`_block_output`)."""
+    ``Sequential``) of one parent, of one type where their types are known, none a leaf;
+    else named children of one parent of one block class (not a container), in the order
+    they ran; none inside a block of another group (so no byte counts twice). A block's kept
+    bytes are its own record's, else the sum of its outermost recorded descendants'; its
+    output (kept when checkpointed) is what its forward returned (:func:`_block_output`)."""
     by_path = {m.path: m for m in modules}
     members: dict[str, set[str]] = {}
     for m in modules:
@@ -418,6 +422,25 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
         for p in ordered:
             k = kept(p)
             blocks.append((p, k, _block_output(p, k, modules)))
+        groups.append(BlockGroup(parent, tuple(blocks)))
+    # named siblings of one block class (a hand-written UNet's down1, down2, mid, up2, up1:
+    # ResBlocks as attributes, not in a ModuleList: sweep BY found the rule silent), in the
+    # order they ran, where no indexed group holds them
+    siblings: dict[tuple[str, str], list[ModuleActivation]] = {}
+    for m in modules:
+        name = m.path.rpartition(".")[2]
+        if m.leaf or not m.type_name or name.isdigit() or m.type_name in _CONTAINERS:
+            continue
+        if m.first_call is None or m.first_call == 0:  # (the model's own row)
+            continue
+        siblings.setdefault((_parent(m.path), m.type_name), []).append(m)
+    for (parent, _), found in siblings.items():
+        if len(found) < 2 or any(_inside(m.path, b[0]) for g in groups for b in g.blocks
+                                 for m in found):  # fmt: skip
+            continue
+        found.sort(key=lambda m: m.first_call or 0)
+        blocks = [(m.path, m.activation_bytes, _block_output(m.path, m.activation_bytes, modules))
+                  for m in found]  # fmt: skip
         groups.append(BlockGroup(parent, tuple(blocks)))
     outermost = [
         g for g in groups
