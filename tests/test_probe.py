@@ -1914,6 +1914,25 @@ def test_per_sample_lengths_drawn_inside_a_padded_shape_are_said(lengths):
     assert not any("different shapes" in d for d in result.defaults)
 
 
+def test_class_labels_as_large_as_the_batch_are_no_lengths():
+    """Review 3: MNIST-like labels 0-9 probed from batch 8: the labels of make_batch(9) reach
+    9, the batch's own size, and were taken for lengths up to a padded 9."""
+
+    def make_batch(n: int):
+        labels = torch.randint(0, 10, (n,))
+        labels[0] = 9
+        return torch.randn(n, 64), labels
+
+    def loss_fn(output, batch):
+        return torch.nn.functional.cross_entropy(output, batch[1])
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    result = probe(model, make_batch, loss_fn=loss_fn, train_step=None, device="cpu",
+                   budget="8MiB", min_batch=8, max_batch=12)  # fmt: skip
+    assert not any("per-sample lengths" in d for d in result.defaults)
+
+
 def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     """A CTC model's batch holds its targets concatenated, of random lengths (sweep TT): the
     answer fit or ran out with the draw, and the report did not say so. Two batches of one

@@ -1211,3 +1211,50 @@ def test_a_graph_kept_with_retain_graph_that_no_backward_uses_is_named(how):
     # LeakyReLU's: 256 x 1024 floats each, and the logits' small tensors
     assert 2 * 256 * 1024 * 4 <= held <= 3 * 256 * 1024 * 4 + 4096
     assert names[0].startswith("`err_fake`") and adv.saving_bytes == held
+
+
+def test_a_loop_updating_by_hand_that_runs_out_keeps_its_steps_and_its_leak():
+    """Review 3: a loop that updates its weights by hand (``p -= lr * p.grad; p.grad = None``)
+    beside an optimizer it never steps, keeping each step's output, ran out at step 20; the
+    end-of-block fold meant for a first optimizer step's micro-batches or retries made it
+    step 0 and dropped the leak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # held, never stepped
+    keep = []
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        track(device="cpu", budget="8MiB", postmortem=None) as tracker,
+    ):
+        for _ in range(100):
+            out = model(torch.randn(64, 256))
+            out.pow(2).mean().backward()
+            keep.append(out)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    report = tracker.report()
+    assert opt.state == {} and report.step_rule == "backward"
+    assert report.oom is not None and report.oom.step > 5 and len(report.devices[0].steps) > 5
+    assert report.devices[0].leak is not None
+
+
+def test_a_last_logging_forward_after_the_loop_still_reads_the_last_step():
+    """Review 3: a plain loop ending in one training-mode forward for a final logged loss
+    leaves a part step; its floor is read as before (only another optimizer's step past the
+    boundary, a GAN's, makes a part step unlike the others)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    keep = []
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(6):
+            out = model(torch.randn(64, 256))
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            keep.append(out.detach())  # 64 KiB a step
+        model(torch.randn(64, 256)).pow(2).mean().item()
+    leak = tracker.report().devices[0].leak
+    assert leak is not None and leak.growth_per_step == 64 * 256 * 4

@@ -339,9 +339,9 @@ def _model_row(m: ModuleRecord) -> bool:
 def _through_own_code(m: ModuleRecord, by_path: dict[str, ModuleRecord]) -> bool:
     """Whether ``m`` (a norm) is fed and read by its parent's own code: the parent kept at
     least as much as ``m`` did. A functional ``F.silu(self.norm(x))`` before a conv keeps the
-    norm's float32 output, and the norm keeps a float32 copy of the residual sum it is fed
+    norm's float32 output, and a GroupNorm keeps a float32 copy of the residual sum it is fed
     (sweep BY's UNet was promised 4x the saving: 11.79 MiB where the estimate's CUDA rules
-    and a CPU emulation of them measured 2.55-2.62 MiB; now 2.58)."""
+    and a CPU emulation of them measured 2.55-2.62 MiB; now 3.27)."""
     parent = by_path.get(m.path.rpartition(".")[0])
     return (
         parent is not None
@@ -415,11 +415,12 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
                 and before.activation_bytes > 0
                 and autocast_casts_to_half(before.type_name)
             )
-            conv_norm = (m.type_name or "").startswith(("GroupNorm", "BatchNorm", "InstanceNorm"))
-            if own_code and conv_norm and not fed_by_half:
-                # a conv net's norm fed by the model's own code (a residual sum, a skip
+            group_norm = (m.type_name or "").startswith("GroupNorm")
+            if own_code and group_norm and not fed_by_half:
+                # a conv net's GroupNorm fed by the model's own code (a residual sum, a skip
                 # connection's concatenation: half under autocast, as the convs' outputs
-                # are) keeps a float32 copy of that input
+                # are) keeps a float32 copy of that input (CUDA's autocast runs batch_norm in
+                # its input's dtype)
                 layers += round(m.activation_bytes * _together(m))
         elif autocast_casts_to_half(m.type_name):
             wide = False

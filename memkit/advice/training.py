@@ -225,8 +225,8 @@ def mixed_precision(
         action += (
             " First replace `nn.BCELoss` / `F.binary_cross_entropy` with `nn.BCEWithLogitsLoss`"
             " / `F.binary_cross_entropy_with_logits` on the logits (drop the Sigmoid before "
-            "it): CUDA's autocast refuses binary_cross_entropy ('unsafe to autocast') and "
-            "raises."
+            "it), or compute that loss after the autocast region on `.float()` inputs: CUDA's "
+            "autocast refuses binary_cross_entropy ('unsafe to autocast') and raises."
         )
     return Advice(
         code="mixed-precision",

@@ -835,8 +835,8 @@ def _check_batches(
     if padded is not None and not varies:
         notes.append(
             f"make_batch({low + 1}) drew other per-sample lengths at one size (a tensor of "
-            f"lengths up to the padded {padded}, as `pack_padded_sequence` takes): packed or "
-            "masked sequences' memory follows the lengths, not the padded shape, so the answer "
+            f"lengths up to the padded {padded}, as `pack_padded_sequence` takes): packed "
+            "sequences' memory follows the lengths, not the padded shape, so the answer "
             f"holds for the draws the trials ran ({opts.steps} a trial); a draw with more long "
             "samples can run out below it, at the recommended size too: probe with more draws "
             f"({spelled('--steps 20', 'steps=20')}), or a make_batch whose lengths are the "

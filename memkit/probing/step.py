@@ -404,8 +404,9 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
     """The padded length that per-sample lengths reach, where two batches ``make_batch`` drew
     at ``batch_size`` carry such lengths and they differ: a 1-D integer tensor, one value a
     sample, whose largest value is a dimension (8 or more) of a tensor beside it
-    (``pack_padded_sequence``'s lengths beside the padded tokens; not class labels). Memory
-    of packed or masked sequences follows the lengths, not the padded shape (sweep CA)."""
+    (``pack_padded_sequence``'s lengths beside the padded tokens; not class labels, whose
+    largest may be the batch's size: review 3). Memory of packed sequences follows the
+    lengths, not the padded shape (sweep CA)."""
     for a, b in zip(_tensors(first), _tensors(second), strict=False):
         if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape:
             continue
@@ -415,7 +416,10 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
             continue
         top = int(a.max())
         others = (t for t in _tensors(first) if t is not a and batch_size in t.shape)
-        if top >= 8 and int(a.min()) >= 0 and any(top in t.shape for t in others):
+        padded = (
+            d for t in others for i, d in enumerate(t.shape) if i != t.shape.index(batch_size)
+        )
+        if top >= 8 and int(a.min()) >= 0 and top in padded:  # (not the batch's own size)
             return top
     return None
 

@@ -296,7 +296,9 @@ class Evidence:
             facts.accumulation_steps, facts.checkpointing,
         )  # fmt: skip
         if (modules or optimizers) and dev.setup_key != key:
-            setup = training_setup(modules, optimizers, self.walked_dtype, facts, census)
+            setup = training_setup(
+                modules, optimizers, self.walked_dtype, facts, census, self._state.fsdp
+            )
             dev.setup = _merged(dev.setup, setup)
             dev.setup_key = key
         return sizes
@@ -396,6 +398,7 @@ def training_setup(
     dtype: str | None,
     facts: RunFacts | None = None,
     census: WeightCensus | None = None,
+    fsdp: FsdpUnits | None = None,
 ) -> TrainingSetup | None:
     """The model's and optimizer's facts the advice reads (``None`` when neither exists;
     ``dtype``: :func:`param_dtype` of ``modules``, as the caller's walk found it), with the
@@ -438,6 +441,7 @@ def training_setup(
         if census is not None and modules and census.stepped_in_backward
         else None,
         wrapper=_wrapper(modules),
+        sharding=None if fsdp is None else fsdp.sharding(),
     )
 
 

@@ -157,6 +157,20 @@ class FsdpUnits:
         """Every unit's sharded parameters (the rank's shards, as DTensors)."""
         return [p.sharded_param for g in self.groups for p in g.fsdp_params]
 
+    def sharding(self) -> tuple[int, str | None]:
+        """``(ranks, half)``: the ranks the units shard over, and the dtype FSDP2's
+        ``MixedPrecisionPolicy(param_dtype=...)`` gathers and computes in where it is a
+        16-bit one (``"bfloat16"``; ``None``: the parameters' own dtype)."""
+        ranks, half = 1, None
+        for group in self.groups:
+            for p in group.fsdp_params:
+                info = getattr(p, "mesh_info", None)
+                ranks = max(ranks, int(getattr(info, "shard_mesh_size", 1) or 1))
+                dtype = getattr(p, "param_dtype", None)
+                if isinstance(dtype, torch.dtype) and dtype.itemsize == 2:
+                    half = str(dtype).removeprefix("torch.")
+        return ranks, half
+
     def largest_unit(self) -> tuple[str, int] | None:
         """The unit (its module path in FSDP's names) with the most unsharded bytes, and them."""
         best: tuple[str, int] | None = None

@@ -770,12 +770,23 @@ def compiled_in_frames(start: FrameType | None, optimizers: list[Any]) -> str | 
     for frame in _user_frames(start):
         for names in (_frame_locals(frame), frame.f_globals):
             for name, value in list(names.items()):
-                if not name.startswith("__") and hasattr(value, "_torchdynamo_orig_callable"):
-                    return name  # (not Dynamo's own `__compiled_fn_N` in a module's globals)
+                if _compiled_function(name, value):
+                    return name
     for optimizer in optimizers:
         if hasattr(getattr(optimizer, "__dict__", {}).get("step"), "_torchdynamo_orig_callable"):
             return f"{type(optimizer).__name__}.step"
     return None
+
+
+def _compiled_function(name: str, value: Any) -> bool:
+    """Whether ``value`` is a ``torch.compile``'d function: not Dynamo's own
+    ``__compiled_fn_N`` in a module's globals, not a ``@torch.compiler.disable``'d one (which
+    carries the attribute too), not a module (review 3)."""
+    if name.startswith("__") or not hasattr(value, "_torchdynamo_orig_callable"):
+        return False
+    torch = sys.modules.get("torch")
+    is_module = torch is not None and isinstance(value, torch.nn.Module)
+    return not is_module and not getattr(value, "_torchdynamo_disable", False)
 
 
 def framework_optimizers(start: FrameType | None, limit: int = 60) -> list[Any]:

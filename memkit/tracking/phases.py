@@ -160,6 +160,9 @@ class PhaseMachine:
         self._discounts: dict[tuple[bool, str], tuple[tuple[Any, ...], int]] = {}
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.optimizer_failed = False  # the block ran out in the first optimizer step
+        self.oom_attempts = 0  # training forwards or backwards an OOM ended (caught or not)
+        self.grads_freed_between = False  # a step counted from backward passes began without
+        self.other_stepped = False  # an optimizer not the owner stepped since the boundary
         # the losses a backward(retain_graph=True) began at (steps 0-3), and whether the
         # backward running now keeps its graph (retain-graph-held)
         self.retained: list[weakref.ref[torch.Tensor]] = []
@@ -497,6 +500,7 @@ class PhaseMachine:
         if the script goes on (the one a block ends with is the post-mortem's)."""
         if exc is None or not is_oom(exc):
             return
+        self.oom_attempts += 1
         self.failed_attempt = (self.state.step, self.evidence.facts.last_input)
         if closed:
             self._mark_failed_peak()
@@ -521,6 +525,8 @@ class PhaseMachine:
             return
         owner = self._owner()
         passes = self.state.backward_passes
+        if owner is not None and owner is not optimizer:
+            self.other_stepped = True
         if owner is optimizer:
             self.owner_stepped = passes
             if self._successor is not None:  # the owner steps on: no successor (review 3:
@@ -760,6 +766,9 @@ class PhaseMachine:
         captured = False
         own = self.own
         by_backward = not self.manual_steps and not self.models.seen_optimizers  # step_rule()
+        if by_backward and step and grads_none:  # (a step that updates by hand, or a retry)
+            self.grads_freed_between = True
+        self.other_stepped = False
         for dev in devices.records.values():
             sizes = None
             if dev.pending is not None:  # measured once for the breakdown and for remember
@@ -868,19 +877,19 @@ class PhaseMachine:
                 log.info("memkit: on %s, %s", dev.key, dev.leak.headline())
 
     def block_ends(self, failed: bool) -> None:
-        """The block ends: where it ``failed`` (an OOM ended the step), the last step boundary's
-        level to the growth detectors, if a training forward began after it; the line trace
-        stops. A block that ended normally mid-step (a GAN's generator step after the
-        discriminator's optimizer step, which counts the steps) has a floor of part of a step,
-        taken where the earlier steps' were not (sweep BY: 3.6 MB of the generator's graph
-        called a 1.15 MiB-a-step leak): it is not read, as no step followed to read what the
-        last one left behind."""
+        """The block ends: the last step boundary's level to the growth detectors, where a
+        training forward began after it (the step an OOM ended, or a last part step); the line
+        trace stops. Not where the block ended normally after another optimizer than the one
+        counting the steps stepped past the last boundary (a GAN's generator step after the
+        discriminator's optimizer step): that floor is of part of a step, taken where the
+        earlier steps' were not (sweep BY: 3.6 MB of the generator's graph called a
+        1.15 MiB-a-step leak)."""
         watch = self.evidence.leak_watch
         watch.settle(end=True)
         growing = []
         for dev in self.devices.records.values():
             pending, dev.growth_pending = dev.growth_pending, None
-            if pending is None or dev.step_floor is None or not failed:
+            if pending is None or dev.step_floor is None or (self.other_stepped and not failed):
                 continue
             step, level, known = pending
             floor = dev.step_floor
@@ -1002,8 +1011,6 @@ class PhaseMachine:
         for dev in devices.records.values():
             passes, duration = fold_steps(dev, first, counted_from)
             dev.growth, dev.growth_pending = devices.growth_detector(), None
-            if dev.leak is not None and dev.leak.first_step >= first:  # (within one step)
-                dev.leak = None
             # a peak found in a micro-batch belongs to the folded step
             if dev.pending is not None and (dev.pending.step or 0) > first:
                 dev.pending = dev.pending._replace(step=first)
@@ -1035,12 +1042,23 @@ class PhaseMachine:
 
     def first_step_failed(self) -> None:
         """The block ends with an OOM before any optimizer stepped, though the script has one:
-        the steps counted from backward passes were the micro-batches or the retried attempts
-        of the optimizer step that ran out (``memkit.microbatch`` splitting ever smaller, a
-        loop accumulating), not steps of their own."""
-        if self.backward_steps and not self.manual_steps and not self.models.seen_optimizers:
-            self._fold_backward_steps()
-            self.optimizer_failed = True  # steps are the optimizer's: none completed
+        where the steps counted from backward passes were the retried attempts of the
+        optimizer step that ran out (OOMs caught before: ``memkit.microbatch`` splitting ever
+        smaller; memory 'growing' across attempts of other sizes is none), or its
+        micro-batches (gradients never freed between them, and no growth found across them),
+        they are no steps of their own. Not a loop that updates by hand and frees the
+        gradients each step (an optimizer it holds and never steps: review 3)."""
+        if not self.backward_steps or self.manual_steps or self.models.seen_optimizers:
+            return
+        retried = self.oom_attempts > 1
+        leaks = any(dev.leak is not None for dev in self.devices.records.values())
+        if not retried and (self.grads_freed_between or leaks):
+            return
+        self._fold_backward_steps()
+        self.optimizer_failed = True  # steps are the optimizer's: none completed
+        if retried:
+            for dev in self.devices.records.values():
+                dev.leak = None
 
     def manual_step(self, frame: Any) -> None:
         """``Tracker.step()``: a step boundary; from now on only these calls are. The first

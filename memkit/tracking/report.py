@@ -281,6 +281,10 @@ class TrainingSetup:
         wrapper: the framework that wrapped the model (``"accelerate"``: prepared by an
             ``Accelerator``; ``"fabric"``: Lightning Fabric's ``setup``), whose own switches
             the advice names; ``None``: none seen.
+        sharding: FSDP2 over the model: ``(ranks, half)``, the ranks its parameters,
+            gradients and optimizer state are sharded over (the figures are this rank's
+            shards) and the 16-bit dtype its ``MixedPrecisionPolicy`` computes in (``None``:
+            the parameters' own); ``None``: no ``fully_shard``.
         dense_embeddings: ``(path, weight bytes, row bytes)`` of each trainable
             ``nn.Embedding`` with dense gradients (``sparse=False``) whose weight no other
             module shares (not tied to an output layer): backward gives it a gradient of the
@@ -303,6 +307,7 @@ class TrainingSetup:
     stepped_in_backward_bytes: tuple[int, int] | None = None
     wrapper: str | None = None
     dense_embeddings: tuple[tuple[str, int, int], ...] = ()
+    sharding: tuple[int, str | None] | None = None
 
 
 @dataclass(frozen=True)
