@@ -425,6 +425,11 @@ def test_oom_optimizer_state_names_what_takes_sparse_gradients():
     assert "8-bit" not in sparse.action and "or FSDP" not in sparse.action
     dense = A.oom.oom_optimizer_state(bd, share, pm(None))
     assert "Adafactor" in dense.action and "FSDP" in dense.action and "Adagrad" not in dense.action
+    # FSDP2 shards it already (sweep CC: told to shard it with FSDP)
+    fsdp = A.oom.oom_optimizer_state(bd, share, pm(TrainingSetup(optimizer="AdamW",
+                                                                  sharding=(2, None))))  # fmt: skip
+    assert "it is FSDP2's 1/2 shard already, and 4 ranks halve it again" in fsdp.action
+    assert "ZeroRedundancyOptimizer" not in fsdp.action
 
 
 def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pressure():
@@ -476,6 +481,19 @@ def test_mixed_precision_fires_for_fp32_and_not_under_autocast():
     low = run_steps(bf16, torch.optim.SGD(bf16.parameters(), lr=0.01), x.bfloat16(), steps=2,
                     budget="8MiB")  # fmt: skip
     assert low.param_dtype == "bfloat16" and "mixed-precision" not in codes(low.advice)
+    # under FSDP2 (sweep CC): its MixedPrecisionPolicy is the switch to name, and where the
+    # policy computes in bf16 already, no autocast is advised (promised 205 KiB, saved 0 B)
+    dev = report.devices[0]
+    assert dev.setup is not None
+
+    def sharded(half: str | None) -> list[str]:
+        setup = dataclasses.replace(dev.setup, sharding=(2, half))
+        fsdp = dataclasses.replace(report, devices=(dataclasses.replace(dev, setup=setup),))
+        return [a.action for a in track_advice(fsdp) if a.code == "mixed-precision"]
+
+    (policy,) = sharded(None)
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in policy
+    assert sharded("bfloat16") == []
 
 
 def test_eval_grad_enabled_claims_what_the_graph_keeps_and_only_where_evaluation_peaks():

@@ -110,6 +110,11 @@ def _check_rank_report(report: dict, reshard_after_forward: bool) -> None:
     parts = ("parameters", "gradients", "optimizer_state", "gathered_parameters",
              "activations", "other")  # fmt: skip
     assert sum(bd[k] for k in parts) == bd["total"]
+    # the report says the figures are shards, over how many ranks (sweep CC: no report said
+    # FSDP or sharding), and that no MixedPrecisionPolicy computes in 16 bits
+    assert device["setup"]["sharding"] == [2, None]
+    (note,) = [n for n in report["notes"] if n.startswith("FSDP2 (fully_shard) over 2 rank(s)")]
+    assert "this rank's shards (1/2 of each" in note and "no MixedPrecisionPolicy" in note
     # module rows carry the user's class names, not FSDP2's FSDPLinear
     names = {m["path"]: m for m in device["modules"]}
     assert set(names) == {"Sequential", "0", "1", "2", "3"}, names

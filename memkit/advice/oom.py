@@ -318,6 +318,8 @@ def _precision_option(pm: OomPostMortem) -> str:
         return ""  # a training forward ran under torch.autocast: mixed precision already
     if setup is not None and setup.forward_autocast is not None:
         return ""  # the forward already runs under autocast (accelerate's mixed precision)
+    if setup is not None and setup.sharding is not None and setup.sharding[1]:
+        return ""  # FSDP2's MixedPrecisionPolicy computes in 16 bits already (sweep CC)
     narrow = 0 if setup is None else setup.narrow_weight_bytes or 0
     if pm.breakdown is not None and 2 * narrow > pm.breakdown.parameters:
         return ""  # mostly bf16/int8 weights (a LoRA base): low precision already
@@ -631,6 +633,12 @@ def oom_optimizer_state(
     lighter = "; ".join(f"{o.name}: saves ~{format_size(saving)}" for o, saving in offered)
     takes = ", which take sparse gradients" if sparse else ""
     shard = f"shard it across ranks ({shard_option(sparse)})"
+    ranks = None if setup is None or setup.sharding is None else setup.sharding[0]
+    if ranks is not None:  # FSDP2 shards it already (sweep CC: told to shard it)
+        shard = (
+            f"shard it over more ranks: it is FSDP2's 1/{ranks} shard already, and "
+            f"{2 * ranks} ranks halve it again"
+        )
     return Advice(
         code="oom-optimizer-state",
         title="optimizer state is a large share",
@@ -685,6 +693,13 @@ def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) ->
     room = needed if not pm.capacity else min(pm.capacity, needed)
     if share["parameters"] < 0.5 or bd.parameters < 0.5 * room:
         return None
+    ranks = None if pm.setup is None or pm.setup.sharding is None else pm.setup.sharding[0]
+    shard = (
+        "shard them (FSDP)"
+        if ranks is None  # FSDP2 shards them already (sweep CC: told to shard them)
+        else f"shard them over more ranks (they are FSDP2's 1/{ranks} shards: "
+        f"{2 * ranks} ranks halve them), or offload them (`offload_policy=CPUOffloadPolicy()`)"
+    )
     lacked = _lacked(pm, bd)
     activations = (
         f"activations were {format_size(bd.activations)} ({100 * share['activations']:.0f}%)"
@@ -694,7 +709,7 @@ def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) ->
             f"; {activations}, with the failed request less than the {format_size(lacked)} it "
             "lacked: no smaller batch makes it fit"
         )
-        action = "Keep weights in bf16, or shard them (FSDP); a smaller batch cannot fit."
+        action = f"Keep weights in bf16, or {shard}; a smaller batch cannot fit."
     elif lacked is not None:
         request = _batch_freeable(pm, bd) - bd.activations
         also = f" and the failed request of {format_size(request)}" if request else ""
@@ -703,14 +718,12 @@ def oom_parameters(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) ->
             "that point: a smaller batch, which frees them, may make up for it"
         )
         action = (
-            "Keep weights in bf16, or shard them (FSDP): their share stays at any batch; or "
+            f"Keep weights in bf16, or {shard}: their share stays at any batch; or "
             "lower the batch, which frees activations only."
         )
     else:
         batch = f"; {activations}: a smaller batch frees part of them, never the parameters"
-        action = (
-            "Keep weights in bf16, or shard them (FSDP); a smaller batch frees activations only."
-        )
+        action = f"Keep weights in bf16, or {shard}; a smaller batch frees activations only."
     return Advice(
         code="oom-parameters",
         title="the weights alone take most of the device",

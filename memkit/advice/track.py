@@ -454,6 +454,8 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     # an autocast wrapping the model's forward (accelerate's mixed precision) is entered
     # after the hooks, which then count no autocast forward: the wrapper says it ran
     wrapped = setup is not None and setup.forward_autocast is not None
+    fsdp = None if setup is None else setup.sharding
+    wrapped = wrapped or (fsdp is not None and fsdp[1] is not None)  # (its policy's bf16)
     float32, temporaries = _float32_activations(dev, activations)
     return [
         mixed_precision(
@@ -469,7 +471,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             cached_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
             temporary_bytes=temporaries,
-            wrapper=None if setup is None else setup.wrapper,
+            wrapper="fsdp" if fsdp is not None else None if setup is None else setup.wrapper,
             unsafe_loss=report.unsafe_loss,
         ),
         float64_training(

@@ -143,7 +143,8 @@ def mixed_precision(
             in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
             anew at each use and freed. ``None``: not known, all the float32 weights.
         wrapper: the framework that wrapped the model (``"accelerate"``, ``"fabric"``): the
-            action names its switch, which enters the autocast for the script (sweep BK).
+            action names its switch, which enters the autocast for the script (sweep BK);
+            ``"fsdp"``: FSDP2's ``MixedPrecisionPolicy``.
         unsafe_loss: an op in the loss that CUDA's autocast refuses (``binary_cross_entropy``):
             the action says to replace it first, or the advice would raise on a GPU.
 
@@ -215,6 +216,13 @@ def mixed_precision(
         action = (
             f'`Accelerator(mixed_precision="{half}")`: it runs the forward under autocast '
             "(weights and the optimizer stay fp32)."
+        )
+    elif wrapper == "fsdp":  # (sweep CC: FSDP2's own policy also halves the all-gathers)
+        action = (
+            "`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch."
+            f"{'bfloat16' if half == 'bf16' else 'float16'}, reduce_dtype=torch.float32))` on "
+            "every unit: FSDP2 gathers and computes in half precision (the gathered "
+            "parameters halve too) and keeps the float32 shards for the optimizer."
         )
     elif wrapper == "fabric":
         action = (

@@ -46,7 +46,7 @@ from memkit.tracking.breakdown import PeakMoment
 from memkit.tracking.ddp import ddp_calling, is_ddp
 from memkit.tracking.device_set import DeviceSet, remembered_sizes
 from memkit.tracking.evidence import Evidence
-from memkit.tracking.fsdp import counting_resizes, find_fsdp_units
+from memkit.tracking.fsdp import FsdpUnits, counting_resizes, find_fsdp_units
 from memkit.tracking.history_file import HistoryFile
 from memkit.tracking.hooks import Hooks
 from memkit.tracking.models import TrackedModels, is_compiled
@@ -577,6 +577,8 @@ class Tracker:
             past = self._past_budget_note()
             if past is not None:
                 later_notes.append(past)
+            if state.fsdp is not None:
+                later_notes.append(_fsdp_note(state.fsdp))
             if state.step == 0 and facts.eval_forwards and not state.trained:
                 later_notes.append(
                     "no training step ran (inference alone): memory growth and the graphs or "
@@ -785,4 +787,26 @@ def _is_lightning_module(module: torch.nn.Module) -> bool:
         cls.__name__ == "LightningModule"
         and cls.__module__.startswith(("lightning.", "pytorch_lightning."))
         for cls in type(module).__mro__
+    )
+
+
+def _fsdp_note(units: FsdpUnits) -> str:
+    """What the figures are under FSDP2 (sweep CC: no report said FSDP or sharding)."""
+    ranks, half = units.sharding()
+    largest = units.largest_unit()
+    unit = (
+        ""
+        if largest is None
+        else f" (the largest, {largest[0] or 'the root'}: {format_size(largest[1])})"
+    )
+    policy = (
+        f"; its MixedPrecisionPolicy gathers and computes in {half}"
+        if half
+        else "; no MixedPrecisionPolicy: it gathers and computes in the parameters' dtype"
+    )
+    return (
+        f"FSDP2 (fully_shard) over {ranks} rank(s): parameters, gradients and optimizer state "
+        f"are this rank's shards (1/{ranks} of each, padded to a multiple of {ranks} rows); "
+        "'all-gathered parameters' are the units it unsharded at that moment, each gathered "
+        f"whole for its forward and again for its backward{unit}{policy}"
     )
