@@ -392,3 +392,19 @@ def test_what_simulate_cannot_count_is_a_config_error_not_silently_nothing():
         assert acct.current == (16 + 4) * 4 + 256 * 4
     with simulate("1MiB", track=model.parameters()) as acct:  # a generator (review)
         assert acct.current == (16 + 4) * 4
+
+
+def test_a_storage_grown_in_place_past_the_budget_is_refused_with_its_growth_uncounted():
+    """Sweep CC: FSDP2's unshard grows each parameter's storage in place (alloc_storage,
+    seen through storage_resizes): past the budget the error said 'Tried to allocate 0 B'
+    and the growth was already counted past the budget. The growth is the request."""
+    with memkit.simulate("1MiB") as acct:
+        t = torch.empty(1024)
+        before = acct.current
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 MiB"):
+            t.resize_(1024 + 512 * 1024)
+        assert acct.current == before and acct.peak == before
+        del t
+        u = torch.empty(1024)
+        u.resize_(2048)  # within the budget: counted
+        assert acct.current == before + 1024 * 4

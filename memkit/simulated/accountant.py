@@ -640,9 +640,10 @@ class MemoryAccountant(TorchDispatchMode):
     # -- the dispatch hook ------------------------------------------------------------------
     def _scan(
         self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> tuple[dict[int, tuple[Any, int]] | None, int]:
-        """Storages an op's outputs (or first-seen inputs) add (``None``: none), and bytes of
-        in-place growth.
+    ) -> tuple[dict[int, tuple[Any, int]] | None, list[tuple[int, Any, Any]] | None]:
+        """Storages an op's outputs (or first-seen inputs) add (``None``: none), and the live
+        storages resized in place (``(key, entry, storage)``; ``None``: none), which the
+        caller counts once the budget allows them.
 
         The per-op cost of the simulated device, so written for speed: one pass over the
         outputs and, while adopting, one over the inputs; a plain tensor's storage read inline
@@ -652,7 +653,7 @@ class MemoryAccountant(TorchDispatchMode):
         live = self._live
         plain_cpu = self._on_cpu
         new: dict[int, tuple[Any, int]] | None = None
-        grown = 0
+        resized: list[tuple[int, Any, Any]] | None = None
         adopting = self.adopting
         read: set[int] | None = None  # storages of the inputs, when not adopting
         storage: torch.UntypedStorage | None
@@ -690,9 +691,11 @@ class MemoryAccountant(TorchDispatchMode):
                 and self._size(storage) != entry[1]
                 and key not in self._partial
             ):
-                grown += self._resized(key, entry, storage)
+                if resized is None:
+                    resized = []
+                resized.append((key, entry, storage))
         if not adopting:
-            return new, grown
+            return new, resized
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
         # device: adopt them. Positional arguments are walked here, lists and keyword
         # arguments by _adopt.
@@ -711,7 +714,7 @@ class MemoryAccountant(TorchDispatchMode):
                 new = self._adopt(_tensors(arg), new)
         if kwargs:
             new = self._adopt(_tensors(kwargs), new)
-        return new, grown
+        return new, resized
 
     def _adopt(
         self, tensors: list[torch.Tensor], new: dict[int, tuple[Any, int]] | None
@@ -740,18 +743,17 @@ class MemoryAccountant(TorchDispatchMode):
         live, partial = self._live, self._partial
         return any(k in live and k not in partial for k in keys)
 
-    def _resized(self, key: int, entry: tuple[Any, int], storage: torch.UntypedStorage) -> int:
-        """Count a live storage at its new size; the bytes it grew by."""
+    def _resized(self, key: int, entry: tuple[Any, int], storage: torch.UntypedStorage) -> None:
+        """Count a live storage at its new size."""
         size = self._size(storage)
         with self._lock:
             if key not in self._live:
-                return 0
+                return
             self._live[key] = (entry[0], size)
             self._current += size - entry[1]
             if self._observer is not None:
                 self._observer.freed(key, entry[1])
                 self._observer.allocated(key, size, int(storage.nbytes()), None)
-        return size - entry[1]
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -768,15 +770,20 @@ class MemoryAccountant(TorchDispatchMode):
         if not self.counting:
             if not self.device_work:
                 return out
-            new, grown = self._device_write(func, args, kwargs, out), 0
+            new, resized = self._device_write(func, args, kwargs, out), None
         else:
-            new, grown = self._scan(out, args, kwargs)
-        if new is None and grown == 0:
+            new, resized = self._scan(out, args, kwargs)
+        if new is None and resized is None:
             return out  # most ops: a view, an in-place op, or outputs counted already
         added = 0
         for _, size in new.values() if new is not None else ():
             added += size
-        if self.budget is not None and added + grown > 0 and self._current + added > self.budget:
+        # a storage grown in place (resize_, an out= op, FSDP2's alloc_storage seen through
+        # storage_resizes) is a request of its growth: refused past the budget, uncounted
+        # (sweep CC: 'Tried to allocate 0 B', the growth already counted past the budget)
+        for _, entry, storage in resized or ():
+            added += self._size(storage) - entry[1]
+        if self.budget is not None and added > 0 and self._current + added > self.budget:
             self.num_ooms += 1
             self.in_use_at_oom = self._current
             if self._observer is not None:
@@ -793,13 +800,15 @@ class MemoryAccountant(TorchDispatchMode):
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new
             raise torch.OutOfMemoryError(message)
+        for key, entry, storage in resized or ():
+            self._resized(key, entry, storage)
         if new:
             if self._adopted is not None and func is _LIFT_FRESH:
                 for key in new:  # torch.tensor(...): a fresh tensor, not an older one read
                     self._adopted.pop(key, None)
             with self._lock:
                 self._register(new)
-        else:  # grown in place
+        else:  # resized in place
             with self._lock:
                 self._peak = max(self._peak, self._current)
         return out
