@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -2060,12 +2061,14 @@ def test_a_compiled_train_step_is_said_to_run_eagerly_on_the_simulated_device():
     assert plain.max_batch_size == result.max_batch_size
 
 
-def _prefetching_loop(batch: int, k: int, steps: int, budget: str) -> bool:
+def _prefetching_loop(
+    batch: int, k: int, steps: int, budget: str, net: Callable[[], torch.nn.Module] | None = None
+) -> bool:
     """transformers 5's Trainer with ``gradient_accumulation_steps=k``: an optimizer step's k
     micro-batches are all on the device (get_batch_samples) before the first runs; the list is
     rebound once the next step's are fetched. Whether ``steps`` steps fit."""
     torch.manual_seed(0)
-    model = _image_net()
+    model = (net or _image_net)()
     opt = torch.optim.AdamW(model.parameters())
     with memkit.simulate(budget, track=(model, opt)):
         try:
@@ -2108,7 +2111,35 @@ def test_prefetch_answers_for_a_trainer_that_holds_all_its_micro_batches():
     assert not _prefetching_loop(best + 1, k, 3, "16MiB")
     assert any(d.startswith("prefetch: all 4 micro-batches") for d in result.defaults)
     with pytest.raises(ConfigError, match="--accumulate K"):
-        probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True)
+        probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True,
+              target_batch=64)  # fmt: skip
+
+
+def test_prefetch_without_accumulation_holds_the_last_batch_while_the_next_is_made():
+    """Sweep CB: a DQN's loop makes each minibatch on the device (``b = rb.sample(n)``)
+    while the last one is still bound; the probe let the last go first and answered 2554
+    where 1563 fit. ``prefetch=True`` without accumulation holds it so."""
+
+    def net() -> torch.nn.Module:  # its batch is most of a sample's memory, as a DQN's
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 1, 1), torch.nn.AdaptiveAvgPool2d(1),
+                                   torch.nn.Flatten(), torch.nn.Linear(1, 10))  # fmt: skip
+
+    def answer(prefetch: bool) -> int:
+        torch.manual_seed(0)
+
+        def loss(out: torch.Tensor, b: Any) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(out, b[1])
+
+        result = probe(net(), _images, device="cpu", budget="16MiB", prefetch=prefetch,
+                       keep_output=False, loss_fn=loss)  # fmt: skip
+        said = any(d.startswith("prefetch: the next batch is made") for d in result.defaults)
+        assert result.max_batch_size is not None and said == prefetch
+        return result.max_batch_size
+
+    best, without = answer(True), answer(False)
+    assert _prefetching_loop(best, 1, 3, "16MiB", net)
+    assert not _prefetching_loop(best + 1, 1, 3, "16MiB", net)
+    assert not _prefetching_loop(without, 1, 3, "16MiB", net)  # (the old answer runs out)
 
 
 def test_target_batch_for_a_train_step_that_accumulates_itself():

@@ -54,9 +54,10 @@ from memkit.cli.targets import _check_target, _rank_device, _this_rank_budget
               show_default=True, help="What the default step keeps, as your loop does: the "
               "model's output until the next forward (`out = model(x)`), or the loss only "
               "(`loss = model(x).loss`, transformers' Trainer).")  # fmt: skip
-@click.option("--prefetch", is_flag=True, help="With --accumulate K: the "
-              "script fetches all K micro-batches of an optimizer step onto the device before "
-              "running them (transformers 5's Trainer): hold them so.")  # fmt: skip
+@click.option("--prefetch", is_flag=True, help="The script makes the next batch on the "
+              "device before the last is let go (a replay buffer's sample); with --accumulate "
+              "K it fetches all K micro-batches of an optimizer step first (transformers 5's "
+              "Trainer): hold them so.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--ddp", is_flag=True, help="Under torchrun: wrap the model in "
               "DistributedDataParallel for the trials (its buckets and all-reduce are "

@@ -122,7 +122,9 @@ class ProbeOptions(SearchOptions):
         prefetch: an accumulating script fetches all of an optimizer step's micro-batches
             onto the device before the first runs (transformers 5's ``Trainer``:
             ``get_batch_samples``, each moved to the device as accelerate yields it): the
-            trials hold them so, and the last step's while the next step's are fetched.
+            trials hold them so, and the last step's while the next step's are fetched;
+            without accumulation, the next batch is made while the last is held (a loop
+            ``batch = buffer.sample(n)`` making batches on the device: sweep CB's DQN).
 
     Raises:
         ConfigError: a value the probe cannot run with (exit code 2 on the command line).
@@ -151,11 +153,12 @@ class ProbeOptions(SearchOptions):
             raise ConfigError(f"accumulation must be at least 1, found {self.accumulation}")
         if self.accumulation not in (None, 1) and self.mode != "train":
             raise ConfigError("gradient accumulation applies to --mode train only")
-        if self.prefetch and self.accumulation in (None, 1):
+        if self.prefetch and self.accumulation is None and self.target_batch is not None:
             # (not with --target-batch alone: the K micro-batches held are the advice's own
             # choice, and the advice's K changes with the answer: review)
             raise ConfigError(
-                "--prefetch (prefetch=True) holds the K micro-batches of an accumulating "
-                "optimizer step; give the script's accumulation with --accumulate K "
-                "(accumulation=K), the Trainer's gradient_accumulation_steps"
+                "--prefetch (prefetch=True) with --target-batch holds the K micro-batches of an "
+                "accumulating optimizer step; give the script's accumulation with --accumulate "
+                "K (accumulation=K), the Trainer's gradient_accumulation_steps, or --accumulate "
+                "1 for a script that makes each batch before letting the last go"
             )

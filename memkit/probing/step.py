@@ -364,6 +364,12 @@ class StepPlan:
                     "before the first runs, and the last step's while the next step's are "
                     "fetched (transformers 5's Trainer: get_batch_samples)"
                 )
+        elif self.prefetch:
+            accumulating = [
+                "prefetch: the next batch is made before the last step's is let go, as "
+                "`batch = buffer.sample(n)` in a loop does with batches made on the device (a "
+                "replay buffer's sample): two batches live at that moment"
+            ]
         if self.train_step is not None:
             default = (
                 "step: train_step(model, batch, optimizer) from the model file (what it "

@@ -503,7 +503,7 @@ class TrialRunner:
             with log.watch.watching() if log is not None else contextlib.nullcontext():
                 while True:
                     micro = self.step.micro_batches
-                    if self.step.prefetch and micro > 1:  # all K on the device, then run;
+                    if self.step.prefetch:  # all K (or the next one) on the device, then run;
                         # the last step's go once the next step's are fetched (Trainer's
                         # get_batch_samples rebinds its list then)
                         fetched = [
