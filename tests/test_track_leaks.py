@@ -1258,3 +1258,47 @@ def test_a_last_logging_forward_after_the_loop_still_reads_the_last_step():
         model(torch.randn(64, 256)).pow(2).mean().item()
     leak = tracker.report().devices[0].leak
     assert leak is not None and leak.growth_per_step == 64 * 256 * 4
+
+
+REPLAY_MEMORY = """\
+import random, torch
+from torch import nn
+
+
+class ReplayMemory:  # the PyTorch DQN tutorial's (tensors on the device)
+    def __init__(self, capacity):
+        self.capacity, self.memory, self.position = capacity, [], 0
+
+    def push(self, state, reward):
+        if len(self.memory) < self.capacity:
+            self.memory.append(None)
+        self.memory[self.position] = (state, reward)
+        self.position = (self.position + 1) % self.capacity
+
+
+torch.manual_seed(0)
+random.seed(0)
+policy = nn.Linear(256, 4)
+opt = torch.optim.SGD(policy.parameters(), lr=0.01)
+memory = ReplayMemory(10_000)
+for step in range(12):
+    state = torch.randn(1, 256)
+    memory.push(state, policy(state).max().detach())
+    batch = torch.cat([s for s, _ in random.sample(memory.memory, 1)])
+    policy(batch).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_replay_memorys_placeholder_append_is_not_the_line_named(tmp_path):
+    """Sweep CB: the DQN tutorial's ``push`` appends ``None`` as a placeholder, then stores
+    the transition at its position; the placeholder's line was named, and the fix read
+    ``memory.memory.append(None.detach().cpu())``."""
+    script = tmp_path / "dqn.py"
+    script.write_text(REPLAY_MEMORY)
+    line = REPLAY_MEMORY.splitlines().index("        self.memory[self.position] = (state, reward)")
+    report = run_script(script, (), device="cpu", budget="16MiB").report
+    (leak,) = report.leaks
+    assert leak.suspects[0].where == f"dqn.py:ReplayMemory.push():{line + 1}"
+    assert not any("None." in a.action for a in report.advice)

@@ -243,6 +243,8 @@ def _stored(top: LeakSuspect) -> str:
     expr = next(g for g in found.groups() if g is not None).strip()
     if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\(\))?(?:\.\w+\(\))*", expr):
         return "x"
+    if expr in ("None", "True", "False"):  # (sweep CB: `None.detach().cpu()`)
+        return "x"
     return re.sub(r"(?:\.(?:detach|clone|cpu)\(\))+$", "", expr) or "x"
 
 

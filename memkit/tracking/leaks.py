@@ -883,6 +883,10 @@ def _code_only(lines: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("".join(chars) for chars in masked)
 
 
+_LITERAL = re.compile(r"\s*(?:None|True|False|-?\d[\w.]*|'[^']*'|\"[^\"]*\")\s*\)?\s*$")
+"""What a line stores when it is a literal: ``None)`` of ``self.memory.append(None)``."""
+
+
 def _best_lines(
     lines: list[str], start: int, assign: str, bare: str, graph: bool = True
 ) -> tuple[int, list[int]] | None:
@@ -908,6 +912,8 @@ def _best_lines(
             rank = 4
         if (_TO_NUMBER if graph else _NUMBER).search(rest):
             rank += 1
+        if _LITERAL.match(rest):  # a placeholder stored (the PyTorch DQN tutorial's
+            rank += 5  # ``self.memory.append(None)`` before ``self.memory[i] = ...``: sweep CB)
         kept = graph or ".detach()" not in rest  # tensors without a graph: detached there
         # of the lines that build it on itself, the last: a detaching helper comes before
         # the model's call in a loop (``h = repackage(h)``, then ``y, h = model(x, h)``)
