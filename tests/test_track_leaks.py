@@ -12,9 +12,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import memkit
 from memkit.tracking import TrackReport, track
 from memkit.tracking.run import run_script
 from memkit.units import format_size
+
+MiB = 1 << 20
 
 
 def actor_critic(episodes: tuple[int, ...], kept: list[torch.Tensor] | None) -> TrackReport:
@@ -1302,3 +1305,38 @@ def test_a_replay_memorys_placeholder_append_is_not_the_line_named(tmp_path):
     (leak,) = report.leaks
     assert leak.suspects[0].where == f"dqn.py:ReplayMemory.push():{line + 1}"
     assert not any("None." in a.action for a in report.advice)
+
+
+def test_a_rollout_buffer_the_steps_index_is_named_with_its_bytes():
+    """Sweep CB: CleanRL's PPO fills a rollout buffer between updates and indexes a minibatch
+    out of it for every optimizer step; the simulated device left its 8 MiB out (on a GPU it
+    is there) and only a generic note said so. The note names it, with its bytes: the peak
+    plus them is what the whole loop holds under a plain simulate."""
+
+    def ppo(track_it: bool) -> tuple[int, list[str]]:
+        torch.manual_seed(0)
+        agent = nn.Sequential(nn.Linear(1024, 64), nn.Tanh(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(agent.parameters(), lr=3e-4)
+        block = track(device="cpu", budget="64MiB", postmortem=None) if track_it else None
+        sim = memkit.simulate("64MiB") if not track_it else None
+        with block or sim as watch:  # type: ignore[union-attr]
+            obs = torch.zeros(128, 16, 1024)  # num_steps x num_envs x obs_dim: 8 MiB
+            for _ in range(2):
+                with torch.no_grad():
+                    for step in range(128):
+                        obs[step] = torch.randn(16, 1024)
+                flat = obs.reshape(-1, 1024)
+                for mb in torch.randperm(2048).split(512):
+                    agent(flat[mb]).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        if track_it:
+            report = watch.report()
+            return report.devices[0].peak_allocated, list(report.notes)
+        return watch.peak, []
+
+    peak, notes = ppo(True)
+    (note,) = [n for n in notes if "the script holds tensors it did not count" in n]
+    assert "`obs` (8.00 MiB)" in note
+    whole, _ = ppo(False)
+    assert peak + 8 * MiB == pytest.approx(whole, abs=64 * 1024)

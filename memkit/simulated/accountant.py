@@ -493,6 +493,10 @@ class MemoryAccountant(TorchDispatchMode):
         self._partial.add(id(storage))
         return tensor, counted_bytes(own, self.rounding)
 
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is counted now (whole, or as a view's elements)."""
+        return id(tensor.untyped_storage()) in self._live
+
     def _stored(self, ref: weakref.ref[Any]) -> torch.UntypedStorage | None:
         """The storage a live entry counts (a view's, for a view counted by its elements)."""
         held = ref()

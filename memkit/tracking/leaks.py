@@ -778,6 +778,30 @@ def compiled_in_frames(start: FrameType | None, optimizers: list[Any]) -> str | 
     return None
 
 
+def uncounted_tensors(
+    start: FrameType | None, counted: Callable[[Any], bool], least: int = 1 << 20
+) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of the tensors of ``least`` bytes or more in the user frames from
+    ``start`` outwards (as a leak scan sees them) whose storage ``counted`` says the
+    simulated device does not count, largest first: a dataset in host memory, or a buffer
+    the script makes between steps and indexes in them (a PPO rollout's)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    found: dict[int, tuple[str, int]] = {}
+    for frame in _user_frames(start):
+        for name, value, _ in _frame_values(frame, torch):
+            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+                continue
+            if value.is_meta:
+                continue
+            storage = value.untyped_storage()
+            size, ptr = int(storage.nbytes()), storage.data_ptr()
+            if size >= least and ptr not in found and not counted(value):
+                found[ptr] = (name, size)
+    return sorted(found.values(), key=lambda f: -f[1])
+
+
 def _compiled_function(name: str, value: Any) -> bool:
     """Whether ``value`` is a ``torch.compile``'d function: not Dynamo's own
     ``__compiled_fn_N`` in a module's globals, not a ``@torch.compiler.disable``'d one (which

@@ -38,6 +38,7 @@ from memkit.tracking.leaks import (
     growth_finding,
     optimizers_in_frames,
     tensors_within,
+    uncounted_tensors,
 )
 from memkit.tracking.models import TrackedModels, replaces
 from memkit.tracking.records import (
@@ -756,6 +757,8 @@ class PhaseMachine:
             )
         if state.step == 0 and devices.sim is not None:
             self._compiled_ran_eagerly(frame)
+        elif state.step == 2 and devices.sim is not None and frame is not None:
+            self._look_for_uncounted(frame)
         now = time.perf_counter()
         growing: list[DeviceRecord] = []
         # backward passes before one optimizer step (without an optimizer: all of the step's)
@@ -1039,6 +1042,20 @@ class PhaseMachine:
                 eager_note("the simulated device (a TorchDispatchMode)", "on a GPU")
                 + f" (found: `{name}`)"
             )
+
+    def _look_for_uncounted(self, frame: Any) -> None:
+        """Step 2 ends on the simulated device: the tensors of 1 MiB or more the script holds
+        that it does not count (sweep CB: a PPO's 8 MiB rollout buffer, indexed for every
+        minibatch, left out, and only a generic note said so); looked for once."""
+        sim = self.devices.sim
+        if sim is None:
+            return
+        try:
+            found = uncounted_tensors(frame, sim.accountant.counts)
+        except Exception:  # inspection must never break training
+            log.debug("uncounted tensor search failed", exc_info=True)
+            return
+        self.evidence.facts.uncounted = tuple(found[:4])
 
     def first_step_failed(self) -> None:
         """The block ends with an OOM before any optimizer stepped, though the script has one:

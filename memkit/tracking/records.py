@@ -123,6 +123,9 @@ class RunFacts:
     # a graph a backward(retain_graph=True) ran through, still saving tensors after a later
     # backward: (the step, the bytes, the variables holding it)
     retained_held: tuple[int, int, tuple[str, ...]] | None = None
+    # on the simulated device, (name, bytes) of tensors of 1 MiB or more in the script's frames
+    # it does not count, looked for once at step 2's start (a dataset, a rollout buffer)
+    uncounted: tuple[tuple[str, int], ...] = ()
     dp_output_bytes: int = 0  # the largest output DataParallel gathered
     dp_layout: tuple[tuple[int, ...], int] | None = None  # its device_ids and output device
     # the trainer's settings, told by a framework callback (Tracker.trainer_settings) before

@@ -577,6 +577,8 @@ class Tracker:
             past = self._past_budget_note()
             if past is not None:
                 later_notes.append(past)
+            if facts.uncounted and self.devices.sim is not None:
+                later_notes.append(_uncounted_note(str(self.devices.sim.device), facts.uncounted))
             if state.fsdp is not None:
                 later_notes.append(_fsdp_note(state.fsdp))
             if state.step == 0 and facts.eval_forwards and not state.trained:
@@ -809,4 +811,17 @@ def _fsdp_note(units: FsdpUnits) -> str:
         f"are this rank's shards (1/{ranks} of each, padded to a multiple of {ranks} rows); "
         "'all-gathered parameters' are the units it unsharded at that moment, each gathered "
         f"whole for its forward and again for its backward{unit}{policy}"
+    )
+
+
+def _uncounted_note(device: str, found: tuple[tuple[str, int], ...]) -> str:
+    """The tensors the script holds that the simulated device did not count (sweep CB: a
+    PPO's 8 MiB rollout buffer left out, and a budget passed a setting needing 1.5x it)."""
+    names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in found)
+    total = format_size(sum(size for _, size in found))
+    return (
+        f"{device}: the script holds tensors it did not count: {names}: made outside the "
+        "steps (before the block, or between steps: a dataset in host memory, rightly left "
+        "out; an RL rollout or replay buffer, which on a GPU lives on the device). Where "
+        f"they live on the GPU, add them ({total}) to these peaks"
     )
