@@ -20,6 +20,7 @@ from torch import nn
 import memkit
 from memkit import advice as A
 from memkit.advice.accumulation import exact_split, plan_accumulation
+from memkit.advice.leaks import graph_retained_advice
 from memkit.advice.probe import accumulation_advice
 from memkit.advice.track import eval_peak, measured_advice, track_advice
 from memkit.oom import parse_oom_message
@@ -29,6 +30,7 @@ from memkit.tracking.report import (
     Breakdown,
     DeviceReport,
     LeakFinding,
+    LeakSuspect,
     StepRecord,
     TrackReport,
     TrainingSetup,
@@ -1175,3 +1177,19 @@ def test_probe_state_grows_in_an_evaluation_speaks_of_what_it_keeps_not_of_train
     infer = state_still_grows(48, 16, 8 << 20, 0, mode="infer")
     assert "Evaluate with less" in infer.action and "LBFGS" not in infer.action
     assert "Train with less" in state_still_grows(48, 16, 8 << 20, 0).action
+
+
+def test_a_list_of_tensors_of_varying_sizes_is_never_more_than_its_growth():
+    """Sweep CB: REINFORCE episodes' log-probs (10 to 60 of them) kept with their graphs: the
+    scans' estimate of the list's bytes a step (786 B) came out above the growth measured
+    (141 B), and the advice said "786 B of the 141 B it grew by"."""
+    top = LeakSuspect(
+        name="logp_history", function="finish_episode", filename="reinforce.py", line=91,
+        code="logp_history.append(torch.cat(policy.saved_log_probs))", kind="container",
+        graph_nodes=60, growing=True, item_shape=(60,), item_bytes=240, bytes_per_step=786,
+    )  # fmt: skip
+    leak = LeakFinding(device="cpu", growth_per_step=141, first_step=2, steps=36,
+                       suspects=(top,), grown_bytes=36 * 141)  # fmt: skip
+    (adv,) = graph_retained_advice([leak])
+    assert "are about 141 B of the 141 B it grew by" in adv.evidence
+    assert "`logp_history.append(torch.cat(policy.saved_log_probs).detach().cpu())`" in adv.action

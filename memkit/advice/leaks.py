@@ -241,8 +241,8 @@ def _stored(top: LeakSuspect) -> str:
     if found is None:
         return "x"
     expr = next(g for g in found.groups() if g is not None).strip()
-    if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\(\))?(?:\.\w+\(\))*", expr):
-        return "x"
+    if not re.fullmatch(r"[A-Za-z_][\w.]*(?:\([\w.\[\]:*\s-]*\))?(?:\.\w+\(\))*", expr):
+        return "x"  # (a call of names is quoted: `torch.cat(policy.saved_log_probs)`)
     if expr in ("None", "True", "False"):  # (sweep CB: `None.detach().cpu()`)
         return "x"
     return re.sub(r"(?:\.(?:detach|clone|cpu)\(\))+$", "", expr) or "x"
@@ -288,12 +288,14 @@ def _graph_retained(leak: LeakFinding, top: LeakSuspect, growth: str, names: str
         action = f"Store numbers, not graphs: {_store(top, f'`{x}.item()`')} (or `{x}.detach()`). "
         action += "Use `torch.no_grad()` for code that only logs."
     else:  # tensors of their own size: detaching keeps their bytes
-        tensors = top.bytes_per_step
+        # (the scans' estimate of a list of tensors of varying sizes can pass the growth
+        # measured: sweep CB's episodes' log-probs, "786 B of the 141 B")
+        tensors = min(top.bytes_per_step, rate) if top.bytes_per_step else 0
         graph = max(0, rate - tensors) if tensors else None
         shape = format_shape(top.item_shape)
         own = (
-            f" The {shape} tensors themselves are {format_size(tensors)} of the "
-            f"{format_size(rate)} it grew by per step."
+            f" The tensors themselves (the last a {shape} one) are about {format_size(tensors)} "
+            f"of the {format_size(rate)} it grew by per step."
             if tensors
             else ""
         )
