@@ -4181,3 +4181,36 @@ def test_tracker_step_after_each_optimizer_step_counts_each_iteration_once():
         report = tracker.report()
         assert report.steps == 5 == len(report.devices[0].steps), evaluate
         assert report.step_rule == "manual"
+
+
+def test_an_lstm_fed_packed_sequences_has_its_backward_attributed_to_it():
+    """Sweep CA: an LSTM's output is ``(PackedSequence, (h, c))``; no backward hook was put
+    on it, and its backward (most of the step's memory) was labelled with the head called
+    before it (``fc``): the timeline and the OOM's module said ``backward of fc``."""
+    torch.manual_seed(0)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 32)
+            self.lstm = nn.LSTM(32, 64, batch_first=True)
+            self.fc = nn.Linear(64, 4)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(
+                self.emb(x), lengths, batch_first=True, enforce_sorted=False
+            )
+            _, (h, _) = self.lstm(packed)
+            return self.fc(h[-1])
+
+    model = Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            lengths = torch.randint(50, 200, (16,))
+            out = model(torch.randint(0, 100, (16, 200)), lengths)
+            nn.functional.cross_entropy(out, torch.randint(0, 4, (16,))).backward()
+            opt.step()
+            opt.zero_grad()
+    bd = tracker.report().devices[0].breakdown
+    assert bd is not None and bd.phase == "backward" and bd.module == "lstm"

@@ -968,12 +968,12 @@ class Hooks:
             if t is not None and t.requires_grad:
                 last = calls.hooked
                 if last is None or last() is not t:
-                    node = t.grad_fn
-                    if node is not None:  # a node pre-hook: half the cost of a tensor hook
-                        node.register_prehook(bw)
-                    else:
-                        t.register_hook(bw)
+                    _hook_backward(t, bw)
                     calls.hooked = weakref.ref(t)
+            elif t is None:  # an RNN's (PackedSequence(data, ...), (h, c)): each part's
+                for part in _nested_firsts(output):  # first tensor (sweep CA: the LSTM's
+                    if part.requires_grad:  # backward was put on the head before it)
+                        _hook_backward(part, bw)
         dev.timeline.append((_clock() - state.t0, step, state.phase, name, a, r))
         dev.events += 1
 
@@ -1422,6 +1422,23 @@ def _running_calls(frame: types.FrameType | None) -> collections.Counter[int]:
             running[id(frame.f_locals.get("self"))] += 1
         frame = frame.f_back
     return running
+
+
+def _hook_backward(t: torch.Tensor, hook: Any) -> None:
+    """``hook`` runs when backward reaches ``t``'s gradient."""
+    node = t.grad_fn
+    if node is not None:  # a node pre-hook: half the cost of a tensor hook
+        node.register_prehook(hook)
+    else:
+        t.register_hook(hook)
+
+
+def _nested_firsts(value: Any) -> list[torch.Tensor]:
+    """The first tensor of each tuple in a tuple output (an RNN's packed output's ``data``
+    and its ``h``), for an output with no tensor of its own at the top."""
+    if not isinstance(value, (tuple, list)):
+        return []
+    return [v[0] for v in value if isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor)]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
