@@ -404,7 +404,15 @@ def test_a_storage_grown_in_place_past_the_budget_is_refused_with_its_growth_unc
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 MiB"):
             t.resize_(1024 + 512 * 1024)
         assert acct.current == before and acct.peak == before
+        t.fill_(0)  # the op ran (the tensor is grown): counted now, not refused at every use
         del t
         u = torch.empty(1024)
         u.resize_(2048)  # within the budget: counted
-        assert acct.current == before + 1024 * 4
+        assert acct.current == 2 * 1024 * 4
+        # a storage grown outside any op, seen by one op's several views: once (review)
+        w = torch.empty(4, 1024)
+        w.untyped_storage().resize_(64 * 1024)
+        parts = w.unbind(0)
+        assert acct.current == 2 * 1024 * 4 + 64 * 1024
+        del parts, w
+        assert acct.current == 2 * 1024 * 4

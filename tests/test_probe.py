@@ -2113,6 +2113,9 @@ def test_prefetch_answers_for_a_trainer_that_holds_all_its_micro_batches():
     with pytest.raises(ConfigError, match="--accumulate K"):
         probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True,
               target_batch=64)  # fmt: skip
+    with pytest.raises(ConfigError, match="--mode train only"):  # (review: it changed the
+        probe(_image_net(), _images, device="cpu", budget="16MiB", prefetch=True,
+              mode="infer")  # fmt: skip  # answer of an inference probe unsaid)
 
 
 def test_prefetch_without_accumulation_holds_the_last_batch_while_the_next_is_made():

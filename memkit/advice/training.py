@@ -164,6 +164,8 @@ def mixed_precision(
     bound = ""
     kept32 = ""
     cached = wide if cached_weight_bytes is None else min(wide, cached_weight_bytes)
+    if wrapper == "fsdp":  # FSDP2's policy gathers half copies in place of the float32 ones:
+        cached = 0  # no autocast cache beside them (review: 11.16 MiB promised, 13.17 saved)
     frozen = ""
     if saving_bytes is None:
         halved = max(0, activation_bytes - float32_bytes - temporary_bytes)

@@ -153,6 +153,8 @@ class ProbeOptions(SearchOptions):
             raise ConfigError(f"accumulation must be at least 1, found {self.accumulation}")
         if self.accumulation not in (None, 1) and self.mode != "train":
             raise ConfigError("gradient accumulation applies to --mode train only")
+        if self.prefetch and self.mode != "train":
+            raise ConfigError("--prefetch (prefetch=True) applies to --mode train only")
         if self.prefetch and self.accumulation is None and self.target_batch is not None:
             # (not with --target-batch alone: the K micro-batches held are the advice's own
             # choice, and the advice's K changes with the answer: review)

@@ -268,7 +268,10 @@ def probe(
             ``loss = model(x).loss`` (transformers' ``Trainer``) does.
         prefetch: the accumulating script fetches all of an optimizer step's micro-batches
             onto the device before running them (transformers 5's ``Trainer`` with
-            ``gradient_accumulation_steps``): the trials hold them so.
+            ``gradient_accumulation_steps``): the trials hold them so; without accumulation,
+            the script makes each batch before letting the last go (``batch =
+            buffer.sample(n)`` on the device): the trials hold the last while the next is
+            made.
 
     Inside an initialised process group every rank must call ``probe`` with the same options:
     each probes its own device, the ranks agree after every trial (a size fits only if it fits

@@ -342,6 +342,7 @@ class MemoryAccountant(TorchDispatchMode):
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
         # storages counted as a view's own elements, while that view lives (_input_entry)
         self._partial: set[int] = set()
+        self._refused: set[int] = set()  # storages whose growth in place was refused
         self._inputs: set[int] = set()  # storages counted as batches reaching the model
         self._freed = self._ref_freed  # one bound method for every storage's weak reference
         self._current = 0
@@ -505,6 +506,8 @@ class MemoryAccountant(TorchDispatchMode):
     def _on_free(self, key: int, _ref: object = None) -> None:
         if self._partial:
             self._partial.discard(key)
+        if self._refused:
+            self._refused.discard(key)
         with self._lock:
             self._inputs.discard(key)
             entry = self._live.pop(key, None)
@@ -644,10 +647,11 @@ class MemoryAccountant(TorchDispatchMode):
     # -- the dispatch hook ------------------------------------------------------------------
     def _scan(
         self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
-    ) -> tuple[dict[int, tuple[Any, int]] | None, list[tuple[int, Any, Any]] | None]:
+    ) -> tuple[dict[int, tuple[Any, int]] | None, dict[int, tuple[Any, Any]] | None]:
         """Storages an op's outputs (or first-seen inputs) add (``None``: none), and the live
-        storages resized in place (``(key, entry, storage)``; ``None``: none), which the
-        caller counts once the budget allows them.
+        storages resized in place (key -> ``(entry, storage)``, each once however many
+        outputs view it: review; ``None``: none), which the caller counts once the budget
+        allows them.
 
         The per-op cost of the simulated device, so written for speed: one pass over the
         outputs and, while adopting, one over the inputs; a plain tensor's storage read inline
@@ -657,7 +661,7 @@ class MemoryAccountant(TorchDispatchMode):
         live = self._live
         plain_cpu = self._on_cpu
         new: dict[int, tuple[Any, int]] | None = None
-        resized: list[tuple[int, Any, Any]] | None = None
+        resized: dict[int, tuple[Any, Any]] | None = None
         adopting = self.adopting
         read: set[int] | None = None  # storages of the inputs, when not adopting
         storage: torch.UntypedStorage | None
@@ -696,8 +700,8 @@ class MemoryAccountant(TorchDispatchMode):
                 and key not in self._partial
             ):
                 if resized is None:
-                    resized = []
-                resized.append((key, entry, storage))
+                    resized = {}
+                resized[key] = (entry, storage)
         if not adopting:
             return new, resized
         # Inputs first seen now (created before the mode, e.g. the batch) are live on the
@@ -785,9 +789,17 @@ class MemoryAccountant(TorchDispatchMode):
         # a storage grown in place (resize_, an out= op, FSDP2's alloc_storage seen through
         # storage_resizes) is a request of its growth: refused past the budget, uncounted
         # (sweep CC: 'Tried to allocate 0 B', the growth already counted past the budget)
-        for _, entry, storage in resized or ():
-            added += self._size(storage) - entry[1]
-        if self.budget is not None and added > 0 and self._current + added > self.budget:
+        refused = 0  # growth of a storage whose growth was refused before: counted (the op
+        for key, (entry, storage) in (resized or {}).items():  # ran; on a GPU it would not
+            grown = self._size(storage) - entry[1]  # have: refusing it again would fail
+            added += grown  # every later op on the tensor: review)
+            if key in self._refused:
+                refused += grown
+        if (
+            self.budget is not None
+            and added - refused > 0
+            and self._current + added - refused > self.budget
+        ):
             self.num_ooms += 1
             self.in_use_at_oom = self._current
             if self._observer is not None:
@@ -799,12 +811,14 @@ class MemoryAccountant(TorchDispatchMode):
                         observer.out_of_memory(added, self.free or 0)
             if self._partial:  # nor counted as views
                 self._partial.intersection_update(self._live)
+            if resized:
+                self._refused.update(resized)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new
             raise torch.OutOfMemoryError(message)
-        for key, entry, storage in resized or ():
+        for key, (entry, storage) in (resized or {}).items():
             self._resized(key, entry, storage)
         if new:
             if self._adopted is not None and func is _LIFT_FRESH:

@@ -796,9 +796,9 @@ def uncounted_tensors(
     found: dict[int, tuple[str, int]] = {}
     for frame in _user_frames(start):
         for name, value, _ in _frame_values(frame, torch):
-            if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor: review)
                 continue
-            if value.is_meta:
+            if value.layout is not torch.strided or value.is_meta:
                 continue
             storage = value.untyped_storage()
             size, ptr = int(storage.nbytes()), storage.data_ptr()

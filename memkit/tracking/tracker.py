@@ -822,6 +822,7 @@ def _uncounted_note(device: str, found: tuple[tuple[str, int], ...]) -> str:
     return (
         f"{device}: the script holds tensors it did not count: {names}: made outside the "
         "steps (before the block, or between steps: a dataset in host memory, rightly left "
-        "out; an RL rollout or replay buffer, which on a GPU lives on the device). Where "
-        f"they live on the GPU, add them ({total}) to these peaks"
+        "out; an RL rollout or replay buffer, which on a GPU lives on the device) or read "
+        "only by the loss (a batch's targets, a segmentation mask: on a GPU, moved there "
+        f"with the batch). Where they live on the GPU, add them ({total}) to these peaks"
     )
