@@ -52,6 +52,13 @@ gc.unfreeze = _noting_unfreeze
 def _seed_and_collect():
     torch.manual_seed(0)
     yield
+    # accelerate's process-wide state (a Trainer's or an Accelerator's gradient accumulation)
+    # outlives a test: the next one's AcceleratedOptimizer skipped its steps (a fresh-clone CI
+    # run counted 12 steps of 3)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
     # free what a test left in reference cycles (tensors the next test's device would count);
     # then freeze the survivors, so the next collection looks only at what that test makes.
     # After a probe unfroze the heap, a collection would walk all of it (0.1-0.2 s here, and
