@@ -1280,7 +1280,7 @@ def test_a_gan_is_not_gradient_accumulation_but_accumulation_is():
             opt.zero_grad()
     accumulated = tracker.report()
     assert accumulated.steps == 3 and accumulated.micro_batches == 4
-    assert "gradient accumulation: up to 4 micro-batches" in str(accumulated)
+    assert "gradient accumulation: up to 4 backward passes per optimizer step" in str(accumulated)
     # the breakdown's step is one of the report's steps (not a micro-batch's number, counted
     # before the first optimizer step showed they were micro-batches)
     dev = accumulated.devices[0]

@@ -313,8 +313,9 @@ def report_text(report: TrackReport) -> str:
     ]
     if report.micro_batches > 1:
         lines.append(
-            f"gradient accumulation: up to {report.micro_batches} micro-batches per step; "
-            "kept/step is one micro-batch's (each backward frees its own)"
+            f"gradient accumulation: up to {report.micro_batches} backward passes per optimizer "
+            "step (micro-batches, or a loss backwarded in parts: a GAN discriminator's real "
+            "and fake halves); kept/step is one pass's (each backward frees its own)"
         )
     checkpointing = _checkpointing_line(report)
     if checkpointing:
