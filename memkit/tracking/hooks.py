@@ -1178,7 +1178,8 @@ class Hooks:
             return
         with state.lock:
             self.phases.begin_backward()
-            self.phases.backward_keeps(roots, retain)
+            if retain or self.phases.retaining:
+                self.phases.backward_keeps(roots, retain)
             facts = self.evidence.facts
             if state.backwards < _LOSS_LOOKS and facts.unsafe_loss is None:
                 facts.unsafe_loss = autocast_unsafe_loss(roots)
@@ -1189,7 +1190,8 @@ class Hooks:
             return
         with state.lock:
             self.phases.end_backward()
-            self.phases.retained_after(sys._getframe(1))
+            if self.phases.retained:  # (a backward(retain_graph=True) ran: steps 0-3)
+                self.phases.retained_after(sys._getframe(1))
 
     def _engine_begins(self) -> bool:
         """The autograd engine is entered: a backward begins there if a training forward ran
