@@ -558,3 +558,18 @@ def test_a_compiled_function_that_ran_eagerly_on_the_simulated_device_is_said(co
         train(model, opt, 2)
         log_metrics()
     assert not any(n.startswith("torch.compile") for n in plain.report().notes)
+
+
+def test_the_loss_is_looked_at_in_the_first_backward_passes_only(monkeypatch):
+    """The walk for a loss CUDA's autocast refuses (nn.BCELoss) ran at every backward: it
+    counted the backward passes of the step, not of the run (the hook-cost benchmark's
+    steady step grew from 878 to 1165 lines of memkit code)."""
+    from memkit.tracking import hooks
+
+    calls = []
+    real = hooks.autocast_unsafe_loss
+    monkeypatch.setattr(hooks, "autocast_unsafe_loss", lambda roots: calls.append(1) or real(roots))
+    model = mlp()
+    with memkit.track(device="cpu", budget="64MiB", postmortem=None):
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1), 8)
+    assert len(calls) == 3

@@ -174,6 +174,7 @@ class Hooks:
         self._look_now = False  # the step that begins looks for models (schedule_detail)
         self._looked_at = -_LOOK_EVERY  # the step look_for_models last looked at
         self._engine_wrapped = False  # backward found at the autograd engine's entry
+        self._loss_looks = 0  # backward passes whose loss was looked at (autocast_unsafe_loss)
         self._row_on = True  # the model's own row is measured on this step (a sampled one)
         self._warning_filter: Any = None
         # training forwards that raised (a script that catches an OOM and retries smaller):
@@ -1180,9 +1181,10 @@ class Hooks:
             self.phases.begin_backward()
             if retain or self.phases.retaining:
                 self.phases.backward_keeps(roots, retain)
-            facts = self.evidence.facts
-            if state.backwards < _LOSS_LOOKS and facts.unsafe_loss is None:
-                facts.unsafe_loss = autocast_unsafe_loss(roots)
+            if self._loss_looks < _LOSS_LOOKS:  # (the first passes only: no per-step cost)
+                self._loss_looks += 1
+                facts = self.evidence.facts
+                facts.unsafe_loss = facts.unsafe_loss or autocast_unsafe_loss(roots)
 
     def _end_backward(self) -> None:
         state = self.state
