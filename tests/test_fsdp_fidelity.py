@@ -45,32 +45,35 @@ MODEL = textwrap.dedent(
 
 SCENARIO = textwrap.dedent(
     """
+    import importlib
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     import memkit
-    from fidelity_fsdp_model import build, step
 
     def run(rank, args):
-        per_rank, steps = args
-        model = build()
-        for layer in model:
-            fully_shard(layer)
+        module, per_rank, steps = args
+        model_file = importlib.import_module(module)
+        model = model_file.build()
+        for block in model:
+            fully_shard(block)
         fully_shard(model)
         with memkit.simulate(None) as sim:
             sim.track(model)
-            opt = torch.optim.AdamW(model.parameters())
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             for _ in range(steps):
-                step(model, opt, per_rank)
+                model_file.step(model, opt, per_rank)
         return {"rank": dist.get_rank(), "peak": sim.peak}
     """
 )
+"""Real FSDP2 on the gloo ranks: each block and the model ``fully_shard``-ed, the model file's
+steps under a plain simulated device (no budget), AdamW over the trainable parameters."""
 
 if importlib.util.find_spec("torch.distributed.fsdp") is not None:
     rank_scenario(
         "fsdp-fidelity",
         SCENARIO,
         files={"fidelity_fsdp_model.py": MODEL},
-        args=lambda: [PER_RANK, STEPS],
+        args=lambda: ["fidelity_fsdp_model", PER_RANK, STEPS],
     )
 
 
@@ -189,36 +192,14 @@ LORA = textwrap.dedent(
     """
 )
 
-LORA_SCENARIO = textwrap.dedent(
-    """
-    import torch, torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    import memkit
-    from fidelity_lora_model import build, optimizer, step
-
-    def run(rank, args):
-        per_rank, steps = args
-        model = build()
-        for block in model:
-            fully_shard(block)
-        fully_shard(model)
-        with memkit.simulate(None) as sim:
-            sim.track(model)
-            opt = optimizer(model)
-            for _ in range(steps):
-                step(model, opt, per_rank)
-        return {"rank": dist.get_rank(), "peak": sim.peak}
-    """
-)
-
 LORA_PER_RANK = 96
 
 if importlib.util.find_spec("torch.distributed.fsdp") is not None:
     rank_scenario(
         "fsdp-lora-fidelity",
-        LORA_SCENARIO,
+        SCENARIO,
         files={"fidelity_lora_model.py": LORA},
-        args=lambda: [LORA_PER_RANK, STEPS],
+        args=lambda: ["fidelity_lora_model", LORA_PER_RANK, STEPS],
     )
 
 LORA_UNIT = (256 * 256 + 256 + 2 * 8 * 256) * 4  # a block's parameters, unsharded: 279,552 B
