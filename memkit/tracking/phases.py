@@ -162,7 +162,7 @@ class PhaseMachine:
         self.optimizer_near: bool | None = None  # an optimizer in the user's frames (once)
         self.optimizer_failed = False  # the block ran out in the first optimizer step
         self.oom_attempts = 0  # training forwards or backwards an OOM ended (caught or not)
-        self.grads_freed_between = False  # a step counted from backward passes began without
+        self.grads_freed_between = False  # a step counted from backward passes began gradless
         self.other_stepped = False  # an optimizer not the owner stepped since the boundary
         # the losses a backward(retain_graph=True) began at (steps 0-3), and whether the
         # backward running now keeps its graph (retain-graph-held)
