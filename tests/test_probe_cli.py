@@ -680,3 +680,34 @@ def test_a_nan_from_a_statistic_over_a_batch_of_one_says_to_start_at_2():
     started = run(model, "--device", "cpu", "--budget", "16MiB", "--min-batch", "2",
                   "--max-batch", "4")  # fmt: skip
     assert started.exit_code == 0, started.output
+
+
+REPLAY_MODEL = """
+import collections, random, torch
+
+observations = torch.zeros(600, 1024)  # a replay buffer kept as the model file's globals
+transitions = collections.deque(
+    ((torch.zeros(1024), torch.zeros(1024)) for _ in range(300)), maxlen=300
+)
+
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def make_batch(n):
+    return observations[torch.randint(0, 600, (n,))]
+"""
+
+
+def test_a_replay_buffer_held_outside_the_model_is_named_with_its_bytes(tmp_path):
+    """Sweep CD: a DQN model file's replay buffer as globals (a tensor, or a deque of
+    transitions) was counted nowhere and no line said so: the answer 1863 where its loop,
+    the buffer on the device, fits 1563."""
+    path = tmp_path / "dqn.py"
+    path.write_text(REPLAY_MODEL)
+    result = run(str(path), "--device", "cpu", "--budget", "8MiB", "--max-batch", "64", "--json")
+    assert result.exit_code == 0, result.output
+    said = [d for d in json.loads(result.stdout)["defaults"] if d.startswith("held outside")]
+    assert len(said) == 1
+    assert "`observations` (2.34 MiB)" in said[0] and "`transitions` (2.34 MiB)" in said[0]

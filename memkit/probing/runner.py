@@ -11,6 +11,7 @@ process group every rank probes its own device and the ranks agree after each tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -19,6 +20,7 @@ import inspect
 import itertools
 import logging
 import math
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -347,6 +349,9 @@ def probe_with(
     backend = _resolve_backend(model, device, budget)
     checked, varying, per_sample, lengths = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
+    outside = _held_outside(make_batch, model)
+    if outside:
+        defaults.append(_outside_note(outside))
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
     if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
@@ -793,6 +798,59 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
             f"make_batch cannot be called as {call}: its signature is {signature} ({error}); "
             f"define {call}{other}"
         ) from error
+
+
+def _held_outside(make_batch: Callable[..., Any], model: torch.nn.Module) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of what ``make_batch``'s module holds of 1 MiB or more outside the
+    model, in tensors: its globals, the attributes of its own objects (``rb.obs``), lists and
+    deques of tensors or of tuples of them (a replay buffer's transitions); largest first.
+    Sweep CD: a DQN model file's replay buffer as globals was counted nowhere, the answer
+    1863 where its loop, the buffer on the device, fits 1563."""
+    scope = getattr(inspect.unwrap(make_batch), "__globals__", None)
+    if not isinstance(scope, dict):
+        return []
+    weights = {
+        t.untyped_storage().data_ptr()
+        for t in itertools.chain(model.parameters(), model.buffers())
+        if type(t) in (torch.Tensor, torch.nn.Parameter)
+    }
+    found: list[tuple[str, int]] = []
+    for name, value in list(scope.items()):
+        if name.startswith("_") or isinstance(value, (type, types.ModuleType)) or callable(value):
+            continue
+        parts = [(name, value)]
+        if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+            parts = [(f"{name}.{k}", v) for k, v in list(vars(value).items())[:50]]
+        for label, held in parts:
+            size = _tensor_bytes(held, weights)
+            if size >= 1 << 20:
+                found.append((label, size))
+    return sorted(found, key=lambda f: -f[1])[:4]
+
+
+def _tensor_bytes(value: Any, weights: set[int]) -> int:
+    """Bytes of the plain tensors in ``value``: a tensor, or a list, deque or tuple of them or
+    of tuples of them (one level in), each storage once; the model's own left out."""
+    items = value if isinstance(value, (list, tuple, collections.deque)) else [value]
+    seen: dict[int, int] = {}
+    for item in itertools.islice(items, 100_000):
+        for t in item if isinstance(item, tuple) else (item,):
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in weights:
+                    seen[ptr] = int(storage.nbytes())
+    return sum(seen.values())
+
+
+def _outside_note(found: list[tuple[str, int]]) -> str:
+    names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in found)
+    return (
+        f"held outside the model: {names}, tensors make_batch's module keeps (a replay "
+        "buffer, a dataset): the trials do not count them. Where the script keeps them on the "
+        "device, register them on the model (`model.register_buffer(...)` in build_model) "
+        "to have the probe count them, or take their bytes off the device's size"
+    )
 
 
 def _check_batches(
