@@ -1193,3 +1193,16 @@ def test_a_list_of_tensors_of_varying_sizes_is_never_more_than_its_growth():
     (adv,) = graph_retained_advice([leak])
     assert "are about 141 B of the 141 B it grew by" in adv.evidence
     assert "`logp_history.append(torch.cat(policy.saved_log_probs).detach().cpu())`" in adv.action
+
+
+def test_a_stored_class_instance_is_not_told_to_detach():
+    """Sweep CD: the DQN tutorial stores ``Transition(*args)`` (a namedtuple): the fix read
+    ``memory.memory[key] = Transition(*args).detach().cpu()``, which raises."""
+    from memkit.advice.leaks import _stored
+
+    def suspect(code: str) -> LeakSuspect:
+        return LeakSuspect(name="memory.memory", function="push", filename="dqn.py", line=14,
+                           code=code, kind="container", graph_nodes=0, growing=True)  # fmt: skip
+
+    assert _stored(suspect("self.memory[self.position] = Transition(*args)")) == "x"
+    assert _stored(suspect("self.memory.append(torch.cat(parts))")) == "torch.cat(parts)"

@@ -245,6 +245,9 @@ def _stored(top: LeakSuspect) -> str:
         return "x"  # (a call of names is quoted: `torch.cat(policy.saved_log_probs)`)
     if expr in ("None", "True", "False"):  # (sweep CB: `None.detach().cpu()`)
         return "x"
+    callee = expr.split("(", 1)[0].rsplit(".", 1)[-1]
+    if "(" in expr and callee[:1].isupper():  # a class made there (a namedtuple Transition:
+        return "x"  # `.detach()` on it raises: sweep CD)
     return re.sub(r"(?:\.(?:detach|clone|cpu)\(\))+$", "", expr) or "x"
 
 

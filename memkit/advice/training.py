@@ -1156,8 +1156,9 @@ def retain_graph_held(
         ),
         action=(
             "Detach what the retained backward does not need (`netD(fake.detach())` for the "
-            "discriminator's step) and drop `retain_graph=True`; or `del` the loss after its "
-            "last backward."
+            "discriminator's step) and drop `retain_graph=True`; or, after its last backward, "
+            "drop every variable that holds that graph (the loss and what was built from it: "
+            "`errD = errD_real + errD_fake` holds it too)."
         ),
         saving_bytes=extra,
         severity="warning",

@@ -243,6 +243,8 @@ class GrowthDetector:
         # steady growth: the average over the steps; a staircase: its typical rise (the
         # first can carry one-off allocations too) over its period
         per_step = grown // steps if period == 1 else _typical(bytes_of) // period
+        if steps and per_step * steps > grown * 1.1:  # stairs of varying height: the typical
+            per_step = grown // steps  # one said more than the whole climb (sweep CD)
         self.finding = (per_step, first_step, steps)
         self.grown = grown
         self.period = period
