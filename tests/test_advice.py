@@ -432,6 +432,15 @@ def test_oom_optimizer_state_names_what_takes_sparse_gradients():
                                                                   sharding=(2, None))))  # fmt: skip
     assert "it is FSDP2's 1/2 shard already, and 4 ranks halve it again" in fsdp.action
     assert "ZeroRedundancyOptimizer" not in fsdp.action
+    # the precision remedy a post-mortem offers: FSDP2's policy, none under a bf16 one (CD)
+
+    def precision(sharding: Any) -> str:
+        setup = TrainingSetup(param_dtype="float32", sharding=sharding)
+        return A.oom._precision_option(SimpleNamespace(setup=setup, autocast_forwards=0,
+                                                       breakdown=None))  # fmt: skip
+
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in precision((2, None))
+    assert precision((2, "bfloat16")) == "" and "autocast" in precision(None)
 
 
 def test_activation_checkpointing_names_the_blocks_and_stays_silent_without_pressure():

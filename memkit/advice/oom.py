@@ -318,8 +318,14 @@ def _precision_option(pm: OomPostMortem) -> str:
         return ""  # a training forward ran under torch.autocast: mixed precision already
     if setup is not None and setup.forward_autocast is not None:
         return ""  # the forward already runs under autocast (accelerate's mixed precision)
-    if setup is not None and setup.sharding is not None and setup.sharding[1]:
-        return ""  # FSDP2's MixedPrecisionPolicy computes in 16 bits already (sweep CC)
+    if setup is not None and setup.sharding is not None:
+        if setup.sharding[1]:
+            return ""  # FSDP2's MixedPrecisionPolicy computes in 16 bits already (sweep CC)
+        if dtype in (None, "float32"):  # (sweep CD: autocast named to an FSDP2 user)
+            return (
+                "; or compute in bf16 with FSDP2's policy (`fully_shard(..., mp_policy="
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16))`)"
+            )
     narrow = 0 if setup is None else setup.narrow_weight_bytes or 0
     if pm.breakdown is not None and 2 * narrow > pm.breakdown.parameters:
         return ""  # mostly bf16/int8 weights (a LoRA base): low precision already
