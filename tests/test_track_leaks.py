@@ -1340,3 +1340,24 @@ def test_a_rollout_buffer_the_steps_index_is_named_with_its_bytes():
     assert "`obs` (8.00 MiB)" in note
     whole, _ = ppo(False)
     assert peak + 8 * MiB == pytest.approx(whole, abs=64 * 1024)
+
+
+def test_a_replay_deque_of_small_transitions_is_named_too():
+    """Sweep CD: a DQN's replay buffer as a deque of (obs, next_obs) tensors, each far under
+    1 MiB, was not named by the uncounted-tensor note (5.84 MiB reported, 9.20 held)."""
+    import collections
+
+    torch.manual_seed(0)
+    qnet = nn.Sequential(nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(qnet.parameters())
+    with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+        replay = collections.deque(maxlen=1000)
+        for _ in range(300):
+            replay.append((torch.randn(1024), torch.randn(1024)))
+        for _ in range(4):
+            obs = torch.stack([o for o, _ in list(replay)[:64]])
+            qnet(obs).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    (note,) = [n for n in tracker.report().notes if "did not count" in n]
+    assert f"`replay` ({format_size(300 * 2 * 1024 * 4)})" in note

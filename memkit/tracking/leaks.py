@@ -788,25 +788,35 @@ def compiled_in_frames(start: FrameType | None, optimizers: list[Any]) -> str | 
 def uncounted_tensors(
     start: FrameType | None, counted: Callable[[Any], bool], least: int = 1 << 20
 ) -> list[tuple[str, int]]:
-    """``(name, bytes)`` of the tensors of ``least`` bytes or more in the user frames from
-    ``start`` outwards (as a leak scan sees them) whose storage ``counted`` says the
-    simulated device does not count, largest first: a dataset in host memory, or a buffer
-    the script makes between steps and indexes in them (a PPO rollout's)."""
+    """``(name, bytes)`` of what the user frames from ``start`` outwards (as a leak scan sees
+    them) hold of ``least`` bytes or more in tensors whose storage ``counted`` says the
+    simulated device does not count, largest first: a tensor, or a list, deque or tuple of
+    them or of tuples of them (a replay buffer's transitions: sweep CD); a dataset in host
+    memory, or a buffer the script makes between steps and indexes in them (a PPO
+    rollout's)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    found: dict[int, tuple[str, int]] = {}
+    seen: set[int] = set()
+    found: list[tuple[str, int]] = []
     for frame in _user_frames(start):
         for name, value, _ in _frame_values(frame, torch):
-            if type(value) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor: review)
-                continue
-            if value.layout is not torch.strided or value.is_meta:
-                continue
-            storage = value.untyped_storage()
-            size, ptr = int(storage.nbytes()), storage.data_ptr()
-            if size >= least and ptr not in found and not counted(value):
-                found[ptr] = (name, size)
-    return sorted(found.values(), key=lambda f: -f[1])
+            items = value if isinstance(value, (list, tuple, collections.deque)) else (value,)
+            size = 0
+            for item in itertools.islice(items, 100_000):
+                for t in item if isinstance(item, tuple) else (item,):
+                    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor)
+                        continue
+                    if t.layout is not torch.strided or t.is_meta:
+                        continue
+                    storage = t.untyped_storage()
+                    ptr = storage.data_ptr()
+                    if ptr not in seen and not counted(t):
+                        seen.add(ptr)
+                        size += int(storage.nbytes())
+            if size >= least:
+                found.append((name, size))
+    return sorted(found, key=lambda f: -f[1])
 
 
 def _compiled_function(name: str, value: Any) -> bool:

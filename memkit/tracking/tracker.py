@@ -824,5 +824,6 @@ def _uncounted_note(device: str, found: tuple[tuple[str, int], ...]) -> str:
         "steps (before the block, or between steps: a dataset in host memory, rightly left "
         "out; an RL rollout or replay buffer, which on a GPU lives on the device) or read "
         "only by the loss (a batch's targets, a segmentation mask: on a GPU, moved there "
-        f"with the batch). Where they live on the GPU, add them ({total}) to these peaks"
+        f"with the batch). Where they live on the GPU, add them ({total} at the end of step 2; "
+        "a buffer still filling holds more later) to these peaks"
     )
