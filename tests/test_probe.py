@@ -1609,14 +1609,17 @@ def test_an_attentions_dropout_is_said_to_keep_its_weights_on_the_cpu():
     assert "length x length" in said and "memkit.estimate runs CUDA's attention kernels" in said
     assert notes(_Encoder(0.0)) == []
 
-    def saved_bytes(model: torch.nn.Module) -> int:  # the fact the note rests on
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            model(torch.randn(2, 64, 32))
-        return sum(t.numel() * t.element_size() for t in saved)
+    torch.manual_seed(0)  # the fact the note rests on
+    x = torch.randn(2, 64, 32)
+    assert _saved_bytes(_Encoder(0.1), x) - _saved_bytes(_Encoder(0.0), x) >= 2 * 4 * 64 * 64 * 4
 
-    torch.manual_seed(0)
-    assert saved_bytes(_Encoder(0.1)) - saved_bytes(_Encoder(0.0)) >= 2 * 4 * 64 * 64 * 4
+
+def _saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors ``model``'s forward on ``x`` saves for backward."""
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(x)
+    return sum(t.numel() * t.element_size() for t in saved)
 
 
 class _Tagger(torch.nn.Module):
@@ -1647,14 +1650,9 @@ def test_an_rnns_own_dropout_between_its_layers_is_said_too():
         one_layer = _Tagger(0.3, layers=1)  # (nothing between layers to drop out)
     assert notes(_Tagger(0.0)) == [] and notes(one_layer) == []
 
-    def saved_bytes(model: torch.nn.Module) -> int:  # the fact the note rests on
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            model(torch.randn(4, 20, 16))
-        return sum(t.numel() * t.element_size() for t in saved)
-
-    torch.manual_seed(0)
-    gap_masks = saved_bytes(_Tagger(0.3)) - saved_bytes(_Tagger(0.0))
+    torch.manual_seed(0)  # the fact the note rests on
+    x = torch.randn(4, 20, 16)
+    gap_masks = _saved_bytes(_Tagger(0.3), x) - _saved_bytes(_Tagger(0.0), x)
     assert gap_masks == 2 * 4 * 20 * 32 * 4  # two float32 masks of the layers' outputs
 
 

@@ -790,11 +790,12 @@ class MemoryAccountant(TorchDispatchMode):
         # storage_resizes) is a request of its growth: refused past the budget, uncounted
         # (sweep CC: 'Tried to allocate 0 B', the growth already counted past the budget)
         refused = 0  # growth of a storage whose growth was refused before: counted (the op
-        for key, (entry, storage) in (resized or {}).items():  # ran; on a GPU it would not
-            grown = self._size(storage) - entry[1]  # have: refusing it again would fail
-            added += grown  # every later op on the tensor: review)
-            if key in self._refused:
-                refused += grown
+        if resized:  # ran; on a GPU it would not have: refusing it again would fail every
+            for key, (entry, storage) in resized.items():  # later op on the tensor: review)
+                grown = self._size(storage) - entry[1]
+                added += grown
+                if key in self._refused:
+                    refused += grown
         if (
             self.budget is not None
             and added - refused > 0
@@ -818,8 +819,9 @@ class MemoryAccountant(TorchDispatchMode):
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new
             raise torch.OutOfMemoryError(message)
-        for key, (entry, storage) in (resized or {}).items():
-            self._resized(key, entry, storage)
+        if resized:
+            for key, (entry, storage) in resized.items():
+                self._resized(key, entry, storage)
         if new:
             if self._adopted is not None and func is _LIFT_FRESH:
                 for key in new:  # torch.tensor(...): a fresh tensor, not an older one read
