@@ -11,7 +11,6 @@ process group every rank probes its own device and the ranks agree after each tr
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -75,6 +74,7 @@ from memkit.probing.trials import (
     larger_shapes,
 )
 from memkit.progress import TrialProgress
+from memkit.simulated.accountant import held_storages
 from memkit.simulated.eager import eager_note, is_compiled
 from memkit.simulated.fsdp import meta_optimizer_state, optimizer_on_meta, tensor_bytes, unit_sizes
 from memkit.units import format_names, format_size
@@ -814,6 +814,10 @@ def _held_outside(make_batch: Callable[..., Any], model: torch.nn.Module) -> lis
         for t in itertools.chain(model.parameters(), model.buffers())
         if type(t) in (torch.Tensor, torch.nn.Parameter)
     }
+
+    def model_own(t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in weights
+
     found: list[tuple[str, int]] = []
     for name, value in list(scope.items()):
         if name.startswith("_") or isinstance(value, (type, types.ModuleType)) or callable(value):
@@ -822,25 +826,12 @@ def _held_outside(make_batch: Callable[..., Any], model: torch.nn.Module) -> lis
         if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
             parts = [(f"{name}.{k}", v) for k, v in list(vars(value).items())[:50]]
         for label, held in parts:
-            size = _tensor_bytes(held, weights)
+            size = sum(
+                held_storages(held, lambda t: t.untyped_storage().data_ptr() in weights).values()
+            )
             if size >= 1 << 20:
                 found.append((label, size))
     return sorted(found, key=lambda f: -f[1])[:4]
-
-
-def _tensor_bytes(value: Any, weights: set[int]) -> int:
-    """Bytes of the plain tensors in ``value``: a tensor, or a list, deque or tuple of them or
-    of tuples of them (one level in), each storage once; the model's own left out."""
-    items = value if isinstance(value, (list, tuple, collections.deque)) else [value]
-    seen: dict[int, int] = {}
-    for item in itertools.islice(items, 100_000):
-        for t in item if isinstance(item, tuple) else (item,):
-            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided:
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in weights:
-                    seen[ptr] = int(storage.nbytes())
-    return sum(seen.values())
 
 
 def _outside_note(found: list[tuple[str, int]]) -> str:

@@ -46,11 +46,13 @@ Examples:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -71,6 +73,7 @@ __all__ = [
     "counted_bytes",
     "counting_now",
     "cuda_rounded",
+    "held_storages",
     "storages_of",
     "strided_parts",
     "tensors_of",
@@ -218,6 +221,23 @@ def counted_bytes(nbytes: int, rounding: str) -> int:
     """Bytes a storage of ``nbytes`` counts for: CUDA's 512-byte blocks with
     ``rounding="cuda"`` (:data:`cuda_rounded`), else exact."""
     return cuda_rounded(nbytes) if rounding == "cuda" else nbytes
+
+
+def held_storages(value: Any, skip: Callable[[torch.Tensor], bool]) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of the storages of the plain strided tensors in ``value``: a
+    tensor, or a list, deque or tuple of them or of tuples of them (one level in: a replay
+    buffer's transitions), the first 100,000 items; those ``skip`` names left out."""
+    items = value if isinstance(value, (list, tuple, collections.deque)) else (value,)
+    found: dict[int, int] = {}
+    for item in itertools.islice(items, 100_000):
+        for t in item if isinstance(item, tuple) else (item,):
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor, a subclass)
+                continue
+            if t.layout is not torch.strided or t.is_meta or skip(t):
+                continue
+            storage = t.untyped_storage()
+            found[storage.data_ptr()] = int(storage.nbytes())
+    return found
 
 
 def tensors_of(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:

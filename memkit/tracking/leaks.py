@@ -797,23 +797,15 @@ def uncounted_tensors(
     torch = sys.modules.get("torch")
     if torch is None:
         return []
+    from memkit.simulated.accountant import held_storages
+
     seen: set[int] = set()
     found: list[tuple[str, int]] = []
     for frame in _user_frames(start):
         for name, value, _ in _frame_values(frame, torch):
-            items = value if isinstance(value, (list, tuple, collections.deque)) else (value,)
-            size = 0
-            for item in itertools.islice(items, 100_000):
-                for t in item if isinstance(item, tuple) else (item,):
-                    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor)
-                        continue
-                    if t.layout is not torch.strided or t.is_meta:
-                        continue
-                    storage = t.untyped_storage()
-                    ptr = storage.data_ptr()
-                    if ptr not in seen and not counted(t):
-                        seen.add(ptr)
-                        size += int(storage.nbytes())
+            held = held_storages(value, counted)
+            size = sum(n for ptr, n in held.items() if ptr not in seen)
+            seen.update(held)
             if size >= least:
                 found.append((name, size))
     return sorted(found, key=lambda f: -f[1])
