@@ -260,10 +260,9 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     (written in place between its passes) changes every step: no offline outputs, and its
     weights stay float32 (bf16 would lose the small updates), so autocast for its forward."""
     assert pm.frozen_model is not None
-    name, size, updated = pm.frozen_model
+    name, size, updated, wide = pm.frozen_model
     shape = pm.input_shape
     batch = "" if shape is None else f" on an input of {format_shape(shape)}"
-    fp32 = pm.setup is None or pm.setup.param_dtype in (None, "float32", "float64")
     accumulate = (
         "No smaller batch makes it fit: the activations held were less than what it lacked "
         "(see oom-parameters)"
@@ -279,16 +278,17 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
         half = (
             "; run its forward under `torch.autocast(..., dtype=torch.bfloat16)` (its "
             "activations halve; its weights stay float32 for the update)"
-            if fp32
+            if wide
             else ""
         )
         action = f"{accumulate}{half}."
     else:
         kind = "a distillation teacher, a reference model"
         half = (
-            f"; hold it in bf16 (`.to(torch.bfloat16)`: its parameters are {format_size(size)}, "
-            "half of that saved)"
-            if fp32
+            f"; hold it in bf16 (`{name}.to(torch.bfloat16)`, its input cast to bf16 and its "
+            f"output back with `.float()`: its {format_size(size)} of parameters and the "
+            "activations of its forward halve)"
+            if wide
             else ""
         )
         offline = "compute its outputs once, offline, and load them with the batch"

@@ -335,6 +335,7 @@ class Evidence:
             "frozen_forwards": facts.frozen_forwards,
             "frozen_input_shape": facts.frozen_input,
             "frozen_peaks": dict(facts.frozen_peaks),
+            "frozen_bases": dict(facts.frozen_bases),
         }
         if facts.dp_layout is not None:
             ids, output = facts.dp_layout

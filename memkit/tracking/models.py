@@ -123,7 +123,7 @@ class TrackedModels:
         # forward function -> forward_autocast's answer (its wrapper chain is made once)
         self._autocast: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._last_autocast: tuple[weakref.ref[Any], str | None] | None = None
-        self._frozen: dict[tuple[int, int], tuple[str, int] | None] = {}
+        self._frozen: dict[tuple[int, int], tuple[str, int, int] | None] = {}
         self._versions: dict[int, int] = {}  # a frozen model's first parameter's _version
         self._updated: set[int] = set()  # frozen models seen written in place (an EMA)
 
@@ -296,15 +296,19 @@ class TrackedModels:
         self.optimizers_seen += 1
         return True
 
-    def frozen_model(self, module: torch.nn.Module, root: RootInfo) -> tuple[str, int, bool] | None:
-        """``(name, parameter bytes, updated)`` of ``module``, a model running an evaluation
-        pass, if no optimizer trains it (a distillation teacher, a DPO reference model run on
-        each training batch), else ``None`` (the trained model's validation). Before an
+    def frozen_model(
+        self, module: torch.nn.Module, root: RootInfo
+    ) -> tuple[str, int, bool, int] | None:
+        """``(name, parameter bytes, updated, bf16 saving)`` of ``module``, a model running an
+        evaluation pass, if no optimizer trains it (a distillation teacher, a DPO reference model
+        run on each training batch), else ``None`` (the trained model's validation). Before an
         optimizer is known, a model none of whose parameters requires grad. ``updated``: its
         parameters were written in place between its passes (an EMA or mean teacher, updated
         from the trained model: its outputs cannot be computed once, offline). Read once per
         model and number of parameters the optimizers known hold (``add_param_group``); the
-        in-place writes by the first parameter's version counter, at every pass."""
+        in-place writes by the first parameter's version counter, at every pass. ``bf16
+        saving``: what holding it in bf16 frees of its parameters (those wider than 2 bytes
+        a value; 0 for a model held in bf16 already)."""
         updated = self._updated_in_place(module)  # at every pass, frozen or not (yet)
         optimizers = self.all_optimizers()
         key = (id(module), sum(len(g["params"]) for o in optimizers for g in o.param_groups))
@@ -320,11 +324,17 @@ class TrackedModels:
             else:
                 frozen = not any(p.requires_grad for p in params)
             size = sum(p.numel() * p.element_size() for p in params)
-            found = (root.keys.get(id(module)) or type(module).__name__, size) if frozen else None
+            wide = sum(
+                p.numel() * (p.element_size() - 2)
+                for p in params
+                if p.is_floating_point() and p.element_size() > 2
+            )
+            name = root.keys.get(id(module)) or type(module).__name__
+            found = (name, size, wide) if frozen else None
             if len(self._frozen) > 256:
                 self._frozen.clear()
             self._frozen[key] = found
-        return None if found is None else (*found, updated)
+        return None if found is None else (found[0], found[1], updated, found[2])
 
     def _updated_in_place(self, module: torch.nn.Module) -> bool:
         """Whether ``module``'s first parameter was written in place since an earlier pass

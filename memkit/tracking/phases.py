@@ -169,7 +169,7 @@ class PhaseMachine:
         self.retained: list[weakref.ref[torch.Tensor]] = []
         self.retaining = False
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
-        self._eval_before: tuple[tuple[DeviceRecord, int | None], ...] = ()
+        self._eval_before: tuple[tuple[DeviceRecord, int | None, int], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
 
@@ -683,11 +683,13 @@ class PhaseMachine:
         if not self.frozen_segment:
             return
         self.frozen_segment = False
-        peaks = self.evidence.facts.frozen_peaks
-        for dev, earlier in self._eval_before:
+        facts = self.evidence.facts
+        peaks = facts.frozen_peaks
+        for dev, earlier, base in self._eval_before:
             peak = dev.step_phase[EVAL]
             if peak is not None and peak > peaks.get(dev.key, -1):
                 peaks[dev.key] = peak
+                facts.frozen_bases[dev.key] = base
             if earlier is not None and (peak is None or earlier > peak):
                 dev.step_phase[EVAL] = earlier
         self._eval_before = ()
@@ -710,7 +712,7 @@ class PhaseMachine:
         put back when it ends."""
         single = self.state.single
         records = (single,) if single is not None else tuple(self.devices.records.values())
-        self._eval_before = tuple((dev, dev.step_phase[EVAL]) for dev in records)
+        self._eval_before = tuple((dev, dev.step_phase[EVAL], dev.last[0]) for dev in records)
         for dev in records:
             dev.step_phase[EVAL] = None
         self.frozen_segment = True

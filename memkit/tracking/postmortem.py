@@ -107,7 +107,7 @@ class OomEvidence:
     leak: LeakFinding | None
     last_root: tuple[bool, bool] | None
     last_input: tuple[int, ...] | None
-    frozen_model: tuple[str, int, bool] | None
+    frozen_model: tuple[str, int, bool, int] | None
     micro_batches: int
     setup: TrainingSetup | None
     rank: int | None
@@ -227,7 +227,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})
 
 
-def _in_frozen_model(module: str | None, frozen: tuple[str, int, bool] | None) -> str | None:
+def _in_frozen_model(module: str | None, frozen: tuple[str, int, bool, int] | None) -> str | None:
     """``module``'s name with the frozen model's in front, where the failing pass was a frozen
     model's (a teacher run before any trained model was seen is the one model known, so its
     modules' keys come bare: ``net.1``, named ``Teacher.net.1`` once the student runs)."""

@@ -92,13 +92,15 @@ class RunFacts:
     last_root: tuple[bool, bool] | None = None  # (training, grad enabled) of that forward
     # the model and its parameter bytes, when that forward was an evaluation pass of a model
     # no optimizer trains (a distillation teacher, a DPO reference model)
-    frozen_model: tuple[str, int, bool] | None = None
+    frozen_model: tuple[str, int, bool, int] | None = None
     # the forwards of such models on the training batch (a teacher's in every step): how many,
     # the last such model, its largest input, and their peak per device (in the eval column)
     frozen_forwards: int = 0
-    frozen_seen: tuple[str, int, bool] | None = None
+    frozen_seen: tuple[str, int, bool, int] | None = None
     frozen_input: tuple[int, ...] | None = None
     frozen_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    # device -> allocated when the forward that set its frozen peak began
+    frozen_bases: dict[str, int] = dataclasses.field(default_factory=dict)
     train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept

@@ -475,7 +475,7 @@ class OomPostMortem(Result):
     micro_batches: int = 1
     setup: TrainingSetup | None = None
     checkpointed: tuple[str, ...] = ()
-    frozen_model: tuple[str, int, bool] | None = None
+    frozen_model: tuple[str, int, bool, int] | None = None
     autocast_forwards: int = 0
     optimizer_state_partial: bool = False
     batch_bytes: int = 0
@@ -632,12 +632,14 @@ class TrackReport(Result):
         dp_device_ids: a DataParallel model's ``device_ids``.
         dp_output_device: its output device (``"cuda:0"``).
         dp_output_bytes: the largest output it gathered on the output device.
-        frozen_model: ``(name, parameter bytes, updated)`` of a model no optimizer trains that
-            ran on the training batch (a distillation teacher, a DPO reference model; updated:
-            written in place between its passes, an EMA teacher), if any.
+        frozen_model: ``(name, parameter bytes, updated, bf16 saving)`` of a model no optimizer
+            trains that ran on the training batch (a distillation teacher, a DPO reference
+            model; updated: written in place between its passes, an EMA teacher; bf16 saving:
+            what holding it in bf16 frees of its parameters), if any.
         frozen_forwards: its forwards (evaluation passes, counted in ``eval_forwards`` too).
         frozen_input_shape: the largest first tensor input of those forwards.
         frozen_peaks: device -> the peak of those forwards (in ``phase_peaks["eval"]`` too).
+        frozen_bases: device -> allocated when the forward of that peak began.
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
@@ -679,10 +681,11 @@ class TrackReport(Result):
     dp_device_ids: tuple[int, ...] = ()
     dp_output_device: str | None = None
     dp_output_bytes: int = 0
-    frozen_model: tuple[str, int, bool] | None = None
+    frozen_model: tuple[str, int, bool, int] | None = None
     frozen_forwards: int = 0
     frozen_input_shape: tuple[int, ...] | None = None
     frozen_peaks: dict[str, int] = field(default_factory=dict)
+    frozen_bases: dict[str, int] = field(default_factory=dict)
     ranks: RanksReport | None = None
 
     # -- access ---------------------------------------------------------------------------
