@@ -515,6 +515,8 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             ],
             capacity=dev.capacity,
             device=dev.device,
+            phase_peaks=dev.phase_peaks,
+            peak_phase=bd.phase,
         ),
         optimizer_state(
             optimizer_state_bytes=bd.optimizer_state,

@@ -350,7 +350,8 @@ class BlockGroup:
         """``decoder.layers.0 ... decoder.layers.11 (12 blocks, 40.00 MiB)``."""
         paths = [b[0] for b in self.blocks]
         span = paths[0] if len(paths) == 1 else f"{paths[0]} ... {paths[-1]}"
-        return f"{span} ({len(paths)} blocks, {format_size(self.kept)})"
+        count = "1 block" if len(paths) == 1 else f"{len(paths)} blocks"
+        return f"{span} ({count}, {format_size(self.kept)})"
 
 
 def _index_prefixes(path: str) -> list[str]:
@@ -432,7 +433,7 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
         for p in ordered:
             k = kept(p)
             blocks.append((p, k, _block_output(p, k, modules)))
-        groups.append(BlockGroup(parent, tuple(blocks)))
+        _add_group(groups, parent, blocks)
     # named siblings of one block class (a hand-written UNet's down1, down2, mid, up2, up1:
     # ResBlocks as attributes, not in a ModuleList: sweep BY found the rule silent), in the
     # order they ran, where no indexed group holds them
@@ -451,12 +452,21 @@ def checkpoint_groups(modules: Sequence[ModuleActivation]) -> list[BlockGroup]:
         found.sort(key=lambda m: m.first_call or 0)
         blocks = [(m.path, m.activation_bytes, _block_output(m.path, m.activation_bytes, modules))
                   for m in found]  # fmt: skip
-        groups.append(BlockGroup(parent, tuple(blocks)))
+        _add_group(groups, parent, blocks)
     outermost = [
         g for g in groups
         if not any(h is not g and any(_inside(g.parent, b[0]) for b in h.blocks) for h in groups)
     ]  # fmt: skip
     return sorted(outermost, key=lambda g: -g.kept)
+
+
+def _add_group(groups: list[BlockGroup], parent: str, blocks: list[tuple[str, int, int]]) -> None:
+    """Add the group of ``blocks`` that keep more than their output (one that ran under
+    ``no_grad``, MoCo's key encoder beside its query encoder, keeps nothing to recompute:
+    sweep CF was told to checkpoint it), where any does."""
+    kept = tuple(b for b in blocks if b[1] > b[2])
+    if kept:
+        groups.append(BlockGroup(parent, kept))
 
 
 def _ancestors_between(path: str, block: str) -> list[str]:
@@ -516,6 +526,8 @@ def activation_checkpointing(
     capacity: int | None = None,
     device: str = "the device",
     min_share: float = 0.5,
+    phase_peaks: Mapping[str, int | None] | None = None,
+    peak_phase: str | None = None,
 ) -> Advice | None:
     """``activation-checkpointing``: activations dominate the peak; which blocks to checkpoint.
 
@@ -527,8 +539,12 @@ def activation_checkpointing(
     freed what the modules called after the blocks kept (a head: ``after``), the first near
     backward's end, when the gradients are allocated (the breakdown counts them beside the
     activations at the peak). Saving ~ min(sum(kept) - sum(outputs) - max(0, recompute -
-    after), activations at the peak - sum(outputs) - recompute). Fires when activations are
-    at least ``min_share`` of the peak and memory is short (:data:`PRESSURE`).
+    after), activations at the peak - sum(outputs) - recompute). Where the peak came in the
+    forward (``peak_phase``) above backward's peak (``phase_peaks``), over the blocks' kept
+    activations (sweep CF: MoCo's key encoder under no_grad after the query encoder), the
+    forward's peak falls by what the blocks keep, backward's by the saving above, and the
+    peak to the highest phase after. Fires when activations are at least ``min_share`` of the
+    peak and memory is short (:data:`PRESSURE`).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
@@ -536,13 +552,23 @@ def activation_checkpointing(
         return None
     groups = checkpoint_groups(modules)
     blocks = [b for g in groups for b in g.blocks]
-    if len(blocks) < 2:
+    if not blocks:
         return None
     kept = sum(b[1] for b in blocks)
     outputs = sum(b[2] for b in blocks)
     recompute = max(b[1] - b[2] for b in blocks)
     after = _kept_after([b[0] for b in blocks], modules)
-    saving = min(kept - outputs - max(0, recompute - after), activation_bytes - outputs - recompute)
+    at_backward = kept - outputs - max(0, recompute - after)
+    saving = min(at_backward, activation_bytes - outputs - recompute)
+    phases = dict(phase_peaks or {})
+    backward = phases.pop("backward", None)
+    if peak_phase == "forward" and backward is not None and backward < peak_bytes:
+        phases.pop("forward", None)
+        after_peak = max(peak_bytes - (kept - outputs), backward - at_backward,
+                         *(v for v in phases.values() if v))  # fmt: skip
+        saving = peak_bytes - after_peak
+    elif len(blocks) < 2:  # one block, recomputed in the backward it peaks in: ~ the head
+        return None
     if saving <= 0:
         return None
     names = "; ".join(g.describe() for g in groups[:3])
@@ -557,7 +583,7 @@ def activation_checkpointing(
     return Advice(
         code="activation-checkpointing",
         title=f"activations are {percent_of(activation_bytes, peak_bytes)} of the peak: checkpoint "
-        f"{len(blocks)} blocks",
+        + (f"{len(blocks)} blocks" if len(blocks) > 1 else f"`{blocks[0][0]}`"),
         evidence=(
             f"Activations were {format_size(activation_bytes)} of the {format_size(peak_bytes)} "
             f"peak on {device}{cap}. The repeated blocks: {names}{more}; together "
