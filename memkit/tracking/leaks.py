@@ -797,7 +797,7 @@ def uncounted_tensors(
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    from memkit.simulated.accountant import held_storages
+    from memkit.simulated.accountant import held_storages  # (torch is loaded: see above)
 
     seen: set[int] = set()
     found: list[tuple[str, int]] = []
