@@ -1234,3 +1234,81 @@ def test_checkpointing_names_the_encoder_that_keeps_activations_at_a_forward_pea
     measured = report.devices[0].peak_allocated - run(_MoCo(True)).devices[0].peak_allocated
     assert adv.saving_bytes is not None and measured > 0
     assert 0.75 * measured <= adv.saving_bytes <= 1.25 * measured, (adv.saving_bytes, measured)
+
+
+LORA_GPT2_FILE = '''
+import math
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.pytorch_utils import Conv1D
+
+
+class LoRA(nn.Module):
+    """minLoRA's shape: y = base(x) + dropout(x) @ A^T @ B^T * scaling."""
+
+    def __init__(self, base, dropout, r=8):
+        super().__init__()
+        self.base = base
+        fin, fout = base.weight.shape  # (Conv1D: in, out)
+        self.lora_A = nn.Parameter(torch.randn(r, fin) / math.sqrt(fin))
+        self.lora_B = nn.Parameter(torch.zeros(fout, r))
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        return self.base(x) + self.drop(x) @ self.lora_A.t() @ self.lora_B.t() * 2.0
+
+
+def build_model(dropout=DROPOUT):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in ("c_attn", "c_fc", "c_proj") and isinstance(child, Conv1D):
+                setattr(module, name, LoRA(child, dropout))
+    return model
+
+
+def make_batch(batch_size):
+    ids = torch.randint(0, 512, (batch_size, 64))
+    return {"input_ids": ids, "labels": ids}
+
+
+def build_optimizer(params):
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
+'''
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_mixed_precision_on_a_lora_of_a_float32_base_agrees_with_cudas_rules(tmp_path, dropout):
+    """Research for sweep BZ: on a LoRA GPT-2 of a float32 base the run claimed 12.50 MiB
+    where CUDA's autocast rules (the estimate's bf16 rerun) save 6.60: autocast keeps a half
+    copy of each frozen weight whose layer's input requires grad (not cached: only leaves
+    that require grad are), gelu_new's `pow` is on CUDA's float32 list, and a CPU dropout's
+    float32 noise is a 1-byte mask on CUDA. Checked against the estimate's rerun, within 30%."""
+    path = tmp_path / "lora_model.py"
+    path.write_text(LORA_GPT2_FILE.replace("DROPOUT", str(dropout)))
+    kwargs = {"device_memory": "1TiB", "min_batch": 8, "max_batch": 8}
+    fp32, bf16 = (
+        memkit.estimate(str(path), **kwargs),
+        memkit.estimate(str(path), amp="bf16", **kwargs),
+    )
+    rules = fp32.trials[0].allocated_peak - bf16.trials[0].allocated_peak
+    scope: dict[str, Any] = {}
+    exec(compile(path.read_text(), str(path), "exec"), scope)
+    model = scope["build_model"]()
+    opt = scope["build_optimizer"](model.parameters())
+    with track(model, opt, device="cpu", budget="48MiB", postmortem=None) as tracker:
+        for _ in range(2):
+            model(**scope["make_batch"](8)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    (adv,) = [a for a in tracker.report().advice if a.code == "mixed-precision"]
+    assert "half copies" in adv.evidence
+    assert adv.saving_bytes is not None and 0.7 * rules <= adv.saving_bytes <= 1.3 * rules, (
+        adv.saving_bytes,
+        rules,
+    )

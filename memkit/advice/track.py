@@ -25,6 +25,7 @@ from memkit.advice.form import Advice
 from memkit.advice.leaks import graph_retained_advice
 from memkit.advice.oom import oom_advice
 from memkit.advice.training import (
+    FLOAT32_MATH,
     EmbeddingTable,
     ModuleActivation,
     activation_checkpointing,
@@ -412,7 +413,10 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
     by_path = {m.path: m for m in dev.modules}
     for i, m in enumerate(leaves):
         follower = leaves[i + 1] if i + 1 < len(leaves) else None
-        if autocast_keeps_float32(m.type_name):
+        if m.type_name in FLOAT32_MATH:  # gelu_new: 3 of its 4 tensors (FLOAT32_MATH)
+            wide = False  # (its product's half copy feeds the next layer)
+            layers += round(m.activation_bytes * _together(m)) * 3 // 4
+        elif autocast_keeps_float32(m.type_name):
             wide = True
             own_code = _through_own_code(m, by_path)
             if follower is None or not autocast_casts_to_half(follower.type_name) or own_code:
@@ -436,6 +440,13 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
             # this output in its place
             if follower is None or autocast_keeps_float32(follower.type_name):
                 layers += round(m.activation_bytes * _together(m))
+        elif m.type_name == "Dropout":
+            # what it keeps besides its output: a CPU kernel's noise in the input's dtype,
+            # which a float32 input (peft's lora_dropout casts to it) keeps float32; CUDA's
+            # fused kernel's 1-byte mask in either precision (research for sweep BZ)
+            size = round(m.activation_bytes * _together(m))
+            mask = size // 2 if dev.device.startswith("cpu") else size // 5
+            layers += mask + (size - mask if wide or follower is None else 0)
         elif wide or follower is None:
             layers += round(m.activation_bytes * _together(m))
     models = roots + _wrapped(dev, roots)
@@ -448,6 +459,37 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
         return min(activations, layers + own), 0
     kept = sum(round(m.activation_bytes * _together(m)) for m in roots)
     return min(activations, layers + own), max(0, activations - kept)
+
+
+def _frozen_copies(dev: DeviceReport) -> int:
+    """The half copies of frozen float32 weights that autocast's half layers would keep for
+    backward on ``dev``: those of the leaves called in training after the first trainable
+    parameter was used (their input then requires grad, so the gradient of the input needs
+    the weight: a frozen base's layers under LoRA adapters, the first layer's before its
+    adapter excepted). A leaf uses its own where it is called; a module with children, its
+    own (a hand-written LoRA's ``x @ A.t()`` after ``self.base(x)``) after its children's
+    first calls. Research for sweep BZ's LoRA GPT-2: 1.91 MiB of bf16 copies that CPU
+    autocast and the estimate's CUDA rules both keep."""
+    ran = [m for m in dev.modules if m.calls > 0 and m.first_call is not None]
+    leaves = [m for m in ran if m.leaf]
+    used = [
+        m.first_call
+        if m.leaf
+        else max(
+            (c.first_call or 0 for c in leaves if c.path.startswith(m.path + ".")),
+            default=m.first_call,
+        )
+        for m in ran
+        if m.trainable
+    ]
+    first = min((c for c in used if c is not None), default=None)
+    if first is None:
+        return 0
+    return sum(
+        m.frozen_float32_bytes // 2
+        for m in leaves
+        if (m.first_call or 0) > first and autocast_casts_to_half(m.type_name)
+    )
 
 
 def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[Advice | None]:
@@ -477,6 +519,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
             cached_weight_bytes=None if setup is None else setup.trainable_bytes,
+            frozen_copy_bytes=_frozen_copies(dev),
             float32_bytes=float32,
             temporary_bytes=temporaries,
             wrapper="fsdp" if fsdp is not None else None if setup is None else setup.wrapper,

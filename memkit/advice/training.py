@@ -36,6 +36,17 @@ __all__ = [
 ]
 
 
+FLOAT32_MATH = ("NewGELUActivation", "NewGELU", "AccurateGELUActivation")
+"""Activations whose own code runs an op of CUDA autocast's float32 list: GPT-2's
+``gelu_new`` (transformers' ``NewGELUActivation``, minGPT's ``NewGELU``) calls
+``torch.pow(x, 3.0)``, and ``pow`` is on CUDA's list (not on the CPU's): its float32 result
+makes the rest of its math float32. Float32 training keeps four tensors of its input's size
+(``tanh``'s output, ``1 + tanh``, ``0.5 * x``, the product) and its input; under CUDA autocast
+``tanh``'s and ``1 + tanh`` stay float32, ``pow`` keeps a float32 copy of the (half) input in
+the input's place, and ``0.5 * x`` and the product's copy are half: 3/4 of its own bytes stay
+float32 (sweep BZ's LoRA GPT-2: 6 MiB of the 12.50 claimed went to it; a CPU autocast run,
+whose list has no ``pow``, halves all of it)."""
+
 _FLOAT32_LAYERS = (
     "LayerNorm", "GroupNorm", "RMSNorm", "Softmax", "LogSoftmax", "Softmin", "Softplus",
     "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "CosineSimilarity", "Embedding",
@@ -106,6 +117,7 @@ def mixed_precision(
     float32_bytes: int = 0,
     temporary_bytes: int = 0,
     cached_weight_bytes: int | None = None,
+    frozen_copy_bytes: int = 0,
     inference: bool = False,
     wrapper: str | None = None,
     unsafe_loss: str | None = None,
@@ -142,15 +154,19 @@ def mixed_precision(
             caches its half casts of float32 leaves that require grad only (``cached_cast``
             in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
             anew at each use and freed. ``None``: not known, all the float32 weights.
+        frozen_copy_bytes: the half copies of frozen float32 weights that half layers keep for
+            backward, where their input requires grad (the gradient of the input needs the
+            weight): a frozen base's layers under LoRA adapters after the first adapter.
+            Autocast adds them; float32 training keeps the weights themselves.
         wrapper: the framework that wrapped the model (``"accelerate"``, ``"fabric"``): the
             action names its switch, which enters the autocast for the script (sweep BK);
             ``"fsdp"``: FSDP2's ``MixedPrecisionPolicy``.
         unsafe_loss: an op in the loss that CUDA's autocast refuses (``binary_cross_entropy``):
             the action says to replace it first, or the advice would raise on a GPU.
 
-    The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2``
-    (``share``: the float32 weights' share of the weights, 1 without narrow ones;
-    ``cached``: the float32 weights that require grad); silent unless positive. float64
+    The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2 -
+    frozen copies`` (``share``: the float32 weights' share of the weights, 1 without narrow
+    ones; ``cached``: the float32 weights that require grad); silent unless positive. float64
     models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
@@ -169,8 +185,15 @@ def mixed_precision(
     frozen = ""
     if saving_bytes is None:
         halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
-        saving_bytes = int(halved * share) // 2 - cached // 2
-        if cached < wide and (wide - cached) // 2 >= saving_bytes // 20:  # (not a norm's stats)
+        saving_bytes = int(halved * share) // 2 - cached // 2 - frozen_copy_bytes
+        if frozen_copy_bytes:
+            frozen = (
+                f" It caches none of the {format_size(wide - cached)} of float32 weights "
+                "that require no grad (a frozen base's): it casts them anew at each use, and "
+                f"the layers whose input requires grad keep their {format_size(frozen_copy_bytes)}"
+                " of half copies for backward (float32 training keeps the weights themselves)."
+            )
+        elif cached < wide and (wide - cached) // 2 >= saving_bytes // 20:  # (a norm's stats)
             frozen = (
                 f" It caches none of the {format_size(wide - cached)} of float32 weights "
                 "that require no grad (a frozen model's): it casts them anew at each use."

@@ -774,7 +774,9 @@ class Hooks:
             # parameters, and the top-level module (backward start in steps-only mode)
             hook = bool(module._parameters) or top is None
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
-            ms = dev.modules[name] = ModuleStat(leaf, bw, user_class_name(module))
+            ms = dev.modules[name] = ModuleStat(
+                leaf, bw, user_class_name(module), _own_weights(module) if hook else (0, False)
+            )
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
             frame.region = region = _off_device_region()
@@ -1536,3 +1538,12 @@ def autocast_unsafe_loss(roots: Any, limit: int = 32) -> str | None:
             return found
         queue += [n for n, _ in node.next_functions if n is not None]
     return None
+
+
+def _own_weights(module: torch.nn.Module) -> tuple[int, bool]:
+    """``(float32 bytes that require no grad, any requires grad)`` of ``module``'s own
+    parameters: autocast casts a frozen float32 weight anew at each call of a half layer
+    (``mixed-precision``)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    frozen = sum(p.numel() * 4 for p in params if not p.requires_grad and p.dtype == torch.float32)
+    return frozen, any(p.requires_grad for p in params)

@@ -285,6 +285,7 @@ class ModuleStat:
         "bw",
         "calls",
         "eval_calls",
+        "frozen32",
         "leaf",
         "out_max",
         "over_max",
@@ -295,14 +296,21 @@ class ModuleStat:
         "step_max",
         "step_passes",
         "step_sum",
+        "trains",
         "type_name",
     )
 
     def __init__(
-        self, leaf: bool, bw: Callable[[torch.Tensor], None] | None, type_name: str
+        self,
+        leaf: bool,
+        bw: Callable[[torch.Tensor], None] | None,
+        type_name: str,
+        weights: tuple[int, bool] = (0, False),
     ) -> None:
         self.bw = bw
         self.type_name = type_name
+        # its own parameters: float32 bytes that require no grad, and whether any does
+        self.frozen32, self.trains = weights
         self.calls = 0
         self.eval_calls = 0
         self.recompute_calls = 0
@@ -450,6 +458,8 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
                 type_name=ms.type_name,
                 first_call=first_call,
                 output_bytes=None if ms.leaf or not ms.out_max else ms.out_max,
+                frozen_float32_bytes=ms.frozen32,
+                trainable=ms.trains,
             )
         )
     out.sort(key=lambda m: m.self_activation_bytes, reverse=True)

@@ -130,6 +130,9 @@ class ModuleRecord:
         output_bytes: for a module with children, the bytes of the largest tensor a training
             call returned (its first tensor: a block's hidden states), what checkpointing the
             module keeps in its place; ``None`` for a leaf or when not recorded.
+        frozen_float32_bytes: its own float32 parameters that require no grad (a frozen base
+            layer under LoRA): autocast casts them anew at each call.
+        trainable: any of its own parameters requires grad.
     """
 
     path: str
@@ -146,6 +149,8 @@ class ModuleRecord:
     type_name: str | None = None
     first_call: int | None = None
     output_bytes: int | None = None
+    frozen_float32_bytes: int = 0
+    trainable: bool = False
 
 
 @dataclass(frozen=True)
