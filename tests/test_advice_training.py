@@ -1312,3 +1312,38 @@ def test_mixed_precision_on_a_lora_of_a_float32_base_agrees_with_cudas_rules(tmp
         adv.saving_bytes,
         rules,
     )
+
+
+class _GCN(nn.Module):
+    """Message passing as PyG's layers take a batch of graphs: ``x`` (nodes x features),
+    ``edge_index`` (2 x edges), sums with ``index_add_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        src, dst = edge_index
+        for lin in self.lins:
+            x = F.relu(torch.zeros_like(x).index_add_(0, dst, lin(x)[src]))
+        return x.mean()
+
+
+def test_an_oom_of_a_graph_batch_does_not_count_its_nodes_as_samples():
+    """Sweep CF: a GNN's batch of 20 graphs (1601 nodes) ran out, and the advice said "halve
+    the micro-batch (1601 -> 800 or fewer)": the first input's first dimension counts nodes.
+    With an edge index among the inputs, no batch size is read from it."""
+    torch.manual_seed(0)
+    model = _GCN()
+    opt = torch.optim.Adam(model.parameters())
+    nodes = 1601
+    x, edges = torch.randn(nodes, 64), torch.randint(0, nodes, (2, 40 * nodes))
+    with pytest.raises(torch.OutOfMemoryError), track(device="cpu", budget="24MiB") as tracker:
+        for _ in range(2):
+            model(x, edges).backward()
+            opt.step()
+            opt.zero_grad()
+    pm = tracker.report().oom
+    assert pm is not None and pm.input_shape is None
+    (adv,) = [a for a in pm.advice if a.code == "oom-activations"]
+    assert "the micro-batch and accumulate" in adv.action and str(nodes) not in adv.action

@@ -1248,16 +1248,30 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
     images of different sizes), one sample each, the shape the count before the first one's
     (``4x3x300x212``: 4 images, the first 3x300x212); where they are alike (``[x, mask]`` of
     one batch, or images of one size) no shape can say which dimension is the batch: none.
+    A graph batch (``x, edge_index, batch`` as PyG's layers take them: an integer ``(2, E)``
+    tensor among the arguments) counts nodes in its first dimension, not samples: its shape
+    says no batch size either (sweep CF: "halve the micro-batch (1601 -> 800)" for 20 graphs).
 
     >>> images = [torch.zeros(3, 5), torch.zeros(3, 7)]
     >>> _first_input((1, torch.zeros(2, 3)))[1], _first_input((images,))[1]
     ((2, 3), (2, 3, 5))
     >>> _first_input(([torch.zeros(4, 2)] * 2,))[1] is None
     True
+    >>> _first_input((torch.zeros(7, 3), torch.zeros(2, 12, dtype=torch.long)))[1] is None
+    True
     """
     for a in args:
         if isinstance(a, torch.Tensor):
-            return [a], tuple(map(int, a.shape))
+            graph = any(
+                isinstance(e, torch.Tensor)
+                and e.dim() == 2
+                and e.shape[0] == 2
+                and not e.is_floating_point()
+                and not e.is_complex()
+                for e in args
+                if e is not a
+            )
+            return [a], None if graph else tuple(map(int, a.shape))
     for a in args:
         if isinstance(a, list | tuple) and a and all(isinstance(t, torch.Tensor) for t in a):
             if len({t.shape for t in a}) == 1:
