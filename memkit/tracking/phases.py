@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from memkit import cuda_autocast
 from memkit.oom import is_oom
 from memkit.simulated.eager import eager_note
+from memkit.tracking.breakdown import Persistent
 from memkit.tracking.device_set import DeviceSet
 from memkit.tracking.evidence import Evidence
 from memkit.tracking.leaks import (
@@ -289,7 +290,7 @@ class PhaseMachine:
                     pending = dev.growth_pending
                     taken = pending is None or level < pending[1]
                     dev.floor_persistent = (
-                        sum(self.devices.persistent(dev))
+                        _lasting(self.devices.persistent(dev))
                         if taken and dev.growth.wants_persistent(level)
                         else None
                     )
@@ -805,7 +806,7 @@ class PhaseMachine:
                 if floor is None or last_level <= floor:  # the boundary's level is the lower:
                     if persistent is None and dev.growth.wants_persistent(last_level):
                         sizes = sizes or devices.persistent(dev)  # its bytes, where needed,
-                        persistent = sum(sizes)  # as they are now
+                        persistent = _lasting(sizes)  # as they are now
                 else:
                     last_level, persistent = floor, dev.floor_persistent
                 if dev.growth.observe(last_step, last_level, persistent):
@@ -819,7 +820,7 @@ class PhaseMachine:
             known = None
             if by_backward and dev.growth.wants_persistent(left):
                 sizes = sizes or devices.persistent(dev)
-                known = sum(sizes)
+                known = _lasting(sizes)
             dev.growth_pending = (step, left, known)
             dev.step_floor = dev.floor_persistent = None
         if captured or evidence.facts.param_dtype is None:
@@ -1278,6 +1279,17 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
                 return list(a), None
             return list(a), (len(a), *map(int, a[0].shape))
     return [], None
+
+
+def _lasting(sizes: Persistent) -> int:
+    """The persistent bytes a growth detector compares a rise with: parameters, buffers and
+    optimizer state (and DDP's buckets), which last from boundary to boundary. Not gradients:
+    they come and go within a step, and the bytes are measured where the level is not always
+    (sweep CE: a nanoGPT loop's gradients, alive at one boundary and freed at the forward
+    before, made an evaluation's appended logits "all of it the model's parameters ... not a
+    leak"). New trainable parameters add optimizer state; their gradients' own rise is one
+    step's, which no climb is made of."""
+    return sizes.parameters + sizes.optimizer_state + sizes.buckets
 
 
 def _needs_grad(args: Any) -> bool:
