@@ -1098,6 +1098,29 @@ def test_the_line_named_is_code_not_a_docstring_or_comment_that_quotes_it():
     assert found is not None and found[1] == [8]
 
 
+def test_the_line_named_is_of_the_frames_own_function_not_a_nested_one():
+    """Sweep CE: a nanoGPT main() whose nested `estimate_loss()` assigns its own `loss`
+    under no_grad had main()'s `loss` named at that line (81, of the nested function), not
+    at main()'s own (104)."""
+    import inspect
+
+    from memkit.tracking.leaks import _first_line
+
+    def main() -> None:
+        @torch.no_grad()
+        def estimate_loss() -> None:
+            loss = torch.zeros(())  # (a name of its own scope)
+            del loss
+
+        for _ in range(2):
+            estimate_loss()
+            loss = torch.ones((), requires_grad=True) * 2
+            loss.backward()
+
+    own = inspect.getsourcelines(main)[1] + 8
+    assert _first_line(main.__code__, 0, "loss")[0] == own
+
+
 def test_optimizers_are_found_in_the_dict_a_script_keeps_them_in():
     """Sweep BH: one optimizer per parameter in a dict (the optimizer step fused into
     backward); an OOM before any stepped found none, and its advice left out their state."""
