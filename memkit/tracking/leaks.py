@@ -876,7 +876,7 @@ def _first_line(
         except (OSError, TypeError):
             return lineno, False, ()
     bare = name.split(".", 1)[1] if name.startswith("self.") else name
-    nested = _nested_lines(code)  # another scope's `loss` is not this one's (sweep CE)
+    nested = _nested_lines(code, bare)  # another scope's `loss` is not this one's (sweep CE)
     if nested:
         lines = [line if start + i not in nested else "\n" for i, line in enumerate(lines)]
     best = _best_lines(lines, start, _ASSIGN.format(name=re.escape(bare)), bare, graph)
@@ -886,14 +886,19 @@ def _first_line(
     return found[0], rank <= 3, tuple(found) if rank <= 1 and len(found) > 1 else ()
 
 
-def _nested_lines(code: CodeType) -> set[int]:
-    """The lines of the functions and classes defined in ``code`` (their decorators
-    included; not lambdas or comprehensions, which are its own scope's lines): their names
-    are other scopes'. Sweep CE: main()'s `loss` was named at a line of a nested
-    `estimate_loss()` that assigns its own."""
+def _nested_lines(code: CodeType, name: str) -> set[int]:
+    """The lines of the functions defined in ``code`` (their decorators included; not
+    lambdas or comprehensions, which are its own scope's lines) where ``name`` is a local of
+    their own: another scope's variable (sweep CE: main()'s `loss` was named at a line of a
+    nested `estimate_loss()` that assigns its own). One they use from outside (a global, a
+    closure's list they append to) is the same object: its lines stay."""
     found: set[int] = set()
     for const in code.co_consts:
-        if isinstance(const, CodeType) and not const.co_name.startswith("<"):
+        if (
+            isinstance(const, CodeType)
+            and not const.co_name.startswith("<")
+            and name in const.co_varnames
+        ):
             last = max((n for _, _, n in const.co_lines() if n is not None), default=0)
             found.update(range(const.co_firstlineno, last + 1))
     return found
