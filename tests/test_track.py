@@ -4250,3 +4250,34 @@ def test_an_evaluations_kept_tensors_are_not_explained_by_gradients_alive_at_a_b
     report = tracker.report()
     assert not [n for n in report.notes if "not a leak" in n], report.notes
     assert report.leaks and report.leaks[0].growth_per_step >= 1024
+
+
+def test_a_models_method_run_outside_its_forward_is_one_evaluation_pass():
+    """Sweep CF: pytorch/examples' VAE samples with `model.decode(z)` after its test loop:
+    its fc3, fc4 and dec called alone were 3 evaluation passes ("10 forward pass(es)" where
+    6 ran), and dec's input, (64, 64, 7, 7), was called the largest evaluation input."""
+
+    class VAE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.fc3, self.fc4 = nn.Linear(784, 20), nn.Linear(20, 64), nn.Linear(64, 784)
+
+        def decode(self, z: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(self.fc4(nn.functional.relu(self.fc3(z))))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.decode(self.enc(x))
+
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters())
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            nn.functional.mse_loss(model(torch.rand(32, 784)), torch.rand(32, 784)).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.rand(16, 784))
+            model.decode(torch.randn(256, 20))  # the sample grid
+    report = tracker.report()
+    assert report.eval_forwards == 4 and report.eval_input_shape == (16, 784)

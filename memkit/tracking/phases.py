@@ -170,6 +170,9 @@ class PhaseMachine:
         self.retained: list[weakref.ref[torch.Tensor]] = []
         self.retaining = False
         self.frozen_segment = False  # the eval segment open now is a frozen model's forwards
+        # the model whose part (a submodule called alone: `model.decode(z)`'s fc3, fc4, dec)
+        # ran the last evaluation pass: its next parts are the same pass
+        self.eval_part_of: RootInfo | None = None
         self._eval_before: tuple[tuple[DeviceRecord, int | None, int], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
@@ -195,7 +198,12 @@ class PhaseMachine:
         began = False
         if not grad or not training or root.averaged or not (root.trainable() or _needs_grad(args)):
             kind = EVAL_PASS
-            facts.eval_forwards += 1
+            # a submodule run alone: its model's root, or its own beside the model's
+            owner = self.models.owners.get(id(module))
+            part = root if root.ref() is not module else owner if owner is not root else None
+            if part is None or part is not self.eval_part_of:  # (sweep CF: a VAE's decode
+                facts.eval_forwards += 1  # outside forward was 3 passes, fc3, fc4 and dec)
+            self.eval_part_of = part
             # a teacher or reference model runs on the training batch; a model no optimizer
             # trains evaluated on another batch size (an EMA copy's validation) is evaluation.
             # Before any training forward (a teacher called first in step 0) there is no batch
@@ -214,7 +222,12 @@ class PhaseMachine:
             else:  # (a post-mortem's evaluation batch)
                 self.eval_batch = tuple(map(weakref.ref, first))
             largest = facts.frozen_input if frozen else facts.eval_input
-            if shape is not None and (largest is None or math.prod(shape) > math.prod(largest)):
+            # (a part's input is no batch of its model's: a decode's 7x7 maps)
+            if (
+                part is None
+                and shape is not None
+                and (largest is None or math.prod(shape) > math.prod(largest))
+            ):
                 if frozen:
                     facts.frozen_input = shape
                 else:
