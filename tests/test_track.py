@@ -770,6 +770,28 @@ def progressive_unfreezing(epochs: int, steps: int) -> TrackReport:
     return tracker.report()
 
 
+def test_progressive_unfreezing_with_gradients_kept_across_steps_is_no_leak():
+    """Review: with `zero_grad(set_to_none=False)` and plain SGD (no state) the new layers'
+    gradients are the rise, alive at every boundary; once gradients were left out of the
+    bytes a rise is compared with, it was called a leak. The trainable parameters' bytes
+    stand for their gradients now: no leak, the note."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(128, 128) for _ in range(5)]
+    model = nn.Sequential(*layers).requires_grad_(False)
+    layers[-1].requires_grad_(True)
+    opt = torch.optim.SGD(layers[-1].parameters(), lr=1e-3)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for step in range(16):
+            if step and step % 4 == 0:
+                layers[-1 - step // 4].requires_grad_(True)
+                opt.add_param_group({"params": layers[-1 - step // 4].parameters()})
+            model(torch.randn(8, 128)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    report = tracker.report()
+    assert report.leaks == [] and [n for n in report.notes if "not a leak" in n]
+
+
 def test_a_state_a_module_keeps_undetached_makes_the_steps_loss_a_growing_graph():
     """Truncated backprop with the state inside the model: ``self.h`` is never detached, so
     each step's ``loss`` (a new root) reaches every earlier step's nodes. It is the leak

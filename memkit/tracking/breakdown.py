@@ -24,12 +24,14 @@ __all__ = ["PeakMoment", "Persistent", "breakdown"]
 
 class Persistent(NamedTuple):
     """Bytes of parameters (and buffers), gradients, optimizer state and DDP's gradient
-    buckets (those not counted as gradients) on one device."""
+    buckets (those not counted as gradients) on one device; ``trainable``: of the
+    parameters, those that require grad (what their gradients take, allocated or not)."""
 
     parameters: int
     gradients: int
     optimizer_state: int
     buckets: int = 0
+    trainable: int = 0
 
 
 class PeakMoment(NamedTuple):

@@ -641,9 +641,12 @@ def persistent_bytes(
             unique.update((id(p), p) for p in group["params"])
             optimized.update(id(p) for p in group["params"] if p.requires_grad)
     all_params = list(unique.values())
+    trainable = 0
     for p in all_params:
         n = size(p)
         params += n
+        if p.requires_grad:
+            trainable += n
         if census is not None:
             census.add(p, n)
             if id(p) in optimized:
@@ -670,7 +673,7 @@ def persistent_bytes(
         first = next(mod.parameters(), None)
         if first is not None and (holds(first) if holds is not None else _on(first, target)):
             buckets += bucket_bytes(mod)
-    return Persistent(params, grads, state, buckets)
+    return Persistent(params, grads, state, buckets, trainable)
 
 
 def _on(t: torch.Tensor, target: torch.device) -> bool:

@@ -1295,14 +1295,15 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
 
 
 def _lasting(sizes: Persistent) -> int:
-    """The persistent bytes a growth detector compares a rise with: parameters, buffers and
-    optimizer state (and DDP's buckets), which last from boundary to boundary. Not gradients:
-    they come and go within a step, and the bytes are measured where the level is not always
-    (sweep CE: a nanoGPT loop's gradients, alive at one boundary and freed at the forward
-    before, made an evaluation's appended logits "all of it the model's parameters ... not a
-    leak"). New trainable parameters add optimizer state; their gradients' own rise is one
-    step's, which no climb is made of."""
-    return sizes.parameters + sizes.optimizer_state + sizes.buckets
+    """The persistent bytes a growth detector compares a rise with: parameters, buffers,
+    optimizer state, DDP's buckets, and for gradients the trainable parameters' bytes,
+    whether their gradients are allocated now or not. Gradients come and go within a step,
+    and the bytes are measured where the level is not always (sweep CE: a nanoGPT loop's
+    gradients, alive at one boundary and freed where the baseline was read, made an
+    evaluation's appended logits "all of it the model's parameters ... not a leak"); a layer
+    made trainable adds its gradients' size all the same (progressive unfreezing, its
+    gradients kept by ``zero_grad(set_to_none=False)``: review)."""
+    return sizes.parameters + sizes.optimizer_state + sizes.buckets + sizes.trainable
 
 
 def _needs_grad(args: Any) -> bool:
