@@ -285,7 +285,7 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     else:
         kind = "a distillation teacher, a reference model"
         half = (
-            f"; hold it in bf16 (`{name}.to(torch.bfloat16)`, its input cast to bf16 and its "
+            "; hold it in bf16 (`.to(torch.bfloat16)` on the model, its input cast to bf16 and its "
             f"output back with `.float()`: its {format_size(size)} of parameters and the "
             "activations of its forward halve)"
             if wide

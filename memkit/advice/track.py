@@ -276,7 +276,7 @@ def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int
         saving = min(peak - training, own // 2)
     else:
         half = (
-            f"Hold it in bf16 (`{name}.to(torch.bfloat16)`, its input cast with "
+            "Hold it in bf16 (`.to(torch.bfloat16)` on the model, its input cast with "
             "`.to(torch.bfloat16)` and its output back with `.float()`: its "
             f"{format_size(size)} of parameters and the activations of its forward halve), "
             "or compute"

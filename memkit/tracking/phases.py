@@ -1262,9 +1262,11 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
     images of different sizes), one sample each, the shape the count before the first one's
     (``4x3x300x212``: 4 images, the first 3x300x212); where they are alike (``[x, mask]`` of
     one batch, or images of one size) no shape can say which dimension is the batch: none.
-    A graph batch (``x, edge_index, batch`` as PyG's layers take them: an integer ``(2, E)``
-    tensor among the arguments) counts nodes in its first dimension, not samples: its shape
-    says no batch size either (sweep CF: "halve the micro-batch (1601 -> 800)" for 20 graphs).
+    A graph batch (``x, edge_index, batch`` as PyG's layers take them: floating node features
+    first, an integer ``(2, E)`` tensor among the other arguments, ``E`` not their count)
+    counts nodes in its first dimension, not samples: its shape says no batch size either
+    (sweep CF: "halve the micro-batch (1601 -> 800)" for 20 graphs; review: not token ids and
+    a mask of a batch of 2).
 
     >>> images = [torch.zeros(3, 5), torch.zeros(3, 7)]
     >>> _first_input((1, torch.zeros(2, 3)))[1], _first_input((images,))[1]
@@ -1273,15 +1275,20 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
     True
     >>> _first_input((torch.zeros(7, 3), torch.zeros(2, 12, dtype=torch.long)))[1] is None
     True
+    >>> ids = torch.zeros(2, 9, dtype=torch.long)  # a batch of 2 and its mask: no graph
+    >>> _first_input((ids, ids))[1]
+    (2, 9)
     """
     for a in args:
         if isinstance(a, torch.Tensor):
-            graph = any(
+            graph = a.is_floating_point() and any(
                 isinstance(e, torch.Tensor)
                 and e.dim() == 2
                 and e.shape[0] == 2
+                and e.shape[1] != a.shape[0]
                 and not e.is_floating_point()
                 and not e.is_complex()
+                and e.dtype is not torch.bool
                 for e in args
                 if e is not a
             )

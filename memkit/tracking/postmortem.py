@@ -82,8 +82,8 @@ class OomEvidence:
         leak: growth that was still going on, with its suspects.
         last_root: ``(training, grad_enabled)`` of the last forward of the model.
         last_input: the shape of the last forward's first tensor input.
-        frozen_model: ``(name, parameter bytes, updated in place)`` when that forward was an
-            evaluation pass of a model no optimizer trains.
+        frozen_model: ``(name, parameter bytes, updated in place, bf16 saving)`` when that
+            forward was an evaluation pass of a model no optimizer trains.
         micro_batches: the most backward passes one step used.
         setup: the model's and optimizer's facts.
         rank: the process's rank under torchrun.

@@ -437,7 +437,7 @@ class OomPostMortem(Result):
         setup: the model's and optimizer's facts the advice reads, if seen.
         checkpointed: the outermost modules whose forward ran again in backward (activation
             checkpointing already runs there); ``top_modules`` leaves out what is inside them.
-        frozen_model: ``(name, parameter bytes, updated)`` when the failing pass was an
+        frozen_model: ``(name, parameter bytes, updated, bf16 saving)`` when the failing pass was an
             evaluation pass of a model no optimizer trains (a distillation teacher, a DPO
             reference model), which runs on the training batch in every step; ``updated``: its
             parameters are written in place between passes (an EMA or mean teacher).
