@@ -461,34 +461,25 @@ def _float32_activations(dev: DeviceReport, activations: int) -> tuple[int, int]
     return min(activations, layers + own), max(0, activations - kept)
 
 
-def _frozen_copies(dev: DeviceReport) -> int:
-    """The half copies of frozen float32 weights that autocast's half layers would keep for
-    backward on ``dev``: those of the leaves called in training after the first trainable
-    parameter was used (their input then requires grad, so the gradient of the input needs
-    the weight: a frozen base's layers under LoRA adapters, the first layer's before its
-    adapter excepted). A leaf uses its own where it is called; a module with children, its
-    own (a hand-written LoRA's ``x @ A.t()`` after ``self.base(x)``) after its children's
-    first calls. Research for sweep BZ's LoRA GPT-2: 1.91 MiB of bf16 copies that CPU
-    autocast and the estimate's CUDA rules both keep."""
-    ran = [m for m in dev.modules if m.calls > 0 and m.first_call is not None]
-    leaves = [m for m in ran if m.leaf]
-    used = [
-        m.first_call
-        if m.leaf
-        else max(
-            (c.first_call or 0 for c in leaves if c.path.startswith(m.path + ".")),
-            default=m.first_call,
-        )
-        for m in ran
-        if m.trainable
-    ]
-    first = min((c for c in used if c is not None), default=None)
-    if first is None:
-        return 0
-    return sum(
-        m.frozen_float32_bytes // 2
-        for m in leaves
-        if (m.first_call or 0) > first and autocast_casts_to_half(m.type_name)
+def _half_weights(dev: DeviceReport) -> tuple[int, int | None]:
+    """``(frozen copies, cached)``: the half copies of weights autocast would keep on
+    ``dev``, from the half layers that ran in training. Frozen float32 weights whose layer's
+    input required grad: cast anew at each call, the copy kept for backward (the gradient of
+    the input needs the weight: a frozen base's layers under LoRA adapters, not a frozen
+    encoder under ``no_grad``; research for sweep BZ's LoRA GPT-2: 1.91 MiB that CPU
+    autocast and the estimate's CUDA rules both keep). Trainable float32 weights of half
+    layers: cached once (not an embedding table's, which no autocast list casts: sweep CG's
+    DLRM, 25.3 MiB of EmbeddingBags taken off a 21 MiB saving). ``cached`` is ``None``
+    without module records (steps-only: the trainable weights, all of them)."""
+    half = [
+        m for m in dev.modules
+        if m.leaf and m.calls > 0 and autocast_casts_to_half(m.type_name)
+    ]  # fmt: skip
+    if not dev.modules:
+        return 0, None
+    return (
+        sum(m.frozen_float32_bytes // 2 for m in half),
+        sum(m.trainable_float32_bytes for m in half),
     )
 
 
@@ -507,6 +498,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
     fsdp = None if setup is None else setup.sharding
     wrapped = wrapped or (fsdp is not None and fsdp[1] is not None)  # (its policy's bf16)
     float32, temporaries = _float32_activations(dev, activations)
+    frozen_copies, cached = _half_weights(dev)
     return [
         mixed_precision(
             param_dtype=report.param_dtype,
@@ -518,8 +510,11 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             min_share=0.3,
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
-            cached_weight_bytes=None if setup is None else setup.trainable_bytes,
-            frozen_copy_bytes=_frozen_copies(dev),
+            cached_weight_bytes=cached
+            if cached is not None or setup is None
+            else setup.trainable_bytes,
+            frozen_copy_bytes=frozen_copies,
+            trainable_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
             temporary_bytes=temporaries,
             wrapper="fsdp" if fsdp is not None else None if setup is None else setup.wrapper,

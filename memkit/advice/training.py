@@ -118,6 +118,7 @@ def mixed_precision(
     temporary_bytes: int = 0,
     cached_weight_bytes: int | None = None,
     frozen_copy_bytes: int = 0,
+    trainable_weight_bytes: int | None = None,
     inference: bool = False,
     wrapper: str | None = None,
     unsafe_loss: str | None = None,
@@ -150,10 +151,13 @@ def mixed_precision(
             in float32 (a float32 copy of it replaces the half one).
         temporary_bytes: of ``activation_bytes``, what no forward kept: at a peak in backward,
             the gradients of the loss math, float32 under autocast too.
-        cached_weight_bytes: the weights that require grad (the trained ones): autocast
-            caches its half casts of float32 leaves that require grad only (``cached_cast``
-            in ATen/autocast_mode.cpp); a frozen model's (a distillation teacher's) are cast
-            anew at each use and freed. ``None``: not known, all the float32 weights.
+        cached_weight_bytes: the weights that require grad (the trained ones) of the layers
+            autocast runs in half: it caches its half casts of float32 leaves that require grad
+            only (``cached_cast`` in ATen/autocast_mode.cpp), and casts no embedding table; a
+            frozen model's (a distillation teacher's) are cast anew at each use and freed.
+            ``None``: not known, all the float32 weights.
+        trainable_weight_bytes: all the weights that require grad (``None``: taken as
+            ``cached_weight_bytes``): the rest are the frozen ones the text names.
         frozen_copy_bytes: the half copies of frozen float32 weights that half layers keep for
             backward, where their input requires grad (the gradient of the input needs the
             weight): a frozen base's layers under LoRA adapters after the first adapter.
@@ -183,19 +187,21 @@ def mixed_precision(
     if wrapper == "fsdp":  # FSDP2's policy gathers half copies in place of the float32 ones:
         cached = 0  # no autocast cache beside them (review: 11.16 MiB promised, 13.17 saved)
     frozen = ""
+    trained = cached if trainable_weight_bytes is None else trainable_weight_bytes
+    untrained = wide - min(wide, trained)
     if saving_bytes is None:
         halved = max(0, activation_bytes - float32_bytes - temporary_bytes)
         saving_bytes = int(halved * share) // 2 - cached // 2 - frozen_copy_bytes
         if frozen_copy_bytes:
             frozen = (
-                f" It caches none of the {format_size(wide - cached)} of float32 weights "
+                f" It caches none of the {format_size(untrained)} of float32 weights "
                 "that require no grad (a frozen base's): it casts them anew at each use, and "
                 f"the layers whose input requires grad keep their {format_size(frozen_copy_bytes)}"
                 " of half copies for backward (float32 training keeps the weights themselves)."
             )
-        elif cached < wide and (wide - cached) // 2 >= saving_bytes // 20:  # (a norm's stats)
+        elif untrained and untrained // 2 >= saving_bytes // 20:  # (not a norm's stats)
             frozen = (
-                f" It caches none of the {format_size(wide - cached)} of float32 weights "
+                f" It caches none of the {format_size(untrained)} of float32 weights "
                 "that require no grad (a frozen model's): it casts them anew at each use."
             )
         if float32_bytes + temporary_bytes > 0:

@@ -775,7 +775,7 @@ class Hooks:
             hook = bool(module._parameters) or top is None
             bw = self._shield(functools.partial(self._bw, name)) if hook else None
             ms = dev.modules[name] = ModuleStat(
-                leaf, bw, user_class_name(module), _own_weights(module) if hook else (0, False)
+                leaf, bw, user_class_name(module), _own_weights(module) if hook else (0, 0)
             )
         frame = Frame(name, id(module), dev, a, ms, kind)
         if kind == TRAIN_PASS:
@@ -784,6 +784,8 @@ class Hooks:
                 self._region_seen(region)
             frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
+            if ms.frozen32 and not ms.grad_input and not unsaved:  # (mixed-precision's copies)
+                ms.grad_input = any(isinstance(x, torch.Tensor) and x.requires_grad for x in args)
         # (a training pass runs in training mode: no need to read the module again; an
         # averaged copy's pass is evaluation in either mode)
         if (
@@ -1540,10 +1542,15 @@ def autocast_unsafe_loss(roots: Any, limit: int = 32) -> str | None:
     return None
 
 
-def _own_weights(module: torch.nn.Module) -> tuple[int, bool]:
-    """``(float32 bytes that require no grad, any requires grad)`` of ``module``'s own
-    parameters: autocast casts a frozen float32 weight anew at each call of a half layer
-    (``mixed-precision``)."""
-    params = [p for p in module._parameters.values() if p is not None]
-    frozen = sum(p.numel() * 4 for p in params if not p.requires_grad and p.dtype == torch.float32)
-    return frozen, any(p.requires_grad for p in params)
+def _own_weights(module: torch.nn.Module) -> tuple[int, int]:
+    """``(frozen, trainable)`` float32 bytes of ``module``'s own parameters: autocast casts a
+    frozen float32 weight anew at each call of a half layer, and caches its casts of the
+    trainable ones (``mixed-precision``)."""
+    frozen = trainable = 0
+    for p in module._parameters.values():
+        if p is not None and p.dtype == torch.float32:
+            if p.requires_grad:
+                trainable += p.numel() * 4
+            else:
+                frozen += p.numel() * 4
+    return frozen, trainable

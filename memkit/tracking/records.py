@@ -286,6 +286,7 @@ class ModuleStat:
         "calls",
         "eval_calls",
         "frozen32",
+        "grad_input",
         "leaf",
         "out_max",
         "over_max",
@@ -296,7 +297,7 @@ class ModuleStat:
         "step_max",
         "step_passes",
         "step_sum",
-        "trains",
+        "trainable32",
         "type_name",
     )
 
@@ -305,12 +306,14 @@ class ModuleStat:
         leaf: bool,
         bw: Callable[[torch.Tensor], None] | None,
         type_name: str,
-        weights: tuple[int, bool] = (0, False),
+        weights: tuple[int, int] = (0, 0),
     ) -> None:
         self.bw = bw
         self.type_name = type_name
-        # its own parameters: float32 bytes that require no grad, and whether any does
-        self.frozen32, self.trains = weights
+        # its own float32 parameters' bytes, frozen and trainable; whether a training call's
+        # input required grad (with grad on), read where it has frozen ones
+        self.frozen32, self.trainable32 = weights
+        self.grad_input = False
         self.calls = 0
         self.eval_calls = 0
         self.recompute_calls = 0
@@ -458,8 +461,8 @@ def module_records(dev: DeviceRecord, display: Namer) -> list[ModuleRecord]:
                 type_name=ms.type_name,
                 first_call=first_call,
                 output_bytes=None if ms.leaf or not ms.out_max else ms.out_max,
-                frozen_float32_bytes=ms.frozen32,
-                trainable=ms.trains,
+                frozen_float32_bytes=ms.frozen32 if ms.grad_input else 0,
+                trainable_float32_bytes=ms.trainable32,
             )
         )
     out.sort(key=lambda m: m.self_activation_bytes, reverse=True)

@@ -131,8 +131,12 @@ class ModuleRecord:
             call returned (its first tensor: a block's hidden states), what checkpointing the
             module keeps in its place; ``None`` for a leaf or when not recorded.
         frozen_float32_bytes: its own float32 parameters that require no grad (a frozen base
-            layer under LoRA): autocast casts them anew at each call.
-        trainable: any of its own parameters requires grad.
+            layer under LoRA), where a training call's input required grad (with grad on):
+            autocast casts them anew at each call and keeps the half copy for backward (the
+            gradient of the input needs the weight); 0 otherwise (a frozen encoder run under
+            ``no_grad``, or on the raw batch).
+        trainable_float32_bytes: its own float32 parameters that require grad (autocast
+            caches one half copy of each, in a half layer).
     """
 
     path: str
@@ -150,7 +154,7 @@ class ModuleRecord:
     first_call: int | None = None
     output_bytes: int | None = None
     frozen_float32_bytes: int = 0
-    trainable: bool = False
+    trainable_float32_bytes: int = 0
 
 
 @dataclass(frozen=True)
