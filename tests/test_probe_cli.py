@@ -711,3 +711,43 @@ def test_a_replay_buffer_held_outside_the_model_is_named_with_its_bytes(tmp_path
     said = [d for d in json.loads(result.stdout)["defaults"] if d.startswith("held outside")]
     assert len(said) == 1
     assert "`observations` (2.34 MiB)" in said[0] and "`transitions` (2.34 MiB)" in said[0]
+
+
+EMA_MODEL = """
+import copy, os, torch
+
+model_ema = None
+
+
+def build_model():
+    global model_ema
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 256))
+    if os.environ.get("MEMKIT_TEST_EMA"):
+        model_ema = copy.deepcopy(model).requires_grad_(False)  # timm's ModelEmaV2, a global
+    return model
+
+
+def make_batch(n):
+    return torch.randn(n, 256)
+"""
+
+
+def test_an_ema_copy_held_outside_the_model_is_counted_in_evaluation(tmp_path, monkeypatch):
+    """Sweep CG: a ViT model file kept its EMA copy (3.13 MiB) as a global: `--mode infer`
+    answered 130 where the script's validation, the copy on the device, fits 122 (no line
+    said so: a module was taken for a function). A module held beside the model is counted
+    in every trial now: the answer with the copy is that of a card smaller by its bytes."""
+    path = tmp_path / "ema_model.py"
+    path.write_text(EMA_MODEL)
+    size = 4 * (2 * 256 * 1024 + 1024 + 256)  # the copy's weights and biases, float32
+    args = ("--device", "cpu", "--mode", "infer", "--max-batch", "4096", "--json")
+    plain = run(str(path), "--budget", f"{8 * 2**20 - size}B", *args)
+    monkeypatch.setenv("MEMKIT_TEST_EMA", "1")
+    held = run(str(path), "--budget", "8MiB", *args)
+    assert plain.exit_code == held.exit_code == 0, (plain.output, held.output)
+    answer = json.loads(held.stdout)
+    said = [d for d in answer["defaults"] if d.startswith("held outside")]
+    assert len(said) == 1 and "`model_ema`" in said[0] and "counted in every trial" in said[0]
+    assert abs(answer["max_batch_size"] - json.loads(plain.stdout)["max_batch_size"]) <= 1

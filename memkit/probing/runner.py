@@ -350,8 +350,7 @@ def probe_with(
     checked, varying, per_sample, lengths = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
     outside = _held_outside(make_batch, model)
-    if outside:
-        defaults.append(_outside_note(outside))
+    defaults += _outside_notes(outside)
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
     if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
@@ -379,8 +378,8 @@ def probe_with(
         defaults.append(
             f"simulated device: {format_size(backend.budget)} (default; --budget to change)"
         )
-    if isinstance(backend, SimulatedBackend):
-        backend.track(model, optimizer)
+    if isinstance(backend, SimulatedBackend):  # (with the modules held beside the model)
+        backend.track(model, optimizer, *(h for _, _, h in outside if _is_module(h)))
     problem = _kept_segments_problem(backend, model, optimizer)
     if distributed.is_distributed() and distributed.any_true(
         problem is not None, timeout=opts.timeout
@@ -800,12 +799,15 @@ def _check_make_batch(make_batch: Callable[..., Any], seq_len: int | None) -> No
         ) from error
 
 
-def _held_outside(make_batch: Callable[..., Any], model: torch.nn.Module) -> list[tuple[str, int]]:
-    """``(name, bytes)`` of what ``make_batch``'s module holds of 1 MiB or more outside the
+def _held_outside(
+    make_batch: Callable[..., Any], model: torch.nn.Module
+) -> list[tuple[str, int, Any]]:
+    """``(name, bytes, value)`` of what ``make_batch``'s module holds of 1 MiB or more outside the
     model, in tensors: its globals, the attributes of its own objects (``rb.obs``), lists and
-    deques of tensors or of tuples of them (a replay buffer's transitions); largest first.
-    Sweep CD: a DQN model file's replay buffer as globals was counted nowhere, the answer
-    1863 where its loop, the buffer on the device, fits 1563."""
+    deques of tensors or of tuples of them (a replay buffer's transitions), other modules (an
+    EMA copy of the model); largest first. Sweep CD: a DQN model file's replay buffer as
+    globals was counted nowhere, the answer 1863 where its loop, the buffer on the device,
+    fits 1563; sweep CG: a ViT's EMA copy, alive through its validation, 130 for 122."""
     scope = getattr(inspect.unwrap(make_batch), "__globals__", None)
     if not isinstance(scope, dict):
         return []
@@ -818,30 +820,54 @@ def _held_outside(make_batch: Callable[..., Any], model: torch.nn.Module) -> lis
     def model_own(t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in weights
 
-    found: list[tuple[str, int]] = []
+    def weights_of(value: Any) -> Any:  # a module's tensors, else the value
+        if isinstance(value, torch.nn.Module):
+            return [*value.parameters(), *value.buffers()]
+        return value
+
+    found: list[tuple[str, int, Any]] = []
     for name, value in list(scope.items()):
-        if name.startswith("_") or isinstance(value, (type, types.ModuleType)) or callable(value):
+        if name.startswith("_") or isinstance(value, (type, types.ModuleType)):
+            continue
+        if callable(value) and not isinstance(value, torch.nn.Module):
             continue
         parts = [(name, value)]
-        if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+        if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | torch.nn.Module):
             parts = [(f"{name}.{k}", v) for k, v in list(vars(value).items())[:50]]
         for label, held in parts:
-            size = sum(
-                held_storages(held, lambda t: t.untyped_storage().data_ptr() in weights).values()
-            )
+            size = sum(held_storages(weights_of(held), model_own).values())
             if size >= 1 << 20:
-                found.append((label, size))
+                found.append((label, size, held))
     return sorted(found, key=lambda f: -f[1])[:4]
 
 
-def _outside_note(found: list[tuple[str, int]]) -> str:
-    names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in found)
-    return (
-        f"held outside the model: {names}, tensors make_batch's module keeps (a replay "
-        "buffer, a dataset): the trials do not count them. Where the script keeps them on the "
-        "device, register them on the model (`model.register_buffer(...)` in build_model) "
-        "to have the probe count them, or take their bytes off the device's size"
-    )
+def _is_module(value: Any) -> bool:
+    return isinstance(value, torch.nn.Module)
+
+
+def _outside_notes(found: list[tuple[str, int, Any]]) -> list[str]:
+    """The notes on what the model file holds outside the model: modules (an EMA copy) are
+    counted in every trial, as the script keeps them beside the model; tensors (a replay
+    buffer, a dataset) may live on the host, and are not."""
+    notes = []
+    modules = [(n, s) for n, s, h in found if _is_module(h)]
+    tensors = [(n, s) for n, s, h in found if not _is_module(h)]
+    if modules:
+        names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in modules)
+        notes.append(
+            f"held outside the model: {names}, a module make_batch's module keeps (an EMA "
+            "copy): counted in every trial, as on the device beside the model"
+        )
+    if tensors:
+        names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in tensors)
+        notes.append(
+            f"held outside the model: {names}, tensors make_batch's module keeps (a replay "
+            "buffer, a dataset): the trials do not count them. Where the script keeps them on "
+            "the device, register them on the model (`model.register_buffer(...)` in "
+            "build_model) to have the probe count them, or take their bytes off the device's "
+            "size"
+        )
+    return notes
 
 
 def _check_batches(
