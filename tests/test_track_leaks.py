@@ -1120,6 +1120,23 @@ def test_the_line_named_is_of_the_frames_own_function_not_a_nested_one():
     own = inspect.getsourcelines(main)[1] + 8
     assert _first_line(main.__code__, 0, "loss")[0] == own
 
+    def deeper() -> None:  # (review: two levels down, and a closure's cell)
+        def evaluate() -> None:
+            def one_batch() -> None:
+                loss = torch.zeros(())
+                del loss
+
+            loss = torch.zeros(())
+            print((lambda: loss)())
+            one_batch()
+
+        evaluate()
+        loss = torch.ones((), requires_grad=True) * 2
+        loss.backward()
+
+    own = inspect.getsourcelines(deeper)[1] + 11
+    assert _first_line(deeper.__code__, 0, "loss")[0] == own
+
 
 def test_optimizers_are_found_in_the_dict_a_script_keeps_them_in():
     """Sweep BH: one optimizer per parameter in a dict (the optimizer step fused into

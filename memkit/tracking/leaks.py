@@ -894,13 +894,13 @@ def _nested_lines(code: CodeType, name: str) -> set[int]:
     closure's list they append to) is the same object: its lines stay."""
     found: set[int] = set()
     for const in code.co_consts:
-        if (
-            isinstance(const, CodeType)
-            and not const.co_name.startswith("<")
-            and name in const.co_varnames
-        ):
+        if not isinstance(const, CodeType) or const.co_name.startswith("<"):
+            continue
+        if name in const.co_varnames or name in const.co_cellvars:  # (a closure's own, too)
             last = max((n for _, _, n in const.co_lines() if n is not None), default=0)
             found.update(range(const.co_firstlineno, last + 1))
+        else:  # a function inside it may have its own (main -> evaluate -> one_batch)
+            found |= _nested_lines(const, name)
     return found
 
 
