@@ -1130,7 +1130,7 @@ def test_checkpointing_finds_blocks_that_are_named_attributes():
     assert adv.saving_bytes is not None and 0.9 * measured <= adv.saving_bytes <= 1.1 * measured
 
 
-def _distill_peak(teacher_bf16: bool) -> tuple[int, TrackReport]:
+def _distill_peak(teacher_bf16: bool, autocast: bool = False) -> tuple[int, TrackReport]:
     """A distillation step (PyTorch's tutorial shape: a conv teacher with no_grad, a small
     student, KL + CE), its teacher as given or held in bf16 as the advice says: the peak
     and the report."""
@@ -1147,7 +1147,7 @@ def _distill_peak(teacher_bf16: bool) -> tuple[int, TrackReport]:
     with track(device="cpu", budget="256MiB") as tracker:
         for _ in range(3):
             x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
                 t = teacher(x.to(torch.bfloat16)).float() if teacher_bf16 else teacher(x)
             s = student(x)
             kd = F.kl_div(F.log_softmax(s / 2, -1), F.softmax(t / 2, -1), reduction="batchmean")
@@ -1171,6 +1171,11 @@ def test_a_teacher_held_in_bf16_saves_what_the_advice_claims_once():
     assert abs(advice.saving_bytes - (before - after)) <= 0.15 * (before - after)
     again = [a for a in held.advice if a.code == "frozen-model-peak"]
     assert all("Hold it in bf16" not in a.action and a.saving_bytes is None for a in again)
+    # its forward under autocast already (review): only its parameters' bf16 saving
+    _, under = _distill_peak(False, autocast=True)
+    (adv,) = [a for a in under.advice if a.code == "frozen-model-peak"]
+    assert "under autocast already" in adv.action
+    assert adv.saving_bytes == under.frozen_model[3]  # type: ignore[index]
 
 
 class _Encoder(nn.Module):

@@ -265,21 +265,31 @@ def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int
     shape = report.frozen_input_shape
     batch = "" if shape is None else f" on inputs of {format_shape(shape)}"
     base = report.frozen_bases.get(device)
-    own = 0 if base is None else max(0, peak - base)
+    # its forward's own bytes halve in bf16, unless it ran under autocast already (review)
+    own = 0 if base is None or report.frozen_autocast else max(0, peak - base)
     if updated:
+        autocast = (
+            ""
+            if report.frozen_autocast
+            else "run its forward under `torch.autocast(..., dtype=torch.bfloat16)` (its "
+            "activations halve; its weights stay float32 for the update), or "
+        )
         action = (
-            f"`{name}` is written in place between its passes (an EMA or mean teacher): run "
-            "its forward under `torch.autocast(..., dtype=torch.bfloat16)` (its activations "
-            "halve; its weights stay float32 for the update), or lower the training "
-            "micro-batch and keep the effective batch with gradient accumulation."
+            f"`{name}` is written in place between its passes (an EMA or mean teacher): "
+            f"{autocast}lower the training micro-batch and keep the effective batch with "
+            "gradient accumulation."
         )
         saving = min(peak - training, own // 2)
     else:
+        halves = (
+            "of parameters halve (its forward runs under autocast already)"
+            if report.frozen_autocast
+            else "of parameters and the activations of its forward halve"
+        )
         half = (
             "Hold it in bf16 (`.to(torch.bfloat16)` on the model, its input cast with "
             "`.to(torch.bfloat16)` and its output back with `.float()`: its "
-            f"{format_size(size)} of parameters and the activations of its forward halve), "
-            "or compute"
+            f"{format_size(size)} {halves}), or compute"
             if wide
             else "Compute"
         )

@@ -336,6 +336,7 @@ class Evidence:
             "frozen_input_shape": facts.frozen_input,
             "frozen_peaks": dict(facts.frozen_peaks),
             "frozen_bases": dict(facts.frozen_bases),
+            "frozen_autocast": facts.frozen_autocast,
         }
         if facts.dp_layout is not None:
             ids, output = facts.dp_layout

@@ -219,6 +219,7 @@ class PhaseMachine:
             if frozen:  # the step's own work, counted apart from evaluation's
                 facts.frozen_forwards += 1
                 facts.frozen_seen = facts.frozen_model
+                facts.frozen_autocast = facts.frozen_autocast or self._autocast_at(module)
             else:  # (a post-mortem's evaluation batch)
                 self.eval_batch = tuple(map(weakref.ref, first))
             largest = facts.frozen_input if frozen else facts.eval_input
@@ -251,11 +252,7 @@ class PhaseMachine:
             self.train_input = tuple(map(weakref.ref, first))
             # advice: mixed-precision. An autocast wrapping the model's forward itself
             # (accelerate's mixed precision) is entered after this hook: read the wrapper
-            if (
-                _autocast_on(self.devices.kind)
-                or cuda_autocast.inside()  # (the script's own, which a CPU run disables)
-                or self.models.forward_autocast(module) is not None
-            ):
+            if self._autocast_at(module):
                 facts.autocast_forwards += 1
             if state.phase != FORWARD:
                 with state.lock:
@@ -307,6 +304,16 @@ class PhaseMachine:
                         if taken and dev.growth.wants_persistent(level)
                         else None
                     )
+
+    def _autocast_at(self, module: torch.nn.Module) -> bool:
+        """Whether ``module``'s forward runs under autocast: on now, the script's own CUDA
+        region (which a CPU run disables), or one wrapping its ``forward`` (accelerate's
+        mixed precision, entered after this hook: read the wrapper)."""
+        return (
+            _autocast_on(self.devices.kind)
+            or cuda_autocast.inside()
+            or self.models.forward_autocast(module) is not None
+        )
 
     def _training_ahead(self) -> bool:
         """Whether training is at hand though no training forward ran yet, in step 0 before

@@ -101,6 +101,7 @@ class RunFacts:
     frozen_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
     # device -> allocated when the forward that set its frozen peak began
     frozen_bases: dict[str, int] = dataclasses.field(default_factory=dict)
+    frozen_autocast: bool = False  # a forward of such a model ran under autocast
     train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept

@@ -649,6 +649,8 @@ class TrackReport(Result):
         frozen_input_shape: the largest first tensor input of those forwards.
         frozen_peaks: device -> the peak of those forwards (in ``phase_peaks["eval"]`` too).
         frozen_bases: device -> allocated when the forward of that peak began.
+        frozen_autocast: a forward of that model ran under autocast (its activations are
+            half already).
         ranks: on rank 0 of a process group, every rank's summary, the imbalance and the DDP
             advice (:class:`memkit.tracking.rank_gather.RanksReport`); ``None`` otherwise.
     """
@@ -695,6 +697,7 @@ class TrackReport(Result):
     frozen_input_shape: tuple[int, ...] | None = None
     frozen_peaks: dict[str, int] = field(default_factory=dict)
     frozen_bases: dict[str, int] = field(default_factory=dict)
+    frozen_autocast: bool = False
     ranks: RanksReport | None = None
 
     # -- access ---------------------------------------------------------------------------
