@@ -1430,3 +1430,42 @@ def test_mixed_precision_takes_no_half_copy_of_an_embedding_table():
     (adv,) = [a for a in tracker.report().advice if a.code == "mixed-precision"]
     assert "require no grad" not in adv.evidence
     assert adv.saving_bytes is not None and 0.4 * saved <= adv.saving_bytes <= saved
+
+
+def test_checkpointing_claims_nothing_for_a_forward_peak_before_its_blocks():
+    """Review: a frozen block under no_grad with a wide transient first, then a trained one:
+    the forward's peak comes before the trained block keeps anything, so checkpointing it
+    cannot lower that peak (4 MiB claimed, 0 saved); the rule is silent."""
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(256, width), nn.ReLU(), nn.Linear(width, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.act(self.a(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList([Block(8192), Block(2048)])
+            self.blocks[0].requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                h = self.blocks[0](x)
+            return self.blocks[1](h).pow(2).mean()
+
+    model = Model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with track(model, opt, device="cpu", budget="72MiB", postmortem=None) as tracker:
+        for _ in range(3):
+            loss = model(torch.randn(512, 256))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
+    assert report.devices[0].breakdown is not None
+    assert report.devices[0].breakdown.phase == "forward"
+    assert "activation-checkpointing" not in [a.code for a in report.advice]

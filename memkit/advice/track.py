@@ -565,6 +565,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             device=dev.device,
             phase_peaks=dev.phase_peaks,
             peak_phase=bd.phase,
+            peak_module=bd.module,
         ),
         optimizer_state(
             optimizer_state_bytes=bd.optimizer_state,

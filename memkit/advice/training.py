@@ -557,6 +557,7 @@ def activation_checkpointing(
     min_share: float = 0.5,
     phase_peaks: Mapping[str, int | None] | None = None,
     peak_phase: str | None = None,
+    peak_module: str | None = None,
 ) -> Advice | None:
     """``activation-checkpointing``: activations dominate the peak; which blocks to checkpoint.
 
@@ -572,7 +573,9 @@ def activation_checkpointing(
     forward (``peak_phase``) above backward's peak (``phase_peaks``), over the blocks' kept
     activations (sweep CF: MoCo's key encoder under no_grad after the query encoder), the
     forward's peak falls by what the blocks keep, backward's by the saving above, and the
-    peak to the highest phase after. Fires when activations are at least ``min_share`` of the
+    peak to the highest phase after; not where the peak's module (``peak_module``) ran
+    before the blocks (review: a frozen block's wide transient first), which they cannot
+    lower. Fires when activations are at least ``min_share`` of the
     peak and memory is short (:data:`PRESSURE`).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
@@ -593,8 +596,12 @@ def activation_checkpointing(
     backward = phases.pop("backward", None)
     if peak_phase == "forward" and backward is not None and backward < peak_bytes:
         phases.pop("forward", None)
-        after_peak = max(peak_bytes - (kept - outputs), backward - at_backward,
-                         *(v for v in phases.values() if v))  # fmt: skip
+        calls = {m.path: m.first_call for m in modules}
+        at = calls.get(peak_module or "")
+        starts = [calls.get(b[0]) for b in blocks]
+        before = at is not None and None not in starts and at < min(c or 0 for c in starts)
+        forward = peak_bytes if before else peak_bytes - (kept - outputs)
+        after_peak = max(forward, backward - at_backward, *(v for v in phases.values() if v))
         saving = peak_bytes - after_peak
     elif len(blocks) < 2:  # one block, recomputed in the backward it peaks in: ~ the head
         return None
