@@ -581,6 +581,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             sparse_gradients=setup is not None and bool(setup.sparse_gradients),
             optimized_bytes=None if setup is None else setup.optimized_bytes,
             param_dtype=report.param_dtype,
+            optimizers=(setup.optimizer_states or ()) if setup is not None else (),
         ),
         _zero_grad_rule(report, dev, bd),
         dense_embedding_gradients(

@@ -831,6 +831,7 @@ def optimizer_state(
     sparse_gradients: bool = False,
     optimized_bytes: int | None = None,
     param_dtype: str | None = None,
+    optimizers: Sequence[tuple[str, int, int]] = (),
 ) -> Advice | None:
     """``optimizer-state``: optimizer state dominates the peak; the options and their savings.
 
@@ -856,6 +857,10 @@ def optimizer_state(
             buffers per parameter it keeps, which each option's saving is measured against
             (:func:`lighter_options`).
         param_dtype: the trained parameters' dtype (8-bit state is per element).
+        optimizers: where several step, ``(class name, state bytes, stepped bytes)`` of each:
+            the one with the most state is the one priced and named (``optimizer`` and
+            ``optimized_bytes`` are then its), the others said beside it (sweep CG: a DLRM's
+            SparseAdam was given Adam's state too, and a stateless SGD all of it).
 
     The saving claimed is the smallest offered optimizer's (else two ranks' sharding).
     """
@@ -876,11 +881,18 @@ def optimizer_state(
                 saving_bytes=saving,
                 severity="warning",
             )
+    own, beside = optimizer_state_bytes, ""
+    if len(optimizers) > 1 and any(state for _, state, _ in optimizers):
+        optimizer, own, optimized_bytes = max(optimizers, key=lambda o: o[1])
+        own = min(own, optimizer_state_bytes)  # (on this device)
+        beside = ", ".join(
+            f"{n} {format_size(s)}" for n, s, _ in optimizers if n != optimizer or s != own
+        )
     name = optimizer or "the optimizer"
     sparse = sparse_gradients or optimizer == "SparseAdam"
     stepped = optimized_bytes or parameter_bytes
     offered = lighter_options(
-        optimizer_state_bytes, stepped, optimizer=optimizer, param_dtype=param_dtype, sparse=sparse
+        own, stepped, optimizer=optimizer, param_dtype=param_dtype, sparse=sparse
     )
     options = [
         f"{opt.name} ({opt.how}{', takes sparse gradients' if sparse else ''}): saves "
@@ -903,9 +915,15 @@ def optimizer_state(
         code="optimizer-state",
         title=f"optimizer state is {percent_of(optimizer_state_bytes, peak_bytes)} of the peak",
         evidence=(
-            f"{name} state was {format_size(optimizer_state_bytes)} of the "
-            f"{format_size(peak_bytes)} peak on {device}: "
-            f"{state_per_parameter(optimizer_state_bytes, stepped)}."
+            f"{name} state was {format_size(own)} of the {format_size(peak_bytes)} peak on "
+            f"{device}: {state_per_parameter(own, stepped)}."
+            + (
+                f" Beside it: {beside} (optimizer state {format_size(optimizer_state_bytes)} "
+                "in all; the options below replace "
+                f"{name} alone)."
+                if beside
+                else ""
+            )
         ),
         action="Options: " + "; ".join(options) + ".",
         saving_bytes=min(s for _, s in offered)

@@ -444,7 +444,24 @@ def training_setup(
         else None,
         wrapper=_wrapper(modules),
         sharding=None if fsdp is None else fsdp.sharding(),
+        optimizer_states=tuple(map(_optimizer_bytes, optimizers)) if len(optimizers) > 1 else None,
     )
+
+
+def _optimizer_bytes(optimizer: Any) -> tuple[str, int, int]:
+    """``(class name, state bytes, stepped bytes)`` of one optimizer (each storage once; the
+    parameters that require grad)."""
+
+    def total(tensors: Iterable[torch.Tensor]) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            for storage in storages_of(t):
+                seen[storage.data_ptr()] = int(storage.nbytes())
+        return sum(seen.values())
+
+    state = total(t for st in optimizer.state.values() for t in state_tensors(st))
+    params = (p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    return type(optimizer).__name__, state, total(params)
 
 
 def _wrapper(modules: Sequence[torch.nn.Module]) -> str | None:

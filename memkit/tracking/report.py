@@ -298,6 +298,10 @@ class TrainingSetup:
             ``nn.Embedding`` with dense gradients (``sparse=False``) whose weight no other
             module shares (not tied to an output layer): backward gives it a gradient of the
             whole table, where ``sparse=True`` gives one row per index looked up.
+        optimizer_states: where several optimizers step, ``(class name, state bytes,
+            stepped bytes)`` of each (DLRM's SparseAdam over the tables and Adam over the
+            MLPs): the advice prices the one with the most state, not the first's name on
+            all of it; ``None``: one optimizer.
     """
 
     param_dtype: str | None = None
@@ -317,6 +321,7 @@ class TrainingSetup:
     wrapper: str | None = None
     dense_embeddings: tuple[tuple[str, int, int], ...] = ()
     sharding: tuple[int, str | None] | None = None
+    optimizer_states: tuple[tuple[str, int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
