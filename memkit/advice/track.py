@@ -557,6 +557,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
                     m.type_name,
                     m.first_call,
                     None if m.output_bytes is None else round(m.output_bytes * _together(m)),
+                    _together(m),
                 )
                 for m in dev.modules
                 if m.calls > 0

@@ -347,7 +347,9 @@ class ModuleActivation:
 
     ``first_call``: its place in the order the modules were first called (``None``: not
     known; a block whose modules' order is unknown is priced as keeping all it keeps);
-    ``output_bytes``: what its training forward returned (``None``: not measured)."""
+    ``output_bytes``: what its training forward returned (``None``: not measured);
+    ``passes``: how many of its calls a step keeps alive together (both views of a
+    BYOL step), whose bytes the others are the sum of: backward recomputes one at a time."""
 
     path: str
     activation_bytes: int
@@ -355,6 +357,7 @@ class ModuleActivation:
     type_name: str | None = None
     first_call: int | None = None
     output_bytes: int | None = None
+    passes: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -588,7 +591,8 @@ def activation_checkpointing(
         return None
     kept = sum(b[1] for b in blocks)
     outputs = sum(b[2] for b in blocks)
-    recompute = max(b[1] - b[2] for b in blocks)
+    passes = {m.path: m.passes for m in modules}  # (one call recomputed at a time: sweep CH)
+    recompute = max(round((b[1] - b[2]) / max(1.0, passes.get(b[0], 1.0))) for b in blocks)
     after = _kept_after([b[0] for b in blocks], modules)
     at_backward = kept - outputs - max(0, recompute - after)
     saving = min(at_backward, activation_bytes - outputs - recompute)
