@@ -285,8 +285,9 @@ def oom_in_frozen_model(pm: OomPostMortem) -> Advice:
     else:
         kind = "a distillation teacher, a reference model"
         half = (
-            "; hold it in bf16 (`.to(torch.bfloat16)` on the model, its input cast to bf16 and its "
-            f"output back with `.float()`: its {format_size(size)} of parameters and the "
+            "; hold it in bf16 (`.to(torch.bfloat16)` on the model, its floating-point inputs "
+            "cast to bf16, token ids as they are, and its output back with `.float()`: its "
+            f"{format_size(size)} of parameters and the "
             "activations of its forward halve)"
             if wide
             else ""

@@ -287,8 +287,9 @@ def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int
             else "of parameters and the activations of its forward halve"
         )
         half = (
-            "Hold it in bf16 (`.to(torch.bfloat16)` on the model, its input cast with "
-            "`.to(torch.bfloat16)` and its output back with `.float()`: its "
+            "Hold it in bf16 (`.to(torch.bfloat16)` on the model, its floating-point inputs cast "
+            "with `.to(torch.bfloat16)`, token ids as they are, and its output back with "
+            "`.float()`: its "
             f"{format_size(size)} {halves}), or compute"
             if wide
             else "Compute"
