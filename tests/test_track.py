@@ -4301,5 +4301,6 @@ def test_a_models_method_run_outside_its_forward_is_one_evaluation_pass():
             for _ in range(3):
                 model(torch.rand(16, 784))
             model.decode(torch.randn(256, 20))  # the sample grid
+            model.decode(torch.randn(64, 20))  # (sweep CH: decodes in a row are passes each)
     report = tracker.report()
-    assert report.eval_forwards == 4 and report.eval_input_shape == (16, 784)
+    assert report.eval_forwards == 5 and report.eval_input_shape == (16, 784)

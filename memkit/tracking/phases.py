@@ -173,6 +173,7 @@ class PhaseMachine:
         # the model whose part (a submodule called alone: `model.decode(z)`'s fc3, fc4, dec)
         # ran the last evaluation pass: its next parts are the same pass
         self.eval_part_of: RootInfo | None = None
+        self.eval_parts: set[int] = set()  # the parts that pass ran (one again: a new pass)
         self._eval_before: tuple[tuple[DeviceRecord, int | None, int], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
@@ -201,8 +202,13 @@ class PhaseMachine:
             # a submodule run alone: its model's root, or its own beside the model's
             owner = self.models.owners.get(id(module))
             part = root if root.ref() is not module else owner if owner is not root else None
-            if part is None or part is not self.eval_part_of:  # (sweep CF: a VAE's decode
-                facts.eval_forwards += 1  # outside forward was 3 passes, fc3, fc4 and dec)
+            # (sweep CF: a VAE's decode outside forward was 3 passes, fc3, fc4 and dec; sweep
+            # CH: four decodes in a row are four)
+            if part is None or part is not self.eval_part_of or id(module) in self.eval_parts:
+                facts.eval_forwards += 1
+                self.eval_parts = set()
+            if part is not None:
+                self.eval_parts.add(id(module))
             self.eval_part_of = part
             # a teacher or reference model runs on the training batch; a model no optimizer
             # trains evaluated on another batch size (an EMA copy's validation) is evaluation.
