@@ -4302,5 +4302,6 @@ def test_a_models_method_run_outside_its_forward_is_one_evaluation_pass():
                 model(torch.rand(16, 784))
             model.decode(torch.randn(256, 20))  # the sample grid
             model.decode(torch.randn(64, 20))  # (sweep CH: decodes in a row are passes each)
+            model.enc(torch.rand(16, 784))  # (and an encode after a decode)
     report = tracker.report()
-    assert report.eval_forwards == 5 and report.eval_input_shape == (16, 784)
+    assert report.eval_forwards == 6 and report.eval_input_shape == (16, 784)

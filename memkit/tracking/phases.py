@@ -173,7 +173,10 @@ class PhaseMachine:
         # the model whose part (a submodule called alone: `model.decode(z)`'s fc3, fc4, dec)
         # ran the last evaluation pass: its next parts are the same pass
         self.eval_part_of: RootInfo | None = None
-        self.eval_parts: set[int] = set()  # the parts that pass ran (one again: a new pass)
+        # the place in its model of the last part that pass ran: a part again, or one
+        # registered before it (`model.encode` after `model.decode`), begins a new pass
+        self.eval_part_at = -1
+        self._part_places: dict[int, tuple[RootInfo, dict[int, int]]] = {}
         self._eval_before: tuple[tuple[DeviceRecord, int | None, int], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
@@ -204,12 +207,10 @@ class PhaseMachine:
             part = root if root.ref() is not module else owner if owner is not root else None
             # (sweep CF: a VAE's decode outside forward was 3 passes, fc3, fc4 and dec; sweep
             # CH: four decodes in a row are four)
-            if part is None or part is not self.eval_part_of or id(module) in self.eval_parts:
+            at = -1 if part is None else self._part_place(part, module)
+            if part is None or part is not self.eval_part_of or at <= self.eval_part_at:
                 facts.eval_forwards += 1
-                self.eval_parts = set()
-            if part is not None:
-                self.eval_parts.add(id(module))
-            self.eval_part_of = part
+            self.eval_part_of, self.eval_part_at = part, at
             # a teacher or reference model runs on the training batch; a model no optimizer
             # trains evaluated on another batch size (an EMA copy's validation) is evaluation.
             # Before any training forward (a teacher called first in step 0) there is no batch
@@ -310,6 +311,14 @@ class PhaseMachine:
                         if taken and dev.growth.wants_persistent(level)
                         else None
                     )
+
+    def _part_place(self, root: RootInfo, module: torch.nn.Module) -> int:
+        """``module``'s place among ``root``'s modules, in the order they were registered."""
+        found = self._part_places.get(id(root))
+        if found is None or found[0] is not root:
+            found = (root, {key: i for i, key in enumerate(root.keys)})
+            self._part_places[id(root)] = found
+        return found[1].get(id(module), -1)
 
     def _autocast_at(self, module: torch.nn.Module) -> bool:
         """Whether ``module``'s forward runs under autocast: on now, the script's own CUDA
