@@ -1239,8 +1239,12 @@ def test_checkpointing_names_the_encoder_that_keeps_activations_at_a_forward_pea
     report = run(_MoCo())
     (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
     assert "`encoder_q`" in adv.title and "encoder_k" not in adv.evidence
-    measured = report.devices[0].peak_allocated - run(_MoCo(True)).devices[0].peak_allocated
+    applied = run(_MoCo(True)).devices[0]
+    measured = report.devices[0].peak_allocated - applied.peak_allocated
     assert adv.saving_bytes is not None and measured > 0
+    # checkpointed, the peak's bytes made in backward are its recomputation, not the loss's
+    assert applied.breakdown is not None and applied.breakdown.phase == "backward"
+    assert "recomputed forwards of the checkpointed encoder_q" in (applied.breakdown.note or "")
     assert 0.75 * measured <= adv.saving_bytes <= 1.25 * measured, (adv.saving_bytes, measured)
 
 

@@ -604,10 +604,21 @@ def _with_outside_note(bd: Breakdown, modules: Sequence[ModuleRecord]) -> str | 
     if found is None:
         return bd.note
     kept, outside = found
-    said = (
-        f"the model's modules kept {format_size(kept)} of the activations until backward; the "
-        f"other {format_size(outside)} were made outside its modules, by the loss or the step's "
-        "own code (a batch x batch matrix of a contrastive loss, the logits of a large "
-        "vocabulary), which no module row shows"
-    )
+    recomputed = [m.path for m in modules if m.recompute_calls]
+    outer = [p for p in recomputed if not any(p.startswith(q + ".") for q in recomputed)]
+    if outer and bd.phase == "backward":  # (sweeps CF, CG: taken for the loss's)
+        names = ", ".join(outer[:3]) + (", ..." if len(outer) > 3 else "")
+        said = (
+            f"the model's modules kept {format_size(kept)} of the activations until backward; "
+            f"the other {format_size(outside)} were made inside backward, by the recomputed "
+            f"forwards of the checkpointed {names} (what checkpointing costs at the peak) and "
+            "the gradients flowing back, which no module row's kept bytes show"
+        )
+    else:
+        said = (
+            f"the model's modules kept {format_size(kept)} of the activations until backward; "
+            f"the other {format_size(outside)} were made outside its modules, by the loss or "
+            "the step's own code (a batch x batch matrix of a contrastive loss, the logits of "
+            "a large vocabulary), which no module row shows"
+        )
     return f"{bd.note}; {said}" if bd.note else said
