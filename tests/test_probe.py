@@ -2222,5 +2222,10 @@ def test_the_steps_line_where_the_answer_kept_no_more_says_so_not_that_it_grew()
     assert growing is None and "0 B more" not in line
     assert "rose from one step to the next" in line and "at batch 6, no more after step 5" in line
     assert "its batch's random shape" in line
+    # sweep CG: a trial "still growing" at 0 B more than after step 1 (a DLRM's sparse
+    # gradients, sized by each step's draws) varies, it does not grow
+    varying = (*trials, ProbeTrial(5, True, 1200, 0.1, steps_run=16, still_growing=True))
+    (line,), growing = _kept_growth(varying, 6, 2, "train", 2, shapes_vary=True)
+    assert growing is None and "still growing" not in line and "0 B more" not in line
     (line,), _ = _kept_growth(trials, 6, 2, "train", 2)
     assert "random" not in line and "varies from step to step" in line

@@ -1313,7 +1313,9 @@ def _kept_growth(
         return [line], None
     grew = format_size(at.kept_growth_bytes or 0)
     state = format_size(at.optimizer_growth_bytes or 0)
-    others = [t for t in longer if t.still_growing and t is not at]
+    # (sweep CG: a DLRM's sparse gradients, sized by each step's draws, "still growing" at
+    # 0 B more than after step 1: what a step keeps varies, it does not grow)
+    others = [t for t in longer if t.still_growing and t is not at and t.kept_growth_bytes]
     if not at.kept_growth_bytes and not at.still_growing and not others:  # (sweep BI: 0 B)
         why = (
             "what a step keeps follows its batch's random shape"
