@@ -1548,3 +1548,40 @@ def test_checkpointing_recomputes_one_call_of_a_block_run_on_two_views():
     measured = report.devices[0].peak_allocated - run(_BYOL(True)).devices[0].peak_allocated
     assert "`online`" in adv.title and adv.saving_bytes is not None
     assert 0.85 * measured <= adv.saving_bytes <= 1.15 * measured, (adv.saving_bytes, measured)
+
+
+def test_two_teachers_of_one_class_are_priced_together():
+    """Sweep CH: two teachers of one class (an ensemble distilled into a student): their
+    forwards were counted together and priced as the last one's parameters. Both are named,
+    and the bf16 saving is both of theirs; applied to both, the claim holds within 15%."""
+
+    def run(bf16: bool) -> TrackReport:
+        torch.manual_seed(0)
+        teachers = [
+            nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).requires_grad_(
+                False
+            )
+            for _ in range(2)
+        ]
+        student = nn.Linear(512, 10)
+        if bf16:
+            for t in teachers:
+                t.to(torch.bfloat16)
+        opt = torch.optim.SGD(student.parameters(), lr=0.01)
+        with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+            for _ in range(3):
+                x = torch.randn(512, 512)
+                with torch.no_grad():
+                    target = sum(t(x.to(torch.bfloat16) if bf16 else x).float() for t in teachers)
+                loss = F.mse_loss(student(x), target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return tracker.report()
+
+    report = run(False)
+    (adv,) = [a for a in report.advice if a.code == "frozen-model-peak"]
+    assert "Sequential and Sequential#2" in adv.title and "models no optimizer" in adv.title
+    measured = report.devices[0].peak_allocated - run(True).devices[0].peak_allocated
+    assert adv.saving_bytes is not None
+    assert 0.85 * measured <= adv.saving_bytes <= 1.15 * measured, (adv.saving_bytes, measured)

@@ -301,7 +301,9 @@ def frozen_model_peak(report: TrackReport, device: str, peak: int, training: int
         saving = min(peak - training + wide, own // 2 + wide) if wide else 0
     return Advice(
         code="frozen-model-peak",
-        title=f"the forward of `{name}`, a model no optimizer trains, sets the peak on {device}",
+        title=f"the forward of `{name}`, "
+        + ("models" if " and " in name else "a model")
+        + f" no optimizer trains, sets the peak on {device}",
         evidence=f"{report.frozen_forwards} forward(s) of `{name}`{batch}, the training "
         f"batch, peaked at {format_size(peak)}; the training phases peaked at "
         f"{format_size(training)}. It runs in every step (the eval column counts it, "

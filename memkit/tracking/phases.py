@@ -225,7 +225,10 @@ class PhaseMachine:
             frozen = facts.frozen_model is not None
             if frozen:  # the step's own work, counted apart from evaluation's
                 facts.frozen_forwards += 1
-                facts.frozen_seen = facts.frozen_model
+                seen, this = facts.frozen_all, facts.frozen_model
+                if this is not None and seen.get(this[0]) != this:
+                    seen[this[0]] = this
+                    facts.frozen_seen = _together_frozen(seen.values())
                 facts.frozen_autocast = facts.frozen_autocast or self._autocast_at(module)
             else:  # (a post-mortem's evaluation batch)
                 self.eval_batch = tuple(map(weakref.ref, first))
@@ -1333,6 +1336,20 @@ def _lasting(sizes: Persistent) -> int:
     made trainable adds its gradients' size all the same (progressive unfreezing, its
     gradients kept by ``zero_grad(set_to_none=False)``: review)."""
     return sizes.parameters + sizes.optimizer_state + sizes.buckets + sizes.trainable
+
+
+def _together_frozen(
+    models: Iterable[tuple[str, int, bool, int]],
+) -> tuple[str, int, bool, int]:
+    """The frozen models a run's steps call, as one (sweep CH: two teachers of one class,
+    their forwards counted together, were priced as the last one's)."""
+    found = list(models)
+    return (
+        " and ".join(f"{m[0]}" for m in found),
+        sum(m[1] for m in found),
+        any(m[2] for m in found),
+        sum(m[3] for m in found),
+    )
 
 
 def _needs_grad(args: Any) -> bool:

@@ -96,7 +96,8 @@ class RunFacts:
     # the forwards of such models on the training batch (a teacher's in every step): how many,
     # the last such model, its largest input, and their peak per device (in the eval column)
     frozen_forwards: int = 0
-    frozen_seen: tuple[str, int, bool, int] | None = None
+    frozen_seen: tuple[str, int, bool, int] | None = None  # all of them, as one
+    frozen_all: dict[str, tuple[str, int, bool, int]] = dataclasses.field(default_factory=dict)
     frozen_input: tuple[int, ...] | None = None
     frozen_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
     # device -> allocated when the forward that set its frozen peak began
