@@ -603,7 +603,12 @@ def activation_checkpointing(
         calls = {m.path: m.first_call for m in modules}
         at = calls.get(peak_module or "")
         starts = [calls.get(b[0]) for b in blocks]
-        before = at is not None and None not in starts and at < min(c or 0 for c in starts)
+        # (the model's own row, or a module holding the blocks, runs its code after them too:
+        # review 2, a pairwise mask in the root's forward after its blocks)
+        holds = not at or any(b[0].startswith(f"{peak_module}.") for b in blocks)
+        before = (
+            at is not None and not holds and None not in starts and at < min(c or 0 for c in starts)
+        )
         forward = peak_bytes if before else peak_bytes - (kept - outputs)
         after_peak = max(forward, backward - at_backward, *(v for v in phases.values() if v))
         saving = peak_bytes - after_peak
@@ -886,11 +891,16 @@ def optimizer_state(
                 severity="warning",
             )
     own, beside = optimizer_state_bytes, ""
-    if len(optimizers) > 1 and any(state for _, state, _ in optimizers):
-        optimizer, own, optimized_bytes = max(optimizers, key=lambda o: o[1])
+    classes: dict[str, tuple[int, int]] = {}  # (optimizers of one class pooled: a GAN's Adams)
+    for n, s, p in optimizers:
+        state, stepped = classes.get(n, (0, 0))
+        classes[n] = (state + s, stepped + p)
+    if len(classes) > 1 and any(state for state, _ in classes.values()):
+        optimizer = max(classes, key=lambda n: classes[n][0])
+        own, optimized_bytes = classes[optimizer]
         own = min(own, optimizer_state_bytes)  # (on this device)
         beside = ", ".join(
-            f"{n} {format_size(s)}" for n, s, _ in optimizers if n != optimizer or s != own
+            f"{n} {format_size(s)}" for n, (s, _) in classes.items() if n != optimizer
         )
     name = optimizer or "the optimizer"
     sparse = sparse_gradients or optimizer == "SparseAdam"

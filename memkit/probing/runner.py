@@ -350,7 +350,7 @@ def probe_with(
     checked, varying, per_sample, lengths = _check_batches(make_batch, opts, model_file)
     defaults = [*checked, *defaults]
     outside = _held_outside(make_batch, model)
-    defaults += _outside_notes(outside)
+    defaults += _outside_notes(outside, isinstance(backend, SimulatedBackend))
     optimizer, defaults = _resolve_optimizer(model, optimizer, opts.mode, defaults)
     said = any(d.startswith("held through the trials") for d in defaults)
     if opts.mode == "infer" and not said and any(p.grad is not None for p in model.parameters()):
@@ -845,10 +845,11 @@ def _is_module(value: Any) -> bool:
     return isinstance(value, torch.nn.Module)
 
 
-def _outside_notes(found: list[tuple[str, int, Any]]) -> list[str]:
-    """The notes on what the model file holds outside the model: modules (an EMA copy) are
-    counted in every trial, as the script keeps them beside the model; tensors (a replay
-    buffer, a dataset) may live on the host, and are not."""
+def _outside_notes(found: list[tuple[str, int, Any]], simulated: bool) -> list[str]:
+    """The notes on what the model file holds outside the model: on the simulated device,
+    modules (an EMA copy) are counted in every trial, as the script keeps them beside the
+    model (a GPU counts what is on it); tensors (a replay buffer, a dataset) may live on the
+    host, and are not."""
     notes = []
     modules = [(n, s) for n, s, h in found if _is_module(h)]
     tensors = [(n, s) for n, s, h in found if not _is_module(h)]
@@ -856,7 +857,14 @@ def _outside_notes(found: list[tuple[str, int, Any]]) -> list[str]:
         names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in modules)
         notes.append(
             f"held outside the model: {names}, a module make_batch's module keeps (an EMA "
-            "copy): counted in every trial, as on the device beside the model"
+            "copy): "
+            + (
+                "counted in every trial, as on the device beside the model; one the script "
+                "keeps on the host, or never uses, is not: name it with a leading `_` to leave "
+                "it out"
+                if simulated
+                else "the trials count what of it is on the device"
+            )
         )
     if tensors:
         names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in tensors)

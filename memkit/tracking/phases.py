@@ -176,7 +176,7 @@ class PhaseMachine:
         # the place in its model of the last part that pass ran: a part again, or one
         # registered before it (`model.encode` after `model.decode`), begins a new pass
         self.eval_part_at = -1
-        self._part_places: dict[int, tuple[RootInfo, dict[int, int]]] = {}
+        self._part_places: dict[int, tuple[RootInfo, int, dict[int, int]]] = {}
         self._eval_before: tuple[tuple[DeviceRecord, int | None, int], ...] = ()
 
     # root forwards (the hooks call these for a model's own forward)
@@ -318,10 +318,10 @@ class PhaseMachine:
     def _part_place(self, root: RootInfo, module: torch.nn.Module) -> int:
         """``module``'s place among ``root``'s modules, in the order they were registered."""
         found = self._part_places.get(id(root))
-        if found is None or found[0] is not root:
-            found = (root, {key: i for i, key in enumerate(root.keys)})
+        if found is None or found[0] is not root or found[1] != len(root.keys):  # (rewalked)
+            found = (root, len(root.keys), {key: i for i, key in enumerate(root.keys)})
             self._part_places[id(root)] = found
-        return found[1].get(id(module), -1)
+        return found[2].get(id(module), -1)
 
     def _autocast_at(self, module: torch.nn.Module) -> bool:
         """Whether ``module``'s forward runs under autocast: on now, the script's own CUDA
@@ -1306,16 +1306,20 @@ def _first_input(args: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]
     """
     for a in args:
         if isinstance(a, torch.Tensor):
-            graph = a.is_floating_point() and any(
-                isinstance(e, torch.Tensor)
-                and e.dim() == 2
-                and e.shape[0] == 2
-                and e.shape[1] != a.shape[0]
-                and not e.is_floating_point()
-                and not e.is_complex()
-                and e.dtype is not torch.bool
-                for e in args
-                if e is not a
+            graph = (
+                a.is_floating_point()
+                and a.dim() == 2
+                and any(
+                    isinstance(e, torch.Tensor)
+                    and e.dim() == 2
+                    and e.shape[0] == 2
+                    and e.shape[1] != a.shape[0]
+                    and not e.is_floating_point()
+                    and not e.is_complex()
+                    and e.dtype is not torch.bool
+                    for e in args
+                    if e is not a
+                )
             )
             return [a], None if graph else tuple(map(int, a.shape))
     for a in args:
