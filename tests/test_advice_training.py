@@ -1054,21 +1054,28 @@ def loss_fn(out, batch):
 """
 
 
+def _cuda_rules_saving(path: Any, text: str, batch: int, peak: str) -> tuple[int, dict[str, Any]]:
+    """What CUDA's autocast rules save on model file ``text`` (written to ``path``) at
+    ``batch``: the estimate's fp32 less its bf16 ``peak`` (``"counted"`` or
+    ``"allocated"``), and the file's names, to train its model as the file says."""
+    path.write_text(text)
+    kwargs: dict[str, Any] = {"device_memory": "1TiB", "min_batch": batch, "max_batch": batch}
+    fp32, bf16 = (
+        memkit.estimate(str(path), **kwargs),
+        memkit.estimate(str(path), amp="bf16", **kwargs),
+    )
+    field = f"{peak}_peak"
+    scope: dict[str, Any] = {}
+    exec(compile(text, str(path), "exec"), scope)
+    return getattr(fp32.trials[0], field) - getattr(bf16.trials[0], field), scope
+
+
 def test_mixed_precision_keeps_a_conv_nets_norms_float32(tmp_path):
     """Sweep BY: a DDPM UNet (GroupNorm, then a functional SiLU, then a conv; residual sums
     into the norms) was promised 11.79 MiB where CUDA's autocast rules (the estimate's rerun,
     an emulation on CPU) saved 2.55-2.62: the norms keep their float32 output (the SiLU reads
     it) and a float32 copy of the half sum they are fed. Checked against the estimate's."""
-    path = tmp_path / "resblock_model.py"
-    path.write_text(RESBLOCK_FILE)
-    kwargs = {"device_memory": "1TiB", "min_batch": 16, "max_batch": 16}
-    fp32, bf16 = (
-        memkit.estimate(str(path), **kwargs),
-        memkit.estimate(str(path), amp="bf16", **kwargs),
-    )
-    rules = fp32.trials[0].counted_peak - bf16.trials[0].counted_peak
-    scope: dict[str, Any] = {}
-    exec(compile(RESBLOCK_FILE, str(path), "exec"), scope)
+    rules, scope = _cuda_rules_saving(tmp_path / "resblock_model.py", RESBLOCK_FILE, 16, "counted")
     model = scope["build_model"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
@@ -1178,6 +1185,20 @@ def test_a_teacher_held_in_bf16_saves_what_the_advice_claims_once():
     assert adv.saving_bytes == under.frozen_model[3]  # type: ignore[index]
 
 
+def _two_views(model: nn.Module, budget: str) -> TrackReport:
+    """Three SGD steps of a self-supervised model on two views of a batch of images (the
+    second a shifted copy of the first), tracked on a simulated device of ``budget``."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker:
+        for _ in range(3):
+            x = torch.randn(32, 3, 32, 32)
+            loss = model(x, x + 0.1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return tracker.report()
+
+
 class _Encoder(nn.Module):
     """MoCo's base encoder (a ResNet there): convolutions, pooling, a projection."""
 
@@ -1226,15 +1247,7 @@ def test_checkpointing_names_the_encoder_that_keeps_activations_at_a_forward_pea
     out the block's own backward temporaries on top of its recomputation)."""
 
     def run(model: nn.Module) -> TrackReport:
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
-        with track(model, opt, device="cpu", budget="24MiB", postmortem=None) as tracker:
-            for _ in range(3):
-                x = torch.randn(32, 3, 32, 32)
-                loss = model(x, x + 0.1)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        return tracker.report()
+        return _two_views(model, "24MiB")
 
     report = run(_MoCo())
     (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
@@ -1301,16 +1314,8 @@ def test_mixed_precision_on_a_lora_of_a_float32_base_agrees_with_cudas_rules(tmp
     copy of each frozen weight whose layer's input requires grad (not cached: only leaves
     that require grad are), gelu_new's `pow` is on CUDA's float32 list, and a CPU dropout's
     float32 noise is a 1-byte mask on CUDA. Checked against the estimate's rerun, within 30%."""
-    path = tmp_path / "lora_model.py"
-    path.write_text(LORA_GPT2_FILE.replace("DROPOUT", str(dropout)))
-    kwargs = {"device_memory": "1TiB", "min_batch": 8, "max_batch": 8}
-    fp32, bf16 = (
-        memkit.estimate(str(path), **kwargs),
-        memkit.estimate(str(path), amp="bf16", **kwargs),
-    )
-    rules = fp32.trials[0].allocated_peak - bf16.trials[0].allocated_peak
-    scope: dict[str, Any] = {}
-    exec(compile(path.read_text(), str(path), "exec"), scope)
+    text = LORA_GPT2_FILE.replace("DROPOUT", str(dropout))
+    rules, scope = _cuda_rules_saving(tmp_path / "lora_model.py", text, 8, "allocated")
     model = scope["build_model"]()
     opt = scope["build_optimizer"](model.parameters())
     with track(model, opt, device="cpu", budget="48MiB", postmortem=None) as tracker:
@@ -1533,15 +1538,7 @@ def test_checkpointing_recomputes_one_call_of_a_block_run_on_two_views():
     8.60 MiB where checkpointing it saved 80.31. Applied, the claim holds within 15%."""
 
     def run(model: nn.Module) -> TrackReport:
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
-        with track(model, opt, device="cpu", budget="40MiB", postmortem=None) as tracker:
-            for _ in range(3):
-                x = torch.randn(32, 3, 32, 32)
-                loss = model(x, x.flip(3))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        return tracker.report()
+        return _two_views(model, "40MiB")
 
     report = run(_BYOL())
     (adv,) = [a for a in report.advice if a.code == "activation-checkpointing"]
