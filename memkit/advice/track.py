@@ -484,12 +484,12 @@ def _half_weights(dev: DeviceReport) -> tuple[int, int | None]:
     layers: cached once (not an embedding table's, which no autocast list casts: sweep CG's
     DLRM, 25.3 MiB of EmbeddingBags taken off a 21 MiB saving). ``cached`` is ``None``
     without module records (steps-only: the trainable weights, all of them)."""
+    if not dev.modules:
+        return 0, None
     half = [
         m for m in dev.modules
         if m.leaf and m.calls > 0 and autocast_casts_to_half(m.type_name)
     ]  # fmt: skip
-    if not dev.modules:
-        return 0, None
     return (
         sum(m.frozen_float32_bytes // 2 for m in half),
         sum(m.trainable_float32_bytes for m in half),

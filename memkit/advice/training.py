@@ -160,8 +160,8 @@ def mixed_precision(
             ``cached_weight_bytes``): the rest are the frozen ones the text names.
         frozen_copy_bytes: the half copies of frozen float32 weights that half layers keep for
             backward, where their input requires grad (the gradient of the input needs the
-            weight): a frozen base's layers under LoRA adapters after the first adapter.
-            Autocast adds them; float32 training keeps the weights themselves.
+            weight): a frozen base's layers under LoRA adapters, not a frozen encoder run under
+            ``no_grad``. Autocast adds them; float32 training keeps the weights themselves.
         wrapper: the framework that wrapped the model (``"accelerate"``, ``"fabric"``): the
             action names its switch, which enters the autocast for the script (sweep BK);
             ``"fsdp"``: FSDP2's ``MixedPrecisionPolicy``.
@@ -170,7 +170,8 @@ def mixed_precision(
 
     The estimate is ``(activations - float32 - temporaries) * share / 2 - cached / 2 -
     frozen copies`` (``share``: the float32 weights' share of the weights, 1 without narrow
-    ones; ``cached``: the float32 weights that require grad); silent unless positive. float64
+    ones; ``cached``: the half layers' float32 weights that require grad); silent unless
+    positive. float64
     models get ``float64`` (:func:`float64_training`) instead.
     """
     if half is None or autocast or param_dtype not in ("float32", "torch.float32"):
