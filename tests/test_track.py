@@ -4305,3 +4305,32 @@ def test_a_models_method_run_outside_its_forward_is_one_evaluation_pass():
             model.enc(torch.rand(16, 784))  # (and an encode after a decode)
     report = tracker.report()
     assert report.eval_forwards == 6 and report.eval_input_shape == (16, 784)
+
+
+def test_an_ema_copy_validated_now_and_then_on_the_training_batch_size_is_evaluation():
+    """Sweep CG: a timm-style ViT validated its EMA copy every 5 steps with the training
+    batch size, and the report called it "a model no optimizer trains on the training batch"
+    (a teacher). A frozen model that runs in fewer than half of the steps is evaluation; one
+    run in every step (a teacher) stays one."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters())
+    with track(device="cpu", budget="64MiB") as tracker:  # (global hooks, as `memkit run`)
+        for step in range(10):
+            nn.functional.cross_entropy(
+                model(torch.randn(16, 64)), torch.zeros(16).long()
+            ).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.lerp_(p, 0.01)
+                if (step + 1) % 5 == 0:
+                    for _ in range(3):
+                        ema(torch.randn(16, 64))  # validation, the training batch's size
+    report = tracker.report()
+    assert report.frozen_model is None and report.frozen_forwards == 0
+    assert report.eval_forwards == 6 and report.eval_input_shape == (16, 64)

@@ -11,6 +11,7 @@ training setup.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import weakref
@@ -317,7 +318,16 @@ class Evidence:
         device type, for a DataParallel model's output device)."""
         self.capture()
         facts = self.facts
+        # a frozen model that ran in fewer than half of the steps (4 or more) is evaluation,
+        # an EMA copy validated on a batch of the training batch's size: no teacher runs so
+        # seldom (sweep CG: "on the training batch" for a ViT's EMA validation)
+        steps = self._state.step
+        teacher = not (steps >= 4 and facts.frozen_steps * 2 < steps)
+        shapes = [facts.eval_input, None if teacher else facts.frozen_input]
         out: dict[str, Any] = {
+            "eval_input_shape": max(
+                (s for s in shapes if s is not None), key=math.prod, default=None
+            ),
             "param_dtype": facts.param_dtype,
             "optimizer_name": facts.optimizer_name,
             "autocast_forwards": facts.autocast_forwards,
@@ -331,12 +341,12 @@ class Evidence:
             "retry_held": facts.retry_held,
             "retained_held": facts.retained_held,
             "dp_output_bytes": facts.dp_output_bytes,
-            "frozen_model": facts.frozen_seen,
-            "frozen_forwards": facts.frozen_forwards,
-            "frozen_input_shape": facts.frozen_input,
-            "frozen_peaks": dict(facts.frozen_peaks),
-            "frozen_bases": dict(facts.frozen_bases),
-            "frozen_autocast": facts.frozen_autocast,
+            "frozen_model": facts.frozen_seen if teacher else None,
+            "frozen_forwards": facts.frozen_forwards if teacher else 0,
+            "frozen_input_shape": facts.frozen_input if teacher else None,
+            "frozen_peaks": dict(facts.frozen_peaks) if teacher else {},
+            "frozen_bases": dict(facts.frozen_bases) if teacher else {},
+            "frozen_autocast": facts.frozen_autocast and teacher,
         }
         if facts.dp_layout is not None:
             ids, output = facts.dp_layout

@@ -230,6 +230,9 @@ class PhaseMachine:
                     seen[this[0]] = this
                     facts.frozen_seen = _together_frozen(seen.values())
                 facts.frozen_autocast = facts.frozen_autocast or self._autocast_at(module)
+                if facts.frozen_step != state.step:
+                    facts.frozen_step = state.step
+                    facts.frozen_steps += 1
             else:  # (a post-mortem's evaluation batch)
                 self.eval_batch = tuple(map(weakref.ref, first))
             largest = facts.frozen_input if frozen else facts.eval_input

@@ -103,6 +103,8 @@ class RunFacts:
     # device -> allocated when the forward that set its frozen peak began
     frozen_bases: dict[str, int] = dataclasses.field(default_factory=dict)
     frozen_autocast: bool = False  # a forward of such a model ran under autocast
+    frozen_steps: int = 0  # the steps such forwards ran in
+    frozen_step: int = -1  # the last of them
     train_input: tuple[int, ...] | None = None  # the last training forward's input shape
     eval_grad: int = 0  # eval-mode forwards that recorded a graph
     eval_grad_bytes: int = 0  # the most such a forward kept

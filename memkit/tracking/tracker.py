@@ -617,7 +617,6 @@ class Tracker:
             oom=self._oom,
             eval_grad_forwards=facts.eval_grad,
             eval_forwards=facts.eval_forwards,
-            eval_input_shape=facts.eval_input,
             step_rule=self.phases.step_rule(),
             rank=rank,
             world_size=world,
