@@ -390,6 +390,8 @@ class WeightCensus:
         stepped_in_backward: the largest trainable parameter's bytes among those whose
             post-accumulate-grad hooks step an optimizer (the optimizer step fused into
             backward), else 0; ``stepped_in_backward_total``: all of theirs.
+        optimizers: where several step, ``(class name, state bytes, stepped bytes)`` of each
+            on the device (a storage two of them hold counts for the first).
     """
 
     trainable_dtypes: dict[str, int] = field(default_factory=dict)
@@ -397,6 +399,7 @@ class WeightCensus:
     narrow: int = 0
     stepped_in_backward: int = 0
     stepped_in_backward_total: int = 0
+    optimizers: list[tuple[str, int, int]] = field(default_factory=list)
 
     def add(self, t: torch.Tensor, nbytes: int) -> None:
         """Count ``nbytes`` of weight ``t`` (0 where counted already, or on another device)."""
@@ -454,24 +457,10 @@ def training_setup(
         else None,
         wrapper=_wrapper(modules),
         sharding=None if fsdp is None else fsdp.sharding(),
-        optimizer_states=tuple(map(_optimizer_bytes, optimizers)) if len(optimizers) > 1 else None,
+        optimizer_states=tuple(census.optimizers)
+        if census is not None and len(optimizers) > 1
+        else None,
     )
-
-
-def _optimizer_bytes(optimizer: Any) -> tuple[str, int, int]:
-    """``(class name, state bytes, stepped bytes)`` of one optimizer (each storage once; the
-    parameters that require grad)."""
-
-    def total(tensors: Iterable[torch.Tensor]) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            for storage in storages_of(t):
-                seen[storage.data_ptr()] = int(storage.nbytes())
-        return sum(seen.values())
-
-    state = total(t for st in optimizer.state.values() for t in state_tensors(st))
-    params = (p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    return type(optimizer).__name__, state, total(params)
 
 
 def _wrapper(modules: Sequence[torch.nn.Module]) -> str | None:
@@ -688,9 +677,17 @@ def persistent_bytes(
         if p.grad is not None and id(p) not in views:  # (a view of a bucket: the bucket's)
             grads += size(p.grad)
     for opt in optimizers:
-        for st in opt.state.values():
-            for t in state_tensors(st):
-                state += size(t)
+        own = sum(size(t) for st in opt.state.values() for t in state_tensors(st))
+        state += own
+        if census is not None and len(optimizers) > 1:  # (optimizer-state: each apart)
+            stepped = {
+                st.data_ptr(): st.nbytes()
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.requires_grad and (holds(p) if holds is not None else _on(p, target))
+                for st in storages_of(p)
+            }
+            census.optimizers.append((type(opt).__name__, own, int(sum(stepped.values()))))
     if params == 0 and not all_params:  # the model is gone: what was last seen
         params = dev.params_full
     if params == 0 and isinstance(model, torch.nn.DataParallel) and not primary:
