@@ -129,6 +129,7 @@ class PhaseMachine:
         self.eval_hold = 0  # begin_eval() calls not yet ended: the eval phase is held
         self.grads_none_at_forward = True  # no gradients when the last forward began
         self.grads_found_step = -1  # the step whose first forward found gradients allocated
+        self.grads_walk_level = 0  # the devices' forward base at the last gradient walk
         # the last training forward's first input (the batch an OOM's advice weighs; a list
         # of images is all of them)
         self.train_input: tuple[weakref.ref[torch.Tensor], ...] = ()
@@ -390,7 +391,12 @@ class PhaseMachine:
             if self._successor is None and not self.grads_none_at_forward:  # (read just now)
                 facts.grads_steps += 1
                 self.grads_found_step = state.step
-                if facts.grads_steps <= 3:  # what the advice quotes: a walk, three times
+                # what the advice quotes: a walk in the first three such steps, then where the
+                # forward begins higher than at any walk (gradients that grow as layers are
+                # unfrozen; sweep CH quoted the head's 20 KiB of 6 MiB)
+                level = sum(d.forward_base or 0 for d in self.devices.records.values())
+                if facts.grads_steps <= 3 or level > self.grads_walk_level:
+                    self.grads_walk_level = max(self.grads_walk_level, level)
                     found = self.evidence.gradient_bytes()
                     facts.grads_at_forward_bytes = max(facts.grads_at_forward_bytes, found)
 

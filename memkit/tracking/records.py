@@ -115,7 +115,7 @@ class RunFacts:
     autocast_forwards: int = 0
     unsafe_loss: str | None = None  # a loss CUDA's autocast refuses (binary_cross_entropy)
     grads_steps: int = 0  # steps whose first forward found gradients allocated
-    grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found (first 3)
+    grads_at_forward_bytes: int = 0  # the most gradient bytes such a forward found
     grads_into_backward: int = 0  # of those steps, the ones whose first backward found them too
     grads_checked_step: int = 0
     # gradients of parameters no optimizer steps, by model: the most seen at once, and the

@@ -628,7 +628,8 @@ class TrackReport(Result):
         steps_with_grads_at_forward: steps (after the first) whose first forward began with
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
-            (measured at the first three).
+            (measured at the first three, then where a forward began higher than at any
+            measure: gradients that grow as layers are unfrozen).
         steps_with_grads_into_backward: of those steps, the ones whose first backward began
             with them still allocated (``zero_grad(set_to_none=False)``, where backward adds
             into them; not a ``zero_grad()`` between forward and backward).
