@@ -1134,6 +1134,19 @@ def test_eval_without_no_grad_advice():
     assert [a.code for a in report.advice] == ["eval-grad-enabled"]
 
 
+def test_a_model_frozen_by_requires_grad_records_no_graph_in_eval():
+    """Sweep CI: a DPO reference frozen by ``requires_grad_(False)`` alone, run in eval mode
+    with autograd on, was told its 8 passes "kept 1.00 MiB of activations for a backward
+    that never comes": its output has no graph, and its peaks equal a no_grad reference's."""
+    model = cnn().eval().requires_grad_(False)
+    with track(model, device="cpu", budget="64MiB") as tracker:
+        for _ in range(2):
+            model(torch.randn(4, 3, 16, 16))
+    report = tracker.report()
+    assert report.eval_grad_forwards == 0
+    assert "eval-grad-enabled" not in {a.code for a in report.advice}
+
+
 def test_per_device_routing_with_replica_threads(monkeypatch):
     """DataParallel-like: one replica per thread, each on its own (simulated meta) device."""
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
@@ -1963,6 +1976,12 @@ def test_an_oom_inside_checkpointed_blocks_does_not_advise_checkpointing_them():
     (advice,) = [a for a in pm.advice if a.code == "oom-activations"]
     assert "checkpoint the largest blocks" not in advice.action
     assert f"Activation checkpointing already runs ({pm.checkpointed[0]}, " in advice.evidence
+    # what no module kept is backward's own (sweep CK: a checkpointed GPT-2's was called a
+    # contrastive loss's batch x batch matrix, and in-batch negatives were warned of)
+    assert pm.made_outside is not None
+    assert "by the recomputed forwards of the checkpointed blocks" in advice.evidence
+    assert "batch x batch" not in advice.evidence
+    assert "in-batch negatives" not in advice.action
 
 
 @pytest.mark.parametrize(

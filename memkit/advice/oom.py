@@ -518,7 +518,16 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         checkpoint = ""
     else:
         done, checkpoint = "", "; or checkpoint the largest blocks (`torch.utils.checkpoint`)"
-    if pm.made_outside is not None:
+    if pm.made_outside is not None and pm.checkpointed and pm.phase == "backward":
+        kept, outside = pm.made_outside
+        # (sweep CK: a checkpointed GPT-2 that ran out in backward was told of a contrastive
+        # loss's batch x batch matrix; the run's report named the recomputation)
+        done += (
+            f" The model's modules kept {format_size(kept)} of them until backward; the other "
+            f"{format_size(outside)} were made inside backward, by the recomputed forwards of "
+            "the checkpointed blocks and the gradients flowing back."
+        )
+    elif pm.made_outside is not None:
         kept, outside = pm.made_outside
         # (sweep BT: a SimCLR loss's 2N x 2N logits were 88 of 107 MiB, and checkpointing
         # the encoder, offered alike, saved 16 MiB and still ran out)

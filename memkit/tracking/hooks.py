@@ -961,7 +961,11 @@ class Hooks:
             or dev.pending is not None
             or self.devices.sim is not None
         ):
-            if frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
+            if frame.eval_grad and not any(
+                t.requires_grad for t in tensors_within((output,), torch.Tensor)
+            ):  # no graph recorded: a model frozen by ``requires_grad_(False)`` (sweep CI)
+                frame.eval_grad = False
+            elif frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
                 delta = max(0, delta - _new_output_bytes(output, args))
             self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
