@@ -1134,6 +1134,36 @@ def test_eval_without_no_grad_advice():
     assert [a.code for a in report.advice] == ["eval-grad-enabled"]
 
 
+def test_results_precomputed_with_grad_and_kept_into_training_lower_its_peak():
+    """Sweep CI: a DPO reference's log-probs precomputed over the data with grad on (a
+    reference frozen by ``.eval()`` only), kept in a list that training reads: the graphs
+    stay alive under every step, and the advice said "Training sets the peak: no_grad lowers
+    the evaluation's memory, not the peak". The claim is what no_grad takes off training's
+    peak, measured by running the same script with it."""
+
+    def run(no_grad: bool) -> TrackReport:
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 1)).eval()
+        model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 1))
+        opt = torch.optim.AdamW(model.parameters())
+        data = [torch.randn(256, 64) for _ in range(6)]
+        with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                cache = [ref(x) for x in data]
+            for x, r in zip(data, cache, strict=True):
+                (model(x) - r).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return tracker.report()
+
+    report, fixed = run(False), run(True)
+    (adv,) = [a for a in report.advice if a.code == "eval-grad-enabled"]
+    assert "lowers training's peak too" in adv.evidence
+    saved = report.devices[0].peak_allocated - fixed.devices[0].peak_allocated
+    assert saved > 4 << 20
+    assert adv.saving_bytes is not None and saved <= adv.saving_bytes <= 1.15 * saved
+
+
 def test_a_model_frozen_by_requires_grad_records_no_graph_in_eval():
     """Sweep CI: a DPO reference frozen by ``requires_grad_(False)`` alone, run in eval mode
     with autograd on, was told its 8 passes "kept 1.00 MiB of activations for a backward
