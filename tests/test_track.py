@@ -1379,6 +1379,56 @@ def test_a_gan_forward_peak_counts_the_gradients_alive_then_not_those_left_at_it
     assert batch <= bd.other < batch + 1024
 
 
+def test_an_optimizer_step_holding_another_optimizers_gradients_prices_freeing_them():
+    """Sweep CK: a Lightning GAN with manual optimization (``toggle_optimizer``: the other
+    model frozen for each update), each optimizer zeroing right before its own backward: a
+    phase of one model's update holds the other's gradients, kept from its step (the sweep's
+    peak: the generator's step with the discriminator's; here: the discriminator's backward
+    with the frozen generator's). zero-grad-keeps-grads said "Training's peak came in
+    optimizer, not in a forward: ... no saving is claimed"; following its own action (zero_grad
+    right after each step) saved 2.04 MiB there. The claim is the gradients of the parameters
+    the peak's work does not update, measured by applying it."""
+
+    def run(fixed: bool) -> TrackReport:
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 784))
+        disc = nn.Sequential(nn.Linear(784, 512), nn.LeakyReLU(0.2), nn.Linear(512, 1))
+        opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+        bce = nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(64, 1), torch.zeros(64, 1)
+
+        def update(opt: torch.optim.Optimizer, trained: nn.Module, loss: Any) -> None:
+            for model in (gen, disc):  # Lightning's toggle_optimizer
+                model.requires_grad_(model is trained)
+            if not fixed:
+                opt.zero_grad()  # right before its own backward, as the sweep's script did
+            loss().backward()
+            opt.step()
+            if fixed:  # the advice's action
+                opt.zero_grad(set_to_none=True)
+            gen.requires_grad_(True)
+            disc.requires_grad_(True)
+
+        with track(device="cpu", budget="64MiB", postmortem=None) as tracker:
+            for _ in range(4):
+                real, fake = torch.randn(64, 784), gen(torch.randn(64, 64))
+                update(opt_g, gen, lambda f=fake: bce(disc(f), ones))
+
+                def d_loss(r: torch.Tensor = real, f: torch.Tensor = fake) -> torch.Tensor:
+                    return (bce(disc(r), ones) + bce(disc(f.detach()), zeros)) / 2
+
+                update(opt_d, disc, d_loss)
+        return tracker.report()
+
+    report, fixed = run(False), run(True)
+    bd = report.devices[0].breakdown
+    assert bd is not None and bd.phase == "backward" and bd.idle_gradients > 0, bd
+    (adv,) = [a for a in report.advice if a.code == "zero-grad-keeps-grads"]
+    saved = report.devices[0].peak_allocated - fixed.devices[0].peak_allocated
+    assert saved > 512 << 10
+    assert adv.saving_bytes is not None and 0.95 * saved <= adv.saving_bytes <= 1.05 * saved
+
+
 def test_a_discriminator_frozen_for_the_generators_update_trains_in_its_own():
     """pix2pix/CycleGAN's ``set_requires_grad(netD, False)`` for G's update, ``True`` for D's,
     each optimizer zeroing its own gradients: D's forwards in its own update are training

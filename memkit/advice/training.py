@@ -1027,6 +1027,7 @@ def zero_grad_keeps_grads(
     held_elsewhere: bool = False,
     micro_batches: int = 1,
     into_backward: bool = False,
+    idle_bytes: int = 0,
 ) -> Advice | None:
     """``zero-grad-keeps-grads``: gradients were allocated when a step's first forward began.
 
@@ -1050,10 +1051,44 @@ def zero_grad_keeps_grads(
     backward began with them too (``set_to_none=False``: backward adds into them, where
     freed it creates each as it goes), so a peak in backward holds them as well: the saving
     there is at most them, down to ``next_peak_bytes`` (the forward's peak without them,
-    the optimizer's).
+    the optimizer's). ``idle_bytes``: at a peak in backward or an optimizer's step, the
+    gradients alive then of parameters it does not update (a GAN's generator's, kept from its step
+    through the discriminator's): freed right after their step, the peak falls by them, down
+    to ``next_peak_bytes``.
     """
     if steps_with_grads < 1 or gradient_bytes <= 0:
         return None
+    optimizer = peak_phase == "optimizer"
+    if (optimizer or peak_phase == "backward") and idle_bytes > 0:
+        falls = idle_bytes
+        if peak_bytes is not None and next_peak_bytes is not None:
+            falls = min(falls, peak_bytes - next_peak_bytes)
+        if falls > idle_bytes // 100:
+            return Advice(
+                code="zero-grad-keeps-grads",
+                title=f"{format_size(idle_bytes)} of gradients stay allocated through another "
+                "model's update",
+                evidence=(
+                    f"On {device}, {steps_with_grads} step(s) began their forward with up to "
+                    f"{format_size(gradient_bytes)} of gradients still allocated, and "
+                    f"training's peak came in {'an optimizer step' if optimizer else 'a backward'}"
+                    f" that held {format_size(idle_bytes)} of gradients of parameters it does "
+                    "not update (another optimizer's, kept from its step: a GAN's generator's "
+                    "through the discriminator's update). Freed right after their own step, "
+                    f"they lower the peak by up to {format_size(falls)}"
+                    + (
+                        f": down to another phase's peak ({format_size(next_peak_bytes or 0)})."
+                        if falls < idle_bytes
+                        else "."
+                    )
+                ),
+                action="Call each optimizer's `zero_grad(set_to_none=True)` right after its own "
+                "`step()`, not before its next backward; a backward that also reaches another "
+                "optimizer's parameters (a generator's loss through the discriminator) fills "
+                "theirs too: zero that one again before its step runs.",
+                saving_bytes=falls,
+                severity="warning",
+            )
     in_forward = peak_phase == "forward"
     in_backward = peak_phase == "backward" and into_backward and micro_batches == 1
     alive = peak_gradient_bytes if in_forward and peak_gradient_bytes is not None else None

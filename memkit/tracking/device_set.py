@@ -330,6 +330,10 @@ class DeviceSet:
         if found.gradients and moment.phase == FORWARD and several:
             by_model = dev.grad_models.get(moment.alive) or self.evidence.gradients_by_model()
             found = dataclasses.replace(found, gradient_models=by_model)
+        elif found.gradients and moment.phase in (BACKWARD, OPTIMIZER):
+            # (categorised as the phase ends: the gradients are still as they were in it)
+            idle = self.evidence.idle_gradient_bytes(moment.phase == OPTIMIZER)
+            found = dataclasses.replace(found, idle_gradients=min(found.gradients, idle))
         return found
 
 

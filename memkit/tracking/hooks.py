@@ -1303,7 +1303,7 @@ class Hooks:
         if self.ranks_watch is not None:
             self.ranks_watch.on_step(optimizer)
         with state.lock:
-            self.phases.optimizer_begins()
+            self.phases.optimizer_begins(optimizer)
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state

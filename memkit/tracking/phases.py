@@ -632,10 +632,11 @@ class PhaseMachine:
         self.owner_stepped = self.owner_since = passes
         self.evidence.facts.optimizer_name = type(optimizer).__name__
 
-    def optimizer_begins(self) -> None:
-        """The optimizer's own work starts (its step, after any closure it was given)."""
+    def optimizer_begins(self, optimizer: Any) -> None:
+        """``optimizer``'s own work starts (its step, after any closure it was given)."""
         self._count_micro_batches()
         self.transition(OPTIMIZER)
+        self.evidence.stepping = weakref.ref(optimizer)
 
     def _count_micro_batches(self) -> None:
         """An optimizer step: the backward passes it is the first to use are its micro-batches
@@ -669,6 +670,7 @@ class PhaseMachine:
             self.boundary(frame)
         else:
             self.transition(OTHER)
+        self.evidence.stepping = None
 
     # transitions and step boundaries (under the lock; not per module)
 

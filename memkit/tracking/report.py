@@ -176,8 +176,12 @@ class Breakdown:
     critic's forward); ``()`` elsewhere. At a forward's peak, ``gradients_after_forward`` are
     those of its gradients still allocated when that forward phase ended (the phase after it
     holds them: a GAN's generator's, through the critic's backward and step); ``None``
-    elsewhere. ``input_shape``: the last model forward's first tensor input then (batches of
-    varying shapes: which one set the peak). See docs/track.md for the approximations.
+    elsewhere. At a peak in backward or an optimizer's step where several optimizers run,
+    ``idle_gradients`` are the gradients allocated then on parameters no work running used:
+    frozen ones, and in a step those its optimizer does not step (a GAN's generator's, kept
+    from its step through the discriminator's update); 0 elsewhere. ``input_shape``: the last
+    model forward's first tensor input then (batches of varying shapes: which one set the
+    peak). See docs/track.md for the approximations.
     """
 
     total: int
@@ -192,6 +196,7 @@ class Breakdown:
     note: str | None = None
     gathered_parameters: int = 0
     gradient_models: tuple[tuple[str, int], ...] = ()
+    idle_gradients: int = 0
     gradients_after_forward: int | None = None
     gradient_buckets: int = 0
     input_shape: tuple[int, ...] | None = None
