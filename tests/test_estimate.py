@@ -621,6 +621,11 @@ def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None
     with pytest.raises(ModelFileError) as raised:  # a "meta" that is no meta tensor
         estimate(path, device_memory="1GiB")
     assert "KeyError" in str(raised.value) and "Python's random" not in str(raised.value)
+    # a batch copied to the CPU (sweep CI: make_batch ending in .to(device)) read no value
+    path.write_text(path.read_text().replace("{}['metadata'] or ", "8 or ") + "\n")
+    path.write_text(path.read_text().replace("length, 8)", "length, 8).to('cpu')"))
+    with pytest.raises(ModelFileError, match=r"(?s)copy out of meta.*Return the tensors as made"):
+        estimate(path, device_memory="1GiB")
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:

@@ -578,11 +578,20 @@ class MetaSession:
             meta = r"\bmeta (tensors?|device)\b|register_meta"
             if not re.search(meta, str(exc.__cause__), re.IGNORECASE):
                 raise
+            # (sweep CI: a make_batch ending in .to(device) was told it read a value)
+            copied = "copy out of meta" in str(exc.__cause__)
             raise ModelFileError(
                 f"{exc}\nmemkit estimate runs make_batch under torch.device('meta'): the tensors "
-                "it makes have shapes and no values, so a value read from one (.item(), "
-                ".tolist(), a length drawn with torch.randint) has none. Draw such numbers "
-                "with Python's random module, or use `memkit probe`, which runs on real values"
+                "it makes have shapes and no values"
+                + (
+                    ", and a copy of one to the CPU (.to('cpu'), .to(device) with a CPU "
+                    "device, .cpu(), .numpy()) has no data to copy. Return the tensors as "
+                    "made: memkit moves the batch to the device itself"
+                    if copied
+                    else ", so a value read from one (.item(), .tolist(), a length drawn with "
+                    "torch.randint) has none. Draw such numbers with Python's random module, "
+                    "or use `memkit probe`, which runs on real values"
+                )
             ) from exc.__cause__
         return to_device(made, META)
 
@@ -766,10 +775,10 @@ def run_guarded(run: Callable[[], Any], batch_size: int, mode: str = "train") ->
                 ". It ran on meta tensors, which hold no values: code that reads them (.item(), "
                 ".cpu(), .tolist(), data-dependent shapes such as nonzero or a mixture of "
                 "experts' top-k routing, .numpy()) cannot run there. Where that code is in the "
-                f"step only, move it out or define {step} without it{loss}; a batch's lengths "
-                "that pack_padded_sequence takes on the CPU can be made there in make_batch "
-                "(device='cpu'); where it is the model's own (routing), measure it on the "
-                f"simulated device instead, which runs it: {_SIMULATED_RUN}.\n"
+                f"step only, move it out or define {step} without it{loss}; where it is the "
+                "model's own (routing, or pack_padded_sequence, which reads its lengths' values "
+                "on the CPU: memkit moves the whole batch to meta), measure it on the simulated "
+                f"device instead, which runs it: {_SIMULATED_RUN}.\n"
                 + step_traceback(exc, hide=_TORCH_META_CODE)  # where: the user's frames
             )
         else:  # a shape mismatch, a wrong argument: the same error on a GPU
