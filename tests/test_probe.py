@@ -1885,17 +1885,20 @@ class _PackedLSTM(torch.nn.Module):
         return self.head(h[-1])
 
 
-@pytest.mark.parametrize("lengths", ["drawn", "fixed"])
+@pytest.mark.parametrize("lengths", ["drawn", "drawn-below", "fixed"])
 def test_per_sample_lengths_drawn_inside_a_padded_shape_are_said(lengths):
     """Sweep CA: every batch padded to 40 (docs/probe.md's advice), the lengths that
     ``pack_padded_sequence`` takes drawn from the data: the shapes never vary, so no line said
     the answer depends on the draw (the real epoch ran out at the answer). Labels that vary
-    (one integer a sample too) are no lengths."""
+    (one integer a sample too) are no lengths. Sweep CJ: padded to a fixed length that the
+    draws stay below (2 of 30 real draws ran out at the answer), no line either."""
 
     def make_batch(n: int):
         if lengths == "drawn":
             sizes = torch.randint(1, 41, (n,))
             sizes[0] = 40
+        elif lengths == "drawn-below":
+            sizes = torch.randint(16, 31, (n,))
         else:
             sizes = torch.full((n,), 40)
         return torch.randint(0, 50, (n, 40)), sizes, torch.randint(0, 4, (n,))
@@ -1909,7 +1912,7 @@ def test_per_sample_lengths_drawn_inside_a_padded_shape_are_said(lengths):
     result = probe(_PackedLSTM(), make_batch, train_step=step, device="cpu", budget="8MiB",
                    max_batch=3)  # fmt: skip
     said = [d for d in result.defaults if "per-sample lengths at one size" in d]
-    assert len(said) == (1 if lengths == "drawn" else 0)
+    assert len(said) == (0 if lengths == "fixed" else 1)
     assert not any("different shapes" in d for d in result.defaults)
 
 

@@ -409,7 +409,8 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
 def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
     """The padded length that per-sample lengths reach, where two batches ``make_batch`` drew
     at ``batch_size`` carry such lengths and they differ: a 1-D integer tensor, one value a
-    sample, whose largest value is a dimension (8 or more) of a tensor beside it
+    sample, whose largest value (16 or more) fits in the longest dimension of a tensor beside
+    it
     (``pack_padded_sequence``'s lengths beside the padded tokens; not class labels, whose
     largest may be the batch's size: review 3). Memory of packed sequences follows the
     lengths, not the padded shape (sweep CA)."""
@@ -425,8 +426,12 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
         padded = (
             d for t in others for i, d in enumerate(t.shape) if i != t.shape.index(batch_size)
         )
-        if top >= 8 and int(a.min()) >= 0 and top in padded:  # (not the batch's own size)
-            return top
+        # the padded length they reach: the longest dimension beside them, which they fit in
+        # (sweep CJ: features padded to a fixed 951 frames, lengths drawn below it); 16 or
+        # more (not a digit's class label beside a 28x28 image)
+        longest = max(padded, default=0)
+        if top >= 16 and int(a.min()) >= 0 and top <= longest:
+            return longest
     return None
 
 
