@@ -856,8 +856,8 @@ def _outside_notes(found: list[tuple[str, int, Any]], simulated: bool) -> list[s
     if modules:
         names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in modules)
         notes.append(
-            f"held outside the model: {names}, a module make_batch's module keeps (an EMA "
-            "copy): "
+            f"held outside the model: {names}, a module the model file keeps as a global (an "
+            "EMA copy, a reference model): "
             + (
                 "counted in every trial, as on the device beside the model; one the script "
                 "keeps on the host, or never uses, is not: name it with a leading `_` to leave "
@@ -869,9 +869,9 @@ def _outside_notes(found: list[tuple[str, int, Any]], simulated: bool) -> list[s
     if tensors:
         names = ", ".join(f"`{name}` ({format_size(size)})" for name, size in tensors)
         notes.append(
-            f"held outside the model: {names}, tensors make_batch's module keeps (a replay "
-            "buffer, a dataset): the trials do not count them. Where the script keeps them on "
-            "the device, register them on the model (`model.register_buffer(...)` in "
+            f"held outside the model: {names}, tensors the model file keeps as globals (a "
+            "replay buffer, a dataset): the trials do not count them. Where the script keeps "
+            "them on the device, register them on the model (`model.register_buffer(...)` in "
             "build_model) to have the probe count them, or take their bytes off the device's "
             "size"
         )
