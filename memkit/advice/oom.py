@@ -539,12 +539,14 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
             + (": checkpointing the model's blocks does not touch them." if checkpoint else ".")
         )
         checkpoint = ""
-        if accumulate:
-            accumulate += (
-                "; if the loss compares each sample with the others of its batch (in-batch "
-                "negatives), micro-batches change it: each sample then meets the others of its "
-                "micro-batch only"
-            )
+    if pm.made_outside is not None and accumulate:
+        # (review: under checkpointing too, as open_clip's recipe runs: accumulation changes
+        # a loss that compares the samples of a batch)
+        accumulate += (
+            "; if the loss compares each sample with the others of its batch (in-batch "
+            "negatives), micro-batches change it: each sample then meets the others of its "
+            "micro-batch only"
+        )
     if not accumulate and not k:
         done += (
             " A smaller micro-batch with accumulation would not fit: what does not scale with "

@@ -123,19 +123,20 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
 def _held_into_training(
     report: TrackReport, eval_grad_bytes: int
 ) -> tuple[DeviceReport, int] | None:
-    """Where an evaluation with grad on ran in or before the step of training's peak and what
-    its passes left alive from pass to pass (``eval_carried``: results and their graphs)
-    still fits in that peak's 'other' (what the step did not make): ``(device, what no_grad
-    would take off that peak)``, the passes' graphs (those carried, and the last pass's own),
-    at most the 'other'."""
+    """Where an evaluation with grad on ran in or before the step of training's peak, what its
+    passes left alive from pass to pass (``eval_carried``: results and their graphs) was
+    still allocated when it ended (``eval_left``; review: a summed validation loss read and
+    dropped leaves nothing), and fits in that peak's 'other' (what the step did not make):
+    ``(device, what no_grad would take off that peak)``, the passes' graphs (those carried,
+    and the last pass's own), at most what the evaluation left and the 'other'."""
     for dev in report.devices:
         bd = dev.breakdown
         if bd is None or bd.step is None or bd.phase == "eval" or dev.eval_carried <= 0:
-            return None
+            continue
         steps = (s for s in dev.steps if s.step <= bd.step)
         evaluated = any(s.phase_peaks.get("eval") is not None for s in steps)
-        if evaluated and bd.other >= dev.eval_carried:
-            return dev, min(bd.other, dev.eval_carried + eval_grad_bytes)
+        if evaluated and min(bd.other, dev.eval_left) >= dev.eval_carried:
+            return dev, min(bd.other, dev.eval_left, dev.eval_carried + eval_grad_bytes)
     return None
 
 
@@ -676,7 +677,17 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     found the critic's). A peak in a backward that began with them (``set_to_none=False``)
     falls at most to the forward's peak without them or a phase that holds them anyway."""
     found = report.grads_at_forward_bytes or bd.gradients
-    alive = bd.gradients if bd.phase == "forward" else None
+    # the gradients alive at the peak: a forward's; a backward's that began with them, no more
+    # than the forwards were found to begin with (a DCGAN's generator's, made in that
+    # backward, are not) nor than the peak's (review: progressive unfreezing with an early
+    # peak, before the later layers' were made, quoted them)
+    alive = (
+        bd.gradients
+        if bd.phase == "forward"
+        else min(found, bd.gradients)
+        if bd.phase == "backward"
+        else None
+    )
     trailing = bd.step is not None and all(s.step < bd.step for s in dev.steps)
     carried = (bd.gradients_after_forward or 0) if alive and trailing else 0
     into_backward = 2 * report.steps_with_grads_into_backward > report.steps_with_grads_at_forward
@@ -691,7 +702,7 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     elif bd.phase == "backward" and into_backward:
         peaks = dev.phase_peaks
         holding = (peaks.get("optimizer") or 0, peaks.get("other") or 0)
-        next_peak = max((peaks.get("forward") or 0) - found, *holding)
+        next_peak = max((peaks.get("forward") or 0) - (alive or found), *holding)
         held = False
     else:
         next_peak, held = _peak_not_holding(dev, alive or found, carried, bd.step)

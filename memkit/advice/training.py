@@ -1041,7 +1041,8 @@ def zero_grad_keeps_grads(
     The saving is on the peak: claimed only when the peak came in a forward (``peak_phase``)
     and for the gradients alive there (``peak_gradient_bytes``, where known: with two
     optimizers they may be another model's than the first forward found, a GAN's
-    generator's kept from its step through the critic's forward; 0, none), by the models
+    generator's kept from its step through the critic's forward; 0, none; at a backward's
+    peak that began with them, the peak's own, which grow as layers are unfrozen), by the models
     ``holders`` (``(name, bytes)``, named in the text), and then at most ``peak_bytes -
     next_peak_bytes`` (the highest other training phase's peak that does not hold them,
     which freeing them does not lower; under 1% of them, none; ``held_elsewhere``: phases
@@ -1052,7 +1053,7 @@ def zero_grad_keeps_grads(
     freed it creates each as it goes), so a peak in backward holds them as well: the saving
     there is at most them, down to ``next_peak_bytes`` (the forward's peak without them,
     the optimizer's). ``idle_bytes``: at a peak in backward or an optimizer's step, the
-    gradients alive then of parameters it does not update (a GAN's generator's, kept from its step
+    gradients alive then on frozen parameters (a GAN's generator's, kept from its step
     through the discriminator's): freed right after their step, the peak falls by them, down
     to ``next_peak_bytes``.
     """
@@ -1072,10 +1073,11 @@ def zero_grad_keeps_grads(
                     f"On {device}, {steps_with_grads} step(s) began their forward with up to "
                     f"{format_size(gradient_bytes)} of gradients still allocated, and "
                     f"training's peak came in {'an optimizer step' if optimizer else 'a backward'}"
-                    f" that held {format_size(idle_bytes)} of gradients of parameters it does "
-                    "not update (another optimizer's, kept from its step: a GAN's generator's "
-                    "through the discriminator's update). Freed right after their own step, "
-                    f"they lower the peak by up to {format_size(falls)}"
+                    f" that held {format_size(idle_bytes)} of gradients of frozen parameters "
+                    "(another optimizer's, kept from its last step through this update, for "
+                    "which they were frozen: a GAN's generator's through the discriminator's). "
+                    f"Freed right after their own step, they lower the peak by up to "
+                    f"{format_size(falls)}"
                     + (
                         f": down to another phase's peak ({format_size(next_peak_bytes or 0)})."
                         if falls < idle_bytes
@@ -1083,15 +1085,18 @@ def zero_grad_keeps_grads(
                     )
                 ),
                 action="Call each optimizer's `zero_grad(set_to_none=True)` right after its own "
-                "`step()`, not before its next backward; a backward that also reaches another "
-                "optimizer's parameters (a generator's loss through the discriminator) fills "
-                "theirs too: zero that one again before its step runs.",
+                "`step()`, not right before its next backward: its gradients are then freed "
+                "before the other model's update runs.",
                 saving_bytes=falls,
                 severity="warning",
             )
     in_forward = peak_phase == "forward"
     in_backward = peak_phase == "backward" and into_backward and micro_batches == 1
-    alive = peak_gradient_bytes if in_forward and peak_gradient_bytes is not None else None
+    alive = (
+        peak_gradient_bytes
+        if peak_gradient_bytes is not None and (in_forward or (in_backward and peak_gradient_bytes))
+        else None
+    )
     subject = alive or gradient_bytes
     names = _model_names(holders) if alive else ""
     whose = f"{names}'s " if names else ""
@@ -1102,7 +1107,7 @@ def zero_grad_keeps_grads(
             saving = min(saving, peak_bytes - next_peak_bytes)
         saving = saving if saving > subject // 100 else None  # (4 B: a loss's scalar)
     other = (
-        f"; the forward that peaked held {whose}{format_size(alive)} of gradients, kept from "
+        f"; the {peak_phase} that peaked held {whose}{format_size(alive)} of gradients, kept from "
         "their optimizer's step"
         if alive and alive != gradient_bytes
         else ""

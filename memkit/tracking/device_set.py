@@ -332,7 +332,7 @@ class DeviceSet:
             found = dataclasses.replace(found, gradient_models=by_model)
         elif found.gradients and moment.phase in (BACKWARD, OPTIMIZER):
             # (categorised as the phase ends: the gradients are still as they were in it)
-            idle = self.evidence.idle_gradient_bytes(moment.phase == OPTIMIZER)
+            idle = self.evidence.idle_gradient_bytes()
             found = dataclasses.replace(found, idle_gradients=min(found.gradients, idle))
         return found
 

@@ -81,9 +81,6 @@ class Evidence:
         # the witnesses' flags (grad_flags()) at the last mark in a training forward: its
         # start, a model's forward beginning or returning (zero_grad runs between those)
         self.marked: tuple[bool, ...] = ()
-        # the optimizer whose step runs now (its own work, after any closure), for the
-        # breakdown of a peak inside it: the gradients it does not step
-        self.stepping: weakref.ref[Any] | None = None
         self._stale_again = -1  # a step stale_due looks again at (after a new optimizer)
         # what stale_check found, to confirm: (step, [(model, [(parameter, its .grad)]), ...])
         self._stale: (
@@ -152,25 +149,21 @@ class Evidence:
             flags.append(param.grad is not None)
         return tuple(flags)
 
-    def idle_gradient_bytes(self, stepping: bool) -> int:
+    def idle_gradient_bytes(self) -> int:
         """Bytes of the gradients allocated now, each storage once, on the optimizers'
-        parameters that no work running now uses (with several optimizers): frozen ones (a
-        GAN's generator, frozen by Lightning's ``toggle_optimizer`` for the discriminator's
-        update, with the gradients of its own step), and with ``stepping``, those the
-        optimizer stepping (:attr:`stepping`) does not step."""
+        parameters that are frozen now, with several optimizers: a GAN's other model, frozen
+        by Lightning's ``toggle_optimizer`` for this one's update, with the gradients of its
+        own last step (review: a parameter another optimizer steps later in the same step is
+        no such one, nor one whose gradients a backward through it just refilled)."""
         optimizers = self.models.all_optimizers()
         if len(optimizers) < 2:
             return 0
-        runs = self.stepping() if stepping and self.stepping is not None else None
-        own = set() if runs is None else {id(p) for g in runs.param_groups for p in g["params"]}
         grads = {
             id(p.grad.untyped_storage()): p.grad.untyped_storage().nbytes()
             for o in optimizers
             for g in o.param_groups
             for p in g["params"]
-            if p.grad is not None
-            and p.grad.layout is torch.strided
-            and (not p.requires_grad or (runs is not None and id(p) not in own))
+            if not p.requires_grad and p.grad is not None and p.grad.layout is torch.strided
         }
         return sum(grads.values())
 

@@ -56,7 +56,7 @@ from memkit.tracking.evidence import Evidence
 from memkit.tracking.fsdp import is_fsdp_unit, user_class_name, wrapped_module
 from memkit.tracking.leaks import tensors_within
 from memkit.tracking.models import TrackedModels
-from memkit.tracking.phases import PhaseMachine
+from memkit.tracking.phases import PhaseMachine, needs_grad
 from memkit.tracking.records import Frame, IgnoredCall, ModuleStat, PendingKeep, RootInfo
 from memkit.tracking.state import BACKWARD, EVAL_PASS, FORWARD, TRAIN_PASS, TrackState
 from memkit.tracking.wrappers import (
@@ -785,7 +785,7 @@ class Hooks:
             frame.unsaved = unsaved = region is not None or not _grad_enabled()
             frame.keeps_nothing = unsaved and top is not None and top.unsaved
             if ms.frozen32 and not ms.grad_input and not unsaved:  # (mixed-precision's copies)
-                ms.grad_input = any(isinstance(x, torch.Tensor) and x.requires_grad for x in args)
+                ms.grad_input = needs_grad(args)
         # (a training pass runs in training mode: no need to read the module again; an
         # averaged copy's pass is evaluation in either mode)
         if (
@@ -793,6 +793,10 @@ class Hooks:
             and kind != TRAIN_PASS
             and (not module.training or (root is not None and root.averaged))
             and torch.is_grad_enabled()
+            # a pass that can record a graph: not a model frozen by ``requires_grad_(False)``
+            # fed no tensor that requires grad (sweep CI: a DPO reference so frozen was told
+            # it kept 1.00 MiB for a backward that never comes)
+            and ((root is not None and root.trainable()) or needs_grad(args))
         ):
             frame.eval_grad = True
         stack.append(frame)
@@ -961,11 +965,7 @@ class Hooks:
             or dev.pending is not None
             or self.devices.sim is not None
         ):
-            if frame.eval_grad and not any(
-                t.requires_grad for t in tensors_within((output,), torch.Tensor)
-            ):  # no graph recorded: a model frozen by ``requires_grad_(False)`` (sweep CI)
-                frame.eval_grad = False
-            elif frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
+            if frame.eval_grad:  # what it kept for a backward: the output stays under no_grad
                 delta = max(0, delta - _new_output_bytes(output, args))
             self.phases.root_post(frame, delta, dev)  # (else it has nothing to do)
         bw = ms.bw
@@ -1303,7 +1303,7 @@ class Hooks:
         if self.ranks_watch is not None:
             self.ranks_watch.on_step(optimizer)
         with state.lock:
-            self.phases.optimizer_begins(optimizer)
+            self.phases.optimizer_begins()
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state

@@ -62,7 +62,11 @@ from memkit.tracking.state import (
     TrackState,
 )
 
-__all__ = ["PhaseMachine", "output_values"]
+__all__ = ["PhaseMachine", "needs_grad", "output_values"]
+
+_REWALKS = 32
+"""The most steps (after the first three) whose forward, beginning higher than at any walk,
+has the gradients walked again for ``zero-grad-keeps-grads``."""
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +134,7 @@ class PhaseMachine:
         self.grads_none_at_forward = True  # no gradients when the last forward began
         self.grads_found_step = -1  # the step whose first forward found gradients allocated
         self.grads_walk_level = 0  # the devices' forward base at the last gradient walk
+        self.grads_rewalks = 0  # the walks since the first three
         # the last training forward's first input (the batch an OOM's advice weighs; a list
         # of images is all of them)
         self.train_input: tuple[weakref.ref[torch.Tensor], ...] = ()
@@ -201,7 +206,7 @@ class PhaseMachine:
         facts.last_input = shape
         sim = self.devices.sim
         began = False
-        if not grad or not training or root.averaged or not (root.trainable() or _needs_grad(args)):
+        if not grad or not training or root.averaged or not (root.trainable() or needs_grad(args)):
             kind = EVAL_PASS
             # a submodule run alone: its model's root, or its own beside the model's
             owner = self.models.owners.get(id(module))
@@ -392,10 +397,14 @@ class PhaseMachine:
                 facts.grads_steps += 1
                 self.grads_found_step = state.step
                 # what the advice quotes: a walk in the first three such steps, then where the
-                # forward begins higher than at any walk (gradients that grow as layers are
-                # unfrozen; sweep CH quoted the head's 20 KiB of 6 MiB)
+                # forward begins at least 1% higher than at any walk, up to _REWALKS times
+                # (gradients that grow as layers are unfrozen; sweep CH quoted the head's
+                # 20 KiB of 6 MiB; not at every step of a level that keeps rising: a leak)
                 level = sum(d.forward_base or 0 for d in self.devices.records.values())
-                if facts.grads_steps <= 3 or level > self.grads_walk_level:
+                rise = self.grads_walk_level // 100
+                risen = level > self.grads_walk_level + rise and self.grads_rewalks < _REWALKS
+                if facts.grads_steps <= 3 or risen:
+                    self.grads_rewalks += facts.grads_steps > 3
                     self.grads_walk_level = max(self.grads_walk_level, level)
                     found = self.evidence.gradient_bytes()
                     facts.grads_at_forward_bytes = max(facts.grads_at_forward_bytes, found)
@@ -632,11 +641,10 @@ class PhaseMachine:
         self.owner_stepped = self.owner_since = passes
         self.evidence.facts.optimizer_name = type(optimizer).__name__
 
-    def optimizer_begins(self, optimizer: Any) -> None:
-        """``optimizer``'s own work starts (its step, after any closure it was given)."""
+    def optimizer_begins(self) -> None:
+        """The optimizer's own work starts (its step, after any closure it was given)."""
         self._count_micro_batches()
         self.transition(OPTIMIZER)
-        self.evidence.stepping = weakref.ref(optimizer)
 
     def _count_micro_batches(self) -> None:
         """An optimizer step: the backward passes it is the first to use are its micro-batches
@@ -670,7 +678,6 @@ class PhaseMachine:
             self.boundary(frame)
         else:
             self.transition(OTHER)
-        self.evidence.stepping = None
 
     # transitions and step boundaries (under the lock; not per module)
 
@@ -689,7 +696,10 @@ class PhaseMachine:
                 self.evidence.facts.grads_into_backward += not self.evidence.grads_none()
         self._close_segment()
         ends_forward = state.phase == FORWARD and phase != EVAL
+        ends_eval = state.phase == EVAL and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():
+            if ends_eval and dev.last[0] - dev.eval_base > dev.eval_left:
+                dev.eval_left = dev.last[0] - dev.eval_base  # what it kept beyond its end
             if dev.pending is not None:
                 devices.resolve_pending(dev)
             if ends_forward and dev.forward_peak:
@@ -1367,7 +1377,8 @@ def _together_frozen(
     )
 
 
-def _needs_grad(args: Any) -> bool:
+def needs_grad(args: Any) -> bool:
+    """Whether a tensor among ``args`` requires grad (a forward fed it records a graph)."""
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 

@@ -372,6 +372,7 @@ class DeviceRecord:
         self.failed_peak: tuple[int, tuple[int, ...] | None] | None = None
         self.eval_base = a  # allocated when the last evaluation (its first pass) began
         self.eval_carried = 0  # the most an evaluation's pass began with above its base
+        self.eval_left = 0  # the most an evaluation left when it ended above its base
         self.peak_res = r
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
@@ -595,6 +596,7 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         setup=dev.setup,
         breakdown_ran_out=dev.breakdown is not None and dev.failed_peak is not None,
         eval_carried=dev.eval_carried,
+        eval_left=dev.eval_left,
     )
 
 

@@ -177,9 +177,9 @@ class Breakdown:
     those of its gradients still allocated when that forward phase ended (the phase after it
     holds them: a GAN's generator's, through the critic's backward and step); ``None``
     elsewhere. At a peak in backward or an optimizer's step where several optimizers run,
-    ``idle_gradients`` are the gradients allocated then on parameters no work running used:
-    frozen ones, and in a step those its optimizer does not step (a GAN's generator's, kept
-    from its step through the discriminator's update); 0 elsewhere. ``input_shape``: the last
+    ``idle_gradients`` are the gradients allocated then on the optimizers' frozen parameters
+    (a GAN's generator's, kept from its step through the discriminator's update, for which
+    Lightning's ``toggle_optimizer`` freezes it); 0 elsewhere. ``input_shape``: the last
     model forward's first tensor input then (batches of varying shapes: which one set the
     peak). See docs/track.md for the approximations.
     """
@@ -564,6 +564,8 @@ class DeviceReport:
         eval_carried: the most bytes an evaluation pass began with above what its evaluation
             (its run of passes between training steps) began with: outputs, or graphs, that
             its earlier passes left alive (a ``test_loss += loss`` under grad, kept outputs).
+        eval_left: the most an evaluation left allocated when it ended, above what it began
+            with: results kept beyond it (with their graphs, under grad).
     """
 
     PHASES: ClassVar[tuple[str, ...]] = PHASES
@@ -587,6 +589,7 @@ class DeviceReport:
     setup: TrainingSetup | None = None
     breakdown_ran_out: bool = False
     eval_carried: int = 0
+    eval_left: int = 0
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children),
@@ -633,8 +636,9 @@ class TrackReport(Result):
         steps_with_grads_at_forward: steps (after the first) whose first forward began with
             gradients allocated (``zero-grad-keeps-grads``).
         grads_at_forward_bytes: the most gradient bytes allocated when such a forward began
-            (measured at the first three, then where a forward began higher than at any
-            measure: gradients that grow as layers are unfrozen).
+            (measured at the first three, then up to 32 times more where a forward began
+            more than 1% higher than at any measure: gradients that grow as layers are
+            unfrozen).
         steps_with_grads_into_backward: of those steps, the ones whose first backward began
             with them still allocated (``zero_grad(set_to_none=False)``, where backward adds
             into them; not a ``zero_grad()`` between forward and backward).
