@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -157,9 +158,21 @@ def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any
     except SysExitCalled as exc:  # its message names the function; the traceback is the exit's
         raise ModelFileError(f"{exc}\n{_user_traceback(exc.__cause__ or exc, path)}") from exc
     except Exception as exc:
+        hint = (  # (sweep CL: a make_batch ending in .to('cuda'), on a machine without it)
+            "\nIt asked for CUDA, which this machine's torch does not have: make_batch and "
+            "build_model return their tensors and model as made (on the CPU), and memkit "
+            "moves them to the device it measures"
+            if _NO_CUDA.search(str(exc))
+            else ""
+        )
         raise ModelFileError(
-            f"{what} in {path} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, path)}"
+            f"{what} in {path} raised {type(exc).__name__}: {exc}{hint}\n"
+            f"{_user_traceback(exc, path)}"
         ) from exc
+
+
+_NO_CUDA = re.compile(r"not compiled with CUDA|no NVIDIA driver|CUDA driver initialization")
+"""What torch says where a model file asks for CUDA on a machine without it."""
 
 
 def load_model_file(path: str | Path) -> ModelSpec:

@@ -626,6 +626,11 @@ def test_a_value_read_in_make_batch_says_it_runs_on_meta(tmp_path: Path) -> None
     path.write_text(path.read_text().replace("length, 8)", "length, 8).to('cpu')"))
     with pytest.raises(ModelFileError, match=r"(?s)copy out of meta.*Return the tensors as made"):
         estimate(path, device_memory="1GiB")
+    # one moved to CUDA on a machine without it (sweep CL)
+    path.write_text(path.read_text().replace(".to('cpu')", ".to('cuda')"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelFileError, match=r"(?s)asked for CUDA.*memkit moves them"):
+            estimate(path, device_memory="1GiB")
 
 
 def test_frozen_parameters_have_no_gradients_or_state(files: dict[str, str]) -> None:

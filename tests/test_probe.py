@@ -1935,6 +1935,24 @@ def test_class_labels_as_large_as_the_batch_are_no_lengths():
     assert not any("per-sample lengths" in d for d in result.defaults)
 
 
+def test_class_labels_below_a_tabular_batchs_width_are_no_lengths():
+    """Sweep CL: 200 classes beside 512 feature columns (and 64 beside 64) were taken for
+    lengths drawn inside a padded 512, and the answer was said to depend on the draws."""
+
+    def make_batch(n: int):
+        return torch.randn(n, 512), torch.randint(0, 200, (n,))
+
+    def loss_fn(output, batch):
+        return torch.nn.functional.cross_entropy(output, batch[1])
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 200))
+    result = probe(model, make_batch, loss_fn=loss_fn, train_step=None, device="cpu",
+                   budget="8MiB", min_batch=8, max_batch=12)  # fmt: skip
+    assert not any("per-sample lengths" in d for d in result.defaults)
+
+
 def test_batches_of_random_lengths_are_said_to_decide_the_memory():
     """A CTC model's batch holds its targets concatenated, of random lengths (sweep TT): the
     answer fit or ran out with the draw, and the report did not say so. Two batches of one

@@ -1192,6 +1192,21 @@ def test_a_model_frozen_by_requires_grad_records_no_graph_in_eval():
             codes(torch.randn(4, 3, 16, 16))
     assert tracker.report().eval_grad_forwards == 2
 
+    # sweep CL: a perceptual loss's frozen feature net, fed the trained model's output, is
+    # part of training's graph: its backward comes
+    features = cnn().eval().requires_grad_(False)
+    decoder = nn.Conv2d(3, 3, 3, padding=1)
+    opt = torch.optim.SGD(decoder.parameters(), lr=0.1)
+    with track(device="cpu", budget="64MiB") as tracker:
+        for _ in range(3):
+            x = torch.randn(4, 3, 16, 16)
+            features(decoder(x)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = tracker.report()
+    assert report.eval_grad_forwards == 0
+    assert "eval-grad-enabled" not in {a.code for a in report.advice}
+
 
 def test_per_device_routing_with_replica_threads(monkeypatch):
     """DataParallel-like: one replica per thread, each on its own (simulated meta) device."""

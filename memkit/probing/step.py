@@ -409,11 +409,12 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
 def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
     """The padded length that per-sample lengths reach, where two batches ``make_batch`` drew
     at ``batch_size`` carry such lengths and they differ: a 1-D integer tensor, one value a
-    sample, whose largest value (16 or more) fits in the longest dimension of a tensor beside
-    it
-    (``pack_padded_sequence``'s lengths beside the padded tokens; not class labels, whose
-    largest may be the batch's size: review 3). Memory of packed sequences follows the
-    lengths, not the padded shape (sweep CA)."""
+    sample, whose largest value is a dimension (8 or more) of a tensor beside it, or (16 or
+    more) fits in the longest length axis beside it: any of token ids' (integers), a
+    features' axis but their last (``pack_padded_sequence``'s lengths beside the padded
+    tokens, or frames padded to a fixed length: sweep CJ; not class labels, whose largest may
+    be the batch's size, review 3, or below a tabular batch's 512 columns, sweep CL). Memory
+    of packed sequences follows the lengths, not the padded shape (sweep CA)."""
     for a, b in zip(_tensors(first), _tensors(second), strict=False):
         if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape:
             continue
@@ -421,16 +422,18 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
             continue
         if a.is_meta or b.is_meta or torch.equal(a.cpu(), b.cpu()):
             continue
-        top = int(a.max())
-        others = (t for t in _tensors(first) if t is not a and batch_size in t.shape)
-        padded = (
-            d for t in others for i, d in enumerate(t.shape) if i != t.shape.index(batch_size)
-        )
-        # the padded length they reach: the longest dimension beside them, which they fit in
-        # (sweep CJ: features padded to a fixed 951 frames, lengths drawn below it); 16 or
-        # more (not a digit's class label beside a 28x28 image)
-        longest = max(padded, default=0)
-        if top >= 16 and int(a.min()) >= 0 and top <= longest:
+        top, low = int(a.max()), int(a.min())
+        axes = [
+            (d, not t.dtype.is_floating_point or i < t.dim() - 1)
+            for t in _tensors(first)
+            if t is not a and batch_size in t.shape
+            for i, d in enumerate(t.shape)
+            if i != t.shape.index(batch_size)
+        ]
+        if top >= 8 and low >= 0 and top in (d for d, _ in axes):  # (not the batch's size)
+            return top
+        longest = max((d for d, length in axes if length), default=0)
+        if top >= 16 and low >= 0 and top <= longest:
             return longest
     return None
 

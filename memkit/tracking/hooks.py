@@ -793,10 +793,12 @@ class Hooks:
             and kind != TRAIN_PASS
             and (not module.training or (root is not None and root.averaged))
             and torch.is_grad_enabled()
-            # a pass that can record a graph: not a model frozen by ``requires_grad_(False)``
-            # fed no tensor that requires grad (sweep CI: a DPO reference so frozen was told
-            # it kept 1.00 MiB for a backward that never comes)
-            and ((root is not None and root.trainable()) or needs_grad(args))
+            # a model with trainable parameters: one frozen by ``requires_grad_(False)``
+            # records no graph of its own (sweep CI: a DPO reference so frozen was told it
+            # kept 1.00 MiB for a backward that never comes), and fed a tensor that requires
+            # grad it is part of training's graph (sweep CL: a perceptual loss's feature net)
+            and root is not None
+            and root.trainable()
         ):
             frame.eval_grad = True
         stack.append(frame)
