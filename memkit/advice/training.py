@@ -1183,6 +1183,13 @@ def zero_grad_keeps_grads(
             "`optimizer.zero_grad(set_to_none=True)` (the default since PyTorch 2.0; drop "
             f"`set_to_none=False`) {step}, or before `model(x)`; not between forward and "
             "backward."
+            + (  # (sweep CL: moving every zero_grad() after its step saved 66 of 766 KiB)
+                " Only those: a backward that also reaches another model's parameters (a "
+                "generator's loss through the critic) fills theirs too, so keep zeroing that "
+                "model's right before its own backward."
+                if names
+                else ""
+            )
         ),
         saving_bytes=saving,
         severity="warning" if saving else "info",
