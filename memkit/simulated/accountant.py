@@ -364,7 +364,6 @@ class MemoryAccountant(TorchDispatchMode):
         self._partial: set[int] = set()
         self._refused: set[int] = set()  # storages whose growth in place was refused
         self._inputs: set[int] = set()  # storages counted as batches reaching the model
-        self._read_in: list[int] = []  # host storages the op being counted read in (_adopt)
         self._freed = self._ref_freed  # one bound method for every storage's weak reference
         self._current = 0
         self._peak = 0
@@ -629,9 +628,8 @@ class MemoryAccountant(TorchDispatchMode):
 
     def held_input_bytes(self) -> tuple[int, int]:
         """``(count, bytes)`` of the batches counted when they reached the model
-        (:meth:`track` with ``inputs``), or an op read them in (a batch's targets, read by the
-        loss), that are still alive: a script that keeps the batches it fed (a list built
-        before training) holds them all."""
+        (:meth:`track` with ``inputs``) that are still alive: a script that keeps the batches
+        it fed (a list built before training) holds them all."""
         with self._lock:
             live = self._live
             held = [live[k][1] for k in self._inputs if k in live]
@@ -739,22 +737,17 @@ class MemoryAccountant(TorchDispatchMode):
                     new = self._adopt([arg], new)
                     continue
                 if id(storage) not in live:
-                    new = self._adopt([arg], new, True)
+                    new = self._adopt([arg], new)
             elif isinstance(arg, (_TENSOR, list, tuple)):
-                new = self._adopt(_tensors(arg), new, True)
+                new = self._adopt(_tensors(arg), new)
         if kwargs:
-            new = self._adopt(_tensors(kwargs), new, True)
+            new = self._adopt(_tensors(kwargs), new)
         return new, resized
 
     def _adopt(
-        self,
-        tensors: list[torch.Tensor],
-        new: dict[int, tuple[Any, int]] | None,
-        read_in: bool = False,
+        self, tensors: list[torch.Tensor], new: dict[int, tuple[Any, int]] | None
     ) -> dict[int, tuple[Any, int]] | None:
-        """``new`` with the storages of ``tensors`` that are not counted yet (``read_in``: an
-        op read them in, host data such as a batch's targets: counted among the batches fed,
-        :meth:`held_input_bytes`, but parameters)."""
+        """``new`` with the storages of ``tensors`` that are not counted yet."""
         for whole in tensors:
             for tensor, storage in self._located(whole):
                 if id(storage) in self._live:
@@ -766,8 +759,6 @@ class MemoryAccountant(TorchDispatchMode):
                     new[key] = self._input_entry(tensor, storage)
                 if self._adopted is not None:  # only for first-seen storages: no per-op cost
                     self._adopted[key] = _existed(whole)
-                if read_in and type(whole) is not torch.nn.Parameter:
-                    self._read_in.append(key)
         return new
 
     def _read(self, inputs: list[torch.Tensor]) -> set[int]:
@@ -843,7 +834,6 @@ class MemoryAccountant(TorchDispatchMode):
                 self._partial.intersection_update(self._live)
             if resized:
                 self._refused.update(resized)
-            self._read_in.clear()  # (never counted)
             message = self._oom_message(added)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
@@ -858,9 +848,6 @@ class MemoryAccountant(TorchDispatchMode):
                     self._adopted.pop(key, None)
             with self._lock:
                 self._register(new)
-                if self._read_in:  # (sweep CL: a list's labels, 1 KiB a step, called a leak)
-                    self._inputs.update(self._read_in)
-                    self._read_in.clear()
         else:  # resized in place
             with self._lock:
                 self._peak = max(self._peak, self._current)
