@@ -695,11 +695,10 @@ class PhaseMachine:
                 self.grads_found_step = -1  # (``set_to_none=False``; not a late ``zero_grad()``)
                 self.evidence.facts.grads_into_backward += not self.evidence.grads_none()
         self._close_segment()
+        if state.phase == EVAL and phase != EVAL:
+            self._eval_ends()
         ends_forward = state.phase == FORWARD and phase != EVAL
-        ends_eval = state.phase == EVAL and phase != EVAL
         for dev in (single,) if single is not None else devices.records.values():
-            if ends_eval and dev.last[0] - dev.eval_base > dev.eval_left:
-                dev.eval_left = dev.last[0] - dev.eval_base  # what it kept beyond its end
             if dev.pending is not None:
                 devices.resolve_pending(dev)
             if ends_forward and dev.forward_peak:
@@ -728,6 +727,13 @@ class PhaseMachine:
         self.backward_raised = False
         if devices.sim is not None:  # device memory is what the step's phases create
             devices.sim.count_ops(phase != OTHER, phase in (BACKWARD, OPTIMIZER))
+
+    def _eval_ends(self) -> None:
+        """An evaluation ended: what it left allocated above what it began with (results kept
+        beyond it, with their graphs under grad: eval-grad-enabled)."""
+        for dev in self.devices.records.values():
+            if dev.last[0] - dev.eval_base > dev.eval_left:
+                dev.eval_left = dev.last[0] - dev.eval_base
 
     def _close_segment(self) -> None:
         """Close every device's segment (one device: only it); a segment of a frozen model's
