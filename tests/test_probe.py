@@ -1955,6 +1955,14 @@ def test_lengths_are_read_beside_frames_in_either_layout_and_labels_are_not():
     assert drawn_lengths(*image, 4) is None
     tabular = draws(lambda: (torch.randn(4, 512), torch.randint(0, 200, (4,))))
     assert drawn_lengths(*tabular, 4) is None
+    text = draws(lambda: {"input_ids": torch.randint(0, 99, (4, 128)),
+                          "labels": torch.randint(0, 50, (4,))})  # fmt: skip
+    assert drawn_lengths(*text, 4) is None
+    packed = draws(lambda: {"input_ids": torch.randint(0, 99, (4, 128)), "lengths": lengths()})
+    assert drawn_lengths(*packed, 4) is None  # (drawn up to 900: beyond the 128 ids)
+    packed = draws(lambda: {"input_ids": torch.randint(0, 99, (4, 128)),
+                            "lengths": torch.randint(64, 128, (4,))})  # fmt: skip
+    assert drawn_lengths(*packed, 4) == 128
 
 
 def test_class_labels_below_a_tabular_batchs_width_are_no_lengths():

@@ -414,10 +414,13 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
     3-D features' (frames by features, or channels by frames; ``pack_padded_sequence``'s
     lengths beside the padded tokens, or frames padded to a fixed length: sweep CJ; not class
     labels, whose largest may be the batch's size, review 3, or below a tabular batch's 512
-    columns, sweep CL, or an image's side). Memory of packed sequences follows the lengths,
-    not the padded shape (sweep CA)."""
+    columns, sweep CL, or an image's side; nor a dict batch's ``labels``: review CI, a text
+    classifier's 50 classes beside 128 token ids). Memory of packed sequences follows the
+    lengths, not the padded shape (sweep CA)."""
+    named = first.items() if isinstance(first, Mapping) else ()
+    labels = {id(v) for k, v in named if str(k).lower() in _LABEL_KEYS}
     for a, b in zip(_tensors(first), _tensors(second), strict=False):
-        if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape:
+        if a.dim() != 1 or a.numel() != batch_size or a.shape != b.shape or id(a) in labels:
             continue
         if a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
             continue
@@ -437,6 +440,10 @@ def drawn_lengths(first: Any, second: Any, batch_size: int) -> int | None:
         if top >= 16 and low >= 0 and top <= longest:
             return longest
     return None
+
+
+_LABEL_KEYS = frozenset({"label", "labels", "target", "targets", "y", "class", "classes"})
+"""A dict batch's keys (lower case) whose tensor holds classes, not lengths."""
 
 
 def batch_leading_dims(batch: Any) -> list[int]:
