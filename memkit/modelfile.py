@@ -173,7 +173,8 @@ def call_user(func: Callable[..., Any], *args: Any, what: str, path: str) -> Any
 
 _NO_CUDA = re.compile(
     r"not compiled with CUDA|compiled without CUDA|No CUDA GPUs are available|no NVIDIA driver"
-    r"|CUDA driver|cuda driver|accelerator device when none is available|_cuda_setDevice"
+    r"|CUDA driver|accelerator device when none is available|_cuda_setDevice",
+    re.IGNORECASE,
 )
 """What torch says where a model file asks for CUDA on a machine without it."""
 

@@ -556,9 +556,9 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             min_share=0.3,
             capacity=dev.capacity,
             narrow_weight_bytes=0 if setup is None else setup.narrow_weight_bytes or 0,
-            cached_weight_bytes=cached
-            if cached is not None or setup is None
-            else setup.trainable_bytes,
+            cached_weight_bytes=(
+                cached if cached is not None else None if setup is None else setup.trainable_bytes
+            ),
             frozen_copy_bytes=frozen_copies,
             trainable_weight_bytes=None if setup is None else setup.trainable_bytes,
             float32_bytes=float32,
@@ -692,10 +692,10 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
     carried = (bd.gradients_after_forward or 0) if alive and trailing else 0
     into_backward = 2 * report.steps_with_grads_into_backward > report.steps_with_grads_at_forward
     next_peak: int | None
-    if bd.phase in ("backward", "optimizer") and bd.idle_gradients:
-        # another optimizer's gradients, kept from its step through this one's: freed right
-        # after that step, the peak falls by them, down to the forward's or the time between
-        # (sweep CK: a Lightning GAN's discriminator step held the generator's 2.10 MiB)
+    if bd.idle_gradients:  # (set at a peak in backward or an optimizer's step only)
+        # another model's gradients, kept from its step through this update, which froze it:
+        # freed right after that step, the peak falls by them, down to the forward's or the
+        # time between (sweep CK: a Lightning GAN's generator step held the discriminator's)
         peaks = dev.phase_peaks
         next_peak = max(peaks.get("forward") or 0, peaks.get("other") or 0)
         held = False
@@ -718,7 +718,7 @@ def _zero_grad_rule(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> Ad
         held_elsewhere=held,
         micro_batches=report.micro_batches if _forwards_per_step(report, dev) > 1 else 1,
         into_backward=into_backward,
-        idle_bytes=bd.idle_gradients if bd.phase in ("backward", "optimizer") else 0,
+        idle_bytes=bd.idle_gradients,
     )
 
 

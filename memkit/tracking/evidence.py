@@ -158,14 +158,14 @@ class Evidence:
         optimizers = self.models.all_optimizers()
         if len(optimizers) < 2:
             return 0
-        grads = {
-            id(p.grad.untyped_storage()): p.grad.untyped_storage().nbytes()
+        frozen = [
+            p
             for o in optimizers
             for g in o.param_groups
             for p in g["params"]
             if not p.requires_grad and p.grad is not None and p.grad.layout is torch.strided
-        }
-        return sum(grads.values())
+        ]
+        return sum(n for _, n in _gradient_bytes([("", frozen)]))
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradients the models hold now, each storage once."""
