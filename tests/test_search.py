@@ -456,11 +456,12 @@ def test_the_recorded_h200_probe_of_nanogpt_replays_to_122_in_at_most_7_trials(m
         ("h200_probe_nanogpt_call2.json", 116, 7, 2),
         ("h200_probe_nanogpt_call3.json", 117, 7, 1),
         ("h200_probe_nanogpt_call5.json", 118, 7, 1),  # 2026-11-28: 6 trials, 1 OOM on the card
+        ("h200_probe_nanogpt_call6.json", 120, 7, 1),  # the same day, 9 trials, 2 OOM on the card
         ("h200_probe_gpt2_seqlen_call3.json", 162, 7, 2),  # sequence 512
     ],
 )
 def test_the_recorded_h200_probes_replay_to_their_answers(fixture, answer, trials, ooms):
-    """The other probes recorded on an H200 (nanoGPT under 3 GiB, 2026-11-26, 27 and 28; GPT-2
+    """The other probes recorded on an H200 (nanoGPT under 3 GiB, 2026-11-26, 27 and 28 twice; GPT-2
     at sequence 512 under 8 GiB, 2026-11-27, where the real search ran 9 trials, 2 of them
     failures). Replayed, each finds the recorded answer; aiming with the growth of the gap
     between the reserved and the allocated peak (nanoGPT's: 23 MB at 4 samples, 116 MB at

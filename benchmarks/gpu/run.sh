@@ -10,12 +10,14 @@
 # f: the probe (answer, Accelerate, trial pieces, a sequence sweep), the tracker's cost
 # benchmark, then probe_checks.py (d) in the time left; g: after e and f's fixes, tests/gpu's
 # track and probe tests, the nanoGPT probe's steps, a profile of its trials, and probe_checks.py
-# with fresh processes around each answer.
+# with fresh processes around each answer; h and i (11-28, session 27): g's checks split over two
+# calls, with tests/gpu whole, advice_checks.py (the advice's claims against the advice applied)
+# and the tracker's cost (nanoGPT eager and compiled, the benchmark) again.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d|e|f|g) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f|g|h|i) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -161,6 +163,43 @@ grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|
 sec "the probe against each model file's own loop, with fresh processes around the answer"
 timeout $(( 235 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --around 5 --json $OUT/probe_checks_g.json 2>&1 | grep PROBECHECK; keep g
 sec "end of part g"; exit 0; fi
+if [ "$1" = h ]; then sec "pytest tests/gpu, beside advice_checks.py (claims against the advice applied)"
+timeout 200 python3 benchmarks/gpu/advice_checks.py > $LOGS/advice.log 2>&1 &
+ADV=$!
+timeout 130 python3 -m pytest tests/gpu -v -p no:cacheprovider > $LOGS/tests_h.log 2>&1; echo "rc $?"
+grep -E "PASS|FAIL|SKIP|ERROR|^E  |passed|failed" $LOGS/tests_h.log | head -40; keep h
+wait $ADV; echo "advice rc $?"; grep ADVICECHECK $LOGS/advice.log; keep h
+sec "probe nanoGPT bf16, cap 3GiB: trials, steps, seconds"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_h.json 2> $LOGS/probe_h.log; echo "rc $?"; tail -1 $LOGS/probe_h.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_h.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3), t.get('steps_run')) for t in d['trials']])"
+sec "cProfile of one-size probes (batch 32): where a trial's time goes"
+timeout 50 python3 $GPU/profile_trial.py > $LOGS/profile.log 2>&1; echo "rc $?"
+grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|method" $LOGS/profile.log | head -24 | cut -c1-150; keep h
+sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
+cd $GPU/nanogpt
+A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+timeout 45 python3 train.py $A > $LOGS/h_plain$r.log 2>&1; echo "plain rc $?"
+timeout 45 python3 -m memkit run --device cuda --json $LOGS/h_memkit$r.json train.py $A > $LOGS/h_memkit$r.log 2>&1; echo "memkit rc $?"
+done
+itertime $LOGS/h_plain1.log $LOGS/h_memkit1.log $LOGS/h_plain2.log $LOGS/h_memkit2.log
+grep -E "^memkit track|leak" $LOGS/h_memkit1.log | head -4; cd $ROOT; keep h
+sec "end of part h"; exit 0; fi
+if [ "$1" = i ]; then sec "tracker_overhead --device cuda (with the per-module-call cost)"
+timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 3 --steps 6 --skip MemTracker --micro 2>&1 | grep -v "^\[trans" | tail -24
+sec "nanoGPT torch.compile, 150 iterations: plain, memkit run, TORCH_LOGS=recompiles,graph_breaks"
+cd $GPU/nanogpt
+C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+TORCH_LOGS=recompiles,graph_breaks timeout 100 python3 train.py $C > $LOGS/i_cplain.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles,graph_breaks timeout 100 python3 -m memkit run --device cuda train.py $C > $LOGS/i_cmemkit.log 2>&1; echo "memkit rc $?"
+itertime $LOGS/i_cplain.log $LOGS/i_cmemkit.log
+echo "recompile lines: plain $(grep -ci 'recompil' $LOGS/i_cplain.log), memkit $(grep -ci 'recompil' $LOGS/i_cmemkit.log); graph breaks: plain $(grep -ci 'graph break' $LOGS/i_cplain.log), memkit $(grep -ci 'graph break' $LOGS/i_cmemkit.log)"
+grep -E "^memkit track" $LOGS/i_cmemkit.log | head -2; cd $ROOT; keep i
+sec "the probe against each model file's own loop, with fresh processes around the answer"
+timeout $(( ${LEFT:-200} - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --around 5 --json $OUT/probe_checks_i.json 2>&1 | grep PROBECHECK; keep i
+sec "end of part i"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
