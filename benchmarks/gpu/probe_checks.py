@@ -229,9 +229,10 @@ def loop_outcome(path: Path, size: int, steps: int, device: str, cap: str, mode:
 
 
 def fresh_boundary(path: Path, best: int, args: Any, cap: str, mode: str) -> str:
-    """The loop at ``best - K .. best + K``, each size in its own process, all at once: each
-    size, marked ``x`` where it ran out."""
-    sizes = [n for n in range(best - args.around, best + args.around + 1) if n > 0]
+    """The loop at ``best - K*S .. best + K*S`` in steps of ``S`` (``--stride``), each size in
+    its own process, all at once: each size, marked ``x`` where it ran out."""
+    k, stride = args.around, args.stride
+    sizes = [best + i * stride for i in range(-k, k + 1) if best + i * stride > 0]
     with ThreadPoolExecutor(len(sizes)) as pool:
         outcomes = dict(zip(sizes, pool.map(
             lambda n: loop_outcome(path, n, args.steps, args.device, cap, mode), sizes
@@ -254,6 +255,9 @@ def main() -> int:
                         help="also run the loop at B-K..B+K, each in its own process, all at "
                         "once (a GPU has room for many capped processes): the fresh-process "
                         "boundary")  # fmt: skip
+    parser.add_argument("--stride", type=int, default=1, metavar="S",
+                        help="with --around: every S-th size (B-K*S..B+K*S), to find a "
+                        "boundary further off")  # fmt: skip
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(FILES)
     out = {}

@@ -12,12 +12,14 @@
 # track and probe tests, the nanoGPT probe's steps, a profile of its trials, and probe_checks.py
 # with fresh processes around each answer; h and i (11-28, session 27): g's checks split over two
 # calls, with tests/gpu whole, advice_checks.py (the advice's claims against the advice applied)
-# and the tracker's cost (nanoGPT eager and compiled, the benchmark) again.
+# and the tracker's cost (nanoGPT eager and compiled, the benchmark) again; j (not run yet): what
+# run 6 left open: nanoGPT's fresh boundary beside the probe's 120, a profile of the CLI probe's
+# trials, the advice checks with their reports, the five files' boundaries in wider windows.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d|e|f|g|h|i) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f|g|h|i|j) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -200,6 +202,18 @@ grep -E "^memkit track" $LOGS/i_cmemkit.log | head -2; cd $ROOT; keep i
 sec "the probe against each model file's own loop, with fresh processes around the answer"
 timeout $(( ${LEFT:-200} - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --around 5 --json $OUT/probe_checks_i.json 2>&1 | grep PROBECHECK; keep i
 sec "end of part i"; exit 0; fi
+if [ "$1" = j ]; then sec "nanoGPT's loop in fresh processes at 117..121 (run 6's probe: 120), then the probe again"
+for n in 117 118 119 120 121; do timeout 40 python3 $GPU/plain_loop.py $n 30 2>&1 | grep PLAIN & done; wait
+/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m cProfile -o $OUT/probe_j.prof -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_j.json 2> $LOGS/probe_j.log; echo "rc $?"; tail -1 $LOGS/probe_j.log
+python3 -c "
+import json, pstats; d=json.load(open('$OUT/probe_j.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3)) for t in d['trials']])
+pstats.Stats('$OUT/probe_j.prof').sort_stats('tottime').print_stats(20)" 2>&1 | grep -E "PROBE|^ +[0-9]" | cut -c1-150 | head -24; keep j
+sec "advice_checks.py (each tracked report to \$OUT/advice-*.txt)"
+timeout 150 python3 benchmarks/gpu/advice_checks.py > $LOGS/advice_j.log 2>&1; echo "rc $?"; grep ADVICECHECK $LOGS/advice_j.log; keep j
+sec "the five files' fresh boundaries, every 8th size over B-40..B+40"
+timeout $(( ${LEFT:-420} - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --only ema,wgan_gp,clip,transformer_infer,score_inference_mode --around 5 --stride 8 --json $OUT/probe_checks_j.json 2>&1 | grep PROBECHECK; keep j
+sec "end of part j"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
