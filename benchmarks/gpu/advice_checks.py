@@ -1,6 +1,6 @@
 """The advice's claimed savings against what applying the advice saves, on a GPU.
 
-    python benchmarks/gpu/advice_checks.py [--cpu]            # every check, all at once
+    python benchmarks/gpu/advice_checks.py [--cpu]            # every check (on a GPU all at once)
     python benchmarks/gpu/advice_checks.py CHECK VARIANT [--cpu]
 
 Each check runs three fresh processes: ``track`` (under memkit, printing the advice's code and

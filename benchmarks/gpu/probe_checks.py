@@ -252,9 +252,9 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated names")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--around", type=int, default=0, metavar="K",
-                        help="also run the loop at B-K..B+K, each in its own process, all at "
-                        "once (a GPU has room for many capped processes): the fresh-process "
-                        "boundary")  # fmt: skip
+                        help="also run the loop at B-K..B+K (every --stride-th size), each in its "
+                        "own process, all at once (a GPU has room for many capped processes): "
+                        "the fresh-process boundary")  # fmt: skip
     parser.add_argument("--stride", type=int, default=1, metavar="S",
                         help="with --around: every S-th size (B-K*S..B+K*S), to find a "
                         "boundary further off")  # fmt: skip

@@ -17,7 +17,7 @@
 # trials, the advice checks with their reports, the five files' boundaries in wider windows.
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-ROOT=$(pwd); GPU=benchmarks/gpu; OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+ROOT=$(pwd); GPU=benchmarks/gpu; export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
 case "$1" in a|b|c|d|e|f|g|h|i|j) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
