@@ -105,17 +105,30 @@ cd $ROOT
 sec "end of part c"; exit 0; fi
 LOGS=/tmp/logs; mkdir -p $LOGS
 keep() { tar czf $OUT/logs-$1.tgz -C $LOGS . 2>/dev/null; }  # what ran so far comes back even if cut off
+eager_pairs() {  # TAG TIMEOUT: nanoGPT's train.py eager, plain and under memkit run, alternated twice
+sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
+local A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+cd $GPU/nanogpt
+for r in 1 2; do
+timeout $2 python3 train.py $A > $LOGS/$1_plain$r.log 2>&1; echo "plain rc $?"
+timeout $2 python3 -m memkit run --device cuda --json $LOGS/$1_memkit$r.json train.py $A > $LOGS/$1_memkit$r.log 2>&1; echo "memkit rc $?"
+done
+cd $ROOT; itertime $LOGS/$1_plain1.log $LOGS/$1_memkit1.log $LOGS/$1_plain2.log $LOGS/$1_memkit2.log
+}
+probe_and_profile() {  # TAG PROFILE_TIMEOUT: the nanoGPT probe's trials, then where a trial's time goes
+sec "probe nanoGPT bf16, cap 3GiB: trials, steps, seconds"
+/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_$1.json 2> $LOGS/probe_$1.log; echo "rc $?"; tail -1 $LOGS/probe_$1.log
+python3 -c "
+import json; d=json.load(open('$OUT/probe_$1.json'))
+print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3), t.get('steps_run')) for t in d['trials']])"
+sec "cProfile of one-size probes (batch 32): where a trial's time goes"
+timeout $2 python3 $GPU/profile_trial.py > $LOGS/profile.log 2>&1; echo "rc $?"
+grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|method" $LOGS/profile.log | head -30 | cut -c1-150; keep $1
+}
 if [ "$1" = e ]; then sec "pytest tests/gpu"
 timeout 200 python3 -m pytest tests/gpu -v -p no:cacheprovider > $LOGS/tests.log 2>&1; echo "rc $?"
 grep -E "PASS|FAIL|SKIP|ERROR|^E  |passed|failed" $LOGS/tests.log | head -40; keep e
-sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
-cd $GPU/nanogpt
-A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-for r in 1 2; do
-timeout 60 python3 train.py $A > $LOGS/e_plain$r.log 2>&1; echo "plain rc $?"
-timeout 60 python3 -m memkit run --device cuda --json $LOGS/e_memkit$r.json train.py $A > $LOGS/e_memkit$r.log 2>&1; echo "memkit rc $?"
-done
-itertime $LOGS/e_plain1.log $LOGS/e_memkit1.log $LOGS/e_plain2.log $LOGS/e_memkit2.log
+eager_pairs e 60
 sed -n '/^memkit track/,/^top modules/p' $LOGS/e_memkit1.log | head -24; grep -E "leak|\[" $LOGS/e_memkit1.log | head -6
 cd $ROOT; keep e
 sec "an optimizer stepped in backward (one Adam per parameter), plain count vs memkit run"
@@ -154,14 +167,7 @@ timeout $(( 540 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py -
 sec "end of part f"; exit 0; fi
 if [ "$1" = g ]; then sec "tests/gpu: track and probe, after session 22's fixes"
 timeout 80 python3 -m pytest tests/gpu/test_track_gpu.py tests/gpu/test_probe_gpu.py -q -p no:cacheprovider > $LOGS/tests_g.log 2>&1; echo "rc $?"; grep -E "^E  |passed|failed" $LOGS/tests_g.log | head -12; keep g
-sec "probe nanoGPT bf16, cap 3GiB: trials, steps, seconds"
-/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_g.json 2> $LOGS/probe_g.log; echo "rc $?"; tail -1 $LOGS/probe_g.log
-python3 -c "
-import json; d=json.load(open('$OUT/probe_g.json'))
-print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3), t.get('steps_run')) for t in d['trials']])"
-sec "cProfile of one-size probes (batch 32): where a trial's time goes"
-timeout 60 python3 $GPU/profile_trial.py > $LOGS/profile.log 2>&1; echo "rc $?"
-grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|method" $LOGS/profile.log | head -30 | cut -c1-150; keep g
+probe_and_profile g 60
 sec "the probe against each model file's own loop, with fresh processes around the answer"
 timeout $(( 235 - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --around 5 --json $OUT/probe_checks_g.json 2>&1 | grep PROBECHECK; keep g
 sec "end of part g"; exit 0; fi
@@ -171,23 +177,9 @@ ADV=$!
 timeout 130 python3 -m pytest tests/gpu -v -p no:cacheprovider > $LOGS/tests_h.log 2>&1; echo "rc $?"
 grep -E "PASS|FAIL|SKIP|ERROR|^E  |passed|failed" $LOGS/tests_h.log | head -40; keep h
 wait $ADV; echo "advice rc $?"; grep ADVICECHECK $LOGS/advice.log; keep h
-sec "probe nanoGPT bf16, cap 3GiB: trials, steps, seconds"
-/usr/bin/time -f "PROBE-WALL %e s" timeout 60 python3 -m memkit probe $GPU/probe_nanogpt.py --device cuda --budget 3GiB --json > $OUT/probe_h.json 2> $LOGS/probe_h.log; echo "rc $?"; tail -1 $LOGS/probe_h.log
-python3 -c "
-import json; d=json.load(open('$OUT/probe_h.json'))
-print('PROBE-ANSWER', d.get('max_batch_size'), [(t['batch_size'], t['fits'], round(t['seconds'], 3), t.get('steps_run')) for t in d['trials']])"
-sec "cProfile of one-size probes (batch 32): where a trial's time goes"
-timeout 50 python3 $GPU/profile_trial.py > $LOGS/profile.log 2>&1; echo "rc $?"
-grep -E "trial s|ncalls" $LOGS/profile.log | head -4; grep -E "memkit/|built-in|method" $LOGS/profile.log | head -24 | cut -c1-150; keep h
-sec "nanoGPT eager, 300 iterations, alternated: plain, memkit run, plain, memkit run"
-cd $GPU/nanogpt
-A="config/train_shakespeare_char.py --compile=False --max_iters=300 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
-for r in 1 2; do
-timeout 45 python3 train.py $A > $LOGS/h_plain$r.log 2>&1; echo "plain rc $?"
-timeout 45 python3 -m memkit run --device cuda --json $LOGS/h_memkit$r.json train.py $A > $LOGS/h_memkit$r.log 2>&1; echo "memkit rc $?"
-done
-itertime $LOGS/h_plain1.log $LOGS/h_memkit1.log $LOGS/h_plain2.log $LOGS/h_memkit2.log
-grep -E "^memkit track|leak" $LOGS/h_memkit1.log | head -4; cd $ROOT; keep h
+probe_and_profile h 50
+eager_pairs h 45
+grep -E "^memkit track|leak" $LOGS/h_memkit1.log | head -4; keep h
 sec "end of part h"; exit 0; fi
 if [ "$1" = i ]; then sec "tracker_overhead --device cuda (with the per-module-call cost)"
 timeout 100 python3 benchmarks/tracker_overhead.py --device cuda --rounds 3 --steps 6 --skip MemTracker --micro 2>&1 | grep -v "^\[trans" | tail -24
