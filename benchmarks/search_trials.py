@@ -21,8 +21,10 @@ failure reports what it needed at least, as a real out-of-memory error does (in 
 request): the recorded bytes at a recorded size, else the straight line through the largest
 fit's reserved peak and the recorded failures' bytes (their own slope beyond the last; at
 least the capacity plus one; ``None`` when no failure recorded its bytes). The
-search aims with the allocated peak and decides with the reserved one, as on the device. It
-prints ``trials N, answer B`` and the sizes run.
+search aims with the allocated peak and decides with the reserved one, as on the device, and
+with the peaks of the step's parts where every fit recorded as many (``part_peaks``, in a
+probe's JSON since 2026-11-28; each part interpolated as the allocated peak is): then it runs
+the sizes the probe ran. It prints ``trials N, answer B`` and the sizes run.
 
 ``--two-measures N`` runs N random curves with a smooth (allocated) peak under a deciding
 (reserved) one, as on CUDA: a per-sample cost, a gap between the two that grows and then stops,
@@ -127,6 +129,10 @@ class Replay:
             for t in trials
             if t["fits"]
         )
+        parts = {t["batch_size"]: tuple(t.get("part_peaks") or ()) for t in trials if t["fits"]}
+        counts = {len(p) for p in parts.values()}
+        width = counts.pop() if len(counts) == 1 else 0  # (the search's rule: all or none)
+        self.parts = [[(b, parts[b][i]) for b, _, _ in fit] for i in range(width)]
         failed = [t["batch_size"] for t in trials if not t["fits"]]
         self.limit = record["max_batch_size"]
         if not fit or any(b <= self.limit for b in failed) or fit[-1][0] != self.limit:
@@ -137,17 +143,18 @@ class Replay:
         self.needs = {t["batch_size"]: t["peak_bytes"] for t in trials if not t["fits"]}
         self.calls: list[int] = []
 
-    def __call__(self, b: int) -> tuple[bool, int | None, None, int | None]:
+    def __call__(self, b: int) -> tuple[bool, int | None, tuple[int, ...] | None, int | None]:
         self.calls.append(b)
         if b > self.limit:
             return False, self._need(b), None, None
+        parts = tuple(int(_interpolate(points, b)) for points in self.parts) or None
         recorded = dict(self.reserved)
         if b in recorded:
-            return True, recorded[b], None, dict(self.allocated)[b]
+            return True, recorded[b], parts, dict(self.allocated)[b]
         reserved = math.ceil(_interpolate(self.reserved, b) / self.segment) * self.segment
         reserved = min(reserved, self.capacity)  # it fit: it reserved at most the capacity
         allocated = min(int(_interpolate(self.allocated, b)), reserved)
-        return True, reserved, None, allocated
+        return True, reserved, parts, allocated
 
     def _need(self, b: int) -> int | None:
         """What a failure at ``b`` needed at least (see the module docstring)."""

@@ -652,6 +652,31 @@ def _bench():
     return bench
 
 
+def test_a_probe_replays_from_its_json_to_the_sizes_it_ran():
+    """A probe's JSON keeps the peaks of the step's parts the search aimed with: replayed
+    (``benchmarks/search_trials.py --recorded``), the search runs the sizes the probe ran. A
+    small CNN on the simulated device: without the parts the replay ran 1 2 4 8 13 16 17x
+    where the probe ran 1 2 4 16 17x (a GPU's recording before 2026-11-28: 6 trials replayed
+    against 9 run), so a replay could not say what the probe does."""
+    import memkit
+
+    cnn = runpy.run_path(str(ROOT / "examples" / "cnn.py"))
+    model = cnn["build_model"]()
+    optimizer = cnn["build_optimizer"](model.parameters())
+    result = memkit.probe(
+        model, cnn["make_batch"], optimizer=optimizer, train_step=cnn["train_step"],
+        device="cpu", budget="48MiB",
+    )  # fmt: skip
+    record = json.loads(result.to_json())
+    assert all(t.get("part_peaks") for t in record["trials"] if t["fits"]), record["trials"]
+    n, found, sizes = _bench().replay(record, "memkit.probing.search")
+    assert sizes == [t["batch_size"] for t in record["trials"]], sizes
+    assert found == result.max_batch_size and n == len(result.trials)
+    for t in record["trials"]:
+        t.pop("part_peaks", None)
+    assert _bench().replay(record, "memkit.probing.search")[2] != sizes  # (the parts matter)
+
+
 SWEEP = json.loads((FIXTURES / "estimate_sweep_trials.json").read_text())["cases"]
 
 

@@ -42,6 +42,9 @@ class ProbeTrial(Record):
         superseded: it fit over fewer steps than a later trial showed the step's cycle needs
             (a step whose work varies from call to call, :mod:`memkit.probing.schedule`): the
             fit does not count, and the size may have been run again.
+        part_peaks: the allocated peaks of the step's parts the search aimed with
+            (:class:`memkit.probing.trials.PartPeaks`), for a fit; kept in the JSON so that a
+            recorded probe replays as it ran (``benchmarks/search_trials.py --recorded``).
     """
 
     batch_size: int
@@ -56,6 +59,7 @@ class ProbeTrial(Record):
     optimizer_growth_bytes: int | None = None
     still_growing: bool = False
     superseded: bool = False
+    part_peaks: tuple[int, ...] = ()
 
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = round(self.seconds, 6)
@@ -65,6 +69,7 @@ class ProbeTrial(Record):
             "optimizer_growth_bytes",
             "still_growing",
             "superseded",
+            "part_peaks",
         ):
             if not out[key]:
                 del out[key]

@@ -637,6 +637,7 @@ class TrialRunner:
                 kept_growth_bytes=kept.growth or None,
                 optimizer_growth_bytes=kept.optimizer_growth or None,
                 still_growing=kept.still_growing,
+                part_peaks=parts,
             )  # fmt: skip
         self.records[batch_size] = record
         self.history.append(record)
