@@ -14,12 +14,14 @@
 # calls, with tests/gpu whole, advice_checks.py (the advice's claims against the advice applied)
 # and the tracker's cost (nanoGPT eager and compiled, the benchmark) again; j (not run yet): what
 # run 6 left open: nanoGPT's fresh boundary beside the probe's 120, a profile of the CLI probe's
-# trials, the advice checks with their reports, the five files' boundaries in wider windows.
+# trials, the advice checks with their reports, the five files' boundaries in wider windows;
+# k (not run yet): nanoGPT under torch.compile, plain / memkit run / steps-only alternated twice
+# (runs 2-6 measured one pair each: 0.86x to 1.16x).
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d|e|f|g|h|i|j) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f|g|h|i|j|k) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j|k (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -206,6 +208,18 @@ timeout 150 python3 benchmarks/gpu/advice_checks.py > $LOGS/advice_j.log 2>&1; e
 sec "the five files' fresh boundaries, every 8th size over B-40..B+40"
 timeout $(( ${LEFT:-420} - ($(date +%s) - T0) )) python3 benchmarks/gpu/probe_checks.py --device cuda --only ema,wgan_gp,clip,transformer_infer,score_inference_mode --around 5 --stride 8 --json $OUT/probe_checks_j.json 2>&1 | grep PROBECHECK; keep j
 sec "end of part j"; exit 0; fi
+if [ "$1" = k ]; then sec "nanoGPT torch.compile, 150 iterations, alternated twice: plain, memkit run, --steps-only"
+cd $GPU/nanogpt
+C="config/train_shakespeare_char.py --compile=True --max_iters=150 --eval_interval=1000 --eval_iters=1 --log_interval=1 --out_dir=/tmp/ov"
+for r in 1 2; do
+TORCH_LOGS=recompiles timeout 100 python3 train.py $C > $LOGS/k_plain$r.log 2>&1; echo "plain rc $?"
+TORCH_LOGS=recompiles timeout 100 python3 -m memkit run --device cuda train.py $C > $LOGS/k_memkit$r.log 2>&1; echo "memkit rc $?"
+TORCH_LOGS=recompiles timeout 100 python3 -m memkit run --device cuda --steps-only train.py $C > $LOGS/k_steps$r.log 2>&1; echo "steps-only rc $?"
+keep k
+done
+cd $ROOT; itertime $LOGS/k_plain1.log $LOGS/k_memkit1.log $LOGS/k_steps1.log $LOGS/k_plain2.log $LOGS/k_memkit2.log $LOGS/k_steps2.log
+for f in $LOGS/k_*.log; do echo "recompile lines $(basename $f): $(grep -ci 'recompil' $f)"; done; keep k
+sec "end of part k"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
