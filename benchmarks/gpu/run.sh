@@ -16,7 +16,7 @@
 # run 6 left open: nanoGPT's fresh boundary beside the probe's 120, a profile of the CLI probe's
 # trials, the advice checks with their reports, the five files' boundaries in wider windows;
 # k (not run yet): nanoGPT under torch.compile, plain / memkit run / steps-only alternated twice
-# (runs 2-6 measured one pair each: 0.86x to 1.16x).
+# (runs 2-6 measured one or two pairs each: 0.86x to 1.16x).
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
