@@ -1651,3 +1651,35 @@ def test_optimizer_state_of_two_optimizers_of_one_class_is_pooled():
     )
     assert adv.evidence.startswith(f"Adam state was {format_size(state)}"), adv.evidence
     assert "Beside it" not in adv.evidence
+
+
+def test_activation_advice_claims_no_saving_where_evaluation_sets_the_peak():
+    """Sweep CM: a Lightning run whose validation batch (96) set the peak at 55.62 MiB over
+    training's 40.87 was told bf16-mixed saves 7.26 MiB: training fell by that, validation
+    rose (CPU autocast keeps a float32 copy of the logits) and ran out. Where evaluation
+    sets the peak, mixed precision and checkpointing say they lower training's peak, by how
+    much, and claim no saving; where training sets it, the same loop's claim stands."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Block() for _ in range(8)], nn.Linear(128, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run(eval_batch: int) -> dict[str, Any]:
+        with track(model, opt, device="cpu", budget="40MiB", postmortem=None) as tracker:
+            for _ in range(3):
+                model(torch.randn(512, 128)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    model(torch.randn(eval_batch, 128)).sum()
+        return {a.code: a for a in tracker.report().advice}
+
+    trained = run(16)
+    assert {"mixed-precision", "activation-checkpointing"} <= set(trained)
+    assert all(trained[c].saving_bytes for c in ("mixed-precision", "activation-checkpointing"))
+    evaluated = run(6144)
+    assert "eval-peak" in evaluated
+    for code in ("mixed-precision", "activation-checkpointing"):
+        advice = evaluated[code]
+        assert advice.saving_bytes is None, advice
+        assert "Evaluation sets the peak on cpu" in advice.evidence
+        assert format_size(trained[code].saving_bytes) in advice.evidence

@@ -16,6 +16,7 @@ here). Each rule returns a list (empty when it does not fire), so the report can
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import TYPE_CHECKING
 
@@ -808,6 +809,48 @@ def _allocator_rules(dev: DeviceReport) -> list[Advice | None]:
     ]
 
 
+_ACTIVATION_RULES = ("mixed-precision", "activation-checkpointing")
+"""The step rules whose saving is training's activations, which evaluation does not keep."""
+
+
+def _under_evaluation(
+    report: TrackReport, dev: DeviceReport, found: list[Advice | None]
+) -> list[Advice | None]:
+    """``found`` as it stands, unless evaluation sets ``dev``'s peak (above training's, as
+    :func:`eval_peak` says): then the activation rules lower training's peak, not the
+    device's, and say so with no saving claimed (sweep CM: a Lightning run that fit, its
+    validation at 55.62 MiB above training's 40.87, was told bf16-mixed saves 7.26 MiB; with
+    it training fell by 7.26 and validation rose to 66.21 and ran out)."""
+    evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
+    frozen = report.frozen_peaks.get(dev.device)
+    if (
+        evaluation is None
+        or training is None
+        or evaluation <= training * 1.1
+        or (frozen is not None and frozen >= evaluation)  # (a teacher's: the step's memory)
+    ):
+        return found
+    return [
+        a
+        if a is None or a.code not in _ACTIVATION_RULES or not a.saving_bytes
+        else dataclasses.replace(
+            a,
+            evidence=f"{a.evidence} Evaluation sets the peak on {dev.device} "
+            f"({format_size(evaluation)}, training's {format_size(training)}): this would "
+            f"lower training's peak by about {format_size(a.saving_bytes)}, not the device's"
+            + (
+                " (evaluation under autocast was not measured: the loss's float32 copy of "
+                "half-precision logits can raise it)"
+                if a.code == "mixed-precision"
+                else ""
+            )
+            + ". Lower evaluation's peak first (eval-peak).",
+            saving_bytes=None,
+        )
+        for a in found
+    ]
+
+
 def _data_parallel_rules(report: TrackReport) -> list[Advice | None]:
     """``dp-to-ddp`` and ``dp-loss-on-replicas`` for a report of an ``nn.DataParallel`` model."""
     if not (report.dp_device_ids and len(report.devices) >= 2 and report.dp_output_device):
@@ -839,7 +882,7 @@ def measured_advice(report: TrackReport) -> list[Advice]:
     for dev in report.devices:
         bd = dev.breakdown
         if bd is not None and bd.total > 0 and trained:
-            out.extend(_step_rules(report, dev, bd))
+            out.extend(_under_evaluation(report, dev, _step_rules(report, dev, bd)))
         out.extend(_allocator_rules(dev))
     out.extend(_data_parallel_rules(report))
     # one advice per code: the first device that shows it (the primary under DataParallel)
