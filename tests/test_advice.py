@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -927,6 +928,17 @@ def test_the_oom_accumulation_saving_holds_when_the_advice_is_applied():
     assert adv.saving_bytes < pm.breakdown.activations // 2  # the gradients counted
     applied = peak(2048, 2, None).devices[0].peak_allocated
     assert full - applied >= adv.saving_bytes
+    # sweep CM: the need at half is printed beside what the failed step needed at least, and
+    # the saving is their difference (it was what the memory held would lose: 5.87 MiB
+    # where the step's need fell by 15.39)
+    need = re.search(
+        r"At half the micro-batch the step would need about ([\d.]+) MiB", adv.evidence
+    )
+    failed = re.search(r"the step that failed needed at least ([\d.]+) MiB", adv.evidence)
+    assert need and failed, adv.evidence
+    said = (float(failed.group(1)) - float(need.group(1))) * MiB
+    assert abs(adv.saving_bytes - said) < 0.01 * MiB
+    assert applied <= float(need.group(1)) * MiB <= 1.1 * applied
 
 
 def test_a_failed_request_that_grows_with_the_batch_is_something_a_smaller_batch_frees():

@@ -331,7 +331,12 @@ def _precision_option(pm: OomPostMortem) -> str:
     if pm.breakdown is not None and 2 * narrow > pm.breakdown.parameters:
         return ""  # mostly bf16/int8 weights (a LoRA base): low precision already
     if dtype in (None, "float32"):
-        return "; or train in bf16/fp16 autocast"
+        # (sweep CM: offered beside a cut that fits, it alone needed 33.61 MiB of 32)
+        return (
+            "; or train in bf16/fp16 autocast (it saves less than half the activations: "
+            "norms, the loss and the logits stay float32, and it keeps half copies of the "
+            "weights; alone it may not fit: track a step with it)"
+        )
     return ""
 
 
@@ -442,8 +447,12 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
     fixed = bd.total - bd.activations + added
     samples = pm.input_shape[0] if pm.input_shape else None
     k = _fitting_cut(fixed, scaled, pm.capacity, samples)
-    # what the memory held at the failure loses: the activations' cut, less what training adds
-    saving = bd.activations - bd.activations // max(1, k) - added
+    # what the step needs loses, at least: it needed what it held and the allocation that
+    # failed, and at the cut what does not scale, what training adds and the scaled part's
+    # cut (sweep CM: 5.87 MiB was said, what the memory held at the failure would lose, where
+    # the step's need fell from 40.87 to 25.48 MiB, and the need at the cut was not printed)
+    failed_need = bd.total + tried
+    saving = failed_need - (fixed + scaled // max(1, k))
     fused = _all_stepped_in_backward(pm)
     adds = "; ".join(
         part
@@ -473,6 +482,13 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
             f"activations held and the allocation that failed{gradient}); at 1/{k}, {about} "
             f"{format_size(fixed + scaled // k)}."
         )
+    elif k == 2 and pm.capacity is not None:
+        room += (
+            f" At half the micro-batch the step would need {about} "
+            f"{format_size(fixed + scaled // 2)} of the {format_size(pm.capacity)} (the "
+            f"activations held and the allocation that failed{gradient}, halved), where the "
+            f"step that failed needed at least {format_size(failed_need)}."
+        )
     if k and pm.phase == "forward":
         room += (
             " The forward stopped part way: the modules after it add activations these "
@@ -481,7 +497,8 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
         )
     # a cut that fits the known capacity is the remedy even where the memory held at the
     # failure would not fall (it held no gradients or state yet); else it must save
-    offered = bool(k) and (pm.capacity is not None or saving > 0)
+    held_falls = bd.activations - bd.activations // max(1, k) > added
+    offered = bool(k) and (pm.capacity is not None or held_falls)
     least = pm.phase == "forward"  # (sweep BI: 8 -> 4 ran out at its longer sequence)
     if offered and fused:  # (sweep BH: accumulation was advised where no step can accumulate)
         cut = _cut_words(k, samples, least).replace("micro-batch", "batch")
