@@ -604,6 +604,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             phase_peaks=dev.phase_peaks,
             peak_phase=bd.phase,
             peak_module=bd.module,
+            temporary_bytes=temporaries,
         ),
         optimizer_state(
             optimizer_state_bytes=bd.optimizer_state,
