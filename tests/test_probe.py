@@ -176,6 +176,29 @@ def test_state_is_bit_identical_after_probing_a_cnn_with_batchnorm():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_step_that_unfreezes_the_backbone_leaves_it_frozen_after_the_probe():
+    """Sweep CN: a train_step that unfreezes a frozen backbone at its 5th call (a fine-tuning
+    schedule) left every parameter trainable after ``memkit.probe`` returned; a notebook
+    user's next training would have trained the backbone from step 0."""
+    model = small_mlp()
+    frozen = [p.requires_grad_(i >= 2) for i, p in enumerate(model.parameters())]
+    before = [p.requires_grad for p in frozen]
+    calls = [0]
+
+    def step(model, batch, optimizer):
+        calls[0] += 1
+        if calls[0] == 5:
+            model.requires_grad_(True)
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe(model, lambda n: torch.randn(n, 256), optimizer=opt, train_step=step, device="cpu",
+          budget="8MiB")  # fmt: skip
+    assert calls[0] > 5 and [p.requires_grad for p in model.parameters()] == before
+
+
 def test_state_is_restored_after_ctrl_c():
     model = small_mlp()
     before = [p.detach().clone() for p in model.parameters()]

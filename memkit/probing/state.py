@@ -330,6 +330,8 @@ class SavedState:
             for name, p in model.named_parameters()
         }
         self._training = {name: m.training for name, m in model.named_modules()}
+        # (sweep CN: a train_step that unfreezes a backbone at its 5th call left it trainable)
+        self._requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
         self._attributes = ModuleAttributes(model)
         self._optimizer_state = None if optimizer is None else _to_host(optimizer.state_dict())
         self._stateful = _stateful_states(optimizer)  # schedulers, gradient scalers
@@ -385,6 +387,9 @@ class SavedState:
         for name, param in self.model.named_parameters():
             grad = self._grads.get(name)
             param.grad = None if grad is None else grad.to(param.device)
+            flag = self._requires_grad.get(name)
+            if flag is not None and param.requires_grad != flag:
+                param.requires_grad_(flag)
         for name, module in self.model.named_modules():
             if name in self._training:
                 module.training = self._training[name]
