@@ -2303,3 +2303,14 @@ def test_the_steps_line_where_the_answer_kept_no_more_says_so_not_that_it_grew()
     assert growing is None and "still growing" not in line and "0 B more" not in line
     (line,), _ = _kept_growth(trials, 6, 2, "train", 2)
     assert "random" not in line and "varies from step to step" in line
+    # sweep CN: an EMA copy made at the first trial's last step (--steps 41), kept in the
+    # model file's globals by the later trials: the answer's trial kept no more
+    ema = (
+        ProbeTrial(1, True, 100, 0.1, steps_run=41, kept_growth_bytes=6 << 20, still_growing=True),
+        ProbeTrial(2251, True, 1000, 0.1, steps_run=41),
+        ProbeTrial(2252, False, 2000, 0.1),
+    )
+    (line,), growing = _kept_growth(ema, 2251, 41, "train", 41)
+    assert growing is None and "0 B more" not in line and "grew:" not in line, line
+    assert "at batch 2251 the memory kept between steps did not grow" in line
+    assert "but at batch 1 still growing at step 41 (6.00 MiB more" in line

@@ -1336,12 +1336,21 @@ def _kept_growth(
             f"after step {at.steps_run} than after step 1"
         )
         return [line], None
-    line = (
-        f"steps: up to {most} per trial ({flag(steps)}), while the memory kept between steps "
-        f"grew: at batch {at.batch_size}, {grew} more after step {at.steps_run} than after "
-        f"step 1, {state} of it the optimizer's state"
-        + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
-    )
+    if not at.kept_growth_bytes and not at.still_growing:
+        # (sweep CN: "while the memory kept between steps grew: at batch 2251, 0 B more ...;
+        # then stable; but at batch 1 still growing": an EMA copy made at a trial's last step)
+        line = (
+            f"steps: up to {most} per trial ({flag(steps)}): at batch {at.batch_size} the "
+            f"memory kept between steps did not grow (no more after step {at.steps_run} than "
+            "after step 1)"
+        )
+    else:
+        line = (
+            f"steps: up to {most} per trial ({flag(steps)}), while the memory kept between "
+            f"steps grew: at batch {at.batch_size}, {grew} more after step {at.steps_run} than "
+            f"after step 1, {state} of it the optimizer's state"
+            + (f"; still growing at step {at.steps_run}" if at.still_growing else "; then stable")
+        )
     if others and not at.still_growing:
         near = min(others, key=lambda t: abs(t.batch_size - at.batch_size))
         line += (
