@@ -1453,6 +1453,12 @@ def probe_file(
                 else f"; no optimizer state: {name} could not make it on zero gradients "
                 f"({failed}), an evaluation inside training also holds it"
             )
+            # (sweep CN: evaluation at twice the training batch, min(2161, 3988 / 2) = 1994,
+            # ran out in evaluation, which the loop reached with x, out and loss bound; 1836
+            # fit, and 1994 with them deleted first)
+            + "; not the last training step's batch, output and loss, which a loop that "
+            "evaluates inside its training loop still holds unless it deletes them first "
+            "(`del x, out, loss` before evaluating)"
         )
     results = [
         probe_with(
