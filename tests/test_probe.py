@@ -711,10 +711,28 @@ def test_memory_a_failed_step_leaves_held_is_reported_when_a_step_does_not_relea
     # the first OOM left its graph held (the trials after it then ran out in their forward,
     # keeping nothing more: the answer is conservative, as the note says)
     assert failed and notes, (failed, result.defaults)
-    assert notes[0].startswith(f"after the OOM at batch {failed[0]}, ")
-    assert "held by the model or the script (not by memkit)" in notes[0]
+    # one line for all the leftovers (sweep CN: ten near-identical paragraphs)
+    (note,) = notes
+    assert note.startswith((f"after the OOM at batch {failed[0]}, ", "after each of "))
+    assert str(failed[0]) in note, (failed, note)
+    assert "held by the model or the script (not by memkit)" in note
     assert any("stayed allocated" in line for line in str(result).splitlines())
     by_size.clear()
+
+
+def test_leftovers_of_several_failed_trials_share_one_line():
+    """Sweep CN: a model file's global list of losses left something after each of ten OOM
+    trials, and the report printed ten near-identical paragraphs. Leftovers share one line; a
+    copy of the model's parameters (an SWA copy) keeps its own."""
+    from memkit.probing.runner import _held_notes
+
+    weights = 4 << 20
+    lines = _held_notes({1450: 92_000, 1875: 1_680_000, 1473: 377_000, 900: weights}, weights)
+    assert len(lines) == 2, lines
+    copy, rest = lines
+    assert copy.startswith("after the OOM at batch 900, ") and "the model's parameters" in copy
+    assert rest.startswith("after each of 3 OOM trials (batch 1450, 1473, 1875), 89.84 KiB to")
+    assert "the model file's globals" in rest
 
 
 def test_a_model_copy_made_in_a_failed_trial_is_said_to_be_state_the_script_makes():

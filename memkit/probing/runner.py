@@ -536,7 +536,7 @@ def probe_with(
         defaults.append(note)
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     weights = tensor_bytes(list(model.parameters()))
-    defaults += [_held_note(size, held, weights) for size, held in sorted(held_after_oom.items())]
+    defaults += _held_notes(held_after_oom, weights)
     if varying and search.max_batch_size is not None:
         defaults.append(
             _drawn_note(
@@ -694,31 +694,57 @@ def sparse_embeddings(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _held_note(batch_size: int, held: int, weights: int = 0) -> str:
-    """The report's line for memory a failed trial left held (``TrialRunner.held_after_oom``).
-    Where it is one to three copies of the model's parameters (``weights``) it is likely
-    state the script made in that trial, at a step count the trials reached (sweep BV: an
-    SWA copy made at epoch 2 was called a leftover, and the answer "may be below" what fits,
-    where it was 28% above)."""
-    said = (
-        f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated, held by the "
-        "model or the script (not by memkit) even after a step at the smallest size that fit"
-    )
-    copies = round(held / weights) if weights else 0
-    if 1 <= copies <= 3 and abs(held - copies * weights) <= 0.02 * held:
-        return (
-            f"{said}: the size of {'the model' if copies == 1 else f'{copies} copies of the model'}"
-            "'s parameters, so likely state the script made then, at a step count the trials "
-            "reached (an SWA or EMA copy, an optimizer made after a warmup), which its loop keeps "
-            "from then on: trials before it ran without it. If the script makes it at a later "
+def _held_notes(held_after_oom: dict[int, int], weights: int = 0) -> list[str]:
+    """The report's lines for memory failed trials left held (``TrialRunner.held_after_oom``),
+    by batch size. Where it is one to three copies of the model's parameters (``weights``) it
+    is likely state the script made in that trial, at a step count the trials reached (sweep
+    BV: an SWA copy made at epoch 2 was called a leftover, and the answer "may be below" what
+    fits, where it was 28% above): a line each. The other leftovers share one line (sweep CN:
+    a model file's global list of losses gave ten near-identical paragraphs)."""
+    lines: list[str] = []
+    left: list[tuple[int, int]] = []
+    for batch_size, held in sorted(held_after_oom.items()):
+        copies = round(held / weights) if weights else 0
+        if not (1 <= copies <= 3 and abs(held - copies * weights) <= 0.02 * held):
+            left.append((batch_size, held))
+            continue
+        lines.append(
+            f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated, held "
+            "by the model or the script (not by memkit) even after a step at the smallest size "
+            f"that fit: the size of {_copies(copies)}'s parameters, so likely state the script "
+            "made then, at a step count the trials reached (an SWA or EMA copy, an optimizer "
+            "made after a warmup), which its loop keeps from then on: trials before it ran "
+            "without it. If the script makes it at a later "
             "step of its own, the answer holds only for the steps before; probe with "
-            f"{spelled('--steps N', 'steps=N')} "
-            "past that step"
+            f"{spelled('--steps N', 'steps=N')} past that step"
         )
-    return (
-        f"{said}: the trials after it had that much less room, so the answer may be below what "
-        "a fresh process fits. Keep no tensor of a step (outputs, losses) beyond the next step"
-    )
+    if len(left) == 1:
+        ((batch_size, held),) = left
+        said = f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated"
+        after = "the trials after it"
+    elif left:
+        sizes = ", ".join(str(b) for b, _ in left)
+        low, high = min(h for _, h in left), max(h for _, h in left)
+        said = (
+            f"after each of {len(left)} OOM trials (batch {sizes}), {format_size(low)} to "
+            f"{format_size(high)} stayed allocated"
+        )
+        after = "the trials after each"
+    if left:
+        lines.append(
+            f"{said}, held by the model or the script (not by memkit) even after a step at the "
+            f"smallest size that fit: {after} had that much less room, so the answer may be "
+            "below what a fresh process fits. Keep no tensor of a step (outputs, losses) beyond "
+            "the next step; a list in the model file's globals that the step appends to keeps "
+            "them from trial to trial (memkit puts the model's attributes back before each "
+            "trial, not the file's globals)"
+        )
+    return lines
+
+
+def _copies(n: int) -> str:
+    """``"the model"`` or ``"2 copies of the model"``."""
+    return "the model" if n == 1 else f"{n} copies of the model"
 
 
 def _model_state(model: torch.nn.Module, optimizer: Any) -> ModelState | None:
