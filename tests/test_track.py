@@ -4525,3 +4525,28 @@ def test_an_ema_copy_validated_now_and_then_on_the_training_batch_size_is_evalua
     report = tracker.report()
     assert report.frozen_model is None and report.frozen_forwards == 0
     assert report.eval_forwards == 6 and report.eval_input_shape == (16, 64)
+
+
+def test_a_backward_oom_in_a_functional_op_names_the_autograd_node():
+    """Sweep CO: pytorch/examples' MNIST ran out in backward at the functional ReLU after
+    conv2, and the post-mortem said "backward of fc1": backward hooks sit on modules with
+    parameters, so the label is the last one backward reached, whose backward had ended. On
+    the simulated device the autograd node that ran out is named, beside that module."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 4096), nn.Linear(4096, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    tracker = track(model, device="cpu", budget="5.5MiB", postmortem=None)
+    with pytest.raises(torch.OutOfMemoryError), tracker:
+        model(torch.randn(64, 64)).sum().backward()
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "backward" and pm.module == "down"
+    assert pm.node == "ReluBackward0"
+    assert pm.where.endswith("backward, in ReluBackward0, after the gradient reached down (Linear)")

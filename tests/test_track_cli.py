@@ -45,10 +45,14 @@ def test_backward_oom_names_phase_and_layer(tmp_path):
         str(SCENARIOS / "backward_oom.py"), "--steps", "1",
     )  # fmt: skip
     assert result.exit_code == 1, result.output
-    assert "at step 0, backward of classifier" in result.stderr
+    # the autograd node that ran out, and the module backward last reached (sweep CO)
+    assert "at step 0, backward, in AddmmBackward0, after the gradient reached classifier" in (
+        result.stderr
+    )
     data = json.loads(out.read_text())
     oom = data["oom"]
     assert oom["phase"] == "backward" and oom["module"] == "classifier"
+    assert oom["node"] == "AddmmBackward0"
     assert oom["tried_to_allocate"] == 8 * 1024**2 and oom["capacity"] == 28 * 1024**2
     assert oom["breakdown"]["parameters"] > 0 and oom["breakdown"]["activations"] > 0
     assert any(a["code"] == "oom-activations" for a in oom["advice"])

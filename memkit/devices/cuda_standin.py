@@ -324,6 +324,7 @@ class StandIn:
                 acct = self.accountant
                 acct.num_ooms += 1
                 acct.in_use_at_oom = alloc.allocated
+                acct.node_at_oom = None  # (CUDA's error leaves the engine before it is read)
                 if acct._observer is not None:
                     acct._observer.out_of_memory(round_size(nbytes), self.limit - alloc.reserved)
                 return message

@@ -217,6 +217,14 @@ def _own_storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def autograd_node() -> str | None:
+    """The name of the autograd node running now (inside a backward: ``ReluBackward0``),
+    else ``None``."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    node = current() if current is not None else None
+    return None if node is None else str(node.name())
+
+
 def counted_bytes(nbytes: int, rounding: str) -> int:
     """Bytes a storage of ``nbytes`` counts for: CUDA's 512-byte blocks with
     ``rounding="cuda"`` (:data:`cuda_rounded`), else exact."""
@@ -391,6 +399,10 @@ class MemoryAccountant(TorchDispatchMode):
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
         rounds them), for a post-mortem read after the unwinding freed some."""
+        self.node_at_oom: str | None = None
+        """The autograd node that ran when the last out-of-memory error was raised inside a
+        backward (``ReluBackward0``), else ``None``: a module's backward hook names the last
+        module with parameters backward reached, not the functional ops after it."""
         self._observer: StorageObserver | None = None
         # While observed: id(storage) -> "parameter"/"tensor", for each storage counted because
         # it existed before (an op read it for the first time, or track() was given it). None
@@ -823,6 +835,7 @@ class MemoryAccountant(TorchDispatchMode):
         ):
             self.num_ooms += 1
             self.in_use_at_oom = self._current
+            self.node_at_oom = autograd_node()
             if self._observer is not None:
                 with self._lock:
                     observer = self._observer  # read again under the lock: it may have gone

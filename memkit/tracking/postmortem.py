@@ -92,6 +92,8 @@ class OomEvidence:
             model between them: gradient clipping, SAM's perturbation, ``unscale_``).
         batch_bytes: the bytes of the last training forward's first input (in an evaluation
             pass, its own), if it is alive.
+        node: the autograd node that ran out inside a backward, where the device knows it
+            (the simulated one).
     """
 
     device: str
@@ -115,6 +117,7 @@ class OomEvidence:
     batch_bytes: int = 0
     after_backward: bool = False
     cap_raised: bool = False  # a budget below kept segments: the CUDA cap was set above it
+    node: str | None = None
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -222,6 +225,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
             and parts.optimizer_state > 0
         ),
         batch_bytes=evidence.batch_bytes,
+        node=evidence.node if PHASES[moment.phase] == "backward" else None,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

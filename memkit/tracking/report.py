@@ -467,6 +467,10 @@ class OomPostMortem(Result):
         made_outside: ``(kept, outside)`` where most of the activations were made outside
             the model's modules (:func:`made_outside`: the loss, the step's own code), which
             checkpointing the model's blocks does not touch; ``None`` otherwise.
+        node: in backward, the autograd node that ran out (``ReluBackward0``), where the
+            device can tell (the simulated one): ``module`` is the last module with parameters
+            whose gradient backward reached, whose own backward may have ended (sweep CO: a
+            ReLU after conv2 was said to be fc1's backward).
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -500,6 +504,7 @@ class OomPostMortem(Result):
     batch_bytes: int = 0
     after_backward: bool = False
     made_outside: tuple[int, int] | None = None
+    node: str | None = None
 
     @property
     def where(self) -> str:
@@ -510,7 +515,11 @@ class OomPostMortem(Result):
         if self.phase == "eval":
             inside = "" if module is None else f" in {module}"
             return f"step {self.step}, an evaluation pass{inside}"
-        if module is not None:
+        if self.node is not None and self.phase == "backward":
+            place = f"backward, in {self.node}" + (
+                "" if module is None else f", after the gradient reached {module}"
+            )
+        elif module is not None:
             place = f"{self.phase} of {module}"
         elif self.phase == "forward":
             place = "forward, outside any module (e.g. the loss)"

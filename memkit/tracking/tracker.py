@@ -528,6 +528,7 @@ class Tracker:
             moment=moment,
             module_type=None if stat is None else stat.type_name,
             at_oom=getattr(getattr(dev.backend, "accountant", None), "in_use_at_oom", None),
+            node=getattr(getattr(dev.backend, "accountant", None), "node_at_oom", None),
             capacity=cap.total,
             free=cap.free,
             cap_raised=self._over_budget is not None,
