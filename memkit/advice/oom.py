@@ -478,7 +478,10 @@ def oom_activations(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -
                 f"the gradient of one parameter at a time, the largest's "
                 f"({format_size(gradients)}: the optimizer steps each in backward)"
                 if fused
-                else f"the gradients of the parameters it trains ({format_size(gradients)})"
+                # (sweep CO: "the gradients of the parameters it trains (73.50 KiB)" of 4.58 MiB)
+                else f"the gradients of the parameters it trains not yet allocated "
+                f"({format_size(gradients)}"
+                + (f" of {format_size(gradients + bd.gradients)})" if bd.gradients else ")")
             )
             if gradients
             else "",
