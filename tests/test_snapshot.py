@@ -134,6 +134,13 @@ def test_simulated_device_row_reports_its_counters(no_smi):
     assert cats.categorised + (cats.other or 0) == acct.current
     assert cats.other == y.untyped_storage().nbytes() + 4 * 32 * 4  # output + input batch
     assert "other tensors" in snap._repr_html_()
+    # sweep CO: its explanation spoke of torch.cuda.memory_allocated, nvidia-smi and CUDA
+    # contexts, and its legend had a "CUDA context" slice
+    text, html = str(snap), snap.to_html()
+    assert "torch.cuda" not in text and "nvidia-smi" not in text
+    assert "reserved: equal to allocated: the simulated device keeps no cache" in text
+    assert "CUDA context + other processes" not in html
+    assert snap.to_dict()["explain"]["allocated"].startswith("the live tensor storages")
 
 
 def test_simulated_backend_and_cpu_string(no_smi):

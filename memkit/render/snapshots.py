@@ -85,16 +85,19 @@ def _stamp(ts: float) -> str:
 
 
 def _explain_text(snap: Snapshot) -> str:
-    return "\n".join(f"  {name}: {line}" for name, line in snap.EXPLAIN)
+    return "\n".join(f"  {name}: {line}" for name, line in snap.explain())
 
 
 def _explain_html(snap: Snapshot) -> str:
-    items = "".join(f"<li><b>{h.escape(n)}</b>: {h.escape(line)}</li>" for n, line in snap.EXPLAIN)
+    items = "".join(
+        f"<li><b>{h.escape(n)}</b>: {h.escape(line)}</li>" for n, line in snap.explain()
+    )
     return f'<ul class="note explain">{items}</ul>'
 
 
-def _bar_legend_html() -> str:
-    return h.legend(BAR_LABELS).replace(
+def _bar_legend_html(simulated: bool = False) -> str:
+    labels = BAR_LABELS[:1] if simulated else BAR_LABELS  # (no cache, no context: sweep CO)
+    return h.legend(labels).replace(
         "</div>",
         f'<span><i class="swatch" style="background:{FREE_COLOR}"></i>free</span></div>',
     )
@@ -285,7 +288,7 @@ def snapshot_html(snap: Snapshot) -> str:
     rows = [_device_row_html(d) for d in snap.devices]
     body = [_LOCAL_STYLE, f"<h3>{title}</h3>", h.table(headers, rows)]
     if any(d.total for d in snap.devices):
-        body.append(_bar_legend_html())
+        body.append(_bar_legend_html(all(d.kind == "simulated" for d in snap.devices)))
     host = snap.host
     body.append(
         f'<p class="host"><b>host</b>: process RSS {_size_cell(host.process_rss, host.reason)}'

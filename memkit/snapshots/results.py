@@ -50,6 +50,17 @@ EXPLAIN: tuple[tuple[str, str], ...] = (
 )
 """One line each for the gaps people get confused by; shown under every rendering."""
 
+SIMULATED_EXPLAIN: tuple[tuple[str, str], ...] = (
+    ("allocated", "the live tensor storages the simulated device counts (exact bytes)."),
+    ("reserved", "equal to allocated: the simulated device keeps no cache."),
+    (
+        "used",
+        "equal to allocated: no driver, no CUDA context, no other process; total is its budget.",
+    ),
+)
+"""The same lines for a snapshot of simulated devices only (sweep CO: its text explained
+``torch.cuda.memory_allocated`` and nvidia-smi)."""
+
 SCHEMA = "memkit.snapshot/1"
 
 CATEGORY_FIELDS = ("parameters", "buffers", "gradients", "optimizer_state", "other")
@@ -288,9 +299,15 @@ class Snapshot(Result):
             f"no device {key!r} in this snapshot; found {[d.device for d in self.devices]}"
         )
 
+    def explain(self) -> tuple[tuple[str, str], ...]:
+        """What each device column means: :data:`SIMULATED_EXPLAIN` where every device is a
+        simulated one, else :data:`EXPLAIN`."""
+        kinds = {d.kind for d in self.devices}
+        return SIMULATED_EXPLAIN if kinds == {"simulated"} else self.EXPLAIN
+
     def _json_fields(self, out: dict[str, Any]) -> dict[str, Any]:
         """Sizes in bytes; plus what each device column means (``explain``)."""
-        out["explain"] = dict(self.EXPLAIN)
+        out["explain"] = dict(self.explain())
         return out
 
     # -- arithmetic -------------------------------------------------------------------------
