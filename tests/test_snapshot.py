@@ -698,3 +698,14 @@ def test_a_parameter_named_with_its_models_prefix_in_one_snapshot_is_no_rename(n
     assert "Sequential[0].0.weight" in [t.name for t in after.tensors]
     notes = [c.note for c in (after - before).changes if c.where == "tensor"]
     assert not any("renamed" in n for n in notes), notes
+
+
+def test_a_diff_from_a_snapshot_without_objects_lists_no_empty_categories(no_smi):
+    """Sweep CO: a diff between an object-less snapshot and one given a dict of tensors had
+    rows "cpu holds parameters n/a -> 0 B new" for buffers, gradients and optimizer state too."""
+    with memkit.simulate("64MiB") as gpu:
+        before = snapshot(device=gpu)
+        a = torch.randn(100, 100)
+        after = snapshot({"a": a}, device=gpu)
+    held = [c for c in (after - before).changes if c.where == "cpu holds"]
+    assert [c.what for c in held] == ["other"] and held[0].after == a.untyped_storage().nbytes()

@@ -721,7 +721,8 @@ class SnapshotDiff(Result):
             for name in CATEGORY_FIELDS:
                 a = None if oc is None else getattr(oc, name)
                 b = None if nc is None else getattr(nc, name)
-                if a != b:
+                # (sweep CO: a snapshot without objects, then one with: "parameters n/a -> 0 B")
+                if a != b and (a or b):
                     changes.append(Change(f"{dev_name} holds", name.replace("_", " "), a, b))
         if before.tensors and after.tensors:
             changes.extend(_tensor_changes(before, after))
