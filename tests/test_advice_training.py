@@ -1731,3 +1731,75 @@ def test_checkpointing_counts_the_loss_backward_frees_before_the_last_recompute(
         and "made outside the modules" in advice["activation-checkpointing"].evidence
     )
     assert 0.9 * (plain - applied) <= claim <= 1.1 * (plain - applied), (claim, plain - applied)
+
+
+def test_activation_advice_stands_where_a_frozen_copy_inside_the_step_sets_the_eval_column():
+    """Review CK: a frozen copy of the student run under no_grad inside each step on 4x the
+    batch (multi-crop views) is booked in the eval column, above training's peak; the
+    activation rules were told evaluation sets the peak and claimed nothing, where
+    checkpointing the student lowered that peak from 54.84 to 30.84 MiB: they stand."""
+    import copy
+
+    torch.manual_seed(0)
+    student = nn.Sequential(*[_Block() for _ in range(6)], nn.Linear(128, 64))
+    teacher = copy.deepcopy(student).requires_grad_(False).eval()
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    both = nn.ModuleDict({"student": student, "teacher": teacher})
+    with track(both, opt, device="cpu", budget="60MiB", postmortem=None) as tracker:
+        for _ in range(3):
+            x = torch.randn(1024, 128)
+            q = student(x)
+            with torch.no_grad():
+                k = teacher(torch.randn(4096, 128))[:1024]  # (the views' first crop)
+            (q - k).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    report = tracker.report()
+    dev = report.devices[0]
+    assert dev.eval_in_step == dev.phase_peaks["eval"] > 1.1 * dev.phase_peaks["backward"]
+    advice = {a.code: a for a in report.advice}
+    assert advice["mixed-precision"].saving_bytes
+    assert "Evaluation sets the peak" not in advice["mixed-precision"].evidence
+
+
+def test_checkpointing_absorbs_no_temporaries_where_the_peak_is_inside_a_block():
+    """Review CK: two wide blocks on 4096 rows peak inside the last block's backward, where
+    what no module kept is that block's gradient buffers, alive beside the recompute: the
+    claim took them as freed (46.52 MiB where checkpointing saved 32). Within 10% now."""
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(128, 1024), nn.Linear(1024, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.gelu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self, ckpt: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks, self.head = nn.ModuleList(Wide() for _ in range(2)), nn.Linear(128, 10)
+            self.ckpt = ckpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+            return self.head(x)
+
+    def peak(ckpt: bool) -> tuple[int, dict[str, Any]]:
+        model = Net(ckpt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with track(model, opt, device="cpu", budget="104MiB", postmortem=None) as tracker:
+            for _ in range(2):
+                x, y = torch.randn(4096, 128), torch.randint(0, 10, (4096,))
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        report = tracker.report()
+        return report.peak_allocated, {a.code: a for a in report.advice}
+
+    plain, advice = peak(False)
+    applied, _ = peak(True)
+    claim = advice["activation-checkpointing"].saving_bytes
+    assert claim is not None and 0.9 * (plain - applied) <= claim <= 1.1 * (plain - applied)

@@ -4550,3 +4550,37 @@ def test_a_backward_oom_in_a_functional_op_names_the_autograd_node():
     assert pm is not None and pm.phase == "backward" and pm.module == "down"
     assert pm.node == "ReluBackward0"
     assert pm.where.endswith("backward, in ReluBackward0, after the gradient reached down (Linear)")
+
+
+def test_the_autograd_node_of_an_earlier_caught_oom_is_not_named_for_another_error():
+    """Review CK: a simulated OOM at ReluBackward0, caught (a retry at a smaller batch), then
+    a cuBLAS allocation failure in another backward: the post-mortem named ReluBackward0."""
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 4096), nn.Linear(4096, 64)
+
+        def forward(self, x: torch.Tensor, boom: bool) -> torch.Tensor:
+            h = torch.relu(self.up(x))
+            return self.down(Boom.apply(h) if boom else h)
+
+    torch.manual_seed(0)
+    model = Net()
+    tracker = track(model, device="cpu", budget="5.5MiB", postmortem=None)
+    with pytest.raises(RuntimeError, match="CUBLAS"), tracker:
+        with pytest.raises(torch.OutOfMemoryError):
+            model(torch.randn(64, 64), False).sum().backward()
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(8, 64), True).sum().backward()
+    pm = tracker.report().oom
+    assert pm is not None and pm.phase == "backward" and pm.node is None

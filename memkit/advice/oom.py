@@ -185,13 +185,18 @@ def eval_grad_at_oom(pm: OomPostMortem) -> Advice | None:
     # as large as the request): the pass's need there falls by what it kept less that (sweep
     # CO: 28.56 MiB said, what the pass held; no_grad lowered the peak by 10.55 MiB, 28.56
     # less the 18 MiB relu input)
-    saving = held - min(held, tried) if tried else held
+    # (review CK: where the request outgrows what was held, a wide head, the input is not
+    # its size: "falls by about 0 B" where no_grad saved 12 MiB; then up to what was held)
+    sized = 0 < tried < held
+    saving = held - tried if sized else 0
     fall = (
         f" Under no_grad the failing op would still hold its input beside the "
         f"{format_size(tried)} it asked for: the pass's need there falls by about "
-        f"{format_size(saving)} of the {format_size(held)} of activations it held"
-        if tried and held
-        else f" Under no_grad it frees up to the {format_size(held)} of activations it held"
+        f"{format_size(saving)} of the {format_size(held)} of activations it held (taking "
+        "the input as large as the request)"
+        if sized
+        else f" Under no_grad it frees up to the {format_size(held)} of activations it held, "
+        "less the failing op's input, which a forward still holds"
         if held
         else ""
     )

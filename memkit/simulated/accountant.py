@@ -225,6 +225,13 @@ def autograd_node() -> str | None:
     return None if node is None else str(node.name())
 
 
+def node_of(accountant: Any, error: BaseException) -> str | None:
+    """The autograd node ``accountant`` ran out in, where ``error`` (or one it wraps, by its
+    text) is that error: not an earlier one a script caught, nor another allocator's."""
+    found = getattr(accountant, "node_at_oom", None)
+    return found[1] if found is not None and found[0] in str(error) else None
+
+
 def counted_bytes(nbytes: int, rounding: str) -> int:
     """Bytes a storage of ``nbytes`` counts for: CUDA's 512-byte blocks with
     ``rounding="cuda"`` (:data:`cuda_rounded`), else exact."""
@@ -399,10 +406,12 @@ class MemoryAccountant(TorchDispatchMode):
         self.in_use_at_oom: int | None = None
         """Exact bytes in use when the last out-of-memory error was raised (the message
         rounds them), for a post-mortem read after the unwinding freed some."""
-        self.node_at_oom: str | None = None
-        """The autograd node that ran when the last out-of-memory error was raised inside a
-        backward (``ReluBackward0``), else ``None``: a module's backward hook names the last
-        module with parameters backward reached, not the functional ops after it."""
+        self.node_at_oom: tuple[str, str] | None = None
+        """``(message, node)``: the last out-of-memory error raised inside a backward and the
+        autograd node that ran then (``ReluBackward0``), else ``None``: a module's backward hook
+        names the last module with parameters backward reached, not the functional ops after
+        it. The message tells the error that left a block from an earlier one a script caught
+        (:func:`node_of`)."""
         self._observer: StorageObserver | None = None
         # While observed: id(storage) -> "parameter"/"tensor", for each storage counted because
         # it existed before (an op read it for the first time, or track() was given it). None
@@ -835,7 +844,7 @@ class MemoryAccountant(TorchDispatchMode):
         ):
             self.num_ooms += 1
             self.in_use_at_oom = self._current
-            self.node_at_oom = autograd_node()
+            node = autograd_node()
             if self._observer is not None:
                 with self._lock:
                     observer = self._observer  # read again under the lock: it may have gone
@@ -848,6 +857,7 @@ class MemoryAccountant(TorchDispatchMode):
             if resized:
                 self._refused.update(resized)
             message = self._oom_message(added)
+            self.node_at_oom = None if node is None else (message, node)
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new

@@ -373,6 +373,7 @@ class DeviceRecord:
         self.eval_base = a  # allocated when the last evaluation (its first pass) began
         self.eval_carried = 0  # the most an evaluation's pass began with above its base
         self.eval_left = 0  # the most an evaluation left when it ended above its base
+        self.eval_in_step = 0  # the highest eval peak of passes inside a training step
         self.peak_res = r
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
@@ -597,6 +598,7 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         breakdown_ran_out=dev.breakdown is not None and dev.failed_peak is not None,
         eval_carried=dev.eval_carried,
         eval_left=dev.eval_left,
+        eval_in_step=dev.eval_in_step,
     )
 
 

@@ -575,6 +575,9 @@ class DeviceReport:
             its earlier passes left alive (a ``test_loss += loss`` under grad, kept outputs).
         eval_left: the most an evaluation left allocated when it ended, above what it began
             with: results kept beyond it (with their graphs, under grad).
+        eval_in_step: the highest eval-column peak of passes that ran inside a training step
+            (a frozen model fed other inputs than the training batch, multi-crop views): the
+            step's memory, not a test loop's.
     """
 
     PHASES: ClassVar[tuple[str, ...]] = PHASES
@@ -599,6 +602,7 @@ class DeviceReport:
     breakdown_ran_out: bool = False
     eval_carried: int = 0
     eval_left: int = 0
+    eval_in_step: int = 0
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children),

@@ -36,7 +36,7 @@ from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, 
 from memkit.distributed import launched_rank, world_size
 from memkit.errors import warn_user
 from memkit.oom import find_oom
-from memkit.simulated.accountant import counting_now
+from memkit.simulated.accountant import counting_now, node_of
 from memkit.simulated.ddp_buckets import counting_buckets
 from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
@@ -528,7 +528,7 @@ class Tracker:
             moment=moment,
             module_type=None if stat is None else stat.type_name,
             at_oom=getattr(getattr(dev.backend, "accountant", None), "in_use_at_oom", None),
-            node=getattr(getattr(dev.backend, "accountant", None), "node_at_oom", None),
+            node=node_of(getattr(dev.backend, "accountant", None), exc),
             capacity=cap.total,
             free=cap.free,
             cap_raised=self._over_budget is not None,
