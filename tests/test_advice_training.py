@@ -1090,9 +1090,9 @@ def test_mixed_precision_keeps_a_conv_nets_norms_float32(tmp_path):
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 512) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(128, 512), nn.Linear(512, 128)
+        self.up, self.down = nn.Linear(128, width), nn.Linear(width, 128)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -1686,6 +1686,28 @@ def test_activation_advice_claims_no_saving_where_evaluation_sets_the_peak():
         assert format_size(trained[code].saving_bytes) in advice.evidence
 
 
+def _checkpointing_against_applied(
+    model_of: Callable[[bool], nn.Module], loss_of: Callable[[nn.Module], torch.Tensor], budget: str
+) -> tuple[Any, int]:
+    """``(the activation-checkpointing advice, what checkpointing saved)``: two SGD steps of
+    ``model_of(False)`` tracked under ``budget``, against the peak of ``model_of(True)``."""
+
+    def peak(ckpt: bool) -> tuple[int, dict[str, Any]]:
+        model = model_of(ckpt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with track(model, opt, device="cpu", budget=budget, postmortem=None) as tracker:
+            for _ in range(2):
+                loss_of(model).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        report = tracker.report()
+        return report.peak_allocated, {a.code: a for a in report.advice}
+
+    plain, advice = peak(False)
+    applied, _ = peak(True)
+    return advice["activation-checkpointing"], plain - applied
+
+
 class _TinyLM(nn.Module):
     """Two MLP blocks and a vocabulary head; the loss is the loop's (a LightningModule's
     ``training_step`` computes it outside the model)."""
@@ -1711,26 +1733,14 @@ def test_checkpointing_counts_the_loss_backward_frees_before_the_last_recompute(
     last block comes after backward freed the loss's saved tensors and the logits' gradient,
     which no module kept. The claim is within 10% of the saving measured."""
 
-    def peak(ckpt: bool) -> tuple[int, dict[str, Any]]:
-        model = _TinyLM(ckpt)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with track(model, opt, device="cpu", budget="64MiB", postmortem=None) as tracker:
-            for _ in range(2):
-                ids = torch.randint(0, 512, (8, 256))
-                F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        report = tracker.report()
-        return report.peak_allocated, {a.code: a for a in report.advice}
+    def lm_loss(model: nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, 512, (8, 256))
+        return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
-    plain, advice = peak(False)
-    applied, _ = peak(True)
-    claim = advice["activation-checkpointing"].saving_bytes
-    assert (
-        claim is not None
-        and "made outside the modules" in advice["activation-checkpointing"].evidence
-    )
-    assert 0.9 * (plain - applied) <= claim <= 1.1 * (plain - applied), (claim, plain - applied)
+    advice, saved = _checkpointing_against_applied(_TinyLM, lm_loss, "64MiB")
+    claim = advice.saving_bytes
+    assert claim is not None and "made outside the modules" in advice.evidence
+    assert 0.9 * saved <= claim <= 1.1 * saved, (claim, saved)
 
 
 def test_activation_advice_stands_where_a_frozen_copy_inside_the_step_sets_the_eval_column():
@@ -1767,19 +1777,12 @@ def test_checkpointing_absorbs_no_temporaries_where_the_peak_is_inside_a_block()
     what no module kept is that block's gradient buffers, alive beside the recompute: the
     claim took them as freed (46.52 MiB where checkpointing saved 32). Within 10% now."""
 
-    class Wide(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up, self.down = nn.Linear(128, 1024), nn.Linear(1024, 128)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down(F.gelu(self.up(x)))
-
     class Net(nn.Module):
         def __init__(self, ckpt: bool) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.blocks, self.head = nn.ModuleList(Wide() for _ in range(2)), nn.Linear(128, 10)
+            self.blocks = nn.ModuleList(_Block(1024) for _ in range(2))
+            self.head = nn.Linear(128, 10)
             self.ckpt = ckpt
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1787,19 +1790,9 @@ def test_checkpointing_absorbs_no_temporaries_where_the_peak_is_inside_a_block()
                 x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
             return self.head(x)
 
-    def peak(ckpt: bool) -> tuple[int, dict[str, Any]]:
-        model = Net(ckpt)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with track(model, opt, device="cpu", budget="104MiB", postmortem=None) as tracker:
-            for _ in range(2):
-                x, y = torch.randn(4096, 128), torch.randint(0, 10, (4096,))
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        report = tracker.report()
-        return report.peak_allocated, {a.code: a for a in report.advice}
+    def loss(model: nn.Module) -> torch.Tensor:
+        return F.cross_entropy(model(torch.randn(4096, 128)), torch.randint(0, 10, (4096,)))
 
-    plain, advice = peak(False)
-    applied, _ = peak(True)
-    claim = advice["activation-checkpointing"].saving_bytes
-    assert claim is not None and 0.9 * (plain - applied) <= claim <= 1.1 * (plain - applied)
+    advice, saved = _checkpointing_against_applied(Net, loss, "104MiB")
+    claim = advice.saving_bytes
+    assert claim is not None and 0.9 * saved <= claim <= 1.1 * saved, (claim, saved)
