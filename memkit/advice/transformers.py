@@ -22,11 +22,29 @@ OOM_EVAL_ACTION = (
     "set `eval_accumulation_steps` so that the predictions it gathers move to the CPU every few "
     "batches instead of piling up on the device."
 )
-CHECKPOINTING_ACTION = (
-    "`gradient_checkpointing=True` in TrainingArguments (`activation_checkpointing=True` from "
-    "transformers 5): the model's layers are recomputed in backward, at about one extra forward "
-    "of them per step."
-)
+
+
+def checkpointing_flag() -> str:
+    """TrainingArguments' checkpointing switch in the installed transformers:
+    ``activation_checkpointing`` where it has it (``gradient_checkpointing`` is its deprecated
+    alias there, which 5.24 warns about: sweep CM), else ``gradient_checkpointing``."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:  # (phrasing without transformers: the long-standing name)
+        return "gradient_checkpointing"
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else ("gradient_checkpointing")
+    )
+
+
+def _checkpointing_action(advice: Advice) -> str:
+    return (
+        f"`{checkpointing_flag()}=True` in TrainingArguments: the model's layers are "
+        "recomputed in backward, at about one extra forward of them per step."
+    )
 
 
 TRANSFORMERS_ACTIONS: dict[str, Phrasing] = {
@@ -37,12 +55,12 @@ TRANSFORMERS_ACTIONS: dict[str, Phrasing] = {
         "the Trainer",
         "fp16",
     ),
-    "activation-checkpointing": lambda a: CHECKPOINTING_ACTION,
+    "activation-checkpointing": _checkpointing_action,
     "oom-activations": with_settings(
         "In TrainingArguments",
         [
             ("accumulate", "`per_device_train_batch_size` and `gradient_accumulation_steps`"),
-            ("torch.utils.checkpoint", "`gradient_checkpointing=True`"),
+            ("torch.utils.checkpoint", f"`{checkpointing_flag()}=True`"),
             ("autocast", "`bf16=True`"),
         ],
     ),
