@@ -4584,3 +4584,28 @@ def test_the_autograd_node_of_an_earlier_caught_oom_is_not_named_for_another_err
         model(torch.randn(8, 64), True).sum().backward()
     pm = tracker.report().oom
     assert pm is not None and pm.phase == "backward" and pm.node is None
+
+
+def test_an_oom_before_the_growth_window_names_a_list_of_losses_kept_with_graphs():
+    """Sweep CO: pytorch/examples' MNIST keeping every loss tensor (backward with
+    retain_graph) in a list ran out at step 4, before the growth detector's window: only the
+    generic oom-other, with no variable. The post-mortem scans the failing frames for a list
+    the script grows with losses that keep their graphs, and names it with its line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    tracker = track(model, opt, device="cpu", budget="24MiB", postmortem=None)
+    with pytest.raises(torch.OutOfMemoryError), tracker:
+        for _ in range(50):
+            loss = nn.functional.cross_entropy(model(torch.randn(512, 64)), torch.zeros(512).long())
+            loss.backward(retain_graph=True)  # (the script's own reason: a second use)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss)
+    pm = tracker.report().oom
+    assert pm is not None and pm.leak is None and pm.step < 10, pm
+    (advice,) = [a for a in pm.advice if a.code == "oom-other"]
+    assert "`losses` (" in advice.evidence and "test_track.py:" in advice.evidence
+    assert advice.action.startswith("Append the losses' values (`loss.item()`)")
+    losses.clear()

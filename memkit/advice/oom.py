@@ -802,15 +802,28 @@ def oom_other(pm: OomPostMortem, bd: Breakdown, share: dict[str, float]) -> Advi
     if kept < 0.3 * bd.total or pm.leak is not None:
         return None
     besides = f", besides the step's training batch ({format_size(batch)})" if batch > 0 else ""
+    # (sweep CO: a loop keeping every loss ran out at step 4, before the growth window)
+    held = "; ".join(pm.appended_losses)
+    losses = (
+        f" A list the script grows holds losses that keep their autograd graphs: {held}; "
+        "each keeps its step's activations."
+        if held
+        else ""
+    )
     return Advice(
         code="oom-other",
         title="much of the memory is not the model's",
         evidence=f"{format_size(kept)} ({100 * kept / bd.total:.0f}%) was "
         "allocated before the step's forward and is neither parameters, gradients "
         f"nor optimizer state{besides}: batches, cached tensors, outputs kept from earlier "
-        "steps.",
-        action="Free what you keep across steps (`del`, `.item()`, `.detach()`), "
-        "move stored tensors to CPU.",
+        f"steps.{losses}",
+        action=(
+            "Append the losses' values (`loss.item()`), not the tensors; free what else you "
+            "keep across steps (`del`, `.detach()`), move stored tensors to CPU."
+            if held
+            else "Free what you keep across steps (`del`, `.item()`, `.detach()`), "
+            "move stored tensors to CPU."
+        ),
         saving_bytes=kept,
         severity="warning",
     )

@@ -551,6 +551,25 @@ def graph_holders(
     return [h for _, h in holders], sum(union.values())
 
 
+def appended_losses(start: FrameType | None) -> tuple[str, ...]:
+    """Containers in the user frames from ``start`` outwards that a line grows
+    (``losses.append(loss)``) with one-element tensors still holding their autograd graphs,
+    two or more: each keeps its step's activations (a leak that runs out before the growth
+    detector's window, sweep CO: at step 4 of a loop keeping every loss). Described as
+    ``"`losses` (4 of them, train() in train.py:61)"``; () when none, or when the scan fails."""
+    try:
+        found = scan_frames(start)
+    except Exception:  # inspection must never break the post-mortem
+        log.debug("loss scan failed", exc_info=True)
+        return ()
+    return tuple(
+        f"`{c.name}` ({c.length} of them, {c.place[1]}() in "
+        f"{os.path.basename(c.place[0])}:{c.first_line})"
+        for c in found
+        if c.kind == "container" and c.graph and c.scalar and c.length >= 2 and c.built_on_itself
+    )
+
+
 def _own_nodes(nodes: dict[int, Any]) -> frozenset[NodeKey]:
     """The keys of ``nodes`` but the parameters' AccumulateGrad nodes."""
     keys = (node_key(n) for n in nodes.values())

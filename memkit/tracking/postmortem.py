@@ -94,6 +94,8 @@ class OomEvidence:
             pass, its own), if it is alive.
         node: the autograd node that ran out inside a backward, where the device knows it
             (the simulated one).
+        appended_losses: containers the script grows with losses that keep their graphs
+            (:func:`~memkit.tracking.leaks.appended_losses`), where no leak was found.
     """
 
     device: str
@@ -118,6 +120,7 @@ class OomEvidence:
     after_backward: bool = False
     cap_raised: bool = False  # a budget below kept segments: the CUDA cap was set above it
     node: str | None = None
+    appended_losses: tuple[str, ...] = ()
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -226,6 +229,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         ),
         batch_bytes=evidence.batch_bytes,
         node=evidence.node if PHASES[moment.phase] == "backward" else None,
+        appended_losses=evidence.appended_losses,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

@@ -471,6 +471,9 @@ class OomPostMortem(Result):
             device can tell (the simulated one): ``module`` is the last module with parameters
             whose gradient backward reached, whose own backward may have ended (sweep CO: a
             ReLU after conv2 was said to be fc1's backward).
+        appended_losses: where no leak was found, the containers the script grows with losses
+            that keep their autograd graphs (``"`losses` (4 of them, train() in
+            train.py:61)"``): a leak that ran out before memkit's growth window.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -505,6 +508,7 @@ class OomPostMortem(Result):
     after_backward: bool = False
     made_outside: tuple[int, int] | None = None
     node: str | None = None
+    appended_losses: tuple[str, ...] = ()
 
     @property
     def where(self) -> str:

@@ -529,6 +529,7 @@ class Tracker:
             module_type=None if stat is None else stat.type_name,
             at_oom=getattr(getattr(dev.backend, "accountant", None), "in_use_at_oom", None),
             node=node_of(getattr(dev.backend, "accountant", None), exc),
+            appended_losses=() if leak is not None else leaks.appended_losses(_innermost(tb)),
             capacity=cap.total,
             free=cap.free,
             cap_raised=self._over_budget is not None,
