@@ -1264,8 +1264,11 @@ def test_an_evaluation_oom_with_grad_on_claims_what_no_grad_takes_off_the_failin
 
     with_grad = evaluate(True, None).devices[0].peak_allocated
     without = evaluate(False, None).devices[0].peak_allocated
-    pm = evaluate(True, str(with_grad - (1 << 20))).oom
+    failed = evaluate(True, str(with_grad - (1 << 20)))
+    pm = failed.oom
     assert pm is not None
+    # (sweep CP: the report said 11.56 MiB beside the post-mortem's 16.00: one figure now)
+    assert not [a for a in failed.advice if a.code == "eval-grad-enabled"]
     (advice,) = [a for a in pm.advice if a.code == "eval-grad-enabled"]
     drop = with_grad - without
     assert advice.saving_bytes is not None and abs(advice.saving_bytes - drop) <= 0.05 * drop

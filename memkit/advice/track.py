@@ -73,6 +73,11 @@ def eval_grad_enabled(report: TrackReport, eval_grad_bytes: int = 0) -> list[Adv
     """``eval-grad-enabled``: forwards in eval mode while autograd was recording."""
     if report.eval_grad_forwards <= 0:
         return []
+    if report.oom is not None and any(a.code == "eval-grad-enabled" for a in report.oom.advice):
+        # (sweep CP: the run died in that evaluation; its post-mortem prices no_grad at the
+        # failing op, 16.00 MiB measured 15.99, where this said 11.56, or "training sets the
+        # peak" in a run that evaluation ended)
+        return []
     kept = (
         f" The largest kept {format_size(eval_grad_bytes)} of activations for a backward that "
         "never comes (no_grad lowers the evaluation's peak by up to that: its forward still "
@@ -817,42 +822,59 @@ _ACTIVATION_RULES = ("mixed-precision", "activation-checkpointing")
 def _under_evaluation(
     report: TrackReport, dev: DeviceReport, found: list[Advice | None]
 ) -> list[Advice | None]:
-    """``found`` as it stands, unless evaluation sets ``dev``'s peak (above training's, as
-    :func:`eval_peak` says): then the activation rules lower training's peak, not the
-    device's, and say so with no saving claimed (sweep CM: a Lightning run that fit, its
-    validation at 55.62 MiB above training's 40.87, was told bf16-mixed saves 7.26 MiB; with
-    it training fell by 7.26 and validation rose to 66.21 and ran out)."""
+    """``found`` as it stands, unless an evaluation between steps peaks near training (its
+    peak above training's less the activation rules' saving): the device's peak then falls
+    to evaluation's at most, so a rule claims training's peak less evaluation's, and where
+    evaluation is as high as training or higher, no saving, saying it lowers training's peak
+    only (sweep CM: a Lightning run, its validation at 55.62 MiB above training's 40.87, was
+    told bf16-mixed saves 7.26 MiB; with it training fell by 7.26 and validation rose to
+    66.21 and ran out; sweep CP: evaluation 3% above training got 31.02 MiB claimed, 0 saved;
+    evaluation at 42.72 below training's 55.81, 31.02 claimed, 13.09 saved)."""
     evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
     frozen = report.frozen_peaks.get(dev.device)
     if (
         evaluation is None
         or training is None
-        or evaluation <= training * 1.1
         or (frozen is not None and frozen >= evaluation)  # (a teacher's: the step's memory)
         # (review CK: a frozen copy run inside the step on 4x the batch, multi-crop views:
         # checkpointing the student lowered that peak from 54.84 to 30.84 MiB)
         or dev.eval_in_step >= evaluation
     ):
         return found
-    return [
-        a
-        if a is None or a.code not in _ACTIVATION_RULES or not a.saving_bytes
-        else dataclasses.replace(
-            a,
-            evidence=f"{a.evidence} Evaluation sets the peak on {dev.device} "
-            f"({format_size(evaluation)}, training's {format_size(training)}): this would "
-            f"lower training's peak by about {format_size(a.saving_bytes)}, not the device's"
-            + (
-                " (evaluation under autocast was not measured: the loss's float32 copy of "
-                "half-precision logits can raise it)"
-                if a.code == "mixed-precision"
-                else ""
-            )
-            + ". Lower evaluation's peak first (eval-peak).",
-            saving_bytes=None,
+    room = max(0, training - evaluation)  # what the device's peak can fall by
+    autocast = (
+        " (evaluation under autocast was not measured: the loss's float32 copy of "
+        "half-precision logits can raise it)"
+    )
+    out: list[Advice | None] = []
+    for a in found:
+        if a is None or a.code not in _ACTIVATION_RULES or not a.saving_bytes:
+            out.append(a)
+            continue
+        if a.saving_bytes <= room:
+            out.append(a)
+            continue
+        lowers = f"this would lower training's peak by about {format_size(a.saving_bytes)}, " + (
+            "not the device's"
+            if not room
+            else f"and the device's by {format_size(room)}, to evaluation's"
         )
-        for a in found
-    ]
+        high = "sets the peak" if not room else "peaks close below training"
+        out.append(
+            dataclasses.replace(
+                a,
+                evidence=f"{a.evidence} Evaluation {high} on {dev.device} "
+                f"({format_size(evaluation)}, training's {format_size(training)}): {lowers}"
+                + (autocast if a.code == "mixed-precision" else "")
+                + (
+                    ". Lower evaluation's peak first (a smaller evaluation batch)."
+                    if not room
+                    else "."
+                ),
+                saving_bytes=room or None,
+            )
+        )
+    return out
 
 
 def _data_parallel_rules(report: TrackReport) -> list[Advice | None]:

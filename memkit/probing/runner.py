@@ -536,7 +536,8 @@ def probe_with(
         defaults.append(note)
     unfit = search.max_batch_size is None and opts.mode == "train" and capacities is None
     weights = tensor_bytes(list(model.parameters()))
-    defaults += _held_notes(held_after_oom, weights)
+    last = history[-1].batch_size if history else None
+    defaults += _held_notes(held_after_oom, weights, last)
     if varying and search.max_batch_size is not None:
         defaults.append(
             _drawn_note(
@@ -694,13 +695,17 @@ def sparse_embeddings(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _held_notes(held_after_oom: dict[int, int], weights: int = 0) -> list[str]:
+def _held_notes(
+    held_after_oom: dict[int, int], weights: int = 0, last: int | None = None
+) -> list[str]:
     """The report's lines for memory failed trials left held (``TrialRunner.held_after_oom``),
     by batch size. Where it is one to three copies of the model's parameters (``weights``) it
     is likely state the script made in that trial, at a step count the trials reached (sweep
     BV: an SWA copy made at epoch 2 was called a leftover, and the answer "may be below" what
     fits, where it was 28% above): a line each. The other leftovers share one line (sweep CN:
-    a model file's global list of losses gave ten near-identical paragraphs)."""
+    a model file's global list of losses gave ten near-identical paragraphs). ``last``: the
+    size of the search's last trial, after which no trial had less room (sweep CP: "the
+    trials after it had that much less room" where none followed, and the answer was exact)."""
     lines: list[str] = []
     left: list[tuple[int, int]] = []
     for batch_size, held in sorted(held_after_oom.items()):
@@ -718,6 +723,15 @@ def _held_notes(held_after_oom: dict[int, int], weights: int = 0) -> list[str]:
             "step of its own, the answer holds only for the steps before; probe with "
             f"{spelled('--steps N', 'steps=N')} past that step"
         )
+    if len(left) == 1 and left[0][0] == last:
+        ((batch_size, held),) = left
+        return [
+            *lines,
+            f"after the OOM at batch {batch_size} (the last trial), {format_size(held)} stayed "
+            "allocated, held by the model or the script (not by memkit) even after a step at "
+            "the smallest size that fit; no trial ran after it. Keep no tensor of a step "
+            "(outputs, losses) beyond the next step",
+        ]
     if len(left) == 1:
         ((batch_size, held),) = left
         said = f"after the OOM at batch {batch_size}, {format_size(held)} stayed allocated"
@@ -735,9 +749,9 @@ def _held_notes(held_after_oom: dict[int, int], weights: int = 0) -> list[str]:
             f"{said}, held by the model or the script (not by memkit) even after a step at the "
             f"smallest size that fit: {after} had that much less room, so the answer may be "
             "below what a fresh process fits. Keep no tensor of a step (outputs, losses) beyond "
-            "the next step; a list in the model file's globals that the step appends to keeps "
-            "them from trial to trial (memkit puts the model's attributes back before each "
-            "trial, not the file's globals)"
+            "the next step; a list the step appends to in the model file's globals or in a "
+            "class attribute keeps them from trial to trial (memkit puts the model's instance "
+            "attributes back before each trial, not those)"
         )
     return lines
 
