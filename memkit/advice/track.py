@@ -848,11 +848,8 @@ def _under_evaluation(
     )
     out: list[Advice | None] = []
     for a in found:
-        if a is None or a.code not in _ACTIVATION_RULES or not a.saving_bytes:
-            out.append(a)
-            continue
-        if a.saving_bytes <= room:
-            out.append(a)
+        if a is None or a.code not in _ACTIVATION_RULES or not room < (a.saving_bytes or 0):
+            out.append(a)  # (not an activation rule, or its saving fits above evaluation)
             continue
         lowers = f"this would lower training's peak by about {format_size(a.saving_bytes)}, " + (
             "not the device's"

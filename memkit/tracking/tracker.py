@@ -522,13 +522,14 @@ class Tracker:
         if leak is not None and leak is dev.leak:
             leak = dev.leak = evidence.leak_watch.suspects_at_failure(leak, tb)
         cap = dev.backend.capacity()
+        accountant = getattr(dev.backend, "accountant", None)  # (the simulated device's)
         return OomEvidence(
             device=dev.key,
             step=step,
             moment=moment,
             module_type=None if stat is None else stat.type_name,
-            at_oom=getattr(getattr(dev.backend, "accountant", None), "in_use_at_oom", None),
-            node=node_of(getattr(dev.backend, "accountant", None), exc),
+            at_oom=getattr(accountant, "in_use_at_oom", None),
+            node=node_of(accountant, exc),
             appended_losses=() if leak is not None else leaks.appended_losses(_innermost(tb)),
             capacity=cap.total,
             free=cap.free,
