@@ -262,6 +262,32 @@ def test_cuda_backend_and_fast_counters_read_the_standin():
         assert devices.visible_devices() == [CUDA0]
 
 
+def test_take_reads_once_and_resets_only_a_peak_above_its_current_value():
+    """A segment's end (``take``): the peaks read are the segment's, the reset starts the next
+    one, and where the peaks already sit at the current bytes no reset call is made (one
+    counter call saved on a GPU). The user's peak counter keeps the segment's peak."""
+    with cuda_standin("64MiB") as gpu:
+        backend = devices.get_backend("cuda")
+        peaks = devices.UserPeaks(0, devices.counter_reader(backend)[0])
+        read, _, take = devices.counter_functions(backend, peaks)
+        x = on_gpu(1 << 18)  # 1 MiB in a 2 MiB segment
+        reads, resets = gpu.stat_reads, gpu.peak_resets
+        assert take() == (MIB, 2 * MIB, MIB, 2 * MIB)
+        assert (gpu.stat_reads, gpu.peak_resets) == (reads + 1, resets)  # peaks are current
+        y = on_gpu(1 << 18)
+        del y
+        assert take() == (MIB, 2 * MIB, 2 * MIB, 2 * MIB)  # the freed tensor's peak
+        assert gpu.peak_resets == resets + 1 and read()[2] == MIB  # the next segment's
+        assert peaks.allocated >= 2 * MIB  # what the user's max_memory_allocated keeps
+        del x
+    sim = devices.SimulatedBackend("cpu", 64 * MIB)
+    _, _, take = devices.counter_functions(sim)
+    with sim.activate():
+        z = torch.empty(1 << 18)
+        del z
+    assert take()[2] == MIB and take()[2] == 0  # the freed tensor's peak, then none
+
+
 def test_the_accounting_names_the_cublas_workspaces_of_the_card(monkeypatch):
     """On the H200 a breakdown's "other" held 64 MiB that no tensor owns: PyTorch's cuBLAS
     workspaces (32 MiB on sm90 for each thread and stream that ran a matmul). The accounting

@@ -10,7 +10,8 @@ Every other module asks this package for numbers; only its modules call ``torch.
   cpu device's default size.
 * :mod:`~memkit.devices.readings`: device-wide GPU readings from the driver (:func:`nvml_stats`,
   :func:`nvidia_smi_stats`, :func:`gpu_stats`), for snapshots, never for hot paths.
-* :mod:`~memkit.devices.counters`: cheap counter readers for hooks (:func:`counter_reader`).
+* :mod:`~memkit.devices.counters`: cheap counter readers for hooks (:func:`counter_reader`,
+  :func:`counter_functions`).
 * :mod:`~memkit.devices.peaks`: the user's peak counters kept true while memkit resets them
   (:class:`UserPeaks`).
 * :mod:`~memkit.devices.state`: RNG states, the current device, CUDA's initialisation, the
@@ -38,7 +39,7 @@ from memkit.devices.backends import (
     parse_device,
     visible_devices,
 )
-from memkit.devices.counters import counter_reader, requested_reader
+from memkit.devices.counters import counter_functions, counter_reader, requested_reader
 from memkit.devices.history import MemoryHistory
 from memkit.devices.host import (
     HostMemory,
@@ -80,6 +81,7 @@ __all__ = [
     "accelerator_available",
     "cached_free_blocks",
     "collective_device",
+    "counter_functions",
     "counter_reader",
     "cuda_context_reading",
     "current_device_index",

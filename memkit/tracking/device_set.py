@@ -239,9 +239,7 @@ class DeviceSet:
 
     def close_one(self, dev: DeviceRecord) -> None:
         """Read one device and close its segment (:meth:`close_all` for one device)."""
-        a, r, p, pr = dev.read()
-        if p > a or pr > r:
-            dev.reset()
+        a, r, p, pr = dev.take()
         self.close(dev, p, pr, dev.bw_module)
         state = self.state
         dev.timeline.append((_clock() - state.t0, state.step, state.phase, None, a, r))

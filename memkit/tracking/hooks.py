@@ -740,9 +740,7 @@ class Hooks:
         dev = state.single or self.devices.for_args(args)
         if top is not None:
             kind = top.kind
-            a, r, p, pr = dev.read()
-            if p > a:
-                dev.reset()
+            a, r, p, pr = dev.take()
             self._close(dev, p, pr, top.name)
             if p > top.max:
                 top.max = p
@@ -755,9 +753,7 @@ class Hooks:
                 # the simulated device, before root_pre counted the batch: no activation)
                 a, r = dev.last if self.devices.sim is None else dev.read()[:2]
             else:
-                a, r, p, pr = dev.read()
-                if p > a:
-                    dev.reset()
+                a, r, p, pr = dev.take()
                 self._close(dev, p, pr, None)
                 if self.phases.failed_attempt is not None:  # (a retry in the same phase)
                     self.phases.failed_settled()
@@ -880,9 +876,7 @@ class Hooks:
             if self.evidence.several and state.phase == FORWARD:
                 self.devices.mark_gradients()
             return
-        a, r, p, pr = dev.read()
-        if p > a:
-            dev.reset()
+        a, r, p, pr = dev.take()
         name = frame.name
         self._close(dev, p, pr, name)
         fmax = frame.max if frame.max > p else p
@@ -1173,9 +1167,7 @@ class Hooks:
                     _queue_callback(self._shield(self._end_queued))
         dev = state.single or self.devices.by_index(self.devices.index_of(_first_tensor(grads)))
         if state.detail_on:
-            a, r, p, pr = dev.read()
-            if p > a:
-                dev.reset()
+            a, r, p, pr = dev.take()
             self._close(dev, p, pr, dev.bw_module)
             dev.timeline.append((_clock() - state.t0, state.step, BACKWARD, name, a, r))
             dev.events += 1
