@@ -16,12 +16,13 @@
 # run 6 left open: nanoGPT's fresh boundary beside the probe's 120, a profile of the CLI probe's
 # trials, the advice checks with their reports, the five files' boundaries in wider windows;
 # k (not run yet): nanoGPT under torch.compile, plain / memkit run / steps-only alternated twice
-# (runs 2-6 measured one or two pairs each: 0.86x to 1.16x).
+# (runs 2-6 measured one or two pairs each: 0.86x to 1.16x); l (not run yet): cost_profile.py,
+# where the two unexplained GPU costs go (steps-only's micro step, a compiled model's step).
 # Needs a copy of karpathy/nanoGPT in benchmarks/gpu/nanogpt (git-ignored; see README.md there).
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 ROOT=$(pwd); GPU=benchmarks/gpu; export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s)
-case "$1" in a|b|c|d|e|f|g|h|i|j|k) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j|k (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
+case "$1" in a|b|c|d|e|f|g|h|i|j|k|l) ;; *) echo "usage: bash benchmarks/gpu/run.sh a|b|c|d|e|f|g|h|i|j|k|l (11-26's parts 1, 2, trial, final: git show 5ba3aed:benchmarks/gpu/run.sh)" >&2; exit 2;; esac
 sec() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 itertime() { python3 - "$@" <<'PY'
 import re, statistics, sys
@@ -220,6 +221,10 @@ done
 cd $ROOT; itertime $LOGS/k_plain1.log $LOGS/k_memkit1.log $LOGS/k_steps1.log $LOGS/k_plain2.log $LOGS/k_memkit2.log $LOGS/k_steps2.log
 for f in $LOGS/k_*.log; do echo "recompile lines $(basename $f): $(grep -ci 'recompil' $f)"; done; keep k
 sec "end of part k"; exit 0; fi
+if [ "$1" = l ]; then sec "cost_profile.py: steps-only's micro step and a compiled model's, alternated and profiled"
+timeout 300 python3 benchmarks/gpu/cost_profile.py --micro --compiled > $LOGS/l_cost.log 2>&1; echo "rc $?"
+grep -v "^\[trans" $LOGS/l_cost.log | cut -c1-160 | head -120; keep l
+sec "end of part l"; exit 0; fi
 if [ "$1" = d ]; then sec "the probe against each model file's own loop (GradScaler, EMA, WGAN-GP, CLIP, TransformerEncoder infer)"
 timeout 400 python3 benchmarks/gpu/probe_checks.py --device cuda --json $OUT/probe_checks.json 2>&1 | grep PROBECHECK
 sec "end of part d"; exit 0; fi
