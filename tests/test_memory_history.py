@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pickle
 import pickletools
 import re
@@ -29,7 +30,12 @@ import memkit
 from memkit.cli import cli
 from memkit.inspection import categorize, inspect_snapshot
 from memkit.simulated.accountant import MemoryAccountant, tensors_of
-from memkit.simulated.history import PICKLE_PROTOCOL, SimulatedHistory, write_snapshot
+from memkit.simulated.history import (
+    PICKLE_PROTOCOL,
+    SimulatedHistory,
+    without_memkit_frames,
+    write_snapshot,
+)
 
 MIB = 1024**2
 GIB = 1024**3
@@ -313,6 +319,17 @@ def test_memkit_run_memory_history(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "trained" in result.stdout and f"memory history: {out}" in result.stderr
     view = inspect_snapshot(out)
+    with open(out, "rb") as f:
+        stacks = [e["frames"] for e in pickle.load(f)["device_traces"][0] if e["frames"]]
+    # as `python train.py` would record them: the script's frames down to its <module>, no
+    # memkit frame (its backward wrappers, hooks, command line) and nothing below the script
+    memkit_dir = os.path.dirname(memkit.__file__)
+    assert stacks and {(s[-1]["filename"], s[-1]["name"]) for s in stacks} == {
+        (str(script), "<module>")
+    }
+    assert not [f for s in stacks for f in s if f["filename"].startswith(memkit_dir)]
+    backward = [s for s in stacks if s[0]["name"] == "_engine_run_backward"]
+    assert backward and all("external_utils" not in f["filename"] for s in backward for f in s)
     model_bytes = (32 * 64 + 64 + 64 * 4 + 4) * 4
     assert view.device(0).category("parameters") == model_bytes  # read by forward first
     assert view.device(0).category("optimizer state") >= 2 * model_bytes  # Adam's two moments
@@ -331,6 +348,45 @@ def test_memkit_run_memory_history(tmp_path, monkeypatch):
                      str(script))  # fmt: skip
     assert missing.exit_code == 2 and "--memory-history" in missing.stderr
     assert not marker.exists()
+
+
+def test_recorded_cuda_stacks_lose_memkits_frames_and_keep_the_users():
+    """A CUDA snapshot records every Python frame: under `memkit run`, memkit's wrappers of
+    backward (each inside torch._dynamo.disable's wrapper), its hooks and the launcher below
+    the script. They go; a `torch._dynamo.disable` of the user's own stays."""
+    package = os.path.dirname(memkit.__file__)
+    torch_dir = "/env/torch"
+    stack = frames(
+        (f"{torch_dir}/autograd/graph.py", "_engine_run_backward"),
+        (f"{package}/tracking/wrappers.py", "run_backward"),
+        (f"{torch_dir}/_dynamo/external_utils.py", "nonrecursive_disable_wrapper"),
+        (f"{torch_dir}/autograd/__init__.py", "backward"),
+        ("/home/u/train.py", "step"),
+        (f"{torch_dir}/_dynamo/external_utils.py", "nonrecursive_disable_wrapper"),
+        ("/home/u/train.py", "<module>"),
+        (f"{package}/tracking/run.py", "_exec_as_main"),
+        (f"{package}/tracking/run.py", "run_script"),
+        ("/env/click/core.py", "invoke"),
+        ("<frozen runpy>", "_run_module_as_main"),
+    )
+    shared = list(stack)
+    snapshot = {
+        "segments": [{"frames": shared, "blocks": [{"frames": shared, "size": 512}]}],
+        "device_traces": [[{"action": "alloc", "frames": shared}, {"action": "free_requested",
+                                                                   "frames": []}]],
+    }  # fmt: skip
+    cleaned = without_memkit_frames(snapshot)
+    kept = [(f["filename"].split("/")[-1], f["name"]) for f in cleaned["segments"][0]["frames"]]
+    assert kept == [
+        ("graph.py", "_engine_run_backward"),
+        ("__init__.py", "backward"),
+        ("train.py", "step"),
+        ("external_utils.py", "nonrecursive_disable_wrapper"),  # the user's own
+        ("train.py", "<module>"),
+    ]
+    block, event = cleaned["segments"][0]["blocks"][0], cleaned["device_traces"][0][0]
+    assert block["frames"] is event["frames"] is cleaned["segments"][0]["frames"]  # shared
+    assert cleaned["device_traces"][0][1]["frames"] == []
 
 
 # -- inspecting CUDA snapshots -------------------------------------------------------------------

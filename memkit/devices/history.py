@@ -12,7 +12,12 @@ import torch
 
 from memkit.devices.backends import SimulatedBackend
 from memkit.errors import ConfigError
-from memkit.simulated.history import DEFAULT_MAX_ENTRIES, SimulatedHistory, write_snapshot
+from memkit.simulated.history import (
+    DEFAULT_MAX_ENTRIES,
+    SimulatedHistory,
+    without_memkit_frames,
+    write_snapshot,
+)
 
 
 def start_cuda_history(max_entries: int) -> None:
@@ -71,10 +76,11 @@ class MemoryHistory:
         return self
 
     def snapshot(self) -> dict[str, Any]:
-        """What has been recorded, in PyTorch's snapshot format."""
+        """What has been recorded, in PyTorch's snapshot format, its stacks as the script's
+        own run would show them (memkit's frames left out)."""
         if self._sim is not None:
-            return self._sim.snapshot()
-        return cuda_history_snapshot()
+            return without_memkit_frames(self._sim.snapshot())
+        return without_memkit_frames(cuda_history_snapshot())
 
     def dump(self) -> Path:
         """Write the snapshot to :attr:`path` (pickle protocol 4) and return it."""

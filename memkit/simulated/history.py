@@ -63,6 +63,7 @@ __all__ = [
     "DEFAULT_MAX_ENTRIES",
     "PICKLE_PROTOCOL",
     "SimulatedHistory",
+    "without_memkit_frames",
     "write_snapshot",
 ]
 
@@ -103,6 +104,59 @@ def _internal(filename: str) -> bool:
         known = filename.startswith(_MEMKIT_DIR) or path.endswith(_TORCH_WRAPPERS)
         _INTERNAL[filename] = known
     return known
+
+
+_PACKAGE_DIR = os.path.dirname(_MEMKIT_DIR.rstrip(os.sep)) + os.sep
+_LAUNCHER = (os.path.join(_PACKAGE_DIR, "tracking", "run.py"), "_exec_as_main")
+"""``memkit run``'s frame that runs the script: the script's own stack ends under it."""
+_DISABLE_WRAPPER = "torch/_dynamo/external_utils.py"
+"""The file of the wrapper ``torch._dynamo.disable`` puts around a function (memkit's hooks)."""
+
+
+def _users_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``frames`` (innermost first) as the script's own run would have recorded them: without
+    memkit's frames (its wrappers of ``backward`` and its hooks), the Dynamo-disable wrapper
+    around each of them, and, under ``memkit run``, the launcher's frames below the script's
+    ``<module>`` (memkit's command line, click, runpy)."""
+    kept: list[dict[str, Any]] = []
+    after_memkit = False
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if filename.startswith(_PACKAGE_DIR):
+            if (filename, frame.get("name")) == _LAUNCHER:
+                break
+            after_memkit = True
+            continue
+        if after_memkit and filename.replace(os.sep, "/").endswith(_DISABLE_WRAPPER):
+            continue
+        after_memkit = False
+        kept.append(frame)
+    return kept
+
+
+def without_memkit_frames(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """``snapshot`` (PyTorch's format: recorded on CUDA or by :class:`SimulatedHistory`) with
+    every stack as the script's own run would show it (:func:`_users_frames`), so that the
+    viewer and ``memkit inspect`` show the user's lines, not memkit's. Frames lists shared
+    between events stay shared; the dict is changed in place and returned."""
+    done: dict[int, list[dict[str, Any]]] = {}
+
+    def clean(entry: dict[str, Any]) -> None:
+        frames = entry.get("frames")
+        if frames:
+            found = done.get(id(frames))
+            if found is None:
+                found = done[id(frames)] = _users_frames(frames)
+            entry["frames"] = found
+
+    for segment in snapshot.get("segments", ()):
+        clean(segment)
+        for block in segment.get("blocks", ()):
+            clean(block)
+    for trace in snapshot.get("device_traces", ()):
+        for event in trace:
+            clean(event)
+    return snapshot
 
 
 def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
