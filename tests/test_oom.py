@@ -814,3 +814,45 @@ def test_adams_first_step_that_cannot_fit_at_any_batch_is_said_so():
     state = advice["oom-optimizer-state"]
     assert "no batch size fits with it" in state.evidence and state.severity == "critical"
     assert "SGD with momentum" in state.action
+
+
+def test_an_evaluation_oom_with_grad_measures_the_failing_ops_input():
+    """eval-grad-enabled at an evaluation OOM: under no_grad the failing op still holds its
+    input beside its output. Review CP: the input was taken as large as the request, and a
+    pool (input four times its output) was told 36 MiB where no_grad saved 28. The
+    simulated device measures the input: here a narrow head (a 64 KiB request on a 4 MiB
+    input) after two Linears whose outputs a backward would keep."""
+    from torch import nn
+
+    import memkit
+
+    torch.manual_seed(0)
+    width, rows = 1024, 1024
+    model = nn.Sequential(
+        nn.Linear(256, width), nn.Linear(width, width), nn.Linear(width, width),
+        nn.Linear(width, 16),
+    ).eval()  # fmt: skip
+    x = torch.randn(rows, 256)
+
+    def head_need(grad: bool) -> int:
+        """What the device holds at the head's entry plus what the head asks for."""
+        seen: list[int] = []
+        with memkit.simulate(None, track=model) as acct:
+            hook = model[3].register_forward_pre_hook(lambda m, a: seen.append(acct.current))
+            with torch.set_grad_enabled(grad):
+                model(x)
+            hook.remove()
+        return seen[0] + rows * 16 * 4
+
+    need = head_need(True)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        memkit.track(model, device="cpu", budget=need - 1024, postmortem=None) as tracker,
+    ):
+        model(x)
+    pm = tracker.report().oom
+    assert pm is not None and pm.module == "3" and pm.tried_to_allocate == rows * 16 * 4
+    assert pm.op_input_bytes == rows * width * 4  # the input, not the request
+    (advice,) = [a for a in pm.advice if a.code == "eval-grad-enabled"]
+    assert advice.saving_bytes == need - head_need(False)  # what no_grad takes off there
+    assert "hold its input (4.00 MiB) beside the 64.00 KiB it asked for" in advice.evidence

@@ -181,19 +181,23 @@ def eval_grad_at_oom(pm: OomPostMortem) -> Advice | None:
     bd = pm.breakdown
     held = bd.activations if bd is not None else 0
     tried = pm.tried_to_allocate or 0
-    # under no_grad the failing op still holds its input beside the output it asked for (taken
-    # as large as the request): the pass's need there falls by what it kept less that (sweep
-    # CO: 28.56 MiB said, what the pass held; no_grad lowered the peak by 10.55 MiB, 28.56
-    # less the 18 MiB relu input)
+    # under no_grad the failing op still holds its input beside the output it asked for: the
+    # pass's need there falls by what it kept less that (sweep CO: 28.56 MiB said, what the
+    # pass held; no_grad lowered the peak by 10.55 MiB, 28.56 less the 18 MiB relu input).
+    # The simulated device measures the input (review CP: a pool's input is four times its
+    # output, 36 MiB said where 28 was saved); elsewhere it is taken as large as the request
     # (review CK: where the request outgrows what was held, a wide head, the input is not
     # its size: "falls by about 0 B" where no_grad saved 12 MiB; then up to what was held)
-    sized = 0 < tried < held
-    saving = held - tried if sized else 0
+    measured = pm.op_input_bytes
+    held_input = tried if measured is None else measured
+    sized = 0 < held_input < held
+    saving = held - held_input if sized else 0
     fall = (
-        f" Under no_grad the failing op would still hold its input beside the "
-        f"{format_size(tried)} it asked for: the pass's need there falls by about "
-        f"{format_size(saving)} of the {format_size(held)} of activations it held (taking "
-        "the input as large as the request)"
+        " Under no_grad the failing op would still hold its input"
+        + ("" if measured is None else f" ({format_size(measured)})")
+        + f" beside the {format_size(tried)} it asked for: the pass's need there falls by "
+        f"about {format_size(saving)} of the {format_size(held)} of activations it held"
+        + (" (taking the input as large as the request)" if measured is None else "")
         if sized
         else f" Under no_grad it frees up to the {format_size(held)} of activations it held, "
         "less the failing op's input, which a forward still holds"

@@ -232,6 +232,13 @@ def node_of(accountant: Any, error: BaseException) -> str | None:
     return found[1] if found is not None and found[0] in str(error) else None
 
 
+def op_inputs_of(accountant: Any, error: BaseException) -> int | None:
+    """The counted bytes of the inputs (parameters left out) of the op ``accountant`` refused,
+    where ``error`` (or one it wraps, by its text) is that refusal (:func:`node_of`)."""
+    found = getattr(accountant, "inputs_at_oom", None)
+    return found[1] if found is not None and found[0] in str(error) else None
+
+
 def counted_bytes(nbytes: int, rounding: str) -> int:
     """Bytes a storage of ``nbytes`` counts for: CUDA's 512-byte blocks with
     ``rounding="cuda"`` (:data:`cuda_rounded`), else exact."""
@@ -407,6 +414,8 @@ class MemoryAccountant(TorchDispatchMode):
         """Exact bytes in use when the last out-of-memory error was raised (the message
         rounds them), for a post-mortem read after the unwinding freed some."""
         self.node_at_oom: tuple[str, str] | None = None
+        # (the message, the counted bytes of the failing op's inputs that are not parameters)
+        self.inputs_at_oom: tuple[str, int] | None = None
         """``(message, node)``: the last out-of-memory error raised inside a backward and the
         autograd node that ran then (``ReluBackward0``), else ``None``: a module's backward hook
         names the last module with parameters backward reached, not the functional ops after
@@ -686,6 +695,23 @@ class MemoryAccountant(TorchDispatchMode):
         self._on_free(ref.key)
 
     # -- the dispatch hook ------------------------------------------------------------------
+    def _held_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
+        """The counted bytes of an op's input storages, each once, leaving out parameters and
+        their views (a Linear's transposed weight): what a forward under ``no_grad`` would
+        still hold beside the op's output. Read at an OOM only."""
+        live, seen, total = self._live, set(), 0
+        for tensor in _inputs(args, kwargs):
+            base = tensor._base if tensor._is_view() else tensor
+            if isinstance(base, torch.nn.Parameter):
+                continue
+            for storage in storages_of(tensor):
+                key = id(storage)
+                entry = live.get(key)
+                if entry is not None and key not in seen:
+                    seen.add(key)
+                    total += entry[1]
+        return total
+
     def _scan(
         self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None
     ) -> tuple[dict[int, tuple[Any, int]] | None, dict[int, tuple[Any, Any]] | None]:
@@ -858,6 +884,7 @@ class MemoryAccountant(TorchDispatchMode):
                 self._refused.update(resized)
             message = self._oom_message(added)
             self.node_at_oom = None if node is None else (message, node)
+            self.inputs_at_oom = (message, self._held_inputs(args, kwargs))
             # Drop this frame's references so the failed outputs are freed right away
             # (the traceback keeps this frame alive until the caller recovers).
             del out, new

@@ -96,6 +96,8 @@ class OomEvidence:
             (the simulated one).
         appended_losses: containers the script grows with losses that keep their graphs
             (:func:`~memkit.tracking.leaks.appended_losses`), where no leak was found.
+        op_inputs: the bytes of the failing op's inputs, parameters left out, where the
+            device knows them (the simulated one).
     """
 
     device: str
@@ -121,6 +123,7 @@ class OomEvidence:
     cap_raised: bool = False  # a budget below kept segments: the CUDA cap was set above it
     node: str | None = None
     appended_losses: tuple[str, ...] = ()
+    op_inputs: int | None = None
 
 
 def own_kept(m: ModuleRecord) -> int:
@@ -230,6 +233,7 @@ def build_postmortem(exc: BaseException, evidence: OomEvidence) -> OomPostMortem
         batch_bytes=evidence.batch_bytes,
         node=evidence.node if PHASES[moment.phase] == "backward" else None,
         appended_losses=evidence.appended_losses,
+        op_input_bytes=evidence.op_inputs,
     )
     advice = oom_advice(pm, details.reserved_unallocated, details=details)
     return OomPostMortem(**{**pm.__dict__, "advice": tuple(advice)})

@@ -474,6 +474,9 @@ class OomPostMortem(Result):
         appended_losses: where no leak was found, the containers the script grows with losses
             that keep their autograd graphs (``"`losses` (4 of them, train() in
             train.py:61)"``): a leak that ran out before memkit's growth window.
+        op_input_bytes: the bytes of the failing op's inputs (its parameters left out), where
+            the device can tell (the simulated one): what that op holds beside its output
+            under ``no_grad`` too.
     """
 
     SCHEMA: ClassVar[str] = "memkit.OomPostMortem/1"
@@ -509,6 +512,7 @@ class OomPostMortem(Result):
     made_outside: tuple[int, int] | None = None
     node: str | None = None
     appended_losses: tuple[str, ...] = ()
+    op_input_bytes: int | None = None
 
     @property
     def where(self) -> str:

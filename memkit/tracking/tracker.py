@@ -36,7 +36,7 @@ from memkit.devices import CudaBackend, SimulatedBackend, VirtualDeviceBackend, 
 from memkit.distributed import launched_rank, world_size
 from memkit.errors import warn_user
 from memkit.oom import find_oom
-from memkit.simulated.accountant import counting_now, node_of
+from memkit.simulated.accountant import counting_now, node_of, op_inputs_of
 from memkit.simulated.ddp_buckets import counting_buckets
 from memkit.simulated.eager import eager_note
 from memkit.simulated.history import DEFAULT_MAX_ENTRIES
@@ -530,6 +530,7 @@ class Tracker:
             module_type=None if stat is None else stat.type_name,
             at_oom=getattr(accountant, "in_use_at_oom", None),
             node=node_of(accountant, exc),
+            op_inputs=op_inputs_of(accountant, exc),
             appended_losses=() if leak is not None else leaks.appended_losses(_innermost(tb)),
             capacity=cap.total,
             free=cap.free,
