@@ -29,6 +29,7 @@ from memkit.advice.training import (
     FLOAT32_MATH,
     EmbeddingTable,
     ModuleActivation,
+    StepPass,
     activation_checkpointing,
     autocast_casts_to_half,
     autocast_keeps_float32,
@@ -166,7 +167,9 @@ def _below_training(devices: list[DeviceReport], saving: int) -> int | None:
 def eval_peak(report: TrackReport) -> list[Advice]:
     """``eval-peak``: an evaluation pass, not training, sets the device's peak; where the
     eval column's peak is a frozen model's forward on the training batch (a distillation
-    teacher), ``frozen-model-peak`` instead: that is the training step's memory."""
+    teacher), ``frozen-model-peak`` instead: that is the training step's memory. Nothing
+    where it is a frozen model's forward on another batch size, inside the step or in every
+    step (:func:`_frozen_every_step`): no evaluation batch to shrink."""
     out = []
     for dev in report.devices:
         evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
@@ -180,6 +183,11 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             out.extend([found] if found is not None else [])
             continue
         if evaluation <= training * 1.1:
+            continue
+        if dev.eval_in_step >= evaluation or _frozen_every_step(dev) is not None:
+            # a teacher run in every step on the batch and augmented copies of it (twice the
+            # rows: booked as evaluation) is the step's memory, not an evaluation between
+            # steps (session 29: told to give evaluation a smaller batch)
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
@@ -610,6 +618,7 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
             peak_phase=bd.phase,
             peak_module=bd.module,
             temporary_bytes=temporaries,
+            step_passes=_step_passes(report, dev),
         ),
         optimizer_state(
             optimizer_state_bytes=bd.optimizer_state,
@@ -649,6 +658,68 @@ def _step_rules(report: TrackReport, dev: DeviceReport, bd: Breakdown) -> list[A
         oom_retry_holds(report.retry_held, device=dev.device),
         retain_graph_held(report.retained_held, device=dev.device),
     ]
+
+
+def _eval_is_the_steps(report: TrackReport, dev: DeviceReport) -> bool:
+    """Whether ``dev``'s eval column peaks in passes that are the training step's work: a
+    frozen model's forward on the training batch (``frozen_peaks``), or passes inside a step
+    (``eval_in_step``: a teacher after the student's forward, multi-crop views)."""
+    evaluation = dev.phase_peaks.get("eval")
+    frozen = report.frozen_peaks.get(dev.device)
+    return evaluation is not None and (
+        (frozen is not None and frozen >= evaluation) or dev.eval_in_step >= evaluation
+    )
+
+
+def _frozen_every_step(dev: DeviceReport) -> str | None:
+    """The model an every-step pass on ``dev`` is of, where its eval column is the forwards
+    of models that never ran a training forward (their rows: evaluation calls only), the
+    trained models never evaluated, in at least half the steps (of two or more): a teacher
+    fed another batch size than the student's (the batch and augmented copies of it), which
+    the tracker books as evaluation between steps when it runs before the student's forward.
+    A test loop evaluates the trained model, or runs in few of the steps. ``None``: not so."""
+    roots = [m for m in dev.modules if _model_row(m)]
+    frozen = [m.path for m in roots if m.eval_calls > 0 and m.calls == 0]
+    if not frozen or any(m.eval_calls > 0 for m in roots if m.calls > 0):
+        return None
+    evaluated = sum(1 for s in dev.steps if s.phase_peaks.get("eval") is not None)
+    return " and ".join(frozen) if len(dev.steps) >= 2 and 2 * evaluated >= len(dev.steps) else None
+
+
+def _step_passes(report: TrackReport, dev: DeviceReport) -> list[StepPass] | None:
+    """Where ``dev``'s eval column is the step's own passes (:func:`_eval_is_the_steps`),
+    each run of eval readings in its timeline as a :class:`StepPass`: its peak, and what the
+    step's training forward had allocated when it began (its first reading less the
+    forward's first, where a forward of the same step ran before it and no backward,
+    optimizer step or step boundary came between). ``None``: the eval column is not the
+    step's, or no readings of it (the peak as it is, then)."""
+    if not _eval_is_the_steps(report, dev):
+        return None
+    passes: set[StepPass] = set()
+    step, forward_start = None, None  # the step's training forward began at this reading
+    run_start, run_peak = None, 0  # the eval run in progress: its first reading, its peak
+    for point in (*dev.timeline, None):
+        if point is not None and point.phase == "eval" and point.step == step:
+            if run_start is None:
+                run_start, run_peak = point.allocated, 0
+            run_peak = max(run_peak, point.allocated)
+            continue
+        if run_start is not None:  # the run ended: the pass it was
+            held = 0 if forward_start is None else max(0, run_start - forward_start)
+            passes.add(StepPass(run_peak, held))
+            run_start = None
+        if point is None:
+            break
+        if point.step != step:
+            step, forward_start = point.step, None
+            if point.phase == "eval":  # (a pass that opens the step: before its forward)
+                run_start, run_peak = point.allocated, point.allocated
+                continue
+        if point.phase == "forward":
+            forward_start = point.allocated if forward_start is None else forward_start
+        else:  # backward, optimizer or other: the forward's activations are gone or going
+            forward_start = None
+    return sorted(passes, key=lambda p: (p.peak, p.held)) or None
 
 
 def _embedding_tables(report: TrackReport, dev: DeviceReport) -> list[EmbeddingTable]:
@@ -831,14 +902,12 @@ def _under_evaluation(
     66.21 and ran out; sweep CP: evaluation 3% above training got 31.02 MiB claimed, 0 saved;
     evaluation at 42.72 below training's 55.81, 31.02 claimed, 13.09 saved)."""
     evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
-    frozen = report.frozen_peaks.get(dev.device)
     if (
         evaluation is None
         or training is None
-        or (frozen is not None and frozen >= evaluation)  # (a teacher's: the step's memory)
-        # (review CK: a frozen copy run inside the step on 4x the batch, multi-crop views:
-        # checkpointing the student lowered that peak from 54.84 to 30.84 MiB)
-        or dev.eval_in_step >= evaluation
+        # (a teacher's, or review CK: a frozen copy run inside the step on 4x the batch,
+        # multi-crop views: checkpointing the student lowered that peak from 54.84 to 30.84)
+        or _eval_is_the_steps(report, dev)
     ):
         return found
     room = max(0, training - evaluation)  # what the device's peak can fall by

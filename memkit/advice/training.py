@@ -17,6 +17,7 @@ __all__ = [
     "EmbeddingTable",
     "LighterOptimizer",
     "ModuleActivation",
+    "StepPass",
     "activation_checkpointing",
     "autocast_casts_to_half",
     "autocast_keeps_float32",
@@ -362,6 +363,27 @@ class ModuleActivation:
 
 
 @dataclass(frozen=True)
+class StepPass:
+    """A run of evaluation-pass readings inside a training step (a frozen teacher's
+    forward), as :func:`activation_checkpointing` prices it: its ``peak``, and ``held``, what
+    the step's training forward had allocated when it began (0: it ran before that forward,
+    or between steps)."""
+
+    peak: int
+    held: int
+
+    def after(self, freed: int) -> int:
+        """Its peak once the training forward keeps ``freed`` bytes less (checkpointed
+        blocks): lower by as much as it held of them.
+
+        Examples:
+            >>> StepPass(peak=300, held=120).after(100), StepPass(peak=300, held=0).after(100)
+            (200, 300)
+        """
+        return self.peak - min(max(0, self.held), max(0, freed))
+
+
+@dataclass(frozen=True)
 class BlockGroup:
     """Repeated blocks under one parent (``transformer.h``: ``transformer.h.0`` ...), the
     unit people wrap in ``torch.utils.checkpoint``.
@@ -563,6 +585,7 @@ def activation_checkpointing(
     peak_phase: str | None = None,
     peak_module: str | None = None,
     temporary_bytes: int = 0,
+    step_passes: Sequence[StepPass] | None = None,
 ) -> Advice | None:
     """``activation-checkpointing``: activations dominate the peak; which blocks to checkpoint.
 
@@ -586,10 +609,20 @@ def activation_checkpointing(
     before the blocks (review: a frozen block's wide transient first), which they cannot
     lower. Fires when activations are at least ``min_share`` of the
     peak and memory is short (:data:`PRESSURE`).
+
+    ``step_passes``: where the eval column is passes run inside the training step (a frozen
+    teacher's forward), those passes (:class:`StepPass`) in its place: one that began after
+    the training forward holds its blocks' activations and falls with them (by what the
+    blocks keep less their outputs, at most what it held), so it is no floor for the forward
+    (a teacher after the student's forward: silent where checkpointing saved 120.38 MiB);
+    where such a pass peaks above training (``peak_bytes``), the device's peak is its, and
+    the saving is that peak's fall to the highest phase after. ``None``: the eval column's
+    peak as it is (evaluation between steps, which checkpointing does not lower).
     """
     if peak_bytes <= 0 or activation_bytes < min_share * peak_bytes:
         return None
-    if not under_pressure(peak_bytes, capacity):
+    passes_top = max((p.peak for p in step_passes or ()), default=0)
+    if not under_pressure(max(peak_bytes, passes_top), capacity):
         return None
     groups = checkpoint_groups(modules)
     blocks = [b for g in groups for b in g.blocks]
@@ -613,6 +646,9 @@ def activation_checkpointing(
     at_backward = kept - outputs - max(0, recompute - after - absorbed)
     saving = min(at_backward, activation_bytes - outputs - recompute)
     phases = dict(phase_peaks or {})
+    if step_passes is not None:  # the eval column is the step's passes: each falls by what it held
+        phases["eval"] = max((p.after(kept - outputs) for p in step_passes), default=None)
+    training_saving = saving
     backward = phases.pop("backward", None)
     if peak_phase == "forward" and backward is not None and backward < peak_bytes:
         phases.pop("forward", None)
@@ -627,9 +663,18 @@ def activation_checkpointing(
         )
         forward = peak_bytes if before else peak_bytes - (kept - outputs)
         after_peak = max(forward, backward - at_backward, *(v for v in phases.values() if v))
-        saving = peak_bytes - after_peak
+        saving = max(peak_bytes, passes_top) - after_peak
+        training_saving = peak_bytes - max(forward, backward - at_backward)
     elif len(blocks) < 2:  # one block, recomputed in the backward it peaks in: ~ the head
         return None
+    elif passes_top > peak_bytes:  # a pass of the step peaks above training: the device's peak
+        forward_peak = phases.pop("forward", None)
+        lowered = [
+            peak_bytes - max(0, saving),
+            (forward_peak or 0) - (kept - outputs),
+            *(v for v in phases.values() if v),
+        ]
+        saving = passes_top - max(lowered)
     if saving <= 0:
         return None
     names = "; ".join(g.describe() for g in groups[:3])
@@ -646,6 +691,20 @@ def activation_checkpointing(
         if absorbed > 0
         else ""
     )
+    held = max((p for p in step_passes or () if p.held > 0), key=lambda p: p.peak, default=None)
+    in_step = (
+        f" A forward inside the step after the training forward (a frozen teacher's) began "
+        f"with {format_size(held.held)} of it alive and peaked at {format_size(held.peak)}: "
+        f"it falls with the blocks' activations, to about "
+        f"{format_size(held.after(kept - outputs))}"
+        + (
+            f" (training's own peak falls by about {format_size(max(0, training_saving))})."
+            if held.peak > peak_bytes
+            else "."
+        )
+        if held is not None
+        else ""
+    )
     return Advice(
         code="activation-checkpointing",
         title=f"activations are {percent_of(activation_bytes, peak_bytes)} of the peak: checkpoint "
@@ -655,7 +714,7 @@ def activation_checkpointing(
             f"peak on {device}{cap}. The repeated blocks: {names}{more}; together "
             f"{format_size(kept)}, of which their outputs (kept when checkpointed) are about "
             f"{format_size(outputs)}. Recomputing one block in backward re-creates up to "
-            f"{format_size(recompute)}{freed}."
+            f"{format_size(recompute)}{freed}.{in_step}"
         ),
         action=(
             "Recompute those blocks in backward: in the parent's forward, `x = torch.utils."
