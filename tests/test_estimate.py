@@ -1058,6 +1058,48 @@ def test_data_dependent_mask_check_is_approximated_and_said(files: dict[str, str
     est = estimate(files["bert"], device_memory="1GiB", max_batch=8)
     assert est.max_batch_size == 8
     assert any("data-dependent checks" in line for line in est.assumptions)
+    assert not any("holds padding" in line for line in est.assumptions)
+
+
+def test_a_padded_mask_is_said_to_take_the_path_the_estimate_left_out(tmp_path: Path) -> None:
+    """Sweep CQ: with padding, `mask.all()` is false on a GPU, and the padded path (an
+    additive mask, repeated key/value heads) can cost more than the one the estimate ran
+    (3-7% on small transformers), silently. make_batch is built once on the CPU: a mask
+    holding zeros gets a warning; an all-ones one does not."""
+    from memkit.estimation.validation import simulated_peak
+
+    model = textwrap.dedent(
+        """
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.head = torch.nn.Embedding(100, 256), torch.nn.Linear(256, 2)
+            def forward(self, input_ids, attention_mask):
+                h = self.emb(input_ids)
+                if not attention_mask.all():  # padding: positions zeroed, a tensor kept more
+                    h = torch.relu(h) * attention_mask[..., None]
+                return self.head(h)
+        def build_model():
+            return Net()
+        def make_batch(batch_size):
+            mask = torch.ones(batch_size, 64, dtype=torch.long)
+            mask[::2, 40:] = PAD
+            return {"input_ids": torch.randint(0, 100, (batch_size, 64)), "attention_mask": mask}
+        """
+    )
+    said = {}
+    for pad in (0, 1):
+        path = tmp_path / f"net_{pad}.py"
+        path.write_text(model.replace("PAD", str(pad)))
+        est = estimate(str(path), device_memory="1GiB", max_batch=8)
+        said[pad] = [line for line in est.assumptions if "holds padding" in line]
+        assert any("data-dependent checks" in line for line in est.assumptions)
+    assert said[1] == [] and len(said[0]) == 1
+    assert said[0][0].startswith("warning: make_batch's `attention_mask` holds padding")
+    # what it warns of: the padded step costs more on the simulated device, which runs it
+    padded, unpadded = (simulated_peak(str(tmp_path / f"net_{p}.py"), 8) for p in (0, 1))
+    assert padded > unpadded
 
 
 def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:

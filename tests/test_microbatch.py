@@ -294,6 +294,15 @@ def test_the_split_warning_says_once_what_splitting_does_to_a_loss_that_is_no_me
                  "class-weighted cross-entropy", "in-batch negatives",
                  "drops by about ln(micro-batches)"):  # fmt: skip
         assert said in caplog.text
+    # sweep CQ: with weight= given the caveat spoke as if it were not
+    caplog.clear()
+    model.load_state_dict(before)
+    weighted = microbatch(lambda b: sum_loss(model, b), model=model, optimizer=opt,
+                          weight=lambda b: len(b[1]))  # fmt: skip
+    with memkit.simulate(budget, track=(model, opt)):
+        weighted(batch)
+    assert caplog.text.count("said once") == 1
+    assert "weighted by weight=" in caplog.text and "only for a loss" not in caplog.text
 
 
 def test_class_weighted_cross_entropy_is_exact_with_the_documented_weight():

@@ -6,7 +6,10 @@ before the search (the target) and after it (the kernels seen, the step, meta's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
 
 from memkit.estimation.autocast import autocast_lists
 from memkit.estimation.families import DeviceFamily, TargetCard
@@ -83,6 +86,42 @@ def attention_line(requested: str, kernels: Sequence[str], family: DeviceFamily)
     return line
 
 
+PADDING_PROBE_BATCH = 8
+"""The batch size make_batch is called at on the CPU to see whether its masks hold padding
+(one row has none)."""
+
+
+def padded_masks(batch: Any) -> tuple[str, ...]:
+    """The keys (in a mapping, one level of nesting) of ``batch``'s masks that hold padding:
+    an integer or bool tensor of 2 or more dimensions under a key naming a mask, with a zero.
+
+    Examples:
+        >>> import torch
+        >>> mask = torch.ones(2, 4, dtype=torch.long)
+        >>> padded_masks({"input_ids": mask, "attention_mask": mask})
+        ()
+        >>> mask[1, 3] = 0
+        >>> padded_masks({"input_ids": mask, "attention_mask": mask})
+        ('attention_mask',)
+    """
+    found: list[str] = []
+    items = list(batch.items()) if isinstance(batch, Mapping) else []
+    for key, value in items:
+        if isinstance(value, Mapping):
+            items.extend((f"{key}.{k}", v) for k, v in value.items() if "." not in str(key))
+        elif (
+            isinstance(value, torch.Tensor)
+            and "mask" in str(key).lower()
+            and (value.dtype == torch.bool or not value.is_floating_point())
+            and not value.is_complex()
+            and value.dim() >= 2
+            and value.device.type != "meta"
+            and not bool(value.all())
+        ):
+            found.append(str(key))
+    return tuple(found)
+
+
 def outcome_lines(
     requested_attention: str,
     kernels: Sequence[str],
@@ -91,6 +130,7 @@ def outcome_lines(
     data_checks: int,
     generate_checks: int = 0,
     unstepped: int | None = None,
+    padded: Sequence[str] = (),
 ) -> list[str]:
     """After the search: the attention kernels, the step (``StepPlan.describe()``), the
     data-dependent checks taken as true (those of a ``generate()``: it stopped at its first
@@ -115,6 +155,16 @@ def outcome_lines(
             "data-dependent checks (`if mask.all():` and the like) read from meta tensors were "
             f"taken as true ({data_checks} times in the trials): right for batches "
             "without padding, as make_batch usually builds them"
+        )
+    if data_checks and padded:
+        masks = ", ".join(f"`{key}`" for key in padded)
+        lines.append(
+            f"warning: make_batch's {masks} holds padding (zeros, in a batch of "
+            f"{PADDING_PROBE_BATCH} it built on the CPU), where a check such as transformers' "
+            "`mask.all()` is false on a GPU: the estimate ran the path for batches without "
+            "padding, and the padded one can need more (the mask made additive, key and "
+            "value heads repeated for grouped-query attention: sweep CQ, 3-7% more on small "
+            "transformers); `memkit probe FILE --device cpu --budget SIZE` runs the padded batch"
         )
     lines.append(MAKE_BATCH_ON_META)
     return lines

@@ -12,7 +12,13 @@ import torch
 
 from memkit.cuda_autocast import requests_recorded
 from memkit.errors import ConfigError
-from memkit.estimation.assumptions import RNN_NOTE, outcome_lines, target_lines
+from memkit.estimation.assumptions import (
+    PADDING_PROBE_BATCH,
+    RNN_NOTE,
+    outcome_lines,
+    padded_masks,
+    target_lines,
+)
 from memkit.estimation.attention import ATTENTION_KERNELS
 from memkit.estimation.autocast import autocast_lists
 from memkit.estimation.evidence import advice_for
@@ -83,7 +89,9 @@ def estimate(
         amp: ``None`` or ``"fp32"`` (no autocast), ``"bf16"`` or ``"fp16"``: autocast's
             policy on the forward.
         attention: ``"auto"`` (what PyTorch picks on the target), ``"math"``, ``"efficient"``
-            or ``"flash"`` (falls back when the inputs do not allow it).
+            or ``"flash"`` (falls back when the inputs do not allow it), or ``"cpu-flash"``
+            (PyTorch's CPU kernel: what the simulated device runs, see
+            :func:`~memkit.estimation.validation.simulated_peak`).
         arch: the GPU family (a key of :data:`DEVICE_FAMILIES`, as ``--arch``; default
             ``"ampere"``): context, cuBLAS workspace, which attention kernels exist.
         context: the CUDA context's size; default: the family's.
@@ -162,6 +170,7 @@ def estimate(
         attention, kernels, card.family, session.plan.describe(), session.data_checks,
         session.generate_checks,
         search.max_batch_size if search.max_batch_size in session.unstepped else None,
+        padded=_padding(spec, seq_len) if session.data_checks else (),
     )  # fmt: skip
     fit = search.pairwise or search.model
     return Estimate(
@@ -192,6 +201,19 @@ def estimate(
         advice=tuple(advice_for(search, session, breakdown, amp, mode, card)),
         seconds=time.perf_counter() - started,
     )
+
+
+def _padding(spec: ModelSpec, seq_len: int | None) -> tuple[str, ...]:
+    """The masks of a batch make_batch builds on the CPU that hold padding
+    (:func:`~memkit.estimation.assumptions.padded_masks`): where a data-dependent check read
+    as true took it for a batch without. A make_batch that fails on the CPU (it ran on meta
+    already) says nothing here."""
+    args = [PADDING_PROBE_BATCH] if seq_len is None else [PADDING_PROBE_BATCH, seq_len]
+    try:
+        with torch.device("cpu"):
+            return padded_masks(spec.make_batch(*args))
+    except Exception:  # (the estimate stands; only this line is not known)
+        return ()
 
 
 def _spec_of(model_file: str | Path | ModelSpec) -> ModelSpec:
