@@ -1102,6 +1102,38 @@ def test_a_padded_mask_is_said_to_take_the_path_the_estimate_left_out(tmp_path: 
     assert padded > unpadded
 
 
+def test_a_step_returning_loss_item_is_estimated_as_one_returning_nothing(tmp_path: Path):
+    """Sweep CQ: docs/probe.md has a train_step return `loss.item()`; the probe ran such a
+    file and the estimate exited 3 ("cannot be called on meta tensors"). The step's own
+    `.item()` now reads as 0 (a logged number holds no device memory), said among the
+    assumptions, and the estimate is the same as for the step returning nothing."""
+    head = textwrap.dedent(
+        """
+        import torch
+        def build_model():
+            return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                       torch.nn.Linear(256, 4))
+        def make_batch(n):
+            return torch.randn(n, 64)
+        def train_step(model, batch, optimizer):
+            loss = model(batch).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        """
+    )
+    found = {}
+    for name, tail in (("item", "    return loss.item()\n"), ("none", "    return None\n")):
+        path = tmp_path / f"{name}.py"
+        path.write_text(head + tail)
+        found[name] = estimate(str(path), device_memory="1GiB", max_batch=4096)
+    item, none = found["item"], found["none"]
+    assert item.max_batch_size == none.max_batch_size and item.max_batch_size is not None
+    assert [t.allocated_peak for t in item.trials] == [t.allocated_peak for t in none.trials]
+    assert any(".item() in its own lines" in line for line in item.assumptions)
+    assert not any(".item() in its own lines" in line for line in none.assumptions)
+
+
 def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
     head = "import torch\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
     shape_bug = tmp_path / "shape_bug.py"
@@ -1110,7 +1142,7 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
     reads_value.write_text(
         head + "def make_batch(n):\n    return torch.randn(n, 4)\n"
         "def train_step(model, batch, optimizer):\n"
-        "    loss = model(batch).sum()\n    print(loss.item())\n    loss.backward()\n"
+        "    loss = model(batch).sum()\n    print(loss.tolist())\n    loss.backward()\n"
     )
     with pytest.raises(UserCodeError) as shape:
         estimate(str(shape_bug), device_memory="1GiB")
@@ -1122,13 +1154,13 @@ def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:
         estimate(str(reads_value), device_memory="1GiB")
     assert "define train_step without it" in str(info.value)
     # where: the user's line (sweep WW's `lengths.cpu()` for pack_padded_sequence had none)
-    assert "reads_value.py" in str(info.value) and "print(loss.item())" in str(info.value)
-    # an evaluation's `loss.item()` in eval_step: the fix names eval_step (it said
-    # train_step, sweep MM) and the loss_fn the estimate runs
+    assert "reads_value.py" in str(info.value) and "print(loss.tolist())" in str(info.value)
+    # an evaluation's metric read in eval_step: the fix names eval_step (it said train_step,
+    # sweep MM) and the loss_fn the estimate runs
     evaluates = tmp_path / "evaluates.py"
     evaluates.write_text(
         head + "def make_batch(n):\n    return torch.randn(n, 4)\n"
-        "def eval_step(model, batch):\n    print(model(batch).sum().item())\n"
+        "def eval_step(model, batch):\n    print(model(batch).argmax(-1).tolist())\n"
     )
     with pytest.raises(UserCodeError, match="hold no values") as info:
         estimate(str(evaluates), device_memory="1GiB", mode="infer")

@@ -131,6 +131,7 @@ def outcome_lines(
     generate_checks: int = 0,
     unstepped: int | None = None,
     padded: Sequence[str] = (),
+    step_reads: int = 0,
 ) -> list[str]:
     """After the search: the attention kernels, the step (``StepPlan.describe()``), the
     data-dependent checks taken as true (those of a ``generate()``: it stopped at its first
@@ -155,6 +156,13 @@ def outcome_lines(
             "data-dependent checks (`if mask.all():` and the like) read from meta tensors were "
             f"taken as true ({data_checks} times in the trials): right for batches "
             "without padding, as make_batch usually builds them"
+        )
+    if step_reads:
+        lines.append(
+            f"the file's step read a value with .item() in its own lines ({step_reads} times "
+            "in the trials: a loss returned or logged), which meta tensors do not hold: read "
+            "as 0, which holds no device memory; a step that decides on that value ran as if "
+            "it were 0 (`memkit probe` runs it on real values)"
         )
     if data_checks and padded:
         masks = ", ".join(f"`{key}`" for key in padded)

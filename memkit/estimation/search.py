@@ -171,6 +171,7 @@ def estimate(
         session.generate_checks,
         search.max_batch_size if search.max_batch_size in session.unstepped else None,
         padded=_padding(spec, seq_len) if session.data_checks else (),
+        step_reads=session.step_reads,
     )  # fmt: skip
     fit = search.pairwise or search.model
     return Estimate(
