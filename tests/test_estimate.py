@@ -1105,8 +1105,8 @@ def test_a_padded_mask_is_said_to_take_the_path_the_estimate_left_out(tmp_path: 
 def test_a_step_returning_loss_item_is_estimated_as_one_returning_nothing(tmp_path: Path):
     """Sweep CQ: docs/probe.md has a train_step return `loss.item()`; the probe ran such a
     file and the estimate exited 3 ("cannot be called on meta tensors"). The step's own
-    `.item()` now reads as 0 (a logged number holds no device memory), said among the
-    assumptions, and the estimate is the same as for the step returning nothing."""
+    `.item()` now gives a number that can be returned or logged (it holds no device memory),
+    said among the assumptions: the estimate is the same as for the step returning nothing."""
     head = textwrap.dedent(
         """
         import torch
@@ -1132,6 +1132,15 @@ def test_a_step_returning_loss_item_is_estimated_as_one_returning_nothing(tmp_pa
     assert [t.allocated_peak for t in item.trials] == [t.allocated_peak for t in none.trials]
     assert any(".item() in its own lines" in line for line in item.assumptions)
     assert not any(".item() in its own lines" in line for line in none.assumptions)
+    # review CL: a value decided on (a loss spike skipped) or computed with (a length that
+    # trims the batch) has none on meta: the step stops, as .item() itself did (read as 0,
+    # the trimmed batch answered 1336x too high)
+    for tail in ("    if loss.item() < 1e-3:\n        return None\n",
+                 "    return 1.0 / loss.item()\n"):  # fmt: skip
+        path = tmp_path / "decides.py"
+        path.write_text(head.replace("    loss.backward()\n", tail + "    loss.backward()\n"))
+        with pytest.raises(UserCodeError, match="hold no values"):
+            estimate(str(path), device_memory="1GiB", max_batch=4096)
 
 
 def test_a_shape_bug_is_not_blamed_on_meta_tensors(tmp_path: Path) -> None:

@@ -160,9 +160,9 @@ def outcome_lines(
     if step_reads:
         lines.append(
             f"the file's step read a value with .item() in its own lines ({step_reads} times "
-            "in the trials: a loss returned or logged), which meta tensors do not hold: read "
-            "as 0, which holds no device memory; a step that decides on that value ran as if "
-            "it were 0 (`memkit probe` runs it on real values)"
+            "in the trials: a loss returned, printed or kept), which meta tensors do not hold: "
+            "a number kept that way holds no device memory (one computed with or decided on "
+            "would have stopped the estimate)"
         )
     if data_checks and padded:
         masks = ", ".join(f"`{key}`" for key in padded)

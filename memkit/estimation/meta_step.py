@@ -83,7 +83,7 @@ class TargetMode(TorchFunctionMode):
         self.data_checks = 0  # truth values read from meta tensors (approximated as true)
         self.generate_checks = 0  # of them, inside a Hugging Face generate() (its stopping)
         self.step_codes: frozenset[types.CodeType] = frozenset()  # the file's own step's code
-        self.step_reads = 0  # ``.item()`` in that step's own lines, read as 0
+        self.step_reads = 0  # ``.item()`` in that step's own lines (:func:`value_on_meta`)
         self._entered = 0
         self._in_backward = 0
         self._bodies: list[Callable[..., Any]] = []  # Python functions running with the mode on
@@ -171,10 +171,11 @@ class TargetMode(TorchFunctionMode):
             and sys._getframe(1).f_code in self.step_codes
         ):
             # the file's train_step or eval_step returning `loss.item()`, as docs/probe.md
-            # has it (sweep CQ: exit 3 on a file the probe ran): a number read for logging
-            # holds no device memory; taken as 0, and the assumptions say so
+            # has it (sweep CQ: exit 3 on a file the probe ran): a number returned, printed or
+            # kept holds no device memory; one computed with or decided on stops the step
+            # (review CL: read as 0, a length trimmed the batch to nothing, answer 1336x)
             self.step_reads += 1
-            return 0.0 if args[0].is_floating_point() else 0
+            return value_on_meta(args[0])
         if name == "__bool__" and args and _is_meta_bool(args[0]):
             # A data-dependent check on a meta tensor has no value: take it as true, the case
             # of the batches make_batch builds (an all-ones attention mask's `mask.all()`).
@@ -574,7 +575,7 @@ class MetaSession:
     """The half dtypes of its own ``torch.autocast("cpu")`` regions the steps entered."""
     data_checks: int = 0
     generate_checks: int = 0
-    step_reads: int = 0  # the file's step's own `.item()` calls, read as 0
+    step_reads: int = 0  # the file's step's own `.item()` calls (value_on_meta)
     unstepped: set[int] = field(default_factory=set)  # train trials that stepped no optimizer
     cache: dict[int, TrialPeaks] = field(default_factory=dict)
 
@@ -849,6 +850,54 @@ def _host_tensor_met(exc: BaseException) -> bool:
     the same device, but found at least two devices, meta and cpu!")."""
     text = str(exc)
     return "meta" in text and "cpu" in text and ("expected device" in text or "same device" in text)
+
+
+def _no_value(*_: Any) -> Any:
+    raise RuntimeError(
+        "a number read with .item() from a meta tensor was computed with or decided on, and "
+        "meta tensors hold no values"
+    )
+
+
+_VALUE_USES = (
+    "__bool__", "__int__", "__float__", "__index__", "__round__", "__trunc__", "__floor__",
+    "__ceil__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__neg__", "__pos__",
+    "__abs__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
+    "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__and__", "__rand__", "__or__",
+    "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__",
+    "__invert__",
+)  # fmt: skip
+"""What a number read from a meta tensor refuses: every use that needs its value."""
+
+_MetaFloat = type(
+    "_MetaFloat", (float,), {**dict.fromkeys(_VALUE_USES, _no_value), "__hash__": float.__hash__}
+)
+_MetaInt = type(
+    "_MetaInt", (int,), {**dict.fromkeys(_VALUE_USES, _no_value), "__hash__": int.__hash__}
+)
+
+
+def value_on_meta(tensor: torch.Tensor) -> Any:
+    """What ``tensor.item()`` gives in the file's own step on meta: a number (nan, or 0 for an
+    integer or bool tensor) that can be returned, printed, formatted or kept, as a loss
+    logged is, and that raises the meta error where it is computed with, compared or
+    converted (a length that trims the batch, a loss that skips a step), as ``.item()``
+    itself did.
+
+    Examples:
+        >>> loss = value_on_meta(torch.empty((), device="meta"))
+        >>> print(loss), [loss]
+        nan
+        (None, [nan])
+        >>> loss < 1e-3
+        Traceback (most recent call last):
+        ...
+        RuntimeError: a number read with .item() from a meta tensor was computed with ...
+    """
+    if tensor.is_floating_point() or tensor.is_complex():
+        return _MetaFloat("nan")
+    return _MetaInt(0)
 
 
 def _meta_only(exc: BaseException) -> bool:
