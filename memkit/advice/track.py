@@ -168,8 +168,10 @@ def eval_peak(report: TrackReport) -> list[Advice]:
     """``eval-peak``: an evaluation pass, not training, sets the device's peak; where the
     eval column's peak is a frozen model's forward on the training batch (a distillation
     teacher), ``frozen-model-peak`` instead: that is the training step's memory. Nothing
-    where it is a frozen model's forward on another batch size, inside the step or in every
-    step (:func:`_frozen_every_step`): no evaluation batch to shrink."""
+    where it is a forward of models no optimizer trains inside the step (a teacher after the
+    student's forward: :func:`_evaluates_untrained_only`); where such models run in most
+    steps and the trained one is never evaluated (:func:`_frozen_every_step`: a teacher on
+    another batch size, or an averaged copy validated every step), it says both readings."""
     out = []
     for dev in report.devices:
         evaluation, training = dev.phase_peaks.get("eval"), _training_peak(dev)
@@ -184,13 +186,35 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         if evaluation <= training * 1.1:
             continue
-        if dev.eval_in_step >= evaluation or _frozen_every_step(dev) is not None:
-            # a teacher run in every step on the batch and augmented copies of it (twice the
-            # rows: booked as evaluation) is the step's memory, not an evaluation between
-            # steps (session 29: told to give evaluation a smaller batch)
+        if dev.eval_in_step >= evaluation and _evaluates_untrained_only(dev):
+            # a teacher run inside the step (after the student's forward) is the step's
+            # memory, not an evaluation (session 29: told to give evaluation a smaller batch);
+            # the trained model validated between backward and the optimizer step is one
+            # (review CL: it was silenced too)
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"
+        every = _frozen_every_step(dev)
+        if every is not None:
+            # a teacher on the batch and augmented copies of it (twice the rows: booked as
+            # evaluation) or an averaged copy validated every step: the report cannot tell
+            # them apart (review CL: an EMA validated every step lost its eval-peak)
+            out.append(
+                Advice(
+                    code="eval-peak",
+                    title=f"{every}'s forwards in every step peak above training on {dev.device}",
+                    evidence=f"The forwards of {every}, which no optimizer trains, ran in "
+                    f"most steps and peaked at {format_size(evaluation)}{batch}; training "
+                    f"peaked at {format_size(training)}.",
+                    action="If it is a teacher run on the training batch (augmented copies "
+                    "too), run its forward in chunks of the batch under `torch.no_grad()` "
+                    "(the same outputs, concatenated); if it is a copy validated every step, "
+                    "give validation its own, smaller batch size.",
+                    saving_bytes=evaluation - training,
+                    severity="info",
+                )
+            )
+            continue
         # what its passes keep from pass to pass sets it: under autograd (kept results hold
         # their graphs); without, what is carried may be state its passes need (a
         # generate()'s key-value cache, which a smaller batch shrinks)
@@ -671,17 +695,24 @@ def _eval_is_the_steps(report: TrackReport, dev: DeviceReport) -> bool:
     )
 
 
+def _evaluates_untrained_only(dev: DeviceReport) -> bool:
+    """Whether every model ``dev``'s evaluation passes ran is one no training forward ran on
+    (a teacher, a reference model), not the trained model validated."""
+    roots = [m for m in dev.modules if _model_row(m) and m.eval_calls > 0]
+    return bool(roots) and all(m.calls == 0 for m in roots)
+
+
 def _frozen_every_step(dev: DeviceReport) -> str | None:
     """The model an every-step pass on ``dev`` is of, where its eval column is the forwards
     of models that never ran a training forward (their rows: evaluation calls only), the
     trained models never evaluated, in at least half the steps (of two or more): a teacher
     fed another batch size than the student's (the batch and augmented copies of it), which
-    the tracker books as evaluation between steps when it runs before the student's forward.
-    A test loop evaluates the trained model, or runs in few of the steps. ``None``: not so."""
-    roots = [m for m in dev.modules if _model_row(m)]
-    frozen = [m.path for m in roots if m.eval_calls > 0 and m.calls == 0]
-    if not frozen or any(m.eval_calls > 0 for m in roots if m.calls > 0):
+    the tracker books as evaluation between steps when it runs before the student's forward,
+    or an averaged copy validated every step: the report does not tell them apart. A test
+    loop evaluates the trained model, or runs in few of the steps. ``None``: not so."""
+    if not _evaluates_untrained_only(dev):
         return None
+    frozen = [m.path for m in dev.modules if _model_row(m) and m.eval_calls > 0]
     evaluated = sum(1 for s in dev.steps if s.phase_peaks.get("eval") is not None)
     return " and ".join(frozen) if len(dev.steps) >= 2 and 2 * evaluated >= len(dev.steps) else None
 
