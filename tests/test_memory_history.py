@@ -375,6 +375,15 @@ def test_recorded_cuda_stacks_lose_memkits_frames_and_keep_the_users():
         "device_traces": [[{"action": "alloc", "frames": shared}, {"action": "free_requested",
                                                                    "frames": []}]],
     }  # fmt: skip
+    # `memkit run -m pkg.train` (review CL): runpy's frames between the module and memkit's
+    as_module = [*stack[:6], {"filename": "/home/u/pkg/train.py", "line": 3, "name": "<module>"},
+                 {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+                 {"filename": "<frozen runpy>", "line": 226, "name": "run_module"},
+                 {"filename": f"{package}/tracking/run.py", "line": 569,
+                  "name": "_run_module_as_main"}, *stack[8:]]  # fmt: skip
+    module = without_memkit_frames({"device_traces": [[{"frames": as_module}]]})
+    assert module["device_traces"][0][0]["frames"][-1]["name"] == "<module>"
+    assert len(module["device_traces"][0][0]["frames"]) == 5
     cleaned = without_memkit_frames(snapshot)
     kept = [(f["filename"].split("/")[-1], f["name"]) for f in cleaned["segments"][0]["frames"]]
     assert kept == [

@@ -107,8 +107,12 @@ def _internal(filename: str) -> bool:
 
 
 _PACKAGE_DIR = os.path.dirname(_MEMKIT_DIR.rstrip(os.sep)) + os.sep
-_LAUNCHER = (os.path.join(_PACKAGE_DIR, "tracking", "run.py"), "_exec_as_main")
-"""``memkit run``'s frame that runs the script: the script's own stack ends under it."""
+_LAUNCHERS = {
+    (os.path.join(_PACKAGE_DIR, "tracking", "run.py"), name)
+    for name in ("_exec_as_main", "_run_module_as_main")
+}
+"""``memkit run``'s frames that run the script or the module (``-m``): the script's own
+stack ends under them (with runpy's frames between, for ``-m`` and a zip application)."""
 _DISABLE_WRAPPER = "torch/_dynamo/external_utils.py"
 """The file of the wrapper ``torch._dynamo.disable`` puts around a function (memkit's hooks)."""
 
@@ -123,7 +127,9 @@ def _users_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for frame in frames:
         filename = frame.get("filename", "")
         if filename.startswith(_PACKAGE_DIR):
-            if (filename, frame.get("name")) == _LAUNCHER:
+            if (filename, frame.get("name")) in _LAUNCHERS:
+                while kept and "runpy" in kept[-1].get("filename", ""):
+                    kept.pop()  # (runpy.run_module's frames under the module's <module>)
                 break
             after_memkit = True
             continue
