@@ -38,6 +38,7 @@ __all__ = [
     "EXPECTED_SIGNATURES",
     "ModelSpec",
     "SysExitCalled",
+    "batch_args",
     "build_model",
     "call_user",
     "check_seq_len",
@@ -263,6 +264,12 @@ def _execute(file: Path, resolved: str) -> ModuleType:
     finally:
         sys.argv = saved_argv
     return module
+
+
+def batch_args(batch_size: int, seq_len: int | None) -> tuple[int, ...]:
+    """``make_batch``'s arguments: ``(batch_size,)``, or ``(batch_size, seq_len)`` where a
+    sequence length is given."""
+    return (batch_size,) if seq_len is None else (batch_size, seq_len)
 
 
 def check_seq_len(spec: ModelSpec, seq_len: int | None) -> None:

@@ -44,7 +44,14 @@ from memkit import advice as rules
 from memkit.advice import Advice
 from memkit.advice.sharding import fsdp_gpus_needed, fsdp_saves, fsdp_wrap_unit
 from memkit.errors import ConfigError, UserCodeError
-from memkit.modelfile import ModelSpec, call_user, check_seq_len, load_model_file, make_optimizer
+from memkit.modelfile import (
+    ModelSpec,
+    batch_args,
+    call_user,
+    check_seq_len,
+    load_model_file,
+    make_optimizer,
+)
 from memkit.oom import is_oom
 from memkit.probing.step import StepPlan
 from memkit.render import strategies as layout
@@ -232,7 +239,7 @@ class _Trials:
             self.plan(model, batch, optimizer)
 
     def _batch(self, size: int) -> Any:
-        args = (size,) if self.seq_len is None else (size, self.seq_len)
+        args = batch_args(size, self.seq_len)
         with torch.device(self.device):
             return call_user(
                 self.spec.make_batch, *args, what=f"make_batch({size})", path=self.spec.path

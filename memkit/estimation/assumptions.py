@@ -6,6 +6,7 @@ before the search (the target) and after it (the kernels seen, the step, meta's 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,6 +87,9 @@ def attention_line(requested: str, kernels: Sequence[str], family: DeviceFamily)
     return line
 
 
+_PADDING_KEY = re.compile(r"(?i)^(mask|.*attention_mask|.*padding_mask)$")
+"""A batch key naming a mask that padding zeroes (:func:`padded_masks`)."""
+
 PADDING_PROBE_BATCH = 8
 """The batch size make_batch is called at on the CPU to see whether its masks hold padding
 (one row has none)."""
@@ -93,7 +97,11 @@ PADDING_PROBE_BATCH = 8
 
 def padded_masks(batch: Any) -> tuple[str, ...]:
     """The keys (in a mapping, one level of nesting) of ``batch``'s masks that hold padding:
-    an integer or bool tensor of 2 or more dimensions under a key naming a mask, with a zero.
+    an integer or bool tensor of 2 or more dimensions under a key naming an attention or
+    padding mask (``attention_mask``, ``decoder_attention_mask``, ``key_padding_mask``,
+    ``mask``), with a zero. Other masks are no padding (review CL: BEiT's
+    ``bool_masked_pos``, an SFT ``loss_mask``, ``special_tokens_mask``); a tuple batch's
+    tensors have no names and are not read.
 
     Examples:
         >>> import torch
@@ -103,6 +111,8 @@ def padded_masks(batch: Any) -> tuple[str, ...]:
         >>> mask[1, 3] = 0
         >>> padded_masks({"input_ids": mask, "attention_mask": mask})
         ('attention_mask',)
+        >>> padded_masks({"bool_masked_pos": mask.bool(), "loss_mask": mask})
+        ()
     """
     found: list[str] = []
     items = list(batch.items()) if isinstance(batch, Mapping) else []
@@ -111,7 +121,7 @@ def padded_masks(batch: Any) -> tuple[str, ...]:
             items.extend((f"{key}.{k}", v) for k, v in value.items() if "." not in str(key))
         elif (
             isinstance(value, torch.Tensor)
-            and "mask" in str(key).lower()
+            and _PADDING_KEY.search(str(key).rsplit(".", 1)[-1]) is not None
             and (value.dtype == torch.bool or not value.is_floating_point())
             and not value.is_complex()
             and value.dim() >= 2

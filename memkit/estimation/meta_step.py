@@ -31,7 +31,7 @@ from memkit.errors import MemkitError, ModelFileError, UserCodeError
 from memkit.estimation.attention import choose_kernel, fused_attention
 from memkit.estimation.autocast import AutocastPolicy
 from memkit.estimation.workspaces import KernelWorkspaces
-from memkit.modelfile import ModelSpec, call_user, step_traceback
+from memkit.modelfile import ModelSpec, batch_args, call_user, step_traceback
 from memkit.probing.step import StepPlan, call_model, inference_mode_as_no_grad, to_device
 from memkit.simulated.accountant import MemoryAccountant, storages_of, tensors_of
 from memkit.simulated.allocator import CachingAllocatorModel
@@ -584,7 +584,7 @@ class MetaSession:
         return dataclasses.replace(self, policy_dtype=policy_dtype, kernels=set(), cache={})
 
     def batch(self, batch_size: int) -> Any:
-        args = [batch_size] if self.seq_len is None else [batch_size, self.seq_len]
+        args = batch_args(batch_size, self.seq_len)
         try:
             with torch.device(META):
                 made = call_user(

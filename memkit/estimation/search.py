@@ -3,6 +3,7 @@ batch-size search of ``memkit probe`` run over meta trials, and the :class:`Esti
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,11 +31,13 @@ from memkit.estimation.meta_model import (
 )
 from memkit.estimation.meta_step import MetaSession, run_guarded
 from memkit.estimation.result import Estimate, EstimateBreakdown, EstimateTrial
-from memkit.modelfile import ModelSpec, check_seq_len, load_model_file
+from memkit.modelfile import ModelSpec, batch_args, check_seq_len, load_model_file
 from memkit.probing.options import DEFAULT_MARGIN, SearchOptions
 from memkit.probing.search import SearchResult, Trial, search_max_batch
 from memkit.probing.step import StepPlan, check_batch
 from memkit.simulated.eager import eager_note, is_compiled
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AMP_DTYPES", "DEFAULT_MARGIN", "autocast_name", "estimate"]
 
@@ -209,11 +212,12 @@ def _padding(spec: ModelSpec, seq_len: int | None) -> tuple[str, ...]:
     (:func:`~memkit.estimation.assumptions.padded_masks`): where a data-dependent check read
     as true took it for a batch without. A make_batch that fails on the CPU (it ran on meta
     already) says nothing here."""
-    args = [PADDING_PROBE_BATCH] if seq_len is None else [PADDING_PROBE_BATCH, seq_len]
+    args = batch_args(PADDING_PROBE_BATCH, seq_len)
     try:
         with torch.device("cpu"):
             return padded_masks(spec.make_batch(*args))
     except Exception:  # (the estimate stands; only this line is not known)
+        log.debug("make_batch on the CPU, to look for padding, failed", exc_info=True)
         return ()
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from memkit.modelfile import ModelSpec, build_model, load_model_file, make_optimizer
+from memkit.modelfile import ModelSpec, batch_args, build_model, load_model_file, make_optimizer
 from memkit.probing.step import StepPlan, to_device
 from memkit.simulated.accountant import MemoryAccountant
 
@@ -46,7 +46,7 @@ def simulated_peak(
     cpu = torch.device("cpu")
     accountant = MemoryAccountant(cpu, None, rounding="cuda")
     accountant.track(model, optimizer)
-    args = [batch_size] if seq_len is None else [batch_size, seq_len]
+    args = batch_args(batch_size, seq_len)
     with accountant:
         for _ in range(steps):
             batch = to_device(spec.make_batch(*args), cpu)

@@ -42,6 +42,7 @@ from memkit.errors import (
 )
 from memkit.modelfile import (
     accepts_seq_len,
+    batch_args,
     build_model,
     call_user,
     check_seq_len,
@@ -1028,7 +1029,7 @@ def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
 def _sample_batch(
     make_batch: Callable[..., Any], batch_size: int, seq_len: int | None, model_file: str | None
 ) -> Any:
-    args = (batch_size,) if seq_len is None else (batch_size, seq_len)
+    args = batch_args(batch_size, seq_len)
     what = f"make_batch({', '.join(map(str, args))})"
     if model_file is not None:
         return call_user(make_batch, *args, what=what, path=model_file)

@@ -37,7 +37,7 @@ from memkit.errors import (
     ModelFileError,
     UserCodeError,
 )
-from memkit.modelfile import step_traceback
+from memkit.modelfile import batch_args, step_traceback
 from memkit.oom import is_oom, parse_oom_message, recover
 from memkit.optimizers import unwrap_optimizer
 from memkit.probing.hints import step_hint
@@ -407,7 +407,7 @@ class TrialRunner:
         return self.superseded(last)
 
     def _batch(self, batch_size: int) -> Any:
-        args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
+        args = batch_args(batch_size, self.seq_len)
         try:
             batch = self.make_batch(*args)
             shapes = batch_shapes(batch)
