@@ -4,9 +4,9 @@
    steps-only, alternated. On the H200 steps-only added 1739-1850 us a step where the default
    mode added about 220 us, and on the CUDA stand-in both modes make the same Python calls and
    counter reads: so the time is GPU-side (a synchronisation, a slow driver call) or in torch's
-   own paths that memkit's hooks switch on. Each mode's steps run once more under cProfile; the
-   memkit and torch.cuda functions with the most time a step are printed, with the wall time
-   a step spent outside the GPU's queue (``torch.cuda.synchronize`` around each step).
+   own paths that memkit's hooks switch on. Steps are timed whole, the device synchronised
+   before and after each (``torch.cuda.synchronize``); each mode's steps then run once more
+   under cProfile, and the functions with the most time of their own are printed.
 2. ``--compiled``: a small GPT-like model compiled with ``torch.compile``, plain and tracked
    (``memkit.track``, default mode and steps-only), alternated, with cProfile of the tracked
    steps: nanoGPT under ``memkit run`` cost 1.13x and 1.16x (runs 5, 6; one pair each) where

@@ -414,13 +414,14 @@ class MemoryAccountant(TorchDispatchMode):
         """Exact bytes in use when the last out-of-memory error was raised (the message
         rounds them), for a post-mortem read after the unwinding freed some."""
         self.node_at_oom: tuple[str, str] | None = None
-        # (the message, the counted bytes of the failing op's inputs that are not parameters)
-        self.inputs_at_oom: tuple[str, int] | None = None
         """``(message, node)``: the last out-of-memory error raised inside a backward and the
         autograd node that ran then (``ReluBackward0``), else ``None``: a module's backward hook
         names the last module with parameters backward reached, not the functional ops after
         it. The message tells the error that left a block from an earlier one a script caught
         (:func:`node_of`)."""
+        self.inputs_at_oom: tuple[str, int] | None = None
+        """``(message, bytes)``: the last out-of-memory error and the counted bytes of the
+        refused op's inputs, parameters left out (:func:`op_inputs_of`)."""
         self._observer: StorageObserver | None = None
         # While observed: id(storage) -> "parameter"/"tensor", for each storage counted because
         # it existed before (an op read it for the first time, or track() was given it). None
