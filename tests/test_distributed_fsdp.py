@@ -115,6 +115,7 @@ def _check_rank_report(report: dict, reshard_after_forward: bool) -> None:
     assert device["setup"]["sharding"] == [2, None]
     (note,) = [n for n in report["notes"] if n.startswith("FSDP2 (fully_shard) over 2 rank(s)")]
     assert "this rank's shards (1/2 of each" in note and "no MixedPrecisionPolicy" in note
+    assert "(the largest, 0: 257.00 KiB)" in note  # a unit named (sweep CR: the root read "?")
     # module rows carry the user's class names, not FSDP2's FSDPLinear
     names = {m["path"]: m for m in device["modules"]}
     assert set(names) == {"Sequential", "0", "1", "2", "3"}, names

@@ -172,13 +172,14 @@ class FsdpUnits:
         return ranks, half
 
     def largest_unit(self) -> tuple[str, int] | None:
-        """The unit (its module path in FSDP's names) with the most unsharded bytes, and them."""
+        """The unit (its module path in FSDP's names; ``""``: the root module's) with the most
+        unsharded bytes, and them."""
         best: tuple[str, int] | None = None
         for group in self.groups:
             size = self._full.get(id(group)) or sum(
                 p._orig_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params
             )
-            name = getattr(group, "_module_fqn", None) or "?"
+            name = getattr(group, "_module_fqn", None) or ""  # (sweep CR: the root read "?")
             if best is None or size > best[1]:
                 best = (name, size)
         return best
