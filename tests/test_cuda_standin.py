@@ -269,7 +269,8 @@ def test_take_reads_once_and_resets_only_a_peak_above_its_current_value():
     with cuda_standin("64MiB") as gpu:
         backend = devices.get_backend("cuda")
         peaks = devices.UserPeaks(0, devices.counter_reader(backend)[0])
-        read, _, take = devices.counter_functions(backend, peaks)
+        read, reset = devices.counter_reader(backend, peaks)
+        take = devices.peak_taker(read, reset)
         x = on_gpu(1 << 18)  # 1 MiB in a 2 MiB segment
         reads, resets = gpu.stat_reads, gpu.peak_resets
         assert take() == (MIB, 2 * MIB, MIB, 2 * MIB)
@@ -281,7 +282,7 @@ def test_take_reads_once_and_resets_only_a_peak_above_its_current_value():
         assert peaks.allocated >= 2 * MIB  # what the user's max_memory_allocated keeps
         del x
     sim = devices.SimulatedBackend("cpu", 64 * MIB)
-    _, _, take = devices.counter_functions(sim)
+    take = devices.peak_taker(*devices.counter_reader(sim))
     with sim.activate():
         z = torch.empty(1 << 18)
         del z

@@ -11,7 +11,7 @@ Every other module asks this package for numbers; only its modules call ``torch.
 * :mod:`~memkit.devices.readings`: device-wide GPU readings from the driver (:func:`nvml_stats`,
   :func:`nvidia_smi_stats`, :func:`gpu_stats`), for snapshots, never for hot paths.
 * :mod:`~memkit.devices.counters`: cheap counter readers for hooks (:func:`counter_reader`,
-  :func:`counter_functions`).
+  :func:`peak_taker`).
 * :mod:`~memkit.devices.peaks`: the user's peak counters kept true while memkit resets them
   (:class:`UserPeaks`).
 * :mod:`~memkit.devices.state`: RNG states, the current device, CUDA's initialisation, the
@@ -39,7 +39,7 @@ from memkit.devices.backends import (
     parse_device,
     visible_devices,
 )
-from memkit.devices.counters import counter_functions, counter_reader, requested_reader
+from memkit.devices.counters import counter_reader, peak_taker, requested_reader
 from memkit.devices.history import MemoryHistory
 from memkit.devices.host import (
     HostMemory,
@@ -81,7 +81,6 @@ __all__ = [
     "accelerator_available",
     "cached_free_blocks",
     "collective_device",
-    "counter_functions",
     "counter_reader",
     "cuda_context_reading",
     "current_device_index",
@@ -93,6 +92,7 @@ __all__ = [
     "nvidia_smi_stats",
     "nvml_stats",
     "parse_device",
+    "peak_taker",
     "requested_reader",
     "restore_rng_state",
     "rng_state",

@@ -41,16 +41,7 @@ def _function_kind(fn: Any) -> tuple[Any, Any]:
 def counter_reader(
     backend: Any, peaks: UserPeaks | None = None
 ) -> tuple[CounterReader, PeakResetter]:
-    """A fast ``(read, reset_peak)`` pair for hooks that run once per module call
-    (:func:`counter_functions` without its ``take``)."""
-    read, reset, _ = counter_functions(backend, peaks)
-    return read, reset
-
-
-def counter_functions(
-    backend: Any, peaks: UserPeaks | None = None
-) -> tuple[CounterReader, PeakResetter, CounterReader]:
-    """A fast ``(read, reset_peak, take)`` triple for hooks that run once per module call.
+    """A fast ``(read, reset_peak)`` pair for hooks that run once per module call.
 
     ``read()`` returns ``(allocated, reserved, peak_allocated, peak_reserved)`` in one call;
     ``reset_peak()`` resets both peaks. On CUDA, ``read`` calls ``torch._C._cuda_memoryStats``
@@ -60,35 +51,25 @@ def counter_functions(
     ``peaks`` (CUDA), ``reset_peak`` first folds the peaks read last into the user's view and
     the other running blocks' readings, and ``read`` reports at least what other resets took
     since this block's last one (:mod:`memkit.devices.peaks`): callers read, then reset.
-    ``take()`` is ``read()`` followed, where a peak is above its current value, by
-    ``reset_peak()``, in one call (a segment's end: its peaks read, the next one's started;
-    a peak equal to the current bytes is already where a reset would put it).
     """
     if isinstance(backend, SimulatedBackend):
         acct = backend.accountant
-        sim_counters, sim_reset = acct.counters, acct.reset_peak
+        sim_counters = acct.counters
 
         def read_sim() -> tuple[int, int, int, int]:
             cur, peak = sim_counters()
             return cur, cur, peak, peak
 
-        def take_sim() -> tuple[int, int, int, int]:
-            cur, peak = sim_counters()
-            if peak > cur:
-                sim_reset()
-            return cur, cur, peak, peak
-
-        return read_sim, sim_reset, take_sim
+        return read_sim, acct.reset_peak
     if isinstance(backend, VirtualDeviceBackend):
         vd, i = backend.devices, backend.index
         window_counters = vd.window_counters
-        reset_window = functools.partial(vd.reset_window, i)
 
         def read_virtual() -> tuple[int, int, int, int]:
             cur, peak = window_counters(i)
             return cur, cur, peak, peak
 
-        return read_virtual, reset_window, _taker(read_virtual, reset_window)
+        return read_virtual, functools.partial(vd.reset_window, i)
     if isinstance(backend, CudaBackend) and backend.device.type == "cuda":
         index = backend.index
         stats = getattr(torch._C, "_cuda_memoryStats", None)
@@ -122,24 +103,9 @@ def counter_functions(
                         resetting(last[0], last[1])
                     reset(index)
 
-            def take_cuda() -> tuple[int, int, int, int]:
-                if not ready[0] and not initialized():
-                    return 0, 0, 0, 0
-                s = stats(index)
-                a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-                p, pr = last[0], last[1] = a["peak"], r["peak"]
-                if carry is not None and carry[0]:
-                    p, pr = max(p, carry[0]), max(pr, carry[1])
-                a, r = a["current"], r["current"]
-                if p > a or pr > r:
-                    if resetting is not None:
-                        resetting(last[0], last[1])
-                    reset(index)
-                return a, r, p, pr
-
             kind = _function_kind(stats)
             if kind in _FAST_STATS:  # checked once per kind of counter function (a read each)
-                return read_cuda, reset_cuda, take_cuda
+                return read_cuda, reset_cuda
             try:
                 read_cuda()
             except (KeyError, TypeError, RuntimeError) as exc:  # pragma: no cover - torch drift
@@ -147,7 +113,7 @@ def counter_functions(
             else:
                 if initialized():
                     _FAST_STATS.add(kind)
-                return read_cuda, reset_cuda, take_cuda
+                return read_cuda, reset_cuda
 
     def read_generic() -> tuple[int, int, int, int]:
         return (
@@ -157,11 +123,13 @@ def counter_functions(
             backend.peak_reserved(),
         )
 
-    return read_generic, backend.reset_peak, _taker(read_generic, backend.reset_peak)
+    return read_generic, backend.reset_peak
 
 
-def _taker(read: CounterReader, reset: PeakResetter) -> CounterReader:
-    """``take`` (:func:`counter_functions`) made of ``read`` and ``reset``."""
+def peak_taker(read: CounterReader, reset: PeakResetter) -> CounterReader:
+    """``take()``: ``read()`` and, where a peak is above its current value, ``reset()`` (a
+    segment's end: its peaks read, the next one's started; a peak equal to the current bytes
+    is already where a reset would put it, one counter call saved)."""
 
     def take() -> tuple[int, int, int, int]:
         a, r, p, pr = read()

@@ -19,7 +19,7 @@ import torch
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.swa_utils import AveragedModel
 
-from memkit.devices import UserPeaks, counter_functions
+from memkit.devices import UserPeaks, counter_reader, peak_taker
 from memkit.tracking import leaks
 from memkit.tracking.report import (
     PHASES,
@@ -350,7 +350,8 @@ class DeviceRecord:
         self.backend = backend
         # ``peaks``: the user's peak counters, kept while ``reset`` resets them; ``take``:
         # read, and reset the peaks that are above their current values
-        self.read, self.reset, self.take = counter_functions(backend, peaks)
+        self.read, self.reset = counter_reader(backend, peaks)
+        self.take = peak_taker(self.read, self.reset)
         a, r, _, _ = self.read()
         self.reset()
         self.baseline = a
