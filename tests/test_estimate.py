@@ -1132,11 +1132,24 @@ def test_a_step_returning_loss_item_is_estimated_as_one_returning_nothing(tmp_pa
     assert [t.allocated_peak for t in item.trials] == [t.allocated_peak for t in none.trials]
     assert any(".item() in its own lines" in line for line in item.assumptions)
     assert not any(".item() in its own lines" in line for line in none.assumptions)
+    guarded = tmp_path / "guarded.py"  # a NaN guard goes on to backward, as on a GPU
+    guarded.write_text(
+        "import math\n"
+        + head.replace(
+            "    loss.backward()\n",
+            "    if not math.isfinite(loss.item()):\n        return None\n    loss.backward()\n",
+        )
+    )
+    went_on = estimate(str(guarded), device_memory="1GiB", max_batch=4096)
+    assert [t.allocated_peak for t in went_on.trials] == [t.allocated_peak for t in none.trials]
     # review CL: a value decided on (a loss spike skipped) or computed with (a length that
     # trims the batch) has none on meta: the step stops, as .item() itself did (read as 0,
     # the trimmed batch answered 1336x too high)
+    # (review CM: a NaN guard read through C code went on with NaN underneath and skipped
+    # backward; a length read from an integer tensor sliced the batch to nothing unasked)
     for tail in ("    if loss.item() < 1e-3:\n        return None\n",
-                 "    return 1.0 / loss.item()\n"):  # fmt: skip
+                 "    return 1.0 / loss.item()\n",
+                 "    n = int(batch.shape[0] + 0 * batch.sum().long().item())\n"):  # fmt: skip
         path = tmp_path / "decides.py"
         path.write_text(head.replace("    loss.backward()\n", tail + "    loss.backward()\n"))
         with pytest.raises(UserCodeError, match="hold no values"):

@@ -171,8 +171,8 @@ def outcome_lines(
         lines.append(
             f"the file's step read a value with .item() in its own lines ({step_reads} times "
             "in the trials: a loss returned, printed or kept), which meta tensors do not hold: "
-            "a number kept that way holds no device memory (one computed with or decided on "
-            "would have stopped the estimate)"
+            "a number kept that way holds no device memory (computed with or compared in "
+            "Python it stops the estimate; C code, math.isfinite or numpy, reads it as 1.0)"
         )
     if data_checks and padded:
         masks = ", ".join(f"`{key}`" for key in padded)

@@ -168,6 +168,7 @@ class TargetMode(TorchFunctionMode):
             and self.step_codes
             and args
             and _is_meta_bool(args[0])
+            and args[0].is_floating_point()  # (an integer is a length or a count: review CM)
             and sys._getframe(1).f_code in self.step_codes
         ):
             # the file's train_step or eval_step returning `loss.item()`, as docs/probe.md
@@ -175,7 +176,7 @@ class TargetMode(TorchFunctionMode):
             # kept holds no device memory; one computed with or decided on stops the step
             # (review CL: read as 0, a length trimmed the batch to nothing, answer 1336x)
             self.step_reads += 1
-            return value_on_meta(args[0])
+            return value_on_meta()
         if name == "__bool__" and args and _is_meta_bool(args[0]):
             # A data-dependent check on a meta tensor has no value: take it as true, the case
             # of the batches make_batch builds (an all-ones attention mask's `mask.all()`).
@@ -873,31 +874,29 @@ _VALUE_USES = (
 _MetaFloat = type(
     "_MetaFloat", (float,), {**dict.fromkeys(_VALUE_USES, _no_value), "__hash__": float.__hash__}
 )
-_MetaInt = type(
-    "_MetaInt", (int,), {**dict.fromkeys(_VALUE_USES, _no_value), "__hash__": int.__hash__}
-)
 
 
-def value_on_meta(tensor: torch.Tensor) -> Any:
-    """What ``tensor.item()`` gives in the file's own step on meta: a number (nan, or 0 for an
-    integer or bool tensor) that can be returned, printed, formatted or kept, as a loss
-    logged is, and that raises the meta error where it is computed with, compared or
-    converted (a length that trims the batch, a loss that skips a step), as ``.item()``
-    itself did.
+def value_on_meta() -> float:
+    """What ``tensor.item()`` of a floating-point tensor gives in the file's own step on
+    meta: a number that can be returned, printed, formatted or kept, as a loss logged is,
+    and that raises the meta error where Python computes with it, compares or converts it (a
+    loss spike skipped), as ``.item()`` itself did. C code reads its value without asking
+    (``math.isfinite``, numpy): 1.0, finite and positive, so a NaN guard lets the step go on
+    (review CM: a NaN underneath skipped backward and the optimizer, 2.75x too high). An
+    integer's ``.item()`` (a length, a count: C code slices with it without asking either) is
+    not given one.
 
     Examples:
-        >>> loss = value_on_meta(torch.empty((), device="meta"))
+        >>> loss = value_on_meta()
         >>> print(loss), [loss]
-        nan
-        (None, [nan])
+        1.0
+        (None, [1.0])
         >>> loss < 1e-3
         Traceback (most recent call last):
         ...
         RuntimeError: a number read with .item() from a meta tensor was computed with ...
     """
-    if tensor.is_floating_point() or tensor.is_complex():
-        return _MetaFloat("nan")
-    return _MetaInt(0)
+    return _MetaFloat(1.0)
 
 
 def _meta_only(exc: BaseException) -> bool:
