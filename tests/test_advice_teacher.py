@@ -236,3 +236,44 @@ def test_a_validation_in_or_after_every_step_still_gets_eval_peak(
         assert "Give evaluation its own, smaller batch size" in found.action
     else:
         assert "validated every step" in found.action
+
+
+PSEUDO_LABELS = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                      nn.Linear(512, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for i in range(6):
+    x, y = torch.randn(256, 128), torch.randint(0, 10, (256,))
+    unlabeled = torch.randn(256 * 7, 128)
+    supervised = F.cross_entropy(model(x), y)
+    with torch.no_grad():  # pseudo-labels, after the labelled forward: its graph is alive
+        confidence, pseudo = model(unlabeled).softmax(-1).max(-1)
+    strong = unlabeled[:256] + 0.1 * torch.randn(256, 128)
+    kept = (confidence[:256] > 0.95).float()
+    unsupervised = (F.cross_entropy(model(strong), pseudo[:256], reduction="none") * kept).mean()
+    (supervised + unsupervised).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_pseudo_labels_inside_the_step_are_no_evaluation(tmp_path: Path) -> None:
+    """Review CM: FixMatch's trained model labels 7x the rows under no_grad between its
+    labelled forward and the step's backward: training's work, with the step's graph alive.
+    It was told to give evaluation its own, smaller batch (3.98 MiB claimed), where there is
+    no evaluation; a validation between backward and the optimizer step keeps the advice
+    (test_a_validation_in_or_after_every_step_still_gets_eval_peak)."""
+    script = tmp_path / "fixmatch.py"
+    script.write_text(PSEUDO_LABELS)
+    result = run_script(str(script), [], device="cpu", budget="1GiB")
+    assert result.exit_code == 0, result.traceback
+    dev = result.report.devices[0]
+    training = max(dev.phase_peaks[p] or 0 for p in ("forward", "backward", "optimizer"))
+    assert (dev.phase_peaks["eval"] or 0) > 1.1 * training  # (as eval-peak's own test)
+    assert dev.eval_in_forward == dev.eval_in_step == dev.phase_peaks["eval"]
+    assert advice_of(result.report, "eval-peak") is None

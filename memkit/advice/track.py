@@ -186,11 +186,13 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             continue
         if evaluation <= training * 1.1:
             continue
-        if dev.eval_in_step >= evaluation and _evaluates_untrained_only(dev):
-            # a teacher run inside the step (after the student's forward) is the step's
-            # memory, not an evaluation (session 29: told to give evaluation a smaller batch);
-            # the trained model validated between backward and the optimizer step is one
-            # (review CL: it was silenced too)
+        if dev.eval_in_step >= evaluation and (
+            _evaluates_untrained_only(dev) or dev.eval_in_forward >= evaluation
+        ):
+            # a teacher run inside the step (after the student's forward) or the trained
+            # model's pseudo-labels there (FixMatch, review CM) are the step's memory, not an
+            # evaluation (session 29: told to give evaluation a smaller batch); the trained
+            # model validated between backward and the optimizer step is one (review CL)
             continue
         shape = report.eval_input_shape
         batch = "" if shape is None else f" with inputs of shape {format_shape(shape)}"

@@ -87,7 +87,10 @@ def attention_line(requested: str, kernels: Sequence[str], family: DeviceFamily)
     return line
 
 
-_PADDING_KEY = re.compile(r"(?i)^(mask|.*attention_mask|.*padding_mask)$")
+_PADDING_KEY = re.compile(
+    r"(?i)^(mask|.*attention_masks?|.*attn_mask|.*padding_mask|.*pad_mask|input_mask"
+    r"|src_mask|pixel_mask)$"
+)
 """A batch key naming a mask that padding zeroes (:func:`padded_masks`)."""
 
 PADDING_PROBE_BATCH = 8
@@ -99,9 +102,9 @@ def padded_masks(batch: Any) -> tuple[str, ...]:
     """The keys (in a mapping, one level of nesting) of ``batch``'s masks that hold padding:
     an integer or bool tensor of 2 or more dimensions under a key naming an attention or
     padding mask (``attention_mask``, ``decoder_attention_mask``, ``key_padding_mask``,
-    ``mask``), with a zero. Other masks are no padding (review CL: BEiT's
-    ``bool_masked_pos``, an SFT ``loss_mask``, ``special_tokens_mask``); a tuple batch's
-    tensors have no names and are not read.
+    ``attn_mask``, ``input_mask``, DETR's ``pixel_mask``, ``mask``), with a zero. Other
+    masks are no padding (review CL: BEiT's ``bool_masked_pos``, an SFT ``loss_mask``,
+    ``special_tokens_mask``); a tuple batch's tensors have no names and are not read.
 
     Examples:
         >>> import torch

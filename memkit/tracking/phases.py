@@ -485,11 +485,14 @@ class PhaseMachine:
                 # step): back to the step's phase
                 with state.lock:
                     if state.phase == EVAL and not self.eval_hold:
+                        in_forward = self.eval_return == FORWARD  # (the step's graph alive)
                         self.transition(self.eval_return, resumes=True)
                         for dev in self.devices.records.values():  # (its peak: the step's)
                             inside = dev.step_phase[EVAL] or 0
                             if inside > dev.eval_in_step:
                                 dev.eval_in_step = inside
+                            if in_forward and inside > dev.eval_in_forward:
+                                dev.eval_in_forward = inside
             elif sim is not None:
                 # one between steps (a test loop) stays evaluation until training resumes, so
                 # what its outputs hold is its own; what follows the forward is host work to

@@ -376,6 +376,7 @@ class DeviceRecord:
         self.eval_carried = 0  # the most an evaluation's pass began with above its base
         self.eval_left = 0  # the most an evaluation left when it ended above its base
         self.eval_in_step = 0  # the highest eval peak of passes inside a training step
+        self.eval_in_forward = 0  # of them, passes between its forward and its backward
         self.peak_res = r
         self.pending: PeakMoment | None = None  # a training peak not yet categorised
         self.breakdown: Breakdown | None = None
@@ -601,6 +602,7 @@ def device_report(dev: DeviceRecord, display: Namer) -> DeviceReport:
         eval_carried=dev.eval_carried,
         eval_left=dev.eval_left,
         eval_in_step=dev.eval_in_step,
+        eval_in_forward=dev.eval_in_forward,
     )
 
 

@@ -586,6 +586,10 @@ class DeviceReport:
         eval_in_step: the highest eval-column peak of passes that ran inside a training step
             (a frozen model fed other inputs than the training batch, multi-crop views): the
             step's memory, not a test loop's.
+        eval_in_forward: of those, the highest of passes that ran between the step's training
+            forward and its backward, its graph alive (a teacher after the student's forward,
+            FixMatch's pseudo-labels): training's work, where a validation between backward
+            and the optimizer step is not.
     """
 
     PHASES: ClassVar[tuple[str, ...]] = PHASES
@@ -611,6 +615,7 @@ class DeviceReport:
     eval_carried: int = 0
     eval_left: int = 0
     eval_in_step: int = 0
+    eval_in_forward: int = 0
 
     def top_modules(self, n: int = 10) -> list[ModuleRecord]:
         """The ``n`` modules that kept the most activation memory (own, excluding children),
