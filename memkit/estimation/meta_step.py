@@ -861,15 +861,17 @@ def _no_value(*_: Any) -> Any:
 
 
 _VALUE_USES = (
-    "__bool__", "__int__", "__float__", "__index__", "__round__", "__trunc__", "__floor__",
-    "__ceil__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__neg__", "__pos__",
+    "__bool__", "__int__", "__index__", "__trunc__", "__floor__", "__ceil__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__neg__", "__pos__",
     "__abs__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
     "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__",
     "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__and__", "__rand__", "__or__",
     "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__", "__rshift__", "__rrshift__",
     "__invert__",
 )  # fmt: skip
-"""What a number read from a meta tensor refuses: every use that needs its value."""
+"""What a number read from a meta tensor refuses: the uses that decide or compute with its
+value. ``float()`` and ``round()`` pass (1.0): logging converts and rounds (numpy, a
+TensorBoard or wandb scalar, ``round(loss.item(), 4)``; review CM)."""
 
 _MetaFloat = type(
     "_MetaFloat", (float,), {**dict.fromkeys(_VALUE_USES, _no_value), "__hash__": float.__hash__}
