@@ -179,6 +179,7 @@ def test_a_teacher_on_twice_the_rows_is_not_an_evaluation_that_peaks(
         assert found is None, found
     else:
         assert found is not None and "in chunks of the batch" in found.action
+        assert "in most steps" in found.title
         assert "Give evaluation its own" not in found.action
 
 

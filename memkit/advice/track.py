@@ -169,7 +169,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
     eval column's peak is a frozen model's forward on the training batch (a distillation
     teacher), ``frozen-model-peak`` instead: that is the training step's memory. Nothing
     where it is a forward of models no optimizer trains inside the step (a teacher after the
-    student's forward: :func:`_evaluates_untrained_only`); where such models run in most
+    student's forward: :func:`_untrained_evaluated`); where such models run in most
     steps and the trained one is never evaluated (:func:`_frozen_every_step`: a teacher on
     another batch size, or an averaged copy validated every step), it says both readings."""
     out = []
@@ -187,7 +187,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
         if evaluation <= training * 1.1:
             continue
         if dev.eval_in_step >= evaluation and (
-            _evaluates_untrained_only(dev) or dev.eval_in_forward >= evaluation
+            _untrained_evaluated(dev) or dev.eval_in_forward >= evaluation
         ):
             # a teacher run inside the step (after the student's forward) or the trained
             # model's pseudo-labels there (FixMatch, review CM) are the step's memory, not an
@@ -204,7 +204,7 @@ def eval_peak(report: TrackReport) -> list[Advice]:
             out.append(
                 Advice(
                     code="eval-peak",
-                    title=f"{every}'s forwards in every step peak above training on {dev.device}",
+                    title=f"{every}'s forwards in most steps peak above training on {dev.device}",
                     evidence=f"The forwards of {every}, which no optimizer trains, ran in "
                     f"most steps and peaked at {format_size(evaluation)}{batch}; training "
                     f"peaked at {format_size(training)}.",
@@ -697,11 +697,11 @@ def _eval_is_the_steps(report: TrackReport, dev: DeviceReport) -> bool:
     )
 
 
-def _evaluates_untrained_only(dev: DeviceReport) -> bool:
-    """Whether every model ``dev``'s evaluation passes ran is one no training forward ran on
-    (a teacher, a reference model), not the trained model validated."""
+def _untrained_evaluated(dev: DeviceReport) -> list[str]:
+    """The models ``dev``'s evaluation passes ran, where each is one no training forward ran
+    on (a teacher, a reference model); none where the trained model was evaluated too."""
     roots = [m for m in dev.modules if _model_row(m) and m.eval_calls > 0]
-    return bool(roots) and all(m.calls == 0 for m in roots)
+    return [m.path for m in roots] if all(m.calls == 0 for m in roots) else []
 
 
 def _frozen_every_step(dev: DeviceReport) -> str | None:
@@ -712,9 +712,9 @@ def _frozen_every_step(dev: DeviceReport) -> str | None:
     the tracker books as evaluation between steps when it runs before the student's forward,
     or an averaged copy validated every step: the report does not tell them apart. A test
     loop evaluates the trained model, or runs in few of the steps. ``None``: not so."""
-    if not _evaluates_untrained_only(dev):
+    frozen = _untrained_evaluated(dev)
+    if not frozen:
         return None
-    frozen = [m.path for m in dev.modules if _model_row(m) and m.eval_calls > 0]
     evaluated = sum(1 for s in dev.steps if s.phase_peaks.get("eval") is not None)
     return " and ".join(frozen) if len(dev.steps) >= 2 and 2 * evaluated >= len(dev.steps) else None
 
