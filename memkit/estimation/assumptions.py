@@ -125,8 +125,7 @@ def padded_masks(batch: Any) -> tuple[str, ...]:
         elif (
             isinstance(value, torch.Tensor)
             and _PADDING_KEY.search(str(key).rsplit(".", 1)[-1]) is not None
-            and (value.dtype == torch.bool or not value.is_floating_point())
-            and not value.is_complex()
+            and not (value.is_floating_point() or value.is_complex())  # (bool and integers)
             and value.dim() >= 2
             and value.device.type != "meta"
             and not bool(value.all())

@@ -881,9 +881,10 @@ _MetaFloat = type(
 def value_on_meta() -> float:
     """What ``tensor.item()`` of a floating-point tensor gives in the file's own step on
     meta: a number that can be returned, printed, formatted or kept, as a loss logged is,
-    and that raises the meta error where Python computes with it, compares or converts it (a
-    loss spike skipped), as ``.item()`` itself did. C code reads its value without asking
-    (``math.isfinite``, numpy): 1.0, finite and positive, so a NaN guard lets the step go on
+    and that raises the meta error where Python computes with it, compares it or makes it a
+    ``bool`` or an ``int`` (a loss spike skipped), as ``.item()`` itself did. C code reads
+    its value without asking (``math.isfinite``, numpy), as do ``float()`` and ``round()``:
+    1.0, finite and positive, so a NaN guard lets the step go on
     (review CM: a NaN underneath skipped backward and the optimizer, 2.75x too high). An
     integer's ``.item()`` (a length, a count: C code slices with it without asking either) is
     not given one.
